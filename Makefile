@@ -1,0 +1,72 @@
+# picoscale build. `make` builds ./train and the tests; `make run`, `make test`, `make bench`
+# and `make gpu-check` do what they say; each first runs `make deps`.
+NVCC ?= $(shell command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+# sm_80 (A100) and sm_90 (H100/H200) machine code plus PTX for newer GPUs.
+GPU_ARCH ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
+            -gencode arch=compute_90,code=compute_90
+MPI_INC := $(shell mpicxx --showme:incdirs 2>/dev/null)
+MPI_LIBDIRS := $(shell mpicxx --showme:libdirs 2>/dev/null)
+MPI_LIBS := $(shell mpicxx --showme:libs 2>/dev/null)
+BUILD := build
+
+NVFLAGS := -std=c++17 -O3 $(GPU_ARCH) $(addprefix -I,$(MPI_INC)) -I. \
+           -Xcompiler -Wall,-Wno-unused-function,-pthread -MMD -MP
+LDFLAGS := $(addprefix -L,$(MPI_LIBDIRS)) $(addprefix -l,$(MPI_LIBS)) \
+           -lcublas -lnccl -lopenblas -Xcompiler -pthread
+
+LIB_SRCS := core.cu ops.cu flash_attention.cu model.cu optimizer.cu data.cu checkpoint.cu
+LIB_OBJS := $(LIB_SRCS:%.cu=$(BUILD)/%.o)
+TEST_SRCS := $(wildcard tests/test_*.cu)
+TEST_OBJS := $(TEST_SRCS:%.cu=$(BUILD)/%.o)
+
+.PHONY: all deps run test bench gpu-check clean format
+all: train $(BUILD)/unit_tests $(BUILD)/bench
+
+$(BUILD)/%.o: %.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVFLAGS) -c $< -o $@
+
+# Catch2's main is plain C++ and never changes: compile it once with the host compiler.
+$(BUILD)/tests/catch_main.o: tests/catch_main.cpp
+	@mkdir -p $(dir $@)
+	$(CXX) -std=c++17 -O1 -c $< -o $@
+
+train: $(BUILD)/train.o $(LIB_OBJS)
+	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
+
+$(BUILD)/bench: $(BUILD)/bench.o $(LIB_OBJS)
+	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
+
+$(BUILD)/unit_tests: $(TEST_OBJS) $(BUILD)/tests/catch_main.o $(LIB_OBJS)
+	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
+
+-include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
+
+# ---------------------------------------------------------------------------------------
+# Debian packages picoscale needs; installed when missing (as root), else the command is shown.
+DEB_PACKAGES := openmpi-bin libopenmpi-dev libcli11-dev catch2 libopenblas-dev \
+                nlohmann-json3-dev fortunes
+deps:
+	@bash tools/deps.sh $(DEB_PACKAGES)
+
+# The main job: train the tiny model on the fortune corpus and print a sample.
+run: deps
+	@$(MAKE) --no-print-directory -j$$(nproc) train
+	./train --model tiny --steps 500 --sample 400
+
+test: deps
+	@$(MAKE) --no-print-directory -j$$(nproc) train $(BUILD)/unit_tests
+	@bash tools/run_tests.sh
+
+bench: deps
+	@$(MAKE) --no-print-directory -j$$(nproc) $(BUILD)/bench
+	./$(BUILD)/bench
+
+gpu-check:
+	@bash tools/gpu_check.sh
+
+format:
+	clang-format -i *.cu *.cuh tests/*.cu
+
+clean:
+	rm -rf $(BUILD) train bench

@@ -1,0 +1,443 @@
+// checkpoint.cu: Hugging Face compatible checkpoints. A directory holds config.json (LlamaConfig
+// keys) and model.safetensors, so `LlamaForCausalLM.from_pretrained(dir)` opens what we train,
+// plus optimizer.safetensors (Adam moments and step) for an exact resume. DESIGN §9: every
+// write goes to a temporary name, is flushed to disk, then renamed, so a crash leaves the old
+// checkpoint or the new one, never half of one; every load checks the whole file (header,
+// names, dtypes, shapes, sizes) before it touches a single weight.
+#include "checkpoint.cuh"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <set>
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+static const uint64_t kMaxHeaderBytes = 100u << 20;  // far above any real header; stops garbage
+
+// ----------------------------------------------------------------------------
+// Atomic writes: PATH.tmp, fflush + fsync, rename (rename is atomic within a filesystem).
+
+static UsageError write_error(const std::string& path) {
+  return UsageError(path + ": cannot write: " + strerror(errno));
+}
+static void write_all(FILE* f, const void* p, size_t n, const std::string& path) {
+  if (n > 0 && fwrite(p, 1, n, f) != n) throw write_error(path);
+}
+static void write_file_atomic(const std::string& path, const std::function<void(FILE*)>& body) {
+  const std::string tmp = path + ".tmp";
+  FILE* f = fopen(tmp.c_str(), "wb");
+  if (!f) throw write_error(tmp);
+  try {
+    body(f);
+    if (fflush(f) != 0 || fsync(fileno(f)) != 0) throw write_error(tmp);
+  } catch (...) {
+    fclose(f);
+    remove(tmp.c_str());
+    throw;
+  }
+  if (fclose(f) != 0 || rename(tmp.c_str(), path.c_str()) != 0) {
+    UsageError err = write_error(path);
+    remove(tmp.c_str());
+    throw err;
+  }
+}
+// Makes the directory's entries (new names, renames) durable, not just the files' bytes.
+static void fsync_dir(const std::string& dir) {
+  int fd = open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd >= 0) {
+    fsync(fd);
+    close(fd);
+  }
+}
+
+// copy_ runs on the legacy default stream, which does not wait for a non-blocking compute
+// stream: finish every queued kernel before reading or overwriting device weights.
+static void wait_for_device(const std::vector<NamedTensor>& tensors) {
+  for (const NamedTensor& nt : tensors)
+    if (nt.tensor.device == Device::CUDA) {
+      CUDA_CHECK(cudaDeviceSynchronize());
+      return;
+    }
+}
+// A CPU tensor over caller-owned bytes, shaped like `like`: copy_ to or from any device.
+static Tensor host_view(void* bytes, const Tensor& like) {
+  Tensor h;
+  h.ptr = bytes;
+  h.shape = like.shape;
+  h.dtype = like.dtype;
+  return h;
+}
+static std::string shape_str(const std::vector<int64_t>& shape) {
+  Tensor t;
+  t.shape = shape;
+  return t.shape_str();
+}
+
+// ----------------------------------------------------------------------------
+// safetensors
+
+void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();  // keeps the given order
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  uint64_t offset = 0;
+  for (const NamedTensor& nt : tensors) {
+    PICO_ASSERT(!header.contains(nt.name), "tensor name written twice: " + nt.name);
+    const uint64_t end = offset + nt.tensor.nbytes();
+    header[nt.name] = {{"dtype", dtype_name(nt.tensor.dtype)},
+                       {"shape", nt.tensor.shape},
+                       {"data_offsets", {offset, end}}};
+    offset = end;
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');  // the data then starts 8-byte aligned
+  unsigned char length[8];                      // u64 little-endian header length
+  for (int b = 0; b < 8; b++) length[b] = (unsigned char)((uint64_t)text.size() >> (8 * b));
+  wait_for_device(tensors);
+  write_file_atomic(path, [&](FILE* f) {
+    write_all(f, length, 8, path);
+    write_all(f, text.data(), text.size(), path);
+    std::vector<char> buf;  // one tensor at a time, staged on the host (x86/ARM: little-endian)
+    for (const NamedTensor& nt : tensors) {
+      buf.resize(nt.tensor.nbytes());
+      copy_(host_view(buf.data(), nt.tensor), nt.tensor);
+      write_all(f, buf.data(), buf.size(), path);
+    }
+  });
+}
+
+// What a validated file holds: where each destination tensor's bytes start, and the metadata.
+struct SafetensorsPlan {
+  std::string path;
+  std::vector<uint64_t> file_offsets;  // per destination tensor, from the start of the file
+  std::map<std::string, std::string> metadata;
+};
+
+// The parsed JSON header and where the data after it starts and ends.
+struct SafetensorsHeader {
+  json entries;
+  uint64_t data_start = 0, data_size = 0;
+};
+static SafetensorsHeader read_header(const std::string& path) {
+  auto fail = [&](const std::string& what) { return UsageError(path + ": " + what); };
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) throw fail("not found");
+  const uint64_t size = fs::file_size(path, ec);
+  if (size < 8) throw fail("too small for a safetensors file: " + std::to_string(size) + " bytes");
+  FILE* f = fopen(path.c_str(), "rb");
+  if (!f) throw fail(std::string("cannot open: ") + strerror(errno));
+  unsigned char length[8];
+  uint64_t header_len = 0;
+  bool ok = fread(length, 1, 8, f) == 8;
+  for (int b = 0; b < 8; b++) header_len |= (uint64_t)length[b] << (8 * b);
+  const bool sane = header_len <= size - 8 && header_len <= kMaxHeaderBytes;
+  std::string text(sane ? header_len : 0, ' ');
+  ok = ok && fread(&text[0], 1, text.size(), f) == text.size();
+  fclose(f);
+  if (!sane)
+    throw fail("not a safetensors file: header length " + std::to_string(header_len) +
+               " but the file has " + std::to_string(size) + " bytes");
+  if (!ok) throw fail("read error");
+  SafetensorsHeader h{json(), 8 + header_len, size - 8 - header_len};
+  try {
+    h.entries = json::parse(text);
+  } catch (const json::parse_error& e) {
+    throw fail(std::string("not a safetensors file: header is not valid JSON: ") + e.what());
+  }
+  if (!h.entries.is_object()) throw fail("not a safetensors file: header is not a JSON object");
+  return h;
+}
+
+// Checks the whole file against `into` without touching any destination tensor.
+static SafetensorsPlan inspect_safetensors(const std::string& path,
+                                           const std::vector<NamedTensor>& into) {
+  auto fail = [&](const std::string& what) { return UsageError(path + ": " + what); };
+  const SafetensorsHeader h = read_header(path);
+  const json& header = h.entries;
+  SafetensorsPlan plan;
+  plan.path = path;
+  // The file's own entries, each well formed; the data they promise must all be there.
+  std::map<std::string, std::pair<uint64_t, uint64_t>> ranges;  // name -> [begin, end)
+  uint64_t promised = 0;
+  for (const auto& [name, entry] : header.items()) {
+    if (name == "__metadata__") {
+      if (!entry.is_object()) throw fail("__metadata__ is not a JSON object");
+      for (const auto& [key, value] : entry.items()) {
+        if (!value.is_string()) throw fail("__metadata__ " + key + " is not a string");
+        plan.metadata[key] = value.get<std::string>();
+      }
+      continue;
+    }
+    const json* off = entry.is_object() && entry.contains("data_offsets") ? &entry["data_offsets"]
+                                                                        : nullptr;
+    bool ok = off && off->is_array() && off->size() == 2 && (*off)[0].is_number_unsigned() &&
+              (*off)[1].is_number_unsigned() && (*off)[0] <= (*off)[1] &&
+              entry.contains("dtype") && entry["dtype"].is_string() && entry.contains("shape") &&
+              entry["shape"].is_array();
+    if (ok)
+      for (const json& dim : entry["shape"]) ok = ok && dim.is_number_unsigned();
+    if (!ok) throw fail("tensor " + name + ": malformed entry " + entry.dump());
+    ranges[name] = {(*off)[0].get<uint64_t>(), (*off)[1].get<uint64_t>()};
+    promised = std::max(promised, ranges[name].second);
+  }
+  const uint64_t data_size = h.data_size;
+  if (promised > data_size)
+    throw fail("truncated: header promises " + std::to_string(promised) +
+               " bytes of data, file has " + std::to_string(data_size));
+
+  // Names, dtypes, shapes and sizes against the destination.
+  std::set<std::string> wanted;
+  for (const NamedTensor& nt : into) wanted.insert(nt.name);
+  for (const auto& r : ranges)
+    if (!wanted.count(r.first))
+      throw fail("tensor " + r.first + ": in the file but not in this model (extra tensor)");
+  for (const NamedTensor& nt : into) {
+    auto bad = [&](const std::string& what) { return fail("tensor " + nt.name + ": " + what); };
+    if (!ranges.count(nt.name)) throw bad("missing from the file");
+    const json& entry = header.at(nt.name);
+    const std::string dtype = entry["dtype"].get<std::string>();
+    if (dtype != dtype_name(nt.tensor.dtype))
+      throw bad("dtype " + dtype + ", expected " + dtype_name(nt.tensor.dtype));
+    const std::vector<int64_t> shape = entry["shape"].get<std::vector<int64_t>>();
+    if (shape != nt.tensor.shape)
+      throw bad("shape " + shape_str(shape) + ", expected " + nt.tensor.shape_str());
+    const auto [begin, end] = ranges[nt.name];
+    if (end - begin != nt.tensor.nbytes())
+      throw bad("data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
+                "] hold " + std::to_string(end - begin) + " bytes, expected " +
+                std::to_string(nt.tensor.nbytes()));
+    plan.file_offsets.push_back(h.data_start + begin);
+  }
+  if (promised != data_size)  // the header describes the whole file, or the file is suspect
+    throw fail(std::to_string(data_size - promised) + " bytes after the last tensor's data");
+  return plan;
+}
+
+static void copy_safetensors(const SafetensorsPlan& plan, const std::vector<NamedTensor>& into) {
+  FILE* f = fopen(plan.path.c_str(), "rb");
+  if (!f) throw UsageError(plan.path + ": cannot open: " + strerror(errno));
+  wait_for_device(into);
+  std::vector<char> buf;
+  for (size_t i = 0; i < into.size(); i++) {
+    const Tensor& t = into[i].tensor;
+    buf.resize(t.nbytes());
+    if (fseeko(f, (off_t)plan.file_offsets[i], SEEK_SET) != 0 ||
+        fread(buf.data(), 1, buf.size(), f) != buf.size()) {
+      fclose(f);
+      throw UsageError(plan.path + ": tensor " + into[i].name + ": read error");
+    }
+    if (t.dtype == DType::F32) from_host(t, (const float*)buf.data());
+    else from_host(t, (const int32_t*)buf.data());
+  }
+  fclose(f);
+}
+
+std::map<std::string, std::string> read_safetensors(const std::string& path,
+                                                    const std::vector<NamedTensor>& into) {
+  SafetensorsPlan plan = inspect_safetensors(path, into);
+  copy_safetensors(plan, into);
+  return plan.metadata;
+}
+
+// ----------------------------------------------------------------------------
+// config.json
+
+// The shortest decimal that reads back as the same float: config.json says 1e-05, not
+// 9.999999747378752e-06, and a load recovers the exact float.
+static double shortest(float x) {
+  char buf[32];
+  for (int digits = 1; digits <= 9; digits++) {
+    snprintf(buf, sizeof buf, "%.*g", digits, (double)x);
+    if (strtof(buf, nullptr) == x) break;
+  }
+  return strtod(buf, nullptr);
+}
+
+json hf_config(const ModelConfig& cfg) {
+  return {{"architectures", json::array({"LlamaForCausalLM"})}, {"model_type", "llama"},
+          {"hidden_size", cfg.d_model}, {"intermediate_size", cfg.ffn},
+          {"num_hidden_layers", cfg.layers}, {"num_attention_heads", cfg.heads},
+          {"num_key_value_heads", cfg.kv_heads}, {"head_dim", cfg.head_dim()},
+          {"vocab_size", cfg.vocab}, {"max_position_embeddings", cfg.seq},
+          {"rms_norm_eps", shortest(cfg.norm_eps)}, {"rope_theta", shortest(cfg.rope_theta)},
+          {"initializer_range", shortest(cfg.init_std)},
+          {"tie_word_embeddings", cfg.tie_embeddings}, {"torch_dtype", "float32"},
+          {"hidden_act", "silu"}, {"attention_bias", false}, {"mlp_bias", false},
+          {"picoscale_preset", cfg.preset}};
+}
+
+ModelConfig config_from_hf(const json& j, const std::string& path) {
+  auto fail = [&](const std::string& what) { return UsageError(path + ": config.json: " + what); };
+  if (!j.is_object()) throw fail("not a JSON object");
+  // The value of `key`, or nullptr when absent (an error when required); JSON null = absent.
+  auto find = [&](const char* key, bool required) -> const json* {
+    auto it = j.find(key);
+    if (it != j.end() && !it->is_null()) return &*it;
+    if (required) throw fail(std::string("missing key ") + key);
+    return nullptr;
+  };
+  auto positive_int = [&](const char* key, bool required, int fallback) {
+    const json* v = find(key, required);
+    if (!v) return fallback;
+    if (!v->is_number_integer() || v->get<int64_t>() <= 0 || v->get<int64_t>() > INT_MAX)
+      throw fail(std::string("key ") + key + " must be a positive integer, found " + v->dump());
+    return (int)v->get<int64_t>();
+  };
+  auto positive_float = [&](const char* key, bool required, float fallback) {
+    const json* v = find(key, required);
+    if (!v) return fallback;
+    if (!v->is_number() || !(v->get<double>() > 0))
+      throw fail(std::string("key ") + key + " must be a positive number, found " + v->dump());
+    return v->get<float>();
+  };
+  const json* arch = find("architectures", true);
+  if (!arch->is_array() || std::find(arch->begin(), arch->end(), "LlamaForCausalLM") == arch->end())
+    throw fail("architectures " + arch->dump() + " do not include LlamaForCausalLM");
+  ModelConfig cfg;
+  cfg.d_model = positive_int("hidden_size", true, 0);
+  cfg.ffn = positive_int("intermediate_size", true, 0);
+  cfg.layers = positive_int("num_hidden_layers", true, 0);
+  cfg.heads = positive_int("num_attention_heads", true, 0);
+  cfg.vocab = positive_int("vocab_size", true, 0);
+  cfg.seq = positive_int("max_position_embeddings", true, 0);
+  cfg.norm_eps = positive_float("rms_norm_eps", true, 0);
+  // Optional keys take LlamaConfig's defaults.
+  cfg.kv_heads = positive_int("num_key_value_heads", false, cfg.heads);
+  cfg.rope_theta = positive_float("rope_theta", false, 10000.0f);
+  cfg.init_std = positive_float("initializer_range", false, 0.02f);
+  if (const json* tie = find("tie_word_embeddings", false)) {
+    if (!tie->is_boolean()) throw fail("key tie_word_embeddings must be true or false");
+    cfg.tie_embeddings = tie->get<bool>();
+  }
+  const json* preset = find("picoscale_preset", false);
+  cfg.preset = preset && preset->is_string() ? preset->get<std::string>() : "hf";
+  // What picoscale's Llama does not implement is refused, not silently ignored.
+  if (positive_int("head_dim", false, cfg.d_model / cfg.heads) != cfg.head_dim())
+    throw fail("head_dim differs from hidden_size / num_attention_heads = " +
+               std::to_string(cfg.head_dim()) + "; picoscale derives head_dim");
+  if (const json* act = find("hidden_act", false); act && *act != "silu")
+    throw fail("hidden_act " + act->dump() + " is not supported (picoscale's MLP is SwiGLU, silu)");
+  if (find("rope_scaling", false))
+    throw fail("rope_scaling is not supported (picoscale implements plain RoPE)");
+  for (const char* bias : {"attention_bias", "mlp_bias"})
+    if (const json* b = find(bias, false); b && *b != false)
+      throw fail(std::string(bias) + " is not supported (picoscale's linears have no bias)");
+  return cfg;
+}
+
+// ----------------------------------------------------------------------------
+// Checkpoint directories
+
+// The optimizer file's tensor list: "<param>.exp_avg", "<param>.exp_avg_sq" per parameter.
+static std::vector<NamedTensor> moment_tensors(const OptimizerState& opt) {
+  PICO_ASSERT(opt.exp_avg.size() == opt.exp_avg_sq.size(), "one exp_avg_sq per exp_avg");
+  std::vector<NamedTensor> out;
+  for (size_t i = 0; i < opt.exp_avg.size(); i++) {
+    out.push_back({opt.exp_avg[i].name + ".exp_avg", opt.exp_avg[i].tensor});
+    out.push_back({opt.exp_avg_sq[i].name + ".exp_avg_sq", opt.exp_avg_sq[i].tensor});
+  }
+  return out;
+}
+
+void save_checkpoint(const std::string& dir_arg, const ModelConfig& cfg,
+                     const std::vector<NamedTensor>& params, const OptimizerState* opt) {
+  std::string dir = dir_arg;
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();  // "ckpt/" names "ckpt"
+  const std::string pid = std::to_string(getpid());
+  const std::string tmp = dir + ".tmp." + pid, old = dir + ".old." + pid;
+  std::error_code ec;
+  // Replacing DIR deletes it: only ever do that to an earlier checkpoint or an empty folder.
+  const bool replaceable = fs::is_directory(dir, ec) &&
+                           (fs::is_empty(dir, ec) || fs::exists(dir + "/config.json", ec));
+  if (fs::exists(dir, ec) && !replaceable)
+    throw UsageError(dir + ": exists and is not a checkpoint (no config.json); choose another "
+                     "directory or remove it");
+  const std::string parent = fs::path(dir).parent_path().string();
+  if (!parent.empty() && !fs::is_directory(parent, ec) && !fs::create_directories(parent, ec))
+    throw UsageError(parent + ": cannot create: " + ec.message());
+  fs::remove_all(tmp, ec);
+  if (!fs::create_directory(tmp, ec)) throw UsageError(tmp + ": cannot create: " + ec.message());
+  try {
+    const std::string config = hf_config(cfg).dump(2) + "\n";
+    write_file_atomic(tmp + "/config.json", [&](FILE* f) {
+      write_all(f, config.data(), config.size(), tmp + "/config.json");
+    });
+    write_safetensors(tmp + "/model.safetensors", params, {{"format", "pt"}});
+    if (opt)
+      write_safetensors(tmp + "/optimizer.safetensors", moment_tensors(*opt),
+                        {{"step", std::to_string(opt->step)}});
+    fsync_dir(tmp);
+  } catch (...) {
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+  // rename() cannot replace a non-empty directory, so the old checkpoint steps aside first; a
+  // crash between the two renames leaves it whole as DIR.old.<pid>.
+  const bool replacing = fs::exists(dir, ec);
+  if (replacing && rename(dir.c_str(), old.c_str()) != 0) {
+    UsageError err = write_error(dir);
+    fs::remove_all(tmp, ec);
+    throw err;
+  }
+  if (rename(tmp.c_str(), dir.c_str()) != 0) {
+    UsageError err = write_error(dir);
+    if (replacing) rename(old.c_str(), dir.c_str());
+    fs::remove_all(tmp, ec);
+    throw err;
+  }
+  fsync_dir(parent);
+  if (replacing) fs::remove_all(old, ec);
+}
+
+ModelConfig read_checkpoint_config(const std::string& dir) {
+  const std::string path = dir + "/config.json";
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec))
+    throw UsageError("--load " + dir + ": no config.json" +
+                     (fs::is_directory(dir, ec) ? " in it" : " (no such directory)") +
+                     "; point --load at a directory written by --save or a Hugging Face Llama");
+  std::ifstream in(path);
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const json::parse_error& e) {
+    throw UsageError("--load " + dir + ": config.json is not valid JSON: " + e.what());
+  }
+  return config_from_hf(j, dir);
+}
+
+bool load_checkpoint(const std::string& dir, const std::vector<NamedTensor>& params,
+                     OptimizerState* opt) {
+  const std::string opt_path = dir + "/optimizer.safetensors";
+  SafetensorsPlan weights = inspect_safetensors(dir + "/model.safetensors", params);
+  std::error_code ec;
+  const bool with_opt = opt && fs::exists(opt_path, ec);
+  std::vector<NamedTensor> moments;
+  SafetensorsPlan moments_plan;
+  int64_t step = 0;
+  if (with_opt) {
+    moments = moment_tensors(*opt);
+    moments_plan = inspect_safetensors(opt_path, moments);
+    auto it = moments_plan.metadata.find("step");
+    char* end = nullptr;
+    if (it != moments_plan.metadata.end()) step = strtoll(it->second.c_str(), &end, 10);
+    if (!end || end == it->second.c_str() || *end != '\0' || step < 0)
+      throw UsageError(opt_path + ": metadata has no valid step (a non-negative integer)");
+  }
+  // Both files are valid: only now does any destination tensor change.
+  copy_safetensors(weights, params);
+  if (with_opt) {
+    copy_safetensors(moments_plan, moments);
+    opt->step = step;
+  }
+  return with_opt;
+}

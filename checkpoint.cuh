@@ -1,0 +1,38 @@
+// checkpoint.cuh: Hugging Face Llama checkpoints (config.json + model.safetensors), plus the
+// optimizer state and step for an exact resume. Writes are atomic: temporary name, flush,
+// rename. Loads validate header, names, shapes, dtypes and sizes, and name what is wrong.
+#pragma once
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "model.cuh"
+
+// safetensors: u64 little-endian header length, JSON header
+// {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {str: str}}, raw data.
+void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
+                       const std::map<std::string, std::string>& metadata = {});
+// Reads exactly the tensors named in `into` (names, shapes and dtypes must match; extra
+// tensors in the file are an error too) and copies them into those tensors (any device).
+// Returns the metadata. Throws UsageError: "<path>: tensor <name>: <problem>".
+std::map<std::string, std::string> read_safetensors(const std::string& path,
+                                                    const std::vector<NamedTensor>& into);
+
+nlohmann::json hf_config(const ModelConfig& cfg);  // LlamaConfig keys
+ModelConfig config_from_hf(const nlohmann::json& j, const std::string& path);  // validates
+
+// dir/config.json, dir/model.safetensors, dir/optimizer.safetensors (exp_avg, exp_avg_sq per
+// parameter, step in the metadata). The directory appears whole or not at all.
+struct OptimizerState {
+  std::vector<NamedTensor> exp_avg, exp_avg_sq;  // same names and shapes as the parameters
+  int64_t step = 0;                              // optimizer steps taken
+};
+void save_checkpoint(const std::string& dir, const ModelConfig& cfg,
+                     const std::vector<NamedTensor>& params, const OptimizerState* opt);
+ModelConfig read_checkpoint_config(const std::string& dir);
+// Loads weights (and, when opt is non-null and the file exists, optimizer state and step).
+// Returns true when optimizer state was loaded.
+bool load_checkpoint(const std::string& dir, const std::vector<NamedTensor>& params,
+                     OptimizerState* opt);

@@ -1,0 +1,255 @@
+// core.cu: tensors on CPU or CUDA with per-category memory accounting, error handling,
+// the counter-based RNG and timers. The one idea: every byte is counted by category, so the
+// book's memory anatomy (Playbook §2.3) can be read off a run rather than estimated.
+#include "core.cuh"
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+void fatal_abort() {
+  fflush(stdout);
+  fflush(stderr);
+  int up = 0, down = 0;
+  MPI_Initialized(&up);
+  MPI_Finalized(&down);
+  if (up && !down) MPI_Abort(MPI_COMM_WORLD, 1);
+  abort();
+}
+
+const char* device_name(Device d) { return d == Device::CPU ? "cpu" : "cuda"; }
+const char* dtype_name(DType t) { return t == DType::F32 ? "F32" : "I32"; }
+size_t dtype_size(DType) { return 4; }
+const char* mem_name(Mem m) {
+  static const char* names[] = {"params", "grads", "optimizer", "activations", "workspace"};
+  return names[(int)m];
+}
+
+bool cuda_available() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver" error
+    return false;
+  }
+  return count > 0;
+}
+
+// ----------------------------------------------------------------------------
+// Memory accounting
+
+static MemoryStats g_stats;  // observation only; see MemoryStats in core.cuh
+static std::mutex g_stats_mutex;
+
+static void account(Mem m, long long delta) {
+  std::lock_guard<std::mutex> lock(g_stats_mutex);
+  g_stats.current[(int)m] += delta;
+  g_stats.total_current += delta;
+  if (g_stats.current[(int)m] > g_stats.peak[(int)m]) g_stats.peak[(int)m] = g_stats.current[(int)m];
+  if (g_stats.total_current > g_stats.total_peak) g_stats.total_peak = g_stats.total_current;
+}
+MemoryStats memory_stats() {
+  std::lock_guard<std::mutex> lock(g_stats_mutex);
+  return g_stats;
+}
+void memory_reset_peak() {
+  std::lock_guard<std::mutex> lock(g_stats_mutex);
+  for (int i = 0; i < (int)Mem::Count; i++) g_stats.peak[i] = g_stats.current[i];
+  g_stats.total_peak = g_stats.total_current;
+}
+
+struct Storage {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  Device device;
+  Mem category;
+  Storage(size_t n, Device d, Mem m) : bytes(n), device(d), category(m) {
+    if (n == 0) n = 1;  // keep a valid pointer for empty tensors
+    if (d == Device::CUDA) {
+      CUDA_CHECK(cudaMalloc(&ptr, n));
+    } else {
+      ptr = aligned_alloc(64, (n + 63) / 64 * 64);
+      PICO_ASSERT(ptr != nullptr, "host allocation of " + std::to_string(n) + " bytes");
+    }
+    account(category, (long long)bytes);
+  }
+  ~Storage() {
+    if (device == Device::CUDA) cudaFree(ptr);
+    else free(ptr);
+    account(category, -(long long)bytes);
+  }
+};
+
+// ----------------------------------------------------------------------------
+// Tensor
+
+int64_t Tensor::numel() const {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+float* Tensor::f32() const {
+  PICO_ASSERT(dtype == DType::F32, "tensor is not F32");
+  return (float*)ptr;
+}
+int32_t* Tensor::i32() const {
+  PICO_ASSERT(dtype == DType::I32, "tensor is not I32");
+  return (int32_t*)ptr;
+}
+Tensor Tensor::view(int64_t offset, std::vector<int64_t> new_shape) const {
+  Tensor t = *this;
+  t.shape = std::move(new_shape);
+  t.ptr = (char*)ptr + offset * (int64_t)dtype_size(dtype);
+  PICO_ASSERT(offset >= 0 && offset + t.numel() <= numel(),
+              "view " + t.shape_str() + " at " + std::to_string(offset) + " outside " + shape_str());
+  return t;
+}
+std::string Tensor::shape_str() const {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); i++) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+Tensor empty(std::vector<int64_t> shape, Mem category, Device device, DType dtype) {
+  Tensor t;
+  t.shape = std::move(shape);
+  t.dtype = dtype;
+  t.device = device;
+  t.storage = std::make_shared<Storage>(t.nbytes(), device, category);
+  t.ptr = t.storage->ptr;
+  return t;
+}
+Tensor zeros(std::vector<int64_t> shape, Mem category, Device device, DType dtype) {
+  Tensor t = empty(std::move(shape), category, device, dtype);
+  zero_(t);
+  return t;
+}
+void zero_(const Tensor& t) {
+  if (t.device == Device::CUDA) CUDA_CHECK(cudaMemset(t.ptr, 0, t.nbytes()));
+  else memset(t.ptr, 0, t.nbytes());
+}
+void copy_(const Tensor& dst, const Tensor& src) {
+  PICO_ASSERT(dst.numel() == src.numel() && dst.dtype == src.dtype,
+              "copy_ " + src.shape_str() + " into " + dst.shape_str());
+  if (dst.device == Device::CPU && src.device == Device::CPU) {
+    memmove(dst.ptr, src.ptr, src.nbytes());
+    return;
+  }
+  cudaMemcpyKind kind = src.device == Device::CPU   ? cudaMemcpyHostToDevice
+                        : dst.device == Device::CPU ? cudaMemcpyDeviceToHost
+                                                    : cudaMemcpyDeviceToDevice;
+  CUDA_CHECK(cudaMemcpy(dst.ptr, src.ptr, src.nbytes(), kind));
+}
+Tensor to_device(const Tensor& t, Device device, Mem category) {
+  Tensor out = empty(t.shape, category, device, t.dtype);
+  copy_(out, t);
+  return out;
+}
+std::vector<float> to_host_floats(const Tensor& t) {
+  std::vector<float> v(t.numel());
+  Tensor host;
+  host.ptr = v.data();
+  host.shape = t.shape;
+  copy_(host, t);
+  return v;
+}
+static void from_host_bytes(const Tensor& dst, const void* src, DType dtype) {
+  Tensor host;
+  host.ptr = const_cast<void*>(src);
+  host.shape = dst.shape;
+  host.dtype = dtype;
+  copy_(dst, host);
+}
+void from_host(const Tensor& dst, const float* src) { from_host_bytes(dst, src, DType::F32); }
+void from_host(const Tensor& dst, const int32_t* src) { from_host_bytes(dst, src, DType::I32); }
+
+// ----------------------------------------------------------------------------
+// Context
+
+Context Context::create(Device device) {
+  Context ctx;
+  ctx.device = device;
+  if (device == Device::CUDA) {
+    // A blocking stream: it stays ordered with the legacy default stream that zero_, copy_
+    // and from_host use, so those need no extra synchronisation around the compute stream.
+    CUDA_CHECK(cudaStreamCreateWithFlags(&ctx.stream, cudaStreamDefault));
+    CUBLAS_CHECK(cublasCreate(&ctx.cublas));
+    CUBLAS_CHECK(cublasSetStream(ctx.cublas, ctx.stream));
+    // fp32 training stays fp32: no TF32 tensor-core shortcut, so GPU matches the CPU reference.
+    CUBLAS_CHECK(cublasSetMathMode(ctx.cublas, CUBLAS_DEFAULT_MATH));
+  }
+  return ctx;
+}
+void Context::destroy() {
+  if (cublas) cublasDestroy(cublas);
+  if (stream) cudaStreamDestroy(stream);
+  cublas = nullptr;
+  stream = nullptr;
+}
+void Context::synchronize() const {
+  if (device == Device::CUDA) CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+Device resolve_device(const std::string& flag) {
+  if (flag == "cpu") return Device::CPU;
+  if (flag == "cuda") {
+    if (!cuda_available())
+      throw UsageError("--device cuda: no CUDA device is visible; use --device cpu or auto");
+    return Device::CUDA;
+  }
+  if (flag == "auto") return cuda_available() ? Device::CUDA : Device::CPU;
+  throw UsageError("--device " + flag + ": expected auto, cpu or cuda");
+}
+
+// ----------------------------------------------------------------------------
+// RNG
+
+uint64_t rng_key(uint64_t seed, const std::string& name) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;
+  return splitmix64(seed ^ splitmix64(h));
+}
+double rng_normal(uint64_t key, uint64_t index) {
+  double u1 = rng_uniform(key, 2 * index), u2 = rng_uniform(key, 2 * index + 1);
+  if (u1 < 1e-300) u1 = 1e-300;
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
+}
+static void fill_host_then_copy(const Tensor& t, std::vector<float>& host) {
+  PICO_ASSERT(t.dtype == DType::F32, "init needs an F32 tensor");
+  from_host(t, host.data());
+}
+void init_normal(const Tensor& t, uint64_t seed, const std::string& name, float std,
+                 int64_t offset) {
+  uint64_t key = rng_key(seed, name);
+  std::vector<float> host(t.numel());
+  for (int64_t i = 0; i < t.numel(); i++) host[i] = (float)(std * rng_normal(key, offset + i));
+  fill_host_then_copy(t, host);
+}
+void init_uniform(const Tensor& t, uint64_t seed, const std::string& name, float lo, float hi,
+                  int64_t offset) {
+  uint64_t key = rng_key(seed, name);
+  std::vector<float> host(t.numel());
+  for (int64_t i = 0; i < t.numel(); i++)
+    host[i] = (float)(lo + (hi - lo) * rng_uniform(key, offset + i));
+  fill_host_then_copy(t, host);
+}
+void fill_(const Tensor& t, float value) {
+  std::vector<float> host(t.numel(), value);
+  fill_host_then_copy(t, host);
+}
+
+// ----------------------------------------------------------------------------
+// Timer and formatting
+
+double now_seconds() {
+  using namespace std::chrono;
+  return duration<double>(steady_clock::now().time_since_epoch()).count();
+}
+std::string human_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024.0 && u < 4) bytes /= 1024.0, u++;
+  char buf[32];
+  snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", bytes, units[u]);
+  return buf;
+}

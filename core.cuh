@@ -1,0 +1,172 @@
+// core.cuh: tensors, devices, dtypes, memory accounting, error checks, RNG and timers.
+// Everything else in picoscale is built from these few types (DESIGN section 2).
+#pragma once
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <mpi.h>
+#include <nccl.h>
+
+// ----------------------------------------------------------------------------
+// Error checks: print file:line, the call and the error, then stop every rank.
+
+[[noreturn]] void fatal_abort();  // MPI_Abort when MPI is up (so no rank hangs), else abort()
+
+#define CUDA_CHECK(call)                                                                   \
+  do {                                                                                     \
+    cudaError_t err_ = (call);                                                             \
+    if (err_ != cudaSuccess) {                                                             \
+      fprintf(stderr, "[CUDA ERROR] %s:%d: %s -> %s\n", __FILE__, __LINE__, #call,         \
+              cudaGetErrorString(err_));                                                   \
+      fatal_abort();                                                                       \
+    }                                                                                      \
+  } while (0)
+#define CUBLAS_CHECK(call)                                                                 \
+  do {                                                                                     \
+    cublasStatus_t st_ = (call);                                                           \
+    if (st_ != CUBLAS_STATUS_SUCCESS) {                                                    \
+      fprintf(stderr, "[cuBLAS ERROR] %s:%d: %s -> status %d\n", __FILE__, __LINE__, #call, \
+              (int)st_);                                                                   \
+      fatal_abort();                                                                       \
+    }                                                                                      \
+  } while (0)
+#define NCCL_CHECK(call)                                                                   \
+  do {                                                                                     \
+    ncclResult_t r_ = (call);                                                              \
+    if (r_ != ncclSuccess) {                                                               \
+      fprintf(stderr, "[NCCL ERROR] %s:%d: %s -> %s\n", __FILE__, __LINE__, #call,         \
+              ncclGetErrorString(r_));                                                     \
+      fatal_abort();                                                                       \
+    }                                                                                      \
+  } while (0)
+#define MPI_CHECK(call)                                                                    \
+  do {                                                                                     \
+    int rc_ = (call);                                                                      \
+    if (rc_ != MPI_SUCCESS) {                                                              \
+      char msg_[MPI_MAX_ERROR_STRING];                                                     \
+      int len_ = 0;                                                                        \
+      MPI_Error_string(rc_, msg_, &len_);                                                  \
+      fprintf(stderr, "[MPI ERROR] %s:%d: %s -> %s\n", __FILE__, __LINE__, #call, msg_);   \
+      fatal_abort();                                                                       \
+    }                                                                                      \
+  } while (0)
+// Internal invariant (a bug in picoscale, not bad input).
+#define PICO_ASSERT(cond, msg)                                                             \
+  do {                                                                                     \
+    if (!(cond)) {                                                                         \
+      fprintf(stderr, "[BUG] %s:%d: %s failed: %s\n", __FILE__, __LINE__, #cond,          \
+              std::string(msg).c_str());                                                   \
+      fatal_abort();                                                                       \
+    }                                                                                      \
+  } while (0)
+
+// Bad input from the user (a flag, a file): reported on rank 0, exit code 2 on every rank.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// ----------------------------------------------------------------------------
+// Devices, dtypes, memory categories
+
+enum class Device { CPU, CUDA };
+enum class DType { F32, I32 };  // bf16/fp16/fp8 arrive with mixed_precision.cu
+enum class Mem { Params, Grads, Optimizer, Activations, Workspace, Count };
+
+const char* device_name(Device d);
+const char* dtype_name(DType t);  // safetensors spelling: "F32", "I32"
+size_t dtype_size(DType t);
+const char* mem_name(Mem m);
+bool cuda_available();  // a CUDA device is visible and the driver answers
+
+// Process-wide counters of live and peak bytes per category, like a caching allocator's
+// statistics: they observe allocations, they never steer them.
+struct MemoryStats {
+  size_t current[(int)Mem::Count] = {};
+  size_t peak[(int)Mem::Count] = {};
+  size_t total_current = 0, total_peak = 0;
+};
+MemoryStats memory_stats();
+void memory_reset_peak();  // peak := current, per category and in total
+
+// ----------------------------------------------------------------------------
+// Tensor: a typed, shaped view of a buffer on one device. Copies share the buffer.
+
+struct Storage;  // owns one allocation; frees and un-counts it when the last Tensor goes
+
+struct Tensor {
+  std::shared_ptr<Storage> storage;
+  void* ptr = nullptr;
+  std::vector<int64_t> shape;
+  DType dtype = DType::F32;
+  Device device = Device::CPU;
+
+  int64_t numel() const;
+  size_t nbytes() const { return (size_t)numel() * dtype_size(dtype); }
+  int64_t size(int dim) const { return shape.at(dim < 0 ? shape.size() + dim : dim); }
+  int dim() const { return (int)shape.size(); }
+  bool defined() const { return ptr != nullptr; }
+  float* f32() const;    // checks dtype
+  int32_t* i32() const;  // checks dtype
+  // A view of `shape` starting `offset` elements in; shares (and keeps alive) the buffer.
+  Tensor view(int64_t offset, std::vector<int64_t> new_shape) const;
+  Tensor reshape(std::vector<int64_t> new_shape) const { return view(0, new_shape); }
+  std::string shape_str() const;  // "[4, 128, 64]"
+};
+
+Tensor empty(std::vector<int64_t> shape, Mem category, Device device = Device::CPU,
+             DType dtype = DType::F32);
+Tensor zeros(std::vector<int64_t> shape, Mem category, Device device = Device::CPU,
+             DType dtype = DType::F32);
+void zero_(const Tensor& t);
+void copy_(const Tensor& dst, const Tensor& src);  // same numel and dtype, any two devices
+Tensor to_device(const Tensor& t, Device device, Mem category);
+std::vector<float> to_host_floats(const Tensor& t);
+void from_host(const Tensor& dst, const float* src);  // numel floats
+void from_host(const Tensor& dst, const int32_t* src);
+
+// ----------------------------------------------------------------------------
+// Context: what every op needs to run on its device; passed explicitly, never global.
+
+struct Context {
+  Device device = Device::CPU;
+  cudaStream_t stream = nullptr;  // compute stream (CUDA only)
+  cublasHandle_t cublas = nullptr;
+  static Context create(Device device);
+  void destroy();
+  void synchronize() const;  // wait for the compute stream (tests, timers)
+};
+Device resolve_device(const std::string& flag);  // "auto" | "cpu" | "cuda"
+
+// ----------------------------------------------------------------------------
+// Counter-based RNG: the value of element i of tensor `name` depends only on (seed, name, i),
+// so any shard of any layout computes exactly its slice of the full tensor (DESIGN 5).
+
+__host__ __device__ inline uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+uint64_t rng_key(uint64_t seed, const std::string& name);  // FNV-1a of the name, mixed with seed
+__host__ __device__ inline double rng_uniform(uint64_t key, uint64_t counter) {  // [0, 1)
+  return (double)(splitmix64(key ^ splitmix64(counter)) >> 11) * (1.0 / 9007199254740992.0);
+}
+double rng_normal(uint64_t key, uint64_t index);  // N(0,1), Box-Muller on counters 2i, 2i+1
+// Fill elements [offset, offset + t.numel()) of the full tensor `name` into t.
+void init_normal(const Tensor& t, uint64_t seed, const std::string& name, float std,
+                 int64_t offset = 0);
+void init_uniform(const Tensor& t, uint64_t seed, const std::string& name, float lo, float hi,
+                  int64_t offset = 0);
+void fill_(const Tensor& t, float value);
+
+// ----------------------------------------------------------------------------
+// Timer
+
+double now_seconds();  // monotonic
+std::string human_bytes(double bytes);  // "1.50 MiB"

@@ -1,0 +1,226 @@
+// data.cu: token datasets (text as bytes, or llm.c .bin shards) and the batches a step reads.
+// DESIGN §5 "data order is layout-free": which tokens a sequence holds is a function of
+// (step, sequence index in the global batch) alone. A rank asks for its slice of the global
+// batch [first_seq, first_seq + num_seqs), so dp=2 x grad_acc=1 reads exactly the tokens of
+// dp=1 x grad_acc=2, and any layout can be checked against the single-process run.
+#include "data.cuh"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+
+#include "core.cuh"
+
+namespace fs = std::filesystem;
+
+static const int32_t kShardMagic = 20240520;  // llm.c's dataset header
+static const int32_t kShardVersion = 1;
+static const int64_t kShardHeaderBytes = 256 * sizeof(int32_t);
+
+// ----------------------------------------------------------------------------
+// Reading files
+
+// `flag` is the command-line flag that named the file, so the message says what to fix.
+static std::vector<unsigned char> read_bytes(const std::string& path, const std::string& flag) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) throw UsageError(flag + " " + path + ": not found");
+  if (!fs::is_regular_file(path, ec))
+    throw UsageError(flag + " " + path + ": not a regular file");
+  FILE* f = fopen(path.c_str(), "rb");
+  if (!f) throw UsageError(flag + " " + path + ": cannot open: " + strerror(errno));
+  std::vector<unsigned char> bytes(fs::file_size(path, ec));
+  size_t got = fread(bytes.data(), 1, bytes.size(), f);
+  fclose(f);
+  if (got != bytes.size()) throw UsageError(flag + " " + path + ": read error");
+  return bytes;
+}
+
+static uint32_t read_le32(const unsigned char* p) {
+  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+// llm.c shard: 256 x int32 header (magic, version, token count, unused...), then uint16 tokens.
+static std::vector<int32_t> parse_shard(const std::vector<unsigned char>& bytes,
+                                        const std::string& path) {
+  const int64_t size = (int64_t)bytes.size();
+  if (size < kShardHeaderBytes)
+    throw UsageError(path + ": " + std::to_string(size) + " bytes is too small for an llm.c " +
+                     "token shard (its header alone is 1024 bytes)");
+  int32_t magic = (int32_t)read_le32(&bytes[0]), version = (int32_t)read_le32(&bytes[4]);
+  int64_t count = (int32_t)read_le32(&bytes[8]);
+  if (magic != kShardMagic)
+    throw UsageError(path + ": bad magic " + std::to_string(magic) + ", expected " +
+                     std::to_string(kShardMagic) + " (an llm.c token shard)");
+  if (version != kShardVersion)
+    throw UsageError(path + ": llm.c shard version " + std::to_string(version) +
+                     ", expected 1 (uint16 tokens)");
+  if (count < 0 || size != kShardHeaderBytes + 2 * count)
+    throw UsageError(path + ": header promises " + std::to_string(count) + " tokens (" +
+                     std::to_string(kShardHeaderBytes + 2 * count) + " bytes) but the file has " +
+                     std::to_string(size) + " bytes; truncated or not an llm.c shard");
+  std::vector<int32_t> tokens(count);
+  for (int64_t i = 0; i < count; i++) {
+    const unsigned char* p = &bytes[kShardHeaderBytes + 2 * i];
+    tokens[i] = (int32_t)p[0] | (int32_t)p[1] << 8;  // little-endian uint16
+  }
+  return tokens;
+}
+
+static bool is_shard(const std::string& path) {
+  return path.size() >= 4 && path.compare(path.size() - 4, 4, ".bin") == 0;
+}
+
+static std::vector<int32_t> read_token_file(const std::string& path, const std::string& flag) {
+  std::vector<unsigned char> bytes = read_bytes(path, flag);
+  if (is_shard(path)) return parse_shard(bytes, flag + " " + path);
+  return std::vector<int32_t>(bytes.begin(), bytes.end());  // one byte = one token (0..255)
+}
+
+std::string default_corpus_dir() { return "/usr/share/games/fortunes"; }
+
+// Every fortune file (names without a '.': skips the *.dat indexes and *.u8 copies), sorted by
+// name so the corpus, and hence every batch, is the same on every machine.
+static std::vector<int32_t> read_default_corpus(std::string& source) {
+  const std::string dir = default_corpus_dir();
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec))
+    throw UsageError("--data: the default corpus " + dir + " is not there; install the " +
+                     "`fortunes` package (make deps) or pass --data FILE");
+  std::vector<std::string> files;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    std::string name = e.path().filename().string();
+    if (name.find('.') == std::string::npos && fs::is_regular_file(e.path(), ec))
+      files.push_back(e.path().string());  // is_regular_file follows symlinks
+  }
+  std::sort(files.begin(), files.end());
+  if (files.empty()) throw UsageError("--data: no fortune files in " + dir + "; pass --data FILE");
+  std::vector<int32_t> tokens;
+  for (const std::string& f : files) {
+    std::vector<unsigned char> bytes = read_bytes(f, "--data");
+    tokens.insert(tokens.end(), bytes.begin(), bytes.end());
+  }
+  source = dir + " (" + std::to_string(files.size()) + " fortune files)";
+  return tokens;
+}
+
+// ----------------------------------------------------------------------------
+// Loading and splitting
+
+static int64_t val_size(int64_t n, double val_fraction) { return (int64_t)(n * val_fraction); }
+static std::string fmt(double x) {  // 0.1, not 0.100000
+  char buf[32];
+  snprintf(buf, sizeof buf, "%g", x);
+  return buf;
+}
+
+// Smallest token count whose train and val splits both hold one sequence of seq + 1 tokens.
+static int64_t min_tokens(int seq, double val_fraction) {
+  double need = seq + 1.0;
+  int64_t n = (int64_t)std::max(need / val_fraction, need / (1.0 - val_fraction)) - 2;
+  n = std::max<int64_t>(n, 2 * (seq + 1));
+  while (val_size(n, val_fraction) < seq + 1 || n - val_size(n, val_fraction) < seq + 1) n++;
+  return n;
+}
+
+Dataset load_dataset(const std::string& path, double val_fraction, int seq) {
+  if (!(val_fraction > 0.0 && val_fraction < 1.0))
+    throw UsageError("--val-frac " + fmt(val_fraction) +
+                     ": must be strictly between 0 and 1, e.g. 0.1");
+  PICO_ASSERT(seq > 0, "seq must be validated before loading data");
+  Dataset data;
+  std::vector<int32_t> tokens;
+  if (path.empty()) {
+    tokens = read_default_corpus(data.source);
+  } else {
+    tokens = read_token_file(path, "--data");
+    data.source = path;
+  }
+  const int64_t n = (int64_t)tokens.size(), n_val = val_size(n, val_fraction);
+  const int64_t n_train = n - n_val;
+  if (n_train < seq + 1 || n_val < seq + 1)
+    throw UsageError("--data " + (path.empty() ? data.source : path) + ": " +
+                     std::to_string(n) + " tokens are too few for --seq " + std::to_string(seq) +
+                     ": need at least " + std::to_string(min_tokens(seq, val_fraction)) +
+                     " so that the train split (" + std::to_string(n_train) +
+                     " now) and the val split (" + std::to_string(n_val) + " now, --val-frac " +
+                     fmt(val_fraction) + ") each hold " + std::to_string(seq + 1) +
+                     "; use a larger file or a smaller --seq");
+  data.train.assign(tokens.begin(), tokens.begin() + n_train);
+  data.val.assign(tokens.begin() + n_train, tokens.end());
+  data.max_token = *std::max_element(tokens.begin(), tokens.end());
+  return data;
+}
+
+void check_vocab(const Dataset& data, int vocab) {
+  if (data.max_token >= vocab)
+    throw UsageError("--data " + data.source + ": token id " + std::to_string(data.max_token) +
+                     " is outside the vocabulary of size " + std::to_string(vocab) +
+                     " (--vocab); use --vocab " + std::to_string(data.max_token + 1) +
+                     " or more, or data from the model's tokenizer");
+}
+
+// ----------------------------------------------------------------------------
+// Batches: addressed by (step, sequence index) alone, never by rank (DESIGN §5).
+
+// One sequence: inputs [seq] = tokens[start, start + seq), targets [seq] shifted by one.
+static void fill_sequence(const std::vector<int32_t>& tokens, int64_t start, int seq,
+                          int32_t* inputs, int32_t* targets) {
+  PICO_ASSERT(start >= 0 && start + seq < (int64_t)tokens.size(), "sequence outside the split");
+  std::copy(tokens.begin() + start, tokens.begin() + start + seq, inputs);
+  std::copy(tokens.begin() + start + 1, tokens.begin() + start + seq + 1, targets);
+}
+
+void fill_train_batch(const Dataset& data, int64_t step, int64_t global_batch, int first_seq,
+                      int num_seqs, int seq, int32_t* inputs, int32_t* targets) {
+  PICO_ASSERT(first_seq >= 0 && num_seqs >= 0 && first_seq + num_seqs <= global_batch,
+              "sequences outside the global batch");
+  // Starts step through the split seq tokens apart and wrap before the last full window.
+  const int64_t span = (int64_t)data.train.size() - seq;
+  for (int i = 0; i < num_seqs; i++) {
+    const int64_t j = first_seq + i;  // index in the global batch
+    const int64_t start = ((step * global_batch + j) * seq) % span;
+    fill_sequence(data.train, start, seq, inputs + (int64_t)i * seq, targets + (int64_t)i * seq);
+  }
+}
+
+int64_t num_val_windows(const Dataset& data, int seq) {
+  return ((int64_t)data.val.size() - 1) / seq;  // each window needs seq + 1 tokens
+}
+
+void fill_val_batch(const Dataset& data, int64_t first_window, int num_seqs, int seq,
+                    int32_t* inputs, int32_t* targets) {
+  PICO_ASSERT(first_window >= 0 && first_window + num_seqs <= num_val_windows(data, seq),
+              "validation window outside the val split");
+  for (int i = 0; i < num_seqs; i++)
+    fill_sequence(data.val, (first_window + i) * seq, seq, inputs + (int64_t)i * seq,
+                  targets + (int64_t)i * seq);
+}
+
+// ----------------------------------------------------------------------------
+// Single files
+
+std::vector<int32_t> read_tokens(const std::string& path) {
+  return read_token_file(path, "--score");
+}
+
+void write_token_shard(const std::string& path, const std::vector<int32_t>& tokens) {
+  std::vector<unsigned char> bytes(kShardHeaderBytes + 2 * tokens.size(), 0);
+  const int32_t header[3] = {kShardMagic, kShardVersion, (int32_t)tokens.size()};
+  for (int h = 0; h < 3; h++)
+    for (int b = 0; b < 4; b++) bytes[4 * h + b] = (unsigned char)((uint32_t)header[h] >> (8 * b));
+  for (size_t i = 0; i < tokens.size(); i++) {
+    if (tokens[i] < 0 || tokens[i] > 65535)
+      throw UsageError(path + ": token id " + std::to_string(tokens[i]) + " at position " +
+                       std::to_string(i) + " does not fit an llm.c shard's uint16");
+    bytes[kShardHeaderBytes + 2 * i] = (unsigned char)(tokens[i] & 0xff);
+    bytes[kShardHeaderBytes + 2 * i + 1] = (unsigned char)(tokens[i] >> 8);
+  }
+  FILE* f = fopen(path.c_str(), "wb");
+  if (!f) throw UsageError(path + ": cannot write: " + strerror(errno));
+  size_t wrote = fwrite(bytes.data(), 1, bytes.size(), f);
+  int close_rc = fclose(f);
+  if (wrote != bytes.size() || close_rc != 0)
+    throw UsageError(path + ": cannot write: " + strerror(errno));
+}

@@ -1,0 +1,548 @@
+// ops.cu: the model's building blocks, each as a CPU reference loop, then the CUDA kernel
+// that must match it, then the function that dispatches on the device (STYLE: CPU reference
+// beside each kernel). The one idea: a transformer is a handful of GEMMs plus cheap
+// elementwise and row-wise ops, and every one of them has a simple backward.
+#include "ops.cuh"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+// ============================================================================
+// matmul
+// ============================================================================
+
+void gemm(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha,
+          const float* A, int lda, const float* B, int ldb, float beta, float* C, int ldc) {
+  if (ctx.device == Device::CPU) {
+    cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+                trans_b ? CblasTrans : CblasNoTrans, M, N, K, alpha, A, lda, B, ldb, beta, C,
+                ldc);
+    return;
+  }
+  // cuBLAS is column-major. A row-major [M, N] matrix is the column-major [N, M] matrix C^T,
+  // and C^T = op(B)^T op(A)^T: so swap the operands (and M with N) and keep each transpose
+  // flag as it is. This is the one place in picoscale where the two conventions meet.
+  CUBLAS_CHECK(cublasSgemm(ctx.cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                           trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha, B, ldb, A, lda,
+                           &beta, C, ldc));
+}
+
+void linear_forward(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& W) {
+  int T = (int)x.size(0), in = (int)x.size(-1), out = (int)W.size(0);
+  PICO_ASSERT(W.size(1) == in && y.numel() == (int64_t)T * out, "linear_forward shapes");
+  gemm(ctx, false, true, T, out, in, 1.0f, x.f32(), in, W.f32(), in, 0.0f, y.f32(), out);
+}
+
+void linear_backward(const Context& ctx, const Tensor& dx, const Tensor& dW, const Tensor& dy,
+                     const Tensor& x, const Tensor& W, bool accumulate_dx) {
+  int T = (int)x.size(0), in = (int)x.size(-1), out = (int)W.size(0);
+  if (dx.defined())  // dx[T, in] = dy[T, out] @ W[out, in]
+    gemm(ctx, false, false, T, in, out, 1.0f, dy.f32(), out, W.f32(), in,
+         accumulate_dx ? 1.0f : 0.0f, dx.f32(), in);
+  // dW[out, in] += dy^T[out, T] @ x[T, in]
+  gemm(ctx, true, false, out, in, T, 1.0f, dy.f32(), out, x.f32(), in, 1.0f, dW.f32(), in);
+}
+
+// ============================================================================
+// launch configuration and block reductions
+// ============================================================================
+
+constexpr int kThreads = 256;  // threads per block everywhere: a multiple of the 32-lane warp
+
+// Blocks to give each element its own thread, capped: kernels loop grid-stride over the rest.
+static unsigned grid_for(int64_t n) {
+  return (unsigned)std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 4096));
+}
+#define GRID_STRIDE_LOOP(i, n)                                              \
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); \
+       i += (int64_t)gridDim.x * blockDim.x)
+
+// Every tensor an op touches lives on the context's device (undefined tensors are skipped).
+template <typename... Ts>
+static void check_devices(const Context& ctx, const char* op, const Ts&... ts) {
+  for (const Tensor* t : {&ts...})
+    PICO_ASSERT(!t->defined() || t->device == ctx.device,
+                std::string(op) + ": a tensor is on " + device_name(t->device) +
+                    " but the context is on " + device_name(ctx.device));
+}
+
+// Sum (or max) of v over a warp with register shuffles; every lane gets the result.
+static __device__ float warp_reduce(float v, bool take_max) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    float other = __shfl_xor_sync(0xffffffffu, v, offset);
+    v = take_max ? fmaxf(v, other) : v + other;
+  }
+  return v;
+}
+// Sum (or max) of v over the block, returned to every thread. All threads must call it.
+static __device__ float block_reduce(float v, bool take_max) {
+  __shared__ float partial[32];  // one value per warp
+  int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  v = warp_reduce(v, take_max);
+  __syncthreads();  // a previous call may still be reading `partial`
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  v = lane < warps ? partial[lane] : (take_max ? -INFINITY : 0.0f);
+  return warp_reduce(v, take_max);
+}
+
+// ============================================================================
+// embedding: a row gather forward, a scatter-add backward
+// ============================================================================
+
+// rows[T, D] = table[ids[t]] (gather), or table[ids[t]] += rows[t] (scatter); table [V, D]
+static void embedding_cpu(float* rows, float* table, const int32_t* ids, int T, int D, int V,
+                          bool scatter) {
+  for (int t = 0; t < T; t++) {
+    PICO_ASSERT(ids[t] >= 0 && ids[t] < V, "token id " + std::to_string(ids[t]) +
+                                               " outside the vocabulary of " + std::to_string(V));
+    float* entry = table + (int64_t)ids[t] * D;
+    float* row = rows + (int64_t)t * D;
+    if (scatter)
+      for (int i = 0; i < D; i++) entry[i] += row[i];
+    else
+      for (int i = 0; i < D; i++) row[i] = entry[i];
+  }
+}
+
+static __global__ void embedding_kernel(float* rows, float* table, const int32_t* ids, int64_t n,
+                                        int D, int V, bool scatter) {
+  GRID_STRIDE_LOOP(i, n) {
+    int id = ids[i / D];
+    if (id < 0 || id >= V) {  // no assert on the GPU: a bad id reads as NaN, so the loss shows it
+      if (!scatter) rows[i] = NAN;
+      continue;
+    }
+    float* cell = table + (int64_t)id * D + i % D;
+    // Repeated ids add into the same row: atomics make the GPU float sum order-dependent.
+    if (scatter)
+      atomicAdd(cell, rows[i]);
+    else
+      rows[i] = *cell;
+  }
+}
+
+static void embedding(const Context& ctx, const Tensor& rows, const Tensor& ids,
+                      const Tensor& table, bool scatter) {
+  check_devices(ctx, "embedding", rows, ids, table);
+  int T = (int)ids.numel(), V = (int)table.size(0), D = (int)table.size(1);
+  PICO_ASSERT(rows.numel() == (int64_t)T * D, "embedding rows " + rows.shape_str());
+  if (ctx.device == Device::CPU)
+    return embedding_cpu(rows.f32(), table.f32(), ids.i32(), T, D, V, scatter);
+  embedding_kernel<<<grid_for((int64_t)T * D), kThreads, 0, ctx.stream>>>(
+      rows.f32(), table.f32(), ids.i32(), (int64_t)T * D, D, V, scatter);
+  CUDA_CHECK(cudaGetLastError());
+}
+void embedding_forward(const Context& ctx, const Tensor& out, const Tensor& ids,
+                       const Tensor& table) {
+  embedding(ctx, out, ids, table, false);
+}
+void embedding_backward(const Context& ctx, const Tensor& dtable, const Tensor& ids,
+                        const Tensor& dout) {
+  embedding(ctx, dout, ids, dtable, true);
+}
+
+// ============================================================================
+// RMSNorm (Zhang & Sennrich 2019): LayerNorm without the mean, as in Llama
+// ============================================================================
+
+// Row sums accumulate in fp32 on both devices; y may alias x.
+static void rmsnorm_forward_cpu(float* y, float* rstd, const float* x, const float* w, int T, int D,
+                                float eps) {
+  for (int t = 0; t < T; t++) {
+    const float* xr = x + (int64_t)t * D;  // [D]
+    float ss = 0.0f;
+    for (int i = 0; i < D; i++) ss += xr[i] * xr[i];
+    float r = 1.0f / sqrtf(ss / D + eps);
+    rstd[t] = r;
+    for (int i = 0; i < D; i++) y[(int64_t)t * D + i] = xr[i] * r * w[i];
+  }
+}
+// With xhat = x * rstd and g = dy * w: dx += rstd * (g - xhat * mean(g * xhat)), the second
+// term being the gradient through rstd; dw += sum_t dy * xhat.
+static void rmsnorm_backward_cpu(float* dx, float* dw, const float* dy, const float* x,
+                                 const float* w, const float* rstd, int T, int D) {
+  for (int t = 0; t < T; t++) {
+    const float *xr = x + (int64_t)t * D, *dyr = dy + (int64_t)t * D;  // [D]
+    float r = rstd[t], dot = 0.0f;
+    for (int i = 0; i < D; i++) dot += dyr[i] * w[i] * (xr[i] * r);
+    dot /= D;
+    for (int i = 0; i < D; i++) {
+      float xhat = xr[i] * r;
+      dx[(int64_t)t * D + i] += r * (dyr[i] * w[i] - xhat * dot);
+      dw[i] += dyr[i] * xhat;
+    }
+  }
+}
+
+// One block per row: the block reduces the row's sum of squares, then every thread scales.
+static __global__ void rmsnorm_forward_kernel(float* y, float* rstd, const float* x, const float* w,
+                                              int D, float eps) {
+  const float* xr = x + (int64_t)blockIdx.x * D;  // [D]
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) ss += xr[i] * xr[i];
+  float r = 1.0f / sqrtf(block_reduce(ss, false) / D + eps);
+  if (threadIdx.x == 0) rstd[blockIdx.x] = r;
+  for (int i = threadIdx.x; i < D; i += blockDim.x)
+    y[(int64_t)blockIdx.x * D + i] = xr[i] * r * w[i];
+}
+static __global__ void rmsnorm_backward_dx_kernel(float* dx, const float* dy, const float* x,
+                                                  const float* w, const float* rstd, int D) {
+  int64_t row = (int64_t)blockIdx.x * D;
+  float r = rstd[blockIdx.x], dot = 0.0f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) dot += dy[row + i] * w[i] * (x[row + i] * r);
+  dot = block_reduce(dot, false) / D;
+  for (int i = threadIdx.x; i < D; i += blockDim.x)
+    dx[row + i] += r * (dy[row + i] * w[i] - x[row + i] * r * dot);
+}
+// One thread per column walks down the T rows: no atomics, so dw is deterministic and adds in
+// the same order as the CPU loop.
+static __global__ void rmsnorm_backward_dw_kernel(float* dw, const float* dy, const float* x,
+                                                  const float* rstd, int T, int D) {
+  GRID_STRIDE_LOOP(i, D) {
+    float acc = dw[i];
+    for (int t = 0; t < T; t++) acc += dy[(int64_t)t * D + i] * (x[(int64_t)t * D + i] * rstd[t]);
+    dw[i] = acc;
+  }
+}
+
+void rmsnorm_forward(const Context& ctx, const Tensor& y, const Tensor& rstd, const Tensor& x,
+                     const Tensor& w, float eps) {
+  check_devices(ctx, "rmsnorm_forward", y, rstd, x, w);
+  int D = (int)x.size(-1), T = (int)(x.numel() / D);
+  PICO_ASSERT(w.numel() == D && y.numel() == x.numel() && rstd.numel() == T,
+              "rmsnorm_forward shapes " + x.shape_str());
+  if (ctx.device == Device::CPU)
+    return rmsnorm_forward_cpu(y.f32(), rstd.f32(), x.f32(), w.f32(), T, D, eps);
+  rmsnorm_forward_kernel<<<T, kThreads, 0, ctx.stream>>>(y.f32(), rstd.f32(), x.f32(), w.f32(), D,
+                                                         eps);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, const Tensor& dy,
+                      const Tensor& x, const Tensor& w, const Tensor& rstd) {
+  check_devices(ctx, "rmsnorm_backward", dx, dw, dy, x, w, rstd);
+  int D = (int)x.size(-1), T = (int)(x.numel() / D);
+  PICO_ASSERT(dx.numel() == x.numel() && dy.numel() == x.numel() && dw.numel() == D,
+              "rmsnorm_backward shapes " + x.shape_str());
+  if (ctx.device == Device::CPU)
+    return rmsnorm_backward_cpu(dx.f32(), dw.f32(), dy.f32(), x.f32(), w.f32(), rstd.f32(), T, D);
+  rmsnorm_backward_dx_kernel<<<T, kThreads, 0, ctx.stream>>>(dx.f32(), dy.f32(), x.f32(), w.f32(),
+                                                             rstd.f32(), D);
+  CUDA_CHECK(cudaGetLastError());
+  rmsnorm_backward_dw_kernel<<<grid_for(D), kThreads, 0, ctx.stream>>>(dw.f32(), dy.f32(), x.f32(),
+                                                                       rstd.f32(), T, D);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// ============================================================================
+// RoPE (Su et al. 2021), HF rotate_half layout: pair (i, i + hd/2) turns by pos * theta^(-2i/hd)
+// ============================================================================
+
+// x [T, H, hd] in place; sign = +1 rotates (forward), -1 rotates back (backward: the transpose
+// of a rotation is its inverse). Angles in float, the same expressions as the kernel.
+static void rope_cpu(float* x, const int32_t* pos, int T, int H, int hd, float theta, float sign) {
+  int half = hd / 2;
+  for (int t = 0; t < T; t++)
+    for (int h = 0; h < H; h++)
+      for (int i = 0; i < half; i++) {
+        float angle = (float)pos[t] * (1.0f / powf(theta, (2.0f * i) / hd));
+        float c = cosf(angle), s = sign * sinf(angle);
+        float* v = x + ((int64_t)t * H + h) * hd;  // [hd]
+        float a = v[i], b = v[i + half];
+        v[i] = a * c - b * s;
+        v[i + half] = b * c + a * s;
+      }
+}
+
+// One thread per rotated pair.
+static __global__ void rope_kernel(float* x, const int32_t* pos, int64_t pairs, int H, int hd,
+                                   float theta, float sign) {
+  int half = hd / 2;
+  GRID_STRIDE_LOOP(p, pairs) {
+    int i = (int)(p % half);
+    int64_t head = p / half;  // t * H + h
+    float angle = (float)pos[head / H] * (1.0f / powf(theta, (2.0f * i) / hd));
+    float c = cosf(angle), s = sign * sinf(angle);
+    float* v = x + head * hd;  // [hd]
+    float a = v[i], b = v[i + half];
+    v[i] = a * c - b * s;
+    v[i + half] = b * c + a * s;
+  }
+}
+
+static void rope(const Context& ctx, const Tensor& x, const Tensor& positions, float theta,
+                 float sign) {
+  check_devices(ctx, "rope", x, positions);
+  PICO_ASSERT(x.dim() == 3 && x.size(2) % 2 == 0 && positions.numel() == x.size(0),
+              "rope expects x [T, H, hd] with even hd and positions [T], got " + x.shape_str());
+  int T = (int)x.size(0), H = (int)x.size(1), hd = (int)x.size(2);
+  if (ctx.device == Device::CPU) return rope_cpu(x.f32(), positions.i32(), T, H, hd, theta, sign);
+  int64_t pairs = (int64_t)T * H * (hd / 2);
+  rope_kernel<<<grid_for(pairs), kThreads, 0, ctx.stream>>>(x.f32(), positions.i32(), pairs, H, hd,
+                                                            theta, sign);
+  CUDA_CHECK(cudaGetLastError());
+}
+void rope_forward(const Context& ctx, const Tensor& x, const Tensor& positions, float theta) {
+  rope(ctx, x, positions, theta, 1.0f);
+}
+void rope_backward(const Context& ctx, const Tensor& dx, const Tensor& positions, float theta) {
+  rope(ctx, dx, positions, theta, -1.0f);
+}
+
+// ============================================================================
+// SwiGLU (Shazeer 2020): the gated MLP activation of Llama
+// ============================================================================
+
+static __host__ __device__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+
+// gate, up, out [n]
+static void swiglu_forward_cpu(float* out, const float* gate, const float* up, int64_t n) {
+  for (int64_t i = 0; i < n; i++) out[i] = gate[i] * sigmoid(gate[i]) * up[i];
+}
+// silu'(g) = sig * (1 + g * (1 - sig)). Inputs are read before outputs are written, so the
+// gradients may overwrite gate and up.
+static void swiglu_backward_cpu(float* dgate, float* dup, const float* dout, const float* gate,
+                                const float* up, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    float g = gate[i], u = up[i], d = dout[i], sig = sigmoid(g);
+    dgate[i] = d * u * sig * (1.0f + g * (1.0f - sig));
+    dup[i] = d * g * sig;
+  }
+}
+
+static __global__ void swiglu_forward_kernel(float* out, const float* gate, const float* up,
+                                             int64_t n) {
+  GRID_STRIDE_LOOP(i, n) out[i] = gate[i] * sigmoid(gate[i]) * up[i];
+}
+static __global__ void swiglu_backward_kernel(float* dgate, float* dup, const float* dout,
+                                              const float* gate, const float* up, int64_t n) {
+  GRID_STRIDE_LOOP(i, n) {
+    float g = gate[i], u = up[i], d = dout[i], sig = sigmoid(g);
+    dgate[i] = d * u * sig * (1.0f + g * (1.0f - sig));
+    dup[i] = d * g * sig;
+  }
+}
+
+void swiglu_forward(const Context& ctx, const Tensor& out, const Tensor& gate, const Tensor& up) {
+  check_devices(ctx, "swiglu_forward", out, gate, up);
+  int64_t n = gate.numel();
+  PICO_ASSERT(up.numel() == n && out.numel() == n, "swiglu_forward shapes " + gate.shape_str());
+  if (ctx.device == Device::CPU) return swiglu_forward_cpu(out.f32(), gate.f32(), up.f32(), n);
+  swiglu_forward_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(out.f32(), gate.f32(), up.f32(),
+                                                                  n);
+  CUDA_CHECK(cudaGetLastError());
+}
+void swiglu_backward(const Context& ctx, const Tensor& dgate, const Tensor& dup, const Tensor& dout,
+                     const Tensor& gate, const Tensor& up) {
+  check_devices(ctx, "swiglu_backward", dgate, dup, dout, gate, up);
+  int64_t n = gate.numel();
+  PICO_ASSERT(up.numel() == n && dout.numel() == n && dgate.numel() == n && dup.numel() == n,
+              "swiglu_backward shapes " + gate.shape_str());
+  if (ctx.device == Device::CPU)
+    return swiglu_backward_cpu(dgate.f32(), dup.f32(), dout.f32(), gate.f32(), up.f32(), n);
+  swiglu_backward_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(
+      dgate.f32(), dup.f32(), dout.f32(), gate.f32(), up.f32(), n);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// ============================================================================
+// residual add, axpy, scale_: one elementwise out = alpha * a + beta * b
+// ============================================================================
+
+// out, a, b [n]; b may be null (then beta is unused). out may alias a or b.
+static void axpby_cpu(float* out, float alpha, const float* a, float beta, const float* b,
+                      int64_t n) {
+  for (int64_t i = 0; i < n; i++) out[i] = alpha * a[i] + (b ? beta * b[i] : 0.0f);
+}
+
+static __global__ void axpby_kernel(float* out, float alpha, const float* a, float beta,
+                                    const float* b, int64_t n) {
+  GRID_STRIDE_LOOP(i, n) out[i] = alpha * a[i] + (b ? beta * b[i] : 0.0f);
+}
+
+static void axpby(const Context& ctx, const Tensor& out, float alpha, const Tensor& a, float beta,
+                  const Tensor* b) {
+  check_devices(ctx, "residual/axpy/scale_", out, a);
+  if (b) check_devices(ctx, "residual/axpy/scale_", *b);
+  int64_t n = out.numel();
+  PICO_ASSERT(a.numel() == n && (!b || b->numel() == n),
+              "elementwise sizes differ: " + out.shape_str() + " vs " + a.shape_str());
+  const float* bp = b ? b->f32() : nullptr;
+  if (ctx.device == Device::CPU) return axpby_cpu(out.f32(), alpha, a.f32(), beta, bp, n);
+  axpby_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(out.f32(), alpha, a.f32(), beta, bp, n);
+  CUDA_CHECK(cudaGetLastError());
+}
+void residual_forward(const Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b) {
+  axpby(ctx, out, 1.0f, a, 1.0f, &b);
+}
+void axpy(const Context& ctx, const Tensor& y, float alpha, const Tensor& x) {
+  axpby(ctx, y, 1.0f, y, alpha, &x);
+}
+void scale_(const Context& ctx, const Tensor& x, float alpha) {
+  axpby(ctx, x, alpha, x, 0.0f, nullptr);
+}
+
+// ============================================================================
+// cross-entropy fused with softmax: the [T, V] probabilities are never stored
+// ============================================================================
+
+// Per row: losses[t] = logsumexp - logit of the target (if losses), and/or dlogits[t] =
+// scale * (softmax - onehot) (if dlogits). Subtracting the row max keeps expf from overflowing;
+// every read of a row comes before its writes, so dlogits may alias logits.
+static void cross_entropy_cpu(float* losses, float* dlogits, const float* logits,
+                              const int32_t* targets, int T, int V, float scale) {
+  for (int t = 0; t < T; t++) {
+    const float* x = logits + (int64_t)t * V;  // [V]
+    int target = targets[t];
+    PICO_ASSERT(target >= 0 && target < V, "target " + std::to_string(target) +
+                                               " outside the vocabulary of " + std::to_string(V));
+    float x_target = x[target], mx = -INFINITY, se = 0.0f;
+    for (int i = 0; i < V; i++) mx = fmaxf(mx, x[i]);
+    for (int i = 0; i < V; i++) se += expf(x[i] - mx);
+    if (losses) losses[t] = logf(se) + mx - x_target;
+    if (dlogits)
+      for (int i = 0; i < V; i++)
+        dlogits[(int64_t)t * V + i] = scale * (expf(x[i] - mx) / se - (i == target ? 1.0f : 0.0f));
+  }
+}
+
+// One block per row: two block reductions (max, then sum of exponentials), then the write.
+static __global__ void cross_entropy_kernel(float* losses, float* dlogits, const float* logits,
+                                            const int32_t* targets, int V, float scale) {
+  const float* x = logits + (int64_t)blockIdx.x * V;  // [V]
+  int target = targets[blockIdx.x];
+  bool valid = target >= 0 && target < V;  // no assert on the GPU: a bad target gives a NaN loss
+  float x_target = valid ? x[target] : NAN, mx = -INFINITY, se = 0.0f;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) mx = fmaxf(mx, x[i]);
+  mx = block_reduce(mx, true);
+  for (int i = threadIdx.x; i < V; i += blockDim.x) se += expf(x[i] - mx);
+  se = block_reduce(se, false);  // its __syncthreads also orders all reads before any write
+  if (losses && threadIdx.x == 0) losses[blockIdx.x] = logf(se) + mx - x_target;
+  if (dlogits)
+    for (int i = threadIdx.x; i < V; i += blockDim.x)
+      dlogits[(int64_t)blockIdx.x * V + i] =
+          scale * (expf(x[i] - mx) / se - (i == target ? 1.0f : 0.0f));
+}
+
+static void cross_entropy(const Context& ctx, float* losses, float* dlogits, const Tensor& logits,
+                          const Tensor& targets, float scale) {
+  int V = (int)logits.size(-1), T = (int)(logits.numel() / V);
+  PICO_ASSERT(targets.numel() == T, "cross_entropy: " + std::to_string(targets.numel()) +
+                                        " targets for logits " + logits.shape_str());
+  if (ctx.device == Device::CPU)
+    return cross_entropy_cpu(losses, dlogits, logits.f32(), targets.i32(), T, V, scale);
+  cross_entropy_kernel<<<T, kThreads, 0, ctx.stream>>>(losses, dlogits, logits.f32(), targets.i32(),
+                                                       V, scale);
+  CUDA_CHECK(cudaGetLastError());
+}
+void cross_entropy_forward(const Context& ctx, const Tensor& losses, const Tensor& logits,
+                           const Tensor& targets) {
+  check_devices(ctx, "cross_entropy_forward", losses, logits, targets);
+  PICO_ASSERT(losses.numel() == targets.numel(),
+              "cross_entropy_forward losses " + losses.shape_str());
+  cross_entropy(ctx, losses.f32(), nullptr, logits, targets, 1.0f);
+}
+void cross_entropy_backward(const Context& ctx, const Tensor& dlogits, const Tensor& logits,
+                            const Tensor& targets, float scale) {
+  check_devices(ctx, "cross_entropy_backward", dlogits, logits, targets);
+  PICO_ASSERT(dlogits.numel() == logits.numel(), "cross_entropy_backward " + dlogits.shape_str());
+  cross_entropy(ctx, nullptr, dlogits.f32(), logits, targets, scale);
+}
+
+// ============================================================================
+// reductions: sum and sum of squares, fp32, result on the host
+// ============================================================================
+
+// Blocked fp32 sum: each 256-element chunk is summed alone and the chunk sums are added, so the
+// rounding error grows like 256 + n/256 additions instead of n (close to the GPU's tree).
+static float sum_cpu(const float* x, int64_t n, bool squares) {
+  float total = 0.0f;
+  for (int64_t start = 0; start < n; start += 256) {
+    float chunk = 0.0f;
+    for (int64_t i = start; i < std::min<int64_t>(n, start + 256); i++)
+      chunk += squares ? x[i] * x[i] : x[i];
+    total += chunk;
+  }
+  return total;
+}
+
+// Each block writes its partial sum to partials[blockIdx.x].
+static __global__ void sum_kernel(float* partials, const float* x, int64_t n, bool squares) {
+  float acc = 0.0f;
+  GRID_STRIDE_LOOP(i, n) acc += squares ? x[i] * x[i] : x[i];
+  acc = block_reduce(acc, false);
+  if (threadIdx.x == 0) partials[blockIdx.x] = acc;
+}
+
+static float reduce(const Context& ctx, const Tensor& x, bool squares) {
+  check_devices(ctx, "sum", x);
+  int64_t n = x.numel();
+  if (ctx.device == Device::CPU) return sum_cpu(x.f32(), n, squares);
+  // Two passes of the same kernel, the second over the per-block partials with one block: no
+  // atomics, so the GPU result does not depend on block scheduling.
+  unsigned blocks = grid_for(n);
+  Tensor buffer = empty({(int64_t)blocks + 1}, Mem::Workspace, Device::CUDA);  // partials, total
+  sum_kernel<<<blocks, kThreads, 0, ctx.stream>>>(buffer.f32(), x.f32(), n, squares);
+  CUDA_CHECK(cudaGetLastError());
+  sum_kernel<<<1, kThreads, 0, ctx.stream>>>(buffer.f32() + blocks, buffer.f32(), blocks, false);
+  CUDA_CHECK(cudaGetLastError());
+  float total = 0.0f;
+  CUDA_CHECK(cudaMemcpyAsync(&total, buffer.f32() + blocks, sizeof(float), cudaMemcpyDeviceToHost,
+                             ctx.stream));
+  CUDA_CHECK(cudaStreamSynchronize(ctx.stream));
+  return total;
+}
+float sum(const Context& ctx, const Tensor& x) { return reduce(ctx, x, false); }
+float sum_squares(const Context& ctx, const Tensor& x) { return reduce(ctx, x, true); }
+
+// ============================================================================
+// AdamW (Loshchilov & Hutter 2019); m and v are the optimizer state of Playbook §2.3
+// ============================================================================
+
+// p, g, m, v [n]. bc1 = 1 - beta1^step and bc2 = 1 - beta2^step come in from the host.
+// Weight decay is decoupled: it shrinks p directly instead of entering the moments.
+static void adamw_cpu(float* p, const float* g, float* m, float* v, int64_t n, AdamWConfig cfg,
+                      float lr, float wd, float bc1, float bc2) {
+  for (int64_t i = 0; i < n; i++) {
+    m[i] = cfg.beta1 * m[i] + (1.0f - cfg.beta1) * g[i];
+    v[i] = cfg.beta2 * v[i] + (1.0f - cfg.beta2) * g[i] * g[i];
+    float mhat = m[i] / bc1, vhat = v[i] / bc2;
+    p[i] -= lr * (mhat / (sqrtf(vhat) + cfg.eps) + wd * p[i]);
+  }
+}
+
+static __global__ void adamw_kernel(float* p, const float* g, float* m, float* v, int64_t n,
+                                    AdamWConfig cfg, float lr, float wd, float bc1, float bc2) {
+  GRID_STRIDE_LOOP(i, n) {
+    m[i] = cfg.beta1 * m[i] + (1.0f - cfg.beta1) * g[i];
+    v[i] = cfg.beta2 * v[i] + (1.0f - cfg.beta2) * g[i] * g[i];
+    float mhat = m[i] / bc1, vhat = v[i] / bc2;
+    p[i] -= lr * (mhat / (sqrtf(vhat) + cfg.eps) + wd * p[i]);
+  }
+}
+
+void adamw_update(const Context& ctx, float* p, const float* g, float* m, float* v, int64_t n,
+                  const AdamWConfig& cfg, float lr, float weight_decay, int step) {
+  PICO_ASSERT(step >= 1, "adamw_update: step counts from 1, got " + std::to_string(step));
+  // Bias corrections once, in double, so both devices divide by the same two floats.
+  float bc1 = (float)(1.0 - std::pow((double)cfg.beta1, step));
+  float bc2 = (float)(1.0 - std::pow((double)cfg.beta2, step));
+  if (ctx.device == Device::CPU) return adamw_cpu(p, g, m, v, n, cfg, lr, weight_decay, bc1, bc2);
+  adamw_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(p, g, m, v, n, cfg, lr, weight_decay, bc1,
+                                                         bc2);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// ============================================================================
+// gradient clipping: one global L2 norm over all gradients, then one rescale
+// ============================================================================
+
+float clip_grad_norm(const Context& ctx, const Tensor& grads, float max_norm) {
+  float norm = sqrtf(sum_squares(ctx, grads));
+  if (max_norm > 0.0f && norm > max_norm) scale_(ctx, grads, max_norm / norm);
+  return norm;
+}

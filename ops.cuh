@@ -1,0 +1,79 @@
+// ops.cuh: the model's building blocks. Each op has a CPU reference loop and a CUDA kernel
+// in ops.cu; the functions below dispatch on ctx.device (all tensors live on that device).
+// Layouts follow PyTorch/HF: row-major, activations [tokens, features], linear W [out, in].
+// Backward functions that take a gradient "+=" accumulate into it; "=" overwrites.
+#pragma once
+#include "core.cuh"
+
+// ---- matmul (Playbook §2.1: every linear layer is a GEMM) ----
+// C[M,N] = alpha * op(A) @ op(B) + beta * C, all row-major with leading dimensions
+// (op(A) is [M,K], op(B) is [K,N]). CPU: cblas_sgemm; CUDA: cublasSgemm.
+void gemm(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha,
+          const float* A, int lda, const float* B, int ldb, float beta, float* C, int ldc);
+// y[T, out] = x[T, in] @ W[out, in]^T
+void linear_forward(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& W);
+// dx[T, in] (= or += when accumulate_dx) dy[T, out] @ W ; dW[out, in] += dy^T @ x.
+// dx may be undefined (no input gradient needed).
+void linear_backward(const Context& ctx, const Tensor& dx, const Tensor& dW, const Tensor& dy,
+                     const Tensor& x, const Tensor& W, bool accumulate_dx = false);
+
+// ---- embedding ----
+// out[T, D] = table[ids[t], :]; ids [T] int32
+void embedding_forward(const Context& ctx, const Tensor& out, const Tensor& ids,
+                       const Tensor& table);
+// dtable[V, D] += scatter of dout[T, D] by ids
+void embedding_backward(const Context& ctx, const Tensor& dtable, const Tensor& ids,
+                        const Tensor& dout);
+
+// ---- RMSNorm: y = x / sqrt(mean(x^2) + eps) * w ----
+// x, y [T, D]; w [D]; rstd [T] saved for backward
+void rmsnorm_forward(const Context& ctx, const Tensor& y, const Tensor& rstd, const Tensor& x,
+                     const Tensor& w, float eps);
+// dx[T, D] += ..., dw[D] += ...
+void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, const Tensor& dy,
+                      const Tensor& x, const Tensor& w, const Tensor& rstd);
+
+// ---- RoPE, HF rotate_half convention: pairs (i, i + hd/2), angle pos * theta^(-2i/hd) ----
+// x [T, H, hd] rotated in place; positions [T] int32
+void rope_forward(const Context& ctx, const Tensor& x, const Tensor& positions, float theta);
+// dx [T, H, hd] in place: the inverse rotation (rotation matrices are orthogonal)
+void rope_backward(const Context& ctx, const Tensor& dx, const Tensor& positions, float theta);
+
+// ---- SwiGLU: out = silu(gate) * up ----
+// gate, up, out [T, F]
+void swiglu_forward(const Context& ctx, const Tensor& out, const Tensor& gate, const Tensor& up);
+// dgate, dup [T, F] (=)
+void swiglu_backward(const Context& ctx, const Tensor& dgate, const Tensor& dup,
+                     const Tensor& dout, const Tensor& gate, const Tensor& up);
+
+// ---- residual: out = a + b (backward is the identity into both branches) ----
+void residual_forward(const Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b);
+// y += alpha * x (same numel); the accumulate used by residual backward and gradient sums
+void axpy(const Context& ctx, const Tensor& y, float alpha, const Tensor& x);
+void scale_(const Context& ctx, const Tensor& x, float alpha);
+
+// ---- cross-entropy fused with softmax, fp32 accumulation ----
+// losses[T] = logsumexp(logits[t]) - logits[t, targets[t]]; logits [T, V]; targets [T] int32
+void cross_entropy_forward(const Context& ctx, const Tensor& losses, const Tensor& logits,
+                           const Tensor& targets);
+// dlogits[T, V] = scale * (softmax(logits) - onehot(targets)); dlogits may alias logits
+void cross_entropy_backward(const Context& ctx, const Tensor& dlogits, const Tensor& logits,
+                            const Tensor& targets, float scale);
+
+// ---- reductions (fp32 accumulation, result on the host) ----
+float sum(const Context& ctx, const Tensor& x);
+float sum_squares(const Context& ctx, const Tensor& x);
+
+// ---- AdamW (Loshchilov & Hutter): bias-corrected moments, decoupled weight decay ----
+struct AdamWConfig {
+  float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
+};
+// On n contiguous elements: m, v updated; p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p).
+// step counts from 1.
+void adamw_update(const Context& ctx, float* p, const float* g, float* m, float* v, int64_t n,
+                  const AdamWConfig& cfg, float lr, float weight_decay, int step);
+
+// ---- gradient clipping (one process; sharded versions combine sum_squares over ranks) ----
+// Returns the L2 norm of grads; when max_norm > 0 and norm > max_norm, scales grads by
+// max_norm / norm.
+float clip_grad_norm(const Context& ctx, const Tensor& grads, float max_norm);

@@ -1,0 +1,415 @@
+// test_checkpoint.cu: safetensors files byte for byte, config.json as Hugging Face reads it, and
+// the promises of DESIGN §9: atomic checkpoint directories, and loads that name what is wrong
+// and never half-overwrite a model.
+#include <catch2/catch.hpp>
+
+#include <stdlib.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "checkpoint.cuh"
+#include "core.cuh"
+
+namespace fs = std::filesystem;
+using Catch::Matchers::Contains;
+using nlohmann::json;
+
+namespace {
+
+// A fresh directory under /tmp, removed with everything in it when the test ends.
+struct TempDir {
+  std::string path;
+  TempDir() {
+    char name[] = "/tmp/picoscale_ckpt_XXXXXX";
+    REQUIRE(mkdtemp(name) != nullptr);
+    path = name;
+  }
+  ~TempDir() { fs::remove_all(path); }
+  std::string file(const std::string& name) const { return path + "/" + name; }
+};
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+template <typename F>
+std::string usage_error_of(F f) {
+  try {
+    f();
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Three F32 tensors (one with -0.0 and a NaN, which only a bit-exact copy keeps) and one I32.
+std::vector<NamedTensor> sample_tensors(uint64_t seed) {
+  std::vector<NamedTensor> ts = {
+      {"model.embed_tokens.weight", empty({10, 4}, Mem::Params)},
+      {"model.layers.0.self_attn.q_proj.weight", empty({3, 5}, Mem::Params)},
+      {"model.norm.weight", empty({4}, Mem::Params)},
+      {"positions", empty({7}, Mem::Params, Device::CPU, DType::I32)}};
+  for (int i = 0; i < 3; i++) init_normal(ts[i].tensor, seed, ts[i].name, 1.0f);
+  ts[0].tensor.f32()[0] = -0.0f;
+  ts[0].tensor.f32()[1] = std::numeric_limits<float>::quiet_NaN();
+  for (int i = 0; i < 7; i++) ts[3].tensor.i32()[i] = (int32_t)(seed * 1000) - 3 * i;
+  return ts;
+}
+// Destination tensors of the same names and shapes, filled with 7s.
+std::vector<NamedTensor> like(const std::vector<NamedTensor>& src) {
+  std::vector<NamedTensor> out;
+  for (const NamedTensor& nt : src) {
+    Tensor t = empty(nt.tensor.shape, Mem::Params, Device::CPU, nt.tensor.dtype);
+    if (t.dtype == DType::F32) fill_(t, 7.0f);
+    else for (int64_t i = 0; i < t.numel(); i++) t.i32()[i] = 7;
+    out.push_back({nt.name, t});
+  }
+  return out;
+}
+bool same_bits(const std::vector<NamedTensor>& a, const std::vector<NamedTensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); i++) {
+    Tensor x = to_device(a[i].tensor, Device::CPU, Mem::Workspace);
+    Tensor y = to_device(b[i].tensor, Device::CPU, Mem::Workspace);
+    if (a[i].name != b[i].name || x.shape != y.shape ||
+        memcmp(x.ptr, y.ptr, x.nbytes()) != 0)
+      return false;
+  }
+  return true;
+}
+std::vector<NamedTensor> snapshot(const std::vector<NamedTensor>& ts) {
+  std::vector<NamedTensor> out;
+  for (const NamedTensor& nt : ts)
+    out.push_back({nt.name, to_device(nt.tensor, Device::CPU, Mem::Workspace)});
+  return out;
+}
+
+ModelConfig custom_config() {
+  ModelConfig cfg;
+  cfg.preset = "custom";
+  cfg.vocab = 300, cfg.d_model = 96, cfg.layers = 3, cfg.heads = 6, cfg.kv_heads = 2;
+  cfg.ffn = 256, cfg.seq = 64, cfg.rope_theta = 500000.0f, cfg.norm_eps = 1e-6f;
+  cfg.tie_embeddings = true, cfg.init_std = 0.01f;
+  return cfg;
+}
+
+}  // namespace
+
+TEST_CASE("safetensors round-trips F32 and I32 tensors bit-exactly, with the metadata",
+          "[checkpoint]") {
+  TempDir dir;
+  const std::vector<NamedTensor> src = sample_tensors(1);
+  write_safetensors(dir.file("a.safetensors"), src, {{"format", "pt"}, {"step", "12"}});
+  std::vector<NamedTensor> dst = like(src);
+  auto metadata = read_safetensors(dir.file("a.safetensors"), dst);
+  CHECK(same_bits(src, dst));
+  CHECK(metadata == std::map<std::string, std::string>{{"format", "pt"}, {"step", "12"}});
+  write_safetensors(dir.file("b.safetensors"), src);
+  CHECK(read_safetensors(dir.file("b.safetensors"), like(src)).empty());
+  CHECK_FALSE(fs::exists(dir.file("a.safetensors.tmp")));
+}
+
+TEST_CASE("a safetensors file is a u64 header length, a JSON header, then 8-byte aligned data",
+          "[checkpoint]") {
+  TempDir dir;
+  const std::vector<NamedTensor> src = sample_tensors(2);
+  write_safetensors(dir.file("a.safetensors"), src, {{"format", "pt"}});
+  const std::string bytes = read_file(dir.file("a.safetensors"));
+  uint64_t header_len = 0;
+  for (int b = 0; b < 8; b++) header_len |= (uint64_t)(unsigned char)bytes[b] << (8 * b);
+  CHECK((8 + header_len) % 8 == 0);
+  const json header = json::parse(bytes.substr(8, header_len));  // trailing spaces are fine
+  CHECK(header["__metadata__"] == json{{"format", "pt"}});
+  uint64_t at = 0;  // tensors lie contiguously, in the order given
+  for (const NamedTensor& nt : src) {
+    const json& e = header.at(nt.name);
+    CHECK(e["dtype"] == dtype_name(nt.tensor.dtype));
+    CHECK(e["shape"].get<std::vector<int64_t>>() == nt.tensor.shape);
+    CHECK(e["data_offsets"] == json::array({at, at + nt.tensor.nbytes()}));
+    CHECK(memcmp(bytes.data() + 8 + header_len + at, nt.tensor.ptr, nt.tensor.nbytes()) == 0);
+    at += nt.tensor.nbytes();
+  }
+  CHECK(header["positions"]["dtype"] == "I32");
+  CHECK(bytes.size() == 8 + header_len + at);
+}
+
+TEST_CASE("a truncated safetensors file is refused as truncated", "[checkpoint]") {
+  TempDir dir;
+  const std::string path = dir.file("model.safetensors");
+  const std::vector<NamedTensor> src = sample_tensors(3);
+  write_safetensors(path, src);
+  const std::string bytes = read_file(path);
+  write_bytes(path, bytes.substr(0, bytes.size() - 5));
+  const uint64_t data = 40 * 4 + 15 * 4 + 4 * 4 + 7 * 4;
+  CHECK_THAT(usage_error_of([&] { read_safetensors(path, like(src)); }),
+             Contains(path) && Contains("truncated: header promises " + std::to_string(data) +
+                                        " bytes of data, file has " + std::to_string(data - 5)));
+}
+
+TEST_CASE("a tensor of another shape or dtype is named with what was found and expected",
+          "[checkpoint]") {
+  TempDir dir;
+  const std::string path = dir.file("model.safetensors");
+  const std::vector<NamedTensor> src = sample_tensors(4);
+  write_safetensors(path, src);
+  std::vector<NamedTensor> dst = like(src);
+  dst[1].tensor = empty({5, 3}, Mem::Params);
+  CHECK(usage_error_of([&] { read_safetensors(path, dst); }) ==
+        path + ": tensor model.layers.0.self_attn.q_proj.weight: shape [3, 5], expected [5, 3]");
+  dst = like(src);
+  dst[3].tensor = empty({7}, Mem::Params);
+  CHECK_THAT(usage_error_of([&] { read_safetensors(path, dst); }),
+             Contains("tensor positions: dtype I32, expected F32"));
+}
+
+TEST_CASE("what is not a safetensors file is refused as such", "[checkpoint]") {
+  TempDir dir;
+  const std::string path = dir.file("x.safetensors");
+  const std::vector<NamedTensor> dst = like(sample_tensors(5));
+  auto header_then = [&](const std::string& header, const std::string& data) {
+    std::string bytes(8, '\0');
+    for (int b = 0; b < 8; b++) bytes[b] = (char)((uint64_t)header.size() >> (8 * b));
+    write_bytes(path, bytes + header + data);
+    return usage_error_of([&] { read_safetensors(path, dst); });
+  };
+  CHECK_THAT(usage_error_of([&] { read_safetensors(dir.file("none"), dst); }),
+             Contains(dir.file("none") + ": not found"));
+  write_bytes(path, "abc");
+  CHECK_THAT(usage_error_of([&] { read_safetensors(path, dst); }), Contains("too small"));
+  write_bytes(path, std::string(8, '\xff') + "{}");
+  CHECK_THAT(usage_error_of([&] { read_safetensors(path, dst); }),
+             Contains(path) && Contains("header length 18446744073709551615"));
+  CHECK_THAT(header_then("{\"a\": [1, 2", ""), Contains(path) && Contains("not valid JSON"));
+  CHECK_THAT(header_then("[1, 2]", ""), Contains("not a JSON object"));
+  CHECK_THAT(header_then(R"({"positions": {"dtype": "I32", "shape": [7]}})", ""),
+             Contains("tensor positions: malformed entry"));
+  CHECK_THAT(header_then(R"({"__metadata__": {"step": 3}})", ""), Contains("not a string"));
+  write_safetensors(path, sample_tensors(5));
+  write_bytes(path, read_file(path) + "tail");
+  CHECK_THAT(usage_error_of([&] { read_safetensors(path, dst); }),
+             Contains("4 bytes after the last tensor"));
+}
+
+TEST_CASE("missing and extra tensors are named", "[checkpoint]") {
+  TempDir dir;
+  const std::string path = dir.file("model.safetensors");
+  const std::vector<NamedTensor> src = sample_tensors(6);
+  write_safetensors(path, src);
+  std::vector<NamedTensor> more = like(src);
+  more.push_back({"lm_head.weight", empty({10, 4}, Mem::Params)});
+  CHECK(usage_error_of([&] { read_safetensors(path, more); }) ==
+        path + ": tensor lm_head.weight: missing from the file");
+  std::vector<NamedTensor> fewer = like(src);
+  fewer.erase(fewer.begin() + 2);
+  CHECK_THAT(usage_error_of([&] { read_safetensors(path, fewer); }),
+             Contains("tensor model.norm.weight") && Contains("extra tensor"));
+}
+
+TEST_CASE("a refused load leaves every destination tensor as it was", "[checkpoint]") {
+  TempDir dir;
+  const std::vector<NamedTensor> src = sample_tensors(7);
+  // The last tensor is wrong: a reader that copied as it validated would have written the rest.
+  std::vector<NamedTensor> bad = sample_tensors(7);
+  bad[3].tensor = empty({8}, Mem::Params, Device::CPU, DType::I32);
+  write_safetensors(dir.file("bad.safetensors"), bad);
+  std::vector<NamedTensor> dst = like(src);
+  const std::vector<NamedTensor> before = snapshot(dst);
+  CHECK_THROWS_AS(read_safetensors(dir.file("bad.safetensors"), dst), UsageError);
+  CHECK(same_bits(dst, before));
+
+  // A good model file with a bad optimizer file: neither the weights nor the moments change.
+  ModelConfig cfg;
+  OptimizerState opt{like(src), like(src), 5};
+  save_checkpoint(dir.file("ckpt"), cfg, src, &opt);
+  write_safetensors(dir.file("ckpt/optimizer.safetensors"), {}, {{"step", "x"}});
+  OptimizerState into{like(src), like(src), 0};
+  const std::vector<NamedTensor> moments_before = snapshot(into.exp_avg);
+  CHECK_THAT(usage_error_of([&] { load_checkpoint(dir.file("ckpt"), dst, &into); }),
+             Contains("optimizer.safetensors") && Contains("missing from the file"));
+  CHECK(same_bits(dst, before));
+  CHECK(same_bits(into.exp_avg, moments_before));
+  CHECK(into.step == 0);
+}
+
+TEST_CASE("config.json holds every LlamaConfig key and reads back the same ModelConfig",
+          "[checkpoint]") {
+  const ModelConfig cfg = custom_config();
+  const json j = hf_config(cfg);
+  for (const char* key :
+       {"architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps",
+        "rope_theta", "max_position_embeddings", "tie_word_embeddings", "torch_dtype",
+        "hidden_act", "initializer_range", "attention_bias", "mlp_bias", "picoscale_preset"})
+    CHECK(j.contains(key));
+  CHECK(j["architectures"] == json::array({"LlamaForCausalLM"}));
+  CHECK(j["model_type"] == "llama");
+  CHECK(j["head_dim"] == 16);
+  CHECK(j["rms_norm_eps"].get<double>() == 1e-6);  // the decimal a person wrote, not 9.99e-07
+  CHECK(j["initializer_range"].get<double>() == 0.01);
+  CHECK(j["max_position_embeddings"] == 64);
+  const ModelConfig back = config_from_hf(json::parse(j.dump()), "ckpt");
+  CHECK(back.preset == cfg.preset);
+  CHECK(back.vocab == cfg.vocab);
+  CHECK(back.d_model == cfg.d_model);
+  CHECK(back.layers == cfg.layers);
+  CHECK(back.heads == cfg.heads);
+  CHECK(back.kv_heads == cfg.kv_heads);
+  CHECK(back.ffn == cfg.ffn);
+  CHECK(back.seq == cfg.seq);
+  CHECK(back.rope_theta == cfg.rope_theta);
+  CHECK(back.norm_eps == cfg.norm_eps);
+  CHECK(back.tie_embeddings == cfg.tie_embeddings);
+  CHECK(back.init_std == cfg.init_std);
+}
+
+TEST_CASE("config_from_hf names missing keys, wrong types and what picoscale lacks",
+          "[checkpoint]") {
+  const json good = hf_config(custom_config());
+  auto error_with = [&](const std::function<void(json&)>& edit) {
+    json j = good;
+    edit(j);
+    return usage_error_of([&] { config_from_hf(j, "ckpt"); });
+  };
+  CHECK(error_with([](json& j) { j.erase("hidden_size"); }) ==
+        "ckpt: config.json: missing key hidden_size");
+  CHECK_THAT(error_with([](json& j) { j["num_hidden_layers"] = "3"; }),
+             Contains("num_hidden_layers must be a positive integer, found \"3\""));
+  CHECK_THAT(error_with([](json& j) { j["vocab_size"] = -1; }), Contains("vocab_size"));
+  CHECK_THAT(error_with([](json& j) { j["architectures"] = {"GPT2LMHeadModel"}; }),
+             Contains("LlamaForCausalLM"));
+  CHECK_THAT(error_with([](json& j) { j["tie_word_embeddings"] = 1; }),
+             Contains("tie_word_embeddings"));
+  CHECK_THAT(error_with([](json& j) { j["rope_scaling"] = {{"rope_type", "llama3"}}; }),
+             Contains("rope_scaling is not supported"));
+  CHECK_THAT(error_with([](json& j) { j["head_dim"] = 64; }), Contains("head_dim"));
+  CHECK_THAT(error_with([](json& j) { j["mlp_bias"] = true; }), Contains("mlp_bias"));
+  CHECK_THAT(error_with([](json& j) { j["hidden_act"] = "gelu"; }), Contains("gelu"));
+  // Keys a LlamaConfig may leave out take its defaults; JSON null counts as left out.
+  json j = good;
+  j.erase("num_key_value_heads"), j.erase("picoscale_preset"), j["rope_scaling"] = nullptr;
+  const ModelConfig cfg = config_from_hf(j, "ckpt");
+  CHECK(cfg.kv_heads == cfg.heads);
+  CHECK(cfg.preset == "hf");
+}
+
+TEST_CASE("save_checkpoint writes a Hugging Face directory; load_checkpoint restores it, step "
+          "included",
+          "[checkpoint]") {
+  TempDir dir;
+  const std::string ckpt = dir.file("runs/ckpt");  // the parent does not exist yet
+  const ModelConfig cfg = custom_config();
+  const std::vector<NamedTensor> params = sample_tensors(8);
+  OptimizerState opt{sample_tensors(9), sample_tensors(10), 42};
+  save_checkpoint(ckpt, cfg, params, &opt);
+  for (const char* f : {"config.json", "model.safetensors", "optimizer.safetensors"})
+    CHECK(fs::is_regular_file(ckpt + "/" + f));
+  CHECK(read_checkpoint_config(ckpt).d_model == cfg.d_model);
+  CHECK(read_safetensors(ckpt + "/model.safetensors", like(params)) ==
+        std::map<std::string, std::string>{{"format", "pt"}});
+  const std::string header = read_file(ckpt + "/optimizer.safetensors").substr(8, 2000);
+  CHECK_THAT(header, Contains("\"model.norm.weight.exp_avg\"") &&
+                         Contains("\"model.norm.weight.exp_avg_sq\"") && Contains("\"42\""));
+
+  std::vector<NamedTensor> p = like(params);
+  OptimizerState o{like(params), like(params), 0};
+  CHECK(load_checkpoint(ckpt, p, &o));
+  CHECK(same_bits(p, params));
+  CHECK(same_bits(o.exp_avg, opt.exp_avg));
+  CHECK(same_bits(o.exp_avg_sq, opt.exp_avg_sq));
+  CHECK(o.step == 42);
+  CHECK_FALSE(load_checkpoint(ckpt, like(params), nullptr));  // weights only
+  save_checkpoint(ckpt, cfg, params, nullptr);                 // no optimizer file now
+  CHECK_FALSE(fs::exists(ckpt + "/optimizer.safetensors"));
+  CHECK_FALSE(load_checkpoint(ckpt, like(params), &o));
+}
+
+TEST_CASE("save_checkpoint replaces an existing checkpoint whole and leaves no temporary behind",
+          "[checkpoint]") {
+  TempDir dir;
+  const std::string ckpt = dir.file("ckpt");
+  save_checkpoint(ckpt, ModelConfig{}, sample_tensors(11), nullptr);
+  const std::vector<NamedTensor> second = sample_tensors(12);
+  save_checkpoint(ckpt + "/", ModelConfig{}, second, nullptr);  // a trailing slash names ckpt
+  std::vector<NamedTensor> p = like(second);
+  load_checkpoint(ckpt, p, nullptr);
+  CHECK(same_bits(p, second));
+  std::vector<std::string> names;
+  for (const auto& e : fs::recursive_directory_iterator(dir.path))
+    names.push_back(fs::relative(e.path(), dir.path).string());
+  std::sort(names.begin(), names.end());
+  CHECK(names == std::vector<std::string>{"ckpt", "ckpt/config.json", "ckpt/model.safetensors"});
+}
+
+TEST_CASE("save_checkpoint never replaces what is not a checkpoint", "[checkpoint]") {
+  TempDir dir;
+  fs::create_directory(dir.file("home"));
+  write_bytes(dir.file("home/notes.txt"), "precious");
+  CHECK_THAT(usage_error_of([&] { save_checkpoint(dir.file("home"), ModelConfig{}, {}, nullptr); }),
+             Contains(dir.file("home")) && Contains("not a checkpoint"));
+  CHECK(read_file(dir.file("home/notes.txt")) == "precious");
+  write_bytes(dir.file("file"), "also precious");
+  CHECK_THROWS_AS(save_checkpoint(dir.file("file"), ModelConfig{}, {}, nullptr), UsageError);
+  CHECK(read_file(dir.file("file")) == "also precious");
+}
+
+TEST_CASE("loading from a directory without config.json names --load and the directory",
+          "[checkpoint]") {
+  TempDir dir;
+  CHECK_THAT(usage_error_of([&] { read_checkpoint_config(dir.file("nowhere")); }),
+             Contains("--load " + dir.file("nowhere") + ": no config.json") &&
+                 Contains("no such directory"));
+  CHECK_THAT(usage_error_of([&] { read_checkpoint_config(dir.path); }),
+             Contains("no config.json in it"));
+  write_bytes(dir.file("config.json"), "{ not json");
+  CHECK_THAT(usage_error_of([&] { read_checkpoint_config(dir.path); }), Contains("not valid JSON"));
+  CHECK_THAT(usage_error_of([&] { load_checkpoint(dir.path, {}, nullptr); }),
+             Contains("model.safetensors: not found"));
+}
+
+TEST_CASE("load_checkpoint refuses an optimizer file without a valid step", "[checkpoint]") {
+  TempDir dir;
+  const std::vector<NamedTensor> params = sample_tensors(13);
+  OptimizerState opt{sample_tensors(14), sample_tensors(15), 3};
+  save_checkpoint(dir.file("ckpt"), ModelConfig{}, params, &opt);
+  for (std::string step : {"", "-1", "12abc"}) {
+    std::map<std::string, std::string> metadata;
+    if (!step.empty()) metadata["step"] = step;
+    std::vector<NamedTensor> moments;
+    for (size_t i = 0; i < params.size(); i++) {
+      moments.push_back({params[i].name + ".exp_avg", opt.exp_avg[i].tensor});
+      moments.push_back({params[i].name + ".exp_avg_sq", opt.exp_avg_sq[i].tensor});
+    }
+    write_safetensors(dir.file("ckpt/optimizer.safetensors"), moments, metadata);
+    OptimizerState into{like(params), like(params), 0};
+    CHECK_THAT(usage_error_of([&] { load_checkpoint(dir.file("ckpt"), like(params), &into); }),
+               Contains("optimizer.safetensors") && Contains("step"));
+  }
+}
+
+TEST_CASE("safetensors round-trips tensors that live on the GPU", "[checkpoint][cuda]") {
+  if (!cuda_available()) {
+    WARN("no CUDA device: skipped");
+    return;
+  }
+  TempDir dir;
+  const std::vector<NamedTensor> host = sample_tensors(16);
+  std::vector<NamedTensor> gpu, dst;
+  for (const NamedTensor& nt : host) {
+    gpu.push_back({nt.name, to_device(nt.tensor, Device::CUDA, Mem::Params)});
+    dst.push_back({nt.name, zeros(nt.tensor.shape, Mem::Params, Device::CUDA, nt.tensor.dtype)});
+  }
+  write_safetensors(dir.file("gpu.safetensors"), gpu);
+  read_safetensors(dir.file("gpu.safetensors"), dst);
+  CHECK(same_bits(dst, host));
+  CHECK(read_file(dir.file("gpu.safetensors")).size() > 0);
+}

@@ -1,0 +1,171 @@
+// The model as a whole: parameter count, static memory, gradients against finite
+// differences, and the recompute modes (Playbook §2.4-§2.6).
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstring>
+
+#include "model.cuh"
+#include "ops.cuh"
+#include "optimizer.cuh"
+
+static ModelConfig small_config() {
+  ModelConfig c;
+  c.vocab = 32, c.d_model = 16, c.layers = 2, c.heads = 4, c.kv_heads = 2, c.ffn = 24, c.seq = 8;
+  c.init_std = 0.2f;  // larger weights: larger gradients, so finite differences resolve them
+  return c;
+}
+
+static void random_tokens(std::vector<int32_t>& v, int vocab, uint64_t seed) {
+  uint64_t key = rng_key(seed, "tokens");
+  for (size_t i = 0; i < v.size(); i++) v[i] = (int32_t)(rng_uniform(key, i) * vocab);
+}
+
+TEST_CASE("the tiny preset has 853,120 parameters, as the closed form says", "[model]") {
+  ModelConfig c = model_preset("tiny");
+  // embed 256*128 + 4 blocks * (2*128 norms + 128*128 q + 2*64*128 kv + 128*128 o
+  // + 3*128*384 mlp) + 128 final norm + 256*128 lm_head
+  REQUIRE(parameter_count(c) == 32768 + 4 * (256 + 16384 + 16384 + 16384 + 147456) + 128 + 32768);
+  for (bool tied : {false, true}) {
+    c.tie_embeddings = tied;
+    Model m = build_model(c, Device::CPU, 1);
+    int64_t allocated = 0;
+    for (auto& p : m.named_params) allocated += p.tensor.numel();
+    REQUIRE(allocated == parameter_count(c));
+    REQUIRE(m.params.numel() == parameter_count(c));
+    REQUIRE(m.named_params.size() == (size_t)(4 * 9 + 2 + (tied ? 0 : 1)));
+  }
+  REQUIRE(parameter_count(model_preset("smollm-135m")) == 134515008);  // SmolLM-135M's count
+  REQUIRE(parameter_count(model_preset("llama-1b")) == 1235814400);    // Llama-3.2-1B's count
+}
+
+TEST_CASE("fp32 training holds 16 bytes per parameter: weights, gradients, Adam m and v",
+          "[model]") {
+  MemoryStats before = memory_stats();
+  ModelConfig c = model_preset("tiny");
+  Model m = build_model(c, Device::CPU, 1);
+  Optimizer opt = build_optimizer(m, AdamWConfig{}, 0.1f);
+  MemoryStats after = memory_stats();
+  auto grew = [&](Mem k) { return after.current[(int)k] - before.current[(int)k]; };
+  int64_t N = parameter_count(c);
+  REQUIRE(grew(Mem::Params) == 4 * N);
+  REQUIRE(grew(Mem::Grads) == 4 * N);
+  REQUIRE(grew(Mem::Optimizer) == 8 * N);
+}
+
+TEST_CASE("initialisation depends on (seed, name, index) only", "[model]") {
+  ModelConfig c = small_config();
+  Model a = build_model(c, Device::CPU, 7), b = build_model(c, Device::CPU, 7);
+  Model other = build_model(c, Device::CPU, 8);
+  std::vector<float> pa = to_host_floats(a.params), pb = to_host_floats(b.params);
+  std::vector<float> po = to_host_floats(other.params);
+  REQUIRE(pa == pb);
+  REQUIRE(pa != po);
+  // A slice of a tensor initialised on its own equals the same slice of the whole tensor.
+  Tensor slice = empty({10}, Mem::Workspace);
+  init_normal(slice, 7, "model.layers.1.mlp.up_proj.weight", c.init_std, 50);
+  std::vector<float> s = to_host_floats(slice);
+  std::vector<float> whole = to_host_floats(a.w.blocks[1].w_up);
+  REQUIRE(std::equal(s.begin(), s.end(), whole.begin() + 50));
+}
+
+// Mean loss of one batch at the current weights.
+static double batch_loss(const Context& ctx, const Model& m, const std::vector<int32_t>& ids,
+                         const std::vector<int32_t>& tgt, int B, int T) {
+  Activations acts;
+  return model_forward(ctx, m, acts, ids.data(), tgt.data(), B, T, Recompute::None) / (B * T);
+}
+
+TEST_CASE("the whole model's gradient matches central finite differences", "[model]") {
+  Context ctx = Context::create(Device::CPU);
+  ModelConfig c = small_config();
+  for (bool tied : {false, true}) {
+    c.tie_embeddings = tied;
+    Model m = build_model(c, Device::CPU, 3);
+    int B = 2, T = c.seq;
+    std::vector<int32_t> ids(B * T), tgt(B * T);
+    random_tokens(ids, c.vocab, 1), random_tokens(tgt, c.vocab, 2);
+    Activations acts;
+    model_forward(ctx, m, acts, ids.data(), tgt.data(), B, T, Recompute::None);
+    model_backward(ctx, m, acts, 1.0f / (B * T), Recompute::None);
+    // Per tensor: the directional derivative along a random direction u (restricted to that
+    // tensor) against (L(p + h u) - L(p - h u)) / 2h. With h = 1e-2 the O(h^2) truncation and
+    // the fp32 round-off of L (~1e-7 * |L| / h ~ 3e-5) both stay below 1% of the derivatives
+    // here, which are ~1e-2 to 1; 2% relative (plus 1e-4 absolute) is a tight bound on that.
+    for (size_t i = 0; i < m.named_params.size(); i++) {
+      Tensor p = m.named_params[i].tensor, g = m.named_grads[i].tensor;
+      std::vector<float> orig = to_host_floats(p), grad = to_host_floats(g), u(orig.size());
+      uint64_t key = rng_key(11, m.named_params[i].name);
+      double analytic = 0, norm = 0;
+      for (size_t k = 0; k < u.size(); k++) {
+        u[k] = (float)rng_normal(key, k);
+        norm += (double)u[k] * u[k];
+      }
+      for (size_t k = 0; k < u.size(); k++) analytic += grad[k] * (u[k] /= (float)std::sqrt(norm));
+      const float h = 1e-2f;
+      std::vector<float> moved(orig);
+      for (size_t k = 0; k < u.size(); k++) moved[k] = orig[k] + h * u[k];
+      from_host(p, moved.data());
+      double up = batch_loss(ctx, m, ids, tgt, B, T);
+      for (size_t k = 0; k < u.size(); k++) moved[k] = orig[k] - h * u[k];
+      from_host(p, moved.data());
+      double down = batch_loss(ctx, m, ids, tgt, B, T);
+      from_host(p, orig.data());
+      double numeric = (up - down) / (2 * h);
+      INFO(m.named_params[i].name << " analytic " << analytic << " numeric " << numeric);
+      REQUIRE(std::abs(analytic - numeric) <= 1e-4 + 0.02 * std::abs(numeric));
+    }
+  }
+}
+
+TEST_CASE("recompute modes give identical gradients and keep less activation memory",
+          "[model]") {
+  Context ctx = Context::create(Device::CPU);
+  ModelConfig c = small_config();
+  c.seq = 32;  // long enough that the attention probabilities dominate a block
+  int B = 2, T = c.seq;
+  std::vector<int32_t> ids(B * T), tgt(B * T);
+  random_tokens(ids, c.vocab, 4), random_tokens(tgt, c.vocab, 5);
+  std::vector<std::vector<float>> grads;
+  std::vector<size_t> peaks;
+  for (Recompute mode : {Recompute::None, Recompute::Selective, Recompute::Full}) {
+    Model m = build_model(c, Device::CPU, 9);
+    memory_reset_peak();
+    size_t base = memory_stats().current[(int)Mem::Activations];
+    Activations acts;
+    model_forward(ctx, m, acts, ids.data(), tgt.data(), B, T, mode);
+    model_backward(ctx, m, acts, 1.0f / (B * T), mode);
+    peaks.push_back(memory_stats().peak[(int)Mem::Activations] - base);
+    grads.push_back(to_host_floats(m.grads));
+  }
+  // Recomputation runs the very same float operations again, so the gradients are bitwise equal.
+  REQUIRE(grads[0] == grads[1]);
+  REQUIRE(grads[0] == grads[2]);
+  INFO("peak activation bytes: none " << peaks[0] << ", selective " << peaks[1] << ", full "
+                                      << peaks[2]);
+  REQUIRE(peaks[0] > peaks[1]);
+  REQUIRE(peaks[1] > peaks[2]);
+  // Selective keeps no block's [B, Hq, T, T] probabilities after the forward (it rebuilds one
+  // block's at a time in the backward), so it saves at least one block's worth at the peak.
+  size_t probs = (size_t)B * c.heads * T * T * sizeof(float);
+  REQUIRE(peaks[0] - peaks[1] >= probs);
+}
+
+TEST_CASE("bad model shapes are rejected with the flag named", "[model]") {
+  ModelConfig c = model_preset("tiny");
+  c.heads = 3;
+  REQUIRE_THROWS_WITH(validate_model_config(c), Catch::Contains("--heads 3 does not divide --d-model 128"));
+  c = model_preset("tiny");
+  c.kv_heads = 3;
+  REQUIRE_THROWS_WITH(validate_model_config(c), Catch::Contains("--kv-heads 3 does not divide --heads 4"));
+  REQUIRE_THROWS_WITH(model_preset("huge"), Catch::Contains("--model huge"));
+}
+
+TEST_CASE("learning rate: linear warmup then cosine to min_lr", "[model]") {
+  LrSchedule s{1.0f, 0.1f, 10, 110};
+  REQUIRE(learning_rate(s, 0) == Approx(0.1f));
+  REQUIRE(learning_rate(s, 9) == Approx(1.0f));
+  REQUIRE(learning_rate(s, 10) == Approx(1.0f));
+  REQUIRE(learning_rate(s, 60) == Approx(0.55f));  // halfway: (1 + 0.1) / 2
+  REQUIRE(learning_rate(s, 110) == Approx(0.1f));
+}

@@ -1,0 +1,608 @@
+// test_ops.cu: every op of ops.cu on the CPU against a direct formula or central finite
+// differences ([ops]), and every CUDA kernel against its CPU reference ([gpu]).
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "ops.cuh"
+
+namespace {
+
+const Context kCpu = Context::create(Device::CPU);
+
+Tensor randn(std::vector<int64_t> shape, const std::string& name, float std = 1.0f) {
+  Tensor t = empty(std::move(shape), Mem::Activations);
+  init_normal(t, 7, name, std);
+  return t;
+}
+Tensor from_values(std::vector<int64_t> shape, const std::vector<float>& values) {
+  Tensor t = empty(std::move(shape), Mem::Activations);
+  REQUIRE(t.numel() == (int64_t)values.size());
+  from_host(t, values.data());
+  return t;
+}
+Tensor ids_tensor(const std::vector<int32_t>& ids) {
+  Tensor t = empty({(int64_t)ids.size()}, Mem::Activations, Device::CPU, DType::I32);
+  from_host(t, ids.data());
+  return t;
+}
+// Integers in [-3, 3]: every product and sum in these tests is exact in fp32.
+Tensor small_ints(std::vector<int64_t> shape, const std::string& name) {
+  Tensor t = empty(std::move(shape), Mem::Activations);
+  init_uniform(t, 7, name, -3.0f, 4.0f);
+  for (int64_t i = 0; i < t.numel(); i++) t.f32()[i] = std::floor(t.f32()[i]);
+  return t;
+}
+Tensor clone(const Tensor& t) { return to_device(t, Device::CPU, Mem::Activations); }
+
+// L = sum(out * R) in fp32: a scalar whose gradient with respect to out is R.
+float weighted_sum(const Tensor& out, const Tensor& R) {
+  float L = 0.0f;
+  for (int64_t i = 0; i < out.numel(); i++) L += out.f32()[i] * R.f32()[i];
+  return L;
+}
+
+// Compares an analytic gradient with central differences (L(x+h) - L(x-h)) / 2h of `loss`
+// for every element of the CPU tensor x. All in fp32: truncation error is O(h^2 L''') and
+// roundoff about 1e-7 * |L| / h, so the tolerance (relative to 1 + |fd|) is set per test.
+void check_gradient(const Tensor& x, const Tensor& grad, const std::function<float()>& loss,
+                    float h, float tol) {
+  float* p = x.f32();
+  for (int64_t i = 0; i < x.numel(); i++) {
+    float keep = p[i], plus = keep + h, minus = keep - h;
+    p[i] = plus;
+    float up = loss();
+    p[i] = minus;
+    float down = loss();
+    p[i] = keep;
+    float fd = (up - down) / (plus - minus);  // the step actually taken after rounding
+    INFO("element " << i << ": analytic " << grad.f32()[i] << ", finite difference " << fd);
+    CHECK(std::fabs(grad.f32()[i] - fd) <= tol * (1.0f + std::fabs(fd)));
+  }
+}
+
+void check_equal(const Tensor& got, const std::vector<float>& want) {
+  REQUIRE(got.numel() == (int64_t)want.size());
+  for (size_t i = 0; i < want.size(); i++) {
+    INFO("element " << i);
+    CHECK(got.f32()[i] == want[i]);
+  }
+}
+
+// C = alpha op(A) op(B) + beta C, written out with explicit row-major index arithmetic.
+void naive_gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda,
+                const float* B, int ldb, float beta, float* C, int ldc) {
+  for (int m = 0; m < M; m++)
+    for (int n = 0; n < N; n++) {
+      float acc = 0.0f;
+      for (int k = 0; k < K; k++)
+        acc += (ta ? A[k * lda + m] : A[m * lda + k]) * (tb ? B[n * ldb + k] : B[k * ldb + n]);
+      C[m * ldc + n] = alpha * acc + beta * C[m * ldc + n];
+    }
+}
+
+// Operands for op(A) [M, K] @ op(B) [K, N] stored with leading dimensions 2 wider than a row.
+struct GemmCase {
+  bool ta, tb;
+  int M = 3, N = 5, K = 4, lda, ldb, ldc;
+  Tensor A, B, C;
+  GemmCase(bool ta_, bool tb_, std::function<Tensor(std::vector<int64_t>, std::string)> make)
+      : ta(ta_), tb(tb_) {
+    lda = (ta ? M : K) + 2;
+    ldb = (tb ? K : N) + 2;
+    ldc = N + 2;
+    A = make({ta ? K : M, lda}, "A");
+    B = make({tb ? N : K, ldb}, "B");
+    C = make({M, ldc}, "C");
+  }
+};
+
+}  // namespace
+
+// ----------------------------------------------------------------------------
+// matmul
+
+TEST_CASE("gemm matches a naive loop for all four transposes, non-square, lda > cols", "[ops]") {
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      INFO("trans_a " << ta << ", trans_b " << tb);
+      GemmCase g(ta, tb, small_ints);
+      Tensor want = clone(g.C);
+      naive_gemm(ta, tb, g.M, g.N, g.K, 2.0f, g.A.f32(), g.lda, g.B.f32(), g.ldb, 0.5f, want.f32(),
+                 g.ldc);
+      gemm(kCpu, ta, tb, g.M, g.N, g.K, 2.0f, g.A.f32(), g.lda, g.B.f32(), g.ldb, 0.5f, g.C.f32(),
+           g.ldc);
+      // Small integers and halves: exact, padding columns included (gemm must not touch them).
+      check_equal(g.C, to_host_floats(want));
+    }
+}
+
+TEST_CASE("linear_forward computes y = x W^T", "[ops]") {
+  Tensor x = small_ints({3, 4}, "x"), W = small_ints({5, 4}, "W"),
+         y = empty({3, 5}, Mem::Activations);
+  linear_forward(kCpu, y, x, W);
+  std::vector<float> want(15, 0.0f);
+  for (int t = 0; t < 3; t++)
+    for (int o = 0; o < 5; o++)
+      for (int i = 0; i < 4; i++) want[t * 5 + o] += x.f32()[t * 4 + i] * W.f32()[o * 4 + i];
+  check_equal(y, want);
+}
+
+TEST_CASE("linear_backward matches central differences and accumulates on request", "[ops]") {
+  Tensor x = randn({3, 4}, "x"), W = randn({5, 4}, "W"), R = randn({3, 5}, "R");
+  Tensor y = empty({3, 5}, Mem::Activations);
+  Tensor dx = zeros({3, 4}, Mem::Grads), dW = zeros({5, 4}, Mem::Grads);
+  linear_backward(kCpu, dx, dW, R, x, W);
+  auto loss = [&] {
+    linear_forward(kCpu, y, x, W);
+    return weighted_sum(y, R);
+  };
+  // L is linear in x and in W: no truncation error, only roundoff ~1e-7 * |L| / h.
+  check_gradient(x, dx, loss, 1e-2f, 1e-3f);
+  check_gradient(W, dW, loss, 1e-2f, 1e-3f);
+
+  Tensor first = clone(dx), first_dW = clone(dW);
+  linear_backward(kCpu, dx, dW, R, x, W, /*accumulate_dx=*/true);  // dW always accumulates
+  for (int i = 0; i < 12; i++) CHECK(dx.f32()[i] == 2.0f * first.f32()[i]);
+  for (int i = 0; i < 20; i++) CHECK(dW.f32()[i] == 2.0f * first_dW.f32()[i]);
+  linear_backward(kCpu, dx, dW, R, x, W);  // accumulate_dx = false: dx is overwritten
+  for (int i = 0; i < 12; i++) CHECK(dx.f32()[i] == first.f32()[i]);
+}
+
+// ----------------------------------------------------------------------------
+// embedding
+
+TEST_CASE("embedding gathers rows, and its backward scatter-adds repeated ids", "[ops]") {
+  Tensor table = from_values({3, 2}, {1, 2, 3, 4, 5, 6}), ids = ids_tensor({2, 0, 2});
+  Tensor out = empty({3, 2}, Mem::Activations);
+  embedding_forward(kCpu, out, ids, table);
+  check_equal(out, {5, 6, 1, 2, 5, 6});
+
+  Tensor dtable = from_values({3, 2}, {1, 1, 1, 1, 1, 1});  // += keeps what was there
+  embedding_backward(kCpu, dtable, ids, from_values({3, 2}, {10, 20, 30, 40, 50, 60}));
+  check_equal(dtable, {31, 41, 1, 1, 61, 81});
+}
+
+TEST_CASE("embedding_backward matches central differences", "[ops]") {
+  Tensor table = randn({5, 3}, "table"), ids = ids_tensor({4, 1, 4}), R = randn({3, 3}, "R");
+  Tensor out = empty({3, 3}, Mem::Activations), dtable = zeros({5, 3}, Mem::Grads);
+  embedding_backward(kCpu, dtable, ids, R);
+  auto loss = [&] {
+    embedding_forward(kCpu, out, ids, table);
+    return weighted_sum(out, R);
+  };
+  check_gradient(table, dtable, loss, 1e-2f, 1e-3f);  // linear in table: roundoff only
+}
+
+// ----------------------------------------------------------------------------
+// RMSNorm
+
+TEST_CASE("rmsnorm with w = 1 and eps = 0 leaves every row with unit RMS", "[ops]") {
+  Tensor x = randn({4, 10}, "x", 3.0f), y = empty({4, 10}, Mem::Activations);
+  Tensor rstd = empty({4}, Mem::Activations), w = from_values({10}, std::vector<float>(10, 1.0f));
+  rmsnorm_forward(kCpu, y, rstd, x, w, 0.0f);
+  for (int t = 0; t < 4; t++) {
+    float ss = 0.0f, xs = 0.0f;
+    for (int i = 0; i < 10; i++) ss += y.f32()[t * 10 + i] * y.f32()[t * 10 + i];
+    for (int i = 0; i < 10; i++) xs += x.f32()[t * 10 + i] * x.f32()[t * 10 + i];
+    CHECK(ss / 10 == Approx(1.0f).epsilon(1e-5));  // 10 fp32 roundings
+    CHECK(rstd.f32()[t] == Approx(1.0f / std::sqrt(xs / 10)).epsilon(1e-6));
+  }
+}
+
+TEST_CASE("rmsnorm_backward matches central differences and accumulates", "[ops]") {
+  const int T = 3, D = 8;
+  Tensor x = randn({T, D}, "x"), w = randn({D}, "w"), R = randn({T, D}, "R");
+  Tensor y = empty({T, D}, Mem::Activations), rstd = empty({T}, Mem::Activations);
+  Tensor dx = zeros({T, D}, Mem::Grads), dw = zeros({D}, Mem::Grads);
+  rmsnorm_forward(kCpu, y, rstd, x, w, 1e-5f);
+  rmsnorm_backward(kCpu, dx, dw, R, x, w, rstd);
+  auto loss = [&] {
+    rmsnorm_forward(kCpu, y, rstd, x, w, 1e-5f);
+    return weighted_sum(y, R);
+  };
+  // Smooth with O(1) curvature for unit-variance rows: h^2 truncation ~1e-4 plus roundoff
+  // ~1e-7 * |L| / h ~ 1e-4, so 2e-3 leaves a margin without hiding a wrong term.
+  check_gradient(x, dx, loss, 1e-2f, 2e-3f);
+  check_gradient(w, dw, loss, 1e-2f, 2e-3f);
+
+  rmsnorm_forward(kCpu, y, rstd, x, w, 1e-5f);
+  Tensor first_dx = clone(dx), first_dw = clone(dw);
+  rmsnorm_backward(kCpu, dx, dw, R, x, w, rstd);  // "+=": a second call doubles, exactly
+  for (int i = 0; i < T * D; i++) CHECK(dx.f32()[i] == 2.0f * first_dx.f32()[i]);
+  // dw sums over rows, so the second pass rounds differently from doubling the first.
+  for (int i = 0; i < D; i++) CHECK(dw.f32()[i] == Approx(2.0f * first_dw.f32()[i]).epsilon(1e-6));
+}
+
+// ----------------------------------------------------------------------------
+// RoPE
+
+TEST_CASE("rope rotates pairs (i, i + hd/2) by pos * theta^(-2i/hd), and its backward undoes it",
+          "[ops]") {
+  const int T = 3, H = 2, hd = 8;
+  const float theta = 10000.0f;
+  Tensor x = randn({T, H, hd}, "x"), positions = ids_tensor({0, 5, 17});
+  Tensor rotated = clone(x);
+  rope_forward(kCpu, rotated, positions, theta);
+  for (int t = 0; t < T; t++)
+    for (int h = 0; h < H; h++)
+      for (int i = 0; i < hd; i++) {
+        // rotate_half: out = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
+        int j = i % (hd / 2);
+        float angle = (float)positions.i32()[t] * (1.0f / std::pow(theta, (2.0f * j) / hd));
+        const float* v = x.f32() + (t * H + h) * hd;
+        float half = i < hd / 2 ? -v[i + hd / 2] : v[i - hd / 2];
+        float want = v[i] * std::cos(angle) + half * std::sin(angle);
+        CHECK(rotated.f32()[(t * H + h) * hd + i] == Approx(want).margin(1e-6));
+      }
+  for (int i = 0; i < H * hd; i++) CHECK(rotated.f32()[i] == x.f32()[i]);  // position 0: identity
+
+  rope_backward(kCpu, rotated, positions, theta);  // rotations are orthogonal: back to x
+  for (int i = 0; i < T * H * hd; i++) CHECK(rotated.f32()[i] == Approx(x.f32()[i]).margin(1e-6));
+}
+
+TEST_CASE("rope_backward matches central differences", "[ops]") {
+  Tensor x = randn({2, 2, 6}, "x"), R = randn({2, 2, 6}, "R"), positions = ids_tensor({3, 11});
+  Tensor dx = clone(R), y = empty({2, 2, 6}, Mem::Activations);
+  rope_backward(kCpu, dx, positions, 500.0f);
+  auto loss = [&] {
+    copy_(y, x);
+    rope_forward(kCpu, y, positions, 500.0f);
+    return weighted_sum(y, R);
+  };
+  check_gradient(x, dx, loss, 1e-2f, 1e-3f);  // linear in x: roundoff only
+}
+
+// ----------------------------------------------------------------------------
+// SwiGLU
+
+TEST_CASE("swiglu is silu(gate) * up and its backward matches central differences", "[ops]") {
+  Tensor gate = randn({3, 5}, "gate", 2.0f), up = randn({3, 5}, "up"), R = randn({3, 5}, "R");
+  Tensor out = empty({3, 5}, Mem::Activations);
+  swiglu_forward(kCpu, out, gate, up);
+  for (int i = 0; i < 15; i++) {
+    float g = gate.f32()[i];
+    CHECK(out.f32()[i] == Approx(g / (1.0f + std::exp(-g)) * up.f32()[i]).epsilon(1e-6));
+  }
+  Tensor dgate = from_values({3, 5}, std::vector<float>(15, 7.0f)), dup = clone(dgate);  // "="
+  swiglu_backward(kCpu, dgate, dup, R, gate, up);
+  auto loss = [&] {
+    swiglu_forward(kCpu, out, gate, up);
+    return weighted_sum(out, R);
+  };
+  // silu has O(1) third derivative: truncation ~h^2 = 1e-4, roundoff ~1e-5; tolerance 1e-3.
+  check_gradient(gate, dgate, loss, 1e-2f, 1e-3f);
+  check_gradient(up, dup, loss, 1e-2f, 1e-3f);
+}
+
+// ----------------------------------------------------------------------------
+// residual, axpy, scale_
+
+TEST_CASE("residual_forward, axpy and scale_ give exact small-integer results", "[ops]") {
+  Tensor a = from_values({4}, {1, 2, 3, 4}), b = from_values({4}, {10, 20, 30, 40});
+  Tensor out = empty({4}, Mem::Activations);
+  residual_forward(kCpu, out, a, b);
+  check_equal(out, {11, 22, 33, 44});
+  residual_forward(kCpu, a, a, b);  // out may alias a
+  check_equal(a, {11, 22, 33, 44});
+  axpy(kCpu, out, -2.0f, b);
+  check_equal(out, {-9, -18, -27, -36});
+  scale_(kCpu, out, -0.5f);
+  check_equal(out, {4.5f, 9, 13.5f, 18});
+}
+
+// ----------------------------------------------------------------------------
+// cross-entropy
+
+TEST_CASE("cross-entropy is -log softmax(logits)[target]", "[ops]") {
+  Tensor logits = randn({4, 7}, "logits", 2.0f), targets = ids_tensor({0, 6, 3, 3});
+  Tensor losses = empty({4}, Mem::Activations);
+  cross_entropy_forward(kCpu, losses, logits, targets);
+  for (int t = 0; t < 4; t++) {
+    float z = 0.0f;
+    for (int i = 0; i < 7; i++) z += std::exp(logits.f32()[t * 7 + i]);
+    float p = std::exp(logits.f32()[t * 7 + targets.i32()[t]]) / z;
+    CHECK(losses.f32()[t] == Approx(-std::log(p)).epsilon(1e-5));
+  }
+}
+
+TEST_CASE("cross-entropy subtracts the row max, so logits near 100 do not overflow", "[ops]") {
+  // exp(100) is beyond fp32's range; the loss is shift-invariant, so it must equal the
+  // loss of the unshifted row (up to the rounding of x + 100, ulp ~1e-5).
+  Tensor logits = from_values({1, 3}, {0.5f, -1.0f, 2.0f}), targets = ids_tensor({1});
+  Tensor shifted = from_values({1, 3}, {100.5f, 99.0f, 102.0f});
+  Tensor loss = empty({1}, Mem::Activations), loss_shifted = empty({1}, Mem::Activations);
+  cross_entropy_forward(kCpu, loss, logits, targets);
+  cross_entropy_forward(kCpu, loss_shifted, shifted, targets);
+  CHECK(std::isfinite(loss_shifted.f32()[0]));
+  CHECK(loss_shifted.f32()[0] == Approx(loss.f32()[0]).margin(1e-4));
+}
+
+TEST_CASE("cross_entropy_backward matches central differences, also in place", "[ops]") {
+  const int T = 4, V = 7;
+  const float scale = 1.0f / T;  // the mean over tokens
+  Tensor logits = randn({T, V}, "logits"), targets = ids_tensor({2, 0, 6, 2});
+  Tensor losses = empty({T}, Mem::Activations), dlogits = empty({T, V}, Mem::Grads);
+  Tensor weights = from_values({T}, std::vector<float>(T, scale));
+  cross_entropy_backward(kCpu, dlogits, logits, targets, scale);
+  auto loss = [&] {
+    cross_entropy_forward(kCpu, losses, logits, targets);
+    return weighted_sum(losses, weights);
+  };
+  // logsumexp has bounded derivatives: truncation ~h^2/6, roundoff ~1e-5; tolerance 1e-3.
+  check_gradient(logits, dlogits, loss, 1e-2f, 1e-3f);
+
+  Tensor in_place = clone(logits);
+  cross_entropy_backward(kCpu, in_place, in_place, targets, scale);
+  check_equal(in_place, to_host_floats(dlogits));
+  for (int t = 0; t < T; t++) {  // softmax sums to 1, the one-hot too: each row sums to 0
+    float row = 0.0f;
+    for (int i = 0; i < V; i++) row += dlogits.f32()[t * V + i];
+    CHECK(row == Approx(0.0f).margin(1e-6));
+  }
+}
+
+// ----------------------------------------------------------------------------
+// reductions, AdamW, clipping
+
+TEST_CASE("sum and sum_squares are exact on small integers", "[ops]") {
+  std::vector<float> v(1000);
+  for (int i = 0; i < 1000; i++) v[i] = (float)(i % 100 + 1);  // ten copies of 1..100
+  Tensor x = from_values({1000}, v);
+  CHECK(sum(kCpu, x) == 50500.0f);
+  CHECK(sum_squares(kCpu, x) == 3383500.0f);  // every partial sum is an integer below 2^24
+  CHECK(sum(kCpu, from_values({3}, {-1, 2, -4})) == -3.0f);
+}
+
+TEST_CASE("AdamW matches a hand-computed two-step example", "[ops]") {
+  // beta1 0.9, beta2 0.95, lr 0.1, weight decay 0.1; element 0 sees g = 0.5 then -0.25.
+  // step 1: m = 0.05, v = 0.0125; mhat = 0.05/0.1 = 0.5, vhat = 0.0125/0.05 = 0.25
+  //         p = 1 - 0.1 * (0.5/0.5 + 0.1 * 1) = 0.89      (Adam's first step is lr * sign(g))
+  // step 2: m = 0.045 - 0.025 = 0.02, v = 0.011875 + 0.003125 = 0.015
+  //         mhat = 0.02/0.19 = 2/19, vhat = 0.015/0.0975 = 2/13, mhat/sqrt(vhat) = 0.2683694
+  //         p = 0.89 - 0.1 * (0.2683694 + 0.1 * 0.89) = 0.8542631
+  // Element 1 has g = 0: the moments stay 0 and only decoupled weight decay acts,
+  //         p = 2 * (1 - 0.01)^2 = 1.9602.
+  AdamWConfig cfg;
+  float p[2] = {1.0f, 2.0f}, m[2] = {0, 0}, v[2] = {0, 0};
+  float g1[2] = {0.5f, 0.0f}, g2[2] = {-0.25f, 0.0f};
+  adamw_update(kCpu, p, g1, m, v, 2, cfg, 0.1f, 0.1f, 1);
+  CHECK(m[0] == Approx(0.05f).epsilon(1e-6));
+  CHECK(v[0] == Approx(0.0125f).epsilon(1e-6));
+  CHECK(p[0] == Approx(0.89f).epsilon(1e-6));
+  adamw_update(kCpu, p, g2, m, v, 2, cfg, 0.1f, 0.1f, 2);
+  CHECK(m[0] == Approx(0.02f).epsilon(1e-5));
+  CHECK(v[0] == Approx(0.015f).epsilon(1e-5));
+  CHECK(p[0] == Approx(0.8542631f).epsilon(1e-6));
+  CHECK(p[1] == Approx(1.9602f).epsilon(1e-6));
+}
+
+TEST_CASE("clip_grad_norm returns the pre-clip norm and rescales to max_norm", "[ops]") {
+  Tensor grads = from_values({2, 2}, {3, 0, 0, -4});
+  CHECK(clip_grad_norm(kCpu, grads, 10.0f) == 5.0f);  // below max_norm: untouched
+  check_equal(grads, {3, 0, 0, -4});
+  CHECK(clip_grad_norm(kCpu, grads, 0.0f) == 5.0f);  // max_norm 0 disables clipping
+  check_equal(grads, {3, 0, 0, -4});
+  CHECK(clip_grad_norm(kCpu, grads, 1.0f) == 5.0f);
+  CHECK(grads.f32()[0] == Approx(0.6f).epsilon(1e-6));
+  CHECK(grads.f32()[3] == Approx(-0.8f).epsilon(1e-6));
+  CHECK(std::sqrt(sum_squares(kCpu, grads)) == Approx(1.0f).epsilon(1e-6));
+}
+
+// ----------------------------------------------------------------------------
+// CUDA kernels against the CPU references. Sizes are not multiples of the 256-thread block.
+
+namespace {
+
+// copy_ runs on the legacy default stream, which a non-blocking compute stream does not wait
+// for: synchronise the device after uploads, and the compute stream before downloads.
+Tensor gpu(const Tensor& t) {
+  Tensor g = to_device(t, Device::CUDA, Mem::Activations);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  return g;
+}
+std::vector<float> host(const Context& ctx, const Tensor& t) {
+  ctx.synchronize();
+  return to_host_floats(t);
+}
+
+// |gpu - cpu| <= atol + rtol * |cpu| everywhere; reports the worst element.
+void check_close(const std::vector<float>& got, const Tensor& want, float rtol, float atol) {
+  std::vector<float> w = to_host_floats(want);
+  REQUIRE(got.size() == w.size());
+  size_t worst = 0, bad = 0;
+  float worst_excess = -1.0f;
+  for (size_t i = 0; i < w.size(); i++) {
+    float excess = std::fabs(got[i] - w[i]) - (atol + rtol * std::fabs(w[i]));
+    if (!(excess <= 0.0f)) bad++;  // counts NaN as bad
+    if (!(excess <= worst_excess)) worst_excess = excess, worst = i;
+  }
+  INFO(bad << " of " << w.size() << " elements out of tolerance; worst at " << worst << ": gpu "
+           << got[worst] << ", cpu " << w[worst]);
+  CHECK(bad == 0);
+}
+
+#define SKIP_WITHOUT_CUDA()       \
+  if (!cuda_available()) {        \
+    WARN("SKIP: no CUDA device"); \
+    return;                       \
+  }
+
+}  // namespace
+
+TEST_CASE("CUDA gemm matches the CPU reference", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      INFO("trans_a " << ta << ", trans_b " << tb);
+      GemmCase g(ta, tb, [](std::vector<int64_t> s, std::string n) { return randn(s, n); });
+      Tensor A = gpu(g.A), B = gpu(g.B), C = gpu(g.C);
+      gemm(kCpu, ta, tb, g.M, g.N, g.K, 2.0f, g.A.f32(), g.lda, g.B.f32(), g.ldb, 0.5f, g.C.f32(),
+           g.ldc);
+      gemm(ctx, ta, tb, g.M, g.N, g.K, 2.0f, A.f32(), g.lda, B.f32(), g.ldb, 0.5f, C.f32(), g.ldc);
+      check_close(host(ctx, C), g.C, 1e-5f, 1e-5f);  // fp32 (no TF32), K = 4: a few ulp
+    }
+  ctx.destroy();
+}
+
+TEST_CASE("CUDA embedding matches the CPU reference", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  const int V = 50, D = 300, T = 97;
+  std::vector<int32_t> id_values(T);
+  for (int t = 0; t < T; t++) id_values[t] = (t * 7) % V;  // repeats, so atomics collide
+  Tensor table = randn({V, D}, "table"), ids = ids_tensor(id_values), dout = randn({T, D}, "dout");
+  Tensor out = empty({T, D}, Mem::Activations), dtable = clone(table);
+  Tensor g_table = gpu(table), g_ids = gpu(ids), g_dout = gpu(dout), g_out = gpu(out);
+  embedding_forward(kCpu, out, ids, table);
+  embedding_forward(ctx, g_out, g_ids, g_table);
+  check_close(host(ctx, g_out), out, 0.0f, 0.0f);  // a copy: exact
+  embedding_backward(kCpu, dtable, ids, dout);
+  embedding_backward(ctx, g_table, g_ids, g_dout);
+  check_close(host(ctx, g_table), dtable, 1e-5f, 1e-5f);  // up to 3 adds in another order
+  ctx.destroy();
+}
+
+TEST_CASE("CUDA rmsnorm matches the CPU reference", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  const int T = 37, D = 300;
+  Tensor x = randn({T, D}, "x"), w = randn({D}, "w"), dy = randn({T, D}, "dy");
+  Tensor y = empty({T, D}, Mem::Activations), rstd = empty({T}, Mem::Activations);
+  Tensor dx = randn({T, D}, "dx0"), dw = randn({D}, "dw0");  // nonzero: both accumulate
+  Tensor g_x = gpu(x), g_w = gpu(w), g_dy = gpu(dy), g_y = gpu(y), g_rstd = gpu(rstd);
+  Tensor g_dx = gpu(dx), g_dw = gpu(dw);
+  rmsnorm_forward(kCpu, y, rstd, x, w, 1e-5f);
+  rmsnorm_forward(ctx, g_y, g_rstd, g_x, g_w, 1e-5f);
+  // Row sums of 300 terms in a tree instead of a line, plus FMA: a few 1e-6 relative.
+  check_close(host(ctx, g_y), y, 1e-5f, 1e-5f);
+  check_close(host(ctx, g_rstd), rstd, 1e-5f, 0.0f);
+  rmsnorm_backward(kCpu, dx, dw, dy, x, w, rstd);
+  rmsnorm_backward(ctx, g_dx, g_dw, g_dy, g_x, g_w, g_rstd);
+  check_close(host(ctx, g_dx), dx, 1e-4f, 1e-5f);
+  check_close(host(ctx, g_dw), dw, 1e-4f, 1e-4f);  // 37-term column sums, same order (but FMA)
+  ctx.destroy();
+}
+
+TEST_CASE("CUDA rope matches the CPU reference", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  const int T = 33, H = 3, hd = 64;
+  std::vector<int32_t> pos(T);
+  for (int t = 0; t < T; t++) pos[t] = 3 * t;  // angles up to 96 rad
+  Tensor x = randn({T, H, hd}, "x"), positions = ids_tensor(pos);
+  Tensor g_x = gpu(x), g_positions = gpu(positions);
+  rope_forward(kCpu, x, positions, 10000.0f);
+  rope_forward(ctx, g_x, g_positions, 10000.0f);
+  // CUDA's powf/sinf/cosf and glibc's may differ by a few ulp: at angle a that is an angle
+  // error of ~a * 5e-7 <= 5e-5 rad, moving an output by |x| * 5e-5 <= 2e-4 for |x| < 4.
+  // A wrong index or sign shows up as an O(1) error.
+  check_close(host(ctx, g_x), x, 1e-5f, 2e-4f);
+  rope_backward(kCpu, x, positions, 10000.0f);
+  rope_backward(ctx, g_x, g_positions, 10000.0f);
+  check_close(host(ctx, g_x), x, 1e-5f, 4e-4f);  // two rotations' worth
+  ctx.destroy();
+}
+
+TEST_CASE("CUDA swiglu matches the CPU reference", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  const int n = 1000;
+  Tensor gate = randn({n}, "gate", 3.0f), up = randn({n}, "up"), dout = randn({n}, "dout");
+  Tensor out = empty({n}, Mem::Activations), dgate = clone(out), dup = clone(out);
+  Tensor g_gate = gpu(gate), g_up = gpu(up), g_dout = gpu(dout), g_out = gpu(out);
+  Tensor g_dgate = gpu(dgate), g_dup = gpu(dup);
+  swiglu_forward(kCpu, out, gate, up);
+  swiglu_forward(ctx, g_out, g_gate, g_up);
+  check_close(host(ctx, g_out), out, 1e-5f, 1e-6f);  // expf within 2 ulp, FMA
+  swiglu_backward(kCpu, dgate, dup, dout, gate, up);
+  swiglu_backward(ctx, g_dgate, g_dup, g_dout, g_gate, g_up);
+  check_close(host(ctx, g_dgate), dgate, 1e-5f, 1e-6f);
+  check_close(host(ctx, g_dup), dup, 1e-5f, 1e-6f);
+  ctx.destroy();
+}
+
+TEST_CASE("CUDA residual, axpy and scale_ match the CPU reference", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  const int n = 1001;
+  Tensor a = randn({n}, "a"), b = randn({n}, "b"), out = empty({n}, Mem::Activations);
+  Tensor g_a = gpu(a), g_b = gpu(b), g_out = gpu(out);
+  residual_forward(kCpu, out, a, b);
+  residual_forward(ctx, g_out, g_a, g_b);
+  axpy(kCpu, out, 0.3f, b);
+  axpy(ctx, g_out, 0.3f, g_b);
+  scale_(kCpu, out, -1.7f);
+  scale_(ctx, g_out, -1.7f);
+  check_close(host(ctx, g_out), out, 1e-6f, 1e-6f);  // FMA in axpy: one rounding fewer
+  ctx.destroy();
+}
+
+TEST_CASE("CUDA cross-entropy matches the CPU reference", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  const int T = 19, V = 1000;
+  std::vector<int32_t> target_values(T);
+  for (int t = 0; t < T; t++) target_values[t] = (t * 131) % V;
+  Tensor logits = randn({T, V}, "logits", 3.0f), targets = ids_tensor(target_values);
+  Tensor losses = empty({T}, Mem::Activations), dlogits = empty({T, V}, Mem::Grads);
+  Tensor g_logits = gpu(logits), g_targets = gpu(targets), g_losses = gpu(losses);
+  cross_entropy_forward(kCpu, losses, logits, targets);
+  cross_entropy_forward(ctx, g_losses, g_logits, g_targets);
+  // Sums of 1000 exponentials in a different order: ~1e-6 relative in the log.
+  check_close(host(ctx, g_losses), losses, 1e-5f, 1e-5f);
+  cross_entropy_backward(kCpu, dlogits, logits, targets, 1.0f / T);
+  cross_entropy_backward(ctx, g_logits, g_logits, g_targets, 1.0f / T);  // in place
+  check_close(host(ctx, g_logits), dlogits, 1e-4f, 1e-8f);
+  ctx.destroy();
+}
+
+TEST_CASE("CUDA sum and sum_squares match the CPU reference", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  // From a single element to more blocks than the grid cap (4096 x 256).
+  for (int64_t n : std::vector<int64_t>{1, 300, (1 << 20) + 7, 5000003}) {
+    INFO("n = " << n);
+    Tensor x = randn({n}, "x"), g_x = gpu(x);
+    float abs_sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) abs_sum += std::fabs(x.f32()[i]);
+    // Both sums are blocked or tree-shaped fp32: error well under 1e-5 of sum |x|.
+    CHECK(std::fabs(sum(ctx, g_x) - sum(kCpu, x)) <= 1e-5f * abs_sum);
+    float squares = sum_squares(kCpu, x);
+    CHECK(sum_squares(ctx, g_x) == Approx(squares).epsilon(1e-5));
+  }
+  ctx.destroy();
+}
+
+TEST_CASE("CUDA adamw matches the CPU reference", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  const int n = 777;
+  Tensor p = randn({n}, "p"), m = zeros({n}, Mem::Optimizer), v = zeros({n}, Mem::Optimizer);
+  Tensor g_p = gpu(p), g_m = gpu(m), g_v = gpu(v);
+  AdamWConfig cfg;
+  for (int step = 1; step <= 3; step++) {
+    Tensor g = randn({n}, "g" + std::to_string(step)), g_g = gpu(g);
+    adamw_update(kCpu, p.f32(), g.f32(), m.f32(), v.f32(), n, cfg, 1e-2f, 0.1f, step);
+    adamw_update(ctx, g_p.f32(), g_g.f32(), g_m.f32(), g_v.f32(), n, cfg, 1e-2f, 0.1f, step);
+    ctx.synchronize();  // g_g is freed at the end of the iteration
+  }
+  check_close(host(ctx, g_m), m, 1e-5f, 1e-7f);
+  check_close(host(ctx, g_v), v, 1e-5f, 1e-7f);
+  check_close(host(ctx, g_p), p, 1e-5f, 1e-6f);
+  ctx.destroy();
+}
+
+TEST_CASE("CUDA clip_grad_norm matches the CPU reference", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  Tensor grads = randn({5000}, "grads"), g_grads = gpu(grads);
+  float norm = clip_grad_norm(kCpu, grads, 1.0f);
+  CHECK(clip_grad_norm(ctx, g_grads, 1.0f) == Approx(norm).epsilon(1e-5));
+  check_close(host(ctx, g_grads), grads, 1e-5f, 1e-7f);
+  CHECK(std::sqrt(sum_squares(ctx, g_grads)) == Approx(1.0f).epsilon(1e-5));
+  ctx.destroy();
+}

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Runs every picoscale test and ends with one line of its own: "N passed, N failed, N skipped"
+# (test cases). GPU tests run when a CUDA device answers, else they are counted as skipped.
+set -u
+cd "$(dirname "$0")/.."
+UNIT=build/unit_tests
+passed=0 failed=0 skipped=0
+
+# Adds one Catch2 run's test-case counts to the totals (from its console summary line).
+count() {
+  local log=$1 line p f
+  line=$(grep -E "^(All tests passed|test cases:)" "$log" | tail -1)
+  if [[ $line =~ ^All\ tests\ passed.*in\ ([0-9]+)\ test\ case ]]; then
+    p=${BASH_REMATCH[1]} f=0
+  elif [[ $line =~ test\ cases:\ +([0-9]+)\ \|\ +([0-9]+)\ passed\ \|\ +([0-9]+)\ failed ]]; then
+    p=${BASH_REMATCH[2]} f=${BASH_REMATCH[3]}
+  elif [[ $line =~ test\ cases:\ +([0-9]+)\ \|\ +([0-9]+)\ failed ]]; then
+    p=0 f=${BASH_REMATCH[2]}
+  else
+    echo "could not read the test summary of $log (did the binary crash?)"
+    p=0 f=1
+  fi
+  passed=$((passed + p)) failed=$((failed + f))
+}
+
+run_group() {  # name, Catch2 test spec
+  local log
+  log=$(mktemp)
+  echo "== $1"
+  "$UNIT" "$2" --durations no 2>&1 | tee "$log" | grep -E "FAILED|SKIP|passed|failed|error" | grep -v "^$"
+  count "$log"
+  rm -f "$log"
+}
+
+if [ ! -x "$UNIT" ] || [ ! -x ./train ]; then
+  echo "build first: make train $UNIT"
+  echo "0 passed, 1 failed"
+  exit 1
+fi
+export OMPI_MCA_btl_vader_single_copy_mechanism=none  # containers often forbid CMA
+if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+
+run_group "unit tests (CPU)" "~[gpu]~[train]"
+run_group "training runs (CPU)" "[train]"
+if nvidia-smi -L >/dev/null 2>&1; then
+  run_group "GPU tests" "[gpu]"
+else
+  n=$("$UNIT" "[gpu]" --list-test-names-only 2>/dev/null | grep -c .)
+  echo "SKIP: $n GPU tests (no CUDA device visible on this machine)"
+  skipped=$((skipped + n))
+fi
+echo "$passed passed, $failed failed, $skipped skipped"
+[ "$failed" -eq 0 ]
