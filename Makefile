@@ -18,11 +18,17 @@ LIB_SRCS := core.cu ops.cu flash_attention.cu model.cu optimizer.cu data.cu chec
 LIB_OBJS := $(LIB_SRCS:%.cu=$(BUILD)/%.o)
 TEST_SRCS := $(wildcard tests/test_*.cu)
 TEST_OBJS := $(TEST_SRCS:%.cu=$(BUILD)/%.o)
+MPI_TEST_SRCS := $(wildcard tests/mpi/test_*.cu)
+MPI_TEST_OBJS := $(MPI_TEST_SRCS:%.cu=$(BUILD)/%.o)
 
 .PHONY: all deps run test bench gpu-check clean format
 all: train $(BUILD)/unit_tests $(BUILD)/bench
 
-$(BUILD)/%.o: %.cu
+# Objects depend on the flags they were built with: a new GPU_ARCH rebuilds them.
+FLAGS_STAMP := $(BUILD)/flags.txt
+$(shell mkdir -p $(BUILD); echo '$(NVFLAGS)' | cmp -s - $(FLAGS_STAMP) || echo '$(NVFLAGS)' > $(FLAGS_STAMP))
+
+$(BUILD)/%.o: %.cu $(FLAGS_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -c $< -o $@
 
@@ -30,6 +36,14 @@ $(BUILD)/%.o: %.cu
 $(BUILD)/tests/catch_main.o: tests/catch_main.cpp
 	@mkdir -p $(dir $@)
 	$(CXX) -std=c++17 -O1 -c $< -o $@
+
+# The MPI tests' main initialises MPI and gathers every rank's verdict: also host-only C++.
+$(BUILD)/tests/mpi/mpi_main.o: tests/mpi/mpi_main.cpp
+	@mkdir -p $(dir $@)
+	$(CXX) -std=c++17 -O1 $(addprefix -I,$(MPI_INC)) -c $< -o $@
+
+$(BUILD)/mpi_tests: $(MPI_TEST_OBJS) $(BUILD)/tests/mpi/mpi_main.o $(LIB_OBJS)
+	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
 train: $(BUILD)/train.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
