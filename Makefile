@@ -14,7 +14,7 @@ NVFLAGS := -std=c++17 -O3 $(GPU_ARCH) $(addprefix -I,$(MPI_INC)) -I. \
 LDFLAGS := $(addprefix -L,$(MPI_LIBDIRS)) $(addprefix -l,$(MPI_LIBS)) \
            -lcublas -lnccl -lopenblas -Xcompiler -pthread
 
-LIB_SRCS := core.cu ops.cu flash_attention.cu model.cu optimizer.cu data.cu checkpoint.cu
+LIB_SRCS := core.cu comm.cu ops.cu flash_attention.cu model.cu optimizer.cu data_parallel.cu report.cu data.cu checkpoint.cu
 LIB_OBJS := $(LIB_SRCS:%.cu=$(BUILD)/%.o)
 TEST_SRCS := $(wildcard tests/test_*.cu)
 TEST_OBJS := $(TEST_SRCS:%.cu=$(BUILD)/%.o)
@@ -22,7 +22,7 @@ MPI_TEST_SRCS := $(wildcard tests/mpi/test_*.cu)
 MPI_TEST_OBJS := $(MPI_TEST_SRCS:%.cu=$(BUILD)/%.o)
 
 .PHONY: all deps run test bench gpu-check clean format
-all: train $(BUILD)/unit_tests $(BUILD)/bench
+all: train $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/bench $(BUILD)/bench_comm
 
 # Objects depend on the flags they were built with: a new GPU_ARCH rebuilds them.
 FLAGS_STAMP := $(BUILD)/flags.txt
@@ -51,6 +51,9 @@ train: $(BUILD)/train.o $(LIB_OBJS)
 $(BUILD)/bench: $(BUILD)/bench.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
+$(BUILD)/bench_comm: $(BUILD)/bench_comm.o $(LIB_OBJS)
+	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
+
 $(BUILD)/unit_tests: $(TEST_OBJS) $(BUILD)/tests/catch_main.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
@@ -69,12 +72,12 @@ run: deps
 	./train --model tiny --steps 500 --sample 400
 
 test: deps
-	@$(MAKE) --no-print-directory -j$$(nproc) train $(BUILD)/unit_tests
+	@$(MAKE) --no-print-directory -j$$(nproc) train $(BUILD)/unit_tests $(BUILD)/mpi_tests
 	@bash tools/run_tests.sh
 
 bench: deps
-	@$(MAKE) --no-print-directory -j$$(nproc) $(BUILD)/bench
-	./$(BUILD)/bench
+	@$(MAKE) --no-print-directory -j$$(nproc) $(BUILD)/bench $(BUILD)/bench_comm
+	@bash tools/bench.sh
 
 gpu-check:
 	@bash tools/gpu_check.sh

@@ -166,7 +166,25 @@ void init_uniform(const Tensor& t, uint64_t seed, const std::string& name, float
 void fill_(const Tensor& t, float value);
 
 // ----------------------------------------------------------------------------
-// Timer
+// Timer and trace
 
-double now_seconds();  // monotonic
+double now_seconds();  // monotonic, and system-wide: comparable between ranks of one node
 std::string human_bytes(double bytes);  // "1.50 MiB"
+
+// A timeline of host-side spans, one track for compute and one for communication per rank.
+enum class Track { Compute = 0, Comm = 1 };
+struct Trace {
+  struct Span {
+    std::string name;
+    Track track;
+    double start, end;  // now_seconds()
+  };
+  bool enabled = false;
+  std::vector<Span> spans;
+  void add(const std::string& name, Track track, double start, double end) {
+    if (enabled) spans.push_back({name, track, start, end});
+  }
+};
+// Gathers every rank's spans to rank 0 of `comm`, which writes a Chrome trace JSON
+// (process = rank, thread = track; open it in Perfetto or chrome://tracing). Collective.
+void trace_write(const Trace& trace, const std::string& path, MPI_Comm comm);

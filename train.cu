@@ -1,20 +1,28 @@
-// train.cu: the entry point. Parses and validates the flags, builds the model, optimizer and
-// data, runs the training loop (gradient accumulation, clipping, AdamW, logging), and the
-// side jobs: validation, checkpoints, --save-grads, --score and --sample.
+// train.cu: the entry point. Parses and validates the flags (identically on every rank),
+// builds the process grid, model, optimizer and data, runs the training loop (gradient
+// accumulation, gradient sync, clipping, AdamW, logging), and the side jobs: validation,
+// checkpoints, --save-grads, --score, --sample, --trace and the reports.
 // Launch like torchrun: `./train ...` is one rank, `mpirun -np N ./train ...` is N ranks.
 #include <CLI/CLI.hpp>
+#include <cblas.h>
 #include <nlohmann/json.hpp>
 
+#include <csignal>
 #include <cmath>
 #include <fstream>
 #include <map>
+#include <thread>
+#include <unistd.h>
 
 #include "checkpoint.cuh"
+#include "comm.cuh"
 #include "core.cuh"
 #include "data.cuh"
+#include "data_parallel.cuh"
 #include "model.cuh"
 #include "ops.cuh"
 #include "optimizer.cuh"
+#include "report.cuh"
 
 struct Options {
   ModelConfig model;
@@ -25,6 +33,12 @@ struct Options {
   uint64_t seed = 1337;
   std::string data, save, load, log_json, save_grads, score, prompt = "\n";
   int sample = 0;
+  // parallelism
+  int dp = 1, pp = 1, cp = 1, tp = 1;
+  std::string comm = "auto", dp_sync = "bucket", trace, fault;
+  double comm_timeout = 300, bucket_mb = 25;
+  bool no_overlap = false;
+  std::vector<std::string> reports;
 };
 
 // ----------------------------------------------------------------------------
@@ -39,6 +53,8 @@ struct ShapeFlag {
 };
 
 static void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape) {
+  // A flag given twice takes its last value, so a script can append overrides.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--model", o.preset, "preset: tiny, medium, smollm-135m, llama-1b")
       ->capture_default_str();
   auto shape_flag = [&](const char* flag, IntField field, const char* help) {
@@ -83,6 +99,19 @@ static void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape) 
   app.add_option("--sample", o.sample, "generate N bytes at the end")->capture_default_str();
   app.add_option("--prompt", o.prompt, "text the sample continues");
   app.add_option("--temperature", o.temperature, "sampling temperature")->capture_default_str();
+  app.add_option("--dp", o.dp, "data-parallel ranks")->capture_default_str();
+  app.add_option("--pp", o.pp, "pipeline-parallel stages")->capture_default_str();
+  app.add_option("--cp", o.cp, "context-parallel ranks")->capture_default_str();
+  app.add_option("--tp", o.tp, "tensor-parallel ranks")->capture_default_str();
+  app.add_option("--comm", o.comm, "collectives backend: auto|nccl|mpi")->capture_default_str();
+  app.add_option("--comm-timeout", o.comm_timeout,
+                 "seconds a collective may wait before the job is aborted")->capture_default_str();
+  app.add_option("--dp-sync", o.dp_sync, "gradient sync: naive|bucket|ring")->capture_default_str();
+  app.add_option("--bucket-mb", o.bucket_mb, "gradient bucket size in MiB")->capture_default_str();
+  app.add_flag("--no-overlap", o.no_overlap, "launch every bucket after the backward pass");
+  app.add_option("--trace", o.trace, "write a Chrome trace JSON (Perfetto) to FILE");
+  app.add_option("--report", o.reports, "print reports at the end: memory, comm")->delimiter(',');
+  app.add_option("--fault", o.fault, "test fault handling: KIND:RANK:STEP, KIND crash|hang|error");
 }
 
 static void check_positive(int value, const char* flag) {
@@ -123,23 +152,58 @@ static void resolve_options(Options& o, const std::vector<ShapeFlag>& shape) {
   if (!o.score.empty() && o.load.empty())
     throw UsageError("--score " + o.score + " needs --load DIR: the model to score with");
   parse_recompute(o.recompute);
+  check_positive(o.dp, "--dp"), check_positive(o.pp, "--pp");
+  check_positive(o.cp, "--cp"), check_positive(o.tp, "--tp");
+  for (auto [value, flag] : {std::pair{o.pp, "--pp"}, {o.cp, "--cp"}, {o.tp, "--tp"}})
+    if (value > 1)
+      throw UsageError(std::string(flag) + " " + std::to_string(value) +
+                       ": this version parallelises over --dp only; use " + flag + " 1");
+  parse_dp_sync(o.dp_sync);
+  if (!(o.bucket_mb > 0)) throw UsageError("--bucket-mb must be > 0");
+  if (!(o.comm_timeout > 0)) throw UsageError("--comm-timeout must be > 0 seconds");
+  for (const std::string& r : o.reports)
+    if (r != "memory" && r != "comm")
+      throw UsageError("--report " + r + ": expected memory or comm (or both: memory,comm)");
+  if (!o.fault.empty() && std::count(o.fault.begin(), o.fault.end(), ':') != 2)
+    throw UsageError("--fault " + o.fault + ": expected KIND:RANK:STEP, e.g. crash:1:3");
 }
 
-static void print_config(const Options& o, const Dataset& data, Device device, int64_t n_params) {
+// --fault KIND:RANK:STEP, for testing that a failed rank never hangs the job: at the start of
+// step STEP, rank RANK kills itself (crash), stops answering (hang), or fails a check (error).
+static void maybe_inject_fault(const std::string& fault, int rank, int64_t step) {
+  if (fault.empty()) return;
+  std::string kind = fault.substr(0, fault.find(':'));
+  std::string rest = fault.substr(fault.find(':') + 1);
+  if (std::stoi(rest.substr(0, rest.find(':'))) != rank ||
+      std::stoll(rest.substr(rest.find(':') + 1)) != step)
+    return;
+  fprintf(stderr, "rank %d: injected fault '%s' at step %lld\n", rank, kind.c_str(), (long long)step);
+  fflush(stderr);
+  if (kind == "crash") raise(SIGKILL);
+  if (kind == "hang") for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+  PICO_ASSERT(kind != "error", "injected error");
+}
+
+static void print_config(const Options& o, const Dataset& data, const Comm& comm,
+                         int64_t n_params) {
   const ModelConfig& c = o.model;
-  auto row = [](const char* k, const std::string& v) { printf("| %-22s | %-40s |\n", k, v.c_str()); };
+  auto row = [](const char* k, const std::string& v) { printf("| %-22s | %-50s |\n", k, v.c_str()); };
   auto s = [](auto v) { return std::to_string(v); };
-  printf("+------------------------+------------------------------------------+\n");
+  printf("+------------------------+----------------------------------------------------+\n");
   row("model", c.preset + (o.load.empty() ? "" : " (from " + o.load + ")"));
   row("d_model / layers", s(c.d_model) + " / " + s(c.layers));
   row("heads / kv heads / hd", s(c.heads) + " / " + s(c.kv_heads) + " / " + s(c.head_dim()));
   row("ffn / vocab / seq", s(c.ffn) + " / " + s(c.vocab) + " / " + s(c.seq));
   row("tied embeddings", c.tie_embeddings ? "yes" : "no");
   row("parameters", s(n_params) + " (closed form " + s(parameter_count(c)) + ")");
-  row("device", device_name(device));
+  row("device / backend", std::string(device_name(comm.device)) + " / " + backend_name(comm.backend));
+  row("grid dp x pp x cp x tp", s(o.dp) + " x " + s(o.pp) + " x " + s(o.cp) + " x " + s(o.tp) +
+                                    " = " + s(comm.grid.world_size) + " ranks");
+  row("gradient sync", o.dp_sync + ", buckets of " + s(o.bucket_mb).substr(0, 5) + " MiB" +
+                           (o.no_overlap ? ", no overlap" : ", overlapped"));
   row("recompute", o.recompute);
   row("steps / mbs / grad-acc", s(o.steps) + " / " + s(o.mbs) + " / " + s(o.grad_acc));
-  row("tokens per step", s((int64_t)o.mbs * o.grad_acc * c.seq));
+  row("tokens per step", s((int64_t)o.mbs * o.grad_acc * o.dp * c.seq) + " (mbs x grad-acc x dp x seq)");
   char lr[96];
   snprintf(lr, sizeof lr, "%.2e -> %.2e, warmup %d, wd %.3g, clip %.3g", o.lr, o.min_lr,
            o.warmup, o.weight_decay, o.grad_clip);
@@ -147,20 +211,20 @@ static void print_config(const Options& o, const Dataset& data, Device device, i
   row("seed", s(o.seed));
   row("data", data.source);
   row("train / val tokens", s(data.train.size()) + " / " + s(data.val.size()));
-  printf("+------------------------+------------------------------------------+\n");
+  printf("+------------------------+----------------------------------------------------+\n");
 }
 
 // ----------------------------------------------------------------------------
 // Evaluation
 
-// Mean cross-entropy (nats) over `windows` windows of seq + 1 tokens; window w starts at
-// token w * stride (stride seq: the validation windows; seq + 1: disjoint windows for --score).
-static double mean_loss(const Context& ctx, const Model& model, const std::vector<int32_t>& tokens,
-                        int64_t windows, int seq, int64_t stride, int mbs) {
+// Sum of per-token cross-entropies over windows [first, first + count) of seq + 1 tokens;
+// window w starts at token w * stride (stride seq: validation; seq + 1: disjoint, --score).
+static double loss_sum(const Context& ctx, const Model& model, const std::vector<int32_t>& tokens,
+                       int64_t first, int64_t count, int seq, int64_t stride, int mbs) {
   std::vector<int32_t> in((size_t)mbs * seq), tgt((size_t)mbs * seq);
   double total = 0;
-  for (int64_t w = 0; w < windows; w += mbs) {
-    int n = (int)std::min<int64_t>(mbs, windows - w);
+  for (int64_t w = first; w < first + count; w += mbs) {
+    int n = (int)std::min<int64_t>(mbs, first + count - w);
     for (int i = 0; i < n; i++) {
       const int32_t* src = tokens.data() + (w + i) * stride;
       std::copy(src, src + seq, in.begin() + (size_t)i * seq);
@@ -169,6 +233,18 @@ static double mean_loss(const Context& ctx, const Model& model, const std::vecto
     Activations acts;
     total += model_forward(ctx, model, acts, in.data(), tgt.data(), n, seq, Recompute::None);
   }
+  return total;
+}
+
+// Mean loss over `windows` windows, the windows split evenly over the dp_cp ranks (every rank
+// holds the same weights) and the sums added up.
+static double mean_loss(const Context& ctx, Comm& comm, const Model& model,
+                        const std::vector<int32_t>& tokens, int64_t windows, int seq,
+                        int64_t stride, int mbs) {
+  Group& g = comm.dp_cp;
+  int64_t first = windows * g.rank / g.size, last = windows * (g.rank + 1) / g.size;
+  double total = loss_sum(ctx, model, tokens, first, last - first, seq, stride, mbs);
+  all_reduce_host(g, &total, 1, ReduceOp::Sum);
   return total / ((double)windows * seq);
 }
 
@@ -199,124 +275,152 @@ static std::string generate(const Context& ctx, const Model& model, const Option
     double r = rng_uniform(key, i) * z;
     int next = V - 1;
     for (int v = 0; v < V; v++)
-      if ((r -= logits[v]) < 0) { next = v; break; }
+      if ((r -= logits[v]) < 0) {
+        next = v;
+        break;
+      }
     tokens.push_back(next);
     out += (char)(next < 256 ? next : '?');
   }
   return out;
 }
 
-static void print_memory(const Model& model) {
-  MemoryStats m = memory_stats();
-  printf("memory (peak / now):\n");
-  for (int i = 0; i < (int)Mem::Count; i++)
-    printf("  %-12s %12s / %s\n", mem_name((Mem)i), human_bytes(m.peak[i]).c_str(),
-           human_bytes(m.current[i]).c_str());
-  size_t stat = m.current[(int)Mem::Params] + m.current[(int)Mem::Grads] +
-                m.current[(int)Mem::Optimizer];
-  printf("  static (params + grads + optimizer) = %s = %.2f bytes/parameter "
-         "(Playbook §2.4, fp32: 16)\n",
-         human_bytes(stat).c_str(), (double)stat / model.params.numel());
-}
-
 // ----------------------------------------------------------------------------
 // Training
 
-static int run(Options& o) {
-  Device device = resolve_device(o.device);
-  Context ctx = Context::create(device);
-  Recompute recompute = parse_recompute(o.recompute);
+static int score_file(const Context& ctx, Comm& comm, const Options& o) {
   const ModelConfig& c = o.model;
+  Model model = build_model(c, ctx.device, o.seed);
+  load_checkpoint(o.load, model.named_params, nullptr);
+  std::vector<int32_t> tokens = read_tokens(o.score);
+  int64_t windows = (int64_t)tokens.size() / (c.seq + 1);
+  if (windows == 0)
+    throw UsageError("--score " + o.score + ": " + std::to_string(tokens.size()) +
+                     " tokens, fewer than one window of --seq + 1 = " + std::to_string(c.seq + 1));
+  for (int32_t t : tokens)
+    if (t >= c.vocab)
+      throw UsageError("--score " + o.score + ": token " + std::to_string(t) +
+                       " is outside the vocabulary " + std::to_string(c.vocab));
+  double loss = mean_loss(ctx, comm, model, tokens, windows, c.seq, c.seq + 1, o.mbs);
+  if (comm.grid.world_rank == 0) printf("loss: %.6f\n", loss);
+  return 0;
+}
 
-  if (!o.score.empty()) {  // score a file with a loaded model, then exit
-    Model model = build_model(c, device, o.seed);
-    load_checkpoint(o.load, model.named_params, nullptr);
-    std::vector<int32_t> tokens = read_tokens(o.score);
-    int64_t windows = (int64_t)tokens.size() / (c.seq + 1);
-    if (windows == 0)
-      throw UsageError("--score " + o.score + ": " + std::to_string(tokens.size()) +
-                       " tokens, fewer than one window of --seq + 1 = " + std::to_string(c.seq + 1));
-    for (int32_t t : tokens)
-      if (t >= c.vocab) throw UsageError("--score " + o.score + ": token " + std::to_string(t) +
-                                         " is outside the vocabulary " + std::to_string(c.vocab));
-    printf("loss: %.6f\n", mean_loss(ctx, model, tokens, windows, c.seq, c.seq + 1, o.mbs));
-    return 0;
-  }
+static int run(const Options& o, Comm& comm, const Context& ctx) {
+  const ModelConfig& c = o.model;
+  const Grid& grid = comm.grid;
+  bool main_rank = grid.world_rank == 0;
+  if (!o.score.empty()) return score_file(ctx, comm, o);
 
+  Recompute recompute = parse_recompute(o.recompute);
   Dataset data = load_dataset(o.data, o.val_frac, c.seq);
   check_vocab(data, c.vocab);
-  Model model = build_model(c, device, o.seed);
+  Model model = build_model(c, ctx.device, o.seed);
   Optimizer opt = build_optimizer(model, AdamWConfig{}, o.weight_decay);
   if (!o.load.empty()) {
     OptimizerState state{opt.named_exp_avg, opt.named_exp_avg_sq, 0};
     if (load_checkpoint(o.load, model.named_params, &state)) opt.step = state.step;
   }
-  print_config(o, data, device, model.params.numel());
-  printf("unigram entropy of the training tokens: %.4f nats (a model that ignores context)\n",
-         unigram_entropy(data.train, c.vocab));
-
+  DataParallel dp(comm, model, parse_dp_sync(o.dp_sync), o.bucket_mb, !o.no_overlap);
+  if (main_rank) {
+    print_config(o, data, comm, model.params.numel());
+    printf("unigram entropy of the training tokens: %.4f nats (a model that ignores context)\n",
+           unigram_entropy(data.train, c.vocab));
+  }
   std::ofstream log_json;
-  if (!o.log_json.empty()) {
+  if (main_rank && !o.log_json.empty()) {
     log_json.open(o.log_json);
     if (!log_json) throw UsageError("--log-json " + o.log_json + ": cannot open for writing");
   }
+  Trace trace;
+  trace.enabled = !o.trace.empty();
   LrSchedule schedule{o.lr, o.min_lr, o.warmup, o.steps};
-  int64_t global_batch = (int64_t)o.mbs * o.grad_acc;  // sequences per step
+  // The global batch (DESIGN 5): mbs x grad_acc x dp sequences. dp rank d reads the
+  // consecutive sequences [d * mbs * grad_acc, (d + 1) * mbs * grad_acc).
+  int64_t rank_batch = (int64_t)o.mbs * o.grad_acc, global_batch = rank_batch * o.dp;
+  int first_seq = (int)(grid.dp_rank * rank_batch);
   int64_t val_windows = std::min<int64_t>(o.val_seqs, num_val_windows(data, c.seq));
-  std::vector<int32_t> inputs(global_batch * c.seq), targets(global_batch * c.seq);
-  // Each micro-batch's gradient is scaled so that their sum is the gradient of the mean loss
-  // over every token of the global batch (DESIGN 5).
+  std::vector<int32_t> inputs(rank_batch * c.seq), targets(rank_batch * c.seq);
+  // Each micro-batch's gradient is scaled so that the sum over micro-batches and dp ranks is
+  // the gradient of the mean loss over every token of the global batch (DESIGN 5).
   float loss_scale = 1.0f / (float)(global_batch * c.seq);
+  int64_t steps_run = 0;
 
   int64_t end = o.stop_after > 0 ? std::min<int64_t>(o.steps, opt.step + o.stop_after) : o.steps;
   for (int64_t step = opt.step; step < end; step++) {
+    maybe_inject_fault(o.fault, grid.world_rank, step);
     double t0 = now_seconds();
-    fill_train_batch(data, step, global_batch, 0, (int)global_batch, c.seq, inputs.data(),
+    fill_train_batch(data, step, global_batch, first_seq, (int)rank_batch, c.seq, inputs.data(),
                      targets.data());
     zero_(model.grads);
     double loss_sum = 0;
     for (int micro = 0; micro < o.grad_acc; micro++) {  // Playbook §2.7 gradient accumulation
       size_t first = (size_t)micro * o.mbs * c.seq;
       Activations acts;
+      double tf = now_seconds();
       loss_sum += model_forward(ctx, model, acts, inputs.data() + first, targets.data() + first,
                                 o.mbs, c.seq, recompute);
-      model_backward(ctx, model, acts, loss_scale, recompute);
+      double tb = now_seconds();
+      trace.add("forward " + std::to_string(micro), Track::Compute, tf, tb);
+      dp.begin_backward(ctx, micro == o.grad_acc - 1);
+      model_backward(ctx, model, acts, loss_scale, recompute,
+                     [&](int group) { dp.on_gradients_ready(group); });
+      trace.add("backward " + std::to_string(micro), Track::Compute, tb, now_seconds());
     }
+    double tw = now_seconds();
+    dp.finish(ctx);
+    trace.add("wait for gradients", Track::Compute, tw, now_seconds());
+    for (auto [start, stop] : dp.last_spans) trace.add("gradient all-reduce", Track::Comm, start, stop);
+    all_reduce_host(comm.dp_cp, &loss_sum, 1, ReduceOp::Sum);
     float loss = (float)(loss_sum / (global_batch * c.seq));
     if (!std::isfinite(loss)) {
-      fprintf(stderr, "error: loss is %f at step %lld; lower --lr or check the data\n", loss,
-              (long long)step);
+      if (main_rank)
+        fprintf(stderr, "error: loss is %f at step %lld; lower --lr or check the data\n", loss,
+                (long long)step + 1);
       return 3;
     }
-    if (step == opt.step && !o.save_grads.empty())
+    if (step == opt.step && !o.save_grads.empty() && main_rank)
       write_safetensors(o.save_grads, model.named_grads, {{"step", std::to_string(step)}});
+    double to = now_seconds();
     float norm = clip_grad_norm(ctx, model.grads, o.grad_clip);
     float lr = learning_rate(schedule, step);
     optimizer_step(ctx, model, opt, lr);
     ctx.synchronize();
+    trace.add("optimizer", Track::Compute, to, now_seconds());
     double dt = now_seconds() - t0;
     double tok_s = global_batch * c.seq / dt;
-    printf("step %5lld/%d | loss %.4f | lr %.2e | norm %.4f | %8.0f tok/s | %7.1f ms\n",
-           (long long)step + 1, o.steps, loss, lr, norm, tok_s, dt * 1e3);
-    if (log_json.is_open())
-      log_json << nlohmann::json{{"step", step + 1}, {"loss", loss}, {"lr", lr},
-                                 {"grad_norm", norm}, {"tokens_per_s", tok_s}}
-                      .dump()
-               << "\n" << std::flush;
+    steps_run++;
+    if (main_rank) {
+      printf("step %5lld/%d | loss %.4f | lr %.2e | norm %.4f | %8.0f tok/s | %7.1f ms\n",
+             (long long)step + 1, o.steps, loss, lr, norm, tok_s, dt * 1e3);
+      if (log_json.is_open())
+        log_json << nlohmann::json{{"step", step + 1}, {"loss", loss}, {"lr", lr},
+                                   {"grad_norm", norm}, {"tokens_per_s", tok_s}}
+                        .dump()
+                 << "\n" << std::flush;
+    }
     bool last = step + 1 == end;
-    if (val_windows > 0 && (last || (o.val_every > 0 && (step + 1) % o.val_every == 0)))
-      printf("step %5lld/%d | val loss %.4f\n", (long long)step + 1, o.steps,
-             mean_loss(ctx, model, data.val, val_windows, c.seq, c.seq, o.mbs));
+    if (val_windows > 0 && (last || (o.val_every > 0 && (step + 1) % o.val_every == 0))) {
+      double val = mean_loss(ctx, comm, model, data.val, val_windows, c.seq, c.seq, o.mbs);
+      if (main_rank) printf("step %5lld/%d | val loss %.4f\n", (long long)step + 1, o.steps, val);
+    }
     fflush(stdout);
   }
-  if (!o.save.empty()) {
+  if (!o.save.empty() && main_rank) {
     OptimizerState state{opt.named_exp_avg, opt.named_exp_avg_sq, opt.step};
     save_checkpoint(o.save, c, model.named_params, &state);
     printf("saved %s (config.json, model.safetensors, optimizer.safetensors)\n", o.save.c_str());
   }
-  print_memory(model);
-  if (o.sample > 0) printf("sample:\n%s%s\n", o.prompt.c_str(), generate(ctx, model, o).c_str());
-  ctx.destroy();
+  if (trace.enabled) {
+    trace_write(trace, o.trace, comm.world.mpi);
+    if (main_rank) printf("trace: %s (open in https://ui.perfetto.dev or chrome://tracing)\n", o.trace.c_str());
+  }
+  if (main_rank) print_memory(model);
+  for (const std::string& r : o.reports)
+    if (r == "comm") print_comm_report(comm, model.params.numel(), steps_run);
+  if (o.sample > 0 && main_rank)
+    printf("sample:\n%s%s\n", o.prompt.c_str(), generate(ctx, model, o).c_str());
+  barrier(comm, comm.world, ctx);  // no rank leaves while rank 0 still writes
   return 0;
 }
 
@@ -332,10 +436,22 @@ int main(int argc, char** argv) {
   int code = 0;
   try {
     app.parse(argc, argv);
-    if (world != 1)
-      throw UsageError("this build trains on one process; run ./train without mpirun");
     resolve_options(o, shape);
-    code = run(o);
+    // Ranks on one node share its cores (OpenBLAS) and its GPUs (local rank modulo count).
+    int local = 0, local_size = 1;
+    local_rank(&local, &local_size);
+    openblas_set_num_threads(std::max(1, (int)std::thread::hardware_concurrency() / local_size));
+    Device device = resolve_device(o.device);
+    if (device == Device::CUDA) {
+      int gpus = 0;
+      CUDA_CHECK(cudaGetDeviceCount(&gpus));
+      CUDA_CHECK(cudaSetDevice(local % gpus));
+    }
+    Comm comm = comm_init(o.dp, o.pp, o.cp, o.tp, o.comm, device, o.comm_timeout);
+    Context ctx = Context::create(device);
+    code = run(o, comm, ctx);
+    ctx.destroy();
+    comm_destroy(comm);
   } catch (const CLI::CallForHelp&) {
     if (rank == 0) std::cout << app.help();
   } catch (const CLI::ParseError& e) {
@@ -346,6 +462,7 @@ int main(int argc, char** argv) {
     code = 2;
   }
   fflush(stdout);
+  fflush(stderr);
   MPI_Finalize();
   return code;
 }

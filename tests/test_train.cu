@@ -2,8 +2,6 @@
 // side outputs, and bad input. Run from the repository root (tools/run_tests.sh does).
 #include <catch2/catch.hpp>
 
-#include <sys/wait.h>
-
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -14,35 +12,12 @@
 
 #include "checkpoint.cuh"
 #include "data.cuh"
+#include "launch.cuh"
 #include "model.cuh"
 #include "ops.cuh"
 
 namespace fs = std::filesystem;
 
-struct RunResult {
-  int code;
-  std::string output;  // stdout and stderr
-};
-static RunResult run(const std::string& args) {
-  std::string device = args.find("--device") == std::string::npos ? "--device cpu " : "";
-  std::string cmd = "./train " + device + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  REQUIRE(p != nullptr);
-  std::string out;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-  int status = pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
-static std::string temp_dir() {
-  char tmpl[] = "/tmp/picoscale-test-XXXXXX";
-  REQUIRE(mkdtemp(tmpl) != nullptr);
-  return tmpl;
-}
-static std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
 static double last_number_after(const std::string& text, const std::string& label) {
   std::regex re(label + " ([0-9.]+)");
   double v = NAN;
@@ -50,18 +25,12 @@ static double last_number_after(const std::string& text, const std::string& labe
     v = std::stod((*it)[1]);
   return v;
 }
-static std::vector<nlohmann::json> read_log(const std::string& path) {
-  std::vector<nlohmann::json> lines;
-  std::ifstream f(path);
-  for (std::string line; std::getline(f, line);) lines.push_back(nlohmann::json::parse(line));
-  return lines;
-}
 // A small model and batch, so each run takes about a second.
 static const std::string SMALL = "--d-model 64 --layers 2 --heads 4 --kv-heads 2 --ffn 128 "
                                  "--seq 32 --mbs 4 --warmup 2 --val-seqs 8 ";
 
 TEST_CASE("training tiny brings validation loss well below the unigram entropy", "[train]") {
-  RunResult r = run("--model tiny --steps 150 --mbs 16 --val-every 0");
+  RunResult r = run_train("--model tiny --steps 150 --mbs 16 --val-every 0");
   INFO(r.output);
   REQUIRE(r.code == 0);
   double unigram = last_number_after(r.output, "unigram entropy of the training tokens:");
@@ -74,14 +43,14 @@ TEST_CASE("training tiny brings validation loss well below the unigram entropy",
 }
 
 TEST_CASE("k steps equal k/2 steps, save, load, k/2 steps, exactly", "[train]") {
-  std::string dir = temp_dir();
-  REQUIRE(run(SMALL + "--steps 6 --log-json " + dir + "/a.jsonl --save " + dir + "/a").code == 0);
-  REQUIRE(run(SMALL + "--steps 6 --stop-after 3 --save " + dir + "/half").code == 0);
-  RunResult r = run(SMALL + "--steps 6 --load " + dir + "/half --log-json " + dir +
+  std::string dir = make_temp_dir();
+  REQUIRE(run_train(SMALL + "--steps 6 --log-json " + dir + "/a.jsonl --save " + dir + "/a").code == 0);
+  REQUIRE(run_train(SMALL + "--steps 6 --stop-after 3 --save " + dir + "/half").code == 0);
+  RunResult r = run_train(SMALL + "--steps 6 --load " + dir + "/half --log-json " + dir +
                     "/b.jsonl --save " + dir + "/b");
   INFO(r.output);
   REQUIRE(r.code == 0);
-  auto a = read_log(dir + "/a.jsonl"), b = read_log(dir + "/b.jsonl");
+  auto a = read_json_lines(dir + "/a.jsonl"), b = read_json_lines(dir + "/b.jsonl");
   REQUIRE(a.size() == 6);
   REQUIRE(b.size() == 3);
   for (int i = 0; i < 3; i++) {
@@ -89,14 +58,14 @@ TEST_CASE("k steps equal k/2 steps, save, load, k/2 steps, exactly", "[train]") 
     REQUIRE(b[i]["loss"].get<double>() == a[i + 3]["loss"].get<double>());  // bitwise
     REQUIRE(b[i]["grad_norm"].get<double>() == a[i + 3]["grad_norm"].get<double>());
   }
-  REQUIRE(read_file(dir + "/a/model.safetensors") == read_file(dir + "/b/model.safetensors"));
-  REQUIRE(read_file(dir + "/a/optimizer.safetensors") == read_file(dir + "/b/optimizer.safetensors"));
+  REQUIRE(read_whole_file(dir + "/a/model.safetensors") == read_whole_file(dir + "/b/model.safetensors"));
+  REQUIRE(read_whole_file(dir + "/a/optimizer.safetensors") == read_whole_file(dir + "/b/optimizer.safetensors"));
   fs::remove_all(dir);
 }
 
 TEST_CASE("a checkpoint round trip gives identical logits", "[train]") {
-  std::string dir = temp_dir();
-  REQUIRE(run(SMALL + "--steps 2 --save " + dir + "/ck").code == 0);
+  std::string dir = make_temp_dir();
+  REQUIRE(run_train(SMALL + "--steps 2 --save " + dir + "/ck").code == 0);
   ModelConfig c = read_checkpoint_config(dir + "/ck");
   REQUIRE(c.d_model == 64);
   REQUIRE(c.seq == 32);
@@ -113,13 +82,13 @@ TEST_CASE("a checkpoint round trip gives identical logits", "[train]") {
   load_checkpoint(dir + "/ck2", m2.named_params, nullptr);
   model_forward(ctx, m2, second, ids.data(), nullptr, 1, c.seq, Recompute::None);
   REQUIRE(to_host_floats(first.logits) == to_host_floats(second.logits));
-  REQUIRE(read_file(dir + "/ck/model.safetensors") == read_file(dir + "/ck2/model.safetensors"));
+  REQUIRE(read_whole_file(dir + "/ck/model.safetensors") == read_whole_file(dir + "/ck2/model.safetensors"));
 
   // --score prints the mean loss of disjoint windows of seq + 1 tokens: check it by hand.
   std::string text;
   for (int i = 0; i < 2 * (c.seq + 1) + 5; i++) text += (char)('a' + (i * 7) % 26);
   std::ofstream(dir + "/score.txt") << text;
-  RunResult r = run("--load " + dir + "/ck --score " + dir + "/score.txt");
+  RunResult r = run_train("--load " + dir + "/ck --score " + dir + "/score.txt");
   INFO(r.output);
   REQUIRE(r.code == 0);
   double total = 0;
@@ -134,8 +103,8 @@ TEST_CASE("a checkpoint round trip gives identical logits", "[train]") {
 }
 
 TEST_CASE("--save-grads writes the first step's unclipped gradients", "[train]") {
-  std::string dir = temp_dir();
-  RunResult r = run(SMALL + "--steps 1 --grad-clip 0.01 --save-grads " + dir + "/g.safetensors "
+  std::string dir = make_temp_dir();
+  RunResult r = run_train(SMALL + "--steps 1 --grad-clip 0.01 --save-grads " + dir + "/g.safetensors "
                     "--log-json " + dir + "/log.jsonl");
   REQUIRE(r.code == 0);
   ModelConfig c = model_preset("tiny");
@@ -144,7 +113,7 @@ TEST_CASE("--save-grads writes the first step's unclipped gradients", "[train]")
   read_safetensors(dir + "/g.safetensors", m.named_grads);
   Context ctx = Context::create(Device::CPU);
   double norm = std::sqrt(sum_squares(ctx, m.grads));
-  double logged = read_log(dir + "/log.jsonl")[0]["grad_norm"];
+  double logged = read_json_lines(dir + "/log.jsonl")[0]["grad_norm"];
   REQUIRE(logged > 0.01);  // clipping was active, so the file must hold the pre-clip gradient
   REQUIRE(norm == Approx(logged).epsilon(1e-5));  // fp32 sums in another order
   fs::remove_all(dir);
@@ -152,14 +121,14 @@ TEST_CASE("--save-grads writes the first step's unclipped gradients", "[train]")
 
 // Every rank reports bad input with a message and exit code 2.
 static void expect_usage_error(const std::string& args, const std::string& message) {
-  RunResult r = run(args);
+  RunResult r = run_train(args);
   INFO(args << "\n" << r.output);
   REQUIRE(r.code == 2);
   REQUIRE_THAT(r.output, Catch::Contains(message));
 }
 
 TEST_CASE("bad flags and data end with a clear message and exit code 2", "[train]") {
-  std::string dir = temp_dir();
+  std::string dir = make_temp_dir();
   expect_usage_error("--no-such-flag 3", "--no-such-flag");
   expect_usage_error("--heads 3", "--heads 3 does not divide --d-model 128");
   expect_usage_error("--kv-heads 3", "--kv-heads 3 does not divide --heads 4");
@@ -172,9 +141,9 @@ TEST_CASE("bad flags and data end with a clear message and exit code 2", "[train
 }
 
 TEST_CASE("bad checkpoints end with a message naming the file and the problem", "[train]") {
-  std::string dir = temp_dir();
-  REQUIRE(run(SMALL + "--steps 1 --save " + dir + "/ok").code == 0);
-  std::string weights = read_file(dir + "/ok/model.safetensors");
+  std::string dir = make_temp_dir();
+  REQUIRE(run_train(SMALL + "--steps 1 --save " + dir + "/ok").code == 0);
+  std::string weights = read_whole_file(dir + "/ok/model.safetensors");
   auto variant = [&](const std::string& name, const std::string& bytes) {
     fs::copy(dir + "/ok", dir + "/" + name);
     std::ofstream(dir + "/" + name + "/model.safetensors", std::ios::binary) << bytes;
@@ -187,7 +156,7 @@ TEST_CASE("bad checkpoints end with a message naming the file and the problem", 
   expect_usage_error("--load " + variant("header", bad_header), "model.safetensors");
   // A config that disagrees with the tensors: every shape check names the tensor.
   fs::copy(dir + "/ok", dir + "/shape");
-  std::string cfg = read_file(dir + "/ok/config.json");
+  std::string cfg = read_whole_file(dir + "/ok/config.json");
   cfg = std::regex_replace(cfg, std::regex("\"intermediate_size\": *128"), "\"intermediate_size\": 96");
   std::ofstream(dir + "/shape/config.json") << cfg;
   expect_usage_error("--load " + dir + "/shape", "mlp.gate_proj.weight");
@@ -200,12 +169,12 @@ TEST_CASE("a CUDA training run matches the CPU run of the same seed", "[gpu]") {
     WARN("SKIP: no CUDA device");
     return;
   }
-  std::string dir = temp_dir();
-  REQUIRE(run(SMALL + "--steps 5 --device cpu --log-json " + dir + "/cpu.jsonl").code == 0);
-  RunResult r = run(SMALL + "--steps 5 --device cuda --log-json " + dir + "/cuda.jsonl");
+  std::string dir = make_temp_dir();
+  REQUIRE(run_train(SMALL + "--steps 5 --device cpu --log-json " + dir + "/cpu.jsonl").code == 0);
+  RunResult r = run_train(SMALL + "--steps 5 --device cuda --log-json " + dir + "/cuda.jsonl");
   INFO(r.output);
   REQUIRE(r.code == 0);
-  auto cpu = read_log(dir + "/cpu.jsonl"), cuda = read_log(dir + "/cuda.jsonl");
+  auto cpu = read_json_lines(dir + "/cpu.jsonl"), cuda = read_json_lines(dir + "/cuda.jsonl");
   REQUIRE(cpu.size() == cuda.size());
   for (size_t i = 0; i < cpu.size(); i++) {
     // Same math, other summation orders (cuBLAS vs OpenBLAS, block reductions, atomics in the

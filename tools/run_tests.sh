@@ -32,20 +32,35 @@ run_group() {  # name, Catch2 test spec
   rm -f "$log"
 }
 
-if [ ! -x "$UNIT" ] || [ ! -x ./train ]; then
-  echo "build first: make train $UNIT"
+if [ ! -x "$UNIT" ] || [ ! -x ./train ] || [ ! -x build/mpi_tests ]; then
+  echo "build first: make train $UNIT build/mpi_tests"
   echo "0 passed, 1 failed"
   exit 1
 fi
 export OMPI_MCA_btl_vader_single_copy_mechanism=none  # containers often forbid CMA
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 
-run_group "unit tests (CPU)" "~[gpu]~[train]"
+# Collectives under mpirun on 2, 3, 4 and 8 ranks; rank 0 reports for all of them.
+run_mpi() {
+  local log np=$1
+  log=$(mktemp)
+  echo "== collectives on $np ranks (mpirun -np $np)"
+  OPENBLAS_NUM_THREADS=1 mpirun --oversubscribe -np "$np" build/mpi_tests "~[gpu]" 2>&1 | tee "$log" |
+    grep -E "FAILED|passed|failed|error" | grep -v "^$"
+  count "$log"
+  grep -qE "^mpi ranks failed: [1-9]" "$log" && failed=$((failed + 1))
+  rm -f "$log"
+}
+
+run_group "unit tests (CPU)" "~[gpu]~[train]~[parity]"
 run_group "training runs (CPU)" "[train]"
+for np in 2 3 4 8; do run_mpi "$np"; done
+run_group "parity matrix and multi-rank runs (CPU, mpirun)" "[parity]"
 if nvidia-smi -L >/dev/null 2>&1; then
   run_group "GPU tests" "[gpu]"
 else
-  n=$("$UNIT" "[gpu]" --list-test-names-only 2>/dev/null | grep -c .)
+  n=$(( $("$UNIT" "[gpu]" --list-test-names-only 2>/dev/null | grep -c .) +
+         $(build/mpi_tests "[gpu]" --list-test-names-only 2>/dev/null | grep -c .) ))
   echo "SKIP: $n GPU tests (no CUDA device visible on this machine)"
   skipped=$((skipped + n))
 fi

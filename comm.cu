@@ -1,0 +1,644 @@
+// comm.cu: the process grid [dp][pp][cp][tp] and its collectives, over NCCL or MPI, with
+// per-group byte counters. Playbook appendix A0 (the collectives and what each rank sends in a
+// ring); DESIGN sections 3 and 4. The one idea: every parallel technique is a few collectives on
+// a few groups of ranks, issued without blocking and waited for later, so communication runs
+// beside computation: on CUDA on a second stream ordered by events, on CPU inside MPI's
+// nonblocking calls.
+#include <climits>
+#include <cstring>
+#include <deque>
+#include <thread>
+
+#include "comm.cuh"
+#include "ops.cuh"
+
+const char* coll_name(Coll c) {
+  static const char* names[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce",
+                                "gather",     "scatter",        "send_recv",  "barrier"};
+  return names[(int)c];
+}
+const char* backend_name(Backend b) {
+  return b == Backend::MPI ? "mpi" : "nccl";
+}
+
+// ============================================================================
+// The grid: world rank <-> coordinates, tp fastest (tensor-parallel peers share a node)
+// ============================================================================
+
+Grid make_grid(int dp, int pp, int cp, int tp, int world_size, int world_rank) {
+  std::string flags = "--dp " + std::to_string(dp) + " x --pp " + std::to_string(pp) + " x --cp " +
+                      std::to_string(cp) + " x --tp " + std::to_string(tp);
+  if (dp < 1 || pp < 1 || cp < 1 || tp < 1)
+    throw UsageError(flags + ": every parallel dimension must be at least 1");
+  int64_t product = (int64_t)dp * pp * cp * tp;
+  if (product != world_size)
+    throw UsageError(flags + " = " + std::to_string(product) + " ranks, but mpirun started " +
+                     std::to_string(world_size) + ": launch with mpirun -np " +
+                     std::to_string(product) + ", or change the flags");
+  Grid g;
+  g.dp = dp, g.pp = pp, g.cp = cp, g.tp = tp;
+  g.world_size = world_size, g.world_rank = world_rank;
+  int r = world_rank;
+  g.tp_rank = r % tp, r /= tp;
+  g.cp_rank = r % cp, r /= cp;
+  g.pp_rank = r % pp, r /= pp;
+  g.dp_rank = r;
+  return g;
+}
+
+// ============================================================================
+// Communicators
+// ============================================================================
+
+void local_rank(int* rank, int* size) {
+  MPI_Comm node;
+  MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  MPI_CHECK(MPI_Comm_rank(node, rank));
+  MPI_CHECK(MPI_Comm_size(node, size));
+  MPI_CHECK(MPI_Comm_free(&node));
+}
+
+// The ranks that share `color` form one group, ordered by `key`.
+static void make_group(Group& g, const char* name, int color, int key) {
+  g.name = name;
+  MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, color, key, &g.mpi));
+  // Errors come back to MPI_CHECK, which names file:line before stopping every rank.
+  MPI_CHECK(MPI_Comm_set_errhandler(g.mpi, MPI_ERRORS_RETURN));
+  MPI_CHECK(MPI_Comm_rank(g.mpi, &g.rank));
+  MPI_CHECK(MPI_Comm_size(g.mpi, &g.size));
+  int world_rank = 0;
+  MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
+  g.members.assign(g.size, 0);
+  MPI_CHECK(MPI_Allgather(&world_rank, 1, MPI_INT, g.members.data(), 1, MPI_INT, g.mpi));
+}
+
+// nccl when asked for (or, for auto, when possible) and every node has a GPU per rank. All ranks
+// agree through one all-reduce, so either every rank throws or none does: nothing hangs.
+static Backend choose_backend(const std::string& flag, Device device) {
+  if (flag != "auto" && flag != "nccl" && flag != "mpi")
+    throw UsageError("--comm " + flag + ": expected auto, nccl or mpi");
+  if (flag == "mpi") return Backend::MPI;
+  int node_rank = 0, node_ranks = 1, gpus = 0;
+  local_rank(&node_rank, &node_ranks);
+  if (device == Device::CUDA && cudaGetDeviceCount(&gpus) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver" error
+    gpus = 0;
+  }
+  int here = device == Device::CUDA && node_ranks <= gpus, everywhere = 0;
+  MPI_CHECK(MPI_Allreduce(&here, &everywhere, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
+  if (everywhere) return Backend::NCCL;
+  if (flag == "auto") return Backend::MPI;
+  std::string why =
+      device == Device::CPU
+          ? "the device is cpu"
+          : "a node runs more ranks than it has GPUs (this one: " + std::to_string(node_ranks) +
+                " ranks, " + std::to_string(gpus) + " GPUs)";
+  throw UsageError("--comm nccl needs one GPU per rank: " + why +
+                   "; use --comm mpi (device buffers are then staged through host memory)");
+}
+
+Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, Device device,
+               double timeout_s) {
+  int up = 0, world_size = 1, world_rank = 0;
+  MPI_Initialized(&up);
+  PICO_ASSERT(up, "comm_init needs MPI_Init first");
+  MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
+  MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
+  if (!(timeout_s > 0))
+    throw UsageError("--comm-timeout " + std::to_string(timeout_s) + ": expected seconds > 0");
+  Comm c;
+  c.grid = make_grid(dp, pp, cp, tp, world_size, world_rank);  // checked before any allocation
+  c.backend = choose_backend(backend_flag, device);
+  c.device = device;
+  c.timeout_s = timeout_s;
+
+  // A group's color is the world rank of its member with the group's own coordinates at 0:
+  // one number per group, shared by exactly the ranks that agree on the other coordinates.
+  const Grid& G = c.grid;
+  int d = G.dp_rank, p = G.pp_rank, x = G.cp_rank, t = G.tp_rank;
+  make_group(c.world, "world", 0, world_rank);  // a copy of MPI_COMM_WORLD, ours alone
+  make_group(c.tp, "tp", G.rank_of(d, p, x, 0), t);
+  make_group(c.cp, "cp", G.rank_of(d, p, 0, t), x);
+  make_group(c.pp, "pp", G.rank_of(d, 0, x, t), p);
+  make_group(c.dp, "dp", G.rank_of(0, p, x, t), d);
+  make_group(c.dp_cp, "dp_cp", G.rank_of(0, p, 0, t), d * G.cp + x);  // gradients average here
+
+  if (c.backend == Backend::NCCL) {
+    // The standard bootstrap, one id per group: group rank 0 makes it, MPI shares it.
+    // A group of one needs no communicator: its collectives are local copies.
+    for (Group* g : c.groups()) {
+      if (g->size == 1) continue;
+      ncclUniqueId id;
+      if (g->rank == 0) NCCL_CHECK(ncclGetUniqueId(&id));
+      MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, g->mpi));
+      NCCL_CHECK(ncclCommInitRank(&g->nccl, g->size, id, g->rank));
+    }
+  }
+  if (device == Device::CUDA) {
+    // Non-blocking: it never waits for the legacy default stream, so communication overlaps
+    // compute; events order it with the compute stream where the data requires.
+    c.comm_ctx.device = Device::CUDA;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&c.comm_ctx.stream, cudaStreamNonBlocking));
+  } else {
+    c.comm_ctx = Context::create(Device::CPU);
+  }
+  return c;
+}
+
+// Call after every Handle has been waited for.
+void comm_destroy(Comm& c) {
+  for (Group* g : c.groups()) {
+    if (g->nccl) NCCL_CHECK(ncclCommDestroy(g->nccl));
+    if (g->mpi != MPI_COMM_NULL) MPI_CHECK(MPI_Comm_free(&g->mpi));
+    g->nccl = nullptr;
+  }
+  c.comm_ctx.destroy();
+}
+
+// ============================================================================
+// Handle: what it takes to finish one collective
+// ============================================================================
+
+struct Handle::State {
+  Group* group = nullptr;
+  std::string what;  // "all_reduce on dp_cp, 1.50 MiB", for the timeout message
+  int world_rank = 0;
+  double start = 0, timeout_s = 0;
+  bool done = false;
+  // MPI backend.
+  std::vector<MPI_Request> requests;
+  std::deque<std::vector<float>> host;  // host copies of device buffers, or of aliased inputs
+  struct CopyBack {
+    float* device;
+    const float* host;
+    int64_t count;
+  };
+  std::vector<CopyBack> copy_back;  // host -> device when the op completes
+  float* average_buf = nullptr;     // MPI has no average: sum, then scale this host buffer
+  int64_t average_count = 0;
+  // NCCL backend.
+  cudaEvent_t finished = nullptr;  // recorded on the comm stream after the op
+  cudaStream_t compute = nullptr;  // the caller's stream: waits for `finished`, or copy-back
+
+  MPI_Request* request() {
+    requests.push_back(MPI_REQUEST_NULL);
+    return &requests.back();
+  }
+  bool poll();
+  void finish();
+  void wait() {
+    while (!poll()) std::this_thread::yield();
+  }
+  // A Handle dropped without wait() still completes here, so its buffers are never left in
+  // flight (the communicator must still exist).
+  ~State() {
+    if (!done) wait();
+    if (finished) cudaEventDestroy(finished);
+  }
+};
+
+// Advances the op (MPI_Testall progresses MPI's nonblocking collectives) and finishes it when
+// complete. Past the deadline it stops every rank: a peer that died or diverged would
+// otherwise leave this rank waiting forever.
+bool Handle::State::poll() {
+  if (done) return true;
+  bool complete = false;
+  if (finished) {
+    cudaError_t e = cudaEventQuery(finished);
+    if (e != cudaErrorNotReady) CUDA_CHECK(e);  // anything else is a real CUDA error
+    complete = e == cudaSuccess;
+    ncclResult_t async = ncclSuccess;
+    if (!complete && group->nccl) NCCL_CHECK(ncclCommGetAsyncError(group->nccl, &async));
+    if (async != ncclSuccess && async != ncclInProgress) {
+      fprintf(stderr, "rank %d: %s failed in NCCL: %s\n", world_rank, what.c_str(),
+              ncclGetErrorString(async));
+      ncclCommAbort(group->nccl);
+      fatal_abort();
+    }
+  } else {
+    int flag = 0;
+    MPI_CHECK(MPI_Testall((int)requests.size(), requests.data(), &flag, MPI_STATUSES_IGNORE));
+    complete = flag != 0;
+  }
+  if (complete) {
+    finish();
+    return true;
+  }
+  if (now_seconds() - start > timeout_s) {
+    fprintf(stderr,
+            "rank %d: %s did not finish within %gs (--comm-timeout): a peer rank failed or is "
+            "stuck\n",
+            world_rank, what.c_str(), timeout_s);
+    if (group->nccl) ncclCommAbort(group->nccl);
+    fatal_abort();
+  }
+  return false;
+}
+
+void Handle::State::finish() {
+  if (average_buf) {
+    Tensor t;  // a view of the host buffer, for scale_
+    t.ptr = average_buf;
+    t.shape = {average_count};
+    scale_(Context{}, t, 1.0f / (float)group->size);
+  }
+  // Pageable-memory copies return once the host data is taken, so `host` may go right after.
+  for (const CopyBack& cb : copy_back)
+    CUDA_CHECK(cudaMemcpyAsync(cb.device, cb.host, cb.count * sizeof(float), cudaMemcpyHostToDevice,
+                               compute));
+  // Work queued later on the compute stream runs after the collective; the host goes on.
+  if (finished) CUDA_CHECK(cudaStreamWaitEvent(compute, finished, 0));
+  done = true;
+}
+
+bool Handle::test() {
+  return !state_ || state_->poll();
+}
+// On NCCL the host also waits here (polling the event) rather than trusting the GPU to finish:
+// that is what lets a stuck peer end the run after --comm-timeout instead of hanging it.
+void Handle::wait() {
+  if (state_) state_->wait();
+  state_.reset();
+}
+
+// ============================================================================
+// Shared steps of every collective
+// ============================================================================
+
+// Bytes this rank sends for one call under the ring algorithm (appendix A0), N = group size:
+//   all_reduce       2(N-1)K/N, K = count*4 (floor when N does not divide 2(N-1)K)
+//   reduce_scatter   (N-1)K/N,  K = count*N*4, the whole buffer being reduced (always exact)
+//   all_gather       (N-1)K/N,  K = count*N*4, the whole gathered buffer (always exact)
+//   broadcast        K = count*4, except the last rank of the chain from root, which sends 0
+//   reduce           K = count*4, except root, where the chain ends, which sends 0
+//   gather           count*4 from every rank but root; scatter (N-1)*count*4 from root only
+//   send_recv        the bytes of its sends;  barrier 0
+// A group of one sends nothing: every formula is 0 for N = 1, and send_recv to oneself is a copy.
+static void count_call(Group& g, Coll coll, int64_t bytes_sent) {
+  g.stats[(int)coll].calls += 1;
+  g.stats[(int)coll].bytes += g.size > 1 ? bytes_sent : 0;
+}
+
+static std::shared_ptr<Handle::State> new_state(Comm& c, Group& g, Coll coll,
+                                                int64_t buffer_bytes) {
+  auto s = std::make_shared<Handle::State>();
+  s->group = &g;
+  s->what = std::string(coll_name(coll)) + " on " + g.name + ", " + human_bytes(buffer_bytes);
+  s->world_rank = c.grid.world_rank;
+  s->start = now_seconds();
+  s->timeout_s = c.timeout_s;
+  return s;
+}
+
+static void copy_floats(Device device, cudaStream_t stream, float* dst, const float* src,
+                        int64_t count) {
+  if (dst == src || count == 0) return;
+  if (device == Device::CPU)
+    memmove(dst, src, count * sizeof(float));
+  else
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, count * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+}
+
+// A collective on a group of one moves nothing between ranks: at most a copy, done at once.
+static Handle local_copy(const Context& ctx, float* dst, const float* src, int64_t count) {
+  copy_floats(ctx.device, ctx.stream, dst, src, count);
+  return Handle();
+}
+
+// ---- NCCL: ops run on the comm stream, after the compute stream's pending writes ----
+
+static ncclRedOp_t nccl_op(ReduceOp op) {
+  return op == ReduceOp::Sum ? ncclSum : op == ReduceOp::Avg ? ncclAvg : ncclMax;
+}
+// An event, not a synchronize: the comm stream waits for the data, the host does not.
+static cudaStream_t nccl_begin(Comm& c, const Context& ctx) {
+  PICO_ASSERT(ctx.device == Device::CUDA, "NCCL collectives need device buffers");
+  cudaEvent_t ready;
+  CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventRecord(ready, ctx.stream));
+  CUDA_CHECK(cudaStreamWaitEvent(c.comm_ctx.stream, ready, 0));
+  CUDA_CHECK(cudaEventDestroy(ready));  // safe: the wait is already queued
+  return c.comm_ctx.stream;
+}
+static void nccl_end(Handle::State& s, Comm& c, const Context& ctx) {
+  CUDA_CHECK(cudaEventCreateWithFlags(&s.finished, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventRecord(s.finished, c.comm_ctx.stream));
+  s.compute = ctx.stream;
+}
+
+// ---- MPI: nonblocking calls on host memory ----
+
+static MPI_Op mpi_op(ReduceOp op) {
+  return op == ReduceOp::Max ? MPI_MAX : MPI_SUM;
+}
+static int mpi_count(int64_t n) {
+  PICO_ASSERT(n <= INT_MAX, "MPI counts are int: " + std::to_string(n) + " elements");
+  return (int)n;
+}
+// Device data must be complete before the host copies it: the one place the MPI backend
+// synchronises the compute stream.
+static void mpi_begin(Handle::State& s, const Context& ctx) {
+  s.compute = ctx.stream;
+  if (ctx.device == Device::CUDA) CUDA_CHECK(cudaStreamSynchronize(ctx.stream));
+}
+// The host memory MPI works on: the buffer itself on CPU; on CUDA a host copy, filled from the
+// device when `read` and copied back when the op completes when `write`.
+static float* mpi_buffer(Handle::State& s, const Context& ctx, const float* buf, int64_t count,
+                         bool read, bool write) {
+  if (ctx.device == Device::CPU) return const_cast<float*>(buf);
+  std::vector<float>& h = s.host.emplace_back(count);
+  if (read) CUDA_CHECK(cudaMemcpy(h.data(), buf, count * sizeof(float), cudaMemcpyDeviceToHost));
+  if (write) s.copy_back.push_back({const_cast<float*>(buf), h.data(), count});
+  return h.data();
+}
+// An input MPI reads. MPI forbids it to overlap the output (in-place calls, e.g. all_gather
+// from this rank's own slot, would otherwise be errors), so an overlapping one is copied first.
+static const float* mpi_input(Handle::State& s, const Context& ctx, const float* send,
+                              int64_t n_send, const float* recv, int64_t n_recv) {
+  bool overlap = recv && send < recv + n_recv && recv < send + n_send;
+  if (ctx.device == Device::CUDA || !overlap) return mpi_buffer(s, ctx, send, n_send, true, false);
+  return s.host.emplace_back(send, send + n_send).data();
+}
+static void mpi_average(Handle::State& s, ReduceOp op, float* host_result, int64_t count) {
+  if (op == ReduceOp::Avg) s.average_buf = host_result, s.average_count = count;
+}
+
+// ============================================================================
+// Collectives
+// ============================================================================
+
+Handle all_reduce_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count,
+                        ReduceOp op) {
+  int64_t N = g.size, K = count * (int64_t)sizeof(float);
+  count_call(g, Coll::AllReduce, 2 * (N - 1) * K / N);
+  if (N == 1) return Handle();  // the sum, average or max of one buffer is itself
+  auto s = new_state(c, g, Coll::AllReduce, K);
+  if (c.backend == Backend::NCCL) {
+    cudaStream_t st = nccl_begin(c, ctx);
+    NCCL_CHECK(ncclAllReduce(buf, buf, count, ncclFloat, nccl_op(op), g.nccl, st));
+    nccl_end(*s, c, ctx);
+  } else {
+    mpi_begin(*s, ctx);
+    float* h = mpi_buffer(*s, ctx, buf, count, true, true);
+    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, h, mpi_count(count), MPI_FLOAT, mpi_op(op), g.mpi,
+                             s->request()));
+    mpi_average(*s, op, h, count);
+  }
+  return Handle(s);
+}
+
+Handle reduce_scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
+                            int64_t count, ReduceOp op) {
+  int64_t N = g.size, K = count * N * (int64_t)sizeof(float);
+  count_call(g, Coll::ReduceScatter, (N - 1) * K / N);
+  if (N == 1) return local_copy(ctx, recv, send, count);
+  auto s = new_state(c, g, Coll::ReduceScatter, K);
+  if (c.backend == Backend::NCCL) {
+    cudaStream_t st = nccl_begin(c, ctx);
+    NCCL_CHECK(ncclReduceScatter(send, recv, count, ncclFloat, nccl_op(op), g.nccl, st));
+    nccl_end(*s, c, ctx);
+  } else {
+    mpi_begin(*s, ctx);
+    const float* hs = mpi_input(*s, ctx, send, count * N, recv, count);
+    float* hr = mpi_buffer(*s, ctx, recv, count, false, true);
+    MPI_CHECK(MPI_Ireduce_scatter_block(hs, hr, mpi_count(count), MPI_FLOAT, mpi_op(op), g.mpi,
+                                        s->request()));
+    mpi_average(*s, op, hr, count);
+  }
+  return Handle(s);
+}
+
+Handle all_gather_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
+                        int64_t count) {
+  int64_t N = g.size, K = count * N * (int64_t)sizeof(float);
+  count_call(g, Coll::AllGather, (N - 1) * K / N);
+  if (N == 1) return local_copy(ctx, recv, send, count);
+  auto s = new_state(c, g, Coll::AllGather, K);
+  if (c.backend == Backend::NCCL) {
+    cudaStream_t st = nccl_begin(c, ctx);
+    NCCL_CHECK(ncclAllGather(send, recv, count, ncclFloat, g.nccl, st));
+    nccl_end(*s, c, ctx);
+  } else {
+    mpi_begin(*s, ctx);
+    const float* hs = mpi_input(*s, ctx, send, count, recv, count * N);
+    float* hr = mpi_buffer(*s, ctx, recv, count * N, false, true);
+    MPI_CHECK(MPI_Iallgather(hs, mpi_count(count), MPI_FLOAT, hr, mpi_count(count), MPI_FLOAT,
+                             g.mpi, s->request()));
+  }
+  return Handle(s);
+}
+
+Handle broadcast_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, int root) {
+  PICO_ASSERT(root >= 0 && root < g.size, "broadcast root " + std::to_string(root));
+  int64_t N = g.size, K = count * (int64_t)sizeof(float);
+  bool chain_end = g.rank == (root + N - 1) % N;  // the last rank of the ring passes nothing on
+  count_call(g, Coll::Broadcast, chain_end ? 0 : K);
+  if (N == 1) return Handle();
+  auto s = new_state(c, g, Coll::Broadcast, K);
+  if (c.backend == Backend::NCCL) {
+    cudaStream_t st = nccl_begin(c, ctx);
+    NCCL_CHECK(ncclBroadcast(buf, buf, count, ncclFloat, root, g.nccl, st));
+    nccl_end(*s, c, ctx);
+  } else {
+    mpi_begin(*s, ctx);
+    bool is_root = g.rank == root;
+    float* h = mpi_buffer(*s, ctx, buf, count, is_root, !is_root);
+    MPI_CHECK(MPI_Ibcast(h, mpi_count(count), MPI_FLOAT, root, g.mpi, s->request()));
+  }
+  return Handle(s);
+}
+
+Handle reduce_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
+                    int64_t count, ReduceOp op, int root) {
+  PICO_ASSERT(root >= 0 && root < g.size, "reduce root " + std::to_string(root));
+  int64_t N = g.size, K = count * (int64_t)sizeof(float);
+  bool is_root = g.rank == root;
+  count_call(g, Coll::Reduce, is_root ? 0 : K);
+  if (N == 1) return local_copy(ctx, recv, send, count);
+  auto s = new_state(c, g, Coll::Reduce, K);
+  if (c.backend == Backend::NCCL) {
+    cudaStream_t st = nccl_begin(c, ctx);
+    NCCL_CHECK(ncclReduce(send, recv, count, ncclFloat, nccl_op(op), root, g.nccl, st));
+    nccl_end(*s, c, ctx);
+  } else {
+    mpi_begin(*s, ctx);
+    const float* hs = mpi_input(*s, ctx, send, count, is_root ? recv : nullptr, count);
+    float* hr = is_root ? mpi_buffer(*s, ctx, recv, count, false, true) : nullptr;
+    MPI_CHECK(
+        MPI_Ireduce(hs, hr, mpi_count(count), MPI_FLOAT, mpi_op(op), root, g.mpi, s->request()));
+    if (is_root) mpi_average(*s, op, hr, count);
+  }
+  return Handle(s);
+}
+
+Handle gather_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
+                    int64_t count, int root) {
+  PICO_ASSERT(root >= 0 && root < g.size, "gather root " + std::to_string(root));
+  int64_t N = g.size, K = count * N * (int64_t)sizeof(float);
+  bool is_root = g.rank == root;
+  count_call(g, Coll::Gather, is_root ? 0 : count * (int64_t)sizeof(float));
+  if (N == 1) return local_copy(ctx, recv, send, count);
+  auto s = new_state(c, g, Coll::Gather, K);
+  if (c.backend == Backend::NCCL) {
+    // NCCL has no gather: root receives from every peer, in one group so none waits in turn.
+    cudaStream_t st = nccl_begin(c, ctx);
+    if (is_root) copy_floats(Device::CUDA, st, recv + root * count, send, count);
+    NCCL_CHECK(ncclGroupStart());
+    for (int r = 0; r < N; r++) {
+      if (is_root && r != root)
+        NCCL_CHECK(ncclRecv(recv + r * count, count, ncclFloat, r, g.nccl, st));
+    }
+    if (!is_root) NCCL_CHECK(ncclSend(send, count, ncclFloat, root, g.nccl, st));
+    NCCL_CHECK(ncclGroupEnd());
+    nccl_end(*s, c, ctx);
+  } else {
+    mpi_begin(*s, ctx);
+    const float* hs = mpi_input(*s, ctx, send, count, is_root ? recv : nullptr, count * N);
+    float* hr = is_root ? mpi_buffer(*s, ctx, recv, count * N, false, true) : nullptr;
+    MPI_CHECK(MPI_Igather(hs, mpi_count(count), MPI_FLOAT, hr, mpi_count(count), MPI_FLOAT, root,
+                          g.mpi, s->request()));
+  }
+  return Handle(s);
+}
+
+Handle scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
+                     int64_t count, int root) {
+  PICO_ASSERT(root >= 0 && root < g.size, "scatter root " + std::to_string(root));
+  int64_t N = g.size, K = count * N * (int64_t)sizeof(float);
+  bool is_root = g.rank == root;
+  count_call(g, Coll::Scatter, is_root ? (N - 1) * count * (int64_t)sizeof(float) : 0);
+  if (N == 1) return local_copy(ctx, recv, send, count);
+  auto s = new_state(c, g, Coll::Scatter, K);
+  if (c.backend == Backend::NCCL) {
+    cudaStream_t st = nccl_begin(c, ctx);
+    if (is_root) copy_floats(Device::CUDA, st, recv, send + root * count, count);
+    NCCL_CHECK(ncclGroupStart());
+    for (int r = 0; r < N; r++) {
+      if (is_root && r != root)
+        NCCL_CHECK(ncclSend(send + r * count, count, ncclFloat, r, g.nccl, st));
+    }
+    if (!is_root) NCCL_CHECK(ncclRecv(recv, count, ncclFloat, root, g.nccl, st));
+    NCCL_CHECK(ncclGroupEnd());
+    nccl_end(*s, c, ctx);
+  } else {
+    mpi_begin(*s, ctx);
+    const float* hs = is_root ? mpi_input(*s, ctx, send, count * N, recv, count) : nullptr;
+    float* hr = mpi_buffer(*s, ctx, recv, count, false, true);
+    MPI_CHECK(MPI_Iscatter(hs, mpi_count(count), MPI_FLOAT, hr, mpi_count(count), MPI_FLOAT, root,
+                           g.mpi, s->request()));
+  }
+  return Handle(s);
+}
+
+Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<P2P>& ops) {
+  int64_t sent = 0, total = 0;
+  for (const P2P& op : ops) {
+    PICO_ASSERT(op.peer >= 0 && op.peer < g.size, "send_recv peer " + std::to_string(op.peer));
+    total += op.count * (int64_t)sizeof(float);
+    if (op.send) sent += op.count * (int64_t)sizeof(float);
+  }
+  count_call(g, Coll::SendRecv, sent);
+  if (g.size == 1) {  // messages to oneself: the k-th send lands in the k-th receive, as in MPI
+    std::vector<const P2P*> sends, recvs;
+    for (const P2P& op : ops) (op.send ? sends : recvs).push_back(&op);
+    PICO_ASSERT(sends.size() == recvs.size(), "send_recv to oneself needs a receive per send");
+    for (size_t k = 0; k < sends.size(); k++) {
+      PICO_ASSERT(sends[k]->count == recvs[k]->count, "send_recv to oneself: counts differ");
+      copy_floats(ctx.device, ctx.stream, recvs[k]->buf, sends[k]->buf, sends[k]->count);
+    }
+    return Handle();
+  }
+  auto s = new_state(c, g, Coll::SendRecv, total);
+  if (c.backend == Backend::NCCL) {
+    // One NCCL group: a stage that sends forward and receives backward cannot deadlock.
+    cudaStream_t st = nccl_begin(c, ctx);
+    NCCL_CHECK(ncclGroupStart());
+    for (const P2P& op : ops) {
+      if (op.send)
+        NCCL_CHECK(ncclSend(op.buf, op.count, ncclFloat, op.peer, g.nccl, st));
+      else
+        NCCL_CHECK(ncclRecv(op.buf, op.count, ncclFloat, op.peer, g.nccl, st));
+    }
+    NCCL_CHECK(ncclGroupEnd());
+    nccl_end(*s, c, ctx);
+  } else {
+    const int kTag = 0;  // MPI keeps messages between two ranks in order: no tag needed to match
+    mpi_begin(*s, ctx);
+    for (const P2P& op : ops) {
+      float* h = mpi_buffer(*s, ctx, op.buf, op.count, op.send, !op.send);
+      if (op.send)
+        MPI_CHECK(MPI_Isend(h, mpi_count(op.count), MPI_FLOAT, op.peer, kTag, g.mpi, s->request()));
+      else
+        MPI_CHECK(MPI_Irecv(h, mpi_count(op.count), MPI_FLOAT, op.peer, kTag, g.mpi, s->request()));
+    }
+  }
+  return Handle(s);
+}
+
+Handle barrier_async(Comm& c, Group& g, const Context& ctx) {
+  count_call(g, Coll::Barrier, 0);
+  if (g.size == 1) return Handle();
+  auto s = new_state(c, g, Coll::Barrier, 0);
+  if (c.backend == Backend::NCCL) {
+    // NCCL has no barrier: an all-reduce of one float completes only once every rank joined.
+    cudaStream_t st = nccl_begin(c, ctx);
+    float* one = nullptr;
+    CUDA_CHECK(cudaMallocAsync((void**)&one, sizeof(float), st));
+    CUDA_CHECK(cudaMemsetAsync(one, 0, sizeof(float), st));
+    NCCL_CHECK(ncclAllReduce(one, one, 1, ncclFloat, ncclSum, g.nccl, st));
+    CUDA_CHECK(cudaFreeAsync(one, st));
+    nccl_end(*s, c, ctx);
+  } else {
+    MPI_CHECK(MPI_Ibarrier(g.mpi, s->request()));
+  }
+  return Handle(s);
+}
+
+// ---- blocking versions: the nonblocking call, waited for ----
+
+void all_reduce(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, ReduceOp op) {
+  all_reduce_async(c, g, ctx, buf, count, op).wait();
+}
+void reduce_scatter(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
+                    int64_t count, ReduceOp op) {
+  reduce_scatter_async(c, g, ctx, send, recv, count, op).wait();
+}
+void all_gather(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
+                int64_t count) {
+  all_gather_async(c, g, ctx, send, recv, count).wait();
+}
+void broadcast(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, int root) {
+  broadcast_async(c, g, ctx, buf, count, root).wait();
+}
+void reduce(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count,
+            ReduceOp op, int root) {
+  reduce_async(c, g, ctx, send, recv, count, op, root).wait();
+}
+void gather(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count,
+            int root) {
+  gather_async(c, g, ctx, send, recv, count, root).wait();
+}
+void scatter(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count,
+             int root) {
+  scatter_async(c, g, ctx, send, recv, count, root).wait();
+}
+void send_recv(Comm& c, Group& g, const Context& ctx, const std::vector<P2P>& ops) {
+  send_recv_async(c, g, ctx, ops).wait();
+}
+void send(Comm& c, Group& g, const Context& ctx, const float* buf, int64_t count, int peer) {
+  send_recv(c, g, ctx, {P2P{true, const_cast<float*>(buf), count, peer}});
+}
+void recv(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, int peer) {
+  send_recv(c, g, ctx, {P2P{false, buf, count, peer}});
+}
+void barrier(Comm& c, Group& g, const Context& ctx) {
+  barrier_async(c, g, ctx).wait();
+}
+
+// Scalars on the host, in double, never counted: they are bookkeeping, not training traffic.
+void all_reduce_host(Group& g, double* values, int count, ReduceOp op) {
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, values, count, MPI_DOUBLE,
+                          op == ReduceOp::Max ? MPI_MAX : MPI_SUM, g.mpi));
+  if (op == ReduceOp::Avg)
+    for (int i = 0; i < count; i++) values[i] /= g.size;
+}

@@ -1,0 +1,116 @@
+// comm.cuh: the process grid [dp][pp][cp][tp] (tp fastest) and collectives on its groups,
+// over NCCL (one GPU per rank) or MPI (CPU ranks, or ranks sharing a GPU: device buffers are
+// staged through host memory). Playbook appendix A0; DESIGN sections 3 and 4.
+// Every collective exists as a nonblocking call returning a Handle and as a blocking call
+// (the nonblocking one, waited for). All buffers are float arrays on the communicator's device.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core.cuh"
+
+enum class Backend { MPI, NCCL };
+enum class ReduceOp { Sum, Avg, Max };
+enum class Coll { AllReduce, ReduceScatter, AllGather, Broadcast, Reduce, Gather, Scatter, SendRecv, Barrier, Count };
+const char* coll_name(Coll c);        // "all_reduce", "reduce_scatter", ...
+const char* backend_name(Backend b);  // "mpi", "nccl"
+
+// Per group and collective: calls, and bytes this rank sent. Library collectives are charged
+// what the ring algorithm makes each rank send (all-reduce 2(N-1)K/N, reduce-scatter and
+// all-gather (N-1)K/N of a K-byte buffer; see comm.cu for the others); send/recv, and the
+// hand-written ring built on it, count the bytes actually sent.
+struct CollStats {
+  int64_t calls = 0;
+  int64_t bytes = 0;
+};
+
+struct Group {
+  std::string name;          // "world", "tp", "cp", "pp", "dp", "dp_cp"
+  int rank = 0, size = 1;    // this rank's index in the group, and the group's size
+  std::vector<int> members;  // world ranks, in group order
+  int next() const { return (rank + 1) % size; }         // ring neighbours (group ranks)
+  int prev() const { return (rank + size - 1) % size; }
+  MPI_Comm mpi = MPI_COMM_NULL;
+  ncclComm_t nccl = nullptr;
+  CollStats stats[(int)Coll::Count];
+};
+
+struct Grid {
+  int dp = 1, pp = 1, cp = 1, tp = 1;
+  int world_size = 1, world_rank = 0;
+  int dp_rank = 0, pp_rank = 0, cp_rank = 0, tp_rank = 0;
+  // The world rank at coordinates (d, p, c, t): ((d * pp + p) * cp + c) * tp + t.
+  int rank_of(int d, int p, int c, int t) const { return ((d * pp + p) * cp + c) * tp + t; }
+};
+// Coordinates of `world_rank`; throws UsageError unless world_size == dp * pp * cp * tp.
+Grid make_grid(int dp, int pp, int cp, int tp, int world_size, int world_rank);
+
+// A pending collective. test() advances it without blocking and says whether it is done;
+// wait() finishes it (copying staged data back, applying Avg) and orders the compute stream
+// after it. Both abort every rank when it takes longer than the communicator's timeout.
+class Handle {
+ public:
+  struct State;
+  Handle() = default;
+  explicit Handle(std::shared_ptr<State> s) : state_(std::move(s)) {}
+  bool test();
+  void wait();
+  bool active() const { return state_ != nullptr; }
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+struct P2P {  // one half of a batched send/recv
+  bool send;
+  float* buf;
+  int64_t count;
+  int peer;  // group rank
+};
+
+struct Comm {
+  Backend backend = Backend::MPI;
+  Device device = Device::CPU;
+  double timeout_s = 300;  // --comm-timeout
+  Grid grid;
+  Group world, tp, cp, pp, dp, dp_cp;
+  Context comm_ctx;  // the communication stream (CUDA), for kernels that belong to it
+  std::vector<Group*> groups() { return {&world, &tp, &cp, &pp, &dp, &dp_cp}; }
+};
+// `backend_flag` is auto|nccl|mpi: auto is nccl on CUDA with one GPU per rank on each node,
+// else mpi. Throws UsageError for a world that is not dp*pp*cp*tp, an unknown backend, or nccl
+// without a GPU per rank. Call after MPI_Init and cudaSetDevice.
+Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, Device device,
+               double timeout_s);
+void comm_destroy(Comm& comm);
+// Node-local rank and node-local rank count (MPI_COMM_TYPE_SHARED), for choosing a GPU.
+void local_rank(int* rank, int* size);
+
+// Collectives on a group. `ctx` is the compute stream the data comes from and goes back to.
+// Sizes are element counts per rank: reduce_scatter sends count * size and receives count;
+// all_gather sends count and receives count * size (rank-major); gather/scatter likewise at root.
+Handle all_reduce_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, ReduceOp op);
+Handle reduce_scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count, ReduceOp op);
+Handle all_gather_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count);
+Handle broadcast_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, int root);
+Handle reduce_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count, ReduceOp op, int root);
+Handle gather_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count, int root);
+Handle scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count, int root);
+Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<P2P>& ops);
+Handle barrier_async(Comm& c, Group& g, const Context& ctx);
+
+void all_reduce(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, ReduceOp op);
+void reduce_scatter(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count, ReduceOp op);
+void all_gather(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count);
+void broadcast(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, int root);
+void reduce(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count, ReduceOp op, int root);
+void gather(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count, int root);
+void scatter(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count, int root);
+void send_recv(Comm& c, Group& g, const Context& ctx, const std::vector<P2P>& ops);
+void send(Comm& c, Group& g, const Context& ctx, const float* buf, int64_t count, int peer);
+void recv(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, int peer);
+void barrier(Comm& c, Group& g, const Context& ctx);
+
+// Host-side scalars (losses, norms, flags): a blocking all-reduce of doubles over MPI.
+void all_reduce_host(Group& g, double* values, int count, ReduceOp op);

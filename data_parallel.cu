@@ -1,0 +1,200 @@
+// data_parallel.cu: every dp rank runs the whole model on its own slice of the global batch;
+// gradients are summed over the dp_cp group before the optimizer step (Playbook §3).
+// The one idea: the sum is needed only before the optimizer step, so it can run during the
+// backward pass: gradients are packed into buckets in the order the backward produces them, and
+// each bucket's all-reduce starts the moment its last gradient is written (§3.2, §3.3).
+#include "data_parallel.cuh"
+
+#include "ops.cuh"
+
+DpSync parse_dp_sync(const std::string& flag) {
+  if (flag == "naive") return DpSync::Naive;
+  if (flag == "bucket") return DpSync::Bucket;
+  if (flag == "ring") return DpSync::Ring;
+  throw UsageError("--dp-sync " + flag + ": expected naive, bucket or ring");
+}
+const char* dp_sync_name(DpSync s) {
+  return s == DpSync::Naive ? "naive" : s == DpSync::Bucket ? "bucket" : "ring";
+}
+
+// On CUDA, make `waiter`'s stream wait for everything queued so far on `producer`'s stream.
+static void stream_wait(const Context& waiter, const Context& producer) {
+  if (waiter.device != Device::CUDA || waiter.stream == producer.stream) return;
+  cudaEvent_t e;
+  CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventRecord(e, producer.stream));
+  CUDA_CHECK(cudaStreamWaitEvent(waiter.stream, e, 0));
+  CUDA_CHECK(cudaEventDestroy(e));
+}
+
+// ----------------------------------------------------------------------------
+// Ring all-reduce (the NCCL article; Playbook appendix A0)
+//
+// Rank r splits the buffer into N chunks. Reduce-scatter step s (0 <= s < N-1): send chunk
+// (r - s) mod N to the next rank, receive chunk (r - s - 1) mod N from the previous one and add
+// it in. After N-1 steps rank r holds the full sum of chunk (r + 1) mod N. All-gather step s:
+// send chunk (r + 1 - s) mod N, receive chunk (r - s) mod N, overwriting. Each rank sends
+// 2 (N-1) chunks: 2 (N-1) K / N bytes, the bandwidth-optimal amount.
+
+void RingAllReduce::start(Comm& comm, Group& group, const Context& ctx, float* buf,
+                          int64_t count, float* scratch) {
+  comm_ = &comm, group_ = &group, buf_ = buf, count_ = count, scratch_ = scratch, step_ = 0;
+  if (group.size == 1) return;
+  stream_wait(comm.comm_ctx, ctx);  // the gradients come from the compute stream
+  post_step();
+}
+
+void RingAllReduce::post_step() {
+  int N = group_->size, r = group_->rank;
+  bool reducing = step_ < N - 1;
+  int s = reducing ? step_ : step_ - (N - 1);
+  int send_chunk = ((reducing ? r - s : r + 1 - s) % N + N) % N;
+  int recv_chunk = ((reducing ? r - s - 1 : r - s) % N + N) % N;
+  float* recv_into = reducing ? scratch_ : buf_ + chunk_begin(recv_chunk);
+  pending_ = send_recv_async(*comm_, *group_, comm_->comm_ctx,
+                             {{true, buf_ + chunk_begin(send_chunk), chunk_size(send_chunk), group_->next()},
+                              {false, recv_into, chunk_size(recv_chunk), group_->prev()}});
+}
+
+void RingAllReduce::finish_step() {
+  int N = group_->size, r = group_->rank;
+  if (step_ < N - 1) {  // reduce-scatter: add the received partial sum into our chunk
+    int c = ((r - step_ - 1) % N + N) % N;
+    Tensor dst = Tensor{nullptr, buf_ + chunk_begin(c), {chunk_size(c)}, DType::F32, comm_->device};
+    Tensor src = Tensor{nullptr, scratch_, {chunk_size(c)}, DType::F32, comm_->device};
+    axpy(comm_->comm_ctx, dst, 1.0f, src);
+  }
+  step_++;
+  if (step_ < total_steps()) post_step();
+}
+
+bool RingAllReduce::progress() {
+  while (active() && pending_.test()) {
+    pending_.wait();  // completes the staged copy, if any; returns at once
+    finish_step();
+  }
+  return !active();
+}
+
+void RingAllReduce::wait() {
+  while (active()) {
+    pending_.wait();  // bounded by --comm-timeout
+    finish_step();
+  }
+}
+
+void ring_all_reduce(Comm& comm, Group& group, const Context& ctx, float* buf, int64_t count) {
+  Tensor scratch = empty({count / std::max(1, group.size) + 1}, Mem::Workspace, comm.device);
+  RingAllReduce ring;
+  ring.start(comm, group, ctx, buf, count, scratch.f32());
+  ring.wait();
+  stream_wait(ctx, comm.comm_ctx);
+}
+
+// ----------------------------------------------------------------------------
+// Buckets
+
+DataParallel::DataParallel(Comm& comm, Model& model, DpSync mode, double bucket_mb,
+                           bool overlap)
+    : comm_(comm), model_(model), mode_(mode), overlap_(overlap) {
+  const ModelConfig& c = model.cfg;
+  // Readiness groups follow model_backward's block_done(i): i = -1 embedding, 0..L-1 blocks,
+  // L final norm and LM head. Stored at index i + 1.
+  group_params_.resize(c.layers + 2);
+  for (int p = 0; p < (int)model.named_params.size(); p++) {
+    const std::string& name = model.named_params[p].name;
+    int group = c.layers + 1;  // model.norm, lm_head
+    if (name.rfind("model.embed_tokens", 0) == 0) group = 0;
+    else if (name.rfind("model.layers.", 0) == 0) group = 1 + std::stoi(name.substr(13));
+    group_params_[group].push_back(p);
+  }
+  // Buckets in backward order: the flat buffer is laid out in forward order, so walking the
+  // parameters backwards gives contiguous slices. A bucket closes once it holds bucket_mb.
+  int64_t capacity = std::max<int64_t>(1, (int64_t)(bucket_mb * 1024 * 1024 / sizeof(float)));
+  param_bucket_.assign(model.named_params.size(), -1);
+  for (int p = (int)model.named_params.size() - 1; p >= 0; p--) {
+    const Tensor& t = model.named_params[p].tensor;
+    int64_t offset = ((char*)t.ptr - (char*)model.params.ptr) / sizeof(float);
+    if (buckets_.empty() || buckets_.back().count >= capacity) buckets_.push_back(GradBucket{offset + t.numel(), 0});
+    GradBucket& b = buckets_.back();
+    b.offset = offset;  // grows downwards
+    b.count += t.numel();
+    b.params++;
+    param_bucket_[p] = (int)buckets_.size() - 1;
+  }
+  int64_t largest = 0;
+  for (const GradBucket& b : buckets_) largest = std::max(largest, b.count);
+  if (mode == DpSync::Ring)
+    scratch_ = empty({largest / std::max(1, comm.dp_cp.size) + 1}, Mem::Workspace, comm.device);
+}
+
+void DataParallel::begin_backward(const Context& ctx, bool last_micro_batch) {
+  ctx_ = &ctx;
+  active_ = last_micro_batch && comm_.dp_cp.size > 1;
+  for (GradBucket& b : buckets_) b.ready = 0, b.launched = b.ring_started = false;
+  ring_next_ = 0;
+  last_spans.clear();
+}
+
+void DataParallel::launch(GradBucket& b) {
+  b.launched = true;
+  b.launch_time = now_seconds();
+  if (mode_ == DpSync::Ring) return pump_rings(false);
+  b.handle = all_reduce_async(comm_, comm_.dp_cp, *ctx_, model_.grads.f32() + b.offset, b.count,
+                              ReduceOp::Sum);
+}
+
+// Our rings talk with plain sends and receives, which MPI matches by order of posting: two rings
+// in flight at once could post in different orders on different ranks and receive each other's
+// chunks. So they run one at a time, in bucket order (as NCCL runs the operations of one stream).
+void DataParallel::pump_rings(bool block) {
+  while (ring_next_ < buckets_.size() && buckets_[ring_next_].launched) {
+    GradBucket& b = buckets_[ring_next_];
+    if (!b.ring_started) {
+      b.ring.start(comm_, comm_.dp_cp, *ctx_, model_.grads.f32() + b.offset, b.count, scratch_.f32());
+      b.ring_started = true;
+    }
+    if (block) b.ring.wait();
+    else if (!b.ring.progress()) return;
+    ring_next_++;
+  }
+}
+
+// MPI makes progress only inside MPI calls: poll every bucket in flight at each hook.
+void DataParallel::progress_all() {
+  if (mode_ == DpSync::Ring) return pump_rings(false);
+  for (GradBucket& b : buckets_)
+    if (b.launched) b.handle.test();
+}
+
+void DataParallel::on_gradients_ready(int group) {
+  if (!active_ || mode_ == DpSync::Naive) return;
+  for (int p : group_params_[group + 1]) {
+    GradBucket& b = buckets_[param_bucket_[p]];
+    if (++b.ready == b.params && overlap_) launch(b);
+  }
+  progress_all();
+}
+
+double DataParallel::finish(const Context& ctx) {
+  if (!active_) return 0.0;
+  double t0 = now_seconds();
+  if (mode_ == DpSync::Naive) {  // Playbook §3.1: one blocking all-reduce per parameter
+    for (int p = (int)model_.named_grads.size() - 1; p >= 0; p--) {
+      const Tensor& g = model_.named_grads[p].tensor;
+      all_reduce(comm_, comm_.dp_cp, ctx, g.f32(), g.numel(), ReduceOp::Sum);
+    }
+    last_spans.push_back({t0, now_seconds()});
+  } else {
+    for (GradBucket& b : buckets_)
+      if (!b.launched) launch(b);
+    if (mode_ == DpSync::Ring) pump_rings(true);
+    for (GradBucket& b : buckets_) {
+      if (mode_ != DpSync::Ring) b.handle.wait();
+      last_spans.push_back({b.launch_time, now_seconds()});
+    }
+    if (mode_ == DpSync::Ring) stream_wait(ctx, comm_.comm_ctx);
+  }
+  active_ = false;
+  return now_seconds() - t0;
+}

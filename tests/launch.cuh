@@ -1,0 +1,66 @@
+// Helpers for tests that launch ./train (one process or under mpirun) and read what it wrote.
+#pragma once
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+struct RunResult {
+  int code;            // exit status; -1 when killed by a signal
+  std::string output;  // stdout and stderr
+};
+// Runs `./train <args>` with np ranks (np 0: without mpirun). Adds --device cpu unless given.
+inline RunResult run_train(const std::string& args, int np = 0) {
+  std::string device = args.find("--device") == std::string::npos ? "--device cpu " : "";
+  std::string launcher = np > 0 ? "mpirun --oversubscribe -np " + std::to_string(np) + " " : "";
+  std::string cmd = launcher + "./train " + device + args + " 2>&1";
+  RunResult r{-1, ""};
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, p)) r.output.append(buf, n);
+  int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+inline std::string make_temp_dir() {
+  char tmpl[] = "/tmp/picoscale-test-XXXXXX";
+  return mkdtemp(tmpl) ? tmpl : "";
+}
+inline std::string read_whole_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+inline std::vector<nlohmann::json> read_json_lines(const std::string& path) {
+  std::vector<nlohmann::json> lines;
+  std::ifstream f(path);
+  for (std::string line; std::getline(f, line);) lines.push_back(nlohmann::json::parse(line));
+  return lines;
+}
+// Every F32 tensor of a safetensors file, by name (a plain reader, independent of checkpoint.cu).
+inline std::map<std::string, std::vector<float>> read_f32_tensors(const std::string& path) {
+  std::string bytes = read_whole_file(path);
+  std::map<std::string, std::vector<float>> out;
+  if (bytes.size() < 8) return out;
+  uint64_t header_len = 0;
+  memcpy(&header_len, bytes.data(), 8);
+  nlohmann::json header = nlohmann::json::parse(bytes.substr(8, header_len));
+  for (auto& [name, info] : header.items()) {
+    if (name == "__metadata__") continue;
+    size_t begin = info["data_offsets"][0], end = info["data_offsets"][1];
+    std::vector<float> v((end - begin) / 4);
+    memcpy(v.data(), bytes.data() + 8 + header_len + begin, end - begin);
+    out[name] = std::move(v);
+  }
+  return out;
+}
+inline int count_occurrences(const std::string& text, const std::string& needle) {
+  int n = 0;
+  for (size_t pos = text.find(needle); pos != std::string::npos; pos = text.find(needle, pos + 1)) n++;
+  return n;
+}

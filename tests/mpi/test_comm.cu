@@ -1,0 +1,667 @@
+// test_comm.cu: the collectives of comm.cu on 2..8 MPI ranks ([mpi]): the Playbook's appendix
+// A0 examples value for value, agreement with direct MPI calls on random data, Avg and Max,
+// several collectives in flight at once, byte counters against the ring formulas, and the process
+// grid for every factorization of the world. [gpu] cases repeat them on device buffers.
+// Run as: mpirun -np N build/mpi_tests   (every case works for any N from 2 to 8)
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cmath>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm.cuh"
+
+namespace {
+
+using Catch::Matchers::Contains;
+
+int world_size() {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+const Context kCpu;                // a default Context is the CPU
+constexpr double kTimeout = 60;    // a broken collective stops the run after a minute, never hangs
+constexpr double kUnit = 0x1p-24;  // fp32 unit roundoff
+
+// A communicator for one test case, freed at its end. Every rank builds it at the same point.
+struct TestComm {
+  Comm c;
+  TestComm(int dp, int pp, int cp, int tp, const std::string& backend = "mpi",
+           Device device = Device::CPU)
+      : c(comm_init(dp, pp, cp, tp, backend, device, kTimeout)) {}
+  ~TestComm() { comm_destroy(c); }
+};
+
+std::vector<float> filled(int64_t n, float value) {
+  return std::vector<float>(n, value);
+}
+std::string on_rank(const std::string& name) {
+  return name + ".rank" + std::to_string(world_rank());
+}
+// N(0,1) values: element i of the tensor `name` (pass on_rank(...) for data that differ per rank).
+std::vector<float> normal(int64_t n, const std::string& name) {
+  std::vector<float> v(n);
+  Tensor t;
+  t.ptr = v.data();
+  t.shape = {n};
+  init_normal(t, 7, name, 1.0f);
+  return v;
+}
+// Per element, the sum over ranks of |x|: what bounds the rounding of a sum of x over ranks.
+std::vector<double> abs_sum_over_ranks(const std::vector<float>& x) {
+  std::vector<double> a(x.size());
+  for (size_t i = 0; i < x.size(); i++) a[i] = std::fabs(x[i]);
+  MPI_Allreduce(MPI_IN_PLACE, a.data(), (int)a.size(), MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+  return a;
+}
+// Floating-point addition is not associative, and two reductions may add the N terms in different
+// orders (different MPI or NCCL algorithms): each result is within (N-1)u sum|x| of the exact
+// sum, so they differ by at most 2(N-1)u sum|x|. We allow 2(N+1)u sum|x| (times `scale` for an
+// average), which also covers the rounding of the 1/N scaling. Returns the elements outside it.
+int outside_sum_bound(const std::vector<float>& got, const std::vector<float>& want,
+                      const std::vector<double>& abs_sum, int N, double scale = 1.0) {
+  int bad = 0;
+  for (size_t i = 0; i < want.size(); i++)
+    bad += std::fabs((double)got[i] - want[i]) > 2.0 * (N + 1) * kUnit * scale * abs_sum[i];
+  return bad;
+}
+
+Tensor on(const Context& ctx, const std::vector<float>& values) {
+  Tensor t = empty({(int64_t)values.size()}, Mem::Workspace, ctx.device);
+  from_host(t, values.data());
+  return t;
+}
+std::vector<float> back(const Context& ctx, const Tensor& t) {
+  ctx.synchronize();
+  return to_host_floats(t);
+}
+
+// Every collective once on the whole world (the dp group when dp = world), on buffers on
+// ctx.device, with random inputs named per rank; its outputs on the host.
+constexpr int64_t kN = 1000;  // all-reduce, broadcast, reduce: not a multiple of most N
+constexpr int64_t kM = 37;    // per-rank share of reduce-scatter, all-gather, gather, scatter
+struct Outputs {
+  std::vector<float> sum, avg, max, reduce_scatter, all_gather, broadcast, reduce, gather, scatter,
+      ring;
+};
+Outputs every_collective(Comm& c, const Context& ctx) {
+  Group& g = c.dp;
+  int N = g.size;
+  std::vector<float> x = normal(kN, on_rank("x"));
+  Tensor sum = on(ctx, x), avg = on(ctx, x), max = on(ctx, x), x_in = on(ctx, x);
+  all_reduce(c, g, ctx, sum.f32(), kN, ReduceOp::Sum);
+  all_reduce(c, g, ctx, avg.f32(), kN, ReduceOp::Avg);
+  all_reduce(c, g, ctx, max.f32(), kN, ReduceOp::Max);
+  Tensor rs_in = on(ctx, normal(kM * N, on_rank("rs"))), rs_out = on(ctx, filled(kM, -1));
+  reduce_scatter(c, g, ctx, rs_in.f32(), rs_out.f32(), kM, ReduceOp::Sum);
+  Tensor ag_in = on(ctx, normal(kM, on_rank("ag"))), ag_out = on(ctx, filled(kM * N, -1));
+  all_gather(c, g, ctx, ag_in.f32(), ag_out.f32(), kM);
+  Tensor bcast = on(ctx, normal(kN, on_rank("bcast")));
+  broadcast(c, g, ctx, bcast.f32(), kN, N - 1);
+  Tensor red = on(ctx, filled(kN, -1));
+  reduce(c, g, ctx, x_in.f32(), red.f32(), kN, ReduceOp::Sum, 1 % N);
+  Tensor ga_in = on(ctx, normal(kM, on_rank("gather"))), ga_out = on(ctx, filled(kM * N, -1));
+  gather(c, g, ctx, ga_in.f32(), ga_out.f32(), kM, N - 1);
+  Tensor sc_in = on(ctx, normal(kM * N, on_rank("scatter"))), sc_out = on(ctx, filled(kM, -1));
+  scatter(c, g, ctx, sc_in.f32(), sc_out.f32(), kM, 0);
+  Tensor ring_in = on(ctx, normal(kM, on_rank("ring"))), ring_out = on(ctx, filled(kM, -1));
+  send_recv(c, g, ctx,
+            {{true, ring_in.f32(), kM, g.next()}, {false, ring_out.f32(), kM, g.prev()}});
+  return {back(ctx, sum),    back(ctx, avg),     back(ctx, max), back(ctx, rs_out),
+          back(ctx, ag_out), back(ctx, bcast),   back(ctx, red), back(ctx, ga_out),
+          back(ctx, sc_out), back(ctx, ring_out)};
+}
+
+// A GPU case runs on every rank or on none: they must agree, or the others would wait for it.
+bool cuda_on_every_rank() {
+  int here = cuda_available(), everywhere = 0;
+  MPI_Allreduce(&here, &everywhere, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  return everywhere;
+}
+void use_node_local_gpu() {  // DESIGN 3: a rank's GPU is its node-local rank modulo the count
+  int node_rank = 0, node_ranks = 1, gpus = 1;
+  local_rank(&node_rank, &node_ranks);
+  CUDA_CHECK(cudaGetDeviceCount(&gpus));
+  CUDA_CHECK(cudaSetDevice(node_rank % gpus));
+}
+
+}  // namespace
+
+// ============================================================================
+// Appendix A0, value for value (rank r holds [r+1]*5 unless stated)
+// ============================================================================
+
+TEST_CASE("A0 broadcast: rank 0's [1,2,3,4,5] reaches every rank, from any root", "[mpi]") {
+  TestComm t(world_size(), 1, 1, 1);
+  Comm& c = t.c;
+  int N = c.dp.size, r = c.dp.rank;
+  std::vector<float> book = {1, 2, 3, 4, 5};
+  std::vector<float> buf = r == 0 ? book : filled(5, 0);
+  broadcast(c, c.dp, kCpu, buf.data(), 5, 0);
+  CHECK(buf == book);
+  for (int root = 1; root < N; root++) {
+    buf = r == root ? filled(5, 10.0f * root) : filled(5, 0);
+    broadcast(c, c.dp, kCpu, buf.data(), 5, root);
+    CHECK(buf == filled(5, 10.0f * root));
+  }
+}
+
+TEST_CASE("A0 reduce: rank 0 gets [6]*5 on 3 ranks (N(N+1)/2 on N), the others keep theirs",
+          "[mpi]") {
+  TestComm t(world_size(), 1, 1, 1);
+  Comm& c = t.c;
+  int N = c.dp.size, r = c.dp.rank;
+  std::vector<float> buf = filled(5, r + 1.0f);
+  reduce(c, c.dp, kCpu, buf.data(), buf.data(), 5, ReduceOp::Sum, 0);  // in place, as in torch
+  CHECK(buf == filled(5, r == 0 ? N * (N + 1) / 2.0f : r + 1.0f));
+}
+
+TEST_CASE("A0 all-reduce: every rank ends with [6]*5 on 3 ranks (N(N+1)/2 on N)", "[mpi]") {
+  TestComm t(world_size(), 1, 1, 1);
+  Comm& c = t.c;
+  int N = c.dp.size;
+  std::vector<float> buf = filled(5, c.dp.rank + 1.0f);
+  all_reduce(c, c.dp, kCpu, buf.data(), 5, ReduceOp::Sum);
+  CHECK(buf == filled(5, N * (N + 1) / 2.0f));
+}
+
+TEST_CASE("A0 gather: rank 0 receives [[1]*5, [2]*5, ..., [N]*5]", "[mpi]") {
+  TestComm t(world_size(), 1, 1, 1);
+  Comm& c = t.c;
+  int N = c.dp.size, r = c.dp.rank;
+  std::vector<float> mine = filled(5, r + 1.0f), all = filled(5 * N, -1), book;
+  for (int j = 0; j < N; j++)
+    for (int i = 0; i < 5; i++) book.push_back(j + 1.0f);
+  gather(c, c.dp, kCpu, mine.data(), all.data(), 5, 0);
+  CHECK(all == (r == 0 ? book : filled(5 * N, -1)));  // only the root receives
+}
+
+TEST_CASE("A0 all-gather: every rank receives [[1]*5, [2]*5, ..., [N]*5]", "[mpi]") {
+  TestComm t(world_size(), 1, 1, 1);
+  Comm& c = t.c;
+  int N = c.dp.size;
+  std::vector<float> mine = filled(5, c.dp.rank + 1.0f), all = filled(5 * N, -1), book;
+  for (int j = 0; j < N; j++)
+    for (int i = 0; i < 5; i++) book.push_back(j + 1.0f);
+  all_gather(c, c.dp, kCpu, mine.data(), all.data(), 5);
+  CHECK(all == book);
+  // In place, as ZeRO uses it: this rank's slot of the output is the input.
+  std::vector<float> slots = filled(5 * N, -1);
+  std::copy(mine.begin(), mine.end(), slots.begin() + 5 * c.dp.rank);
+  all_gather(c, c.dp, kCpu, slots.data() + 5 * c.dp.rank, slots.data(), 5);
+  CHECK(slots == book);
+}
+
+TEST_CASE("A0 scatter: rank 0's [[1]*5, [2]*5, ..., [N]*5] gives rank r [r+1]*5", "[mpi]") {
+  TestComm t(world_size(), 1, 1, 1);
+  Comm& c = t.c;
+  int N = c.dp.size, r = c.dp.rank;
+  std::vector<float> chunks = filled(5 * N, -1), mine = filled(5, -1);
+  if (r == 0)
+    for (int j = 0; j < N; j++)
+      for (int i = 0; i < 5; i++) chunks[5 * j + i] = j + 1.0f;
+  scatter(c, c.dp, kCpu, chunks.data(), mine.data(), 5, 0);
+  CHECK(mine == filled(5, r + 1.0f));
+}
+
+TEST_CASE("A0 reduce-scatter on 3 ranks gives [6,12], [14,56], [36,288]", "[mpi]") {
+  if (world_size() != 3) {
+    WARN("needs 3 ranks");
+    return;
+  }
+  TestComm t(3, 1, 1, 1);
+  Comm& c = t.c;
+  int r = c.dp.rank;
+  // Rank r's input: chunk j is [(r+1)*1, (r+1)*2] ** (j+1).
+  std::vector<float> input, out = filled(2, -1);
+  for (int j = 0; j < 3; j++)
+    for (int k = 1; k <= 2; k++) input.push_back((float)std::pow((r + 1) * k, j + 1));
+  reduce_scatter(c, c.dp, kCpu, input.data(), out.data(), 2, ReduceOp::Sum);
+  std::vector<std::vector<float>> book = {{6, 12}, {14, 56}, {36, 288}};
+  CHECK(out == book[r]);
+}
+
+TEST_CASE("reduce-scatter: rank j receives the sum over ranks of their j-th chunk, on any N",
+          "[mpi]") {
+  TestComm t(world_size(), 1, 1, 1);
+  Comm& c = t.c;
+  int N = c.dp.size, r = c.dp.rank;
+  std::vector<float> input, out = filled(3, -1), want;
+  for (int j = 0; j < N; j++)
+    for (int e = 0; e < 3; e++) input.push_back((r + 1.0f) * (j + 1) + e);
+  for (int e = 0; e < 3; e++) want.push_back((r + 1.0f) * N * (N + 1) / 2 + (float)N * e);
+  reduce_scatter(c, c.dp, kCpu, input.data(), out.data(), 3, ReduceOp::Sum);
+  CHECK(out == want);
+  // In place: this rank's chunk of the input is the output.
+  reduce_scatter(c, c.dp, kCpu, input.data(), input.data() + 3 * r, 3, ReduceOp::Sum);
+  CHECK(std::vector<float>(input.begin() + 3 * r, input.begin() + 3 * r + 3) == want);
+}
+
+TEST_CASE("A0 barrier: nobody leaves before the last rank arrives", "[mpi]") {
+  TestComm t(world_size(), 1, 1, 1);
+  Comm& c = t.c;
+  int N = c.dp.size, r = c.dp.rank;
+  const double unit = 0.1;  // the book sleeps r seconds; r tenths keep the test short
+  MPI_Barrier(MPI_COMM_WORLD);
+  double start = now_seconds();
+  std::this_thread::sleep_for(std::chrono::duration<double>(unit * r));
+  barrier(c, c.dp, kCpu);
+  // Rank N-1 arrives (N-1) units after the start; ranks leave the first barrier a little apart.
+  CHECK(now_seconds() - start >= unit * (N - 1) - unit / 2);
+}
+
+// ============================================================================
+// Against direct MPI calls on random data
+// ============================================================================
+
+TEST_CASE("every collective equals the direct MPI call on random data", "[mpi]") {
+  TestComm t(world_size(), 1, 1, 1);
+  Comm& c = t.c;
+  int N = c.dp.size, r = c.dp.rank;
+  Outputs out = every_collective(c, kCpu);
+  MPI_Comm W = MPI_COMM_WORLD;  // dp = world: same ranks, same order
+
+  std::vector<float> x = normal(kN, on_rank("x")), want(kN);
+  std::vector<double> x_abs = abs_sum_over_ranks(x);
+  MPI_Allreduce(x.data(), want.data(), kN, MPI_FLOAT, MPI_SUM, W);
+  CHECK(outside_sum_bound(out.sum, want, x_abs, N) == 0);
+  std::vector<float> average(kN);
+  for (int64_t i = 0; i < kN; i++) average[i] = want[i] / N;
+  CHECK(outside_sum_bound(out.avg, average, x_abs, N, 1.0 / N) == 0);
+  MPI_Reduce(x.data(), want.data(), kN, MPI_FLOAT, MPI_SUM, 1 % N, W);
+  if (r == 1 % N)
+    CHECK(outside_sum_bound(out.reduce, want, x_abs, N) == 0);
+  else
+    CHECK(out.reduce == filled(kN, -1));  // only the root receives
+  MPI_Allreduce(x.data(), want.data(), kN, MPI_FLOAT, MPI_MAX, W);
+  CHECK(out.max == want);  // a maximum is exact in any order
+
+  std::vector<float> rs = normal(kM * N, on_rank("rs")), rs_want(kM);
+  std::vector<double> rs_abs = abs_sum_over_ranks(rs);
+  MPI_Reduce_scatter_block(rs.data(), rs_want.data(), kM, MPI_FLOAT, MPI_SUM, W);
+  rs_abs = std::vector<double>(rs_abs.begin() + r * kM, rs_abs.begin() + (r + 1) * kM);
+  CHECK(outside_sum_bound(out.reduce_scatter, rs_want, rs_abs, N) == 0);
+
+  // Collectives that only move data are exact.
+  std::vector<float> ag = normal(kM, on_rank("ag")), ag_want(kM * N);
+  MPI_Allgather(ag.data(), kM, MPI_FLOAT, ag_want.data(), kM, MPI_FLOAT, W);
+  CHECK(out.all_gather == ag_want);
+  std::vector<float> bcast = normal(kN, on_rank("bcast"));
+  MPI_Bcast(bcast.data(), kN, MPI_FLOAT, N - 1, W);
+  CHECK(out.broadcast == bcast);
+  std::vector<float> ga = normal(kM, on_rank("gather")), ga_want = filled(kM * N, -1);
+  MPI_Gather(ga.data(), kM, MPI_FLOAT, ga_want.data(), kM, MPI_FLOAT, N - 1, W);
+  CHECK(out.gather == ga_want);
+  std::vector<float> sc = normal(kM * N, on_rank("scatter")), sc_want(kM);
+  MPI_Scatter(sc.data(), kM, MPI_FLOAT, sc_want.data(), kM, MPI_FLOAT, 0, W);
+  CHECK(out.scatter == sc_want);
+  std::vector<float> ring = normal(kM, on_rank("ring")), ring_want(kM);
+  MPI_Sendrecv(ring.data(), kM, MPI_FLOAT, (r + 1) % N, 9, ring_want.data(), kM, MPI_FLOAT,
+               (r + N - 1) % N, 9, W, MPI_STATUS_IGNORE);
+  CHECK(out.ring == ring_want);
+}
+
+TEST_CASE("ReduceOp::Avg is the sum over the group divided by its size, Max the largest", "[mpi]") {
+  TestComm t(world_size(), 1, 1, 1);
+  Comm& c = t.c;
+  int N = c.dp.size, r = c.dp.rank;
+  // Integers: the sum is exact and the average too, up to the rounding of sum * (1/N) (and of
+  // 1/N itself): within 2u of it.
+  auto near_average = [&](const std::vector<float>& got, const std::vector<float>& avg) {
+    for (size_t i = 0; i < avg.size(); i++)
+      if (std::fabs(got[i] - avg[i]) > 2 * kUnit * std::fabs(avg[i])) return false;
+    return true;
+  };
+  std::vector<float> buf, avg, mx;  // rank r holds N(r+1) + i; its max is (r+i) % N * 10 - i
+  for (int i = 0; i < 8; i++) {
+    buf.push_back((float)N * (r + 1) + i);
+    avg.push_back(N * (N + 1) / 2.0f + i);
+    mx.push_back((N - 1) * 10.0f - i);
+  }
+  all_reduce(c, c.dp, kCpu, buf.data(), 8, ReduceOp::Avg);
+  CHECK(near_average(buf, avg));
+  std::vector<float> m(8);
+  for (int i = 0; i < 8; i++) m[i] = (float)((r + i) % N * 10 - i);
+  all_reduce(c, c.dp, kCpu, m.data(), 8, ReduceOp::Max);
+  CHECK(m == mx);
+
+  // The same for reduce-scatter (chunk j of rank r: N(r+1) + j) and reduce (at the root).
+  std::vector<float> chunks, one = filled(1, -1), red = filled(8, -1);
+  for (int j = 0; j < N; j++) chunks.push_back((float)N * (r + 1) + j);
+  reduce_scatter(c, c.dp, kCpu, chunks.data(), one.data(), 1, ReduceOp::Avg);
+  CHECK(near_average(one, {N * (N + 1) / 2.0f + r}));
+  reduce_scatter(c, c.dp, kCpu, chunks.data(), one.data(), 1, ReduceOp::Max);
+  CHECK(one == std::vector<float>{(float)N * N + r});
+  for (int i = 0; i < 8; i++) buf[i] = (float)N * (r + 1) + i;
+  reduce(c, c.dp, kCpu, buf.data(), red.data(), 8, ReduceOp::Avg, N - 1);
+  if (r == N - 1) CHECK(near_average(red, avg));
+}
+
+// ============================================================================
+// Nonblocking: several collectives in flight
+// ============================================================================
+
+TEST_CASE("three all-reduces in flight at once, waited in reverse order, equal blocking ones",
+          "[mpi]") {
+  TestComm t(world_size(), 1, 1, 1);
+  Comm& c = t.c;
+  std::vector<std::vector<float>> async, blocking;
+  for (int k = 0; k < 3; k++)
+    async.push_back(normal(100 + 333 * k, on_rank("x" + std::to_string(k))));
+  blocking = async;
+  std::vector<Handle> h;
+  for (auto& v : async)
+    h.push_back(all_reduce_async(c, c.dp, kCpu, v.data(), (int64_t)v.size(), ReduceOp::Sum));
+  h[2].wait();
+  while (!h[1].test()) {
+  }
+  CHECK(h[1].test());  // idempotent once done
+  h[0].wait();
+  h[0].wait();
+  CHECK_FALSE(h[0].active());
+  // The blocking call is the same MPI algorithm on the same data: bit-identical.
+  for (auto& v : blocking) all_reduce(c, c.dp, kCpu, v.data(), (int64_t)v.size(), ReduceOp::Sum);
+  CHECK(async == blocking);
+}
+
+TEST_CASE("different collectives in flight together each equal their blocking version", "[mpi]") {
+  TestComm t(world_size(), 1, 1, 1);
+  Comm& c = t.c;
+  Group& g = c.dp;
+  int N = g.size;
+  std::vector<float> rs_in = normal(kM * N, on_rank("rs")), ag_in = normal(kM, on_rank("ag"));
+  std::vector<float> bc = normal(kN, on_rank("bc")), p2p_in = normal(kM, on_rank("p2p"));
+  std::vector<float> rs_a(kM), ag_a(kM * N), bc_a = bc, p2p_a(kM);
+  std::vector<float> rs_b(kM), ag_b(kM * N), bc_b = bc, p2p_b(kM);
+  std::vector<P2P> ring_a = {{true, p2p_in.data(), kM, g.next()},
+                             {false, p2p_a.data(), kM, g.prev()}};
+  std::vector<P2P> ring_b = {{true, p2p_in.data(), kM, g.next()},
+                             {false, p2p_b.data(), kM, g.prev()}};
+  Handle h1 = reduce_scatter_async(c, g, kCpu, rs_in.data(), rs_a.data(), kM, ReduceOp::Sum);
+  Handle h2 = all_gather_async(c, g, kCpu, ag_in.data(), ag_a.data(), kM);
+  Handle h3 = broadcast_async(c, g, kCpu, bc_a.data(), kN, N / 2);
+  Handle h4 = send_recv_async(c, g, kCpu, ring_a);
+  Handle h5 = barrier_async(c, g, kCpu);
+  for (Handle* h : {&h5, &h4, &h3, &h2, &h1}) h->wait();  // the reverse of their start
+  reduce_scatter(c, g, kCpu, rs_in.data(), rs_b.data(), kM, ReduceOp::Sum);
+  all_gather(c, g, kCpu, ag_in.data(), ag_b.data(), kM);
+  broadcast(c, g, kCpu, bc_b.data(), kN, N / 2);
+  send_recv(c, g, kCpu, ring_b);
+  CHECK(rs_a == rs_b);
+  CHECK(ag_a == ag_b);
+  CHECK(bc_a == bc_b);
+  CHECK(p2p_a == p2p_b);
+}
+
+TEST_CASE("a Handle dropped without wait() still completes its collective", "[mpi]") {
+  TestComm t(world_size(), 1, 1, 1);
+  Comm& c = t.c;
+  int N = c.dp.size;
+  std::vector<float> buf = filled(4, 1);
+  { Handle dropped = all_reduce_async(c, c.dp, kCpu, buf.data(), 4, ReduceOp::Sum); }
+  CHECK(buf == filled(4, (float)N));
+  Handle none;  // a default Handle has nothing pending
+  CHECK(none.test());
+  CHECK_FALSE(none.active());
+  none.wait();
+}
+
+// ============================================================================
+// Byte counters: what each rank sends under the ring algorithm (appendix A0)
+// ============================================================================
+
+TEST_CASE("byte counters: all-reduce sends 2(N-1)K/N, reduce-scatter and all-gather (N-1)K/N",
+          "[mpi]") {
+  TestComm t(world_size(), 1, 1, 1);
+  Comm& c = t.c;
+  Group& g = c.dp;
+  int64_t N = g.size, r = g.rank;
+  auto stats = [&](Coll k) { return g.stats[(int)k]; };
+
+  const int64_t n = 12 * N;  // all-reduce elements: K = 4n bytes, a multiple of N
+  std::vector<float> buf = normal(n, on_rank("buf")), big(n * N), small(n);
+  all_reduce(c, g, kCpu, buf.data(), n, ReduceOp::Sum);
+  all_reduce(c, g, kCpu, buf.data(), n, ReduceOp::Avg);
+  CHECK(stats(Coll::AllReduce).calls == 2);
+  CHECK(stats(Coll::AllReduce).bytes == 2 * (2 * (N - 1) * (4 * n) / N));
+  // reduce-scatter and all-gather: K is the whole buffer of n * N elements.
+  reduce_scatter(c, g, kCpu, big.data(), small.data(), n, ReduceOp::Sum);
+  all_gather(c, g, kCpu, small.data(), big.data(), n);
+  CHECK(stats(Coll::ReduceScatter).calls == 1);
+  CHECK(stats(Coll::ReduceScatter).bytes == (N - 1) * (4 * n * N) / N);
+  CHECK(stats(Coll::AllGather).calls == 1);
+  CHECK(stats(Coll::AllGather).bytes == (N - 1) * (4 * n * N) / N);
+  // The chains: broadcast from 0 passes on everywhere but at rank N-1; reduce ends at rank 0.
+  broadcast(c, g, kCpu, buf.data(), n, 0);
+  reduce(c, g, kCpu, buf.data(), small.data(), n, ReduceOp::Sum, 0);
+  CHECK(stats(Coll::Broadcast).bytes == (r == N - 1 ? 0 : 4 * n));
+  CHECK(stats(Coll::Reduce).bytes == (r == 0 ? 0 : 4 * n));
+  gather(c, g, kCpu, small.data(), big.data(), n, 0);
+  scatter(c, g, kCpu, big.data(), small.data(), n, 0);
+  CHECK(stats(Coll::Gather).bytes == (r == 0 ? 0 : 4 * n));
+  CHECK(stats(Coll::Scatter).bytes == (r == 0 ? (N - 1) * 4 * n : 0));
+  send_recv(c, g, kCpu, {{true, buf.data(), 7, g.next()}, {false, small.data(), 7, g.prev()}});
+  barrier(c, g, kCpu);
+  CHECK(stats(Coll::SendRecv).calls == 1);
+  CHECK(stats(Coll::SendRecv).bytes == 4 * 7);  // only the send half counts
+  CHECK(stats(Coll::Barrier).calls == 1);
+  CHECK(stats(Coll::Barrier).bytes == 0);
+  // One element: 2(N-1)*4/N is not whole for most N, and is rounded down.
+  all_reduce(c, g, kCpu, buf.data(), 1, ReduceOp::Sum);
+  CHECK(stats(Coll::AllReduce).bytes == 2 * (2 * (N - 1) * (4 * n) / N) + 2 * (N - 1) * 4 / N);
+  // Other groups are charged nothing; a group of one counts calls and no bytes.
+  for (int k = 0; k < (int)Coll::Count; k++) CHECK(c.world.stats[k].calls == 0);
+  std::vector<float> before = buf;
+  all_reduce(c, c.tp, kCpu, buf.data(), n, ReduceOp::Sum);
+  CHECK(buf == before);
+  CHECK(c.tp.stats[(int)Coll::AllReduce].calls == 1);
+  CHECK(c.tp.stats[(int)Coll::AllReduce].bytes == 0);
+}
+
+// ============================================================================
+// Point to point
+// ============================================================================
+
+TEST_CASE("send_recv ring shift: each rank receives its previous neighbour's data", "[mpi]") {
+  TestComm t(world_size(), 1, 1, 1);
+  Comm& c = t.c;
+  Group& g = c.dp;
+  auto data_of = [](int rank, int tag) {
+    std::vector<float> v;
+    for (int i = 0; i < 6; i++) v.push_back(100.0f * rank + 10.0f * tag + i);
+    return v;
+  };
+  std::vector<float> fwd = data_of(g.rank, 1), got = filled(6, -1);
+  send_recv(c, g, kCpu, {{true, fwd.data(), 6, g.next()}, {false, got.data(), 6, g.prev()}});
+  CHECK(got == data_of(g.prev(), 1));
+
+  // Batched both ways at once, like a pipeline stage's send-forward-receive-backward: one call.
+  std::vector<float> bwd = data_of(g.rank, 2), from_prev = filled(6, -1), from_next = filled(6, -1);
+  send_recv(c, g, kCpu,
+            {{true, fwd.data(), 6, g.next()},
+             {true, bwd.data(), 6, g.prev()},
+             {false, from_prev.data(), 6, g.prev()},
+             {false, from_next.data(), 6, g.next()}});
+  CHECK(from_prev == data_of(g.prev(), 1));
+  CHECK(from_next == data_of(g.next(), 2));
+
+  // Blocking send() and recv() between pairs (0,1), (2,3), ...; an odd last rank sits out.
+  int partner = g.rank ^ 1;
+  if (partner < g.size) {
+    std::vector<float> in = filled(6, -1);
+    if (g.rank % 2 == 0) {
+      send(c, g, kCpu, fwd.data(), 6, partner);
+      recv(c, g, kCpu, in.data(), 6, partner);
+    } else {
+      recv(c, g, kCpu, in.data(), 6, partner);
+      send(c, g, kCpu, fwd.data(), 6, partner);
+    }
+    CHECK(in == data_of(partner, 1));
+  }
+}
+
+// ============================================================================
+// The process grid (DESIGN 4)
+// ============================================================================
+
+TEST_CASE(
+    "the grid lays out every factorization dp x pp x cp x tp of the world as "
+    "[dp][pp][cp][tp], tp fastest",
+    "[mpi]") {
+  int W = world_size();
+  std::vector<std::vector<int>> shapes;
+  for (int dp = 1; dp <= W; dp++)
+    for (int pp = 1; pp <= W; pp++)
+      for (int cp = 1; cp <= W; cp++)
+        if (W % (dp * pp * cp) == 0) shapes.push_back({dp, pp, cp, W / (dp * pp * cp)});
+  for (const auto& s : shapes) {
+    int dp = s[0], pp = s[1], cp = s[2], tp = s[3];
+    INFO("--dp " << dp << " --pp " << pp << " --cp " << cp << " --tp " << tp);
+    TestComm t(dp, pp, cp, tp);
+    Comm& c = t.c;
+    const Grid& G = c.grid;
+    int d = G.dp_rank, p = G.pp_rank, x = G.cp_rank, z = G.tp_rank;
+    CHECK(G.world_rank == world_rank());
+    CHECK(G.rank_of(d, p, x, z) == G.world_rank);
+    CHECK((d < dp && p < pp && x < cp && z < tp));
+    // The members each group must have, from the definition: all ranks agreeing on the others.
+    std::vector<int> tp_m, cp_m, pp_m, dp_m, dp_cp_m, world_m;
+    for (int i = 0; i < tp; i++) tp_m.push_back(G.rank_of(d, p, x, i));
+    for (int i = 0; i < cp; i++) cp_m.push_back(G.rank_of(d, p, i, z));
+    for (int i = 0; i < pp; i++) pp_m.push_back(G.rank_of(d, i, x, z));
+    for (int i = 0; i < dp; i++) dp_m.push_back(G.rank_of(i, p, x, z));
+    for (int i = 0; i < dp; i++)
+      for (int j = 0; j < cp; j++) dp_cp_m.push_back(G.rank_of(i, p, j, z));
+    for (int i = 0; i < W; i++) world_m.push_back(i);
+    CHECK(c.tp.members == tp_m);
+    CHECK(c.cp.members == cp_m);
+    CHECK(c.pp.members == pp_m);
+    CHECK(c.dp.members == dp_m);
+    CHECK(c.dp_cp.members == dp_cp_m);
+    CHECK(c.world.members == world_m);
+    CHECK((c.tp.rank == z && c.cp.rank == x && c.pp.rank == p && c.dp.rank == d));
+    CHECK(c.dp_cp.rank == d * cp + x);
+    CHECK(c.dp_cp.size == dp * cp);
+    CHECK((c.tp.size == tp && c.cp.size == cp && c.pp.size == pp && c.dp.size == dp));
+    for (int i = 1; i < tp; i++) CHECK(c.tp.members[i] == c.tp.members[0] + i);  // neighbours
+    // And the communicators really connect those ranks: summing world ranks gives the members'.
+    for (Group* g : c.groups()) {
+      float mine = (float)G.world_rank, want = 0;
+      for (int m : g->members) want += m;
+      all_reduce(c, *g, kCpu, &mine, 1, ReduceOp::Sum);
+      CHECK(mine == want);
+    }
+  }
+}
+
+TEST_CASE("make_grid names the product of the flags and the mpirun -np that would fit", "[mpi]") {
+  CHECK_THROWS_AS(make_grid(2, 1, 1, 2, 3, 0), UsageError);
+  CHECK_THROWS_WITH(make_grid(2, 1, 1, 2, 3, 0),
+                    Contains("--dp 2 x --pp 1 x --cp 1 x --tp 2 = 4 ranks") &&
+                        Contains("mpirun started 3") && Contains("mpirun -np 4"));
+  CHECK_THROWS_AS(make_grid(0, 1, 1, 3, 3, 0), UsageError);
+  Grid g = make_grid(2, 2, 1, 2, 8, 5);  // 5 = ((1*2 + 0)*1 + 0)*2 + 1
+  CHECK((g.dp_rank == 1 && g.pp_rank == 0 && g.cp_rank == 0 && g.tp_rank == 1));
+}
+
+TEST_CASE("comm_init refuses a bad --comm or grid on every rank alike, and auto on CPU is mpi",
+          "[mpi]") {
+  int W = world_size();
+  CHECK_THROWS_WITH(comm_init(W, 1, 1, 1, "gloo", Device::CPU, kTimeout),
+                    Contains("--comm gloo") && Contains("auto, nccl or mpi"));
+  CHECK_THROWS_WITH(comm_init(W, 1, 1, 1, "nccl", Device::CPU, kTimeout),
+                    Contains("--comm nccl needs one GPU per rank") && Contains("--comm mpi"));
+  CHECK_THROWS_WITH(comm_init(W + 1, 1, 1, 1, "mpi", Device::CPU, kTimeout),
+                    Contains("mpirun -np " + std::to_string(W + 1)));
+  TestComm t(W, 1, 1, 1, "auto");
+  CHECK(t.c.backend == Backend::MPI);
+  CHECK(std::string(backend_name(t.c.backend)) == "mpi");
+  CHECK(std::string(coll_name(Coll::ReduceScatter)) == "reduce_scatter");
+}
+
+// ============================================================================
+// GPU: device buffers, staged through host memory (MPI) or over NCCL
+// ============================================================================
+
+TEST_CASE("MPI backend: device buffers staged through host memory give the CPU results",
+          "[mpi][gpu]") {
+  if (!cuda_on_every_rank()) {
+    WARN("SKIP: no CUDA device");
+    return;
+  }
+  use_node_local_gpu();
+  Context gpu = Context::create(Device::CUDA);
+  Outputs on_gpu, on_cpu;
+  {
+    TestComm t(world_size(), 1, 1, 1, "mpi", Device::CUDA);
+    on_gpu = every_collective(t.c, gpu);
+  }
+  {
+    TestComm t(world_size(), 1, 1, 1, "mpi", Device::CPU);
+    on_cpu = every_collective(t.c, kCpu);
+  }
+  // The same MPI calls on the same host data: bit-identical.
+  CHECK(on_gpu.sum == on_cpu.sum);
+  CHECK(on_gpu.avg == on_cpu.avg);
+  CHECK(on_gpu.max == on_cpu.max);
+  CHECK(on_gpu.reduce_scatter == on_cpu.reduce_scatter);
+  CHECK(on_gpu.all_gather == on_cpu.all_gather);
+  CHECK(on_gpu.broadcast == on_cpu.broadcast);
+  CHECK(on_gpu.reduce == on_cpu.reduce);
+  CHECK(on_gpu.gather == on_cpu.gather);
+  CHECK(on_gpu.scatter == on_cpu.scatter);
+  CHECK(on_gpu.ring == on_cpu.ring);
+  gpu.destroy();
+}
+
+TEST_CASE("NCCL collectives match the MPI ones", "[mpi][gpu]") {
+  if (!cuda_on_every_rank()) {
+    WARN("SKIP: no CUDA device");
+    return;
+  }
+  use_node_local_gpu();
+  Context gpu = Context::create(Device::CUDA);
+  Outputs nccl, mpi;
+  bool have_nccl = false;
+  {
+    TestComm t(world_size(), 1, 1, 1, "auto", Device::CUDA);  // agreed on by every rank
+    have_nccl = t.c.backend == Backend::NCCL;
+    if (have_nccl) nccl = every_collective(t.c, gpu);
+  }
+  if (!have_nccl) {
+    WARN("SKIP: NCCL needs one GPU per rank, and a node has more ranks than GPUs");
+    gpu.destroy();
+    return;
+  }
+  {
+    TestComm t(world_size(), 1, 1, 1, "mpi", Device::CPU);
+    mpi = every_collective(t.c, kCpu);
+  }
+  int N = world_size(), r = world_rank();
+  std::vector<double> x_abs = abs_sum_over_ranks(normal(kN, on_rank("x")));
+  std::vector<double> rs_abs = abs_sum_over_ranks(normal(kM * N, on_rank("rs")));
+  rs_abs = std::vector<double>(rs_abs.begin() + r * kM, rs_abs.begin() + (r + 1) * kM);
+  // NCCL adds in its own order (and averages by pre-scaling): sums agree within the bound.
+  CHECK(outside_sum_bound(nccl.sum, mpi.sum, x_abs, N) == 0);
+  CHECK(outside_sum_bound(nccl.avg, mpi.avg, x_abs, N, 1.0 / N) == 0);
+  CHECK(outside_sum_bound(nccl.reduce_scatter, mpi.reduce_scatter, rs_abs, N) == 0);
+  if (r == 1 % N)
+    CHECK(outside_sum_bound(nccl.reduce, mpi.reduce, x_abs, N) == 0);
+  else
+    CHECK(nccl.reduce == mpi.reduce);
+  CHECK(nccl.max == mpi.max);
+  CHECK(nccl.all_gather == mpi.all_gather);
+  CHECK(nccl.broadcast == mpi.broadcast);
+  CHECK(nccl.gather == mpi.gather);
+  CHECK(nccl.scatter == mpi.scatter);
+  CHECK(nccl.ring == mpi.ring);
+  gpu.destroy();
+}
