@@ -27,7 +27,7 @@ run_group() {  # name, Catch2 test spec
   local log
   log=$(mktemp)
   echo "== $1"
-  "$UNIT" "$2" --durations no 2>&1 | tee "$log" | grep -E "FAILED|SKIP|passed|failed|error" | grep -v "^$"
+  "$UNIT" "$2" --durations no --use-colour no 2>&1 | tee "$log" | grep -E "FAILED|SKIP|passed|failed|error" | grep -v "^$"
   count "$log"
   rm -f "$log"
 }
@@ -45,7 +45,7 @@ run_mpi() {
   local log np=$1
   log=$(mktemp)
   echo "== collectives on $np ranks (mpirun -np $np)"
-  OPENBLAS_NUM_THREADS=1 mpirun --oversubscribe -np "$np" build/mpi_tests "~[gpu]" 2>&1 | tee "$log" |
+  OPENBLAS_NUM_THREADS=1 mpirun --oversubscribe -np "$np" build/mpi_tests "~[gpu]" --use-colour no 2>&1 | tee "$log" |
     grep -E "FAILED|passed|failed|error" | grep -v "^$"
   count "$log"
   grep -qE "^mpi ranks failed: [1-9]" "$log" && failed=$((failed + 1))
