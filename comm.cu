@@ -4,12 +4,13 @@
 // a few groups of ranks, issued without blocking and waited for later, so communication runs
 // beside computation: on CUDA on a second stream ordered by events, on CPU inside MPI's
 // nonblocking calls.
+#include "comm.cuh"
+
 #include <climits>
 #include <cstring>
 #include <deque>
 #include <thread>
 
-#include "comm.cuh"
 #include "ops.cuh"
 
 const char* coll_name(Coll c) {
@@ -274,20 +275,10 @@ void Handle::wait() {
 //   gather           count*4 from every rank but root; scatter (N-1)*count*4 from root only
 //   send_recv        the bytes of its sends;  barrier 0
 // A group of one sends nothing: every formula is 0 for N = 1, and send_recv to oneself is a copy.
+constexpr int64_t kF32 = sizeof(float);
 static void count_call(Group& g, Coll coll, int64_t bytes_sent) {
   g.stats[(int)coll].calls += 1;
   g.stats[(int)coll].bytes += g.size > 1 ? bytes_sent : 0;
-}
-
-static std::shared_ptr<Handle::State> new_state(Comm& c, Group& g, Coll coll,
-                                                int64_t buffer_bytes) {
-  auto s = std::make_shared<Handle::State>();
-  s->group = &g;
-  s->what = std::string(coll_name(coll)) + " on " + g.name + ", " + human_bytes(buffer_bytes);
-  s->world_rank = c.grid.world_rank;
-  s->start = now_seconds();
-  s->timeout_s = c.timeout_s;
-  return s;
 }
 
 static void copy_floats(Device device, cudaStream_t stream, float* dst, const float* src,
@@ -305,29 +296,11 @@ static Handle local_copy(const Context& ctx, float* dst, const float* src, int64
   return Handle();
 }
 
-// ---- NCCL: ops run on the comm stream, after the compute stream's pending writes ----
+// ---- NCCL: ops run on the comm stream; MPI: nonblocking calls on host memory ----
 
 static ncclRedOp_t nccl_op(ReduceOp op) {
   return op == ReduceOp::Sum ? ncclSum : op == ReduceOp::Avg ? ncclAvg : ncclMax;
 }
-// An event, not a synchronize: the comm stream waits for the data, the host does not.
-static cudaStream_t nccl_begin(Comm& c, const Context& ctx) {
-  PICO_ASSERT(ctx.device == Device::CUDA, "NCCL collectives need device buffers");
-  cudaEvent_t ready;
-  CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-  CUDA_CHECK(cudaEventRecord(ready, ctx.stream));
-  CUDA_CHECK(cudaStreamWaitEvent(c.comm_ctx.stream, ready, 0));
-  CUDA_CHECK(cudaEventDestroy(ready));  // safe: the wait is already queued
-  return c.comm_ctx.stream;
-}
-static void nccl_end(Handle::State& s, Comm& c, const Context& ctx) {
-  CUDA_CHECK(cudaEventCreateWithFlags(&s.finished, cudaEventDisableTiming));
-  CUDA_CHECK(cudaEventRecord(s.finished, c.comm_ctx.stream));
-  s.compute = ctx.stream;
-}
-
-// ---- MPI: nonblocking calls on host memory ----
-
 static MPI_Op mpi_op(ReduceOp op) {
   return op == ReduceOp::Max ? MPI_MAX : MPI_SUM;
 }
@@ -335,14 +308,42 @@ static int mpi_count(int64_t n) {
   PICO_ASSERT(n <= INT_MAX, "MPI counts are int: " + std::to_string(n) + " elements");
   return (int)n;
 }
-// Device data must be complete before the host copies it: the one place the MPI backend
-// synchronises the compute stream.
-static void mpi_begin(Handle::State& s, const Context& ctx) {
-  s.compute = ctx.stream;
-  if (ctx.device == Device::CUDA) CUDA_CHECK(cudaStreamSynchronize(ctx.stream));
+
+// Starts a collective on a group of two or more, once the data it reads is ready. NCCL: the comm
+// stream waits for the compute stream's pending writes through an event, not a synchronize, so
+// the host goes on. MPI on CUDA: the host is about to copy the data out, so it must wait.
+static std::shared_ptr<Handle::State> start(Comm& c, Group& g, const Context& ctx, Coll coll,
+                                            int64_t buffer_bytes) {
+  auto s = std::make_shared<Handle::State>();
+  s->group = &g;
+  s->what = std::string(coll_name(coll)) + " on " + g.name + ", " + human_bytes(buffer_bytes);
+  s->world_rank = c.grid.world_rank;
+  s->start = now_seconds();
+  s->timeout_s = c.timeout_s;
+  s->compute = ctx.stream;
+  if (c.backend == Backend::NCCL) {
+    PICO_ASSERT(ctx.device == Device::CUDA, "NCCL collectives need device buffers");
+    cudaEvent_t ready;
+    CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventRecord(ready, ctx.stream));
+    CUDA_CHECK(cudaStreamWaitEvent(c.comm_ctx.stream, ready, 0));
+    CUDA_CHECK(cudaEventDestroy(ready));  // safe: the wait is already queued
+  } else if (ctx.device == Device::CUDA) {
+    CUDA_CHECK(cudaStreamSynchronize(ctx.stream));
+  }
+  return s;
 }
+// The op is queued: NCCL marks its end on the comm stream, for test() and wait() to find.
+static Handle issued(Comm& c, std::shared_ptr<Handle::State> s) {
+  if (c.backend == Backend::NCCL) {
+    CUDA_CHECK(cudaEventCreateWithFlags(&s->finished, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventRecord(s->finished, c.comm_ctx.stream));
+  }
+  return Handle(std::move(s));
+}
+
 // The host memory MPI works on: the buffer itself on CPU; on CUDA a host copy, filled from the
-// device when `read` and copied back when the op completes when `write`.
+// device when `read`, and copied back when the op completes when `write`.
 static float* mpi_buffer(Handle::State& s, const Context& ctx, const float* buf, int64_t count,
                          bool read, bool write) {
   if (ctx.device == Device::CPU) return const_cast<float*>(buf);
@@ -364,178 +365,159 @@ static void mpi_average(Handle::State& s, ReduceOp op, float* host_result, int64
 }
 
 // ============================================================================
-// Collectives
+// Collectives: the bytes this rank sends, the NCCL call, the MPI call
 // ============================================================================
 
 Handle all_reduce_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count,
                         ReduceOp op) {
-  int64_t N = g.size, K = count * (int64_t)sizeof(float);
+  int64_t N = g.size, K = count * kF32;
   count_call(g, Coll::AllReduce, 2 * (N - 1) * K / N);
   if (N == 1) return Handle();  // the sum, average or max of one buffer is itself
-  auto s = new_state(c, g, Coll::AllReduce, K);
+  auto s = start(c, g, ctx, Coll::AllReduce, K);
   if (c.backend == Backend::NCCL) {
-    cudaStream_t st = nccl_begin(c, ctx);
-    NCCL_CHECK(ncclAllReduce(buf, buf, count, ncclFloat, nccl_op(op), g.nccl, st));
-    nccl_end(*s, c, ctx);
+    NCCL_CHECK(ncclAllReduce(buf, buf, count, ncclFloat, nccl_op(op), g.nccl, c.comm_ctx.stream));
   } else {
-    mpi_begin(*s, ctx);
     float* h = mpi_buffer(*s, ctx, buf, count, true, true);
     MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, h, mpi_count(count), MPI_FLOAT, mpi_op(op), g.mpi,
                              s->request()));
     mpi_average(*s, op, h, count);
   }
-  return Handle(s);
+  return issued(c, s);
 }
 
 Handle reduce_scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
                             int64_t count, ReduceOp op) {
-  int64_t N = g.size, K = count * N * (int64_t)sizeof(float);
+  int64_t N = g.size, K = count * N * kF32;
   count_call(g, Coll::ReduceScatter, (N - 1) * K / N);
   if (N == 1) return local_copy(ctx, recv, send, count);
-  auto s = new_state(c, g, Coll::ReduceScatter, K);
+  auto s = start(c, g, ctx, Coll::ReduceScatter, K);
   if (c.backend == Backend::NCCL) {
-    cudaStream_t st = nccl_begin(c, ctx);
-    NCCL_CHECK(ncclReduceScatter(send, recv, count, ncclFloat, nccl_op(op), g.nccl, st));
-    nccl_end(*s, c, ctx);
+    NCCL_CHECK(
+        ncclReduceScatter(send, recv, count, ncclFloat, nccl_op(op), g.nccl, c.comm_ctx.stream));
   } else {
-    mpi_begin(*s, ctx);
     const float* hs = mpi_input(*s, ctx, send, count * N, recv, count);
     float* hr = mpi_buffer(*s, ctx, recv, count, false, true);
     MPI_CHECK(MPI_Ireduce_scatter_block(hs, hr, mpi_count(count), MPI_FLOAT, mpi_op(op), g.mpi,
                                         s->request()));
     mpi_average(*s, op, hr, count);
   }
-  return Handle(s);
+  return issued(c, s);
 }
 
 Handle all_gather_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
                         int64_t count) {
-  int64_t N = g.size, K = count * N * (int64_t)sizeof(float);
+  int64_t N = g.size, K = count * N * kF32;
   count_call(g, Coll::AllGather, (N - 1) * K / N);
   if (N == 1) return local_copy(ctx, recv, send, count);
-  auto s = new_state(c, g, Coll::AllGather, K);
+  auto s = start(c, g, ctx, Coll::AllGather, K);
   if (c.backend == Backend::NCCL) {
-    cudaStream_t st = nccl_begin(c, ctx);
-    NCCL_CHECK(ncclAllGather(send, recv, count, ncclFloat, g.nccl, st));
-    nccl_end(*s, c, ctx);
+    NCCL_CHECK(ncclAllGather(send, recv, count, ncclFloat, g.nccl, c.comm_ctx.stream));
   } else {
-    mpi_begin(*s, ctx);
     const float* hs = mpi_input(*s, ctx, send, count, recv, count * N);
     float* hr = mpi_buffer(*s, ctx, recv, count * N, false, true);
     MPI_CHECK(MPI_Iallgather(hs, mpi_count(count), MPI_FLOAT, hr, mpi_count(count), MPI_FLOAT,
                              g.mpi, s->request()));
   }
-  return Handle(s);
+  return issued(c, s);
 }
 
 Handle broadcast_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, int root) {
   PICO_ASSERT(root >= 0 && root < g.size, "broadcast root " + std::to_string(root));
-  int64_t N = g.size, K = count * (int64_t)sizeof(float);
-  bool chain_end = g.rank == (root + N - 1) % N;  // the last rank of the ring passes nothing on
-  count_call(g, Coll::Broadcast, chain_end ? 0 : K);
+  int64_t N = g.size, K = count * kF32;
+  bool is_root = g.rank == root, chain_end = g.rank == (root + N - 1) % N;
+  count_call(g, Coll::Broadcast, chain_end ? 0 : K);  // the chain's last rank passes nothing on
   if (N == 1) return Handle();
-  auto s = new_state(c, g, Coll::Broadcast, K);
+  auto s = start(c, g, ctx, Coll::Broadcast, K);
   if (c.backend == Backend::NCCL) {
-    cudaStream_t st = nccl_begin(c, ctx);
-    NCCL_CHECK(ncclBroadcast(buf, buf, count, ncclFloat, root, g.nccl, st));
-    nccl_end(*s, c, ctx);
+    NCCL_CHECK(ncclBroadcast(buf, buf, count, ncclFloat, root, g.nccl, c.comm_ctx.stream));
   } else {
-    mpi_begin(*s, ctx);
-    bool is_root = g.rank == root;
     float* h = mpi_buffer(*s, ctx, buf, count, is_root, !is_root);
     MPI_CHECK(MPI_Ibcast(h, mpi_count(count), MPI_FLOAT, root, g.mpi, s->request()));
   }
-  return Handle(s);
+  return issued(c, s);
 }
 
 Handle reduce_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
                     int64_t count, ReduceOp op, int root) {
   PICO_ASSERT(root >= 0 && root < g.size, "reduce root " + std::to_string(root));
-  int64_t N = g.size, K = count * (int64_t)sizeof(float);
+  int64_t N = g.size, K = count * kF32;
   bool is_root = g.rank == root;
   count_call(g, Coll::Reduce, is_root ? 0 : K);
   if (N == 1) return local_copy(ctx, recv, send, count);
-  auto s = new_state(c, g, Coll::Reduce, K);
+  auto s = start(c, g, ctx, Coll::Reduce, K);
   if (c.backend == Backend::NCCL) {
-    cudaStream_t st = nccl_begin(c, ctx);
-    NCCL_CHECK(ncclReduce(send, recv, count, ncclFloat, nccl_op(op), root, g.nccl, st));
-    nccl_end(*s, c, ctx);
+    NCCL_CHECK(
+        ncclReduce(send, recv, count, ncclFloat, nccl_op(op), root, g.nccl, c.comm_ctx.stream));
   } else {
-    mpi_begin(*s, ctx);
     const float* hs = mpi_input(*s, ctx, send, count, is_root ? recv : nullptr, count);
     float* hr = is_root ? mpi_buffer(*s, ctx, recv, count, false, true) : nullptr;
     MPI_CHECK(
         MPI_Ireduce(hs, hr, mpi_count(count), MPI_FLOAT, mpi_op(op), root, g.mpi, s->request()));
     if (is_root) mpi_average(*s, op, hr, count);
   }
-  return Handle(s);
+  return issued(c, s);
 }
 
+// NCCL has no gather or scatter: root exchanges with every peer, in one NCCL group so that no
+// transfer waits for another, and copies its own slice.
 Handle gather_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
                     int64_t count, int root) {
   PICO_ASSERT(root >= 0 && root < g.size, "gather root " + std::to_string(root));
-  int64_t N = g.size, K = count * N * (int64_t)sizeof(float);
+  int64_t N = g.size, K = count * N * kF32;
   bool is_root = g.rank == root;
-  count_call(g, Coll::Gather, is_root ? 0 : count * (int64_t)sizeof(float));
+  count_call(g, Coll::Gather, is_root ? 0 : count * kF32);
   if (N == 1) return local_copy(ctx, recv, send, count);
-  auto s = new_state(c, g, Coll::Gather, K);
+  auto s = start(c, g, ctx, Coll::Gather, K);
   if (c.backend == Backend::NCCL) {
-    // NCCL has no gather: root receives from every peer, in one group so none waits in turn.
-    cudaStream_t st = nccl_begin(c, ctx);
+    cudaStream_t st = c.comm_ctx.stream;
     if (is_root) copy_floats(Device::CUDA, st, recv + root * count, send, count);
     NCCL_CHECK(ncclGroupStart());
-    for (int r = 0; r < N; r++) {
+    for (int r = 0; r < N; r++)
       if (is_root && r != root)
         NCCL_CHECK(ncclRecv(recv + r * count, count, ncclFloat, r, g.nccl, st));
-    }
     if (!is_root) NCCL_CHECK(ncclSend(send, count, ncclFloat, root, g.nccl, st));
     NCCL_CHECK(ncclGroupEnd());
-    nccl_end(*s, c, ctx);
   } else {
-    mpi_begin(*s, ctx);
     const float* hs = mpi_input(*s, ctx, send, count, is_root ? recv : nullptr, count * N);
     float* hr = is_root ? mpi_buffer(*s, ctx, recv, count * N, false, true) : nullptr;
     MPI_CHECK(MPI_Igather(hs, mpi_count(count), MPI_FLOAT, hr, mpi_count(count), MPI_FLOAT, root,
                           g.mpi, s->request()));
   }
-  return Handle(s);
+  return issued(c, s);
 }
 
 Handle scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
                      int64_t count, int root) {
   PICO_ASSERT(root >= 0 && root < g.size, "scatter root " + std::to_string(root));
-  int64_t N = g.size, K = count * N * (int64_t)sizeof(float);
+  int64_t N = g.size, K = count * N * kF32;
   bool is_root = g.rank == root;
-  count_call(g, Coll::Scatter, is_root ? (N - 1) * count * (int64_t)sizeof(float) : 0);
+  count_call(g, Coll::Scatter, is_root ? (N - 1) * count * kF32 : 0);
   if (N == 1) return local_copy(ctx, recv, send, count);
-  auto s = new_state(c, g, Coll::Scatter, K);
+  auto s = start(c, g, ctx, Coll::Scatter, K);
   if (c.backend == Backend::NCCL) {
-    cudaStream_t st = nccl_begin(c, ctx);
+    cudaStream_t st = c.comm_ctx.stream;
     if (is_root) copy_floats(Device::CUDA, st, recv, send + root * count, count);
     NCCL_CHECK(ncclGroupStart());
-    for (int r = 0; r < N; r++) {
+    for (int r = 0; r < N; r++)
       if (is_root && r != root)
         NCCL_CHECK(ncclSend(send + r * count, count, ncclFloat, r, g.nccl, st));
-    }
     if (!is_root) NCCL_CHECK(ncclRecv(recv, count, ncclFloat, root, g.nccl, st));
     NCCL_CHECK(ncclGroupEnd());
-    nccl_end(*s, c, ctx);
   } else {
-    mpi_begin(*s, ctx);
     const float* hs = is_root ? mpi_input(*s, ctx, send, count * N, recv, count) : nullptr;
     float* hr = mpi_buffer(*s, ctx, recv, count, false, true);
     MPI_CHECK(MPI_Iscatter(hs, mpi_count(count), MPI_FLOAT, hr, mpi_count(count), MPI_FLOAT, root,
                            g.mpi, s->request()));
   }
-  return Handle(s);
+  return issued(c, s);
 }
 
 Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<P2P>& ops) {
   int64_t sent = 0, total = 0;
   for (const P2P& op : ops) {
     PICO_ASSERT(op.peer >= 0 && op.peer < g.size, "send_recv peer " + std::to_string(op.peer));
-    total += op.count * (int64_t)sizeof(float);
-    if (op.send) sent += op.count * (int64_t)sizeof(float);
+    total += op.count * kF32;
+    if (op.send) sent += op.count * kF32;
   }
   count_call(g, Coll::SendRecv, sent);
   if (g.size == 1) {  // messages to oneself: the k-th send lands in the k-th receive, as in MPI
@@ -548,10 +530,10 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
     }
     return Handle();
   }
-  auto s = new_state(c, g, Coll::SendRecv, total);
+  auto s = start(c, g, ctx, Coll::SendRecv, total);
   if (c.backend == Backend::NCCL) {
     // One NCCL group: a stage that sends forward and receives backward cannot deadlock.
-    cudaStream_t st = nccl_begin(c, ctx);
+    cudaStream_t st = c.comm_ctx.stream;
     NCCL_CHECK(ncclGroupStart());
     for (const P2P& op : ops) {
       if (op.send)
@@ -560,38 +542,36 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
         NCCL_CHECK(ncclRecv(op.buf, op.count, ncclFloat, op.peer, g.nccl, st));
     }
     NCCL_CHECK(ncclGroupEnd());
-    nccl_end(*s, c, ctx);
   } else {
-    const int kTag = 0;  // MPI keeps messages between two ranks in order: no tag needed to match
-    mpi_begin(*s, ctx);
+    const int kTag = 0;  // MPI keeps the messages between two ranks in order: one tag is enough
     for (const P2P& op : ops) {
       float* h = mpi_buffer(*s, ctx, op.buf, op.count, op.send, !op.send);
+      int n = mpi_count(op.count);
       if (op.send)
-        MPI_CHECK(MPI_Isend(h, mpi_count(op.count), MPI_FLOAT, op.peer, kTag, g.mpi, s->request()));
+        MPI_CHECK(MPI_Isend(h, n, MPI_FLOAT, op.peer, kTag, g.mpi, s->request()));
       else
-        MPI_CHECK(MPI_Irecv(h, mpi_count(op.count), MPI_FLOAT, op.peer, kTag, g.mpi, s->request()));
+        MPI_CHECK(MPI_Irecv(h, n, MPI_FLOAT, op.peer, kTag, g.mpi, s->request()));
     }
   }
-  return Handle(s);
+  return issued(c, s);
 }
 
 Handle barrier_async(Comm& c, Group& g, const Context& ctx) {
   count_call(g, Coll::Barrier, 0);
   if (g.size == 1) return Handle();
-  auto s = new_state(c, g, Coll::Barrier, 0);
+  auto s = start(c, g, ctx, Coll::Barrier, 0);
   if (c.backend == Backend::NCCL) {
-    // NCCL has no barrier: an all-reduce of one float completes only once every rank joined.
-    cudaStream_t st = nccl_begin(c, ctx);
+    // NCCL has no barrier: an all-reduce of one float completes only once every rank has joined.
+    cudaStream_t st = c.comm_ctx.stream;
     float* one = nullptr;
     CUDA_CHECK(cudaMallocAsync((void**)&one, sizeof(float), st));
     CUDA_CHECK(cudaMemsetAsync(one, 0, sizeof(float), st));
     NCCL_CHECK(ncclAllReduce(one, one, 1, ncclFloat, ncclSum, g.nccl, st));
     CUDA_CHECK(cudaFreeAsync(one, st));
-    nccl_end(*s, c, ctx);
   } else {
     MPI_CHECK(MPI_Ibarrier(g.mpi, s->request()));
   }
-  return Handle(s);
+  return issued(c, s);
 }
 
 // ---- blocking versions: the nonblocking call, waited for ----

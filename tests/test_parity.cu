@@ -138,3 +138,36 @@ TEST_CASE("bad grids and backends: one message from rank 0, exit code 2", "[pari
   REQUIRE(r.code == 2);
   REQUIRE(count_occurrences(r.output, "--comm nccl needs one GPU per rank") == 1);
 }
+
+TEST_CASE("--trace writes a Chrome trace with compute and communication spans per rank",
+          "[parity]") {
+  std::string dir = make_temp_dir();
+  RunResult r = run_train(COMMON + "--dp 2 --bucket-mb 0.01 --trace " + dir + "/trace.json", 2);
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  nlohmann::json trace = nlohmann::json::parse(read_whole_file(dir + "/trace.json"));
+  std::map<std::pair<int, int>, int> spans;  // (rank, track) -> complete events
+  for (auto& e : trace["traceEvents"])
+    if (e["ph"] == "X") {
+      REQUIRE(e["dur"].get<double>() >= 0);
+      spans[{e["pid"].get<int>(), e["tid"].get<int>()}]++;
+    }
+  for (int rank : {0, 1}) {
+    REQUIRE(spans[{rank, 0}] == 3 * 4);  // forward, backward, wait, optimizer per step
+    REQUIRE(spans[{rank, 1}] >= 3 * 2);  // at least two buckets per step at 0.01 MiB
+  }
+  fs::remove_all(dir);
+}
+
+TEST_CASE("--report comm: the gradient sync sends 2(N-1)K/N bytes per rank per step",
+          "[parity]") {
+  // 4 ranks and K = 4 x 34,976 parameters; ring mode with one bucket: every chunk is
+  // K/4 bytes, so the counted send/recv bytes equal the formula exactly.
+  RunResult r = run_train(COMMON + "--dp 4 --dp-sync ring --bucket-mb 100 --report comm", 4);
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  REQUIRE_THAT(r.output, Catch::Contains("34976 parameters"));
+  // 2 * 3 * 139904 / 4 = 209856 bytes = 204.94 KiB, the formula line and the measured line.
+  REQUIRE_THAT(r.output, Catch::Contains("2(N-1)K/N = 204.94 KiB"));
+  REQUIRE_THAT(r.output, Catch::Matches("(.|\n)*dp_cp +4 +send_recv +6\\.0 +204\\.94 KiB(.|\n)*"));
+}

@@ -26,8 +26,12 @@ int main(int argc, char** argv) {
     Catch::Session session;
     failed = session.applyCommandLine(argc, argv);
     if (failed == 0) {
-      if (rank > 0) session.configData().outputFilename = log_path(rank);
+      Catch::ConfigData& config = session.configData();
+      if (rank > 0) config.outputFilename = log_path(rank);
       failed = session.run();
+      // Listing returns how many it listed, not failures.
+      if (config.listTests || config.listTestNamesOnly || config.listTags || config.listReporters)
+        failed = 0;
     }
   }  // the session's end closes this rank's log before rank 0 reads it
 
