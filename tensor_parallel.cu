@@ -196,6 +196,18 @@ void vocab_parallel_cross_entropy_backward(const TensorParallel&, const Context&
   CUDA_CHECK(cudaGetLastError());
 }
 
+void tp_cross_entropy_forward(const TensorParallel& tp, const Context& ctx, const Tensor& losses,
+                              const Tensor& stats, const Tensor& logits, const Tensor& targets) {
+  if (tp.size() == 1) return cross_entropy_forward(ctx, losses, logits, targets);
+  vocab_parallel_cross_entropy_forward(tp, ctx, losses, stats, logits, targets);
+}
+void tp_cross_entropy_backward(const TensorParallel& tp, const Context& ctx,
+                               const Tensor& dlogits, const Tensor& logits, const Tensor& stats,
+                               const Tensor& targets, float scale) {
+  if (tp.size() == 1) return cross_entropy_backward(ctx, dlogits, logits, targets, scale);
+  vocab_parallel_cross_entropy_backward(tp, ctx, dlogits, logits, stats, targets, scale);
+}
+
 // ----------------------------------------------------------------------------
 // Weight shards: blocks of a full row-major tensor
 
@@ -222,4 +234,35 @@ void load_block(const Tensor& shard, const float* full, int64_t row0, int64_t co
 }
 void store_block(const Tensor& shard, float* full, int64_t row0, int64_t col0, int64_t full_cols) {
   copy_block(shard, full, row0, col0, full_cols, false);
+}
+
+bool ShardLayout::whole(const Tensor& shard) const {
+  int64_t n = 1;
+  for (int64_t s : full_shape) n *= s;
+  return shard.numel() == n;
+}
+
+// Each rank writes its block into a zeroed full tensor and the tp ranks sum them on rank 0:
+// blocks do not overlap (only one writer per replicated block), so the sum is exact.
+std::vector<Tensor> gather_full_tensors(const TensorParallel& tp, const std::vector<Tensor>& shards,
+                                        const std::vector<ShardLayout>& layouts) {
+  if (tp.size() == 1) return shards;
+  std::vector<Tensor> full;
+  for (size_t i = 0; i < shards.size(); i++) {
+    const ShardLayout& l = layouts[i];
+    Tensor t = zeros(l.full_shape, Mem::Workspace);
+    if (l.writer) store_block(shards[i], t.f32(), l.row0, l.col0, l.full_cols());
+    MPI_CHECK(MPI_Reduce(tp.rank() == 0 ? MPI_IN_PLACE : t.ptr, t.ptr, (int)t.numel(), MPI_FLOAT,
+                         MPI_SUM, 0, tp.group().mpi));
+    full.push_back(t);
+  }
+  return full;
+}
+void scatter_full_tensors(const std::vector<Tensor>& full, const std::vector<Tensor>& shards,
+                          const std::vector<ShardLayout>& layouts) {
+  for (size_t i = 0; i < shards.size(); i++) {
+    if (full[i].ptr == shards[i].ptr) continue;
+    std::vector<float> host = to_host_floats(full[i]);
+    load_block(shards[i], host.data(), layouts[i].row0, layouts[i].col0, layouts[i].full_cols());
+  }
 }

@@ -69,13 +69,33 @@ void vocab_parallel_cross_entropy_backward(const TensorParallel& tp, const Conte
                                            const Tensor& dlogits, const Tensor& logits,
                                            const Tensor& stats, const Tensor& local_targets,
                                            float scale);
+// The model's cross-entropy: ops.cu's fused one on one rank, the vocab-parallel one on several.
+void tp_cross_entropy_forward(const TensorParallel& tp, const Context& ctx, const Tensor& losses,
+                              const Tensor& stats, const Tensor& logits, const Tensor& targets);
+void tp_cross_entropy_backward(const TensorParallel& tp, const Context& ctx,
+                               const Tensor& dlogits, const Tensor& logits, const Tensor& stats,
+                               const Tensor& targets, float scale);
 
 // ---- Weight shards ----
-// How a weight is split over tp: not at all (norms), by output rows (column-parallel), by input
-// columns (row-parallel).
-enum class Split { None, Rows, Cols };
-// This rank's [begin, end) along the split dimension of a dimension of size n.
-inline int64_t shard_begin(int64_t n, int rank, int size) { return n / size * rank; }
+// Where this rank's shard of a weight sits in the full tensor: the block of rows
+// [row0, row0 + rows) and columns [col0, col0 + cols) of the full [full_rows, full_cols] matrix
+// (a 1-D weight is one row). Rows are split for column-parallel layers, columns for
+// row-parallel ones; nothing for norms. `writer`: the one tp rank whose copy goes into a
+// checkpoint when several hold the same block (norms; replicated key/value heads).
+struct ShardLayout {
+  std::vector<int64_t> full_shape;
+  int64_t row0 = 0, col0 = 0;
+  bool writer = true;
+  int64_t full_cols() const { return full_shape.size() > 1 ? full_shape[1] : full_shape[0]; }
+  bool whole(const Tensor& shard) const;  // the shard is the full tensor
+};
+// Full tensors (host, Mem::Workspace) assembled on tp rank 0 from every rank's shard; on the
+// other tp ranks the result is undefined. One process: the shards themselves.
+std::vector<Tensor> gather_full_tensors(const TensorParallel& tp, const std::vector<Tensor>& shards,
+                                        const std::vector<ShardLayout>& layouts);
+// Each shard := its block of the full tensor (full tensors on the host, every rank).
+void scatter_full_tensors(const std::vector<Tensor>& full, const std::vector<Tensor>& shards,
+                          const std::vector<ShardLayout>& layouts);
 // The rows [row0, row0 + rows) and columns [col0, col0 + cols) of the full [*, full_cols]
 // tensor `name`, initialised from the layout-free RNG (DESIGN 5) into `shard` [rows, cols].
 void init_normal_block(const Tensor& shard, uint64_t seed, const std::string& name, float std,
