@@ -72,6 +72,7 @@ void causal_softmax_forward(const Context& ctx, float* probs, const float* score
                             int T, float scale) {
   if (ctx.device == Device::CPU) return causal_softmax_forward_cpu(probs, scores, rows, T, scale);
   int64_t n_rows = (int64_t)rows * T;
+  if (n_rows == 0) return;  // a zero-block grid is a launch error, not a no-op
   int blocks = (int)((n_rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
   causal_softmax_forward_kernel<<<blocks, 32 * kWarpsPerBlock, 0, ctx.stream>>>(
       probs, scores, n_rows, T, scale);
@@ -125,6 +126,7 @@ void causal_softmax_backward(const Context& ctx, float* dscores, const float* dp
   if (ctx.device == Device::CPU)
     return causal_softmax_backward_cpu(dscores, dprobs, probs, rows, T, scale);
   int64_t n_rows = (int64_t)rows * T;
+  if (n_rows == 0) return;
   int blocks = (int)((n_rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
   causal_softmax_backward_kernel<<<blocks, 32 * kWarpsPerBlock, 0, ctx.stream>>>(
       dscores, dprobs, probs, n_rows, T, scale);

@@ -217,6 +217,7 @@ void rmsnorm_forward(const Context& ctx, const Tensor& y, const Tensor& rstd, co
               "rmsnorm_forward shapes " + x.shape_str());
   if (ctx.device == Device::CPU)
     return rmsnorm_forward_cpu(y.f32(), rstd.f32(), x.f32(), w.f32(), T, D, eps);
+  if (T == 0) return;  // a grid of zero blocks is a launch error, not a no-op
   rmsnorm_forward_kernel<<<T, kThreads, 0, ctx.stream>>>(y.f32(), rstd.f32(), x.f32(), w.f32(), D,
                                                          eps);
   CUDA_CHECK(cudaGetLastError());
@@ -230,6 +231,7 @@ void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, co
               "rmsnorm_backward shapes " + x.shape_str());
   if (ctx.device == Device::CPU)
     return rmsnorm_backward_cpu(dx.f32(), dw.f32(), dy.f32(), x.f32(), w.f32(), rstd.f32(), T, D);
+  if (T == 0) return;  // no rows: nothing to add (and a zero-block grid would not launch)
   rmsnorm_backward_dx_kernel<<<T, kThreads, 0, ctx.stream>>>(dx.f32(), dy.f32(), x.f32(), w.f32(),
                                                              rstd.f32(), D);
   CUDA_CHECK(cudaGetLastError());
@@ -435,6 +437,7 @@ static void cross_entropy(const Context& ctx, float* losses, float* dlogits, con
                                         " targets for logits " + logits.shape_str());
   if (ctx.device == Device::CPU)
     return cross_entropy_cpu(losses, dlogits, logits.f32(), targets.i32(), T, V, scale);
+  if (T == 0) return;  // one block per row: zero rows would be a zero-block launch error
   cross_entropy_kernel<<<T, kThreads, 0, ctx.stream>>>(losses, dlogits, logits.f32(), targets.i32(),
                                                        V, scale);
   CUDA_CHECK(cudaGetLastError());

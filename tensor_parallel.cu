@@ -9,6 +9,7 @@
 
 #include <cfloat>
 #include <cmath>
+#include <initializer_list>
 
 #include "ops.cuh"
 
@@ -114,9 +115,12 @@ static void ce_backward_cpu(float* dlogits, const float* logits, const float* st
     }
 }
 
-// One block per row; a shared-memory tree reduction (blockDim.x is a power of two).
+// One block of kCeThreads per row; a shared-memory tree reduction, which halves the active
+// threads each round, so the block size must be a power of two (and fill buf exactly).
+constexpr int kCeThreads = 256;
+static_assert((kCeThreads & (kCeThreads - 1)) == 0, "tree reduction needs a power of two");
 static __device__ float block_reduce(float v, bool take_max) {
-  __shared__ float buf[256];
+  __shared__ float buf[kCeThreads];
   buf[threadIdx.x] = v;
   __syncthreads();
   for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
@@ -157,21 +161,38 @@ static __global__ void ce_backward_kernel(float* dlogits, const float* logits, c
   }
 }
 
+// Every tensor on the context's device (a kernel handed a host pointer faults), N rows each.
+static void check_ce_args(const Context& ctx, std::initializer_list<const Tensor*> tensors,
+                          int64_t N) {
+  for (const Tensor* t : tensors)
+    PICO_ASSERT(t->device == ctx.device && t->numel() >= N,
+                "vocab-parallel cross-entropy: tensor " + t->shape_str() + " on " +
+                    device_name(t->device) + ", context on " + device_name(ctx.device));
+}
+
 void vocab_parallel_cross_entropy_forward(const TensorParallel& tp, const Context& ctx,
                                           const Tensor& losses, const Tensor& stats,
                                           const Tensor& logits, const Tensor& local_targets) {
   int64_t N = logits.size(0);
   int V = (int)logits.size(1);
+  check_ce_args(ctx, {&losses, &stats, &logits, &local_targets}, N);
   Tensor row_max = empty({N}, Mem::Workspace, ctx.device);  // [N]
   Tensor sums = empty({N, 2}, Mem::Workspace, ctx.device);  // [N, 2]
-  if (ctx.device == Device::CPU) ce_row_max_cpu(row_max.f32(), logits.f32(), N, V);
-  else ce_row_max_kernel<<<N, 256, 0, ctx.stream>>>(row_max.f32(), logits.f32(), V);
+  // N == 0 launches nothing (a zero-block grid is an error) but still joins the collectives.
+  if (ctx.device == Device::CPU) {
+    ce_row_max_cpu(row_max.f32(), logits.f32(), N, V);
+  } else if (N > 0) {
+    ce_row_max_kernel<<<N, kCeThreads, 0, ctx.stream>>>(row_max.f32(), logits.f32(), V);
+    CUDA_CHECK(cudaGetLastError());
+  }
   if (tp.size() > 1) all_reduce(*tp.comm, tp.group(), ctx, row_max.f32(), N, ReduceOp::Max);
-  if (ctx.device == Device::CPU)
+  if (ctx.device == Device::CPU) {
     ce_row_sums_cpu(sums.f32(), logits.f32(), row_max.f32(), local_targets.i32(), N, V);
-  else
-    ce_row_sums_kernel<<<N, 256, 0, ctx.stream>>>(sums.f32(), logits.f32(), row_max.f32(),
-                                                  local_targets.i32(), V);
+  } else if (N > 0) {
+    ce_row_sums_kernel<<<N, kCeThreads, 0, ctx.stream>>>(sums.f32(), logits.f32(), row_max.f32(),
+                                                         local_targets.i32(), V);
+    CUDA_CHECK(cudaGetLastError());
+  }
   if (tp.size() > 1) all_reduce(*tp.comm, tp.group(), ctx, sums.f32(), 2 * N, ReduceOp::Sum);
   // On the host: N scalars, once per micro-batch (stats[t] = (max, sum of exponentials)).
   std::vector<float> m = to_host_floats(row_max), s = to_host_floats(sums), loss(N), st(2 * N);
@@ -189,10 +210,13 @@ void vocab_parallel_cross_entropy_backward(const TensorParallel&, const Context&
                                            float scale) {
   int64_t N = logits.size(0);
   int V = (int)logits.size(1);
+  check_ce_args(ctx, {&dlogits, &stats, &logits, &local_targets}, N);
+  PICO_ASSERT(dlogits.numel() == logits.numel(), "vocab-parallel dlogits " + dlogits.shape_str());
   if (ctx.device == Device::CPU)
     return ce_backward_cpu(dlogits.f32(), logits.f32(), stats.f32(), local_targets.i32(), N, V, scale);
-  ce_backward_kernel<<<N, 256, 0, ctx.stream>>>(dlogits.f32(), logits.f32(), stats.f32(),
-                                                local_targets.i32(), V, scale);
+  if (N == 0) return;
+  ce_backward_kernel<<<N, kCeThreads, 0, ctx.stream>>>(dlogits.f32(), logits.f32(), stats.f32(),
+                                                       local_targets.i32(), V, scale);
   CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1,23 +1,126 @@
 #!/usr/bin/env bash
-# Prepares gpu_bundle/ (git-ignored) for tools/gpu_check.sh on a bare GPU machine that has the
-# NVIDIA driver and CUDA libraries (cuBLAS, NCCL) but no MPI, OpenBLAS or corpus: the built
-# binaries, the shared libraries they need besides CUDA's and the C runtime's, the OpenMPI
-# tree (libraries, plugins, help texts, config, mpirun/orted) and the fortune corpus.
+# gpu_bundle.sh: run HERE, on a machine with picoscale's build dependencies, before a GPU session.
+# Builds for the default GPU_ARCH (sm_80 + sm_90 machine code, compute_90 PTX) and packs into
+# gpu_bundle/ (git-ignored) what tools/gpu_check.sh needs on a bare GPU machine: one with the
+# NVIDIA driver and CUDA 13 (cuBLAS and NCCL from the toolkit or Python wheels) but no MPI,
+# OpenBLAS or fortune corpus.
+#   bin.tar.gz       train and build/{unit_tests,mpi_tests,bench,bench_comm}
+#   lib.tar.gz       lib/: every shared library those, orted, orterun, ompi_info and the OpenMPI
+#                    and PMIx plugins load, except the C/C++ runtime and CUDA's own libraries
+#   openmpi.tar.gz   the OpenMPI tree at its absolute paths (OpenMPI finds plugins, help texts
+#                    and config where it was built to): plugins, share/openmpi, /etc/openmpi,
+#                    orted, orterun, ompi_info, PMIx's plugins. gpu_check.sh untars it to /.
+#   fortunes.tar.gz  the default corpus at its absolute path, /usr/share/games/fortunes
+#   MANIFEST.txt     commit, compiler, flags, sizes
+# Then it unpacks the bundle into a temporary directory and checks, with ldd, that every library
+# a bundled binary or plugin needs is bundled, or is a C/C++ runtime or CUDA library.
+# Usage: tools/gpu_bundle.sh [--no-build]   (--no-build packs the binaries already built)
+# Carry `gpu_bundle` to the GPU machine and run `bash tools/gpu_check.sh` there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PATH:/usr/local/cuda/bin"
-make -j"$(nproc)" train build/unit_tests build/bench
-rm -rf gpu_bundle && mkdir -p gpu_bundle/bin gpu_bundle/lib
-cp train build/unit_tests build/bench gpu_bundle/bin/
-mpi_lib=/usr/lib/x86_64-linux-gnu/openmpi
-skip='linux-vdso|ld-linux|libc\.so|libm\.so|libstdc\+\+|libgcc_s|libpthread|libdl\.so|librt\.so|libcuda|libcublas|libnccl|libcudart'
-{ ldd gpu_bundle/bin/*; ldd $mpi_lib/lib/openmpi3/*.so /usr/bin/orted 2>/dev/null || true; } |
-  awk '/=> \//{print $3}' | sort -u | grep -Ev "$skip" | while read -r lib; do
-  cp -L "$lib" gpu_bundle/lib/
+BINARIES="train build/unit_tests build/mpi_tests build/bench build/bench_comm"
+MPI_DIR=/usr/lib/x86_64-linux-gnu/openmpi
+PMIX_DIR=/usr/lib/x86_64-linux-gnu/pmix2
+MAX_MIB=48  # the carry limit is 64 MiB for everything that travels
+
+# Libraries every Linux GPU machine has: glibc, the GCC C++ runtime, the driver and CUDA's
+# own (cuBLAS and NCCL are found there by gpu_check.sh).
+SYSTEM_LIBS='^(linux-vdso|ld-linux|libc|libm|libpthread|libdl|librt|libutil|libresolv|libanl|libstdc\+\+|libgcc_s|libcuda|libcudart|libcublas|libcublasLt|libnccl|libnvidia-[a-z-]+)\.so'
+# Plugins for RDMA networks (disabled in /etc/openmpi anyway) pull in UCX, libfabric and
+# verbs: a single node needs none of them.
+RDMA_LIBS='lib(ucp|uct|ucs|ucm|fabric|ibverbs|rdmacm|psm_infinipath|psm2|efa|infinipath)\.so'
+
+if [ "${1:-}" != "--no-build" ]; then
+  # The Makefile's default GPU_ARCH, even if the environment sets another one.
+  env -u GPU_ARCH make -j"$(nproc)" $BINARIES
+fi
+grep -q "code=sm_90" build/flags.txt ||
+  { echo "gpu_bundle: build/flags.txt has no sm_90 code: rebuild with the default GPU_ARCH"; exit 1; }
+for b in $BINARIES; do [ -x "$b" ] || { echo "gpu_bundle: $b is missing"; exit 1; }; done
+
+rm -rf gpu_bundle
+mkdir -p gpu_bundle/stage/bin gpu_bundle/stage/lib
+stage=gpu_bundle/stage
+cp $BINARIES $stage/bin/
+
+# The OpenMPI and PMIx files to ship: plugins without RDMA dependencies, help texts, config.
+mpi_files=$(mktemp)
+{
+  for f in "$MPI_DIR"/lib/openmpi3/*.so "$PMIX_DIR"/lib/pmix/*.so; do
+    deps=$(ldd "$f")  # (not piped into grep -q, whose early exit would fail the pipe)
+    grep -Eq "$RDMA_LIBS" <<<"$deps" || echo "${f#/}"
+  done
+  (cd / && find usr/share/openmpi etc/openmpi "${PMIX_DIR#/}/share" \( -type f -o -type l \))
+  echo usr/bin/orted
+  echo usr/bin/orterun
+  echo usr/bin/ompi_info
+} | sort -u >"$mpi_files"
+tar -czf gpu_bundle/openmpi.tar.gz -C / -T "$mpi_files"
+
+# Their shared libraries, and the binaries': ldd lists the transitive closure.
+{
+  ldd $stage/bin/*
+  sed 's|^|/|' "$mpi_files" | grep -E '\.so$|/usr/bin/' | xargs ldd 2>/dev/null || true
+} | awk '/=> \//{print $1, $3}' | sort -u | while read -r name path; do
+  if ! [[ $name =~ $SYSTEM_LIBS ]]; then cp -L "$path" "$stage/lib/$name"; fi
 done
-# OpenMPI finds its plugins and help files at the paths it was built with: ship them as a tree.
-tar -czf gpu_bundle/openmpi.tar.gz -C / "${mpi_lib#/}" usr/share/openmpi etc/openmpi \
-  usr/bin/orted usr/bin/orterun
+if ls $stage/lib | grep -Eq "$RDMA_LIBS"; then
+  echo "gpu_bundle: an RDMA library was pulled in: $(ls $stage/lib | grep -E "$RDMA_LIBS")"
+  exit 1
+fi
+rm -f "$mpi_files"
+
+tar -czf gpu_bundle/bin.tar.gz -C $stage bin
+tar -czf gpu_bundle/lib.tar.gz -C $stage lib
 tar -czf gpu_bundle/fortunes.tar.gz -C / usr/share/games/fortunes
-tar -czf gpu_bundle/lib.tar.gz -C gpu_bundle lib && rm -rf gpu_bundle/lib
-du -sh gpu_bundle
+rm -rf $stage
+
+# ---- check: unpack into a temporary root and resolve every dependency there ----
+check=$(mktemp -d)
+trap 'rm -rf "$check"' EXIT
+mkdir -p "$check/root"
+tar -xzf gpu_bundle/bin.tar.gz -C "$check"
+tar -xzf gpu_bundle/lib.tar.gz -C "$check"
+tar -xzf gpu_bundle/openmpi.tar.gz -C "$check/root"
+for need in usr/bin/orted usr/bin/orterun etc/openmpi/openmpi-mca-params.conf \
+            usr/share/openmpi/help-mpi-runtime.txt "${MPI_DIR#/}/lib/openmpi3/mca_ess_singleton.so" \
+            "${MPI_DIR#/}/lib/openmpi3/mca_pml_ob1.so" "${MPI_DIR#/}/lib/openmpi3/mca_btl_vader.so" \
+            "${MPI_DIR#/}/lib/openmpi3/mca_pmix_ext3x.so" "${MPI_DIR#/}/lib/openmpi3/mca_plm_isolated.so"; do
+  [ -e "$check/root/$need" ] || { echo "gpu_bundle: openmpi.tar.gz lacks /$need"; exit 1; }
+done
+problems=0
+for f in "$check"/bin/* "$check"/lib/* "$check"/root/usr/bin/* \
+         "$check/root${MPI_DIR}"/lib/openmpi3/*.so "$check/root${PMIX_DIR}"/lib/pmix/*.so; do
+  # env -i: only the bundle's library path, as gpu_check.sh sets it (the system's own copies
+  # cannot be hidden here, so each resolved library is checked by name and place instead).
+  while read -r name arrow path _; do
+    if [[ $name =~ $SYSTEM_LIBS ]]; then
+      :  # found on the GPU machine
+    elif [ "$path" = "not" ]; then
+      echo "gpu_bundle: ${f#$check/} needs $name: not found"; problems=$((problems + 1))
+    elif [ -e "$check/lib/$name" ] || [ -e "$check/root$path" ]; then
+      :  # bundled: in lib/, or in the OpenMPI tree at the same absolute path
+    else
+      echo "gpu_bundle: ${f#$check/} needs $name ($path), which is not in the bundle"
+      problems=$((problems + 1))
+    fi
+  done < <(env -i LD_LIBRARY_PATH="$check/lib" ldd "$f" 2>/dev/null | awk '$2 == "=>" {print}')
+done
+[ "$problems" -eq 0 ] || { echo "gpu_bundle: $problems unresolved libraries"; exit 1; }
+
+{
+  echo "picoscale GPU bundle, made $(date -u +%Y-%m-%dT%H:%MZ) on $(hostname)"
+  echo "commit: $(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (with uncommitted changes)')"
+  echo "nvcc: $(nvcc --version | grep -o 'release [0-9.]*, V[0-9.]*')"
+  echo "flags: $(cat build/flags.txt)"
+  echo "glibc needed: up to $(for f in "$check"/bin/* "$check"/lib/*; do objdump -T "$f" 2>/dev/null; done |
+                              grep -o 'GLIBC_2\.[0-9]*' | sort -t. -k2 -n -u | tail -1)"
+  echo "binaries: $BINARIES"
+  echo "libraries: $(ls "$check/lib" | tr '\n' ' ')"
+} >gpu_bundle/MANIFEST.txt
+cat gpu_bundle/MANIFEST.txt
+mib=$(( ($(du -sb gpu_bundle | cut -f1) + 1048575) / 1048576 ))
+du -sh gpu_bundle/*
+echo "gpu_bundle: ${mib} MiB in all (limit ${MAX_MIB}); every dependency resolves"
+[ "$mib" -le "$MAX_MIB" ] || { echo "gpu_bundle: larger than ${MAX_MIB} MiB"; exit 1; }

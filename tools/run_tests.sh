@@ -41,11 +41,11 @@ export OMPI_MCA_btl_vader_single_copy_mechanism=none  # containers often forbid 
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 
 # Collectives under mpirun on 2, 3, 4 and 8 ranks; rank 0 reports for all of them.
-run_mpi() {
-  local log np=$1
+run_mpi() {  # ranks [Catch2 test spec, default: the CPU cases]
+  local log np=$1 spec=${2:-"~[gpu]"}
   log=$(mktemp)
-  echo "== collectives on $np ranks (mpirun -np $np)"
-  OPENBLAS_NUM_THREADS=1 mpirun --oversubscribe -np "$np" build/mpi_tests "~[gpu]" --use-colour no 2>&1 | tee "$log" |
+  echo "== collectives on $np ranks (mpirun -np $np)${2:+, $2}"
+  OPENBLAS_NUM_THREADS=1 mpirun --oversubscribe -np "$np" build/mpi_tests "$spec" --use-colour no 2>&1 | tee "$log" |
     grep -E "FAILED|passed|failed|error" | grep -v "^$"
   count "$log"
   grep -qE "^mpi ranks failed: [1-9]" "$log" && failed=$((failed + 1))
@@ -58,6 +58,7 @@ for np in 2 3 4 8; do run_mpi "$np"; done
 run_group "parity matrix and multi-rank runs (CPU, mpirun)" "[parity]"
 if nvidia-smi -L >/dev/null 2>&1; then
   run_group "GPU tests" "[gpu]"
+  run_mpi 2 "[gpu]"  # two ranks on the first GPU(s): device buffers over NCCL or staged MPI
 else
   n=$(( $("$UNIT" "[gpu]" --list-test-names-only 2>/dev/null | grep -c .) +
          $(build/mpi_tests "[gpu]" --list-test-names-only 2>/dev/null | grep -c .) ))

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "comm.cuh"
+#include "gpu_ranks.cuh"
 
 namespace {
 
@@ -118,19 +119,6 @@ Outputs every_collective(Comm& c, const Context& ctx) {
   return {back(ctx, sum),    back(ctx, avg),     back(ctx, max), back(ctx, rs_out),
           back(ctx, ag_out), back(ctx, bcast),   back(ctx, red), back(ctx, ga_out),
           back(ctx, sc_out), back(ctx, ring_out)};
-}
-
-// A GPU case runs on every rank or on none: they must agree, or the others would wait for it.
-bool cuda_on_every_rank() {
-  int here = cuda_available(), everywhere = 0;
-  MPI_Allreduce(&here, &everywhere, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-  return everywhere;
-}
-void use_node_local_gpu() {  // DESIGN 3: a rank's GPU is its node-local rank modulo the count
-  int node_rank = 0, node_ranks = 1, gpus = 1;
-  local_rank(&node_rank, &node_ranks);
-  CUDA_CHECK(cudaGetDeviceCount(&gpus));
-  CUDA_CHECK(cudaSetDevice(node_rank % gpus));
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <vector>
 
+#include "gpu_ranks.cuh"
 #include "ops.cuh"
 #include "tensor_parallel.cuh"
 
@@ -15,10 +16,11 @@ namespace {
 struct TpComm {  // tp = world, one test at a time
   Comm c;
   TensorParallel tp;
-  explicit TpComm(bool sp = false) {
+  explicit TpComm(bool sp = false, Device device = Device::CPU,
+                  const std::string& backend = "mpi") {
     int world = 1;
     MPI_Comm_size(MPI_COMM_WORLD, &world);
-    c = comm_init(1, 1, 1, world, "mpi", Device::CPU, 60);
+    c = comm_init(1, 1, 1, world, backend, device, 60);
     tp.comm = &c;
     tp.sp = sp;
   }
@@ -35,6 +37,14 @@ Tensor random(std::vector<int64_t> shape, const std::string& name) {
   Tensor t = empty(shape, Mem::Workspace);
   init_normal(t, 5, name, 1.0f);
   return t;
+}
+// Elements with |got - want| > atol + rtol * |want| (NaN counts), for one CHECK over a tensor.
+int outside(const std::vector<float>& got, const std::vector<float>& want, double rtol,
+            double atol) {
+  int bad = 0;
+  for (size_t i = 0; i < want.size(); i++)
+    bad += !(std::abs(got[i] - want[i]) <= atol + rtol * std::abs(want[i]));
+  return bad;
 }
 // |a - b| <= tol * (1 + |b|) element by element
 void require_close(const std::vector<float>& a, const std::vector<float>& b, double tol) {
@@ -165,6 +175,70 @@ TEST_CASE("vocab-parallel cross-entropy equals the unsharded one, forward and ba
   for (int i = 0; i < N; i++)
     for (int v = 0; v < Vl; v++)
       REQUIRE(mine[i * Vl + v] == Approx(ref[i * V + v0 + v]).margin(1e-6));
+}
+
+TEST_CASE("CUDA vocab-parallel cross-entropy matches the CPU reference, forward and backward",
+          "[mpi][gpu]") {
+  if (!cuda_on_every_rank()) {
+    WARN("SKIP: no CUDA device");
+    return;
+  }
+  use_node_local_gpu();
+  Context gpu = Context::create(Device::CUDA);
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  // 300 local columns: more than a block's 256 threads, and not a multiple of them.
+  const int N = 37, Vl = 300, V = Vl * n, v0 = r * Vl;
+  Tensor full = empty({N, V}, Mem::Workspace);  // [N, V], std 3: peaked softmax rows
+  init_normal(full, 5, "logits", 3.0f);
+  std::vector<float> full_host = to_host_floats(full);
+  Tensor local = empty({N, Vl}, Mem::Workspace);  // [N, V/tp], this rank's vocabulary slice
+  load_block(local, full_host.data(), 0, v0, V);
+  std::vector<int32_t> targets(N);
+  for (int i = 0; i < N; i++) targets[i] = (i * 97 + 5) % V;  // on every rank's slice
+  std::vector<int32_t> local_targets = local_vocab_ids(targets.data(), N, v0, Vl);
+  Tensor ltgt = empty({N}, Mem::Workspace, Device::CPU, DType::I32);
+  from_host(ltgt, local_targets.data());
+
+  Tensor losses = empty({N}, Mem::Workspace), stats = empty({N, 2}, Mem::Workspace);
+  Tensor dlogits = empty({N, Vl}, Mem::Workspace);
+  {
+    TpComm t;
+    vocab_parallel_cross_entropy_forward(t.tp, kCpu, losses, stats, local, ltgt);
+    vocab_parallel_cross_entropy_backward(t.tp, kCpu, dlogits, local, stats, ltgt, 0.5f);
+  }
+  std::vector<float> g_losses_host, g_stats_host, g_dlogits_host;
+  {
+    // auto: NCCL with a GPU per rank, else MPI with device buffers staged through the host.
+    TpComm t(false, Device::CUDA, "auto");
+    Tensor g_local = to_device(local, Device::CUDA, Mem::Workspace);
+    Tensor g_tgt = to_device(ltgt, Device::CUDA, Mem::Workspace);
+    Tensor g_losses = empty({N}, Mem::Workspace, Device::CUDA);
+    Tensor g_stats = empty({N, 2}, Mem::Workspace, Device::CUDA);
+    vocab_parallel_cross_entropy_forward(t.tp, gpu, g_losses, g_stats, g_local, g_tgt);
+    // In place, as the model calls it: dlogits over the logits.
+    vocab_parallel_cross_entropy_backward(t.tp, gpu, g_local, g_local, g_stats, g_tgt, 0.5f);
+    gpu.synchronize();
+    g_losses_host = to_host_floats(g_losses);
+    g_stats_host = to_host_floats(g_stats);
+    g_dlogits_host = to_host_floats(g_local);
+  }
+  // Row maxima are exact in any order. Sums of 300 exponentials per rank, a block tree against
+  // a loop: ~1e-6 relative, so ~1e-6 in the log; then the probabilities inherit that and expf's
+  // 2 ulp. A wrong index or a missing rank's share is off by far more.
+  std::vector<float> want_stats = to_host_floats(stats);
+  std::vector<float> max_got, max_want, sum_got, sum_want;
+  for (int i = 0; i < N; i++) {
+    max_got.push_back(g_stats_host[2 * i]), max_want.push_back(want_stats[2 * i]);
+    sum_got.push_back(g_stats_host[2 * i + 1]), sum_want.push_back(want_stats[2 * i + 1]);
+  }
+  CHECK(max_got == max_want);
+  CHECK(outside(sum_got, sum_want, 1e-5, 0.0) == 0);
+  CHECK(outside(g_losses_host, to_host_floats(losses), 1e-5, 1e-5) == 0);
+  CHECK(outside(g_dlogits_host, to_host_floats(dlogits), 1e-4, 1e-9) == 0);
+  gpu.destroy();
 }
 
 TEST_CASE("a weight shard is exactly its slice of the full layout-free initialisation",
