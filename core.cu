@@ -69,7 +69,12 @@ struct Storage {
   Storage(size_t n, Device d, Mem m) : bytes(n), device(d), category(m) {
     if (n == 0) n = 1;  // keep a valid pointer for empty tensors
     if (d == Device::CUDA) {
-      CUDA_CHECK(cudaMalloc(&ptr, n));
+      // Stream-ordered allocation on the legacy default stream: a free does not stall the
+      // whole GPU as cudaFree does (which would wait for in-flight communication and undo
+      // the overlap), and the pool keeps freed memory for the next step's activations.
+      // The legacy stream is ordered with the (blocking) compute stream, and every
+      // communication is waited for on the compute stream before its buffers are dropped.
+      CUDA_CHECK(cudaMallocAsync(&ptr, n, 0));
     } else {
       ptr = aligned_alloc(64, (n + 63) / 64 * 64);
       PICO_ASSERT(ptr != nullptr, "host allocation of " + std::to_string(n) + " bytes");
@@ -77,7 +82,7 @@ struct Storage {
     account(category, (long long)bytes);
   }
   ~Storage() {
-    if (device == Device::CUDA) cudaFree(ptr);
+    if (device == Device::CUDA) cudaFreeAsync(ptr, 0);
     else free(ptr);
     account(category, -(long long)bytes);
   }
@@ -173,6 +178,13 @@ Context Context::create(Device device) {
   Context ctx;
   ctx.device = device;
   if (device == Device::CUDA) {
+    // Keep freed blocks in the pool instead of returning them to the driver at each sync.
+    int dev = 0;
+    cudaMemPool_t pool;
+    uint64_t keep = UINT64_MAX;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+    CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
     // A blocking stream: it stays ordered with the legacy default stream that zero_, copy_
     // and from_host use, so those need no extra synchronisation around the compute stream.
     CUDA_CHECK(cudaStreamCreateWithFlags(&ctx.stream, cudaStreamDefault));
