@@ -14,7 +14,7 @@ NVFLAGS := -std=c++17 -O3 $(GPU_ARCH) $(addprefix -I,$(MPI_INC)) -I. \
 LDFLAGS := $(addprefix -L,$(MPI_LIBDIRS)) $(addprefix -l,$(MPI_LIBS)) \
            -lcublas -lnccl -lopenblas -Xcompiler -pthread
 
-LIB_SRCS := core.cu comm.cu ops.cu flash_attention.cu tensor_parallel.cu model.cu optimizer.cu data_parallel.cu report.cu data.cu checkpoint.cu
+LIB_SRCS := core.cu comm.cu ops.cu flash_attention.cu tensor_parallel.cu model.cu optimizer.cu data_parallel.cu zero.cu report.cu data.cu checkpoint.cu
 LIB_OBJS := $(LIB_SRCS:%.cu=$(BUILD)/%.o)
 TEST_SRCS := $(wildcard tests/test_*.cu)
 TEST_OBJS := $(TEST_SRCS:%.cu=$(BUILD)/%.o)

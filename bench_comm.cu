@@ -3,12 +3,16 @@
 // each link carries, comparable across N). (2) A data-parallel training step of the medium
 // model with naive, bucketed, and bucketed-without-overlap gradient sync, with the exposed
 // communication time: how long the step waits for gradients after its backward (the span
-// "wait for gradients" of --trace).
+// "wait for gradients" of --trace). (3) ZeRO-0 to ZeRO-3 steps of the medium model: static and
+// peak memory per rank against the book's formulas, step time, and how much of ZeRO-3's gather
+// time prefetching hides.
 #include <cblas.h>
 
 #include <algorithm>
-#include <thread>
+#include <cmath>
 #include <cstdio>
+#include <memory>
+#include <thread>
 #include <vector>
 
 #include "comm.cuh"
@@ -16,6 +20,7 @@
 #include "model.cuh"
 #include "ops.cuh"
 #include "optimizer.cuh"
+#include "zero.cuh"
 
 static void bandwidth(Comm& comm, const Context& ctx, const char* backend) {
   Group& g = comm.world;
@@ -76,8 +81,7 @@ static void dp_step(Comm& comm, const Context& ctx) {
       Activations acts;
       model_forward(ctx, model, acts, ids.data(), targets.data(), mbs, T, Recompute::None);
       dp.begin_backward(ctx, true);
-      model_backward(ctx, model, acts, 1.0f / tokens, Recompute::None,
-                     [&](int group) { dp.on_gradients_ready(group); });
+      model_backward(ctx, model, acts, 1.0f / tokens, Recompute::None, dp.hooks());
       double exposed = dp.finish(ctx);
       optimizer_step(ctx, model, opt, 1e-5f);
       ctx.synchronize();
@@ -95,6 +99,131 @@ static void dp_step(Comm& comm, const Context& ctx) {
            100.0 * (1.0 - exposed_overlap / exposed_no_overlap));
 }
 
+// One configuration of the ZeRO table: a fresh model, 4 steps (the first a warm-up); times are
+// those of the fastest step (the slowest rank's), memory the largest rank's.
+struct ZeroRun {
+  double step_ms = 0, exposed_gather_ms = 0, exposed_reduce_ms = 0;
+  int64_t static_bytes = 0, peak_bytes = 0, padded = 0;
+};
+static ZeroRun zero_run(Comm& comm, const Context& ctx, int stage, bool overlap) {
+  ModelConfig c = model_preset("medium");
+  int mbs = 4, T = c.seq, tokens = mbs * T, N = comm.dp_cp.size;
+  std::vector<int32_t> ids(tokens), targets(tokens);
+  for (int i = 0; i < tokens; i++)
+    ids[i] = (i * 31 + comm.grid.dp_rank) % c.vocab, targets[i] = (i * 17) % c.vocab;
+  memory_reset_peak();
+  ZeroRun out;
+  {
+    Model model = stage > 0 ? build_model_layout(c) : build_model(c, ctx.device, 1);
+    std::unique_ptr<Zero> zero;
+    std::unique_ptr<DataParallel> dp;
+    Optimizer opt;
+    if (stage > 0) {
+      zero = std::make_unique<Zero>(comm, model, stage, AdamWConfig{}, 0.1f, 1, overlap);
+    } else {
+      opt = build_optimizer(model, AdamWConfig{}, 0.1f);
+      dp = std::make_unique<DataParallel>(comm, model, DpSync::Bucket, 25, true);
+    }
+    for (int rep = 0; rep < 4; rep++) {
+      barrier(comm, comm.world, ctx);
+      double t0 = now_seconds();
+      if (zero)
+        zero->begin_step(ctx);
+      else
+        zero_(model.grads);
+      UnitHooks hooks = zero ? zero->hooks(ctx, true) : dp->hooks();
+      Activations acts;
+      model_forward(ctx, model, acts, ids.data(), targets.data(), mbs, T, Recompute::None, hooks);
+      if (dp) dp->begin_backward(ctx, true);
+      model_backward(ctx, model, acts, 1.0f / (tokens * N), Recompute::None, hooks);
+      double reduce_wait = zero ? zero->finish_gradients(ctx) : dp->finish(ctx);
+      if (zero)
+        zero->step(ctx, 1e-5f);
+      else
+        optimizer_step(ctx, model, opt, 1e-5f);
+      ctx.synchronize();
+      double times[3] = {now_seconds() - t0, zero ? zero->exposed_gather_s : 0.0,
+                         zero ? zero->exposed_reduce_s : reduce_wait};
+      all_reduce_host(comm.world, times, 3, ReduceOp::Max);
+      if (rep == 1 || (rep > 1 && times[0] * 1e3 < out.step_ms))  // the first is a warm-up
+        out.step_ms = times[0] * 1e3, out.exposed_gather_ms = times[1] * 1e3,
+        out.exposed_reduce_ms = times[2] * 1e3;
+    }
+    MemoryStats m = memory_stats();
+    out.static_bytes = (int64_t)(m.current[(int)Mem::Params] + m.current[(int)Mem::Grads] +
+                                 m.current[(int)Mem::Optimizer]);
+    out.peak_bytes = (int64_t)m.total_peak;
+    out.padded = zero ? zero->layout().padded_numel() : parameter_count(c);
+  }
+  double peaks[2] = {(double)out.static_bytes, (double)out.peak_bytes};
+  all_reduce_host(comm.world, peaks, 2, ReduceOp::Max);  // the largest rank's
+  out.static_bytes = (int64_t)peaks[0], out.peak_bytes = (int64_t)peaks[1];
+  return out;
+}
+
+// `text` padded to `width` columns (Ψ is one column but two bytes, which printf's %-22s counts).
+static std::string padded(const std::string& text, size_t width) {
+  size_t columns = 0;
+  for (unsigned char ch : text) columns += (ch & 0xC0) != 0x80;
+  return text + std::string(width > columns ? width - columns : 0, ' ');
+}
+
+static void zero_steps(Comm& comm, const Context& ctx) {
+  ModelConfig c = model_preset("medium");
+  int N = comm.dp_cp.size;
+  bool root = comm.grid.world_rank == 0;
+  if (root) {
+    printf(
+        "\nZeRO steps, medium model (Ψ = %lld), dp %d, mbs 4 x seq %d per rank, %s (fastest of 3 "
+        "steps; memory: the largest rank's)\n",
+        (long long)parameter_count(c), N, c.seq, device_name(ctx.device));
+    printf("| %-19s | %10s | %s | %11s | %8s | %8s | %17s | %17s |\n", "stage", "static MiB",
+           padded("formula (Playbook §4.1)", 23).c_str(), "formula MiB", "peak MiB", "step ms",
+           "exposed gather ms", "exposed reduce ms");
+    printf(
+        "|---------------------|------------|-------------------------|-------------|----------|"
+        "----------|-------------------|-------------------|\n");
+  }
+  struct Config {
+    const char* name;
+    int stage;
+    bool overlap;
+  };
+  std::vector<ZeroRun> runs;
+  bool formulas_hold = true;
+  for (Config k :
+       {Config{"zero 0 (dp)", 0, true}, Config{"zero 1", 1, true}, Config{"zero 2", 2, true},
+        Config{"zero 3, prefetch", 3, true}, Config{"zero 3, no prefetch", 3, false}}) {
+    ZeroRun r = zero_run(comm, ctx, k.stage, k.overlap);
+    double formula = zero_static_memory(k.stage, (double)r.padded, N).total();
+    formulas_hold = formulas_hold && r.static_bytes == formula;
+    runs.push_back(r);
+    if (root)
+      printf("| %-19s | %10.2f | %s | %11.2f | %8.1f | %8.1f | %17.1f | %17.1f |\n", k.name,
+             r.static_bytes / 1048576.0, padded(zero_memory_formula(k.stage), 23).c_str(),
+             formula / 1048576.0, r.peak_bytes / 1048576.0, r.step_ms, r.exposed_gather_ms,
+             r.exposed_reduce_ms);
+  }
+  if (!root) return;
+  bool falls = runs[0].peak_bytes > runs[1].peak_bytes && runs[1].peak_bytes > runs[2].peak_bytes &&
+               runs[2].peak_bytes > runs[3].peak_bytes;
+  printf("static memory per rank equals the formula at Ψ' (Ψ plus padding) for every stage: %s\n",
+         formulas_hold ? "yes" : "NO");
+  printf(
+      "peak memory per rank falls with each stage (target): %s (%.1f -> %.1f -> %.1f -> %.1f "
+      "MiB)\n",
+      falls ? "yes" : "NO", runs[0].peak_bytes / 1048576.0, runs[1].peak_bytes / 1048576.0,
+      runs[2].peak_bytes / 1048576.0, runs[3].peak_bytes / 1048576.0);
+  if (runs[4].exposed_gather_ms > 0) {
+    double hidden = std::round(100.0 * (1.0 - runs[3].exposed_gather_ms / runs[4].exposed_gather_ms));
+    printf("prefetch hides %.0f%% of ZeRO-3's exposed gather time (target: 50%% or more)%s\n",
+           hidden + 0.0, ctx.device == Device::CPU
+                             ? "; on CPU ranks MPI moves data only inside MPI calls, on the cores "
+                               "that compute, so a prefetched gather waits for the next hook"
+                             : "");
+  }
+}
+
 int main(int argc, char** argv) {
   MPI_CHECK(MPI_Init(&argc, &argv));
   int world = 1;
@@ -109,12 +238,18 @@ int main(int argc, char** argv) {
     CUDA_CHECK(cudaSetDevice(local % gpus));
     runs.push_back({Device::CUDA, local_size <= gpus ? "nccl" : "mpi"});
   }
-  bool skip_step = argc > 1 && std::string(argv[1]) == "--bandwidth-only";
+  std::string only = argc > 1 ? argv[1] : "";  // --bandwidth-only, --zero-only
+  if (!only.empty() && only != "--bandwidth-only" && only != "--zero-only") {
+    fprintf(stderr, "usage: bench_comm [--bandwidth-only | --zero-only]\n");
+    MPI_Finalize();
+    return 2;
+  }
   for (auto [device, backend] : runs) {
     Comm comm = comm_init(world, 1, 1, 1, backend, device, 600);
     Context ctx = Context::create(device);
-    bandwidth(comm, ctx, backend);
-    if (!skip_step) dp_step(comm, ctx);
+    if (only != "--zero-only") bandwidth(comm, ctx, backend);
+    if (only.empty()) dp_step(comm, ctx);
+    if (only != "--bandwidth-only") zero_steps(comm, ctx);
     ctx.destroy();
     comm_destroy(comm);
   }

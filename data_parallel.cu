@@ -97,24 +97,19 @@ void ring_all_reduce(Comm& comm, Group& group, const Context& ctx, float* buf, i
 DataParallel::DataParallel(Comm& comm, Model& model, DpSync mode, double bucket_mb,
                            bool overlap)
     : comm_(comm), model_(model), mode_(mode), overlap_(overlap) {
-  const ModelConfig& c = model.cfg;
-  // Readiness groups follow model_backward's block_done(i): i = -1 embedding, 0..L-1 blocks,
-  // L final norm and LM head. Stored at index i + 1.
-  group_params_.resize(c.layers + 2);
-  for (int p = 0; p < (int)model.named_params.size(); p++) {
-    const std::string& name = model.named_params[p].name;
-    int group = c.layers + 1;  // model.norm, lm_head
-    if (name.rfind("model.embed_tokens", 0) == 0) group = 0;
-    else if (name.rfind("model.layers.", 0) == 0) group = 1 + std::stoi(name.substr(13));
-    group_params_[group].push_back(p);
-  }
+  // Readiness groups are model_backward's units (hook index i at i + 1): the embedding, each
+  // block, the final norm and LM head.
+  group_params_.resize(model.units.size());
+  for (size_t u = 0; u < model.units.size(); u++)
+    for (int p = model.units[u].first; p < model.units[u].first + model.units[u].count; p++)
+      group_params_[u].push_back(p);
   // Buckets in backward order: the flat buffer is laid out in forward order, so walking the
   // parameters backwards gives contiguous slices. A bucket closes once it holds bucket_mb.
   int64_t capacity = std::max<int64_t>(1, (int64_t)(bucket_mb * 1024 * 1024 / sizeof(float)));
   param_bucket_.assign(model.named_params.size(), -1);
   for (int p = (int)model.named_params.size() - 1; p >= 0; p--) {
     const Tensor& t = model.named_params[p].tensor;
-    int64_t offset = ((char*)t.ptr - (char*)model.params.ptr) / sizeof(float);
+    int64_t offset = model.offsets[p];
     if (buckets_.empty() || buckets_.back().count >= capacity) buckets_.push_back(GradBucket{offset + t.numel(), 0});
     GradBucket& b = buckets_.back();
     b.offset = offset;  // grows downwards
@@ -165,6 +160,12 @@ void DataParallel::progress_all() {
   if (mode_ == DpSync::Ring) return pump_rings(false);
   for (GradBucket& b : buckets_)
     if (b.launched) b.handle.test();
+}
+
+UnitHooks DataParallel::hooks() {
+  UnitHooks h;
+  h.after_backward = [this](int group) { on_gradients_ready(group); };
+  return h;
 }
 
 void DataParallel::on_gradients_ready(int group) {

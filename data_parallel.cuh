@@ -55,8 +55,9 @@ class DataParallel {
   DataParallel(Comm& comm, Model& model, DpSync mode, double bucket_mb, bool overlap);
   // Call before each micro-batch's backward; only the last one communicates (Playbook §3.4).
   void begin_backward(const Context& ctx, bool last_micro_batch);
-  // model_backward's block_done hook: marks a group of gradients final, launches full buckets.
+  // model_backward's after_backward hook: marks a unit's gradients final, launches full buckets.
   void on_gradients_ready(int group);
+  UnitHooks hooks();  // after_backward = on_gradients_ready
   // Waits for every bucket (launching the ones not yet launched); returns seconds blocked.
   double finish(const Context& ctx);
   const std::vector<GradBucket>& buckets() const { return buckets_; }
@@ -73,7 +74,7 @@ class DataParallel {
   bool overlap_, active_ = false;
   const Context* ctx_ = nullptr;
   std::vector<GradBucket> buckets_;
-  std::vector<std::vector<int>> group_params_;  // readiness group (block_done index + 1) -> params
+  std::vector<std::vector<int>> group_params_;  // readiness group (hook index + 1) -> params
   std::vector<int> param_bucket_;               // parameter -> bucket
   Tensor scratch_;                              // ring receive buffer
   size_t ring_next_ = 0;  // rings run one at a time, in bucket order (see pump_rings)

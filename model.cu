@@ -77,51 +77,121 @@ const char* recompute_name(Recompute r) {
 // ----------------------------------------------------------------------------
 // Parameters: one flat buffer, HF names, layout-free initialisation (DESIGN 5)
 
-Model build_model(const ModelConfig& cfg, Device device, uint64_t seed) {
+// Calls fn(unit, name, shape, view) for every parameter of `w`, in HF order, which is also the
+// flat buffer's order; `unit` indexes Model::units. The one place that order is written down.
+template <class Fn>
+static void for_each_param(const ModelConfig& c, Weights& w, Fn fn) {
+  int64_t V = c.vocab, D = c.d_model, F = c.ffn, hd = c.head_dim();
+  int64_t q_dim = c.heads * hd, kv_dim = c.kv_heads * hd;
+  fn(0, "model.embed_tokens.weight", {V, D}, w.embed);
+  for (int l = 0; l < c.layers; l++) {
+    std::string p = "model.layers." + std::to_string(l) + ".";
+    BlockWeights& b = w.blocks[l];
+    fn(l + 1, p + "input_layernorm.weight", {D}, b.attn_norm);
+    fn(l + 1, p + "self_attn.q_proj.weight", {q_dim, D}, b.wq);
+    fn(l + 1, p + "self_attn.k_proj.weight", {kv_dim, D}, b.wk);
+    fn(l + 1, p + "self_attn.v_proj.weight", {kv_dim, D}, b.wv);
+    fn(l + 1, p + "self_attn.o_proj.weight", {D, q_dim}, b.wo);
+    fn(l + 1, p + "post_attention_layernorm.weight", {D}, b.mlp_norm);
+    fn(l + 1, p + "mlp.gate_proj.weight", {F, D}, b.w_gate);
+    fn(l + 1, p + "mlp.up_proj.weight", {F, D}, b.w_up);
+    fn(l + 1, p + "mlp.down_proj.weight", {D, F}, b.w_down);
+  }
+  fn(c.layers + 1, "model.norm.weight", {D}, w.final_norm);
+  if (!c.tie_embeddings)
+    fn(c.layers + 1, "lm_head.weight", {V, D}, w.lm_head);  // HF omits it when tied
+}
+
+static Tensor unbound(const std::vector<int64_t>& shape) {
+  Tensor t;
+  t.shape = shape;
+  return t;
+}
+
+Model build_model_layout(const ModelConfig& cfg) {
   validate_model_config(cfg);
   Model m;
   m.cfg = cfg;
+  m.w.blocks.resize(cfg.layers);
+  m.g.blocks.resize(cfg.layers);
+  m.units.resize(cfg.layers + 2);
+  int64_t offset = 0;
+  auto add = [&](int u, const std::string& name, const std::vector<int64_t>& shape, Tensor&) {
+    ModelUnit& unit = m.units[u];
+    if (unit.count++ == 0) unit.offset = offset, unit.first = (int)m.named_params.size();
+    Tensor view = unbound(shape);
+    m.named_params.push_back({name, view});
+    m.named_grads.push_back({name, view});
+    m.offsets.push_back(offset);
+    offset += view.numel();
+    unit.numel = offset - unit.offset;
+  };
+  for_each_param(cfg, m.w, add);
+  PICO_ASSERT(offset == parameter_count(cfg), "parameter layout disagrees with parameter_count");
+  for (int u = 0; u < (int)m.units.size(); u++) {
+    bind_unit_params(m, u, Tensor());
+    bind_unit_grads(m, u, Tensor());
+  }
+  return m;
+}
+
+static void bind_unit(Model& m, int u, const Tensor& base, Weights& w,
+                      std::vector<NamedTensor>& named) {
+  const ModelUnit& unit = m.units[u];
+  PICO_ASSERT(!base.defined() || base.numel() >= unit.numel,
+              "unit " + std::to_string(u) + " needs " + std::to_string(unit.numel) + " elements");
+  int index = 0;
+  auto bind = [&](int pu, const std::string&, const std::vector<int64_t>& shape, Tensor& view) {
+    int i = index++;
+    if (pu != u) return;
+    view = base.defined() ? base.view(m.offsets[i] - unit.offset, shape) : unbound(shape);
+    named[i].tensor = view;
+  };
+  for_each_param(m.cfg, w, bind);
+  if (m.cfg.tie_embeddings && u == 0) w.lm_head = w.embed;
+}
+void bind_unit_params(Model& m, int u, const Tensor& base) {
+  bind_unit(m, u, base, m.w, m.named_params);
+}
+void bind_unit_grads(Model& m, int u, const Tensor& base) {
+  bind_unit(m, u, base, m.g, m.named_grads);
+}
+
+void init_parameters(const Model& m, uint64_t seed, const Tensor& out, int64_t first) {
+  int64_t last = first + out.numel();
+  for (size_t i = 0; i < m.named_params.size(); i++) {
+    const NamedTensor& p = m.named_params[i];
+    int64_t begin = std::max(first, m.offsets[i]),
+            end = std::min(last, m.offsets[i] + p.tensor.numel());
+    if (begin >= end) continue;
+    Tensor slice = out.view(begin - first, {end - begin});
+    bool is_norm = p.tensor.dim() == 1;
+    if (is_norm)
+      fill_(slice, 1.0f);
+    else
+      init_normal(slice, seed, p.name, m.cfg.init_std, begin - m.offsets[i]);
+  }
+}
+
+std::vector<NamedTensor> named_views(const Model& m, const Tensor& flat) {
+  std::vector<NamedTensor> views;
+  for (size_t i = 0; i < m.named_params.size(); i++)
+    views.push_back(
+        {m.named_params[i].name, flat.view(m.offsets[i], m.named_params[i].tensor.shape)});
+  return views;
+}
+
+Model build_model(const ModelConfig& cfg, Device device, uint64_t seed) {
+  Model m = build_model_layout(cfg);
   int64_t n = parameter_count(cfg);
   m.params = empty({n}, Mem::Params, device);
   m.grads = zeros({n}, Mem::Grads, device);
-
-  int64_t offset = 0;
-  auto add = [&](const std::string& name, std::vector<int64_t> shape, Tensor& w, Tensor& g) {
-    w = m.params.view(offset, shape);
-    g = m.grads.view(offset, shape);
-    offset += w.numel();
-    m.named_params.push_back({name, w});
-    m.named_grads.push_back({name, g});
-    bool is_norm = shape.size() == 1;
-    if (is_norm) fill_(w, 1.0f);
-    else init_normal(w, seed, name, cfg.init_std);
-  };
-  int64_t D = cfg.d_model, F = cfg.ffn, hd = cfg.head_dim();
-  int64_t q_dim = cfg.heads * hd, kv_dim = cfg.kv_heads * hd;
-  add("model.embed_tokens.weight", {cfg.vocab, D}, m.w.embed, m.g.embed);
-  m.w.blocks.resize(cfg.layers);
-  m.g.blocks.resize(cfg.layers);
-  for (int l = 0; l < cfg.layers; l++) {
-    std::string p = "model.layers." + std::to_string(l) + ".";
-    BlockWeights &w = m.w.blocks[l], &g = m.g.blocks[l];
-    add(p + "input_layernorm.weight", {D}, w.attn_norm, g.attn_norm);
-    add(p + "self_attn.q_proj.weight", {q_dim, D}, w.wq, g.wq);
-    add(p + "self_attn.k_proj.weight", {kv_dim, D}, w.wk, g.wk);
-    add(p + "self_attn.v_proj.weight", {kv_dim, D}, w.wv, g.wv);
-    add(p + "self_attn.o_proj.weight", {D, q_dim}, w.wo, g.wo);
-    add(p + "post_attention_layernorm.weight", {D}, w.mlp_norm, g.mlp_norm);
-    add(p + "mlp.gate_proj.weight", {F, D}, w.w_gate, g.w_gate);
-    add(p + "mlp.up_proj.weight", {F, D}, w.w_up, g.w_up);
-    add(p + "mlp.down_proj.weight", {D, F}, w.w_down, g.w_down);
+  for (int u = 0; u < (int)m.units.size(); u++) {
+    const ModelUnit& unit = m.units[u];
+    bind_unit_params(m, u, m.params.view(unit.offset, {unit.numel}));
+    bind_unit_grads(m, u, m.grads.view(unit.offset, {unit.numel}));
   }
-  add("model.norm.weight", {D}, m.w.final_norm, m.g.final_norm);
-  if (cfg.tie_embeddings) {  // HF omits lm_head.weight from tied checkpoints
-    m.w.lm_head = m.w.embed;
-    m.g.lm_head = m.g.embed;
-  } else {
-    add("lm_head.weight", {cfg.vocab, D}, m.w.lm_head, m.g.lm_head);
-  }
-  PICO_ASSERT(offset == n, "parameter layout disagrees with parameter_count");
+  init_parameters(m, seed, m.params, 0);
   return m;
 }
 
@@ -178,8 +248,12 @@ static void drop_for_recompute(BlockActivations& a, Recompute mode) {
   if (mode == Recompute::Full) a = BlockActivations{a.x};  // only the block input
 }
 
-float model_forward(const Context& ctx, const Model& model, Activations& acts,
-                    const int32_t* ids, const int32_t* targets, int B, int T, Recompute mode) {
+static void run_hook(const std::function<void(int)>& hook, int i) {
+  if (hook) hook(i);
+}
+
+float model_forward(const Context& ctx, const Model& model, Activations& acts, const int32_t* ids,
+                    const int32_t* targets, int B, int T, Recompute mode, const UnitHooks& hooks) {
   const ModelConfig& c = model.cfg;
   Device d = ctx.device;
   int64_t N = (int64_t)B * T, D = c.d_model;
@@ -193,20 +267,26 @@ float model_forward(const Context& ctx, const Model& model, Activations& acts,
   from_host(acts.positions, pos.data());
 
   Tensor x = act({N, D}, d);  // [N, D] the residual stream
+  run_hook(hooks.before_forward, -1);
   embedding_forward(ctx, x, acts.ids, model.w.embed);
+  run_hook(hooks.after_forward, -1);
   acts.blocks.resize(c.layers);
   for (int l = 0; l < c.layers; l++) {
     BlockActivations& a = acts.blocks[l];
     a.x = x;
     x = act({N, D}, d);
+    run_hook(hooks.before_forward, l);
     block_forward(ctx, c, model.w.blocks[l], a, acts.positions, B, T, x);
+    run_hook(hooks.after_forward, l);
     drop_for_recompute(a, mode);
   }
   acts.x_final = x;
   acts.normf = act({N, D}, d), acts.rstdf = act({N}, d);
+  run_hook(hooks.before_forward, c.layers);
   rmsnorm_forward(ctx, acts.normf, acts.rstdf, x, model.w.final_norm, c.norm_eps);
   acts.logits = act({N, c.vocab}, d);
   linear_forward(ctx, acts.logits, acts.normf, model.w.lm_head);
+  run_hook(hooks.after_forward, c.layers);
   if (!targets) return 0.0f;
   acts.targets = empty({N}, Mem::Activations, d, DType::I32);
   from_host(acts.targets, targets);
@@ -260,16 +340,14 @@ static void block_backward(const Context& ctx, const ModelConfig& c, const Block
 }
 
 void model_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
-                    Recompute mode, const std::function<void(int)>& block_done) {
+                    Recompute mode, const UnitHooks& hooks) {
   const ModelConfig& c = model.cfg;
   Device d = ctx.device;
   int B = acts.B, T = acts.T;
   int64_t N = (int64_t)B * T, D = c.d_model, hd = c.head_dim();
-  auto done = [&](int i) {
-    if (block_done) block_done(i);
-  };
 
   // Head: loss = loss_scale * sum CE(lm_head(rmsnorm(x_final)))
+  run_hook(hooks.before_backward, c.layers);
   cross_entropy_backward(ctx, acts.logits, acts.logits, acts.targets, loss_scale);  // in place
   Tensor dres = zeros({N, D}, Mem::Workspace, d);  // [N, D] gradient of the residual stream
   Tensor d_normf = work({N, D}, d);
@@ -278,7 +356,7 @@ void model_backward(const Context& ctx, Model& model, Activations& acts, float l
   rmsnorm_backward(ctx, dres, model.g.final_norm, d_normf, acts.x_final, model.w.final_norm,
                    acts.rstdf);
   d_normf = Tensor();
-  done(c.layers);
+  run_hook(hooks.after_backward, c.layers);
 
   BackwardScratch s;
   s.d_norm = work({N, D}, d), s.d_attn = work({N, c.heads * hd}, d);
@@ -288,15 +366,17 @@ void model_backward(const Context& ctx, Model& model, Activations& acts, float l
   s.d_probs = work({B, c.heads, T, T}, d);
   for (int l = c.layers - 1; l >= 0; l--) {
     BlockActivations& a = acts.blocks[l];
+    run_hook(hooks.before_backward, l);
     if (mode == Recompute::Full) {  // rebuild this block's activations from its input
       Tensor x_out = work({N, D}, d);
       block_forward(ctx, c, model.w.blocks[l], a, acts.positions, B, T, x_out);
     }
     block_backward(ctx, c, model.w.blocks[l], model.g.blocks[l], a, acts.positions, B, T, dres, s);
     a = BlockActivations{};  // this micro-batch no longer needs block l's activations
-    done(l);
+    run_hook(hooks.after_backward, l);
   }
-  embedding_backward(ctx, model.g.embed, acts.ids, dres);
-  done(-1);
+  run_hook(hooks.before_backward, -1);
+  embedding_backward(ctx, model.g.embed, acts.ids, dres);  // reads no weights, only ids
+  run_hook(hooks.after_backward, -1);
   acts = Activations{};
 }

@@ -56,16 +56,47 @@ struct NamedTensor {
   Tensor tensor;
 };
 
+// A unit: the parameters that one hook index covers, a contiguous slice of the flat buffer.
+// units[i + 1] belongs to hook index i: -1 the embedding, 0..L-1 block i, L the head (final norm,
+// and the LM head unless tied). Data parallelism reduces, and ZeRO gathers, one unit at a time.
+struct ModelUnit {
+  int64_t offset = 0, numel = 0;  // its slice [offset, offset + numel) of the flat buffer
+  int first = 0, count = 0;       // its parameters: named_params[first, first + count)
+};
+
 struct Model {
   ModelConfig cfg;
-  Tensor params;  // [num_params] flat, Mem::Params
-  Tensor grads;   // [num_params] flat, Mem::Grads
-  Weights w, g;   // views into params and grads
+  // [num_params] flat, Mem::Params and Mem::Grads. A sharded optimizer (zero.cu) may hold the
+  // memory instead: then these are undefined or padded, and the views point where it binds them.
+  Tensor params, grads;
+  Weights w, g;                                        // views into params and grads
   std::vector<NamedTensor> named_params, named_grads;  // HF order (the checkpoint's order)
+  std::vector<int64_t> offsets;  // per named parameter: its first element in the flat buffer
+  std::vector<ModelUnit> units;  // embedding, blocks 0..L-1, head
 };
 // Allocates the flat buffers and initialises every weight from (seed, name, element index):
 // linear and embedding weights N(0, init_std), norm weights 1.
 Model build_model(const ModelConfig& cfg, Device device, uint64_t seed);
+// The layout alone (names, shapes, offsets, units), no memory: every view is unbound (its
+// shape is set, its data pointer null) until bind_unit_params / bind_unit_grads point it.
+Model build_model_layout(const ModelConfig& cfg);
+// Points the views of unit u at `base`, which holds the unit laid out as in the flat buffer
+// (base[k] is flat element units[u].offset + k); an undefined `base` unbinds them.
+void bind_unit_params(Model& m, int u, const Tensor& base);
+void bind_unit_grads(Model& m, int u, const Tensor& base);
+// out[k] := flat element first + k of the initial parameters: any slice, layout-free (DESIGN 5).
+void init_parameters(const Model& m, uint64_t seed, const Tensor& out, int64_t first);
+// Views of `flat` ([num_params], any device) under the parameter names and shapes: a whole copy
+// of the weights, the gradients or an optimizer moment, in the checkpoint's order.
+std::vector<NamedTensor> named_views(const Model& m, const Tensor& flat);
+
+// Hooks around each unit's forward and backward, by hook index i (see ModelUnit). after_backward
+// runs as soon as the unit's weight gradients are final: the seam where data parallelism
+// launches a bucket's all-reduce and ZeRO a reduce-scatter; ZeRO-3 gathers a unit's weights
+// in before_forward / before_backward and frees them in after_forward / after_backward.
+struct UnitHooks {
+  std::function<void(int)> before_forward, after_forward, before_backward, after_backward;
+};
 
 // What one micro-batch's forward saves for its backward (its own object, so a pipeline can
 // hold several in flight). Which tensors are kept depends on the recompute mode.
@@ -91,11 +122,11 @@ struct Activations {
 // Runs the forward pass of B sequences of T tokens (ids and targets are host arrays [B*T]);
 // returns the sum of per-token losses (fp32 accumulation). With targets == nullptr only the
 // logits are computed (generation).
-float model_forward(const Context& ctx, const Model& model, Activations& acts,
-                    const int32_t* ids, const int32_t* targets, int B, int T, Recompute mode);
-// Accumulates (+=) into model.grads the gradient of loss_scale * sum(losses), and releases the
-// activations as it goes. `block_done(i)` runs as soon as a group's weight gradients are final,
-// in backward order: i = layers (final norm and LM head), layers-1 ... 0 (block i), then -1
-// (embedding). It is the seam where data parallelism launches a bucket's all-reduce.
+float model_forward(const Context& ctx, const Model& model, Activations& acts, const int32_t* ids,
+                    const int32_t* targets, int B, int T, Recompute mode,
+                    const UnitHooks& hooks = {});
+// Accumulates (+=) into the gradient views the gradient of loss_scale * sum(losses), and releases
+// the activations as it goes. Units run in backward order: the head (hook index layers), blocks
+// layers-1 ... 0, then the embedding (-1).
 void model_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
-                    Recompute mode, const std::function<void(int)>& block_done = nullptr);
+                    Recompute mode, const UnitHooks& hooks = {});

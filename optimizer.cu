@@ -12,11 +12,8 @@ Optimizer build_optimizer(const Model& model, const AdamWConfig& hp, float weigh
   Device d = model.params.device;
   opt.exp_avg = zeros(model.params.shape, Mem::Optimizer, d);
   opt.exp_avg_sq = zeros(model.params.shape, Mem::Optimizer, d);
-  for (const NamedTensor& p : model.named_params) {
-    int64_t offset = ((char*)p.tensor.ptr - (char*)model.params.ptr) / sizeof(float);
-    opt.named_exp_avg.push_back({p.name, opt.exp_avg.view(offset, p.tensor.shape)});
-    opt.named_exp_avg_sq.push_back({p.name, opt.exp_avg_sq.view(offset, p.tensor.shape)});
-  }
+  opt.named_exp_avg = named_views(model, opt.exp_avg);
+  opt.named_exp_avg_sq = named_views(model, opt.exp_avg_sq);
   return opt;
 }
 

@@ -2,10 +2,19 @@
 #pragma once
 #include "comm.cuh"
 #include "model.cuh"
+#include "zero.cuh"
 
-// Peak and current bytes per memory category, and static bytes per parameter (Playbook §2.4).
-void print_memory(const Model& model);
+// This rank's peak and current bytes per memory category, and its static bytes per parameter
+// next to the book's (Playbook §2.4: 16 in fp32; §4.1 under ZeRO over `ranks` ranks).
+void print_memory(int64_t num_params, int zero_stage, int ranks);
+// --report memory: every rank's params, grads and optimizer bytes (gathered to rank 0) next to
+// the book's formula for this ZeRO stage, with the padding of the shards named (padded_params:
+// Psi', the parameters plus padding; equal to num_params without ZeRO). Collective.
+void print_memory_report(Comm& comm, int zero_stage, int64_t num_params, int64_t padded_params);
 // Per group and collective: calls and bytes each rank sent per step (gathered from every
 // rank), next to the ring formulas for the gradient sync of num_params fp32 values
 // (Playbook appendix A0). Collective: every rank calls it; rank 0 prints.
 void print_comm_report(Comm& comm, int64_t num_params, int64_t steps);
+// ZeRO's reduce-scatters and all-gathers per training step (validation and checkpoint gathers
+// excluded), next to the book's 2Ψ(N-1)/N (stages 1-2) or 3Ψ(N-1)/N (stage 3). Rank 0 prints.
+void print_zero_comm_report(const Comm& comm, const Zero& zero, int grad_acc);

@@ -10,7 +10,9 @@
 #include <csignal>
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <map>
+#include <memory>
 #include <thread>
 #include <unistd.h>
 
@@ -23,6 +25,7 @@
 #include "ops.cuh"
 #include "optimizer.cuh"
 #include "report.cuh"
+#include "zero.cuh"
 
 struct Options {
   ModelConfig model;
@@ -34,7 +37,7 @@ struct Options {
   std::string data, save, load, log_json, save_grads, score, prompt = "\n";
   int sample = 0;
   // parallelism
-  int dp = 1, pp = 1, cp = 1, tp = 1;
+  int dp = 1, pp = 1, cp = 1, tp = 1, zero = 0;
   std::string comm = "auto", dp_sync = "bucket", trace, fault;
   double comm_timeout = 300, bucket_mb = 25;
   bool no_overlap = false;
@@ -108,7 +111,12 @@ static void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape) 
                  "seconds a collective may wait before the job is aborted")->capture_default_str();
   app.add_option("--dp-sync", o.dp_sync, "gradient sync: naive|bucket|ring")->capture_default_str();
   app.add_option("--bucket-mb", o.bucket_mb, "gradient bucket size in MiB")->capture_default_str();
-  app.add_flag("--no-overlap", o.no_overlap, "launch every bucket after the backward pass");
+  app.add_flag("--no-overlap", o.no_overlap,
+               "launch every bucket after the backward pass (ZeRO: wait for every collective "
+               "when issued, no prefetch)");
+  app.add_option("--zero", o.zero,
+                 "ZeRO stage over dp_cp: 0 off, 1 optimizer states, 2 + gradients, 3 + weights")
+      ->capture_default_str();
   app.add_option("--trace", o.trace, "write a Chrome trace JSON (Perfetto) to FILE");
   app.add_option("--report", o.reports, "print reports at the end: memory, comm")->delimiter(',');
   app.add_option("--fault", o.fault, "test fault handling: KIND:RANK:STEP, KIND crash|hang|error");
@@ -159,6 +167,7 @@ static void resolve_options(Options& o, const std::vector<ShapeFlag>& shape) {
       throw UsageError(std::string(flag) + " " + std::to_string(value) +
                        ": this version parallelises over --dp only; use " + flag + " 1");
   parse_dp_sync(o.dp_sync);
+  parse_zero_stage(o.zero);
   if (!(o.bucket_mb > 0)) throw UsageError("--bucket-mb must be > 0");
   if (!(o.comm_timeout > 0)) throw UsageError("--comm-timeout must be > 0 seconds");
   for (const std::string& r : o.reports)
@@ -184,8 +193,8 @@ static void maybe_inject_fault(const std::string& fault, int rank, int64_t step)
   PICO_ASSERT(kind != "error", "injected error");
 }
 
-static void print_config(const Options& o, const Dataset& data, const Comm& comm,
-                         int64_t n_params) {
+static void print_config(const Options& o, const Dataset& data, const Comm& comm, int64_t n_params,
+                         int zero_stage) {
   const ModelConfig& c = o.model;
   auto row = [](const char* k, const std::string& v) { printf("| %-22s | %-50s |\n", k, v.c_str()); };
   auto s = [](auto v) { return std::to_string(v); };
@@ -199,8 +208,13 @@ static void print_config(const Options& o, const Dataset& data, const Comm& comm
   row("device / backend", std::string(device_name(comm.device)) + " / " + backend_name(comm.backend));
   row("grid dp x pp x cp x tp", s(o.dp) + " x " + s(o.pp) + " x " + s(o.cp) + " x " + s(o.tp) +
                                     " = " + s(comm.grid.world_size) + " ranks");
-  row("gradient sync", o.dp_sync + ", buckets of " + s(o.bucket_mb).substr(0, 5) + " MiB" +
-                           (o.no_overlap ? ", no overlap" : ", overlapped"));
+  if (zero_stage == 0)
+    row("gradient sync", o.dp_sync + ", buckets of " + s(o.bucket_mb).substr(0, 5) + " MiB" +
+                             (o.no_overlap ? ", no overlap" : ", overlapped"));
+  else
+    row("gradient sync", "ZeRO-" + s(zero_stage) + ": reduce-scatter per unit" +
+                             (o.no_overlap ? ", no overlap" : ", overlapped") +
+                             (zero_stage == 3 && !o.no_overlap ? ", prefetch" : ""));
   row("recompute", o.recompute);
   row("steps / mbs / grad-acc", s(o.steps) + " / " + s(o.mbs) + " / " + s(o.grad_acc));
   row("tokens per step", s((int64_t)o.mbs * o.grad_acc * o.dp * c.seq) + " (mbs x grad-acc x dp x seq)");
@@ -315,15 +329,49 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
   Recompute recompute = parse_recompute(o.recompute);
   Dataset data = load_dataset(o.data, o.val_frac, c.seq);
   check_vocab(data, c.vocab);
-  Model model = build_model(c, ctx.device, o.seed);
-  Optimizer opt = build_optimizer(model, AdamWConfig{}, o.weight_decay);
-  if (!o.load.empty()) {
+  // ZeRO shards over dp_cp: with one rank there is nothing to shard, and zero 0 is the same run.
+  int zero_stage = o.zero;
+  if (zero_stage > 0 && comm.dp_cp.size == 1) {
+    if (main_rank)
+      fprintf(stderr,
+              "warning: --zero %d has no effect with one data-parallel rank (dp x cp = 1): "
+              "nothing to shard; running as --zero 0\n",
+              o.zero);
+    zero_stage = 0;
+  }
+  // Plain data parallelism: the model holds every weight and gradient, DataParallel sums the
+  // gradients, AdamW steps all of them. ZeRO: the model is a layout whose views Zero binds.
+  Model model = zero_stage > 0 ? build_model_layout(c) : build_model(c, ctx.device, o.seed);
+  std::unique_ptr<Zero> zero;
+  std::unique_ptr<DataParallel> dp;
+  Optimizer opt;
+  if (zero_stage > 0) {
+    zero = std::make_unique<Zero>(comm, model, zero_stage, AdamWConfig{}, o.weight_decay, o.seed,
+                                  !o.no_overlap);
+  } else {
+    opt = build_optimizer(model, AdamWConfig{}, o.weight_decay);
+    dp = std::make_unique<DataParallel>(comm, model, parse_dp_sync(o.dp_sync), o.bucket_mb,
+                                        !o.no_overlap);
+  }
+  int64_t first_step = 0;
+  if (!o.load.empty() && zero) {
+    first_step = zero->load(o.load);
+  } else if (!o.load.empty()) {
     OptimizerState state{opt.named_exp_avg, opt.named_exp_avg_sq, 0};
     if (load_checkpoint(o.load, model.named_params, &state)) opt.step = state.step;
+    first_step = opt.step;
   }
-  DataParallel dp(comm, model, parse_dp_sync(o.dp_sync), o.bucket_mb, !o.no_overlap);
+  // Evaluation reads the whole model: ZeRO-3 gathers it for the duration (FSDP's
+  // summon_full_params); the other stages hold it already.
+  auto evaluate = [&](const std::function<void()>& body) {
+    if (zero) zero->gather_all(ctx);
+    body();
+    if (zero) zero->release_all();
+  };
   if (main_rank) {
-    print_config(o, data, comm, model.params.numel());
+    int64_t laid_out = 0;  // the layout's tensors, against the closed form
+    for (const NamedTensor& p : model.named_params) laid_out += p.tensor.numel();
+    print_config(o, data, comm, laid_out, zero_stage);
     printf("unigram entropy of the training tokens: %.4f nats (a model that ignores context)\n",
            unigram_entropy(data.train, c.vocab));
   }
@@ -346,31 +394,40 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
   float loss_scale = 1.0f / (float)(global_batch * c.seq);
   int64_t steps_run = 0;
 
-  int64_t end = o.stop_after > 0 ? std::min<int64_t>(o.steps, opt.step + o.stop_after) : o.steps;
-  for (int64_t step = opt.step; step < end; step++) {
+  int64_t end = o.stop_after > 0 ? std::min<int64_t>(o.steps, first_step + o.stop_after) : o.steps;
+  for (int64_t step = first_step; step < end; step++) {
     maybe_inject_fault(o.fault, grid.world_rank, step);
     double t0 = now_seconds();
     fill_train_batch(data, step, global_batch, first_seq, (int)rank_batch, c.seq, inputs.data(),
                      targets.data());
-    zero_(model.grads);
+    if (zero)
+      zero->begin_step(ctx);
+    else
+      zero_(model.grads);
     double loss_sum = 0;
     for (int micro = 0; micro < o.grad_acc; micro++) {  // Playbook §2.7 gradient accumulation
       size_t first = (size_t)micro * o.mbs * c.seq;
+      bool last_micro = micro == o.grad_acc - 1;
+      UnitHooks hooks = zero ? zero->hooks(ctx, last_micro) : dp->hooks();
       Activations acts;
       double tf = now_seconds();
       loss_sum += model_forward(ctx, model, acts, inputs.data() + first, targets.data() + first,
-                                o.mbs, c.seq, recompute);
+                                o.mbs, c.seq, recompute, hooks);
       double tb = now_seconds();
       trace.add("forward " + std::to_string(micro), Track::Compute, tf, tb);
-      dp.begin_backward(ctx, micro == o.grad_acc - 1);
-      model_backward(ctx, model, acts, loss_scale, recompute,
-                     [&](int group) { dp.on_gradients_ready(group); });
+      if (dp) dp->begin_backward(ctx, last_micro);
+      model_backward(ctx, model, acts, loss_scale, recompute, hooks);
       trace.add("backward " + std::to_string(micro), Track::Compute, tb, now_seconds());
     }
     double tw = now_seconds();
-    dp.finish(ctx);
+    if (zero)
+      zero->finish_gradients(ctx);
+    else
+      dp->finish(ctx);
     trace.add("wait for gradients", Track::Compute, tw, now_seconds());
-    for (auto [start, stop] : dp.last_spans) trace.add("gradient all-reduce", Track::Comm, start, stop);
+    if (dp)
+      for (auto [start, stop] : dp->last_spans)
+        trace.add("gradient all-reduce", Track::Comm, start, stop);
     all_reduce_host(comm.dp_cp, &loss_sum, 1, ReduceOp::Sum);
     float loss = (float)(loss_sum / (global_batch * c.seq));
     if (!std::isfinite(loss)) {
@@ -379,14 +436,25 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
                 (long long)step + 1);
       return 3;
     }
-    if (step == opt.step && !o.save_grads.empty() && main_rank)
-      write_safetensors(o.save_grads, model.named_grads, {{"step", std::to_string(step)}});
+    if (step == first_step && !o.save_grads.empty()) {  // whole gradients, before clipping
+      if (zero)
+        zero->save_gradients(ctx, o.save_grads, step);
+      else if (main_rank)
+        write_safetensors(o.save_grads, model.named_grads, {{"step", std::to_string(step)}});
+    }
     double to = now_seconds();
-    float norm = clip_grad_norm(ctx, model.grads, o.grad_clip);
+    float norm = zero ? zero->clip_grad_norm(ctx, o.grad_clip)
+                      : clip_grad_norm(ctx, model.grads, o.grad_clip);
     float lr = learning_rate(schedule, step);
-    optimizer_step(ctx, model, opt, lr);
+    if (zero)
+      zero->step(ctx, lr);
+    else
+      optimizer_step(ctx, model, opt, lr);
     ctx.synchronize();
     trace.add("optimizer", Track::Compute, to, now_seconds());
+    if (zero)
+      for (const Zero::Span& span : zero->spans)
+        trace.add(span.name, Track::Comm, span.start, span.end);
     double dt = now_seconds() - t0;
     double tok_s = global_batch * c.seq / dt;
     steps_run++;
@@ -401,25 +469,42 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
     }
     bool last = step + 1 == end;
     if (val_windows > 0 && (last || (o.val_every > 0 && (step + 1) % o.val_every == 0))) {
-      double val = mean_loss(ctx, comm, model, data.val, val_windows, c.seq, c.seq, o.mbs);
+      double val = 0;
+      evaluate(
+          [&] { val = mean_loss(ctx, comm, model, data.val, val_windows, c.seq, c.seq, o.mbs); });
       if (main_rank) printf("step %5lld/%d | val loss %.4f\n", (long long)step + 1, o.steps, val);
     }
     fflush(stdout);
   }
-  if (!o.save.empty() && main_rank) {
-    OptimizerState state{opt.named_exp_avg, opt.named_exp_avg_sq, opt.step};
-    save_checkpoint(o.save, c, model.named_params, &state);
-    printf("saved %s (config.json, model.safetensors, optimizer.safetensors)\n", o.save.c_str());
+  if (!o.save.empty()) {  // whole tensors, whatever the layout (ZeRO gathers its shards)
+    if (zero) {
+      zero->save(ctx, o.save);
+    } else if (main_rank) {
+      OptimizerState state{opt.named_exp_avg, opt.named_exp_avg_sq, opt.step};
+      save_checkpoint(o.save, c, model.named_params, &state);
+    }
+    if (main_rank)
+      printf("saved %s (config.json, model.safetensors, optimizer.safetensors)\n", o.save.c_str());
   }
   if (trace.enabled) {
     trace_write(trace, o.trace, comm.world.mpi);
     if (main_rank) printf("trace: %s (open in https://ui.perfetto.dev or chrome://tracing)\n", o.trace.c_str());
   }
-  if (main_rank) print_memory(model);
-  for (const std::string& r : o.reports)
-    if (r == "comm") print_comm_report(comm, model.params.numel(), steps_run);
-  if (o.sample > 0 && main_rank)
-    printf("sample:\n%s%s\n", o.prompt.c_str(), generate(ctx, model, o).c_str());
+  int64_t n_params = parameter_count(c);
+  if (main_rank) print_memory(n_params, zero_stage, comm.dp_cp.size);
+  for (const std::string& r : o.reports) {
+    if (r == "memory")
+      print_memory_report(comm, zero_stage, n_params,
+                          zero ? zero->layout().padded_numel() : n_params);
+    if (r == "comm") {
+      print_comm_report(comm, n_params, steps_run);
+      if (zero) print_zero_comm_report(comm, *zero, o.grad_acc);
+    }
+  }
+  if (o.sample > 0)
+    evaluate([&] {
+      if (main_rank) printf("sample:\n%s%s\n", o.prompt.c_str(), generate(ctx, model, o).c_str());
+    });
   barrier(comm, comm.world, ctx);  // no rank leaves while rank 0 still writes
   return 0;
 }

@@ -32,6 +32,33 @@ static const std::vector<ParityRow> PARITY_ROWS = {
     {"dp 2, buckets that split neighbours", 2, "--dp 2 --bucket-mb 0.01", "--grad-acc 2"},
     {"dp 2, ring, buckets that split neighbours", 2, "--dp 2 --dp-sync ring --bucket-mb 0.003",
      "--grad-acc 2"},
+    // ZeRO (Playbook §4): any group size; dp 3 pads every unit's shards. Stages 2 and 3
+    // reduce-scatter every micro-batch and accumulate into the shard.
+    {"zero 1, dp 2", 2, "--zero 1 --dp 2", "--grad-acc 2"},
+    {"zero 1, dp 2, grad-acc 2", 2, "--zero 1 --dp 2 --grad-acc 2", "--grad-acc 4"},
+    {"zero 1, dp 3", 3, "--zero 1 --dp 3", "--grad-acc 3"},
+    {"zero 1, dp 3, grad-acc 2", 3, "--zero 1 --dp 3 --grad-acc 2", "--grad-acc 6"},
+    {"zero 1, dp 4", 4, "--zero 1 --dp 4", "--grad-acc 4"},
+    {"zero 1, dp 4, grad-acc 2", 4, "--zero 1 --dp 4 --grad-acc 2", "--grad-acc 8"},
+    {"zero 2, dp 2", 2, "--zero 2 --dp 2", "--grad-acc 2"},
+    {"zero 2, dp 2, grad-acc 2", 2, "--zero 2 --dp 2 --grad-acc 2", "--grad-acc 4"},
+    {"zero 2, dp 3", 3, "--zero 2 --dp 3", "--grad-acc 3"},
+    {"zero 2, dp 3, grad-acc 2", 3, "--zero 2 --dp 3 --grad-acc 2", "--grad-acc 6"},
+    {"zero 2, dp 4", 4, "--zero 2 --dp 4", "--grad-acc 4"},
+    {"zero 2, dp 4, grad-acc 2", 4, "--zero 2 --dp 4 --grad-acc 2", "--grad-acc 8"},
+    {"zero 3, dp 2", 2, "--zero 3 --dp 2", "--grad-acc 2"},
+    {"zero 3, dp 2, grad-acc 2", 2, "--zero 3 --dp 2 --grad-acc 2", "--grad-acc 4"},
+    {"zero 3, dp 3", 3, "--zero 3 --dp 3", "--grad-acc 3"},
+    {"zero 3, dp 3, grad-acc 2", 3, "--zero 3 --dp 3 --grad-acc 2", "--grad-acc 6"},
+    {"zero 3, dp 4", 4, "--zero 3 --dp 4", "--grad-acc 4"},
+    {"zero 3, dp 4, grad-acc 2", 4, "--zero 3 --dp 4 --grad-acc 2", "--grad-acc 8"},
+    // Tied embeddings: the head writes the embedding's gradient and (stage 3) gathers its weights.
+    {"zero 2, dp 3, tied embeddings", 3, "--zero 2 --dp 3 --tie-embeddings",
+     "--grad-acc 3 --tie-embeddings"},
+    {"zero 3, dp 2, tied embeddings, full recompute", 2,
+     "--zero 3 --dp 2 --tie-embeddings --recompute full",
+     "--grad-acc 2 --tie-embeddings --recompute full"},
+    {"zero 3, dp 3, no overlap (no prefetch)", 3, "--zero 3 --dp 3 --no-overlap", "--grad-acc 3"},
 };
 
 // Small enough that a run takes about a second on one core; clipping is active (norms ~1).

@@ -1,0 +1,480 @@
+// zero.cu: ZeRO, the Zero Redundancy Optimizer (Playbook §4; Rajbhandari et al., 2020). Plain
+// data parallelism keeps all of the weights, gradients and Adam's m and v on every rank; ZeRO
+// keeps 1/N of each (N = dp_cp ranks) and moves the rest when it is needed. Per rank, fp32:
+//   ZeRO-1  m, v sharded: gradients are reduce-scattered (not all-reduced), each rank steps its
+//           slice, then the weights are all-gathered.                       4Ψ + 4Ψ + 8Ψ/N
+//   ZeRO-2  + gradients: reduce-scattered unit by unit during the backward; a rank keeps only
+//           the sum of its slice.                                           4Ψ + 4Ψ/N + 8Ψ/N
+//   ZeRO-3  + weights: a unit's weights are all-gathered before its forward and again before
+//           its backward, and freed after; the next unit's gather runs while this one computes.
+//                                                                           4Ψ/N + 4Ψ/N + 8Ψ/N
+// The one idea: reduce-scatter + all-gather moves what all-reduce moves (2Ψ), so sharding the
+// optimizer and the gradients costs no communication; sharding the weights costs one more Ψ.
+//
+// What lives where (persistent: Params / Grads / Optimizer; transient: Workspace):
+//   weights    stages 1-2: all of them, each unit padded to N x S_u   stage 3: the shard [S]
+//              stage 3 also: each gathered unit [N x S_u], from its gather to its release
+//   gradients  stage 1: all of them, padded                           stages 2-3: the shard [S]
+//              stages 2-3 also: the unit in backward [N x S_u], from before_backward until its
+//              reduce-scatter completes (tied embeddings: the embedding's, from the head's
+//              backward, which writes into it, to the embedding's own)
+//   m, v       the shard [S] each
+#include <algorithm>
+#include <cmath>
+
+#include "checkpoint.cuh"
+#include "zero.cuh"
+
+int parse_zero_stage(int flag) {
+  if (flag < 0 || flag > 3)
+    throw UsageError("--zero " + std::to_string(flag) +
+                     ": expected 0 (off), 1 (shard optimizer states), 2 (+ gradients) or 3 "
+                     "(+ weights)");
+  return flag;
+}
+
+ShardLayout make_shard_layout(const Model& model, int ranks, int rank) {
+  ShardLayout s;
+  s.ranks = ranks, s.rank = rank;
+  for (const ModelUnit& mu : model.units) {
+    ShardLayout::Unit u;
+    u.offset = mu.offset, u.numel = mu.numel;
+    u.shard = (mu.numel + ranks - 1) / ranks;
+    u.shard_offset = s.shard_numel;
+    u.padded_offset = (int64_t)ranks * s.shard_numel;
+    u.valid = std::clamp(mu.numel - (int64_t)rank * u.shard, (int64_t)0, u.shard);
+    s.shard_numel += u.shard;
+    s.units.push_back(u);
+  }
+  return s;
+}
+
+StaticMemory zero_static_memory(int stage, double psi, int ranks, BytesPerParameter b) {
+  double N = ranks;
+  return {b.params * psi / (stage >= 3 ? N : 1.0), b.grads * psi / (stage >= 2 ? N : 1.0),
+          b.optimizer * psi / (stage >= 1 ? N : 1.0)};
+}
+const char* zero_memory_formula(int stage) {
+  static const char* formulas[] = {"4Ψ + 4Ψ + 8Ψ", "4Ψ + 4Ψ + 8Ψ/N", "4Ψ + 4Ψ/N + 8Ψ/N",
+                                   "4Ψ/N + 4Ψ/N + 8Ψ/N"};
+  return formulas[stage];
+}
+
+// ----------------------------------------------------------------------------
+// Shards
+
+Zero::Zero(Comm& comm, Model& model, int stage, const AdamWConfig& hp, float weight_decay,
+           uint64_t seed, bool overlap)
+    : comm_(comm),
+      model_(model),
+      stage_(stage),
+      overlap_(overlap),
+      hp_(hp),
+      weight_decay_(weight_decay) {
+  PICO_ASSERT(stage >= 1 && stage <= 3, "ZeRO stage " + std::to_string(stage));
+  PICO_ASSERT(!model.params.defined(), "Zero shards a model from build_model_layout");
+  layout_ = make_shard_layout(model, comm.dp_cp.size, comm.dp_cp.rank);
+  units_.resize(layout_.units.size());
+  Device d = comm.device;
+  int N = layout_.ranks, r = layout_.rank;
+  int64_t S = layout_.shard_numel;
+  // Each rank initialises exactly what it holds; the counter-based RNG gives every slice the
+  // values of the unsharded model (DESIGN 5). Padding is zero and stays zero.
+  if (stage <= 2) {
+    model.params = zeros({layout_.padded_numel()}, Mem::Params, d);
+    for (size_t u = 0; u < units_.size(); u++) {
+      const ShardLayout::Unit& U = layout_.units[u];
+      bind_unit_params(model, (int)u, model.params.view(U.padded_offset, {N * U.shard}));
+      init_parameters(model, seed, model.params.view(U.padded_offset, {U.numel}), U.offset);
+    }
+  } else {
+    param_shard_ = zeros({S}, Mem::Params, d);
+    for (const ShardLayout::Unit& U : layout_.units)
+      if (U.valid > 0)
+        init_parameters(model, seed, param_shard_.view(U.shard_offset, {U.valid}),
+                        U.offset + r * U.shard);
+  }
+  if (stage == 1) {
+    model.grads = zeros({layout_.padded_numel()}, Mem::Grads, d);
+    for (size_t u = 0; u < units_.size(); u++) {
+      const ShardLayout::Unit& U = layout_.units[u];
+      bind_unit_grads(model, (int)u, model.grads.view(U.padded_offset, {N * U.shard}));
+    }
+  } else {
+    grad_shard_ = zeros({S}, Mem::Grads, d);
+  }
+  exp_avg_ = zeros({S}, Mem::Optimizer, d);
+  exp_avg_sq_ = zeros({S}, Mem::Optimizer, d);
+  // This rank's slice of each parameter: what its AdamW updates, decaying matrices only.
+  for (size_t u = 0; u < units_.size(); u++) {
+    const ShardLayout::Unit& U = layout_.units[u];
+    const ModelUnit& mu = model.units[u];
+    int64_t lo = r * U.shard, hi = lo + U.valid;  // unit-relative
+    for (int p = mu.first; p < mu.first + mu.count; p++) {
+      int64_t begin = model.offsets[p] - U.offset,
+              end = begin + model.named_params[p].tensor.numel();
+      begin = std::max(begin, lo), end = std::min(end, hi);
+      if (begin < end)
+        pieces_.push_back(
+            {(int)u, begin - lo, end - begin, model.named_params[p].tensor.dim() >= 2});
+    }
+  }
+}
+
+// This rank's slice of unit u in each buffer. Stages 1-2 keep the weights whole (padded), and
+// stage 1 the gradients: there the slice sits inside the full buffer.
+float* Zero::shard(Part part, int u) const {
+  const ShardLayout::Unit& U = layout_.units[u];
+  int64_t in_full = U.padded_offset + layout_.rank * U.shard;
+  switch (part) {
+    case Part::Params:
+      return stage_ == 3 ? param_shard_.f32() + U.shard_offset : model_.params.f32() + in_full;
+    case Part::Grads:
+      return stage_ == 1 ? model_.grads.f32() + in_full : grad_shard_.f32() + U.shard_offset;
+    case Part::ExpAvg:
+      return exp_avg_.f32() + U.shard_offset;
+    case Part::ExpAvgSq:
+      return exp_avg_sq_.f32() + U.shard_offset;
+  }
+  return nullptr;
+}
+Tensor Zero::shard_view(Part part, int u, int64_t count) const {
+  Tensor t;  // a non-owning view
+  t.ptr = shard(part, u);
+  t.shape = {count};
+  t.device = comm_.device;
+  return t;
+}
+std::string Zero::unit_name(int u) const {
+  if (u == 0) return "embedding";
+  if (u == (int)units_.size() - 1) return "head";
+  return "block " + std::to_string(u - 1);
+}
+
+// ----------------------------------------------------------------------------
+// The hooks: which unit needs what, when (hook index i, unit i + 1)
+
+// Forward: unit i reads its own weights, and a tied head the embedding's too. Backward reads
+// the same, except the embedding: its backward is a scatter-add of the ids, weights unread.
+std::vector<int> Zero::weights_read(int i, bool backward) const {
+  int L = model_.cfg.layers;
+  if (i < -1 || i > L || (backward && i == -1)) return {};
+  if (i == L && model_.cfg.tie_embeddings) return {L + 1, 0};
+  return {i + 1};
+}
+
+UnitHooks Zero::hooks(const Context& ctx, bool last_micro_batch) {
+  ctx_ = &ctx;
+  last_micro_batch_ = last_micro_batch;
+  UnitHooks h;
+  if (stage_ == 3) {
+    h.before_forward = [this](int i) { before_forward(i); };
+    h.after_forward = [this](int i) { after_forward(i); };
+  }
+  h.before_backward = [this](int i) { before_backward(i); };
+  h.after_backward = [this](int i) { after_backward(i); };
+  return h;
+}
+
+// Playbook §4.4: gather this unit's weights (prefetched, so usually there already) and start
+// the next unit's gather, which then runs while this unit computes.
+void Zero::before_forward(int i) {
+  progress();
+  for (int u : weights_read(i, false)) gather_unit(u);
+  if (overlap_)
+    for (int u : weights_read(i + 1, false)) launch_gather(u);
+}
+// Freed right after use, except the head's: its backward comes next, so the last unit's weights
+// are still resident when the backward starts (the book's "2L - 1", see expected_traffic).
+void Zero::after_forward(int i) {
+  if (i == model_.cfg.layers) return;
+  for (int u : weights_read(i, false)) release_unit(u);
+}
+void Zero::before_backward(int i) {
+  progress();
+  if (stage_ == 3) {
+    for (int u : weights_read(i, true)) gather_unit(u);
+    if (overlap_)
+      for (int u : weights_read(i - 1, true)) launch_gather(u);
+  }
+  if (stage_ >= 2)
+    for (int u : weights_read(i, false)) acquire_grads(u);  // the gradients it writes
+}
+void Zero::after_backward(int i) {
+  if (stage_ == 3)
+    for (int u : weights_read(i, true)) release_unit(u);
+  if (stage_ >= 2 || last_micro_batch_) reduce_unit(i + 1);  // §4.3: reduce-scatter as produced
+  progress();
+}
+
+// ----------------------------------------------------------------------------
+// Gathers (stage 3) and reduce-scatters, nonblocking
+
+void Zero::launch_gather(int u) {
+  UnitState& s = units_[u];
+  if (s.resident || s.gathering) return;
+  const ShardLayout::Unit& U = layout_.units[u];
+  s.params = empty({layout_.ranks * U.shard}, Mem::Workspace, comm_.device);
+  s.gather_start = now_seconds();
+  s.gather =
+      all_gather_async(comm_, comm_.dp_cp, *ctx_, shard(Part::Params, u), s.params.f32(), U.shard);
+  s.gathering = true;
+}
+
+void Zero::gather_unit(int u) {
+  UnitState& s = units_[u];
+  if (s.resident) return;
+  launch_gather(u);
+  double t0 = now_seconds();
+  s.gather.wait();  // orders the compute stream after the gather
+  double t1 = now_seconds();
+  exposed_gather_s += t1 - t0;
+  spans.push_back({"all-gather " + unit_name(u), s.gather_start, t1});
+  s.gathering = false, s.resident = true;
+  bind_unit_params(model_, u, s.params);
+}
+
+void Zero::release_unit(int u) {
+  UnitState& s = units_[u];
+  PICO_ASSERT(!s.gathering, "released " + unit_name(u) + " while its gather is in flight");
+  bind_unit_params(model_, u, Tensor());
+  s.params = Tensor();
+  s.resident = false;
+}
+
+// A zeroed full-size gradient buffer for unit u, which its backward accumulates into.
+void Zero::acquire_grads(int u) {
+  UnitState& s = units_[u];
+  if (s.grads.defined() && !s.reducing) return;  // already taken this micro-batch (tied head)
+  complete_reduce(u);  // the previous micro-batch's reduce-scatter of this unit
+  s.grads = zeros({layout_.ranks * layout_.units[u].shard}, Mem::Workspace, comm_.device);
+  bind_unit_grads(model_, u, s.grads);
+}
+
+// Sums unit u's gradients over dp_cp, in place: this rank's slice of the unit's full buffer
+// receives the sum of everyone's (NCCL and MPI both allow recv = send + rank * count). Summed,
+// not averaged: each micro-batch's loss is already scaled by 1 / global tokens (DESIGN 5).
+void Zero::reduce_unit(int u) {
+  UnitState& s = units_[u];
+  const ShardLayout::Unit& U = layout_.units[u];
+  float* full = stage_ == 1 ? model_.grads.f32() + U.padded_offset : s.grads.f32();
+  s.reduce_start = now_seconds();
+  s.reduce = reduce_scatter_async(comm_, comm_.dp_cp, *ctx_, full, full + layout_.rank * U.shard,
+                                  U.shard, ReduceOp::Sum);
+  s.reducing = true;
+  if (!overlap_) complete_reduce(u);
+}
+
+void Zero::complete_reduce(int u) {
+  UnitState& s = units_[u];
+  if (!s.reducing) return;
+  double t0 = now_seconds();
+  s.reduce.wait();
+  double t1 = now_seconds();
+  exposed_reduce_s += t1 - t0;
+  spans.push_back({"reduce-scatter " + unit_name(u), s.reduce_start, t1});
+  s.reducing = false;
+  if (stage_ >= 2) {  // keep the sum of this rank's slice; the unit's full gradient goes
+    const ShardLayout::Unit& U = layout_.units[u];
+    axpy(*ctx_, shard_view(Part::Grads, u, U.shard), 1.0f,
+         s.grads.view(layout_.rank * U.shard, {U.shard}));
+    bind_unit_grads(model_, u, Tensor());
+    s.grads = Tensor();
+  }
+}
+
+// MPI advances nonblocking collectives only inside MPI calls: poll everything in flight at
+// every hook, and retire finished reduce-scatters early (their buffers go sooner).
+void Zero::progress() {
+  for (size_t u = 0; u < units_.size(); u++) {
+    if (units_[u].reducing && units_[u].reduce.test()) complete_reduce((int)u);
+    if (units_[u].gathering) units_[u].gather.test();
+  }
+}
+
+// ----------------------------------------------------------------------------
+// The step
+
+void Zero::count_traffic_since(const CollStats* before) {
+  for (int c = 0; c < (int)Coll::Count; c++) {
+    traffic_[c].calls += comm_.dp_cp.stats[c].calls - before[c].calls;
+    traffic_[c].bytes += comm_.dp_cp.stats[c].bytes - before[c].bytes;
+  }
+}
+
+void Zero::begin_step(const Context& ctx) {
+  ctx_ = &ctx;
+  spans.clear();
+  exposed_gather_s = exposed_reduce_s = 0;
+  std::copy(comm_.dp_cp.stats, comm_.dp_cp.stats + (int)Coll::Count, window_);
+  zero_(stage_ == 1 ? model_.grads : grad_shard_);
+}
+
+double Zero::finish_gradients(const Context& ctx) {
+  ctx_ = &ctx;
+  double t0 = now_seconds();
+  for (size_t u = 0; u < units_.size(); u++) complete_reduce((int)u);
+  for (const UnitState& s : units_)
+    PICO_ASSERT(!s.resident && !s.gathering && !s.grads.defined(), "a unit is still held");
+  count_traffic_since(window_);  // --save-grads gathers next: not training traffic
+  return now_seconds() - t0;
+}
+
+float Zero::clip_grad_norm(const Context& ctx, float max_norm) {
+  double squares = 0;  // this rank's valid elements only: padding is never counted
+  for (size_t u = 0; u < units_.size(); u++)
+    if (layout_.units[u].valid > 0)
+      squares += sum_squares(ctx, shard_view(Part::Grads, (int)u, layout_.units[u].valid));
+  all_reduce_host(comm_.dp_cp, &squares, 1, ReduceOp::Sum);
+  float norm = (float)std::sqrt(squares);
+  if (max_norm > 0.0f && norm > max_norm)
+    for (size_t u = 0; u < units_.size(); u++)
+      scale_(ctx, shard_view(Part::Grads, (int)u, layout_.units[u].shard), max_norm / norm);
+  return norm;
+}
+
+// Playbook §4.2 steps 4-5: AdamW on this rank's slice, then (stages 1-2) every rank's updated
+// slice to every rank. Unit u's all-gather starts as soon as u is updated, and runs while the
+// later units update.
+void Zero::step(const Context& ctx, float lr) {
+  ctx_ = &ctx;
+  std::copy(comm_.dp_cp.stats, comm_.dp_cp.stats + (int)Coll::Count, window_);
+  step_++;
+  auto finish_gather = [&](size_t u) {
+    if (!units_[u].gather.active()) return;
+    double t0 = now_seconds();
+    units_[u].gather.wait();
+    exposed_gather_s += now_seconds() - t0;
+    spans.push_back({"all-gather " + unit_name((int)u), units_[u].gather_start, now_seconds()});
+  };
+  size_t k = 0;
+  for (size_t u = 0; u < units_.size(); u++) {
+    int iu = (int)u;
+    for (; k < pieces_.size() && pieces_[k].unit == iu; k++) {
+      const Piece& p = pieces_[k];
+      adamw_update(ctx, shard(Part::Params, iu) + p.begin, shard(Part::Grads, iu) + p.begin,
+                   shard(Part::ExpAvg, iu) + p.begin, shard(Part::ExpAvgSq, iu) + p.begin, p.count,
+                   hp_, lr, p.decay ? weight_decay_ : 0.0f, (int)step_);
+    }
+    if (stage_ <= 2) {  // in place, like the reduce-scatter
+      const ShardLayout::Unit& U = layout_.units[u];
+      float* full = model_.params.f32() + U.padded_offset;
+      units_[u].gather_start = now_seconds();
+      units_[u].gather =
+          all_gather_async(comm_, comm_.dp_cp, ctx, full + layout_.rank * U.shard, full, U.shard);
+      if (!overlap_) finish_gather(u);
+    }
+  }
+  for (size_t u = 0; u < units_.size(); u++) finish_gather(u);
+  count_traffic_since(window_);
+  steps_measured++;
+}
+
+// ----------------------------------------------------------------------------
+// The whole model: evaluation, checkpoints
+
+void Zero::gather_all(const Context& ctx) {
+  if (stage_ < 3) return;
+  ctx_ = &ctx;
+  for (size_t u = 0; u < units_.size(); u++) launch_gather((int)u);
+  for (size_t u = 0; u < units_.size(); u++) gather_unit((int)u);
+}
+void Zero::release_all() {
+  if (stage_ < 3) return;
+  for (size_t u = 0; u < units_.size(); u++) release_unit((int)u);
+}
+
+// Every rank's slice of `part`, unit by unit, onto dp_cp rank 0 (world rank 0): the whole flat
+// vector [Ψ] in host memory, padding dropped. Other ranks return an undefined tensor.
+Tensor Zero::gather_whole(const Context& ctx, Part part) {
+  bool root = comm_.dp_cp.rank == 0;
+  PICO_ASSERT(root == (comm_.grid.world_rank == 0), "world rank 0 is dp_cp rank 0");
+  Tensor whole =
+      root ? empty({parameter_count(model_.cfg)}, Mem::Workspace, Device::CPU) : Tensor();
+  for (size_t u = 0; u < units_.size(); u++) {
+    const ShardLayout::Unit& U = layout_.units[u];
+    Tensor staging =
+        root ? empty({layout_.ranks * U.shard}, Mem::Workspace, comm_.device) : Tensor();
+    gather(comm_, comm_.dp_cp, ctx, shard(part, (int)u), root ? staging.f32() : nullptr, U.shard,
+           0);
+    if (root) copy_(whole.view(U.offset, {U.numel}), staging.view(0, {U.numel}));
+  }
+  return whole;
+}
+
+void Zero::save(const Context& ctx, const std::string& dir) {
+  Tensor weights = stage_ == 3 ? gather_whole(ctx, Part::Params) : Tensor();
+  Tensor m = gather_whole(ctx, Part::ExpAvg), v = gather_whole(ctx, Part::ExpAvgSq);
+  if (comm_.grid.world_rank != 0) return;
+  OptimizerState state{named_views(model_, m), named_views(model_, v), step_};
+  save_checkpoint(dir, model_.cfg, stage_ == 3 ? named_views(model_, weights) : model_.named_params,
+                  &state);
+}
+
+void Zero::save_gradients(const Context& ctx, const std::string& path, int64_t step) {
+  Tensor grads = gather_whole(ctx, Part::Grads);
+  if (comm_.grid.world_rank == 0)
+    write_safetensors(path, named_views(model_, grads), {{"step", std::to_string(step)}});
+}
+
+int64_t Zero::load(const std::string& dir) {
+  int64_t n = parameter_count(model_.cfg);
+  Tensor weights = stage_ == 3 ? empty({n}, Mem::Workspace, Device::CPU) : Tensor();
+  Tensor m = zeros({n}, Mem::Workspace, Device::CPU), v = zeros({n}, Mem::Workspace, Device::CPU);
+  OptimizerState state{named_views(model_, m), named_views(model_, v), 0};
+  bool with_optimizer = load_checkpoint(
+      dir, stage_ == 3 ? named_views(model_, weights) : model_.named_params, &state);
+  for (size_t u = 0; u < units_.size(); u++) {
+    const ShardLayout::Unit& U = layout_.units[u];
+    if (U.valid == 0) continue;
+    int64_t first = U.offset + layout_.rank * U.shard;  // this rank's slice of the whole vector
+    copy_(shard_view(Part::ExpAvg, (int)u, U.valid), m.view(first, {U.valid}));
+    copy_(shard_view(Part::ExpAvgSq, (int)u, U.valid), v.view(first, {U.valid}));
+    if (stage_ == 3)
+      copy_(shard_view(Part::Params, (int)u, U.valid), weights.view(first, {U.valid}));
+  }
+  step_ = with_optimizer ? state.step : 0;
+  return step_;
+}
+
+// ----------------------------------------------------------------------------
+// Traffic
+
+ZeroTraffic Zero::measured_traffic() const {
+  return {traffic_[(int)Coll::ReduceScatter].calls, traffic_[(int)Coll::ReduceScatter].bytes,
+          traffic_[(int)Coll::AllGather].calls, traffic_[(int)Coll::AllGather].bytes};
+}
+
+// What one step issues. Reduce-scatter and all-gather of S_u elements per rank each send
+// (N-1) x S_u x 4 bytes from every rank: over all units, (N-1)/N x Ψ' x 4, Ψ' = N x S (padded).
+//   reduce-scatter  every unit: once per step (stage 1), once per micro-batch (stages 2, 3)
+//   all-gather      stages 1-2: every unit once, after the optimizer step
+//                   stage 3, per micro-batch: forward, every unit (a tied head re-gathers the
+//                   embedding); backward, every block: the head is still resident from the
+//                   forward and the embedding's backward reads no weights. So ZeRO-3 sends
+//                   3Ψ(N-1)/N less the head and the embedding once per micro-batch, and issues
+//                   L + 2 (+1 tied) + L all-gathers per micro-batch where stages 1-2 issue L + 2
+//                   per step.
+ZeroTraffic Zero::expected_traffic(int grad_acc) const {
+  ZeroTraffic t;
+  int64_t per_element = (int64_t)(layout_.ranks - 1) * (int64_t)sizeof(float);
+  int reduces = stage_ == 1 ? 1 : grad_acc;
+  for (const ShardLayout::Unit& U : layout_.units) {
+    t.reduce_scatter_calls += reduces;
+    t.reduce_scatter_bytes += reduces * per_element * U.shard;
+  }
+  auto gather = [&](int u, int times) {
+    t.all_gather_calls += times;
+    t.all_gather_bytes += times * per_element * layout_.units[u].shard;
+  };
+  int L = model_.cfg.layers;
+  if (stage_ <= 2) {
+    for (size_t u = 0; u < layout_.units.size(); u++) gather((int)u, 1);
+  } else {
+    for (int i = -1; i <= L; i++)
+      for (int u : weights_read(i, false)) gather(u, grad_acc);
+    for (int i = -1; i < L; i++)  // i = L: resident since its forward
+      for (int u : weights_read(i, true)) gather(u, grad_acc);
+  }
+  return t;
+}
