@@ -441,3 +441,43 @@ bool load_checkpoint(const std::string& dir, const std::vector<NamedTensor>& par
   }
   return with_opt;
 }
+
+// ----------------------------------------------------------------------------
+// Tensor-parallel shards: checkpoints always hold whole tensors
+
+static std::vector<Tensor> tensors_of(const std::vector<NamedTensor>& named) {
+  std::vector<Tensor> t;
+  for (const NamedTensor& n : named) t.push_back(n.tensor);
+  return t;
+}
+
+std::vector<NamedTensor> whole_tensors(const Model& m, const std::vector<NamedTensor>& shards) {
+  if (m.tp.size() == 1) return shards;
+  std::vector<Tensor> whole = gather_full_tensors(m.tp, tensors_of(shards), m.layouts);
+  if (m.tp.rank() != 0) return {};
+  std::vector<NamedTensor> named;
+  for (size_t i = 0; i < shards.size(); i++) named.push_back({shards[i].name, whole[i]});
+  return named;
+}
+
+bool load_checkpoint_shards(const Model& m, const std::string& dir,
+                            const std::vector<NamedTensor>& params, OptimizerState* opt) {
+  if (m.tp.size() == 1) return load_checkpoint(dir, params, opt);
+  auto whole_like = [&](const std::vector<NamedTensor>& shards) {
+    std::vector<NamedTensor> whole;
+    for (size_t i = 0; i < shards.size(); i++)
+      whole.push_back({shards[i].name, empty(m.layouts[i].full_shape, Mem::Workspace)});
+    return whole;
+  };
+  std::vector<NamedTensor> weights = whole_like(params);
+  OptimizerState whole_opt;
+  if (opt) whole_opt = {whole_like(opt->exp_avg), whole_like(opt->exp_avg_sq), 0};
+  bool loaded = load_checkpoint(dir, weights, opt ? &whole_opt : nullptr);
+  scatter_full_tensors(tensors_of(weights), tensors_of(params), m.layouts);
+  if (loaded) {
+    scatter_full_tensors(tensors_of(whole_opt.exp_avg), tensors_of(opt->exp_avg), m.layouts);
+    scatter_full_tensors(tensors_of(whole_opt.exp_avg_sq), tensors_of(opt->exp_avg_sq), m.layouts);
+    opt->step = whole_opt.step;
+  }
+  return loaded;
+}

@@ -36,3 +36,12 @@ ModelConfig read_checkpoint_config(const std::string& dir);
 // Returns true when optimizer state was loaded.
 bool load_checkpoint(const std::string& dir, const std::vector<NamedTensor>& params,
                      OptimizerState* opt);
+
+// Tensor-parallel models (Model::layouts, lists in named_params order); every tp rank calls
+// these. whole_tensors: the shards assembled into whole tensors on tp rank 0 (on the host);
+// other tp ranks get an empty list. One rank: the shards themselves.
+std::vector<NamedTensor> whole_tensors(const Model& m, const std::vector<NamedTensor>& shards);
+// Reads whole tensors and keeps each shard's block: weights into `params`, and the optimizer
+// moments into opt's lists when opt is given. Returns true when optimizer state was loaded.
+bool load_checkpoint_shards(const Model& m, const std::string& dir,
+                            const std::vector<NamedTensor>& params, OptimizerState* opt);

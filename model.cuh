@@ -8,6 +8,7 @@
 
 #include "core.cuh"
 #include "flash_attention.cuh"
+#include "tensor_parallel.cuh"
 
 struct ModelConfig {
   std::string preset = "tiny";
@@ -30,6 +31,21 @@ std::vector<std::string> model_preset_names();
 void validate_model_config(const ModelConfig& cfg);  // throws UsageError naming the flag
 // Closed form: V*D [embed] + L*(2D + D*hd*(2Hq + 2Hkv) + 3*D*F) + D + (tied ? 0 : V*D)
 int64_t parameter_count(const ModelConfig& cfg);
+
+// The slice of the model one tensor-parallel rank holds (Playbook §5.3): query heads, ffn
+// columns and vocabulary rows split evenly over tp; key/value heads split too, or, when tp
+// exceeds them, the one kv head this rank's query heads read, replicated on kv_replicas ranks.
+struct LocalDims {
+  int heads = 0, head0 = 0;     // query heads [head0, head0 + heads)
+  int kv_heads = 0, kv_head0 = 0, kv_replicas = 1;
+  int ffn = 0, ffn0 = 0;        // intermediate columns [ffn0, ffn0 + ffn)
+  int vocab = 0, vocab0 = 0;    // vocabulary rows [vocab0, vocab0 + vocab)
+  int tp_rank = 0;
+};
+LocalDims local_dims(const ModelConfig& cfg, int tp_rank, int tp_size);
+// Throws UsageError unless --tp divides heads, ffn and vocab, kv heads and tp divide one
+// another, and (with --sp) --tp divides --seq.
+void validate_tensor_parallel(const ModelConfig& cfg, int tp, bool sp);
 
 enum class Recompute { None, Selective, Full };  // Playbook §2.6
 Recompute parse_recompute(const std::string& flag);
@@ -66,6 +82,10 @@ struct ModelUnit {
 
 struct Model {
   ModelConfig cfg;
+  TensorParallel tp;     // the tp group (size 1: the whole model on this rank)
+  LocalDims local;       // this rank's heads, ffn and vocabulary slice
+  int64_t num_params = 0;  // parameters on this rank: the whole model over tp
+  std::vector<TpSlice> layouts;  // per named parameter: where its shard sits in the whole
   // [num_params] flat, Mem::Params and Mem::Grads. A sharded optimizer (zero.cu) may hold the
   // memory instead: then these are undefined or padded, and the views point where it binds them.
   Tensor params, grads;
@@ -76,10 +96,12 @@ struct Model {
 };
 // Allocates the flat buffers and initialises every weight from (seed, name, element index):
 // linear and embedding weights N(0, init_std), norm weights 1.
-Model build_model(const ModelConfig& cfg, Device device, uint64_t seed);
+// Under tensor parallelism each rank allocates and initialises exactly its shards.
+Model build_model(const ModelConfig& cfg, Device device, uint64_t seed,
+                  const TensorParallel& tp = {});
 // The layout alone (names, shapes, offsets, units), no memory: every view is unbound (its
 // shape is set, its data pointer null) until bind_unit_params / bind_unit_grads point it.
-Model build_model_layout(const ModelConfig& cfg);
+Model build_model_layout(const ModelConfig& cfg, const TensorParallel& tp = {});
 // Points the views of unit u at `base`, which holds the unit laid out as in the flat buffer
 // (base[k] is flat element units[u].offset + k); an undefined `base` unbinds them.
 void bind_unit_params(Model& m, int u, const Tensor& base);
@@ -100,23 +122,32 @@ struct UnitHooks {
 
 // What one micro-batch's forward saves for its backward (its own object, so a pipeline can
 // hold several in flight). Which tensors are kept depends on the recompute mode.
+// Shapes for N = B*T tokens and n = N/tp under sequence parallelism (else n = N); Hl, KVl and
+// Fl are this rank's heads, kv heads and ffn columns (LocalDims).
 struct BlockActivations {
-  Tensor x;             // [N, D] block input (always kept)
-  Tensor norm1, rstd1;  // [N, D], [N]
-  Tensor q, k, v;       // [N, Hq*hd], [N, Hkv*hd] x2 (after RoPE)
-  Tensor probs;         // [B, Hq, T, T] (dropped by selective recompute)
-  Tensor attn;          // [N, Hq*hd] attention output before wo
-  Tensor x_mid;         // [N, D] after the attention residual
-  Tensor norm2, rstd2;  // [N, D], [N]
-  Tensor gate, up, act;  // [N, F] x3
+  Tensor x;             // [n, D] block input (always kept)
+  Tensor norm1, rstd1;  // [n, D], [n]
+  Tensor q, k, v;       // [N, Hl*hd], [N, KVl*hd] x2 (after RoPE)
+  Tensor probs;         // [B, Hl, T, T] (dropped by selective recompute)
+  Tensor attn;          // [N, Hl*hd] attention output before wo
+  Tensor x_mid;         // [n, D] after the attention residual
+  Tensor norm2, rstd2;  // [n, D], [n]
+  Tensor gate, up, act;  // [N, Fl] x3
 };
+// Bytes of one block's saved activations for B sequences of T tokens, by the formula derived
+// in model.cu (the fp32, RMSNorm, SwiGLU, GQA analog of the book's sbh(34 + 5as/h)).
+int64_t activation_bytes_per_block(const ModelConfig& cfg, int B, int T, int tp, bool sp,
+                                   Recompute mode);
+// The same, measured: the bytes `a` holds.
+int64_t saved_bytes(const BlockActivations& a);
 struct Activations {
   int B = 0, T = 0;
   Tensor ids, targets, positions;  // [N] int32, N = B*T
   std::vector<BlockActivations> blocks;
-  Tensor x_final, normf, rstdf;  // [N, D], [N, D], [N]
-  Tensor logits;                 // [N, V]
+  Tensor x_final, normf, rstdf;  // [n, D], [n, D], [n]
+  Tensor logits;                 // [N, V / tp] this rank's vocabulary slice
   Tensor losses;                 // [N] per-token cross-entropy
+  Tensor ce_stats;               // [N, 2] row max and sum of exponentials (vocab-parallel)
 };
 
 // Runs the forward pass of B sequences of T tokens (ids and targets are host arrays [B*T]);

@@ -97,10 +97,14 @@ static __device__ float block_reduce(float v, bool take_max) {
 static void embedding_cpu(float* rows, float* table, const int32_t* ids, int T, int D, int V,
                           bool scatter) {
   for (int t = 0; t < T; t++) {
-    PICO_ASSERT(ids[t] >= 0 && ids[t] < V, "token id " + std::to_string(ids[t]) +
-                                               " outside the vocabulary of " + std::to_string(V));
-    float* entry = table + (int64_t)ids[t] * D;
+    PICO_ASSERT(ids[t] >= -1 && ids[t] < V, "token id " + std::to_string(ids[t]) +
+                                                " outside the vocabulary of " + std::to_string(V));
     float* row = rows + (int64_t)t * D;
+    if (ids[t] == -1) {  // held by another tensor-parallel rank: a zero row, no gradient
+      if (!scatter) std::fill(row, row + D, 0.0f);
+      continue;
+    }
+    float* entry = table + (int64_t)ids[t] * D;
     if (scatter)
       for (int i = 0; i < D; i++) entry[i] += row[i];
     else
@@ -112,8 +116,8 @@ static __global__ void embedding_kernel(float* rows, float* table, const int32_t
                                         int D, int V, bool scatter) {
   GRID_STRIDE_LOOP(i, n) {
     int id = ids[i / D];
-    if (id < 0 || id >= V) {  // no assert on the GPU: a bad id reads as NaN, so the loss shows it
-      if (!scatter) rows[i] = NAN;
+    if (id < 0 || id >= V) {  // -1: another rank's vocabulary (a zero row); anything else is
+      if (!scatter) rows[i] = id == -1 ? 0.0f : NAN;  // a bug: no assert on the GPU, a NaN loss
       continue;
     }
     float* cell = table + (int64_t)id * D + i % D;

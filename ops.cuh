@@ -18,7 +18,8 @@ void linear_backward(const Context& ctx, const Tensor& dx, const Tensor& dW, con
                      const Tensor& x, const Tensor& W, bool accumulate_dx = false);
 
 // ---- embedding ----
-// out[T, D] = table[ids[t], :]; ids [T] int32
+// out[T, D] = table[ids[t], :]; ids [T] int32; id -1 gives a zero row (and no gradient): the
+// ids another rank's vocabulary slice holds under tensor parallelism
 void embedding_forward(const Context& ctx, const Tensor& out, const Tensor& ids,
                        const Tensor& table);
 // dtable[V, D] += scatter of dout[T, D] by ids

@@ -237,13 +237,13 @@ void tp_cross_entropy_backward(const TensorParallel& tp, const Context& ctx,
 
 void init_normal_block(const Tensor& shard, uint64_t seed, const std::string& name, float std,
                        int64_t row0, int64_t col0, int64_t full_cols) {
-  int64_t rows = shard.size(0), cols = shard.dim() > 1 ? shard.size(1) : shard.numel();
+  int64_t rows = shard.dim() > 1 ? shard.size(0) : 1, cols = shard.numel() / rows;
   for (int64_t r = 0; r < rows; r++)  // row r of the shard is a contiguous run of the full tensor
     init_normal(shard.view(r * cols, {cols}), seed, name, std, (row0 + r) * full_cols + col0);
 }
 static void copy_block(const Tensor& shard, float* full, int64_t row0, int64_t col0,
                        int64_t full_cols, bool into_shard) {
-  int64_t rows = shard.size(0), cols = shard.dim() > 1 ? shard.size(1) : shard.numel();
+  int64_t rows = shard.dim() > 1 ? shard.size(0) : 1, cols = shard.numel() / rows;
   std::vector<float> host = into_shard ? std::vector<float>(shard.numel()) : to_host_floats(shard);
   for (int64_t r = 0; r < rows; r++)
     for (int64_t c = 0; c < cols; c++) {
@@ -260,7 +260,7 @@ void store_block(const Tensor& shard, float* full, int64_t row0, int64_t col0, i
   copy_block(shard, full, row0, col0, full_cols, false);
 }
 
-bool ShardLayout::whole(const Tensor& shard) const {
+bool TpSlice::whole(const Tensor& shard) const {
   int64_t n = 1;
   for (int64_t s : full_shape) n *= s;
   return shard.numel() == n;
@@ -269,11 +269,11 @@ bool ShardLayout::whole(const Tensor& shard) const {
 // Each rank writes its block into a zeroed full tensor and the tp ranks sum them on rank 0:
 // blocks do not overlap (only one writer per replicated block), so the sum is exact.
 std::vector<Tensor> gather_full_tensors(const TensorParallel& tp, const std::vector<Tensor>& shards,
-                                        const std::vector<ShardLayout>& layouts) {
+                                        const std::vector<TpSlice>& layouts) {
   if (tp.size() == 1) return shards;
   std::vector<Tensor> full;
   for (size_t i = 0; i < shards.size(); i++) {
-    const ShardLayout& l = layouts[i];
+    const TpSlice& l = layouts[i];
     Tensor t = zeros(l.full_shape, Mem::Workspace);
     if (l.writer) store_block(shards[i], t.f32(), l.row0, l.col0, l.full_cols());
     MPI_CHECK(MPI_Reduce(tp.rank() == 0 ? MPI_IN_PLACE : t.ptr, t.ptr, (int)t.numel(), MPI_FLOAT,
@@ -283,7 +283,7 @@ std::vector<Tensor> gather_full_tensors(const TensorParallel& tp, const std::vec
   return full;
 }
 void scatter_full_tensors(const std::vector<Tensor>& full, const std::vector<Tensor>& shards,
-                          const std::vector<ShardLayout>& layouts) {
+                          const std::vector<TpSlice>& layouts) {
   for (size_t i = 0; i < shards.size(); i++) {
     if (full[i].ptr == shards[i].ptr) continue;
     std::vector<float> host = to_host_floats(full[i]);

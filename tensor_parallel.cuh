@@ -82,7 +82,7 @@ void tp_cross_entropy_backward(const TensorParallel& tp, const Context& ctx,
 // (a 1-D weight is one row). Rows are split for column-parallel layers, columns for
 // row-parallel ones; nothing for norms. `writer`: the one tp rank whose copy goes into a
 // checkpoint when several hold the same block (norms; replicated key/value heads).
-struct ShardLayout {
+struct TpSlice {
   std::vector<int64_t> full_shape;
   int64_t row0 = 0, col0 = 0;
   bool writer = true;
@@ -92,10 +92,10 @@ struct ShardLayout {
 // Full tensors (host, Mem::Workspace) assembled on tp rank 0 from every rank's shard; on the
 // other tp ranks the result is undefined. One process: the shards themselves.
 std::vector<Tensor> gather_full_tensors(const TensorParallel& tp, const std::vector<Tensor>& shards,
-                                        const std::vector<ShardLayout>& layouts);
+                                        const std::vector<TpSlice>& layouts);
 // Each shard := its block of the full tensor (full tensors on the host, every rank).
 void scatter_full_tensors(const std::vector<Tensor>& full, const std::vector<Tensor>& shards,
-                          const std::vector<ShardLayout>& layouts);
+                          const std::vector<TpSlice>& layouts);
 // The rows [row0, row0 + rows) and columns [col0, col0 + cols) of the full [*, full_cols]
 // tensor `name`, initialised from the layout-free RNG (DESIGN 5) into `shard` [rows, cols].
 void init_normal_block(const Tensor& shard, uint64_t seed, const std::string& name, float std,

@@ -40,7 +40,7 @@ struct Options {
   int dp = 1, pp = 1, cp = 1, tp = 1, zero = 0;
   std::string comm = "auto", dp_sync = "bucket", trace, fault;
   double comm_timeout = 300, bucket_mb = 25;
-  bool no_overlap = false;
+  bool no_overlap = false, sp = false;
   std::vector<std::string> reports;
 };
 
@@ -106,6 +106,7 @@ static void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape) 
   app.add_option("--pp", o.pp, "pipeline-parallel stages")->capture_default_str();
   app.add_option("--cp", o.cp, "context-parallel ranks")->capture_default_str();
   app.add_option("--tp", o.tp, "tensor-parallel ranks")->capture_default_str();
+  app.add_flag("--sp", o.sp, "sequence parallelism in the tensor-parallel group");
   app.add_option("--comm", o.comm, "collectives backend: auto|nccl|mpi")->capture_default_str();
   app.add_option("--comm-timeout", o.comm_timeout,
                  "seconds a collective may wait before the job is aborted")->capture_default_str();
@@ -162,10 +163,11 @@ static void resolve_options(Options& o, const std::vector<ShapeFlag>& shape) {
   parse_recompute(o.recompute);
   check_positive(o.dp, "--dp"), check_positive(o.pp, "--pp");
   check_positive(o.cp, "--cp"), check_positive(o.tp, "--tp");
-  for (auto [value, flag] : {std::pair{o.pp, "--pp"}, {o.cp, "--cp"}, {o.tp, "--tp"}})
+  for (auto [value, flag] : {std::pair{o.pp, "--pp"}, {o.cp, "--cp"}})
     if (value > 1)
       throw UsageError(std::string(flag) + " " + std::to_string(value) +
-                       ": this version parallelises over --dp only; use " + flag + " 1");
+                       ": this version parallelises over --dp and --tp; use " + flag + " 1");
+  validate_tensor_parallel(o.model, o.tp, o.sp);
   parse_dp_sync(o.dp_sync);
   parse_zero_stage(o.zero);
   if (!(o.bucket_mb > 0)) throw UsageError("--bucket-mb must be > 0");
@@ -207,7 +209,8 @@ static void print_config(const Options& o, const Dataset& data, const Comm& comm
   row("parameters", s(n_params) + " (closed form " + s(parameter_count(c)) + ")");
   row("device / backend", std::string(device_name(comm.device)) + " / " + backend_name(comm.backend));
   row("grid dp x pp x cp x tp", s(o.dp) + " x " + s(o.pp) + " x " + s(o.cp) + " x " + s(o.tp) +
-                                    " = " + s(comm.grid.world_size) + " ranks");
+                                    " = " + s(comm.grid.world_size) + " ranks" +
+                                    (o.sp ? ", sequence parallel" : ""));
   if (zero_stage == 0)
     row("gradient sync", o.dp_sync + ", buckets of " + s(o.bucket_mb).substr(0, 5) + " MiB" +
                              (o.no_overlap ? ", no overlap" : ", overlapped"));
@@ -271,7 +274,11 @@ static double unigram_entropy(const std::vector<int32_t>& tokens, int vocab) {
   return h;
 }
 
-static std::string generate(const Context& ctx, const Model& model, const Options& o) {
+// Every rank runs it (tensor-parallel ranks each hold a slice of the logits); rank 0 prints.
+static std::string generate(const Context& ctx, Comm& comm, const Model& sharded,
+                            const Options& o) {
+  Model model = sharded;  // the same weights without sequence parallelism: any prompt length
+  model.tp.sp = false;
   std::vector<int32_t> tokens(o.prompt.begin(), o.prompt.end());
   if (tokens.empty()) tokens.push_back('\n');
   uint64_t key = rng_key(o.seed, "sample");
@@ -282,7 +289,10 @@ static std::string generate(const Context& ctx, const Model& model, const Option
     Activations acts;
     model_forward(ctx, model, acts, tokens.data() + tokens.size() - T, nullptr, 1, T,
                   Recompute::None);
-    std::vector<float> logits = to_host_floats(acts.logits.view((int64_t)(T - 1) * V, {V}));
+    int Vl = model.local.vocab;  // this rank's vocabulary slice; all-gathered in vocab order
+    Tensor all = empty({V}, Mem::Workspace, ctx.device);
+    all_gather(comm, comm.tp, ctx, acts.logits.f32() + (int64_t)(T - 1) * Vl, all.f32(), Vl);
+    std::vector<float> logits = to_host_floats(all);
     float mx = *std::max_element(logits.begin(), logits.end());
     double z = 0;
     for (float& l : logits) z += (l = std::exp((l - mx) / o.temperature));
@@ -302,10 +312,43 @@ static std::string generate(const Context& ctx, const Model& model, const Option
 // ----------------------------------------------------------------------------
 // Training
 
+// Runs fn on every rank; when it throws a UsageError on some ranks (a file only rank 0 writes,
+// say), every rank throws that message, so no rank is left waiting for one that stopped.
+// fn's own collectives must come before anything that can fail on one rank only.
+static void all_or_none(Comm& comm, const std::function<void()>& fn) {
+  std::string message;
+  try {
+    fn();
+  } catch (const UsageError& e) {
+    message = e.what();
+  }
+  int world = comm.grid.world_size, mine = message.empty() ? world : comm.grid.world_rank, first;
+  MPI_CHECK(MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm.world.mpi));
+  if (first == world) return;
+  int length = (int)message.size();
+  MPI_CHECK(MPI_Bcast(&length, 1, MPI_INT, first, comm.world.mpi));
+  message.resize(length);
+  MPI_CHECK(MPI_Bcast(message.data(), length, MPI_CHAR, first, comm.world.mpi));
+  throw UsageError(message);
+}
+
+// The global gradient norm over every parameter once, whichever tensor-parallel ranks hold it
+// (shards on each, norms and replicated kv heads counted on one), then clipping to max_norm.
+static float clip_global_grad_norm(const Context& ctx, Comm& comm, const Model& model,
+                                   float max_norm) {
+  double squares = 0;
+  for (size_t i = 0; i < model.named_grads.size(); i++)
+    if (model.layouts[i].writer) squares += sum_squares(ctx, model.named_grads[i].tensor);
+  all_reduce_host(comm.tp, &squares, 1, ReduceOp::Sum);
+  float norm = (float)std::sqrt(squares);
+  if (max_norm > 0 && norm > max_norm) scale_(ctx, model.grads, max_norm / norm);
+  return norm;
+}
+
 static int score_file(const Context& ctx, Comm& comm, const Options& o) {
   const ModelConfig& c = o.model;
-  Model model = build_model(c, ctx.device, o.seed);
-  load_checkpoint(o.load, model.named_params, nullptr);
+  Model model = build_model(c, ctx.device, o.seed, TensorParallel{&comm, o.sp});
+  load_checkpoint_shards(model, o.load, model.named_params, nullptr);
   std::vector<int32_t> tokens = read_tokens(o.score);
   int64_t windows = (int64_t)tokens.size() / (c.seq + 1);
   if (windows == 0)
@@ -341,7 +384,8 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
   }
   // Plain data parallelism: the model holds every weight and gradient, DataParallel sums the
   // gradients, AdamW steps all of them. ZeRO: the model is a layout whose views Zero binds.
-  Model model = zero_stage > 0 ? build_model_layout(c) : build_model(c, ctx.device, o.seed);
+  TensorParallel tp{&comm, o.sp};
+  Model model = zero_stage > 0 ? build_model_layout(c, tp) : build_model(c, ctx.device, o.seed, tp);
   std::unique_ptr<Zero> zero;
   std::unique_ptr<DataParallel> dp;
   Optimizer opt;
@@ -358,7 +402,7 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
     first_step = zero->load(o.load);
   } else if (!o.load.empty()) {
     OptimizerState state{opt.named_exp_avg, opt.named_exp_avg_sq, 0};
-    if (load_checkpoint(o.load, model.named_params, &state)) opt.step = state.step;
+    if (load_checkpoint_shards(model, o.load, model.named_params, &state)) opt.step = state.step;
     first_step = opt.step;
   }
   // Evaluation reads the whole model: ZeRO-3 gathers it for the duration (FSDP's
@@ -376,10 +420,11 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
            unigram_entropy(data.train, c.vocab));
   }
   std::ofstream log_json;
-  if (main_rank && !o.log_json.empty()) {
+  all_or_none(comm, [&] {
+    if (!main_rank || o.log_json.empty()) return;
     log_json.open(o.log_json);
     if (!log_json) throw UsageError("--log-json " + o.log_json + ": cannot open for writing");
-  }
+  });
   Trace trace;
   trace.enabled = !o.trace.empty();
   LrSchedule schedule{o.lr, o.min_lr, o.warmup, o.steps};
@@ -437,14 +482,18 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
       return 3;
     }
     if (step == first_step && !o.save_grads.empty()) {  // whole gradients, before clipping
-      if (zero)
-        zero->save_gradients(ctx, o.save_grads, step);
-      else if (main_rank)
-        write_safetensors(o.save_grads, model.named_grads, {{"step", std::to_string(step)}});
+      all_or_none(comm, [&] {
+        if (zero) {
+          zero->save_gradients(ctx, o.save_grads, step);
+        } else if (comm.dp_cp.rank == 0) {  // the tp shards come together on world rank 0
+          std::vector<NamedTensor> whole = whole_tensors(model, model.named_grads);
+          if (main_rank) write_safetensors(o.save_grads, whole, {{"step", std::to_string(step)}});
+        }
+      });
     }
     double to = now_seconds();
     float norm = zero ? zero->clip_grad_norm(ctx, o.grad_clip)
-                      : clip_grad_norm(ctx, model.grads, o.grad_clip);
+                      : clip_global_grad_norm(ctx, comm, model, o.grad_clip);
     float lr = learning_rate(schedule, step);
     if (zero)
       zero->step(ctx, lr);
@@ -477,17 +526,21 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
     fflush(stdout);
   }
   if (!o.save.empty()) {  // whole tensors, whatever the layout (ZeRO gathers its shards)
-    if (zero) {
-      zero->save(ctx, o.save);
-    } else if (main_rank) {
-      OptimizerState state{opt.named_exp_avg, opt.named_exp_avg_sq, opt.step};
-      save_checkpoint(o.save, c, model.named_params, &state);
-    }
+    all_or_none(comm, [&] {
+      if (zero) {
+        zero->save(ctx, o.save);
+      } else if (comm.dp_cp.rank == 0) {
+        std::vector<NamedTensor> weights = whole_tensors(model, model.named_params);
+        OptimizerState state{whole_tensors(model, opt.named_exp_avg),
+                             whole_tensors(model, opt.named_exp_avg_sq), opt.step};
+        if (main_rank) save_checkpoint(o.save, c, weights, &state);
+      }
+    });
     if (main_rank)
       printf("saved %s (config.json, model.safetensors, optimizer.safetensors)\n", o.save.c_str());
   }
   if (trace.enabled) {
-    trace_write(trace, o.trace, comm.world.mpi);
+    all_or_none(comm, [&] { trace_write(trace, o.trace, comm.world.mpi); });
     if (main_rank) printf("trace: %s (open in https://ui.perfetto.dev or chrome://tracing)\n", o.trace.c_str());
   }
   int64_t n_params = parameter_count(c);
@@ -503,7 +556,8 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
   }
   if (o.sample > 0)
     evaluate([&] {
-      if (main_rank) printf("sample:\n%s%s\n", o.prompt.c_str(), generate(ctx, model, o).c_str());
+      std::string text = generate(ctx, comm, model, o);
+      if (main_rank) printf("sample:\n%s%s\n", o.prompt.c_str(), text.c_str());
     });
   barrier(comm, comm.world, ctx);  // no rank leaves while rank 0 still writes
   return 0;

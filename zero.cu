@@ -116,7 +116,8 @@ Zero::Zero(Comm& comm, Model& model, int stage, const AdamWConfig& hp, float wei
       begin = std::max(begin, lo), end = std::min(end, hi);
       if (begin < end)
         pieces_.push_back(
-            {(int)u, begin - lo, end - begin, model.named_params[p].tensor.dim() >= 2});
+            {(int)u, begin - lo, end - begin, model.named_params[p].tensor.dim() >= 2,
+             model.layouts[p].writer});
     }
   }
 }
@@ -321,11 +322,16 @@ double Zero::finish_gradients(const Context& ctx) {
 }
 
 float Zero::clip_grad_norm(const Context& ctx, float max_norm) {
-  double squares = 0;  // this rank's valid elements only: padding is never counted
-  for (size_t u = 0; u < units_.size(); u++)
-    if (layout_.units[u].valid > 0)
-      squares += sum_squares(ctx, shard_view(Part::Grads, (int)u, layout_.units[u].valid));
+  // This rank's real elements only (padding is never counted), and one copy of each weight
+  // that several tensor-parallel ranks hold; then the sum over dp_cp and over tp.
+  double squares = 0;
+  for (const Piece& p : pieces_)
+    if (p.counted) {
+      Tensor piece = shard_view(Part::Grads, p.unit, p.begin + p.count).view(p.begin, {p.count});
+      squares += sum_squares(ctx, piece);
+    }
   all_reduce_host(comm_.dp_cp, &squares, 1, ReduceOp::Sum);
+  all_reduce_host(comm_.tp, &squares, 1, ReduceOp::Sum);
   float norm = (float)std::sqrt(squares);
   if (max_norm > 0.0f && norm > max_norm)
     for (size_t u = 0; u < units_.size(); u++)
@@ -387,10 +393,9 @@ void Zero::release_all() {
 // Every rank's slice of `part`, unit by unit, onto dp_cp rank 0 (world rank 0): the whole flat
 // vector [Ψ] in host memory, padding dropped. Other ranks return an undefined tensor.
 Tensor Zero::gather_whole(const Context& ctx, Part part) {
-  bool root = comm_.dp_cp.rank == 0;
-  PICO_ASSERT(root == (comm_.grid.world_rank == 0), "world rank 0 is dp_cp rank 0");
+  bool root = comm_.dp_cp.rank == 0;  // per tensor-parallel shard: the ranks with dp = cp = 0
   Tensor whole =
-      root ? empty({parameter_count(model_.cfg)}, Mem::Workspace, Device::CPU) : Tensor();
+      root ? empty({model_.num_params}, Mem::Workspace, Device::CPU) : Tensor();
   for (size_t u = 0; u < units_.size(); u++) {
     const ShardLayout::Unit& U = layout_.units[u];
     Tensor staging =
@@ -405,25 +410,28 @@ Tensor Zero::gather_whole(const Context& ctx, Part part) {
 void Zero::save(const Context& ctx, const std::string& dir) {
   Tensor weights = stage_ == 3 ? gather_whole(ctx, Part::Params) : Tensor();
   Tensor m = gather_whole(ctx, Part::ExpAvg), v = gather_whole(ctx, Part::ExpAvgSq);
-  if (comm_.grid.world_rank != 0) return;
-  OptimizerState state{named_views(model_, m), named_views(model_, v), step_};
-  save_checkpoint(dir, model_.cfg, stage_ == 3 ? named_views(model_, weights) : model_.named_params,
-                  &state);
+  if (comm_.dp_cp.rank != 0) return;  // then the tp shards come together on world rank 0
+  std::vector<NamedTensor> weights_whole = whole_tensors(
+      model_, stage_ == 3 ? named_views(model_, weights) : model_.named_params);
+  OptimizerState state{whole_tensors(model_, named_views(model_, m)),
+                       whole_tensors(model_, named_views(model_, v)), step_};
+  if (comm_.grid.world_rank == 0) save_checkpoint(dir, model_.cfg, weights_whole, &state);
 }
 
 void Zero::save_gradients(const Context& ctx, const std::string& path, int64_t step) {
   Tensor grads = gather_whole(ctx, Part::Grads);
-  if (comm_.grid.world_rank == 0)
-    write_safetensors(path, named_views(model_, grads), {{"step", std::to_string(step)}});
+  if (comm_.dp_cp.rank != 0) return;
+  std::vector<NamedTensor> whole = whole_tensors(model_, named_views(model_, grads));
+  if (comm_.grid.world_rank == 0) write_safetensors(path, whole, {{"step", std::to_string(step)}});
 }
 
 int64_t Zero::load(const std::string& dir) {
-  int64_t n = parameter_count(model_.cfg);
+  int64_t n = model_.num_params;
   Tensor weights = stage_ == 3 ? empty({n}, Mem::Workspace, Device::CPU) : Tensor();
   Tensor m = zeros({n}, Mem::Workspace, Device::CPU), v = zeros({n}, Mem::Workspace, Device::CPU);
   OptimizerState state{named_views(model_, m), named_views(model_, v), 0};
-  bool with_optimizer = load_checkpoint(
-      dir, stage_ == 3 ? named_views(model_, weights) : model_.named_params, &state);
+  bool with_optimizer = load_checkpoint_shards(
+      model_, dir, stage_ == 3 ? named_views(model_, weights) : model_.named_params, &state);
   for (size_t u = 0; u < units_.size(); u++) {
     const ShardLayout::Unit& U = layout_.units[u];
     if (U.valid == 0) continue;

@@ -112,6 +112,7 @@ class Zero {
     int unit;
     int64_t begin, count;  // within the unit's shard
     bool decay;            // matrices only
+    bool counted;          // counts in the gradient norm (one copy of a tp-replicated weight)
   };
   float* shard(Part part, int u) const;
   Tensor shard_view(Part part, int u, int64_t count) const;

@@ -59,6 +59,18 @@ static const std::vector<ParityRow> PARITY_ROWS = {
      "--zero 3 --dp 2 --tie-embeddings --recompute full",
      "--grad-acc 2 --tie-embeddings --recompute full"},
     {"zero 3, dp 3, no overlap (no prefetch)", 3, "--zero 3 --dp 3 --no-overlap", "--grad-acc 3"},
+    // Tensor and sequence parallelism: the same batch, so the reference is one plain process.
+    {"tp 2", 2, "--tp 2", ""},
+    {"tp 4 (2 kv heads: each replicated on 2 ranks)", 4, "--tp 4", ""},
+    {"tp 2, sp", 2, "--tp 2 --sp", ""},
+    {"tp 4, sp", 4, "--tp 4 --sp", ""},
+    {"tp 2, one kv head (fewer kv heads than tp)", 2, "--tp 2 --kv-heads 1", "--kv-heads 1"},
+    {"tp 2, tied embeddings, selective recompute", 2,
+     "--tp 2 --tie-embeddings --recompute selective", "--tie-embeddings --recompute selective"},
+    {"dp 2 x tp 2", 4, "--dp 2 --tp 2", "--grad-acc 2"},
+    {"dp 2 x tp 2, zero 1", 4, "--dp 2 --tp 2 --zero 1", "--grad-acc 2"},
+    {"dp 2 x tp 2, sp, zero 3, grad-acc 2", 4, "--dp 2 --tp 2 --sp --zero 3 --grad-acc 2",
+     "--grad-acc 4"},
 };
 
 // Small enough that a run takes about a second on one core; clipping is active (norms ~1).
@@ -81,22 +93,30 @@ static RunFiles run_and_read(const std::string& flags, int ranks, const std::str
           read_f32_tensors(dir + "/ckpt/model.safetensors")};
 }
 
-// max |a - b| over a tensor, against the largest |b|.
+// Per tensor: max |a - b| <= rel * max |b| + abs, except for at most `outliers` elements
+// (a fraction of the tensor, at least one) which may reach outlier_abs.
 static void require_close(const std::map<std::string, std::vector<float>>& a,
                           const std::map<std::string, std::vector<float>>& b, double rel,
-                          double abs, const char* what) {
+                          double abs, const char* what, double outliers = 0,
+                          double outlier_abs = 0) {
   REQUIRE(a.size() == b.size());
   for (auto& [name, ref] : b) {
     REQUIRE(a.count(name));
     const std::vector<float>& got = a.at(name);
     REQUIRE(got.size() == ref.size());
-    double diff = 0, scale = 0;
+    double scale = 0, worst = 0;
+    for (float r : ref) scale = std::max(scale, (double)std::abs(r));
+    size_t beyond = 0;
     for (size_t i = 0; i < ref.size(); i++) {
-      diff = std::max(diff, (double)std::abs(got[i] - ref[i]));
-      scale = std::max(scale, (double)std::abs(ref[i]));
+      double diff = std::abs(got[i] - ref[i]);
+      worst = std::max(worst, diff);
+      beyond += diff > rel * scale + abs;
     }
-    INFO(what << " " << name << ": max diff " << diff << ", max |ref| " << scale);
-    REQUIRE(diff <= rel * scale + abs);
+    size_t allowed = outliers > 0 ? std::max<size_t>(1, (size_t)(outliers * ref.size())) : 0;
+    INFO(what << " " << name << ": max diff " << worst << ", max |ref| " << scale << ", "
+              << beyond << " of " << ref.size() << " beyond " << rel * scale + abs);
+    REQUIRE(beyond <= allowed);
+    REQUIRE(worst <= std::max(rel * scale + abs, outlier_abs));
   }
 }
 
@@ -123,9 +143,12 @@ TEST_CASE("every layout trains like its single-process reference", "[parity]") {
       // rounding leaves ~1e-7 of the tensor's scale; 1e-5 of it catches a missing or doubled
       // contribution (which would be ~0.1 or more of it).
       require_close(got.grads, ref.grads, 1e-5, 1e-9, "gradient");
-      // Weights after 3 AdamW steps: updates are lr-sized (2e-3) and depend on gradient ratios,
-      // so gradient rounding moves them by ~lr * 1e-5; 1e-6 absolute is far below one update.
-      require_close(got.weights, ref.weights, 0, 1e-6, "weight");
+      // Weights after 3 AdamW steps: an update is lr-sized (2e-3) and depends on gradient
+      // ratios, so gradient rounding moves it by ~lr * 1e-6: 1e-6 absolute. Except where a
+      // gradient is as small as Adam's eps (1e-8): there m / (sqrt(v) + eps) turns rounding
+      // noise of g into a visible change; such elements are rare (a few in 10^4), so up to 0.1%
+      // of a tensor may reach 1e-5 (0.5% of one update). A real bug moves most elements by ~lr.
+      require_close(got.weights, ref.weights, 0, 1e-6, "weight", 1e-3, 1e-5);
     }
   }
   fs::remove_all(dir);
