@@ -170,3 +170,65 @@ void print_zero_comm_report(const Comm& comm, const Zero& zero, int grad_acc) {
         grad_acc,
         zero.model().cfg.tie_embeddings ? ", and the embedding again for the tied head" : "");
 }
+
+// ----------------------------------------------------------------------------
+// Tensor parallelism
+
+void print_activation_report(const ModelConfig& cfg, int mbs, int tp, bool sp, Recompute mode,
+                             int64_t measured) {
+  int64_t formula = activation_bytes_per_block(cfg, mbs, cfg.seq, tp, sp, mode);
+  printf("activations per block and micro-batch (--report memory; tp %d%s, recompute %s):\n", tp,
+         sp ? " + sp" : "", recompute_name(mode));
+  printf("  measured %s (%lld B), formula %s (%lld B)%s\n", human_bytes(measured).c_str(),
+         (long long)measured, human_bytes(formula).c_str(), (long long)formula,
+         measured == formula ? ", equal" : ", DIFFERENT");
+  printf("  formula: N(16D + 8)/%s + N(8D + 8 Hkv hd + 12F + 4 Hq T)/tp bytes, N = mbs x seq: "
+         "the book's sbh(34 + 5as/h) for this fp32 Llama; norms and residuals (the book's 10) "
+         "shrink with tp only under sp (34/t)\n",
+         sp ? "tp" : "1");
+}
+
+TpTraffic tp_expected_traffic(const ModelConfig& c, int B, int T, int tp, bool sp) {
+  TpTraffic t;
+  if (tp == 1) return t;
+  int64_t N = (int64_t)B * T, L = c.layers, K = 4 * N * c.d_model;  // one [N, D] activation
+  auto ar = [&](int64_t bytes) { return 2 * (tp - 1) * bytes / tp; };
+  auto ag = [&](int64_t bytes) { return (tp - 1) * bytes / tp; };
+  if (sp) {
+    // per block: forward 2 all-gathers (enter) + 2 reduce-scatters (exit); backward 2 all-gathers
+    // (exit), 2 more re-gathering the norm outputs, 2 reduce-scatters (enter). Embedding: a
+    // reduce-scatter forward, an all-gather backward; head: an all-gather forward and one
+    // backward, a reduce-scatter backward. Norm weight gradients: 2L + 1 all-reduces of D.
+    t.all_gather = (6 * L + 3) * ag(K);
+    t.reduce_scatter = (4 * L + 2) * ag(K);
+    t.all_reduce = (2 * L + 1) * ar(4 * c.d_model);
+  } else {
+    // per block: an all-reduce after attention and after the MLP (forward), one before each in
+    // backward; the embedding forward and the head backward add one each.
+    t.all_reduce = (4 * L + 2) * ar(K);
+  }
+  t.all_reduce += ar(4 * N) + ar(8 * N);  // vocab-parallel cross-entropy: max, then two sums
+  LocalDims local = local_dims(c, 0, tp);
+  if (local.kv_replicas > 1)  // replicated k and v projections: their gradient parts summed
+    t.all_reduce += 2 * L * ar(4 * (int64_t)c.kv_heads * c.head_dim() * c.d_model);
+  return t;
+}
+
+void print_tp_comm_report(const ModelConfig& cfg, int mbs, int grad_acc, int tp, bool sp,
+                          const CollStats* measured) {
+  TpTraffic e = tp_expected_traffic(cfg, mbs, cfg.seq, tp, sp);
+  printf("tensor-parallel traffic per training step (--report comm; tp %d%s, %d micro-batches, "
+         "bytes rank 0 sent):\n", tp, sp ? " + sp" : "", grad_acc);
+  auto row = [&](Coll c, int64_t expected) {
+    int64_t got = measured[(int)c].bytes;
+    printf("  %-15s measured %12s, expected %12s%s\n", coll_name(c), human_bytes(got).c_str(),
+           human_bytes((double)expected * grad_acc).c_str(),
+           got == expected * grad_acc ? " (equal)" : "");
+  };
+  row(Coll::AllReduce, e.all_reduce);
+  row(Coll::AllGather, e.all_gather);
+  row(Coll::ReduceScatter, e.reduce_scatter);
+  printf("  the book: TP sends 4 all-reduces of s·b·h per block (2 forward, 2 backward), TP+SP "
+         "the same bytes as all-gathers and reduce-scatters (AR = RS + AG), plus the backward's "
+         "re-gathers of the norm outputs here (Megatron's choice: activations stay sharded)\n");
+}

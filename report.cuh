@@ -18,3 +18,18 @@ void print_comm_report(Comm& comm, int64_t num_params, int64_t steps);
 // ZeRO's reduce-scatters and all-gathers per training step (validation and checkpoint gathers
 // excluded), next to the book's 2Ψ(N-1)/N (stages 1-2) or 3Ψ(N-1)/N (stage 3). Rank 0 prints.
 void print_zero_comm_report(const Comm& comm, const Zero& zero, int grad_acc);
+
+// Tensor parallelism (Playbook §5, §6). Activations: one block's saved bytes for this run's
+// micro-batch, measured, next to the derived formula (model.cu). Traffic: what the tp group
+// sent per training step (measured over the training steps only), next to the count of
+// all-reduces, or all-gathers and reduce-scatters under SP, that the model issues.
+void print_activation_report(const ModelConfig& cfg, int mbs, int tp, bool sp, Recompute mode,
+                             int64_t measured_block_bytes);
+struct TpTraffic {
+  int64_t all_reduce = 0, all_gather = 0, reduce_scatter = 0;  // bytes each rank sends
+};
+// Per micro-batch of B sequences of T tokens, for the ring algorithm: all-reduce 2(t-1)/t K,
+// all-gather and reduce-scatter (t-1)/t K of a K-byte activation.
+TpTraffic tp_expected_traffic(const ModelConfig& cfg, int B, int T, int tp, bool sp);
+void print_tp_comm_report(const ModelConfig& cfg, int mbs, int grad_acc, int tp, bool sp,
+                          const CollStats* measured_per_step);

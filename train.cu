@@ -438,11 +438,15 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
   // the gradient of the mean loss over every token of the global batch (DESIGN 5).
   float loss_scale = 1.0f / (float)(global_batch * c.seq);
   int64_t steps_run = 0;
+  int64_t block_bytes = -1;                   // one block's saved activations, measured once
+  CollStats tp_traffic[(int)Coll::Count] = {};  // what the tp group sent in training steps
 
   int64_t end = o.stop_after > 0 ? std::min<int64_t>(o.steps, first_step + o.stop_after) : o.steps;
   for (int64_t step = first_step; step < end; step++) {
     maybe_inject_fault(o.fault, grid.world_rank, step);
     double t0 = now_seconds();
+    CollStats tp_before[(int)Coll::Count];
+    std::copy(comm.tp.stats, comm.tp.stats + (int)Coll::Count, tp_before);
     fill_train_batch(data, step, global_batch, first_seq, (int)rank_batch, c.seq, inputs.data(),
                      targets.data());
     if (zero)
@@ -460,6 +464,7 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
                                 o.mbs, c.seq, recompute, hooks);
       double tb = now_seconds();
       trace.add("forward " + std::to_string(micro), Track::Compute, tf, tb);
+      if (block_bytes < 0) block_bytes = saved_bytes(acts.blocks[0]);
       if (dp) dp->begin_backward(ctx, last_micro);
       model_backward(ctx, model, acts, loss_scale, recompute, hooks);
       trace.add("backward " + std::to_string(micro), Track::Compute, tb, now_seconds());
@@ -507,6 +512,9 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
     double dt = now_seconds() - t0;
     double tok_s = global_batch * c.seq / dt;
     steps_run++;
+    for (int k = 0; k < (int)Coll::Count; k++)
+      tp_traffic[k].calls += comm.tp.stats[k].calls - tp_before[k].calls,
+          tp_traffic[k].bytes += comm.tp.stats[k].bytes - tp_before[k].bytes;
     if (main_rank) {
       printf("step %5lld/%d | loss %.4f | lr %.2e | norm %.4f | %8.0f tok/s | %7.1f ms\n",
              (long long)step + 1, o.steps, loss, lr, norm, tok_s, dt * 1e3);
@@ -543,15 +551,20 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
     all_or_none(comm, [&] { trace_write(trace, o.trace, comm.world.mpi); });
     if (main_rank) printf("trace: %s (open in https://ui.perfetto.dev or chrome://tracing)\n", o.trace.c_str());
   }
-  int64_t n_params = parameter_count(c);
+  int64_t n_params = model.num_params;  // on this rank: the whole model over tp
   if (main_rank) print_memory(n_params, zero_stage, comm.dp_cp.size);
   for (const std::string& r : o.reports) {
-    if (r == "memory")
+    if (r == "memory") {
       print_memory_report(comm, zero_stage, n_params,
                           zero ? zero->layout().padded_numel() : n_params);
+      if (main_rank && block_bytes >= 0)
+        print_activation_report(c, o.mbs, o.tp, o.sp, recompute, block_bytes);
+    }
     if (r == "comm") {
       print_comm_report(comm, n_params, steps_run);
       if (zero) print_zero_comm_report(comm, *zero, o.grad_acc);
+      for (CollStats& s : tp_traffic) s.bytes /= std::max<int64_t>(1, steps_run);
+      if (main_rank && o.tp > 1) print_tp_comm_report(c, o.mbs, o.grad_acc, o.tp, o.sp, tp_traffic);
     }
   }
   if (o.sample > 0)

@@ -221,3 +221,40 @@ TEST_CASE("--report comm: the gradient sync sends 2(N-1)K/N bytes per rank per s
   REQUIRE_THAT(r.output, Catch::Contains("2(N-1)K/N = 204.94 KiB"));
   REQUIRE_THAT(r.output, Catch::Matches("(.|\n)*dp_cp +4 +send_recv +6\\.0 +204\\.94 KiB(.|\n)*"));
 }
+
+TEST_CASE("tensor parallelism: activations per block and traffic per step match the formulas",
+          "[parity]") {
+  for (std::string layout : {"--tp 2", "--tp 2 --sp", "--tp 4"}) {
+    RunResult r = run_train(COMMON + layout + " --report memory,comm", layout == "--tp 4" ? 4 : 2);
+    INFO(layout << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    // Measured from the tensors one block keeps, against model.cu's derived formula.
+    REQUIRE_THAT(r.output, Catch::Contains(", equal\n"));
+    REQUIRE_THAT(r.output, !Catch::Contains("DIFFERENT"));
+    // Each collective's bytes per step equal the count the model issues (exact: every
+    // activation here is a multiple of tp floats).
+    for (const char* coll : {"all_reduce", "all_gather", "reduce_scatter"})
+      REQUIRE_THAT(r.output, Catch::Matches("(.|\n)*\n  " + std::string(coll) +
+                                            " +measured .*\\(equal\\)\n(.|\n)*"));
+  }
+}
+
+TEST_CASE("tensor parallelism: sizes tp cannot split exit with code 2 and say which flag",
+          "[parity]") {
+  struct Case {
+    std::string flags, message;
+  };
+  for (const Case& k : std::vector<Case>{
+           {"--tp 2 --heads 3 --kv-heads 1 --d-model 48", "--tp 2 does not divide --heads 3"},
+           {"--tp 2 --ffn 63", "--tp 2 does not divide --ffn 63"},
+           {"--tp 2 --vocab 257", "--tp 2 does not divide --vocab 257"},
+           {"--tp 2 --sp --seq 15", "--sp with --seq 15 and --tp 2"}}) {
+    RunResult r = run_train(COMMON + k.flags, 2);
+    INFO(k.flags << "\n" << r.output);
+    REQUIRE(r.code == 2);
+    REQUIRE(count_occurrences(r.output, k.message) == 1);
+  }
+  RunResult r = run_train("--tp 4 --kv-heads 3 --heads 12 --d-model 96", 4);
+  REQUIRE(r.code == 2);
+  REQUIRE_THAT(r.output, Catch::Contains("one must divide the other"));
+}

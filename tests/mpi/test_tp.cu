@@ -317,7 +317,7 @@ TEST_CASE("attention and MLP split over tp (with and without SP) equal the unsha
       double l2 = model_forward(kCpu, shard, a2, ids.data(), targets.data(), B, T, Recompute::None);
       INFO("sp " << sp << ", kv heads " << kv << ", tp " << world);
       // Same tokens, weights split over tp: the loss sums agree to fp32 rounding (~1e-6).
-      REQUIRE(l2 == Approx(l1).epsilon(1e-5));
+      CHECK(l2 == Approx(l1).epsilon(1e-5));
       model_backward(kCpu, whole, a1, 1.0f / (B * T), Recompute::None);
       model_backward(kCpu, shard, a2, 1.0f / (B * T), Recompute::None);
       std::vector<NamedTensor> grads = whole_tensors(shard, shard.named_grads);
@@ -329,10 +329,11 @@ TEST_CASE("attention and MLP split over tp (with and without SP) equal the unsha
         for (size_t i = 0; i < ref.size(); i++)
           scale = std::max(scale, (double)std::abs(ref[i])),
           diff = std::max(diff, (double)std::abs(got[i] - ref[i]));
-        // Partial sums over tp and the vocab-parallel softmax round differently: ~1e-7 of the
-        // tensor's scale; 1e-5 of it fails for a missing or doubled contribution.
+        // Partial sums over tp and the vocab-parallel softmax round differently: ~1e-6 of the
+        // tensor's scale at tp 8; 5e-5 of it still fails for a missing or doubled contribution
+        // (1/tp of it or more). CHECK, not REQUIRE: every rank must reach the next collective.
         INFO(g.name << ": max diff " << diff << " of scale " << scale);
-        REQUIRE(diff <= 1e-5 * scale + 1e-9);
+        CHECK(diff <= 5e-5 * scale + 1e-9);
       }
     }
 }
