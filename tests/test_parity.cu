@@ -65,6 +65,7 @@ static const std::vector<ParityRow> PARITY_ROWS = {
     {"tp 2, sp", 2, "--tp 2 --sp", ""},
     {"tp 4, sp", 4, "--tp 4 --sp", ""},
     {"tp 2, one kv head (fewer kv heads than tp)", 2, "--tp 2 --kv-heads 1", "--kv-heads 1"},
+    {"tp 2, sp, full recompute", 2, "--tp 2 --sp --recompute full", "--recompute full"},
     {"tp 2, tied embeddings, selective recompute", 2,
      "--tp 2 --tie-embeddings --recompute selective", "--tie-embeddings --recompute selective"},
     {"dp 2 x tp 2", 4, "--dp 2 --tp 2", "--grad-acc 2"},
