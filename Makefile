@@ -45,7 +45,7 @@ $(BUILD)/tests/mpi/mpi_main.o: tests/mpi/mpi_main.cpp
 $(BUILD)/mpi_tests: $(MPI_TEST_OBJS) $(BUILD)/tests/mpi/mpi_main.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
-train: $(BUILD)/train.o $(LIB_OBJS)
+train: $(BUILD)/train.o $(BUILD)/options.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
 $(BUILD)/bench: $(BUILD)/bench.o $(LIB_OBJS)
@@ -74,6 +74,7 @@ run: deps
 	@$(MAKE) --no-print-directory -j$$(nproc) train
 	./train --model tiny --steps 500 --sample 400
 
+# Every test; ends with the suite's own last line, "N passed, N failed, N skipped".
 test: deps
 	@$(MAKE) --no-print-directory -j$$(nproc) train $(BUILD)/unit_tests $(BUILD)/mpi_tests
 	@bash tools/run_tests.sh

@@ -1,0 +1,45 @@
+// options.cuh: train's command line: every flag, its validation (the same on every rank,
+// before anything is allocated), and the configuration table rank 0 prints.
+#pragma once
+#include <CLI/CLI.hpp>
+
+#include <string>
+#include <vector>
+
+#include "comm.cuh"
+#include "data.cuh"
+#include "model.cuh"
+
+struct Options {
+  ModelConfig model;
+  std::string preset = "tiny", device = "auto", recompute = "none";
+  int steps = 100, stop_after = 0, mbs = 16, grad_acc = 1, warmup = 20, val_every = 50, val_seqs = 64;
+  float lr = 2e-3f, min_lr = -1.0f, weight_decay = 0.1f, grad_clip = 1.0f;
+  float val_frac = 0.1f, temperature = 0.8f;
+  uint64_t seed = 1337;
+  std::string data, save, load, log_json, save_grads, score, prompt = "\n";
+  int sample = 0;
+  // parallelism
+  int dp = 1, pp = 1, cp = 1, tp = 1, zero = 0;
+  std::string comm = "auto", dp_sync = "bucket", trace, fault;
+  double comm_timeout = 300, bucket_mb = 25;
+  bool no_overlap = false, sp = false;
+  std::vector<std::string> reports;
+};
+
+// Model-shape flags: applied over the preset, or checked against a loaded checkpoint.
+using IntField = int ModelConfig::*;
+struct ShapeFlag {
+  const char* flag;
+  IntField field;
+  CLI::Option* opt;
+};
+
+void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape);
+// Builds the model config (preset, flags, or checkpoint) and checks every flag; throws
+// UsageError naming the flag and the fix.
+void resolve_options(Options& o, const std::vector<ShapeFlag>& shape);
+// --fault KIND:RANK:STEP: at the start of step STEP, rank RANK crashes, hangs or fails a check.
+void maybe_inject_fault(const std::string& fault, int rank, int64_t step);
+void print_config(const Options& o, const Dataset& data, const Comm& comm, int64_t n_params,
+                  int zero_stage);
