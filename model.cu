@@ -296,7 +296,9 @@ static void block_forward(const Context& ctx, const Model& m, const BlockWeights
   Tensor h = tp_input(m, ctx, a.norm1, N);  // [N, D]: enter the tensor-parallel region
   a.q = act({N, L.heads * hd}, d);
   a.k = act({N, L.kv_heads * hd}, d), a.v = act({N, L.kv_heads * hd}, d);
-  linear_forward(ctx, a.q, h, w.wq);  // column-parallel: this rank's heads
+  // q, k, v: ColumnParallelLinear (Megatron): weights split by output rows, so each rank
+  // computes its own heads from the full input h; no communication until the row-parallel o.
+  linear_forward(ctx, a.q, h, w.wq);
   linear_forward(ctx, a.k, h, w.wk);
   linear_forward(ctx, a.v, h, w.wv);
   rope_forward(ctx, a.q.reshape({N, L.heads, hd}), positions, c.rope_theta);
@@ -306,7 +308,9 @@ static void block_forward(const Context& ctx, const Model& m, const BlockWeights
   attention_forward(ctx, a.attn.reshape({N, L.heads, hd}), a.probs,
                     a.q.reshape({N, L.heads, hd}), a.k.reshape({N, L.kv_heads, hd}),
                     a.v.reshape({N, L.kv_heads, hd}), attention_shape(m, B, T));
-  Tensor partial = work({N, D}, d);  // row-parallel output: a partial sum over tp ranks
+  // o: RowParallelLinear: weight split by input columns (this rank's heads), so its output is
+  // a partial sum, completed by leaving the region (f*: all-reduce; g*: reduce-scatter).
+  Tensor partial = work({N, D}, d);
   Tensor out = m.tp.sp ? work({n, D}, d) : partial;
   linear_forward(ctx, partial, a.attn, w.wo);
   tp_region_exit_forward(m.tp, ctx, partial, out);  // leave: all-reduce or reduce-scatter
@@ -318,6 +322,7 @@ static void block_forward(const Context& ctx, const Model& m, const BlockWeights
   rmsnorm_forward(ctx, a.norm2, a.rstd2, a.x_mid, w.mlp_norm, c.norm_eps);
   h = tp_input(m, ctx, a.norm2, N);
   a.gate = act({N, L.ffn}, d), a.up = act({N, L.ffn}, d), a.act = act({N, L.ffn}, d);
+  // gate, up: ColumnParallelLinear (this rank's ffn columns); down: RowParallelLinear.
   linear_forward(ctx, a.gate, h, w.w_gate);
   linear_forward(ctx, a.up, h, w.w_up);
   swiglu_forward(ctx, a.act, a.gate, a.up);

@@ -259,3 +259,20 @@ TEST_CASE("tensor parallelism: sizes tp cannot split exit with code 2 and say wh
   REQUIRE(r.code == 2);
   REQUIRE_THAT(r.output, Catch::Contains("one must divide the other"));
 }
+
+TEST_CASE("a one-process checkpoint resumes under tp 2 + sp and tp 4 like the run it left",
+          "[parity]") {
+  std::string dir = make_temp_dir();
+  RunFiles whole = run_and_read("", 0, dir + "/whole");  // 3 steps in one process
+  REQUIRE(run_train(COMMON + "--stop-after 1 --save " + dir + "/half").code == 0);
+  for (auto [layout, ranks] : {std::pair{std::string("--tp 2 --sp"), 2}, {"--tp 4", 4}}) {
+    RunFiles resumed = run_and_read(layout + " --load " + dir + "/half", ranks, dir + "/resumed");
+    INFO(layout);
+    REQUIRE(resumed.log.size() == 2);  // steps 2 and 3
+    for (int i = 0; i < 2; i++)         // the parity tolerances, for the same reasons
+      REQUIRE(resumed.log[i]["loss"].get<double>() ==
+              Approx(whole.log[i + 1]["loss"].get<double>()).epsilon(1e-5));
+    require_close(resumed.weights, whole.weights, 0, 1e-6, "weight", 1e-3, 1e-5);
+  }
+  fs::remove_all(dir);
+}
