@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gpu_bundle.sh: run HERE, on a machine with picoscale's build dependencies, before a GPU session.
+# gpu_bundle.sh: run HERE, on a machine with picoscale's build dependencies, before a GPU check on another machine.
 # Builds for the default GPU_ARCH (sm_80 + sm_90 machine code, compute_90 PTX) and packs into
 # gpu_bundle/ (git-ignored) what tools/gpu_check.sh needs on a bare GPU machine: one with the
 # NVIDIA driver and CUDA 13 (cuBLAS and NCCL from the toolkit or Python wheels) but no MPI,
