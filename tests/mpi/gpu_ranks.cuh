@@ -17,3 +17,13 @@ inline void use_node_local_gpu() {
   CUDA_CHECK(cudaGetDeviceCount(&gpus));
   CUDA_CHECK(cudaSetDevice(node_rank % gpus));
 }
+// The start of every [gpu] case: false (with a visible SKIP on every rank) unless every rank
+// has a GPU; otherwise each rank is on its node-local GPU. Include after catch.hpp.
+inline bool gpu_case_ready() {
+  if (!cuda_on_every_rank()) {
+    WARN("SKIP: no CUDA device");
+    return false;
+  }
+  use_node_local_gpu();
+  return true;
+}

@@ -581,11 +581,7 @@ TEST_CASE("comm_init refuses a bad --comm or grid on every rank alike, and auto 
 
 TEST_CASE("MPI backend: device buffers staged through host memory give the CPU results",
           "[mpi][gpu]") {
-  if (!cuda_on_every_rank()) {
-    WARN("SKIP: no CUDA device");
-    return;
-  }
-  use_node_local_gpu();
+  if (!gpu_case_ready()) return;
   Context gpu = Context::create(Device::CUDA);
   Outputs on_gpu, on_cpu;
   {
@@ -611,11 +607,7 @@ TEST_CASE("MPI backend: device buffers staged through host memory give the CPU r
 }
 
 TEST_CASE("NCCL collectives match the MPI ones", "[mpi][gpu]") {
-  if (!cuda_on_every_rank()) {
-    WARN("SKIP: no CUDA device");
-    return;
-  }
-  use_node_local_gpu();
+  if (!gpu_case_ready()) return;
   Context gpu = Context::create(Device::CUDA);
   Outputs nccl, mpi;
   bool have_nccl = false;

@@ -179,11 +179,7 @@ TEST_CASE("vocab-parallel cross-entropy equals the unsharded one, forward and ba
 
 TEST_CASE("CUDA vocab-parallel cross-entropy matches the CPU reference, forward and backward",
           "[mpi][gpu]") {
-  if (!cuda_on_every_rank()) {
-    WARN("SKIP: no CUDA device");
-    return;
-  }
-  use_node_local_gpu();
+  if (!gpu_case_ready()) return;
   Context gpu = Context::create(Device::CUDA);
   int n = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &n);
