@@ -14,7 +14,8 @@ NVFLAGS := -std=c++17 -O3 $(GPU_ARCH) $(addprefix -I,$(MPI_INC)) -I. \
 LDFLAGS := $(addprefix -L,$(MPI_LIBDIRS)) $(addprefix -l,$(MPI_LIBS)) \
            -lcublas -lnccl -lopenblas -Xcompiler -pthread
 
-LIB_SRCS := core.cu comm.cu ops.cu flash_attention.cu tensor_parallel.cu model.cu optimizer.cu data_parallel.cu zero.cu report.cu data.cu checkpoint.cu
+LIB_SRCS := core.cu comm.cu ops.cu flash_attention.cu tensor_parallel.cu model.cu optimizer.cu \
+            gradient_sync.cu data_parallel.cu zero.cu schedule.cu report.cu data.cu checkpoint.cu
 LIB_OBJS := $(LIB_SRCS:%.cu=$(BUILD)/%.o)
 TEST_SRCS := $(wildcard tests/test_*.cu)
 TEST_OBJS := $(TEST_SRCS:%.cu=$(BUILD)/%.o)
@@ -22,7 +23,7 @@ MPI_TEST_SRCS := $(wildcard tests/mpi/test_*.cu)
 MPI_TEST_OBJS := $(MPI_TEST_SRCS:%.cu=$(BUILD)/%.o)
 
 .PHONY: all deps run test bench gpu-check clean format
-all: train $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/bench $(BUILD)/bench_comm $(BUILD)/bench_tp
+all: train $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp
 
 # Objects depend on the flags they were built with: a new GPU_ARCH rebuilds them.
 FLAGS_STAMP := $(BUILD)/flags.txt
@@ -48,13 +49,14 @@ $(BUILD)/mpi_tests: $(MPI_TEST_OBJS) $(BUILD)/tests/mpi/mpi_main.o $(LIB_OBJS)
 train: $(BUILD)/train.o $(BUILD)/options.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
-$(BUILD)/bench: $(BUILD)/bench.o $(LIB_OBJS)
+# The benchmarks (bench/): the step, collectives and gradient sync, tensor parallelism.
+$(BUILD)/bench_step: $(BUILD)/bench/bench_step.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
-$(BUILD)/bench_comm: $(BUILD)/bench_comm.o $(LIB_OBJS)
+$(BUILD)/bench_comm: $(BUILD)/bench/bench_comm.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
-$(BUILD)/bench_tp: $(BUILD)/bench_tp.o $(LIB_OBJS)
+$(BUILD)/bench_tp: $(BUILD)/bench/bench_tp.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
 $(BUILD)/unit_tests: $(TEST_OBJS) $(BUILD)/tests/catch_main.o $(LIB_OBJS)
@@ -80,14 +82,14 @@ test: deps
 	@bash tools/run_tests.sh
 
 bench: deps
-	@$(MAKE) --no-print-directory -j$$(nproc) $(BUILD)/bench $(BUILD)/bench_comm $(BUILD)/bench_tp
+	@$(MAKE) --no-print-directory -j$$(nproc) $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp
 	@bash tools/bench.sh
 
 gpu-check:
 	@bash tools/gpu_check.sh
 
 format:
-	clang-format -i *.cu *.cuh tests/*.cu
+	clang-format -i *.cu *.cuh bench/*.cu tests/*.cu tests/mpi/*.cu
 
 clean:
-	rm -rf $(BUILD) train bench
+	rm -rf $(BUILD) train

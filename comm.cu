@@ -11,7 +11,6 @@
 #include <deque>
 #include <thread>
 
-#include "ops.cuh"
 
 const char* coll_name(Coll c) {
   static const char* names[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce",
@@ -238,10 +237,8 @@ bool Handle::State::poll() {
 
 void Handle::State::finish() {
   if (average_buf) {
-    Tensor t;  // a view of the host buffer, for scale_
-    t.ptr = average_buf;
-    t.shape = {average_count};
-    scale_(Context{}, t, 1.0f / (float)group->size);
+    float inverse = 1.0f / (float)group->size;
+    for (int64_t i = 0; i < average_count; i++) average_buf[i] *= inverse;
   }
   // Pageable-memory copies return once the host data is taken, so `host` may go right after.
   for (const CopyBack& cb : copy_back)
@@ -621,4 +618,12 @@ void all_reduce_host(Group& g, double* values, int count, ReduceOp op) {
                           op == ReduceOp::Max ? MPI_MAX : MPI_SUM, g.mpi));
   if (op == ReduceOp::Avg)
     for (int i = 0; i < count; i++) values[i] /= g.size;
+}
+
+void TrafficMeter::open(const Group& g) { std::copy(g.stats, g.stats + (int)Coll::Count, opened); }
+void TrafficMeter::close(const Group& g) {
+  for (int c = 0; c < (int)Coll::Count; c++) {
+    total[c].calls += g.stats[c].calls - opened[c].calls;
+    total[c].bytes += g.stats[c].bytes - opened[c].bytes;
+  }
 }

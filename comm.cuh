@@ -25,6 +25,15 @@ struct CollStats {
   int64_t bytes = 0;
 };
 
+struct Group;
+// What a group's collectives sent between open() and close(), summed over every such window:
+// the training steps' traffic, without validation's or checkpoints'.
+struct TrafficMeter {
+  CollStats opened[(int)Coll::Count] = {}, total[(int)Coll::Count] = {};
+  void open(const Group& g);
+  void close(const Group& g);
+};
+
 struct Group {
   std::string name;          // "world", "tp", "cp", "pp", "dp", "dp_cp"
   int rank = 0, size = 1;    // this rank's index in the group, and the group's size

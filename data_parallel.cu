@@ -94,15 +94,13 @@ void ring_all_reduce(Comm& comm, Group& group, const Context& ctx, float* buf, i
 // ----------------------------------------------------------------------------
 // Buckets
 
-DataParallel::DataParallel(Comm& comm, Model& model, DpSync mode, double bucket_mb,
-                           bool overlap)
-    : comm_(comm), model_(model), mode_(mode), overlap_(overlap) {
-  // Readiness groups are model_backward's units (hook index i at i + 1): the embedding, each
-  // block, the final norm and LM head.
-  group_params_.resize(model.units.size());
-  for (size_t u = 0; u < model.units.size(); u++)
-    for (int p = model.units[u].first; p < model.units[u].first + model.units[u].count; p++)
-      group_params_[u].push_back(p);
+DataParallel::DataParallel(Comm& comm, Model& model, DpSync mode, double bucket_mb, bool overlap,
+                           const AdamWConfig& hp, float weight_decay, uint64_t seed)
+    : GradientSync(comm, model, hp, weight_decay), mode_(mode), overlap_(overlap) {
+  PICO_ASSERT(!model.params.defined(), "DataParallel allocates a model from build_model_layout");
+  allocate_model(model, comm.device, seed);
+  moments_ = adam_moments(model.num_params, comm.device);
+  slices_ = whole_model_slices(model, moments_);
   // Buckets in backward order: the flat buffer is laid out in forward order, so walking the
   // parameters backwards gives contiguous slices. A bucket closes once it holds bucket_mb.
   int64_t capacity = std::max<int64_t>(1, (int64_t)(bucket_mb * 1024 * 1024 / sizeof(float)));
@@ -123,12 +121,17 @@ DataParallel::DataParallel(Comm& comm, Model& model, DpSync mode, double bucket_
     scratch_ = empty({largest / std::max(1, comm.dp_cp.size) + 1}, Mem::Workspace, comm.device);
 }
 
-void DataParallel::begin_backward(const Context& ctx, bool last_micro_batch) {
+void DataParallel::begin_step(const Context&) { zero_(model_.grads); }
+
+UnitHooks DataParallel::hooks(const Context& ctx, bool last_micro_batch) {
   ctx_ = &ctx;
   active_ = last_micro_batch && comm_.dp_cp.size > 1;
   for (GradBucket& b : buckets_) b.ready = 0, b.launched = b.ring_started = false;
   ring_next_ = 0;
-  last_spans.clear();
+  spans_.clear();
+  UnitHooks h;
+  h.after_backward = [this](int unit) { on_gradients_ready(unit); };
+  return h;
 }
 
 void DataParallel::launch(GradBucket& b) {
@@ -162,15 +165,10 @@ void DataParallel::progress_all() {
     if (b.launched) b.handle.test();
 }
 
-UnitHooks DataParallel::hooks() {
-  UnitHooks h;
-  h.after_backward = [this](int group) { on_gradients_ready(group); };
-  return h;
-}
-
-void DataParallel::on_gradients_ready(int group) {
+void DataParallel::on_gradients_ready(int unit) {
   if (!active_ || mode_ == DpSync::Naive) return;
-  for (int p : group_params_[group + 1]) {
+  const ModelUnit& u = model_.units[unit];
+  for (int p = u.first; p < u.first + u.count; p++) {
     GradBucket& b = buckets_[param_bucket_[p]];
     if (++b.ready == b.params && overlap_) launch(b);
   }
@@ -185,17 +183,42 @@ double DataParallel::finish(const Context& ctx) {
       const Tensor& g = model_.named_grads[p].tensor;
       all_reduce(comm_, comm_.dp_cp, ctx, g.f32(), g.numel(), ReduceOp::Sum);
     }
-    last_spans.push_back({t0, now_seconds()});
+    spans_.push_back({t0, now_seconds()});
   } else {
     for (GradBucket& b : buckets_)
       if (!b.launched) launch(b);
     if (mode_ == DpSync::Ring) pump_rings(true);
     for (GradBucket& b : buckets_) {
       if (mode_ != DpSync::Ring) b.handle.wait();
-      last_spans.push_back({b.launch_time, now_seconds()});
+      spans_.push_back({b.launch_time, now_seconds()});
     }
     if (mode_ == DpSync::Ring) stream_wait(ctx, comm_.comm_ctx);
   }
   active_ = false;
   return now_seconds() - t0;
 }
+
+void DataParallel::step(const Context& ctx, float lr) {
+  adamw_.steps++;
+  for (const ParamSlice& s : slices_) adamw_.update(ctx, s, lr);
+}
+
+void DataParallel::trace_communication(Trace& trace) const {
+  for (auto [start, end] : spans_) trace.add("gradient all-reduce", Track::Comm, start, end);
+}
+
+// ----------------------------------------------------------------------------
+// Checkpoints: every rank holds everything
+
+Tensor& DataParallel::flat(Part part) {
+  switch (part) {
+    case Part::Params: return model_.params;
+    case Part::Grads: return model_.grads;
+    case Part::ExpAvg: return moments_.exp_avg;
+    case Part::ExpAvgSq: break;
+  }
+  return moments_.exp_avg_sq;
+}
+Tensor DataParallel::gather_flat(const Context&, Part part) { return flat(part); }
+void DataParallel::load_flat(Part part, const Tensor& whole) { copy_(flat(part), whole); }
+void DataParallel::scale_grads(const Context& ctx, float alpha) { scale_(ctx, model_.grads, alpha); }

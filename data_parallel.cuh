@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "comm.cuh"
-#include "model.cuh"
+#include "gradient_sync.cuh"
 
 enum class DpSync { Naive, Bucket, Ring };
 DpSync parse_dp_sync(const std::string& flag);  // naive|bucket|ring
@@ -49,33 +49,44 @@ struct GradBucket {
   RingAllReduce ring;  // ring mode
 };
 
-class DataParallel {
+// Plain data parallelism as a GradientSync: every rank holds every weight, gradient and Adam
+// moment (16 bytes per parameter in fp32); the gradients are summed over dp_cp.
+class DataParallel : public GradientSync {
  public:
-  // bucket_mb: bucket capacity in MiB; overlap false launches every bucket after the backward.
-  DataParallel(Comm& comm, Model& model, DpSync mode, double bucket_mb, bool overlap);
-  // Call before each micro-batch's backward; only the last one communicates (Playbook §3.4).
-  void begin_backward(const Context& ctx, bool last_micro_batch);
-  // model_backward's after_backward hook: marks a unit's gradients final, launches full buckets.
-  void on_gradients_ready(int group);
-  UnitHooks hooks();  // after_backward = on_gradients_ready
+  // Allocates and initialises the weights of `model` (a layout) from `seed`, its gradients and
+  // AdamW's moments. bucket_mb: bucket capacity in MiB; overlap false launches every bucket
+  // after the backward.
+  DataParallel(Comm& comm, Model& model, DpSync mode, double bucket_mb, bool overlap,
+               const AdamWConfig& hp, float weight_decay, uint64_t seed);
+  void begin_step(const Context& ctx) override;
+  // Only the last micro-batch communicates (Playbook §3.4); its after_backward hook marks a
+  // unit's gradients final and launches the buckets it completes (§3.2, §3.3).
+  UnitHooks hooks(const Context& ctx, bool last_micro_batch) override;
   // Waits for every bucket (launching the ones not yet launched); returns seconds blocked.
-  double finish(const Context& ctx);
+  double finish(const Context& ctx) override;
+  void step(const Context& ctx, float lr) override;
+  void trace_communication(Trace& trace) const override;
   const std::vector<GradBucket>& buckets() const { return buckets_; }
-  // (start, end) host times of each bucket's communication in the last step, for the trace.
-  std::vector<std::pair<double, double>> last_spans;
+
+ protected:
+  Tensor gather_flat(const Context& ctx, Part part) override;
+  void load_flat(Part part, const Tensor& whole) override;
+  void scale_grads(const Context& ctx, float alpha) override;
+  bool grads_sharded() const override { return false; }
 
  private:
+  void on_gradients_ready(int unit);
   void launch(GradBucket& b);
   void progress_all();
   void pump_rings(bool block);
-  Comm& comm_;
-  Model& model_;
+  Tensor& flat(Part part);
   DpSync mode_;
   bool overlap_, active_ = false;
   const Context* ctx_ = nullptr;
+  AdamMoments moments_;  // [num_params] each
   std::vector<GradBucket> buckets_;
-  std::vector<std::vector<int>> group_params_;  // readiness group (hook index + 1) -> params
-  std::vector<int> param_bucket_;               // parameter -> bucket
-  Tensor scratch_;                              // ring receive buffer
+  std::vector<int> param_bucket_;  // parameter -> bucket
+  Tensor scratch_;                 // ring receive buffer
   size_t ring_next_ = 0;  // rings run one at a time, in bucket order (see pump_rings)
+  std::vector<std::pair<double, double>> spans_;  // (start, end) of each bucket's last sync
 };

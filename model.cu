@@ -77,13 +77,14 @@ const char* recompute_name(Recompute r) {
 // ----------------------------------------------------------------------------
 // Parameters: one flat buffer, HF names, layout-free initialisation (DESIGN 5)
 
-// Calls fn(unit, name, shape, layout, view) for every parameter of `w`, in HF order, which is
-// also the flat buffer's order; `unit` indexes Model::units, `shape` is this rank's shard and
-// `layout` where it sits in the whole tensor (Playbook §5.3: q, k, v, gate, up and the LM head
-// split by output rows, o and down by input columns, the embedding by vocabulary rows, norms
-// whole). The one place that order and those splits are written down.
+// Calls fn(unit, name, shape, layout, view) for every parameter of the stage, in HF order,
+// which is also the flat buffer's order; `unit` indexes Model::units, `shape` is this rank's
+// shard and `layout` where it sits in the whole tensor (Playbook §5.3: q, k, v, gate, up and the
+// LM head split by output rows, o and down by input columns, the embedding by vocabulary rows,
+// norms whole). The one place that order and those splits are written down.
 template <class Fn>
-static void for_each_param(const ModelConfig& c, const LocalDims& L, Weights& w, Fn fn) {
+static void for_each_param(const ModelConfig& c, const Stage& stage, const LocalDims& L,
+                           Weights& w, Fn fn) {
   int64_t V = c.vocab, D = c.d_model, F = c.ffn, hd = c.head_dim();
   auto rows = [&](std::vector<int64_t> whole, int64_t row0, bool writer = true) {
     return TpSlice{whole, row0, 0, writer};
@@ -91,64 +92,39 @@ static void for_each_param(const ModelConfig& c, const LocalDims& L, Weights& w,
   auto cols = [&](std::vector<int64_t> whole, int64_t col0) { return TpSlice{whole, 0, col0, true}; };
   TpSlice norm{{D}, 0, 0, L.tp_rank == 0};  // every tp rank holds it; rank 0 saves it
   bool kv_writer = L.tp_rank % L.kv_replicas == 0;
-  fn(0, "model.embed_tokens.weight", {L.vocab, D}, rows({V, D}, L.vocab0), w.embed);
-  for (int l = 0; l < c.layers; l++) {
+  int unit = 0;
+  if (stage.embedding)
+    fn(unit++, "model.embed_tokens.weight", {L.vocab, D}, rows({V, D}, L.vocab0), w.embed);
+  for (int l = stage.first_block; l < stage.last_block; l++, unit++) {
     std::string p = "model.layers." + std::to_string(l) + ".";
-    BlockWeights& b = w.blocks[l];
-    fn(l + 1, p + "input_layernorm.weight", {D}, norm, b.attn_norm);
-    fn(l + 1, p + "self_attn.q_proj.weight", {L.heads * hd, D},
+    BlockWeights& b = w.blocks[l - stage.first_block];
+    fn(unit, p + "input_layernorm.weight", {D}, norm, b.attn_norm);
+    fn(unit, p + "self_attn.q_proj.weight", {L.heads * hd, D},
        rows({c.heads * hd, D}, L.head0 * hd), b.wq);
-    fn(l + 1, p + "self_attn.k_proj.weight", {L.kv_heads * hd, D},
+    fn(unit, p + "self_attn.k_proj.weight", {L.kv_heads * hd, D},
        rows({c.kv_heads * hd, D}, L.kv_head0 * hd, kv_writer), b.wk);
-    fn(l + 1, p + "self_attn.v_proj.weight", {L.kv_heads * hd, D},
+    fn(unit, p + "self_attn.v_proj.weight", {L.kv_heads * hd, D},
        rows({c.kv_heads * hd, D}, L.kv_head0 * hd, kv_writer), b.wv);
-    fn(l + 1, p + "self_attn.o_proj.weight", {D, L.heads * hd}, cols({D, c.heads * hd}, L.head0 * hd),
-       b.wo);
-    fn(l + 1, p + "post_attention_layernorm.weight", {D}, norm, b.mlp_norm);
-    fn(l + 1, p + "mlp.gate_proj.weight", {L.ffn, D}, rows({F, D}, L.ffn0), b.w_gate);
-    fn(l + 1, p + "mlp.up_proj.weight", {L.ffn, D}, rows({F, D}, L.ffn0), b.w_up);
-    fn(l + 1, p + "mlp.down_proj.weight", {D, L.ffn}, cols({D, F}, L.ffn0), b.w_down);
+    fn(unit, p + "self_attn.o_proj.weight", {D, L.heads * hd},
+       cols({D, c.heads * hd}, L.head0 * hd), b.wo);
+    fn(unit, p + "post_attention_layernorm.weight", {D}, norm, b.mlp_norm);
+    fn(unit, p + "mlp.gate_proj.weight", {L.ffn, D}, rows({F, D}, L.ffn0), b.w_gate);
+    fn(unit, p + "mlp.up_proj.weight", {L.ffn, D}, rows({F, D}, L.ffn0), b.w_up);
+    fn(unit, p + "mlp.down_proj.weight", {D, L.ffn}, cols({D, F}, L.ffn0), b.w_down);
   }
-  fn(c.layers + 1, "model.norm.weight", {D}, norm, w.final_norm);
+  if (!stage.head) return;
+  fn(unit, "model.norm.weight", {D}, norm, w.final_norm);
   if (!c.tie_embeddings)  // HF omits lm_head.weight when tied
-    fn(c.layers + 1, "lm_head.weight", {L.vocab, D}, rows({V, D}, L.vocab0), w.lm_head);
+    fn(unit, "lm_head.weight", {L.vocab, D}, rows({V, D}, L.vocab0), w.lm_head);
 }
 
-// ----------------------------------------------------------------------------
-// Tensor-parallel shard of the model (Playbook §5.3): heads, ffn and vocabulary split over tp
-
-LocalDims local_dims(const ModelConfig& c, int rank, int size) {
-  LocalDims L;
-  L.tp_rank = rank;
-  L.heads = c.heads / size, L.head0 = rank * L.heads;
-  L.ffn = c.ffn / size, L.ffn0 = rank * L.ffn;
-  L.vocab = c.vocab / size, L.vocab0 = rank * L.vocab;
-  if (c.kv_heads % size == 0) {  // each rank its own key/value heads
-    L.kv_heads = c.kv_heads / size, L.kv_head0 = rank * L.kv_heads, L.kv_replicas = 1;
-  } else {  // more ranks than kv heads: the kv head of this rank's query heads, replicated
-    L.kv_heads = 1, L.kv_replicas = size / c.kv_heads, L.kv_head0 = rank / L.kv_replicas;
-  }
-  return L;
-}
-
-void validate_tensor_parallel(const ModelConfig& c, int tp, bool sp) {
-  auto divides = [&](int n, const char* flag) {
-    if (n % tp)
-      throw UsageError("--tp " + std::to_string(tp) + " does not divide " + flag + " " +
-                       std::to_string(n) + ": tensor parallelism splits it evenly (picoscale "
-                       "does not pad); pick a --tp that divides it");
-  };
-  divides(c.heads, "--heads");
-  divides(c.ffn, "--ffn");
-  divides(c.vocab, "--vocab");
-  if (c.kv_heads % tp && tp % c.kv_heads)
-    throw UsageError("--tp " + std::to_string(tp) + " and --kv-heads " +
-                     std::to_string(c.kv_heads) + ": one must divide the other (key/value heads "
-                     "are split over tp, or replicated when tp exceeds them)");
-  if (sp && c.seq % tp)
-    throw UsageError("--sp with --seq " + std::to_string(c.seq) + " and --tp " +
-                     std::to_string(tp) + ": sequence parallelism splits every sequence's "
-                     "tokens over tp, so --tp must divide --seq");
+static std::vector<std::string> unit_names(const ModelConfig& c, const Stage& stage) {
+  std::vector<std::string> names;
+  if (stage.embedding) names.push_back("embedding");
+  for (int l = stage.first_block; l < stage.last_block; l++)
+    names.push_back("block " + std::to_string(l));
+  if (stage.head) names.push_back("head");
+  return names;
 }
 
 static Tensor unbound(const std::vector<int64_t>& shape) {
@@ -157,15 +133,23 @@ static Tensor unbound(const std::vector<int64_t>& shape) {
   return t;
 }
 
-Model build_model_layout(const ModelConfig& cfg, const TensorParallel& tp) {
+Model build_model_layout(const ModelConfig& cfg, const TensorParallel& tp, Stage stage) {
   validate_model_config(cfg);
+  if (stage.last_block < 0) stage.last_block = cfg.layers;
+  PICO_ASSERT(0 <= stage.first_block && stage.first_block <= stage.last_block &&
+                  stage.last_block <= cfg.layers,
+              "stage blocks [" + std::to_string(stage.first_block) + ", " +
+                  std::to_string(stage.last_block) + ")");
+  PICO_ASSERT(!cfg.tie_embeddings || stage.embedding == stage.head,
+              "tied embeddings need the embedding and the head on one stage");
   Model m;
   m.cfg = cfg;
+  m.stage = stage;
   m.tp = tp;
-  m.local = local_dims(cfg, tp.rank(), tp.size());
-  m.w.blocks.resize(cfg.layers);
-  m.g.blocks.resize(cfg.layers);
-  m.units.resize(cfg.layers + 2);
+  m.tp.local = local_dims(cfg, tp.rank(), tp.size());
+  m.w.blocks.resize(m.blocks());
+  m.g.blocks.resize(m.blocks());
+  for (const std::string& name : unit_names(cfg, stage)) m.units.push_back(ModelUnit{name});
   int64_t offset = 0;
   auto add = [&](int u, const std::string& name, const std::vector<int64_t>& shape,
                  const TpSlice& layout, Tensor&) {
@@ -179,9 +163,11 @@ Model build_model_layout(const ModelConfig& cfg, const TensorParallel& tp) {
     offset += view.numel();
     unit.numel = offset - unit.offset;
   };
-  for_each_param(cfg, m.local, m.w, add);
+  for_each_param(cfg, stage, m.tp.local, m.w, add);
   m.num_params = offset;
-  PICO_ASSERT(tp.size() > 1 || offset == parameter_count(cfg),
+  bool whole = stage.first_block == 0 && stage.last_block == cfg.layers && stage.embedding &&
+               stage.head;
+  PICO_ASSERT(tp.size() > 1 || !whole || offset == parameter_count(cfg),
               "parameter layout disagrees with parameter_count");
   for (int u = 0; u < (int)m.units.size(); u++) {
     bind_unit_params(m, u, Tensor());
@@ -194,7 +180,7 @@ static void bind_unit(Model& m, int u, const Tensor& base, Weights& w,
                       std::vector<NamedTensor>& named) {
   const ModelUnit& unit = m.units[u];
   PICO_ASSERT(!base.defined() || base.numel() >= unit.numel,
-              "unit " + std::to_string(u) + " needs " + std::to_string(unit.numel) + " elements");
+              unit.name + " needs " + std::to_string(unit.numel) + " elements");
   int index = 0;
   auto bind = [&](int pu, const std::string&, const std::vector<int64_t>& shape,
                   const TpSlice&, Tensor& view) {
@@ -203,8 +189,8 @@ static void bind_unit(Model& m, int u, const Tensor& base, Weights& w,
     view = base.defined() ? base.view(m.offsets[i] - unit.offset, shape) : unbound(shape);
     named[i].tensor = view;
   };
-  for_each_param(m.cfg, m.local, w, bind);
-  if (m.cfg.tie_embeddings && u == 0) w.lm_head = w.embed;
+  for_each_param(m.cfg, m.stage, m.tp.local, w, bind);
+  if (m.cfg.tie_embeddings && m.stage.embedding && u == 0) w.lm_head = w.embed;
 }
 void bind_unit_params(Model& m, int u, const Tensor& base) {
   bind_unit(m, u, base, m.w, m.named_params);
@@ -247,8 +233,7 @@ std::vector<NamedTensor> named_views(const Model& m, const Tensor& flat) {
   return views;
 }
 
-Model build_model(const ModelConfig& cfg, Device device, uint64_t seed, const TensorParallel& tp) {
-  Model m = build_model_layout(cfg, tp);
+void allocate_model(Model& m, Device device, uint64_t seed) {
   int64_t n = m.num_params;
   m.params = empty({n}, Mem::Params, device);
   m.grads = zeros({n}, Mem::Grads, device);
@@ -258,6 +243,12 @@ Model build_model(const ModelConfig& cfg, Device device, uint64_t seed, const Te
     bind_unit_grads(m, u, m.grads.view(unit.offset, {unit.numel}));
   }
   init_parameters(m, seed, m.params, 0);
+}
+
+Model build_model(const ModelConfig& cfg, Device device, uint64_t seed, const TensorParallel& tp,
+                  Stage stage) {
+  Model m = build_model_layout(cfg, tp, stage);
+  allocate_model(m, device, seed);
   return m;
 }
 
@@ -267,78 +258,83 @@ Model build_model(const ModelConfig& cfg, Device device, uint64_t seed, const Te
 static Tensor act(std::vector<int64_t> shape, Device d) { return empty(shape, Mem::Activations, d); }
 static Tensor work(std::vector<int64_t> shape, Device d) { return empty(shape, Mem::Workspace, d); }
 
+// The attention core (DESIGN 6, "Attention"): the seam where FlashAttention or ring attention
+// plugs in. Naive attention keeps the [B, Hl, T, T] probabilities for the backward.
 static AttentionShape attention_shape(const Model& m, int B, int T) {
-  return {B, T, m.local.heads, m.local.kv_heads, m.cfg.head_dim()};
+  return {B, T, m.tp.local.heads, m.tp.local.kv_heads, m.cfg.head_dim()};
 }
-
-// The full [N, D] input of a column-parallel linear from its [n_in, D] saved form: the same
-// tensor without SP; with SP all-gathered again (the backward re-gathers rather than keeping
-// the full tensor, as Megatron does, so activations stay sharded).
-static Tensor tp_input(const Model& m, const Context& ctx, const Tensor& x, int64_t N) {
-  if (!m.tp.sp) return x;
-  Tensor full = work({N, x.size(1)}, ctx.device);
-  tp_region_enter_forward(m.tp, ctx, x, full);
-  return full;
+static void attention_core_forward(const Context& ctx, const Model& m, BlockActivations& a, int B,
+                                   int T) {
+  const LocalDims& L = m.tp.local;
+  int64_t N = (int64_t)B * T, hd = m.cfg.head_dim();
+  a.attn = act({N, L.heads * hd}, ctx.device);
+  a.probs = act({B, L.heads, T, T}, ctx.device);
+  attention_forward(ctx, a.attn.reshape({N, L.heads, hd}), a.probs, a.q.reshape({N, L.heads, hd}),
+                    a.k.reshape({N, L.kv_heads, hd}), a.v.reshape({N, L.kv_heads, hd}),
+                    attention_shape(m, B, T));
+}
+// dq (=), dk, dv (=) from d_attn; rebuilds the probabilities when selective recompute dropped them.
+static void attention_core_backward(const Context& ctx, const Model& m, BlockActivations& a,
+                                    int B, int T, const Tensor& d_attn, const Tensor& dq,
+                                    const Tensor& dk, const Tensor& dv) {
+  const LocalDims& L = m.tp.local;
+  int64_t N = (int64_t)B * T, hd = m.cfg.head_dim();
+  AttentionShape shape = attention_shape(m, B, T);
+  Tensor q3 = a.q.reshape({N, L.heads, hd}), k3 = a.k.reshape({N, L.kv_heads, hd});
+  Tensor v3 = a.v.reshape({N, L.kv_heads, hd});
+  if (!a.probs.defined()) {  // selective recompute: rebuild the probabilities from q and k
+    a.probs = act({B, L.heads, T, T}, ctx.device);
+    attention_forward(ctx, dq.reshape({N, L.heads, hd}), a.probs, q3, k3, v3, shape);
+  }
+  Tensor d_probs = work({B, L.heads, T, T}, ctx.device);
+  attention_backward(ctx, dq.reshape({N, L.heads, hd}), dk.reshape({N, L.kv_heads, hd}),
+                     dv.reshape({N, L.kv_heads, hd}), d_attn.reshape({N, L.heads, hd}), q3, k3,
+                     v3, a.probs, d_probs, shape);
 }
 
 // Fills every field of `a` (a.x must be set) and writes the block's output into x_out.
-// x, x_mid, norms: [n, D] with n = N/tp under SP, else N. q, k, v, attn, gate, up, act: [N, local].
+// x, x_mid, norms: [n, D] (n = N/tp under SP, else N); q, k, v, attn, gate, up, act: [N, local].
+// The book's figure, top to bottom; the column- and row-parallel linears are tensor_parallel.cu's.
 static void block_forward(const Context& ctx, const Model& m, const BlockWeights& w,
                           BlockActivations& a, const Tensor& positions, int B, int T,
                           const Tensor& x_out) {
   const ModelConfig& c = m.cfg;
-  const LocalDims& L = m.local;
+  const LocalDims& L = m.tp.local;
   Device d = ctx.device;
   int64_t N = (int64_t)B * T, n = sp_tokens(m.tp, N), D = c.d_model, hd = c.head_dim();
   // Attention: x_mid = x + o(attn(rope(q(n1)), rope(k(n1)), v(n1))), n1 = rmsnorm(x)
   a.norm1 = act({n, D}, d), a.rstd1 = act({n}, d);
   rmsnorm_forward(ctx, a.norm1, a.rstd1, a.x, w.attn_norm, c.norm_eps);
-  Tensor h = tp_input(m, ctx, a.norm1, N);  // [N, D]: enter the tensor-parallel region
   a.q = act({N, L.heads * hd}, d);
   a.k = act({N, L.kv_heads * hd}, d), a.v = act({N, L.kv_heads * hd}, d);
-  // q, k, v: ColumnParallelLinear (Megatron): weights split by output rows, so each rank
-  // computes its own heads from the full input h; no communication until the row-parallel o.
-  linear_forward(ctx, a.q, h, w.wq);
-  linear_forward(ctx, a.k, h, w.wk);
-  linear_forward(ctx, a.v, h, w.wv);
+  column_parallel_forward(m.tp, ctx, a.norm1, {{a.q, w.wq}, {a.k, w.wk}, {a.v, w.wv}});
   rope_forward(ctx, a.q.reshape({N, L.heads, hd}), positions, c.rope_theta);
   rope_forward(ctx, a.k.reshape({N, L.kv_heads, hd}), positions, c.rope_theta);
-  a.attn = act({N, L.heads * hd}, d);
-  a.probs = act({B, L.heads, T, T}, d);
-  attention_forward(ctx, a.attn.reshape({N, L.heads, hd}), a.probs,
-                    a.q.reshape({N, L.heads, hd}), a.k.reshape({N, L.kv_heads, hd}),
-                    a.v.reshape({N, L.kv_heads, hd}), attention_shape(m, B, T));
-  // o: RowParallelLinear: weight split by input columns (this rank's heads), so its output is
-  // a partial sum, completed by leaving the region (f*: all-reduce; g*: reduce-scatter).
-  Tensor partial = work({N, D}, d);
-  Tensor out = m.tp.sp ? work({n, D}, d) : partial;
-  linear_forward(ctx, partial, a.attn, w.wo);
-  tp_region_exit_forward(m.tp, ctx, partial, out);  // leave: all-reduce or reduce-scatter
+  attention_core_forward(ctx, m, a, B, T);
+  Tensor out = work({n, D}, d);
+  row_parallel_forward(m.tp, ctx, out, a.attn, w.wo);
   a.x_mid = act({n, D}, d);
   residual_forward(ctx, a.x_mid, a.x, out);
 
   // MLP: x_out = x_mid + down(swiglu(gate(n2), up(n2))), n2 = rmsnorm(x_mid)
   a.norm2 = act({n, D}, d), a.rstd2 = act({n}, d);
   rmsnorm_forward(ctx, a.norm2, a.rstd2, a.x_mid, w.mlp_norm, c.norm_eps);
-  h = tp_input(m, ctx, a.norm2, N);
   a.gate = act({N, L.ffn}, d), a.up = act({N, L.ffn}, d), a.act = act({N, L.ffn}, d);
-  // gate, up: ColumnParallelLinear (this rank's ffn columns); down: RowParallelLinear.
-  linear_forward(ctx, a.gate, h, w.w_gate);
-  linear_forward(ctx, a.up, h, w.w_up);
+  column_parallel_forward(m.tp, ctx, a.norm2, {{a.gate, w.w_gate}, {a.up, w.w_up}});
   swiglu_forward(ctx, a.act, a.gate, a.up);
-  linear_forward(ctx, partial, a.act, w.w_down);
-  tp_region_exit_forward(m.tp, ctx, partial, out);
+  row_parallel_forward(m.tp, ctx, out, a.act, w.w_down);
   residual_forward(ctx, x_out, a.x_mid, out);
 }
 
-// What each recompute mode keeps after the forward (Playbook §2.6).
+// What each recompute mode keeps after the forward (Playbook §2.6). The one place a new policy
+// goes (e.g. keep everything but the MLP's gate, up and act).
 static void drop_for_recompute(BlockActivations& a, Recompute mode) {
   if (mode == Recompute::Selective) a.probs = Tensor();  // the s^2 term: recomputed
   if (mode == Recompute::Full) a = BlockActivations{a.x};  // only the block input
 }
 
-static void run_hook(const std::function<void(int)>& hook, int i) {
-  if (hook) hook(i);
+static void run_hook(const std::function<void(int)>& hook, int unit) {
+  if (hook) hook(unit);
 }
 
 static Tensor device_ints(const std::vector<int32_t>& v, Device d) {
@@ -347,45 +343,18 @@ static Tensor device_ints(const std::vector<int32_t>& v, Device d) {
   return t;
 }
 
-float model_forward(const Context& ctx, const Model& model, Activations& acts, const int32_t* ids,
-                    const int32_t* targets, int B, int T, Recompute mode, const UnitHooks& hooks) {
-  const ModelConfig& c = model.cfg;
-  const LocalDims& L = model.local;
+// Final RMSNorm, the column-parallel LM head (this rank's vocabulary slice) and, with targets,
+// the (vocab-parallel) cross-entropy. Returns the sum of per-token losses.
+static float head_forward(const Context& ctx, Model& model, Activations& acts,
+                          const int32_t* targets) {
+  const LocalDims& L = model.tp.local;
   Device d = ctx.device;
-  int64_t N = (int64_t)B * T, n = sp_tokens(model.tp, N), D = c.d_model;
-  acts = Activations{};
-  acts.B = B, acts.T = T;
-  // Vocab-parallel embedding: this rank looks up the ids of its vocabulary slice (zero rows
-  // for the others) and the partial rows are summed over tp (or reduce-scattered under SP).
-  acts.ids = device_ints(local_vocab_ids(ids, N, L.vocab0, L.vocab), d);
-  std::vector<int32_t> pos(N);
-  for (int64_t i = 0; i < N; i++) pos[i] = (int32_t)(i % T);
-  acts.positions = device_ints(pos, d);
-
-  Tensor rows = model.tp.size() > 1 ? work({N, D}, d) : Tensor();  // [N, D] partial rows
-  Tensor x = act({n, D}, d);  // [n, D] the residual stream
-  run_hook(hooks.before_forward, -1);
-  embedding_forward(ctx, rows.defined() ? rows : x, acts.ids, model.w.embed);
-  run_hook(hooks.after_forward, -1);
-  if (rows.defined()) tp_region_exit_forward(model.tp, ctx, rows, x);  // sum over the slices
-  rows = Tensor();
-  acts.blocks.resize(c.layers);
-  for (int l = 0; l < c.layers; l++) {
-    BlockActivations& a = acts.blocks[l];
-    a.x = x;
-    x = act({n, D}, d);
-    run_hook(hooks.before_forward, l);
-    block_forward(ctx, model, model.w.blocks[l], a, acts.positions, B, T, x);
-    run_hook(hooks.after_forward, l);
-    drop_for_recompute(a, mode);
-  }
-  acts.x_final = x;
+  int64_t N = (int64_t)acts.B * acts.T, n = acts.x_final.size(0), D = model.cfg.d_model;
   acts.normf = act({n, D}, d), acts.rstdf = act({n}, d);
-  run_hook(hooks.before_forward, c.layers);
-  rmsnorm_forward(ctx, acts.normf, acts.rstdf, x, model.w.final_norm, c.norm_eps);
-  acts.logits = act({N, L.vocab}, d);  // column-parallel LM head: this rank's vocabulary slice
-  linear_forward(ctx, acts.logits, tp_input(model, ctx, acts.normf, N), model.w.lm_head);
-  run_hook(hooks.after_forward, c.layers);
+  rmsnorm_forward(ctx, acts.normf, acts.rstdf, acts.x_final, model.w.final_norm,
+                  model.cfg.norm_eps);
+  acts.logits = act({N, L.vocab}, d);
+  column_parallel_forward(model.tp, ctx, acts.normf, {{acts.logits, model.w.lm_head}});
   if (!targets) return 0.0f;
   acts.targets = device_ints(local_vocab_ids(targets, N, L.vocab0, L.vocab), d);
   acts.losses = act({N}, d);
@@ -394,145 +363,137 @@ float model_forward(const Context& ctx, const Model& model, Activations& acts, c
   return sum(ctx, acts.losses);
 }
 
+float stage_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
+                    const Tensor& hidden_in, const int32_t* targets, int B, int T,
+                    Recompute mode, const UnitHooks& hooks) {
+  const ModelConfig& c = model.cfg;
+  const LocalDims& L = model.tp.local;
+  Device d = ctx.device;
+  int64_t N = (int64_t)B * T, n = sp_tokens(model.tp, N), D = c.d_model;
+  acts = Activations{};
+  acts.B = B, acts.T = T;
+  std::vector<int32_t> pos(N);
+  for (int64_t i = 0; i < N; i++) pos[i] = (int32_t)(i % T);
+  acts.positions = device_ints(pos, d);
+
+  Tensor x = hidden_in;  // [n, D] the residual stream
+  if (model.stage.embedding) {
+    // Vocab-parallel embedding: this rank looks up the ids of its vocabulary slice.
+    acts.ids = device_ints(local_vocab_ids(ids, N, L.vocab0, L.vocab), d);
+    x = act({n, D}, d);
+    run_hook(hooks.before_forward, 0);
+    vocab_parallel_embedding_forward(model.tp, ctx, x, acts.ids, model.w.embed);
+    run_hook(hooks.after_forward, 0);
+  }
+  PICO_ASSERT(x.defined() && x.numel() == n * D, "stage input " + x.shape_str());
+  acts.blocks.resize(model.blocks());
+  for (int l = 0; l < model.blocks(); l++) {
+    BlockActivations& a = acts.blocks[l];
+    a.x = x;
+    x = act({n, D}, d);
+    run_hook(hooks.before_forward, model.block_unit(l));
+    block_forward(ctx, model, model.w.blocks[l], a, acts.positions, B, T, x);
+    run_hook(hooks.after_forward, model.block_unit(l));
+    drop_for_recompute(a, mode);
+  }
+  acts.x_final = x;
+  if (!model.stage.head) return 0.0f;
+  run_hook(hooks.before_forward, model.head_unit());
+  float loss = head_forward(ctx, model, acts, targets);
+  run_hook(hooks.after_forward, model.head_unit());
+  return loss;
+}
+
+float model_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
+                    const int32_t* targets, int B, int T, Recompute mode, const UnitHooks& hooks) {
+  return stage_forward(ctx, model, acts, ids, Tensor(), targets, B, T, mode, hooks);
+}
+
 // ----------------------------------------------------------------------------
 // Backward
 
-// Scratch gradients, allocated once per backward pass and reused by every block.
-struct BackwardScratch {
-  Tensor d_full;               // [N, D] gradient of a row-parallel output (== dres without SP)
-  Tensor d_norm_full;          // [N, D] gradient of a column-parallel input, partial over tp
-  Tensor d_norm;               // [n, D] the same after leaving the region
-  Tensor d_attn;               // [N, Hl*hd]
-  Tensor dq, dk, dv;           // [N, Hl*hd], [N, KVl*hd] x2
-  Tensor d_act, d_gate, d_up;  // [N, Fl] x3
-  Tensor d_probs;              // [B, Hl, T, T]
-  Tensor norm_part;            // [D] a norm weight's gradient before the sum over tp (SP)
-  Tensor k_part, v_part;       // [KVl*hd, D] replicated k/v gradients before their sum
-};
-
-// A gradient that several tp ranks hold a copy of, each copy having seen part of the data:
-// norm weights under SP (each rank normalised n of the N tokens) and key/value projections
-// replicated when tp > kv heads (each copy served only this rank's query heads). Each
-// micro-batch's part is summed over the copies, then added: slot `slot` of `slots` equal
-// slots (one slot: every tp rank holds a copy; kv heads: the copies of one head share a slot).
-static void add_replicated_grad(const Model& m, const Context& ctx, const Tensor& grad,
-                                const Tensor& part, int slot, int slots) {
-  if (slots == 1) {
-    copy_to_tp_region_backward(m.tp, ctx, part);  // all-reduce over tp
-  } else {
-    Tensor all = zeros({slots * part.numel()}, Mem::Workspace, ctx.device);
-    copy_(all.view(slot * part.numel(), {part.numel()}), part);
-    copy_to_tp_region_backward(m.tp, ctx, all);
-    copy_(part, all.view(slot * part.numel(), {part.numel()}));
-  }
-  axpy(ctx, grad, 1.0f, part);
-}
-// Where a norm weight's gradient goes first: straight into grad, or into a zeroed part (SP).
-static Tensor norm_grad_target(const Model& m, const Tensor& grad, BackwardScratch& s) {
-  if (!m.tp.sp) return grad;
-  zero_(s.norm_part);
-  return s.norm_part;
-}
-
-// dres [n, D] holds d(block output) on entry and d(block input) on exit.
+// dres [n, D] holds d(block output) on entry and d(block input) on exit. The forward read
+// bottom to top: MLP first, then attention.
 static void block_backward(const Context& ctx, const Model& m, const BlockWeights& w,
                            const BlockWeights& g, BlockActivations& a, const Tensor& positions,
-                           int B, int T, const Tensor& dres, BackwardScratch& s) {
+                           int B, int T, const Tensor& dres) {
   const ModelConfig& c = m.cfg;
-  const LocalDims& L = m.local;
-  int64_t N = (int64_t)B * T, hd = c.head_dim();
+  const LocalDims& L = m.tp.local;
+  Device d = ctx.device;
+  int64_t N = (int64_t)B * T, n = sp_tokens(m.tp, N), D = c.d_model, hd = c.head_dim();
+  Tensor d_norm = work({n, D}, d);  // [n, D] gradient of a norm's output
   // MLP
-  tp_region_exit_backward(m.tp, ctx, dres, s.d_full);
-  linear_backward(ctx, s.d_act, g.w_down, s.d_full, a.act, w.w_down);
-  swiglu_backward(ctx, s.d_gate, s.d_up, s.d_act, a.gate, a.up);
-  Tensor h = tp_input(m, ctx, a.norm2, N);
-  linear_backward(ctx, s.d_norm_full, g.w_gate, s.d_gate, h, w.w_gate);
-  linear_backward(ctx, s.d_norm_full, g.w_up, s.d_up, h, w.w_up, /*accumulate_dx=*/true);
-  tp_region_enter_backward(m.tp, ctx, s.d_norm_full, s.d_norm);
-  Tensor dw = norm_grad_target(m, g.mlp_norm, s);
-  rmsnorm_backward(ctx, dres, dw, s.d_norm, a.x_mid, w.mlp_norm, a.rstd2);  // += : residual
-  if (m.tp.sp) add_replicated_grad(m, ctx, g.mlp_norm, dw, 0, 1);
+  Tensor d_act = work({N, L.ffn}, d), d_gate = work({N, L.ffn}, d), d_up = work({N, L.ffn}, d);
+  row_parallel_backward(m.tp, ctx, d_act, g.w_down, dres, a.act, w.w_down);
+  swiglu_backward(ctx, d_gate, d_up, d_act, a.gate, a.up);
+  column_parallel_backward(m.tp, ctx, d_norm, a.norm2,
+                           {{d_gate, w.w_gate, g.w_gate}, {d_up, w.w_up, g.w_up}});
+  parallel_rmsnorm_backward(m.tp, ctx, dres, g.mlp_norm, d_norm, a.x_mid, w.mlp_norm, a.rstd2);
 
   // Attention
-  tp_region_exit_backward(m.tp, ctx, dres, s.d_full);
-  linear_backward(ctx, s.d_attn, g.wo, s.d_full, a.attn, w.wo);
-  AttentionShape shape = attention_shape(m, B, T);
-  Tensor q3 = a.q.reshape({N, L.heads, hd}), k3 = a.k.reshape({N, L.kv_heads, hd});
-  Tensor v3 = a.v.reshape({N, L.kv_heads, hd});
-  if (!a.probs.defined()) {  // selective recompute: rebuild the probabilities from q and k
-    a.probs = act({B, L.heads, T, T}, ctx.device);
-    attention_forward(ctx, s.dq.reshape({N, L.heads, hd}), a.probs, q3, k3, v3, shape);
-  }
-  attention_backward(ctx, s.dq.reshape({N, L.heads, hd}), s.dk.reshape({N, L.kv_heads, hd}),
-                     s.dv.reshape({N, L.kv_heads, hd}), s.d_attn.reshape({N, L.heads, hd}), q3,
-                     k3, v3, a.probs, s.d_probs, shape);
-  rope_backward(ctx, s.dq.reshape({N, L.heads, hd}), positions, c.rope_theta);
-  rope_backward(ctx, s.dk.reshape({N, L.kv_heads, hd}), positions, c.rope_theta);
-  h = tp_input(m, ctx, a.norm1, N);
-  bool replicated = L.kv_replicas > 1;
-  if (replicated) zero_(s.k_part), zero_(s.v_part);
-  linear_backward(ctx, s.d_norm_full, g.wq, s.dq, h, w.wq);
-  linear_backward(ctx, s.d_norm_full, replicated ? s.k_part : g.wk, s.dk, h, w.wk, true);
-  linear_backward(ctx, s.d_norm_full, replicated ? s.v_part : g.wv, s.dv, h, w.wv, true);
-  if (replicated) {
-    add_replicated_grad(m, ctx, g.wk, s.k_part, L.kv_head0, c.kv_heads);
-    add_replicated_grad(m, ctx, g.wv, s.v_part, L.kv_head0, c.kv_heads);
-  }
-  tp_region_enter_backward(m.tp, ctx, s.d_norm_full, s.d_norm);
-  dw = norm_grad_target(m, g.attn_norm, s);
-  rmsnorm_backward(ctx, dres, dw, s.d_norm, a.x, w.attn_norm, a.rstd1);
-  if (m.tp.sp) add_replicated_grad(m, ctx, g.attn_norm, dw, 0, 1);
+  Tensor d_attn = work({N, L.heads * hd}, d), dq = work({N, L.heads * hd}, d);
+  Tensor dk = work({N, L.kv_heads * hd}, d), dv = work({N, L.kv_heads * hd}, d);
+  row_parallel_backward(m.tp, ctx, d_attn, g.wo, dres, a.attn, w.wo);
+  attention_core_backward(ctx, m, a, B, T, d_attn, dq, dk, dv);
+  rope_backward(ctx, dq.reshape({N, L.heads, hd}), positions, c.rope_theta);
+  rope_backward(ctx, dk.reshape({N, L.kv_heads, hd}), positions, c.rope_theta);
+  column_parallel_backward(
+      m.tp, ctx, d_norm, a.norm1,
+      {{dq, w.wq, g.wq}, {dk, w.wk, g.wk, true}, {dv, w.wv, g.wv, true}});
+  parallel_rmsnorm_backward(m.tp, ctx, dres, g.attn_norm, d_norm, a.x, w.attn_norm, a.rstd1);
 }
 
-void model_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
-                    Recompute mode, const UnitHooks& hooks) {
-  const ModelConfig& c = model.cfg;
-  const LocalDims& L = model.local;
+// Loss -> d(final hidden) [n, D] into dres: cross-entropy, LM head, final norm.
+static void head_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
+                          const Tensor& dres) {
+  tp_cross_entropy_backward(model.tp, ctx, acts.logits, acts.logits, acts.ce_stats, acts.targets,
+                            loss_scale);  // in place: the logits become their gradient
+  Tensor d_norm = work(dres.shape, ctx.device);
+  column_parallel_backward(model.tp, ctx, d_norm, acts.normf,
+                           {{acts.logits, model.w.lm_head, model.g.lm_head}});
+  acts.logits = acts.normf = Tensor();
+  parallel_rmsnorm_backward(model.tp, ctx, dres, model.g.final_norm, d_norm, acts.x_final,
+                            model.w.final_norm, acts.rstdf);
+}
+
+Tensor stage_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
+                      const Tensor& d_out, Recompute mode, const UnitHooks& hooks) {
   Device d = ctx.device;
   int B = acts.B, T = acts.T;
-  int64_t N = (int64_t)B * T, n = sp_tokens(model.tp, N), D = c.d_model, hd = c.head_dim();
-  bool sp = model.tp.sp;
-  BackwardScratch s;
-  s.norm_part = work({D}, d);
-  if (L.kv_replicas > 1) s.k_part = work({L.kv_heads * hd, D}, d), s.v_part = work({L.kv_heads * hd, D}, d);
-  s.d_norm_full = work({N, D}, d);
-  s.d_norm = sp ? work({n, D}, d) : s.d_norm_full;
+  int64_t n = acts.x_final.size(0), D = model.cfg.d_model;
   Tensor dres = zeros({n, D}, Mem::Workspace, d);  // [n, D] gradient of the residual stream
-  s.d_full = sp ? work({N, D}, d) : dres;
-
-  // Head: loss = loss_scale * sum CE(lm_head(rmsnorm(x_final)))
-  run_hook(hooks.before_backward, c.layers);
-  tp_cross_entropy_backward(model.tp, ctx, acts.logits, acts.logits, acts.ce_stats, acts.targets,
-                            loss_scale);  // in place
-  linear_backward(ctx, s.d_norm_full, model.g.lm_head, acts.logits,
-                  tp_input(model, ctx, acts.normf, N), model.w.lm_head);
-  acts.logits = acts.normf = Tensor();
-  tp_region_enter_backward(model.tp, ctx, s.d_norm_full, s.d_norm);
-  Tensor dw = norm_grad_target(model, model.g.final_norm, s);
-  rmsnorm_backward(ctx, dres, dw, s.d_norm, acts.x_final, model.w.final_norm, acts.rstdf);
-  if (sp) add_replicated_grad(model, ctx, model.g.final_norm, dw, 0, 1);
-  run_hook(hooks.after_backward, c.layers);
-
-  s.d_attn = work({N, L.heads * hd}, d), s.dq = work({N, L.heads * hd}, d);
-  s.dk = work({N, L.kv_heads * hd}, d), s.dv = work({N, L.kv_heads * hd}, d);
-  s.d_act = work({N, L.ffn}, d), s.d_gate = work({N, L.ffn}, d), s.d_up = work({N, L.ffn}, d);
-  s.d_probs = work({B, L.heads, T, T}, d);
-  for (int l = c.layers - 1; l >= 0; l--) {
+  if (model.stage.head) {
+    run_hook(hooks.before_backward, model.head_unit());
+    head_backward(ctx, model, acts, loss_scale, dres);
+    run_hook(hooks.after_backward, model.head_unit());
+  } else {
+    copy_(dres, d_out);
+  }
+  for (int l = model.blocks() - 1; l >= 0; l--) {
     BlockActivations& a = acts.blocks[l];
-    run_hook(hooks.before_backward, l);
+    run_hook(hooks.before_backward, model.block_unit(l));
     if (mode == Recompute::Full) {  // rebuild this block's activations from its input
       Tensor x_out = work({n, D}, d);
       block_forward(ctx, model, model.w.blocks[l], a, acts.positions, B, T, x_out);
     }
-    block_backward(ctx, model, model.w.blocks[l], model.g.blocks[l], a, acts.positions, B, T, dres, s);
+    block_backward(ctx, model, model.w.blocks[l], model.g.blocks[l], a, acts.positions, B, T,
+                   dres);
     a = BlockActivations{};  // this micro-batch no longer needs block l's activations
-    run_hook(hooks.after_backward, l);
+    run_hook(hooks.after_backward, model.block_unit(l));
   }
-  run_hook(hooks.before_backward, -1);
-  tp_region_exit_backward(model.tp, ctx, dres, s.d_full);
-  embedding_backward(ctx, model.g.embed, acts.ids, s.d_full);  // reads no weights, only ids
-  run_hook(hooks.after_backward, -1);
+  if (model.stage.embedding) {
+    run_hook(hooks.before_backward, 0);
+    vocab_parallel_embedding_backward(model.tp, ctx, model.g.embed, acts.ids, dres);
+    run_hook(hooks.after_backward, 0);
+    dres = Tensor();
+  }
   acts = Activations{};
+  return dres;
+}
+
+void model_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
+                    Recompute mode, const UnitHooks& hooks) {
+  stage_backward(ctx, model, acts, loss_scale, Tensor(), mode, hooks);
 }
 
 // ----------------------------------------------------------------------------

@@ -32,21 +32,6 @@ void validate_model_config(const ModelConfig& cfg);  // throws UsageError naming
 // Closed form: V*D [embed] + L*(2D + D*hd*(2Hq + 2Hkv) + 3*D*F) + D + (tied ? 0 : V*D)
 int64_t parameter_count(const ModelConfig& cfg);
 
-// The slice of the model one tensor-parallel rank holds (Playbook §5.3): query heads, ffn
-// columns and vocabulary rows split evenly over tp; key/value heads split too, or, when tp
-// exceeds them, the one kv head this rank's query heads read, replicated on kv_replicas ranks.
-struct LocalDims {
-  int heads = 0, head0 = 0;     // query heads [head0, head0 + heads)
-  int kv_heads = 0, kv_head0 = 0, kv_replicas = 1;
-  int ffn = 0, ffn0 = 0;        // intermediate columns [ffn0, ffn0 + ffn)
-  int vocab = 0, vocab0 = 0;    // vocabulary rows [vocab0, vocab0 + vocab)
-  int tp_rank = 0;
-};
-LocalDims local_dims(const ModelConfig& cfg, int tp_rank, int tp_size);
-// Throws UsageError unless --tp divides heads, ffn and vocab, kv heads and tp divide one
-// another, and (with --sp) --tp divides --seq.
-void validate_tensor_parallel(const ModelConfig& cfg, int tp, bool sp);
-
 enum class Recompute { None, Selective, Full };  // Playbook §2.6
 Recompute parse_recompute(const std::string& flag);
 const char* recompute_name(Recompute r);
@@ -72,19 +57,28 @@ struct NamedTensor {
   Tensor tensor;
 };
 
-// A unit: the parameters that one hook index covers, a contiguous slice of the flat buffer.
-// units[i + 1] belongs to hook index i: -1 the embedding, 0..L-1 block i, L the head (final norm,
-// and the LM head unless tied). Data parallelism reduces, and ZeRO gathers, one unit at a time.
+// A pipeline stage (DESIGN 6, "Stage"): the blocks [first_block, last_block), with the
+// embedding or not (the first stage) and with the final norm + LM head + loss or not (the last).
+// The whole model is the one stage that holds everything; last_block -1 means every block.
+struct Stage {
+  int first_block = 0, last_block = -1;
+  bool embedding = true, head = true;
+};
+
+// A unit: the parameters one hook covers (the embedding, one block, or the head: final norm and
+// LM head unless tied), a contiguous slice of the flat buffer. Data parallelism reduces, and
+// ZeRO gathers, one unit at a time. Units are in forward order: u + 1 runs after u.
 struct ModelUnit {
+  std::string name;               // "embedding", "block 3", "head"
   int64_t offset = 0, numel = 0;  // its slice [offset, offset + numel) of the flat buffer
   int first = 0, count = 0;       // its parameters: named_params[first, first + count)
 };
 
 struct Model {
   ModelConfig cfg;
-  TensorParallel tp;     // the tp group (size 1: the whole model on this rank)
-  LocalDims local;       // this rank's heads, ffn and vocabulary slice
-  int64_t num_params = 0;  // parameters on this rank: the whole model over tp
+  Stage stage;           // which part of the model this rank holds (resolved: last_block set)
+  TensorParallel tp;     // the tp group and this rank's heads, ffn and vocabulary slice
+  int64_t num_params = 0;  // parameters on this rank: the stage's, over tp
   std::vector<TpSlice> layouts;  // per named parameter: where its shard sits in the whole
   // [num_params] flat, Mem::Params and Mem::Grads. A sharded optimizer (zero.cu) may hold the
   // memory instead: then these are undefined or padded, and the views point where it binds them.
@@ -92,16 +86,22 @@ struct Model {
   Weights w, g;                                        // views into params and grads
   std::vector<NamedTensor> named_params, named_grads;  // HF order (the checkpoint's order)
   std::vector<int64_t> offsets;  // per named parameter: its first element in the flat buffer
-  std::vector<ModelUnit> units;  // embedding, blocks 0..L-1, head
+  std::vector<ModelUnit> units;  // [embedding], this stage's blocks, [head]
+  int blocks() const { return stage.last_block - stage.first_block; }  // blocks on this stage
+  int block_unit(int local_block) const { return (stage.embedding ? 1 : 0) + local_block; }
+  int head_unit() const { return (int)units.size() - 1; }  // valid when stage.head
 };
 // Allocates the flat buffers and initialises every weight from (seed, name, element index):
 // linear and embedding weights N(0, init_std), norm weights 1.
 // Under tensor parallelism each rank allocates and initialises exactly its shards.
 Model build_model(const ModelConfig& cfg, Device device, uint64_t seed,
-                  const TensorParallel& tp = {});
+                  const TensorParallel& tp = {}, Stage stage = {});
 // The layout alone (names, shapes, offsets, units), no memory: every view is unbound (its
 // shape is set, its data pointer null) until bind_unit_params / bind_unit_grads point it.
-Model build_model_layout(const ModelConfig& cfg, const TensorParallel& tp = {});
+Model build_model_layout(const ModelConfig& cfg, const TensorParallel& tp = {}, Stage stage = {});
+// Allocates the flat parameter and gradient buffers of a layout, binds every view and
+// initialises the weights (what build_model does after build_model_layout).
+void allocate_model(Model& m, Device device, uint64_t seed);
 // Points the views of unit u at `base`, which holds the unit laid out as in the flat buffer
 // (base[k] is flat element units[u].offset + k); an undefined `base` unbinds them.
 void bind_unit_params(Model& m, int u, const Tensor& base);
@@ -112,7 +112,7 @@ void init_parameters(const Model& m, uint64_t seed, const Tensor& out, int64_t f
 // of the weights, the gradients or an optimizer moment, in the checkpoint's order.
 std::vector<NamedTensor> named_views(const Model& m, const Tensor& flat);
 
-// Hooks around each unit's forward and backward, by hook index i (see ModelUnit). after_backward
+// Hooks around each unit's forward and backward, by unit index (Model::units). after_backward
 // runs as soon as the unit's weight gradients are final: the seam where data parallelism
 // launches a bucket's all-reduce and ZeRO a reduce-scatter; ZeRO-3 gathers a unit's weights
 // in before_forward / before_backward and frees them in after_forward / after_backward.
@@ -123,7 +123,7 @@ struct UnitHooks {
 // What one micro-batch's forward saves for its backward (its own object, so a pipeline can
 // hold several in flight). Which tensors are kept depends on the recompute mode.
 // Shapes for N = B*T tokens and n = N/tp under sequence parallelism (else n = N); Hl, KVl and
-// Fl are this rank's heads, kv heads and ffn columns (LocalDims).
+// Fl are this rank's heads, kv heads and ffn columns (LocalDims, tensor_parallel.cuh).
 struct BlockActivations {
   Tensor x;             // [n, D] block input (always kept)
   Tensor norm1, rstd1;  // [n, D], [n]
@@ -143,21 +143,30 @@ int64_t saved_bytes(const BlockActivations& a);
 struct Activations {
   int B = 0, T = 0;
   Tensor ids, targets, positions;  // [N] int32, N = B*T
-  std::vector<BlockActivations> blocks;
-  Tensor x_final, normf, rstdf;  // [n, D], [n, D], [n]
+  std::vector<BlockActivations> blocks;  // this stage's blocks
+  Tensor x_final;                // [n, D] the last block's output: the stage's output hidden state
+  Tensor normf, rstdf;           // [n, D], [n]
   Tensor logits;                 // [N, V / tp] this rank's vocabulary slice
   Tensor losses;                 // [N] per-token cross-entropy
   Tensor ce_stats;               // [N, 2] row max and sum of exponentials (vocab-parallel)
 };
 
-// Runs the forward pass of B sequences of T tokens (ids and targets are host arrays [B*T]);
-// returns the sum of per-token losses (fp32 accumulation). With targets == nullptr only the
-// logits are computed (generation).
-float model_forward(const Context& ctx, const Model& model, Activations& acts, const int32_t* ids,
+// ---- The stage seam (DESIGN 6): what a pipeline schedule runs, one micro-batch at a time ----
+// Forward of B sequences of T tokens through this stage. Input: token ids (host [B*T]) on the
+// first stage, else hidden_in [n, D] from the previous stage. Returns, on the last stage, the
+// sum of per-token losses (fp32 accumulation; with targets == nullptr only the logits are
+// computed, for generation); elsewhere 0, and acts.x_final holds the output for the next stage.
+float stage_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
+                    const Tensor& hidden_in, const int32_t* targets, int B, int T,
+                    Recompute mode, const UnitHooks& hooks = {});
+// Accumulates (+=) into the gradient views the gradient of loss_scale * sum(losses) (last
+// stage) or of <d_out, output> (d_out [n, D], other stages), releasing the activations as it
+// goes; units run in backward order. Returns d(input hidden) [n, D], undefined on the first stage.
+Tensor stage_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
+                      const Tensor& d_out, Recompute mode, const UnitHooks& hooks = {});
+// The whole model as one stage: ids in, loss (or logits) out; and its backward.
+float model_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
                     const int32_t* targets, int B, int T, Recompute mode,
                     const UnitHooks& hooks = {});
-// Accumulates (+=) into the gradient views the gradient of loss_scale * sum(losses), and releases
-// the activations as it goes. Units run in backward order: the head (hook index layers), blocks
-// layers-1 ... 0, then the embedding (-1).
 void model_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
                     Recompute mode, const UnitHooks& hooks = {});

@@ -543,13 +543,3 @@ void adamw_update(const Context& ctx, float* p, const float* g, float* m, float*
                                                          bc2);
   CUDA_CHECK(cudaGetLastError());
 }
-
-// ============================================================================
-// gradient clipping: one global L2 norm over all gradients, then one rescale
-// ============================================================================
-
-float clip_grad_norm(const Context& ctx, const Tensor& grads, float max_norm) {
-  float norm = sqrtf(sum_squares(ctx, grads));
-  if (max_norm > 0.0f && norm > max_norm) scale_(ctx, grads, max_norm / norm);
-  return norm;
-}

@@ -74,7 +74,3 @@ struct AdamWConfig {
 void adamw_update(const Context& ctx, float* p, const float* g, float* m, float* v, int64_t n,
                   const AdamWConfig& cfg, float lr, float weight_decay, int step);
 
-// ---- gradient clipping (one process; sharded versions combine sum_squares over ranks) ----
-// Returns the L2 norm of grads; when max_norm > 0 and norm > max_norm, scales grads by
-// max_norm / norm.
-float clip_grad_norm(const Context& ctx, const Tensor& grads, float max_norm);

@@ -1,31 +1,34 @@
-// optimizer.cu: AdamW on the flat parameter buffer and the warmup + cosine schedule.
+// optimizer.cu: AdamW on slices of the flat buffers, and the warmup + cosine schedule.
 // The one idea: the optimizer state is two more copies of the parameters (m and v), which is
 // why it dominates static memory, and why ZeRO shards it first (Playbook §4).
-#include "optimizer.cuh"
-
 #include <cmath>
 
-Optimizer build_optimizer(const Model& model, const AdamWConfig& hp, float weight_decay) {
-  Optimizer opt;
-  opt.hp = hp;
-  opt.weight_decay = weight_decay;
-  Device d = model.params.device;
-  opt.exp_avg = zeros(model.params.shape, Mem::Optimizer, d);
-  opt.exp_avg_sq = zeros(model.params.shape, Mem::Optimizer, d);
-  opt.named_exp_avg = named_views(model, opt.exp_avg);
-  opt.named_exp_avg_sq = named_views(model, opt.exp_avg_sq);
-  return opt;
+#include "optimizer.cuh"
+
+bool weight_decays(const Tensor& param) {
+  return param.dim() >= 2;
 }
 
-void optimizer_step(const Context& ctx, Model& model, Optimizer& opt, float lr) {
-  opt.step++;
-  for (size_t i = 0; i < model.named_params.size(); i++) {
-    const Tensor& p = model.named_params[i].tensor;
-    float wd = p.dim() >= 2 ? opt.weight_decay : 0.0f;
-    adamw_update(ctx, p.f32(), model.named_grads[i].tensor.f32(),
-                 opt.named_exp_avg[i].tensor.f32(), opt.named_exp_avg_sq[i].tensor.f32(),
-                 p.numel(), opt.hp, lr, wd, (int)opt.step);
-  }
+AdamMoments adam_moments(int64_t n, Device device) {
+  return {zeros({n}, Mem::Optimizer, device), zeros({n}, Mem::Optimizer, device)};
+}
+
+std::vector<ParamSlice> whole_model_slices(const Model& model, const AdamMoments& moments) {
+  std::vector<ParamSlice> slices;
+  for (int u = 0; u < (int)model.units.size(); u++)
+    for (int p = model.units[u].first; p < model.units[u].first + model.units[u].count; p++) {
+      const Tensor& t = model.named_params[p].tensor;
+      int64_t at = model.offsets[p];
+      slices.push_back({model.params.f32() + at, model.grads.f32() + at, moments.exp_avg.f32() + at,
+                        moments.exp_avg_sq.f32() + at, t.numel(), u, weight_decays(t),
+                        model.layouts[p].writer});
+    }
+  return slices;
+}
+
+void AdamW::update(const Context& ctx, const ParamSlice& s, float lr) const {
+  adamw_update(ctx, s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.count, hp, lr,
+               s.decay ? weight_decay : 0.0f, (int)steps);
 }
 
 float learning_rate(const LrSchedule& s, int64_t step) {

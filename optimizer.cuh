@@ -1,21 +1,39 @@
-// optimizer.cuh: AdamW over the flat parameter buffer, and the learning-rate schedule.
-// Adam keeps two fp32 moments per parameter: the 8 bytes of the book's 16 bytes per
-// parameter (Playbook §2.4: 4 weights + 4 gradients + 8 optimizer).
+// optimizer.cuh: AdamW over the slices of the flat buffers a rank updates, the one weight-decay
+// rule, and the learning-rate schedule. Adam keeps two fp32 moments per parameter: the 8 bytes
+// of the book's 16 bytes per parameter (Playbook §2.4: 4 weights + 4 gradients + 8 optimizer).
 #pragma once
 #include "model.cuh"
 #include "ops.cuh"
 
-struct Optimizer {
+// A run of one parameter that this rank updates: `count` contiguous floats of its weights, its
+// gradient and its two Adam moments. Plain data parallelism has one slice per parameter; ZeRO
+// one per (parameter, unit shard) overlap.
+struct ParamSlice {
+  float *param, *grad, *exp_avg, *exp_avg_sq;
+  int64_t count = 0;
+  int unit = 0;          // the model unit it belongs to
+  bool decay = false;    // weight decay applies (weight_decays)
+  bool counted = false;  // in the gradient norm: one copy of a weight several tp ranks hold
+};
+// Matrices decay; norm weights do not (as in GPT-2, llm.c and Megatron).
+bool weight_decays(const Tensor& param);
+
+// Adam's two moments for n parameters: fp32, zeroed, Mem::Optimizer.
+struct AdamMoments {
+  Tensor exp_avg, exp_avg_sq;  // [n] each
+};
+AdamMoments adam_moments(int64_t n, Device device);
+// One slice per parameter, for a model whose flat buffers hold all of its parameters (plain
+// data parallelism, one process); `moments` laid out like model.params.
+std::vector<ParamSlice> whole_model_slices(const Model& model, const AdamMoments& moments);
+
+struct AdamW {
   AdamWConfig hp;
   float weight_decay = 0.1f;
-  Tensor exp_avg, exp_avg_sq;  // [num_params] flat, Mem::Optimizer
-  std::vector<NamedTensor> named_exp_avg, named_exp_avg_sq;  // views, the parameters' names
-  int64_t step = 0;                                          // updates taken so far
+  int64_t steps = 0;  // updates taken so far; the caller counts them, update() reads them
+  // One AdamW update of one slice at learning rate lr (Loshchilov & Hutter, decoupled decay).
+  void update(const Context& ctx, const ParamSlice& s, float lr) const;
 };
-Optimizer build_optimizer(const Model& model, const AdamWConfig& hp, float weight_decay);
-// One AdamW update of every parameter from model.grads; decay applies to matrices only
-// (norm weights are not decayed, as in GPT-2, llm.c and Megatron).
-void optimizer_step(const Context& ctx, Model& model, Optimizer& opt, float lr);
 
 struct LrSchedule {
   float max_lr = 1e-3f, min_lr = 1e-4f;

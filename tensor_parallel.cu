@@ -11,7 +11,45 @@
 #include <cmath>
 #include <initializer_list>
 
+#include "model.cuh"
 #include "ops.cuh"
+
+// ----------------------------------------------------------------------------
+// This rank's slice of the model (Playbook §5.3)
+
+LocalDims local_dims(const ModelConfig& c, int rank, int size) {
+  LocalDims L;
+  L.tp_rank = rank;
+  L.heads = c.heads / size, L.head0 = rank * L.heads;
+  L.ffn = c.ffn / size, L.ffn0 = rank * L.ffn;
+  L.vocab = c.vocab / size, L.vocab0 = rank * L.vocab;
+  if (c.kv_heads % size == 0) {  // each rank its own key/value heads
+    L.kv_heads = c.kv_heads / size, L.kv_head0 = rank * L.kv_heads, L.kv_replicas = 1;
+  } else {  // more ranks than kv heads: the kv head of this rank's query heads, replicated
+    L.kv_heads = 1, L.kv_replicas = size / c.kv_heads, L.kv_head0 = rank / L.kv_replicas;
+  }
+  return L;
+}
+
+void validate_tensor_parallel(const ModelConfig& c, int tp, bool sp) {
+  auto divides = [&](int n, const char* flag) {
+    if (n % tp)
+      throw UsageError("--tp " + std::to_string(tp) + " does not divide " + flag + " " +
+                       std::to_string(n) + ": tensor parallelism splits it evenly (picoscale "
+                       "does not pad); pick a --tp that divides it");
+  };
+  divides(c.heads, "--heads");
+  divides(c.ffn, "--ffn");
+  divides(c.vocab, "--vocab");
+  if (c.kv_heads % tp && tp % c.kv_heads)
+    throw UsageError("--tp " + std::to_string(tp) + " and --kv-heads " +
+                     std::to_string(c.kv_heads) + ": one must divide the other (key/value heads "
+                     "are split over tp, or replicated when tp exceeds them)");
+  if (sp && c.seq % tp)
+    throw UsageError("--sp with --seq " + std::to_string(c.seq) + " and --tp " +
+                     std::to_string(tp) + ": sequence parallelism splits every sequence's "
+                     "tokens over tp, so --tp must divide --seq");
+}
 
 // ----------------------------------------------------------------------------
 // The conjugate operators
@@ -67,6 +105,105 @@ void tp_region_exit_backward(const TensorParallel& tp, const Context& ctx, const
                              const Tensor& dpartial) {
   if (tp.sp) return scatter_to_sp_region_backward(tp, ctx, dout, dpartial);
   if (dpartial.ptr != dout.ptr) copy_(dpartial, dout);  // f*: identity
+}
+
+// ----------------------------------------------------------------------------
+// The layers
+
+static Tensor workspace(std::vector<int64_t> shape, Device d) {
+  return empty(std::move(shape), Mem::Workspace, d);
+}
+
+// The full [N, D] input of a column-parallel linear from a rank's [n, D]: the same tensor
+// without SP; with SP all-gathered (the backward gathers it again rather than keeping the full
+// tensor, as Megatron does, so saved activations stay sharded).
+static Tensor region_input(const TensorParallel& tp, const Context& ctx, const Tensor& x) {
+  if (!tp.sp) return x;
+  Tensor full = workspace({x.size(0) * tp.size(), x.size(1)}, ctx.device);
+  tp_region_enter_forward(tp, ctx, x, full);
+  return full;
+}
+
+void column_parallel_forward(const TensorParallel& tp, const Context& ctx, const Tensor& x,
+                             const std::vector<ColumnOutput>& outputs) {
+  Tensor h = region_input(tp, ctx, x);  // [N, D]
+  for (const ColumnOutput& o : outputs) linear_forward(ctx, o.y, h, o.W);
+}
+
+// A gradient that several tp ranks hold a copy of, each copy having seen part of the data (a
+// norm weight under SP; a replicated key/value head). `part` is summed over the copies, then
+// added into grad: slot `slot` of `slots` equal slots of one all-reduce (one slot: every tp
+// rank holds the same copy; kv heads: the copies of one head share a slot).
+static void add_replicated_grad(const TensorParallel& tp, const Context& ctx, const Tensor& grad,
+                                const Tensor& part, int slot, int slots) {
+  if (slots == 1) {
+    copy_to_tp_region_backward(tp, ctx, part);  // all-reduce over tp
+  } else {
+    Tensor all = zeros({slots * part.numel()}, Mem::Workspace, ctx.device);
+    copy_(all.view(slot * part.numel(), {part.numel()}), part);
+    copy_to_tp_region_backward(tp, ctx, all);
+    copy_(part, all.view(slot * part.numel(), {part.numel()}));
+  }
+  axpy(ctx, grad, 1.0f, part);
+}
+
+void column_parallel_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
+                              const Tensor& x, const std::vector<ColumnGrad>& grads) {
+  int64_t N = x.size(0) * (tp.sp ? tp.size() : 1), D = x.size(1);
+  Tensor h = region_input(tp, ctx, x);                               // [N, D]
+  Tensor dh = tp.sp ? workspace({N, D}, ctx.device) : dx;           // [N, D], partial over tp
+  std::vector<Tensor> parts(grads.size());  // replicated weights' gradients before their sum
+  bool replicated = tp.local.kv_replicas > 1;
+  for (size_t i = 0; i < grads.size(); i++) {
+    const ColumnGrad& g = grads[i];
+    if (g.kv_replicated && replicated) parts[i] = zeros(g.dW.shape, Mem::Workspace, ctx.device);
+    linear_backward(ctx, dh, parts[i].defined() ? parts[i] : g.dW, g.dy, h, g.W, i > 0);
+  }
+  for (size_t i = 0; i < grads.size(); i++)
+    if (parts[i].defined())
+      add_replicated_grad(tp, ctx, grads[i].dW, parts[i], tp.local.kv_head0,
+                          tp.size() / tp.local.kv_replicas);
+  tp_region_enter_backward(tp, ctx, dh, dx);  // all-reduce, or reduce-scatter under SP
+}
+
+void row_parallel_forward(const TensorParallel& tp, const Context& ctx, const Tensor& y,
+                          const Tensor& x, const Tensor& W) {
+  Tensor partial = tp.sp ? workspace({x.size(0), y.size(1)}, ctx.device) : y;  // [N, D]
+  linear_forward(ctx, partial, x, W);
+  tp_region_exit_forward(tp, ctx, partial, y);  // all-reduce, or reduce-scatter under SP
+}
+
+void row_parallel_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
+                           const Tensor& dW, const Tensor& dy, const Tensor& x, const Tensor& W) {
+  Tensor dfull = tp.sp ? workspace({x.size(0), dy.size(1)}, ctx.device) : dy;  // [N, D]
+  tp_region_exit_backward(tp, ctx, dy, dfull);  // identity, or all-gather under SP
+  linear_backward(ctx, dx, dW, dfull, x, W);
+}
+
+void vocab_parallel_embedding_forward(const TensorParallel& tp, const Context& ctx,
+                                      const Tensor& x, const Tensor& local_ids,
+                                      const Tensor& table) {
+  if (tp.size() == 1) return embedding_forward(ctx, x, local_ids, table);
+  Tensor rows = workspace({local_ids.numel(), x.size(1)}, ctx.device);  // [N, D] partial rows
+  embedding_forward(ctx, rows, local_ids, table);
+  tp_region_exit_forward(tp, ctx, rows, x);  // sum over the slices (reduce-scatter under SP)
+}
+
+void vocab_parallel_embedding_backward(const TensorParallel& tp, const Context& ctx,
+                                       const Tensor& dtable, const Tensor& local_ids,
+                                       const Tensor& dx) {
+  Tensor dfull = tp.sp ? workspace({local_ids.numel(), dx.size(1)}, ctx.device) : dx;
+  tp_region_exit_backward(tp, ctx, dx, dfull);
+  embedding_backward(ctx, dtable, local_ids, dfull);  // reads no weights, only ids
+}
+
+void parallel_rmsnorm_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
+                               const Tensor& dw, const Tensor& dy, const Tensor& x,
+                               const Tensor& w, const Tensor& rstd) {
+  if (!tp.sp) return rmsnorm_backward(ctx, dx, dw, dy, x, w, rstd);
+  Tensor part = zeros(dw.shape, Mem::Workspace, ctx.device);  // this rank's tokens' share
+  rmsnorm_backward(ctx, dx, part, dy, x, w, rstd);
+  add_replicated_grad(tp, ctx, dw, part, 0, 1);
 }
 
 // ----------------------------------------------------------------------------

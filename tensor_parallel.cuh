@@ -7,11 +7,30 @@
 
 #include "comm.cuh"
 
-// The tp group, and whether sequence parallelism is on. size 1 turns every operator into the
-// identity, so the model uses the same calls with or without tensor parallelism.
+struct ModelConfig;  // model.cuh
+
+// The slice of the model one tensor-parallel rank holds (Playbook §5.3): query heads, ffn
+// columns and vocabulary rows split evenly over tp; key/value heads split too, or, when tp
+// exceeds them, the one kv head this rank's query heads read, replicated on kv_replicas ranks.
+struct LocalDims {
+  int heads = 0, head0 = 0;  // query heads [head0, head0 + heads)
+  int kv_heads = 0, kv_head0 = 0, kv_replicas = 1;
+  int ffn = 0, ffn0 = 0;      // intermediate columns [ffn0, ffn0 + ffn)
+  int vocab = 0, vocab0 = 0;  // vocabulary rows [vocab0, vocab0 + vocab)
+  int tp_rank = 0;
+};
+LocalDims local_dims(const ModelConfig& cfg, int tp_rank, int tp_size);
+// Throws UsageError unless --tp divides heads, ffn and vocab, kv heads and tp divide one
+// another, and (with --sp) --tp divides --seq.
+void validate_tensor_parallel(const ModelConfig& cfg, int tp, bool sp);
+
+// The tp group, whether sequence parallelism is on, and this rank's slice of the model (set by
+// build_model). size 1 turns every operator into the identity and every layer below into a
+// plain one, so the model makes the same calls with or without tensor parallelism.
 struct TensorParallel {
   Comm* comm = nullptr;
   bool sp = false;
+  LocalDims local;
   Group& group() const { return comm->tp; }
   int size() const { return comm ? comm->tp.size : 1; }
   int rank() const { return comm ? comm->tp.rank : 0; }
@@ -54,6 +73,48 @@ void tp_region_exit_backward(const TensorParallel& tp, const Context& ctx, const
                              const Tensor& dpartial);
 // Tokens a rank holds outside tensor-parallel regions: N/tp under SP, else N.
 int64_t sp_tokens(const TensorParallel& tp, int64_t tokens);
+
+// ---- The layers the model is built from (Playbook §5.2-§5.4, §6) ----
+// Shapes: N = B*T tokens; n = N/tp under SP (a rank's contiguous run of tokens), else N.
+// ColumnParallelLinear for the projections that read one input (q, k, v; gate, up; the LM
+// head): x [n, D] enters the tensor-parallel region (f; g under SP: all-gathered to [N, D]),
+// then outputs[i].y [N, rows_i] = x W_i^T, each rank computing its own output rows.
+struct ColumnOutput {
+  Tensor y, W;
+};
+void column_parallel_forward(const TensorParallel& tp, const Context& ctx, const Tensor& x,
+                             const std::vector<ColumnOutput>& outputs);
+// Backward: dW_i += dy_i^T x, then dx [n, D] = (f or g backward)(sum_i dy_i W_i). A weight with
+// kv_replicated set holds one kv head that several ranks share: its gradient is summed over
+// those copies (each served only its own query heads).
+struct ColumnGrad {
+  Tensor dy, W, dW;
+  bool kv_replicated = false;
+};
+void column_parallel_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
+                              const Tensor& x, const std::vector<ColumnGrad>& grads);
+// RowParallelLinear: x [N, cols/tp] (this rank's columns) times its block of W gives partial
+// sums, which leave the region (f*: all-reduce into y [N, D]; g* under SP: reduce-scatter into
+// y [N/tp, D]).
+void row_parallel_forward(const TensorParallel& tp, const Context& ctx, const Tensor& y,
+                          const Tensor& x, const Tensor& W);
+// dx [N, cols/tp] = (f* or g* backward)(dy) W ; dW += that^T x.
+void row_parallel_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
+                           const Tensor& dW, const Tensor& dy, const Tensor& x, const Tensor& W);
+// VocabParallelEmbedding: each rank looks up the ids of its vocabulary slice (ids from
+// local_vocab_ids: -1 gives a zero row) and the partial rows leave the region into x [n, D].
+void vocab_parallel_embedding_forward(const TensorParallel& tp, const Context& ctx,
+                                      const Tensor& x, const Tensor& local_ids,
+                                      const Tensor& table);
+// dtable [V/tp, D] += the rows of dx [n, D] (all-gathered to [N, D] first under SP).
+void vocab_parallel_embedding_backward(const TensorParallel& tp, const Context& ctx,
+                                       const Tensor& dtable, const Tensor& local_ids,
+                                       const Tensor& dx);
+// RMSNorm backward on this rank's tokens (dx +=). Under SP each rank saw n of the N tokens, so
+// the weight's gradient is summed over tp before it is added into dw.
+void parallel_rmsnorm_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
+                               const Tensor& dw, const Tensor& dy, const Tensor& x,
+                               const Tensor& w, const Tensor& rstd);
 
 // ---- Vocab-parallel embedding and cross-entropy (the vocabulary split in tp ranges) ----
 // Local ids: id - vocab_start for ids this rank holds, -1 (a zero row) for the others.

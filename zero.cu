@@ -22,7 +22,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "checkpoint.cuh"
+#include "report.cuh"
 #include "zero.cuh"
 
 int parse_zero_stage(int flag) {
@@ -65,12 +65,7 @@ const char* zero_memory_formula(int stage) {
 
 Zero::Zero(Comm& comm, Model& model, int stage, const AdamWConfig& hp, float weight_decay,
            uint64_t seed, bool overlap)
-    : comm_(comm),
-      model_(model),
-      stage_(stage),
-      overlap_(overlap),
-      hp_(hp),
-      weight_decay_(weight_decay) {
+    : GradientSync(comm, model, hp, weight_decay), stage_(stage), overlap_(overlap) {
   PICO_ASSERT(stage >= 1 && stage <= 3, "ZeRO stage " + std::to_string(stage));
   PICO_ASSERT(!model.params.defined(), "Zero shards a model from build_model_layout");
   layout_ = make_shard_layout(model, comm.dp_cp.size, comm.dp_cp.rank);
@@ -105,19 +100,20 @@ Zero::Zero(Comm& comm, Model& model, int stage, const AdamWConfig& hp, float wei
   }
   exp_avg_ = zeros({S}, Mem::Optimizer, d);
   exp_avg_sq_ = zeros({S}, Mem::Optimizer, d);
-  // This rank's slice of each parameter: what its AdamW updates, decaying matrices only.
-  for (size_t u = 0; u < units_.size(); u++) {
+  // This rank's slice of each parameter: what its AdamW updates.
+  for (int u = 0; u < (int)units_.size(); u++) {
     const ShardLayout::Unit& U = layout_.units[u];
     const ModelUnit& mu = model.units[u];
     int64_t lo = r * U.shard, hi = lo + U.valid;  // unit-relative
     for (int p = mu.first; p < mu.first + mu.count; p++) {
-      int64_t begin = model.offsets[p] - U.offset,
-              end = begin + model.named_params[p].tensor.numel();
+      const Tensor& t = model.named_params[p].tensor;
+      int64_t begin = model.offsets[p] - U.offset, end = begin + t.numel();
       begin = std::max(begin, lo), end = std::min(end, hi);
+      int64_t at = begin - lo;  // within the unit's shard
       if (begin < end)
-        pieces_.push_back(
-            {(int)u, begin - lo, end - begin, model.named_params[p].tensor.dim() >= 2,
-             model.layouts[p].writer});
+        slices_.push_back({shard(Part::Params, u) + at, shard(Part::Grads, u) + at,
+                           shard(Part::ExpAvg, u) + at, shard(Part::ExpAvgSq, u) + at,
+                           end - begin, u, weight_decays(t), model.layouts[p].writer});
     }
   }
 }
@@ -146,22 +142,17 @@ Tensor Zero::shard_view(Part part, int u, int64_t count) const {
   t.device = comm_.device;
   return t;
 }
-std::string Zero::unit_name(int u) const {
-  if (u == 0) return "embedding";
-  if (u == (int)units_.size() - 1) return "head";
-  return "block " + std::to_string(u - 1);
-}
 
 // ----------------------------------------------------------------------------
-// The hooks: which unit needs what, when (hook index i, unit i + 1)
+// The hooks: which unit needs what, when
 
-// Forward: unit i reads its own weights, and a tied head the embedding's too. Backward reads
+// Forward: unit u reads its own weights, and a tied head the embedding's too. Backward reads
 // the same, except the embedding: its backward is a scatter-add of the ids, weights unread.
-std::vector<int> Zero::weights_read(int i, bool backward) const {
-  int L = model_.cfg.layers;
-  if (i < -1 || i > L || (backward && i == -1)) return {};
-  if (i == L && model_.cfg.tie_embeddings) return {L + 1, 0};
-  return {i + 1};
+std::vector<int> Zero::weights_read(int u, bool backward) const {
+  if (u < 0 || u >= (int)units_.size()) return {};
+  if (backward && model_.stage.embedding && u == 0) return {};
+  if (model_.stage.head && u == model_.head_unit() && model_.cfg.tie_embeddings) return {u, 0};
+  return {u};
 }
 
 UnitHooks Zero::hooks(const Context& ctx, bool last_micro_batch) {
@@ -169,42 +160,42 @@ UnitHooks Zero::hooks(const Context& ctx, bool last_micro_batch) {
   last_micro_batch_ = last_micro_batch;
   UnitHooks h;
   if (stage_ == 3) {
-    h.before_forward = [this](int i) { before_forward(i); };
-    h.after_forward = [this](int i) { after_forward(i); };
+    h.before_forward = [this](int u) { before_forward(u); };
+    h.after_forward = [this](int u) { after_forward(u); };
   }
-  h.before_backward = [this](int i) { before_backward(i); };
-  h.after_backward = [this](int i) { after_backward(i); };
+  h.before_backward = [this](int u) { before_backward(u); };
+  h.after_backward = [this](int u) { after_backward(u); };
   return h;
 }
 
 // Playbook §4.4: gather this unit's weights (prefetched, so usually there already) and start
 // the next unit's gather, which then runs while this unit computes.
-void Zero::before_forward(int i) {
+void Zero::before_forward(int u) {
   progress();
-  for (int u : weights_read(i, false)) gather_unit(u);
+  for (int w : weights_read(u, false)) gather_unit(w);
   if (overlap_)
-    for (int u : weights_read(i + 1, false)) launch_gather(u);
+    for (int w : weights_read(u + 1, false)) launch_gather(w);
 }
-// Freed right after use, except the head's: its backward comes next, so the last unit's weights
-// are still resident when the backward starts (the book's "2L - 1", see expected_traffic).
-void Zero::after_forward(int i) {
-  if (i == model_.cfg.layers) return;
-  for (int u : weights_read(i, false)) release_unit(u);
+// Freed right after use, except the last unit's: its backward comes next, so its weights are
+// still resident when the backward starts (the book's "2L - 1", see expected_traffic).
+void Zero::after_forward(int u) {
+  if (u == (int)units_.size() - 1) return;
+  for (int w : weights_read(u, false)) release_unit(w);
 }
-void Zero::before_backward(int i) {
+void Zero::before_backward(int u) {
   progress();
   if (stage_ == 3) {
-    for (int u : weights_read(i, true)) gather_unit(u);
+    for (int w : weights_read(u, true)) gather_unit(w);
     if (overlap_)
-      for (int u : weights_read(i - 1, true)) launch_gather(u);
+      for (int w : weights_read(u - 1, true)) launch_gather(w);
   }
   if (stage_ >= 2)
-    for (int u : weights_read(i, false)) acquire_grads(u);  // the gradients it writes
+    for (int w : weights_read(u, false)) acquire_grads(w);  // the gradients it writes
 }
-void Zero::after_backward(int i) {
+void Zero::after_backward(int u) {
   if (stage_ == 3)
-    for (int u : weights_read(i, true)) release_unit(u);
-  if (stage_ >= 2 || last_micro_batch_) reduce_unit(i + 1);  // §4.3: reduce-scatter as produced
+    for (int w : weights_read(u, true)) release_unit(w);
+  if (stage_ >= 2 || last_micro_batch_) reduce_unit(u);  // §4.3: reduce-scatter as produced
   progress();
 }
 
@@ -230,14 +221,14 @@ void Zero::gather_unit(int u) {
   s.gather.wait();  // orders the compute stream after the gather
   double t1 = now_seconds();
   exposed_gather_s += t1 - t0;
-  spans.push_back({"all-gather " + unit_name(u), s.gather_start, t1});
+  spans.push_back({"all-gather " + model_.units[u].name, s.gather_start, t1});
   s.gathering = false, s.resident = true;
   bind_unit_params(model_, u, s.params);
 }
 
 void Zero::release_unit(int u) {
   UnitState& s = units_[u];
-  PICO_ASSERT(!s.gathering, "released " + unit_name(u) + " while its gather is in flight");
+  PICO_ASSERT(!s.gathering, "released " + model_.units[u].name + " while its gather is in flight");
   bind_unit_params(model_, u, Tensor());
   s.params = Tensor();
   s.resident = false;
@@ -273,7 +264,7 @@ void Zero::complete_reduce(int u) {
   s.reduce.wait();
   double t1 = now_seconds();
   exposed_reduce_s += t1 - t0;
-  spans.push_back({"reduce-scatter " + unit_name(u), s.reduce_start, t1});
+  spans.push_back({"reduce-scatter " + model_.units[u].name, s.reduce_start, t1});
   s.reducing = false;
   if (stage_ >= 2) {  // keep the sum of this rank's slice; the unit's full gradient goes
     const ShardLayout::Unit& U = layout_.units[u];
@@ -296,47 +287,27 @@ void Zero::progress() {
 // ----------------------------------------------------------------------------
 // The step
 
-void Zero::count_traffic_since(const CollStats* before) {
-  for (int c = 0; c < (int)Coll::Count; c++) {
-    traffic_[c].calls += comm_.dp_cp.stats[c].calls - before[c].calls;
-    traffic_[c].bytes += comm_.dp_cp.stats[c].bytes - before[c].bytes;
-  }
-}
-
 void Zero::begin_step(const Context& ctx) {
   ctx_ = &ctx;
   spans.clear();
   exposed_gather_s = exposed_reduce_s = 0;
-  std::copy(comm_.dp_cp.stats, comm_.dp_cp.stats + (int)Coll::Count, window_);
+  traffic_.open(comm_.dp_cp);
   zero_(stage_ == 1 ? model_.grads : grad_shard_);
 }
 
-double Zero::finish_gradients(const Context& ctx) {
+double Zero::finish(const Context& ctx) {
   ctx_ = &ctx;
   double t0 = now_seconds();
   for (size_t u = 0; u < units_.size(); u++) complete_reduce((int)u);
   for (const UnitState& s : units_)
     PICO_ASSERT(!s.resident && !s.gathering && !s.grads.defined(), "a unit is still held");
-  count_traffic_since(window_);  // --save-grads gathers next: not training traffic
+  traffic_.close(comm_.dp_cp);  // --save-grads gathers next: not training traffic
   return now_seconds() - t0;
 }
 
-float Zero::clip_grad_norm(const Context& ctx, float max_norm) {
-  // This rank's real elements only (padding is never counted), and one copy of each weight
-  // that several tensor-parallel ranks hold; then the sum over dp_cp and over tp.
-  double squares = 0;
-  for (const Piece& p : pieces_)
-    if (p.counted) {
-      Tensor piece = shard_view(Part::Grads, p.unit, p.begin + p.count).view(p.begin, {p.count});
-      squares += sum_squares(ctx, piece);
-    }
-  all_reduce_host(comm_.dp_cp, &squares, 1, ReduceOp::Sum);
-  all_reduce_host(comm_.tp, &squares, 1, ReduceOp::Sum);
-  float norm = (float)std::sqrt(squares);
-  if (max_norm > 0.0f && norm > max_norm)
-    for (size_t u = 0; u < units_.size(); u++)
-      scale_(ctx, shard_view(Part::Grads, (int)u, layout_.units[u].shard), max_norm / norm);
-  return norm;
+void Zero::scale_grads(const Context& ctx, float alpha) {
+  for (size_t u = 0; u < units_.size(); u++)
+    scale_(ctx, shard_view(Part::Grads, (int)u, layout_.units[u].shard), alpha);
 }
 
 // Playbook §4.2 steps 4-5: AdamW on this rank's slice, then (stages 1-2) every rank's updated
@@ -344,24 +315,19 @@ float Zero::clip_grad_norm(const Context& ctx, float max_norm) {
 // later units update.
 void Zero::step(const Context& ctx, float lr) {
   ctx_ = &ctx;
-  std::copy(comm_.dp_cp.stats, comm_.dp_cp.stats + (int)Coll::Count, window_);
-  step_++;
+  traffic_.open(comm_.dp_cp);
+  adamw_.steps++;
   auto finish_gather = [&](size_t u) {
     if (!units_[u].gather.active()) return;
     double t0 = now_seconds();
     units_[u].gather.wait();
     exposed_gather_s += now_seconds() - t0;
-    spans.push_back({"all-gather " + unit_name((int)u), units_[u].gather_start, now_seconds()});
+    spans.push_back({"all-gather " + model_.units[u].name, units_[u].gather_start, now_seconds()});
   };
   size_t k = 0;
   for (size_t u = 0; u < units_.size(); u++) {
     int iu = (int)u;
-    for (; k < pieces_.size() && pieces_[k].unit == iu; k++) {
-      const Piece& p = pieces_[k];
-      adamw_update(ctx, shard(Part::Params, iu) + p.begin, shard(Part::Grads, iu) + p.begin,
-                   shard(Part::ExpAvg, iu) + p.begin, shard(Part::ExpAvgSq, iu) + p.begin, p.count,
-                   hp_, lr, p.decay ? weight_decay_ : 0.0f, (int)step_);
-    }
+    for (; k < slices_.size() && slices_[k].unit == iu; k++) adamw_.update(ctx, slices_[k], lr);
     if (stage_ <= 2) {  // in place, like the reduce-scatter
       const ShardLayout::Unit& U = layout_.units[u];
       float* full = model_.params.f32() + U.padded_offset;
@@ -372,32 +338,36 @@ void Zero::step(const Context& ctx, float lr) {
     }
   }
   for (size_t u = 0; u < units_.size(); u++) finish_gather(u);
-  count_traffic_since(window_);
+  traffic_.close(comm_.dp_cp);
   steps_measured++;
 }
 
 // ----------------------------------------------------------------------------
 // The whole model: evaluation, checkpoints
 
-void Zero::gather_all(const Context& ctx) {
+void Zero::gather_weights(const Context& ctx) {
   if (stage_ < 3) return;
   ctx_ = &ctx;
   for (size_t u = 0; u < units_.size(); u++) launch_gather((int)u);
   for (size_t u = 0; u < units_.size(); u++) gather_unit((int)u);
 }
-void Zero::release_all() {
+void Zero::release_weights() {
   if (stage_ < 3) return;
   for (size_t u = 0; u < units_.size(); u++) release_unit((int)u);
 }
 
-// Every rank's slice of `part`, unit by unit, onto dp_cp rank 0 (world rank 0): the whole flat
-// vector [Ψ] in host memory, padding dropped. Other ranks return an undefined tensor.
-Tensor Zero::gather_whole(const Context& ctx, Part part) {
-  bool root = comm_.dp_cp.rank == 0;  // per tensor-parallel shard: the ranks with dp = cp = 0
-  Tensor whole =
-      root ? empty({model_.num_params}, Mem::Workspace, Device::CPU) : Tensor();
+// Every rank's slice of `part`, unit by unit, onto dp_cp rank 0 (world rank 0 of its tp
+// shard): the whole flat vector [Ψ] in host memory, padding dropped. Stages 1-2 hold the whole
+// weights on every rank already. Other ranks return an undefined tensor.
+Tensor Zero::gather_flat(const Context& ctx, Part part) {
+  bool root = comm_.dp_cp.rank == 0;
+  Tensor whole = root ? empty({model_.num_params}, Mem::Workspace, Device::CPU) : Tensor();
   for (size_t u = 0; u < units_.size(); u++) {
     const ShardLayout::Unit& U = layout_.units[u];
+    if (part == Part::Params && stage_ <= 2) {
+      if (root) copy_(whole.view(U.offset, {U.numel}), model_.params.view(U.padded_offset, {U.numel}));
+      continue;
+    }
     Tensor staging =
         root ? empty({layout_.ranks * U.shard}, Mem::Workspace, comm_.device) : Tensor();
     gather(comm_, comm_.dp_cp, ctx, shard(part, (int)u), root ? staging.f32() : nullptr, U.shard,
@@ -407,50 +377,31 @@ Tensor Zero::gather_whole(const Context& ctx, Part part) {
   return whole;
 }
 
-void Zero::save(const Context& ctx, const std::string& dir) {
-  Tensor weights = stage_ == 3 ? gather_whole(ctx, Part::Params) : Tensor();
-  Tensor m = gather_whole(ctx, Part::ExpAvg), v = gather_whole(ctx, Part::ExpAvgSq);
-  if (comm_.dp_cp.rank != 0) return;  // then the tp shards come together on world rank 0
-  std::vector<NamedTensor> weights_whole = whole_tensors(
-      model_, stage_ == 3 ? named_views(model_, weights) : model_.named_params);
-  OptimizerState state{whole_tensors(model_, named_views(model_, m)),
-                       whole_tensors(model_, named_views(model_, v)), step_};
-  if (comm_.grid.world_rank == 0) save_checkpoint(dir, model_.cfg, weights_whole, &state);
-}
-
-void Zero::save_gradients(const Context& ctx, const std::string& path, int64_t step) {
-  Tensor grads = gather_whole(ctx, Part::Grads);
-  if (comm_.dp_cp.rank != 0) return;
-  std::vector<NamedTensor> whole = whole_tensors(model_, named_views(model_, grads));
-  if (comm_.grid.world_rank == 0) write_safetensors(path, whole, {{"step", std::to_string(step)}});
-}
-
-int64_t Zero::load(const std::string& dir) {
-  int64_t n = model_.num_params;
-  Tensor weights = stage_ == 3 ? empty({n}, Mem::Workspace, Device::CPU) : Tensor();
-  Tensor m = zeros({n}, Mem::Workspace, Device::CPU), v = zeros({n}, Mem::Workspace, Device::CPU);
-  OptimizerState state{named_views(model_, m), named_views(model_, v), 0};
-  bool with_optimizer = load_checkpoint_shards(
-      model_, dir, stage_ == 3 ? named_views(model_, weights) : model_.named_params, &state);
+void Zero::load_flat(Part part, const Tensor& whole) {
   for (size_t u = 0; u < units_.size(); u++) {
     const ShardLayout::Unit& U = layout_.units[u];
+    if (part == Part::Params && stage_ <= 2) {  // every rank holds the whole weights
+      copy_(model_.params.view(U.padded_offset, {U.numel}), whole.view(U.offset, {U.numel}));
+      continue;
+    }
     if (U.valid == 0) continue;
     int64_t first = U.offset + layout_.rank * U.shard;  // this rank's slice of the whole vector
-    copy_(shard_view(Part::ExpAvg, (int)u, U.valid), m.view(first, {U.valid}));
-    copy_(shard_view(Part::ExpAvgSq, (int)u, U.valid), v.view(first, {U.valid}));
-    if (stage_ == 3)
-      copy_(shard_view(Part::Params, (int)u, U.valid), weights.view(first, {U.valid}));
+    copy_(shard_view(part, (int)u, U.valid), whole.view(first, {U.valid}));
   }
-  step_ = with_optimizer ? state.step : 0;
-  return step_;
 }
+
+void Zero::trace_communication(Trace& trace) const {
+  for (const Span& span : spans) trace.add(span.name, Track::Comm, span.start, span.end);
+}
+void Zero::print_comm_report(int grad_acc) const { print_zero_comm_report(comm_, *this, grad_acc); }
 
 // ----------------------------------------------------------------------------
 // Traffic
 
 ZeroTraffic Zero::measured_traffic() const {
-  return {traffic_[(int)Coll::ReduceScatter].calls, traffic_[(int)Coll::ReduceScatter].bytes,
-          traffic_[(int)Coll::AllGather].calls, traffic_[(int)Coll::AllGather].bytes};
+  const CollStats* t = traffic_.total;
+  return {t[(int)Coll::ReduceScatter].calls, t[(int)Coll::ReduceScatter].bytes,
+          t[(int)Coll::AllGather].calls, t[(int)Coll::AllGather].bytes};
 }
 
 // What one step issues. Reduce-scatter and all-gather of S_u elements per rank each send
@@ -475,14 +426,14 @@ ZeroTraffic Zero::expected_traffic(int grad_acc) const {
     t.all_gather_calls += times;
     t.all_gather_bytes += times * per_element * layout_.units[u].shard;
   };
-  int L = model_.cfg.layers;
+  int units = (int)layout_.units.size();
   if (stage_ <= 2) {
-    for (size_t u = 0; u < layout_.units.size(); u++) gather((int)u, 1);
+    for (int u = 0; u < units; u++) gather(u, 1);
   } else {
-    for (int i = -1; i <= L; i++)
-      for (int u : weights_read(i, false)) gather(u, grad_acc);
-    for (int i = -1; i < L; i++)  // i = L: resident since its forward
-      for (int u : weights_read(i, true)) gather(u, grad_acc);
+    for (int u = 0; u < units; u++)
+      for (int w : weights_read(u, false)) gather(w, grad_acc);
+    for (int u = 0; u < units - 1; u++)  // the last unit: resident since its forward
+      for (int w : weights_read(u, true)) gather(w, grad_acc);
   }
   return t;
 }

@@ -5,8 +5,7 @@
 #include <vector>
 
 #include "comm.cuh"
-#include "model.cuh"
-#include "ops.cuh"
+#include "gradient_sync.cuh"
 
 int parse_zero_stage(int flag);  // 0 (off), 1, 2 or 3; else UsageError naming --zero
 
@@ -48,10 +47,9 @@ struct ZeroTraffic {
   int64_t all_gather_calls = 0, all_gather_bytes = 0;
 };
 
-// One rank's part of ZeRO training: the shard buffers, the hooks that gather and reduce-scatter
-// around each unit, clipping from the shards, AdamW on the shard, and whole-tensor checkpoints.
-// train.cu calls it where plain data parallelism calls DataParallel and optimizer_step.
-class Zero {
+// One rank's part of ZeRO training as a GradientSync: the shard buffers, the hooks that gather
+// and reduce-scatter around each unit, AdamW on the shard, and its part of whole checkpoints.
+class Zero : public GradientSync {
  public:
   // `model` comes from build_model_layout (it holds no memory yet). Allocates what `stage` keeps
   // (see zero.cu), binds the model's views, and initialises this rank's part from `seed`.
@@ -59,34 +57,25 @@ class Zero {
   Zero(Comm& comm, Model& model, int stage, const AdamWConfig& hp, float weight_decay,
        uint64_t seed, bool overlap);
   int stage() const { return stage_; }
-  const Model& model() const { return model_; }
   const ShardLayout& layout() const { return layout_; }
 
-  // ---- one training step, in this order ----
-  void begin_step(const Context& ctx);  // zeroes the gradients
-  // For model_forward and model_backward of one micro-batch. Stage 1 reduce-scatters on the last
-  // micro-batch only; stages 2 and 3 on every one, accumulating into the gradient shard.
-  UnitHooks hooks(const Context& ctx, bool last_micro_batch);
-  double finish_gradients(const Context& ctx);  // waits for every reduce-scatter; seconds blocked
-  // The global L2 norm from every rank's shard (padding excluded) and the same rescale as
-  // clip_grad_norm, on the shard.
-  float clip_grad_norm(const Context& ctx, float max_norm);
+  // ---- one training step (GradientSync) ----
+  void begin_step(const Context& ctx) override;  // zeroes the gradients
+  // Stage 1 reduce-scatters on the last micro-batch only; stages 2 and 3 on every one,
+  // accumulating into the gradient shard; stage 3 gathers weights around each unit.
+  UnitHooks hooks(const Context& ctx, bool last_micro_batch) override;
+  double finish(const Context& ctx) override;  // waits for every reduce-scatter
   // AdamW on this rank's shard; stages 1 and 2 then all-gather the weights.
-  void step(const Context& ctx, float lr);
-
-  // ---- the whole model for evaluation and sampling: stage 3 gathers every unit (collective) ----
-  void gather_all(const Context& ctx);
-  void release_all();
-
-  // ---- checkpoints hold whole tensors, exactly as an unsharded run writes them ----
-  // Collective: the shards are gathered to world rank 0, which writes.
-  void save(const Context& ctx, const std::string& dir);
-  void save_gradients(const Context& ctx, const std::string& path, int64_t step);
-  // Every rank reads the whole files and keeps its shard, so any dp and stage can resume any
-  // other. Returns the optimizer step (0 when the directory has no optimizer state).
-  int64_t load(const std::string& dir);
+  void step(const Context& ctx, float lr) override;
+  // Stage 3 gathers every unit for evaluation (FSDP's summon_full_params).
+  void gather_weights(const Context& ctx) override;
+  void release_weights() override;
 
   // ---- measurements ----
+  int zero_stage() const override { return stage_; }
+  int64_t padded_params() const override { return layout_.padded_numel(); }
+  void trace_communication(Trace& trace) const override;
+  void print_comm_report(int grad_acc) const override;  // report.cu's ZeRO table
   struct Span {
     std::string name;
     double start, end;  // host times, launch to completion observed
@@ -97,30 +86,28 @@ class Zero {
   ZeroTraffic measured_traffic() const;  // summed over every step so far (training steps only)
   int64_t steps_measured = 0;
   ZeroTraffic expected_traffic(int grad_acc) const;  // per step, by the rules in zero.cu
-  // Units whose weights hook index i reads, in forward or backward (see zero.cu).
-  std::vector<int> weights_read(int i, bool backward) const;
+  // Units whose weights unit u reads, in forward or backward (see zero.cu).
+  std::vector<int> weights_read(int u, bool backward) const;
+
+ protected:
+  Tensor gather_flat(const Context& ctx, Part part) override;
+  void load_flat(Part part, const Tensor& whole) override;
+  void scale_grads(const Context& ctx, float alpha) override;
+  bool grads_sharded() const override { return true; }
 
  private:
-  enum class Part { Params, Grads, ExpAvg, ExpAvgSq };
   struct UnitState {
     Tensor params, grads;  // transient full-unit buffers [N * S_u] (Mem::Workspace)
     bool gathering = false, resident = false, reducing = false;
     Handle gather, reduce;
     double gather_start = 0, reduce_start = 0;
   };
-  struct Piece {  // a run of this rank's shard inside one parameter
-    int unit;
-    int64_t begin, count;  // within the unit's shard
-    bool decay;            // matrices only
-    bool counted;          // counts in the gradient norm (one copy of a tp-replicated weight)
-  };
   float* shard(Part part, int u) const;
   Tensor shard_view(Part part, int u, int64_t count) const;
-  std::string unit_name(int u) const;
-  void before_forward(int i);
-  void after_forward(int i);
-  void before_backward(int i);
-  void after_backward(int i);
+  void before_forward(int u);
+  void after_forward(int u);
+  void before_backward(int u);
+  void after_backward(int u);
   void launch_gather(int u);
   void gather_unit(int u);
   void release_unit(int u);
@@ -128,23 +115,14 @@ class Zero {
   void reduce_unit(int u);
   void complete_reduce(int u);
   void progress();
-  void count_traffic_since(const CollStats* before);
-  Tensor gather_whole(const Context& ctx, Part part);
 
-  Comm& comm_;
-  Model& model_;
   int stage_;
   bool overlap_;
-  AdamWConfig hp_;
-  float weight_decay_;
-  int64_t step_ = 0;
   ShardLayout layout_;
   Tensor param_shard_, grad_shard_;  // [S] stage 3 weights, stages 2-3 gradients
   Tensor exp_avg_, exp_avg_sq_;      // [S] Adam m and v
-  std::vector<Piece> pieces_;
   std::vector<UnitState> units_;
   const Context* ctx_ = nullptr;
   bool last_micro_batch_ = true;
-  CollStats window_[(int)Coll::Count];  // dp_cp counters when the current traffic window opened
-  CollStats traffic_[(int)Coll::Count];
+  TrafficMeter traffic_;  // dp_cp, over the training steps only
 };

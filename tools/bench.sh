@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 export OMPI_MCA_btl_vader_single_copy_mechanism=none
-build/bench
+build/bench_step
 mpirun --oversubscribe -np 2 build/bench_comm
 mpirun --oversubscribe -np 4 build/bench_comm --bandwidth-only
 mpirun --oversubscribe -np 4 build/bench_comm --zero-only

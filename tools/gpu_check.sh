@@ -142,13 +142,13 @@ if [ -d gpu_bundle ]; then
     tar -xzf gpu_bundle/lib.tar.gz -C "$WORK/bundle"
     tar -xzf gpu_bundle/bin.tar.gz -C "$WORK/bundle"
     cp "$WORK/bundle/bin/train" .
-    cp "$WORK/bundle"/bin/{unit_tests,mpi_tests,bench,bench_comm} build/
+    cp "$WORK/bundle"/bin/{unit_tests,mpi_tests,bench_step,bench_comm} build/
   }
   run_step setup 120 bash -c "$(declare -f setup); WORK=$WORK UNPACK_ROOT=$UNPACK_ROOT; setup"
   SETUP_DETAIL="unpacked gpu_bundle ($(sed -n 2p gpu_bundle/MANIFEST.txt 2>/dev/null))"
   LIBDIRS=$WORK/bundle/lib
 else
-  run_step setup 400 bash -c 'export PATH=$PATH:/usr/local/cuda/bin; make -j"$(nproc)" train build/unit_tests build/mpi_tests build/bench build/bench_comm'
+  run_step setup 400 bash -c 'export PATH=$PATH:/usr/local/cuda/bin; make -j"$(nproc)" train build/unit_tests build/mpi_tests build/bench_step build/bench_comm'
   SETUP_DETAIL="built here (no gpu_bundle/)"
 fi
 if [ "$STEP_RC" -eq 0 ]; then
@@ -189,7 +189,7 @@ MPIRUN="$RUN mpirun --oversubscribe --bind-to none"
 [ -x /usr/bin/orterun ] && [ -d gpu_bundle ] && MPIRUN="$RUN /usr/bin/orterun --oversubscribe --bind-to none"
 
 # ---- libraries resolve, and MPI starts as one process (a singleton spawns orted) ----
-if run_step libraries 30 bash -c "for b in train build/unit_tests build/mpi_tests build/bench build/bench_comm; do echo \"\$b:\"; $RUN ldd \$b; done"; then
+if run_step libraries 30 bash -c "for b in train build/unit_tests build/mpi_tests build/bench_step build/bench_comm; do echo \"\$b:\"; $RUN ldd \$b; done"; then
   missing=$(grep "not found" "$LOGS/libraries.log" | awk '{print $1}' | sort -u | tr '\n' ' ')
   if [ -z "$missing" ] && [ "$STEP_RC" -eq 0 ]; then
     record libraries PASS "$STEP_SECONDS" "cuBLAS from ${CUBLAS_DIR:-?}, NCCL from ${NCCL_DIR:-?}"
@@ -257,7 +257,7 @@ for model in tiny medium; do
 done
 
 # ---- benchmarks: one training step (CPU and GPU), all-reduce bandwidth on 2 ranks ----
-if run_step bench 200 "$RUN" build/bench; then
+if run_step bench 200 "$RUN" build/bench_step; then
   rows=$(grep -E '^\| (tiny|medium) +\| cuda' "$LOGS/bench.log" | awk -F'|' '
     { gsub(/ /, "", $2); gsub(/ /, "", $6); gsub(/ /, "", $7); gsub(/ /, "", $9)
       printf "%s%s %s tok/s, %s GFLOP/s, %s of sgemm", (NR > 1 ? "; " : ""), $2, $6, $7, $9 }')

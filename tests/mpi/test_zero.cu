@@ -2,9 +2,11 @@
 // bytes each stage allocates against the book's formula, and a step that leaves every rank with
 // the same weights, equal across stages.
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <vector>
 
 #include "comm.cuh"
+#include "data_parallel.cuh"
 #include "zero.cuh"
 
 namespace {
@@ -44,16 +46,16 @@ std::vector<float> one_step(Comm& comm, int stage) {
   Activations acts;
   model_forward(cpu, m, acts, ids.data(), targets.data(), B, T, Recompute::None, hooks);
   model_backward(cpu, m, acts, 1.0f / (B * T * N), Recompute::None, hooks);
-  zero.finish_gradients(cpu);
+  zero.finish(cpu);
   zero.clip_grad_norm(cpu, 0.5f);
   zero.step(cpu, 1e-2f);
-  zero.gather_all(cpu);
+  zero.gather_weights(cpu);
   std::vector<float> whole;
   for (const NamedTensor& p : m.named_params) {
     std::vector<float> v = to_host_floats(p.tensor);
     whole.insert(whole.end(), v.begin(), v.end());
   }
-  zero.release_all();
+  zero.release_weights();
   return whole;
 }
 
@@ -92,5 +94,49 @@ TEST_CASE("after a ZeRO step every rank holds the same weights, the same for sta
     broadcast(w.c, w.c.world, Context{}, root.data(), (int64_t)root.size(), 0);
     INFO("zero " << stage << ", rank " << w.c.world.rank);
     REQUIRE(mine == root);
+  }
+}
+
+// One micro-batch through `sync` (the same tokens on every rank), gradients summed; returns
+// the norm clip_grad_norm reports for max_norm.
+static float synced_norm(Comm& comm, GradientSync& sync, Model& m, float max_norm) {
+  const Context cpu;
+  int B = 2, T = m.cfg.seq;
+  std::vector<int32_t> ids(B * T), targets(B * T);
+  for (int i = 0; i < B * T; i++) ids[i] = (i * 7) % m.cfg.vocab, targets[i] = (i * 13 + 1) % m.cfg.vocab;
+  sync.begin_step(cpu);
+  UnitHooks hooks = sync.hooks(cpu, true);
+  Activations acts;
+  model_forward(cpu, m, acts, ids.data(), targets.data(), B, T, Recompute::None, hooks);
+  model_backward(cpu, m, acts, 1.0f / (B * T * comm.dp_cp.size), Recompute::None, hooks);
+  sync.finish(cpu);
+  return sync.clip_grad_norm(cpu, max_norm);
+}
+
+// Expected value: the float64 norm of the whole summed gradient, computed here from plain data
+// parallelism's full gradient buffer. Guards against a norm that misses the other ranks' shards
+// (ZeRO), counts padding or a shard twice, or skips the rescale.
+TEST_CASE("the one gradient-norm routine: plain dp and ZeRO-1/2/3 report the float64 norm and "
+          "clip to max_norm",
+          "[mpi][zero]") {
+  WorldComm w;
+  Model m = build_model_layout(small_config());
+  DataParallel dp(w.c, m, DpSync::Bucket, 25, true, AdamWConfig{}, 0.1f, 7);
+  float norm = synced_norm(w.c, dp, m, 0.0f);  // max_norm 0: no clipping
+  double squares = 0;
+  for (float g : to_host_floats(m.grads)) squares += (double)g * g;
+  // fp32 partial sums per tensor, then float64 over tensors: ~1e-7 relative.
+  REQUIRE(norm == Approx(std::sqrt(squares)).epsilon(1e-6));
+  float clipped = synced_norm(w.c, dp, m, norm / 2);
+  REQUIRE(clipped == Approx(norm).epsilon(1e-6));  // the pre-clip norm is what is returned
+  double after = 0;
+  for (float g : to_host_floats(m.grads)) after += (double)g * g;
+  REQUIRE(std::sqrt(after) == Approx(norm / 2).epsilon(1e-6));
+  for (int stage : {1, 2, 3}) {
+    Model layout = build_model_layout(small_config());
+    Zero zero(w.c, layout, stage, AdamWConfig{}, 0.1f, 7, true);
+    INFO("zero " << stage << " on " << w.c.dp_cp.size << " ranks");
+    // The same weights and tokens: the same gradient, summed in a different order (~1e-7).
+    REQUIRE(synced_norm(w.c, zero, layout, 0.0f) == Approx(norm).epsilon(1e-6));
   }
 }

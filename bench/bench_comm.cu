@@ -57,8 +57,6 @@ static void bandwidth(Comm& comm, const Context& ctx, const char* backend) {
 
 static void dp_step(Comm& comm, const Context& ctx) {
   ModelConfig c = model_preset("medium");
-  Model model = build_model(c, ctx.device, 1);
-  Optimizer opt = build_optimizer(model, AdamWConfig{}, 0.1f);
   int mbs = 4, T = c.seq, tokens = mbs * T;
   std::vector<int32_t> ids(tokens), targets(tokens);
   for (int i = 0; i < tokens; i++) ids[i] = (i * 31 + comm.grid.dp_rank) % c.vocab, targets[i] = (i * 17) % c.vocab;
@@ -72,18 +70,19 @@ static void dp_step(Comm& comm, const Context& ctx) {
   double exposed_no_overlap = 0, exposed_overlap = 0;
   for (Mode m : {Mode{"naive", DpSync::Naive, false}, Mode{"bucket, no overlap", DpSync::Bucket, false},
                  Mode{"bucket", DpSync::Bucket, true}, Mode{"ring", DpSync::Ring, true}}) {
-    DataParallel dp(comm, model, m.sync, 25, m.overlap);
+    Model model = build_model_layout(c);
+    DataParallel dp(comm, model, m.sync, 25, m.overlap, AdamWConfig{}, 0.1f, 1);
     double step_sum = 0, exposed_sum = 0;
     for (int rep = 0; rep < 4; rep++) {
       barrier(comm, comm.world, ctx);
       double t0 = now_seconds();
-      zero_(model.grads);
+      dp.begin_step(ctx);
+      UnitHooks hooks = dp.hooks(ctx, true);
       Activations acts;
-      model_forward(ctx, model, acts, ids.data(), targets.data(), mbs, T, Recompute::None);
-      dp.begin_backward(ctx, true);
-      model_backward(ctx, model, acts, 1.0f / tokens, Recompute::None, dp.hooks());
+      model_forward(ctx, model, acts, ids.data(), targets.data(), mbs, T, Recompute::None, hooks);
+      model_backward(ctx, model, acts, 1.0f / tokens, Recompute::None, hooks);
       double exposed = dp.finish(ctx);
-      optimizer_step(ctx, model, opt, 1e-5f);
+      dp.step(ctx, 1e-5f);
       ctx.synchronize();
       double step = now_seconds() - t0;
       all_reduce_host(comm.world, &step, 1, ReduceOp::Max);
@@ -114,33 +113,24 @@ static ZeroRun zero_run(Comm& comm, const Context& ctx, int stage, bool overlap)
   memory_reset_peak();
   ZeroRun out;
   {
-    Model model = stage > 0 ? build_model_layout(c) : build_model(c, ctx.device, 1);
-    std::unique_ptr<Zero> zero;
-    std::unique_ptr<DataParallel> dp;
-    Optimizer opt;
-    if (stage > 0) {
-      zero = std::make_unique<Zero>(comm, model, stage, AdamWConfig{}, 0.1f, 1, overlap);
-    } else {
-      opt = build_optimizer(model, AdamWConfig{}, 0.1f);
-      dp = std::make_unique<DataParallel>(comm, model, DpSync::Bucket, 25, true);
-    }
+    Model model = build_model_layout(c);
+    Zero* zero = nullptr;  // the ZeRO columns' exposed times
+    std::unique_ptr<GradientSync> sync;
+    if (stage > 0)
+      sync.reset(zero = new Zero(comm, model, stage, AdamWConfig{}, 0.1f, 1, overlap));
+    else
+      sync = std::make_unique<DataParallel>(comm, model, DpSync::Bucket, 25, true, AdamWConfig{},
+                                            0.1f, 1);
     for (int rep = 0; rep < 4; rep++) {
       barrier(comm, comm.world, ctx);
       double t0 = now_seconds();
-      if (zero)
-        zero->begin_step(ctx);
-      else
-        zero_(model.grads);
-      UnitHooks hooks = zero ? zero->hooks(ctx, true) : dp->hooks();
+      sync->begin_step(ctx);
+      UnitHooks hooks = sync->hooks(ctx, true);
       Activations acts;
       model_forward(ctx, model, acts, ids.data(), targets.data(), mbs, T, Recompute::None, hooks);
-      if (dp) dp->begin_backward(ctx, true);
       model_backward(ctx, model, acts, 1.0f / (tokens * N), Recompute::None, hooks);
-      double reduce_wait = zero ? zero->finish_gradients(ctx) : dp->finish(ctx);
-      if (zero)
-        zero->step(ctx, 1e-5f);
-      else
-        optimizer_step(ctx, model, opt, 1e-5f);
+      double reduce_wait = sync->finish(ctx);
+      sync->step(ctx, 1e-5f);
       ctx.synchronize();
       double times[3] = {now_seconds() - t0, zero ? zero->exposed_gather_s : 0.0,
                          zero ? zero->exposed_reduce_s : reduce_wait};
@@ -153,7 +143,7 @@ static ZeroRun zero_run(Comm& comm, const Context& ctx, int stage, bool overlap)
     out.static_bytes = (int64_t)(m.current[(int)Mem::Params] + m.current[(int)Mem::Grads] +
                                  m.current[(int)Mem::Optimizer]);
     out.peak_bytes = (int64_t)m.total_peak;
-    out.padded = zero ? zero->layout().padded_numel() : parameter_count(c);
+    out.padded = sync->padded_params();
   }
   double peaks[2] = {(double)out.static_bytes, (double)out.peak_bytes};
   all_reduce_host(comm.world, peaks, 2, ReduceOp::Max);  // the largest rank's

@@ -1,4 +1,4 @@
-// bench.cu: `make bench`. Times one training step (forward, backward, AdamW) and reports
+// bench_step.cu: `make bench`. Times one training step (forward, backward, AdamW) and reports
 // tokens/s and achieved GFLOP/s next to this machine's own sgemm rate at the model's GEMM
 // shapes, measured in the same run (Playbook §11: MFU is achieved over attainable FLOPs).
 // FLOPs per token: 6 N (N = parameters in matmuls, i.e. all but the embedding table) plus
@@ -69,7 +69,9 @@ static double sgemm_rate(const Context& ctx, const ModelConfig& c, int tokens) {
 static void bench(const Context& ctx, const BenchConfig& b) {
   const ModelConfig& c = b.model;
   Model model = build_model(c, ctx.device, 1);
-  Optimizer opt = build_optimizer(model, AdamWConfig{}, 0.1f);
+  AdamMoments moments = adam_moments(model.num_params, ctx.device);
+  std::vector<ParamSlice> slices = whole_model_slices(model, moments);
+  AdamW adamw;
   int T = c.seq, tokens = b.mbs * T;
   std::vector<int32_t> ids(tokens), targets(tokens);
   for (int i = 0; i < tokens; i++) ids[i] = (i * 31) % c.vocab, targets[i] = (i * 17) % c.vocab;
@@ -77,7 +79,8 @@ static void bench(const Context& ctx, const BenchConfig& b) {
     Activations acts;
     model_forward(ctx, model, acts, ids.data(), targets.data(), b.mbs, T, Recompute::None);
     model_backward(ctx, model, acts, 1.0f / tokens, Recompute::None);
-    optimizer_step(ctx, model, opt, 1e-4f);
+    adamw.steps++;
+    for (const ParamSlice& slice : slices) adamw.update(ctx, slice, 1e-4f);
   });
   double gflops = flops_per_token(c, T) * tokens / step / 1e9;
   double sgemm = sgemm_rate(ctx, c, tokens);

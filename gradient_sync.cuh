@@ -1,0 +1,62 @@
+// gradient_sync.cuh: what keeps the data-parallel replicas in step (DESIGN 6, "Gradient sync").
+// One interface, implemented by plain data parallelism (data_parallel.cu: naive, bucket, ring)
+// and by ZeRO-1/2/3 (zero.cu): train.cu holds one, chosen by flags, and never asks which.
+// Each owns the gradients' sum over dp_cp, the optimizer state and the weights' memory.
+#pragma once
+#include <string>
+
+#include "comm.cuh"
+#include "model.cuh"
+#include "optimizer.cuh"
+
+class GradientSync {
+ public:
+  // `model` is a layout (build_model_layout): the implementation allocates what it keeps.
+  GradientSync(Comm& comm, Model& model, const AdamWConfig& hp, float weight_decay);
+  virtual ~GradientSync() = default;
+  const Model& model() const { return model_; }
+
+  // ---- one training step, in this order (DESIGN 7) ----
+  virtual void begin_step(const Context& ctx) = 0;  // zeroes the gradients
+  // The unit hooks for one micro-batch's forward and backward (Playbook §3.2-§3.4, §4.2-§4.4).
+  virtual UnitHooks hooks(const Context& ctx, bool last_micro_batch) = 0;
+  virtual double finish(const Context& ctx) = 0;  // gradients summed; returns seconds blocked
+  // The global L2 norm of the gradient (Playbook §2.3): every parameter once, whichever ranks
+  // hold it, summed over dp_cp when sharded and over every group that splits the model (tp);
+  // then every gradient scaled by max_norm / norm when the norm exceeds max_norm > 0.
+  float clip_grad_norm(const Context& ctx, float max_norm);
+  virtual void step(const Context& ctx, float lr) = 0;  // AdamW on what this rank updates
+  int64_t optimizer_steps() const { return adamw_.steps; }
+
+  // ---- the whole model for evaluation and sampling (ZeRO-3 gathers it: collective) ----
+  virtual void gather_weights(const Context&) {}
+  virtual void release_weights() {}
+
+  // ---- checkpoints hold whole tensors, whatever the layout (collective) ----
+  void save(const Context& ctx, const std::string& dir);
+  void save_gradients(const Context& ctx, const std::string& path, int64_t step);
+  // Every rank reads the whole files and keeps its part, so any layout resumes any other.
+  // Returns the optimizer step (0 when the directory has no optimizer state).
+  int64_t load(const std::string& dir);
+
+  // ---- measurements ----
+  virtual int zero_stage() const { return 0; }
+  virtual int64_t padded_params() const { return model_.num_params; }     // Ψ' (ZeRO's padding)
+  virtual void trace_communication(Trace& trace) const = 0;               // this step's collectives
+  virtual void print_comm_report(int grad_acc) const { (void)grad_acc; }  // rank 0 prints
+
+ protected:
+  enum class Part { Params, Grads, ExpAvg, ExpAvgSq };
+  // The flat [num_params] vector of `part` (this tp rank's shard of the model), whole over
+  // dp_cp, on dp_cp rank 0 (any device); undefined elsewhere. Collective over dp_cp.
+  virtual Tensor gather_flat(const Context& ctx, Part part) = 0;
+  // Keeps this rank's part of a whole flat host vector [num_params].
+  virtual void load_flat(Part part, const Tensor& whole) = 0;
+  virtual void scale_grads(const Context& ctx, float alpha) = 0;
+  virtual bool grads_sharded() const = 0;  // each dp_cp rank holds a slice of the gradient
+
+  Comm& comm_;
+  Model& model_;
+  AdamW adamw_;
+  std::vector<ParamSlice> slices_;  // what this rank's optimizer updates
+};
