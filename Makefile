@@ -15,7 +15,8 @@ LDFLAGS := $(addprefix -L,$(MPI_LIBDIRS)) $(addprefix -l,$(MPI_LIBS)) \
            -lcublas -lnccl -lopenblas -Xcompiler -pthread
 
 LIB_SRCS := core.cu comm.cu ops.cu flash_attention.cu tensor_parallel.cu model.cu optimizer.cu \
-            gradient_sync.cu data_parallel.cu zero.cu schedule.cu report.cu data.cu checkpoint.cu
+            gradient_sync.cu data_parallel.cu zero.cu schedule.cu pipeline_parallel.cu report.cu data.cu \
+            checkpoint.cu
 LIB_OBJS := $(LIB_SRCS:%.cu=$(BUILD)/%.o)
 TEST_SRCS := $(wildcard tests/test_*.cu)
 TEST_OBJS := $(TEST_SRCS:%.cu=$(BUILD)/%.o)

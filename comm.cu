@@ -120,6 +120,7 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
   make_group(c.tp, "tp", G.rank_of(d, p, x, 0), t);
   make_group(c.cp, "cp", G.rank_of(d, p, 0, t), x);
   make_group(c.pp, "pp", G.rank_of(d, 0, x, t), p);
+  make_group(c.pp_grad, "pp_grad", G.rank_of(d, 0, x, t), p);
   make_group(c.dp, "dp", G.rank_of(0, p, x, t), d);
   make_group(c.dp_cp, "dp_cp", G.rank_of(0, p, 0, t), d * G.cp + x);  // gradients average here
 
@@ -511,12 +512,19 @@ Handle scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, f
 
 Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<P2P>& ops) {
   int64_t sent = 0, total = 0;
+  Group* other = nullptr;  // the one other group of the same ranks some ops travel on
+  int64_t sent_other = 0;
   for (const P2P& op : ops) {
-    PICO_ASSERT(op.peer >= 0 && op.peer < g.size, "send_recv peer " + std::to_string(op.peer));
+    Group& og = op.group ? *op.group : g;
+    PICO_ASSERT(op.peer >= 0 && op.peer < og.size && og.size == g.size &&
+                    (&og == &g || !other || &og == other),
+                "send_recv peer " + std::to_string(op.peer) + " in " + og.name);
+    if (&og != &g) other = &og;
     total += op.count * kF32;
-    if (op.send) sent += op.count * kF32;
+    if (op.send) (&og == &g ? sent : sent_other) += op.count * kF32;
   }
-  count_call(g, Coll::SendRecv, sent);
+  count_call(g, Coll::SendRecv, sent);  // each message's bytes on the group it travels on
+  if (other) count_call(*other, Coll::SendRecv, sent_other);
   if (g.size == 1) {  // messages to oneself: the k-th send lands in the k-th receive, as in MPI
     std::vector<const P2P*> sends, recvs;
     for (const P2P& op : ops) (op.send ? sends : recvs).push_back(&op);
@@ -533,10 +541,11 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
     cudaStream_t st = c.comm_ctx.stream;
     NCCL_CHECK(ncclGroupStart());
     for (const P2P& op : ops) {
+      ncclComm_t nc = op.group ? op.group->nccl : g.nccl;  // one group may span communicators
       if (op.send)
-        NCCL_CHECK(ncclSend(op.buf, op.count, ncclFloat, op.peer, g.nccl, st));
+        NCCL_CHECK(ncclSend(op.buf, op.count, ncclFloat, op.peer, nc, st));
       else
-        NCCL_CHECK(ncclRecv(op.buf, op.count, ncclFloat, op.peer, g.nccl, st));
+        NCCL_CHECK(ncclRecv(op.buf, op.count, ncclFloat, op.peer, nc, st));
     }
     NCCL_CHECK(ncclGroupEnd());
   } else {
@@ -544,10 +553,11 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
     for (const P2P& op : ops) {
       float* h = mpi_buffer(*s, ctx, op.buf, op.count, op.send, !op.send);
       int n = mpi_count(op.count);
+      MPI_Comm mc = op.group ? op.group->mpi : g.mpi;
       if (op.send)
-        MPI_CHECK(MPI_Isend(h, n, MPI_FLOAT, op.peer, kTag, g.mpi, s->request()));
+        MPI_CHECK(MPI_Isend(h, n, MPI_FLOAT, op.peer, kTag, mc, s->request()));
       else
-        MPI_CHECK(MPI_Irecv(h, n, MPI_FLOAT, op.peer, kTag, g.mpi, s->request()));
+        MPI_CHECK(MPI_Irecv(h, n, MPI_FLOAT, op.peer, kTag, mc, s->request()));
     }
   }
   return issued(c, s);

@@ -75,7 +75,8 @@ struct P2P {  // one half of a batched send/recv
   bool send;
   float* buf;
   int64_t count;
-  int peer;  // group rank
+  int peer;               // group rank
+  Group* group = nullptr;  // another group of the same ranks than the call's (nullptr: the call's)
 };
 
 struct Comm {
@@ -83,9 +84,11 @@ struct Comm {
   Device device = Device::CPU;
   double timeout_s = 300;  // --comm-timeout
   Grid grid;
-  Group world, tp, cp, pp, dp, dp_cp;
+  // pp carries activations to the next stage; pp_grad, the same ranks on a communicator of its
+  // own, carries their gradients back, so the two directions never match each other's messages.
+  Group world, tp, cp, pp, pp_grad, dp, dp_cp;
   Context comm_ctx;  // the communication stream (CUDA), for kernels that belong to it
-  std::vector<Group*> groups() { return {&world, &tp, &cp, &pp, &dp, &dp_cp}; }
+  std::vector<Group*> groups() { return {&world, &tp, &cp, &pp, &pp_grad, &dp, &dp_cp}; }
 };
 // `backend_flag` is auto|nccl|mpi: auto is nccl on CUDA with one GPU per rank on each node,
 // else mpi. Throws UsageError for a world that is not dp*pp*cp*tp, an unknown backend, or nccl

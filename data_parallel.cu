@@ -121,16 +121,21 @@ DataParallel::DataParallel(Comm& comm, Model& model, DpSync mode, double bucket_
     scratch_ = empty({largest / std::max(1, comm.dp_cp.size) + 1}, Mem::Workspace, comm.device);
 }
 
-void DataParallel::begin_step(const Context&) { zero_(model_.grads); }
-
-UnitHooks DataParallel::hooks(const Context& ctx, bool last_micro_batch) {
+void DataParallel::begin_step(const Context& ctx) {
+  zero_(model_.grads);
   ctx_ = &ctx;
-  active_ = last_micro_batch && comm_.dp_cp.size > 1;
+  active_ = comm_.dp_cp.size > 1;
   for (GradBucket& b : buckets_) b.ready = 0, b.launched = b.ring_started = false;
   ring_next_ = 0;
   spans_.clear();
+}
+
+// Micro-batches before the last only accumulate; a pipeline may run their backwards after the
+// last one's forward, so each micro-batch's hooks carry whether it is the last.
+UnitHooks DataParallel::hooks(const Context& ctx, bool last_micro_batch) {
+  ctx_ = &ctx;
   UnitHooks h;
-  h.after_backward = [this](int unit) { on_gradients_ready(unit); };
+  if (last_micro_batch) h.after_backward = [this](int unit) { on_gradients_ready(unit); };
   return h;
 }
 

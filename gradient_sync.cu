@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "checkpoint.cuh"
+#include "pipeline_parallel.cuh"
 #include "gradient_sync.cuh"
 
 GradientSync::GradientSync(Comm& comm, Model& model, const AdamWConfig& hp, float weight_decay)
@@ -20,6 +21,7 @@ float GradientSync::clip_grad_norm(const Context& ctx, float max_norm) {
       squares += sum_squares(ctx, Tensor{nullptr, s.grad, {s.count}, DType::F32, ctx.device});
   if (grads_sharded()) all_reduce_host(comm_.dp_cp, &squares, 1, ReduceOp::Sum);
   all_reduce_host(comm_.tp, &squares, 1, ReduceOp::Sum);  // the groups that split the model
+  all_reduce_host(comm_.pp, &squares, 1, ReduceOp::Sum);
   float norm = (float)std::sqrt(squares);
   if (max_norm > 0.0f && norm > max_norm) scale_grads(ctx, max_norm / norm);
   return norm;
@@ -28,29 +30,47 @@ float GradientSync::clip_grad_norm(const Context& ctx, float max_norm) {
 void GradientSync::save(const Context& ctx, const std::string& dir) {
   Tensor weights = gather_flat(ctx, Part::Params);
   Tensor m = gather_flat(ctx, Part::ExpAvg), v = gather_flat(ctx, Part::ExpAvgSq);
-  if (comm_.dp_cp.rank != 0) return;  // then the tp shards come together on world rank 0
-  std::vector<NamedTensor> whole = whole_tensors(model_, named_views(model_, weights));
-  OptimizerState state{whole_tensors(model_, named_views(model_, m)),
-                       whole_tensors(model_, named_views(model_, v)), adamw_.steps};
-  if (comm_.grid.world_rank == 0) save_checkpoint(dir, model_.cfg, whole, &state);
+  if (comm_.dp_cp.rank != 0) return;  // then the tp shards, and the stages, meet on world rank 0
+  auto whole = [&](const Tensor& flat) {
+    return gather_pipeline_tensors(comm_, whole_tensors(model_, named_views(model_, flat)));
+  };
+  std::vector<NamedTensor> w = whole(weights);
+  OptimizerState state{whole(m), whole(v), adamw_.steps};
+  if (comm_.grid.world_rank == 0) save_checkpoint(dir, model_.cfg, w, &state);
 }
 
 void GradientSync::save_gradients(const Context& ctx, const std::string& path, int64_t step) {
   Tensor grads = gather_flat(ctx, Part::Grads);
   if (comm_.dp_cp.rank != 0) return;
-  std::vector<NamedTensor> whole = whole_tensors(model_, named_views(model_, grads));
+  std::vector<NamedTensor> whole =
+      gather_pipeline_tensors(comm_, whole_tensors(model_, named_views(model_, grads)));
   if (comm_.grid.world_rank == 0) write_safetensors(path, whole, {{"step", std::to_string(step)}});
 }
 
+// The tensors of `mine` (a rank's part of the model) picked by name out of the flat vector of
+// `whole` (the whole model, same tp shard): [mine.num_params], on the host.
+static Tensor part_of(const Model& whole, const Tensor& flat, const Model& mine) {
+  if (whole.num_params == mine.num_params) return flat;  // the whole model is this rank's
+  Tensor part = empty({mine.num_params}, Mem::Workspace, Device::CPU);
+  std::vector<NamedTensor> from = named_views(whole, flat), to = named_views(mine, part);
+  for (const NamedTensor& t : to)
+    for (const NamedTensor& f : from)
+      if (f.name == t.name) copy_(t.tensor, f.tensor);
+  return part;
+}
+
 int64_t GradientSync::load(const std::string& dir) {
-  int64_t n = model_.num_params;
+  // Every rank reads the whole checkpoint (its tp shard of every tensor) and keeps its part:
+  // its stage's tensors under pipeline parallelism, its dp_cp slice under ZeRO.
+  Model whole = build_model_layout(model_.cfg, model_.tp);
+  int64_t n = whole.num_params;
   Tensor weights = empty({n}, Mem::Workspace, Device::CPU);
   Tensor m = zeros({n}, Mem::Workspace, Device::CPU), v = zeros({n}, Mem::Workspace, Device::CPU);
-  OptimizerState state{named_views(model_, m), named_views(model_, v), 0};
-  bool with_optimizer = load_checkpoint_shards(model_, dir, named_views(model_, weights), &state);
-  load_flat(Part::Params, weights);
-  load_flat(Part::ExpAvg, m);
-  load_flat(Part::ExpAvgSq, v);
+  OptimizerState state{named_views(whole, m), named_views(whole, v), 0};
+  bool with_optimizer = load_checkpoint_shards(whole, dir, named_views(whole, weights), &state);
+  load_flat(Part::Params, part_of(whole, weights, model_));
+  load_flat(Part::ExpAvg, part_of(whole, m, model_));
+  load_flat(Part::ExpAvgSq, part_of(whole, v, model_));
   adamw_.steps = with_optimizer ? state.step : 0;
   return adamw_.steps;
 }

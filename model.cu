@@ -83,8 +83,8 @@ const char* recompute_name(Recompute r) {
 // LM head split by output rows, o and down by input columns, the embedding by vocabulary rows,
 // norms whole). The one place that order and those splits are written down.
 template <class Fn>
-static void for_each_param(const ModelConfig& c, const Stage& stage, const LocalDims& L,
-                           Weights& w, Fn fn) {
+static void for_each_param(const ModelConfig& c, const std::vector<Stage>& chunks,
+                           const LocalDims& L, Weights& w, Fn fn) {
   int64_t V = c.vocab, D = c.d_model, F = c.ffn, hd = c.head_dim();
   auto rows = [&](std::vector<int64_t> whole, int64_t row0, bool writer = true) {
     return TpSlice{whole, row0, 0, writer};
@@ -92,39 +92,33 @@ static void for_each_param(const ModelConfig& c, const Stage& stage, const Local
   auto cols = [&](std::vector<int64_t> whole, int64_t col0) { return TpSlice{whole, 0, col0, true}; };
   TpSlice norm{{D}, 0, 0, L.tp_rank == 0};  // every tp rank holds it; rank 0 saves it
   bool kv_writer = L.tp_rank % L.kv_replicas == 0;
-  int unit = 0;
-  if (stage.embedding)
-    fn(unit++, "model.embed_tokens.weight", {L.vocab, D}, rows({V, D}, L.vocab0), w.embed);
-  for (int l = stage.first_block; l < stage.last_block; l++, unit++) {
-    std::string p = "model.layers." + std::to_string(l) + ".";
-    BlockWeights& b = w.blocks[l - stage.first_block];
-    fn(unit, p + "input_layernorm.weight", {D}, norm, b.attn_norm);
-    fn(unit, p + "self_attn.q_proj.weight", {L.heads * hd, D},
-       rows({c.heads * hd, D}, L.head0 * hd), b.wq);
-    fn(unit, p + "self_attn.k_proj.weight", {L.kv_heads * hd, D},
-       rows({c.kv_heads * hd, D}, L.kv_head0 * hd, kv_writer), b.wk);
-    fn(unit, p + "self_attn.v_proj.weight", {L.kv_heads * hd, D},
-       rows({c.kv_heads * hd, D}, L.kv_head0 * hd, kv_writer), b.wv);
-    fn(unit, p + "self_attn.o_proj.weight", {D, L.heads * hd},
-       cols({D, c.heads * hd}, L.head0 * hd), b.wo);
-    fn(unit, p + "post_attention_layernorm.weight", {D}, norm, b.mlp_norm);
-    fn(unit, p + "mlp.gate_proj.weight", {L.ffn, D}, rows({F, D}, L.ffn0), b.w_gate);
-    fn(unit, p + "mlp.up_proj.weight", {L.ffn, D}, rows({F, D}, L.ffn0), b.w_up);
-    fn(unit, p + "mlp.down_proj.weight", {D, L.ffn}, cols({D, F}, L.ffn0), b.w_down);
+  int unit = 0, local = 0;  // this rank's units and blocks, chunk after chunk
+  for (const Stage& stage : chunks) {
+    if (stage.embedding)
+      fn(unit++, "model.embed_tokens.weight", {L.vocab, D}, rows({V, D}, L.vocab0), w.embed);
+    for (int l = stage.first_block; l < stage.last_block; l++, unit++) {
+      std::string p = "model.layers." + std::to_string(l) + ".";
+      BlockWeights& b = w.blocks[local++];
+      fn(unit, p + "input_layernorm.weight", {D}, norm, b.attn_norm);
+      fn(unit, p + "self_attn.q_proj.weight", {L.heads * hd, D},
+         rows({c.heads * hd, D}, L.head0 * hd), b.wq);
+      fn(unit, p + "self_attn.k_proj.weight", {L.kv_heads * hd, D},
+         rows({c.kv_heads * hd, D}, L.kv_head0 * hd, kv_writer), b.wk);
+      fn(unit, p + "self_attn.v_proj.weight", {L.kv_heads * hd, D},
+         rows({c.kv_heads * hd, D}, L.kv_head0 * hd, kv_writer), b.wv);
+      fn(unit, p + "self_attn.o_proj.weight", {D, L.heads * hd},
+         cols({D, c.heads * hd}, L.head0 * hd), b.wo);
+      fn(unit, p + "post_attention_layernorm.weight", {D}, norm, b.mlp_norm);
+      fn(unit, p + "mlp.gate_proj.weight", {L.ffn, D}, rows({F, D}, L.ffn0), b.w_gate);
+      fn(unit, p + "mlp.up_proj.weight", {L.ffn, D}, rows({F, D}, L.ffn0), b.w_up);
+      fn(unit, p + "mlp.down_proj.weight", {D, L.ffn}, cols({D, F}, L.ffn0), b.w_down);
+    }
+    if (!stage.head) continue;
+    fn(unit, "model.norm.weight", {D}, norm, w.final_norm);
+    if (!c.tie_embeddings)  // HF omits lm_head.weight when tied
+      fn(unit, "lm_head.weight", {L.vocab, D}, rows({V, D}, L.vocab0), w.lm_head);
+    unit++;
   }
-  if (!stage.head) return;
-  fn(unit, "model.norm.weight", {D}, norm, w.final_norm);
-  if (!c.tie_embeddings)  // HF omits lm_head.weight when tied
-    fn(unit, "lm_head.weight", {L.vocab, D}, rows({V, D}, L.vocab0), w.lm_head);
-}
-
-static std::vector<std::string> unit_names(const ModelConfig& c, const Stage& stage) {
-  std::vector<std::string> names;
-  if (stage.embedding) names.push_back("embedding");
-  for (int l = stage.first_block; l < stage.last_block; l++)
-    names.push_back("block " + std::to_string(l));
-  if (stage.head) names.push_back("head");
-  return names;
 }
 
 static Tensor unbound(const std::vector<int64_t>& shape) {
@@ -133,23 +127,33 @@ static Tensor unbound(const std::vector<int64_t>& shape) {
   return t;
 }
 
-Model build_model_layout(const ModelConfig& cfg, const TensorParallel& tp, Stage stage) {
+Model build_model_layout(const ModelConfig& cfg, const TensorParallel& tp,
+                         std::vector<Stage> chunks) {
   validate_model_config(cfg);
-  if (stage.last_block < 0) stage.last_block = cfg.layers;
-  PICO_ASSERT(0 <= stage.first_block && stage.first_block <= stage.last_block &&
-                  stage.last_block <= cfg.layers,
-              "stage blocks [" + std::to_string(stage.first_block) + ", " +
-                  std::to_string(stage.last_block) + ")");
-  PICO_ASSERT(!cfg.tie_embeddings || stage.embedding == stage.head,
-              "tied embeddings need the embedding and the head on one stage");
+  if (chunks.empty()) chunks.push_back(Stage{});
   Model m;
+  int blocks = 0;
+  for (Stage& stage : chunks) {
+    if (stage.last_block < 0) stage.last_block = cfg.layers;
+    PICO_ASSERT(0 <= stage.first_block && stage.first_block <= stage.last_block &&
+                    stage.last_block <= cfg.layers,
+                "stage blocks [" + std::to_string(stage.first_block) + ", " +
+                    std::to_string(stage.last_block) + ")");
+    m.chunk_unit0.push_back((int)m.units.size());
+    m.chunk_block0.push_back(blocks);
+    if (stage.embedding) m.units.push_back(ModelUnit{"embedding"});
+    for (int l = stage.first_block; l < stage.last_block; l++, blocks++)
+      m.units.push_back(ModelUnit{"block " + std::to_string(l)});
+    if (stage.head) m.units.push_back(ModelUnit{"head"});
+  }
+  PICO_ASSERT(!cfg.tie_embeddings || chunks.front().embedding == chunks.back().head,
+              "tied embeddings need the embedding and the head on one rank");
   m.cfg = cfg;
-  m.stage = stage;
+  m.chunks = chunks;
   m.tp = tp;
   m.tp.local = local_dims(cfg, tp.rank(), tp.size());
-  m.w.blocks.resize(m.blocks());
-  m.g.blocks.resize(m.blocks());
-  for (const std::string& name : unit_names(cfg, stage)) m.units.push_back(ModelUnit{name});
+  m.w.blocks.resize(blocks);
+  m.g.blocks.resize(blocks);
   int64_t offset = 0;
   auto add = [&](int u, const std::string& name, const std::vector<int64_t>& shape,
                  const TpSlice& layout, Tensor&) {
@@ -163,10 +167,10 @@ Model build_model_layout(const ModelConfig& cfg, const TensorParallel& tp, Stage
     offset += view.numel();
     unit.numel = offset - unit.offset;
   };
-  for_each_param(cfg, stage, m.tp.local, m.w, add);
+  for_each_param(cfg, chunks, m.tp.local, m.w, add);
   m.num_params = offset;
-  bool whole = stage.first_block == 0 && stage.last_block == cfg.layers && stage.embedding &&
-               stage.head;
+  bool whole = chunks.size() == 1 && chunks[0].first_block == 0 &&
+               chunks[0].last_block == cfg.layers && chunks[0].embedding && chunks[0].head;
   PICO_ASSERT(tp.size() > 1 || !whole || offset == parameter_count(cfg),
               "parameter layout disagrees with parameter_count");
   for (int u = 0; u < (int)m.units.size(); u++) {
@@ -189,8 +193,8 @@ static void bind_unit(Model& m, int u, const Tensor& base, Weights& w,
     view = base.defined() ? base.view(m.offsets[i] - unit.offset, shape) : unbound(shape);
     named[i].tensor = view;
   };
-  for_each_param(m.cfg, m.stage, m.tp.local, w, bind);
-  if (m.cfg.tie_embeddings && m.stage.embedding && u == 0) w.lm_head = w.embed;
+  for_each_param(m.cfg, m.chunks, m.tp.local, w, bind);
+  if (m.cfg.tie_embeddings && u == m.embedding_unit()) w.lm_head = w.embed;
 }
 void bind_unit_params(Model& m, int u, const Tensor& base) {
   bind_unit(m, u, base, m.w, m.named_params);
@@ -246,8 +250,8 @@ void allocate_model(Model& m, Device device, uint64_t seed) {
 }
 
 Model build_model(const ModelConfig& cfg, Device device, uint64_t seed, const TensorParallel& tp,
-                  Stage stage) {
-  Model m = build_model_layout(cfg, tp, stage);
+                  std::vector<Stage> chunks) {
+  Model m = build_model_layout(cfg, tp, std::move(chunks));
   allocate_model(m, device, seed);
   return m;
 }
@@ -365,7 +369,8 @@ static float head_forward(const Context& ctx, Model& model, Activations& acts,
 
 float stage_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
                     const Tensor& hidden_in, const int32_t* targets, int B, int T,
-                    Recompute mode, const UnitHooks& hooks) {
+                    Recompute mode, const UnitHooks& hooks, int chunk) {
+  const Stage& stage = model.chunks[chunk];
   const ModelConfig& c = model.cfg;
   const LocalDims& L = model.tp.local;
   Device d = ctx.device;
@@ -377,27 +382,28 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
   acts.positions = device_ints(pos, d);
 
   Tensor x = hidden_in;  // [n, D] the residual stream
-  if (model.stage.embedding) {
+  if (stage.embedding) {
     // Vocab-parallel embedding: this rank looks up the ids of its vocabulary slice.
     acts.ids = device_ints(local_vocab_ids(ids, N, L.vocab0, L.vocab), d);
     x = act({n, D}, d);
-    run_hook(hooks.before_forward, 0);
+    run_hook(hooks.before_forward, model.embedding_unit());
     vocab_parallel_embedding_forward(model.tp, ctx, x, acts.ids, model.w.embed);
-    run_hook(hooks.after_forward, 0);
+    run_hook(hooks.after_forward, model.embedding_unit());
   }
   PICO_ASSERT(x.defined() && x.numel() == n * D, "stage input " + x.shape_str());
-  acts.blocks.resize(model.blocks());
-  for (int l = 0; l < model.blocks(); l++) {
+  acts.blocks.resize(model.blocks(chunk));
+  for (int l = 0; l < model.blocks(chunk); l++) {
     BlockActivations& a = acts.blocks[l];
     a.x = x;
     x = act({n, D}, d);
-    run_hook(hooks.before_forward, model.block_unit(l));
-    block_forward(ctx, model, model.w.blocks[l], a, acts.positions, B, T, x);
-    run_hook(hooks.after_forward, model.block_unit(l));
+    run_hook(hooks.before_forward, model.block_unit(chunk, l));
+    block_forward(ctx, model, model.w.blocks[model.chunk_block0[chunk] + l], a, acts.positions, B,
+                  T, x);
+    run_hook(hooks.after_forward, model.block_unit(chunk, l));
     drop_for_recompute(a, mode);
   }
   acts.x_final = x;
-  if (!model.stage.head) return 0.0f;
+  if (!stage.head) return 0.0f;
   run_hook(hooks.before_forward, model.head_unit());
   float loss = head_forward(ctx, model, acts, targets);
   run_hook(hooks.after_forward, model.head_unit());
@@ -457,34 +463,36 @@ static void head_backward(const Context& ctx, Model& model, Activations& acts, f
 }
 
 Tensor stage_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
-                      const Tensor& d_out, Recompute mode, const UnitHooks& hooks) {
+                      const Tensor& d_out, Recompute mode, const UnitHooks& hooks, int chunk) {
+  const Stage& stage = model.chunks[chunk];
   Device d = ctx.device;
   int B = acts.B, T = acts.T;
   int64_t n = acts.x_final.size(0), D = model.cfg.d_model;
   Tensor dres = zeros({n, D}, Mem::Workspace, d);  // [n, D] gradient of the residual stream
-  if (model.stage.head) {
+  if (stage.head) {
     run_hook(hooks.before_backward, model.head_unit());
     head_backward(ctx, model, acts, loss_scale, dres);
     run_hook(hooks.after_backward, model.head_unit());
   } else {
     copy_(dres, d_out);
   }
-  for (int l = model.blocks() - 1; l >= 0; l--) {
+  for (int l = model.blocks(chunk) - 1; l >= 0; l--) {
     BlockActivations& a = acts.blocks[l];
-    run_hook(hooks.before_backward, model.block_unit(l));
+    int b = model.chunk_block0[chunk] + l, u = model.block_unit(chunk, l);
+    run_hook(hooks.before_backward, u);
     if (mode == Recompute::Full) {  // rebuild this block's activations from its input
       Tensor x_out = work({n, D}, d);
-      block_forward(ctx, model, model.w.blocks[l], a, acts.positions, B, T, x_out);
+      block_forward(ctx, model, model.w.blocks[b], a, acts.positions, B, T, x_out);
     }
-    block_backward(ctx, model, model.w.blocks[l], model.g.blocks[l], a, acts.positions, B, T,
+    block_backward(ctx, model, model.w.blocks[b], model.g.blocks[b], a, acts.positions, B, T,
                    dres);
     a = BlockActivations{};  // this micro-batch no longer needs block l's activations
-    run_hook(hooks.after_backward, model.block_unit(l));
+    run_hook(hooks.after_backward, u);
   }
-  if (model.stage.embedding) {
-    run_hook(hooks.before_backward, 0);
+  if (stage.embedding) {
+    run_hook(hooks.before_backward, model.embedding_unit());
     vocab_parallel_embedding_backward(model.tp, ctx, model.g.embed, acts.ids, dres);
-    run_hook(hooks.after_backward, 0);
+    run_hook(hooks.after_backward, model.embedding_unit());
     dres = Tensor();
   }
   acts = Activations{};

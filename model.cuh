@@ -60,6 +60,7 @@ struct NamedTensor {
 // A pipeline stage (DESIGN 6, "Stage"): the blocks [first_block, last_block), with the
 // embedding or not (the first stage) and with the final norm + LM head + loss or not (the last).
 // The whole model is the one stage that holds everything; last_block -1 means every block.
+// A rank holds one stage, or several model chunks under an interleaved pipeline (Playbook §8.5).
 struct Stage {
   int first_block = 0, last_block = -1;
   bool embedding = true, head = true;
@@ -76,7 +77,7 @@ struct ModelUnit {
 
 struct Model {
   ModelConfig cfg;
-  Stage stage;           // which part of the model this rank holds (resolved: last_block set)
+  std::vector<Stage> chunks;  // the parts of the model this rank holds, in order (resolved)
   TensorParallel tp;     // the tp group and this rank's heads, ffn and vocabulary slice
   int64_t num_params = 0;  // parameters on this rank: the stage's, over tp
   std::vector<TpSlice> layouts;  // per named parameter: where its shard sits in the whole
@@ -86,19 +87,24 @@ struct Model {
   Weights w, g;                                        // views into params and grads
   std::vector<NamedTensor> named_params, named_grads;  // HF order (the checkpoint's order)
   std::vector<int64_t> offsets;  // per named parameter: its first element in the flat buffer
-  std::vector<ModelUnit> units;  // [embedding], this stage's blocks, [head]
-  int blocks() const { return stage.last_block - stage.first_block; }  // blocks on this stage
-  int block_unit(int local_block) const { return (stage.embedding ? 1 : 0) + local_block; }
-  int head_unit() const { return (int)units.size() - 1; }  // valid when stage.head
+  std::vector<ModelUnit> units;  // per chunk: [embedding], its blocks, [head]
+  std::vector<int> chunk_unit0, chunk_block0;  // per chunk: its first unit and first block in w
+  int blocks(int chunk) const { return chunks[chunk].last_block - chunks[chunk].first_block; }
+  int embedding_unit() const { return chunks.front().embedding ? 0 : -1; }  // -1: not here
+  int head_unit() const { return chunks.back().head ? (int)units.size() - 1 : -1; }
+  // The unit of block l (0-based within chunk c).
+  int block_unit(int c, int l) const { return chunk_unit0[c] + (chunks[c].embedding ? 1 : 0) + l; }
 };
 // Allocates the flat buffers and initialises every weight from (seed, name, element index):
 // linear and embedding weights N(0, init_std), norm weights 1.
 // Under tensor parallelism each rank allocates and initialises exactly its shards.
+// `chunks`: the stages this rank holds (empty: the whole model).
 Model build_model(const ModelConfig& cfg, Device device, uint64_t seed,
-                  const TensorParallel& tp = {}, Stage stage = {});
+                  const TensorParallel& tp = {}, std::vector<Stage> chunks = {});
 // The layout alone (names, shapes, offsets, units), no memory: every view is unbound (its
 // shape is set, its data pointer null) until bind_unit_params / bind_unit_grads point it.
-Model build_model_layout(const ModelConfig& cfg, const TensorParallel& tp = {}, Stage stage = {});
+Model build_model_layout(const ModelConfig& cfg, const TensorParallel& tp = {},
+                         std::vector<Stage> chunks = {});
 // Allocates the flat parameter and gradient buffers of a layout, binds every view and
 // initialises the weights (what build_model does after build_model_layout).
 void allocate_model(Model& m, Device device, uint64_t seed);
@@ -143,7 +149,7 @@ int64_t saved_bytes(const BlockActivations& a);
 struct Activations {
   int B = 0, T = 0;
   Tensor ids, targets, positions;  // [N] int32, N = B*T
-  std::vector<BlockActivations> blocks;  // this stage's blocks
+  std::vector<BlockActivations> blocks;  // this chunk's blocks
   Tensor x_final;                // [n, D] the last block's output: the stage's output hidden state
   Tensor normf, rstdf;           // [n, D], [n]
   Tensor logits;                 // [N, V / tp] this rank's vocabulary slice
@@ -152,18 +158,21 @@ struct Activations {
 };
 
 // ---- The stage seam (DESIGN 6): what a pipeline schedule runs, one micro-batch at a time ----
-// Forward of B sequences of T tokens through this stage. Input: token ids (host [B*T]) on the
-// first stage, else hidden_in [n, D] from the previous stage. Returns, on the last stage, the
-// sum of per-token losses (fp32 accumulation; with targets == nullptr only the logits are
-// computed, for generation); elsewhere 0, and acts.x_final holds the output for the next stage.
+// Forward of B sequences of T tokens through chunk `chunk` of this rank. Input: token ids (host
+// [B*T]) when the chunk holds the embedding, else hidden_in [n, D] from the previous stage.
+// Returns, when it holds the head, the sum of per-token losses (fp32 accumulation; with
+// targets == nullptr only the logits are computed, for generation); elsewhere 0, and
+// acts.x_final holds the output for the next stage.
 float stage_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
                     const Tensor& hidden_in, const int32_t* targets, int B, int T,
-                    Recompute mode, const UnitHooks& hooks = {});
-// Accumulates (+=) into the gradient views the gradient of loss_scale * sum(losses) (last
-// stage) or of <d_out, output> (d_out [n, D], other stages), releasing the activations as it
-// goes; units run in backward order. Returns d(input hidden) [n, D], undefined on the first stage.
+                    Recompute mode, const UnitHooks& hooks = {}, int chunk = 0);
+// Accumulates (+=) into the gradient views the gradient of loss_scale * sum(losses) (the head's
+// chunk) or of <d_out, output> (d_out [n, D], other chunks), releasing the activations as it
+// goes; units run in backward order. Returns d(input hidden) [n, D], undefined for the chunk
+// that holds the embedding.
 Tensor stage_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
-                      const Tensor& d_out, Recompute mode, const UnitHooks& hooks = {});
+                      const Tensor& d_out, Recompute mode, const UnitHooks& hooks = {},
+                      int chunk = 0);
 // The whole model as one stage: ids in, loss (or logits) out; and its backward.
 float model_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
                     const int32_t* targets, int B, int T, Recompute mode,

@@ -6,6 +6,7 @@
 
 #include "checkpoint.cuh"
 #include "data_parallel.cuh"
+#include "pipeline_parallel.cuh"
 #include "zero.cuh"
 
 void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape) {
@@ -57,6 +58,10 @@ void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape) {
   app.add_option("--temperature", o.temperature, "sampling temperature")->capture_default_str();
   app.add_option("--dp", o.dp, "data-parallel ranks")->capture_default_str();
   app.add_option("--pp", o.pp, "pipeline-parallel stages")->capture_default_str();
+  app.add_option("--pp-schedule", o.pp_schedule, "pipeline schedule: afab|1f1b|interleaved")
+      ->capture_default_str();
+  app.add_option("--pp-virtual", o.pp_virtual, "model chunks per pipeline rank (interleaved)")
+      ->capture_default_str();
   app.add_option("--cp", o.cp, "context-parallel ranks")->capture_default_str();
   app.add_option("--tp", o.tp, "tensor-parallel ranks")->capture_default_str();
   app.add_flag("--sp", o.sp, "sequence parallelism in the tensor-parallel group");
@@ -72,7 +77,8 @@ void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape) {
                  "ZeRO stage over dp_cp: 0 off, 1 optimizer states, 2 + gradients, 3 + weights")
       ->capture_default_str();
   app.add_option("--trace", o.trace, "write a Chrome trace JSON (Perfetto) to FILE");
-  app.add_option("--report", o.reports, "print reports at the end: memory, comm")->delimiter(',');
+  app.add_option("--report", o.reports, "print reports at the end: memory, comm, bubble")
+      ->delimiter(',');
   app.add_option("--fault", o.fault, "test fault handling: KIND:RANK:STEP, KIND crash|hang|error");
 }
 
@@ -116,18 +122,19 @@ void resolve_options(Options& o, const std::vector<ShapeFlag>& shape) {
   parse_recompute(o.recompute);
   check_positive(o.dp, "--dp"), check_positive(o.pp, "--pp");
   check_positive(o.cp, "--cp"), check_positive(o.tp, "--tp");
-  for (auto [value, flag] : {std::pair{o.pp, "--pp"}, {o.cp, "--cp"}})
-    if (value > 1)
-      throw UsageError(std::string(flag) + " " + std::to_string(value) +
-                       ": this version parallelises over --dp and --tp; use " + flag + " 1");
+  if (o.cp > 1)
+    throw UsageError("--cp " + std::to_string(o.cp) +
+                     ": this version parallelises over --dp, --pp and --tp; use --cp 1");
+  validate_pipeline(o.model.layers, o.pp, o.pp_virtual, o.grad_acc, parse_pp_schedule(o.pp_schedule),
+                    o.model.tie_embeddings, o.zero);
   validate_tensor_parallel(o.model, o.tp, o.sp);
   parse_dp_sync(o.dp_sync);
   parse_zero_stage(o.zero);
   if (!(o.bucket_mb > 0)) throw UsageError("--bucket-mb must be > 0");
   if (!(o.comm_timeout > 0)) throw UsageError("--comm-timeout must be > 0 seconds");
   for (const std::string& r : o.reports)
-    if (r != "memory" && r != "comm")
-      throw UsageError("--report " + r + ": expected memory or comm (or both: memory,comm)");
+    if (r != "memory" && r != "comm" && r != "bubble")
+      throw UsageError("--report " + r + ": expected memory, comm or bubble (several: memory,comm)");
   if (!o.fault.empty() && std::count(o.fault.begin(), o.fault.end(), ':') != 2)
     throw UsageError("--fault " + o.fault + ": expected KIND:RANK:STEP, e.g. crash:1:3");
 }
@@ -164,6 +171,9 @@ void print_config(const Options& o, const Dataset& data, const Comm& comm, int64
   row("grid dp x pp x cp x tp", s(o.dp) + " x " + s(o.pp) + " x " + s(o.cp) + " x " + s(o.tp) +
                                     " = " + s(comm.grid.world_size) + " ranks" +
                                     (o.sp ? ", sequence parallel" : ""));
+  if (o.pp > 1)
+    row("pipeline", o.pp_schedule + ", " + s(o.grad_acc) + " micro-batches" +
+                        (o.pp_virtual > 1 ? ", " + s(o.pp_virtual) + " chunks per rank" : ""));
   if (zero_stage == 0)
     row("gradient sync", o.dp_sync + ", buckets of " + s(o.bucket_mb).substr(0, 5) + " MiB" +
                              (o.no_overlap ? ", no overlap" : ", overlapped"));

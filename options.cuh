@@ -21,7 +21,8 @@ struct Options {
   int sample = 0;
   // parallelism
   int dp = 1, pp = 1, cp = 1, tp = 1, zero = 0;
-  std::string comm = "auto", dp_sync = "bucket", trace, fault;
+  std::string comm = "auto", dp_sync = "bucket", trace, fault, pp_schedule = "1f1b";
+  int pp_virtual = 1;
   double comm_timeout = 300, bucket_mb = 25;
   bool no_overlap = false, sp = false;
   std::vector<std::string> reports;

@@ -232,3 +232,32 @@ void print_tp_comm_report(const ModelConfig& cfg, int mbs, int grad_acc, int tp,
          "the same bytes as all-gathers and reduce-scatters (AR = RS + AG), plus the backward's "
          "re-gathers of the norm outputs here (Megatron's choice: activations stay sharded)\n");
 }
+
+void print_bubble_report(Comm& comm, const PipelineConfig& cfg, int m,
+                         const PipelineMeasure& measured) {
+  const Grid& G = comm.grid;
+  double mine[3] = {measured.busy_s, measured.step_s, (double)measured.peak_in_flight};
+  std::vector<double> all(3 * G.world_size);
+  MPI_CHECK(MPI_Gather(mine, 3, MPI_DOUBLE, all.data(), 3, MPI_DOUBLE, 0, comm.world.mpi));
+  if (G.world_rank != 0) return;
+  int p = G.pp, V = cfg.virtual_stages;
+  PipelineTiming ticks = simulate_pipeline(cfg.schedule, p, m, V, 1.0, 2.0);
+  double book = bubble_fraction(cfg.schedule, p, m, V);
+  printf("pipeline bubble (--report bubble; %s, p = %d stages, m = %d micro-batches, V = %d; "
+         "averaged over %d steps):\n",
+         pp_schedule_name(cfg.schedule), p, m, V, measured.steps);
+  printf("  %5s %9s %9s %13s %12s %11s %19s\n", "stage", "busy ms", "step ms", "idle measured",
+         "idle ticks", "book", "in flight measured");
+  int steps = std::max(1, measured.steps);
+  for (int s = 0; s < p; s++) {
+    const double* r = &all[3 * G.rank_of(0, s, 0, 0)];  // dp, cp and tp rank 0 of stage s
+    printf("  %5d %9.2f %9.2f %12.1f%% %11.1f%% %10.1f%% %9d (tables: %d)\n", s,
+           r[0] / steps * 1e3, r[1] / steps * 1e3, 100.0 * (1.0 - r[0] / std::max(r[1], 1e-12)),
+           100.0 * (1.0 - ticks.busy[s] / ticks.makespan), 100.0 * book, (int)r[2],
+           ticks.peak_in_flight[s]);
+  }
+  printf("  book: idle share (p-1)/(m+p-1) for afab and 1f1b, (p-1)/(Vm+p-1) interleaved, i.e. "
+         "a bubble of (p-1)/m, (p-1)/(Vm), of the ideal time (Playbook §8.3-§8.5). The ticks "
+         "are exact; measured wall-clock time also counts communication and, on CPU ranks "
+         "sharing cores, time-slicing.\n");
+}

@@ -2,6 +2,7 @@
 #pragma once
 #include "comm.cuh"
 #include "model.cuh"
+#include "pipeline_parallel.cuh"
 #include "zero.cuh"
 
 // This rank's peak and current bytes per memory category, and its static bytes per parameter
@@ -33,3 +34,10 @@ struct TpTraffic {
 TpTraffic tp_expected_traffic(const ModelConfig& cfg, int B, int T, int tp, bool sp);
 void print_tp_comm_report(const ModelConfig& cfg, int mbs, int grad_acc, int tp, bool sp,
                           const CollStats* measured_per_step);
+
+// Pipeline parallelism (Playbook §8): per stage, the measured busy and idle time of the
+// schedule over the training steps, the idle share of the same tables run on paper (ticks,
+// t_b = 2 t_f), the book's formula, and the micro-batches in flight measured from the
+// activation memory next to the schedule's. Collective: every rank calls it; rank 0 prints.
+void print_bubble_report(Comm& comm, const PipelineConfig& cfg, int micro_batches,
+                         const PipelineMeasure& measured);

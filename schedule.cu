@@ -4,10 +4,14 @@
 // backward needs to communicate.
 #include <string>
 
+#include "pipeline_parallel.cuh"
 #include "schedule.cuh"
 
-StepStats run_schedule(const Context& ctx, Model& model, GradientSync& sync, const StepBatch& batch,
-                       Recompute mode, float loss_scale, Trace& trace) {
+StepStats run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& sync,
+                       const StepBatch& batch, Recompute mode, float loss_scale, Trace& trace,
+                       const PipelineConfig& pipeline, PipelineMeasure* measure) {
+  if (comm.pp.size > 1)
+    return run_pipeline(ctx, comm, model, sync, batch, mode, loss_scale, trace, pipeline, measure);
   StepStats stats;
   int64_t tokens = (int64_t)batch.mbs * batch.seq;  // per micro-batch
   for (int micro = 0; micro < batch.micro_batches; micro++) {

@@ -7,6 +7,9 @@
 
 #include "gradient_sync.cuh"
 
+struct PipelineConfig;  // pipeline_parallel.cuh
+struct PipelineMeasure;
+
 // This rank's part of one step's global batch: micro_batches x mbs sequences of seq tokens.
 struct StepBatch {
   const int32_t* inputs;   // host [micro_batches * mbs * seq]
@@ -18,6 +21,8 @@ struct StepStats {
   int64_t block_bytes = -1;  // one block's saved activations, measured on the first one
 };
 // Runs every micro-batch of the step through `model`; loss_scale turns each micro-batch's
-// summed loss into its share of the step's mean (DESIGN 5). Spans go to `trace`.
-StepStats run_schedule(const Context& ctx, Model& model, GradientSync& sync, const StepBatch& batch,
-                       Recompute mode, float loss_scale, Trace& trace);
+// summed loss into its share of the step's mean (DESIGN 5). Spans go to `trace`. With a pp
+// group of more than one rank, the pipeline's schedule (pipeline_parallel.cu) runs instead.
+StepStats run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& sync,
+                       const StepBatch& batch, Recompute mode, float loss_scale, Trace& trace,
+                       const PipelineConfig& pipeline, PipelineMeasure* measure);

@@ -25,6 +25,7 @@
 #include "ops.cuh"
 #include "optimizer.cuh"
 #include "options.cuh"
+#include "pipeline_parallel.cuh"
 #include "report.cuh"
 #include "schedule.cuh"
 #include "zero.cuh"
@@ -34,8 +35,9 @@
 
 // Sum of per-token cross-entropies over windows [first, first + count) of seq + 1 tokens;
 // window w starts at token w * stride (stride seq: validation; seq + 1: disjoint, --score).
-static double loss_sum(const Context& ctx, Model& model, const std::vector<int32_t>& tokens,
-                       int64_t first, int64_t count, int seq, int64_t stride, int mbs) {
+static double loss_sum(const Context& ctx, Comm& comm, Model& model,
+                       const std::vector<int32_t>& tokens, int64_t first, int64_t count, int seq,
+                       int64_t stride, int mbs) {
   std::vector<int32_t> in((size_t)mbs * seq), tgt((size_t)mbs * seq);
   double total = 0;
   for (int64_t w = first; w < first + count; w += mbs) {
@@ -46,20 +48,21 @@ static double loss_sum(const Context& ctx, Model& model, const std::vector<int32
       std::copy(src + 1, src + seq + 1, tgt.begin() + (size_t)i * seq);
     }
     Activations acts;
-    total += model_forward(ctx, model, acts, in.data(), tgt.data(), n, seq, Recompute::None);
+    total += pipeline_forward(ctx, comm, model, acts, in.data(), tgt.data(), n, seq);
   }
   return total;
 }
 
 // Mean loss over `windows` windows, the windows split evenly over the dp_cp ranks (every rank
-// holds the same weights) and the sums added up.
+// holds the same weights) and the sums added up (over pp too: the last stage holds the loss).
 static double mean_loss(const Context& ctx, Comm& comm, Model& model,
                         const std::vector<int32_t>& tokens, int64_t windows, int seq,
                         int64_t stride, int mbs) {
   Group& g = comm.dp_cp;
   int64_t first = windows * g.rank / g.size, last = windows * (g.rank + 1) / g.size;
-  double total = loss_sum(ctx, model, tokens, first, last - first, seq, stride, mbs);
+  double total = loss_sum(ctx, comm, model, tokens, first, last - first, seq, stride, mbs);
   all_reduce_host(g, &total, 1, ReduceOp::Sum);
+  all_reduce_host(comm.pp, &total, 1, ReduceOp::Sum);
   return total / ((double)windows * seq);
 }
 
@@ -72,7 +75,24 @@ static double unigram_entropy(const std::vector<int32_t>& tokens, int vocab) {
   return h;
 }
 
-// Every rank runs it (tensor-parallel ranks each hold a slice of the logits); rank 0 prints.
+// The next token after the logits of the last position [V/tp] (the rank's vocabulary slice):
+// all-gathered over tp in vocabulary order, then drawn at the temperature.
+static int sample_token(const Context& ctx, Comm& comm, const Tensor& logits_row, int V,
+                        double uniform, float temperature) {
+  Tensor all = empty({V}, Mem::Workspace, ctx.device);
+  all_gather(comm, comm.tp, ctx, logits_row.f32(), all.f32(), logits_row.numel());
+  std::vector<float> logits = to_host_floats(all);
+  float mx = *std::max_element(logits.begin(), logits.end());
+  double z = 0;
+  for (float& l : logits) z += (l = std::exp((l - mx) / temperature));
+  double r = uniform * z;
+  for (int v = 0; v < V; v++)
+    if ((r -= logits[v]) < 0) return v;
+  return V - 1;
+}
+
+// Every rank runs it (tensor-parallel ranks each hold a slice of the logits, the last pipeline
+// stage draws the token and tells the others); rank 0 prints.
 static std::string generate(const Context& ctx, Comm& comm, const Model& sharded,
                             const Options& o) {
   Model model = sharded;  // the same weights without sequence parallelism: any prompt length
@@ -85,24 +105,16 @@ static std::string generate(const Context& ctx, Comm& comm, const Model& sharded
   for (int i = 0; i < o.sample; i++) {
     int T = (int)std::min<size_t>(tokens.size(), model.cfg.seq);
     Activations acts;
-    model_forward(ctx, model, acts, tokens.data() + tokens.size() - T, nullptr, 1, T,
-                  Recompute::None);
-    int Vl = model.tp.local.vocab;  // this rank's vocabulary slice; all-gathered in vocab order
-    Tensor all = empty({V}, Mem::Workspace, ctx.device);
-    all_gather(comm, comm.tp, ctx, acts.logits.f32() + (int64_t)(T - 1) * Vl, all.f32(), Vl);
-    std::vector<float> logits = to_host_floats(all);
-    float mx = *std::max_element(logits.begin(), logits.end());
-    double z = 0;
-    for (float& l : logits) z += (l = std::exp((l - mx) / o.temperature));
-    double r = rng_uniform(key, i) * z;
-    int next = V - 1;
-    for (int v = 0; v < V; v++)
-      if ((r -= logits[v]) < 0) {
-        next = v;
-        break;
-      }
-    tokens.push_back(next);
-    out += (char)(next < 256 ? next : '?');
+    pipeline_forward(ctx, comm, model, acts, tokens.data() + tokens.size() - T, nullptr, 1, T);
+    double next = -1;  // drawn where the head is, then shared over pp (max of -1 and it)
+    if (model.head_unit() >= 0) {
+      int Vl = model.tp.local.vocab;
+      next = sample_token(ctx, comm, acts.logits.view((int64_t)(T - 1) * Vl, {Vl}), V,
+                          rng_uniform(key, i), o.temperature);
+    }
+    all_reduce_host(comm.pp, &next, 1, ReduceOp::Max);
+    tokens.push_back((int32_t)next);
+    out += (char)(next < 256 ? (int)next : '?');
   }
   return out;
 }
@@ -128,24 +140,6 @@ static void all_or_none(Comm& comm, const std::function<void()>& fn) {
   message.resize(length);
   MPI_CHECK(MPI_Bcast(message.data(), length, MPI_CHAR, first, comm.world.mpi));
   throw UsageError(message);
-}
-
-static int score_file(const Context& ctx, Comm& comm, const Options& o) {
-  const ModelConfig& c = o.model;
-  Model model = build_model(c, ctx.device, o.seed, TensorParallel{&comm, o.sp});
-  load_checkpoint_shards(model, o.load, model.named_params, nullptr);
-  std::vector<int32_t> tokens = read_tokens(o.score);
-  int64_t windows = (int64_t)tokens.size() / (c.seq + 1);
-  if (windows == 0)
-    throw UsageError("--score " + o.score + ": " + std::to_string(tokens.size()) +
-                     " tokens, fewer than one window of --seq + 1 = " + std::to_string(c.seq + 1));
-  for (int32_t t : tokens)
-    if (t >= c.vocab)
-      throw UsageError("--score " + o.score + ": token " + std::to_string(t) +
-                       " is outside the vocabulary " + std::to_string(c.vocab));
-  double loss = mean_loss(ctx, comm, model, tokens, windows, c.seq, c.seq + 1, o.mbs);
-  if (comm.grid.world_rank == 0) printf("loss: %.6f\n", loss);
-  return 0;
 }
 
 // The gradient sync the flags choose (Playbook §3, §4): ZeRO-k over the dp_cp group, or plain
@@ -176,6 +170,34 @@ static void with_whole_model(GradientSync& sync, const Context& ctx,
   sync.release_weights();
 }
 
+// This rank's part of the model (its tp slice, its pipeline stage or chunks) as a layout.
+static Model model_layout(Comm& comm, const Options& o) {
+  return build_model_layout(o.model, TensorParallel{&comm, o.sp},
+                            pipeline_chunks(o.model.layers, o.pp, o.pp_virtual, comm.grid.pp_rank));
+}
+
+static int score_file(const Context& ctx, Comm& comm, const Options& o) {
+  const ModelConfig& c = o.model;
+  Model model = model_layout(comm, o);
+  std::unique_ptr<GradientSync> sync = make_gradient_sync(comm, model, o);
+  sync->load(o.load);
+  std::vector<int32_t> tokens = read_tokens(o.score);
+  int64_t windows = (int64_t)tokens.size() / (c.seq + 1);
+  if (windows == 0)
+    throw UsageError("--score " + o.score + ": " + std::to_string(tokens.size()) +
+                     " tokens, fewer than one window of --seq + 1 = " + std::to_string(c.seq + 1));
+  for (int32_t t : tokens)
+    if (t >= c.vocab)
+      throw UsageError("--score " + o.score + ": token " + std::to_string(t) +
+                       " is outside the vocabulary " + std::to_string(c.vocab));
+  double loss = 0;
+  with_whole_model(*sync, ctx, [&] {
+    loss = mean_loss(ctx, comm, model, tokens, windows, c.seq, c.seq + 1, o.mbs);
+  });
+  if (comm.grid.world_rank == 0) printf("loss: %.6f\n", loss);
+  return 0;
+}
+
 // What the loop needs besides the model: the data, this rank's share of each step's batch, the
 // log, and what it measures for the reports.
 struct Trainer {
@@ -187,6 +209,7 @@ struct Trainer {
   const Dataset& data;
   Recompute recompute;
   LrSchedule schedule;
+  PipelineConfig pipeline;
   int64_t rank_batch, global_batch;  // sequences: mbs x grad_acc on this rank; x dp in the step
   int first_seq;                     // this dp rank's first sequence of the global batch
   std::vector<int32_t> inputs, targets;
@@ -194,6 +217,7 @@ struct Trainer {
   Trace trace;
   int64_t steps_run = 0, block_bytes = -1;  // one block's saved activations, measured once
   TrafficMeter tp_traffic;                  // what the tp group sent in training steps
+  PipelineMeasure bubble;                   // busy and idle time of the pipeline schedule
 };
 
 // One optimizer step (DESIGN 7). Returns false when the loss is not finite.
@@ -210,12 +234,14 @@ static bool train_step(Trainer& t, int64_t step) {
   // the gradient of the mean loss over every token of the global batch (DESIGN 5).
   float loss_scale = 1.0f / (float)(t.global_batch * seq);
   StepBatch batch{t.inputs.data(), t.targets.data(), o.grad_acc, o.mbs, seq};
-  StepStats stats = run_schedule(t.ctx, t.model, t.sync, batch, t.recompute, loss_scale, t.trace);
+  StepStats stats = run_schedule(t.ctx, t.comm, t.model, t.sync, batch, t.recompute, loss_scale,
+                                 t.trace, t.pipeline, &t.bubble);
   if (t.block_bytes < 0) t.block_bytes = stats.block_bytes;
   double tw = now_seconds();
   t.sync.finish(t.ctx);
   t.trace.add("wait for gradients", Track::Compute, tw, now_seconds());
   all_reduce_host(t.comm.dp_cp, &stats.loss_sum, 1, ReduceOp::Sum);
+  all_reduce_host(t.comm.pp, &stats.loss_sum, 1, ReduceOp::Sum);  // the last stage holds it
   float loss = (float)(stats.loss_sum / (t.global_batch * seq));
   if (!std::isfinite(loss)) {
     if (t.comm.grid.world_rank == 0)
@@ -283,6 +309,7 @@ static void print_reports(Trainer& t) {
       if (main_rank && o.tp > 1)
         print_tp_comm_report(o.model, o.mbs, o.grad_acc, o.tp, o.sp, per_step);
     }
+    if (r == "bubble") print_bubble_report(comm, t.pipeline, o.grad_acc, t.bubble);
   }
 }
 
@@ -314,7 +341,7 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
   bool main_rank = comm.grid.world_rank == 0;
   Dataset data = load_dataset(o.data, o.val_frac, c.seq);
   check_vocab(data, c.vocab);
-  Model model = build_model_layout(c, TensorParallel{&comm, o.sp});
+  Model model = model_layout(comm, o);
   std::unique_ptr<GradientSync> sync = make_gradient_sync(comm, model, o);
   int64_t first_step = o.load.empty() ? 0 : sync->load(o.load);
   if (main_rank) {
@@ -328,8 +355,9 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
   // consecutive sequences [d * mbs * grad_acc, (d + 1) * mbs * grad_acc).
   int64_t rank_batch = (int64_t)o.mbs * o.grad_acc;
   Trainer t{o, comm, ctx, model, *sync, data, parse_recompute(o.recompute),
-            LrSchedule{o.lr, o.min_lr, o.warmup, o.steps}, rank_batch, rank_batch * o.dp,
-            (int)(comm.grid.dp_rank * rank_batch)};
+            LrSchedule{o.lr, o.min_lr, o.warmup, o.steps},
+            PipelineConfig{parse_pp_schedule(o.pp_schedule), o.pp_virtual}, rank_batch,
+            rank_batch * o.dp, (int)(comm.grid.dp_rank * rank_batch)};
   t.inputs.resize(rank_batch * c.seq), t.targets.resize(rank_batch * c.seq);
   t.trace.enabled = !o.trace.empty();
   all_or_none(comm, [&] {

@@ -150,21 +150,20 @@ Tensor Zero::shard_view(Part part, int u, int64_t count) const {
 // the same, except the embedding: its backward is a scatter-add of the ids, weights unread.
 std::vector<int> Zero::weights_read(int u, bool backward) const {
   if (u < 0 || u >= (int)units_.size()) return {};
-  if (backward && model_.stage.embedding && u == 0) return {};
-  if (model_.stage.head && u == model_.head_unit() && model_.cfg.tie_embeddings) return {u, 0};
+  if (backward && u == model_.embedding_unit()) return {};
+  if (u == model_.head_unit() && model_.cfg.tie_embeddings) return {u, model_.embedding_unit()};
   return {u};
 }
 
 UnitHooks Zero::hooks(const Context& ctx, bool last_micro_batch) {
   ctx_ = &ctx;
-  last_micro_batch_ = last_micro_batch;
   UnitHooks h;
   if (stage_ == 3) {
     h.before_forward = [this](int u) { before_forward(u); };
     h.after_forward = [this](int u) { after_forward(u); };
   }
   h.before_backward = [this](int u) { before_backward(u); };
-  h.after_backward = [this](int u) { after_backward(u); };
+  h.after_backward = [this, last_micro_batch](int u) { after_backward(u, last_micro_batch); };
   return h;
 }
 
@@ -192,10 +191,10 @@ void Zero::before_backward(int u) {
   if (stage_ >= 2)
     for (int w : weights_read(u, false)) acquire_grads(w);  // the gradients it writes
 }
-void Zero::after_backward(int u) {
+void Zero::after_backward(int u, bool last_micro_batch) {
   if (stage_ == 3)
     for (int w : weights_read(u, true)) release_unit(w);
-  if (stage_ >= 2 || last_micro_batch_) reduce_unit(u);  // §4.3: reduce-scatter as produced
+  if (stage_ >= 2 || last_micro_batch) reduce_unit(u);  // §4.3: reduce-scatter as produced
   progress();
 }
 

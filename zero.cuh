@@ -107,7 +107,7 @@ class Zero : public GradientSync {
   void before_forward(int u);
   void after_forward(int u);
   void before_backward(int u);
-  void after_backward(int u);
+  void after_backward(int u, bool last_micro_batch);
   void launch_gather(int u);
   void gather_unit(int u);
   void release_unit(int u);
@@ -123,6 +123,5 @@ class Zero : public GradientSync {
   Tensor exp_avg_, exp_avg_sq_;      // [S] Adam m and v
   std::vector<UnitState> units_;
   const Context* ctx_ = nullptr;
-  bool last_micro_batch_ = true;
   TrafficMeter traffic_;  // dp_cp, over the training steps only
 };

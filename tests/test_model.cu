@@ -189,9 +189,9 @@ TEST_CASE("three stages chained by their hidden states equal the whole model, bi
   model_backward(ctx, whole, all, 1.0f / (B * T), Recompute::None);
 
   // Stage 0: embedding + block 0; stage 1: block 1 alone; stage 2: block 2 + head.
-  std::vector<Model> stages = {build_model(c, Device::CPU, 5, {}, Stage{0, 1, true, false}),
-                               build_model(c, Device::CPU, 5, {}, Stage{1, 2, false, false}),
-                               build_model(c, Device::CPU, 5, {}, Stage{2, 3, false, true})};
+  std::vector<Model> stages = {build_model(c, Device::CPU, 5, {}, {Stage{0, 1, true, false}}),
+                               build_model(c, Device::CPU, 5, {}, {Stage{1, 2, false, false}}),
+                               build_model(c, Device::CPU, 5, {}, {Stage{2, 3, false, true}})};
   REQUIRE(stages[0].units.size() == 2);  // embedding, block 0
   REQUIRE(stages[1].units[0].name == "block 1");
   REQUIRE(stages[2].units.back().name == "head");

@@ -1,0 +1,331 @@
+// pipeline_parallel.cu: pipeline parallelism (Playbook §8; picotron's pipeline_parallel.py,
+// Megatron's schedules). Consecutive blocks live on consecutive ranks; a micro-batch's hidden
+// state [n, D] travels forward through them and its gradient travels back.
+// The one idea: a stage idles until the first micro-batch reaches it and after the last one
+// leaves, (p-1) forward-backward times per step whatever the order; more micro-batches (m) or
+// more, smaller chunks per rank (V) shrink that bubble to (p-1)/m, then (p-1)/(Vm), of the work,
+// and 1F1B bounds the activations a stage holds at p micro-batches where AFAB holds m.
+//
+// Each schedule is a table, a list of (forward or backward, micro-batch, chunk) per rank,
+// made by pipeline_schedule and run by one engine (run_pipeline); simulate_pipeline runs the
+// tables of every rank against each other on paper, which is how the tests check them.
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "pipeline_parallel.cuh"
+
+PpSchedule parse_pp_schedule(const std::string& flag) {
+  if (flag == "afab") return PpSchedule::AFAB;
+  if (flag == "1f1b") return PpSchedule::OneFOneB;
+  if (flag == "interleaved") return PpSchedule::Interleaved;
+  throw UsageError("--pp-schedule " + flag + ": expected afab, 1f1b or interleaved");
+}
+const char* pp_schedule_name(PpSchedule s) {
+  return s == PpSchedule::AFAB ? "afab" : s == PpSchedule::OneFOneB ? "1f1b" : "interleaved";
+}
+
+// ----------------------------------------------------------------------------
+// Partition
+
+std::vector<Stage> pipeline_chunks(int layers, int p, int V, int rank) {
+  int chunks = p * V;
+  auto first_block = [&](int c) { return c * (layers / chunks) + std::min(c, layers % chunks); };
+  std::vector<Stage> mine;
+  for (int k = 0; k < V; k++) {
+    int c = rank + k * p;  // Megatron: rank r holds chunks r, r + p, r + 2p, ...
+    mine.push_back(Stage{first_block(c), first_block(c + 1), c == 0, c == chunks - 1});
+  }
+  return mine;
+}
+
+void validate_pipeline(int layers, int p, int V, int m, PpSchedule s, bool tied, int zero_stage) {
+  std::string pp = "--pp " + std::to_string(p);
+  if (V < 1) throw UsageError("--pp-virtual " + std::to_string(V) + ": must be >= 1");
+  if (s == PpSchedule::Interleaved && V < 2)
+    throw UsageError(
+        "--pp-schedule interleaved needs --pp-virtual 2 or more model chunks per "
+        "rank (with one chunk it is 1f1b)");
+  if (s != PpSchedule::Interleaved && V > 1)
+    throw UsageError("--pp-virtual " + std::to_string(V) + " needs --pp-schedule interleaved");
+  if (layers < p * V)
+    throw UsageError(pp + " x --pp-virtual " + std::to_string(V) + " = " + std::to_string(p * V) +
+                     " chunks but --layers " + std::to_string(layers) +
+                     ": every chunk needs a block; lower --pp or --pp-virtual");
+  if (p == 1) return;
+  if (s == PpSchedule::Interleaved && m % p)
+    throw UsageError("--pp-schedule interleaved runs micro-batches in groups of --pp: --grad-acc " +
+                     std::to_string(m) + " must be a multiple of " + pp);
+  if (tied)
+    throw UsageError("--tie-embeddings with " + pp +
+                     ": the embedding lives on the first stage and the head on the last; tied "
+                     "weights across stages are not supported, drop --tie-embeddings");
+  if (zero_stage == 3)
+    throw UsageError("--zero 3 with " + pp +
+                     ": ZeRO-3 would gather every unit's weights again for each micro-batch in "
+                     "flight, which pipelining multiplies (Playbook §10.2: ZeRO-3 and PP are "
+                     "alternatives); use --zero 1 or 2 with --pp");
+}
+
+// ----------------------------------------------------------------------------
+// Schedules
+
+std::vector<PipelineOp> pipeline_schedule(PpSchedule s, int p, int rank, int m, int V) {
+  std::vector<PipelineOp> ops;
+  auto F = [&](int micro, int chunk) { ops.push_back({PipelineOp::Forward, micro, chunk}); };
+  auto B = [&](int micro, int chunk) { ops.push_back({PipelineOp::Backward, micro, chunk}); };
+  if (s == PpSchedule::AFAB) {  // §8.3 GPipe: every forward, then every backward
+    for (int i = 0; i < m; i++) F(i, 0);
+    for (int i = 0; i < m; i++) B(i, 0);
+    return ops;
+  }
+  if (s == PpSchedule::OneFOneB) {  // §8.4: warm-up forwards, then one forward, one backward
+    int warmup = std::min(p - rank - 1, m);
+    for (int i = 0; i < warmup; i++) F(i, 0);
+    for (int i = 0; i < m - warmup; i++) F(warmup + i, 0), B(i, 0);
+    for (int i = m - warmup; i < m; i++) B(i, 0);
+    return ops;
+  }
+  // §8.5 interleaved (Megatron): micro-batches in groups of p; each group goes through chunk 0,
+  // then chunk 1, ... (virtual step k: chunk (k / p) mod V of micro-batch (k / pV) p + k mod p),
+  // backwards in the reverse chunk order. The warm-up fills the loop of all p x V chunks.
+  int total = m * V;
+  auto micro = [&](int k) { return k / (p * V) * p + k % p; };
+  auto fwd_chunk = [&](int k) { return k / p % V; };
+  int warmup = m == p ? total : std::min(total, (p - rank - 1) * 2 + (V - 1) * p);
+  for (int k = 0; k < warmup; k++) F(micro(k), fwd_chunk(k));
+  for (int k = 0; k < total - warmup; k++)
+    F(micro(warmup + k), fwd_chunk(warmup + k)), B(micro(k), V - 1 - fwd_chunk(k));
+  for (int k = total - warmup; k < total; k++) B(micro(k), V - 1 - fwd_chunk(k));
+  return ops;
+}
+
+PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, double t_f, double t_b) {
+  int chunks = p * V;
+  std::vector<std::vector<PipelineOp>> table(p);
+  for (int r = 0; r < p; r++) table[r] = pipeline_schedule(s, p, r, m, V);
+  // Completion times per (global chunk, micro-batch); -1 until done.
+  std::vector<std::vector<double>> fwd(chunks, std::vector<double>(m, -1)), bwd = fwd;
+  std::vector<size_t> next(p, 0);
+  std::vector<double> free_at(p, 0);
+  std::vector<int> in_flight(p, 0);
+  PipelineTiming t;
+  t.busy.assign(p, 0), t.peak_in_flight.assign(p, 0);
+  for (bool progressed = true; progressed;) {
+    progressed = false;
+    for (int r = 0; r < p; r++)
+      for (; next[r] < table[r].size(); next[r]++) {
+        const PipelineOp& op = table[r][next[r]];
+        int g = r + op.chunk * p;
+        bool forward = op.kind == PipelineOp::Forward;
+        // A forward needs the previous chunk's output; a backward its own forward and the
+        // next chunk's input gradient.
+        double ready = forward ? (g > 0 ? fwd[g - 1][op.micro] : 0.0)
+                               : (g < chunks - 1 ? bwd[g + 1][op.micro] : fwd[g][op.micro]);
+        if (ready < 0 || (!forward && fwd[g][op.micro] < 0)) break;
+        double start = std::max(free_at[r], ready), cost = forward ? t_f : t_b;
+        free_at[r] = start + cost;
+        t.busy[r] += cost;
+        (forward ? fwd : bwd)[g][op.micro] = free_at[r];
+        in_flight[r] += forward ? 1 : -1;
+        t.peak_in_flight[r] = std::max(t.peak_in_flight[r], in_flight[r]);
+        progressed = true;
+      }
+  }
+  t.complete = true;
+  for (int r = 0; r < p; r++) t.complete = t.complete && next[r] == table[r].size();
+  t.makespan = *std::max_element(free_at.begin(), free_at.end());
+  return t;
+}
+
+double bubble_fraction(PpSchedule s, int p, int m, int V) {
+  double work = s == PpSchedule::Interleaved ? (double)V * m : (double)m;
+  return (p - 1) / (work + p - 1);
+}
+
+// ----------------------------------------------------------------------------
+// Point-to-point: sends go out with the next receive
+
+// Picotron's send_forward_recv_backward and Megatron's batched p2p. On NCCL a send is queued
+// and issued together with the receive the next op needs, as one grouped call: two neighbours
+// that each send before they receive would otherwise each have a send at the head of their
+// communication stream that the other's receive, queued behind its own send, never reaches.
+// On MPI sends are nonblocking and only the receive is waited for (a large send completes only
+// once the peer receives it, which it may do only after this rank's next op). Sends followed by
+// no receive go out on their own; every send is waited for at the end of the step.
+class Exchange {
+ public:
+  Exchange(Comm& comm, const Context& ctx) : comm_(comm), ctx_(ctx) {}
+  void send(Group& g, int peer, const Tensor& t) {
+    queued_.push_back({true, t.f32(), t.numel(), peer, &g});
+    keep_.push_back(t);
+  }
+  // Receives [n, D] from peer of g (issuing the queued sends with it) and waits for it.
+  Tensor receive(Group& g, int peer, std::vector<int64_t> shape, Mem category) {
+    Tensor t = empty(std::move(shape), category, ctx_.device);
+    P2P recv{false, t.f32(), t.numel(), peer, &g};
+    if (comm_.backend != Backend::NCCL) {
+      flush();
+      send_recv_async(comm_, comm_.pp, ctx_, {recv}).wait();
+      return t;
+    }
+    queued_.push_back(recv);
+    send_recv_async(comm_, comm_.pp, ctx_, queued_).wait();  // orders the compute stream only
+    queued_.clear(), keep_.clear();
+    return t;
+  }
+  void flush() {
+    if (queued_.empty()) return;
+    in_flight_.push_back({send_recv_async(comm_, comm_.pp, ctx_, queued_), keep_});
+    queued_.clear(), keep_.clear();
+  }
+  void finish() {
+    flush();
+    for (auto& [handle, buffers] : in_flight_) handle.wait();
+    in_flight_.clear();
+  }
+
+ private:
+  Comm& comm_;
+  const Context& ctx_;
+  std::vector<P2P> queued_;
+  std::vector<Tensor> keep_;  // queued sends' buffers, alive until sent
+  std::vector<std::pair<Handle, std::vector<Tensor>>> in_flight_;
+};
+
+// ----------------------------------------------------------------------------
+// The engine
+
+StepStats run_pipeline(const Context& ctx, Comm& comm, Model& model, GradientSync& sync,
+                       const StepBatch& batch, Recompute mode, float loss_scale, Trace& trace,
+                       const PipelineConfig& cfg, PipelineMeasure* measure) {
+  int p = comm.pp.size, rank = comm.pp.rank, V = (int)model.chunks.size(), m = batch.micro_batches;
+  int last_chunk = p * V - 1, next = comm.pp.next(), prev = comm.pp.prev();
+  int64_t tokens = (int64_t)batch.mbs * batch.seq;  // per micro-batch
+  std::vector<int64_t> hidden = {sp_tokens(model.tp, tokens), model.cfg.d_model};  // [n, D]
+  StepStats stats;
+  Exchange exchange(comm, ctx);
+  std::map<std::pair<int, int>, Activations> saved;  // (micro-batch, chunk) in flight
+  size_t acts_base = memory_stats().current[(int)Mem::Activations], one_micro = 0, peak = 0;
+  double t_step = now_seconds(), busy = 0;
+  for (const PipelineOp& op : pipeline_schedule(cfg.schedule, p, rank, m, V)) {
+    int g = rank + op.chunk * p;
+    bool forward = op.kind == PipelineOp::Forward;
+    // Receive what the op needs (with the queued sends), or let the queued sends go.
+    Tensor input;
+    if (forward && g > 0)
+      input = exchange.receive(comm.pp, prev, hidden, Mem::Activations);
+    else if (!forward && g < last_chunk)
+      input = exchange.receive(comm.pp_grad, next, hidden, Mem::Workspace);
+    else
+      exchange.flush();
+    UnitHooks hooks = sync.hooks(ctx, op.micro == m - 1);
+    Activations& acts = saved[{op.micro, op.chunk}];
+    double t0 = now_seconds();
+    if (forward) {
+      const int32_t* ids = batch.inputs + op.micro * tokens;
+      stats.loss_sum +=
+          stage_forward(ctx, model, acts, ids, input, batch.targets + op.micro * tokens, batch.mbs,
+                        batch.seq, mode, hooks, op.chunk);
+      if (stats.block_bytes < 0 && !acts.blocks.empty())
+        stats.block_bytes = saved_bytes(acts.blocks[0]);
+      if (g < last_chunk) exchange.send(comm.pp, next, acts.x_final);
+    } else {
+      Tensor d_in = stage_backward(ctx, model, acts, loss_scale, input, mode, hooks, op.chunk);
+      saved.erase({op.micro, op.chunk});
+      if (g > 0) exchange.send(comm.pp_grad, prev, d_in);
+    }
+    double t1 = now_seconds();
+    busy += t1 - t0;
+    trace.add(std::string(forward ? "F" : "B") + std::to_string(op.micro) +
+                  (V > 1 ? " chunk " + std::to_string(op.chunk) : ""),
+              Track::Compute, t0, t1);
+    size_t held = memory_stats().current[(int)Mem::Activations] - acts_base;
+    if (one_micro == 0 && forward) one_micro = held;  // one micro-batch chunk's activations
+    peak = std::max(peak, held);
+  }
+  exchange.finish();
+  if (measure) {
+    measure->busy_s += busy, measure->step_s += now_seconds() - t_step, measure->steps++;
+    if (one_micro > 0)
+      measure->peak_in_flight =
+          std::max(measure->peak_in_flight, (int)std::lround((double)peak / one_micro));
+  }
+  return stats;
+}
+
+float pipeline_forward(const Context& ctx, Comm& comm, Model& model, Activations& acts,
+                       const int32_t* ids, const int32_t* targets, int B, int T) {
+  if (comm.pp.size == 1)
+    return model_forward(ctx, model, acts, ids, targets, B, T, Recompute::None);
+  int p = comm.pp.size, rank = comm.pp.rank, last_chunk = p * (int)model.chunks.size() - 1;
+  std::vector<int64_t> hidden = {sp_tokens(model.tp, (int64_t)B * T), model.cfg.d_model};
+  Exchange exchange(comm, ctx);
+  float loss = 0;
+  for (int g = rank; g <= last_chunk; g += p) {  // this rank's chunks, in order
+    Tensor input;
+    if (g > 0) input = exchange.receive(comm.pp, comm.pp.prev(), hidden, Mem::Activations);
+    loss = stage_forward(ctx, model, acts, ids, input, targets, B, T, Recompute::None, {}, g / p);
+    if (g < last_chunk) exchange.send(comm.pp, comm.pp.next(), acts.x_final);
+    exchange.flush();
+  }
+  exchange.finish();
+  return loss;
+}
+
+// ----------------------------------------------------------------------------
+// Checkpoints: the stages' tensors on one rank
+
+// Hugging Face order: the embedding, the blocks by index (each block's tensors as they come),
+// the final norm, the LM head.
+static std::pair<int, int> hf_rank(const std::string& name) {
+  const std::string layers = "model.layers.";
+  if (name.rfind("model.embed_tokens", 0) == 0) return {0, 0};
+  if (name.rfind(layers, 0) == 0) return {1, std::stoi(name.substr(layers.size()))};
+  if (name.rfind("model.norm", 0) == 0) return {2, 0};
+  return {3, 0};
+}
+
+std::vector<NamedTensor> gather_pipeline_tensors(Comm& comm, const std::vector<NamedTensor>& mine) {
+  Group& g = comm.pp;
+  if (g.size == 1) return mine;
+  // Each rank packs its tensors: name, dims, shape, values; pp rank 0 gathers the packs.
+  std::vector<char> pack;
+  auto put = [&](const void* data, size_t bytes) {
+    pack.insert(pack.end(), (const char*)data, (const char*)data + bytes);
+  };
+  for (const NamedTensor& t : mine) {
+    int64_t name_size = (int64_t)t.name.size(), dims = t.tensor.dim();
+    put(&name_size, sizeof name_size), put(t.name.data(), t.name.size());
+    put(&dims, sizeof dims), put(t.tensor.shape.data(), dims * sizeof(int64_t));
+    std::vector<float> values = to_host_floats(t.tensor);
+    put(values.data(), values.size() * sizeof(float));
+  }
+  int size = (int)pack.size();
+  std::vector<int> sizes(g.size), offsets(g.size, 0);
+  MPI_CHECK(MPI_Gather(&size, 1, MPI_INT, sizes.data(), 1, MPI_INT, 0, g.mpi));
+  for (int r = 1; r < g.size; r++) offsets[r] = offsets[r - 1] + sizes[r - 1];
+  std::vector<char> all(g.rank == 0 ? offsets.back() + sizes.back() : 0);
+  MPI_CHECK(MPI_Gatherv(pack.data(), size, MPI_CHAR, all.data(), sizes.data(), offsets.data(),
+                        MPI_CHAR, 0, g.mpi));
+  std::vector<NamedTensor> whole;
+  for (size_t at = 0; at < all.size();) {
+    auto get = [&](void* data, size_t bytes) {
+      std::copy_n(&all[at], bytes, (char*)data), at += bytes;
+    };
+    int64_t name_size = 0, dims = 0;
+    get(&name_size, sizeof name_size);
+    std::string name(name_size, '\0');
+    get(name.data(), name_size);
+    get(&dims, sizeof dims);
+    std::vector<int64_t> shape(dims);
+    get(shape.data(), dims * sizeof(int64_t));
+    Tensor t = empty(shape, Mem::Workspace);
+    get(t.ptr, t.nbytes());
+    whole.push_back({name, t});
+  }
+  std::stable_sort(whole.begin(), whole.end(), [](const NamedTensor& a, const NamedTensor& b) {
+    return hf_rank(a.name) < hf_rank(b.name);
+  });
+  return whole;
+}

@@ -1,0 +1,71 @@
+// pipeline_parallel.cuh: pipeline parallelism (Playbook §8). Each rank of the pp group holds
+// consecutive blocks (a stage, or V model chunks when interleaved); activations travel forward
+// and their gradients backward between neighbours; a schedule decides the order of each rank's
+// forwards and backwards, and the bubble is the time a rank waits.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "gradient_sync.cuh"
+#include "schedule.cuh"
+
+enum class PpSchedule { AFAB, OneFOneB, Interleaved };
+PpSchedule parse_pp_schedule(const std::string& flag);  // afab|1f1b|interleaved
+const char* pp_schedule_name(PpSchedule s);
+
+// ---- Partition (Playbook §8.1) ----
+// L blocks in p x V contiguous chunks, as even as possible: the first L mod pV chunks get one
+// block more. Rank r holds chunks r, r + p, r + 2p, ... (Megatron's interleaving); chunk 0 also
+// holds the embedding, chunk pV - 1 the final norm, LM head and loss.
+std::vector<Stage> pipeline_chunks(int layers, int p, int V, int rank);
+// Throws UsageError naming the flags: layers < p x V, interleaved without m a multiple of p (or
+// V < 2), V > 1 for another schedule, tied embeddings or ZeRO-3 with pp > 1.
+void validate_pipeline(int layers, int p, int V, int micro_batches, PpSchedule s, bool tied,
+                       int zero_stage);
+
+// ---- Schedules as tables (Playbook §8.3-§8.5) ----
+struct PipelineOp {
+  enum Kind { Forward, Backward } kind;
+  int micro;  // micro-batch
+  int chunk;  // this rank's model chunk (0 .. V-1); its global chunk is rank + chunk * p
+};
+// Rank `rank`'s ops in order, for p stages, m micro-batches and V chunks per rank.
+std::vector<PipelineOp> pipeline_schedule(PpSchedule s, int p, int rank, int m, int V);
+
+// Every rank's table run against each other with a forward costing t_f and a backward t_b and
+// communication free: when each op can start, so the idle time is the bubble the book draws.
+struct PipelineTiming {
+  bool complete = false;            // false: some op waits forever (the tables would deadlock)
+  double makespan = 0;              // the step, from the first op to the last
+  std::vector<double> busy;         // per rank
+  std::vector<int> peak_in_flight;  // per rank: most (micro-batch, chunk) forwards awaiting
+                                    // their backward at once, i.e. activations held
+};
+PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, double t_f, double t_b);
+// The book's idle fraction of a step: (p-1)/(m+p-1) for AFAB and 1F1B, (p-1)/(Vm+p-1)
+// interleaved (the bubble (p-1)/m, resp. (p-1)/(Vm), of the ideal time, as a share of the step).
+double bubble_fraction(PpSchedule s, int p, int m, int V);
+
+// ---- Running a step ----
+struct PipelineConfig {
+  PpSchedule schedule = PpSchedule::OneFOneB;
+  int virtual_stages = 1;
+};
+// What --report bubble prints: measured on this rank over the training steps.
+struct PipelineMeasure {
+  double busy_s = 0, step_s = 0;  // forward/backward time, and whole schedule time
+  int steps = 0;
+  int peak_in_flight = 0;  // from the activation memory held, in micro-batch chunks
+};
+// One step's micro-batches in the schedule's order: receive, forward or backward, send, with
+// the gradient sync's hooks. Sends wait to go out with the next receive as one grouped call.
+StepStats run_pipeline(const Context& ctx, Comm& comm, Model& model, GradientSync& sync,
+                       const StepBatch& batch, Recompute mode, float loss_scale, Trace& trace,
+                       const PipelineConfig& cfg, PipelineMeasure* measure);
+// Forward only, through every stage in turn (evaluation, sampling): the summed loss on the rank
+// that holds the head (0 elsewhere); `acts` then holds its logits. With pp = 1, model_forward.
+float pipeline_forward(const Context& ctx, Comm& comm, Model& model, Activations& acts,
+                       const int32_t* ids, const int32_t* targets, int B, int T);
+// The stages' whole tensors together on pp rank 0 in Hugging Face order (checkpoints);
+// collective over the pp group; other ranks get an empty list.
+std::vector<NamedTensor> gather_pipeline_tensors(Comm& comm, const std::vector<NamedTensor>& mine);

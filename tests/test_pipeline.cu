@@ -1,0 +1,170 @@
+// Pipeline parallelism (Playbook §8) as tables, apart from the numerics (as Megatron tests its
+// schedule orders): the partition, every schedule's ops, and the bubble and in-flight
+// micro-batches that running the tables against each other gives, against the book's numbers.
+// The training side (losses, gradients, weights against one process) is in test_parity.cu.
+#include <catch2/catch.hpp>
+#include <set>
+
+#include "pipeline_parallel.cuh"
+
+TEST_CASE("pipeline chunks cover every block once, sizes within one, Megatron's assignment",
+          "[pipeline]") {
+  for (int L : {4, 5, 7, 16})
+    for (int p : {1, 2, 3, 4})
+      for (int V : {1, 2})
+        if (L >= p * V) {
+          std::vector<int> owner(L, -1);
+          int smallest = L, largest = 0;
+          for (int r = 0; r < p; r++) {
+            std::vector<Stage> chunks = pipeline_chunks(L, p, V, r);
+            REQUIRE((int)chunks.size() == V);
+            for (int k = 0; k < V; k++) {
+              const Stage& s = chunks[k];
+              int c = r + k * p;  // its global chunk: rank r holds r, r + p, ...
+              REQUIRE(s.embedding == (c == 0));
+              REQUIRE(s.head == (c == p * V - 1));
+              smallest = std::min(smallest, s.last_block - s.first_block);
+              largest = std::max(largest, s.last_block - s.first_block);
+              for (int b = s.first_block; b < s.last_block; b++) {
+                REQUIRE(owner[b] == -1);
+                owner[b] = c;
+              }
+            }
+          }
+          INFO("L " << L << ", p " << p << ", V " << V);
+          for (int b = 1; b < L; b++) REQUIRE(owner[b] >= owner[b - 1]);  // contiguous, in order
+          REQUIRE(owner[0] == 0);
+          REQUIRE(largest - smallest <= 1);
+          REQUIRE(smallest >= 1);
+        }
+  // 5 blocks on 2 stages: the first L mod p stages take one more (picotron's split).
+  REQUIRE(pipeline_chunks(5, 2, 1, 0)[0].last_block == 3);
+  REQUIRE(pipeline_chunks(5, 2, 1, 1)[0].first_block == 3);
+}
+
+// Every (micro-batch, chunk) forwarded and backwarded exactly once on each rank, forward first.
+static void require_complete_table(PpSchedule s, int p, int m, int V) {
+  for (int r = 0; r < p; r++) {
+    std::set<std::pair<int, int>> forwarded, backwarded;
+    for (const PipelineOp& op : pipeline_schedule(s, p, r, m, V)) {
+      std::pair<int, int> key{op.micro, op.chunk};
+      REQUIRE((op.micro >= 0 && op.micro < m && op.chunk >= 0 && op.chunk < V));
+      if (op.kind == PipelineOp::Forward) {
+        REQUIRE(forwarded.insert(key).second);
+      } else {
+        REQUIRE(forwarded.count(key));
+        REQUIRE(backwarded.insert(key).second);
+      }
+    }
+    REQUIRE((int)forwarded.size() == m * V);
+    REQUIRE((int)backwarded.size() == m * V);
+  }
+}
+
+TEST_CASE("every schedule runs each forward and backward once per stage, and never deadlocks",
+          "[pipeline]") {
+  for (int p = 2; p <= 8; p++)
+    for (int m = 1; m <= 16; m++) {
+      for (PpSchedule s : {PpSchedule::AFAB, PpSchedule::OneFOneB}) {
+        INFO(pp_schedule_name(s) << ", p " << p << ", m " << m);
+        require_complete_table(s, p, m, 1);
+        // Dependencies: a forward after the previous stage's, a backward after the next
+        // stage's; the simulation only runs an op once they are done, so completing is the proof.
+        REQUIRE(simulate_pipeline(s, p, m, 1, 1.0, 2.0).complete);
+      }
+      if (m % p == 0)
+        for (int V = 2; V <= 4; V++) {
+          INFO("interleaved, p " << p << ", m " << m << ", V " << V);
+          require_complete_table(PpSchedule::Interleaved, p, m, V);
+          REQUIRE(simulate_pipeline(PpSchedule::Interleaved, p, m, V, 1.0, 2.0).complete);
+        }
+    }
+}
+
+TEST_CASE("1F1B on 4 stages and 8 micro-batches idles 3/11 of the time, as AFAB does",
+          "[pipeline]") {
+  // Playbook §8.3-§8.4 with t_b = 2 t_f: every stage idles (p-1)(t_f + t_b) of a step of
+  // (m + p - 1)(t_f + t_b); the book's notes: p = 4, m = 8 gives 0.273, p = 8, m = 32 0.179.
+  for (PpSchedule s : {PpSchedule::AFAB, PpSchedule::OneFOneB}) {
+    PipelineTiming t = simulate_pipeline(s, 4, 8, 1, 1.0, 2.0);
+    REQUIRE(t.makespan == Approx(11 * 3.0));
+    for (double busy : t.busy) REQUIRE(1.0 - busy / t.makespan == Approx(3.0 / 11));
+    REQUIRE(bubble_fraction(s, 4, 8, 1) == Approx(0.2727).epsilon(1e-3));
+    PipelineTiming big = simulate_pipeline(s, 8, 32, 1, 1.0, 2.0);
+    REQUIRE(1.0 - big.busy[0] / big.makespan == Approx(0.179).margin(1e-3));  // 7/39
+  }
+  for (int p = 2; p <= 8; p++)
+    for (int m = 1; m <= 16; m++)
+      for (PpSchedule s : {PpSchedule::AFAB, PpSchedule::OneFOneB}) {
+        PipelineTiming t = simulate_pipeline(s, p, m, 1, 1.0, 2.0);
+        INFO(pp_schedule_name(s) << ", p " << p << ", m " << m);
+        for (int r = 0; r < p; r++)
+          REQUIRE(1.0 - t.busy[r] / t.makespan == Approx(bubble_fraction(s, p, m, 1)));
+      }
+}
+
+TEST_CASE("AFAB holds m micro-batches on every stage, 1F1B p - rank", "[pipeline]") {
+  for (int p = 2; p <= 8; p++)
+    for (int m = 1; m <= 16; m++) {
+      PipelineTiming afab = simulate_pipeline(PpSchedule::AFAB, p, m, 1, 1.0, 2.0);
+      PipelineTiming one = simulate_pipeline(PpSchedule::OneFOneB, p, m, 1, 1.0, 2.0);
+      for (int r = 0; r < p; r++) {
+        INFO("p " << p << ", m " << m << ", rank " << r);
+        REQUIRE(afab.peak_in_flight[r] == m);
+        REQUIRE(one.peak_in_flight[r] == std::min(p - r, m));
+      }
+    }
+}
+
+TEST_CASE("interleaving V chunks divides the bubble by V: the book's p = 8 grid", "[pipeline]") {
+  // Playbook §8.5, pp_bubblesize: (p-1)/(V m) for p = 8. Measured here as idle over busy ticks
+  // of every rank (a chunk's forward costs t_f, its backward t_b). Interleaving needs m a
+  // multiple of p; V = 1 is 1F1B.
+  const int p = 8;
+  const double book[6][4] = {{7.0, 3.5, 1.75, 0.875},
+                             {3.5, 1.75, 0.875, 0.4375},
+                             {1.75, 0.875, 0.4375, 0.21875},
+                             {0.875, 0.4375, 0.21875, 0.109375},
+                             {0.4375, 0.21875, 0.109375, 0.0546875},
+                             {0.21875, 0.109375, 0.0546875, 0.02734375}};
+  const int ms[6] = {1, 2, 4, 8, 16, 32}, Vs[4] = {1, 2, 4, 8};
+  int checked = 0;
+  for (int i = 0; i < 6; i++)
+    for (int j = 0; j < 4; j++) {
+      int m = ms[i], V = Vs[j];
+      if (V > 1 && m % p) continue;  // not a schedule Megatron runs
+      PpSchedule s = V == 1 ? PpSchedule::OneFOneB : PpSchedule::Interleaved;
+      PipelineTiming t = simulate_pipeline(s, p, m, V, 1.0, 2.0);
+      INFO("m " << m << ", V " << V);
+      REQUIRE(t.complete);
+      for (int r = 0; r < p; r++)
+        REQUIRE((t.makespan - t.busy[r]) / t.busy[r] == Approx(book[i][j]));
+      checked++;
+    }
+  REQUIRE(checked == 6 + 3 * 3);
+}
+
+TEST_CASE("bad pipeline layouts exit with a message naming the flags", "[pipeline]") {
+  auto message = [](auto fn) {
+    try {
+      fn();
+    } catch (const UsageError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  using Catch::Contains;
+  REQUIRE_THAT(message([] { validate_pipeline(3, 4, 1, 4, PpSchedule::OneFOneB, false, 0); }),
+               Contains("--pp 4") && Contains("--layers 3"));
+  REQUIRE_THAT(message([] { validate_pipeline(8, 2, 2, 3, PpSchedule::Interleaved, false, 0); }),
+               Contains("--grad-acc 3") && Contains("multiple of --pp 2"));
+  REQUIRE_THAT(message([] { validate_pipeline(8, 2, 2, 4, PpSchedule::OneFOneB, false, 0); }),
+               Contains("--pp-virtual 2"));
+  REQUIRE_THAT(message([] { validate_pipeline(8, 2, 1, 4, PpSchedule::OneFOneB, true, 0); }),
+               Contains("--tie-embeddings"));
+  REQUIRE_THAT(message([] { validate_pipeline(8, 2, 1, 4, PpSchedule::OneFOneB, false, 3); }),
+               Contains("--zero 3"));
+  REQUIRE_THROWS_AS(parse_pp_schedule("gpipe"), UsageError);
+  REQUIRE(message([] { validate_pipeline(8, 2, 2, 4, PpSchedule::Interleaved, false, 1); }) ==
+          "no error");
+}
