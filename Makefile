@@ -83,7 +83,7 @@ test: deps
 	@bash tools/run_tests.sh
 
 bench: deps
-	@$(MAKE) --no-print-directory -j$$(nproc) $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp
+	@$(MAKE) --no-print-directory -j$$(nproc) train $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp
 	@bash tools/bench.sh
 
 gpu-check:

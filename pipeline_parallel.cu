@@ -110,7 +110,7 @@ PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, double t_f, 
   std::vector<double> free_at(p, 0);
   std::vector<int> in_flight(p, 0);
   PipelineTiming t;
-  t.busy.assign(p, 0), t.peak_in_flight.assign(p, 0);
+  t.busy.assign(p, 0), t.peak_in_flight.assign(p, 0), t.start.resize(p);
   for (bool progressed = true; progressed;) {
     progressed = false;
     for (int r = 0; r < p; r++)
@@ -124,6 +124,7 @@ PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, double t_f, 
                                : (g < chunks - 1 ? bwd[g + 1][op.micro] : fwd[g][op.micro]);
         if (ready < 0 || (!forward && fwd[g][op.micro] < 0)) break;
         double start = std::max(free_at[r], ready), cost = forward ? t_f : t_b;
+        t.start[r].push_back(start);
         free_at[r] = start + cost;
         t.busy[r] += cost;
         (forward ? fwd : bwd)[g][op.micro] = free_at[r];
@@ -136,6 +137,28 @@ PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, double t_f, 
   for (int r = 0; r < p; r++) t.complete = t.complete && next[r] == table[r].size();
   t.makespan = *std::max_element(free_at.begin(), free_at.end());
   return t;
+}
+
+std::string pipeline_chart(PpSchedule s, int p, int m, int V) {
+  PipelineTiming t = simulate_pipeline(s, p, m, V, 1.0, 2.0);
+  int ticks = (int)std::lround(t.makespan), width = V > 1 ? 6 : 4;
+  std::string chart;
+  for (int r = 0; r < p; r++) {
+    std::vector<std::string> cells(ticks, std::string(width - 1, ' ') + ".");
+    std::vector<PipelineOp> ops = pipeline_schedule(s, p, r, m, V);
+    for (size_t i = 0; i < ops.size() && i < t.start[r].size(); i++) {
+      std::string cell = (ops[i].kind == PipelineOp::Forward ? "F" : "B") +
+                         std::to_string(ops[i].micro) +
+                         (V > 1 ? "." + std::to_string(ops[i].chunk) : "");
+      cell = std::string(std::max(0, width - (int)cell.size()), ' ') + cell;
+      int first = (int)std::lround(t.start[r][i]), span = ops[i].kind == PipelineOp::Forward ? 1 : 2;
+      for (int k = first; k < first + span && k < ticks; k++) cells[k] = cell;
+    }
+    chart += "  stage " + std::to_string(r) + " |";
+    for (const std::string& c : cells) chart += c;
+    chart += "\n";
+  }
+  return chart;
 }
 
 double bubble_fraction(PpSchedule s, int p, int m, int V) {

@@ -40,8 +40,12 @@ struct PipelineTiming {
   std::vector<double> busy;         // per rank
   std::vector<int> peak_in_flight;  // per rank: most (micro-batch, chunk) forwards awaiting
                                     // their backward at once, i.e. activations held
+  std::vector<std::vector<double>> start;  // per rank, per op of its table: when it starts
 };
 PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, double t_f, double t_b);
+// The book's figure in text: one row per stage, one column per t_f tick (t_b = 2 t_f), each
+// op's micro-batch with F or B (and its chunk when V > 1), '.' where the stage idles.
+std::string pipeline_chart(PpSchedule s, int p, int m, int V);
 // The book's idle fraction of a step: (p-1)/(m+p-1) for AFAB and 1F1B, (p-1)/(Vm+p-1)
 // interleaved (the bubble (p-1)/m, resp. (p-1)/(Vm), of the ideal time, as a share of the step).
 double bubble_fraction(PpSchedule s, int p, int m, int V);

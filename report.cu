@@ -256,6 +256,9 @@ void print_bubble_report(Comm& comm, const PipelineConfig& cfg, int m,
            100.0 * (1.0 - ticks.busy[s] / ticks.makespan), 100.0 * book, (int)r[2],
            ticks.peak_in_flight[s]);
   }
+  printf("the schedule's tables in ticks of t_f (a backward takes 2; F3 forward of micro-batch "
+         "3%s, . idle):\n%s",
+         V > 1 ? ", F3.1 of its chunk 1" : "", pipeline_chart(cfg.schedule, p, m, V).c_str());
   printf("  book: idle share (p-1)/(m+p-1) for afab and 1f1b, (p-1)/(Vm+p-1) interleaved, i.e. "
          "a bubble of (p-1)/m, (p-1)/(Vm), of the ideal time (Playbook §8.3-§8.5). The ticks "
          "are exact; measured wall-clock time also counts communication and, on CPU ranks "
