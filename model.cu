@@ -422,7 +422,7 @@ float model_forward(const Context& ctx, Model& model, Activations& acts, const i
 // bottom to top: MLP first, then attention.
 static void block_backward(const Context& ctx, const Model& m, const BlockWeights& w,
                            const BlockWeights& g, BlockActivations& a, const Tensor& positions,
-                           int B, int T, const Tensor& dres) {
+                           int B, int T, const Tensor& dres, DeferredGrads* deferred) {
   const ModelConfig& c = m.cfg;
   const LocalDims& L = m.tp.local;
   Device d = ctx.device;
@@ -430,49 +430,55 @@ static void block_backward(const Context& ctx, const Model& m, const BlockWeight
   Tensor d_norm = work({n, D}, d);  // [n, D] gradient of a norm's output
   // MLP
   Tensor d_act = work({N, L.ffn}, d), d_gate = work({N, L.ffn}, d), d_up = work({N, L.ffn}, d);
-  row_parallel_backward(m.tp, ctx, d_act, g.w_down, dres, a.act, w.w_down);
+  row_parallel_backward(m.tp, ctx, d_act, g.w_down, dres, a.act, w.w_down, deferred);
   swiglu_backward(ctx, d_gate, d_up, d_act, a.gate, a.up);
   column_parallel_backward(m.tp, ctx, d_norm, a.norm2,
-                           {{d_gate, w.w_gate, g.w_gate}, {d_up, w.w_up, g.w_up}});
+                           {{d_gate, w.w_gate, g.w_gate}, {d_up, w.w_up, g.w_up}}, deferred);
   parallel_rmsnorm_backward(m.tp, ctx, dres, g.mlp_norm, d_norm, a.x_mid, w.mlp_norm, a.rstd2);
 
   // Attention
   Tensor d_attn = work({N, L.heads * hd}, d), dq = work({N, L.heads * hd}, d);
   Tensor dk = work({N, L.kv_heads * hd}, d), dv = work({N, L.kv_heads * hd}, d);
-  row_parallel_backward(m.tp, ctx, d_attn, g.wo, dres, a.attn, w.wo);
+  row_parallel_backward(m.tp, ctx, d_attn, g.wo, dres, a.attn, w.wo, deferred);
   attention_core_backward(ctx, m, a, B, T, d_attn, dq, dk, dv);
   rope_backward(ctx, dq.reshape({N, L.heads, hd}), positions, c.rope_theta);
   rope_backward(ctx, dk.reshape({N, L.kv_heads, hd}), positions, c.rope_theta);
   column_parallel_backward(
       m.tp, ctx, d_norm, a.norm1,
-      {{dq, w.wq, g.wq}, {dk, w.wk, g.wk, true}, {dv, w.wv, g.wv, true}});
+      {{dq, w.wq, g.wq}, {dk, w.wk, g.wk, true}, {dv, w.wv, g.wv, true}}, deferred);
   parallel_rmsnorm_backward(m.tp, ctx, dres, g.attn_norm, d_norm, a.x, w.attn_norm, a.rstd1);
 }
 
 // Loss -> d(final hidden) [n, D] into dres: cross-entropy, LM head, final norm.
 static void head_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
-                          const Tensor& dres) {
+                          const Tensor& dres, DeferredGrads* deferred) {
   tp_cross_entropy_backward(model.tp, ctx, acts.logits, acts.logits, acts.ce_stats, acts.targets,
                             loss_scale);  // in place: the logits become their gradient
   Tensor d_norm = work(dres.shape, ctx.device);
   column_parallel_backward(model.tp, ctx, d_norm, acts.normf,
-                           {{acts.logits, model.w.lm_head, model.g.lm_head}});
+                           {{acts.logits, model.w.lm_head, model.g.lm_head}}, deferred);
   acts.logits = acts.normf = Tensor();
   parallel_rmsnorm_backward(model.tp, ctx, dres, model.g.final_norm, d_norm, acts.x_final,
                             model.w.final_norm, acts.rstdf);
 }
 
 Tensor stage_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
-                      const Tensor& d_out, Recompute mode, const UnitHooks& hooks, int chunk) {
+                      const Tensor& d_out, Recompute mode, const UnitHooks& hooks, int chunk,
+                      DeferredGrads* deferred) {
   const Stage& stage = model.chunks[chunk];
+  // A unit's gradients are final once its weight gradients are: after the W op when deferred.
+  auto gradients_ready = [&](int unit) {
+    if (!deferred) return run_hook(hooks.after_backward, unit);
+    deferred->push_back([hook = hooks.after_backward, unit] { run_hook(hook, unit); });
+  };
   Device d = ctx.device;
   int B = acts.B, T = acts.T;
   int64_t n = acts.x_final.size(0), D = model.cfg.d_model;
   Tensor dres = zeros({n, D}, Mem::Workspace, d);  // [n, D] gradient of the residual stream
   if (stage.head) {
     run_hook(hooks.before_backward, model.head_unit());
-    head_backward(ctx, model, acts, loss_scale, dres);
-    run_hook(hooks.after_backward, model.head_unit());
+    head_backward(ctx, model, acts, loss_scale, dres, deferred);
+    gradients_ready(model.head_unit());
   } else {
     copy_(dres, d_out);
   }
@@ -485,14 +491,14 @@ Tensor stage_backward(const Context& ctx, Model& model, Activations& acts, float
       block_forward(ctx, model, model.w.blocks[b], a, acts.positions, B, T, x_out);
     }
     block_backward(ctx, model, model.w.blocks[b], model.g.blocks[b], a, acts.positions, B, T,
-                   dres);
+                   dres, deferred);
     a = BlockActivations{};  // this micro-batch no longer needs block l's activations
-    run_hook(hooks.after_backward, u);
+    gradients_ready(u);
   }
   if (stage.embedding) {
     run_hook(hooks.before_backward, model.embedding_unit());
     vocab_parallel_embedding_backward(model.tp, ctx, model.g.embed, acts.ids, dres);
-    run_hook(hooks.after_backward, model.embedding_unit());
+    gradients_ready(model.embedding_unit());
     dres = Tensor();
   }
   acts = Activations{};

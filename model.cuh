@@ -169,10 +169,12 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
 // Accumulates (+=) into the gradient views the gradient of loss_scale * sum(losses) (the head's
 // chunk) or of <d_out, output> (d_out [n, D], other chunks), releasing the activations as it
 // goes; units run in backward order. Returns d(input hidden) [n, D], undefined for the chunk
-// that holds the embedding.
+// that holds the embedding. With `deferred` (zero-bubble pipelines, Playbook §8.6) only the
+// input gradients are computed: the linear layers' weight gradients and the after_backward
+// hooks are queued there, in order, for the schedule's W op.
 Tensor stage_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
                       const Tensor& d_out, Recompute mode, const UnitHooks& hooks = {},
-                      int chunk = 0);
+                      int chunk = 0, DeferredGrads* deferred = nullptr);
 // The whole model as one stage: ids in, loss (or logits) out; and its backward.
 float model_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
                     const int32_t* targets, int B, int T, Recompute mode,

@@ -42,8 +42,8 @@ void linear_backward(const Context& ctx, const Tensor& dx, const Tensor& dW, con
   if (dx.defined())  // dx[T, in] = dy[T, out] @ W[out, in]
     gemm(ctx, false, false, T, in, out, 1.0f, dy.f32(), out, W.f32(), in,
          accumulate_dx ? 1.0f : 0.0f, dx.f32(), in);
-  // dW[out, in] += dy^T[out, T] @ x[T, in]
-  gemm(ctx, true, false, out, in, T, 1.0f, dy.f32(), out, x.f32(), in, 1.0f, dW.f32(), in);
+  if (dW.defined())  // dW[out, in] += dy^T[out, T] @ x[T, in]
+    gemm(ctx, true, false, out, in, T, 1.0f, dy.f32(), out, x.f32(), in, 1.0f, dW.f32(), in);
 }
 
 // ============================================================================

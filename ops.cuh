@@ -13,7 +13,8 @@ void gemm(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K, f
 // y[T, out] = x[T, in] @ W[out, in]^T
 void linear_forward(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& W);
 // dx[T, in] (= or += when accumulate_dx) dy[T, out] @ W ; dW[out, in] += dy^T @ x.
-// dx may be undefined (no input gradient needed).
+// dx or dW may be undefined: that half is not computed (no input gradient is needed, or a
+// zero-bubble pipeline computes the weight gradient later).
 void linear_backward(const Context& ctx, const Tensor& dx, const Tensor& dW, const Tensor& dy,
                      const Tensor& x, const Tensor& W, bool accumulate_dx = false);
 

@@ -58,7 +58,8 @@ void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape) {
   app.add_option("--temperature", o.temperature, "sampling temperature")->capture_default_str();
   app.add_option("--dp", o.dp, "data-parallel ranks")->capture_default_str();
   app.add_option("--pp", o.pp, "pipeline-parallel stages")->capture_default_str();
-  app.add_option("--pp-schedule", o.pp_schedule, "pipeline schedule: afab|1f1b|interleaved")
+  app.add_option("--pp-schedule", o.pp_schedule,
+                 "pipeline schedule: afab|1f1b|interleaved|zb-h1")
       ->capture_default_str();
   app.add_option("--pp-virtual", o.pp_virtual, "model chunks per pipeline rank (interleaved)")
       ->capture_default_str();

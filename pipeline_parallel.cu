@@ -19,10 +19,21 @@ PpSchedule parse_pp_schedule(const std::string& flag) {
   if (flag == "afab") return PpSchedule::AFAB;
   if (flag == "1f1b") return PpSchedule::OneFOneB;
   if (flag == "interleaved") return PpSchedule::Interleaved;
-  throw UsageError("--pp-schedule " + flag + ": expected afab, 1f1b or interleaved");
+  if (flag == "zb-h1") return PpSchedule::ZeroBubbleH1;
+  throw UsageError("--pp-schedule " + flag + ": expected afab, 1f1b, interleaved or zb-h1");
 }
 const char* pp_schedule_name(PpSchedule s) {
-  return s == PpSchedule::AFAB ? "afab" : s == PpSchedule::OneFOneB ? "1f1b" : "interleaved";
+  switch (s) {
+    case PpSchedule::AFAB:
+      return "afab";
+    case PpSchedule::OneFOneB:
+      return "1f1b";
+    case PpSchedule::Interleaved:
+      return "interleaved";
+    case PpSchedule::ZeroBubbleH1:
+      break;
+  }
+  return "zb-h1";
 }
 
 // ----------------------------------------------------------------------------
@@ -60,6 +71,11 @@ void validate_pipeline(int layers, int p, int V, int m, PpSchedule s, bool tied,
     throw UsageError("--tie-embeddings with " + pp +
                      ": the embedding lives on the first stage and the head on the last; tied "
                      "weights across stages are not supported, drop --tie-embeddings");
+  if (zero_stage == 2 && s == PpSchedule::ZeroBubbleH1)
+    throw UsageError(
+        "--zero 2 with --pp-schedule zb-h1: ZeRO-2 reduce-scatters each "
+        "micro-batch's gradient as soon as it is final, while zb-h1 still adds "
+        "earlier micro-batches' deferred weight gradients; use --zero 1");
   if (zero_stage == 3)
     throw UsageError("--zero 3 with " + pp +
                      ": ZeRO-3 would gather every unit's weights again for each micro-batch in "
@@ -79,11 +95,22 @@ std::vector<PipelineOp> pipeline_schedule(PpSchedule s, int p, int rank, int m, 
     for (int i = 0; i < m; i++) B(i, 0);
     return ops;
   }
-  if (s == PpSchedule::OneFOneB) {  // §8.4: warm-up forwards, then one forward, one backward
-    int warmup = std::min(p - rank - 1, m);
+  if (s == PpSchedule::OneFOneB || s == PpSchedule::ZeroBubbleH1) {
+    // §8.4: warm-up forwards, then one forward, one backward, then the remaining backwards.
+    // ZB-H1 (§8.6) runs the same F and B, B being the input gradient only; rank r runs micro-
+    // batch j's weight gradient W after the B of micro-batch j + r, and the last r at the end:
+    // the W's fill the idle ticks the shorter B chain leaves, while no rank holds more than p
+    // micro-batches (1F1B's first stage), and every rank idles (p-1)(t_f + t_b - t_w).
+    bool zb = s == PpSchedule::ZeroBubbleH1;
+    int warmup = std::min(p - rank - 1, m), weights = 0;
+    auto backward = [&](int i) {
+      B(i, 0);
+      for (; zb && weights <= i - rank; weights++) ops.push_back({PipelineOp::Weight, weights, 0});
+    };
     for (int i = 0; i < warmup; i++) F(i, 0);
-    for (int i = 0; i < m - warmup; i++) F(warmup + i, 0), B(i, 0);
-    for (int i = m - warmup; i < m; i++) B(i, 0);
+    for (int i = 0; i < m - warmup; i++) F(warmup + i, 0), backward(i);
+    for (int i = m - warmup; i < m; i++) backward(i);
+    for (; zb && weights < m; weights++) ops.push_back({PipelineOp::Weight, weights, 0});
     return ops;
   }
   // §8.5 interleaved (Megatron): micro-batches in groups of p; each group goes through chunk 0,
@@ -100,12 +127,14 @@ std::vector<PipelineOp> pipeline_schedule(PpSchedule s, int p, int rank, int m, 
   return ops;
 }
 
-PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, double t_f, double t_b) {
+PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, double t_f, double t_b,
+                                 double t_w) {
+  bool zb = s == PpSchedule::ZeroBubbleH1;
   int chunks = p * V;
   std::vector<std::vector<PipelineOp>> table(p);
   for (int r = 0; r < p; r++) table[r] = pipeline_schedule(s, p, r, m, V);
   // Completion times per (global chunk, micro-batch); -1 until done.
-  std::vector<std::vector<double>> fwd(chunks, std::vector<double>(m, -1)), bwd = fwd;
+  std::vector<std::vector<double>> fwd(chunks, std::vector<double>(m, -1)), bwd = fwd, wgt = fwd;
   std::vector<size_t> next(p, 0);
   std::vector<double> free_at(p, 0);
   std::vector<int> in_flight(p, 0);
@@ -117,18 +146,21 @@ PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, double t_f, 
       for (; next[r] < table[r].size(); next[r]++) {
         const PipelineOp& op = table[r][next[r]];
         int g = r + op.chunk * p;
-        bool forward = op.kind == PipelineOp::Forward;
+        bool forward = op.kind == PipelineOp::Forward, weight = op.kind == PipelineOp::Weight;
         // A forward needs the previous chunk's output; a backward its own forward and the
-        // next chunk's input gradient.
-        double ready = forward ? (g > 0 ? fwd[g - 1][op.micro] : 0.0)
-                               : (g < chunks - 1 ? bwd[g + 1][op.micro] : fwd[g][op.micro]);
+        // next chunk's input gradient; a weight gradient its own backward.
+        double ready = forward  ? (g > 0 ? fwd[g - 1][op.micro] : 0.0)
+                       : weight ? bwd[g][op.micro]
+                                : (g < chunks - 1 ? bwd[g + 1][op.micro] : fwd[g][op.micro]);
         if (ready < 0 || (!forward && fwd[g][op.micro] < 0)) break;
-        double start = std::max(free_at[r], ready), cost = forward ? t_f : t_b;
+        double cost = forward ? t_f : weight ? t_w : zb ? t_b : t_b + t_w;
+        double start = std::max(free_at[r], ready);
         t.start[r].push_back(start);
         free_at[r] = start + cost;
         t.busy[r] += cost;
-        (forward ? fwd : bwd)[g][op.micro] = free_at[r];
-        in_flight[r] += forward ? 1 : -1;
+        (forward ? fwd : weight ? wgt : bwd)[g][op.micro] = free_at[r];
+        // Activations are held from the forward to the last op that reads them.
+        in_flight[r] += forward ? 1 : weight || !zb ? -1 : 0;
         t.peak_in_flight[r] = std::max(t.peak_in_flight[r], in_flight[r]);
         progressed = true;
       }
@@ -140,18 +172,19 @@ PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, double t_f, 
 }
 
 std::string pipeline_chart(PpSchedule s, int p, int m, int V) {
-  PipelineTiming t = simulate_pipeline(s, p, m, V, 1.0, 2.0);
+  PipelineTiming t = simulate_pipeline(s, p, m, V, 1.0, 1.0, 1.0);
   int ticks = (int)std::lround(t.makespan), width = V > 1 ? 6 : 4;
   std::string chart;
   for (int r = 0; r < p; r++) {
     std::vector<std::string> cells(ticks, std::string(width - 1, ' ') + ".");
     std::vector<PipelineOp> ops = pipeline_schedule(s, p, r, m, V);
     for (size_t i = 0; i < ops.size() && i < t.start[r].size(); i++) {
-      std::string cell = (ops[i].kind == PipelineOp::Forward ? "F" : "B") +
-                         std::to_string(ops[i].micro) +
+      const char* kind[] = {"F", "B", "W"};
+      std::string cell = kind[ops[i].kind] + std::to_string(ops[i].micro) +
                          (V > 1 ? "." + std::to_string(ops[i].chunk) : "");
       cell = std::string(std::max(0, width - (int)cell.size()), ' ') + cell;
-      int first = (int)std::lround(t.start[r][i]), span = ops[i].kind == PipelineOp::Forward ? 1 : 2;
+      bool whole_backward = ops[i].kind == PipelineOp::Backward && s != PpSchedule::ZeroBubbleH1;
+      int first = (int)std::lround(t.start[r][i]), span = whole_backward ? 2 : 1;
       for (int k = first; k < first + span && k < ticks; k++) cells[k] = cell;
     }
     chart += "  stage " + std::to_string(r) + " |";
@@ -162,6 +195,7 @@ std::string pipeline_chart(PpSchedule s, int p, int m, int V) {
 }
 
 double bubble_fraction(PpSchedule s, int p, int m, int V) {
+  if (s == PpSchedule::ZeroBubbleH1) return (p - 1) / (3.0 * m + p - 1);
   double work = s == PpSchedule::Interleaved ? (double)V * m : (double)m;
   return (p - 1) / (work + p - 1);
 }
@@ -228,24 +262,30 @@ StepStats run_pipeline(const Context& ctx, Comm& comm, Model& model, GradientSyn
   std::vector<int64_t> hidden = {sp_tokens(model.tp, tokens), model.cfg.d_model};  // [n, D]
   StepStats stats;
   Exchange exchange(comm, ctx);
-  std::map<std::pair<int, int>, Activations> saved;  // (micro-batch, chunk) in flight
+  std::map<std::pair<int, int>, Activations> saved;      // (micro-batch, chunk) in flight
+  std::map<std::pair<int, int>, DeferredGrads> weights;  // zero-bubble: W ops still to run
+  bool split = cfg.schedule == PpSchedule::ZeroBubbleH1;
   size_t acts_base = memory_stats().current[(int)Mem::Activations], one_micro = 0, peak = 0;
   double t_step = now_seconds(), busy = 0;
   for (const PipelineOp& op : pipeline_schedule(cfg.schedule, p, rank, m, V)) {
     int g = rank + op.chunk * p;
-    bool forward = op.kind == PipelineOp::Forward;
+    std::pair<int, int> key{op.micro, op.chunk};
+    bool forward = op.kind == PipelineOp::Forward, backward = op.kind == PipelineOp::Backward;
     // Receive what the op needs (with the queued sends), or let the queued sends go.
     Tensor input;
     if (forward && g > 0)
       input = exchange.receive(comm.pp, prev, hidden, Mem::Activations);
-    else if (!forward && g < last_chunk)
+    else if (backward && g < last_chunk)
       input = exchange.receive(comm.pp_grad, next, hidden, Mem::Workspace);
     else
       exchange.flush();
     UnitHooks hooks = sync.hooks(ctx, op.micro == m - 1);
-    Activations& acts = saved[{op.micro, op.chunk}];
     double t0 = now_seconds();
-    if (forward) {
+    if (op.kind == PipelineOp::Weight) {  // the deferred weight gradients, then their hooks
+      for (const std::function<void()>& w : weights[key]) w();
+      weights.erase(key);
+    } else if (forward) {
+      Activations& acts = saved[key];
       const int32_t* ids = batch.inputs + op.micro * tokens;
       stats.loss_sum +=
           stage_forward(ctx, model, acts, ids, input, batch.targets + op.micro * tokens, batch.mbs,
@@ -254,13 +294,15 @@ StepStats run_pipeline(const Context& ctx, Comm& comm, Model& model, GradientSyn
         stats.block_bytes = saved_bytes(acts.blocks[0]);
       if (g < last_chunk) exchange.send(comm.pp, next, acts.x_final);
     } else {
-      Tensor d_in = stage_backward(ctx, model, acts, loss_scale, input, mode, hooks, op.chunk);
-      saved.erase({op.micro, op.chunk});
+      Tensor d_in = stage_backward(ctx, model, saved[key], loss_scale, input, mode, hooks, op.chunk,
+                                   split ? &weights[key] : nullptr);
+      saved.erase(key);
       if (g > 0) exchange.send(comm.pp_grad, prev, d_in);
     }
     double t1 = now_seconds();
     busy += t1 - t0;
-    trace.add(std::string(forward ? "F" : "B") + std::to_string(op.micro) +
+    const char* kind[] = {"F", "B", "W"};
+    trace.add(kind[op.kind] + std::to_string(op.micro) +
                   (V > 1 ? " chunk " + std::to_string(op.chunk) : ""),
               Track::Compute, t0, t1);
     size_t held = memory_stats().current[(int)Mem::Activations] - acts_base;

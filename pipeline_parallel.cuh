@@ -9,8 +9,8 @@
 #include "gradient_sync.cuh"
 #include "schedule.cuh"
 
-enum class PpSchedule { AFAB, OneFOneB, Interleaved };
-PpSchedule parse_pp_schedule(const std::string& flag);  // afab|1f1b|interleaved
+enum class PpSchedule { AFAB, OneFOneB, Interleaved, ZeroBubbleH1 };
+PpSchedule parse_pp_schedule(const std::string& flag);  // afab|1f1b|interleaved|zb-h1
 const char* pp_schedule_name(PpSchedule s);
 
 // ---- Partition (Playbook §8.1) ----
@@ -19,20 +19,23 @@ const char* pp_schedule_name(PpSchedule s);
 // holds the embedding, chunk pV - 1 the final norm, LM head and loss.
 std::vector<Stage> pipeline_chunks(int layers, int p, int V, int rank);
 // Throws UsageError naming the flags: layers < p x V, interleaved without m a multiple of p (or
-// V < 2), V > 1 for another schedule, tied embeddings or ZeRO-3 with pp > 1.
+// V < 2), V > 1 for another schedule, tied embeddings or ZeRO-3 with pp > 1, ZeRO-2 with zb-h1.
 void validate_pipeline(int layers, int p, int V, int micro_batches, PpSchedule s, bool tied,
                        int zero_stage);
 
-// ---- Schedules as tables (Playbook §8.3-§8.5) ----
+// ---- Schedules as tables (Playbook §8.3-§8.6) ----
 struct PipelineOp {
-  enum Kind { Forward, Backward } kind;
+  // Backward: the whole backward, or (zero-bubble) only its input-gradient half, B, whose
+  // weight-gradient half W runs later as its own op (Qi et al., 2023).
+  enum Kind { Forward, Backward, Weight } kind;
   int micro;  // micro-batch
   int chunk;  // this rank's model chunk (0 .. V-1); its global chunk is rank + chunk * p
 };
 // Rank `rank`'s ops in order, for p stages, m micro-batches and V chunks per rank.
 std::vector<PipelineOp> pipeline_schedule(PpSchedule s, int p, int rank, int m, int V);
 
-// Every rank's table run against each other with a forward costing t_f and a backward t_b and
+// Every rank's table run against each other with a forward costing t_f, a backward's input
+// gradient t_b and its weight gradient t_w (one op of t_b + t_w unless zero-bubble) and
 // communication free: when each op can start, so the idle time is the bubble the book draws.
 struct PipelineTiming {
   bool complete = false;            // false: some op waits forever (the tables would deadlock)
@@ -42,12 +45,15 @@ struct PipelineTiming {
                                     // their backward at once, i.e. activations held
   std::vector<std::vector<double>> start;  // per rank, per op of its table: when it starts
 };
-PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, double t_f, double t_b);
-// The book's figure in text: one row per stage, one column per t_f tick (t_b = 2 t_f), each
-// op's micro-batch with F or B (and its chunk when V > 1), '.' where the stage idles.
+PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, double t_f, double t_b,
+                                 double t_w);
+// The book's figure in text: one row per stage, one column per tick (t_f = t_b = t_w = 1, so a
+// whole backward takes 2), each op's micro-batch with F, B or W (and its chunk when V > 1), '.'
+// where the stage idles.
 std::string pipeline_chart(PpSchedule s, int p, int m, int V);
 // The book's idle fraction of a step: (p-1)/(m+p-1) for AFAB and 1F1B, (p-1)/(Vm+p-1)
-// interleaved (the bubble (p-1)/m, resp. (p-1)/(Vm), of the ideal time, as a share of the step).
+// interleaved (the bubble (p-1)/m, resp. (p-1)/(Vm), of the ideal time, as a share of the step);
+// ZB-H1 idles (p-1)(t_f + t_b - t_w), which with t_f = t_b = t_w is (p-1)/(3m+p-1).
 double bubble_fraction(PpSchedule s, int p, int m, int V);
 
 // ---- Running a step ----

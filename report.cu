@@ -241,7 +241,7 @@ void print_bubble_report(Comm& comm, const PipelineConfig& cfg, int m,
   MPI_CHECK(MPI_Gather(mine, 3, MPI_DOUBLE, all.data(), 3, MPI_DOUBLE, 0, comm.world.mpi));
   if (G.world_rank != 0) return;
   int p = G.pp, V = cfg.virtual_stages;
-  PipelineTiming ticks = simulate_pipeline(cfg.schedule, p, m, V, 1.0, 2.0);
+  PipelineTiming ticks = simulate_pipeline(cfg.schedule, p, m, V, 1.0, 1.0, 1.0);
   double book = bubble_fraction(cfg.schedule, p, m, V);
   printf("pipeline bubble (--report bubble; %s, p = %d stages, m = %d micro-batches, V = %d; "
          "averaged over %d steps):\n",
@@ -256,11 +256,12 @@ void print_bubble_report(Comm& comm, const PipelineConfig& cfg, int m,
            100.0 * (1.0 - ticks.busy[s] / ticks.makespan), 100.0 * book, (int)r[2],
            ticks.peak_in_flight[s]);
   }
-  printf("the schedule's tables in ticks of t_f (a backward takes 2; F3 forward of micro-batch "
-         "3%s, . idle):\n%s",
+  printf("the schedule's tables in ticks of t_f (a backward takes 2, zb-h1's B and W one each; "
+         "F3 forward of micro-batch 3%s, . idle):\n%s",
          V > 1 ? ", F3.1 of its chunk 1" : "", pipeline_chart(cfg.schedule, p, m, V).c_str());
   printf("  book: idle share (p-1)/(m+p-1) for afab and 1f1b, (p-1)/(Vm+p-1) interleaved, i.e. "
-         "a bubble of (p-1)/m, (p-1)/(Vm), of the ideal time (Playbook §8.3-§8.5). The ticks "
+         "a bubble of (p-1)/m, (p-1)/(Vm), of the ideal time (Playbook §8.3-§8.5); zb-h1 "
+         "(p-1)(t_f+t_b-t_w) of idle, (p-1)/(3m+p-1) with equal costs (§8.6). The ticks "
          "are exact; measured wall-clock time also counts communication and, on CPU ranks "
          "sharing cores, time-slicing.\n");
 }

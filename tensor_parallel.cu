@@ -147,22 +147,32 @@ static void add_replicated_grad(const TensorParallel& tp, const Context& ctx, co
   axpy(ctx, grad, 1.0f, part);
 }
 
+// Runs `weights` now, or queues it for a zero-bubble schedule's W op.
+static void weight_half(DeferredGrads* deferred, std::function<void()> weights) {
+  if (deferred) deferred->push_back(std::move(weights));
+  else weights();
+}
+
 void column_parallel_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
-                              const Tensor& x, const std::vector<ColumnGrad>& grads) {
+                              const Tensor& x, const std::vector<ColumnGrad>& grads,
+                              DeferredGrads* deferred) {
   int64_t N = x.size(0) * (tp.sp ? tp.size() : 1), D = x.size(1);
   Tensor h = region_input(tp, ctx, x);                               // [N, D]
   Tensor dh = tp.sp ? workspace({N, D}, ctx.device) : dx;           // [N, D], partial over tp
-  std::vector<Tensor> parts(grads.size());  // replicated weights' gradients before their sum
-  bool replicated = tp.local.kv_replicas > 1;
-  for (size_t i = 0; i < grads.size(); i++) {
-    const ColumnGrad& g = grads[i];
-    if (g.kv_replicated && replicated) parts[i] = zeros(g.dW.shape, Mem::Workspace, ctx.device);
-    linear_backward(ctx, dh, parts[i].defined() ? parts[i] : g.dW, g.dy, h, g.W, i > 0);
-  }
-  for (size_t i = 0; i < grads.size(); i++)
-    if (parts[i].defined())
-      add_replicated_grad(tp, ctx, grads[i].dW, parts[i], tp.local.kv_head0,
-                          tp.size() / tp.local.kv_replicas);
+  for (size_t i = 0; i < grads.size(); i++)  // input gradient: sum_i dy_i W_i
+    linear_backward(ctx, dh, Tensor(), grads[i].dy, h, grads[i].W, i > 0);
+  weight_half(deferred, [tp, &ctx, h, grads] {
+    bool replicated = tp.local.kv_replicas > 1;
+    for (const ColumnGrad& g : grads) {
+      // A replicated kv head's part, summed over its copies before it is added.
+      Tensor part = g.kv_replicated && replicated ? zeros(g.dW.shape, Mem::Workspace, ctx.device)
+                                                  : Tensor();
+      linear_backward(ctx, Tensor(), part.defined() ? part : g.dW, g.dy, h, g.W);
+      if (part.defined())
+        add_replicated_grad(tp, ctx, g.dW, part, tp.local.kv_head0,
+                            tp.size() / tp.local.kv_replicas);
+    }
+  });
   tp_region_enter_backward(tp, ctx, dh, dx);  // all-reduce, or reduce-scatter under SP
 }
 
@@ -174,10 +184,17 @@ void row_parallel_forward(const TensorParallel& tp, const Context& ctx, const Te
 }
 
 void row_parallel_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
-                           const Tensor& dW, const Tensor& dy, const Tensor& x, const Tensor& W) {
+                           const Tensor& dW, const Tensor& dy, const Tensor& x, const Tensor& W,
+                           DeferredGrads* deferred) {
   Tensor dfull = tp.sp ? workspace({x.size(0), dy.size(1)}, ctx.device) : dy;  // [N, D]
   tp_region_exit_backward(tp, ctx, dy, dfull);  // identity, or all-gather under SP
-  linear_backward(ctx, dx, dW, dfull, x, W);
+  linear_backward(ctx, dx, Tensor(), dfull, x, W);
+  if (deferred && !tp.sp) {  // dy is the caller's residual gradient, which changes: keep a copy
+    Tensor saved = workspace(dy.shape, ctx.device);
+    copy_(saved, dy);
+    dfull = saved;
+  }
+  weight_half(deferred, [&ctx, dW, dfull, x, W] { linear_backward(ctx, Tensor(), dW, dfull, x, W); });
 }
 
 void vocab_parallel_embedding_forward(const TensorParallel& tp, const Context& ctx,

@@ -3,6 +3,7 @@
 // "tensor-parallel region" (between a column-parallel and a row-parallel linear) and, with
 // --sp, sharded along the tokens outside it.
 #pragma once
+#include <functional>
 #include <vector>
 
 #include "comm.cuh"
@@ -74,6 +75,11 @@ void tp_region_exit_backward(const TensorParallel& tp, const Context& ctx, const
 // Tokens a rank holds outside tensor-parallel regions: N/tp under SP, else N.
 int64_t sp_tokens(const TensorParallel& tp, int64_t tokens);
 
+// The weight-gradient halves of a backward pass (dW += dy^T x, and the sums of replicated
+// copies), held back by a zero-bubble pipeline schedule to run later as its W op (Playbook
+// §8.6); run in order. Each captures the tensors it reads.
+using DeferredGrads = std::vector<std::function<void()>>;
+
 // ---- The layers the model is built from (Playbook §5.2-§5.4, §6) ----
 // Shapes: N = B*T tokens; n = N/tp under SP (a rank's contiguous run of tokens), else N.
 // ColumnParallelLinear for the projections that read one input (q, k, v; gate, up; the LM
@@ -84,23 +90,25 @@ struct ColumnOutput {
 };
 void column_parallel_forward(const TensorParallel& tp, const Context& ctx, const Tensor& x,
                              const std::vector<ColumnOutput>& outputs);
-// Backward: dW_i += dy_i^T x, then dx [n, D] = (f or g backward)(sum_i dy_i W_i). A weight with
-// kv_replicated set holds one kv head that several ranks share: its gradient is summed over
-// those copies (each served only its own query heads).
+// Backward: dx [n, D] = (f or g backward)(sum_i dy_i W_i), and dW_i += dy_i^T x (now, or
+// queued on `deferred`). A weight with kv_replicated set holds one kv head that several ranks
+// share: its gradient is summed over those copies (each served only its own query heads).
 struct ColumnGrad {
   Tensor dy, W, dW;
   bool kv_replicated = false;
 };
 void column_parallel_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
-                              const Tensor& x, const std::vector<ColumnGrad>& grads);
+                              const Tensor& x, const std::vector<ColumnGrad>& grads,
+                              DeferredGrads* deferred = nullptr);
 // RowParallelLinear: x [N, cols/tp] (this rank's columns) times its block of W gives partial
 // sums, which leave the region (f*: all-reduce into y [N, D]; g* under SP: reduce-scatter into
 // y [N/tp, D]).
 void row_parallel_forward(const TensorParallel& tp, const Context& ctx, const Tensor& y,
                           const Tensor& x, const Tensor& W);
-// dx [N, cols/tp] = (f* or g* backward)(dy) W ; dW += that^T x.
+// dx [N, cols/tp] = (f* or g* backward)(dy) W ; dW += that^T x (now, or queued on `deferred`).
 void row_parallel_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
-                           const Tensor& dW, const Tensor& dy, const Tensor& x, const Tensor& W);
+                           const Tensor& dW, const Tensor& dy, const Tensor& x, const Tensor& W,
+                           DeferredGrads* deferred = nullptr);
 // VocabParallelEmbedding: each rank looks up the ids of its vocabulary slice (ids from
 // local_vocab_ids: -1 gives a zero row) and the partial rows leave the region into x [n, D].
 void vocab_parallel_embedding_forward(const TensorParallel& tp, const Context& ctx,

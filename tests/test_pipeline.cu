@@ -4,6 +4,7 @@
 // The training side (losses, gradients, weights against one process) is in test_parity.cu.
 #include <catch2/catch.hpp>
 #include <set>
+#include <tuple>
 
 #include "pipeline_parallel.cuh"
 
@@ -42,22 +43,29 @@ TEST_CASE("pipeline chunks cover every block once, sizes within one, Megatron's 
   REQUIRE(pipeline_chunks(5, 2, 1, 1)[0].first_block == 3);
 }
 
-// Every (micro-batch, chunk) forwarded and backwarded exactly once on each rank, forward first.
+// Every (micro-batch, chunk) forwarded and backwarded exactly once on each rank, forward first;
+// under zero-bubble also its weight gradient, once, after its backward.
 static void require_complete_table(PpSchedule s, int p, int m, int V) {
+  bool zb = s == PpSchedule::ZeroBubbleH1;
   for (int r = 0; r < p; r++) {
-    std::set<std::pair<int, int>> forwarded, backwarded;
+    std::set<std::pair<int, int>> forwarded, backwarded, weighted;
     for (const PipelineOp& op : pipeline_schedule(s, p, r, m, V)) {
       std::pair<int, int> key{op.micro, op.chunk};
       REQUIRE((op.micro >= 0 && op.micro < m && op.chunk >= 0 && op.chunk < V));
       if (op.kind == PipelineOp::Forward) {
         REQUIRE(forwarded.insert(key).second);
-      } else {
+      } else if (op.kind == PipelineOp::Backward) {
         REQUIRE(forwarded.count(key));
         REQUIRE(backwarded.insert(key).second);
+      } else {
+        REQUIRE(zb);
+        REQUIRE(backwarded.count(key));
+        REQUIRE(weighted.insert(key).second);
       }
     }
     REQUIRE((int)forwarded.size() == m * V);
     REQUIRE((int)backwarded.size() == m * V);
+    REQUIRE((int)weighted.size() == (zb ? m * V : 0));
   }
 }
 
@@ -65,18 +73,18 @@ TEST_CASE("every schedule runs each forward and backward once per stage, and nev
           "[pipeline]") {
   for (int p = 2; p <= 8; p++)
     for (int m = 1; m <= 16; m++) {
-      for (PpSchedule s : {PpSchedule::AFAB, PpSchedule::OneFOneB}) {
+      for (PpSchedule s : {PpSchedule::AFAB, PpSchedule::OneFOneB, PpSchedule::ZeroBubbleH1}) {
         INFO(pp_schedule_name(s) << ", p " << p << ", m " << m);
         require_complete_table(s, p, m, 1);
         // Dependencies: a forward after the previous stage's, a backward after the next
         // stage's; the simulation only runs an op once they are done, so completing is the proof.
-        REQUIRE(simulate_pipeline(s, p, m, 1, 1.0, 2.0).complete);
+        REQUIRE(simulate_pipeline(s, p, m, 1, 1.0, 1.0, 1.0).complete);
       }
       if (m % p == 0)
         for (int V = 2; V <= 4; V++) {
           INFO("interleaved, p " << p << ", m " << m << ", V " << V);
           require_complete_table(PpSchedule::Interleaved, p, m, V);
-          REQUIRE(simulate_pipeline(PpSchedule::Interleaved, p, m, V, 1.0, 2.0).complete);
+          REQUIRE(simulate_pipeline(PpSchedule::Interleaved, p, m, V, 1.0, 1.0, 1.0).complete);
         }
     }
 }
@@ -86,17 +94,17 @@ TEST_CASE("1F1B on 4 stages and 8 micro-batches idles 3/11 of the time, as AFAB 
   // Playbook §8.3-§8.4 with t_b = 2 t_f: every stage idles (p-1)(t_f + t_b) of a step of
   // (m + p - 1)(t_f + t_b); the book's notes: p = 4, m = 8 gives 0.273, p = 8, m = 32 0.179.
   for (PpSchedule s : {PpSchedule::AFAB, PpSchedule::OneFOneB}) {
-    PipelineTiming t = simulate_pipeline(s, 4, 8, 1, 1.0, 2.0);
+    PipelineTiming t = simulate_pipeline(s, 4, 8, 1, 1.0, 1.0, 1.0);
     REQUIRE(t.makespan == Approx(11 * 3.0));
     for (double busy : t.busy) REQUIRE(1.0 - busy / t.makespan == Approx(3.0 / 11));
     REQUIRE(bubble_fraction(s, 4, 8, 1) == Approx(0.2727).epsilon(1e-3));
-    PipelineTiming big = simulate_pipeline(s, 8, 32, 1, 1.0, 2.0);
+    PipelineTiming big = simulate_pipeline(s, 8, 32, 1, 1.0, 1.0, 1.0);
     REQUIRE(1.0 - big.busy[0] / big.makespan == Approx(0.179).margin(1e-3));  // 7/39
   }
   for (int p = 2; p <= 8; p++)
     for (int m = 1; m <= 16; m++)
       for (PpSchedule s : {PpSchedule::AFAB, PpSchedule::OneFOneB}) {
-        PipelineTiming t = simulate_pipeline(s, p, m, 1, 1.0, 2.0);
+        PipelineTiming t = simulate_pipeline(s, p, m, 1, 1.0, 1.0, 1.0);
         INFO(pp_schedule_name(s) << ", p " << p << ", m " << m);
         for (int r = 0; r < p; r++)
           REQUIRE(1.0 - t.busy[r] / t.makespan == Approx(bubble_fraction(s, p, m, 1)));
@@ -106,8 +114,8 @@ TEST_CASE("1F1B on 4 stages and 8 micro-batches idles 3/11 of the time, as AFAB 
 TEST_CASE("AFAB holds m micro-batches on every stage, 1F1B p - rank", "[pipeline]") {
   for (int p = 2; p <= 8; p++)
     for (int m = 1; m <= 16; m++) {
-      PipelineTiming afab = simulate_pipeline(PpSchedule::AFAB, p, m, 1, 1.0, 2.0);
-      PipelineTiming one = simulate_pipeline(PpSchedule::OneFOneB, p, m, 1, 1.0, 2.0);
+      PipelineTiming afab = simulate_pipeline(PpSchedule::AFAB, p, m, 1, 1.0, 1.0, 1.0);
+      PipelineTiming one = simulate_pipeline(PpSchedule::OneFOneB, p, m, 1, 1.0, 1.0, 1.0);
       for (int r = 0; r < p; r++) {
         INFO("p " << p << ", m " << m << ", rank " << r);
         REQUIRE(afab.peak_in_flight[r] == m);
@@ -134,7 +142,7 @@ TEST_CASE("interleaving V chunks divides the bubble by V: the book's p = 8 grid"
       int m = ms[i], V = Vs[j];
       if (V > 1 && m % p) continue;  // not a schedule Megatron runs
       PpSchedule s = V == 1 ? PpSchedule::OneFOneB : PpSchedule::Interleaved;
-      PipelineTiming t = simulate_pipeline(s, p, m, V, 1.0, 2.0);
+      PipelineTiming t = simulate_pipeline(s, p, m, V, 1.0, 1.0, 1.0);
       INFO("m " << m << ", V " << V);
       REQUIRE(t.complete);
       for (int r = 0; r < p; r++)
@@ -142,6 +150,29 @@ TEST_CASE("interleaving V chunks divides the bubble by V: the book's p = 8 grid"
       checked++;
     }
   REQUIRE(checked == 6 + 3 * 3);
+}
+
+TEST_CASE(
+    "ZB-H1 idles (p-1)(t_f + t_b - t_w) where 1F1B idles (p-1)(t_f + t_b + t_w), holding "
+    "at most p micro-batches",
+    "[pipeline]") {
+  // Qi et al. 2023 (Playbook §8.6): splitting the backward into B (input gradient) and W
+  // (weight gradient) shortens the chain of backwards from the last stage to the first by t_w
+  // per stage, and the deferred W's fill the rest; the memory stays that of 1F1B's first stage.
+  // The formula holds once there are at least p micro-batches.
+  for (auto [t_f, t_b, t_w] : {std::tuple{1.0, 1.0, 1.0}, {2.0, 1.0, 1.0}, {1.0, 1.5, 0.5}})
+    for (int p = 2; p <= 8; p++)
+      for (int m = p; m <= 16; m++) {
+        PipelineTiming zb = simulate_pipeline(PpSchedule::ZeroBubbleH1, p, m, 1, t_f, t_b, t_w);
+        PipelineTiming one = simulate_pipeline(PpSchedule::OneFOneB, p, m, 1, t_f, t_b, t_w);
+        INFO("p " << p << ", m " << m << ", t_f " << t_f << ", t_b " << t_b << ", t_w " << t_w);
+        for (int r = 0; r < p; r++) {
+          REQUIRE(zb.makespan - zb.busy[r] == Approx((p - 1) * (t_f + t_b - t_w)));
+          REQUIRE(one.makespan - one.busy[r] == Approx((p - 1) * (t_f + t_b + t_w)));
+          REQUIRE(zb.peak_in_flight[r] <= p);
+        }
+      }
+  REQUIRE(bubble_fraction(PpSchedule::ZeroBubbleH1, 4, 8, 1) == Approx(3.0 / 27));
 }
 
 TEST_CASE("bad pipeline layouts exit with a message naming the flags", "[pipeline]") {
@@ -164,6 +195,8 @@ TEST_CASE("bad pipeline layouts exit with a message naming the flags", "[pipelin
                Contains("--tie-embeddings"));
   REQUIRE_THAT(message([] { validate_pipeline(8, 2, 1, 4, PpSchedule::OneFOneB, false, 3); }),
                Contains("--zero 3"));
+  REQUIRE_THAT(message([] { validate_pipeline(8, 2, 1, 4, PpSchedule::ZeroBubbleH1, false, 2); }),
+               Contains("--zero 2") && Contains("zb-h1"));
   REQUIRE_THROWS_AS(parse_pp_schedule("gpipe"), UsageError);
   REQUIRE(message([] { validate_pipeline(8, 2, 2, 4, PpSchedule::Interleaved, false, 1); }) ==
           "no error");

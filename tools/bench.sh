@@ -17,7 +17,7 @@ echo
 echo "pipeline parallelism: tiny model with 8 blocks on --pp 4, mbs 4 (mean of steps 2-4)"
 printf "| %-11s | %3s | %8s | %-27s | %-27s | %6s |\n" schedule m "step ms" \
   "idle measured (stage 0..3)" "idle ticks (stage 0..3)" book
-for sched in afab 1f1b interleaved; do
+for sched in afab 1f1b interleaved zb-h1; do
   for m in 4 8 16; do
     extra=""; [ "$sched" = interleaved ] && extra="--pp-virtual 2"
     out=$(OPENBLAS_NUM_THREADS=1 mpirun --oversubscribe -np 4 ./train --model tiny --layers 8 \
