@@ -112,20 +112,7 @@ static std::string generate(const Context& ctx, Comm& comm, const Model& sharded
 // say), every rank throws that message, so no rank is left waiting for one that stopped.
 // fn's own collectives must come before anything that can fail on one rank only.
 static void all_or_none(Comm& comm, const std::function<void()>& fn) {
-  std::string message;
-  try {
-    fn();
-  } catch (const UsageError& e) {
-    message = e.what();
-  }
-  int world = comm.grid.world_size, mine = message.empty() ? world : comm.grid.world_rank, first;
-  MPI_CHECK(MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm.world.mpi));
-  if (first == world) return;
-  int length = (int)message.size();
-  MPI_CHECK(MPI_Bcast(&length, 1, MPI_INT, first, comm.world.mpi));
-  message.resize(length);
-  MPI_CHECK(MPI_Bcast(message.data(), length, MPI_CHAR, first, comm.world.mpi));
-  throw UsageError(message);
+  agree_on_error(comm.world, fn);
 }
 
 // The global gradient norm over every parameter once, whichever tensor-parallel ranks hold it
@@ -163,6 +150,7 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
   const ModelConfig& c = o.model;
   const Grid& grid = comm.grid;
   bool main_rank = grid.world_rank == 0;
+  all_or_none(comm, [&] { check_before_start(o, comm); });  // memory, outputs: before any step
   if (!o.score.empty()) return score_file(ctx, comm, o);
 
   Recompute recompute = parse_recompute(o.recompute);
@@ -215,11 +203,9 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
     printf("unigram entropy of the training tokens: %.4f nats (a model that ignores context)\n",
            unigram_entropy(data.train, c.vocab));
   }
-  std::ofstream log_json;
+  OutputLines log_json;
   all_or_none(comm, [&] {
-    if (!main_rank || o.log_json.empty()) return;
-    log_json.open(o.log_json);
-    if (!log_json) throw UsageError("--log-json " + o.log_json + ": cannot open for writing");
+    if (main_rank && !o.log_json.empty()) log_json.open("--log-json", o.log_json);
   });
   Trace trace;
   trace.enabled = !o.trace.empty();
@@ -244,7 +230,7 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
     CollStats tp_before[(int)Coll::Count];
     std::copy(comm.tp.stats, comm.tp.stats + (int)Coll::Count, tp_before);
     fill_train_batch(data, step, global_batch, first_seq, (int)rank_batch, c.seq, inputs.data(),
-                     targets.data());
+                     targets.data(), !o.no_shuffle, o.seed);
     if (zero)
       zero->begin_step(ctx);
     else
@@ -315,10 +301,9 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
       printf("step %5lld/%d | loss %.4f | lr %.2e | norm %.4f | %8.0f tok/s | %7.1f ms\n",
              (long long)step + 1, o.steps, loss, lr, norm, tok_s, dt * 1e3);
       if (log_json.is_open())
-        log_json << nlohmann::json{{"step", step + 1}, {"loss", loss}, {"lr", lr},
-                                   {"grad_norm", norm}, {"tokens_per_s", tok_s}}
-                        .dump()
-                 << "\n" << std::flush;
+        log_json.write_line(nlohmann::json{{"step", step + 1}, {"loss", loss}, {"lr", lr},
+                                           {"grad_norm", norm}, {"tokens_per_s", tok_s}}
+                                .dump());
     }
     bool last = step + 1 == end;
     if (val_windows > 0 && (last || (o.val_every > 0 && (step + 1) % o.val_every == 0))) {
