@@ -25,6 +25,13 @@ struct HostComm {
 void sleep_if_rank_1(const Comm& c) {
   if (c.grid.world_rank == 1) std::this_thread::sleep_for(std::chrono::seconds(60));
 }
+// A spec of exclusions only ("~[gpu]") selects hidden cases too: these abort the job, so they
+// run only when their tag is given by name.
+bool named(const std::string& tag) {
+  for (const std::string& spec : Catch::getCurrentContext().getConfig()->getTestsOrTags())
+    if (spec == tag) return true;
+  return false;
+}
 
 }  // namespace
 
@@ -53,6 +60,7 @@ TEST_CASE("agree_on_error: every rank throws the lowest failing rank's message, 
 }
 
 TEST_CASE("all_reduce_host with a peer that never joins", "[.stuck-all_reduce_host]") {
+  if (!named("[.stuck-all_reduce_host]")) return;
   HostComm h(2);
   sleep_if_rank_1(h.c);
   double v = 1;
@@ -60,6 +68,7 @@ TEST_CASE("all_reduce_host with a peer that never joins", "[.stuck-all_reduce_ho
 }
 
 TEST_CASE("agree_on_error with a peer that never joins", "[.stuck-agree_on_error]") {
+  if (!named("[.stuck-agree_on_error]")) return;
   HostComm h(2);
   sleep_if_rank_1(h.c);
   agree_on_error(h.c.world, [] {});
