@@ -8,6 +8,7 @@
 
 #include <climits>
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <deque>
 #include <thread>
 
@@ -668,4 +669,50 @@ void agree_on_error(Group& g, const std::function<void()>& fn) {
     return MPI_Ibcast(message.data(), length, MPI_CHAR, root, g.mpi, r);
   });
   throw UsageError(message);
+}
+
+void trace_write(const Trace& trace, const std::string& path, Group& g) {
+  double t0 = -1e300;  // the earliest span of any rank is time 0: a max of negated starts
+  for (const Trace::Span& s : trace.spans) t0 = std::max(t0, -s.start);
+  all_reduce_doubles(g, "trace_write", &t0, 1, ReduceOp::Max);
+  t0 = -t0;
+  // Chrome trace "complete" events: ph X, ts and dur in microseconds, pid = rank, tid = track.
+  std::string mine;
+  for (const Trace::Span& s : trace.spans)
+    mine += nlohmann::json{{"name", s.name}, {"ph", "X"}, {"pid", g.rank}, {"tid", (int)s.track},
+                           {"ts", (s.start - t0) * 1e6}, {"dur", (s.end - s.start) * 1e6}}
+                .dump() + "\n";
+  int length = (int)mine.size();
+  std::vector<int> lengths(g.size, length), offsets(g.size, 0);
+  host_collective(g, "trace_write", sizeof length, [&](MPI_Request* r) {
+    return MPI_Igather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, 0, g.mpi, r);
+  });
+  for (int r = 1; r < g.size; r++) offsets[r] = offsets[r - 1] + lengths[r - 1];
+  std::string all = g.rank == 0 ? std::string(offsets[g.size - 1] + lengths[g.size - 1], '\0')
+                                : std::string();
+  if (g.size == 1) all = mine;
+  host_collective(g, "trace_write", length, [&](MPI_Request* r) {
+    return MPI_Igatherv(mine.data(), length, MPI_CHAR, all.data(), lengths.data(), offsets.data(),
+                        MPI_CHAR, 0, g.mpi, r);
+  });
+  if (g.rank != 0) return;
+  nlohmann::json events = nlohmann::json::array();
+  for (int r = 0; r < g.size; r++) {
+    events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", r}, {"args", {{"name", "rank " + std::to_string(r)}}}});
+    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", 0}, {"args", {{"name", "compute"}}}});
+    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", 1}, {"args", {{"name", "communication"}}}});
+  }
+  size_t pos = 0;
+  while (pos < all.size()) {
+    size_t end = all.find('\n', pos);
+    events.push_back(nlohmann::json::parse(all.substr(pos, end - pos)));
+    pos = end + 1;
+  }
+  const std::string text =
+      nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump() + "\n";
+  try {
+    write_file_atomic(path, [&](FILE* f) { write_all(f, text.data(), text.size(), path); });
+  } catch (const UsageError& e) {
+    throw UsageError(std::string("--trace ") + e.what());
+  }
 }

@@ -122,3 +122,7 @@ void all_reduce_host(Group& g, double* values, int count, ReduceOp op);
 // for one that stopped. Bounded by the timeout like every collective. fn's own collectives must
 // come before anything in it that can fail on one rank only.
 void agree_on_error(Group& g, const std::function<void()>& fn);
+// Gathers every rank's spans to rank 0 of g, which writes a Chrome trace JSON atomically
+// (process = rank, thread = track; open it in Perfetto or chrome://tracing). Collective and
+// bounded like the others. Throws UsageError naming --trace and the file when it cannot be written.
+void trace_write(const Trace& trace, const std::string& path, Group& g);

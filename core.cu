@@ -15,7 +15,6 @@
 #include <cstring>
 #include <filesystem>
 #include <mutex>
-#include <nlohmann/json.hpp>
 
 namespace fs = std::filesystem;
 
@@ -274,48 +273,6 @@ std::string human_bytes(double bytes) {
   char buf[32];
   snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", bytes, units[u]);
   return buf;
-}
-
-void trace_write(const Trace& trace, const std::string& path, MPI_Comm comm) {
-  int rank = 0, size = 1;
-  MPI_CHECK(MPI_Comm_rank(comm, &rank));
-  MPI_CHECK(MPI_Comm_size(comm, &size));
-  double t0 = 1e300, local_t0 = trace.spans.empty() ? 1e300 : trace.spans.front().start;
-  for (const Trace::Span& s : trace.spans) local_t0 = std::min(local_t0, s.start);
-  MPI_CHECK(MPI_Allreduce(&local_t0, &t0, 1, MPI_DOUBLE, MPI_MIN, comm));
-  // Chrome trace "complete" events: ph X, ts and dur in microseconds, pid = rank, tid = track.
-  std::string mine;
-  for (const Trace::Span& s : trace.spans)
-    mine += nlohmann::json{{"name", s.name}, {"ph", "X"}, {"pid", rank}, {"tid", (int)s.track},
-                           {"ts", (s.start - t0) * 1e6}, {"dur", (s.end - s.start) * 1e6}}
-                .dump() + "\n";
-  int length = (int)mine.size();
-  std::vector<int> lengths(size), offsets(size, 0);
-  MPI_CHECK(MPI_Gather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, 0, comm));
-  for (int r = 1; r < size; r++) offsets[r] = offsets[r - 1] + lengths[r - 1];
-  std::string all(rank == 0 ? offsets[size - 1] + lengths[size - 1] : 0, '\0');
-  MPI_CHECK(MPI_Gatherv(mine.data(), length, MPI_CHAR, all.data(), lengths.data(),
-                        offsets.data(), MPI_CHAR, 0, comm));
-  if (rank != 0) return;
-  nlohmann::json events = nlohmann::json::array();
-  for (int r = 0; r < size; r++) {
-    events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", r}, {"args", {{"name", "rank " + std::to_string(r)}}}});
-    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", 0}, {"args", {{"name", "compute"}}}});
-    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", 1}, {"args", {{"name", "communication"}}}});
-  }
-  size_t pos = 0;
-  while (pos < all.size()) {
-    size_t end = all.find('\n', pos);
-    events.push_back(nlohmann::json::parse(all.substr(pos, end - pos)));
-    pos = end + 1;
-  }
-  const std::string text =
-      nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump() + "\n";
-  try {
-    write_file_atomic(path, [&](FILE* f) { write_all(f, text.data(), text.size(), path); });
-  } catch (const UsageError& e) {
-    throw UsageError(std::string("--trace ") + e.what());
-  }
 }
 
 // ----------------------------------------------------------------------------

@@ -186,10 +186,7 @@ struct Trace {
     if (enabled) spans.push_back({name, track, start, end});
   }
 };
-// Gathers every rank's spans to rank 0 of `comm`, which writes a Chrome trace JSON
-// (process = rank, thread = track; open it in Perfetto or chrome://tracing) atomically.
-// Collective. Throws UsageError naming --trace and the file when it cannot be written.
-void trace_write(const Trace& trace, const std::string& path, MPI_Comm comm);
+// trace_write (comm.cuh) gathers every rank's spans and writes them as a Chrome trace.
 
 // ----------------------------------------------------------------------------
 // Output files (DESIGN §9). An output replaces only a regular file, and atomically; a symlink

@@ -329,7 +329,7 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
       printf("saved %s (config.json, model.safetensors, optimizer.safetensors)\n", o.save.c_str());
   }
   if (trace.enabled) {
-    all_or_none(comm, [&] { trace_write(trace, o.trace, comm.world.mpi); });
+    all_or_none(comm, [&] { trace_write(trace, o.trace, comm.world); });
     if (main_rank) printf("trace: %s (open in https://ui.perfetto.dev or chrome://tracing)\n", o.trace.c_str());
   }
   int64_t n_params = model.num_params;  // on this rank: the whole model over tp
