@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core.cuh"
+#include "usage_error.cuh"
 #include "data.cuh"
 
 namespace fs = std::filesystem;
@@ -47,16 +48,6 @@ std::vector<int32_t> counting_tokens(int n) {
   return tokens;
 }
 
-// The message of the UsageError `f` throws ("" when it throws none).
-template <typename F>
-std::string usage_error_of(F f) {
-  try {
-    f();
-  } catch (const UsageError& e) {
-    return e.what();
-  }
-  return "";
-}
 
 }  // namespace
 

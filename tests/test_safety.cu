@@ -22,6 +22,7 @@
 #include "data.cuh"
 #include "launch.cuh"
 #include "model.cuh"
+#include "usage_error.cuh"
 
 namespace fs = std::filesystem;
 using Catch::Matchers::Contains;
@@ -34,15 +35,6 @@ struct TempDir {
   std::string file(const std::string& name) const { return path + "/" + name; }
 };
 
-template <typename F>
-std::string usage_error_of(F f) {
-  try {
-    f();
-  } catch (const UsageError& e) {
-    return e.what();
-  }
-  return "";
-}
 
 bool is_char_device(const std::string& path) {
   struct stat st;
