@@ -317,7 +317,8 @@ void remove_stale_temps(const std::string& target, const std::string& tag) {
     const std::string name = e.path().filename().string();
     if (name.compare(0, prefix.size(), prefix) != 0) continue;
     const std::string pid = name.substr(prefix.size());
-    if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos) continue;
+    if (pid.empty() || pid.size() > 9 || pid.find_first_not_of("0123456789") != std::string::npos)
+      continue;
     // kill(pid, 0): ESRCH means no such process; EPERM means alive but someone else's.
     if (kill((pid_t)std::stol(pid), 0) != 0 && errno == ESRCH) stale.push_back(e.path());
   }
