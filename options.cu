@@ -349,5 +349,6 @@ void print_config(const Options& o, const Dataset& data, const Comm& comm, int64
   row("seed", s(o.seed));
   row("data", data.source);
   row("train / val tokens", s(data.train.size()) + " / " + s(data.val.size()));
+  row("data order", o.no_shuffle ? "file order (--no-shuffle)" : "shuffled per epoch (--seed)");
   printf("+------------------------+----------------------------------------------------+\n");
 }

@@ -26,7 +26,7 @@ struct Options {
   bool no_overlap = false, sp = false;
   bool no_shuffle = false;  // data: consecutive stretches in file order (the old order)
   std::vector<std::string> reports;
-  const CLI::App* app = nullptr;  // the parsed command line: which flags were given
+  const CLI::App* app = nullptr;  // the parsed command line (main's, alive for the whole run)
 };
 
 // The largest values picoscale accepts (sizes past them overflow its int arithmetic or fit no

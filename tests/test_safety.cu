@@ -356,6 +356,21 @@ TEST_CASE("shuffled data: each epoch reads every window once, not in file order,
   }
 }
 
+TEST_CASE("./train shuffles by default and --no-shuffle reads file order", "[safety][train]") {
+  TempDir dir;
+  auto first_loss = [&](const std::string& flags) {
+    const std::string log = dir.file("log.jsonl");
+    RunResult r = run_train(SMALL + "--steps 1 --log-json " + log + " " + flags);
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    return read_json_lines(log).at(0)["loss"].get<double>();
+  };
+  const double shuffled = first_loss(""), file_order = first_loss("--no-shuffle");
+  CHECK(shuffled != file_order);  // other sequences, another loss
+  CHECK(first_loss("--seed 1337") == shuffled);
+  CHECK(first_loss("--no-shuffle") == file_order);
+}
+
 // ----------------------------------------------------------------------------
 // Waits
 
