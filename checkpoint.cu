@@ -24,32 +24,8 @@ using nlohmann::json;
 static const uint64_t kMaxHeaderBytes = 100u << 20;  // far above any real header; stops garbage
 
 // ----------------------------------------------------------------------------
-// Atomic writes: PATH.tmp, fflush + fsync, rename (rename is atomic within a filesystem).
+// Durable writes (write_file_atomic, in core.cu, writes each file)
 
-static UsageError write_error(const std::string& path) {
-  return UsageError(path + ": cannot write: " + strerror(errno));
-}
-static void write_all(FILE* f, const void* p, size_t n, const std::string& path) {
-  if (n > 0 && fwrite(p, 1, n, f) != n) throw write_error(path);
-}
-static void write_file_atomic(const std::string& path, const std::function<void(FILE*)>& body) {
-  const std::string tmp = path + ".tmp";
-  FILE* f = fopen(tmp.c_str(), "wb");
-  if (!f) throw write_error(tmp);
-  try {
-    body(f);
-    if (fflush(f) != 0 || fsync(fileno(f)) != 0) throw write_error(tmp);
-  } catch (...) {
-    fclose(f);
-    remove(tmp.c_str());
-    throw;
-  }
-  if (fclose(f) != 0 || rename(tmp.c_str(), path.c_str()) != 0) {
-    UsageError err = write_error(path);
-    remove(tmp.c_str());
-    throw err;
-  }
-}
 // Makes the directory's entries (new names, renames) durable, not just the files' bytes.
 static void fsync_dir(const std::string& dir) {
   int fd = open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
@@ -271,6 +247,8 @@ json hf_config(const ModelConfig& cfg) {
           {"rms_norm_eps", shortest(cfg.norm_eps)}, {"rope_theta", shortest(cfg.rope_theta)},
           {"initializer_range", shortest(cfg.init_std)},
           {"tie_word_embeddings", cfg.tie_embeddings}, {"torch_dtype", "float32"},
+          // Byte tokens have no BOS or EOS: say so rather than let a reader assume Llama's 1, 2.
+          {"bos_token_id", nullptr}, {"eos_token_id", nullptr},
           {"hidden_act", "silu"}, {"attention_bias", false}, {"mlp_bias", false},
           {"picoscale_preset", cfg.preset}};
 }
@@ -348,22 +326,51 @@ static std::vector<NamedTensor> moment_tensors(const OptimizerState& opt) {
   return out;
 }
 
+// Replacing a checkpoint directory. rename() cannot put a directory over a non-empty one, so
+// the new checkpoint is written whole under DIR.tmp.<host>.<pid> and then swapped with DIR in one
+// step, renameat2(RENAME_EXCHANGE): a kill at any moment leaves DIR holding the old checkpoint
+// or the new one, and the old one, now under the temporary name, is removed after. Where the
+// filesystem cannot exchange (EINVAL), the old checkpoint steps aside to DIR.old.<host>.<pid>
+// before the new one is renamed in; a kill between those two renames leaves no DIR but a whole
+// DIR.old.*, which --load reads in its place (checkpoint_to_load). Temporaries of writers that
+// are gone are removed by the next save. A symlink DIR is followed: its target is replaced and
+// the link stays. Only an earlier checkpoint or an empty directory is ever replaced.
+static std::string strip_slashes(std::string dir) {
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();  // "ckpt/" names "ckpt"
+  return dir;
+}
+static bool is_checkpoint_or_empty(const std::string& dir) {
+  std::error_code ec;
+  return fs::is_directory(dir, ec) &&
+         (fs::is_empty(dir, ec) || fs::exists(dir + "/config.json", ec));
+}
+static void require_replaceable(const std::string& what, const std::string& target) {
+  std::error_code ec;
+  if (fs::exists(target, ec) && !is_checkpoint_or_empty(target))
+    throw UsageError(what + ": exists and is not a checkpoint (no config.json); choose another "
+                     "directory or remove it");
+}
+static void create_parent(const std::string& what, const std::string& target) {
+  const fs::path parent = fs::path(target).parent_path();
+  std::error_code ec;
+  if (!parent.empty() && !fs::is_directory(parent, ec) && !fs::create_directories(parent, ec))
+    throw UsageError(what + ": cannot create " + parent.string() + ": " + ec.message());
+}
+
+void check_checkpoint_output(const std::string& flag, const std::string& dir) {
+  const std::string what = flag + " " + dir, target = output_target(strip_slashes(dir));
+  require_replaceable(what, target);
+  create_parent(what, target);
+  probe_directory(what, target);
+}
+
 void save_checkpoint(const std::string& dir_arg, const ModelConfig& cfg,
                      const std::vector<NamedTensor>& params, const OptimizerState* opt) {
-  std::string dir = dir_arg;
-  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();  // "ckpt/" names "ckpt"
-  const std::string pid = std::to_string(getpid());
-  const std::string tmp = dir + ".tmp." + pid, old = dir + ".old." + pid;
+  const std::string dir = strip_slashes(dir_arg), target = output_target(dir);
+  const std::string tmp = temp_name(target, "tmp");
+  require_replaceable(dir, target);
+  create_parent(dir, target);
   std::error_code ec;
-  // Replacing DIR deletes it: only ever do that to an earlier checkpoint or an empty folder.
-  const bool replaceable = fs::is_directory(dir, ec) &&
-                           (fs::is_empty(dir, ec) || fs::exists(dir + "/config.json", ec));
-  if (fs::exists(dir, ec) && !replaceable)
-    throw UsageError(dir + ": exists and is not a checkpoint (no config.json); choose another "
-                     "directory or remove it");
-  const std::string parent = fs::path(dir).parent_path().string();
-  if (!parent.empty() && !fs::is_directory(parent, ec) && !fs::create_directories(parent, ec))
-    throw UsageError(parent + ": cannot create: " + ec.message());
   fs::remove_all(tmp, ec);
   if (!fs::create_directory(tmp, ec)) throw UsageError(tmp + ": cannot create: " + ec.message());
   try {
@@ -380,25 +387,59 @@ void save_checkpoint(const std::string& dir_arg, const ModelConfig& cfg,
     fs::remove_all(tmp, ec);
     throw;
   }
-  // rename() cannot replace a non-empty directory, so the old checkpoint steps aside first; a
-  // crash between the two renames leaves it whole as DIR.old.<pid>.
-  const bool replacing = fs::exists(dir, ec);
-  if (replacing && rename(dir.c_str(), old.c_str()) != 0) {
-    UsageError err = write_error(dir);
+  auto fail = [&](const std::string& what) {
+    UsageError err(dir + ": cannot " + what + ": " + strerror(errno));
     fs::remove_all(tmp, ec);
-    throw err;
+    return err;
+  };
+  if (!fs::exists(target, ec)) {
+    if (rename(tmp.c_str(), target.c_str()) != 0) throw fail("rename the new checkpoint in");
+  } else if (renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) == 0) {
+    fs::remove_all(tmp, ec);  // the old checkpoint, now under the temporary name
+  } else if (errno == EINVAL || errno == ENOSYS) {
+    const std::string old = temp_name(target, "old");
+    if (rename(target.c_str(), old.c_str()) != 0) throw fail("move the old checkpoint aside");
+    if (rename(tmp.c_str(), target.c_str()) != 0) {
+      UsageError err = fail("rename the new checkpoint in");
+      rename(old.c_str(), target.c_str());
+      throw err;
+    }
+    fs::remove_all(old, ec);
+  } else {
+    throw fail("replace it");
   }
-  if (rename(tmp.c_str(), dir.c_str()) != 0) {
-    UsageError err = write_error(dir);
-    if (replacing) rename(old.c_str(), dir.c_str());
-    fs::remove_all(tmp, ec);
-    throw err;
-  }
-  fsync_dir(parent);
-  if (replacing) fs::remove_all(old, ec);
+  fsync_dir(fs::path(target).parent_path().string());
+  remove_stale_temps(target, "tmp");
+  remove_stale_temps(target, "old");
 }
 
-ModelConfig read_checkpoint_config(const std::string& dir) {
+// DIR itself; when DIR is missing, the newest whole DIR.old.* that a save killed between its
+// two renames left behind (see save_checkpoint). `note`: rank 0 says which it reads.
+static std::string checkpoint_to_load(const std::string& dir_arg, bool note) {
+  const std::string dir = strip_slashes(dir_arg);
+  std::error_code ec;
+  if (fs::exists(dir, ec)) return dir;
+  const fs::path target = output_target(dir);
+  const std::string prefix = target.filename().string() + ".old.";
+  std::string best;
+  fs::file_time_type newest;
+  const fs::path parent = target.parent_path().empty() ? "." : target.parent_path();
+  for (const fs::directory_entry& e : fs::directory_iterator(parent, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.compare(0, prefix.size(), prefix) != 0 || !fs::exists(e.path() / "config.json", ec))
+      continue;
+    fs::file_time_type t = fs::last_write_time(e.path(), ec);
+    if (best.empty() || t > newest) best = e.path().string(), newest = t;
+  }
+  if (best.empty()) return dir;
+  if (note && is_main_process())
+    printf("note: %s is missing; a save was interrupted: loading the previous checkpoint %s\n",
+           dir.c_str(), best.c_str());
+  return best;
+}
+
+ModelConfig read_checkpoint_config(const std::string& dir_arg) {
+  const std::string dir = checkpoint_to_load(dir_arg, true);
   const std::string path = dir + "/config.json";
   std::error_code ec;
   if (!fs::is_regular_file(path, ec))
@@ -415,10 +456,72 @@ ModelConfig read_checkpoint_config(const std::string& dir) {
   return config_from_hf(j, dir);
 }
 
-bool load_checkpoint(const std::string& dir, const std::vector<NamedTensor>& params,
+// The weights' files, each validated against the tensors it must hold: model.safetensors, or
+// the shards a Hugging Face index (model.safetensors.index.json, {"weight_map": {tensor:
+// file}}) names. Every tensor is mapped exactly once; every shard holds exactly its tensors.
+struct WeightFile {
+  SafetensorsPlan plan;
+  std::vector<NamedTensor> tensors;
+};
+static std::vector<WeightFile> inspect_weights(const std::string& dir,
+                                               const std::vector<NamedTensor>& params) {
+  const std::string single = dir + "/model.safetensors", index = single + ".index.json";
+  std::error_code ec;
+  if (fs::exists(single, ec) || !fs::exists(index, ec))
+    return {{inspect_safetensors(single, params), params}};
+  auto fail = [&](const std::string& what) { return UsageError(index + ": " + what); };
+  std::ifstream in(index);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  // JSON keeps the last of two equal keys: catch a tensor listed twice while parsing.
+  std::string top, twice;
+  std::set<std::string> seen;
+  json::parser_callback_t cb = [&](int depth, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::key && depth == 1) top = parsed.get<std::string>();
+    if (event == json::parse_event_t::key && depth == 2 && top == "weight_map" &&
+        !seen.insert(parsed.get<std::string>()).second && twice.empty())
+      twice = parsed.get<std::string>();
+    return true;
+  };
+  json j;
+  try {
+    j = json::parse(text, cb);
+  } catch (const json::parse_error& e) {
+    throw fail(std::string("not valid JSON: ") + e.what());
+  }
+  if (!twice.empty()) throw fail("tensor " + twice + " is listed twice in weight_map");
+  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+    throw fail("no weight_map object");
+  const json& map = j["weight_map"];
+  std::map<std::string, std::vector<NamedTensor>> by_file;
+  std::set<std::string> wanted;
+  for (const NamedTensor& nt : params) {
+    wanted.insert(nt.name);
+    auto it = map.find(nt.name);
+    if (it == map.end() || !it->is_string()) throw fail("tensor " + nt.name + ": not in weight_map");
+    by_file[it->get<std::string>()].push_back(nt);
+  }
+  for (const auto& [name, file] : map.items())
+    if (!wanted.count(name)) throw fail("tensor " + name + ": in weight_map but not in this model");
+  std::vector<WeightFile> files;
+  for (const auto& [file, tensors] : by_file) {
+    const std::string path = dir + "/" + file;
+    if (file.find('/') != std::string::npos || !fs::is_regular_file(path, ec))
+      throw fail("shard " + file + " (holding " + tensors[0].name + "): not found in " + dir);
+    const json holds = read_header(path).entries;
+    for (const auto& [name, entry] : holds.items())
+      if (name != "__metadata__" && map.contains(name) && map[name] != file)
+        throw UsageError(path + ": tensor " + name + " is also in shard " +
+                         map[name].get<std::string>() + ": listed twice");
+    files.push_back({inspect_safetensors(path, tensors), tensors});
+  }
+  return files;
+}
+
+bool load_checkpoint(const std::string& dir_arg, const std::vector<NamedTensor>& params,
                      OptimizerState* opt) {
+  const std::string dir = checkpoint_to_load(dir_arg, false);
   const std::string opt_path = dir + "/optimizer.safetensors";
-  SafetensorsPlan weights = inspect_safetensors(dir + "/model.safetensors", params);
+  const std::vector<WeightFile> weights = inspect_weights(dir, params);
   std::error_code ec;
   const bool with_opt = opt && fs::exists(opt_path, ec);
   std::vector<NamedTensor> moments;
@@ -432,9 +535,12 @@ bool load_checkpoint(const std::string& dir, const std::vector<NamedTensor>& par
     if (it != moments_plan.metadata.end()) step = strtoll(it->second.c_str(), &end, 10);
     if (!end || end == it->second.c_str() || *end != '\0' || step < 0)
       throw UsageError(opt_path + ": metadata has no valid step (a non-negative integer)");
+  } else if (opt && is_main_process()) {
+    printf("note: %s has no optimizer.safetensors (weights only, as in a Hugging Face model): "
+           "AdamW starts fresh at step 0\n", dir.c_str());
   }
-  // Both files are valid: only now does any destination tensor change.
-  copy_safetensors(weights, params);
+  // Every file is valid: only now does any destination tensor change.
+  for (const WeightFile& w : weights) copy_safetensors(w.plan, w.tensors);
   if (with_opt) {
     copy_safetensors(moments_plan, moments);
     opt->step = step;

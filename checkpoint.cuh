@@ -24,16 +24,21 @@ nlohmann::json hf_config(const ModelConfig& cfg);  // LlamaConfig keys
 ModelConfig config_from_hf(const nlohmann::json& j, const std::string& path);  // validates
 
 // dir/config.json, dir/model.safetensors, dir/optimizer.safetensors (exp_avg, exp_avg_sq per
-// parameter, step in the metadata). The directory appears whole or not at all.
+// parameter, step in the metadata). After a kill at any moment DIR holds the old checkpoint or
+// the new one (see save_checkpoint in checkpoint.cu); a symlink DIR is followed, not replaced.
 struct OptimizerState {
   std::vector<NamedTensor> exp_avg, exp_avg_sq;  // same names and shapes as the parameters
   int64_t step = 0;                              // optimizer steps taken
 };
 void save_checkpoint(const std::string& dir, const ModelConfig& cfg,
                      const std::vector<NamedTensor>& params, const OptimizerState* opt);
+// Before the first step: throws UsageError "<flag> <dir>: ..." unless a checkpoint can be saved
+// at dir (absent, empty, or an earlier checkpoint; the parent accepts new entries).
+void check_checkpoint_output(const std::string& flag, const std::string& dir);
 ModelConfig read_checkpoint_config(const std::string& dir);
 // Loads weights (and, when opt is non-null and the file exists, optimizer state and step).
-// Returns true when optimizer state was loaded.
+// Returns true when optimizer state was loaded; when opt asks for it and there is none, rank 0
+// says that AdamW starts fresh at step 0.
 bool load_checkpoint(const std::string& dir, const std::vector<NamedTensor>& params,
                      OptimizerState* opt);
 

@@ -8,6 +8,7 @@
 
 #include <climits>
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <deque>
 #include <thread>
 
@@ -123,6 +124,7 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
   make_group(c.pp_grad, "pp_grad", G.rank_of(d, 0, x, t), p);
   make_group(c.dp, "dp", G.rank_of(0, p, x, t), d);
   make_group(c.dp_cp, "dp_cp", G.rank_of(0, p, 0, t), d * G.cp + x);  // gradients average here
+  for (Group* g : c.groups()) g->timeout_s = timeout_s;
 
   if (c.backend == Backend::NCCL) {
     // The standard bootstrap, one id per group: group rank 0 makes it, MPI shares it.
@@ -310,14 +312,20 @@ static int mpi_count(int64_t n) {
 // Starts a collective on a group of two or more, once the data it reads is ready. NCCL: the comm
 // stream waits for the compute stream's pending writes through an event, not a synchronize, so
 // the host goes on. MPI on CUDA: the host is about to copy the data out, so it must wait.
-static std::shared_ptr<Handle::State> start(Comm& c, Group& g, const Context& ctx, Coll coll,
-                                            int64_t buffer_bytes) {
+// The state every pending op starts from: what it is (for the timeout message) and its deadline.
+static std::shared_ptr<Handle::State> new_state(Group& g, const std::string& op,
+                                                int64_t buffer_bytes) {
   auto s = std::make_shared<Handle::State>();
   s->group = &g;
-  s->what = std::string(coll_name(coll)) + " on " + g.name + ", " + human_bytes(buffer_bytes);
-  s->world_rank = c.grid.world_rank;
+  s->what = op + " on " + g.name + ", " + human_bytes(buffer_bytes);
+  s->world_rank = g.members.empty() ? 0 : g.members[g.rank];
   s->start = now_seconds();
-  s->timeout_s = c.timeout_s;
+  s->timeout_s = g.timeout_s;
+  return s;
+}
+static std::shared_ptr<Handle::State> start(Comm& c, Group& g, const Context& ctx, Coll coll,
+                                            int64_t buffer_bytes) {
+  auto s = new_state(g, coll_name(coll), buffer_bytes);
   s->compute = ctx.stream;
   if (c.backend == Backend::NCCL) {
     PICO_ASSERT(ctx.device == Device::CUDA, "NCCL collectives need device buffers");
@@ -622,10 +630,24 @@ void barrier(Comm& c, Group& g, const Context& ctx) {
   barrier_async(c, g, ctx).wait();
 }
 
-// Scalars on the host, in double, never counted: they are bookkeeping, not training traffic.
-void all_reduce_host(Group& g, double* values, int count, ReduceOp op) {
-  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, values, count, MPI_DOUBLE,
-                          op == ReduceOp::Max ? MPI_MAX : MPI_SUM, g.mpi));
+// ---- host-side collectives: bookkeeping, not training traffic (never counted) ----
+
+// Posts one MPI call on host memory and waits for it through a Handle, so the same deadline
+// and the same message ("all_reduce_host on dp_cp, 8 B did not finish within ...") apply.
+static void host_collective(Group& g, const char* op, int64_t bytes,
+                            const std::function<int(MPI_Request*)>& post) {
+  if (g.size == 1) return;
+  auto s = new_state(g, op, bytes);
+  MPI_CHECK(post(s->request()));
+  Handle(s).wait();
+}
+
+static void all_reduce_doubles(Group& g, const char* op_name, double* values, int count,
+                               ReduceOp op) {
+  host_collective(g, op_name, (int64_t)count * sizeof(double), [&](MPI_Request* r) {
+    return MPI_Iallreduce(MPI_IN_PLACE, values, count, MPI_DOUBLE,
+                          op == ReduceOp::Max ? MPI_MAX : MPI_SUM, g.mpi, r);
+  });
   if (op == ReduceOp::Avg)
     for (int i = 0; i < count; i++) values[i] /= g.size;
 }
@@ -635,5 +657,78 @@ void TrafficMeter::close(const Group& g) {
   for (int c = 0; c < (int)Coll::Count; c++) {
     total[c].calls += g.stats[c].calls - opened[c].calls;
     total[c].bytes += g.stats[c].bytes - opened[c].bytes;
+  }
+}
+
+void all_reduce_host(Group& g, double* values, int count, ReduceOp op) {
+  all_reduce_doubles(g, "all_reduce_host", values, count, op);
+}
+
+void agree_on_error(Group& g, const std::function<void()>& fn) {
+  std::string message;
+  try {
+    fn();
+  } catch (const UsageError& e) {
+    message = e.what();
+  }
+  // The lowest group rank with an error, as a max of -rank (-size: none).
+  double first = message.empty() ? -g.size : -g.rank;
+  all_reduce_doubles(g, "agree_on_error", &first, 1, ReduceOp::Max);
+  int root = (int)-first;
+  if (root == g.size) return;
+  int length = (int)message.size();
+  host_collective(g, "agree_on_error", sizeof length, [&](MPI_Request* r) {
+    return MPI_Ibcast(&length, 1, MPI_INT, root, g.mpi, r);
+  });
+  message.resize(length);
+  host_collective(g, "agree_on_error", length, [&](MPI_Request* r) {
+    return MPI_Ibcast(message.data(), length, MPI_CHAR, root, g.mpi, r);
+  });
+  throw UsageError(message);
+}
+
+void trace_write(const Trace& trace, const std::string& path, Group& g) {
+  double t0 = -1e300;  // the earliest span of any rank is time 0: a max of negated starts
+  for (const Trace::Span& s : trace.spans) t0 = std::max(t0, -s.start);
+  all_reduce_doubles(g, "trace_write", &t0, 1, ReduceOp::Max);
+  t0 = -t0;
+  // Chrome trace "complete" events: ph X, ts and dur in microseconds, pid = rank, tid = track.
+  std::string mine;
+  for (const Trace::Span& s : trace.spans)
+    mine += nlohmann::json{{"name", s.name}, {"ph", "X"}, {"pid", g.rank}, {"tid", (int)s.track},
+                           {"ts", (s.start - t0) * 1e6}, {"dur", (s.end - s.start) * 1e6}}
+                .dump() + "\n";
+  int length = (int)mine.size();
+  std::vector<int> lengths(g.size, length), offsets(g.size, 0);
+  host_collective(g, "trace_write", sizeof length, [&](MPI_Request* r) {
+    return MPI_Igather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, 0, g.mpi, r);
+  });
+  for (int r = 1; r < g.size; r++) offsets[r] = offsets[r - 1] + lengths[r - 1];
+  std::string all = g.rank == 0 ? std::string(offsets[g.size - 1] + lengths[g.size - 1], '\0')
+                                : std::string();
+  if (g.size == 1) all = mine;
+  host_collective(g, "trace_write", length, [&](MPI_Request* r) {
+    return MPI_Igatherv(mine.data(), length, MPI_CHAR, all.data(), lengths.data(), offsets.data(),
+                        MPI_CHAR, 0, g.mpi, r);
+  });
+  if (g.rank != 0) return;
+  nlohmann::json events = nlohmann::json::array();
+  for (int r = 0; r < g.size; r++) {
+    events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", r}, {"args", {{"name", "rank " + std::to_string(r)}}}});
+    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", 0}, {"args", {{"name", "compute"}}}});
+    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", 1}, {"args", {{"name", "communication"}}}});
+  }
+  size_t pos = 0;
+  while (pos < all.size()) {
+    size_t end = all.find('\n', pos);
+    events.push_back(nlohmann::json::parse(all.substr(pos, end - pos)));
+    pos = end + 1;
+  }
+  const std::string text =
+      nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump() + "\n";
+  try {
+    write_file_atomic(path, [&](FILE* f) { write_all(f, text.data(), text.size(), path); });
+  } catch (const UsageError& e) {
+    throw UsageError(std::string("--trace ") + e.what());
   }
 }

@@ -4,6 +4,7 @@
 // Every collective exists as a nonblocking call returning a Handle and as a blocking call
 // (the nonblocking one, waited for). All buffers are float arrays on the communicator's device.
 #pragma once
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -42,6 +43,7 @@ struct Group {
   int prev() const { return (rank + size - 1) % size; }
   MPI_Comm mpi = MPI_COMM_NULL;
   ncclComm_t nccl = nullptr;
+  double timeout_s = 300;  // --comm-timeout: how long any collective on it may wait
   CollStats stats[(int)Coll::Count];
 };
 
@@ -124,5 +126,15 @@ void send(Comm& c, Group& g, const Context& ctx, const float* buf, int64_t count
 void recv(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, int peer);
 void barrier(Comm& c, Group& g, const Context& ctx);
 
-// Host-side scalars (losses, norms, flags): a blocking all-reduce of doubles over MPI.
+// Host-side scalars (losses, norms, flags): an all-reduce of doubles over MPI, waited for like
+// every collective: past the group's timeout it stops every rank, naming itself and the group.
 void all_reduce_host(Group& g, double* values, int count, ReduceOp op);
+// Runs fn on every rank of g; when it throws UsageError on some ranks (a file only rank 0
+// writes, say), every rank throws the lowest such rank's message, so no rank is left waiting
+// for one that stopped. Bounded by the timeout like every collective. fn's own collectives must
+// come before anything in it that can fail on one rank only.
+void agree_on_error(Group& g, const std::function<void()>& fn);
+// Gathers every rank's spans to rank 0 of g, which writes a Chrome trace JSON atomically
+// (process = rank, thread = track; open it in Perfetto or chrome://tracing). Collective and
+// bounded like the others. Throws UsageError naming --trace and the file when it cannot be written.
+void trace_write(const Trace& trace, const std::string& path, Group& g);

@@ -3,13 +3,20 @@
 // book's memory anatomy (Playbook §2.3) can be read off a run rather than estimated.
 #include "core.cuh"
 
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
+#include <filesystem>
 #include <mutex>
-#include <nlohmann/json.hpp>
+
+namespace fs = std::filesystem;
 
 void fatal_abort() {
   fflush(stdout);
@@ -268,40 +275,148 @@ std::string human_bytes(double bytes) {
   return buf;
 }
 
-void trace_write(const Trace& trace, const std::string& path, MPI_Comm comm) {
-  int rank = 0, size = 1;
-  MPI_CHECK(MPI_Comm_rank(comm, &rank));
-  MPI_CHECK(MPI_Comm_size(comm, &size));
-  double t0 = 1e300, local_t0 = trace.spans.empty() ? 1e300 : trace.spans.front().start;
-  for (const Trace::Span& s : trace.spans) local_t0 = std::min(local_t0, s.start);
-  MPI_CHECK(MPI_Allreduce(&local_t0, &t0, 1, MPI_DOUBLE, MPI_MIN, comm));
-  // Chrome trace "complete" events: ph X, ts and dur in microseconds, pid = rank, tid = track.
-  std::string mine;
-  for (const Trace::Span& s : trace.spans)
-    mine += nlohmann::json{{"name", s.name}, {"ph", "X"}, {"pid", rank}, {"tid", (int)s.track},
-                           {"ts", (s.start - t0) * 1e6}, {"dur", (s.end - s.start) * 1e6}}
-                .dump() + "\n";
-  int length = (int)mine.size();
-  std::vector<int> lengths(size), offsets(size, 0);
-  MPI_CHECK(MPI_Gather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, 0, comm));
-  for (int r = 1; r < size; r++) offsets[r] = offsets[r - 1] + lengths[r - 1];
-  std::string all(rank == 0 ? offsets[size - 1] + lengths[size - 1] : 0, '\0');
-  MPI_CHECK(MPI_Gatherv(mine.data(), length, MPI_CHAR, all.data(), lengths.data(),
-                        offsets.data(), MPI_CHAR, 0, comm));
-  if (rank != 0) return;
-  nlohmann::json events = nlohmann::json::array();
-  for (int r = 0; r < size; r++) {
-    events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", r}, {"args", {{"name", "rank " + std::to_string(r)}}}});
-    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", 0}, {"args", {{"name", "compute"}}}});
-    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", 1}, {"args", {{"name", "communication"}}}});
+// ----------------------------------------------------------------------------
+// Output files
+
+bool is_main_process() {
+  int up = 0, down = 0, rank = 0;
+  MPI_Initialized(&up);
+  MPI_Finalized(&down);
+  if (up && !down) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  return rank == 0;
+}
+
+std::string output_target(const std::string& path) {
+  fs::path p = path;
+  std::error_code ec;
+  for (int hops = 0; hops < 40 && fs::is_symlink(p, ec); hops++) {
+    fs::path link = fs::read_symlink(p, ec);
+    if (ec) break;
+    p = link.is_absolute() ? link : p.parent_path() / link;
   }
-  size_t pos = 0;
-  while (pos < all.size()) {
-    size_t end = all.find('\n', pos);
-    events.push_back(nlohmann::json::parse(all.substr(pos, end - pos)));
-    pos = end + 1;
+  return p.lexically_normal().string();
+}
+
+static std::string host_name() {
+  char name[256] = "host";
+  gethostname(name, sizeof name - 1);
+  name[sizeof name - 1] = '\0';
+  return name;
+}
+std::string temp_name(const std::string& target, const std::string& tag) {
+  return target + "." + tag + "." + host_name() + "." + std::to_string(getpid());
+}
+
+void remove_stale_temps(const std::string& target, const std::string& tag) {
+  const fs::path t = target;
+  const std::string prefix = t.filename().string() + "." + tag + "." + host_name() + ".";
+  std::error_code ec;
+  const fs::path dir = t.parent_path().empty() ? "." : t.parent_path();
+  std::vector<fs::path> stale;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    const std::string pid = name.substr(prefix.size());
+    if (pid.empty() || pid.size() > 9 || pid.find_first_not_of("0123456789") != std::string::npos)
+      continue;
+    // kill(pid, 0): ESRCH means no such process; EPERM means alive but someone else's.
+    if (kill((pid_t)std::stol(pid), 0) != 0 && errno == ESRCH) stale.push_back(e.path());
   }
-  std::ofstream out(path);
-  if (!out) throw UsageError("--trace " + path + ": cannot open for writing");
-  out << nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump() << "\n";
+  for (const fs::path& p : stale) fs::remove_all(p, ec);
+}
+
+void probe_directory(const std::string& what, const std::string& target) {
+  const std::string probe = temp_name(target, "probe");
+  const std::string dir = fs::path(target).parent_path().string();
+  int fd = open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600);
+  if (fd < 0)
+    throw UsageError(what + ": cannot create files in " + (dir.empty() ? "." : dir) + ": " +
+                     strerror(errno));
+  close(fd);
+  unlink(probe.c_str());
+}
+
+// What a path that exists but is not a regular file is, for the message.
+static std::string file_kind(const std::string& path) {
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0) return "missing";
+  if (S_ISDIR(st.st_mode)) return "a directory";
+  if (S_ISCHR(st.st_mode)) return "a character device";
+  if (S_ISBLK(st.st_mode)) return "a block device";
+  if (S_ISFIFO(st.st_mode)) return "a FIFO";
+  if (S_ISSOCK(st.st_mode)) return "a socket";
+  return S_ISREG(st.st_mode) ? "a regular file" : "not a regular file";
+}
+// Throws unless `target` is absent or a regular file.
+static void require_regular_or_absent(const std::string& what, const std::string& target) {
+  std::error_code ec;
+  if (fs::exists(target, ec) && !fs::is_regular_file(target, ec))
+    throw UsageError(what + ": " + (target == what ? "" : target + " ") + "is " +
+                     file_kind(target) + "; outputs only replace regular files: name a file");
+}
+
+void check_output_file(const std::string& flag, const std::string& path) {
+  const std::string what = flag + " " + path, target = output_target(path);
+  require_regular_or_absent(what, target);
+  std::error_code ec;
+  const fs::path dir = fs::path(target).parent_path();
+  if (!dir.empty() && !fs::is_directory(dir, ec))
+    throw UsageError(what + ": the directory " + dir.string() + " does not exist; create it");
+  probe_directory(what, target);
+}
+
+static UsageError write_error(const std::string& path) {
+  return UsageError(path + ": cannot write: " + strerror(errno));
+}
+void write_all(FILE* f, const void* bytes, size_t n, const std::string& path) {
+  if (n > 0 && fwrite(bytes, 1, n, f) != n) throw write_error(path);
+}
+
+// The temporary lies next to the target (rename is atomic only within one filesystem) under
+// this process's name, so two writers never share one, and a killed writer's is removed by
+// the next write.
+void write_file_atomic(const std::string& path, const std::function<void(FILE*)>& body) {
+  const std::string target = output_target(path), tmp = temp_name(target, "tmp");
+  require_regular_or_absent(path, target);
+  FILE* f = fopen(tmp.c_str(), "wb");
+  if (!f) throw write_error(tmp);
+  try {
+    body(f);
+    if (fflush(f) != 0 || fsync(fileno(f)) != 0) throw write_error(tmp);
+  } catch (...) {
+    fclose(f);
+    remove(tmp.c_str());
+    throw;
+  }
+  if (fclose(f) != 0 || rename(tmp.c_str(), target.c_str()) != 0) {
+    UsageError err = write_error(path);
+    remove(tmp.c_str());
+    throw err;
+  }
+  remove_stale_temps(target, "tmp");
+}
+
+void OutputLines::open(const std::string& flag, const std::string& path) {
+  check_output_file(flag, path);
+  flag_ = flag, path_ = path;
+  file_ = fopen(output_target(path).c_str(), "w");
+  if (!file_) throw UsageError(flag + " " + path + ": cannot open for writing: " + strerror(errno));
+}
+void OutputLines::write_line(const std::string& line) {
+  if (!file_) return;
+  if (fwrite(line.data(), 1, line.size(), file_) != line.size() || fputc('\n', file_) == EOF ||
+      fflush(file_) != 0)
+    fail();
+}
+void OutputLines::close() {
+  if (!file_) return;
+  FILE* f = file_;
+  file_ = nullptr;
+  if (fclose(f) != 0) fail();
+}
+// A lost log line is lost data: stop every rank rather than train on without it.
+void OutputLines::fail() {
+  fprintf(stderr, "error: %s %s: cannot write: %s\n", flag_.c_str(), path_.c_str(),
+          strerror(errno));
+  fatal_abort();
 }

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -185,6 +186,47 @@ struct Trace {
     if (enabled) spans.push_back({name, track, start, end});
   }
 };
-// Gathers every rank's spans to rank 0 of `comm`, which writes a Chrome trace JSON
-// (process = rank, thread = track; open it in Perfetto or chrome://tracing). Collective.
-void trace_write(const Trace& trace, const std::string& path, MPI_Comm comm);
+// trace_write (comm.cuh) gathers every rank's spans and writes them as a Chrome trace.
+
+// ----------------------------------------------------------------------------
+// Output files (DESIGN §9). An output replaces only a regular file, and atomically; a symlink
+// is followed (the file it names is written, the link stays); anything else (a device, a FIFO,
+// a directory) is refused, never replaced.
+
+bool is_main_process();  // world rank 0, or no MPI: the process that prints notes
+// Where a write to `path` lands: symlinks followed, a dangling one's target included.
+std::string output_target(const std::string& path);
+// "<target>.<tag>.<host>.<pid>": this process's temporary next to `target`.
+std::string temp_name(const std::string& target, const std::string& tag);
+// Removes "<target>.<tag>.<host>.<pid>" left by processes of this host that are gone (killed
+// writers); a live process's temporaries stay.
+void remove_stale_temps(const std::string& target, const std::string& tag);
+// Creates and removes a temporary next to `target`: the directory accepts new files. Throws
+// UsageError "<what>: cannot create files in <dir>: <why>".
+void probe_directory(const std::string& what, const std::string& target);
+// Before the first step: throws UsageError "<flag> <path>: ..." unless `path` is, or can be
+// created as, a regular file. Changes nothing (the probe's temporary is removed).
+void check_output_file(const std::string& flag, const std::string& path);
+// Writes `body` to a temporary next to the target, flushes, fsyncs, then renames it over the
+// target: a reader sees the old file or the new one, never a part. Throws UsageError.
+void write_file_atomic(const std::string& path, const std::function<void(FILE*)>& body);
+void write_all(FILE* f, const void* bytes, size_t n, const std::string& path);  // or throws
+
+// An output written line by line as the run goes (--log-json): every write is flushed and
+// checked; a failure stops every rank with the flag, the file and the reason.
+class OutputLines {
+ public:
+  OutputLines() = default;
+  OutputLines(const OutputLines&) = delete;
+  OutputLines& operator=(const OutputLines&) = delete;
+  ~OutputLines() { close(); }
+  void open(const std::string& flag, const std::string& path);  // throws UsageError
+  bool is_open() const { return file_ != nullptr; }
+  void write_line(const std::string& line);
+  void close();
+
+ private:
+  [[noreturn]] void fail();
+  FILE* file_ = nullptr;
+  std::string flag_, path_;
+};

@@ -172,15 +172,41 @@ static void fill_sequence(const std::vector<int32_t>& tokens, int64_t start, int
   std::copy(tokens.begin() + start + 1, tokens.begin() + start + seq + 1, targets);
 }
 
+// A permutation of [0, n) evaluated one element at a time, so no rank ever builds the epoch's
+// whole order: a 4-round Feistel network (a bijection on [0, 4^h), 4^h the smallest power of 4
+// >= n) keyed by (seed, epoch), and cycle-walking: values >= n go through it again until they
+// land in [0, n), which keeps it a bijection on [0, n) (fewer than 4 passes on average).
+int64_t shuffled_window(int64_t i, int64_t n, uint64_t seed, int64_t epoch) {
+  PICO_ASSERT(i >= 0 && i < n, "window index outside the epoch");
+  int h = 1;
+  while (h < 31 && ((int64_t)1 << (2 * h)) < n) h++;
+  const uint64_t mask = ((uint64_t)1 << h) - 1;
+  const uint64_t key = splitmix64(rng_key(seed, "data order") + (uint64_t)epoch);
+  uint64_t x = (uint64_t)i;
+  do {
+    uint64_t left = x >> h, right = x & mask;
+    for (uint64_t round = 0; round < 4; round++) {
+      uint64_t next = left ^ (splitmix64(key ^ splitmix64((round << 40) | right)) & mask);
+      left = right, right = next;
+    }
+    x = left << h | right;
+  } while (x >= (uint64_t)n);
+  return (int64_t)x;
+}
+
 void fill_train_batch(const Dataset& data, int64_t step, int64_t global_batch, int first_seq,
-                      int num_seqs, int seq, int32_t* inputs, int32_t* targets) {
+                      int num_seqs, int seq, int32_t* inputs, int32_t* targets, bool shuffle,
+                      uint64_t seed) {
   PICO_ASSERT(first_seq >= 0 && num_seqs >= 0 && first_seq + num_seqs <= global_batch,
               "sequences outside the global batch");
-  // Starts step through the split seq tokens apart and wrap before the last full window.
-  const int64_t span = (int64_t)data.train.size() - seq;
+  const int64_t n_train = (int64_t)data.train.size();
+  const int64_t span = n_train - seq, windows = (n_train - 1) / seq;
   for (int i = 0; i < num_seqs; i++) {
-    const int64_t j = first_seq + i;  // index in the global batch
-    const int64_t start = ((step * global_batch + j) * seq) % span;
+    const int64_t k = step * global_batch + first_seq + i;  // the run's k-th sequence
+    // File order: starts step through the split seq tokens apart and wrap before the last
+    // full window. Shuffled: each epoch visits the aligned windows in its own order.
+    const int64_t start =
+        shuffle ? seq * shuffled_window(k % windows, windows, seed, k / windows) : (k * seq) % span;
     fill_sequence(data.train, start, seq, inputs + (int64_t)i * seq, targets + (int64_t)i * seq);
   }
 }

@@ -22,12 +22,19 @@ Dataset load_dataset(const std::string& path, double val_fraction, int seq);
 // Throws UsageError when a token id is outside [0, vocab).
 void check_vocab(const Dataset& data, int vocab);
 
-// Sequence j (0 <= j < global_batch) of step s reads train tokens [start, start + seq]:
-//   start = ((s * global_batch + j) * seq) mod (n_train - seq)
-// inputs are tokens [start, start + seq), targets [start + 1, start + seq + 1).
+// Sequence j (0 <= j < global_batch) of step s is the k-th of the run, k = s * global_batch + j,
+// and reads train tokens [start, start + seq]: inputs [start, start + seq), targets shifted by 1.
+//   shuffle:     the split is W = (n_train - 1) / seq windows, window w at token w * seq; epoch
+//                e = k / W reads every window once, in an order drawn from (seed, e):
+//                start = seq * permutation_{seed, e}(k mod W)
+//   file order:  start = (k * seq) mod (n_train - seq)
+// Either way a sequence depends on (seed, step, j) alone, never on the layout (DESIGN 5).
 // Fills num_seqs sequences starting at first_seq into inputs/targets [num_seqs * seq].
 void fill_train_batch(const Dataset& data, int64_t step, int64_t global_batch, int first_seq,
-                      int num_seqs, int seq, int32_t* inputs, int32_t* targets);
+                      int num_seqs, int seq, int32_t* inputs, int32_t* targets, bool shuffle,
+                      uint64_t seed);
+// Window permutation_{seed, epoch}(i) of [0, n): what the shuffled order reads (for tests).
+int64_t shuffled_window(int64_t i, int64_t n, uint64_t seed, int64_t epoch);
 // Validation windows are consecutive: window w reads val tokens [w * seq, w * seq + seq].
 int64_t num_val_windows(const Dataset& data, int seq);
 void fill_val_batch(const Dataset& data, int64_t first_window, int num_seqs, int seq,

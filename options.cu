@@ -1,7 +1,13 @@
 // options.cu: train's flags (CLI11), their validation and the configuration table.
 #include "options.cuh"
 
+#include <unistd.h>
+
+#include <climits>
+#include <cmath>
 #include <csignal>
+#include <fstream>
+#include <limits>
 #include <thread>
 
 #include "checkpoint.cuh"
@@ -12,6 +18,7 @@
 void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape) {
   // A flag given twice takes its last value, so a script can append overrides.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  o.app = &app;
   app.add_option("--model", o.preset, "preset: tiny, medium, smollm-135m, llama-1b")
       ->capture_default_str();
   auto shape_flag = [&](const char* flag, IntField field, const char* help) {
@@ -44,6 +51,8 @@ void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape) {
   app.add_option("--seed", o.seed, "seed of initialisation and sampling")->capture_default_str();
   app.add_option("--device", o.device, "auto|cpu|cuda")->capture_default_str();
   app.add_option("--data", o.data, "text file (bytes) or llm.c .bin shard; default: fortunes");
+  app.add_flag("--no-shuffle", o.no_shuffle,
+               "read training sequences in file order (default: shuffled each epoch by --seed)");
   app.add_option("--val-frac", o.val_frac, "held-out fraction of the data")->capture_default_str();
   app.add_option("--val-every", o.val_every, "validate every N steps (0: only at the end)")
       ->capture_default_str();
@@ -53,7 +62,8 @@ void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape) {
   app.add_option("--log-json", o.log_json, "write one JSON object per step to FILE");
   app.add_option("--save-grads", o.save_grads, "write the first step's gradients (safetensors)");
   app.add_option("--score", o.score, "with --load: print the mean loss over FILE and exit");
-  app.add_option("--sample", o.sample, "generate N bytes at the end")->capture_default_str();
+  app.add_option("--sample", o.sample, "generate N bytes at the end (at most 1048576)")
+      ->capture_default_str();
   app.add_option("--prompt", o.prompt, "text the sample continues");
   app.add_option("--temperature", o.temperature, "sampling temperature")->capture_default_str();
   app.add_option("--dp", o.dp, "data-parallel ranks")->capture_default_str();
@@ -86,38 +96,103 @@ void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape) {
 static void check_positive(int value, const char* flag) {
   if (value <= 0) throw UsageError(std::string(flag) + " " + std::to_string(value) + ": must be > 0");
 }
+static std::string num(double x) {  // 0.002, inf, nan: as the user would type it
+  char buf[32];
+  snprintf(buf, sizeof buf, "%g", x);
+  return buf;
+}
+static bool given(const Options& o, const char* flag) { return o.app && o.app->count(flag) > 0; }
+
+// Sizes past these maxima overflow int arithmetic (seq + 1, mbs x seq tokens) or fit no machine.
+// `source` names where the value came from: the flag, or the checkpoint's config.json key.
+static void check_at_most(int64_t value, int64_t max, const std::string& source,
+                          const std::string& fix) {
+  if (value > max)
+    throw UsageError(source + " " + std::to_string(value) + ": above the maximum " +
+                     std::to_string(max) + "; " + fix);
+}
+static void check_model_limits(const Options& o) {
+  const ModelConfig& c = o.model;
+  auto from = [&](const char* flag, const char* key) {
+    return !o.load.empty() && !given(o, flag) ? o.load + "/config.json " + key : std::string(flag);
+  };
+  check_at_most(c.seq, kMaxSeq, from("--seq", "max_position_embeddings"),
+                "pass a smaller --seq (RoPE has no learned positions: any length up to it works)");
+  check_at_most(c.layers, kMaxLayers, from("--layers", "num_hidden_layers"), "use fewer layers");
+  for (auto [value, flag, key] : {std::tuple{c.d_model, "--d-model", "hidden_size"},
+                                  {c.ffn, "--ffn", "intermediate_size"},
+                                  {c.vocab, "--vocab", "vocab_size"}})
+    check_at_most(value, kMaxWidth, from(flag, key), "use a smaller value");
+}
+
+constexpr double kNoMax = std::numeric_limits<double>::max();
+// A float flag that must be a finite number in [lo, hi] (lo excluded when `open_lo`).
+static void check_range(double value, const char* flag, double lo, bool open_lo, double hi,
+                        const std::string& fix) {
+  bool ok = std::isfinite(value) && (open_lo ? value > lo : value >= lo) && value <= hi;
+  if (!ok) throw UsageError(std::string(flag) + " " + num(value) + ": " + fix);
+}
 
 // Builds the model config (preset, flags, or checkpoint) and checks every flag. Runs the same
 // on every rank before anything is allocated.
 void resolve_options(Options& o, const std::vector<ShapeFlag>& shape) {
+  if (!o.score.empty())  // --score prints a loss and exits: training flags would do nothing
+    for (const char* flag :
+         {"--save", "--steps", "--stop-after", "--save-grads", "--log-json", "--trace", "--sample",
+          "--data", "--lr", "--min-lr", "--warmup", "--weight-decay", "--grad-clip", "--grad-acc",
+          "--val-frac", "--val-every", "--val-seqs", "--no-shuffle"})
+      if (given(o, flag))
+        throw UsageError(std::string("--score prints a loss and exits: ") + flag +
+                         " would be ignored; drop it (train first, then score the checkpoint)");
   ModelConfig flags = o.model;
   if (!o.load.empty()) {
     o.model = read_checkpoint_config(o.load);
+    auto disagree = [&](const std::string& flag_and_value, const std::string& theirs) {
+      return UsageError(flag_and_value + " disagrees with " + o.load + "/config.json (" +
+                        theirs + "); drop the flag when loading");
+    };
     for (const ShapeFlag& s : shape)  // --seq may differ: RoPE has no learned positions
       if (s.opt->count() && flags.*s.field != o.model.*s.field && std::string(s.flag) != "--seq")
-        throw UsageError(std::string(s.flag) + " " + std::to_string(flags.*s.field) +
-                         " disagrees with " + o.load + "/config.json (" +
-                         std::to_string(o.model.*s.field) + "); drop the flag when loading");
+        throw disagree(std::string(s.flag) + " " + std::to_string(flags.*s.field),
+                       std::to_string(o.model.*s.field));
     if (shape.back().opt->count()) o.model.seq = flags.seq;
+    if (given(o, "--rope-theta") && flags.rope_theta != o.model.rope_theta)
+      throw disagree("--rope-theta " + num(flags.rope_theta),
+                     "rope_theta " + num(o.model.rope_theta));
+    if (given(o, "--tie-embeddings") && !o.model.tie_embeddings)
+      throw disagree("--tie-embeddings", "tie_word_embeddings false");
   } else {
     o.model = model_preset(o.preset);
     for (const ShapeFlag& s : shape)
       if (s.opt->count()) o.model.*s.field = flags.*s.field;
-    o.model.rope_theta = flags.rope_theta != ModelConfig{}.rope_theta ? flags.rope_theta
-                                                                       : o.model.rope_theta;
+    if (given(o, "--rope-theta")) o.model.rope_theta = flags.rope_theta;
     o.model.tie_embeddings = o.model.tie_embeddings || flags.tie_embeddings;
   }
+  check_model_limits(o);
   validate_model_config(o.model);
+  check_range(o.model.rope_theta, "--rope-theta", 0, true, kNoMax,
+              "must be a positive number (RoPE's base, 10000 in Llama 2)");
   check_positive(o.steps, "--steps"), check_positive(o.mbs, "--mbs");
   check_positive(o.grad_acc, "--grad-acc"), check_positive(o.val_seqs, "--val-seqs");
+  check_at_most(o.mbs, kMaxMbs, "--mbs", "lower --mbs (raise --grad-acc for a larger batch)");
+  if ((int64_t)o.mbs * o.model.seq > INT_MAX)
+    throw UsageError("--mbs " + std::to_string(o.mbs) + " x --seq " + std::to_string(o.model.seq) +
+                     " tokens per micro-batch is above " + std::to_string(INT_MAX) +
+                     "; lower --mbs (raise --grad-acc for a larger batch)");
   if (o.stop_after < 0) throw UsageError("--stop-after must be >= 0 (0: run to --steps)");
   if (o.warmup < 0) throw UsageError("--warmup must be >= 0");
   if (o.val_every < 0) throw UsageError("--val-every must be >= 0");
   if (o.sample < 0) throw UsageError("--sample must be >= 0");
-  if (!(o.lr > 0)) throw UsageError("--lr must be > 0");
-  if (o.min_lr < 0) o.min_lr = o.lr / 10;
-  if (o.grad_clip < 0) throw UsageError("--grad-clip must be >= 0 (0 turns clipping off)");
-  if (!(o.temperature > 0)) throw UsageError("--temperature must be > 0");
+  check_at_most(o.sample, kMaxSample, "--sample", "generate fewer bytes");
+  check_range(o.lr, "--lr", 0, true, kNoMax, "must be a positive number, e.g. 2e-3");
+  if (!given(o, "--min-lr")) o.min_lr = o.lr / 10;
+  check_range(o.min_lr, "--min-lr", 0, false, o.lr,
+              "must be a number from 0 to --lr " + num(o.lr) + " (the cosine decays lr to it)");
+  check_range(o.weight_decay, "--weight-decay", 0, false, kNoMax,
+              "must be a number >= 0 (0 turns decay off), e.g. 0.1");
+  check_range(o.grad_clip, "--grad-clip", 0, false, kNoMax,
+              "must be a number >= 0 (0 turns clipping off), e.g. 1.0");
+  check_range(o.temperature, "--temperature", 0, true, kNoMax, "must be a number > 0");
   if (!o.score.empty() && o.load.empty())
     throw UsageError("--score " + o.score + " needs --load DIR: the model to score with");
   parse_recompute(o.recompute);
@@ -131,29 +206,122 @@ void resolve_options(Options& o, const std::vector<ShapeFlag>& shape) {
   validate_tensor_parallel(o.model, o.tp, o.sp);
   parse_dp_sync(o.dp_sync);
   parse_zero_stage(o.zero);
-  if (!(o.bucket_mb > 0)) throw UsageError("--bucket-mb must be > 0");
-  if (!(o.comm_timeout > 0)) throw UsageError("--comm-timeout must be > 0 seconds");
+  check_range(o.bucket_mb, "--bucket-mb", 0, true, kNoMax, "must be a number > 0, e.g. 25");
+  check_range(o.comm_timeout, "--comm-timeout", 0, true, kNoMax,
+              "must be a number of seconds > 0, e.g. 300");
   for (const std::string& r : o.reports)
     if (r != "memory" && r != "comm" && r != "bubble")
       throw UsageError("--report " + r + ": expected memory, comm or bubble (several: memory,comm)");
-  if (!o.fault.empty() && std::count(o.fault.begin(), o.fault.end(), ':') != 2)
-    throw UsageError("--fault " + o.fault + ": expected KIND:RANK:STEP, e.g. crash:1:3");
+  if (!o.fault.empty()) {
+    Fault f = parse_fault(o.fault);
+    int64_t world = (int64_t)o.dp * o.pp * o.cp * o.tp;
+    if (f.rank >= world)
+      throw UsageError("--fault " + o.fault + ": rank " + std::to_string(f.rank) +
+                       " does not exist in a grid of " + std::to_string(world) + " ranks");
+  }
+}
+
+// KIND:RANK:STEP with KIND crash, hang or error, RANK and STEP non-negative integers.
+Fault parse_fault(const std::string& value) {
+  auto fail = [&](const std::string& why) {
+    return UsageError("--fault " + value + ": " + why + "; expected KIND:RANK:STEP, e.g. crash:1:3");
+  };
+  size_t a = value.find(':'), b = a == std::string::npos ? a : value.find(':', a + 1);
+  if (b == std::string::npos || value.find(':', b + 1) != std::string::npos)
+    throw fail("not three fields");
+  Fault f;
+  f.kind = value.substr(0, a);
+  if (f.kind != "crash" && f.kind != "hang" && f.kind != "error")
+    throw fail("unknown kind '" + f.kind + "' (crash, hang or error)");
+  auto integer = [&](const std::string& text, const char* what) {
+    if (text.empty() || text.size() > 12 || text.find_first_not_of("0123456789") != std::string::npos)
+      throw fail(std::string(what) + " '" + text + "' is not a non-negative integer");
+    return std::stoll(text);
+  };
+  f.rank = (int)integer(value.substr(a + 1, b - a - 1), "rank");
+  f.step = integer(value.substr(b + 1), "step");
+  return f;
 }
 
 // --fault KIND:RANK:STEP, for testing that a failed rank never hangs the job: at the start of
 // step STEP, rank RANK kills itself (crash), stops answering (hang), or fails a check (error).
 void maybe_inject_fault(const std::string& fault, int rank, int64_t step) {
   if (fault.empty()) return;
-  std::string kind = fault.substr(0, fault.find(':'));
-  std::string rest = fault.substr(fault.find(':') + 1);
-  if (std::stoi(rest.substr(0, rest.find(':'))) != rank ||
-      std::stoll(rest.substr(rest.find(':') + 1)) != step)
-    return;
-  fprintf(stderr, "rank %d: injected fault '%s' at step %lld\n", rank, kind.c_str(), (long long)step);
+  Fault f = parse_fault(fault);
+  if (f.rank != rank || f.step != step) return;
+  fprintf(stderr, "rank %d: injected fault '%s' at step %lld\n", rank, f.kind.c_str(),
+          (long long)step);
   fflush(stderr);
-  if (kind == "crash") raise(SIGKILL);
-  if (kind == "hang") for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
-  PICO_ASSERT(kind != "error", "injected error");
+  if (f.kind == "crash") raise(SIGKILL);
+  if (f.kind == "hang") for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+  PICO_ASSERT(f.kind != "error", "injected error");
+}
+
+// ----------------------------------------------------------------------------
+// Before the first allocation
+
+// This rank's share of its device's memory: host RAM over the node's ranks on CPU; on CUDA the
+// GPU's memory over the ranks that share it (a rank's GPU is its local rank modulo the count).
+static double device_bytes_per_rank(Device device, int local_ranks, std::string& what) {
+  if (device == Device::CUDA) {
+    size_t free_bytes = 0, total = 0;
+    int gpus = 1;
+    CUDA_CHECK(cudaGetDeviceCount(&gpus));
+    CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
+    int sharing = (local_ranks + gpus - 1) / gpus;
+    what = "GPU memory " + human_bytes((double)total) + " shared by " + std::to_string(sharing) +
+           " rank(s)";
+    return (double)total / sharing;
+  }
+  double total = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE);
+  what = "host memory " + human_bytes(total) + " shared by " + std::to_string(local_ranks) +
+         " rank(s) on this node";
+  return total / local_ranks;
+}
+
+// The closed forms of model.cu, per rank: weights, gradients and Adam's m and v (the README's
+// ZeRO table, over tp), the saved activations of every block of one micro-batch, and the
+// logits with their gradient.
+static void check_memory(const Options& o, Device device, int local_ranks) {
+  const ModelConfig& c = o.model;
+  // The closed forms are int64: guard them against sizes whose bytes would overflow (such a run
+  // fits no machine anyway).
+  double rough = (double)c.layers * c.d_model * ((double)c.d_model + c.ffn) +
+                 (double)c.vocab * c.d_model +
+                 (double)c.layers * o.mbs * c.seq * ((double)c.heads * c.seq + c.d_model + c.ffn);
+  std::string what;
+  double have = device_bytes_per_rank(device, local_ranks, what);
+  if (rough > 1e17)
+    throw UsageError("the model and batch need more than " + human_bytes(1e17) +
+                     " per rank, this rank has " + human_bytes(have) + " (" + what +
+                     "); lower --mbs, --seq, --layers, --d-model or --ffn");
+  double psi = (double)parameter_count(c) / o.tp;
+  int n = o.dp * o.cp, stage = n > 1 ? o.zero : 0;
+  double weights = 4 * psi / (stage == 3 ? n : 1), grads = 4 * psi / (stage >= 2 ? n : 1);
+  double adam = 8 * psi / (stage >= 1 ? n : 1);
+  double state = o.score.empty() ? weights + grads + adam : 4 * psi;
+  double acts = (double)c.layers * activation_bytes_per_block(c, o.mbs, c.seq, o.tp, o.sp,
+                                                              parse_recompute(o.recompute)) +
+                2.0 * o.mbs * c.seq * (c.vocab / o.tp) * 4;
+  if (state + acts > have)
+    throw UsageError("the run needs about " + human_bytes(state + acts) +
+                     " per rank (weights, gradients and Adam: " + human_bytes(state) +
+                     "; activations of one micro-batch: " + human_bytes(acts) +
+                     ") but this rank has " + human_bytes(have) + " (" + what +
+                     "); lower --mbs, --seq or the model's size, or use --recompute, --tp or "
+                     "--zero");
+}
+
+void check_before_start(const Options& o, const Comm& comm) {
+  int local = 0, local_ranks = 1;
+  local_rank(&local, &local_ranks);  // collective: before anything that may throw
+  check_memory(o, comm.device, local_ranks);
+  if (comm.grid.world_rank != 0) return;  // world rank 0 writes every output
+  if (!o.save.empty()) check_checkpoint_output("--save", o.save);
+  for (auto [flag, path] : {std::pair<const char*, const std::string&>{"--save-grads", o.save_grads},
+                            {"--log-json", o.log_json},
+                            {"--trace", o.trace}})
+    if (!path.empty()) check_output_file(flag, path);
 }
 
 void print_config(const Options& o, const Dataset& data, const Comm& comm, int64_t n_params,
@@ -192,5 +360,6 @@ void print_config(const Options& o, const Dataset& data, const Comm& comm, int64
   row("seed", s(o.seed));
   row("data", data.source);
   row("train / val tokens", s(data.train.size()) + " / " + s(data.val.size()));
+  row("data order", o.no_shuffle ? "file order (--no-shuffle)" : "shuffled per epoch (--seed)");
   printf("+------------------------+----------------------------------------------------+\n");
 }

@@ -25,8 +25,15 @@ struct Options {
   int pp_virtual = 1;
   double comm_timeout = 300, bucket_mb = 25;
   bool no_overlap = false, sp = false;
+  bool no_shuffle = false;  // data: consecutive stretches in file order (the old order)
   std::vector<std::string> reports;
+  const CLI::App* app = nullptr;  // the parsed command line (main's, alive for the whole run)
 };
+
+// The largest values picoscale accepts (sizes past them overflow its int arithmetic or fit no
+// machine); the README's flag table states them.
+constexpr int kMaxSeq = 1 << 20, kMaxMbs = 1 << 20, kMaxLayers = 4096, kMaxWidth = 1 << 24;
+constexpr int kMaxSample = 1 << 20;
 
 // Model-shape flags: applied over the preset, or checked against a loaded checkpoint.
 using IntField = int ModelConfig::*;
@@ -41,6 +48,17 @@ void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape);
 // UsageError naming the flag and the fix.
 void resolve_options(Options& o, const std::vector<ShapeFlag>& shape);
 // --fault KIND:RANK:STEP: at the start of step STEP, rank RANK crashes, hangs or fails a check.
+struct Fault {
+  std::string kind;  // crash | hang | error
+  int rank = 0;
+  int64_t step = 0;
+};
+Fault parse_fault(const std::string& flag_value);  // throws UsageError naming --fault
 void maybe_inject_fault(const std::string& fault, int rank, int64_t step);
+// Before anything is allocated (collective, every rank): the predicted memory of a rank fits
+// its device (host memory on CPU, the GPU's on CUDA, shared by the ranks that share it), and
+// on world rank 0 every output path (--save, --save-grads, --log-json, --trace) can be
+// written. Throws UsageError with both numbers, or the flag and the path.
+void check_before_start(const Options& o, const Comm& comm);
 void print_config(const Options& o, const Dataset& data, const Comm& comm, int64_t n_params,
                   int zero_stage);

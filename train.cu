@@ -126,20 +126,7 @@ static std::string generate(const Context& ctx, Comm& comm, const Model& sharded
 // say), every rank throws that message, so no rank is left waiting for one that stopped.
 // fn's own collectives must come before anything that can fail on one rank only.
 static void all_or_none(Comm& comm, const std::function<void()>& fn) {
-  std::string message;
-  try {
-    fn();
-  } catch (const UsageError& e) {
-    message = e.what();
-  }
-  int world = comm.grid.world_size, mine = message.empty() ? world : comm.grid.world_rank, first;
-  MPI_CHECK(MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm.world.mpi));
-  if (first == world) return;
-  int length = (int)message.size();
-  MPI_CHECK(MPI_Bcast(&length, 1, MPI_INT, first, comm.world.mpi));
-  message.resize(length);
-  MPI_CHECK(MPI_Bcast(message.data(), length, MPI_CHAR, first, comm.world.mpi));
-  throw UsageError(message);
+  agree_on_error(comm.world, fn);
 }
 
 // The gradient sync the flags choose (Playbook §3, §4): ZeRO-k over the dp_cp group, or plain
@@ -213,7 +200,7 @@ struct Trainer {
   int64_t rank_batch, global_batch;  // sequences: mbs x grad_acc on this rank; x dp in the step
   int first_seq;                     // this dp rank's first sequence of the global batch
   std::vector<int32_t> inputs, targets;
-  std::ofstream log_json;
+  OutputLines log_json;
   Trace trace;
   int64_t steps_run = 0, block_bytes = -1;  // one block's saved activations, measured once
   TrafficMeter tp_traffic;                  // what the tp group sent in training steps
@@ -228,7 +215,7 @@ static bool train_step(Trainer& t, int64_t step) {
   double t0 = now_seconds();
   t.tp_traffic.open(t.comm.tp);
   fill_train_batch(t.data, step, t.global_batch, t.first_seq, (int)t.rank_batch, seq,
-                   t.inputs.data(), t.targets.data());
+                   t.inputs.data(), t.targets.data(), !o.no_shuffle, o.seed);
   t.sync.begin_step(t.ctx);
   // Each micro-batch's gradient is scaled so that the sum over micro-batches and dp ranks is
   // the gradient of the mean loss over every token of the global batch (DESIGN 5).
@@ -266,10 +253,9 @@ static bool train_step(Trainer& t, int64_t step) {
     printf("step %5lld/%d | loss %.4f | lr %.2e | norm %.4f | %8.0f tok/s | %7.1f ms\n",
            (long long)step + 1, o.steps, loss, lr, norm, tok_s, dt * 1e3);
     if (t.log_json.is_open())
-      t.log_json << nlohmann::json{{"step", step + 1}, {"loss", loss}, {"lr", lr},
-                                   {"grad_norm", norm}, {"tokens_per_s", tok_s}}
-                        .dump()
-                 << "\n" << std::flush;
+      t.log_json.write_line(nlohmann::json{{"step", step + 1}, {"loss", loss}, {"lr", lr},
+                                           {"grad_norm", norm}, {"tokens_per_s", tok_s}}
+                                .dump());
   }
   return true;
 }
@@ -323,7 +309,7 @@ static void finish_run(Trainer& t) {
       printf("saved %s (config.json, model.safetensors, optimizer.safetensors)\n", o.save.c_str());
   }
   if (t.trace.enabled) {
-    all_or_none(t.comm, [&] { trace_write(t.trace, o.trace, t.comm.world.mpi); });
+    all_or_none(t.comm, [&] { trace_write(t.trace, o.trace, t.comm.world); });
     if (main_rank)
       printf("trace: %s (open in https://ui.perfetto.dev or chrome://tracing)\n", o.trace.c_str());
   }
@@ -336,6 +322,7 @@ static void finish_run(Trainer& t) {
 }
 
 static int run(const Options& o, Comm& comm, const Context& ctx) {
+  all_or_none(comm, [&] { check_before_start(o, comm); });  // memory, outputs: before any step
   if (!o.score.empty()) return score_file(ctx, comm, o);
   const ModelConfig& c = o.model;
   bool main_rank = comm.grid.world_rank == 0;
@@ -361,9 +348,7 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
   t.inputs.resize(rank_batch * c.seq), t.targets.resize(rank_batch * c.seq);
   t.trace.enabled = !o.trace.empty();
   all_or_none(comm, [&] {
-    if (!main_rank || o.log_json.empty()) return;
-    t.log_json.open(o.log_json);
-    if (!t.log_json) throw UsageError("--log-json " + o.log_json + ": cannot open for writing");
+    if (main_rank && !o.log_json.empty()) t.log_json.open("--log-json", o.log_json);
   });
 
   int64_t end = o.stop_after > 0 ? std::min<int64_t>(o.steps, first_step + o.stop_after) : o.steps;

@@ -16,6 +16,7 @@
 
 #include "checkpoint.cuh"
 #include "core.cuh"
+#include "usage_error.cuh"
 
 namespace fs = std::filesystem;
 using Catch::Matchers::Contains;
@@ -41,15 +42,6 @@ std::string read_file(const std::string& path) {
 }
 void write_bytes(const std::string& path, const std::string& bytes) {
   std::ofstream(path, std::ios::binary) << bytes;
-}
-template <typename F>
-std::string usage_error_of(F f) {
-  try {
-    f();
-  } catch (const UsageError& e) {
-    return e.what();
-  }
-  return "";
 }
 
 // Three F32 tensors (one with -0.0 and a NaN, which only a bit-exact copy keeps) and one I32.

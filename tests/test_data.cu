@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core.cuh"
+#include "usage_error.cuh"
 #include "data.cuh"
 
 namespace fs = std::filesystem;
@@ -47,16 +48,6 @@ std::vector<int32_t> counting_tokens(int n) {
   return tokens;
 }
 
-// The message of the UsageError `f` throws ("" when it throws none).
-template <typename F>
-std::string usage_error_of(F f) {
-  try {
-    f();
-  } catch (const UsageError& e) {
-    return e.what();
-  }
-  return "";
-}
 
 }  // namespace
 
@@ -90,7 +81,8 @@ TEST_CASE("sequence j of step s starts at ((s * global_batch + j) * seq) mod (n_
   // Step 0 reads from the start; step 7 passes the end of the split and wraps around.
   for (int64_t step : {0, 1, 2, 7, 100}) {
     std::vector<int32_t> inputs(global_batch * seq), targets(global_batch * seq);
-    fill_train_batch(data, step, global_batch, 0, global_batch, seq, inputs.data(), targets.data());
+    fill_train_batch(data, step, global_batch, 0, global_batch, seq, inputs.data(), targets.data(),
+                     false, 0);
     for (int j = 0; j < global_batch; j++) {
       const int64_t start = ((step * global_batch + j) * seq) % span;
       for (int t = 0; t < seq; t++) {
@@ -101,7 +93,7 @@ TEST_CASE("sequence j of step s starts at ((s * global_batch + j) * seq) mod (n_
     }
   }
   std::vector<int32_t> inputs(seq), targets(seq);
-  fill_train_batch(data, 7, global_batch, 0, 1, seq, inputs.data(), targets.data());
+  fill_train_batch(data, 7, global_batch, 0, 1, seq, inputs.data(), targets.data(), false, 0);
   CHECK(inputs[0] == (7 * 8 * 16) % span);  // 896 % 884 = 12: wrapped
 }
 
@@ -112,13 +104,14 @@ TEST_CASE("any slice of the global batch is that slice of the full batch (layout
   const int seq = 32, global_batch = 12;
   for (int64_t step : {0, 3, 41}) {
     std::vector<int32_t> all_in(global_batch * seq), all_tg(global_batch * seq);
-    fill_train_batch(data, step, global_batch, 0, global_batch, seq, all_in.data(), all_tg.data());
+    fill_train_batch(data, step, global_batch, 0, global_batch, seq, all_in.data(), all_tg.data(),
+                     false, 0);
     // dp ranks x micro-batches: every way of cutting 12 sequences reads the same tokens.
     for (int pieces : {1, 2, 3, 4, 6, 12}) {
       const int per = global_batch / pieces;
       for (int p = 0; p < pieces; p++) {
         std::vector<int32_t> in(per * seq), tg(per * seq);
-        fill_train_batch(data, step, global_batch, p * per, per, seq, in.data(), tg.data());
+        fill_train_batch(data, step, global_batch, p * per, per, seq, in.data(), tg.data(), false, 0);
         INFO("step " << step << ", " << pieces << " pieces, piece " << p);
         REQUIRE(std::equal(in.begin(), in.end(), all_in.begin() + p * per * seq));
         REQUIRE(std::equal(tg.begin(), tg.end(), all_tg.begin() + p * per * seq));
