@@ -22,7 +22,8 @@ MPI_TEST_SRCS := $(wildcard tests/mpi/test_*.cu)
 MPI_TEST_OBJS := $(MPI_TEST_SRCS:%.cu=$(BUILD)/%.o)
 
 .PHONY: all deps run test bench gpu-check clean format
-all: train $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/bench $(BUILD)/bench_comm $(BUILD)/bench_tp
+all: train $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/bench $(BUILD)/bench_comm $(BUILD)/bench_tp \
+     $(BUILD)/bench_attention
 
 # Objects depend on the flags they were built with: a new GPU_ARCH rebuilds them.
 FLAGS_STAMP := $(BUILD)/flags.txt
@@ -57,6 +58,9 @@ $(BUILD)/bench_comm: $(BUILD)/bench_comm.o $(LIB_OBJS)
 $(BUILD)/bench_tp: $(BUILD)/bench_tp.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
+$(BUILD)/bench_attention: $(BUILD)/bench/bench_attention.o $(LIB_OBJS)
+	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
+
 $(BUILD)/unit_tests: $(TEST_OBJS) $(BUILD)/tests/catch_main.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
@@ -80,7 +84,8 @@ test: deps
 	@bash tools/run_tests.sh
 
 bench: deps
-	@$(MAKE) --no-print-directory -j$$(nproc) $(BUILD)/bench $(BUILD)/bench_comm $(BUILD)/bench_tp
+	@$(MAKE) --no-print-directory -j$$(nproc) $(BUILD)/bench $(BUILD)/bench_comm $(BUILD)/bench_tp \
+	  $(BUILD)/bench_attention
 	@bash tools/bench.sh
 
 gpu-check:
