@@ -12,9 +12,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <initializer_list>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -320,6 +322,29 @@ static void run_on_cpu_workers(int items, int workers, F item) {
 
 constexpr int kCpuTileQ = 64, kCpuTileK = 64;  // Br x Bc: a 16 KiB score tile stays in L1/L2
 
+// exp(x) for x <= 0 (a score minus its row's max or lse), for the CPU tiles: x = n ln2 + r with
+// |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial (about 1 ulp), 2^n written straight into
+// the exponent bits. Unlike expf it has no branches and no call, so the compiler vectorises the
+// row loops around it: the exponentials are half of the CPU version's time otherwise. Inputs
+// below -87 (exp < 2e-38, nothing next to a row sum >= 1) are clamped there.
+static inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round: add, drop 1.5 * 2^23
+  float r = x - n * 0.693359375f;  // ln 2 in two parts: the first times n is exact
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = ((int32_t)n + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
 // The figure of Playbook §12.8, for query tile [i0, i0 + Br) of head h in sequence b.
 // Workspace: S [Br, Bc] scores then probabilities, acc [Br, hd], m and l [Br].
 static void flash_forward_tile_cpu(float* out, float* lse, const float* q, const float* k,
@@ -349,8 +374,10 @@ static void flash_forward_tile_cpu(float* out, float* lse, const float* q, const
       // The online softmax: what was summed under the old max is rescaled by exp(m - m_new).
       // A row that has seen no key yet keeps m = -inf and a zero P row (no -inf - -inf).
       const float correction = m_new == -INFINITY ? 1.0f : expf(m[r] - m_new);
+      const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // (seen = 0 then: all P are 0)
+      for (int j = 0; j < cols; j++) s[j] = j < seen ? exp_nonpositive(s[j] - m_use) : 0.0f;
       float row_sum = 0.0f;
-      for (int j = 0; j < cols; j++) row_sum += (s[j] = j < seen ? expf(s[j] - m_new) : 0.0f);
+      for (int j = 0; j < cols; j++) row_sum += s[j];
       l[r] = l[r] * correction + row_sum;
       m[r] = m_new;
       if (correction != 1.0f)
@@ -845,8 +872,9 @@ static void flash_backward_head_cpu(float* dq, float* dk, float* dv, const float
         for (int r = 0; r < rows; r++) {
           // lse = -inf: the query sees no key anywhere, so none here either (and no NaN).
           const int seen = L[r] == -INFINITY ? 0 : visible_keys(a, i0 + r, j0, cols);
+          const float L_use = seen ? L[r] : 0.0f;
           for (int j = 0; j < cols; j++)
-            P[r * kCpuTileK + j] = j < seen ? expf(P[r * kCpuTileK + j] - L[r]) : 0.0f;
+            P[r * kCpuTileK + j] = j < seen ? exp_nonpositive(P[r * kCpuTileK + j] - L_use) : 0.0f;
         }
         // dV[cols, hd] += P^T dO
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cols, hd, rows, 1.0f, P, kCpuTileK, dO,
