@@ -707,6 +707,20 @@ __global__ void __launch_bounds__(32 * kMmaWarps)
 
 // ----------------------------------------------------------------------------
 
+// Calls launch(std::integral_constant<int, MAX_HD>) with the smallest of the fp32 kernels'
+// register widths, 32, 64 or 128, that holds hd (any hd up to 128: the kernels mask the rest).
+template <class Launch>
+static void launch_f32_kernel(int hd, Launch launch) {
+  PICO_ASSERT(hd <= 128, "flash attention on CUDA: head dim " + std::to_string(hd) + " > 128");
+  if (hd <= 32)
+    launch(std::integral_constant<int, 32>{});
+  else if (hd <= 64)
+    launch(std::integral_constant<int, 64>{});
+  else
+    launch(std::integral_constant<int, 128>{});
+  CUDA_CHECK(cudaGetLastError());
+}
+
 // Grid (query tiles, Hq, B) of `tile` queries each; never zero blocks (Tq = 0 launches nothing).
 static dim3 query_tile_grid(const AttentionBlock& a, int tile) {
   return dim3((a.Tq + tile - 1) / tile, a.Hq, a.B);
@@ -724,19 +738,11 @@ void flash_attention_forward(const Context& ctx, const Tensor& out, const Tensor
   if (ctx.device == Device::CPU)
     return flash_forward_cpu(out.f32(), lse.f32(), q.f32(), k.f32(), v.f32(), a);
   if (a.Tq == 0) return;
-  PICO_ASSERT(a.hd <= 128, "flash attention on CUDA: head dim " + std::to_string(a.hd) + " > 128");
-  dim3 grid = query_tile_grid(a, kF32Tile);
-  auto launch = [&](auto kernel) {
-    kernel<<<grid, kF32Tile * kRowThreads, 0, ctx.stream>>>(out.f32(), lse.f32(), q.f32(), k.f32(),
-                                                            v.f32(), a);
-  };
-  if (a.hd <= 32)
-    launch(flash_forward_f32_kernel<32>);
-  else if (a.hd <= 64)
-    launch(flash_forward_f32_kernel<64>);
-  else
-    launch(flash_forward_f32_kernel<128>);
-  CUDA_CHECK(cudaGetLastError());
+  launch_f32_kernel(a.hd, [&](auto max_hd) {
+    flash_forward_f32_kernel<decltype(max_hd)::value>
+        <<<query_tile_grid(a, kF32Tile), kF32Tile * kRowThreads, 0, ctx.stream>>>(
+            out.f32(), lse.f32(), q.f32(), k.f32(), v.f32(), a);
+  });
 }
 
 // Launches kernel<HD> for the bf16 head dims, with its dynamic shared memory allowed past the
@@ -915,6 +921,17 @@ static void flash_backward_cpu(float* dq, float* dk, float* dv, const float* dou
 // alone and are added once at the end; dQ sums over key tiles of other blocks, so each block
 // adds its part with atomicAdd (fp32 sums in an order that varies from run to run).
 
+// lse (in log2 units) and D of queries [i0, i0 + rows) of head h, into shared memory; past Tq
+// lse is -inf, which masks those queries out.
+__device__ void load_query_stats(float* lse_s, float* D_s, const float* lse, const float* D,
+                                 const AttentionBlock& a, int b, int h, int i0, int rows) {
+  if (threadIdx.x >= rows) return;
+  const bool in = i0 + threadIdx.x < a.Tq;
+  const int64_t row = ((int64_t)b * a.Hq + h) * a.Tq + i0 + threadIdx.x;
+  lse_s[threadIdx.x] = in ? lse[row] * kLog2e : -INFINITY;
+  D_s[threadIdx.x] = in ? D[row] : 0.0f;
+}
+
 constexpr int kF32QueryTile = 16;  // queries per inner step: 34 KiB of shared memory at hd 128
 
 // dq, dout, q [B*Tq, Hq, hd]; dk, dv, k, v [B*Tk, Hkv, hd]; lse, D [B, Hq, Tq].
@@ -948,12 +965,7 @@ __global__ void __launch_bounds__(kF32Tile* kRowThreads)
       __syncthreads();  // the previous step's Qs, dOs, dSs are no longer read
       load_rows_f32<MAX_HD>(&Qs[0][0], q, BQ, b, a.Tq, i0, a.Hq, h, hd);
       load_rows_f32<MAX_HD>(&dOs[0][0], dout, BQ, b, a.Tq, i0, a.Hq, h, hd);
-      if (threadIdx.x < BQ) {
-        const bool in = i0 + threadIdx.x < a.Tq;
-        const int64_t row = ((int64_t)b * a.Hq + h) * a.Tq + i0 + threadIdx.x;
-        lse_s[threadIdx.x] = in ? lse[row] * kLog2e : -INFINITY;  // -inf: masked below
-        D_s[threadIdx.x] = in ? D[row] : 0.0f;
-      }
+      load_query_stats(lse_s, D_s, lse, D, a, b, h, i0, BQ);
       __syncthreads();
       for (int ii = 0; ii < BQ; ii++) {
         float s = 0.0f, dp = 0.0f;
@@ -1032,12 +1044,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps)
       __syncthreads();  // the previous step's Qs, dOs, dSt are no longer read
       load_rows_bf16<HD, BQ>(Qs, q, b, a.Tq, i0, a.Hq, h);
       load_rows_bf16<HD, BQ>(dOs, dout, b, a.Tq, i0, a.Hq, h);
-      if (threadIdx.x < BQ) {
-        const bool in = i0 + threadIdx.x < a.Tq;
-        const int64_t row = ((int64_t)b * a.Hq + h) * a.Tq + i0 + threadIdx.x;
-        lse_s[threadIdx.x] = in ? lse[row] * kLog2e : -INFINITY;
-        D_s[threadIdx.x] = in ? D[row] : 0.0f;
-      }
+      load_query_stats(lse_s, D_s, lse, D, a, b, h, i0, BQ);
       __syncthreads();
       float st[BQ / 8][4] = {}, dpt[BQ / 8][4] = {};  // S^T and dP^T: 16 keys x 32 queries
 #pragma unroll
@@ -1142,19 +1149,12 @@ void flash_attention_backward(const Context& ctx, const Tensor& dq, const Tensor
     return flash_backward_cpu(dq.f32(), dk.f32(), dv.f32(), dout.f32(), q.f32(), k.f32(), v.f32(),
                               lse.f32(), D.f32(), a);
   if (a.Tk == 0 || a.Tq == 0) return;
-  PICO_ASSERT(a.hd <= 128, "flash attention on CUDA: head dim " + std::to_string(a.hd) + " > 128");
-  dim3 grid = key_tile_grid(a, kF32Tile);
-  auto launch = [&](auto kernel) {
-    kernel<<<grid, kF32Tile * kRowThreads, 0, ctx.stream>>>(
-        dq.f32(), dk.f32(), dv.f32(), dout.f32(), q.f32(), k.f32(), v.f32(), lse.f32(), D.f32(), a);
-  };
-  if (a.hd <= 32)
-    launch(flash_backward_f32_kernel<32>);
-  else if (a.hd <= 64)
-    launch(flash_backward_f32_kernel<64>);
-  else
-    launch(flash_backward_f32_kernel<128>);
-  CUDA_CHECK(cudaGetLastError());
+  launch_f32_kernel(a.hd, [&](auto max_hd) {
+    flash_backward_f32_kernel<decltype(max_hd)::value>
+        <<<key_tile_grid(a, kF32Tile), kF32Tile * kRowThreads, 0, ctx.stream>>>(
+            dq.f32(), dk.f32(), dv.f32(), dout.f32(), q.f32(), k.f32(), v.f32(), lse.f32(), D.f32(),
+            a);
+  });
 }
 
 void flash_attention_backward_bf16(const Context& ctx, float* dq, float* dk, float* dv,
