@@ -58,7 +58,11 @@ $(BUILD)/bench_comm: $(BUILD)/bench_comm.o $(LIB_OBJS)
 $(BUILD)/bench_tp: $(BUILD)/bench_tp.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
-$(BUILD)/bench_attention: $(BUILD)/bench/bench_attention.o $(LIB_OBJS)
+# bench/*.cu objects sit beside the others: $(BUILD)/bench is the step benchmark's binary.
+$(BUILD)/%.o: bench/%.cu $(FLAGS_STAMP)
+	$(NVCC) $(NVFLAGS) -c $< -o $@
+
+$(BUILD)/bench_attention: $(BUILD)/bench_attention.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
 $(BUILD)/unit_tests: $(TEST_OBJS) $(BUILD)/tests/catch_main.o $(LIB_OBJS)
