@@ -851,7 +851,9 @@ void attention_out_dot_dout_bf16(const Context& ctx, float* D, const bf16* dout,
 // One key/value head g of sequence b: its key tiles, the group's query heads, their query
 // tiles. dk, dv of (b, g) and dq of the group's heads are written by this call alone, so the
 // calls for different (b, g) run in parallel with no locks and a fixed summation order.
-// Workspace: P and dS [Br, Bc].
+// Workspace: P and dS [Br, Bc]. The query range starts at the first query that sees the key
+// tile, not at a tile boundary: on the CPU rows need no alignment, so none is computed in vain.
+constexpr int kCpuBackwardTileQ = kCpuTileQ;
 static void flash_backward_head_cpu(float* dq, float* dk, float* dv, const float* dout,
                                     const float* q, const float* k, const float* v,
                                     const float* lse, const float* D, const AttentionBlock& a,
@@ -866,8 +868,8 @@ static void flash_backward_head_cpu(float* dq, float* dk, float* dv, const float
     const int i_first = first_query_seeing(a, j0);  // causal: earlier query tiles are skipped
     if (i_first >= a.Tq) continue;
     for (int h = g * group; h < (g + 1) * group; h++)
-      for (int i0 = i_first - i_first % kCpuTileQ; i0 < a.Tq; i0 += kCpuTileQ) {
-        const int rows = std::min(kCpuTileQ, a.Tq - i0);
+      for (int i0 = i_first; i0 < a.Tq; i0 += kCpuBackwardTileQ) {
+        const int rows = std::min(kCpuBackwardTileQ, a.Tq - i0);
         const int64_t q_off = token_head(b, a.Tq, i0, a.Hq, h, hd);
         const float *Q = q + q_off, *dO = dout + q_off;  // [rows, hd], ld ldq
         const float* L = lse + ((int64_t)b * a.Hq + h) * a.Tq + i0;
@@ -904,12 +906,12 @@ static void flash_backward_cpu(float* dq, float* dk, float* dv, const float* dou
                                const float* k, const float* v, const float* lse, const float* D,
                                const AttentionBlock& a) {
   const int items = a.B * a.Hkv, workers = cpu_workers(items);
-  const int64_t per_worker = 2 * kCpuTileQ * kCpuTileK;  // P and dS: independent of T
+  const int64_t per_worker = 2 * kCpuBackwardTileQ * kCpuTileK;  // P and dS: independent of T
   Tensor work = empty({workers, per_worker}, Mem::Workspace);
   run_on_cpu_workers(items, workers, [&](int item, int w) {
     float* P = work.f32() + w * per_worker;
     flash_backward_head_cpu(dq, dk, dv, dout, q, k, v, lse, D, a, item / a.Hkv, item % a.Hkv, P,
-                            P + kCpuTileQ * kCpuTileK);
+                            P + kCpuBackwardTileQ * kCpuTileK);
   });
 }
 
