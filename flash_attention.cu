@@ -949,7 +949,7 @@ __global__ void __launch_bounds__(kF32Tile* kRowThreads)
   __shared__ float lse_s[BQ], D_s[BQ];
   const int j0 = blockIdx.x * kF32Tile, g = blockIdx.y, b = blockIdx.z, hd = a.hd;
   const int r = threadIdx.x / kRowThreads, c = threadIdx.x % kRowThreads, j = j0 + r;
-  const float scale = rsqrtf((float)hd), scale_log2 = scale * kLog2e;
+  const float scale = 1.0f / sqrtf((float)hd), scale_log2 = scale * kLog2e;  // as the CPU
   load_rows_f32<MAX_HD>(&Ks[0][0], k, kF32Tile, b, a.Tk, j0, a.Hkv, g, hd);
   __syncthreads();
   float kr[DIMS], vr[DIMS], dkr[DIMS], dvr[DIMS];  // this thread's dims of its key row
