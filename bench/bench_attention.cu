@@ -45,8 +45,9 @@ static void cpu_table() {
   printf("CPU attention, B 1, Hq 4, Hkv 2, hd 32, causal, fp32 (best of up to 10 runs)\n");
   printf("| %5s | %10s | %10s | %7s | %12s | %12s | %7s | %12s | %12s |\n", "T", "naive fwd",
          "flash fwd", "speedup", "naive f+b", "flash f+b", "speedup", "naive mem", "flash mem");
-  printf("|-------|------------|------------|---------|--------------|--------------|---------|"
-         "--------------|--------------|\n");
+  printf(
+      "|-------|------------|------------|---------|--------------|--------------|---------|"
+      "--------------|--------------|\n");
   for (int T = 128; T <= 4096; T *= 2) {
     AttentionBlock a{1, T, T, 4, 2, 32, 0, 0, true};
     AttentionShape s{1, T, 4, 2, 32};
@@ -104,12 +105,15 @@ static void cuda_table() {
       const int B = 16384 / T, H = 2048 / hd;
       AttentionBlock a{B, T, T, H, H, hd, 0, 0, true};
       const int64_t n = (int64_t)B * T * H * hd;
-      Tensor q = empty({n}, Mem::Activations, Device::CUDA), k = empty({n}, Mem::Activations, Device::CUDA);
-      Tensor v = empty({n}, Mem::Activations, Device::CUDA), dout = empty({n}, Mem::Activations, Device::CUDA);
+      Tensor q = empty({n}, Mem::Activations, Device::CUDA),
+             k = empty({n}, Mem::Activations, Device::CUDA);
+      Tensor v = empty({n}, Mem::Activations, Device::CUDA),
+             dout = empty({n}, Mem::Activations, Device::CUDA);
       Tensor out = empty({n}, Mem::Activations, Device::CUDA);
       Tensor dq = empty({n}, Mem::Grads, Device::CUDA), dk = empty({n}, Mem::Grads, Device::CUDA);
       Tensor dv = empty({n}, Mem::Grads, Device::CUDA);
-      Tensor lse = empty({B, H, T}, Mem::Activations, Device::CUDA), D = empty(lse.shape, Mem::Activations, Device::CUDA);
+      Tensor lse = empty({B, H, T}, Mem::Activations, Device::CUDA),
+             D = empty(lse.shape, Mem::Activations, Device::CUDA);
       init_normal(q, 1, "q", 1.0f), init_normal(k, 1, "k", 1.0f), init_normal(v, 1, "v", 1.0f);
       init_normal(dout, 1, "dout", 1.0f);
       const double fwd_flops = causal_forward_flops(B, T, H, hd), bwd_flops = 2.5 * fwd_flops;
@@ -148,7 +152,9 @@ static void cuda_table() {
 int main(int argc, char** argv) {
   bool cuda_only = argc > 1 && std::string(argv[1]) == "--cuda-only";
   if (!cuda_only) cpu_table();
-  if (cuda_available()) cuda_table();
-  else printf("\nCUDA FlashAttention: no CUDA device, skipped\n");
+  if (cuda_available())
+    cuda_table();
+  else
+    printf("\nCUDA FlashAttention: no CUDA device, skipped\n");
   return 0;
 }
