@@ -24,7 +24,8 @@ MPI_TEST_SRCS := $(wildcard tests/mpi/test_*.cu)
 MPI_TEST_OBJS := $(MPI_TEST_SRCS:%.cu=$(BUILD)/%.o)
 
 .PHONY: all deps run test bench gpu-check clean format
-all: train $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp
+all: train $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp \
+     $(BUILD)/bench_attention
 
 # Objects depend on the flags they were built with: a new GPU_ARCH rebuilds them.
 FLAGS_STAMP := $(BUILD)/flags.txt
@@ -50,7 +51,7 @@ $(BUILD)/mpi_tests: $(MPI_TEST_OBJS) $(BUILD)/tests/mpi/mpi_main.o $(LIB_OBJS)
 train: $(BUILD)/train.o $(BUILD)/options.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
-# The benchmarks (bench/): the step, collectives and gradient sync, tensor parallelism.
+# The benchmarks (bench/): the step, collectives and gradient sync, tensor parallelism, attention.
 $(BUILD)/bench_step: $(BUILD)/bench/bench_step.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
@@ -58,6 +59,9 @@ $(BUILD)/bench_comm: $(BUILD)/bench/bench_comm.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
 $(BUILD)/bench_tp: $(BUILD)/bench/bench_tp.o $(LIB_OBJS)
+	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
+
+$(BUILD)/bench_attention: $(BUILD)/bench/bench_attention.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
 $(BUILD)/unit_tests: $(TEST_OBJS) $(BUILD)/tests/catch_main.o $(LIB_OBJS)
@@ -83,7 +87,8 @@ test: deps
 	@bash tools/run_tests.sh
 
 bench: deps
-	@$(MAKE) --no-print-directory -j$$(nproc) train $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp
+	@$(MAKE) --no-print-directory -j$$(nproc) train $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp \
+	  $(BUILD)/bench_attention
 	@bash tools/bench.sh
 
 gpu-check:

@@ -1,8 +1,13 @@
 // flash_attention.cuh: the attention core, softmax(q k^T / sqrt(hd) + causal mask) v, with
 // grouped-query heads (query head h reads key/value head h / (Hq / Hkv)).
-// This file holds naive attention (materialises the [B, Hq, T, T] probabilities,
-// Playbook §2.5's 5as^2b term); FlashAttention (Playbook §12.8) joins it later.
+// Two versions: naive attention, which materialises the [B, Hq, T, T] probabilities
+// (Playbook §2.5's 5as^2b term) and stays as the readable reference, and FlashAttention
+// (Playbook §12.8), which streams key/value tiles past a query tile with an online softmax
+// and keeps only the log-sum-exp per query: O(T) memory, and the interface ring attention
+// (Playbook §7.2) is built from.
 #pragma once
+#include <cuda_bf16.h>
+
 #include "core.cuh"
 
 struct AttentionShape {
@@ -15,20 +20,83 @@ struct AttentionShape {
 
 // q [B*T, Hq, hd], k and v [B*T, Hkv, hd] -> out [B*T, Hq, hd];
 // probs [B, Hq, T, T] receives the softmax probabilities (zero above the diagonal).
-void attention_forward(const Context& ctx, const Tensor& out, const Tensor& probs,
-                       const Tensor& q, const Tensor& k, const Tensor& v,
-                       const AttentionShape& s);
+void attention_forward(const Context& ctx, const Tensor& out, const Tensor& probs, const Tensor& q,
+                       const Tensor& k, const Tensor& v, const AttentionShape& s);
 // dq [B*T, Hq, hd] (=), dk and dv [B*T, Hkv, hd] (=), from dout [B*T, Hq, hd] and the saved
 // probs. `scratch` is a [B, Hq, T, T] workspace.
-void attention_backward(const Context& ctx, const Tensor& dq, const Tensor& dk,
-                        const Tensor& dv, const Tensor& dout, const Tensor& q,
-                        const Tensor& k, const Tensor& v, const Tensor& probs,
-                        const Tensor& scratch, const AttentionShape& s);
+void attention_backward(const Context& ctx, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                        const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& probs, const Tensor& scratch, const AttentionShape& s);
 
 // The softmax pieces, CPU reference and CUDA kernel each (exposed for tests):
 // probs[r, i, j] = causal softmax over j <= i of scale * scores[r, i, j]; rows r = B*Hq.
-void causal_softmax_forward(const Context& ctx, float* probs, const float* scores, int rows,
-                            int T, float scale);
+void causal_softmax_forward(const Context& ctx, float* probs, const float* scores, int rows, int T,
+                            float scale);
 // dscores[r,i,j] = scale * probs * (dprobs - sum_j' probs * dprobs); may alias dprobs.
 void causal_softmax_backward(const Context& ctx, float* dscores, const float* dprobs,
                              const float* probs, int rows, int T, float scale);
+
+// ============================================================================
+// FlashAttention (Playbook §12.8), shaped for ring attention (Playbook §7.2)
+// ============================================================================
+// One call attends queries at global positions [q0, q0 + Tq) to keys/values at
+// [k0, k0 + Tk) of the same B sequences. Causal means by global position: query i sees key j
+// iff k0 + j <= q0 + i, so a rank of a context-parallel ring passes the positions it holds.
+// A query that sees no key of this block gets out 0 and lse -inf (never NaN): a partial
+// result that attention_lse_merge gives zero weight. Scores are scaled by 1/sqrt(hd).
+struct AttentionBlock {
+  int B;           // sequences
+  int Tq, Tk;      // query tokens and key/value tokens per sequence in this block
+  int Hq, Hkv;     // query heads and key/value heads (Hkv divides Hq)
+  int hd;          // head dimension
+  int64_t q0 = 0;  // global position of the first query
+  int64_t k0 = 0;  // global position of the first key
+  bool causal = true;
+};
+// Layouts (token-major, as the model's projections produce them):
+//   q, out, dq, dout [B*Tq, Hq, hd];  k, v, dk, dv [B*Tk, Hkv, hd];  lse, D [B, Hq, Tq] (fp32)
+// lse is the natural log of sum_j exp(q.k_j / sqrt(hd)) over the visible keys.
+// CPU: 64 x 64 tiles through cblas_sgemm on the threads OpenBLAS may use, with a fixed-size
+// Mem::Workspace per thread (no [T, T] buffer, nothing that grows with T); results do not
+// depend on timing. CUDA (fp32 on CUDA cores, any hd up to 128): no allocation at all; dq is
+// summed with atomicAdd, so its last bits vary from run to run.
+
+// out (=), lse (=): the attention output and log-sum-exp of each (query, head).
+void flash_attention_forward(const Context& ctx, const Tensor& out, const Tensor& lse,
+                             const Tensor& q, const Tensor& k, const Tensor& v,
+                             const AttentionBlock& a);
+// D[b, h, i] (=) = sum_d dout[b, i, h, d] * out[b, i, h, d]: the softmax backward's row term,
+// computed once from the final (merged) output, then shared by every block's backward.
+void attention_out_dot_dout(const Context& ctx, const Tensor& D, const Tensor& dout,
+                            const Tensor& out, const AttentionBlock& a);
+// dq (+=), dk (+=), dv (+=): every gradient ACCUMULATES, so a ring adds the blocks of one
+// query chunk into its dq and passes dk, dv on (zero them before the first block).
+// lse and D are those of the whole attention (after merging), not of this block alone.
+void flash_attention_backward(const Context& ctx, const Tensor& dq, const Tensor& dk,
+                              const Tensor& dv, const Tensor& dout, const Tensor& q,
+                              const Tensor& k, const Tensor& v, const Tensor& lse, const Tensor& D,
+                              const AttentionBlock& a);
+// (out, lse) (=) the merge of (out, lse) and (out2, lse2), two partial results for the same
+// queries over disjoint keys, in fp32: lse' = logaddexp(lse, lse2),
+// out' = exp(lse - lse') out + exp(lse2 - lse') out2. A side at -inf weighs 0. Uses B, Tq, Hq,
+// hd of `a`.
+void attention_lse_merge(const Context& ctx, const Tensor& out, const Tensor& lse,
+                         const Tensor& out2, const Tensor& lse2, const AttentionBlock& a);
+
+// ---- bf16 on tensor cores (mma.sync m16n8k16, fp32 accumulation; sm_80 and newer) ----
+// CUDA only, raw device pointers in the layouts above; hd in {16, 32, 64, 128}. The model has
+// no bf16 dtype yet: the benchmark and the GPU tests call these directly.
+// out (=) bf16, lse (=) fp32.
+void flash_attention_forward_bf16(const Context& ctx, __nv_bfloat16* out, float* lse,
+                                  const __nv_bfloat16* q, const __nv_bfloat16* k,
+                                  const __nv_bfloat16* v, const AttentionBlock& a);
+// D (=) fp32 from bf16 dout and out.
+void attention_out_dot_dout_bf16(const Context& ctx, float* D, const __nv_bfloat16* dout,
+                                 const __nv_bfloat16* out, const AttentionBlock& a);
+// dq, dk, dv (+=) in fp32, as flash_attention_backward.
+void flash_attention_backward_bf16(const Context& ctx, float* dq, float* dk, float* dv,
+                                   const __nv_bfloat16* dout, const __nv_bfloat16* q,
+                                   const __nv_bfloat16* k, const __nv_bfloat16* v, const float* lse,
+                                   const float* D, const AttentionBlock& a);
+// dst[n] = bf16(src[n]) on the device (round to nearest even).
+void convert_to_bf16(const Context& ctx, __nv_bfloat16* dst, const float* src, int64_t n);

@@ -73,6 +73,12 @@ Recompute parse_recompute(const std::string& flag) {
 const char* recompute_name(Recompute r) {
   return r == Recompute::None ? "none" : r == Recompute::Selective ? "selective" : "full";
 }
+Attention parse_attention(const std::string& flag) {
+  if (flag == "naive") return Attention::Naive;
+  if (flag == "flash") return Attention::Flash;
+  throw UsageError("--attention " + flag + ": expected naive or flash");
+}
+const char* attention_name(Attention a) { return a == Attention::Naive ? "naive" : "flash"; }
 
 // ----------------------------------------------------------------------------
 // Parameters: one flat buffer, HF names, layout-free initialisation (DESIGN 5)
@@ -262,16 +268,28 @@ Model build_model(const ModelConfig& cfg, Device device, uint64_t seed, const Te
 static Tensor act(std::vector<int64_t> shape, Device d) { return empty(shape, Mem::Activations, d); }
 static Tensor work(std::vector<int64_t> shape, Device d) { return empty(shape, Mem::Workspace, d); }
 
-// The attention core (DESIGN 6, "Attention"): the seam where FlashAttention or ring attention
-// plugs in. Naive attention keeps the [B, Hl, T, T] probabilities for the backward.
+// The attention core (DESIGN 6, "Attention"): the seam where ring attention plugs in. Naive
+// attention keeps the [B, Hl, T, T] probabilities for the backward; FlashAttention keeps the
+// output and the [B, Hl, T] log-sum-exp, and its backward recomputes the probabilities tile by
+// tile (queries at positions [0, T) against keys at [0, T): one block of the ring interface).
 static AttentionShape attention_shape(const Model& m, int B, int T) {
   return {B, T, m.tp.local.heads, m.tp.local.kv_heads, m.cfg.head_dim()};
+}
+static AttentionBlock attention_block(const Model& m, int B, int T) {
+  return {B, T, T, m.tp.local.heads, m.tp.local.kv_heads, m.cfg.head_dim(), 0, 0, true};
 }
 static void attention_core_forward(const Context& ctx, const Model& m, BlockActivations& a, int B,
                                    int T) {
   const LocalDims& L = m.tp.local;
   int64_t N = (int64_t)B * T, hd = m.cfg.head_dim();
   a.attn = act({N, L.heads * hd}, ctx.device);
+  if (m.attention == Attention::Flash) {
+    a.lse = act({B, L.heads, T}, ctx.device);
+    flash_attention_forward(ctx, a.attn.reshape({N, L.heads, hd}), a.lse,
+                            a.q.reshape({N, L.heads, hd}), a.k.reshape({N, L.kv_heads, hd}),
+                            a.v.reshape({N, L.kv_heads, hd}), attention_block(m, B, T));
+    return;
+  }
   a.probs = act({B, L.heads, T, T}, ctx.device);
   attention_forward(ctx, a.attn.reshape({N, L.heads, hd}), a.probs, a.q.reshape({N, L.heads, hd}),
                     a.k.reshape({N, L.kv_heads, hd}), a.v.reshape({N, L.kv_heads, hd}),
@@ -286,6 +304,15 @@ static void attention_core_backward(const Context& ctx, const Model& m, BlockAct
   AttentionShape shape = attention_shape(m, B, T);
   Tensor q3 = a.q.reshape({N, L.heads, hd}), k3 = a.k.reshape({N, L.kv_heads, hd});
   Tensor v3 = a.v.reshape({N, L.kv_heads, hd});
+  if (m.attention == Attention::Flash) {  // D = rowsum(dO * O) once, then dq, dk, dv (+=)
+    AttentionBlock block = attention_block(m, B, T);
+    Tensor D = work({B, L.heads, T}, ctx.device), d_out = d_attn.reshape({N, L.heads, hd});
+    attention_out_dot_dout(ctx, D, d_out, a.attn.reshape({N, L.heads, hd}), block);
+    zero_(dq), zero_(dk), zero_(dv);
+    flash_attention_backward(ctx, dq.reshape({N, L.heads, hd}), dk.reshape({N, L.kv_heads, hd}),
+                             dv.reshape({N, L.kv_heads, hd}), d_out, q3, k3, v3, a.lse, D, block);
+    return;
+  }
   if (!a.probs.defined()) {  // selective recompute: rebuild the probabilities from q and k
     a.probs = act({B, L.heads, T, T}, ctx.device);
     attention_forward(ctx, dq.reshape({N, L.heads, hd}), a.probs, q3, k3, v3, shape);
@@ -331,7 +358,8 @@ static void block_forward(const Context& ctx, const Model& m, const BlockWeights
 }
 
 // What each recompute mode keeps after the forward (Playbook §2.6). The one place a new policy
-// goes (e.g. keep everything but the MLP's gate, up and act).
+// goes (e.g. keep everything but the MLP's gate, up and act). FlashAttention keeps no
+// probabilities: selective recompute has nothing more to drop there.
 static void drop_for_recompute(BlockActivations& a, Recompute mode) {
   if (mode == Recompute::Selective) a.probs = Tensor();  // the s^2 term: recomputed
   if (mode == Recompute::Full) a = BlockActivations{a.x};  // only the block input
@@ -522,21 +550,25 @@ void model_backward(const Context& ctx, Model& model, Activations& acts, float l
 // so bytes = N (16 D + 8) / (sp ? t : 1) + N (8 D + 8 Hkv hd + 12 F + 4 Hq T) / t:
 // the book's 10 + 24/t shape with TP (norms and residuals stay whole) and 34/t with TP+SP.
 // Selective recomputation drops the probabilities; full keeps the block input only.
+// FlashAttention never keeps the probabilities, only the log-sum-exp [B, Hq/t, T]: its term is
+// 4 Hq / t bytes per token instead of 4 Hq T / t, so a block's activations grow as T, not T^2.
 int64_t activation_bytes_per_block(const ModelConfig& c, int B, int T, int tp, bool sp,
-                                   Recompute mode) {
+                                   Recompute mode, Attention attention) {
   LocalDims L = local_dims(c, 0, tp);
   int64_t N = (int64_t)B * T, n = sp ? N / tp : N, D = c.d_model, hd = c.head_dim();
   if (mode == Recompute::Full) return 4 * n * D;
   int64_t outside = 4 * n * D * 4 + 2 * 4 * n;
   int64_t inside = 4 * N * (2 * L.heads * hd + 2 * L.kv_heads * hd + 3 * L.ffn);
-  int64_t probs = mode == Recompute::Selective ? 0 : 4 * (int64_t)B * L.heads * T * T;
+  int64_t probs = attention == Attention::Flash  ? 4 * (int64_t)B * L.heads * T  // the lse
+                  : mode == Recompute::Selective ? 0
+                                                 : 4 * (int64_t)B * L.heads * T * T;
   return outside + inside + probs;
 }
 
 int64_t saved_bytes(const BlockActivations& a) {
   int64_t bytes = 0;
-  for (const Tensor* t : {&a.x, &a.norm1, &a.rstd1, &a.q, &a.k, &a.v, &a.probs, &a.attn, &a.x_mid,
-                          &a.norm2, &a.rstd2, &a.gate, &a.up, &a.act})
+  for (const Tensor* t : {&a.x, &a.norm1, &a.rstd1, &a.q, &a.k, &a.v, &a.probs, &a.lse, &a.attn,
+                          &a.x_mid, &a.norm2, &a.rstd2, &a.gate, &a.up, &a.act})
     if (t->defined()) bytes += t->nbytes();
   return bytes;
 }

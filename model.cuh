@@ -35,6 +35,11 @@ int64_t parameter_count(const ModelConfig& cfg);
 enum class Recompute { None, Selective, Full };  // Playbook §2.6
 Recompute parse_recompute(const std::string& flag);
 const char* recompute_name(Recompute r);
+// The attention core: naive (keeps the [B, H, T, T] probabilities, Playbook §2.5) or
+// FlashAttention (keeps the output and one log-sum-exp per query and head, §12.8).
+enum class Attention { Naive, Flash };
+Attention parse_attention(const std::string& flag);  // naive|flash
+const char* attention_name(Attention a);
 
 // The weights of one block, as views into the flat buffer (the gradients use the same struct).
 struct BlockWeights {
@@ -79,6 +84,7 @@ struct Model {
   ModelConfig cfg;
   std::vector<Stage> chunks;  // the parts of the model this rank holds, in order (resolved)
   TensorParallel tp;     // the tp group and this rank's heads, ffn and vocabulary slice
+  Attention attention = Attention::Naive;  // train's --attention chooses (default flash)
   int64_t num_params = 0;  // parameters on this rank: the stage's, over tp
   std::vector<TpSlice> layouts;  // per named parameter: where its shard sits in the whole
   // [num_params] flat, Mem::Params and Mem::Grads. A sharded optimizer (zero.cu) may hold the
@@ -134,7 +140,8 @@ struct BlockActivations {
   Tensor x;             // [n, D] block input (always kept)
   Tensor norm1, rstd1;  // [n, D], [n]
   Tensor q, k, v;       // [N, Hl*hd], [N, KVl*hd] x2 (after RoPE)
-  Tensor probs;         // [B, Hl, T, T] (dropped by selective recompute)
+  Tensor probs;         // [B, Hl, T, T] naive attention (dropped by selective recompute)
+  Tensor lse;           // [B, Hl, T] FlashAttention's log-sum-exp per query and head
   Tensor attn;          // [N, Hl*hd] attention output before wo
   Tensor x_mid;         // [n, D] after the attention residual
   Tensor norm2, rstd2;  // [n, D], [n]
@@ -143,7 +150,7 @@ struct BlockActivations {
 // Bytes of one block's saved activations for B sequences of T tokens, by the formula derived
 // in model.cu (the fp32, RMSNorm, SwiGLU, GQA analog of the book's sbh(34 + 5as/h)).
 int64_t activation_bytes_per_block(const ModelConfig& cfg, int B, int T, int tp, bool sp,
-                                   Recompute mode);
+                                   Recompute mode, Attention attention = Attention::Naive);
 // The same, measured: the bytes `a` holds.
 int64_t saved_bytes(const BlockActivations& a);
 struct Activations {

@@ -33,6 +33,8 @@ void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape) {
   shape_flag("--seq", &ModelConfig::seq, "tokens per sequence");
   app.add_option("--rope-theta", o.model.rope_theta, "RoPE base");
   app.add_flag("--tie-embeddings", o.model.tie_embeddings, "share embedding and LM head");
+  app.add_option("--attention", o.attention, "attention core: flash|naive")
+      ->capture_default_str();
   app.add_option("--recompute", o.recompute, "activation recomputation: none|selective|full")
       ->capture_default_str();
   app.add_option("--steps", o.steps, "total optimizer steps (a resumed run continues to it)")
@@ -196,6 +198,7 @@ void resolve_options(Options& o, const std::vector<ShapeFlag>& shape) {
   if (!o.score.empty() && o.load.empty())
     throw UsageError("--score " + o.score + " needs --load DIR: the model to score with");
   parse_recompute(o.recompute);
+  parse_attention(o.attention);
   check_positive(o.dp, "--dp"), check_positive(o.pp, "--pp");
   check_positive(o.cp, "--cp"), check_positive(o.tp, "--tp");
   if (o.cp > 1)
@@ -301,7 +304,8 @@ static void check_memory(const Options& o, Device device, int local_ranks) {
   double adam = 8 * psi / (stage >= 1 ? n : 1);
   double state = o.score.empty() ? weights + grads + adam : 4 * psi;
   double acts = (double)c.layers * activation_bytes_per_block(c, o.mbs, c.seq, o.tp, o.sp,
-                                                              parse_recompute(o.recompute)) +
+                                                              parse_recompute(o.recompute),
+                                                              parse_attention(o.attention)) +
                 2.0 * o.mbs * c.seq * (c.vocab / o.tp) * 4;
   if (state + acts > have)
     throw UsageError("the run needs about " + human_bytes(state + acts) +
@@ -350,7 +354,11 @@ void print_config(const Options& o, const Dataset& data, const Comm& comm, int64
     row("gradient sync", "ZeRO-" + s(zero_stage) + ": reduce-scatter per unit" +
                              (o.no_overlap ? ", no overlap" : ", overlapped") +
                              (zero_stage == 3 && !o.no_overlap ? ", prefetch" : ""));
-  row("recompute", o.recompute);
+  row("attention", o.attention == "flash" ? "flash (keeps O and its log-sum-exp: O(T))"
+                                         : "naive (keeps the probabilities: O(T^2))");
+  row("recompute", o.recompute == "selective" && o.attention == "flash"
+                       ? "selective: nothing more to drop, flash keeps no probabilities"
+                       : o.recompute);
   row("steps / mbs / grad-acc", s(o.steps) + " / " + s(o.mbs) + " / " + s(o.grad_acc));
   row("tokens per step", s((int64_t)o.mbs * o.grad_acc * o.dp * c.seq) + " (mbs x grad-acc x dp x seq)");
   char lr[96];

@@ -12,7 +12,7 @@
 
 struct Options {
   ModelConfig model;
-  std::string preset = "tiny", device = "auto", recompute = "none";
+  std::string preset = "tiny", device = "auto", recompute = "none", attention = "flash";
   int steps = 100, stop_after = 0, mbs = 16, grad_acc = 1, warmup = 20, val_every = 50, val_seqs = 64;
   float lr = 2e-3f, min_lr = -1.0f, weight_decay = 0.1f, grad_clip = 1.0f;
   float val_frac = 0.1f, temperature = 0.8f;

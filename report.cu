@@ -175,17 +175,22 @@ void print_zero_comm_report(const Comm& comm, const Zero& zero, int grad_acc) {
 // Tensor parallelism
 
 void print_activation_report(const ModelConfig& cfg, int mbs, int tp, bool sp, Recompute mode,
-                             int64_t measured) {
-  int64_t formula = activation_bytes_per_block(cfg, mbs, cfg.seq, tp, sp, mode);
-  printf("activations per block and micro-batch (--report memory; tp %d%s, recompute %s):\n", tp,
-         sp ? " + sp" : "", recompute_name(mode));
+                             Attention attention, int64_t measured) {
+  int64_t formula = activation_bytes_per_block(cfg, mbs, cfg.seq, tp, sp, mode, attention);
+  printf("activations per block and micro-batch (--report memory; tp %d%s, recompute %s, %s "
+         "attention):\n",
+         tp, sp ? " + sp" : "", recompute_name(mode), attention_name(attention));
   printf("  measured %s (%lld B), formula %s (%lld B)%s\n", human_bytes(measured).c_str(),
          (long long)measured, human_bytes(formula).c_str(), (long long)formula,
          measured == formula ? ", equal" : ", DIFFERENT");
-  printf("  formula: N(16D + 8)/%s + N(8D + 8 Hkv hd + 12F + 4 Hq T)/tp bytes, N = mbs x seq: "
+  printf("  formula: N(16D + 8)/%s + N(8D + 8 Hkv hd + 12F + %s)/tp bytes, N = mbs x seq: "
          "the book's sbh(34 + 5as/h) for this fp32 Llama; norms and residuals (the book's 10) "
-         "shrink with tp only under sp (34/t)\n",
-         sp ? "tp" : "1");
+         "shrink with tp only under sp (34/t)%s\n",
+         sp ? "tp" : "1", attention == Attention::Flash ? "4 Hq" : "4 Hq T",
+         attention == Attention::Flash
+             ? "; FlashAttention keeps a log-sum-exp per query and head (4 Hq) instead of the "
+               "probabilities (4 Hq T, the 5as/h term): linear in the sequence"
+             : "");
 }
 
 TpTraffic tp_expected_traffic(const ModelConfig& c, int B, int T, int tp, bool sp) {

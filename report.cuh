@@ -25,7 +25,7 @@ void print_zero_comm_report(const Comm& comm, const Zero& zero, int grad_acc);
 // sent per training step (measured over the training steps only), next to the count of
 // all-reduces, or all-gathers and reduce-scatters under SP, that the model issues.
 void print_activation_report(const ModelConfig& cfg, int mbs, int tp, bool sp, Recompute mode,
-                             int64_t measured_block_bytes);
+                             Attention attention, int64_t measured_block_bytes);
 struct TpTraffic {
   int64_t all_reduce = 0, all_gather = 0, reduce_scatter = 0;  // bytes each rank sends
 };

@@ -159,8 +159,11 @@ static void with_whole_model(GradientSync& sync, const Context& ctx,
 
 // This rank's part of the model (its tp slice, its pipeline stage or chunks) as a layout.
 static Model model_layout(Comm& comm, const Options& o) {
-  return build_model_layout(o.model, TensorParallel{&comm, o.sp},
-                            pipeline_chunks(o.model.layers, o.pp, o.pp_virtual, comm.grid.pp_rank));
+  Model model = build_model_layout(
+      o.model, TensorParallel{&comm, o.sp},
+      pipeline_chunks(o.model.layers, o.pp, o.pp_virtual, comm.grid.pp_rank));
+  model.attention = parse_attention(o.attention);
+  return model;
 }
 
 static int score_file(const Context& ctx, Comm& comm, const Options& o) {
@@ -283,7 +286,8 @@ static void print_reports(Trainer& t) {
     if (r == "memory") {
       print_memory_report(comm, t.sync.zero_stage(), n_params, t.sync.padded_params());
       if (main_rank && t.block_bytes >= 0)
-        print_activation_report(o.model, o.mbs, o.tp, o.sp, t.recompute, t.block_bytes);
+        print_activation_report(o.model, o.mbs, o.tp, o.sp, t.recompute, t.model.attention,
+                                t.block_bytes);
     }
     if (r == "comm") {
       print_comm_report(comm, n_params, t.steps_run);

@@ -1,10 +1,12 @@
 // Tests for flash_attention.cu: naive causal attention with grouped-query heads against a
 // direct per-position loop, the causal mask, gradients against finite differences, and the
-// CUDA kernels against the CPU reference.
-#include <catch2/catch.hpp>
-
+// CUDA kernels against the CPU reference; then FlashAttention against naive attention and a
+// float64 reference (the FlashAttention paper's rule), offsets and fully masked blocks, the
+// LSE merge as a ring of two uses it, its memory, and its CUDA kernels (fp32 and bf16).
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "flash_attention.cuh"
@@ -14,8 +16,7 @@ namespace {
 // ----------------------------------------------------------------------------
 // The definition, one output row at a time, in double:
 // out[b, t, h] = sum_{s <= t} softmax_s(q[b,t,h] . k[b,s,g] / sqrt(hd)) v[b,s,g], g = h/(Hq/Hkv).
-std::vector<double> reference_attention(const std::vector<double>& q,
-                                        const std::vector<double>& k,
+std::vector<double> reference_attention(const std::vector<double>& q, const std::vector<double>& k,
                                         const std::vector<double>& v, const AttentionShape& s) {
   int group = s.Hq / s.Hkv, hd = s.hd;
   std::vector<double> out((size_t)s.B * s.T * s.Hq * hd, 0.0), w(s.T);
@@ -132,8 +133,7 @@ TEST_CASE("the causal mask: output at t never sees keys or values after t", "[at
   }
 }
 
-TEST_CASE("attention backward matches central finite differences of sum(out * R)",
-          "[attention]") {
+TEST_CASE("attention backward matches central finite differences of sum(out * R)", "[attention]") {
   Context ctx = Context::create(Device::CPU);
   for (const AttentionShape& s : kShapes) {
     INFO("Hq " << s.Hq << " Hkv " << s.Hkv);
@@ -179,8 +179,7 @@ TEST_CASE("attention backward matches central finite differences of sum(out * R)
   }
 }
 
-TEST_CASE("causal softmax backward matches finite differences of sum(softmax * G)",
-          "[attention]") {
+TEST_CASE("causal softmax backward matches finite differences of sum(softmax * G)", "[attention]") {
   Context ctx = Context::create(Device::CPU);
   const int rows = 3, T = 6;
   const float scale = 0.7f;
@@ -288,6 +287,537 @@ TEST_CASE("CUDA attention backward matches the CPU reference", "[attention][gpu]
     require_close(to_host_floats(dq_gpu), as_double(dq), 1e-4);
     require_close(to_host_floats(dk_gpu), as_double(dk), 1e-4);
     require_close(to_host_floats(dv_gpu), as_double(dv), 1e-4);
+  }
+  gpu.destroy();
+}
+
+// ============================================================================
+// FlashAttention
+// ============================================================================
+
+namespace {
+
+// Attention of one block written as the definition, per (sequence, head, query), in scalar S:
+// double is the reference, float is "naive at the same precision" for the FlashAttention
+// paper's rule (its error is the bar flash must stay within twice of). Backward from dout
+// with D = sum_j P dP, the textbook form.
+template <class S>
+struct BlockResult {
+  std::vector<S> out, lse, dq, dk, dv;
+};
+template <class S>
+BlockResult<S> attention_by_definition(const std::vector<float>& q, const std::vector<float>& k,
+                                       const std::vector<float>& v, const std::vector<float>& dout,
+                                       const AttentionBlock& a) {
+  const int hd = a.hd, group = a.Hq / a.Hkv;
+  const S scale = S(1) / std::sqrt(S(hd));
+  BlockResult<S> r;
+  r.out.assign(q.size(), S(0));
+  r.dq.assign(q.size(), S(0));
+  r.dk.assign(k.size(), S(0));
+  r.dv.assign(v.size(), S(0));
+  r.lse.assign((size_t)a.B * a.Hq * a.Tq, S(-INFINITY));
+  std::vector<S> p(a.Tk), dp(a.Tk);
+  for (int b = 0; b < a.B; b++)
+    for (int h = 0; h < a.Hq; h++)
+      for (int i = 0; i < a.Tq; i++) {
+        const size_t qo = (((size_t)b * a.Tq + i) * a.Hq + h) * hd;
+        auto ko = [&](int j) { return (((size_t)b * a.Tk + j) * a.Hkv + h / group) * hd; };
+        int seen = 0;  // keys 0..seen-1 are visible (a prefix, as the mask is causal)
+        while (seen < a.Tk && (!a.causal || a.k0 + seen <= a.q0 + i)) seen++;
+        if (seen == 0) continue;  // out 0, lse -inf, no gradient
+        S m = S(-INFINITY), sum = S(0);
+        for (int j = 0; j < seen; j++) {
+          S dot = S(0);
+          for (int d = 0; d < hd; d++) dot += S(q[qo + d]) * S(k[ko(j) + d]);
+          p[j] = scale * dot;
+          m = std::max(m, p[j]);
+        }
+        for (int j = 0; j < seen; j++) sum += (p[j] = std::exp(p[j] - m));
+        r.lse[((size_t)b * a.Hq + h) * a.Tq + i] = m + std::log(sum);
+        S Drow = S(0);
+        for (int j = 0; j < seen; j++) {
+          p[j] /= sum;
+          dp[j] = S(0);
+          for (int d = 0; d < hd; d++) {
+            r.out[qo + d] += p[j] * S(v[ko(j) + d]);
+            dp[j] += S(dout[qo + d]) * S(v[ko(j) + d]);
+          }
+          Drow += p[j] * dp[j];
+        }
+        for (int j = 0; j < seen; j++) {
+          const S ds = p[j] * (dp[j] - Drow);
+          for (int d = 0; d < hd; d++) {
+            r.dq[qo + d] += scale * ds * S(k[ko(j) + d]);
+            r.dk[ko(j) + d] += scale * ds * S(q[qo + d]);
+            r.dv[ko(j) + d] += p[j] * S(dout[qo + d]);
+          }
+        }
+      }
+  return r;
+}
+
+// Largest |got - want| and largest |want|; -inf must match -inf exactly (lse of unseen rows).
+struct Error {
+  double worst = 0.0, scale = 0.0;
+};
+template <class G, class W>
+Error max_error(const std::vector<G>& got, const std::vector<W>& want) {
+  REQUIRE(got.size() == want.size());
+  Error e;
+  for (size_t i = 0; i < got.size(); i++) {
+    const double g = got[i], w = want[i];
+    REQUIRE(!std::isnan(g));
+    if (std::isinf(w) || std::isinf(g)) {
+      REQUIRE(g == w);
+      continue;
+    }
+    e.worst = std::max(e.worst, std::abs(g - w));
+    e.scale = std::max(e.scale, std::abs(w));
+  }
+  return e;
+}
+
+// The FlashAttention paper's rule: flash's error against float64 at most twice naive's at the
+// same precision. Both are a few fp32 ulp of the largest value, so on one case their ratio is
+// noisy, and a naive result that happens to be almost exact would fail a correct flash: a floor
+// of two ulp of the largest value (2^-22 of it) is allowed as well. That is the size of the
+// rounding errors themselves; a wrong mask or a missed rescale is off by orders of magnitude.
+void require_flash_rule(const char* what, const Error& flash, const Error& naive) {
+  const double floor = std::ldexp(1.0, -22) * std::max(1.0, flash.scale);
+  INFO(what << ": flash error " << flash.worst << ", naive error " << naive.worst << ", floor "
+            << floor << ", largest value " << flash.scale);
+  REQUIRE(flash.worst <= 2.0 * naive.worst + floor);
+}
+
+// A block's inputs and flash's results on the CPU.
+struct FlashCase {
+  AttentionBlock a;
+  Tensor q, k, v, dout;            // inputs, upstream gradient random too
+  Tensor out, lse, D, dq, dk, dv;  // flash's results
+  // q_std scales the scores: at 5 the softmax is peaked and each row's running max moves by
+  // several units from tile to tile, so the online rescaling is exercised for real.
+  FlashCase(const AttentionBlock& block, uint64_t seed, float q_std = 1.0f) : a(block) {
+    const int64_t tq = (int64_t)a.B * a.Tq, tk = (int64_t)a.B * a.Tk;
+    q = empty({tq, a.Hq, a.hd}, Mem::Activations);
+    k = empty({tk, a.Hkv, a.hd}, Mem::Activations);
+    v = empty({tk, a.Hkv, a.hd}, Mem::Activations);
+    dout = empty({tq, a.Hq, a.hd}, Mem::Activations);
+    init_normal(q, seed, "q", q_std);
+    init_normal(k, seed, "k", 1.0f);
+    init_normal(v, seed, "v", 1.0f);
+    init_normal(dout, seed, "dout", 1.0f);
+    out = empty(q.shape, Mem::Activations);
+    lse = empty({a.B, a.Hq, a.Tq}, Mem::Activations);
+    D = empty({a.B, a.Hq, a.Tq}, Mem::Activations);
+    dq = zeros(q.shape, Mem::Grads);
+    dk = zeros(k.shape, Mem::Grads);
+    dv = zeros(v.shape, Mem::Grads);
+  }
+  void run(const Context& ctx) {  // forward, D, backward (into zeroed gradients)
+    flash_attention_forward(ctx, out, lse, q, k, v, a);
+    attention_out_dot_dout(ctx, D, dout, out, a);
+    flash_attention_backward(ctx, dq, dk, dv, dout, q, k, v, lse, D, a);
+  }
+  template <class S>
+  BlockResult<S> by_definition() const {
+    return attention_by_definition<S>(to_host_floats(q), to_host_floats(k), to_host_floats(v),
+                                      to_host_floats(dout), a);
+  }
+};
+
+std::string describe(const AttentionBlock& a) {
+  return "B " + std::to_string(a.B) + " Tq " + std::to_string(a.Tq) + " Tk " +
+         std::to_string(a.Tk) + " Hq " + std::to_string(a.Hq) + " Hkv " + std::to_string(a.Hkv) +
+         " hd " + std::to_string(a.hd) + " q0 " + std::to_string(a.q0) + " k0 " +
+         std::to_string(a.k0) + (a.causal ? " causal" : " full");
+}
+
+// Sizes that are not multiples of the 64 (CPU) or 32 (CUDA fp32) tile; MHA, GQA, MQA; causal
+// and not; queries after, inside and before the keys, including blocks whose first query tile
+// sees no key at all and a block no query of which sees any key.
+const AttentionBlock kFlashBlocks[] = {
+    {2, 100, 100, 4, 2, 16, 0, 0, true},      // GQA, square: the model's own call
+    {1, 130, 130, 4, 4, 32, 0, 0, true},      // MHA, three tiles, the last partial
+    {2, 77, 77, 4, 1, 8, 0, 0, true},         // MQA
+    {2, 90, 70, 4, 2, 16, 0, 0, false},       // no mask, Tq != Tk
+    {1, 100, 150, 4, 2, 16, 200, 100, true},  // queries [200, 300) vs keys [100, 250)
+    {2, 100, 100, 4, 2, 16, 0, 64, true},     // keys start at 64: queries 0..63 see nothing
+    {1, 70, 130, 2, 1, 32, 0, 200, true},     // every key in every query's future
+};
+
+}  // namespace
+
+TEST_CASE("FlashAttention's error against float64 is at most twice naive attention's",
+          "[attention][flash]") {
+  Context ctx = Context::create(Device::CPU);
+  for (float q_std : {1.0f, 5.0f})
+    for (const AttentionBlock& a : kFlashBlocks) {
+      INFO(describe(a) << ", q std " << q_std);
+      FlashCase c(a, 31, q_std);
+      c.run(ctx);
+      BlockResult<double> ref = c.by_definition<double>();
+      BlockResult<float> naive = c.by_definition<float>();
+      require_flash_rule("out", max_error(to_host_floats(c.out), ref.out),
+                         max_error(naive.out, ref.out));
+      require_flash_rule("lse", max_error(to_host_floats(c.lse), ref.lse),
+                         max_error(naive.lse, ref.lse));
+      require_flash_rule("dq", max_error(to_host_floats(c.dq), ref.dq),
+                         max_error(naive.dq, ref.dq));
+      require_flash_rule("dk", max_error(to_host_floats(c.dk), ref.dk),
+                         max_error(naive.dk, ref.dk));
+      require_flash_rule("dv", max_error(to_host_floats(c.dv), ref.dv),
+                         max_error(naive.dv, ref.dv));
+
+      if (a.q0 != 0 || a.k0 != 0 || a.Tq != a.Tk || !a.causal) continue;
+      // The square causal block is what naive attention computes: hold flash to its error too.
+      AttentionShape s{a.B, a.Tq, a.Hq, a.Hkv, a.hd};
+      Tensor out = empty(c.out.shape, Mem::Activations),
+             probs = empty({a.B, a.Hq, a.Tq, a.Tq}, Mem::Activations);
+      Tensor scratch = empty(probs.shape, Mem::Workspace);
+      Tensor dq = empty(c.q.shape, Mem::Grads), dk = empty(c.k.shape, Mem::Grads),
+             dv = empty(c.v.shape, Mem::Grads);
+      attention_forward(ctx, out, probs, c.q, c.k, c.v, s);
+      attention_backward(ctx, dq, dk, dv, c.dout, c.q, c.k, c.v, probs, scratch, s);
+      // The float64 definition is right: naive attention, checked by finite differences above,
+      // lands within fp32 rounding of it (so the rule is not met by a wrong reference).
+      REQUIRE(max_error(to_host_floats(dq), ref.dq).worst < 1e-4);
+      require_flash_rule("out vs naive attention", max_error(to_host_floats(c.out), ref.out),
+                         max_error(to_host_floats(out), ref.out));
+      require_flash_rule("dq vs naive attention", max_error(to_host_floats(c.dq), ref.dq),
+                         max_error(to_host_floats(dq), ref.dq));
+      require_flash_rule("dk vs naive attention", max_error(to_host_floats(c.dk), ref.dk),
+                         max_error(to_host_floats(dk), ref.dk));
+      require_flash_rule("dv vs naive attention", max_error(to_host_floats(c.dv), ref.dv),
+                         max_error(to_host_floats(dv), ref.dv));
+    }
+}
+
+TEST_CASE("a query that sees no key gets output 0, lse -inf and zero gradients, never NaN",
+          "[attention][flash]") {
+  Context ctx = Context::create(Device::CPU);
+  // Keys at [64, 164): queries 0..63 (the whole first CPU tile, two CUDA tiles) see none.
+  FlashCase c({2, 100, 100, 4, 2, 16, 0, 64, true}, 32);
+  fill_(c.out, NAN);  // stale values must be overwritten, not skipped
+  c.run(ctx);
+  std::vector<float> out = to_host_floats(c.out), lse = to_host_floats(c.lse);
+  std::vector<float> dq = to_host_floats(c.dq);
+  const AttentionBlock& a = c.a;
+  for (int b = 0; b < a.B; b++)
+    for (int h = 0; h < a.Hq; h++)
+      for (int i = 0; i < a.Tq; i++) {
+        const float l = lse[((size_t)b * a.Hq + h) * a.Tq + i];
+        REQUIRE(!std::isnan(l));
+        REQUIRE((i < 64) == (l == -INFINITY));
+        for (int d = 0; d < a.hd; d++) {
+          const size_t idx = (((size_t)b * a.Tq + i) * a.Hq + h) * a.hd + d;
+          REQUIRE(!std::isnan(out[idx]));
+          REQUIRE(!std::isnan(dq[idx]));
+          if (i < 64) REQUIRE((out[idx] == 0.0f && dq[idx] == 0.0f));
+        }
+      }
+  // Keys 36..99 (positions 100..163) are in every query's future: no gradient reaches them.
+  std::vector<float> dk = to_host_floats(c.dk), dv = to_host_floats(c.dv);
+  for (int b = 0; b < a.B; b++)
+    for (int j = 0; j < a.Tk; j++)
+      for (int e = 0; e < a.Hkv * a.hd; e++) {
+        const size_t idx = ((size_t)b * a.Tk + j) * a.Hkv * a.hd + e;
+        REQUIRE((!std::isnan(dk[idx]) && !std::isnan(dv[idx])));
+        if (j >= 36) REQUIRE((dk[idx] == 0.0f && dv[idx] == 0.0f));
+      }
+}
+
+TEST_CASE("the LSE merge gives a side at -inf weight 0, without NaN", "[attention][flash]") {
+  Context ctx = Context::create(Device::CPU);
+  AttentionBlock a{1, 3, 0, 1, 1, 2};  // three queries, one head, hd 2 (Tk unused)
+  Tensor out = empty({3, 1, 2}, Mem::Activations), out2 = empty({3, 1, 2}, Mem::Activations);
+  Tensor lse = empty({1, 1, 3}, Mem::Activations), lse2 = empty({1, 1, 3}, Mem::Activations);
+  const float o1[] = {1, 2, 0, 0, 0, 0}, o2[] = {0, 0, 5, 6, 0, 0};
+  const float l1[] = {0.5f, -INFINITY, -INFINITY}, l2[] = {-INFINITY, 1.5f, -INFINITY};
+  from_host(out, o1), from_host(out2, o2), from_host(lse, l1), from_host(lse2, l2);
+  attention_lse_merge(ctx, out, lse, out2, lse2, a);
+  // Query 0 saw only side 1, query 1 only side 2, query 2 nothing: each result is exact.
+  REQUIRE(to_host_floats(out) == std::vector<float>{1, 2, 5, 6, 0, 0});
+  REQUIRE(to_host_floats(lse) == std::vector<float>{0.5f, 1.5f, -INFINITY});
+}
+
+namespace {
+// Tokens [start, start + len) of each of B sequences of a [B*T, width] host array.
+std::vector<float> tokens(const std::vector<float>& x, int B, int T, int width, int start,
+                          int len) {
+  std::vector<float> y;
+  for (int b = 0; b < B; b++)
+    y.insert(y.end(), x.begin() + ((size_t)b * T + start) * width,
+             x.begin() + ((size_t)b * T + start + len) * width);
+  return y;
+}
+Tensor host_tensor(const std::vector<float>& x, std::vector<int64_t> shape, Mem m) {
+  Tensor t = empty(shape, m);
+  from_host(t, x.data());
+  return t;
+}
+}  // namespace
+
+TEST_CASE("a ring of two: merged halves equal whole attention, forward and backward",
+          "[attention][flash]") {
+  // Context parallelism over 2 ranks (Playbook §7.2): rank r holds tokens [75r, 75r + 75) of
+  // each sequence. Each rank merges its queries' attention over both key halves by LSE; the
+  // backward computes D once from the merged output, then every block adds into dq of its
+  // query half and into dk, dv of its key half (what the ring passes on).
+  Context ctx = Context::create(Device::CPU);
+  for (bool causal : {true, false}) {
+    INFO((causal ? "causal" : "no mask"));
+    const int T = 150, half = 75;
+    AttentionBlock whole{2, T, T, 4, 2, 16, 0, 0, causal};
+    FlashCase c(whole, 33);
+    c.run(ctx);
+    const int qw = whole.Hq * whole.hd, kw = whole.Hkv * whole.hd;
+    std::vector<float> q = to_host_floats(c.q), k = to_host_floats(c.k), v = to_host_floats(c.v);
+    std::vector<float> dout = to_host_floats(c.dout);
+    auto qshape = std::vector<int64_t>{2 * half, whole.Hq, whole.hd};
+    auto kshape = std::vector<int64_t>{2 * half, whole.Hkv, whole.hd};
+    std::vector<Tensor> dk(2), dv(2);
+    for (int r = 0; r < 2; r++)
+      dk[r] = zeros(kshape, Mem::Grads), dv[r] = zeros(kshape, Mem::Grads);
+    for (int rq = 0; rq < 2; rq++) {  // the rank holding queries [75 rq, 75 rq + 75)
+      Tensor Q = host_tensor(tokens(q, 2, T, qw, rq * half, half), qshape, Mem::Activations);
+      Tensor dO = host_tensor(tokens(dout, 2, T, qw, rq * half, half), qshape, Mem::Activations);
+      Tensor out = empty(qshape, Mem::Activations),
+             lse = empty({2, whole.Hq, half}, Mem::Activations);
+      Tensor part = empty(qshape, Mem::Activations), part_lse = empty(lse.shape, Mem::Activations);
+      auto block = [&](int rk) {
+        AttentionBlock a = whole;
+        a.Tq = a.Tk = half, a.q0 = rq * half, a.k0 = rk * half;
+        return a;
+      };
+      auto K = [&](int rk) {
+        return host_tensor(tokens(k, 2, T, kw, rk * half, half), kshape, Mem::Activations);
+      };
+      auto V = [&](int rk) {
+        return host_tensor(tokens(v, 2, T, kw, rk * half, half), kshape, Mem::Activations);
+      };
+      // For causal, the block (queries 0..74, keys 75..149) is all masked: lse -inf, weight 0.
+      flash_attention_forward(ctx, out, lse, Q, K(0), V(0), block(0));
+      flash_attention_forward(ctx, part, part_lse, Q, K(1), V(1), block(1));
+      attention_lse_merge(ctx, out, lse, part, part_lse, block(1));
+      // fp32 merge of two partial softmaxes: a few ulp from the one-pass result.
+      require_close(
+          to_host_floats(out),
+          [&] {
+            std::vector<float> w = tokens(to_host_floats(c.out), 2, T, qw, rq * half, half);
+            return std::vector<double>(w.begin(), w.end());
+          }(),
+          1e-5);
+      Tensor D = empty(lse.shape, Mem::Activations), dQ = zeros(qshape, Mem::Grads);
+      attention_out_dot_dout(ctx, D, dO, out, block(0));
+      for (int rk = 0; rk < 2; rk++)
+        flash_attention_backward(ctx, dQ, dk[rk], dv[rk], dO, Q, K(rk), V(rk), lse, D, block(rk));
+      // Gradients sum over more terms in another order: 1e-4 of max(1, |value|).
+      std::vector<float> want = tokens(to_host_floats(c.dq), 2, T, qw, rq * half, half);
+      require_close(to_host_floats(dQ), std::vector<double>(want.begin(), want.end()), 1e-4);
+    }
+    for (int rk = 0; rk < 2; rk++) {  // dk, dv of each key half, summed over both query halves
+      std::vector<float> wk = tokens(to_host_floats(c.dk), 2, T, kw, rk * half, half);
+      std::vector<float> wv = tokens(to_host_floats(c.dv), 2, T, kw, rk * half, half);
+      require_close(to_host_floats(dk[rk]), std::vector<double>(wk.begin(), wk.end()), 1e-4);
+      require_close(to_host_floats(dv[rk]), std::vector<double>(wv.begin(), wv.end()), 1e-4);
+    }
+  }
+}
+
+TEST_CASE("FlashAttention's memory grows like T, naive attention's probabilities like T^2",
+          "[attention][flash]") {
+  // Playbook §12.8: flash keeps the output and one lse per (query, head) and works in tiles;
+  // naive keeps [B, Hq, T, T] probabilities (and backward a second such buffer).
+  Context ctx = Context::create(Device::CPU);
+  std::vector<double> flash_bytes, naive_bytes;
+  const int Ts[] = {256, 512, 1024, 2048};
+  for (int T : Ts) {
+    AttentionBlock a{1, T, T, 4, 2, 32, 0, 0, true};
+    FlashCase c(a, 34);
+    // Flash: what the forward keeps besides its output (lse) and D for backward, plus the
+    // peak workspace of forward and backward, measured by the allocator's counters.
+    size_t base = memory_stats().current[(int)Mem::Workspace];
+    memory_reset_peak();
+    c.run(ctx);
+    size_t workspace = memory_stats().peak[(int)Mem::Workspace] - base;
+    flash_bytes.push_back((double)(workspace + c.lse.nbytes() + c.D.nbytes()));
+    // Naive: the probabilities its forward keeps and the scratch its backward needs, as the
+    // allocator counts them when allocated for it.
+    size_t before =
+        memory_stats().current[(int)Mem::Activations] + memory_stats().current[(int)Mem::Workspace];
+    Tensor probs = empty({a.B, a.Hq, T, T}, Mem::Activations);
+    Tensor scratch = empty(probs.shape, Mem::Workspace);
+    naive_bytes.push_back((double)(memory_stats().current[(int)Mem::Activations] +
+                                   memory_stats().current[(int)Mem::Workspace] - before));
+    INFO("T " << T << ": flash " << flash_bytes.back() << " B (workspace " << workspace
+              << " B), naive " << naive_bytes.back() << " B");
+    REQUIRE(workspace > 0);  // the tiles are counted, so the measurement sees them
+    if (flash_bytes.size() == 1) continue;
+    size_t n = flash_bytes.size();
+    REQUIRE(flash_bytes[n - 1] <= 2.0 * flash_bytes[n - 2]);  // doubling T at most doubles it
+    REQUIRE(naive_bytes[n - 1] == 4.0 * naive_bytes[n - 2]);  // doubling T quadruples it
+  }
+  REQUIRE(flash_bytes.back() * 100 < naive_bytes.back());  // at T = 2048, under 1%
+}
+
+// ----------------------------------------------------------------------------
+// CUDA FlashAttention against the CPU version.
+
+namespace {
+// |got - want| <= tol * max(1, largest |want|), -inf matching exactly, no NaN.
+template <class G, class W>
+void require_near(const char* what, const std::vector<G>& got, const std::vector<W>& want,
+                  double tol) {
+  Error e = max_error(got, want);
+  INFO(what << ": worst error " << e.worst << ", largest value " << e.scale << ", tolerance " << tol
+            << " of max(1, largest)");
+  REQUIRE(e.worst <= tol * std::max(1.0, e.scale));
+}
+Tensor on_gpu(const Tensor& t) {
+  return to_device(t, Device::CUDA, Mem::Activations);
+}
+Tensor gpu_zeros(const Tensor& like) {
+  return zeros(like.shape, Mem::Grads, Device::CUDA);
+}
+
+// The nearest bf16 value (round to nearest even), as a float: inputs rounded so, the CPU and
+// the bf16 kernels see exactly the same numbers.
+float round_to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&x, &bits, 4);
+  return x;
+}
+void round_to_bf16(const Tensor& t) {
+  std::vector<float> x = to_host_floats(t);
+  for (float& e : x) e = round_to_bf16(e);
+  from_host(t, x.data());
+}
+// bf16 values on the device, held in an F32 tensor of half the length (the Tensor type has no
+// bf16 dtype yet), so the allocator still counts them.
+struct Bf16Buffer {
+  Tensor storage;
+  __nv_bfloat16* ptr() const { return reinterpret_cast<__nv_bfloat16*>(storage.ptr); }
+};
+Bf16Buffer to_bf16_gpu(const Context& ctx, const Tensor& cpu) {
+  Tensor f = on_gpu(cpu);
+  Bf16Buffer b{empty({(cpu.numel() + 1) / 2}, Mem::Activations, Device::CUDA)};
+  convert_to_bf16(ctx, b.ptr(), f.f32(), cpu.numel());
+  ctx.synchronize();  // before f is freed
+  return b;
+}
+Bf16Buffer bf16_gpu_like(const Tensor& cpu) {
+  return {empty({(cpu.numel() + 1) / 2}, Mem::Activations, Device::CUDA)};
+}
+std::vector<float> bf16_to_host(const Bf16Buffer& b, int64_t n) {
+  std::vector<uint16_t> bits(n);
+  CUDA_CHECK(cudaMemcpy(bits.data(), b.ptr(), n * 2, cudaMemcpyDeviceToHost));
+  std::vector<float> x(n);
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t u = (uint32_t)bits[i] << 16;
+    std::memcpy(&x[i], &u, 4);
+  }
+  return x;
+}
+
+#define SKIP_WITHOUT_CUDA()       \
+  if (!cuda_available()) {        \
+    WARN("SKIP: no CUDA device"); \
+    return;                       \
+  }
+}  // namespace
+
+TEST_CASE("CUDA FlashAttention (fp32) matches the CPU version", "[attention][flash][gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context cpu = Context::create(Device::CPU), gpu = Context::create(Device::CUDA);
+  std::vector<AttentionBlock> blocks(std::begin(kFlashBlocks), std::end(kFlashBlocks));
+  blocks.push_back({1, 200, 200, 2, 1, 64, 0, 0, true});  // the model-sized head dims
+  blocks.push_back({2, 100, 100, 2, 2, 128, 0, 0, true});
+  blocks.push_back({1, 33, 97, 3, 3, 24, 40, 0, true});  // a head dim no template has exactly
+  for (float q_std : {1.0f, 5.0f})
+    for (const AttentionBlock& a : blocks) {
+      INFO(describe(a) << ", q std " << q_std);
+      FlashCase c(a, 41, q_std);
+      c.run(cpu);
+      Tensor q = on_gpu(c.q), k = on_gpu(c.k), v = on_gpu(c.v), dout = on_gpu(c.dout);
+      Tensor out = empty(c.out.shape, Mem::Activations, Device::CUDA);
+      Tensor lse = empty(c.lse.shape, Mem::Activations, Device::CUDA);
+      Tensor D = empty(c.D.shape, Mem::Activations, Device::CUDA);
+      Tensor dq = gpu_zeros(c.dq), dk = gpu_zeros(c.dk), dv = gpu_zeros(c.dv);
+      flash_attention_forward(gpu, out, lse, q, k, v, a);
+      attention_out_dot_dout(gpu, D, dout, out, a);
+      flash_attention_backward(gpu, dq, dk, dv, dout, q, k, v, lse, D, a);
+      gpu.synchronize();
+      // Forward: the same fp32 math in another summation order, a few ulp: 1e-5. Gradients sum
+      // over a whole sequence of keys or queries, dq through atomics in any order: 1e-4.
+      require_near("out", to_host_floats(out), to_host_floats(c.out), 1e-5);
+      require_near("lse", to_host_floats(lse), to_host_floats(c.lse), 1e-5);
+      require_near("D", to_host_floats(D), to_host_floats(c.D), 1e-5);
+      require_near("dq", to_host_floats(dq), to_host_floats(c.dq), 1e-4);
+      require_near("dk", to_host_floats(dk), to_host_floats(c.dk), 1e-4);
+      require_near("dv", to_host_floats(dv), to_host_floats(c.dv), 1e-4);
+    }
+  gpu.destroy();
+}
+
+TEST_CASE("CUDA LSE merge matches the CPU version, -inf sides included",
+          "[attention][flash][gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context cpu = Context::create(Device::CPU), gpu = Context::create(Device::CUDA);
+  AttentionBlock a{2, 37, 0, 3, 1, 16};
+  Tensor out = empty({2 * 37, 3, 16}, Mem::Activations), out2 = empty(out.shape, Mem::Activations);
+  Tensor lse = empty({2, 3, 37}, Mem::Activations), lse2 = empty(lse.shape, Mem::Activations);
+  init_normal(out, 42, "out", 1.0f), init_normal(out2, 42, "out2", 1.0f);
+  init_normal(lse, 42, "lse", 3.0f), init_normal(lse2, 42, "lse2", 3.0f);
+  std::vector<float> l1 = to_host_floats(lse), l2 = to_host_floats(lse2);
+  for (size_t i = 0; i < l1.size(); i += 5) l1[i] = -INFINITY;  // some rows unseen on one side,
+  for (size_t i = 0; i < l2.size(); i += 3) l2[i] = -INFINITY;  // some (i % 15 == 0) on both
+  from_host(lse, l1.data()), from_host(lse2, l2.data());
+  Tensor out_g = on_gpu(out), lse_g = on_gpu(lse), out2_g = on_gpu(out2), lse2_g = on_gpu(lse2);
+  attention_lse_merge(cpu, out, lse, out2, lse2, a);
+  attention_lse_merge(gpu, out_g, lse_g, out2_g, lse2_g, a);
+  gpu.synchronize();
+  require_near("out", to_host_floats(out_g), to_host_floats(out), 1e-6);  // expf: an ulp or two
+  require_near("lse", to_host_floats(lse_g), to_host_floats(lse), 1e-6);
+  gpu.destroy();
+}
+
+TEST_CASE("CUDA FlashAttention (bf16 tensor cores) matches the CPU version on bf16 inputs",
+          "[attention][flash][gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context cpu = Context::create(Device::CPU), gpu = Context::create(Device::CUDA);
+  const AttentionBlock blocks[] = {
+      {2, 100, 100, 4, 2, 64, 0, 0, true},      // GQA, partial tiles
+      {1, 130, 130, 2, 1, 128, 0, 0, true},     // MQA, hd 128
+      {2, 90, 70, 4, 4, 32, 0, 0, false},       // no mask, Tq != Tk
+      {2, 100, 100, 4, 2, 16, 0, 64, true},     // the first query tile sees nothing
+      {1, 100, 150, 4, 2, 64, 200, 100, true},  // offsets
+  };
+  for (const AttentionBlock& a : blocks) {
+    INFO(describe(a));
+    FlashCase c(a, 43);
+    for (const Tensor* t : {&c.q, &c.k, &c.v, &c.dout}) round_to_bf16(*t);
+    c.run(cpu);
+    Bf16Buffer q = to_bf16_gpu(gpu, c.q), k = to_bf16_gpu(gpu, c.k), v = to_bf16_gpu(gpu, c.v);
+    Bf16Buffer dout = to_bf16_gpu(gpu, c.dout), out = bf16_gpu_like(c.out);
+    Tensor lse = empty(c.lse.shape, Mem::Activations, Device::CUDA);
+    Tensor D = empty(c.D.shape, Mem::Activations, Device::CUDA);
+    Tensor dq = gpu_zeros(c.dq), dk = gpu_zeros(c.dk), dv = gpu_zeros(c.dv);
+    flash_attention_forward_bf16(gpu, out.ptr(), lse.f32(), q.ptr(), k.ptr(), v.ptr(), a);
+    attention_out_dot_dout_bf16(gpu, D.f32(), dout.ptr(), out.ptr(), a);
+    flash_attention_backward_bf16(gpu, dq.f32(), dk.f32(), dv.f32(), dout.ptr(), q.ptr(), k.ptr(),
+                                  v.ptr(), lse.f32(), D.f32(), a);
+    gpu.synchronize();
+    // Same inputs on both sides, so the scores agree to fp32 rounding and lse to 1e-3. What
+    // bf16 changes: P (and dS) are rounded to bf16 (relative 2^-9 each) before the second GEMMs,
+    // and out is stored as bf16 (2^-9): out within 2e-2, gradients within 3e-2 of the largest.
+    require_near("out", bf16_to_host(out, c.out.numel()), to_host_floats(c.out), 2e-2);
+    require_near("lse", to_host_floats(lse), to_host_floats(c.lse), 1e-3);
+    require_near("dq", to_host_floats(dq), to_host_floats(c.dq), 3e-2);
+    require_near("dk", to_host_floats(dk), to_host_floats(c.dk), 3e-2);
+    require_near("dv", to_host_floats(dv), to_host_floats(c.dv), 3e-2);
   }
   gpu.destroy();
 }

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <map>
 
 #include "model.cuh"
 #include "ops.cuh"
@@ -218,4 +219,79 @@ TEST_CASE("three stages chained by their hidden states equal the whole model, bi
           checked++;
         }
   REQUIRE(checked == (int)whole.named_grads.size());  // every tensor on exactly one stage
+}
+
+// Playbook §12.8: FlashAttention keeps the output and one log-sum-exp per query and head, so a
+// block's saved activations grow linearly with T; naive attention keeps [B, H, T, T]
+// probabilities. Measured from the tensors the forward keeps (the allocator's category), next
+// to model.cu's formula, at T = 256 ... 2048. Expected growth from the closed form: exactly 2x
+// per doubling with flash; with naive the T^2 term (4 Hq T per token) comes to dominate.
+TEST_CASE("a block keeps O(T) activations with FlashAttention and O(T^2) with naive attention",
+          "[model]") {
+  Context ctx = Context::create(Device::CPU);
+  ModelConfig c = small_config();
+  c.layers = 1;
+  std::map<Attention, std::vector<int64_t>> bytes;
+  for (Attention attention : {Attention::Flash, Attention::Naive})
+    for (int T : {256, 512, 1024, 2048}) {
+      c.seq = T;
+      Model m = build_model(c, Device::CPU, 2);
+      m.attention = attention;
+      std::vector<int32_t> ids(T), tgt(T);
+      random_tokens(ids, c.vocab, 8), random_tokens(tgt, c.vocab, 9);
+      size_t before = memory_stats().current[(int)Mem::Activations];
+      Activations acts;
+      model_forward(ctx, m, acts, ids.data(), tgt.data(), 1, T, Recompute::None);
+      int64_t measured = saved_bytes(acts.blocks[0]);
+      INFO(attention_name(attention) << " at T " << T);
+      REQUIRE(measured == activation_bytes_per_block(c, 1, T, 1, false, Recompute::None, attention));
+      REQUIRE((int64_t)(memory_stats().current[(int)Mem::Activations] - before) >= measured);
+      // Per token, D 16, Hkv hd 8, F 24, Hq 4: N (16 D + 8) + N (8 D + 8 Hkv hd + 12 F) + lse or
+      // probabilities, all in bytes.
+      int64_t linear = (int64_t)T * (16 * 16 + 8) + (int64_t)T * (8 * 16 + 8 * 8 + 12 * 24);
+      REQUIRE(measured == linear + (attention == Attention::Flash ? 4 * 4 * (int64_t)T
+                                                                  : 4 * 4 * (int64_t)T * T));
+      bytes[attention].push_back(measured);
+    }
+  for (size_t i = 1; i < bytes[Attention::Flash].size(); i++) {
+    REQUIRE(bytes[Attention::Flash][i] == 2 * bytes[Attention::Flash][i - 1]);
+    REQUIRE(bytes[Attention::Naive][i] > 3 * bytes[Attention::Naive][i - 1]);
+  }
+}
+
+// The model's gradient with FlashAttention against naive attention, element by element: the
+// two compute the same function, their fp32 sums in different orders (~1e-7 relative per
+// score); 1e-5 of each tensor's scale allows that and fails for a wrong mask, scale or head.
+TEST_CASE("FlashAttention and naive attention give the same loss and gradients", "[model]") {
+  Context ctx = Context::create(Device::CPU);
+  ModelConfig c = small_config();
+  c.seq = 70;  // not a multiple of the 64-token tile
+  for (int kv : {4, 2, 1}) {  // MHA, GQA, MQA
+    c.kv_heads = kv;
+    int B = 2, T = c.seq;
+    std::vector<int32_t> ids(B * T), tgt(B * T);
+    random_tokens(ids, c.vocab, 10), random_tokens(tgt, c.vocab, 11);
+    std::vector<Model> models;
+    std::vector<float> losses;
+    for (Attention attention : {Attention::Naive, Attention::Flash}) {
+      models.push_back(build_model(c, Device::CPU, 4));
+      models.back().attention = attention;
+      Activations acts;
+      losses.push_back(model_forward(ctx, models.back(), acts, ids.data(), tgt.data(), B, T,
+                                     Recompute::Selective));
+      model_backward(ctx, models.back(), acts, 1.0f / (B * T), Recompute::Selective);
+    }
+    INFO("kv heads " << kv);
+    REQUIRE(losses[1] == Approx(losses[0]).epsilon(1e-6));
+    for (size_t i = 0; i < models[0].named_grads.size(); i++) {
+      std::vector<float> naive = to_host_floats(models[0].named_grads[i].tensor);
+      std::vector<float> flash = to_host_floats(models[1].named_grads[i].tensor);
+      double scale = 0;
+      for (float g : naive) scale = std::max(scale, (double)std::abs(g));
+      for (size_t k = 0; k < naive.size(); k++) {
+        INFO(models[0].named_grads[i].name << "[" << k << "]");
+        REQUIRE(std::abs(flash[k] - naive[k]) <= 1e-5 * scale + 1e-9);
+      }
+    }
+  }
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # gpu_check.sh: one call on a GPU machine (`make gpu-check`). Sets up, then runs every GPU test,
-# the CUDA-vs-CPU training comparison, short CUDA training runs of tiny and medium, the step and
-# collective benchmarks and, where the machine allows, compute-sanitizer; prints a summary table
+# the CUDA-vs-CPU training comparison, short CUDA training runs of tiny and medium, the step,
+# collective and FlashAttention benchmarks (the last against PyTorch's flash backend) and, where the machine allows, compute-sanitizer; prints a summary table
 # LAST. A failing or stuck step is recorded (each has a timeout) and the next one runs.
 #
 # Setup: with gpu_bundle/ (made beforehand by tools/gpu_bundle.sh and carried over) it unpacks
@@ -142,13 +142,13 @@ if [ -d gpu_bundle ]; then
     tar -xzf gpu_bundle/lib.tar.gz -C "$WORK/bundle"
     tar -xzf gpu_bundle/bin.tar.gz -C "$WORK/bundle"
     cp "$WORK/bundle/bin/train" .
-    cp "$WORK/bundle"/bin/{unit_tests,mpi_tests,bench_step,bench_comm} build/
+    cp "$WORK/bundle"/bin/{unit_tests,mpi_tests,bench_step,bench_comm,bench_attention} build/
   }
   run_step setup 120 bash -c "$(declare -f setup); WORK=$WORK UNPACK_ROOT=$UNPACK_ROOT; setup"
   SETUP_DETAIL="unpacked gpu_bundle ($(sed -n 2p gpu_bundle/MANIFEST.txt 2>/dev/null))"
   LIBDIRS=$WORK/bundle/lib
 else
-  run_step setup 400 bash -c 'export PATH=$PATH:/usr/local/cuda/bin; make -j"$(nproc)" train build/unit_tests build/mpi_tests build/bench_step build/bench_comm'
+  run_step setup 400 bash -c 'export PATH=$PATH:/usr/local/cuda/bin; make -j"$(nproc)" train build/unit_tests build/mpi_tests build/bench_step build/bench_comm build/bench_attention'
   SETUP_DETAIL="built here (no gpu_bundle/)"
 fi
 if [ "$STEP_RC" -eq 0 ]; then
@@ -206,7 +206,8 @@ if run_step mpi_singleton 60 "$RUN" ./train --help; then
 fi
 
 # ---- every kernel against its CPU reference; CUDA training against the CPU run ----
-catch_step unit_gpu 180 "$RUN" build/unit_tests "[gpu]~a CUDA training run*,[cuda]" --use-colour no
+catch_step unit_gpu 180 "$RUN" build/unit_tests "[gpu]~[flash]~a CUDA training run*,[cuda]" --use-colour no
+catch_step unit_gpu_flash 120 "$RUN" build/unit_tests "[flash][gpu]" --use-colour no
 catch_step train_cuda_vs_cpu 150 "$RUN" build/unit_tests "a CUDA training run*" --use-colour no
 
 # ---- collectives and vocab-parallel cross-entropy on device buffers: 1 rank, 2 ranks on one GPU ----
@@ -273,6 +274,32 @@ if run_step bench_comm 200 $MPIRUN -np 2 build/bench_comm --bandwidth-only; then
   else fail bench_comm "exit $STEP_RC; ${rows:-no 256 MiB rows}"; fi
 fi
 
+# ---- FlashAttention TFLOP/s, ours (fp32, bf16) and PyTorch's flash backend (bf16), same shapes ----
+flash_rows() { grep -E "^\| $1 +\| $2 " "$LOGS/$3.log" | tr -d ' ' | cut -d'|' -f4-7; }  # hd|T|fwd|bwd
+if run_step flash_bench 240 "$RUN" build/bench_attention --cuda-only; then
+  rows=$(flash_rows ours bf16 flash_bench | awk -F'|' '$2 == 16384 { printf "%shd %s: fwd %s bwd %s", (n++ ? "; " : ""), $1, $3, $4 }')
+  f32=$(flash_rows ours fp32 flash_bench | awk -F'|' '$2 == 16384 { printf "%shd %s: fwd %s bwd %s", (n++ ? "; " : ""), $1, $3, $4 }')
+  if [ "$STEP_RC" -eq 0 ] && [ -n "$rows" ]; then
+    record flash_bench PASS "$STEP_SECONDS" "TFLOP/s at T 16k, bf16 $rows; fp32 $f32"
+  else fail flash_bench "exit $STEP_RC; ${rows:-no bf16 rows}"; fi
+fi
+# The machine's own python and PyTorch (not the bundle's libraries); exit 3: no PyTorch there.
+if run_step flash_torch 240 python3 tools/flash_bench_torch.py; then
+  if [ "$STEP_RC" -eq 3 ]; then record flash_torch SKIP "$STEP_SECONDS" "$(head -1 "$LOGS/flash_torch.log")"
+  elif [ "$STEP_RC" -ne 0 ]; then fail flash_torch "exit $STEP_RC"
+  else
+    # Per (hd, T): ours / PyTorch's, forward and backward; targets 60% and 50% on every row.
+    detail=$(join -t'|' <(flash_rows ours bf16 flash_bench | awk -F'|' '{print $1"/"$2"|"$3"|"$4}' | sort) \
+                        <(flash_rows torch bf16 flash_torch | awk -F'|' '{print $1"/"$2"|"$3"|"$4}' | sort) | awk -F'|' '
+      { f = $2 / $4; b = $3 / $5; if (n++ == 0 || f < fmin) fmin = f; if (n == 1 || b < bmin) bmin = b
+        if ($1 ~ /\/16384$/) last = last sprintf("; hd %s: fwd %.0f%% bwd %.0f%%", substr($1, 1, index($1, "/") - 1), 100 * f, 100 * b) }
+      END { if (n == 0) { print "no rows to compare"; exit }
+            printf "targets %s: ours / PyTorch worst fwd %.0f%% bwd %.0f%% over %d shapes (targets 60%%, 50%%)%s", (fmin >= 0.6 && bmin >= 0.5 ? "met" : "NOT met"), 100 * fmin, 100 * bmin, n, last }')
+    if [[ $detail == "targets met"* ]]; then record flash_torch PASS "$STEP_SECONDS" "$detail"
+    else record flash_torch FAIL "$STEP_SECONDS" "$detail"; fi
+  fi
+fi
+
 # ---- compute-sanitizer, where the machine supports it (Firecracker yes, gVisor no) ----
 SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer \
   /usr/local/cuda*/compute-sanitizer/compute-sanitizer /opt/nvidia/*/compute-sanitizer 2>/dev/null | head -1)
@@ -293,6 +320,7 @@ sanitize() {  # name cap tool binary tests (an MPI binary runs as one process: a
 sanitize memcheck 150 memcheck build/unit_tests "[gpu]~a CUDA training run*"
 # The kernels that reduce through shared memory (racecheck looks at nothing else).
 sanitize racecheck 120 racecheck build/unit_tests "CUDA rmsnorm*,CUDA cross-entropy*,CUDA sum*"
+sanitize racecheck_flash 150 racecheck build/unit_tests "CUDA FlashAttention*"
 sanitize racecheck_tp 90 racecheck build/mpi_tests "CUDA vocab-parallel*"
 
 # ---- summary, last ----
