@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "ops.cuh"
+#include "reference.cuh"
 
 namespace {
 
@@ -22,12 +23,6 @@ Tensor ints(const std::vector<int32_t>& v) {
   from_host(t, v.data());
   return t;
 }
-std::vector<float> normal(int64_t n, const std::string& name, double mean, double std) {
-  uint64_t key = rng_key(11, name);
-  std::vector<float> v(n);
-  for (int64_t i = 0; i < n; i++) v[i] = (float)(mean + std * rng_normal(key, i));
-  return v;
-}
 
 }  // namespace
 
@@ -42,8 +37,8 @@ TEST_CASE(
   const int D = 40;
   const std::vector<double> row_rms = {1e-3, 3e-3, 1e-2, 0.1, 1.0};  // eps matters for the first
   const int T = (int)row_rms.size();
-  std::vector<float> x = normal(T * D, "x", 0, 1), w = normal(D, "w", 1, 0.3),
-                     dy = normal(T * D, "dy", 0, 1);
+  std::vector<float> x = reference_normal(T * D, "x", 0, 1), w = reference_normal(D, "w", 1, 0.3),
+                     dy = reference_normal(T * D, "dy", 0, 1);
   for (int t = 0; t < T; t++)
     for (int j = 0; j < D; j++) x[t * D + j] *= (float)row_rms[t];
   for (float eps : {1e-5f, 1e-2f}) {
@@ -90,7 +85,8 @@ TEST_CASE(
 TEST_CASE("cross-entropy of large and skewed logits matches a float64 logsumexp",
           "[ops][reference]") {
   const int N = 6, V = 50;
-  std::vector<float> logits = normal(N * V, "logits", 10, 25);   // 10 +- 25: maxima ~ 60..80
+  std::vector<float> logits =
+      reference_normal(N * V, "logits", 10, 25);                 // 10 +- 25: maxima ~ 60..80
   for (int v = 0; v < V; v++) logits[1 * V + v] = -1000.0f + v;  // every logit very negative
   for (int v = 0; v < V; v++) logits[2 * V + v] = v == V - 1 ? 90.0f : -90.0f;  // max at the end
   for (int v = 0; v < V; v++) logits[3 * V + v] = 88.0f;  // near fp32's exp overflow, uniform
@@ -101,15 +97,11 @@ TEST_CASE("cross-entropy of large and skewed logits matches a float64 logsumexp"
   cross_entropy_backward(kCpu, dlogits, L, tgt, 0.25f);
   std::vector<float> got = to_host_floats(losses), grad = to_host_floats(dlogits);
   for (int i = 0; i < N; i++) {
-    double m = -INFINITY, s = 0;
-    for (int v = 0; v < V; v++) m = std::max(m, (double)logits[i * V + v]);
-    for (int v = 0; v < V; v++) s += std::exp(logits[i * V + v] - m);
-    double lse = m + std::log(s), want = lse - logits[i * V + targets[i]];
-    // fp32: the loss is a difference of terms up to ~1000, so its rounding is ~1e-4 absolute
-    // (ulp(1000) = 6e-5); 1e-6 relative to lse's size plus 1e-5 allows that. inf or nan fails.
+    double lse = logsumexp64(&logits[i * V], V), want = lse - logits[i * V + targets[i]];
+    // fp32: a difference of terms up to |lse| ~ 1000 (ulp 6e-5). inf or nan fails.
     INFO("row " << i << ": " << got[i] << " vs " << want);
     REQUIRE(std::isfinite(got[i]));
-    REQUIRE(std::abs(got[i] - want) <= 1e-6 * std::abs(lse) * 4 + 1e-5);
+    REQUIRE(std::abs(got[i] - want) <= ce_loss_tolerance(lse));
     for (int v = 0; v < V; v++) {
       double p = std::exp(logits[i * V + v] - lse);
       double want_g = 0.25 * (p - (v == targets[i]));
@@ -125,7 +117,8 @@ TEST_CASE("cross-entropy of large and skewed logits matches a float64 logsumexp"
 TEST_CASE("rope: q . k scores are unchanged when every position shifts by the same amount",
           "[ops][reference]") {
   const int T = 9, H = 2, hd = 16;
-  std::vector<float> q = normal(T * H * hd, "q", 0, 1), k = normal(T * H * hd, "k", 0, 1);
+  std::vector<float> q = reference_normal(T * H * hd, "q", 0, 1),
+                     k = reference_normal(T * H * hd, "k", 0, 1);
   std::vector<int32_t> pos(T);
   for (int t = 0; t < T; t++) pos[t] = 3 * t + (t % 2);  // uneven gaps
   auto scores = [&](int shift, float theta) {

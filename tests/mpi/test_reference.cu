@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../golden.cuh"
+#include "../reference.cuh"
 #include "data_parallel.cuh"
 #include "model.cuh"
 #include "ops.cuh"
@@ -18,33 +19,21 @@ namespace {
 const Context kCpu;
 constexpr double kUnit = 0x1p-24;  // fp32 unit roundoff
 
-int world_size() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
 // A communicator on the whole world, as dp (or tp) = world, freed at the end of the case.
 struct WorldComm {
   Comm c;
   TensorParallel tp;
   explicit WorldComm(bool as_tp) {
-    c = comm_init(as_tp ? 1 : world_size(), 1, 1, as_tp ? world_size() : 1, "mpi", Device::CPU, 60);
+    int n = 1;
+    MPI_Comm_size(MPI_COMM_WORLD, &n);
+    c = comm_init(as_tp ? 1 : n, 1, 1, as_tp ? n : 1, "mpi", Device::CPU, 60);
     tp.comm = &c;
   }
+  int size() const { return c.grid.world_size; }
+  int rank() const { return c.grid.world_rank; }
   ~WorldComm() { comm_destroy(c); }
 };
 // Element i of the tensor `name`: mean + std N(0,1), the same on every rank that asks.
-std::vector<float> normal(int64_t n, const std::string& name, double mean = 0, double std = 1) {
-  uint64_t key = rng_key(3, name);
-  std::vector<float> v(n);
-  for (int64_t i = 0; i < n; i++) v[i] = (float)(mean + std * rng_normal(key, i));
-  return v;
-}
 std::string of_rank(const std::string& name, int r) {
   return name + ".rank" + std::to_string(r);
 }
@@ -58,8 +47,9 @@ std::string of_rank(const std::string& name, int r) {
 TEST_CASE("vocab-parallel cross-entropy of large and skewed logits matches a float64 one",
           "[mpi][reference]") {
   WorldComm w(true);
-  const int n = world_size(), r = world_rank(), Vl = 7, V = Vl * n, v0 = r * Vl, N = 8;
-  std::vector<float> logits = normal(N * V, "logits", 10, 25);  // the full [N, V], every rank
+  const int n = w.size(), r = w.rank(), Vl = 7, V = Vl * n, v0 = r * Vl, N = 8;
+  std::vector<float> logits =
+      reference_normal(N * V, "logits", 10, 25);  // the full [N, V], every rank
   for (int v = 0; v < V; v++) {
     logits[4 * V + v] = v < V - Vl ? -1000.0f + v : 80.0f - v;  // max on the last rank only
     logits[5 * V + v] = v < Vl ? 60.0f + v : -3000.0f;          // max on rank 0, the rest tiny
@@ -80,14 +70,11 @@ TEST_CASE("vocab-parallel cross-entropy of large and skewed logits matches a flo
   vocab_parallel_cross_entropy_backward(w.tp, kCpu, dlogits, local, stats, ltgt, 0.5f);
   std::vector<float> got = to_host_floats(losses), grad = to_host_floats(dlogits);
   for (int i = 0; i < N; i++) {
-    double m = -INFINITY, s = 0;
-    for (int v = 0; v < V; v++) m = std::max(m, (double)logits[i * V + v]);
-    for (int v = 0; v < V; v++) s += std::exp(logits[i * V + v] - m);
-    double lse = m + std::log(s), want = lse - logits[i * V + targets[i]];
-    // fp32 terms up to |lse| ~ 500 (ulp 3e-5): 4 ulp of |lse| plus 1e-5. inf or nan fail.
+    double lse = logsumexp64(&logits[i * V], V), want = lse - logits[i * V + targets[i]];
+    // fp32: a difference of terms up to |lse| ~ 500 (ulp 3e-5). inf or nan fails.
     INFO("rank " << r << " of " << n << ", row " << i << ": " << got[i] << " vs " << want);
     REQUIRE(std::isfinite(got[i]));
-    REQUIRE(std::abs(got[i] - want) <= 8 * kUnit * std::abs(lse) + 1e-5);
+    REQUIRE(std::abs(got[i] - want) <= ce_loss_tolerance(lse));
     for (int v = 0; v < Vl; v++) {
       double p = std::exp(logits[i * V + v0 + v] - lse);
       // The probability inherits the loss's absolute error as a relative one: ~1e-4 of 0.5.
@@ -102,14 +89,14 @@ TEST_CASE("vocab-parallel cross-entropy of large and skewed logits matches a flo
 TEST_CASE("ring all-reduce equals a float64 sum for counts 0, 1, N-1, N+1 and a large prime",
           "[mpi][reference]") {
   WorldComm w(false);
-  const int n = world_size(), r = world_rank();
+  const int n = w.size(), r = w.rank();
   for (int64_t count : {int64_t(0), int64_t(1), int64_t(n - 1), int64_t(n + 1), int64_t(100003)}) {
     INFO("count " << count << " on " << n << " ranks");
-    std::vector<float> buf = normal(count, of_rank("ring", r));
+    std::vector<float> buf = reference_normal(count, of_rank("ring", r));
     buf.push_back(12345.0f);  // a sentinel just past the end: nothing may write it
     std::vector<double> want(count, 0), abs_sum(count, 0);
     for (int q = 0; q < n; q++) {
-      std::vector<float> x = normal(count, of_rank("ring", q));
+      std::vector<float> x = reference_normal(count, of_rank("ring", q));
       for (int64_t i = 0; i < count; i++) want[i] += x[i], abs_sum[i] += std::abs(x[i]);
     }
     ring_all_reduce(w.c, w.c.dp, kCpu, buf.data(), count);
@@ -147,12 +134,12 @@ TEST_CASE(
     "and exact copies",
     "[mpi][reference]") {
   WorldComm w(false);
-  const int n = world_size(), r = world_rank();
+  const int n = w.size(), r = w.rank();
   const int64_t count = 1001;
-  std::vector<float> buf = normal(count * n, of_rank("rs", r));  // [n, count]
+  std::vector<float> buf = reference_normal(count * n, of_rank("rs", r));  // [n, count]
   std::vector<double> want(count, 0), abs_sum(count, 0);
   for (int q = 0; q < n; q++) {
-    std::vector<float> x = normal(count * n, of_rank("rs", q));
+    std::vector<float> x = reference_normal(count * n, of_rank("rs", q));
     for (int64_t i = 0; i < count; i++)
       want[i] += x[r * count + i], abs_sum[i] += std::abs(x[r * count + i]);
   }
@@ -163,11 +150,11 @@ TEST_CASE(
   REQUIRE(bad == 0);
 
   std::vector<float> gathered(count * n, -1.0f);
-  std::vector<float> mine = normal(count, of_rank("ag", r));
+  std::vector<float> mine = reference_normal(count, of_rank("ag", r));
   std::copy(mine.begin(), mine.end(), gathered.begin() + r * count);
   all_gather(w.c, w.c.dp, kCpu, gathered.data() + r * count, gathered.data(), count);
   for (int q = 0; q < n; q++) {
-    std::vector<float> x = normal(count, of_rank("ag", q));
+    std::vector<float> x = reference_normal(count, of_rank("ag", q));
     REQUIRE(std::equal(x.begin(), x.end(), gathered.begin() + q * count));
   }
 }
@@ -176,22 +163,22 @@ TEST_CASE(
 // on the way in and back out (which a save/load round trip alone cannot see).
 TEST_CASE("a transformers checkpoint loaded into tp shards is assembled into the same bytes",
           "[mpi][reference]") {
-  const int n = world_size();
+  WorldComm w(true);
+  const int n = w.size();
   if (4 % n != 0) {  // the fixtures have 4 heads, ffn 32 and vocab 32
     WARN("SKIP: the golden fixtures (4 heads) cannot be split over tp " << n);
     return;
   }
-  WorldComm w(true);
-  std::string tmp = world_rank() == 0 ? make_temp_dir() : "";
+  std::string tmp = w.rank() == 0 ? make_temp_dir() : "";
   for (const std::string& name : kFixtures) {
     INFO("fixture " << name << " at tp " << n);
     Golden g = read_golden(name);
     Model model = build_model(g.cfg, Device::CPU, 1, w.tp);
     load_checkpoint_shards(model, g.dir, model.named_params, nullptr);
     std::vector<NamedTensor> whole = whole_tensors(model, model.named_params);
-    if (world_rank() != 0) continue;
+    if (w.rank() != 0) continue;
     save_checkpoint(tmp + "/" + name, g.cfg, whole, nullptr);
     require_fixture_bytes(tmp + "/" + name + "/model.safetensors", g);
   }
-  if (world_rank() == 0) std::filesystem::remove_all(tmp);
+  if (w.rank() == 0) std::filesystem::remove_all(tmp);
 }
