@@ -21,7 +21,7 @@ TEST_OBJS := $(TEST_SRCS:%.cu=$(BUILD)/%.o)
 MPI_TEST_SRCS := $(wildcard tests/mpi/test_*.cu)
 MPI_TEST_OBJS := $(MPI_TEST_SRCS:%.cu=$(BUILD)/%.o)
 
-.PHONY: all deps run test bench gpu-check clean format
+.PHONY: all deps run test bench gpu-check mutants clean format
 all: train $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/bench $(BUILD)/bench_comm $(BUILD)/bench_tp
 
 # Objects depend on the flags they were built with: a new GPU_ARCH rebuilds them.
@@ -85,6 +85,11 @@ bench: deps
 
 gpu-check:
 	@bash tools/gpu_check.sh
+
+# Plants single-line bugs in a copy of the tree and reports which ones the tests catch (slow:
+# a rebuild and a test subset per mutant; not part of `make test`).
+mutants: deps
+	@bash tools/mutants.sh
 
 format:
 	clang-format -i *.cu *.cuh tests/*.cu
