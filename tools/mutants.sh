@@ -93,20 +93,28 @@ mutant config-eps checkpoint.cu \
   '  cfg.norm_eps = 1e-5f;' \
   "--load ignores rms_norm_eps"
 
+# Runs one step of the subset; on failure prints the step and the test files whose checks
+# failed (or "crashed" when there are none: an abort, a timeout).
+step() {  # name, command...
+  local name=$1 files
+  shift
+  "$@" >step.log 2>&1 && return 0
+  files=$(grep -oE "^[^ :]+\.cuh?:[0-9]+: FAILED" step.log | cut -d: -f1 | sort -u | tr '\n' ' ')
+  echo "$name (${files:-crashed}${files:+failed})"
+  return 1
+}
 # Runs the fast subset in the copy; returns 0 when every step passes (the mutant survives).
 subset() {
-  local np
-  build/unit_tests "~[gpu]~[train]~[parity]" >/dev/null 2>&1 || { echo "unit tests"; return 1; }
+  local np row
+  step "unit tests" build/unit_tests "~[gpu]~[train]~[parity]" || return 1
   for np in 2 3 4 8; do
-    mpirun --oversubscribe -np "$np" build/mpi_tests "~[gpu]" >/dev/null 2>&1 || { echo "mpi tests, np $np"; return 1; }
+    step "mpi tests, np $np" mpirun --oversubscribe -np "$np" build/mpi_tests "~[gpu]" || return 1
   done
-  build/unit_tests "[golden][parity]" >/dev/null 2>&1 || { echo "golden ./train runs"; return 1; }
-  local row
+  step "golden ./train runs" build/unit_tests "[golden][parity]" || return 1
   for row in "dp 2, ring" "dp 3, ring" "zero 3, dp 2" "tp 2" "tp 4 (2 kv heads: each replicated on 2 ranks)"; do
-    build/unit_tests "every layout trains like its single-process reference" -c "$row" >/dev/null 2>&1 || { echo "parity: $row"; return 1; }
+    step "parity: $row" build/unit_tests "every layout trains like its single-process reference" -c "$row" || return 1
   done
-  build/unit_tests "a one-process checkpoint resumes under tp 2 + sp and tp 4 like the run it left" >/dev/null 2>&1 || { echo "parity: resume under tp"; return 1; }
-  return 0
+  step "parity: resume under tp" build/unit_tests "a one-process checkpoint resumes under tp 2 + sp and tp 4 like the run it left"
 }
 
 WORK=$(mktemp -d /tmp/picoscale-mutants-XXXXXX)
@@ -124,7 +132,7 @@ if ! step=$(cd "$WORK" && subset); then echo "the unmutated tree fails: $step"; 
 
 selected=" $* "
 killed=0 total=0 survivors=()
-printf "%-16s %-8s %s\n" "mutant" "result" "what it breaks: the first step that failed"
+printf "%-16s %-8s %s\n" "mutant" "result" "what it breaks: the first step that failed (the test files that failed)"
 for k in "${!IDS[@]}"; do
   id=${IDS[k]} file=${FILES[k]}
   if [ $# -gt 0 ] && [[ $selected != *" $id "* ]]; then continue; fi
