@@ -108,7 +108,7 @@ subset() {
   local np row
   step "unit tests" build/unit_tests "~[gpu]~[train]~[parity]" || return 1
   for np in 2 3 4 8; do
-    step "mpi tests, np $np" mpirun --oversubscribe -np "$np" build/mpi_tests "~[gpu]" || return 1
+    step "mpi tests, np $np" mpirun --oversubscribe -np "$np" build/mpi_tests "~[gpu]" --use-colour no || return 1
   done
   step "golden ./train runs" build/unit_tests "[golden][parity]" || return 1
   for row in "dp 2, ring" "dp 3, ring" "zero 3, dp 2" "tp 2" "tp 4 (2 kv heads: each replicated on 2 ranks)"; do
