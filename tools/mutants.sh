@@ -99,7 +99,7 @@ step() {  # name, command...
   local name=$1 files
   shift
   "$@" >step.log 2>&1 && return 0
-  files=$(grep -oE "^[^ :]+\.cuh?:[0-9]+: FAILED" step.log | cut -d: -f1 | sort -u | tr '\n' ' ')
+  files=$(grep -aoE "^[^ :]+\.cuh?:[0-9]+: FAILED" step.log | cut -d: -f1 | sort -u | tr '\n' ' ')
   echo "$name (${files:-crashed}${files:+failed})"
   return 1
 }
