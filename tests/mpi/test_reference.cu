@@ -33,19 +33,21 @@ struct WorldComm {
   int rank() const { return c.grid.world_rank; }
   ~WorldComm() { comm_destroy(c); }
 };
-// Element i of the tensor `name`: mean + std N(0,1), the same on every rank that asks.
+// Rank r's stream of inputs: ranks differ, and any rank can recompute any other's.
 std::string of_rank(const std::string& name, int r) {
   return name + ".rank" + std::to_string(r);
 }
 
 // The MPI profiling interface: these definitions take the place of the library's for the whole
 // test binary (comm.cu's calls included), count the calls whose send and receive buffers
-// overlap, and pass every call on to the library's PMPI_ entry point.
+// overlap, and pass every call on to the library's PMPI_ entry point. Counts are of floats
+// (the collectives carry MPI_FLOAT only).
 int overlapping_mpi_calls = 0;
 void note_overlap(const void* send, int64_t send_floats, const void* recv, int64_t recv_floats) {
   const char *s = (const char*)send, *r = (const char*)recv;
   if (send == MPI_IN_PLACE || !s || !r) return;
-  overlapping_mpi_calls += s < r + 4 * recv_floats && r < s + 4 * send_floats;
+  overlapping_mpi_calls +=
+      s < r + sizeof(float) * recv_floats && r < s + sizeof(float) * send_floats;
 }
 int group_size(MPI_Comm comm) {
   int n = 1;
