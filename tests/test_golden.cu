@@ -123,3 +123,17 @@ TEST_CASE(
   }
   fs::remove_all(tmp);
 }
+
+// Guards: a transformers 5 config.json whose rope_parameters ask for a scaled RoPE, which
+// picoscale does not implement, loading silently as plain RoPE.
+TEST_CASE("config.json: rope_parameters other than plain RoPE are refused, naming the key",
+          "[golden]") {
+  std::string tmp = make_temp_dir();
+  auto cfg = nlohmann::json::parse(read_whole_file("tests/data/golden/mqa_theta100/config.json"));
+  REQUIRE(cfg["rope_parameters"]["rope_theta"] == 100.0);  // where transformers 5 writes it
+  cfg["rope_parameters"]["rope_type"] = "linear";
+  std::ofstream(tmp + "/config.json") << cfg.dump();
+  REQUIRE_THROWS_WITH(read_checkpoint_config(tmp),
+                      Catch::Contains("rope_parameters") && Catch::Contains("not supported"));
+  fs::remove_all(tmp);
+}
