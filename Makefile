@@ -23,7 +23,7 @@ TEST_OBJS := $(TEST_SRCS:%.cu=$(BUILD)/%.o)
 MPI_TEST_SRCS := $(wildcard tests/mpi/test_*.cu)
 MPI_TEST_OBJS := $(MPI_TEST_SRCS:%.cu=$(BUILD)/%.o)
 
-.PHONY: all deps run test bench gpu-check clean format
+.PHONY: all deps run test bench gpu-check mutants clean format
 all: train $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp \
      $(BUILD)/bench_attention
 
@@ -93,6 +93,11 @@ bench: deps
 
 gpu-check:
 	@bash tools/gpu_check.sh
+
+# Plants single-line bugs in a copy of the tree and reports which ones the tests catch (slow:
+# a rebuild and a test subset per mutant; not part of `make test`).
+mutants: deps
+	@bash tools/mutants.sh
 
 format:
 	clang-format -i *.cu *.cuh bench/*.cu tests/*.cu tests/mpi/*.cu

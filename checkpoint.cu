@@ -291,6 +291,17 @@ ModelConfig config_from_hf(const json& j, const std::string& path) {
   // Optional keys take LlamaConfig's defaults.
   cfg.kv_heads = positive_int("num_key_value_heads", false, cfg.heads);
   cfg.rope_theta = positive_float("rope_theta", false, 10000.0f);
+  // transformers 5 writes {"rope_parameters": {"rope_type": "default", "rope_theta": ...}}.
+  if (const json* rope = find("rope_parameters", false)) {
+    auto type = rope->is_object() ? rope->find("rope_type") : rope->end();
+    if (!rope->is_object() || (type != rope->end() && *type != "default"))
+      throw fail("rope_parameters " + rope->dump() + " are not supported (picoscale implements "
+                 "plain RoPE, rope_type default)");
+    auto theta = rope->find("rope_theta");
+    if (theta != rope->end() && !(theta->is_number() && theta->get<double>() > 0))
+      throw fail("rope_parameters.rope_theta must be a positive number, found " + theta->dump());
+    if (theta != rope->end()) cfg.rope_theta = theta->get<float>();
+  }
   cfg.init_std = positive_float("initializer_range", false, 0.02f);
   if (const json* tie = find("tie_word_embeddings", false)) {
     if (!tie->is_boolean()) throw fail("key tie_word_embeddings must be true or false");

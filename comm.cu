@@ -360,9 +360,12 @@ static float* mpi_buffer(Handle::State& s, const Context& ctx, const float* buf,
 }
 // An input MPI reads. MPI forbids it to overlap the output (in-place calls, e.g. all_gather
 // from this rank's own slot, would otherwise be errors), so an overlapping one is copied first.
+bool buffers_overlap(const float* a, int64_t na, const float* b, int64_t nb) {
+  return a && b && a < b + nb && b < a + na;
+}
 static const float* mpi_input(Handle::State& s, const Context& ctx, const float* send,
                               int64_t n_send, const float* recv, int64_t n_recv) {
-  bool overlap = recv && send < recv + n_recv && recv < send + n_send;
+  bool overlap = buffers_overlap(send, n_send, recv, n_recv);
   if (ctx.device == Device::CUDA || !overlap) return mpi_buffer(s, ctx, send, n_send, true, false);
   return s.host.emplace_back(send, send + n_send).data();
 }

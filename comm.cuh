@@ -126,6 +126,11 @@ void send(Comm& c, Group& g, const Context& ctx, const float* buf, int64_t count
 void recv(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, int peer);
 void barrier(Comm& c, Group& g, const Context& ctx);
 
+// Whether [a, a + na) and [b, b + nb) share an element; b may be null (no output). MPI forbids
+// a collective's send and receive buffers to overlap: an in-place call (recv = send + rank *
+// count, or the reverse) has its input copied first when this holds.
+bool buffers_overlap(const float* a, int64_t na, const float* b, int64_t nb);
+
 // Host-side scalars (losses, norms, flags): an all-reduce of doubles over MPI, waited for like
 // every collective: past the group's timeout it stops every rank, naming itself and the group.
 void all_reduce_host(Group& g, double* values, int count, ReduceOp op);

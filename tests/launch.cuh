@@ -42,10 +42,16 @@ inline std::vector<nlohmann::json> read_json_lines(const std::string& path) {
   for (std::string line; std::getline(f, line);) lines.push_back(nlohmann::json::parse(line));
   return lines;
 }
-// Every F32 tensor of a safetensors file, by name (a plain reader, independent of checkpoint.cu).
-inline std::map<std::string, std::vector<float>> read_f32_tensors(const std::string& path) {
+// Every tensor of a safetensors file, by name: dtype, shape and raw bytes (a plain reader,
+// independent of checkpoint.cu).
+struct RawTensor {
+  std::string dtype;
+  std::vector<int64_t> shape;
+  std::string bytes;
+};
+inline std::map<std::string, RawTensor> read_raw_tensors(const std::string& path) {
   std::string bytes = read_whole_file(path);
-  std::map<std::string, std::vector<float>> out;
+  std::map<std::string, RawTensor> out;
   if (bytes.size() < 8) return out;
   uint64_t header_len = 0;
   memcpy(&header_len, bytes.data(), 8);
@@ -53,8 +59,17 @@ inline std::map<std::string, std::vector<float>> read_f32_tensors(const std::str
   for (auto& [name, info] : header.items()) {
     if (name == "__metadata__") continue;
     size_t begin = info["data_offsets"][0], end = info["data_offsets"][1];
-    std::vector<float> v((end - begin) / 4);
-    memcpy(v.data(), bytes.data() + 8 + header_len + begin, end - begin);
+    out[name] = {info["dtype"], info["shape"].get<std::vector<int64_t>>(),
+                 bytes.substr(8 + header_len + begin, end - begin)};
+  }
+  return out;
+}
+// Every F32 tensor of a safetensors file, by name.
+inline std::map<std::string, std::vector<float>> read_f32_tensors(const std::string& path) {
+  std::map<std::string, std::vector<float>> out;
+  for (auto& [name, t] : read_raw_tensors(path)) {
+    std::vector<float> v(t.bytes.size() / 4);
+    memcpy(v.data(), t.bytes.data(), v.size() * 4);
     out[name] = std::move(v);
   }
   return out;

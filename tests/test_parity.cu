@@ -166,11 +166,18 @@ TEST_CASE("every layout trains like its single-process reference", "[parity]") {
       // Losses: the same tokens and weights, summed in another order (per rank, then across
       // ranks): fp32 sums of ~100 terms agree to ~1e-6 relative; 1e-5 allows that, and nothing
       // that changes which tokens or weights a step sees.
+      // The logged gradient norm (before clipping): a square root of a sum of ~35k squares of
+      // gradients that agree to ~1e-7 of their scale, summed per shard, then across ranks:
+      // ~1e-6 relative, so 1e-5 too. A norm that counts a replicated tensor on every rank (tp
+      // norms, shared kv heads), misses a shard (ZeRO) or is taken after clipping is off by
+      // 1e-3 or more.
       REQUIRE(got.log.size() == ref.log.size());
       for (size_t i = 0; i < ref.log.size(); i++) {
         INFO(row.name << ", step " << i + 1);
         REQUIRE(got.log[i]["loss"].get<double>() ==
                 Approx(ref.log[i]["loss"].get<double>()).epsilon(1e-5));
+        REQUIRE(got.log[i]["grad_norm"].get<double>() ==
+                Approx(ref.log[i]["grad_norm"].get<double>()).epsilon(1e-5));
       }
       // Gradients of step 1: sums of the same per-sequence terms in another order: fp32
       // rounding leaves ~1e-7 of the tensor's scale; 1e-5 of it catches a missing or doubled
@@ -359,9 +366,12 @@ TEST_CASE("a one-process checkpoint resumes under tp 2 + sp and tp 4 like the ru
     RunFiles resumed = run_and_read(layout + " --load " + dir + "/half", ranks, dir + "/resumed");
     INFO(layout);
     REQUIRE(resumed.log.size() == 2);  // steps 2 and 3
-    for (int i = 0; i < 2; i++)         // the parity tolerances, for the same reasons
+    for (int i = 0; i < 2; i++) {  // the parity tolerances, for the same reasons
       REQUIRE(resumed.log[i]["loss"].get<double>() ==
               Approx(whole.log[i + 1]["loss"].get<double>()).epsilon(1e-5));
+      REQUIRE(resumed.log[i]["grad_norm"].get<double>() ==
+              Approx(whole.log[i + 1]["grad_norm"].get<double>()).epsilon(1e-5));
+    }
     require_close(resumed.weights, whole.weights, 0, 1e-6, "weight", 1e-3, 1e-5);
   }
   fs::remove_all(dir);

@@ -1,0 +1,139 @@
+// test_golden.cu: the model against an outside reference, Hugging Face transformers. The
+// fixtures in tests/data/golden/ (written by tools/make_golden.py; no Python runs here) are tiny
+// random LlamaForCausalLM checkpoints (GQA untied; MHA tied; MQA with rope_theta 100 and
+// rms_norm_eps 0.05), a batch, and what transformers computed for it in float64: logits, the
+// mean loss and the gradient of every tensor. Each is matched by the model in one process, by
+// ./train under tp 2, tp 4 and ZeRO-3, and by --score; --save must write the loaded bytes.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <filesystem>
+
+#include "checkpoint.cuh"
+#include "golden.cuh"
+#include "launch.cuh"
+#include "model.cuh"
+#include "ops.cuh"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// Tolerances. The reference is float64 (exact to the stored fp32 rounding, 6e-8 relative); the
+// model is fp32 through 2 blocks of ~30-term dot products, softmax and RMSNorm, which leaves
+// ~1e-6 of a tensor's scale (measured: at most 4e-7 for logits and 1.4e-6 for a gradient, the
+// first norm weight's, in every layout). 5e-6 and 1e-5 of the scale allow that; a real error in
+// a formula (a wrong eps, rotation, head mapping or missing term) moves most elements by 1e-2
+// or more of the scale.
+constexpr double kLogitsTol = 5e-6, kGradTol = 1e-5;
+// The mean loss: a sum of 24 fp32 terms of up to ~16 nats each: ~1e-6 relative.
+constexpr double kLossTol = 1e-5;
+
+}  // namespace
+
+// Guards: RoPE convention, angle or theta (rotate_half vs interleaved pairs, a wrong exponent);
+// GQA head mapping; RMSNorm eps placement and weight; SwiGLU order; tied head; the
+// cross-entropy; any backward formula.
+TEST_CASE("the model matches transformers: logits, loss and every gradient", "[golden]") {
+  const Context ctx;
+  for (const std::string& name : kFixtures) {
+    INFO("fixture " << name);
+    Golden g = read_golden(name);
+    Model model = build_model(g.cfg, Device::CPU, 1);
+    load_checkpoint(g.dir, model.named_params, nullptr);
+    Activations acts;
+    float loss_sum =
+        model_forward(ctx, model, acts, g.ids.data(), g.targets.data(), g.B, g.T, Recompute::None);
+    require_close(to_host_floats(acts.logits), g.ref["logits"], kLogitsTol, name + " logits");
+    REQUIRE(loss_sum / (g.B * g.T) == Approx(g.loss()).epsilon(kLossTol));
+    zero_(model.grads);
+    model_backward(ctx, model, acts, 1.0f / (g.B * g.T), Recompute::None);
+    std::map<std::string, std::vector<float>> grads;
+    for (const NamedTensor& t : model.named_grads) grads[t.name] = to_host_floats(t.tensor);
+    require_grads(grads, g.grads(), kGradTol, name + " gradient");
+  }
+}
+
+// Guards: a tensor written transposed (or in another order, dtype or shape) and read back the
+// same way, which every round trip through picoscale alone would pass.
+TEST_CASE("--save writes exactly the bytes --load read from a transformers checkpoint",
+          "[golden]") {
+  std::string tmp = make_temp_dir();
+  for (const std::string& name : kFixtures) {
+    INFO("fixture " << name);
+    Golden g = read_golden(name);
+    Model model = build_model(g.cfg, Device::CPU, 1);
+    load_checkpoint(g.dir, model.named_params, nullptr);
+    save_checkpoint(tmp + "/" + name, g.cfg, model.named_params, nullptr);
+    require_fixture_bytes(tmp + "/" + name + "/model.safetensors", g);
+    // The written config reads back as the same model.
+    ModelConfig back = read_checkpoint_config(tmp + "/" + name);
+    REQUIRE(back.rope_theta == g.cfg.rope_theta);
+    REQUIRE(back.norm_eps == g.cfg.norm_eps);
+    REQUIRE(back.kv_heads == g.cfg.kv_heads);
+    REQUIRE(back.tie_embeddings == g.cfg.tie_embeddings);
+  }
+  fs::remove_all(tmp);
+}
+
+// Guards: the sharded paths (column/row-parallel linears, vocab-parallel embedding, head and
+// cross-entropy, replicated kv heads, ZeRO-3's gathers and reduce-scatters, --save-grads'
+// assembly of whole tensors, --score's windows) against the same outside numbers.
+TEST_CASE(
+    "./train on the golden fixtures under tp 2, tp 4 and ZeRO-3 gives transformers' "
+    "loss and gradients",
+    "[golden][parity]") {
+  struct Layout {
+    std::string flags;
+    int ranks;
+  };
+  // One sequence per data-parallel rank under dp 2: the same global batch of 2 sequences.
+  const std::vector<Layout> layouts = {
+      {"--mbs 2", 0}, {"--mbs 2 --tp 2", 2}, {"--mbs 2 --tp 4", 4}, {"--mbs 1 --dp 2 --zero 3", 2}};
+  std::string tmp = make_temp_dir();
+  for (const std::string& name : kFixtures) {
+    Golden g = read_golden(name);
+    // --val-frac 0.5 trains on exactly the batch's stream (tools/make_golden.py).
+    std::string common = "--load " + g.dir + " --data " + g.dir +
+                         "/tokens.bin --val-frac 0.5 --steps 1 --val-every 0 --comm-timeout 60 ";
+    for (const Layout& l : layouts) {
+      INFO("fixture " << name << ", " << l.flags);
+      fs::remove_all(tmp + "/run");
+      fs::create_directories(tmp + "/run");
+      RunResult r = run_train(common + l.flags + " --save-grads " + tmp + "/run/grads.safetensors" +
+                                  " --log-json " + tmp + "/run/log.jsonl",
+                              l.ranks);
+      INFO(r.output);
+      REQUIRE(r.code == 0);
+      auto log = read_json_lines(tmp + "/run/log.jsonl");
+      REQUIRE(log.size() == 1);
+      REQUIRE(log[0]["loss"].get<double>() == Approx(g.loss()).epsilon(kLossTol));
+      require_grads(read_f32_tensors(tmp + "/run/grads.safetensors"), g.grads(), kGradTol,
+                    name + " " + l.flags + " gradient");
+    }
+    // --score over the batch's windows of T + 1 tokens, in one process and at tp 4.
+    for (auto [flags, ranks] : {std::pair{std::string(""), 0}, {"--tp 4", 4}}) {
+      RunResult r =
+          run_train("--load " + g.dir + " --score " + g.dir + "/score.bin " + flags, ranks);
+      INFO("fixture " << name << ", --score " << flags << "\n" << r.output);
+      REQUIRE(r.code == 0);
+      size_t at = r.output.find("loss: ");
+      REQUIRE(at != std::string::npos);
+      REQUIRE(std::stod(r.output.substr(at + 6)) == Approx(g.loss()).epsilon(kLossTol));
+    }
+  }
+  fs::remove_all(tmp);
+}
+
+// Guards: a transformers 5 config.json whose rope_parameters ask for a scaled RoPE, which
+// picoscale does not implement, loading silently as plain RoPE.
+TEST_CASE("config.json: rope_parameters other than plain RoPE are refused, naming the key",
+          "[golden]") {
+  std::string tmp = make_temp_dir();
+  auto cfg = nlohmann::json::parse(read_whole_file("tests/data/golden/mqa_theta100/config.json"));
+  REQUIRE(cfg["rope_parameters"]["rope_theta"] == 100.0);  // where transformers 5 writes it
+  cfg["rope_parameters"]["rope_type"] = "linear";
+  std::ofstream(tmp + "/config.json") << cfg.dump();
+  REQUIRE_THROWS_WITH(read_checkpoint_config(tmp),
+                      Catch::Contains("rope_parameters") && Catch::Contains("not supported"));
+  fs::remove_all(tmp);
+}

@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Golden outputs from Hugging Face transformers for tests/test_golden.cu (an outside reference).
+
+Run by a developer when the fixtures must change, never by the tests (which need no Python):
+    python3 -m venv /tmp/golden-venv && /tmp/golden-venv/bin/pip install torch transformers safetensors
+    /tmp/golden-venv/bin/python tools/make_golden.py
+The committed fixtures were made with transformers 5.24.0 and torch 2.15.0.
+
+For each fixture, tests/data/golden/<name>/ holds:
+  config.json, model.safetensors  a random tiny LlamaForCausalLM, written by save_pretrained (fp32)
+  tokens.bin    llm.c shard: the batch stream (B*T + 1 tokens; sequence b is tokens [bT, bT + T])
+                then B*T + 1 filler tokens, so that --val-frac 0.5 trains on exactly the batch
+  score.bin     the batch's B windows of T + 1 tokens back to back (what --score reads)
+  golden.safetensors  F32: batch [B, T+1], logits [B*T, V], loss [1] (mean over the B*T
+                targets), and grad.<name> for every parameter (gradient of that mean loss)
+The reference runs in float64. transformers keeps RMSNorm and the RoPE angles in fp32 even in
+an fp64 model; both are patched below to stay in float64 (attention is sdpa, which runs in the
+model's dtype; transformers 5 no longer casts logits to fp32), so the stored values are exact
+to their fp32 rounding. Unpatched fp32 transformers agrees with them to 4e-7 of the logits' scale.
+"""
+import json
+import math
+import os
+import struct
+
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama import modeling_llama as llama
+from safetensors.torch import save_file
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "golden")
+B, T = 2, 12
+
+# name: (heads, kv heads, tied, rope_theta, rms_norm_eps). All: d_model 24, ffn 32, vocab 32, 2 layers.
+FIXTURES = {
+    "gqa": (4, 2, False, 10000.0, 1e-5),
+    "mha_tied": (4, 4, True, 10000.0, 1e-6),
+    "mqa_theta100": (4, 1, False, 100.0, 0.05),  # large eps and fast rotations: both visible
+}
+
+
+def rmsnorm_fp64(self, x):
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def rope_fp64(self, x, position_ids):
+    hd = self.config.hidden_size // self.config.num_attention_heads
+    rope = getattr(self.config, "rope_parameters", None) or {}  # transformers 5; 4.x: rope_theta
+    theta = rope.get("rope_theta") or self.config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    angles = position_ids[..., None].to(torch.float64) * inv_freq  # [b, t, hd/2]
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def write_shard(path, tokens):  # llm.c: 256 int32 header (magic, version, count), uint16 tokens
+    header = [20240520, 1, len(tokens)] + [0] * 253
+    with open(path, "wb") as f:
+        f.write(struct.pack("<256i", *header) + struct.pack(f"<{len(tokens)}H", *tokens))
+
+
+def make(name, heads, kv_heads, tied, theta, eps, seed):
+    cfg = LlamaConfig(vocab_size=32, hidden_size=24, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=T, rope_theta=theta, rms_norm_eps=eps,
+                      tie_word_embeddings=tied, attn_implementation="sdpa")
+    g = torch.Generator().manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    # O(1) activations and peaked attention and softmax rows (the default init gives near-uniform
+    # ones, where many bugs cancel): embeddings N(0,1), linears N(0, 1/in), norms 1 + N(0, 0.2^2).
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif "embed" in pname:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * (2 if "lm_head" in pname else 1) / math.sqrt(p.shape[1]))
+    d = os.path.join(OUT, name)
+    model.save_pretrained(d, safe_serialization=True)
+    os.remove(os.path.join(d, "generation_config.json"))
+
+    stream = torch.randint(0, 32, (B * T + 1,), generator=g)
+    batch = torch.stack([stream[b * T: b * T + T + 1] for b in range(B)])  # [B, T+1]
+    write_shard(os.path.join(d, "tokens.bin"), stream.tolist() + torch.randint(0, 32, (B * T + 1,), generator=g).tolist())
+    write_shard(os.path.join(d, "score.bin"), batch.flatten().tolist())
+
+    model = model.double()
+    logits = model(input_ids=batch[:, :T]).logits.double()  # [B, T, V]
+    loss = torch.nn.functional.cross_entropy(logits.reshape(B * T, -1), batch[:, 1:].reshape(-1))
+    loss.backward()
+    out = {"batch": batch.float(), "logits": logits.reshape(B * T, -1), "loss": loss.reshape(1)}
+    for pname, p in model.named_parameters():  # tied: one tensor, both gradients summed
+        out["grad." + pname] = p.grad
+    save_file({k: v.detach().float().contiguous() for k, v in out.items()}, os.path.join(d, "golden.safetensors"),
+              metadata={"transformers": transformers.__version__, "torch": torch.__version__})
+    print(f"{name}: loss {loss.item():.6f}, {sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))} bytes")
+
+
+if __name__ == "__main__":
+    llama.LlamaRMSNorm.forward = rmsnorm_fp64
+    llama.LlamaRotaryEmbedding.forward = rope_fp64
+    for i, (name, spec) in enumerate(FIXTURES.items()):
+        make(name, *spec, seed=1000 + i)
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}")

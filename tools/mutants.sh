@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# Mutation testing (`make mutants`, not part of `make test`): plants one single-line bug at a
+# time in a copy of the tree, rebuilds the copy, runs a fast subset of the suite on it, and
+# prints which mutants the tests kill. The working tree is never modified; the copy is removed
+# on exit (trap), whatever happens.
+#
+# The fast subset (stops at the first failing step; a mutant that fails one is killed):
+#   1. build/unit_tests ~[gpu]~[train]~[parity]         every CPU unit test, [golden] included
+#   2. build/mpi_tests ~[gpu] under mpirun -np 2, 3, 4, 8  every CPU MPI test
+#   3. build/unit_tests [golden][parity]                ./train on the transformers fixtures
+#   4. the parity rows "dp 2, ring", "dp 3, ring", "zero 3, dp 2", "tp 2" and "tp 4 (...)"
+#      and the one-process checkpoint resumed under tp 2 + sp and tp 4
+# Usage: tools/mutants.sh [ID ...]   (no IDs: every mutant)
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+GPU_ARCH=${GPU_ARCH:-"-gencode arch=compute_90,code=sm_90"}
+
+# Each mutant: an id, the file, the exact line (it must occur once), its replacement, and the
+# bug it plants.
+IDS=() FILES=() LINES=() REPLS=() WHATS=()
+mutant() { IDS+=("$1") FILES+=("$2") LINES+=("$3") REPLS+=("$4") WHATS+=("$5"); }
+mutant rms-eps ops.cu \
+  '    float r = 1.0f / sqrtf(ss / D + eps);' \
+  '    float r = 1.0f / (sqrtf(ss / D) + eps);' \
+  "RMSNorm: eps outside the square root"
+mutant rope-angle ops.cu \
+  '        float angle = (float)pos[t] * (1.0f / powf(theta, (2.0f * i) / hd));' \
+  '        float angle = (float)pos[t] * (1.0f / powf(theta, (2.0f * i + 1) / hd));' \
+  "RoPE: wrong frequencies (forward and backward still agree)"
+mutant rope-sign ops.cu \
+  '        v[i + half] = b * c + a * s;' \
+  '        v[i + half] = b * c - a * s;' \
+  "RoPE: not a rotation"
+mutant ce-max ops.cu \
+  '    for (int i = 0; i < V; i++) mx = fmaxf(mx, x[i]);' \
+  '    for (int i = 0; i < V; i++) mx = fmaxf(mx, 0.0f);' \
+  "cross-entropy: no max shift"
+mutant vocab-max-sum tensor_parallel.cu \
+  '  if (tp.size() > 1) all_reduce(*tp.comm, tp.group(), ctx, row_max.f32(), N, ReduceOp::Max);' \
+  '  if (tp.size() > 1) all_reduce(*tp.comm, tp.group(), ctx, row_max.f32(), N, ReduceOp::Sum);' \
+  "vocab-parallel cross-entropy: the max reduced as a sum"
+mutant vocab-local-max tensor_parallel.cu \
+  '  if (tp.size() > 1) all_reduce(*tp.comm, tp.group(), ctx, row_max.f32(), N, ReduceOp::Max);' \
+  '  if (false) all_reduce(*tp.comm, tp.group(), ctx, row_max.f32(), N, ReduceOp::Max);' \
+  "vocab-parallel cross-entropy: each rank shifts by its own max"
+mutant ring-chunk data_parallel.cu \
+  '  int send_chunk = ((reducing ? r - s : r + 1 - s) % N + N) % N;' \
+  '  int send_chunk = ((r - s) % N + N) % N;' \
+  "ring all-reduce: the all-gather sends the wrong chunk"
+mutant ring-steps data_parallel.cu \
+  '  if (step_ < N - 1) {  // reduce-scatter: add the received partial sum into our chunk' \
+  '  if (step_ < N - 2) {  // reduce-scatter: add the received partial sum into our chunk' \
+  "ring all-reduce: one reduce step not added"
+mutant overlap-edge comm.cu \
+  '  return a && b && a < b + nb && b < a + na;' \
+  '  return a && b && a < b + nb - 1 && b < a + na - 1;' \
+  "overlap test misses a shared end element"
+mutant overlap-ignored comm.cu \
+  '  if (ctx.device == Device::CUDA || !overlap) return mpi_buffer(s, ctx, send, n_send, true, false);' \
+  '  if (true) return mpi_buffer(s, ctx, send, n_send, true, false);' \
+  "in-place collectives hand MPI overlapping buffers"
+mutant norm-replicas train.cu \
+  '    if (model.layouts[i].writer) squares += sum_squares(ctx, model.named_grads[i].tensor);' \
+  '    squares += sum_squares(ctx, model.named_grads[i].tensor);' \
+  "gradient norm counts replicated tensors on every tp rank"
+mutant zero-norm zero.cu \
+  '  all_reduce_host(comm_.dp_cp, &squares, 1, ReduceOp::Sum);' \
+  '  all_reduce_host(comm_.dp_cp, &squares, 1, ReduceOp::Max);' \
+  "ZeRO gradient norm: the largest shard instead of the sum"
+mutant kv-writer model.cu \
+  '  bool kv_writer = L.tp_rank % L.kv_replicas == 0;' \
+  '  bool kv_writer = true;' \
+  "replicated kv heads written (and counted) by every replica"
+mutant kv-head model.cu \
+  '    L.kv_heads = 1, L.kv_replicas = size / c.kv_heads, L.kv_head0 = rank / L.kv_replicas;' \
+  '    L.kv_heads = 1, L.kv_replicas = size / c.kv_heads, L.kv_head0 = rank % c.kv_heads;' \
+  "tp > kv heads: a rank reads the wrong kv head"
+mutant swiglu-order model.cu \
+  '  swiglu_forward(ctx, a.act, a.gate, a.up);' \
+  '  swiglu_forward(ctx, a.act, a.up, a.gate);' \
+  "SwiGLU: gate and up swapped in the forward"
+mutant shard-rows tensor_parallel.cu \
+  '      float& cell = full[(row0 + r) * full_cols + col0 + c];' \
+  '      float& cell = full[(row0 + rows - 1 - r) * full_cols + col0 + c];' \
+  "tp shards loaded and saved row-reversed (round trips still pass)"
+mutant config-theta checkpoint.cu \
+  '    if (theta != rope->end()) cfg.rope_theta = theta->get<float>();' \
+  '    if (false) cfg.rope_theta = theta->get<float>();' \
+  "--load ignores rope_parameters.rope_theta (transformers 5)"
+mutant config-eps checkpoint.cu \
+  '  cfg.norm_eps = positive_float("rms_norm_eps", true, 0);' \
+  '  cfg.norm_eps = 1e-5f;' \
+  "--load ignores rms_norm_eps"
+
+# Runs one step of the subset; on failure prints the step and the test files whose checks
+# failed (or "crashed" when there are none: an abort, a timeout).
+step() {  # name, command...
+  local name=$1 files
+  shift
+  "$@" >step.log 2>&1 && return 0
+  files=$(grep -aoE "^[^ :]+\.cuh?:[0-9]+: FAILED" step.log | cut -d: -f1 | sort -u | tr '\n' ' ')
+  echo "$name (${files:-crashed}${files:+failed})"
+  return 1
+}
+# Runs the fast subset in the copy; returns 0 when every step passes (the mutant survives).
+subset() {
+  local np row
+  step "unit tests" build/unit_tests "~[gpu]~[train]~[parity]" || return 1
+  for np in 2 3 4 8; do
+    step "mpi tests, np $np" mpirun --oversubscribe -np "$np" build/mpi_tests "~[gpu]" --use-colour no || return 1
+  done
+  step "golden ./train runs" build/unit_tests "[golden][parity]" || return 1
+  for row in "dp 2, ring" "dp 3, ring" "zero 3, dp 2" "tp 2" "tp 4 (2 kv heads: each replicated on 2 ranks)"; do
+    step "parity: $row" build/unit_tests "every layout trains like its single-process reference" -c "$row" || return 1
+  done
+  step "parity: resume under tp" build/unit_tests "a one-process checkpoint resumes under tp 2 + sp and tp 4 like the run it left"
+}
+
+WORK=$(mktemp -d /tmp/picoscale-mutants-XXXXXX)
+trap 'rm -rf "$WORK"' EXIT INT TERM
+export OMPI_MCA_btl_vader_single_copy_mechanism=none OPENBLAS_NUM_THREADS=1
+if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+
+# The copy: sources, tests, fixtures and the current build (so a mutant recompiles one file),
+# built unmutated first (everything, when this tree was built with another GPU_ARCH).
+tar --exclude=.git -cf - . | tar -C "$WORK" -xf -
+(cd "$WORK" && make -j2 GPU_ARCH="$GPU_ARCH" train build/unit_tests build/mpi_tests >build.log 2>&1) ||
+  { echo "the unmutated tree does not build (see make's output)"; exit 1; }
+echo "unmutated copy built; checking that the fast subset passes on it"
+if ! step=$(cd "$WORK" && subset); then echo "the unmutated tree fails: $step"; exit 1; fi
+
+selected=" $* "
+killed=0 total=0 survivors=()
+printf "%-16s %-8s %s\n" "mutant" "result" "what it breaks: the first step that failed (the test files that failed)"
+for k in "${!IDS[@]}"; do
+  id=${IDS[k]} file=${FILES[k]}
+  if [ $# -gt 0 ] && [[ $selected != *" $id "* ]]; then continue; fi
+  if [ "$(grep -cxF -- "${LINES[k]}" "$WORK/$file")" != 1 ]; then
+    printf "%-16s %-8s %s\n" "$id" "STALE" "the line is not in $file exactly once: update the mutant"
+    continue
+  fi
+  total=$((total + 1))
+  obj=$WORK/build/${file%.cu}.o
+  cp -p "$obj" "$WORK/saved.o"
+  LINE=${LINES[k]} REPL=${REPLS[k]} awk '$0 == ENVIRON["LINE"] { print ENVIRON["REPL"]; next } { print }' \
+    "$ROOT/$file" >"$WORK/$file"
+  if ! (cd "$WORK" && make -j2 GPU_ARCH="$GPU_ARCH" train build/unit_tests build/mpi_tests >build.log 2>&1); then
+    result=KILLED step="does not compile"
+  elif step=$(cd "$WORK" && subset); then
+    result=SURVIVED step="(every step passed)"
+    survivors+=("$id")
+  else
+    result=KILLED
+  fi
+  [ "$result" = KILLED ] && killed=$((killed + 1))
+  printf "%-16s %-8s %s: %s\n" "$id" "$result" "${WHATS[k]}" "$step"
+  # Back to the unmutated file and object (older than the binaries: relink them next time).
+  cp -p "$ROOT/$file" "$WORK/$file"
+  cp -p "$WORK/saved.o" "$obj"
+  rm -f "$WORK/train" "$WORK/build/unit_tests" "$WORK/build/mpi_tests"
+done
+[ "$total" -gt 0 ] && echo "killed $killed of $total mutants ($((100 * killed / total))%)${survivors:+; survived: ${survivors[*]}}"
+[ "${#survivors[@]}" -eq 0 ]
