@@ -23,7 +23,8 @@ MPI_TEST_SRCS := $(wildcard tests/mpi/test_*.cu)
 MPI_TEST_OBJS := $(MPI_TEST_SRCS:%.cu=$(BUILD)/%.o)
 
 .PHONY: all deps run test bench gpu-check clean format
-all: train $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp
+all: train $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp \
+     $(BUILD)/device_info
 
 # Objects depend on the flags they were built with: a new GPU_ARCH rebuilds them.
 FLAGS_STAMP := $(BUILD)/flags.txt
@@ -57,6 +58,10 @@ $(BUILD)/bench_comm: $(BUILD)/bench/bench_comm.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
 $(BUILD)/bench_tp: $(BUILD)/bench/bench_tp.o $(LIB_OBJS)
+	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
+
+# What the machine is (driver, runtime, devices, libraries): the GPU check's first step.
+$(BUILD)/device_info: $(BUILD)/tools/device_info.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
 $(BUILD)/unit_tests: $(TEST_OBJS) $(BUILD)/tests/catch_main.o $(LIB_OBJS)

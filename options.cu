@@ -72,7 +72,11 @@ void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape) {
                  "ZeRO stage over dp_cp: 0 off, 1 optimizer states, 2 + gradients, 3 + weights")
       ->capture_default_str();
   app.add_option("--trace", o.trace, "write a Chrome trace JSON (Perfetto) to FILE");
-  app.add_option("--report", o.reports, "print reports at the end: memory, comm")->delimiter(',');
+  app.add_option("--report", o.reports, "print reports at the end: memory, comm, sync")
+      ->delimiter(',');
+  app.add_flag("--sync-launches", o.sync_launches,
+               "debugging: synchronise after every CUDA kernel, so a faulting kernel is named "
+               "where it faults (slow)");
   app.add_option("--fault", o.fault, "test fault handling: KIND:RANK:STEP, KIND crash|hang|error");
 }
 
@@ -126,8 +130,8 @@ void resolve_options(Options& o, const std::vector<ShapeFlag>& shape) {
   if (!(o.bucket_mb > 0)) throw UsageError("--bucket-mb must be > 0");
   if (!(o.comm_timeout > 0)) throw UsageError("--comm-timeout must be > 0 seconds");
   for (const std::string& r : o.reports)
-    if (r != "memory" && r != "comm")
-      throw UsageError("--report " + r + ": expected memory or comm (or both: memory,comm)");
+    if (r != "memory" && r != "comm" && r != "sync")
+      throw UsageError("--report " + r + ": expected memory, comm or sync (or several: memory,comm)");
   if (!o.fault.empty() && std::count(o.fault.begin(), o.fault.end(), ':') != 2)
     throw UsageError("--fault " + o.fault + ": expected KIND:RANK:STEP, e.g. crash:1:3");
 }

@@ -24,6 +24,7 @@ struct Options {
   std::string comm = "auto", dp_sync = "bucket", trace, fault;
   double comm_timeout = 300, bucket_mb = 25;
   bool no_overlap = false, sp = false;
+  bool sync_launches = false;  // debugging: synchronise after every CUDA kernel
   std::vector<std::string> reports;
 };
 
