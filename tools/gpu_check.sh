@@ -81,6 +81,7 @@ run_step() {
   [ "$cap" -gt "$left" ] && cap=$left STEP_CUT=1
   local what="$*"
   if [ "$DRY_RUN" = 1 ]; then
+    echo "-- $name (dry run, timeout ${cap}s): $what"
     CHARGED=$((CHARGED + estimate))
     record "$name" SKIP 0 "dry run: would run ~${estimate}s (timeout ${cap}s): ${what:0:100}"
     return 1
