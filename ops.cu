@@ -547,27 +547,50 @@ static __global__ void sum_kernel(float* partials, const float* x, int64_t n, bo
   if (threadIdx.x == 0) partials[blockIdx.x] = acc;
 }
 
-static float reduce(const Context& ctx, const Tensor& x, bool squares) {
-  check_devices(ctx, "sum", x);
+// Queues the sum of x (or of its squares) into *total, using partials[grid_for(n)] as scratch.
+// Two passes of the same kernel, the second over the per-block partials with one block: no
+// atomics, so the GPU result does not depend on block scheduling.
+static void launch_sum(const Context& ctx, float* partials, float* total, const Tensor& x,
+                       bool squares) {
   int64_t n = x.numel();
-  count_host_sync();  // the result goes to the host: on CUDA the host waits for the stream
-  if (ctx.device == Device::CPU) return sum_cpu(x.f32(), n, squares);
-  // Two passes of the same kernel, the second over the per-block partials with one block: no
-  // atomics, so the GPU result does not depend on block scheduling.
   unsigned blocks = grid_for(n);
-  Tensor buffer = empty(ctx, {(int64_t)blocks + 1}, Mem::Workspace);  // partials, total
-  sum_kernel<<<blocks, kThreads, 0, ctx.stream>>>(buffer.f32(), x.f32(), n, squares);
+  sum_kernel<<<blocks, kThreads, 0, ctx.stream>>>(partials, x.f32(), n, squares);
   LAUNCH_CHECK(ctx, "sum_kernel");
-  sum_kernel<<<1, kThreads, 0, ctx.stream>>>(buffer.f32() + blocks, buffer.f32(), blocks, false);
+  sum_kernel<<<1, kThreads, 0, ctx.stream>>>(total, partials, blocks, false);
   LAUNCH_CHECK(ctx, "sum_kernel");
-  float total = 0.0f;
-  CUDA_CHECK(cudaMemcpyAsync(&total, buffer.f32() + blocks, sizeof(float), cudaMemcpyDeviceToHost,
-                             ctx.stream));
+}
+
+// The sums of several tensors, each reduced on its own, with one trip to the host for all of
+// them (the gradient norm needs one per parameter tensor: one round trip each would stall the
+// GPU that many times per step).
+static std::vector<float> reduce_each(const Context& ctx, const std::vector<Tensor>& xs,
+                                      bool squares) {
+  for (const Tensor& x : xs) check_devices(ctx, "sum", x);
+  std::vector<float> totals(xs.size());
+  count_host_sync();  // the results go to the host: on CUDA the host waits for the stream
+  if (ctx.device == Device::CPU) {
+    for (size_t i = 0; i < xs.size(); i++) totals[i] = sum_cpu(xs[i].f32(), xs[i].numel(), squares);
+    return totals;
+  }
+  if (xs.empty()) return totals;
+  int64_t scratch = 0;  // the largest tensor's partials: the tensors are reduced in stream order
+  for (const Tensor& x : xs) scratch = std::max<int64_t>(scratch, grid_for(x.numel()));
+  Tensor buffer = empty(ctx, {scratch + (int64_t)xs.size()}, Mem::Workspace);  // [partials, totals]
+  for (size_t i = 0; i < xs.size(); i++)
+    launch_sum(ctx, buffer.f32(), buffer.f32() + scratch + i, xs[i], squares);
+  CUDA_CHECK(cudaMemcpyAsync(totals.data(), buffer.f32() + scratch, xs.size() * sizeof(float),
+                             cudaMemcpyDeviceToHost, ctx.stream));
   CUDA_CHECK(cudaStreamSynchronize(ctx.stream));
-  return total;
+  return totals;
+}
+static float reduce(const Context& ctx, const Tensor& x, bool squares) {
+  return reduce_each(ctx, {x}, squares)[0];
 }
 float sum(const Context& ctx, const Tensor& x) { return reduce(ctx, x, false); }
 float sum_squares(const Context& ctx, const Tensor& x) { return reduce(ctx, x, true); }
+std::vector<float> sum_squares_each(const Context& ctx, const std::vector<Tensor>& xs) {
+  return reduce_each(ctx, xs, true);
+}
 
 // ============================================================================
 // AdamW (Loshchilov & Hutter 2019); m and v are the optimizer state of Playbook §2.3

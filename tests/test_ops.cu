@@ -426,6 +426,14 @@ void check_close(const std::vector<float>& got, const Tensor& want, float rtol, 
   CHECK(bad == 0);
 }
 
+// Runs `run` twice; both results must agree bit for bit (a deterministic kernel). Returns one.
+std::vector<float> same_twice(const std::function<std::vector<float>()>& run) {
+  std::vector<float> first = run(), second = run();
+  REQUIRE(first.size() == second.size());
+  CHECK(memcmp(first.data(), second.data(), first.size() * sizeof(float)) == 0);
+  return first;
+}
+
 #define SKIP_WITHOUT_CUDA()       \
   if (!cuda_available()) {        \
     WARN("SKIP: no CUDA device"); \
@@ -479,17 +487,14 @@ TEST_CASE("CUDA embedding backward is bitwise the same in two runs, with many re
   std::vector<int32_t> id_values(T);
   for (int t = 0; t < T; t++) id_values[t] = t % 3 == 0 ? 0 : t % V;
   Tensor ids = gpu(ids_tensor(id_values)), dout = gpu(randn({T, D}, "dout", 3.0f));
-  std::vector<std::vector<float>> runs;
-  for (int run = 0; run < 2; run++) {
+  std::vector<float> got = same_twice([&] {
     Tensor dtable = gpu(randn({V, D}, "dtable0"));
     embedding_backward(ctx, dtable, ids, dout);
-    runs.push_back(host(ctx, dtable));
-  }
-  REQUIRE(runs[0].size() == runs[1].size());
-  CHECK(memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(float)) == 0);
+    return host(ctx, dtable);
+  });
   Tensor dtable_cpu = randn({V, D}, "dtable0");
   embedding_backward(kCpu, dtable_cpu, ids_tensor(id_values), randn({T, D}, "dout", 3.0f));
-  check_close(runs[0], dtable_cpu, 0.0f, 0.0f);  // and the CPU's order too
+  check_close(got, dtable_cpu, 0.0f, 0.0f);  // and the CPU's order too
   ctx.destroy();
 }
 
@@ -524,17 +529,15 @@ TEST_CASE("CUDA rmsnorm weight gradient over many row blocks: deterministic, clo
   Tensor dx = zeros({T, D}, Mem::Activations), dw = randn({D}, "dw0");
   rmsnorm_forward(kCpu, y, rstd, x, w, 1e-5f);
   Tensor g_x = gpu(x), g_w = gpu(w), g_dy = gpu(dy), g_rstd = gpu(rstd);
-  std::vector<std::vector<float>> runs;
-  for (int run = 0; run < 2; run++) {
+  std::vector<float> got = same_twice([&] {
     Tensor g_dx = gpu(dx), g_dw = gpu(dw);
     rmsnorm_backward(ctx, g_dx, g_dw, g_dy, g_x, g_w, g_rstd);
-    runs.push_back(host(ctx, g_dw));
-  }
-  CHECK(memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(float)) == 0);
+    return host(ctx, g_dw);
+  });
   rmsnorm_backward(kCpu, dx, dw, dy, x, w, rstd);
   // 1000-term column sums of N(0,1)-sized terms (|sum| ~ 30) in chunks of 32 instead of one
   // line: fp32 rounding of ~1000 additions, about 1e-5 of the terms' scale.
-  check_close(runs[0], dw, 1e-4f, 1e-3f);
+  check_close(got, dw, 1e-4f, 1e-3f);
   ctx.destroy();
 }
 
