@@ -3,12 +3,12 @@
 // book's memory anatomy (Playbook §2.3) can be read off a run rather than estimated.
 #include "core.cuh"
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <atomic>
 #include <mutex>
 #include <nlohmann/json.hpp>
 

@@ -164,7 +164,8 @@ void print_config(const Options& o, const Dataset& data, const Comm& comm, int64
   row("ffn / vocab / seq", s(c.ffn) + " / " + s(c.vocab) + " / " + s(c.seq));
   row("tied embeddings", c.tie_embeddings ? "yes" : "no");
   row("parameters", s(n_params) + " (closed form " + s(parameter_count(c)) + ")");
-  row("device / backend", std::string(device_name(comm.device)) + " / " + backend_name(comm.backend));
+  row("device / backend", std::string(device_name(comm.device)) + " / " + backend_name(comm.backend) +
+                              (o.sync_launches ? ", sync after every kernel" : ""));
   row("grid dp x pp x cp x tp", s(o.dp) + " x " + s(o.pp) + " x " + s(o.cp) + " x " + s(o.tp) +
                                     " = " + s(comm.grid.world_size) + " ranks" +
                                     (o.sp ? ", sequence parallel" : ""));

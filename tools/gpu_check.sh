@@ -239,7 +239,7 @@ exec "\$@"
 EOF
 chmod +x "$RUN"
 MPIRUN="$RUN mpirun --oversubscribe --bind-to none"
-cd "$RUNDIR" 2>/dev/null || { [ -n "$NO_RUN" ] || NO_RUN="no folder $RUNDIR"; }
+cd "$RUNDIR" 2>/dev/null || [ "$DRY_RUN" = 1 ] || [ -n "$NO_RUN" ] || NO_RUN="no folder $RUNDIR"
 
 # ---- what the machine is: driver, runtime, device, memory, pools, libraries ----
 if run_step device_info 30 "$RUN" build/device_info; then
