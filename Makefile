@@ -25,7 +25,7 @@ MPI_TEST_OBJS := $(MPI_TEST_SRCS:%.cu=$(BUILD)/%.o)
 
 .PHONY: all deps run test bench gpu-check mutants clean format
 all: train $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp \
-     $(BUILD)/bench_attention
+     $(BUILD)/bench_attention $(BUILD)/device_info
 
 # Objects depend on the flags they were built with: a new GPU_ARCH rebuilds them.
 FLAGS_STAMP := $(BUILD)/flags.txt
@@ -59,6 +59,10 @@ $(BUILD)/bench_comm: $(BUILD)/bench/bench_comm.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
 $(BUILD)/bench_tp: $(BUILD)/bench/bench_tp.o $(LIB_OBJS)
+	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
+
+# What the machine is (driver, runtime, devices, libraries): the GPU check's first step.
+$(BUILD)/device_info: $(BUILD)/tools/device_info.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
 $(BUILD)/bench_attention: $(BUILD)/bench/bench_attention.o $(LIB_OBJS)

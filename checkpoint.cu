@@ -35,8 +35,9 @@ static void fsync_dir(const std::string& dir) {
   }
 }
 
-// copy_ runs on the legacy default stream, which does not wait for a non-blocking compute
-// stream: finish every queued kernel before reading or overwriting device weights.
+// copy_ runs on the legacy default stream, which the blocking compute stream is ordered with
+// (core.cuh); checkpoints have no Context to name that stream, and the communication stream is
+// not ordered with it at all: finish all device work before reading or overwriting weights.
 static void wait_for_device(const std::vector<NamedTensor>& tensors) {
   for (const NamedTensor& nt : tensors)
     if (nt.tensor.device == Device::CUDA) {

@@ -335,6 +335,7 @@ static std::shared_ptr<Handle::State> start(Comm& c, Group& g, const Context& ct
     CUDA_CHECK(cudaStreamWaitEvent(c.comm_ctx.stream, ready, 0));
     CUDA_CHECK(cudaEventDestroy(ready));  // safe: the wait is already queued
   } else if (ctx.device == Device::CUDA) {
+    count_host_sync();
     CUDA_CHECK(cudaStreamSynchronize(ctx.stream));
   }
   return s;

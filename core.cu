@@ -3,6 +3,7 @@
 // book's memory anatomy (Playbook §2.3) can be read off a run rather than estimated.
 #include "core.cuh"
 
+#include <atomic>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -36,12 +37,17 @@ const char* mem_name(Mem m) {
   return names[(int)m];
 }
 
-bool cuda_available() {
+bool cuda_available(std::string* why) {
   int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky "no driver" error
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    // cudaErrorNoDevice is a machine without a GPU; anything else (cudaErrorInsufficientDriver,
+    // a driver that does not load) is a broken setup worth reading.
+    if (why) *why = std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
+    cudaGetLastError();  // clear the sticky error
     return false;
   }
+  if (count == 0 && why) *why = "the driver answers but lists no device";
   return count > 0;
 }
 
@@ -50,6 +56,10 @@ bool cuda_available() {
 
 static MemoryStats g_stats;  // observation only; see MemoryStats in core.cuh
 static std::mutex g_stats_mutex;
+static std::atomic<uint64_t> g_host_syncs{0};  // observation only; see count_host_sync
+
+void count_host_sync() { g_host_syncs++; }
+uint64_t host_syncs() { return g_host_syncs.load(); }
 
 static void account(Mem m, long long delta) {
   std::lock_guard<std::mutex> lock(g_stats_mutex);
@@ -68,20 +78,37 @@ void memory_reset_peak() {
   g_stats.total_peak = g_stats.total_current;
 }
 
+// Stream-ordered pools (cudaMallocAsync) are optional: some drivers, MIG slices and
+// virtualised GPUs report cudaDevAttrMemoryPoolsSupported = 0. Asked once per device.
+static bool memory_pools_supported() {
+  static int cached[64];
+  static std::once_flag once[64];
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  PICO_ASSERT(dev >= 0 && dev < 64, "device index " + std::to_string(dev));
+  std::call_once(once[dev], [&] {
+    CUDA_CHECK(cudaDeviceGetAttribute(&cached[dev], cudaDevAttrMemoryPoolsSupported, dev));
+  });
+  return cached[dev] != 0;
+}
+
 struct Storage {
   void* ptr = nullptr;
   size_t bytes = 0;
   Device device;
   Mem category;
-  Storage(size_t n, Device d, Mem m) : bytes(n), device(d), category(m) {
+  cudaStream_t stream = nullptr;  // CUDA: allocated, and freed, in this stream's order
+  bool pooled = false;            // cudaMallocAsync (else cudaMalloc)
+  Storage(size_t n, Device d, Mem m, cudaStream_t s) : bytes(n), device(d), category(m), stream(s) {
     if (n == 0) n = 1;  // keep a valid pointer for empty tensors
     if (d == Device::CUDA) {
-      // Stream-ordered allocation on the legacy default stream: a free does not stall the
-      // whole GPU as cudaFree does (which would wait for in-flight communication and undo
-      // the overlap), and the pool keeps freed memory for the next step's activations.
-      // The legacy stream is ordered with the (blocking) compute stream, and every
-      // communication is waited for on the compute stream before its buffers are dropped.
-      CUDA_CHECK(cudaMallocAsync(&ptr, n, 0));
+      // Stream-ordered allocation: a free does not stall the whole GPU as cudaFree does (which
+      // would wait for in-flight communication and undo the overlap), and the pool keeps freed
+      // memory for the next step's activations. Without pools, cudaMalloc/cudaFree: correct,
+      // slower, and each free waits for the device.
+      pooled = memory_pools_supported();
+      if (pooled) CUDA_CHECK(cudaMallocAsync(&ptr, n, stream));
+      else CUDA_CHECK(cudaMalloc(&ptr, n));
     } else {
       ptr = aligned_alloc(64, (n + 63) / 64 * 64);
       PICO_ASSERT(ptr != nullptr, "host allocation of " + std::to_string(n) + " bytes");
@@ -89,7 +116,10 @@ struct Storage {
     account(category, (long long)bytes);
   }
   ~Storage() {
-    if (device == Device::CUDA) cudaFreeAsync(ptr, 0);
+    // Freed in `stream`'s order: work queued there before this point may still use the
+    // buffer. Work on the communication stream must have been waited for by then (comm.cu).
+    if (device == Device::CUDA && pooled) CUDA_CHECK(cudaFreeAsync(ptr, stream));
+    else if (device == Device::CUDA) CUDA_CHECK(cudaFree(ptr));
     else free(ptr);
     account(category, -(long long)bytes);
   }
@@ -125,24 +155,44 @@ std::string Tensor::shape_str() const {
   return s + "]";
 }
 
-Tensor empty(std::vector<int64_t> shape, Mem category, Device device, DType dtype) {
+// The one allocation path; `stream` is the legacy default stream (0) for the forms without a
+// Context.
+static Tensor empty_on(cudaStream_t stream, std::vector<int64_t> shape, Mem category,
+                       Device device, DType dtype) {
   Tensor t;
   t.shape = std::move(shape);
   t.dtype = dtype;
   t.device = device;
-  t.storage = std::make_shared<Storage>(t.nbytes(), device, category);
+  t.storage = std::make_shared<Storage>(t.nbytes(), device, category, stream);
   t.ptr = t.storage->ptr;
   return t;
+}
+static void zero_on(cudaStream_t stream, const Tensor& t) {
+  if (t.device == Device::CUDA) CUDA_CHECK(cudaMemsetAsync(t.ptr, 0, t.nbytes(), stream));
+  else memset(t.ptr, 0, t.nbytes());
+}
+Tensor empty(std::vector<int64_t> shape, Mem category, Device device, DType dtype) {
+  return empty_on(0, std::move(shape), category, device, dtype);
 }
 Tensor zeros(std::vector<int64_t> shape, Mem category, Device device, DType dtype) {
   Tensor t = empty(std::move(shape), category, device, dtype);
   zero_(t);
   return t;
 }
-void zero_(const Tensor& t) {
-  if (t.device == Device::CUDA) CUDA_CHECK(cudaMemset(t.ptr, 0, t.nbytes()));
-  else memset(t.ptr, 0, t.nbytes());
+void zero_(const Tensor& t) { zero_on(0, t); }
+Tensor empty(const Context& ctx, std::vector<int64_t> shape, Mem category, DType dtype) {
+  return empty_on(ctx.stream, std::move(shape), category, ctx.device, dtype);
 }
+Tensor zeros(const Context& ctx, std::vector<int64_t> shape, Mem category, DType dtype) {
+  Tensor t = empty(ctx, std::move(shape), category, dtype);
+  zero_(ctx, t);
+  return t;
+}
+void zero_(const Context& ctx, const Tensor& t) { zero_on(ctx.stream, t); }
+
+// On the legacy default stream. cudaMemcpy from device to host returns when the data is there:
+// a host synchronisation, counted. A host-to-device copy from pageable memory returns once the
+// source is staged, so the caller may reuse it at once.
 void copy_(const Tensor& dst, const Tensor& src) {
   PICO_ASSERT(dst.numel() == src.numel() && dst.dtype == src.dtype,
               "copy_ " + src.shape_str() + " into " + dst.shape_str());
@@ -153,6 +203,7 @@ void copy_(const Tensor& dst, const Tensor& src) {
   cudaMemcpyKind kind = src.device == Device::CPU   ? cudaMemcpyHostToDevice
                         : dst.device == Device::CPU ? cudaMemcpyDeviceToHost
                                                     : cudaMemcpyDeviceToDevice;
+  if (kind == cudaMemcpyDeviceToHost) count_host_sync();
   CUDA_CHECK(cudaMemcpy(dst.ptr, src.ptr, src.nbytes(), kind));
 }
 Tensor to_device(const Tensor& t, Device device, Mem category) {
@@ -165,6 +216,7 @@ std::vector<float> to_host_floats(const Tensor& t) {
   Tensor host;
   host.ptr = v.data();
   host.shape = t.shape;
+  if (t.device == Device::CPU) count_host_sync();  // (copy_ counts the device-to-host copy)
   copy_(host, t);
   return v;
 }
@@ -181,25 +233,33 @@ void from_host(const Tensor& dst, const int32_t* src) { from_host_bytes(dst, src
 // ----------------------------------------------------------------------------
 // Context
 
+static bool g_sync_launches = false;  // a debugging switch, read by Context::create only
+void set_sync_launches(bool on) { g_sync_launches = on; }
+
 Context Context::create(Device device) {
   Context ctx;
   ctx.device = device;
   if (device == Device::CUDA) {
     // Keep freed blocks in the pool instead of returning them to the driver at each sync.
-    int dev = 0;
-    cudaMemPool_t pool;
-    uint64_t keep = UINT64_MAX;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
-    CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
-    // A blocking stream: it stays ordered with the legacy default stream that zero_, copy_
-    // and from_host use, so those need no extra synchronisation around the compute stream.
+    if (memory_pools_supported()) {
+      int dev = 0;
+      cudaMemPool_t pool;
+      uint64_t keep = UINT64_MAX;
+      CUDA_CHECK(cudaGetDevice(&dev));
+      CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+      CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+    }
+    // A blocking stream, on purpose: the forms of empty / zeros / zero_ / copy_ without a
+    // Context (setup, model activations, checkpoints, tests) run on the legacy default
+    // stream, and a blocking stream is ordered with it in both directions. A non-blocking
+    // compute stream would need every one of those calls to take this Context instead.
     CUDA_CHECK(cudaStreamCreateWithFlags(&ctx.stream, cudaStreamDefault));
     CUBLAS_CHECK(cublasCreate(&ctx.cublas));
     CUBLAS_CHECK(cublasSetStream(ctx.cublas, ctx.stream));
     // fp32 training stays fp32: no TF32 tensor-core shortcut, so GPU matches the CPU reference.
     CUBLAS_CHECK(cublasSetMathMode(ctx.cublas, CUBLAS_DEFAULT_MATH));
   }
+  ctx.sync_launches = g_sync_launches;
   return ctx;
 }
 void Context::destroy() {
@@ -209,17 +269,66 @@ void Context::destroy() {
   stream = nullptr;
 }
 void Context::synchronize() const {
+  count_host_sync();
   if (device == Device::CUDA) CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+void launch_check(const Context& ctx, const char* kernel, const char* file, int line) {
+  cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess && ctx.sync_launches) err = cudaStreamSynchronize(ctx.stream);
+  if (err != cudaSuccess) {
+    fprintf(stderr, "[CUDA ERROR] %s:%d: kernel %s%s -> %s\n", file, line, kernel,
+            ctx.sync_launches ? " (launch or run, --sync-launches)" : " (launch)",
+            cudaGetErrorString(err));
+    fatal_abort();
+  }
 }
 Device resolve_device(const std::string& flag) {
   if (flag == "cpu") return Device::CPU;
   if (flag == "cuda") {
-    if (!cuda_available())
-      throw UsageError("--device cuda: no CUDA device is visible; use --device cpu or auto");
+    std::string why;
+    if (!cuda_available(&why))
+      throw UsageError("--device cuda: no usable CUDA device (" + why +
+                       "); use --device cpu or auto");
     return Device::CUDA;
   }
-  if (flag == "auto") return cuda_available() ? Device::CUDA : Device::CPU;
+  if (flag == "auto") {
+    std::string why;
+    if (cuda_available(&why)) return Device::CUDA;
+    if (why.rfind("cudaErrorNoDevice", 0) != 0 && why.find("lists no device") == std::string::npos)
+      fprintf(stderr, "note: --device auto: CUDA is not usable (%s); running on the CPU\n",
+              why.c_str());
+    return Device::CPU;
+  }
   throw UsageError("--device " + flag + ": expected auto, cpu or cuda");
+}
+
+std::string describe_cuda_devices() {
+  char line[512];
+  std::string out;
+  int driver = 0, runtime = 0;
+  cudaDriverGetVersion(&driver);  // 0 when no driver is loaded
+  CUDA_CHECK(cudaRuntimeGetVersion(&runtime));
+  snprintf(line, sizeof line, "CUDA driver API %d.%d, runtime %d.%d (built with %d.%d)\n",
+           driver / 1000, driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10,
+           CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10);
+  out += line;
+  std::string why;
+  if (!cuda_available(&why)) return out + "no usable CUDA device: " + why + "\n";
+  int count = 0;
+  CUDA_CHECK(cudaGetDeviceCount(&count));
+  for (int d = 0; d < count; d++) {
+    cudaDeviceProp p;
+    CUDA_CHECK(cudaGetDeviceProperties(&p, d));
+    int pools = 0;
+    CUDA_CHECK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, d));
+    snprintf(line, sizeof line,
+             "device %d: %s, %s, compute capability %d.%d, %d SMs, stream-ordered memory "
+             "pools %s\n",
+             d, p.name, human_bytes((double)p.totalGlobalMem).c_str(), p.major, p.minor,
+             p.multiProcessorCount, pools ? "supported" : "NOT supported (cudaMalloc is used)");
+    out += line;
+  }
+  return out;
 }
 
 // ----------------------------------------------------------------------------

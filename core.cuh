@@ -83,7 +83,9 @@ const char* device_name(Device d);
 const char* dtype_name(DType t);  // safetensors spelling: "F32", "I32"
 size_t dtype_size(DType t);
 const char* mem_name(Mem m);
-bool cuda_available();  // a CUDA device is visible and the driver answers
+// A CUDA device is visible and the driver answers. When not, `why` (if given) gets the CUDA
+// error, so "no device" and "a broken driver" read differently.
+bool cuda_available(std::string* why = nullptr);
 
 // Process-wide counters of live and peak bytes per category, like a caching allocator's
 // statistics: they observe allocations, they never steer them.
@@ -94,6 +96,13 @@ struct MemoryStats {
 };
 MemoryStats memory_stats();
 void memory_reset_peak();  // peak := current, per category and in total
+
+// Host synchronisations: every point where the host waits for the device (a stream
+// synchronise, a device-to-host copy, a result returned to the host). The same call sites
+// count on CPU, where they cost nothing, so a CPU test pins the number a GPU step makes.
+// Observation only, like MemoryStats.
+void count_host_sync();
+uint64_t host_syncs();  // since the process started
 
 // ----------------------------------------------------------------------------
 // Tensor: a typed, shaped view of a buffer on one device. Copies share the buffer.
@@ -120,6 +129,12 @@ struct Tensor {
   std::string shape_str() const;  // "[4, 128, 64]"
 };
 
+// Allocation, zeroing and copies. On CUDA the forms without a Context run on the legacy
+// default stream: for setup, checkpoints and tests. They are ordered with the compute stream
+// only because Context::create makes that stream blocking (it waits for the legacy stream and
+// the legacy stream waits for it). The forms taking a Context run on its stream and say so.
+// A buffer is freed on the stream it was allocated on; the communication stream is ordered
+// with both through events (comm.cu), never implicitly.
 Tensor empty(std::vector<int64_t> shape, Mem category, Device device = Device::CPU,
              DType dtype = DType::F32);
 Tensor zeros(std::vector<int64_t> shape, Mem category, Device device = Device::CPU,
@@ -127,7 +142,7 @@ Tensor zeros(std::vector<int64_t> shape, Mem category, Device device = Device::C
 void zero_(const Tensor& t);
 void copy_(const Tensor& dst, const Tensor& src);  // same numel and dtype, any two devices
 Tensor to_device(const Tensor& t, Device device, Mem category);
-std::vector<float> to_host_floats(const Tensor& t);
+std::vector<float> to_host_floats(const Tensor& t);  // a host synchronisation (counted)
 void from_host(const Tensor& dst, const float* src);  // numel floats
 void from_host(const Tensor& dst, const int32_t* src);
 
@@ -138,11 +153,32 @@ struct Context {
   Device device = Device::CPU;
   cudaStream_t stream = nullptr;  // compute stream (CUDA only)
   cublasHandle_t cublas = nullptr;
+  bool sync_launches = false;     // debugging: synchronise after every kernel (launch_check)
   static Context create(Device device);
   void destroy();
-  void synchronize() const;  // wait for the compute stream (tests, timers)
+  void synchronize() const;  // wait for the compute stream (tests, timers); counted
 };
 Device resolve_device(const std::string& flag);  // "auto" | "cpu" | "cuda"
+
+// Stream-ordered forms of empty / zeros / zero_ on ctx's compute stream (see above).
+Tensor empty(const Context& ctx, std::vector<int64_t> shape, Mem category,
+             DType dtype = DType::F32);
+Tensor zeros(const Context& ctx, std::vector<int64_t> shape, Mem category,
+             DType dtype = DType::F32);
+void zero_(const Context& ctx, const Tensor& t);
+
+// Debugging aid, not a training behaviour: every Context created afterwards synchronises after
+// each kernel launch, so a faulting kernel is named where it faults instead of at the next
+// synchronisation (train --sync-launches, unit_tests --sync-launches). Slow; results unchanged.
+void set_sync_launches(bool on);
+// After a kernel launch: a launch error (bad configuration) names `kernel`; with sync_launches
+// the stream is synchronised too, so an error while the kernel ran names it as well.
+void launch_check(const Context& ctx, const char* kernel, const char* file, int line);
+#define LAUNCH_CHECK(ctx, kernel) launch_check(ctx, kernel, __FILE__, __LINE__)
+
+// What the machine is: driver and runtime versions, each device's name, memory, compute
+// capability and stream-ordered pool support (tools/device_info, the GPU check's first step).
+std::string describe_cuda_devices();
 
 // ----------------------------------------------------------------------------
 // Counter-based RNG: the value of element i of tensor `name` depends only on (seed, name, i),

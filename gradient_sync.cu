@@ -15,10 +15,11 @@ GradientSync::GradientSync(Comm& comm, Model& model, const AdamWConfig& hp, floa
 }
 
 float GradientSync::clip_grad_norm(const Context& ctx, float max_norm) {
-  double squares = 0;
+  std::vector<Tensor> grads;
   for (const ParamSlice& s : slices_)
-    if (s.counted)
-      squares += sum_squares(ctx, Tensor{nullptr, s.grad, {s.count}, DType::F32, ctx.device});
+    if (s.counted) grads.push_back(Tensor{nullptr, s.grad, {s.count}, DType::F32, ctx.device});
+  double squares = 0;
+  for (float part : sum_squares_each(ctx, grads)) squares += part;  // one trip to the host
   if (grads_sharded()) all_reduce_host(comm_.dp_cp, &squares, 1, ReduceOp::Sum);
   all_reduce_host(comm_.tp, &squares, 1, ReduceOp::Sum);  // the groups that split the model
   all_reduce_host(comm_.pp, &squares, 1, ReduceOp::Sum);

@@ -6,6 +6,8 @@
 
 #include <cblas.h>
 
+#include <cub/device/device_radix_sort.cuh>
+
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -112,41 +114,79 @@ static void embedding_cpu(float* rows, float* table, const int32_t* ids, int T, 
   }
 }
 
-static __global__ void embedding_kernel(float* rows, float* table, const int32_t* ids, int64_t n,
-                                        int D, int V, bool scatter) {
+// Forward: one thread per output element copies its cell of the table.
+static __global__ void embedding_forward_kernel(float* rows, const float* table, const int32_t* ids,
+                                                int64_t n, int D, int V) {
   GRID_STRIDE_LOOP(i, n) {
     int id = ids[i / D];
-    if (id < 0 || id >= V) {  // -1: another rank's vocabulary (a zero row); anything else is
-      if (!scatter) rows[i] = id == -1 ? 0.0f : NAN;  // a bug: no assert on the GPU, a NaN loss
-      continue;
-    }
-    float* cell = table + (int64_t)id * D + i % D;
-    // Repeated ids add into the same row: atomics make the GPU float sum order-dependent.
-    if (scatter)
-      atomicAdd(cell, rows[i]);
-    else
-      rows[i] = *cell;
+    // -1: another rank's vocabulary (a zero row); anything else out of range is a bug: no
+    // assert on the GPU, a NaN loss instead.
+    rows[i] = id >= 0 && id < V ? table[(int64_t)id * D + i % D] : (id == -1 ? 0.0f : NAN);
   }
 }
 
-static void embedding(const Context& ctx, const Tensor& rows, const Tensor& ids,
-                      const Tensor& table, bool scatter) {
+// Backward, deterministic. Adding rows into the table with float atomics would make the sum's
+// order (and so its rounding) depend on thread scheduling whenever a token repeats. Instead
+// the positions are sorted by token id first (a stable radix sort: equal ids keep their
+// position order), and one thread per (run of equal ids, column) adds its run's rows in that
+// order. Those are the CPU loop's additions in the CPU loop's order: GPU and CPU agree bit for
+// bit, and two runs agree with each other.
+static __global__ void iota_kernel(int32_t* out, int n) {
+  GRID_STRIDE_LOOP(i, n) out[i] = (int32_t)i;
+}
+static __global__ void embedding_backward_kernel(float* table, const float* rows,
+                                                 const int32_t* sorted_ids,
+                                                 const int32_t* sorted_pos, int T, int D, int V) {
+  GRID_STRIDE_LOOP(i, (int64_t)T * D) {  // i = (k, col): sorted position k, column col
+    int k = (int)(i / D), col = (int)(i % D), id = sorted_ids[k];
+    if (id < 0 || id >= V || (k > 0 && sorted_ids[k - 1] == id)) continue;  // not a run's head
+    float* cell = table + (int64_t)id * D + col;
+    float acc = *cell;
+    for (int j = k; j < T && sorted_ids[j] == id; j++) acc += rows[(int64_t)sorted_pos[j] * D + col];
+    *cell = acc;
+  }
+}
+
+static void check_embedding(const Context& ctx, const Tensor& rows, const Tensor& ids,
+                            const Tensor& table) {
   check_devices(ctx, "embedding", rows, ids, table);
-  int T = (int)ids.numel(), V = (int)table.size(0), D = (int)table.size(1);
-  PICO_ASSERT(rows.numel() == (int64_t)T * D, "embedding rows " + rows.shape_str());
-  if (ctx.device == Device::CPU)
-    return embedding_cpu(rows.f32(), table.f32(), ids.i32(), T, D, V, scatter);
-  embedding_kernel<<<grid_for((int64_t)T * D), kThreads, 0, ctx.stream>>>(
-      rows.f32(), table.f32(), ids.i32(), (int64_t)T * D, D, V, scatter);
-  CUDA_CHECK(cudaGetLastError());
+  PICO_ASSERT(rows.numel() == ids.numel() * table.size(1), "embedding rows " + rows.shape_str());
 }
 void embedding_forward(const Context& ctx, const Tensor& out, const Tensor& ids,
                        const Tensor& table) {
-  embedding(ctx, out, ids, table, false);
+  check_embedding(ctx, out, ids, table);
+  int T = (int)ids.numel(), V = (int)table.size(0), D = (int)table.size(1);
+  if (ctx.device == Device::CPU)
+    return embedding_cpu(out.f32(), table.f32(), ids.i32(), T, D, V, false);
+  if (T == 0) return;
+  embedding_forward_kernel<<<grid_for((int64_t)T * D), kThreads, 0, ctx.stream>>>(
+      out.f32(), table.f32(), ids.i32(), (int64_t)T * D, D, V);
+  LAUNCH_CHECK(ctx, "embedding_forward_kernel");
 }
 void embedding_backward(const Context& ctx, const Tensor& dtable, const Tensor& ids,
                         const Tensor& dout) {
-  embedding(ctx, dout, ids, dtable, true);
+  check_embedding(ctx, dout, ids, dtable);
+  int T = (int)ids.numel(), V = (int)dtable.size(0), D = (int)dtable.size(1);
+  if (ctx.device == Device::CPU)
+    return embedding_cpu(dout.f32(), dtable.f32(), ids.i32(), T, D, V, true);
+  if (T == 0) return;
+  // Workspace: CUB's scratch (rounded to 256 bytes, so what follows stays aligned), then [3, T]
+  // int32: positions 0..T-1, the ids sorted, the positions in that order.
+  size_t scratch = 0;
+  CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, scratch, (const int32_t*)nullptr,
+                                             (int32_t*)nullptr, (const int32_t*)nullptr,
+                                             (int32_t*)nullptr, T, 0, 32, ctx.stream));
+  int64_t scratch_words = (int64_t)(scratch + 255) / 256 * 64;
+  Tensor work = empty(ctx, {scratch_words + 3 * (int64_t)T}, Mem::Workspace, DType::I32);
+  int32_t* positions = work.i32() + scratch_words;
+  int32_t *sorted_ids = positions + T, *sorted_pos = sorted_ids + T;
+  iota_kernel<<<grid_for(T), kThreads, 0, ctx.stream>>>(positions, T);
+  LAUNCH_CHECK(ctx, "iota_kernel");
+  CUDA_CHECK(cub::DeviceRadixSort::SortPairs(work.i32(), scratch, ids.i32(), sorted_ids,
+                                             positions, sorted_pos, T, 0, 32, ctx.stream));
+  embedding_backward_kernel<<<grid_for((int64_t)T * D), kThreads, 0, ctx.stream>>>(
+      dtable.f32(), dout.f32(), sorted_ids, sorted_pos, T, D, V);
+  LAUNCH_CHECK(ctx, "embedding_backward_kernel");
 }
 
 // ============================================================================
@@ -202,14 +242,29 @@ static __global__ void rmsnorm_backward_dx_kernel(float* dx, const float* dy, co
   for (int i = threadIdx.x; i < D; i += blockDim.x)
     dx[row + i] += r * (dy[row + i] * w[i] - x[row + i] * r * dot);
 }
-// One thread per column walks down the T rows: no atomics, so dw is deterministic and adds in
-// the same order as the CPU loop.
-static __global__ void rmsnorm_backward_dw_kernel(float* dw, const float* dy, const float* x,
-                                                  const float* rstd, int T, int D) {
+// dw is a column sum over all T rows. One thread per column walking all T rows would leave the
+// GPU idle (D threads) and take T steps; atomics would make the sum's order depend on
+// scheduling. So two stages, both deterministic: stage 1 gives each block of kDwRows rows its
+// own partial row (a 2-D grid: column blocks x row blocks, a thread per column of its block),
+// stage 2 adds the partials of each column in row-block order. The order differs from the CPU
+// loop's (chunks, then their sum), hence a tolerance against the CPU, but it never differs
+// between two GPU runs.
+constexpr int kDwRows = 32;
+static __global__ void rmsnorm_dw_partial_kernel(float* partials, const float* dy, const float* x,
+                                                 const float* rstd, int T, int D) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;  // column
+  int first = blockIdx.y * kDwRows, last = min(T, first + kDwRows);
+  if (i >= D) return;
+  float acc = 0.0f;
+  for (int t = first; t < last; t++) acc += dy[(int64_t)t * D + i] * (x[(int64_t)t * D + i] * rstd[t]);
+  partials[(int64_t)blockIdx.y * D + i] = acc;  // partials [row blocks, D]
+}
+static __global__ void rmsnorm_dw_sum_kernel(float* dw, const float* partials, int row_blocks,
+                                             int D) {
   GRID_STRIDE_LOOP(i, D) {
-    float acc = dw[i];
-    for (int t = 0; t < T; t++) acc += dy[(int64_t)t * D + i] * (x[(int64_t)t * D + i] * rstd[t]);
-    dw[i] = acc;
+    float acc = 0.0f;
+    for (int b = 0; b < row_blocks; b++) acc += partials[(int64_t)b * D + i];
+    dw[i] += acc;
   }
 }
 
@@ -224,7 +279,7 @@ void rmsnorm_forward(const Context& ctx, const Tensor& y, const Tensor& rstd, co
   if (T == 0) return;  // a grid of zero blocks is a launch error, not a no-op
   rmsnorm_forward_kernel<<<T, kThreads, 0, ctx.stream>>>(y.f32(), rstd.f32(), x.f32(), w.f32(), D,
                                                          eps);
-  CUDA_CHECK(cudaGetLastError());
+  LAUNCH_CHECK(ctx, "rmsnorm_forward_kernel");
 }
 
 void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, const Tensor& dy,
@@ -238,10 +293,17 @@ void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, co
   if (T == 0) return;  // no rows: nothing to add (and a zero-block grid would not launch)
   rmsnorm_backward_dx_kernel<<<T, kThreads, 0, ctx.stream>>>(dx.f32(), dy.f32(), x.f32(), w.f32(),
                                                              rstd.f32(), D);
-  CUDA_CHECK(cudaGetLastError());
-  rmsnorm_backward_dw_kernel<<<grid_for(D), kThreads, 0, ctx.stream>>>(dw.f32(), dy.f32(), x.f32(),
-                                                                       rstd.f32(), T, D);
-  CUDA_CHECK(cudaGetLastError());
+  LAUNCH_CHECK(ctx, "rmsnorm_backward_dx_kernel");
+  int row_blocks = (T + kDwRows - 1) / kDwRows;
+  PICO_ASSERT(row_blocks <= 65535, "rmsnorm_backward: " + std::to_string(T) + " rows");
+  Tensor partials = empty(ctx, {row_blocks, D}, Mem::Workspace);  // [T / kDwRows, D]
+  dim3 grid((D + kThreads - 1) / kThreads, row_blocks);
+  rmsnorm_dw_partial_kernel<<<grid, kThreads, 0, ctx.stream>>>(partials.f32(), dy.f32(), x.f32(),
+                                                               rstd.f32(), T, D);
+  LAUNCH_CHECK(ctx, "rmsnorm_dw_partial_kernel");
+  rmsnorm_dw_sum_kernel<<<grid_for(D), kThreads, 0, ctx.stream>>>(dw.f32(), partials.f32(),
+                                                                  row_blocks, D);
+  LAUNCH_CHECK(ctx, "rmsnorm_dw_sum_kernel");
 }
 
 // ============================================================================
@@ -290,7 +352,7 @@ static void rope(const Context& ctx, const Tensor& x, const Tensor& positions, f
   int64_t pairs = (int64_t)T * H * (hd / 2);
   rope_kernel<<<grid_for(pairs), kThreads, 0, ctx.stream>>>(x.f32(), positions.i32(), pairs, H, hd,
                                                             theta, sign);
-  CUDA_CHECK(cudaGetLastError());
+  LAUNCH_CHECK(ctx, "rope_kernel");
 }
 void rope_forward(const Context& ctx, const Tensor& x, const Tensor& positions, float theta) {
   rope(ctx, x, positions, theta, 1.0f);
@@ -340,7 +402,7 @@ void swiglu_forward(const Context& ctx, const Tensor& out, const Tensor& gate, c
   if (ctx.device == Device::CPU) return swiglu_forward_cpu(out.f32(), gate.f32(), up.f32(), n);
   swiglu_forward_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(out.f32(), gate.f32(), up.f32(),
                                                                   n);
-  CUDA_CHECK(cudaGetLastError());
+  LAUNCH_CHECK(ctx, "swiglu_forward_kernel");
 }
 void swiglu_backward(const Context& ctx, const Tensor& dgate, const Tensor& dup, const Tensor& dout,
                      const Tensor& gate, const Tensor& up) {
@@ -352,7 +414,7 @@ void swiglu_backward(const Context& ctx, const Tensor& dgate, const Tensor& dup,
     return swiglu_backward_cpu(dgate.f32(), dup.f32(), dout.f32(), gate.f32(), up.f32(), n);
   swiglu_backward_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(
       dgate.f32(), dup.f32(), dout.f32(), gate.f32(), up.f32(), n);
-  CUDA_CHECK(cudaGetLastError());
+  LAUNCH_CHECK(ctx, "swiglu_backward_kernel");
 }
 
 // ============================================================================
@@ -380,7 +442,7 @@ static void axpby(const Context& ctx, const Tensor& out, float alpha, const Tens
   const float* bp = b ? b->f32() : nullptr;
   if (ctx.device == Device::CPU) return axpby_cpu(out.f32(), alpha, a.f32(), beta, bp, n);
   axpby_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(out.f32(), alpha, a.f32(), beta, bp, n);
-  CUDA_CHECK(cudaGetLastError());
+  LAUNCH_CHECK(ctx, "axpby_kernel");
 }
 void residual_forward(const Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b) {
   axpby(ctx, out, 1.0f, a, 1.0f, &b);
@@ -444,7 +506,7 @@ static void cross_entropy(const Context& ctx, float* losses, float* dlogits, con
   if (T == 0) return;  // one block per row: zero rows would be a zero-block launch error
   cross_entropy_kernel<<<T, kThreads, 0, ctx.stream>>>(losses, dlogits, logits.f32(), targets.i32(),
                                                        V, scale);
-  CUDA_CHECK(cudaGetLastError());
+  LAUNCH_CHECK(ctx, "cross_entropy_kernel");
 }
 void cross_entropy_forward(const Context& ctx, const Tensor& losses, const Tensor& logits,
                            const Tensor& targets) {
@@ -485,26 +547,50 @@ static __global__ void sum_kernel(float* partials, const float* x, int64_t n, bo
   if (threadIdx.x == 0) partials[blockIdx.x] = acc;
 }
 
-static float reduce(const Context& ctx, const Tensor& x, bool squares) {
-  check_devices(ctx, "sum", x);
+// Queues the sum of x (or of its squares) into *total, using partials[grid_for(n)] as scratch.
+// Two passes of the same kernel, the second over the per-block partials with one block: no
+// atomics, so the GPU result does not depend on block scheduling.
+static void launch_sum(const Context& ctx, float* partials, float* total, const Tensor& x,
+                       bool squares) {
   int64_t n = x.numel();
-  if (ctx.device == Device::CPU) return sum_cpu(x.f32(), n, squares);
-  // Two passes of the same kernel, the second over the per-block partials with one block: no
-  // atomics, so the GPU result does not depend on block scheduling.
   unsigned blocks = grid_for(n);
-  Tensor buffer = empty({(int64_t)blocks + 1}, Mem::Workspace, Device::CUDA);  // partials, total
-  sum_kernel<<<blocks, kThreads, 0, ctx.stream>>>(buffer.f32(), x.f32(), n, squares);
-  CUDA_CHECK(cudaGetLastError());
-  sum_kernel<<<1, kThreads, 0, ctx.stream>>>(buffer.f32() + blocks, buffer.f32(), blocks, false);
-  CUDA_CHECK(cudaGetLastError());
-  float total = 0.0f;
-  CUDA_CHECK(cudaMemcpyAsync(&total, buffer.f32() + blocks, sizeof(float), cudaMemcpyDeviceToHost,
-                             ctx.stream));
+  sum_kernel<<<blocks, kThreads, 0, ctx.stream>>>(partials, x.f32(), n, squares);
+  LAUNCH_CHECK(ctx, "sum_kernel");
+  sum_kernel<<<1, kThreads, 0, ctx.stream>>>(total, partials, blocks, false);
+  LAUNCH_CHECK(ctx, "sum_kernel");
+}
+
+// The sums of several tensors, each reduced on its own, with one trip to the host for all of
+// them (the gradient norm needs one per parameter tensor: one round trip each would stall the
+// GPU that many times per step).
+static std::vector<float> reduce_each(const Context& ctx, const std::vector<Tensor>& xs,
+                                      bool squares) {
+  for (const Tensor& x : xs) check_devices(ctx, "sum", x);
+  std::vector<float> totals(xs.size());
+  count_host_sync();  // the results go to the host: on CUDA the host waits for the stream
+  if (ctx.device == Device::CPU) {
+    for (size_t i = 0; i < xs.size(); i++) totals[i] = sum_cpu(xs[i].f32(), xs[i].numel(), squares);
+    return totals;
+  }
+  if (xs.empty()) return totals;
+  int64_t scratch = 0;  // the largest tensor's partials: the tensors are reduced in stream order
+  for (const Tensor& x : xs) scratch = std::max<int64_t>(scratch, grid_for(x.numel()));
+  Tensor buffer = empty(ctx, {scratch + (int64_t)xs.size()}, Mem::Workspace);  // [partials, totals]
+  for (size_t i = 0; i < xs.size(); i++)
+    launch_sum(ctx, buffer.f32(), buffer.f32() + scratch + i, xs[i], squares);
+  CUDA_CHECK(cudaMemcpyAsync(totals.data(), buffer.f32() + scratch, xs.size() * sizeof(float),
+                             cudaMemcpyDeviceToHost, ctx.stream));
   CUDA_CHECK(cudaStreamSynchronize(ctx.stream));
-  return total;
+  return totals;
+}
+static float reduce(const Context& ctx, const Tensor& x, bool squares) {
+  return reduce_each(ctx, {x}, squares)[0];
 }
 float sum(const Context& ctx, const Tensor& x) { return reduce(ctx, x, false); }
 float sum_squares(const Context& ctx, const Tensor& x) { return reduce(ctx, x, true); }
+std::vector<float> sum_squares_each(const Context& ctx, const std::vector<Tensor>& xs) {
+  return reduce_each(ctx, xs, true);
+}
 
 // ============================================================================
 // AdamW (Loshchilov & Hutter 2019); m and v are the optimizer state of Playbook §2.3
@@ -541,5 +627,5 @@ void adamw_update(const Context& ctx, float* p, const float* g, float* m, float*
   if (ctx.device == Device::CPU) return adamw_cpu(p, g, m, v, n, cfg, lr, weight_decay, bc1, bc2);
   adamw_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(p, g, m, v, n, cfg, lr, weight_decay, bc1,
                                                          bc2);
-  CUDA_CHECK(cudaGetLastError());
+  LAUNCH_CHECK(ctx, "adamw_kernel");
 }

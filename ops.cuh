@@ -65,6 +65,9 @@ void cross_entropy_backward(const Context& ctx, const Tensor& dlogits, const Ten
 // ---- reductions (fp32 accumulation, result on the host) ----
 float sum(const Context& ctx, const Tensor& x);
 float sum_squares(const Context& ctx, const Tensor& x);
+// Each tensor's sum of squares, as sum_squares computes it, with one host synchronisation for
+// all of them (the global gradient norm, Playbook §gradient clipping).
+std::vector<float> sum_squares_each(const Context& ctx, const std::vector<Tensor>& xs);
 
 // ---- AdamW (Loshchilov & Hutter): bias-corrected moments, decoupled weight decay ----
 struct AdamWConfig {

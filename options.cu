@@ -90,8 +90,11 @@ void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape) {
                  "ZeRO stage over dp_cp: 0 off, 1 optimizer states, 2 + gradients, 3 + weights")
       ->capture_default_str();
   app.add_option("--trace", o.trace, "write a Chrome trace JSON (Perfetto) to FILE");
-  app.add_option("--report", o.reports, "print reports at the end: memory, comm, bubble")
+  app.add_option("--report", o.reports, "print reports at the end: memory, comm, bubble, sync")
       ->delimiter(',');
+  app.add_flag("--sync-launches", o.sync_launches,
+               "debugging: synchronise after every CUDA kernel, so a faulting kernel is named "
+               "where it faults (slow)");
   app.add_option("--fault", o.fault, "test fault handling: KIND:RANK:STEP, KIND crash|hang|error");
 }
 
@@ -213,8 +216,9 @@ void resolve_options(Options& o, const std::vector<ShapeFlag>& shape) {
   check_range(o.comm_timeout, "--comm-timeout", 0, true, kNoMax,
               "must be a number of seconds > 0, e.g. 300");
   for (const std::string& r : o.reports)
-    if (r != "memory" && r != "comm" && r != "bubble")
-      throw UsageError("--report " + r + ": expected memory, comm or bubble (several: memory,comm)");
+    if (r != "memory" && r != "comm" && r != "bubble" && r != "sync")
+      throw UsageError("--report " + r +
+                       ": expected memory, comm, bubble or sync (several: memory,comm)");
   if (!o.fault.empty()) {
     Fault f = parse_fault(o.fault);
     int64_t world = (int64_t)o.dp * o.pp * o.cp * o.tp;
@@ -340,7 +344,8 @@ void print_config(const Options& o, const Dataset& data, const Comm& comm, int64
   row("ffn / vocab / seq", s(c.ffn) + " / " + s(c.vocab) + " / " + s(c.seq));
   row("tied embeddings", c.tie_embeddings ? "yes" : "no");
   row("parameters", s(n_params) + " (closed form " + s(parameter_count(c)) + ")");
-  row("device / backend", std::string(device_name(comm.device)) + " / " + backend_name(comm.backend));
+  row("device / backend", std::string(device_name(comm.device)) + " / " + backend_name(comm.backend) +
+                              (o.sync_launches ? ", sync after every kernel" : ""));
   row("grid dp x pp x cp x tp", s(o.dp) + " x " + s(o.pp) + " x " + s(o.cp) + " x " + s(o.tp) +
                                     " = " + s(comm.grid.world_size) + " ranks" +
                                     (o.sp ? ", sequence parallel" : ""));

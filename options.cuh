@@ -26,6 +26,7 @@ struct Options {
   double comm_timeout = 300, bucket_mb = 25;
   bool no_overlap = false, sp = false;
   bool no_shuffle = false;  // data: consecutive stretches in file order (the old order)
+  bool sync_launches = false;  // debugging: synchronise after every CUDA kernel
   std::vector<std::string> reports;
   const CLI::App* app = nullptr;  // the parsed command line (main's, alive for the whole run)
 };

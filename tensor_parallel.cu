@@ -337,7 +337,7 @@ void vocab_parallel_cross_entropy_forward(const TensorParallel& tp, const Contex
     ce_row_max_cpu(row_max.f32(), logits.f32(), N, V);
   } else if (N > 0) {
     ce_row_max_kernel<<<N, kCeThreads, 0, ctx.stream>>>(row_max.f32(), logits.f32(), V);
-    CUDA_CHECK(cudaGetLastError());
+    LAUNCH_CHECK(ctx, "ce_row_max_kernel");
   }
   if (tp.size() > 1) all_reduce(*tp.comm, tp.group(), ctx, row_max.f32(), N, ReduceOp::Max);
   if (ctx.device == Device::CPU) {
@@ -345,7 +345,7 @@ void vocab_parallel_cross_entropy_forward(const TensorParallel& tp, const Contex
   } else if (N > 0) {
     ce_row_sums_kernel<<<N, kCeThreads, 0, ctx.stream>>>(sums.f32(), logits.f32(), row_max.f32(),
                                                          local_targets.i32(), V);
-    CUDA_CHECK(cudaGetLastError());
+    LAUNCH_CHECK(ctx, "ce_row_sums_kernel");
   }
   if (tp.size() > 1) all_reduce(*tp.comm, tp.group(), ctx, sums.f32(), 2 * N, ReduceOp::Sum);
   // On the host: N scalars, once per micro-batch (stats[t] = (max, sum of exponentials)).
@@ -371,7 +371,7 @@ void vocab_parallel_cross_entropy_backward(const TensorParallel&, const Context&
   if (N == 0) return;
   ce_backward_kernel<<<N, kCeThreads, 0, ctx.stream>>>(dlogits.f32(), logits.f32(), stats.f32(),
                                                        local_targets.i32(), V, scale);
-  CUDA_CHECK(cudaGetLastError());
+  LAUNCH_CHECK(ctx, "ce_backward_kernel");
 }
 
 void tp_cross_entropy_forward(const TensorParallel& tp, const Context& ctx, const Tensor& losses,

@@ -206,6 +206,7 @@ struct Trainer {
   OutputLines log_json;
   Trace trace;
   int64_t steps_run = 0, block_bytes = -1;  // one block's saved activations, measured once
+  uint64_t step_syncs_min = UINT64_MAX, step_syncs_max = 0;  // host synchronisations per step
   TrafficMeter tp_traffic;                  // what the tp group sent in training steps
   PipelineMeasure bubble;                   // busy and idle time of the pipeline schedule
 };
@@ -216,6 +217,7 @@ static bool train_step(Trainer& t, int64_t step) {
   int seq = o.model.seq;
   maybe_inject_fault(o.fault, t.comm.grid.world_rank, step);
   double t0 = now_seconds();
+  uint64_t syncs0 = host_syncs();
   t.tp_traffic.open(t.comm.tp);
   fill_train_batch(t.data, step, t.global_batch, t.first_seq, (int)t.rank_batch, seq,
                    t.inputs.data(), t.targets.data(), !o.no_shuffle, o.seed);
@@ -250,6 +252,11 @@ static bool train_step(Trainer& t, int64_t step) {
   t.sync.trace_communication(t.trace);
   t.tp_traffic.close(t.comm.tp);
   t.steps_run++;
+  uint64_t syncs = host_syncs() - syncs0;
+  t.step_syncs_min = std::min(t.step_syncs_min, syncs);
+  t.step_syncs_max = std::max(t.step_syncs_max, syncs);
+  t.trace.add("step " + std::to_string(step + 1) + " (" + std::to_string(syncs) + " host syncs)",
+              Track::Compute, t0, now_seconds());
   double dt = now_seconds() - t0;
   if (t.comm.grid.world_rank == 0) {
     double tok_s = t.global_batch * seq / dt;
@@ -275,7 +282,7 @@ static void validate(Trainer& t, int64_t step) {
     printf("step %5lld/%d | val loss %.4f\n", (long long)step + 1, t.o.steps, val);
 }
 
-// What the run measured next to the book's formulas (--report memory,comm).
+// What the run measured next to the book's formulas (--report memory,comm,sync).
 static void print_reports(Trainer& t) {
   const Options& o = t.o;
   Comm& comm = t.comm;
@@ -283,6 +290,14 @@ static void print_reports(Trainer& t) {
   int64_t n_params = t.model.num_params;  // on this rank: the whole model over tp
   if (main_rank) print_memory(n_params, t.sync.zero_stage(), comm.dp_cp.size);
   for (const std::string& r : o.reports) {
+    if (r == "sync" && main_rank && t.steps_run > 0) {
+      // The points where the host waits for the device (core.cuh, count_host_sync): each one
+      // drains the GPU's queue, so the fewer per step the better.
+      std::string range = t.step_syncs_min == t.step_syncs_max
+                              ? "" : " (fewest " + std::to_string(t.step_syncs_min) + ")";
+      printf("host synchronisations per training step: %llu%s\n",
+             (unsigned long long)t.step_syncs_max, range.c_str());
+    }
     if (r == "memory") {
       print_memory_report(comm, t.sync.zero_stage(), n_params, t.sync.padded_params());
       if (main_rank && t.block_bytes >= 0)
@@ -390,6 +405,7 @@ int main(int argc, char** argv) {
       CUDA_CHECK(cudaSetDevice(local % gpus));
     }
     Comm comm = comm_init(o.dp, o.pp, o.cp, o.tp, o.comm, device, o.comm_timeout);
+    set_sync_launches(o.sync_launches);
     Context ctx = Context::create(device);
     code = run(o, comm, ctx);
     ctx.destroy();

@@ -1,3 +1,21 @@
 // The Catch2 (v2) test runner's main; the tests themselves are in tests/test_*.cu.
-#define CATCH_CONFIG_MAIN
+// One option of our own, --sync-launches: a debugging aid that makes every CUDA context
+// synchronise after each kernel launch, so a kernel that faults is named in the failure
+// (the GPU check's first pass uses it). A command-line option rather than an environment
+// variable, as train's --sync-launches is.
+#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
+
+void set_sync_launches(bool on);  // core.cuh (this file is compiled without CUDA headers)
+
+int main(int argc, char* argv[]) {
+  Catch::Session session;
+  bool sync_launches = false;
+  session.cli(session.cli() |
+              Catch::clara::Opt(sync_launches)["--sync-launches"](
+                  "synchronise after every CUDA kernel launch (debugging; slow)"));
+  int rc = session.applyCommandLine(argc, argv);
+  if (rc != 0) return rc;
+  set_sync_launches(sync_launches);
+  return session.run();
+}

@@ -238,13 +238,17 @@ TEST_CASE("--trace writes a Chrome trace with compute and communication spans pe
   REQUIRE(r.code == 0);
   nlohmann::json trace = nlohmann::json::parse(read_whole_file(dir + "/trace.json"));
   std::map<std::pair<int, int>, int> spans;  // (rank, track) -> complete events
+  int step_spans = 0;  // "step 2 (3 host syncs)"
   for (auto& e : trace["traceEvents"])
     if (e["ph"] == "X") {
       REQUIRE(e["dur"].get<double>() >= 0);
       spans[{e["pid"].get<int>(), e["tid"].get<int>()}]++;
+      std::string name = e["name"];
+      if (name.rfind("step ", 0) == 0 && name.find(" host syncs)") != std::string::npos) step_spans++;
     }
+  REQUIRE(step_spans == 2 * 3);
   for (int rank : {0, 1}) {
-    REQUIRE(spans[{rank, 0}] == 3 * 4);  // forward, backward, wait, optimizer per step
+    REQUIRE(spans[{rank, 0}] == 3 * 5);  // the step, forward, backward, wait, optimizer
     REQUIRE(spans[{rank, 1}] >= 3 * 2);  // at least two buckets per step at 0.01 MiB
   }
   fs::remove_all(dir);

@@ -127,6 +127,21 @@ static void expect_usage_error(const std::string& args, const std::string& messa
   REQUIRE_THAT(r.output, Catch::Contains(message));
 }
 
+TEST_CASE("a training step waits for the device grad_acc + 2 times", "[train]") {
+  // Counted on CPU at the places that make the host wait on CUDA (core.cuh, count_host_sync):
+  // each micro-batch's loss comes to the host, the gradient norm reads its 21 per-tensor sums of
+  // squares in one trip, and the step ends with one stream synchronise. A new wait in the hot
+  // path changes this number.
+  for (int grad_acc : {1, 3}) {
+    RunResult r = run_train(SMALL + "--steps 2 --val-every 0 --report sync --grad-acc " +
+                            std::to_string(grad_acc));
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    CHECK(last_number_after(r.output, "host synchronisations per training step:") ==
+          grad_acc + 1 + 1);
+  }
+}
+
 TEST_CASE("bad flags and data end with a clear message and exit code 2", "[train]") {
   std::string dir = make_temp_dir();
   expect_usage_error("--no-such-flag 3", "--no-such-flag");
@@ -169,16 +184,24 @@ TEST_CASE("a CUDA training run matches the CPU run of the same seed", "[gpu]") {
     WARN("SKIP: no CUDA device");
     return;
   }
-  std::string dir = make_temp_dir();
-  REQUIRE(run_train(SMALL + "--steps 5 --device cpu --log-json " + dir + "/cpu.jsonl").code == 0);
-  RunResult r = run_train(SMALL + "--steps 5 --device cuda --log-json " + dir + "/cuda.jsonl");
+  // Its own text (a machine under test may lack the default corpus): repeated sentences with
+  // varied numbers, 64 KiB, enough for 5 steps and the validation split.
+  std::string dir = make_temp_dir(), data = dir + "/text.txt";
+  {
+    std::ofstream text(data);
+    for (int i = 0; text.tellp() < 65536; i++)
+      text << "Sentence " << i << " says " << (i * 7919) % 1000 << " is not " << i % 13 << ".\n";
+  }
+  std::string args = SMALL + "--steps 5 --data " + data;
+  REQUIRE(run_train(args + " --device cpu --log-json " + dir + "/cpu.jsonl").code == 0);
+  RunResult r = run_train(args + " --device cuda --log-json " + dir + "/cuda.jsonl");
   INFO(r.output);
   REQUIRE(r.code == 0);
   auto cpu = read_json_lines(dir + "/cpu.jsonl"), cuda = read_json_lines(dir + "/cuda.jsonl");
   REQUIRE(cpu.size() == cuda.size());
   for (size_t i = 0; i < cpu.size(); i++) {
-    // Same math, other summation orders (cuBLAS vs OpenBLAS, block reductions, atomics in the
-    // embedding backward): fp32 differences of ~1e-6 relative per op, amplified a little by five
+    // Same math, other summation orders (cuBLAS vs OpenBLAS, block reductions, the RMSNorm
+    // weight gradient's row blocks): fp32 differences of ~1e-6 relative per op, amplified a little by five
     // Adam steps. 1e-4 relative separates that from any real bug, which shifts the loss by more.
     INFO("step " << i + 1);
     REQUIRE(cuda[i]["loss"].get<double>() == Approx(cpu[i]["loss"].get<double>()).epsilon(1e-4));

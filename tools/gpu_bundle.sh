@@ -4,22 +4,26 @@
 # gpu_bundle/ (git-ignored) what tools/gpu_check.sh needs on a bare GPU machine: one with the
 # NVIDIA driver and CUDA 13 (cuBLAS and NCCL from the toolkit or Python wheels) but no MPI,
 # OpenBLAS or fortune corpus.
-#   bin.tar.gz       train and build/{unit_tests,mpi_tests,bench_step,bench_comm,bench_attention}
+#   bin.tar.gz       train and build/{unit_tests,mpi_tests,bench_step,bench_comm,bench_attention,device_info}
 #   lib.tar.gz       lib/: every shared library those, orted, orterun, ompi_info and the OpenMPI
 #                    and PMIx plugins load, except the C/C++ runtime and CUDA's own libraries
-#   openmpi.tar.gz   the OpenMPI tree at its absolute paths (OpenMPI finds plugins, help texts
-#                    and config where it was built to): plugins, share/openmpi, /etc/openmpi,
-#                    orted, orterun, ompi_info, PMIx's plugins. gpu_check.sh untars it to /.
-#   fortunes.tar.gz  the default corpus at its absolute path, /usr/share/games/fortunes
+#   openmpi.tar.gz   the OpenMPI tree with its paths relative to / (plugins, share/openmpi,
+#                    etc/openmpi, orted, orterun, ompi_info, PMIx's plugins), links resolved.
+#                    tools/gpu_unpack.sh unpacks it under a private prefix in its work folder
+#                    and points OpenMPI there (OPAL_PREFIX); nothing is written to /.
+#   corpus.txt.gz    the default corpus (the fortune files, sorted by name) as one file, for
+#                    --data: the same bytes, so the same batches, as /usr/share/games/fortunes
 #   MANIFEST.txt     commit, compiler, flags, sizes
 # Then it unpacks the bundle into a temporary directory and checks, with ldd, that every library
 # a bundled binary or plugin needs is bundled, or is a C/C++ runtime or CUDA library.
 # Usage: tools/gpu_bundle.sh [--no-build]   (--no-build packs the binaries already built)
+#        tools/gpu_bundle.sh --mpi-only DIR  (only openmpi.tar.gz and lib.tar.gz for ./train,
+#                                             into DIR: what tools/test_gpu_check.sh unpacks)
 # Carry `gpu_bundle` to the GPU machine and run `bash tools/gpu_check.sh` there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PATH:/usr/local/cuda/bin"
-BINARIES="train build/unit_tests build/mpi_tests build/bench_step build/bench_comm build/bench_attention"
+BINARIES="train build/unit_tests build/mpi_tests build/bench_step build/bench_comm build/bench_attention build/device_info"
 MPI_DIR=/usr/lib/x86_64-linux-gnu/openmpi
 PMIX_DIR=/usr/lib/x86_64-linux-gnu/pmix2
 MAX_MIB=48  # the carry limit is 64 MiB for everything that travels
@@ -31,17 +35,20 @@ SYSTEM_LIBS='^(linux-vdso|ld-linux|libc|libm|libpthread|libdl|librt|libutil|libr
 # verbs: a single node needs none of them.
 RDMA_LIBS='lib(ucp|uct|ucs|ucm|fabric|ibverbs|rdmacm|psm_infinipath|psm2|efa|infinipath)\.so'
 
-if [ "${1:-}" != "--no-build" ]; then
+OUT_DIR=gpu_bundle MPI_ONLY=0
+if [ "${1:-}" = "--mpi-only" ]; then
+  MPI_ONLY=1 OUT_DIR=${2:?usage: tools/gpu_bundle.sh --mpi-only DIR} BINARIES=train
+elif [ "${1:-}" != "--no-build" ]; then
   # The Makefile's default GPU_ARCH, even if the environment sets another one.
   env -u GPU_ARCH make -j"$(nproc)" $BINARIES
 fi
-grep -q "code=sm_90" build/flags.txt ||
+[ "$MPI_ONLY" = 1 ] || grep -q "code=sm_90" build/flags.txt ||
   { echo "gpu_bundle: build/flags.txt has no sm_90 code: rebuild with the default GPU_ARCH"; exit 1; }
 for b in $BINARIES; do [ -x "$b" ] || { echo "gpu_bundle: $b is missing"; exit 1; }; done
 
-rm -rf gpu_bundle
-mkdir -p gpu_bundle/stage/bin gpu_bundle/stage/lib
-stage=gpu_bundle/stage
+rm -rf "$OUT_DIR"
+mkdir -p "$OUT_DIR/stage/bin" "$OUT_DIR/stage/lib"
+stage=$OUT_DIR/stage
 cp $BINARIES $stage/bin/
 
 # The OpenMPI and PMIx files to ship: plugins without RDMA dependencies, help texts, config.
@@ -56,7 +63,8 @@ mpi_files=$(mktemp)
   echo usr/bin/orterun
   echo usr/bin/ompi_info
 } | sort -u >"$mpi_files"
-tar -czf gpu_bundle/openmpi.tar.gz -C / -T "$mpi_files"
+# --dereference: links become files, so unpacking never writes through a link out of the folder.
+tar -czf "$OUT_DIR/openmpi.tar.gz" --dereference -C / -T "$mpi_files"
 
 # Their shared libraries, and the binaries': ldd lists the transitive closure.
 {
@@ -71,9 +79,16 @@ if ls $stage/lib | grep -Eq "$RDMA_LIBS"; then
 fi
 rm -f "$mpi_files"
 
+tar -czf "$OUT_DIR/lib.tar.gz" -C $stage lib
+if [ "$MPI_ONLY" = 1 ]; then
+  rm -rf $stage
+  echo "gpu_bundle: $OUT_DIR: $(ls "$OUT_DIR" | tr '\n' ' ')"
+  exit 0
+fi
 tar -czf gpu_bundle/bin.tar.gz -C $stage bin
-tar -czf gpu_bundle/lib.tar.gz -C $stage lib
-tar -czf gpu_bundle/fortunes.tar.gz -C / usr/share/games/fortunes
+# The corpus as train reads it by default: files without a '.' in the name, sorted by name.
+(cd /usr/share/games/fortunes && find -L . -maxdepth 1 -type f ! -name '*.*' -printf '%f\n' |
+  LC_ALL=C sort | xargs cat) | gzip >gpu_bundle/corpus.txt.gz
 rm -rf $stage
 
 # ---- check: unpack into a temporary root and resolve every dependency there ----

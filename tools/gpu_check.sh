@@ -1,42 +1,60 @@
 #!/usr/bin/env bash
 # gpu_check.sh: one call on a GPU machine (`make gpu-check`). Sets up, then runs every GPU test,
 # the CUDA-vs-CPU training comparison, short CUDA training runs of tiny and medium, the step,
-# collective and FlashAttention benchmarks (the last against PyTorch's flash backend) and, where the machine allows, compute-sanitizer; prints a summary table
-# LAST. A failing or stuck step is recorded (each has a timeout) and the next one runs.
+# collective and FlashAttention benchmarks (the last against PyTorch's flash backend) and,
+# where the machine allows, compute-sanitizer; prints a summary table LAST, always. A failing or
+# stuck step is recorded (each has a timeout) and the next one runs.
 #
-# Setup: with gpu_bundle/ (made beforehand by tools/gpu_bundle.sh and carried over) it unpacks
-# the binaries, the OpenMPI tree (to /, where OpenMPI looks for it: run as root) and the fortune
-# corpus, and finds cuBLAS 13 and NCCL 2 on the machine (CUDA toolkit, or the Python wheels'
-# nvidia/* folders). Without gpu_bundle/ it builds, which needs picoscale's build dependencies.
+# Setup: with gpu_bundle/ (made beforehand by tools/gpu_bundle.sh and carried over),
+# tools/gpu_unpack.sh unpacks the binaries, libraries, corpus and OpenMPI tree under the work
+# folder (OpenMPI at a private prefix, found through OPAL_PREFIX: the image's own MPI, if any, is
+# left alone), and the libraries the binaries need (readelf's NEEDED entries) that neither the
+# bundle nor the system provides, cuBLAS and NCCL, are looked up by those exact names in the CUDA
+# toolkit or the Python wheels' nvidia/* folders. Without gpu_bundle/ it builds here, which needs
+# picoscale's build dependencies. Nothing is written outside the work folder and $OUT.
 #
-# Usage: bash tools/gpu_check.sh [--budget SECONDS] [--unpack-root DIR]
-#   --budget: total seconds (default 480); a step that would not fit in what is left is skipped
-#   --unpack-root: untar OpenMPI and the corpus there instead of / (to test this script on a
-#     machine that has them installed already; the bundle's libraries are still used)
+# Usage: bash tools/gpu_check.sh [--budget SECONDS] [--work DIR] [--dry-run]
+#   --budget: total seconds (default 480). A step whose estimate (ESTIMATE below) does not fit
+#     in what is left is skipped, and one cut short by the end of the budget is recorded as
+#     skipped, not failed (its own timeout is a failure).
+#   --work: the work folder (default: a new one under /tmp).
+#   --dry-run: runs nothing; charges each step its estimate against the budget and prints what
+#     would run, the skips and the table (tools/test_gpu_check.sh uses it on machines without a GPU).
 # Logs: $OUT/gpu_check_summary.txt, $OUT/gpu_check_console.log and $OUT/gpu_check_logs.tar.gz
-# (one log per step) when OUT is set, else the same files in the work folder it names.
+# (one log per step) when OUT is set, else the same files in the work folder.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-BUDGET=480 UNPACK_ROOT=/
+BUDGET=480 WORK="" DRY_RUN=0
 while [ $# -gt 0 ]; do
   case $1 in
     --budget) BUDGET=$2; shift 2 ;;
-    --unpack-root) UNPACK_ROOT=$2; shift 2 ;;
+    --work) WORK=$2; shift 2 ;;
+    --dry-run) DRY_RUN=1; shift ;;
     *) echo "gpu_check: unknown argument $1 (usage: tools/gpu_check.sh [--budget SECONDS]" \
-            "[--unpack-root DIR])"; exit 2 ;;
+            "[--work DIR] [--dry-run])"; exit 2 ;;
   esac
 done
-WORK=$(mktemp -d /tmp/picoscale-gpu-check.XXXXXX)
+if [ -n "$WORK" ]; then mkdir -p "$WORK" && WORK=$(cd "$WORK" && pwd); else
+  WORK=$(mktemp -d /tmp/picoscale-gpu-check.XXXXXX); fi
 LOGS=$WORK/logs
 DEST=${OUT:-$WORK}
 mkdir -p "$LOGS" "$DEST"
 START=$(date +%s)
 RESULTS=()  # "name|PASS/FAIL/SKIP|seconds|detail"
 NO_RUN=""   # set when setup fails: every later step is recorded as skipped, with this reason
+STEP_RC=0 STEP_SECONDS=0 STEP_CUT=0 CHARGED=0
 SMALL="--d-model 64 --layers 2 --heads 4 --kv-heads 2 --ffn 128 --seq 32 --mbs 4 --warmup 2 --val-seqs 8"
+# Seconds each step is expected to take on one H100/H200 (estimates, not measurements: the
+# README's table of steps repeats them). A step without an entry is expected to take its cap.
+declare -A ESTIMATE=(
+  [device_info]=5 [setup]=15 [libraries]=5 [mpi_singleton]=5 [unit_gpu_sync]=60 [unit_gpu]=40
+  [train_cuda_vs_cpu]=40 [mpi_gpu_np1]=20 [mpi_gpu_np2]=30 [dp2_vs_grad_acc2]=30 [train_tiny]=20
+  [train_medium]=40 [bench]=90 [bench_comm]=40 [memcheck]=100 [racecheck]=60 [racecheck_tp]=40
+  [unit_gpu_flash]=40 [flash_bench]=120 [flash_torch]=90 [racecheck_flash]=60
+)
 
-elapsed() { echo $(($(date +%s) - START)); }
+elapsed() { echo $(($(date +%s) - START + CHARGED)); }
 record() {  # name result seconds detail
   local detail=${4//|//}  # (| separates the table's columns)
   RESULTS+=("$1|$2|$3|$detail")
@@ -44,23 +62,32 @@ record() {  # name result seconds detail
   # Saved after every step, so a run cut short still leaves its logs behind.
   tar -czf "$DEST/gpu_check_logs.tar.gz" -C "$WORK" logs 2>/dev/null
 }
-# run_step NAME CAP_SECONDS COMMAND...: runs COMMAND (output in $LOGS/NAME.log) under a timeout of
-# CAP or what is left of the budget; sets STEP_RC (124 on timeout) and STEP_SECONDS.
-# Returns 1 without running it when less than 20 s would be left.
+# run_step NAME CAP_SECONDS COMMAND...: runs COMMAND (output in $LOGS/NAME.log) under a timeout
+# of CAP, or of what is left of the budget when that is less (then STEP_CUT=1); sets STEP_RC
+# (124 on timeout) and STEP_SECONDS. Returns 1 without running it, the step recorded as skipped,
+# when its estimate does not fit in what is left, after a failed setup, or in a dry run.
 run_step() {
-  local name=$1 cap=$2 left t0
+  local name=$1 cap=$2 left t0 estimate
   shift 2
+  STEP_RC=0 STEP_SECONDS=0 STEP_CUT=0
+  estimate=${ESTIMATE[$name]:-$cap}
   if [ -n "$NO_RUN" ]; then
     record "$name" SKIP 0 "$NO_RUN"
     return 1
   fi
-  left=$((BUDGET - $(elapsed) - 10))
-  if [ "$left" -lt 20 ]; then
-    record "$name" SKIP 0 "no time left in --budget $BUDGET"
+  left=$((BUDGET - $(elapsed) - 10))  # 10 s kept for the table and the tarball
+  if [ "$estimate" -gt "$left" ]; then
+    record "$name" SKIP 0 "needs ~${estimate}s, ${left}s left of --budget $BUDGET"
     return 1
   fi
-  [ "$cap" -gt "$left" ] && cap=$left
+  [ "$cap" -gt "$left" ] && cap=$left STEP_CUT=1
   local what="$*"
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "-- $name (dry run, timeout ${cap}s): $what"
+    CHARGED=$((CHARGED + estimate))
+    record "$name" SKIP 0 "dry run: would run ~${estimate}s (timeout ${cap}s): ${what:0:100}"
+    return 1
+  fi
   echo "-- $name (timeout ${cap}s): ${what:0:160}"
   t0=$(date +%s)
   timeout -k 10 "$cap" "$@" >"$LOGS/$name.log" 2>&1
@@ -72,7 +99,13 @@ run_step() {
 show_tail() { echo "   --- last lines of $1.log:"; tail -n "${2:-15}" "$LOGS/$1.log" | sed 's/^/   | /'; }
 fail() {  # name detail
   local why=$2
-  [ "$STEP_RC" -eq 124 ] || [ "$STEP_RC" -eq 137 ] && why="timed out after ${STEP_SECONDS}s; $why"
+  if [ "$STEP_RC" -eq 124 ] || [ "$STEP_RC" -eq 137 ]; then
+    if [ "$STEP_CUT" = 1 ]; then  # stopped by the budget, not by its own limit
+      record "$1" SKIP "$STEP_SECONDS" "stopped at the end of --budget $BUDGET after ${STEP_SECONDS}s"
+      return
+    fi
+    why="timed out after ${STEP_SECONDS}s; $why"
+  fi
   record "$1" FAIL "$STEP_SECONDS" "$why"
   show_tail "$1"
 }
@@ -115,68 +148,90 @@ json_losses() { grep -o '"loss":[^,}]*' "$1" 2>/dev/null | cut -d: -f2; }
 {
 # ---------------------------------------------------------------------------------------------
 echo "picoscale GPU check in $ROOT, budget ${BUDGET}s, work folder $WORK, logs to $DEST"
-if ! nvidia-smi -L >/dev/null 2>&1; then
-  echo "gpu_check: no NVIDIA GPU visible (nvidia-smi -L failed); nothing to check"
-  exit 1
+GPU="no GPU"
+if [ "$DRY_RUN" = 1 ]; then
+  record environment SKIP 0 "dry run: the machine is not examined"
+elif ! nvidia-smi -L >"$LOGS/environment.log" 2>&1; then
+  record environment FAIL 0 "no NVIDIA GPU visible (nvidia-smi -L failed)"
+  NO_RUN="no GPU visible"
+else
+  GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)
+  {
+    nvidia-smi
+    echo "OS: $(. /etc/os-release 2>/dev/null; echo "${PRETTY_NAME:-unknown}"), $(ldd --version | head -1)"
+    command -v nvcc && nvcc --version
+    echo "CPUs: $(nproc)"
+  } >"$LOGS/environment.log" 2>&1
+  record environment PASS 0 "$GPU; $(ldd --version | head -1 | grep -o '[0-9.]*$' | sed 's/^/glibc /')"
 fi
-GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)
-{
-  nvidia-smi
-  echo "OS: $(. /etc/os-release 2>/dev/null; echo "${PRETTY_NAME:-unknown}"), $(ldd --version | head -1)"
-  command -v nvcc && nvcc --version
-  echo "CPUs: $(nproc)"
-} >"$LOGS/environment.log" 2>&1
-record environment PASS 0 "$GPU; $(ldd --version | head -1 | grep -o '[0-9.]*$' | sed 's/^/glibc /')"
 
-# ---- setup: unpack the bundle (or build), find cuBLAS and NCCL ----
-LIBDIRS=""
+# ---- setup: unpack the bundle under the work folder (or build here) ----
+BINARIES="train build/unit_tests build/mpi_tests build/bench_step build/bench_comm build/bench_attention build/device_info"
+ENV_FILE=""
 if [ -d gpu_bundle ]; then
-  setup() {
-    set -e
-    cat gpu_bundle/MANIFEST.txt
-    mkdir -p "$UNPACK_ROOT"
-    [ -w "$UNPACK_ROOT" ] || { echo "the OpenMPI tree unpacks to $UNPACK_ROOT: run as root"; exit 1; }
-    tar -xzf gpu_bundle/openmpi.tar.gz -C "$UNPACK_ROOT"
-    tar -xzf gpu_bundle/fortunes.tar.gz -C "$UNPACK_ROOT"
-    rm -rf "$WORK/bundle" && mkdir -p "$WORK/bundle" build
-    tar -xzf gpu_bundle/lib.tar.gz -C "$WORK/bundle"
-    tar -xzf gpu_bundle/bin.tar.gz -C "$WORK/bundle"
-    cp "$WORK/bundle/bin/train" .
-    cp "$WORK/bundle"/bin/{unit_tests,mpi_tests,bench_step,bench_comm,bench_attention} build/
-  }
-  run_step setup 120 bash -c "$(declare -f setup); WORK=$WORK UNPACK_ROOT=$UNPACK_ROOT; setup"
-  SETUP_DETAIL="unpacked gpu_bundle ($(sed -n 2p gpu_bundle/MANIFEST.txt 2>/dev/null))"
-  LIBDIRS=$WORK/bundle/lib
+  RUNDIR=$WORK/root ENV_FILE=$WORK/env.sh
+  SETUP_DETAIL="unpacked gpu_bundle under $WORK ($(sed -n 2p gpu_bundle/MANIFEST.txt 2>/dev/null))"
+  run_step setup 120 bash tools/gpu_unpack.sh gpu_bundle "$WORK"
 else
-  run_step setup 400 bash -c 'export PATH=$PATH:/usr/local/cuda/bin; make -j"$(nproc)" train build/unit_tests build/mpi_tests build/bench_step build/bench_comm build/bench_attention'
+  RUNDIR=$ROOT
   SETUP_DETAIL="built here (no gpu_bundle/)"
+  run_step setup 400 bash -c "export PATH=\$PATH:/usr/local/cuda/bin; make -j\$(nproc) $BINARIES"
 fi
-if [ "$STEP_RC" -eq 0 ]; then
-  record setup PASS "$STEP_SECONDS" "$SETUP_DETAIL"
-else
-  fail setup "$SETUP_DETAIL: failed"
-  NO_RUN="setup failed"
+if [ $? -eq 0 ]; then
+  if [ "$STEP_RC" -eq 0 ]; then record setup PASS "$STEP_SECONDS" "$SETUP_DETAIL"
+  else fail setup "$SETUP_DETAIL: failed"; NO_RUN="setup failed"; fi
+elif [ "$DRY_RUN" = 0 ] && [ -z "$NO_RUN" ]; then
+  NO_RUN="setup skipped"
 fi
+# The default corpus: the bundle carries it as one file (the same bytes), else the system's.
+DATA=""
+[ -f "$WORK/corpus.txt" ] && DATA="--data $WORK/corpus.txt"
 
-# cuBLAS 13 (with its cublasLt) and NCCL 2: the toolkit's, or the Python wheels' (nvidia/*/lib).
+# ---- the libraries the binaries need, by the names they ask for ----
+# Each NEEDED entry (readelf -d) of the binaries, and of the libraries found for them, that
+# neither the bundle (lib/) nor the system's loader cache provides is looked up by exactly that
+# name: first in a folder already chosen (so libcublasLt comes from libcublas's folder), then in
+# the CUDA toolkit, /opt, and the Python wheels (nvidia/*/lib). Every candidate is logged.
 search_dirs="/usr/local /opt /usr/lib /usr/lib64"
 for d in $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null); do
   case " $search_dirs " in *" $d "*) ;; *) search_dirs="$search_dirs $d" ;; esac
 done
-find_lib() { find $search_dirs \( -type f -o -type l \) -name "$1" 2>/dev/null; }
-CUBLAS_DIR="" NCCL_DIR=""
-for f in $(find_lib libcublas.so.13); do
-  [ -e "$(dirname "$f")/libcublasLt.so.13" ] && { CUBLAS_DIR=$(dirname "$f"); break; }
-done
-NCCL_DIR=$(find_lib libnccl.so.2 | head -1 | xargs -r dirname)
-LIBDIRS="$LIBDIRS:$CUBLAS_DIR:$NCCL_DIR"
-echo "cuBLAS: ${CUBLAS_DIR:-not found}; NCCL: ${NCCL_DIR:-not found} (searched $search_dirs)" >>"$LOGS/environment.log"
+needed_of() { for f in "$@"; do readelf -d "$f" 2>/dev/null | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p'; done; }
+LIBDIRS=${ENV_FILE:+$WORK/lib} MISSING=""
+declare -A LIB_SEEN=()
+resolve_libraries() {
+  local queue next lib dir d candidates
+  queue=$(cd "$RUNDIR" 2>/dev/null && needed_of $BINARIES | sort -u)
+  while [ -n "$queue" ]; do
+    next=""
+    for lib in $queue; do
+      [ -n "${LIB_SEEN[$lib]:-}" ] && continue
+      LIB_SEEN[$lib]=1
+      [ -n "$ENV_FILE" ] && [ -e "$WORK/lib/$lib" ] && continue
+      ldconfig -p 2>/dev/null | awk -v l="$lib" '$1 == l { found = 1 } END { exit !found }' && continue
+      dir=""
+      for d in ${LIBDIRS//:/ }; do [ -e "$d/$lib" ] && { dir=$d; break; }; done
+      if [ -z "$dir" ]; then
+        candidates=$(find $search_dirs \( -type f -o -type l \) -name "$lib" 2>/dev/null)
+        echo "$lib: candidates: ${candidates:-none}" >>"$LOGS/libraries_search.log"
+        dir=$(echo "$candidates" | head -1 | xargs -r dirname)
+      fi
+      if [ -z "$dir" ]; then MISSING="$MISSING $lib"; continue; fi
+      echo "$lib: $dir" >>"$LOGS/libraries_search.log"
+      case ":$LIBDIRS:" in *":$dir:"*) ;; *) LIBDIRS="$LIBDIRS:$dir" ;; esac
+      next="$next $(needed_of "$dir/$lib")"
+    done
+    queue=$(echo $next | tr ' ' '\n' | sort -u)
+  done
+}
+[ "$DRY_RUN" = 1 ] || [ -n "$NO_RUN" ] || resolve_libraries
 
-# Our binaries (and mpirun, whose ranks inherit it) run with the bundle's libraries first; the
-# machine's own tools (python, tar) keep theirs, so the path is set per command by this wrapper.
+# Our binaries (and mpirun, whose ranks inherit it) run with the bundle's OpenMPI and libraries
+# first; the machine's own tools (python, tar) keep theirs, so this wrapper sets them per command.
 RUN=$WORK/run
 cat >"$RUN" <<EOF
 #!/bin/sh
+${ENV_FILE:+. $ENV_FILE}
 export LD_LIBRARY_PATH="${LIBDIRS#:}\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # One node: shared memory (no CMA, which VMs and containers often forbid), launched without ssh.
@@ -186,15 +241,25 @@ exec "\$@"
 EOF
 chmod +x "$RUN"
 MPIRUN="$RUN mpirun --oversubscribe --bind-to none"
-[ -x /usr/bin/orterun ] && [ -d gpu_bundle ] && MPIRUN="$RUN /usr/bin/orterun --oversubscribe --bind-to none"
+cd "$RUNDIR" 2>/dev/null || [ "$DRY_RUN" = 1 ] || [ -n "$NO_RUN" ] || NO_RUN="no folder $RUNDIR"
+
+# ---- what the machine is: driver, runtime, device, memory, pools, libraries ----
+if run_step device_info 30 "$RUN" build/device_info; then
+  if [ "$STEP_RC" -eq 0 ]; then
+    record device_info PASS "$STEP_SECONDS" "$(grep -m1 '^device 0' "$LOGS/device_info.log" | cut -c1-150)"
+    sed 's/^/   | /' "$LOGS/device_info.log"
+  else
+    fail device_info "exit $STEP_RC: $(grep -m1 'no usable' "$LOGS/device_info.log")"
+  fi
+fi
 
 # ---- libraries resolve, and MPI starts as one process (a singleton spawns orted) ----
-if run_step libraries 30 bash -c "for b in train build/unit_tests build/mpi_tests build/bench_step build/bench_comm; do echo \"\$b:\"; $RUN ldd \$b; done"; then
-  missing=$(grep "not found" "$LOGS/libraries.log" | awk '{print $1}' | sort -u | tr '\n' ' ')
-  if [ -z "$missing" ] && [ "$STEP_RC" -eq 0 ]; then
-    record libraries PASS "$STEP_SECONDS" "cuBLAS from ${CUBLAS_DIR:-?}, NCCL from ${NCCL_DIR:-?}"
+if run_step libraries 30 bash -c "for b in $BINARIES; do echo \"\$b:\"; $RUN ldd \$b; done"; then
+  not_found=$(grep "not found" "$LOGS/libraries.log" | awk '{print $1}' | sort -u | tr '\n' ' ')
+  if [ -z "$not_found$MISSING" ] && [ "$STEP_RC" -eq 0 ]; then
+    record libraries PASS "$STEP_SECONDS" "outside the bundle and system: ${LIBDIRS:-none}"
   else
-    fail libraries "not found: ${missing:-?} (cuBLAS dir: ${CUBLAS_DIR:-none}, NCCL dir: ${NCCL_DIR:-none})"
+    fail libraries "missing:${MISSING:- none by name}; ldd not found: ${not_found:-none} (searched $search_dirs)"
   fi
 fi
 if run_step mpi_singleton 60 "$RUN" ./train --help; then
@@ -205,7 +270,12 @@ if run_step mpi_singleton 60 "$RUN" ./train --help; then
   fi
 fi
 
+# ---- the kernel tests, first synchronising after every launch (a fault names its kernel) ----
+catch_step unit_gpu_sync 180 "$RUN" build/unit_tests "[gpu]~a CUDA training run*,[cuda]" \
+  --sync-launches --use-colour no
+
 # ---- every kernel against its CPU reference; CUDA training against the CPU run ----
+# ...then as training runs them, asynchronously.
 catch_step unit_gpu 180 "$RUN" build/unit_tests "[gpu]~[flash]~a CUDA training run*,[cuda]" --use-colour no
 catch_step unit_gpu_flash 120 "$RUN" build/unit_tests "[flash][gpu]" --use-colour no
 catch_step train_cuda_vs_cpu 150 "$RUN" build/unit_tests "a CUDA training run*" --use-colour no
@@ -229,8 +299,8 @@ done
 
 # ---- data parallelism on one GPU: dp 2 (MPI staging) equals grad-acc 2 in one process ----
 if run_step dp2_vs_grad_acc2 120 bash -c "set -e
-    $RUN ./train --device cuda $SMALL --steps 5 --grad-acc 2 --log-json $LOGS/acc2.jsonl
-    $MPIRUN -np 2 ./train --device cuda $SMALL --steps 5 --dp 2 --comm-timeout 60 \
+    $RUN ./train --device cuda $SMALL $DATA --steps 5 --grad-acc 2 --log-json $LOGS/acc2.jsonl
+    $MPIRUN -np 2 ./train --device cuda $SMALL $DATA --steps 5 --dp 2 --comm-timeout 60 \
       --log-json $LOGS/dp2.jsonl"; then
   worst=$(paste <(json_losses "$LOGS/acc2.jsonl") <(json_losses "$LOGS/dp2.jsonl") | awk '
     { d = $1 - $2; if (d < 0) d = -d; r = d / ($1 < 0 ? -$1 : $1); if (r > w) w = r; n++ }
@@ -247,8 +317,8 @@ fi
 for model in tiny medium; do
   steps=30; [ $model = medium ] && steps=10
   name=train_$model
-  run_step $name 150 "$RUN" ./train --device cuda --model $model --steps $steps --val-every 0 \
-    --val-seqs 8 || continue
+  run_step $name 150 "$RUN" ./train --device cuda --model $model $DATA --steps $steps \
+    --val-every 0 --val-seqs 8 || continue
   stats=$(train_stats "$LOGS/$name.log")
   if [ "$STEP_RC" -eq 0 ] && [[ $stats == loss* ]]; then
     record $name PASS "$STEP_SECONDS" "$stats"
@@ -332,7 +402,7 @@ summary=$DEST/gpu_check_summary.txt
   echo "| step | result | s | detail |"
   echo "|---|---|---|---|"
 } >"$summary"
-for r in "${RESULTS[@]}"; do
+for r in ${RESULTS[@]+"${RESULTS[@]}"}; do
   IFS='|' read -r name result secs detail <<<"$r"
   echo "| $name | $result | $secs | $detail |" >>"$summary"
   case $result in PASS) passed=$((passed + 1)) ;; FAIL) failed=$((failed + 1)) ;; *) skipped=$((skipped + 1)) ;; esac
@@ -341,7 +411,7 @@ echo "$passed passed, $failed failed, $skipped skipped (logs: $DEST)" >>"$summar
 cat "$summary"
 tar -czf "$DEST/gpu_check_logs.tar.gz" -C "$WORK" logs 2>/dev/null
 [ "$failed" -eq 0 ]
-} 2>&1 | tee "$WORK/console.log"
+} 2>&1 | tee "$LOGS/console.log"
 status=${PIPESTATUS[0]}
-cp "$WORK/console.log" "$DEST/gpu_check_console.log" 2>/dev/null
+cp "$LOGS/console.log" "$DEST/gpu_check_console.log" 2>/dev/null
 exit "$status"

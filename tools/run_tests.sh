@@ -61,6 +61,13 @@ run_group "unit tests (CPU)" "~[gpu]~[train]~[parity]"
 run_group "training runs (CPU)" "[train]"
 for np in 2 3 4 8; do run_mpi "$np"; done
 run_group "parity matrix and multi-rank runs (CPU, mpirun)" "[parity]"
+# The GPU check script itself, without a GPU (one case, ~20 s): dry runs, skips and the table,
+# and the bundle's OpenMPI unpacked next to another OpenMPI.
+log=$(mktemp)
+echo "== GPU check script (tools/test_gpu_check.sh)"
+if bash tools/test_gpu_check.sh >"$log" 2>&1; then passed=$((passed + 1)); tail -1 "$log"
+else failed=$((failed + 1)); grep -E "FAILED|test_gpu_check:" "$log"; fi
+rm -f "$log"
 if nvidia-smi -L >/dev/null 2>&1; then
   run_group "GPU tests" "[gpu]"
   run_mpi 2 "[gpu]"  # two ranks on the first GPU(s): device buffers over NCCL or staged MPI

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# test_gpu_check.sh: checks tools/gpu_check.sh and tools/gpu_unpack.sh on a machine without a GPU
+# (one counted case of `make test`, about 15 s). Needs ./train built and Debian's OpenMPI.
+#   1. A dry run with a budget too small for every step: it skips the steps that do not fit,
+#      prints the table last, and writes nothing outside its work folder.
+#   2. A real run with --budget 0: every step skipped (or, without a GPU, the environment failed
+#      and the rest skipped), and still the table, not an abort.
+#   3. The OpenMPI of a bundle (tools/gpu_bundle.sh --mpi-only), unpacked under a work folder on
+#      a machine whose own OpenMPI is replaced by another one (a broken one, so using it fails),
+#      runs `mpirun -np 2 ./train --dp 2` through OPAL_PREFIX, and leaves the other one untouched.
+#      The replacement is made in a private mount namespace (unshare -m, bind mounts over the
+#      system's OpenMPI folders), so the machine's own OpenMPI is never modified.
+# Prints "test_gpu_check: N passed, M failed" last; exit code 0 when nothing failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+T=$(mktemp -d /tmp/picoscale-test-gpu-check.XXXXXX)
+trap 'rm -rf "$T"' EXIT
+passed=0 failed=0
+check() {  # description, then a command that succeeds when the claim holds
+  local what=$1
+  shift
+  if "$@"; then passed=$((passed + 1)); echo "ok: $what"
+  else failed=$((failed + 1)); echo "FAILED: $what"; fi
+}
+[ -x ./train ] || { echo "test_gpu_check: build ./train first"; echo "test_gpu_check: 0 passed, 1 failed"; exit 1; }
+unset OUT
+before=$(git status --porcelain 2>/dev/null)
+ls -d /tmp/picoscale-gpu-check.* 2>/dev/null | sort >"$T/tmp_before"
+
+# ---- 1. dry run: skips what does not fit, table last, writes only in its folder ----
+bash tools/gpu_check.sh --dry-run --budget 150 --work "$T/dry" >"$T/dry.log" 2>&1
+rc=$?
+check "dry run exits 0 (nothing failed)" [ "$rc" -eq 0 ]
+check "dry run charges estimates and skips the steps that no longer fit" \
+  grep -q "SKIP .*needs ~[0-9]*s, [0-9-]*s left of --budget 150" "$T/dry.log"
+check "dry run lists steps it would run" grep -q "dry run: would run" "$T/dry.log"
+check "the summary table is the end of the output" \
+  bash -c "tail -1 '$T/dry.log' | grep -q '^0 passed, 0 failed, [0-9]* skipped' &&
+           grep -q '^| step | result | s | detail |' '$T/dry.log'"
+check "the first pass over the kernel tests synchronises after every launch" \
+  grep -q "^-- unit_gpu_sync (dry run.*build/unit_tests .*--sync-launches" "$T/dry.log"
+check "the summary and logs are in the work folder" \
+  test -f "$T/dry/gpu_check_summary.txt" -a -f "$T/dry/gpu_check_logs.tar.gz"
+
+# ---- 2. --budget 0: no step runs, no abort before the table ----
+bash tools/gpu_check.sh --budget 0 --work "$T/zero" >"$T/zero.log" 2>&1
+check "--budget 0 still prints the table" grep -q '^| step | result | s | detail |' "$T/zero.log"
+check "--budget 0 runs no step" \
+  bash -c "! grep -E '^\| [a-z_0-9]+ \| PASS' '$T/zero.log' | grep -qv environment &&
+           [ \$(grep -cE '^\| [a-z_0-9]+ \| SKIP' '$T/zero.log') -ge 15 ]"
+check "neither run wrote into the checkout" [ "$(git status --porcelain 2>/dev/null)" = "$before" ]
+ls -d /tmp/picoscale-gpu-check.* 2>/dev/null | sort >"$T/tmp_after"
+check "neither run made a folder of its own in /tmp (--work was given)" cmp -s "$T/tmp_before" "$T/tmp_after"
+
+# ---- 3. unpacking next to another OpenMPI ----
+MPI=/usr/lib/x86_64-linux-gnu/openmpi PMIX=/usr/lib/x86_64-linux-gnu/pmix2
+if ! bash tools/gpu_bundle.sh --mpi-only "$T/bundle" >"$T/bundle.log" 2>&1; then
+  check "gpu_bundle.sh --mpi-only packs OpenMPI" false
+  tail -5 "$T/bundle.log"
+else
+  # Another OpenMPI: plugins and config that break any run that loads them, an mpirun that fails.
+  other=$T/other
+  mkdir -p "$other/lib/openmpi3" "$other/etc" "$other/pmix/lib/pmix" "$other/share" "$other/bin"
+  for f in "$MPI"/lib/openmpi3/mca_{pml_ob1,btl_vader,ess_singleton,plm_isolated}.so; do
+    echo "not a plugin: another OpenMPI" >"$other/lib/openmpi3/$(basename "$f")"
+  done
+  echo "pml = no_such_pml" >"$other/etc/openmpi-mca-params.conf"
+  printf '#!/bin/sh\necho "the other OpenMPI ran"; exit 3\n' >"$other/bin/orterun"
+  chmod +x "$other/bin/orterun"
+  (cd "$other" && find . -type f | sort | xargs md5sum) >"$T/other.md5"
+  touch "$T/marker"
+  sleep 1
+  cat >"$T/inside.sh" <<EOF
+set -e
+mount --bind "$other/lib" "$MPI/lib"
+mount --bind "$other/etc" /etc/openmpi
+mount --bind "$other/pmix/lib" "$PMIX/lib"
+mount --bind "$other/share" /usr/share/openmpi
+mount --bind "$other/bin/orterun" /usr/bin/orterun
+mount --bind "$other/bin/orterun" /usr/bin/orted
+# The system's mpirun now fails: the check below would pass for the wrong reason otherwise.
+if OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun -np 1 true >/dev/null 2>&1; then
+  echo "the other OpenMPI is not in place"; exit 4
+fi
+bash "$ROOT/tools/gpu_unpack.sh" "$T/bundle" "$T/work"
+. "$T/work/env.sh"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_plm=isolated PMIX_MCA_gds=hash
+echo "mpirun: \$(command -v mpirun)"
+ompi_info --path all | grep -E "Pkglibdir|Sysconfdir|Pkgdatadir" | sort -u
+cd "$ROOT"
+mpirun --oversubscribe -np 2 ./train --device cpu --dp 2 --steps 1 --val-every 0 --d-model 32 \
+  --layers 1 --heads 2 --kv-heads 1 --ffn 64 --seq 16 --mbs 2 --warmup 1 --val-seqs 2 \
+  --data "$ROOT/README.md"
+EOF
+  if unshare -m --propagation private true 2>/dev/null; then
+    unshare -m --propagation private bash "$T/inside.sh" >"$T/inside.log" 2>&1
+    rc=$?
+    check "bundled OpenMPI runs 2 ranks from its private prefix, next to another OpenMPI" \
+      bash -c "[ $rc -eq 0 ] && grep -q '^step *1/1' '$T/inside.log'"
+    check "it was the bundle's mpirun and plugins" \
+      bash -c "grep -q 'mpirun: $T/work/openmpi/usr/bin/mpirun' '$T/inside.log' &&
+               grep 'Pkglibdir' '$T/inside.log' | grep -q '$T/work/openmpi' &&
+               grep 'Sysconfdir' '$T/inside.log' | grep -q '$T/work/openmpi/etc/openmpi'"
+    [ "$rc" -eq 0 ] || tail -15 "$T/inside.log"
+  else
+    echo "note: unshare -m is not permitted here: the other OpenMPI cannot be put in place;" \
+         "checking the unpacked tree only"
+    bash tools/gpu_unpack.sh "$T/bundle" "$T/work" >"$T/inside.log" 2>&1
+    check "the bundle unpacks under its work folder" test -x "$T/work/openmpi/usr/bin/orterun"
+  fi
+  check "the other OpenMPI is untouched" bash -c "cd '$other' && md5sum --quiet -c '$T/other.md5'"
+  check "nothing was written to the system's OpenMPI folders" \
+    bash -c "[ -z \"\$(find $MPI $PMIX /etc/openmpi /usr/share/openmpi /usr/bin -newer '$T/marker' 2>/dev/null | head -1)\" ]"
+  check "the unpacked tree has no links out of its folder" \
+    bash -c "[ -z \"\$(find '$T/work' -type l -lname '/*' | head -1)\" ]"
+fi
+
+echo "test_gpu_check: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]
