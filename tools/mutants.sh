@@ -60,19 +60,19 @@ mutant overlap-ignored comm.cu \
   '  if (ctx.device == Device::CUDA || !overlap) return mpi_buffer(s, ctx, send, n_send, true, false);' \
   '  if (true) return mpi_buffer(s, ctx, send, n_send, true, false);' \
   "in-place collectives hand MPI overlapping buffers"
-mutant norm-replicas train.cu \
-  '    if (model.layouts[i].writer) squares += sum_squares(ctx, model.named_grads[i].tensor);' \
-  '    squares += sum_squares(ctx, model.named_grads[i].tensor);' \
+mutant norm-replicas gradient_sync.cu \
+  '    if (s.counted) grads.push_back(Tensor{nullptr, s.grad, {s.count}, DType::F32, ctx.device});' \
+  '    grads.push_back(Tensor{nullptr, s.grad, {s.count}, DType::F32, ctx.device});' \
   "gradient norm counts replicated tensors on every tp rank"
-mutant zero-norm zero.cu \
-  '  all_reduce_host(comm_.dp_cp, &squares, 1, ReduceOp::Sum);' \
-  '  all_reduce_host(comm_.dp_cp, &squares, 1, ReduceOp::Max);' \
+mutant zero-norm gradient_sync.cu \
+  '  if (grads_sharded()) all_reduce_host(comm_.dp_cp, &squares, 1, ReduceOp::Sum);' \
+  '  if (grads_sharded()) all_reduce_host(comm_.dp_cp, &squares, 1, ReduceOp::Max);' \
   "ZeRO gradient norm: the largest shard instead of the sum"
 mutant kv-writer model.cu \
   '  bool kv_writer = L.tp_rank % L.kv_replicas == 0;' \
   '  bool kv_writer = true;' \
   "replicated kv heads written (and counted) by every replica"
-mutant kv-head model.cu \
+mutant kv-head tensor_parallel.cu \
   '    L.kv_heads = 1, L.kv_replicas = size / c.kv_heads, L.kv_head0 = rank / L.kv_replicas;' \
   '    L.kv_heads = 1, L.kv_replicas = size / c.kv_heads, L.kv_head0 = rank % c.kv_heads;' \
   "tp > kv heads: a rank reads the wrong kv head"
