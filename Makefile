@@ -14,7 +14,7 @@ NVFLAGS := -std=c++17 -O3 $(GPU_ARCH) $(addprefix -I,$(MPI_INC)) -I. \
 LDFLAGS := $(addprefix -L,$(MPI_LIBDIRS)) $(addprefix -l,$(MPI_LIBS)) \
            -lcublas -lnccl -lopenblas -Xcompiler -pthread
 
-LIB_SRCS := core.cu comm.cu ops.cu flash_attention.cu tensor_parallel.cu model.cu optimizer.cu \
+LIB_SRCS := core.cu comm.cu ops.cu flash_attention.cu context_parallel.cu tensor_parallel.cu model.cu optimizer.cu \
             gradient_sync.cu data_parallel.cu zero.cu schedule.cu pipeline_parallel.cu report.cu data.cu \
             checkpoint.cu
 LIB_OBJS := $(LIB_SRCS:%.cu=$(BUILD)/%.o)

@@ -283,6 +283,14 @@ static void attention_core_forward(const Context& ctx, const Model& m, BlockActi
   const LocalDims& L = m.tp.local;
   int64_t N = (int64_t)B * T, hd = m.cfg.head_dim();
   a.attn = act({N, L.heads * hd}, ctx.device);
+  if (m.cp.size() > 1) {  // ring attention over the cp group: T is this rank's share
+    a.lse = act({B, L.heads, T}, ctx.device);
+    context_attention_forward(ctx, m.cp, a.attn.reshape({N, L.heads, hd}), a.lse,
+                              a.q.reshape({N, L.heads, hd}), a.k.reshape({N, L.kv_heads, hd}),
+                              a.v.reshape({N, L.kv_heads, hd}), B, T * m.cp.size(), L.heads,
+                              L.kv_heads, (int)hd, m.cp_work);
+    return;
+  }
   if (m.attention == Attention::Flash) {
     a.lse = act({B, L.heads, T}, ctx.device);
     flash_attention_forward(ctx, a.attn.reshape({N, L.heads, hd}), a.lse,
@@ -304,6 +312,14 @@ static void attention_core_backward(const Context& ctx, const Model& m, BlockAct
   AttentionShape shape = attention_shape(m, B, T);
   Tensor q3 = a.q.reshape({N, L.heads, hd}), k3 = a.k.reshape({N, L.kv_heads, hd});
   Tensor v3 = a.v.reshape({N, L.kv_heads, hd});
+  if (m.cp.size() > 1) {
+    context_attention_backward(ctx, m.cp, dq.reshape({N, L.heads, hd}),
+                               dk.reshape({N, L.kv_heads, hd}), dv.reshape({N, L.kv_heads, hd}),
+                               d_attn.reshape({N, L.heads, hd}), a.attn.reshape({N, L.heads, hd}),
+                               a.lse, q3, k3, v3, B, T * m.cp.size(), L.heads, L.kv_heads,
+                               (int)hd);
+    return;
+  }
   if (m.attention == Attention::Flash) {  // D = rowsum(dO * O) once, then dq, dk, dv (+=)
     AttentionBlock block = attention_block(m, B, T);
     Tensor D = work({B, L.heads, T}, ctx.device), d_out = d_attn.reshape({N, L.heads, hd});
@@ -405,9 +421,9 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
   int64_t N = (int64_t)B * T, n = sp_tokens(model.tp, N), D = c.d_model;
   acts = Activations{};
   acts.B = B, acts.T = T;
-  std::vector<int32_t> pos(N);
-  for (int64_t i = 0; i < N; i++) pos[i] = (int32_t)(i % T);
-  acts.positions = device_ints(pos, d);
+  // Global positions (RoPE, the causal mask): under context parallelism T is this rank's
+  // share of each sequence, whose tokens sit at the positions the cp layout gives them.
+  acts.positions = device_ints(model.cp.positions(B, T * model.cp.size()), d);
 
   Tensor x = hidden_in;  // [n, D] the residual stream
   if (stage.embedding) {

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "context_parallel.cuh"
 #include "core.cuh"
 #include "flash_attention.cuh"
 #include "tensor_parallel.cuh"
@@ -85,6 +86,8 @@ struct Model {
   std::vector<Stage> chunks;  // the parts of the model this rank holds, in order (resolved)
   TensorParallel tp;     // the tp group and this rank's heads, ffn and vocabulary slice
   Attention attention = Attention::Naive;  // train's --attention chooses (default flash)
+  ContextParallel cp;    // the cp group: this rank holds T/cp tokens of every sequence
+  CpWork* cp_work = nullptr;  // where ring attention counts its blocks (--report balance)
   int64_t num_params = 0;  // parameters on this rank: the stage's, over tp
   std::vector<TpSlice> layouts;  // per named parameter: where its shard sits in the whole
   // [num_params] flat, Mem::Params and Mem::Grads. A sharded optimizer (zero.cu) may hold the
@@ -141,7 +144,8 @@ struct BlockActivations {
   Tensor norm1, rstd1;  // [n, D], [n]
   Tensor q, k, v;       // [N, Hl*hd], [N, KVl*hd] x2 (after RoPE)
   Tensor probs;         // [B, Hl, T, T] naive attention (dropped by selective recompute)
-  Tensor lse;           // [B, Hl, T] FlashAttention's log-sum-exp per query and head
+  Tensor lse;           // [B, Hl, T] FlashAttention's log-sum-exp per query and head (under
+                        // context parallelism, per piece of this rank's tokens)
   Tensor attn;          // [N, Hl*hd] attention output before wo
   Tensor x_mid;         // [n, D] after the attention residual
   Tensor norm2, rstd2;  // [n, D], [n]

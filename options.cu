@@ -76,6 +76,10 @@ void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape) {
   app.add_option("--pp-virtual", o.pp_virtual, "model chunks per pipeline rank (interleaved)")
       ->capture_default_str();
   app.add_option("--cp", o.cp, "context-parallel ranks")->capture_default_str();
+  app.add_option("--cp-balance", o.cp_balance, "how the sequence is split: zigzag|contiguous")
+      ->capture_default_str();
+  app.add_option("--cp-comm", o.cp_comm, "keys and values: ring|allgather")
+      ->capture_default_str();
   app.add_option("--tp", o.tp, "tensor-parallel ranks")->capture_default_str();
   app.add_flag("--sp", o.sp, "sequence parallelism in the tensor-parallel group");
   app.add_option("--comm", o.comm, "collectives backend: auto|nccl|mpi")->capture_default_str();
@@ -204,9 +208,9 @@ void resolve_options(Options& o, const std::vector<ShapeFlag>& shape) {
   parse_attention(o.attention);
   check_positive(o.dp, "--dp"), check_positive(o.pp, "--pp");
   check_positive(o.cp, "--cp"), check_positive(o.tp, "--tp");
-  if (o.cp > 1)
-    throw UsageError("--cp " + std::to_string(o.cp) +
-                     ": this version parallelises over --dp, --pp and --tp; use --cp 1");
+  parse_cp_comm(o.cp_comm);
+  validate_context_parallel(o.model.seq, o.cp, parse_cp_balance(o.cp_balance),
+                            parse_attention(o.attention) == Attention::Flash, o.tp, o.sp, o.sample);
   validate_pipeline(o.model.layers, o.pp, o.pp_virtual, o.grad_acc, parse_pp_schedule(o.pp_schedule),
                     o.model.tie_embeddings, o.zero);
   validate_tensor_parallel(o.model, o.tp, o.sp);
@@ -216,9 +220,9 @@ void resolve_options(Options& o, const std::vector<ShapeFlag>& shape) {
   check_range(o.comm_timeout, "--comm-timeout", 0, true, kNoMax,
               "must be a number of seconds > 0, e.g. 300");
   for (const std::string& r : o.reports)
-    if (r != "memory" && r != "comm" && r != "bubble" && r != "sync")
+    if (r != "memory" && r != "comm" && r != "bubble" && r != "sync" && r != "balance")
       throw UsageError("--report " + r +
-                       ": expected memory, comm, bubble or sync (several: memory,comm)");
+                       ": expected memory, comm, bubble, sync or balance (several: memory,comm)");
   if (!o.fault.empty()) {
     Fault f = parse_fault(o.fault);
     int64_t world = (int64_t)o.dp * o.pp * o.cp * o.tp;
@@ -349,6 +353,9 @@ void print_config(const Options& o, const Dataset& data, const Comm& comm, int64
   row("grid dp x pp x cp x tp", s(o.dp) + " x " + s(o.pp) + " x " + s(o.cp) + " x " + s(o.tp) +
                                     " = " + s(comm.grid.world_size) + " ranks" +
                                     (o.sp ? ", sequence parallel" : ""));
+  if (o.cp > 1)
+    row("context parallel", o.cp_balance + " split, " + o.cp_comm + ", " + s(c.seq / o.cp) +
+                                " tokens per rank");
   if (o.pp > 1)
     row("pipeline", o.pp_schedule + ", " + s(o.grad_acc) + " micro-batches" +
                         (o.pp_virtual > 1 ? ", " + s(o.pp_virtual) + " chunks per rank" : ""));

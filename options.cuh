@@ -22,6 +22,7 @@ struct Options {
   // parallelism
   int dp = 1, pp = 1, cp = 1, tp = 1, zero = 0;
   std::string comm = "auto", dp_sync = "bucket", trace, fault, pp_schedule = "1f1b";
+  std::string cp_balance = "zigzag", cp_comm = "ring";
   int pp_virtual = 1;
   double comm_timeout = 300, bucket_mb = 25;
   bool no_overlap = false, sp = false;

@@ -270,3 +270,24 @@ void print_bubble_report(Comm& comm, const PipelineConfig& cfg, int m,
          "are exact; measured wall-clock time also counts communication and, on CPU ranks "
          "sharing cores, time-slicing.\n");
 }
+
+void print_balance_report(Comm& comm, const ContextParallel& cp, const CpWork& work,
+                          int64_t steps) {
+  const Grid& G = comm.grid;
+  double mine[3] = {(double)work.blocks, (double)work.pairs, work.seconds};
+  std::vector<double> all(3 * G.world_size);
+  MPI_CHECK(MPI_Gather(mine, 3, MPI_DOUBLE, all.data(), 3, MPI_DOUBLE, 0, comm.world.mpi));
+  if (G.world_rank != 0 || G.cp == 1) return;
+  double n = (double)std::max<int64_t>(1, steps);
+  printf("attention work per cp rank and training step (--report balance; %s split, %s; pairs "
+         "of one sequence and head, summed over blocks and layers):\n",
+         cp_balance_name(cp.balance), cp_comm_name(cp.mode));
+  printf("  %7s %10s %14s %12s\n", "cp rank", "blocks", "(q, k) pairs", "time ms");
+  for (int r = 0; r < G.cp; r++) {
+    const double* w = &all[3 * G.rank_of(0, 0, r, 0)];
+    printf("  %7d %10.1f %14.0f %12.2f\n", r, w[0] / n, w[1] / n, w[2] / n * 1e3);
+  }
+  printf("  book (§7.3): with contiguous chunks rank r attends to r + 1 blocks (1 : 2 : ... : cp), "
+         "so the last rank sets the pace; zig-zag (chunks r and 2cp - 1 - r) gives every rank "
+         "the same pairs\n");
+}

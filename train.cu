@@ -48,20 +48,29 @@ static double loss_sum(const Context& ctx, Comm& comm, Model& model,
       std::copy(src + 1, src + seq + 1, tgt.begin() + (size_t)i * seq);
     }
     Activations acts;
-    total += pipeline_forward(ctx, comm, model, acts, in.data(), tgt.data(), n, seq);
+    if (model.cp.size() == 1) {
+      total += pipeline_forward(ctx, comm, model, acts, in.data(), tgt.data(), n, seq);
+      continue;
+    }
+    // Context parallelism: this rank's share of the tokens of every window.
+    std::vector<int32_t> my_in = select_context_tokens(model.cp, in.data(), n, seq);
+    std::vector<int32_t> my_tgt = select_context_tokens(model.cp, tgt.data(), n, seq);
+    total += pipeline_forward(ctx, comm, model, acts, my_in.data(), my_tgt.data(), n,
+                              seq / model.cp.size());
   }
   return total;
 }
 
-// Mean loss over `windows` windows, the windows split evenly over the dp_cp ranks (every rank
-// holds the same weights) and the sums added up (over pp too: the last stage holds the loss).
+// Mean loss over `windows` windows, the windows split evenly over the dp ranks (every rank
+// holds the same weights), each window's tokens over the cp ranks, and the sums added up (over
+// pp too: the last stage holds the loss).
 static double mean_loss(const Context& ctx, Comm& comm, Model& model,
                         const std::vector<int32_t>& tokens, int64_t windows, int seq,
                         int64_t stride, int mbs) {
-  Group& g = comm.dp_cp;
+  Group& g = comm.dp;
   int64_t first = windows * g.rank / g.size, last = windows * (g.rank + 1) / g.size;
   double total = loss_sum(ctx, comm, model, tokens, first, last - first, seq, stride, mbs);
-  all_reduce_host(g, &total, 1, ReduceOp::Sum);
+  all_reduce_host(comm.dp_cp, &total, 1, ReduceOp::Sum);
   all_reduce_host(comm.pp, &total, 1, ReduceOp::Sum);
   return total / ((double)windows * seq);
 }
@@ -163,6 +172,7 @@ static Model model_layout(Comm& comm, const Options& o) {
       o.model, TensorParallel{&comm, o.sp},
       pipeline_chunks(o.model.layers, o.pp, o.pp_virtual, comm.grid.pp_rank));
   model.attention = parse_attention(o.attention);
+  model.cp = ContextParallel{&comm, parse_cp_balance(o.cp_balance), parse_cp_comm(o.cp_comm)};
   return model;
 }
 
@@ -202,7 +212,9 @@ struct Trainer {
   PipelineConfig pipeline;
   int64_t rank_batch, global_batch;  // sequences: mbs x grad_acc on this rank; x dp in the step
   int first_seq;                     // this dp rank's first sequence of the global batch
-  std::vector<int32_t> inputs, targets;
+  std::vector<int32_t> inputs, targets;  // this rank's sequences, whole
+  std::vector<int32_t> my_inputs, my_targets;  // and its share of their tokens (cp)
+  CpWork attention_work;                   // what ring attention computed (--report balance)
   OutputLines log_json;
   Trace trace;
   int64_t steps_run = 0, block_bytes = -1;  // one block's saved activations, measured once
@@ -226,8 +238,21 @@ static bool train_step(Trainer& t, int64_t step) {
   // the gradient of the mean loss over every token of the global batch (DESIGN 5).
   float loss_scale = 1.0f / (float)(t.global_batch * seq);
   StepBatch batch{t.inputs.data(), t.targets.data(), o.grad_acc, o.mbs, seq};
+  if (t.model.cp.size() > 1) {  // Playbook §7: each cp rank holds seq / cp tokens of each sequence
+    t.my_inputs.clear(), t.my_targets.clear();
+    for (int m = 0; m < o.grad_acc; m++) {
+      int64_t at = (int64_t)m * o.mbs * seq;
+      for (auto [all, mine] : {std::pair{&t.inputs, &t.my_inputs}, {&t.targets, &t.my_targets}}) {
+        std::vector<int32_t> part = select_context_tokens(t.model.cp, all->data() + at, o.mbs, seq);
+        mine->insert(mine->end(), part.begin(), part.end());
+      }
+    }
+    batch = {t.my_inputs.data(), t.my_targets.data(), o.grad_acc, o.mbs, seq / t.model.cp.size()};
+  }
+  t.model.cp_work = &t.attention_work;  // training steps only, not validation
   StepStats stats = run_schedule(t.ctx, t.comm, t.model, t.sync, batch, t.recompute, loss_scale,
                                  t.trace, t.pipeline, &t.bubble);
+  t.model.cp_work = nullptr;
   if (t.block_bytes < 0) t.block_bytes = stats.block_bytes;
   double tw = now_seconds();
   t.sync.finish(t.ctx);
@@ -282,6 +307,14 @@ static void validate(Trainer& t, int64_t step) {
     printf("step %5lld/%d | val loss %.4f\n", (long long)step + 1, t.o.steps, val);
 }
 
+// The model config with a cp rank's share of each sequence as its length (Playbook §7): what
+// one rank's activations are made of.
+static ModelConfig local_sequences(const Options& o) {
+  ModelConfig c = o.model;
+  c.seq /= o.cp;
+  return c;
+}
+
 // What the run measured next to the book's formulas (--report memory,comm,sync).
 static void print_reports(Trainer& t) {
   const Options& o = t.o;
@@ -301,8 +334,8 @@ static void print_reports(Trainer& t) {
     if (r == "memory") {
       print_memory_report(comm, t.sync.zero_stage(), n_params, t.sync.padded_params());
       if (main_rank && t.block_bytes >= 0)
-        print_activation_report(o.model, o.mbs, o.tp, o.sp, t.recompute, t.model.attention,
-                                t.block_bytes);
+        print_activation_report(local_sequences(o), o.mbs, o.tp, o.sp, t.recompute,
+                                t.model.attention, t.block_bytes);
     }
     if (r == "comm") {
       print_comm_report(comm, n_params, t.steps_run);
@@ -315,6 +348,7 @@ static void print_reports(Trainer& t) {
         print_tp_comm_report(o.model, o.mbs, o.grad_acc, o.tp, o.sp, per_step);
     }
     if (r == "bubble") print_bubble_report(comm, t.pipeline, o.grad_acc, t.bubble);
+    if (r == "balance") print_balance_report(comm, t.model.cp, t.attention_work, t.steps_run);
   }
 }
 

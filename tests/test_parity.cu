@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <regex>
 #include <set>
 
 #include "launch.cuh"
@@ -97,6 +98,16 @@ static const std::vector<ParityRow> PARITY_ROWS = {
      "--kv-heads 1 --grad-acc 2"},
     {"pp 2 x dp 2, zb-h1, zero 1", 4, "--pp 2 --dp 2 --zero 1 --pp-schedule zb-h1 --grad-acc 2",
      "--grad-acc 4"},
+    // Context parallelism (Playbook §7): every rank holds seq / cp tokens of each sequence.
+    {"cp 2, zigzag, ring", 2, "--cp 2", ""},
+    {"cp 2, contiguous, ring", 2, "--cp 2 --cp-balance contiguous", ""},
+    {"cp 2, zigzag, all-gather", 2, "--cp 2 --cp-comm allgather", ""},
+    {"cp 4, zigzag, ring", 4, "--cp 4", ""},
+    {"cp 4, contiguous, all-gather", 4, "--cp 4 --cp-balance contiguous --cp-comm allgather", ""},
+    {"cp 2 x dp 2", 4, "--cp 2 --dp 2", "--grad-acc 2"},
+    {"cp 2 x tp 2, sp", 4, "--cp 2 --tp 2 --sp", ""},
+    {"cp 2 x dp 2, zero 3", 4, "--cp 2 --dp 2 --zero 3", "--grad-acc 2"},
+    {"cp 2 x pp 2", 4, "--cp 2 --pp 2 --grad-acc 2", "--grad-acc 2"},
     {"pp 2, 5 layers (3 + 2)", 2, "--layers 5 --pp 2 --grad-acc 2", "--layers 5 --grad-acc 2"},
     {"pp 2 x dp 2", 4, "--pp 2 --dp 2 --grad-acc 2", "--grad-acc 4"},
     {"pp 2 x tp 2, sp", 4, "--pp 2 --tp 2 --sp --grad-acc 2", "--grad-acc 2"},
@@ -309,6 +320,30 @@ TEST_CASE("tensor parallelism: activations per block and traffic per step match 
       REQUIRE_THAT(r.output, Catch::Matches("(.|\n)*\n  " + std::string(coll) +
                                             " +measured .*\\(equal\\)\n(.|\n)*"));
   }
+}
+
+// Playbook §7: a rank holds seq / cp tokens, so one block's activations, measured from the
+// tensors the forward keeps, fall exactly as 1/cp (every term is per token with FlashAttention).
+TEST_CASE("context parallelism: activations per rank fall as 1/cp; bad splits exit with code 2",
+          "[parity]") {
+  std::map<int, int64_t> measured;
+  for (int cp : {1, 2, 4}) {
+    RunResult r = run_train(COMMON + "--steps 1 --report memory --cp " + std::to_string(cp), cp);
+    INFO("cp " << cp << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    REQUIRE_THAT(r.output, Catch::Contains(", equal\n"));  // measured against the formula
+    std::smatch m;
+    REQUIRE(std::regex_search(r.output, m, std::regex("measured [^(]*\\(([0-9]+) B\\)")));
+    measured[cp] = std::stoll(m[1]);
+  }
+  REQUIRE(measured[2] * 2 == measured[1]);
+  REQUIRE(measured[4] * 4 == measured[1]);
+  RunResult bad = run_train(COMMON + "--cp 2 --seq 18", 2);  // zig-zag needs 2 cp chunks
+  REQUIRE(bad.code == 2);
+  REQUIRE_THAT(bad.output, Catch::Contains("--seq 18") && Catch::Contains("--cp 2"));
+  bad = run_train(COMMON + "--cp 2 --attention naive", 2);
+  REQUIRE(bad.code == 2);
+  REQUIRE_THAT(bad.output, Catch::Contains("--attention naive"));
 }
 
 TEST_CASE("tensor parallelism: sizes tp cannot split exit with code 2 and say which flag",

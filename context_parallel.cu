@@ -1,0 +1,249 @@
+// context_parallel.cu: context parallelism (Playbook §7; Liu et al.'s ring attention, Megatron's
+// context_parallel). Each rank of the cp group holds T/cp tokens of every sequence through the
+// whole model: norms, projections and the MLP act per token and need nothing from the others;
+// attention needs every earlier key and value, which travel around the ring.
+// The one idea: attention over the whole sequence is a merge of attention over key blocks
+// (the log-sum-exp weighs each partial result), so a rank can attend to one block while the
+// next is on its way; with the sequence cut zig-zag, every rank does the same causal work.
+#include <cmath>
+
+#include "context_parallel.cuh"
+#include "flash_attention.cuh"
+#include "ops.cuh"
+
+CpBalance parse_cp_balance(const std::string& flag) {
+  if (flag == "zigzag") return CpBalance::Zigzag;
+  if (flag == "contiguous") return CpBalance::Contiguous;
+  throw UsageError("--cp-balance " + flag + ": expected zigzag or contiguous");
+}
+CpComm parse_cp_comm(const std::string& flag) {
+  if (flag == "ring") return CpComm::Ring;
+  if (flag == "allgather") return CpComm::AllGather;
+  throw UsageError("--cp-comm " + flag + ": expected ring or allgather");
+}
+const char* cp_balance_name(CpBalance b) {
+  return b == CpBalance::Zigzag ? "zigzag" : "contiguous";
+}
+const char* cp_comm_name(CpComm c) {
+  return c == CpComm::Ring ? "ring" : "allgather";
+}
+
+// ----------------------------------------------------------------------------
+// Which tokens a rank holds (Playbook §7.3)
+
+std::vector<CpPiece> cp_pieces(CpBalance b, int T, int cp, int rank) {
+  if (b == CpBalance::Contiguous || cp == 1) return {{rank * (T / cp), T / cp}};
+  int c = T / (2 * cp);  // zig-zag: chunks r and 2cp - 1 - r of 2cp
+  return {{rank * c, c}, {(2 * cp - 1 - rank) * c, c}};
+}
+
+void validate_context_parallel(int seq, int cp, CpBalance b, bool flash, int tp, bool sp,
+                               int sample) {
+  if (cp == 1) return;
+  std::string flags = "--cp " + std::to_string(cp);
+  int parts = b == CpBalance::Zigzag ? 2 * cp : cp;
+  if (seq % parts)
+    throw UsageError("--seq " + std::to_string(seq) + " with " + flags + " and --cp-balance " +
+                     cp_balance_name(b) + ": the sequence is cut in " + std::to_string(parts) +
+                     " equal chunks; pick a --seq divisible by " + std::to_string(parts));
+  if (sp && (seq / cp) % tp)
+    throw UsageError("--sp with " + flags + " and --tp " + std::to_string(tp) + ": each rank's " +
+                     std::to_string(seq / cp) +
+                     " tokens are split again over tp; pick a --seq "
+                     "divisible by cp x tp");
+  if (!flash)
+    throw UsageError("--attention naive with " + flags +
+                     ": ring attention merges FlashAttention's partial results by their "
+                     "log-sum-exp; use --attention flash");
+  if (sample > 0)
+    throw UsageError("--sample with " + flags +
+                     ": each rank holds only part of every sequence; "
+                     "sample from the saved checkpoint in one process (--load DIR --sample N)");
+}
+
+std::vector<int64_t> ContextParallel::local_tokens(int B, int T) const {
+  std::vector<int64_t> local;
+  for (const CpPiece& p : cp_pieces(balance, T, size(), rank()))
+    for (int b = 0; b < B; b++)
+      for (int t = 0; t < p.length; t++) local.push_back((int64_t)b * T + p.start + t);
+  return local;
+}
+
+std::vector<int32_t> ContextParallel::positions(int B, int T) const {
+  std::vector<int32_t> pos;
+  for (int64_t i : local_tokens(B, T)) pos.push_back((int32_t)(i % T));
+  return pos;
+}
+
+std::vector<int32_t> select_context_tokens(const ContextParallel& cp, const int32_t* tokens, int B,
+                                           int T) {
+  std::vector<int32_t> local;
+  for (int64_t i : cp.local_tokens(B, T)) local.push_back(tokens[i]);
+  return local;
+}
+
+// ----------------------------------------------------------------------------
+// Blocks: one piece of queries against one piece of keys
+
+namespace {
+
+// The rows of one piece in a local tensor [B*Tl, H, hd] (piece-major): B x length rows.
+Tensor piece_rows(const Tensor& t, const std::vector<CpPiece>& pieces, int p, int B) {
+  int64_t row = 0, width = t.numel() / t.size(0);  // H * hd
+  for (int i = 0; i < p; i++) row += (int64_t)B * pieces[i].length;
+  int64_t rows = (int64_t)B * pieces[p].length;
+  return t.view(row * width, {rows, t.size(1), t.size(2)});
+}
+// The log-sum-exp of one query piece: [B, Hq, length], pieces one after the other.
+Tensor piece_lse(const Tensor& lse, const std::vector<CpPiece>& pieces, int p, int B, int Hq) {
+  int64_t at = 0;
+  for (int i = 0; i < p; i++) at += (int64_t)B * Hq * pieces[i].length;
+  return lse.view(at, {B, Hq, pieces[p].length});
+}
+
+// Query positions [q0, q0 + nq) against keys [k0, k0 + nk), causal: the pairs that see each
+// other (per sequence and head), and whether there are none (the block is skipped).
+int64_t causal_pairs(const CpPiece& q, const CpPiece& k) {
+  int64_t pairs = 0;
+  for (int i = 0; i < q.length; i++)
+    pairs += std::min<int64_t>(k.length, std::max<int64_t>(0, q.start + i - k.start + 1));
+  return pairs;
+}
+
+struct Shapes {
+  int B, T, Hq, Hkv, hd;
+  AttentionBlock block(const CpPiece& q, const CpPiece& k) const {
+    return {B, q.length, k.length, Hq, Hkv, hd, q.start, k.start, true};
+  }
+};
+
+// A rank's keys and values travel as one buffer [2, N, Hkv, hd]; their gradients likewise.
+Tensor kv_part(const Tensor& kv, int which) {
+  int64_t half = kv.numel() / 2;
+  return kv.view(which * half, {half});
+}
+Tensor as_rows(const Tensor& flat, const Tensor& like) {
+  return flat.reshape(like.shape);
+}
+
+}  // namespace
+
+void context_attention_forward(const Context& ctx, const ContextParallel& cp, const Tensor& out,
+                               const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                               int B, int T, int Hq, int Hkv, int hd, CpWork* work) {
+  double t0 = now_seconds();
+  Comm& comm = *cp.comm;
+  Group& g = comm.cp;
+  int P = g.size, r = g.rank;
+  Shapes s{B, T, Hq, Hkv, hd};
+  std::vector<CpPiece> mine = cp_pieces(cp.balance, T, P, r);
+  zero_(out);
+  fill_(lse, -INFINITY);  // nothing seen yet: the first merge takes the first block as it is
+  Tensor kv = empty({2 * k.numel()}, Mem::Workspace, ctx.device);  // [2, N, Hkv, hd]
+  copy_(kv_part(kv, 0), k.reshape({k.numel()}));
+  copy_(kv_part(kv, 1), v.reshape({v.numel()}));
+  // Attend this rank's queries to the keys and values `owner` holds, merging block by block.
+  auto attend = [&](const Tensor& theirs, int owner) {
+    Tensor k_all = as_rows(kv_part(theirs, 0), k), v_all = as_rows(kv_part(theirs, 1), v);
+    std::vector<CpPiece> keys = cp_pieces(cp.balance, T, P, owner);
+    for (int qp = 0; qp < (int)mine.size(); qp++)
+      for (int kp = 0; kp < (int)keys.size(); kp++) {
+        int64_t pairs = causal_pairs(mine[qp], keys[kp]);
+        if (pairs == 0) continue;  // every key in the future of every query
+        AttentionBlock a = s.block(mine[qp], keys[kp]);
+        Tensor o = empty({(int64_t)B * a.Tq, Hq, hd}, Mem::Workspace, ctx.device);
+        Tensor l = empty({B, Hq, a.Tq}, Mem::Workspace, ctx.device);
+        flash_attention_forward(ctx, o, l, piece_rows(q, mine, qp, B),
+                                piece_rows(k_all, keys, kp, B), piece_rows(v_all, keys, kp, B), a);
+        attention_lse_merge(ctx, piece_rows(out, mine, qp, B), piece_lse(lse, mine, qp, B, Hq), o,
+                            l, a);
+        if (work) work->blocks++, work->pairs += pairs;
+      }
+  };
+  if (cp.mode == CpComm::AllGather) {  // every rank's keys and values at once: P x the memory
+    Tensor all = empty({P * kv.numel()}, Mem::Workspace, ctx.device);
+    all_gather(comm, g, ctx, kv.f32(), all.f32(), kv.numel());
+    for (int owner = 0; owner < P; owner++)
+      attend(all.view(owner * kv.numel(), {kv.numel()}), owner);
+  } else {  // Playbook §7.2: step s attends to rank (r - s)'s block while the next one arrives
+    Tensor held = kv;
+    for (int step = 0; step < P; step++) {
+      Tensor next;
+      Handle arriving;
+      if (step < P - 1) {
+        next = empty({kv.numel()}, Mem::Workspace, ctx.device);
+        arriving = send_recv_async(comm, g, ctx,
+                                   {{true, held.f32(), held.numel(), g.next()},
+                                    {false, next.f32(), next.numel(), g.prev()}});
+      }
+      attend(held, (r - step + P) % P);
+      if (step < P - 1) arriving.wait(), held = next;
+    }
+  }
+  if (work) work->seconds += now_seconds() - t0;
+}
+
+void context_attention_backward(const Context& ctx, const ContextParallel& cp, const Tensor& dq,
+                                const Tensor& dk, const Tensor& dv, const Tensor& dout,
+                                const Tensor& out, const Tensor& lse, const Tensor& q,
+                                const Tensor& k, const Tensor& v, int B, int T, int Hq, int Hkv,
+                                int hd) {
+  Comm& comm = *cp.comm;
+  Group& g = comm.cp;
+  int P = g.size, r = g.rank;
+  Shapes s{B, T, Hq, Hkv, hd};
+  std::vector<CpPiece> mine = cp_pieces(cp.balance, T, P, r);
+  // D = rowsum(dO * O) of the merged output, once per query piece, shared by every block.
+  Tensor D = empty(lse.shape, Mem::Workspace, ctx.device);
+  for (int qp = 0; qp < (int)mine.size(); qp++)
+    attention_out_dot_dout(ctx, piece_lse(D, mine, qp, B, Hq), piece_rows(dout, mine, qp, B),
+                           piece_rows(out, mine, qp, B), s.block(mine[qp], mine[qp]));
+  zero_(dq);
+  int64_t n = 2 * k.numel();  // keys and values, then their gradients: [4, N, Hkv, hd]
+  Tensor held = zeros({2 * n}, Mem::Workspace, ctx.device);
+  copy_(held.view(0, {k.numel()}), k.reshape({k.numel()}));
+  copy_(held.view(k.numel(), {v.numel()}), v.reshape({v.numel()}));
+  // dq (+=) of this rank's queries and the gradients (+=) of `owner`'s keys and values.
+  auto attend = [&](const Tensor& kv, const Tensor& dkv, int owner) {
+    Tensor k_all = as_rows(kv_part(kv, 0), k), v_all = as_rows(kv_part(kv, 1), v);
+    Tensor dk_all = as_rows(kv_part(dkv, 0), k), dv_all = as_rows(kv_part(dkv, 1), v);
+    std::vector<CpPiece> keys = cp_pieces(cp.balance, T, P, owner);
+    for (int qp = 0; qp < (int)mine.size(); qp++)
+      for (int kp = 0; kp < (int)keys.size(); kp++) {
+        if (causal_pairs(mine[qp], keys[kp]) == 0) continue;
+        flash_attention_backward(ctx, piece_rows(dq, mine, qp, B), piece_rows(dk_all, keys, kp, B),
+                                 piece_rows(dv_all, keys, kp, B), piece_rows(dout, mine, qp, B),
+                                 piece_rows(q, mine, qp, B), piece_rows(k_all, keys, kp, B),
+                                 piece_rows(v_all, keys, kp, B), piece_lse(lse, mine, qp, B, Hq),
+                                 piece_lse(D, mine, qp, B, Hq), s.block(mine[qp], keys[kp]));
+      }
+  };
+  Tensor mine_dkv;  // [2, N, Hkv, hd]: the gradients of this rank's keys and values
+  if (cp.mode == CpComm::AllGather) {
+    Tensor all = empty({P * n}, Mem::Workspace, ctx.device);
+    all_gather(comm, g, ctx, held.f32(), all.f32(), n);
+    Tensor dall = zeros({P * n}, Mem::Workspace, ctx.device);
+    for (int owner = 0; owner < P; owner++)
+      attend(all.view(owner * n, {n}), dall.view(owner * n, {n}), owner);
+    mine_dkv = empty({n}, Mem::Workspace, ctx.device);
+    reduce_scatter(comm, g, ctx, dall.f32(), mine_dkv.f32(), n, ReduceOp::Sum);
+  } else {
+    // Keys, values and their gradient accumulators travel together; after the last block the
+    // accumulators take one more step, which brings every rank's back to it.
+    for (int step = 0; step < P; step++) {
+      attend(held.view(0, {n}), held.view(n, {n}), (r - step + P) % P);
+      bool last = step == P - 1;
+      Tensor send = last ? held.view(n, {n}) : held;
+      Tensor next = empty({send.numel()}, Mem::Workspace, ctx.device);
+      send_recv(comm, g, ctx,
+                {{true, send.f32(), send.numel(), g.next()},
+                 {false, next.f32(), next.numel(), g.prev()}});
+      if (last)
+        mine_dkv = next;
+      else
+        held = next;
+    }
+  }
+  copy_(dk.reshape({dk.numel()}), kv_part(mine_dkv, 0));
+  copy_(dv.reshape({dv.numel()}), kv_part(mine_dkv, 1));
+}

@@ -1,0 +1,70 @@
+// context_parallel.cuh: context parallelism (Playbook §7). Every rank of the cp group holds
+// T/cp tokens of each sequence for the whole model; attention, the one layer that mixes
+// tokens, passes keys and values around the ring (ring attention) or gathers them.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "comm.cuh"
+
+enum class CpBalance { Zigzag, Contiguous };
+enum class CpComm { Ring, AllGather };
+CpBalance parse_cp_balance(const std::string& flag);  // zigzag|contiguous
+CpComm parse_cp_comm(const std::string& flag);        // ring|allgather
+const char* cp_balance_name(CpBalance b);
+const char* cp_comm_name(CpComm c);
+
+// A run of consecutive sequence positions that a rank holds (Playbook §7.3): contiguous, rank
+// r holds [r T/cp, (r+1) T/cp); zig-zag, with the sequence cut in 2 cp chunks, chunks r and
+// 2 cp - 1 - r, so that every rank gets as much causal work as every other. One rank: [0, T).
+struct CpPiece {
+  int start = 0;  // global position of its first token
+  int length = 0;
+};
+std::vector<CpPiece> cp_pieces(CpBalance b, int T, int cp, int rank);
+// Throws UsageError naming the flags: --seq not divisible by --cp (by 2 --cp for zig-zag, and
+// by --tp under --sp on each rank's share), --attention naive, --sample.
+void validate_context_parallel(int seq, int cp, CpBalance b, bool flash, int tp, bool sp,
+                               int sample);
+
+// The cp group and how the sequence is split over it. Size 1: the whole sequence, and the
+// attention core is one FlashAttention call.
+struct ContextParallel {
+  Comm* comm = nullptr;
+  CpBalance balance = CpBalance::Zigzag;
+  CpComm mode = CpComm::Ring;
+  int size() const { return comm ? comm->cp.size : 1; }
+  int rank() const { return comm ? comm->cp.rank : 0; }
+  // A rank's tokens of B sequences of T tokens (T the whole sequence) are laid out piece-major,
+  // [piece][sequence][position in piece], so that each piece of queries is one FlashAttention
+  // block of B sequences. local[i] = global index (b * T + position) of local token i.
+  std::vector<int64_t> local_tokens(int B, int T) const;
+  std::vector<int32_t> positions(int B, int T) const;  // the global position of each local token
+};
+// This rank's tokens of B whole sequences, host arrays [B*T] -> [B*T/cp] in local order.
+std::vector<int32_t> select_context_tokens(const ContextParallel& cp, const int32_t* tokens, int B,
+                                           int T);
+
+// What the attention of each rank computed (for --report balance): blocks of its queries
+// against a piece of keys (a diagonal block counts as one) and exact (query, key) pairs.
+struct CpWork {
+  int64_t blocks = 0, pairs = 0;
+  double seconds = 0;
+};
+
+// ---- Ring attention (Playbook §7.2): FlashAttention blocks merged by their log-sum-exp ----
+// q [B*Tl, Hq, hd], k, v [B*Tl, Hkv, hd] (Tl = T/cp, local order) -> out [B*Tl, Hq, hd] (=),
+// lse [pieces * B * Hq * piece length] (=). Ring: each step's keys and values go to the next
+// rank while this one attends to the block it holds; blocks wholly in the future are skipped.
+// All-gather: every rank's keys and values at once, then the same blocks.
+void context_attention_forward(const Context& ctx, const ContextParallel& cp, const Tensor& out,
+                               const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                               int B, int T, int Hq, int Hkv, int hd, CpWork* work = nullptr);
+// dq (=), dk, dv (=) of this rank's tokens. Ring: keys and values travel again with their
+// gradient accumulators, which come back to their owner after cp steps. All-gather: the
+// gradients of every rank's keys and values are reduce-scattered back.
+void context_attention_backward(const Context& ctx, const ContextParallel& cp, const Tensor& dq,
+                                const Tensor& dk, const Tensor& dv, const Tensor& dout,
+                                const Tensor& out, const Tensor& lse, const Tensor& q,
+                                const Tensor& k, const Tensor& v, int B, int T, int Hq, int Hkv,
+                                int hd);
