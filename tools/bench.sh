@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make bench`: the single-process step benchmark; collectives, data-parallel and ZeRO steps
-# under mpirun on 2 and 4 ranks; tensor and pipeline parallelism on 4 ranks; naive against
+# under mpirun on 2 and 4 ranks; tensor, pipeline and context parallelism; naive against
 # flash attention.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,3 +33,22 @@ for sched in afab 1f1b interleaved zb-h1; do
 done
 echo "ticks are exact (the tables run against each other, t_b = 2 t_f); the wall clock on"
 echo "CPU ranks sharing two cores also counts time-slicing and communication."
+
+# Context parallelism on 2 and 4 CPU ranks: step time and each rank's attention time per step,
+# zig-zag against contiguous chunks (--report balance).
+echo
+echo "context parallelism: tiny model, seq 2048, mbs 1 (mean of steps 2-3)"
+printf "| %-10s | %2s | %8s | %-40s |\n" split cp "step ms" "attention ms per cp rank (0..cp-1)"
+for cp in 2 4; do
+  for split in zigzag contiguous; do
+    out=$(OPENBLAS_NUM_THREADS=1 mpirun --oversubscribe -np "$cp" ./train --model tiny --seq 2048 \
+          --mbs 1 --cp "$cp" --cp-balance "$split" --steps 3 --warmup 1 --val-every 0 \
+          --val-seqs 1 --report balance 2>&1)
+    echo "$out" | awk -v s="$split" -v cp="$cp" '
+      /^step +[0-9]+\/3 \| loss/ { n++; if (n > 1) { ms += $(NF - 1); k++ } }
+      /^ +[0-9]+ +[0-9.]+ +[0-9]+ +[0-9.]+$/ { t = t sep $4; sep = " " }
+      END { printf "| %-10s | %2d | %8.1f | %-40s |\n", s, cp, ms / (k ? k : 1), t }'
+  done
+done
+echo "contiguous chunks load the last rank most (it attends to every earlier block); zig-zag"
+echo "gives every rank the same pairs. On two shared cores the ranks also wait for each other."
