@@ -8,7 +8,8 @@
 #   1. build/unit_tests ~[gpu]~[train]~[parity]         every CPU unit test, [golden] included
 #   2. build/mpi_tests ~[gpu] under mpirun -np 2, 3, 4, 8  every CPU MPI test
 #   3. build/unit_tests [golden][parity]                ./train on the transformers fixtures
-#   4. the parity rows "dp 2, ring", "dp 3, ring", "zero 3, dp 2", "tp 2" and "tp 4 (...)"
+#   4. the parity rows "dp 2, ring", "dp 3, ring", "zero 3, dp 2", "tp 2", "tp 4 (...)",
+#      "pp 2, 1f1b" and "cp 2, zigzag, ring"
 #      and the one-process checkpoint resumed under tp 2 + sp and tp 4
 # Usage: tools/mutants.sh [ID ...]   (no IDs: every mutant)
 set -u
@@ -92,6 +93,18 @@ mutant config-eps checkpoint.cu \
   '  cfg.norm_eps = positive_float("rms_norm_eps", true, 0);' \
   '  cfg.norm_eps = 1e-5f;' \
   "--load ignores rms_norm_eps"
+mutant pp-warmup pipeline_parallel.cu \
+  '    int warmup = std::min(p - rank - 1, m), weights = 0;' \
+  '    int warmup = std::min(p - rank, m), weights = 0;' \
+  "1F1B: one warm-up forward too many (more activations held than p - rank)"
+mutant pp-loss train.cu \
+  '  all_reduce_host(t.comm.pp, &stats.loss_sum, 1, ReduceOp::Sum);  // the last stage holds it' \
+  '  (void)0;  // the last stage holds it' \
+  "pipeline: the loss is not summed over the stages (rank 0 logs 0)"
+mutant cp-owner context_parallel.cu \
+  '      attend(held, (r - step + P) % P);' \
+  '      attend(held, (r + step) % P);' \
+  "ring attention: the block held is attributed to the wrong rank (wrong positions, mask)"
 
 # Runs one step of the subset; on failure prints the step and the test files whose checks
 # failed (or "crashed" when there are none: an abort, a timeout).
@@ -111,7 +124,8 @@ subset() {
     step "mpi tests, np $np" mpirun --oversubscribe -np "$np" build/mpi_tests "~[gpu]" --use-colour no || return 1
   done
   step "golden ./train runs" build/unit_tests "[golden][parity]" || return 1
-  for row in "dp 2, ring" "dp 3, ring" "zero 3, dp 2" "tp 2" "tp 4 (2 kv heads: each replicated on 2 ranks)"; do
+  for row in "dp 2, ring" "dp 3, ring" "zero 3, dp 2" "tp 2" "tp 4 (2 kv heads: each replicated on 2 ranks)" \
+             "pp 2, 1f1b" "cp 2, zigzag, ring"; do
     step "parity: $row" build/unit_tests "every layout trains like its single-process reference" -c "$row" || return 1
   done
   step "parity: resume under tp" build/unit_tests "a one-process checkpoint resumes under tp 2 + sp and tp 4 like the run it left"
