@@ -6,6 +6,8 @@
 // nonblocking calls.
 #include "comm.cuh"
 
+#include <atomic>
+#include <chrono>
 #include <climits>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -141,11 +143,26 @@ static Backend choose_backend(const std::string& flag, Device device) {
 // the collectives: a peer that never arrives ends the job instead of hanging it.
 
 // Aborts the communicators (ncclCommAbort stops their kernels and frees them), then every rank.
+// ncclCommAbort may itself wait for a stream that other work holds up (a kernel of ours that
+// never ends): it gets a few seconds on a thread of its own, then the job stops regardless.
 [[noreturn]] static void nccl_stop(const std::vector<ncclComm_t>& comms,
                                    const std::string& message) {
   fprintf(stderr, "%s\n", message.c_str());
-  for (ncclComm_t comm : comms)
-    if (comm) ncclCommAbort(comm);
+  if (!comms.empty()) {
+    auto aborted = std::make_shared<std::atomic<bool>>(false);
+    std::thread([comms, aborted] {
+      for (ncclComm_t comm : comms)
+        if (comm) ncclCommAbort(comm);
+      *aborted = true;
+    }).detach();
+    constexpr double kAbortGrace_s = 10;
+    double t0 = now_seconds();
+    while (!*aborted && now_seconds() - t0 < kAbortGrace_s)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    if (!*aborted)
+      fprintf(stderr, "ncclCommAbort did not return within %gs: stopping without it\n",
+              kAbortGrace_s);
+  }
   fatal_abort();
 }
 static std::string nccl_error(const std::string& what, int world_rank, ncclResult_t r,
