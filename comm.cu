@@ -6,6 +6,8 @@
 // nonblocking calls.
 #include "comm.cuh"
 
+#include <atomic>
+#include <chrono>
 #include <climits>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -73,29 +75,127 @@ static void make_group(Group& g, const char* name, int color, int key) {
   MPI_CHECK(MPI_Allgather(&world_rank, 1, MPI_INT, g.members.data(), 1, MPI_INT, g.mpi));
 }
 
-// nccl when asked for (or, for auto, when possible) and every node has a GPU per rank. All ranks
-// agree through one all-reduce, so either every rank throws or none does: nothing hangs.
+Backend backend_for_node(const std::vector<std::string>& bus_ids, std::string* why) {
+  for (size_t i = 0; i < bus_ids.size(); i++) {
+    if (bus_ids[i].empty()) {
+      if (why) *why = "rank " + std::to_string(i) + " of a node has no GPU";
+      return Backend::MPI;
+    }
+    for (size_t j = 0; j < i; j++)
+      if (bus_ids[j] == bus_ids[i]) {
+        if (why)
+          *why = "ranks " + std::to_string(j) + " and " + std::to_string(i) +
+                 " of a node share the GPU at PCI bus " + bus_ids[i];
+        return Backend::MPI;
+      }
+  }
+  return Backend::NCCL;
+}
+
+// The PCI bus id of this rank's current GPU ("0000:3b:00.0"), or "" on CPU or without one.
+static std::string my_bus_id(Device device) {
+  char id[64] = "";
+  int dev = 0;
+  if (device != Device::CUDA || cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetPCIBusId(id, sizeof id, dev) != cudaSuccess) {
+    cudaGetLastError();  // clear a sticky "no driver" error
+    return "";
+  }
+  return id;
+}
+
+// nccl when asked for (or, for auto, when possible) and every node has a GPU per rank. Each node
+// gathers its ranks' bus ids over a node-local communicator and applies backend_for_node; all
+// ranks then agree through one all-reduce, so either every rank throws or none does.
 static Backend choose_backend(const std::string& flag, Device device) {
   if (flag != "auto" && flag != "nccl" && flag != "mpi")
     throw UsageError("--comm " + flag + ": expected auto, nccl or mpi");
   if (flag == "mpi") return Backend::MPI;
-  int node_rank = 0, node_ranks = 1, gpus = 0;
-  local_rank(&node_rank, &node_ranks);
-  if (device == Device::CUDA && cudaGetDeviceCount(&gpus) != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky "no driver" error
-    gpus = 0;
-  }
-  int here = device == Device::CUDA && node_ranks <= gpus, everywhere = 0;
+  constexpr int kIdBytes = 64;
+  char mine[kIdBytes] = "";
+  snprintf(mine, sizeof mine, "%s", my_bus_id(device).c_str());
+  MPI_Comm node;
+  int node_ranks = 1;
+  MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  MPI_CHECK(MPI_Comm_size(node, &node_ranks));
+  std::vector<char> all(kIdBytes * node_ranks);
+  MPI_CHECK(MPI_Allgather(mine, kIdBytes, MPI_CHAR, all.data(), kIdBytes, MPI_CHAR, node));
+  MPI_CHECK(MPI_Comm_free(&node));
+  std::vector<std::string> bus_ids;
+  for (int r = 0; r < node_ranks; r++) bus_ids.emplace_back(all.data() + r * kIdBytes);
+  std::string why;
+  int here = backend_for_node(bus_ids, &why) == Backend::NCCL, everywhere = 0;
   MPI_CHECK(MPI_Allreduce(&here, &everywhere, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
   if (everywhere) return Backend::NCCL;
   if (flag == "auto") return Backend::MPI;
-  std::string why =
-      device == Device::CPU
-          ? "the device is cpu"
-          : "a node runs more ranks than it has GPUs (this one: " + std::to_string(node_ranks) +
-                " ranks, " + std::to_string(gpus) + " GPUs)";
+  if (device == Device::CPU) why = "the device is cpu";
+  else if (here) why = "another node has ranks without a GPU of their own";
   throw UsageError("--comm nccl needs one GPU per rank: " + why +
                    "; use --comm mpi (device buffers are then staged through host memory)");
+}
+
+// ---- NCCL's nonblocking communicators ----
+// Created with config.blocking = 0, a communicator answers every call at once. ncclInProgress
+// means accepted but not finished: creation, the connections NCCL opens on a communicator's
+// first ops, a grouped call, finalization. Until its state (ncclCommGetAsyncError) leaves
+// ncclInProgress nothing else may be issued on it, nor on a stream it uses. Waiting for that
+// here, against a deadline, lets --comm-timeout bound NCCL's set-up and tear-down as it bounds
+// the collectives: a peer that never arrives ends the job instead of hanging it.
+
+// Aborts the communicators (ncclCommAbort stops their kernels and frees them), then every rank.
+// ncclCommAbort may itself wait for a stream that other work holds up (a kernel of ours that
+// never ends): it gets a few seconds on a thread of its own, then the job stops regardless.
+[[noreturn]] static void nccl_stop(const std::vector<ncclComm_t>& comms,
+                                   const std::string& message) {
+  fprintf(stderr, "%s\n", message.c_str());
+  if (!comms.empty()) {
+    auto aborted = std::make_shared<std::atomic<bool>>(false);
+    std::thread([comms, aborted] {
+      for (ncclComm_t comm : comms)
+        if (comm) ncclCommAbort(comm);
+      *aborted = true;
+    }).detach();
+    constexpr double kAbortGrace_s = 10;
+    double t0 = now_seconds();
+    while (!*aborted && now_seconds() - t0 < kAbortGrace_s)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    if (!*aborted)
+      fprintf(stderr, "ncclCommAbort did not return within %gs: stopping without it\n",
+              kAbortGrace_s);
+  }
+  fatal_abort();
+}
+static std::string nccl_error(const std::string& what, int world_rank, ncclResult_t r,
+                              ncclComm_t comm) {
+  return "rank " + std::to_string(world_rank) + ": " + what + " failed in NCCL: " +
+         ncclGetErrorString(r) + " (" + ncclGetLastError(comm) + ")";
+}
+// The message of every collective, or NCCL set-up step, that ran past its deadline.
+static std::string past_deadline(int world_rank, const std::string& what, double timeout_s) {
+  char message[512];
+  snprintf(message, sizeof message,
+           "rank %d: %s did not finish within %gs (--comm-timeout): a peer rank failed or is stuck",
+           world_rank, what.c_str(), timeout_s);
+  return message;
+}
+// `returned` is what the call that started `what` returned; when it is ncclInProgress, waits
+// until every communicator of `comms` is ready, or stops every rank past start + timeout_s.
+static void nccl_settle(const std::vector<ncclComm_t>& comms, ncclResult_t returned,
+                        const std::string& what, int world_rank, double start, double timeout_s) {
+  if (returned == ncclSuccess) return;
+  if (returned != ncclInProgress)
+    nccl_stop(comms, nccl_error(what, world_rank, returned, comms.empty() ? nullptr : comms[0]));
+  for (ncclComm_t comm : comms) {
+    for (;;) {
+      ncclResult_t state = ncclInProgress, r = ncclCommGetAsyncError(comm, &state);
+      if (r != ncclSuccess) state = r;
+      if (state == ncclSuccess) break;
+      if (state != ncclInProgress) nccl_stop(comms, nccl_error(what, world_rank, state, comm));
+      if (now_seconds() - start > timeout_s)
+        nccl_stop(comms, past_deadline(world_rank, what, timeout_s));
+      std::this_thread::yield();
+    }
+  }
 }
 
 Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, Device device,
@@ -127,14 +227,21 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
   for (Group* g : c.groups()) g->timeout_s = timeout_s;
 
   if (c.backend == Backend::NCCL) {
-    // The standard bootstrap, one id per group: group rank 0 makes it, MPI shares it.
-    // A group of one needs no communicator: its collectives are local copies.
+    // The standard bootstrap, one id per group: group rank 0 makes it, MPI shares it. Under
+    // --comm auto a group of one needs no communicator (its collectives are local copies); an
+    // explicit --comm nccl gives it one, so that one rank on one GPU exercises NCCL.
+    bool groups_of_one = backend_flag == "nccl";
     for (Group* g : c.groups()) {
-      if (g->size == 1) continue;
+      if (g->size == 1 && !groups_of_one) continue;
       ncclUniqueId id;
       if (g->rank == 0) NCCL_CHECK(ncclGetUniqueId(&id));
       MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, g->mpi));
-      NCCL_CHECK(ncclCommInitRank(&g->nccl, g->size, id, g->rank));
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+      config.blocking = 0;  // returns at once; nccl_settle waits, bounded by the timeout
+      double t0 = now_seconds();
+      ncclResult_t r = ncclCommInitRankConfig(&g->nccl, g->size, id, g->rank, &config);
+      nccl_settle({g->nccl}, r, "ncclCommInitRankConfig on " + g->name, world_rank, t0,
+                  timeout_s);
     }
   }
   if (device == Device::CUDA) {
@@ -148,10 +255,18 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
   return c;
 }
 
-// Call after every Handle has been waited for.
+// Call after every Handle has been waited for. An NCCL communicator is finalized first (it
+// flushes its work and waits for its peers: bounded by the timeout), then destroyed, which
+// after a finished finalize only frees local memory.
 void comm_destroy(Comm& c) {
   for (Group* g : c.groups()) {
-    if (g->nccl) NCCL_CHECK(ncclCommDestroy(g->nccl));
+    if (g->nccl) {
+      int world_rank = g->members.empty() ? 0 : g->members[g->rank];
+      double t0 = now_seconds();
+      nccl_settle({g->nccl}, ncclCommFinalize(g->nccl), "ncclCommFinalize on " + g->name,
+                  world_rank, t0, g->timeout_s);
+      NCCL_CHECK(ncclCommDestroy(g->nccl));  // frees local resources, without blocking (nccl.h)
+    }
     if (g->mpi != MPI_COMM_NULL) MPI_CHECK(MPI_Comm_free(&g->mpi));
     g->nccl = nullptr;
   }
@@ -180,6 +295,8 @@ struct Handle::State {
   float* average_buf = nullptr;     // MPI has no average: sum, then scale this host buffer
   int64_t average_count = 0;
   // NCCL backend.
+  std::vector<ncclComm_t> nccl;    // the communicators the op runs on (two for some send_recv)
+  bool enqueue_pending = false;    // a call answered ncclInProgress: settle() before going on
   cudaEvent_t finished = nullptr;  // recorded on the comm stream after the op
   cudaStream_t compute = nullptr;  // the caller's stream: waits for `finished`, or copy-back
 
@@ -189,6 +306,11 @@ struct Handle::State {
   }
   bool poll();
   void finish();
+  void settle() {  // every NCCL call of the op enqueued on its stream
+    nccl_settle(nccl, enqueue_pending ? ncclInProgress : ncclSuccess, what, world_rank, start,
+                timeout_s);
+    enqueue_pending = false;
+  }
   void wait() {
     while (!poll()) std::this_thread::yield();
   }
@@ -210,13 +332,11 @@ bool Handle::State::poll() {
     cudaError_t e = cudaEventQuery(finished);
     if (e != cudaErrorNotReady) CUDA_CHECK(e);  // anything else is a real CUDA error
     complete = e == cudaSuccess;
-    ncclResult_t async = ncclSuccess;
-    if (!complete && group->nccl) NCCL_CHECK(ncclCommGetAsyncError(group->nccl, &async));
-    if (async != ncclSuccess && async != ncclInProgress) {
-      fprintf(stderr, "rank %d: %s failed in NCCL: %s\n", world_rank, what.c_str(),
-              ncclGetErrorString(async));
-      ncclCommAbort(group->nccl);
-      fatal_abort();
+    for (size_t i = 0; !complete && i < nccl.size(); i++) {  // a failed peer shows up here
+      ncclResult_t async = ncclSuccess, r = ncclCommGetAsyncError(nccl[i], &async);
+      if (r != ncclSuccess) async = r;
+      if (async != ncclSuccess && async != ncclInProgress)
+        nccl_stop(nccl, nccl_error(what, world_rank, async, nccl[i]));
     }
   } else {
     int flag = 0;
@@ -227,14 +347,9 @@ bool Handle::State::poll() {
     finish();
     return true;
   }
-  if (now_seconds() - start > timeout_s) {
-    fprintf(stderr,
-            "rank %d: %s did not finish within %gs (--comm-timeout): a peer rank failed or is "
-            "stuck\n",
-            world_rank, what.c_str(), timeout_s);
-    if (group->nccl) ncclCommAbort(group->nccl);
-    fatal_abort();
-  }
+  // Past the deadline: the NCCL communicators (if any) are aborted, then every rank stops.
+  if (now_seconds() - start > timeout_s)
+    nccl_stop(nccl, past_deadline(world_rank, what, timeout_s));
   return false;
 }
 
@@ -291,6 +406,10 @@ static void copy_floats(Device device, cudaStream_t stream, float* dst, const fl
 }
 
 // A collective on a group of one moves nothing between ranks: at most a copy, done at once.
+// (Unless the group has an NCCL communicator of its own: --comm nccl runs it through NCCL.)
+static bool local(const Group& g) {
+  return g.size == 1 && !g.nccl;
+}
 static Handle local_copy(const Context& ctx, float* dst, const float* src, int64_t count) {
   copy_floats(ctx.device, ctx.stream, dst, src, count);
   return Handle();
@@ -329,6 +448,7 @@ static std::shared_ptr<Handle::State> start(Comm& c, Group& g, const Context& ct
   s->compute = ctx.stream;
   if (c.backend == Backend::NCCL) {
     PICO_ASSERT(ctx.device == Device::CUDA, "NCCL collectives need device buffers");
+    s->nccl = {g.nccl};
     cudaEvent_t ready;
     CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventRecord(ready, ctx.stream));
@@ -340,9 +460,22 @@ static std::shared_ptr<Handle::State> start(Comm& c, Group& g, const Context& ct
   }
   return s;
 }
-// The op is queued: NCCL marks its end on the comm stream, for test() and wait() to find.
+// An NCCL call that enqueues (part of) an op on a nonblocking communicator: ncclInProgress is
+// accepted and remembered, for issued() (or an explicit settle()) to wait for; an error stops.
+#define NCCL_ENQUEUE(state, call) nccl_enqueue(state, (call), #call, __FILE__, __LINE__)
+static void nccl_enqueue(Handle::State& s, ncclResult_t r, const char* call, const char* file,
+                         int line) {
+  if (r == ncclInProgress) s.enqueue_pending = true;
+  else if (r != ncclSuccess)
+    nccl_stop(s.nccl, std::string("[NCCL ERROR] ") + file + ":" + std::to_string(line) + ": " +
+                          call + " -> " + ncclGetErrorString(r) + " (" +
+                          ncclGetLastError(s.nccl[0]) + ")");
+}
+// The op is queued: NCCL marks its end on the comm stream, for test() and wait() to find. The
+// event goes on the stream only once NCCL has really enqueued the op (settle()).
 static Handle issued(Comm& c, std::shared_ptr<Handle::State> s) {
   if (c.backend == Backend::NCCL) {
+    s->settle();
     CUDA_CHECK(cudaEventCreateWithFlags(&s->finished, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventRecord(s->finished, c.comm_ctx.stream));
   }
@@ -382,10 +515,11 @@ Handle all_reduce_async(Comm& c, Group& g, const Context& ctx, float* buf, int64
                         ReduceOp op) {
   int64_t N = g.size, K = count * kF32;
   count_call(g, Coll::AllReduce, 2 * (N - 1) * K / N);
-  if (N == 1) return Handle();  // the sum, average or max of one buffer is itself
+  if (local(g)) return Handle();  // the sum, average or max of one buffer is itself
   auto s = start(c, g, ctx, Coll::AllReduce, K);
   if (c.backend == Backend::NCCL) {
-    NCCL_CHECK(ncclAllReduce(buf, buf, count, ncclFloat, nccl_op(op), g.nccl, c.comm_ctx.stream));
+    NCCL_ENQUEUE(*s, ncclAllReduce(buf, buf, count, ncclFloat, nccl_op(op), g.nccl,
+                                   c.comm_ctx.stream));
   } else {
     float* h = mpi_buffer(*s, ctx, buf, count, true, true);
     MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, h, mpi_count(count), MPI_FLOAT, mpi_op(op), g.mpi,
@@ -399,11 +533,11 @@ Handle reduce_scatter_async(Comm& c, Group& g, const Context& ctx, const float* 
                             int64_t count, ReduceOp op) {
   int64_t N = g.size, K = count * N * kF32;
   count_call(g, Coll::ReduceScatter, (N - 1) * K / N);
-  if (N == 1) return local_copy(ctx, recv, send, count);
+  if (local(g)) return local_copy(ctx, recv, send, count);
   auto s = start(c, g, ctx, Coll::ReduceScatter, K);
   if (c.backend == Backend::NCCL) {
-    NCCL_CHECK(
-        ncclReduceScatter(send, recv, count, ncclFloat, nccl_op(op), g.nccl, c.comm_ctx.stream));
+    NCCL_ENQUEUE(*s, ncclReduceScatter(send, recv, count, ncclFloat, nccl_op(op), g.nccl,
+                                       c.comm_ctx.stream));
   } else {
     const float* hs = mpi_input(*s, ctx, send, count * N, recv, count);
     float* hr = mpi_buffer(*s, ctx, recv, count, false, true);
@@ -418,10 +552,10 @@ Handle all_gather_async(Comm& c, Group& g, const Context& ctx, const float* send
                         int64_t count) {
   int64_t N = g.size, K = count * N * kF32;
   count_call(g, Coll::AllGather, (N - 1) * K / N);
-  if (N == 1) return local_copy(ctx, recv, send, count);
+  if (local(g)) return local_copy(ctx, recv, send, count);
   auto s = start(c, g, ctx, Coll::AllGather, K);
   if (c.backend == Backend::NCCL) {
-    NCCL_CHECK(ncclAllGather(send, recv, count, ncclFloat, g.nccl, c.comm_ctx.stream));
+    NCCL_ENQUEUE(*s, ncclAllGather(send, recv, count, ncclFloat, g.nccl, c.comm_ctx.stream));
   } else {
     const float* hs = mpi_input(*s, ctx, send, count, recv, count * N);
     float* hr = mpi_buffer(*s, ctx, recv, count * N, false, true);
@@ -436,10 +570,10 @@ Handle broadcast_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_
   int64_t N = g.size, K = count * kF32;
   bool is_root = g.rank == root, chain_end = g.rank == (root + N - 1) % N;
   count_call(g, Coll::Broadcast, chain_end ? 0 : K);  // the chain's last rank passes nothing on
-  if (N == 1) return Handle();
+  if (local(g)) return Handle();
   auto s = start(c, g, ctx, Coll::Broadcast, K);
   if (c.backend == Backend::NCCL) {
-    NCCL_CHECK(ncclBroadcast(buf, buf, count, ncclFloat, root, g.nccl, c.comm_ctx.stream));
+    NCCL_ENQUEUE(*s, ncclBroadcast(buf, buf, count, ncclFloat, root, g.nccl, c.comm_ctx.stream));
   } else {
     float* h = mpi_buffer(*s, ctx, buf, count, is_root, !is_root);
     MPI_CHECK(MPI_Ibcast(h, mpi_count(count), MPI_FLOAT, root, g.mpi, s->request()));
@@ -450,14 +584,14 @@ Handle broadcast_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_
 Handle reduce_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
                     int64_t count, ReduceOp op, int root) {
   PICO_ASSERT(root >= 0 && root < g.size, "reduce root " + std::to_string(root));
-  int64_t N = g.size, K = count * kF32;
+  int64_t K = count * kF32;
   bool is_root = g.rank == root;
   count_call(g, Coll::Reduce, is_root ? 0 : K);
-  if (N == 1) return local_copy(ctx, recv, send, count);
+  if (local(g)) return local_copy(ctx, recv, send, count);
   auto s = start(c, g, ctx, Coll::Reduce, K);
   if (c.backend == Backend::NCCL) {
-    NCCL_CHECK(
-        ncclReduce(send, recv, count, ncclFloat, nccl_op(op), root, g.nccl, c.comm_ctx.stream));
+    NCCL_ENQUEUE(*s, ncclReduce(send, recv, count, ncclFloat, nccl_op(op), root, g.nccl,
+                                c.comm_ctx.stream));
   } else {
     const float* hs = mpi_input(*s, ctx, send, count, is_root ? recv : nullptr, count);
     float* hr = is_root ? mpi_buffer(*s, ctx, recv, count, false, true) : nullptr;
@@ -476,7 +610,7 @@ Handle gather_async(Comm& c, Group& g, const Context& ctx, const float* send, fl
   int64_t N = g.size, K = count * N * kF32;
   bool is_root = g.rank == root;
   count_call(g, Coll::Gather, is_root ? 0 : count * kF32);
-  if (N == 1) return local_copy(ctx, recv, send, count);
+  if (local(g)) return local_copy(ctx, recv, send, count);
   auto s = start(c, g, ctx, Coll::Gather, K);
   if (c.backend == Backend::NCCL) {
     cudaStream_t st = c.comm_ctx.stream;
@@ -484,9 +618,9 @@ Handle gather_async(Comm& c, Group& g, const Context& ctx, const float* send, fl
     NCCL_CHECK(ncclGroupStart());
     for (int r = 0; r < N; r++)
       if (is_root && r != root)
-        NCCL_CHECK(ncclRecv(recv + r * count, count, ncclFloat, r, g.nccl, st));
-    if (!is_root) NCCL_CHECK(ncclSend(send, count, ncclFloat, root, g.nccl, st));
-    NCCL_CHECK(ncclGroupEnd());
+        NCCL_ENQUEUE(*s, ncclRecv(recv + r * count, count, ncclFloat, r, g.nccl, st));
+    if (!is_root) NCCL_ENQUEUE(*s, ncclSend(send, count, ncclFloat, root, g.nccl, st));
+    NCCL_ENQUEUE(*s, ncclGroupEnd());
   } else {
     const float* hs = mpi_input(*s, ctx, send, count, is_root ? recv : nullptr, count * N);
     float* hr = is_root ? mpi_buffer(*s, ctx, recv, count * N, false, true) : nullptr;
@@ -502,7 +636,7 @@ Handle scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, f
   int64_t N = g.size, K = count * N * kF32;
   bool is_root = g.rank == root;
   count_call(g, Coll::Scatter, is_root ? (N - 1) * count * kF32 : 0);
-  if (N == 1) return local_copy(ctx, recv, send, count);
+  if (local(g)) return local_copy(ctx, recv, send, count);
   auto s = start(c, g, ctx, Coll::Scatter, K);
   if (c.backend == Backend::NCCL) {
     cudaStream_t st = c.comm_ctx.stream;
@@ -510,9 +644,9 @@ Handle scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, f
     NCCL_CHECK(ncclGroupStart());
     for (int r = 0; r < N; r++)
       if (is_root && r != root)
-        NCCL_CHECK(ncclSend(send + r * count, count, ncclFloat, r, g.nccl, st));
-    if (!is_root) NCCL_CHECK(ncclRecv(recv, count, ncclFloat, root, g.nccl, st));
-    NCCL_CHECK(ncclGroupEnd());
+        NCCL_ENQUEUE(*s, ncclSend(send + r * count, count, ncclFloat, r, g.nccl, st));
+    if (!is_root) NCCL_ENQUEUE(*s, ncclRecv(recv, count, ncclFloat, root, g.nccl, st));
+    NCCL_ENQUEUE(*s, ncclGroupEnd());
   } else {
     const float* hs = is_root ? mpi_input(*s, ctx, send, count * N, recv, count) : nullptr;
     float* hr = mpi_buffer(*s, ctx, recv, count, false, true);
@@ -537,7 +671,7 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
   }
   count_call(g, Coll::SendRecv, sent);  // each message's bytes on the group it travels on
   if (other) count_call(*other, Coll::SendRecv, sent_other);
-  if (g.size == 1) {  // messages to oneself: the k-th send lands in the k-th receive, as in MPI
+  if (local(g)) {  // messages to oneself: the k-th send lands in the k-th receive, as in MPI
     std::vector<const P2P*> sends, recvs;
     for (const P2P& op : ops) (op.send ? sends : recvs).push_back(&op);
     PICO_ASSERT(sends.size() == recvs.size(), "send_recv to oneself needs a receive per send");
@@ -550,16 +684,19 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
   auto s = start(c, g, ctx, Coll::SendRecv, total);
   if (c.backend == Backend::NCCL) {
     // One NCCL group: a stage that sends forward and receives backward cannot deadlock.
+    // A grouped call on nonblocking communicators: ncclGroupEnd may answer ncclInProgress, and
+    // then every communicator of the group must be waited for.
     cudaStream_t st = c.comm_ctx.stream;
+    if (other) s->nccl.push_back(other->nccl);
     NCCL_CHECK(ncclGroupStart());
     for (const P2P& op : ops) {
       ncclComm_t nc = op.group ? op.group->nccl : g.nccl;  // one group may span communicators
       if (op.send)
-        NCCL_CHECK(ncclSend(op.buf, op.count, ncclFloat, op.peer, nc, st));
+        NCCL_ENQUEUE(*s, ncclSend(op.buf, op.count, ncclFloat, op.peer, nc, st));
       else
-        NCCL_CHECK(ncclRecv(op.buf, op.count, ncclFloat, op.peer, nc, st));
+        NCCL_ENQUEUE(*s, ncclRecv(op.buf, op.count, ncclFloat, op.peer, nc, st));
     }
-    NCCL_CHECK(ncclGroupEnd());
+    NCCL_ENQUEUE(*s, ncclGroupEnd());
   } else {
     const int kTag = 0;  // MPI keeps the messages between two ranks in order: one tag is enough
     for (const P2P& op : ops) {
@@ -577,7 +714,7 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
 
 Handle barrier_async(Comm& c, Group& g, const Context& ctx) {
   count_call(g, Coll::Barrier, 0);
-  if (g.size == 1) return Handle();
+  if (local(g)) return Handle();
   auto s = start(c, g, ctx, Coll::Barrier, 0);
   if (c.backend == Backend::NCCL) {
     // NCCL has no barrier: an all-reduce of one float completes only once every rank has joined.
@@ -585,7 +722,8 @@ Handle barrier_async(Comm& c, Group& g, const Context& ctx) {
     float* one = nullptr;
     CUDA_CHECK(cudaMallocAsync((void**)&one, sizeof(float), st));
     CUDA_CHECK(cudaMemsetAsync(one, 0, sizeof(float), st));
-    NCCL_CHECK(ncclAllReduce(one, one, 1, ncclFloat, ncclSum, g.nccl, st));
+    NCCL_ENQUEUE(*s, ncclAllReduce(one, one, 1, ncclFloat, ncclSum, g.nccl, st));
+    s->settle();  // the all-reduce on the stream before the free behind it
     CUDA_CHECK(cudaFreeAsync(one, st));
   } else {
     MPI_CHECK(MPI_Ibarrier(g.mpi, s->request()));

@@ -42,7 +42,7 @@ struct Group {
   int next() const { return (rank + 1) % size; }         // ring neighbours (group ranks)
   int prev() const { return (rank + size - 1) % size; }
   MPI_Comm mpi = MPI_COMM_NULL;
-  ncclComm_t nccl = nullptr;
+  ncclComm_t nccl = nullptr;  // none on MPI, nor for a group of one under --comm auto
   double timeout_s = 300;  // --comm-timeout: how long any collective on it may wait
   CollStats stats[(int)Coll::Count];
 };
@@ -93,13 +93,23 @@ struct Comm {
   std::vector<Group*> groups() { return {&world, &tp, &cp, &pp, &pp_grad, &dp, &dp_cp}; }
 };
 // `backend_flag` is auto|nccl|mpi: auto is nccl on CUDA with one GPU per rank on each node,
-// else mpi. Throws UsageError for a world that is not dp*pp*cp*tp, an unknown backend, or nccl
-// without a GPU per rank. Call after MPI_Init and cudaSetDevice.
+// else mpi. Under auto a group of one has no communicator (its collectives are local copies);
+// an explicit nccl gives every group one, groups of one included, so that one rank on one GPU
+// runs every collective through NCCL. NCCL communicators are nonblocking: their creation, first
+// connections and destruction are bounded by `timeout_s` like every collective. Throws
+// UsageError for a world that is not dp*pp*cp*tp, an unknown backend, or nccl without a GPU per
+// rank. Call after MPI_Init and cudaSetDevice.
 Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, Device device,
                double timeout_s);
 void comm_destroy(Comm& comm);
 // Node-local rank and node-local rank count (MPI_COMM_TYPE_SHARED), for choosing a GPU.
 void local_rank(int* rank, int* size);
+// The backend one node allows, from the PCI bus id of each of its ranks' GPUs ("" for a rank
+// without one): nccl when every rank has a GPU and no two share one, else mpi (NCCL refuses two
+// ranks on one GPU). Bus ids, not device numbers: with one GPU visible per rank (SLURM
+// --gpus-per-task=1) every rank's GPU is device 0. When mpi, `why` (if given) says which
+// ranks of the node are in the way.
+Backend backend_for_node(const std::vector<std::string>& bus_ids, std::string* why = nullptr);
 
 // Collectives on a group. `ctx` is the compute stream the data comes from and goes back to.
 // Sizes are element counts per rank: reduce_scatter sends count * size and receives count;

@@ -49,7 +49,7 @@ SMALL="--d-model 64 --layers 2 --heads 4 --kv-heads 2 --ffn 128 --seq 32 --mbs 4
 # README's table of steps repeats them). A step without an entry is expected to take its cap.
 declare -A ESTIMATE=(
   [device_info]=5 [setup]=15 [libraries]=5 [mpi_singleton]=5 [unit_gpu_sync]=60 [unit_gpu]=40
-  [train_cuda_vs_cpu]=40 [mpi_gpu_np1]=20 [mpi_gpu_np2]=30 [dp2_vs_grad_acc2]=30 [train_tiny]=20
+  [train_cuda_vs_cpu]=40 [mpi_gpu_np1]=20 [nccl_timeout]=15 [mpi_gpu_np2]=30 [dp2_vs_grad_acc2]=30 [train_tiny]=20
   [train_medium]=40 [bench]=90 [bench_comm]=40 [memcheck]=100 [racecheck]=60 [racecheck_tp]=40
   [unit_gpu_flash]=40 [flash_bench]=120 [flash_torch]=90 [racecheck_flash]=60
 )
@@ -281,19 +281,36 @@ catch_step unit_gpu_flash 120 "$RUN" build/unit_tests "[flash][gpu]" --use-colou
 catch_step train_cuda_vs_cpu 150 "$RUN" build/unit_tests "a CUDA training run*" --use-colour no
 
 # ---- collectives and vocab-parallel cross-entropy on device buffers: 1 rank, 2 ranks on one GPU ----
+# One rank runs every NCCL case over one-rank communicators (--comm nccl gives groups of one a
+# communicator): a SKIP there is a failure. Two ranks on one GPU cannot use NCCL: those skip.
 for np in 1 2; do
   name=mpi_gpu_np$np
   run_step $name 150 $MPIRUN -np $np build/mpi_tests "[gpu]" --use-colour no || continue
   catch_result "$LOGS/$name.log"
   nccl_skip=$(grep -c "SKIP: NCCL needs one GPU per rank" "$LOGS/$name.log")
   other_skips=$((SKIPS - nccl_skip))
+  [ "$np" = 1 ] && other_skips=$SKIPS
   note=""
-  [ "$nccl_skip" -gt 0 ] && note=" (NCCL case skipped: $np ranks share one GPU, so MPI staging ran)"
+  [ "$nccl_skip" -gt 0 ] && note=" ($nccl_skip NCCL cases skipped: $np ranks share one GPU, so MPI staging ran)"
   if [ "$STEP_RC" -eq 0 ] && [ "$CASES_OK" -eq 1 ] && [ "$other_skips" -eq 0 ] &&
      grep -q "^mpi ranks failed: 0" "$LOGS/$name.log"; then
     record $name PASS "$STEP_SECONDS" "$CASES_TEXT$note"
   else
     fail $name "$CASES_TEXT, exit $STEP_RC, $other_skips unexpected SKIP lines"
+  fi
+  # ---- right after one rank: NCCL's timeout path. An all-reduce whose input never becomes
+  # ready (a kernel spins 120 s on the compute stream) must end the job by --comm-timeout 2:
+  # the message, ncclCommAbort (given at most 10 s), MPI_Abort; not when the kernel lets go.
+  [ "$np" = 1 ] || continue
+  run_step nccl_timeout 60 $MPIRUN -np 1 build/mpi_tests "[.stuck-nccl]" --use-colour no || continue
+  abort_note=""
+  grep -q "ncclCommAbort did not return" "$LOGS/nccl_timeout.log" &&
+    abort_note="; ncclCommAbort did not return within 10 s (it waits for the spinning stream)"
+  if [ "$STEP_RC" -ne 0 ] && [ "$STEP_RC" -ne 124 ] && [ "$STEP_SECONDS" -lt 25 ] &&
+     grep -q "all_reduce on world, 4 B did not finish within 2s (--comm-timeout)" "$LOGS/nccl_timeout.log"; then
+    record nccl_timeout PASS "$STEP_SECONDS" "a stuck NCCL all-reduce ended the job after ${STEP_SECONDS}s (--comm-timeout 2)$abort_note"
+  else
+    fail nccl_timeout "exit $STEP_RC after ${STEP_SECONDS}s (want: non-zero, under 25 s, the timeout message)$abort_note"
   fi
 done
 

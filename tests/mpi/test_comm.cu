@@ -1,11 +1,15 @@
 // test_comm.cu: the collectives of comm.cu on 2..8 MPI ranks ([mpi]): the Playbook's appendix
 // A0 examples value for value, agreement with direct MPI calls on random data, Avg and Max,
 // several collectives in flight at once, byte counters against the ring formulas, and the process
-// grid for every factorization of the world. [gpu] cases repeat them on device buffers.
-// Run as: mpirun -np N build/mpi_tests   (every case works for any N from 2 to 8)
+// grid for every factorization of the world, and the choice of NCCL or MPI per node. [gpu] cases
+// repeat them on device buffers, over MPI staging and over NCCL (on one rank too: --comm nccl
+// gives groups of one a communicator). The hidden [.stuck-nccl] case ends the job on purpose.
+// Run as: mpirun -np N build/mpi_tests   (every case works for any N from 2 to 8; [gpu] from 1)
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -119,6 +123,46 @@ Outputs every_collective(Comm& c, const Context& ctx) {
   return {back(ctx, sum),    back(ctx, avg),     back(ctx, max), back(ctx, rs_out),
           back(ctx, ag_out), back(ctx, bcast),   back(ctx, red), back(ctx, ga_out),
           back(ctx, sc_out), back(ctx, ring_out)};
+}
+
+// The start of every NCCL case: a CUDA context and a communicator with every group on NCCL
+// (--comm nccl: groups of one included), or, when not ready(), a SKIP on every rank alike: no
+// GPU, or a node with ranks sharing one.
+struct NcclCase {
+  Context gpu;
+  std::unique_ptr<TestComm> t;
+  NcclCase() {
+    if (!gpu_case_ready()) return;
+    gpu = Context::create(Device::CUDA);
+    try {
+      t = std::make_unique<TestComm>(world_size(), 1, 1, 1, "nccl", Device::CUDA);
+    } catch (const UsageError& e) {
+      WARN("SKIP: NCCL needs one GPU per rank, and a node has more ranks than GPUs ("
+           << e.what() << ")");
+    }
+  }
+  bool ready() const { return t != nullptr; }
+  ~NcclCase() {
+    t.reset();
+    if (gpu.device == Device::CUDA) gpu.destroy();
+  }
+};
+
+// A spec of exclusions only ("~[gpu]") selects hidden cases too: a case that ends the job on
+// purpose runs only when its tag is given by name.
+bool named(const std::string& tag) {
+  for (const std::string& spec : Catch::getCurrentContext().getConfig()->getTestsOrTags())
+    if (spec == tag) return true;
+  return false;
+}
+
+// Keeps one thread of the GPU busy for `ns` nanoseconds of the device's global timer.
+__global__ void spin_for_ns(uint64_t ns) {
+  uint64_t t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
 }
 
 }  // namespace
@@ -575,6 +619,37 @@ TEST_CASE("comm_init refuses a bad --comm or grid on every rank alike, and auto 
   CHECK(std::string(coll_name(Coll::ReduceScatter)) == "reduce_scatter");
 }
 
+TEST_CASE("NCCL or MPI per node: distinct GPU bus ids give nccl, a shared GPU or none mpi",
+          "[mpi]") {
+  // SLURM --gpus-per-task=1: every rank sees its own GPU as device 0, at its own bus id.
+  CHECK(backend_for_node({"0000:1b:00.0", "0000:3b:00.0", "0000:5b:00.0", "0000:db:00.0"}) ==
+        Backend::NCCL);
+  CHECK(backend_for_node({"0000:1b:00.0"}) == Backend::NCCL);  // one rank, one GPU
+  std::string why;
+  // Two ranks on one GPU (device 0 of both, or 0 and 1 of a node with one): NCCL refuses it.
+  CHECK(backend_for_node({"0000:1b:00.0", "0000:1b:00.0"}, &why) == Backend::MPI);
+  CHECK_THAT(why, Contains("ranks 0 and 1") && Contains("0000:1b:00.0"));
+  CHECK(backend_for_node({"0000:1b:00.0", "0000:3b:00.0", "0000:1b:00.0"}, &why) == Backend::MPI);
+  CHECK_THAT(why, Contains("ranks 0 and 2"));
+  // No GPU on any rank, or on one.
+  CHECK(backend_for_node({"", ""}, &why) == Backend::MPI);
+  CHECK_THAT(why, Contains("rank 0") && Contains("no GPU"));
+  CHECK(backend_for_node({"0000:1b:00.0", ""}, &why) == Backend::MPI);
+  CHECK_THAT(why, Contains("rank 1") && Contains("no GPU"));
+}
+
+TEST_CASE("--comm nccl on CUDA without a GPU per rank is refused on every rank, naming why",
+          "[mpi]") {
+  if (cuda_on_every_rank()) {
+    WARN("SKIP: every rank sees a GPU here (the [gpu] cases cover that)");
+    return;
+  }
+  int W = world_size();
+  CHECK_THROWS_WITH(comm_init(W, 1, 1, 1, "nccl", Device::CUDA, kTimeout),
+                    Contains("--comm nccl needs one GPU per rank") && Contains("no GPU") &&
+                        Contains("--comm mpi"));
+}
+
 // ============================================================================
 // GPU: device buffers, staged through host memory (MPI) or over NCCL
 // ============================================================================
@@ -606,21 +681,12 @@ TEST_CASE("MPI backend: device buffers staged through host memory give the CPU r
   gpu.destroy();
 }
 
-TEST_CASE("NCCL collectives match the MPI ones", "[mpi][gpu]") {
-  if (!gpu_case_ready()) return;
-  Context gpu = Context::create(Device::CUDA);
-  Outputs nccl, mpi;
-  bool have_nccl = false;
-  {
-    TestComm t(world_size(), 1, 1, 1, "auto", Device::CUDA);  // agreed on by every rank
-    have_nccl = t.c.backend == Backend::NCCL;
-    if (have_nccl) nccl = every_collective(t.c, gpu);
-  }
-  if (!have_nccl) {
-    WARN("SKIP: NCCL needs one GPU per rank, and a node has more ranks than GPUs");
-    gpu.destroy();
-    return;
-  }
+TEST_CASE("NCCL collectives match the MPI ones, on any number of ranks from one", "[mpi][gpu]") {
+  NcclCase n;  // agreed on by every rank
+  if (!n.ready()) return;
+  // Every group has a communicator: on one rank too, nothing is a local copy.
+  for (Group* g : n.t->c.groups()) CHECK(g->nccl != nullptr);
+  Outputs nccl = every_collective(n.t->c, n.gpu), mpi;
   {
     TestComm t(world_size(), 1, 1, 1, "mpi", Device::CPU);
     mpi = every_collective(t.c, kCpu);
@@ -643,5 +709,80 @@ TEST_CASE("NCCL collectives match the MPI ones", "[mpi][gpu]") {
   CHECK(nccl.gather == mpi.gather);
   CHECK(nccl.scatter == mpi.scatter);
   CHECK(nccl.ring == mpi.ring);
-  gpu.destroy();
+}
+
+TEST_CASE("NCCL in-place reduce-scatter and all-gather (ZeRO's layout) equal MPI's", "[mpi][gpu]") {
+  NcclCase n;
+  if (!n.ready()) return;
+  Comm& c = n.t->c;
+  const Context& gpu = n.gpu;
+  Group& g = c.dp;  // dp = world, same ranks in the same order
+  int N = g.size, r = g.rank;
+  std::vector<float> rs = normal(kM * N, on_rank("rs")), ag = normal(kM, on_rank("ag"));
+  // Reduce-scatter in place: the output is this rank's chunk of the input (recv = send + r*kM).
+  Tensor rs_buf = on(gpu, rs);  // [N * kM]
+  reduce_scatter(c, g, gpu, rs_buf.f32(), rs_buf.f32() + r * kM, kM, ReduceOp::Sum);
+  // All-gather in place: the input is this rank's slot of the output (send = recv + r*kM).
+  std::vector<float> ag_full = filled(kM * N, -1);
+  std::copy(ag.begin(), ag.end(), ag_full.begin() + r * kM);
+  Tensor ag_buf = on(gpu, ag_full);  // [N * kM]
+  all_gather(c, g, gpu, ag_buf.f32() + r * kM, ag_buf.f32(), kM);
+  std::vector<float> rs_got = back(gpu, rs_buf), ag_got = back(gpu, ag_buf);
+
+  std::vector<float> rs_want(kM), ag_want(kM * N);
+  MPI_Reduce_scatter_block(rs.data(), rs_want.data(), kM, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+  MPI_Allgather(ag.data(), kM, MPI_FLOAT, ag_want.data(), kM, MPI_FLOAT, MPI_COMM_WORLD);
+  std::vector<double> rs_abs = abs_sum_over_ranks(rs);
+  rs_abs = std::vector<double>(rs_abs.begin() + r * kM, rs_abs.begin() + (r + 1) * kM);
+  std::vector<float> mine(rs_got.begin() + r * kM, rs_got.begin() + (r + 1) * kM);
+  CHECK(outside_sum_bound(mine, rs_want, rs_abs, N) == 0);
+  CHECK(ag_got == ag_want);
+}
+
+TEST_CASE("NCCL handles: test() polls the event to completion, several ops in flight at once",
+          "[mpi][gpu]") {
+  NcclCase n;
+  if (!n.ready()) return;
+  Comm& c = n.t->c;
+  const Context& gpu = n.gpu;
+  Group& g = c.dp;
+  int N = g.size;
+  std::vector<std::vector<float>> x;
+  std::vector<Tensor> bufs;
+  std::vector<Handle> h;
+  for (int k = 0; k < 3; k++) {
+    x.push_back(normal(1000 + 333 * k, on_rank("x" + std::to_string(k))));
+    bufs.push_back(on(gpu, x.back()));
+  }
+  for (int k = 0; k < 3; k++)
+    h.push_back(all_reduce_async(c, g, gpu, bufs[k].f32(), (int64_t)x[k].size(), ReduceOp::Sum));
+  Handle barrier_handle = barrier_async(c, g, gpu);
+  while (!h[1].test()) std::this_thread::yield();  // the host polls; nothing blocks
+  CHECK(h[1].test());  // idempotent once done
+  barrier_handle.wait();
+  h[2].wait();
+  h[0].wait();
+  CHECK_FALSE(h[0].active());
+  for (int k = 0; k < 3; k++) {
+    std::vector<float> want(x[k].size());
+    MPI_Allreduce(x[k].data(), want.data(), (int)want.size(), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    CHECK(outside_sum_bound(back(gpu, bufs[k]), want, abs_sum_over_ranks(x[k]), N) == 0);
+  }
+}
+
+// Run by tools/gpu_check.sh as `mpirun -np 1 build/mpi_tests "[.stuck-nccl]"`: the job must end
+// with the timeout message a few seconds after the 2 s deadline (ncclCommAbort gets up to 10 s),
+// long before the spinning kernel lets go (120 s).
+TEST_CASE("an NCCL all-reduce whose input never becomes ready ends the job at --comm-timeout",
+          "[.stuck-nccl]") {
+  if (!named("[.stuck-nccl]") || !gpu_case_ready()) return;
+  Context gpu = Context::create(Device::CUDA);
+  Comm c = comm_init(world_size(), 1, 1, 1, "nccl", Device::CUDA, 2);
+  Tensor x = on(gpu, filled(1, 1));
+  all_reduce(c, c.world, gpu, x.f32(), 1, ReduceOp::Sum);  // NCCL connects here, not below
+  // The compute stream is busy for 120 s and the all-reduce waits for it (an event on the comm
+  // stream), so its handle cannot finish: after 2 s the host aborts the communicator and the job.
+  spin_for_ns<<<1, 1, 0, gpu.stream>>>(120ull * 1000 * 1000 * 1000);
+  all_reduce(c, c.world, gpu, x.f32(), 1, ReduceOp::Sum);
+  FAIL("all_reduce returned although its input was never ready");
 }
