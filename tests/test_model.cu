@@ -77,25 +77,42 @@ static double batch_loss(const Context& ctx, Model& m, const std::vector<int32_t
   return model_forward(ctx, m, acts, ids.data(), tgt.data(), B, T, Recompute::None) / (B * T);
 }
 
+// small_config's model at seed 3, tied or not, a batch, and the gradients of its mean loss.
+struct ModelWithGradients {
+  Model m;
+  int B = 2, T = 0;
+  std::vector<int32_t> ids, tgt;
+  // The mean loss with tensor p set to `values` (p is restored by the caller).
+  double loss_with(const Context& ctx, Tensor& p, const std::vector<float>& values) {
+    from_host(p, values.data());
+    return batch_loss(ctx, m, ids, tgt, B, T);
+  }
+};
+static ModelWithGradients model_with_gradients(const Context& ctx, const ModelConfig& c) {
+  ModelWithGradients g{build_model(c, Device::CPU, 3), 2, c.seq};
+  g.ids.resize(g.B * g.T), g.tgt.resize(g.B * g.T);
+  random_tokens(g.ids, c.vocab, 1), random_tokens(g.tgt, c.vocab, 2);
+  Activations acts;
+  model_forward(ctx, g.m, acts, g.ids.data(), g.tgt.data(), g.B, g.T, Recompute::None);
+  model_backward(ctx, g.m, acts, 1.0f / (g.B * g.T), Recompute::None);
+  return g;
+}
+
 TEST_CASE("the whole model's gradient matches central finite differences", "[model]") {
   Context ctx = Context::create(Device::CPU);
   ModelConfig c = small_config();
   for (bool tied : {false, true}) {
     c.tie_embeddings = tied;
-    Model m = build_model(c, Device::CPU, 3);
-    int B = 2, T = c.seq;
-    std::vector<int32_t> ids(B * T), tgt(B * T);
-    random_tokens(ids, c.vocab, 1), random_tokens(tgt, c.vocab, 2);
-    Activations acts;
-    model_forward(ctx, m, acts, ids.data(), tgt.data(), B, T, Recompute::None);
-    model_backward(ctx, m, acts, 1.0f / (B * T), Recompute::None);
+    ModelWithGradients g = model_with_gradients(ctx, c);
+    Model& m = g.m;
     // Per tensor: the directional derivative along a random direction u (restricted to that
     // tensor) against (L(p + h u) - L(p - h u)) / 2h. With h = 1e-2 the O(h^2) truncation and
     // the fp32 round-off of L (~1e-7 * |L| / h ~ 3e-5) both stay below 1% of the derivatives
     // here, which are ~1e-2 to 1; 2% relative (plus 1e-4 absolute) is a tight bound on that.
     for (size_t i = 0; i < m.named_params.size(); i++) {
-      Tensor p = m.named_params[i].tensor, g = m.named_grads[i].tensor;
-      std::vector<float> orig = to_host_floats(p), grad = to_host_floats(g), u(orig.size());
+      Tensor p = m.named_params[i].tensor;
+      std::vector<float> orig = to_host_floats(p), u(orig.size());
+      std::vector<float> grad = to_host_floats(m.named_grads[i].tensor);
       uint64_t key = rng_key(11, m.named_params[i].name);
       double analytic = 0, norm = 0;
       for (size_t k = 0; k < u.size(); k++) {
@@ -106,11 +123,9 @@ TEST_CASE("the whole model's gradient matches central finite differences", "[mod
       const float h = 1e-2f;
       std::vector<float> moved(orig);
       for (size_t k = 0; k < u.size(); k++) moved[k] = orig[k] + h * u[k];
-      from_host(p, moved.data());
-      double up = batch_loss(ctx, m, ids, tgt, B, T);
+      double up = g.loss_with(ctx, p, moved);
       for (size_t k = 0; k < u.size(); k++) moved[k] = orig[k] - h * u[k];
-      from_host(p, moved.data());
-      double down = batch_loss(ctx, m, ids, tgt, B, T);
+      double down = g.loss_with(ctx, p, moved);
       from_host(p, orig.data());
       double numeric = (up - down) / (2 * h);
       INFO(m.named_params[i].name << " analytic " << analytic << " numeric " << numeric);
@@ -136,13 +151,9 @@ TEST_CASE("the whole model's gradient matches finite differences element by elem
   const int64_t hd = c.d_model / c.heads, D = c.d_model;
   for (bool tied : {false, true}) {
     c.tie_embeddings = tied;
-    Model m = build_model(c, Device::CPU, 3);
-    int B = 2, T = c.seq;
-    std::vector<int32_t> ids(B * T), tgt(B * T);
-    random_tokens(ids, c.vocab, 1), random_tokens(tgt, c.vocab, 2);
-    Activations acts;
-    model_forward(ctx, m, acts, ids.data(), tgt.data(), B, T, Recompute::None);
-    model_backward(ctx, m, acts, 1.0f / (B * T), Recompute::None);
+    ModelWithGradients g = model_with_gradients(ctx, c);
+    Model& m = g.m;
+    const std::vector<int32_t>& ids = g.ids;
     int checked_rows = 0;
     for (size_t i = 0; i < m.named_params.size(); i++) {
       const std::string& name = m.named_params[i].name;
@@ -171,11 +182,9 @@ TEST_CASE("the whole model's gradient matches finite differences element by elem
         const float h = 1e-2f;
         std::vector<float> moved(orig);
         moved[k] = orig[k] + h;
-        from_host(p, moved.data());
-        double up = batch_loss(ctx, m, ids, tgt, B, T);
+        double up = g.loss_with(ctx, p, moved);
         moved[k] = orig[k] - h;
-        from_host(p, moved.data());
-        double down = batch_loss(ctx, m, ids, tgt, B, T);
+        double down = g.loss_with(ctx, p, moved);
         from_host(p, orig.data());
         // The step actually taken: fp32 rounds orig +- h.
         double numeric = (up - down) / ((double)(orig[k] + h) - (double)(orig[k] - h));
