@@ -436,7 +436,7 @@ Handle broadcast_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_
   PICO_ASSERT(root >= 0 && root < g.size, "broadcast root " + std::to_string(root));
   int64_t N = g.size, K = count * kF32;
   bool is_root = g.rank == root, chain_end = g.rank == (root + N - 1) % N;
-  count_call(g, Coll::Broadcast, count, chain_end ? 0 : K);  // the chain's last rank passes nothing on
+  count_call(g, Coll::Broadcast, count, chain_end ? 0 : K);  // the chain's end passes nothing on
   if (N == 1) return Handle();
   auto s = start(c, g, ctx, Coll::Broadcast, K);
   if (c.backend == Backend::NCCL) {
@@ -536,7 +536,8 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
     total += op.count * kF32;
     if (op.send) (&og == &g ? sent : sent_other) += op.count * kF32;
   }
-  count_call(g, Coll::SendRecv, sent / kF32, sent);  // each message's bytes on the group it travels on
+  // Each message's bytes on the group it travels on.
+  count_call(g, Coll::SendRecv, sent / kF32, sent);
   if (other) count_call(*other, Coll::SendRecv, sent_other / kF32, sent_other);
   if (g.size == 1) {  // messages to oneself: the k-th send lands in the k-th receive, as in MPI
     std::vector<const P2P*> sends, recvs;

@@ -170,7 +170,8 @@ static void require_close(const std::map<std::string, std::vector<float>>& a,
 // - plus fp32 rounding: the update's own (4 ulp of lr_t) and the weight's (2 ulp per step).
 // Where |g_1| is the tensor's scale an element may move by ~1e-4 of an update; where it is
 // below ~2e-5 of it by a whole update either way (`make test-sweep`: about 20% of the elements
-// with untied embeddings, mostly rows of tokens absent from the first batch; 0.02-0.16% tied). A missing or doubled contribution already fails the gradient check;
+// with untied embeddings, mostly rows of tokens absent from the first batch; 0.02-0.16% tied).
+// A missing or doubled contribution already fails the gradient check;
 // a wrong update moves elements by ~lr everywhere.
 struct WeightCheck {
   double worst_ratio = 0;  // largest |w - w_ref| / bound
@@ -288,7 +289,8 @@ TEST_CASE("a seeded random sweep of layouts trains like the single-process refer
   double worst = 0;
   for (int done = 0, drawn = 0; done < layouts; drawn++) {
     int dp = 1 + draw(4), tp = std::vector<int>{1, 2, 4}[draw(3)], pp = 1 + draw(2);
-    int zero = draw(4), kv = std::vector<int>{1, 2, 4}[draw(3)], acc = std::vector<int>{1, 2, 4}[draw(3)];
+    int zero = draw(4), kv = std::vector<int>{1, 2, 4}[draw(3)];
+    int acc = std::vector<int>{1, 2, 4}[draw(3)];
     bool sp = tp > 1 && draw(2), tied = draw(2);
     const char* recompute = std::vector<const char*>{"none", "selective", "full"}[draw(3)];
     if (dp * tp * pp > 8 || (pp > 1 && (tied || zero == 3))) continue;
@@ -354,7 +356,7 @@ TEST_CASE("a crashed or stuck rank ends the job non-zero, in bounded time", "[pa
 TEST_CASE("a rank stuck at any place of a step ends the job within --comm-timeout, naming the "
           "collective",
           "[parity]") {
-  std::string dir = (fs::temp_directory_path() / ("pico_fault_" + std::to_string(getpid()))).string();
+  std::string dir = make_temp_dir();
   struct Place {
     std::string where, layout, rank_step;  // --fault hang:<rank_step>:<where>
     std::string waits_on;  // what the peer gives up on: the first collective it shares with it
@@ -372,7 +374,7 @@ TEST_CASE("a rank stuck at any place of a step ends the job within --comm-timeou
       {"optimizer", "--dp 2 --zero 1", "0:1", "all_gather on dp_cp"},
       {"validation", "--dp 2 --val-every 1", "1:1", "all_reduce_host on dp_cp"},
       // After the last step (3 steps: 0, 1, 2): the save agrees on its outcome over the world.
-      {"save", "--dp 2 --save " + dir, "1:2", "agree_on_error on world"},
+      {"save", "--dp 2 --save " + dir + "/ckpt", "1:2", "agree_on_error on world"},
   };
   for (const Place& p : places) {
     std::string flags =
@@ -504,7 +506,8 @@ TEST_CASE("tensor parallelism: the tp group's calls and elements per step follow
     size_t at = r.output.find("tensor-parallel traffic per training step");
     REQUIRE(at != std::string::npos);
     std::string section = r.output.substr(at);
-    std::regex row("\n  (all_reduce|all_gather|reduce_scatter) +([0-9.]+) calls +([0-9.]+) elements");
+    std::regex row(
+        "\n  (all_reduce|all_gather|reduce_scatter) +([0-9.]+) calls +([0-9.]+) elements");
     for (std::sregex_iterator it(section.begin(), section.end(), row), end; it != end; ++it)
       got[(*it)[1]] = {std::stod((*it)[2]), std::stod((*it)[3])};
     // Vocab-parallel cross-entropy: the row maxima (n), then the sums of exponentials and the
