@@ -23,7 +23,7 @@ TEST_OBJS := $(TEST_SRCS:%.cu=$(BUILD)/%.o)
 MPI_TEST_SRCS := $(wildcard tests/mpi/test_*.cu)
 MPI_TEST_OBJS := $(MPI_TEST_SRCS:%.cu=$(BUILD)/%.o)
 
-.PHONY: all deps run test bench gpu-check mutants clean format
+.PHONY: all deps run test test-sweep bench gpu-check mutants clean format
 all: train $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp \
      $(BUILD)/bench_attention $(BUILD)/device_info
 
@@ -89,6 +89,14 @@ run: deps
 test: deps
 	@$(MAKE) --no-print-directory -j$$(nproc) train $(BUILD)/unit_tests $(BUILD)/mpi_tests
 	@bash tools/run_tests.sh
+
+# The parity criteria on 24 layouts drawn at random (seeded; tests/test_parity.cu, [.sweep]):
+# about 5 minutes on two cores; not part of `make test`.
+test-sweep: deps
+	@$(MAKE) --no-print-directory -j$$(nproc) train $(BUILD)/unit_tests
+	@export OMPI_MCA_btl_vader_single_copy_mechanism=none; \
+	  if [ "$$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi; \
+	  $(BUILD)/unit_tests "[sweep]" --use-colour no --durations yes
 
 bench: deps
 	@$(MAKE) --no-print-directory -j$$(nproc) train $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp \

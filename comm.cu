@@ -391,8 +391,9 @@ void Handle::wait() {
 //   send_recv        the bytes of its sends;  barrier 0
 // A group of one sends nothing: every formula is 0 for N = 1, and send_recv to oneself is a copy.
 constexpr int64_t kF32 = sizeof(float);
-static void count_call(Group& g, Coll coll, int64_t bytes_sent) {
+static void count_call(Group& g, Coll coll, int64_t elements, int64_t bytes_sent) {
   g.stats[(int)coll].calls += 1;
+  g.stats[(int)coll].elements += elements;
   g.stats[(int)coll].bytes += g.size > 1 ? bytes_sent : 0;
 }
 
@@ -514,7 +515,7 @@ static void mpi_average(Handle::State& s, ReduceOp op, float* host_result, int64
 Handle all_reduce_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count,
                         ReduceOp op) {
   int64_t N = g.size, K = count * kF32;
-  count_call(g, Coll::AllReduce, 2 * (N - 1) * K / N);
+  count_call(g, Coll::AllReduce, count, 2 * (N - 1) * K / N);
   if (local(g)) return Handle();  // the sum, average or max of one buffer is itself
   auto s = start(c, g, ctx, Coll::AllReduce, K);
   if (c.backend == Backend::NCCL) {
@@ -532,7 +533,7 @@ Handle all_reduce_async(Comm& c, Group& g, const Context& ctx, float* buf, int64
 Handle reduce_scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
                             int64_t count, ReduceOp op) {
   int64_t N = g.size, K = count * N * kF32;
-  count_call(g, Coll::ReduceScatter, (N - 1) * K / N);
+  count_call(g, Coll::ReduceScatter, count * N, (N - 1) * K / N);
   if (local(g)) return local_copy(ctx, recv, send, count);
   auto s = start(c, g, ctx, Coll::ReduceScatter, K);
   if (c.backend == Backend::NCCL) {
@@ -551,7 +552,7 @@ Handle reduce_scatter_async(Comm& c, Group& g, const Context& ctx, const float* 
 Handle all_gather_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
                         int64_t count) {
   int64_t N = g.size, K = count * N * kF32;
-  count_call(g, Coll::AllGather, (N - 1) * K / N);
+  count_call(g, Coll::AllGather, count, (N - 1) * K / N);
   if (local(g)) return local_copy(ctx, recv, send, count);
   auto s = start(c, g, ctx, Coll::AllGather, K);
   if (c.backend == Backend::NCCL) {
@@ -569,7 +570,7 @@ Handle broadcast_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_
   PICO_ASSERT(root >= 0 && root < g.size, "broadcast root " + std::to_string(root));
   int64_t N = g.size, K = count * kF32;
   bool is_root = g.rank == root, chain_end = g.rank == (root + N - 1) % N;
-  count_call(g, Coll::Broadcast, chain_end ? 0 : K);  // the chain's last rank passes nothing on
+  count_call(g, Coll::Broadcast, count, chain_end ? 0 : K);  // the chain's end passes nothing on
   if (local(g)) return Handle();
   auto s = start(c, g, ctx, Coll::Broadcast, K);
   if (c.backend == Backend::NCCL) {
@@ -586,7 +587,7 @@ Handle reduce_async(Comm& c, Group& g, const Context& ctx, const float* send, fl
   PICO_ASSERT(root >= 0 && root < g.size, "reduce root " + std::to_string(root));
   int64_t K = count * kF32;
   bool is_root = g.rank == root;
-  count_call(g, Coll::Reduce, is_root ? 0 : K);
+  count_call(g, Coll::Reduce, count, is_root ? 0 : K);
   if (local(g)) return local_copy(ctx, recv, send, count);
   auto s = start(c, g, ctx, Coll::Reduce, K);
   if (c.backend == Backend::NCCL) {
@@ -609,7 +610,7 @@ Handle gather_async(Comm& c, Group& g, const Context& ctx, const float* send, fl
   PICO_ASSERT(root >= 0 && root < g.size, "gather root " + std::to_string(root));
   int64_t N = g.size, K = count * N * kF32;
   bool is_root = g.rank == root;
-  count_call(g, Coll::Gather, is_root ? 0 : count * kF32);
+  count_call(g, Coll::Gather, count, is_root ? 0 : count * kF32);
   if (local(g)) return local_copy(ctx, recv, send, count);
   auto s = start(c, g, ctx, Coll::Gather, K);
   if (c.backend == Backend::NCCL) {
@@ -635,7 +636,7 @@ Handle scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, f
   PICO_ASSERT(root >= 0 && root < g.size, "scatter root " + std::to_string(root));
   int64_t N = g.size, K = count * N * kF32;
   bool is_root = g.rank == root;
-  count_call(g, Coll::Scatter, is_root ? (N - 1) * count * kF32 : 0);
+  count_call(g, Coll::Scatter, count, is_root ? (N - 1) * count * kF32 : 0);
   if (local(g)) return local_copy(ctx, recv, send, count);
   auto s = start(c, g, ctx, Coll::Scatter, K);
   if (c.backend == Backend::NCCL) {
@@ -669,8 +670,9 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
     total += op.count * kF32;
     if (op.send) (&og == &g ? sent : sent_other) += op.count * kF32;
   }
-  count_call(g, Coll::SendRecv, sent);  // each message's bytes on the group it travels on
-  if (other) count_call(*other, Coll::SendRecv, sent_other);
+  // Each message's bytes on the group it travels on.
+  count_call(g, Coll::SendRecv, sent / kF32, sent);
+  if (other) count_call(*other, Coll::SendRecv, sent_other / kF32, sent_other);
   if (local(g)) {  // messages to oneself: the k-th send lands in the k-th receive, as in MPI
     std::vector<const P2P*> sends, recvs;
     for (const P2P& op : ops) (op.send ? sends : recvs).push_back(&op);
@@ -713,7 +715,7 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
 }
 
 Handle barrier_async(Comm& c, Group& g, const Context& ctx) {
-  count_call(g, Coll::Barrier, 0);
+  count_call(g, Coll::Barrier, 0, 0);
   if (local(g)) return Handle();
   auto s = start(c, g, ctx, Coll::Barrier, 0);
   if (c.backend == Backend::NCCL) {
@@ -798,6 +800,7 @@ void TrafficMeter::open(const Group& g) { std::copy(g.stats, g.stats + (int)Coll
 void TrafficMeter::close(const Group& g) {
   for (int c = 0; c < (int)Coll::Count; c++) {
     total[c].calls += g.stats[c].calls - opened[c].calls;
+    total[c].elements += g.stats[c].elements - opened[c].elements;
     total[c].bytes += g.stats[c].bytes - opened[c].bytes;
   }
 }

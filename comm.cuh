@@ -17,12 +17,16 @@ enum class Coll { AllReduce, ReduceScatter, AllGather, Broadcast, Reduce, Gather
 const char* coll_name(Coll c);        // "all_reduce", "reduce_scatter", ...
 const char* backend_name(Backend b);  // "mpi", "nccl"
 
-// Per group and collective: calls, and bytes this rank sent. Library collectives are charged
-// what the ring algorithm makes each rank send (all-reduce 2(N-1)K/N, reduce-scatter and
-// all-gather (N-1)K/N of a K-byte buffer; see comm.cu for the others); send/recv, and the
-// hand-written ring built on it, count the bytes actually sent.
+// Per group and collective. Counted at each call: calls, and elements, the floats of this rank's
+// data argument (all-reduce, broadcast and reduce: the buffer; reduce-scatter: its input of N
+// shards; all-gather, gather and scatter: this rank's shard; send/recv: the floats it sends).
+// Charged by formula: bytes, what the algorithm makes this rank send. Library collectives are
+// charged the ring algorithm's share (all-reduce 2(N-1)K/N, reduce-scatter and all-gather
+// (N-1)K/N of a K-byte buffer; see comm.cu for the others), since the library does not say
+// what it sent; send/recv, and the hand-written ring built on it, count the bytes actually sent.
 struct CollStats {
   int64_t calls = 0;
+  int64_t elements = 0;
   int64_t bytes = 0;
 };
 

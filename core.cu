@@ -16,6 +16,7 @@
 #include <cstring>
 #include <filesystem>
 #include <mutex>
+#include <thread>
 
 namespace fs = std::filesystem;
 
@@ -27,6 +28,21 @@ void fatal_abort() {
   MPI_Finalized(&down);
   if (up && !down) MPI_Abort(MPI_COMM_WORLD, 1);
   abort();
+}
+
+const char* fault_where_name(FaultWhere w) {
+  const char* names[] = {"step", "forward", "backward", "clip", "optimizer", "validation", "save"};
+  return names[(int)w];
+}
+
+void Fault::at(FaultWhere here, int world_rank, int64_t now) const {
+  if (kind.empty() || rank != world_rank || step != now || where != here) return;
+  fprintf(stderr, "rank %d: injected fault '%s' at step %lld, %s\n", world_rank, kind.c_str(),
+          (long long)now, fault_where_name(here));
+  fflush(stderr);
+  if (kind == "crash") raise(SIGKILL);
+  if (kind == "hang") for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+  PICO_ASSERT(kind != "error", "injected error");
 }
 
 const char* device_name(Device d) { return d == Device::CPU ? "cpu" : "cuda"; }

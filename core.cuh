@@ -72,6 +72,20 @@ struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// --fault KIND:RANK:STEP[:WHERE] (parsed in options.cu), for testing that a failed rank never
+// hangs the job: at place WHERE of step STEP, rank RANK kills itself (crash), stops answering
+// (hang) or fails a check (error). The places, in the order a step passes them:
+enum class FaultWhere { Step, Forward, Backward, Clip, Optimizer, Validation, Save };
+const char* fault_where_name(FaultWhere w);  // "step", "forward", ...
+struct Fault {
+  std::string kind;  // crash | hang | error; empty: no fault
+  int rank = 0;
+  int64_t step = 0;
+  FaultWhere where = FaultWhere::Step;
+  // Called at each place: fires when this rank, step and place are the fault's.
+  void at(FaultWhere here, int world_rank, int64_t now) const;
+};
+
 // ----------------------------------------------------------------------------
 // Devices, dtypes, memory categories
 

@@ -5,10 +5,8 @@
 
 #include <climits>
 #include <cmath>
-#include <csignal>
 #include <fstream>
 #include <limits>
-#include <thread>
 
 #include "checkpoint.cuh"
 #include "data_parallel.cuh"
@@ -99,7 +97,9 @@ void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape) {
   app.add_flag("--sync-launches", o.sync_launches,
                "debugging: synchronise after every CUDA kernel, so a faulting kernel is named "
                "where it faults (slow)");
-  app.add_option("--fault", o.fault, "test fault handling: KIND:RANK:STEP, KIND crash|hang|error");
+  app.add_option("--fault", o.fault,
+                 "test fault handling: KIND:RANK:STEP[:WHERE], KIND crash|hang|error, WHERE "
+                 "step|forward|backward|clip|optimizer|validation|save (default step)");
 }
 
 static void check_positive(int value, const char* flag) {
@@ -232,16 +232,23 @@ void resolve_options(Options& o, const std::vector<ShapeFlag>& shape) {
   }
 }
 
-// KIND:RANK:STEP with KIND crash, hang or error, RANK and STEP non-negative integers.
+// KIND:RANK:STEP[:WHERE] with KIND crash, hang or error, RANK and STEP non-negative integers,
+// WHERE one of the places of FaultWhere (default step).
 Fault parse_fault(const std::string& value) {
   auto fail = [&](const std::string& why) {
-    return UsageError("--fault " + value + ": " + why + "; expected KIND:RANK:STEP, e.g. crash:1:3");
+    return UsageError("--fault " + value + ": " + why +
+                      "; expected KIND:RANK:STEP[:WHERE], e.g. crash:1:3 or hang:0:2:backward");
   };
-  size_t a = value.find(':'), b = a == std::string::npos ? a : value.find(':', a + 1);
-  if (b == std::string::npos || value.find(':', b + 1) != std::string::npos)
-    throw fail("not three fields");
+  std::vector<std::string> fields;
+  for (size_t from = 0;;) {
+    size_t colon = value.find(':', from);
+    fields.push_back(value.substr(from, colon - from));
+    if (colon == std::string::npos) break;
+    from = colon + 1;
+  }
+  if (fields.size() != 3 && fields.size() != 4) throw fail("not three or four fields");
   Fault f;
-  f.kind = value.substr(0, a);
+  f.kind = fields[0];
   if (f.kind != "crash" && f.kind != "hang" && f.kind != "error")
     throw fail("unknown kind '" + f.kind + "' (crash, hang or error)");
   auto integer = [&](const std::string& text, const char* what) {
@@ -249,23 +256,17 @@ Fault parse_fault(const std::string& value) {
       throw fail(std::string(what) + " '" + text + "' is not a non-negative integer");
     return std::stoll(text);
   };
-  f.rank = (int)integer(value.substr(a + 1, b - a - 1), "rank");
-  f.step = integer(value.substr(b + 1), "step");
+  f.rank = (int)integer(fields[1], "rank");
+  f.step = integer(fields[2], "step");
+  if (fields.size() == 4) {
+    std::string places;
+    for (int w = 0; w <= (int)FaultWhere::Save; w++) {
+      if (fields[3] == fault_where_name((FaultWhere)w)) return f.where = (FaultWhere)w, f;
+      places += std::string(w ? ", " : "") + fault_where_name((FaultWhere)w);
+    }
+    throw fail("unknown place '" + fields[3] + "' (" + places + ")");
+  }
   return f;
-}
-
-// --fault KIND:RANK:STEP, for testing that a failed rank never hangs the job: at the start of
-// step STEP, rank RANK kills itself (crash), stops answering (hang), or fails a check (error).
-void maybe_inject_fault(const std::string& fault, int rank, int64_t step) {
-  if (fault.empty()) return;
-  Fault f = parse_fault(fault);
-  if (f.rank != rank || f.step != step) return;
-  fprintf(stderr, "rank %d: injected fault '%s' at step %lld\n", rank, f.kind.c_str(),
-          (long long)step);
-  fflush(stderr);
-  if (f.kind == "crash") raise(SIGKILL);
-  if (f.kind == "hang") for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
-  PICO_ASSERT(f.kind != "error", "injected error");
 }
 
 // ----------------------------------------------------------------------------

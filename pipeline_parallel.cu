@@ -279,6 +279,7 @@ StepStats run_pipeline(const Context& ctx, Comm& comm, Model& model, GradientSyn
       input = exchange.receive(comm.pp_grad, next, hidden, Mem::Workspace);
     else
       exchange.flush();
+    batch.fault_at(forward ? FaultWhere::Forward : FaultWhere::Backward, comm.grid.world_rank);
     UnitHooks hooks = sync.hooks(ctx, op.micro == m - 1);
     double t0 = now_seconds();
     if (op.kind == PipelineOp::Weight) {  // the deferred weight gradients, then their hooks

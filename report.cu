@@ -89,34 +89,38 @@ void print_memory_report(Comm& comm, int zero_stage, int64_t num_params, int64_t
 
 void print_comm_report(Comm& comm, int64_t num_params, int64_t steps) {
   std::vector<Group*> groups = comm.groups();
-  const int C = (int)Coll::Count, G = (int)groups.size();
-  std::vector<int64_t> mine;  // [group][collective][calls, bytes]
+  const int C = (int)Coll::Count, G = (int)groups.size(), F = 3;  // calls, elements, bytes
+  std::vector<int64_t> mine;  // [group][collective][calls, elements, bytes]
   for (Group* g : groups)
-    for (int c = 0; c < C; c++) mine.push_back(g->stats[c].calls), mine.push_back(g->stats[c].bytes);
+    for (int c = 0; c < C; c++)
+      mine.insert(mine.end(), {g->stats[c].calls, g->stats[c].elements, g->stats[c].bytes});
   int world = comm.grid.world_size;
   std::vector<int64_t> all(world * mine.size());
   MPI_CHECK(MPI_Gather(mine.data(), (int)mine.size(), MPI_INT64_T, all.data(), (int)mine.size(),
                        MPI_INT64_T, 0, comm.world.mpi));
   if (comm.grid.world_rank != 0) return;
   steps = std::max<int64_t>(1, steps);
-  printf("communication per step (--report comm; averaged over %lld steps; bytes each rank sent):\n",
-         (long long)steps);
-  printf("  %-6s %3s  %-15s %10s %14s %14s\n", "group", "N", "collective", "calls", "rank 0",
-         "min..max");
+  printf("communication per step (--report comm; averaged over %lld steps, validation and "
+         "checkpoints included):\n", (long long)steps);
+  printf("  counted at each call on rank 0: calls, and elements (floats of its data argument); "
+         "charged by formula: bytes each rank sent (library collectives: the ring algorithm's "
+         "share; send_recv: counted)\n");
+  printf("  %-6s %3s  %-15s %10s %14s %16s %18s\n", "group", "N", "collective", "calls",
+         "elements", "bytes (formula)", "min..max, ranks");
   for (int g = 0; g < G; g++) {
     if (groups[g]->size == 1) continue;
     for (int c = 0; c < C; c++) {
       int64_t lo = INT64_MAX, hi = 0;
       for (int r = 0; r < world; r++) {
-        int64_t b = all[r * mine.size() + (g * C + c) * 2 + 1];
+        int64_t b = all[r * mine.size() + (g * C + c) * F + 2];
         lo = std::min(lo, b), hi = std::max(hi, b);
       }
-      int64_t calls = all[(g * C + c) * 2], bytes = all[(g * C + c) * 2 + 1];
-      if (calls == 0) continue;
-      printf("  %-6s %3d  %-15s %10.1f %14s %6s..%s\n", groups[g]->name.c_str(),
-             groups[g]->size, coll_name((Coll)c), (double)calls / steps,
-             human_bytes((double)bytes / steps).c_str(), human_bytes((double)lo / steps).c_str(),
-             human_bytes((double)hi / steps).c_str());
+      const int64_t* rank0 = &all[(g * C + c) * F];  // calls, elements, bytes
+      if (rank0[0] == 0) continue;
+      printf("  %-6s %3d  %-15s %10.1f %14.1f %16s %8s..%s\n", groups[g]->name.c_str(),
+             groups[g]->size, coll_name((Coll)c), (double)rank0[0] / steps,
+             (double)rank0[1] / steps, human_bytes((double)rank0[2] / steps).c_str(),
+             human_bytes((double)lo / steps).c_str(), human_bytes((double)hi / steps).c_str());
     }
   }
   int N = comm.dp_cp.size;
@@ -220,14 +224,18 @@ TpTraffic tp_expected_traffic(const ModelConfig& c, int B, int T, int tp, bool s
 }
 
 void print_tp_comm_report(const ModelConfig& cfg, int mbs, int grad_acc, int tp, bool sp,
-                          const CollStats* measured) {
+                          const CollStats* measured, int64_t steps) {
   TpTraffic e = tp_expected_traffic(cfg, mbs, cfg.seq, tp, sp);
+  steps = std::max<int64_t>(1, steps);
   printf("tensor-parallel traffic per training step (--report comm; tp %d%s, %d micro-batches, "
-         "bytes rank 0 sent):\n", tp, sp ? " + sp" : "", grad_acc);
+         "rank 0; calls and elements counted, bytes charged by the ring formula):\n",
+         tp, sp ? " + sp" : "", grad_acc);
   auto row = [&](Coll c, int64_t expected) {
-    int64_t got = measured[(int)c].bytes;
-    printf("  %-15s measured %12s, expected %12s%s\n", coll_name(c), human_bytes(got).c_str(),
-           human_bytes((double)expected * grad_acc).c_str(),
+    const CollStats& m = measured[(int)c];
+    int64_t got = m.bytes / steps;
+    printf("  %-15s %6.1f calls %12.1f elements, bytes %12s, model's count %12s%s\n",
+           coll_name(c), (double)m.calls / steps, (double)m.elements / steps,
+           human_bytes(got).c_str(), human_bytes((double)expected * grad_acc).c_str(),
            got == expected * grad_acc ? " (equal)" : "");
   };
   row(Coll::AllReduce, e.all_reduce);

@@ -12,9 +12,10 @@ void print_memory(int64_t num_params, int zero_stage, int ranks);
 // the book's formula for this ZeRO stage, with the padding of the shards named (padded_params:
 // Psi', the parameters plus padding; equal to num_params without ZeRO). Collective.
 void print_memory_report(Comm& comm, int zero_stage, int64_t num_params, int64_t padded_params);
-// Per group and collective: calls and bytes each rank sent per step (gathered from every
-// rank), next to the ring formulas for the gradient sync of num_params fp32 values
-// (Playbook appendix A0). Collective: every rank calls it; rank 0 prints.
+// Per group and collective, per step: calls and elements counted on rank 0, and the bytes each
+// rank was charged by formula (rank 0, and the range over every rank), next to the ring
+// formulas for the gradient sync of num_params fp32 values (Playbook appendix A0).
+// Collective: every rank calls it; rank 0 prints.
 void print_comm_report(Comm& comm, int64_t num_params, int64_t steps);
 // ZeRO's reduce-scatters and all-gathers per training step (validation and checkpoint gathers
 // excluded), next to the book's 2Ψ(N-1)/N (stages 1-2) or 3Ψ(N-1)/N (stage 3). Rank 0 prints.
@@ -33,7 +34,7 @@ struct TpTraffic {
 // all-gather and reduce-scatter (t-1)/t K of a K-byte activation.
 TpTraffic tp_expected_traffic(const ModelConfig& cfg, int B, int T, int tp, bool sp);
 void print_tp_comm_report(const ModelConfig& cfg, int mbs, int grad_acc, int tp, bool sp,
-                          const CollStats* measured_per_step);
+                          const CollStats* measured, int64_t steps);  // totals over steps
 
 // Pipeline parallelism (Playbook §8): per stage, the measured busy and idle time of the
 // schedule over the training steps, the idle share of the same tables run on paper (ticks,

@@ -18,6 +18,7 @@ StepStats run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSyn
     UnitHooks hooks = sync.hooks(ctx, micro == batch.micro_batches - 1);
     Activations acts;
     double tf = now_seconds();
+    batch.fault_at(FaultWhere::Forward, comm.grid.world_rank);
     stats.loss_sum +=
         model_forward(ctx, model, acts, batch.inputs + micro * tokens,
                       batch.targets + micro * tokens, batch.mbs, batch.seq, mode, hooks);
@@ -25,6 +26,7 @@ StepStats run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSyn
     trace.add("forward " + std::to_string(micro), Track::Compute, tf, tb);
     if (stats.block_bytes < 0 && !acts.blocks.empty())
       stats.block_bytes = saved_bytes(acts.blocks[0]);
+    batch.fault_at(FaultWhere::Backward, comm.grid.world_rank);
     model_backward(ctx, model, acts, loss_scale, mode, hooks);
     trace.add("backward " + std::to_string(micro), Track::Compute, tb, now_seconds());
   }

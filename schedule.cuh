@@ -15,6 +15,11 @@ struct StepBatch {
   const int32_t* inputs;   // host [micro_batches * mbs * seq]
   const int32_t* targets;  // host [micro_batches * mbs * seq]
   int micro_batches, mbs, seq;
+  const Fault* fault = nullptr;  // --fault: checked before every forward and backward
+  int64_t step = 0;
+  void fault_at(FaultWhere where, int world_rank) const {
+    if (fault) fault->at(where, world_rank, step);
+  }
 };
 struct StepStats {
   double loss_sum = 0;       // summed per-token losses of this rank's micro-batches

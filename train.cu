@@ -221,13 +221,14 @@ struct Trainer {
   uint64_t step_syncs_min = UINT64_MAX, step_syncs_max = 0;  // host synchronisations per step
   TrafficMeter tp_traffic;                  // what the tp group sent in training steps
   PipelineMeasure bubble;                   // busy and idle time of the pipeline schedule
+  Fault fault;                              // --fault: where this run fails on purpose
 };
 
 // One optimizer step (DESIGN 7). Returns false when the loss is not finite.
 static bool train_step(Trainer& t, int64_t step) {
   const Options& o = t.o;
   int seq = o.model.seq;
-  maybe_inject_fault(o.fault, t.comm.grid.world_rank, step);
+  t.fault.at(FaultWhere::Step, t.comm.grid.world_rank, step);
   double t0 = now_seconds();
   uint64_t syncs0 = host_syncs();
   t.tp_traffic.open(t.comm.tp);
@@ -237,7 +238,7 @@ static bool train_step(Trainer& t, int64_t step) {
   // Each micro-batch's gradient is scaled so that the sum over micro-batches and dp ranks is
   // the gradient of the mean loss over every token of the global batch (DESIGN 5).
   float loss_scale = 1.0f / (float)(t.global_batch * seq);
-  StepBatch batch{t.inputs.data(), t.targets.data(), o.grad_acc, o.mbs, seq};
+  StepBatch batch{t.inputs.data(), t.targets.data(), o.grad_acc, o.mbs, seq, &t.fault, step};
   if (t.model.cp.size() > 1) {  // Playbook §7: each cp rank holds seq / cp tokens of each sequence
     t.my_inputs.clear(), t.my_targets.clear();
     for (int m = 0; m < o.grad_acc; m++) {
@@ -247,7 +248,8 @@ static bool train_step(Trainer& t, int64_t step) {
         mine->insert(mine->end(), part.begin(), part.end());
       }
     }
-    batch = {t.my_inputs.data(), t.my_targets.data(), o.grad_acc, o.mbs, seq / t.model.cp.size()};
+    batch.inputs = t.my_inputs.data(), batch.targets = t.my_targets.data();
+    batch.seq = seq / t.model.cp.size();
   }
   t.model.cp_work = &t.attention_work;  // training steps only, not validation
   StepStats stats = run_schedule(t.ctx, t.comm, t.model, t.sync, batch, t.recompute, loss_scale,
@@ -269,8 +271,10 @@ static bool train_step(Trainer& t, int64_t step) {
   if (t.steps_run == 0 && !o.save_grads.empty())  // whole gradients, before clipping
     all_or_none(t.comm, [&] { t.sync.save_gradients(t.ctx, o.save_grads, step); });
   double to = now_seconds();
+  t.fault.at(FaultWhere::Clip, t.comm.grid.world_rank, step);
   float norm = t.sync.clip_grad_norm(t.ctx, o.grad_clip);
   float lr = learning_rate(t.schedule, step);
+  t.fault.at(FaultWhere::Optimizer, t.comm.grid.world_rank, step);
   t.sync.step(t.ctx, lr);
   t.ctx.synchronize();
   t.trace.add("optimizer", Track::Compute, to, now_seconds());
@@ -296,6 +300,7 @@ static bool train_step(Trainer& t, int64_t step) {
 }
 
 static void validate(Trainer& t, int64_t step) {
+  t.fault.at(FaultWhere::Validation, t.comm.grid.world_rank, step);
   const ModelConfig& c = t.o.model;
   int64_t windows = std::min<int64_t>(t.o.val_seqs, num_val_windows(t.data, c.seq));
   if (windows <= 0) return;
@@ -340,12 +345,9 @@ static void print_reports(Trainer& t) {
     if (r == "comm") {
       print_comm_report(comm, n_params, t.steps_run);
       t.sync.print_comm_report(o.grad_acc);
-      CollStats per_step[(int)Coll::Count];
-      for (int k = 0; k < (int)Coll::Count; k++)
-        per_step[k] = {t.tp_traffic.total[k].calls,
-                       t.tp_traffic.total[k].bytes / std::max<int64_t>(1, t.steps_run)};
       if (main_rank && o.tp > 1)
-        print_tp_comm_report(o.model, o.mbs, o.grad_acc, o.tp, o.sp, per_step);
+        print_tp_comm_report(o.model, o.mbs, o.grad_acc, o.tp, o.sp, t.tp_traffic.total,
+                             t.steps_run);
     }
     if (r == "bubble") print_bubble_report(comm, t.pipeline, o.grad_acc, t.bubble);
     if (r == "balance") print_balance_report(comm, t.model.cp, t.attention_work, t.steps_run);
@@ -400,6 +402,7 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
             rank_batch * o.dp, (int)(comm.grid.dp_rank * rank_batch)};
   t.inputs.resize(rank_batch * c.seq), t.targets.resize(rank_batch * c.seq);
   t.trace.enabled = !o.trace.empty();
+  if (!o.fault.empty()) t.fault = parse_fault(o.fault);
   all_or_none(comm, [&] {
     if (main_rank && !o.log_json.empty()) t.log_json.open("--log-json", o.log_json);
   });
@@ -410,6 +413,7 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
     if (step + 1 == end || (o.val_every > 0 && (step + 1) % o.val_every == 0)) validate(t, step);
     fflush(stdout);
   }
+  t.fault.at(FaultWhere::Save, comm.grid.world_rank, end - 1);  // where the checkpoint is saved
   finish_run(t);
   barrier(comm, comm.world, ctx);  // no rank leaves while rank 0 still writes
   return 0;

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cuda_case.cuh"
 #include "flash_attention.cuh"
 
 namespace {
@@ -232,10 +233,7 @@ TEST_CASE("causal softmax backward matches finite differences of sum(softmax * G
 // 1e-5 tolerance of the forward test applies; gradients sum longer (T = 70, a group), 1e-4.
 
 TEST_CASE("CUDA attention forward matches the CPU reference", "[attention][gpu]") {
-  if (!cuda_available()) {
-    WARN("SKIP: no CUDA device");
-    return;
-  }
+  SKIP_WITHOUT_CUDA();
   Context cpu = Context::create(Device::CPU), gpu = Context::create(Device::CUDA);
   // T = 7 and T = 70: a row shorter than a warp, and one that wraps the warp twice.
   for (AttentionShape s : {AttentionShape{2, 7, 4, 2, 8}, AttentionShape{2, 70, 6, 2, 16},
@@ -257,10 +255,7 @@ TEST_CASE("CUDA attention forward matches the CPU reference", "[attention][gpu]"
 }
 
 TEST_CASE("CUDA attention backward matches the CPU reference", "[attention][gpu]") {
-  if (!cuda_available()) {
-    WARN("SKIP: no CUDA device");
-    return;
-  }
+  SKIP_WITHOUT_CUDA();
   Context cpu = Context::create(Device::CPU), gpu = Context::create(Device::CUDA);
   for (AttentionShape s : {AttentionShape{2, 7, 4, 2, 8}, AttentionShape{2, 70, 6, 2, 16}}) {
     INFO("T " << s.T << " Hq " << s.Hq << " Hkv " << s.Hkv << " hd " << s.hd);
@@ -722,11 +717,6 @@ std::vector<float> bf16_to_host(const Bf16Buffer& b, int64_t n) {
   return x;
 }
 
-#define SKIP_WITHOUT_CUDA()       \
-  if (!cuda_available()) {        \
-    WARN("SKIP: no CUDA device"); \
-    return;                       \
-  }
 }  // namespace
 
 TEST_CASE("CUDA FlashAttention (fp32) matches the CPU version", "[attention][flash][gpu]") {

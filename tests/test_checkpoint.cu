@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "checkpoint.cuh"
+#include "cuda_case.cuh"
 #include "core.cuh"
 #include "usage_error.cuh"
 
@@ -388,11 +389,8 @@ TEST_CASE("load_checkpoint refuses an optimizer file without a valid step", "[ch
   }
 }
 
-TEST_CASE("safetensors round-trips tensors that live on the GPU", "[checkpoint][cuda]") {
-  if (!cuda_available()) {
-    WARN("no CUDA device: skipped");
-    return;
-  }
+TEST_CASE("safetensors round-trips tensors that live on the GPU", "[checkpoint][gpu]") {
+  SKIP_WITHOUT_CUDA();
   TempDir dir;
   const std::vector<NamedTensor> host = sample_tensors(16);
   std::vector<NamedTensor> gpu, dst;

@@ -77,25 +77,42 @@ static double batch_loss(const Context& ctx, Model& m, const std::vector<int32_t
   return model_forward(ctx, m, acts, ids.data(), tgt.data(), B, T, Recompute::None) / (B * T);
 }
 
+// small_config's model at seed 3, tied or not, a batch, and the gradients of its mean loss.
+struct ModelWithGradients {
+  Model m;
+  int B = 2, T = 0;
+  std::vector<int32_t> ids, tgt;
+  // The mean loss with tensor p set to `values` (p is restored by the caller).
+  double loss_with(const Context& ctx, Tensor& p, const std::vector<float>& values) {
+    from_host(p, values.data());
+    return batch_loss(ctx, m, ids, tgt, B, T);
+  }
+};
+static ModelWithGradients model_with_gradients(const Context& ctx, const ModelConfig& c) {
+  ModelWithGradients g{build_model(c, Device::CPU, 3), 2, c.seq};
+  g.ids.resize(g.B * g.T), g.tgt.resize(g.B * g.T);
+  random_tokens(g.ids, c.vocab, 1), random_tokens(g.tgt, c.vocab, 2);
+  Activations acts;
+  model_forward(ctx, g.m, acts, g.ids.data(), g.tgt.data(), g.B, g.T, Recompute::None);
+  model_backward(ctx, g.m, acts, 1.0f / (g.B * g.T), Recompute::None);
+  return g;
+}
+
 TEST_CASE("the whole model's gradient matches central finite differences", "[model]") {
   Context ctx = Context::create(Device::CPU);
   ModelConfig c = small_config();
   for (bool tied : {false, true}) {
     c.tie_embeddings = tied;
-    Model m = build_model(c, Device::CPU, 3);
-    int B = 2, T = c.seq;
-    std::vector<int32_t> ids(B * T), tgt(B * T);
-    random_tokens(ids, c.vocab, 1), random_tokens(tgt, c.vocab, 2);
-    Activations acts;
-    model_forward(ctx, m, acts, ids.data(), tgt.data(), B, T, Recompute::None);
-    model_backward(ctx, m, acts, 1.0f / (B * T), Recompute::None);
+    ModelWithGradients g = model_with_gradients(ctx, c);
+    Model& m = g.m;
     // Per tensor: the directional derivative along a random direction u (restricted to that
     // tensor) against (L(p + h u) - L(p - h u)) / 2h. With h = 1e-2 the O(h^2) truncation and
     // the fp32 round-off of L (~1e-7 * |L| / h ~ 3e-5) both stay below 1% of the derivatives
     // here, which are ~1e-2 to 1; 2% relative (plus 1e-4 absolute) is a tight bound on that.
     for (size_t i = 0; i < m.named_params.size(); i++) {
-      Tensor p = m.named_params[i].tensor, g = m.named_grads[i].tensor;
-      std::vector<float> orig = to_host_floats(p), grad = to_host_floats(g), u(orig.size());
+      Tensor p = m.named_params[i].tensor;
+      std::vector<float> orig = to_host_floats(p), u(orig.size());
+      std::vector<float> grad = to_host_floats(m.named_grads[i].tensor);
       uint64_t key = rng_key(11, m.named_params[i].name);
       double analytic = 0, norm = 0;
       for (size_t k = 0; k < u.size(); k++) {
@@ -106,16 +123,78 @@ TEST_CASE("the whole model's gradient matches central finite differences", "[mod
       const float h = 1e-2f;
       std::vector<float> moved(orig);
       for (size_t k = 0; k < u.size(); k++) moved[k] = orig[k] + h * u[k];
-      from_host(p, moved.data());
-      double up = batch_loss(ctx, m, ids, tgt, B, T);
+      double up = g.loss_with(ctx, p, moved);
       for (size_t k = 0; k < u.size(); k++) moved[k] = orig[k] - h * u[k];
-      from_host(p, moved.data());
-      double down = batch_loss(ctx, m, ids, tgt, B, T);
+      double down = g.loss_with(ctx, p, moved);
       from_host(p, orig.data());
       double numeric = (up - down) / (2 * h);
       INFO(m.named_params[i].name << " analytic " << analytic << " numeric " << numeric);
       REQUIRE(std::abs(analytic - numeric) <= 1e-4 + 0.02 * std::abs(numeric));
     }
+  }
+}
+
+// Element by element, where a random direction could hide an error in a few elements (one
+// token's embedding row, one head's rows): for every tensor, its largest gradient and three
+// elements drawn at random; for the embedding, a row of a token in the batch; for each
+// block's q projection, the rows of head 1; for k and v, the rows of kv head 1 (shared by
+// query heads 2 and 3). The derivative (L(p + h e_i) - L(p - h e_i)) / 2h is taken in float64
+// from the fp32 losses. Its error: the truncation h^2 L'''/6, small at h = 1e-2 for these
+// weights (std 0.2), and the fp32 round-off of L (~3.5, a few ulps of 2.4e-7 each) over 2h,
+// ~5e-5: hence 1e-4 absolute plus 1% of the derivative (the largest ones are ~1e-1). The
+// largest error seen is 0.3 of that.
+TEST_CASE("the whole model's gradient matches finite differences element by element, in every "
+          "tensor, one embedding row and one head's rows",
+          "[model]") {
+  Context ctx = Context::create(Device::CPU);
+  ModelConfig c = small_config();
+  const int64_t hd = c.d_model / c.heads, D = c.d_model;
+  for (bool tied : {false, true}) {
+    c.tie_embeddings = tied;
+    ModelWithGradients g = model_with_gradients(ctx, c);
+    Model& m = g.m;
+    const std::vector<int32_t>& ids = g.ids;
+    int checked_rows = 0;
+    for (size_t i = 0; i < m.named_params.size(); i++) {
+      const std::string& name = m.named_params[i].name;
+      Tensor p = m.named_params[i].tensor;
+      std::vector<float> orig = to_host_floats(p), grad = to_host_floats(m.named_grads[i].tensor);
+      int64_t n = (int64_t)orig.size();
+      auto largest_in = [&](int64_t from, int64_t to) {  // index of the largest |g| in [from, to)
+        int64_t best = from;
+        for (int64_t k = from; k < to; k++)
+          if (std::abs(grad[k]) > std::abs(grad[best])) best = k;
+        return best;
+      };
+      std::vector<int64_t> picks = {largest_in(0, n)};
+      uint64_t key = rng_key(17, name);
+      for (int k = 0; k < 3; k++) picks.push_back((int64_t)(rng_uniform(key, k) * n) % n);
+      auto rows = [&](int64_t first, int64_t count) {  // rows [first, first + count) of [., D]
+        picks.push_back(largest_in(first * D, (first + count) * D));
+        picks.push_back(first * D + (int64_t)(rng_uniform(key, 100 + first) * count * D));
+        checked_rows++;
+      };
+      if (name == "model.embed_tokens.weight") rows(ids[0], 1);
+      if (name.find("q_proj") != std::string::npos) rows(1 * hd, hd);
+      if (name.find("k_proj") != std::string::npos || name.find("v_proj") != std::string::npos)
+        rows(1 * hd, hd);
+      for (int64_t k : picks) {
+        const float h = 1e-2f;
+        std::vector<float> moved(orig);
+        moved[k] = orig[k] + h;
+        double up = g.loss_with(ctx, p, moved);
+        moved[k] = orig[k] - h;
+        double down = g.loss_with(ctx, p, moved);
+        from_host(p, orig.data());
+        // The step actually taken: fp32 rounds orig +- h.
+        double numeric = (up - down) / ((double)(orig[k] + h) - (double)(orig[k] - h));
+        double error = std::abs(grad[k] - numeric), allowed = 1e-4 + 0.01 * std::abs(numeric);
+        INFO((tied ? "tied, " : "") << name << "[" << k << "] analytic " << grad[k]
+                                    << " numeric " << numeric);
+        CHECK(error <= allowed);
+      }
+    }
+    REQUIRE(checked_rows == 1 + 3 * c.layers);  // the embedding row, and q, k, v of each block
   }
 }
 

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_case.cuh"
 #include "ops.cuh"
 
 namespace {
@@ -434,11 +435,6 @@ std::vector<float> same_twice(const std::function<std::vector<float>()>& run) {
   return first;
 }
 
-#define SKIP_WITHOUT_CUDA()       \
-  if (!cuda_available()) {        \
-    WARN("SKIP: no CUDA device"); \
-    return;                       \
-  }
 
 }  // namespace
 

@@ -204,6 +204,9 @@ TEST_CASE("bad values are refused with exit code 2, the flag and the fix", "[saf
   expect_refused("--fault crash:x:3", {"--fault crash:x:3", "rank 'x'"});
   expect_refused("--fault explode:0:1", {"unknown kind 'explode'"});
   expect_refused("--fault crash:1:1", {"rank 1 does not exist"});
+  expect_refused("--fault hang:0:1:inside", {"--fault hang:0:1:inside", "unknown place 'inside'",
+                                             "forward, backward"});
+  expect_refused("--fault hang:0:1:step:2", {"not three or four fields"});
   expect_refused("--sample 2000000", {"--sample 2000000", "maximum"});
   expect_refused("--load x --score y --steps 5", {"--steps would be ignored"});
   expect_refused("--load x --score y --save z", {"--save would be ignored"});

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "checkpoint.cuh"
+#include "cuda_case.cuh"
 #include "data.cuh"
 #include "launch.cuh"
 #include "model.cuh"
@@ -180,10 +181,7 @@ TEST_CASE("bad checkpoints end with a message naming the file and the problem", 
 }
 
 TEST_CASE("a CUDA training run matches the CPU run of the same seed", "[gpu]") {
-  if (!cuda_available()) {
-    WARN("SKIP: no CUDA device");
-    return;
-  }
+  SKIP_WITHOUT_CUDA();
   // Its own text (a machine under test may lack the default corpus): repeated sentences with
   // varied numbers, 64 KiB, enough for 5 steps and the validation split.
   std::string dir = make_temp_dir(), data = dir + "/text.txt";

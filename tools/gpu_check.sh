@@ -271,12 +271,12 @@ if run_step mpi_singleton 60 "$RUN" ./train --help; then
 fi
 
 # ---- the kernel tests, first synchronising after every launch (a fault names its kernel) ----
-catch_step unit_gpu_sync 180 "$RUN" build/unit_tests "[gpu]~a CUDA training run*,[cuda]" \
+catch_step unit_gpu_sync 180 "$RUN" build/unit_tests "[gpu]~a CUDA training run*" \
   --sync-launches --use-colour no
 
 # ---- every kernel against its CPU reference; CUDA training against the CPU run ----
 # ...then as training runs them, asynchronously.
-catch_step unit_gpu 180 "$RUN" build/unit_tests "[gpu]~[flash]~a CUDA training run*,[cuda]" --use-colour no
+catch_step unit_gpu 180 "$RUN" build/unit_tests "[gpu]~[flash]~a CUDA training run*" --use-colour no
 catch_step unit_gpu_flash 120 "$RUN" build/unit_tests "[flash][gpu]" --use-colour no
 catch_step train_cuda_vs_cpu 150 "$RUN" build/unit_tests "a CUDA training run*" --use-colour no
 

@@ -2,11 +2,13 @@
 // (a case that runs on some ranks only leaves the others waiting in its collectives), and each
 // rank uses its node-local GPU, as train.cu does (DESIGN 3).
 #pragma once
+#include "../cuda_case.cuh"
 #include "comm.cuh"
 
-// True on every rank when every rank sees a CUDA device, else false on every rank.
-inline bool cuda_on_every_rank() {
-  int here = cuda_available(), everywhere = 0;
+// True on every rank when every rank sees a CUDA device, else false on every rank (`why`: this
+// rank's reason, when it has one).
+inline bool cuda_on_every_rank(std::string* why = nullptr) {
+  int here = cuda_available(why), everywhere = 0;
   MPI_Allreduce(&here, &everywhere, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
   return everywhere;
 }
@@ -17,13 +19,13 @@ inline void use_node_local_gpu() {
   CUDA_CHECK(cudaGetDeviceCount(&gpus));
   CUDA_CHECK(cudaSetDevice(node_rank % gpus));
 }
-// The start of every [gpu] case: false (with a visible SKIP on every rank) unless every rank
+// The start of every [gpu] case: false (a visible SKIP on every rank, or a failure where
+// nvidia-smi lists a GPU that CUDA cannot start: cuda_case.cuh) unless every rank
 // has a GPU; otherwise each rank is on its node-local GPU. Include after catch.hpp.
 inline bool gpu_case_ready() {
-  if (!cuda_on_every_rank()) {
-    WARN("SKIP: no CUDA device");
-    return false;
-  }
+  std::string why = "another rank has none";
+  bool everywhere = cuda_on_every_rank(&why);
+  if (!cuda_case_ready(everywhere, why)) return false;  // a SKIP, or a failure (cuda_case.cuh)
   use_node_local_gpu();
   return true;
 }

@@ -450,6 +450,8 @@ TEST_CASE("a Handle dropped without wait() still completes its collective", "[mp
 // Byte counters: what each rank sends under the ring algorithm (appendix A0)
 // ============================================================================
 
+// Elements are counted from the caller's arguments (its data argument's floats); bytes are
+// charged by the ring formulas.
 TEST_CASE("byte counters: all-reduce sends 2(N-1)K/N, reduce-scatter and all-gather (N-1)K/N",
           "[mpi]") {
   TestComm t(world_size(), 1, 1, 1);
@@ -463,32 +465,41 @@ TEST_CASE("byte counters: all-reduce sends 2(N-1)K/N, reduce-scatter and all-gat
   all_reduce(c, g, kCpu, buf.data(), n, ReduceOp::Sum);
   all_reduce(c, g, kCpu, buf.data(), n, ReduceOp::Avg);
   CHECK(stats(Coll::AllReduce).calls == 2);
+  CHECK(stats(Coll::AllReduce).elements == 2 * n);
   CHECK(stats(Coll::AllReduce).bytes == 2 * (2 * (N - 1) * (4 * n) / N));
   // reduce-scatter and all-gather: K is the whole buffer of n * N elements.
   reduce_scatter(c, g, kCpu, big.data(), small.data(), n, ReduceOp::Sum);
   all_gather(c, g, kCpu, small.data(), big.data(), n);
   CHECK(stats(Coll::ReduceScatter).calls == 1);
+  CHECK(stats(Coll::ReduceScatter).elements == n * N);  // its input: N shards of n
   CHECK(stats(Coll::ReduceScatter).bytes == (N - 1) * (4 * n * N) / N);
   CHECK(stats(Coll::AllGather).calls == 1);
+  CHECK(stats(Coll::AllGather).elements == n);  // its shard
   CHECK(stats(Coll::AllGather).bytes == (N - 1) * (4 * n * N) / N);
   // The chains: broadcast from 0 passes on everywhere but at rank N-1; reduce ends at rank 0.
   broadcast(c, g, kCpu, buf.data(), n, 0);
   reduce(c, g, kCpu, buf.data(), small.data(), n, ReduceOp::Sum, 0);
   CHECK(stats(Coll::Broadcast).bytes == (r == N - 1 ? 0 : 4 * n));
   CHECK(stats(Coll::Reduce).bytes == (r == 0 ? 0 : 4 * n));
+  CHECK(stats(Coll::Broadcast).elements == n);
+  CHECK(stats(Coll::Reduce).elements == n);
   gather(c, g, kCpu, small.data(), big.data(), n, 0);
   scatter(c, g, kCpu, big.data(), small.data(), n, 0);
   CHECK(stats(Coll::Gather).bytes == (r == 0 ? 0 : 4 * n));
   CHECK(stats(Coll::Scatter).bytes == (r == 0 ? (N - 1) * 4 * n : 0));
+  CHECK(stats(Coll::Gather).elements == n);
+  CHECK(stats(Coll::Scatter).elements == n);
   send_recv(c, g, kCpu, {{true, buf.data(), 7, g.next()}, {false, small.data(), 7, g.prev()}});
   barrier(c, g, kCpu);
   CHECK(stats(Coll::SendRecv).calls == 1);
   CHECK(stats(Coll::SendRecv).bytes == (N > 1 ? 4 * 7 : 0));  // the send half only
+  CHECK(stats(Coll::SendRecv).elements == 7);
   CHECK(stats(Coll::Barrier).calls == 1);
   CHECK(stats(Coll::Barrier).bytes == 0);
   // One element: 2(N-1)*4/N is not whole for most N, and is rounded down.
   all_reduce(c, g, kCpu, buf.data(), 1, ReduceOp::Sum);
   CHECK(stats(Coll::AllReduce).bytes == 2 * (2 * (N - 1) * (4 * n) / N) + 2 * (N - 1) * 4 / N);
+  CHECK(stats(Coll::AllReduce).elements == 2 * n + 1);
   // Other groups are charged nothing; a group of one counts calls and no bytes.
   for (int k = 0; k < (int)Coll::Count; k++) CHECK(c.world.stats[k].calls == 0);
   std::vector<float> before = buf;
@@ -496,6 +507,7 @@ TEST_CASE("byte counters: all-reduce sends 2(N-1)K/N, reduce-scatter and all-gat
   CHECK(buf == before);
   CHECK(c.tp.stats[(int)Coll::AllReduce].calls == 1);
   CHECK(c.tp.stats[(int)Coll::AllReduce].bytes == 0);
+  CHECK(c.tp.stats[(int)Coll::AllReduce].elements == n);
 }
 
 // ============================================================================
