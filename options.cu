@@ -150,8 +150,8 @@ static void check_range(double value, const char* flag, double lo, bool open_lo,
 void resolve_options(Options& o, const std::vector<ShapeFlag>& shape) {
   if (!o.score.empty())  // --score prints a loss and exits: training flags would do nothing
     for (const char* flag :
-         {"--save", "--save-dtype", "--steps", "--stop-after", "--save-grads", "--log-json", "--trace", "--sample",
-          "--data", "--lr", "--min-lr", "--warmup", "--weight-decay", "--grad-clip", "--grad-acc",
+         {"--save", "--save-dtype", "--steps", "--stop-after", "--save-grads", "--log-json",
+          "--trace", "--sample", "--data", "--lr", "--min-lr", "--warmup", "--weight-decay", "--grad-clip", "--grad-acc",
           "--val-frac", "--val-every", "--val-seqs", "--no-shuffle"})
       if (given(o, flag))
         throw UsageError(std::string("--score prints a loss and exits: ") + flag +
