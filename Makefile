@@ -16,7 +16,7 @@ LDFLAGS := $(addprefix -L,$(MPI_LIBDIRS)) $(addprefix -l,$(MPI_LIBS)) \
 
 LIB_SRCS := core.cu comm.cu ops.cu flash_attention.cu context_parallel.cu tensor_parallel.cu model.cu optimizer.cu \
             gradient_sync.cu data_parallel.cu zero.cu schedule.cu pipeline_parallel.cu report.cu data.cu \
-            checkpoint.cu
+            checkpoint.cu mixed_precision.cu
 LIB_OBJS := $(LIB_SRCS:%.cu=$(BUILD)/%.o)
 TEST_SRCS := $(wildcard tests/test_*.cu)
 TEST_OBJS := $(TEST_SRCS:%.cu=$(BUILD)/%.o)

@@ -6,6 +6,8 @@
 // names, dtypes, shapes, sizes) before it touches a single weight.
 #include "checkpoint.cuh"
 
+#include "mixed_precision.cuh"
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -96,6 +98,7 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
 struct SafetensorsPlan {
   std::string path;
   std::vector<uint64_t> file_offsets;  // per destination tensor, from the start of the file
+  std::vector<DType> file_dtypes;      // per destination tensor: its own, or BF16/F16 into F32
   std::map<std::string, std::string> metadata;
 };
 
@@ -182,17 +185,23 @@ static SafetensorsPlan inspect_safetensors(const std::string& path,
     if (!ranges.count(nt.name)) throw bad("missing from the file");
     const json& entry = header.at(nt.name);
     const std::string dtype = entry["dtype"].get<std::string>();
-    if (dtype != dtype_name(nt.tensor.dtype))
-      throw bad("dtype " + dtype + ", expected " + dtype_name(nt.tensor.dtype));
+    DType file_dtype = nt.tensor.dtype;
+    const bool widens = dtype_from_name(dtype, &file_dtype) && nt.tensor.dtype == DType::F32 &&
+                        (file_dtype == DType::BF16 || file_dtype == DType::F16);
+    if (dtype != dtype_name(nt.tensor.dtype) && !widens)
+      throw bad("dtype " + dtype + ", expected " + dtype_name(nt.tensor.dtype) +
+                (nt.tensor.dtype == DType::F32 ? " (or BF16, F16)" : ""));
     const std::vector<int64_t> shape = entry["shape"].get<std::vector<int64_t>>();
     if (shape != nt.tensor.shape)
       throw bad("shape " + shape_str(shape) + ", expected " + nt.tensor.shape_str());
     const auto [begin, end] = ranges[nt.name];
-    if (end - begin != nt.tensor.nbytes())
+    const uint64_t nbytes = (uint64_t)nt.tensor.numel() * dtype_size(file_dtype);
+    if (end - begin != nbytes)
       throw bad("data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
                 "] hold " + std::to_string(end - begin) + " bytes, expected " +
-                std::to_string(nt.tensor.nbytes()));
+                std::to_string(nbytes));
     plan.file_offsets.push_back(h.data_start + begin);
+    plan.file_dtypes.push_back(file_dtype);
   }
   if (promised != data_size)  // the header describes the whole file, or the file is suspect
     throw fail(std::to_string(data_size - promised) + " bytes after the last tensor's data");
@@ -203,17 +212,23 @@ static void copy_safetensors(const SafetensorsPlan& plan, const std::vector<Name
   FILE* f = fopen(plan.path.c_str(), "rb");
   if (!f) throw UsageError(plan.path + ": cannot open: " + strerror(errno));
   wait_for_device(into);
-  std::vector<char> buf;
+  std::vector<char> buf, widened;
   for (size_t i = 0; i < into.size(); i++) {
     const Tensor& t = into[i].tensor;
-    buf.resize(t.nbytes());
+    const DType file_dtype = plan.file_dtypes[i];
+    buf.resize((size_t)t.numel() * dtype_size(file_dtype));
     if (fseeko(f, (off_t)plan.file_offsets[i], SEEK_SET) != 0 ||
         fread(buf.data(), 1, buf.size(), f) != buf.size()) {
       fclose(f);
       throw UsageError(plan.path + ": tensor " + into[i].name + ": read error");
     }
-    if (t.dtype == DType::F32) from_host(t, (const float*)buf.data());
-    else from_host(t, (const int32_t*)buf.data());
+    const char* bytes = buf.data();
+    if (file_dtype != t.dtype) {  // BF16 or F16 into F32: exact
+      widened.resize(t.nbytes());
+      cast_host(widened.data(), t.dtype, buf.data(), file_dtype, t.numel());
+      bytes = widened.data();
+    }
+    copy_(t, host_view((void*)bytes, t));
   }
   fclose(f);
 }
@@ -376,8 +391,29 @@ void check_checkpoint_output(const std::string& flag, const std::string& dir) {
   probe_directory(what, target);
 }
 
+DType parse_save_dtype(const std::string& flag) {
+  if (flag == "fp32") return DType::F32;
+  if (flag == "bf16") return DType::BF16;
+  throw UsageError("--save-dtype " + flag + ": expected fp32 (the master weights) or bf16");
+}
+
+// The weights as saved: the fp32 tensors themselves, or host copies rounded to BF16.
+static std::vector<NamedTensor> weights_in(DType dtype, const std::vector<NamedTensor>& params) {
+  if (dtype == DType::F32) return params;
+  PICO_ASSERT(dtype == DType::BF16, std::string("weights saved as ") + dtype_name(dtype));
+  wait_for_device(params);
+  std::vector<NamedTensor> out;
+  for (const NamedTensor& nt : params) {
+    Tensor narrow = empty(nt.tensor.shape, Mem::Workspace, Device::CPU, dtype);
+    cast_(narrow, to_device(nt.tensor, Device::CPU, Mem::Workspace));
+    out.push_back({nt.name, narrow});
+  }
+  return out;
+}
+
 void save_checkpoint(const std::string& dir_arg, const ModelConfig& cfg,
-                     const std::vector<NamedTensor>& params, const OptimizerState* opt) {
+                     const std::vector<NamedTensor>& params, const OptimizerState* opt,
+                     DType weights_dtype) {
   const std::string dir = strip_slashes(dir_arg), target = output_target(dir);
   const std::string tmp = temp_name(target, "tmp");
   require_replaceable(dir, target);
@@ -386,11 +422,14 @@ void save_checkpoint(const std::string& dir_arg, const ModelConfig& cfg,
   fs::remove_all(tmp, ec);
   if (!fs::create_directory(tmp, ec)) throw UsageError(tmp + ": cannot create: " + ec.message());
   try {
-    const std::string config = hf_config(cfg).dump(2) + "\n";
+    json j = hf_config(cfg);
+    j["torch_dtype"] = weights_dtype == DType::BF16 ? "bfloat16" : "float32";
+    const std::string config = j.dump(2) + "\n";
     write_file_atomic(tmp + "/config.json", [&](FILE* f) {
       write_all(f, config.data(), config.size(), tmp + "/config.json");
     });
-    write_safetensors(tmp + "/model.safetensors", params, {{"format", "pt"}});
+    write_safetensors(tmp + "/model.safetensors", weights_in(weights_dtype, params),
+                      {{"format", "pt"}});
     if (opt)
       write_safetensors(tmp + "/optimizer.safetensors", moment_tensors(*opt),
                         {{"step", std::to_string(opt->step)}});

@@ -15,7 +15,8 @@
 void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 // Reads exactly the tensors named in `into` (names, shapes and dtypes must match; extra
-// tensors in the file are an error too) and copies them into those tensors (any device).
+// tensors in the file are an error too) and copies them into those tensors (any device). An F32
+// destination also takes a BF16 or F16 tensor from the file, widened exactly to fp32.
 // Returns the metadata. Throws UsageError: "<path>: tensor <name>: <problem>".
 std::map<std::string, std::string> read_safetensors(const std::string& path,
                                                     const std::vector<NamedTensor>& into);
@@ -30,8 +31,12 @@ struct OptimizerState {
   std::vector<NamedTensor> exp_avg, exp_avg_sq;  // same names and shapes as the parameters
   int64_t step = 0;                              // optimizer steps taken
 };
+// weights_dtype F32 (the master weights) or BF16 (rounded to nearest even; config.json's
+// torch_dtype says which); the optimizer state is always F32.
 void save_checkpoint(const std::string& dir, const ModelConfig& cfg,
-                     const std::vector<NamedTensor>& params, const OptimizerState* opt);
+                     const std::vector<NamedTensor>& params, const OptimizerState* opt,
+                     DType weights_dtype = DType::F32);
+DType parse_save_dtype(const std::string& flag);  // --save-dtype fp32|bf16
 // Before the first step: throws UsageError "<flag> <dir>: ..." unless a checkpoint can be saved
 // at dir (absent, empty, or an earlier checkpoint; the parent accepts new entries).
 void check_checkpoint_output(const std::string& flag, const std::string& dir);

@@ -46,8 +46,31 @@ void Fault::at(FaultWhere here, int world_rank, int64_t now) const {
 }
 
 const char* device_name(Device d) { return d == Device::CPU ? "cpu" : "cuda"; }
-const char* dtype_name(DType t) { return t == DType::F32 ? "F32" : "I32"; }
-size_t dtype_size(DType) { return 4; }
+static const DType kDTypes[] = {DType::F32, DType::I32, DType::BF16, DType::F16, DType::F8E4M3,
+                                DType::F8E5M2};
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::F32: return "F32";
+    case DType::I32: return "I32";
+    case DType::BF16: return "BF16";
+    case DType::F16: return "F16";
+    case DType::F8E4M3: return "F8_E4M3";
+    case DType::F8E5M2: return "F8_E5M2";
+  }
+  return "?";
+}
+bool dtype_from_name(const std::string& name, DType* out) {
+  for (DType t : kDTypes)
+    if (name == dtype_name(t)) return *out = t, true;
+  return false;
+}
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::BF16: case DType::F16: return 2;
+    case DType::F8E4M3: case DType::F8E5M2: return 1;
+    default: return 4;
+  }
+}
 const char* mem_name(Mem m) {
   static const char* names[] = {"params", "grads", "optimizer", "activations", "workspace"};
   return names[(int)m];

@@ -90,11 +90,13 @@ struct Fault {
 // Devices, dtypes, memory categories
 
 enum class Device { CPU, CUDA };
-enum class DType { F32, I32 };  // bf16/fp16/fp8 arrive with mixed_precision.cu
+// F32 and I32 compute; BF16, F16 and the two FP8 formats are storage (mixed_precision.cuh).
+enum class DType { F32, I32, BF16, F16, F8E4M3, F8E5M2 };
 enum class Mem { Params, Grads, Optimizer, Activations, Workspace, Count };
 
 const char* device_name(Device d);
-const char* dtype_name(DType t);  // safetensors spelling: "F32", "I32"
+const char* dtype_name(DType t);  // safetensors spelling: "F32", "I32", "BF16", "F16", "F8_E4M3"...
+bool dtype_from_name(const std::string& name, DType* out);  // false for an unknown name
 size_t dtype_size(DType t);
 const char* mem_name(Mem m);
 // A CUDA device is visible and the driver answers. When not, `why` (if given) gets the CUDA

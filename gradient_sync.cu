@@ -28,7 +28,7 @@ float GradientSync::clip_grad_norm(const Context& ctx, float max_norm) {
   return norm;
 }
 
-void GradientSync::save(const Context& ctx, const std::string& dir) {
+void GradientSync::save(const Context& ctx, const std::string& dir, DType weights_dtype) {
   Tensor weights = gather_flat(ctx, Part::Params);
   Tensor m = gather_flat(ctx, Part::ExpAvg), v = gather_flat(ctx, Part::ExpAvgSq);
   if (comm_.dp_cp.rank != 0) return;  // then the tp shards, and the stages, meet on world rank 0
@@ -37,7 +37,7 @@ void GradientSync::save(const Context& ctx, const std::string& dir) {
   };
   std::vector<NamedTensor> w = whole(weights);
   OptimizerState state{whole(m), whole(v), adamw_.steps};
-  if (comm_.grid.world_rank == 0) save_checkpoint(dir, model_.cfg, w, &state);
+  if (comm_.grid.world_rank == 0) save_checkpoint(dir, model_.cfg, w, &state, weights_dtype);
 }
 
 void GradientSync::save_gradients(const Context& ctx, const std::string& path, int64_t step) {

@@ -33,7 +33,7 @@ class GradientSync {
   virtual void release_weights() {}
 
   // ---- checkpoints hold whole tensors, whatever the layout (collective) ----
-  void save(const Context& ctx, const std::string& dir);
+  void save(const Context& ctx, const std::string& dir, DType weights_dtype = DType::F32);
   void save_gradients(const Context& ctx, const std::string& path, int64_t step);
   // Every rank reads the whole files and keeps its part, so any layout resumes any other.
   // Returns the optimizer step (0 when the directory has no optimizer state).

@@ -58,6 +58,9 @@ void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape) {
       ->capture_default_str();
   app.add_option("--val-seqs", o.val_seqs, "validation sequences")->capture_default_str();
   app.add_option("--save", o.save, "write a Hugging Face checkpoint to DIR at the end");
+  app.add_option("--save-dtype", o.save_dtype,
+                 "model.safetensors in fp32 (the master weights) or bf16 (optimizer state: fp32)")
+      ->capture_default_str();
   app.add_option("--load", o.load, "start from the checkpoint in DIR (weights, optimizer, step)");
   app.add_option("--log-json", o.log_json, "write one JSON object per step to FILE");
   app.add_option("--save-grads", o.save_grads, "write the first step's gradients (safetensors)");
@@ -147,8 +150,8 @@ static void check_range(double value, const char* flag, double lo, bool open_lo,
 void resolve_options(Options& o, const std::vector<ShapeFlag>& shape) {
   if (!o.score.empty())  // --score prints a loss and exits: training flags would do nothing
     for (const char* flag :
-         {"--save", "--steps", "--stop-after", "--save-grads", "--log-json", "--trace", "--sample",
-          "--data", "--lr", "--min-lr", "--warmup", "--weight-decay", "--grad-clip", "--grad-acc",
+         {"--save", "--save-dtype", "--steps", "--stop-after", "--save-grads", "--log-json",
+          "--trace", "--sample", "--data", "--lr", "--min-lr", "--warmup", "--weight-decay", "--grad-clip", "--grad-acc",
           "--val-frac", "--val-every", "--val-seqs", "--no-shuffle"})
       if (given(o, flag))
         throw UsageError(std::string("--score prints a loss and exits: ") + flag +
@@ -215,6 +218,7 @@ void resolve_options(Options& o, const std::vector<ShapeFlag>& shape) {
                     o.model.tie_embeddings, o.zero);
   validate_tensor_parallel(o.model, o.tp, o.sp);
   parse_dp_sync(o.dp_sync);
+  parse_save_dtype(o.save_dtype);
   parse_zero_stage(o.zero);
   check_range(o.bucket_mb, "--bucket-mb", 0, true, kNoMax, "must be a number > 0, e.g. 25");
   check_range(o.comm_timeout, "--comm-timeout", 0, true, kNoMax,

@@ -18,6 +18,7 @@ struct Options {
   float val_frac = 0.1f, temperature = 0.8f;
   uint64_t seed = 1337;
   std::string data, save, load, log_json, save_grads, score, prompt = "\n";
+  std::string save_dtype = "fp32";  // --save-dtype: model.safetensors in fp32 or bf16
   int sample = 0;
   // parallelism
   int dp = 1, pp = 1, cp = 1, tp = 1, zero = 0;

@@ -359,7 +359,7 @@ static void finish_run(Trainer& t) {
   const Options& o = t.o;
   bool main_rank = t.comm.grid.world_rank == 0;
   if (!o.save.empty()) {  // whole tensors, whatever the layout
-    all_or_none(t.comm, [&] { t.sync.save(t.ctx, o.save); });
+    all_or_none(t.comm, [&] { t.sync.save(t.ctx, o.save, parse_save_dtype(o.save_dtype)); });
     if (main_rank)
       printf("saved %s (config.json, model.safetensors, optimizer.safetensors)\n", o.save.c_str());
   }

@@ -6,12 +6,14 @@
 #include <stdlib.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "checkpoint.cuh"
@@ -402,4 +404,125 @@ TEST_CASE("safetensors round-trips tensors that live on the GPU", "[checkpoint][
   read_safetensors(dir.file("gpu.safetensors"), dst);
   CHECK(same_bits(dst, host));
   CHECK(read_file(dir.file("gpu.safetensors")).size() > 0);
+}
+
+// ----------------------------------------------------------------------------
+// Low-precision weights: bf16 saves, BF16 and F16 loads (mixed_precision.cuh)
+
+namespace {
+// x rounded to bf16 by the format's definition: 8 significant bits, ties to even (nearbyint in
+// the default rounding mode), for the normal values init_normal draws.
+float bf16_by_definition(float x) {
+  if (std::isnan(x) || x == 0) return x;
+  const double ulp = std::ldexp(1.0, std::ilogb(x) - 7);
+  return (float)(std::nearbyint(x / ulp) * ulp);
+}
+// A safetensors file written byte by byte: one tensor "w" of `dtype` and shape [n].
+void write_one_tensor(const std::string& path, const std::string& dtype,
+                      const std::vector<uint16_t>& values) {
+  const std::string header = "{\"w\":{\"dtype\":\"" + dtype + "\",\"shape\":[" +
+                             std::to_string(values.size()) + "],\"data_offsets\":[0," +
+                             std::to_string(2 * values.size()) + "]}}";
+  std::string bytes(8, '\0');
+  for (int b = 0; b < 8; b++) bytes[b] = (char)((uint64_t)header.size() >> (8 * b));
+  bytes += header;
+  for (uint16_t v : values) bytes += std::string{(char)(v & 0xFF), (char)(v >> 8)};  // LE
+  write_bytes(path, bytes);
+}
+}  // namespace
+
+TEST_CASE("--save-dtype bf16: model.safetensors holds BF16 and loads back as the bf16-rounded "
+          "weights; the optimizer state stays F32",
+          "[checkpoint][precision]") {
+  TempDir dir;
+  const std::string ckpt = dir.file("ckpt");
+  std::vector<NamedTensor> params = sample_tensors(11);
+  params.pop_back();  // the weights: F32 only
+  OptimizerState opt{snapshot(params), snapshot(params), 5};
+  save_checkpoint(ckpt, custom_config(), params, &opt, DType::BF16);
+  const json config = json::parse(read_file(ckpt + "/config.json"));
+  CHECK(config["torch_dtype"] == "bfloat16");
+  const std::string model = read_file(ckpt + "/model.safetensors").substr(8, 1000);
+  const std::string moments = read_file(ckpt + "/optimizer.safetensors").substr(8, 1000);
+  CHECK_THAT(model, Contains("\"BF16\"") && !Contains("\"F32\""));
+  CHECK_THAT(moments, Contains("\"F32\"") && !Contains("\"BF16\""));
+  std::vector<NamedTensor> p = like(params);
+  OptimizerState o{like(params), like(params), 0};
+  CHECK(load_checkpoint(ckpt, p, &o));
+  CHECK(same_bits(o.exp_avg, params));  // fp32 moments: bit for bit
+  int64_t changed = 0;
+  for (size_t i = 0; i < params.size(); i++)
+    for (int64_t k = 0; k < params[i].tensor.numel(); k++) {
+      const float x = params[i].tensor.f32()[k], got = p[i].tensor.f32()[k];
+      INFO(params[i].name << "[" << k << "] = " << x);
+      if (std::isnan(x)) {
+        CHECK(std::isnan(got));
+        continue;
+      }
+      CHECK(got == bf16_by_definition(x));
+      CHECK(std::signbit(got) == std::signbit(x));
+      changed += got != x;
+    }
+  CHECK(changed > 0);  // bf16 keeps 8 of fp32's 24 significant bits: most values move
+  save_checkpoint(ckpt, custom_config(), params, &opt);  // the default: fp32 master weights
+  CHECK(json::parse(read_file(ckpt + "/config.json"))["torch_dtype"] == "float32");
+  CHECK(load_checkpoint(ckpt, p, &o));
+  CHECK(same_bits(p, params));
+}
+
+TEST_CASE("BF16 and F16 safetensors written by hand load into fp32 exactly",
+          "[checkpoint][precision]") {
+  TempDir dir;
+  // Patterns and their values by definition: bf16 = (-1)^s 2^(e-127) 1.m (7 bits),
+  // fp16 = (-1)^s 2^(e-15) 1.m (10 bits), subnormals 2^(1-bias) 0.m.
+  const std::vector<uint16_t> bf16 = {0x3F80, 0xC000, 0x3FC0, 0x0001, 0x7F7F, 0x8000};
+  const float bf16_largest = (2 - std::ldexp(1.0f, -7)) * std::ldexp(1.0f, 127);
+  const std::vector<float> bf16_values = {1, -2, 1.5f, std::ldexp(1.0f, -133), bf16_largest, -0.0f};
+  const std::vector<uint16_t> fp16 = {0x3C00, 0xC000, 0x7BFF, 0x0001, 0x3555, 0x8000};
+  const std::vector<float> fp16_values = {1, -2, 65504, std::ldexp(1.0f, -24),
+                                          (1 + 341 / 1024.0f) / 4, -0.0f};
+  for (auto [dtype, bits, values] : {std::make_tuple("BF16", bf16, bf16_values),
+                                     std::make_tuple("F16", fp16, fp16_values)}) {
+    INFO(dtype);
+    const std::string path = dir.file(std::string(dtype) + ".safetensors");
+    write_one_tensor(path, dtype, bits);
+    std::vector<NamedTensor> w = {{"w", empty({6}, Mem::Params)}};
+    read_safetensors(path, w);
+    for (int i = 0; i < 6; i++) {
+      CHECK(w[0].tensor.f32()[i] == values[i]);
+      CHECK(std::signbit(w[0].tensor.f32()[i]) == std::signbit(values[i]));
+    }
+    // 16-bit data must be 2 bytes a value; an I32 destination takes no BF16/F16.
+    std::vector<NamedTensor> longer = {{"w", empty({3}, Mem::Params)}};
+    CHECK_THAT(usage_error_of([&] { read_safetensors(path, longer); }), Contains("shape [6]"));
+    std::vector<NamedTensor> ints = {{"w", empty({6}, Mem::Params, Device::CPU, DType::I32)}};
+    CHECK_THAT(usage_error_of([&] { read_safetensors(path, ints); }),
+               Contains(std::string("dtype ") + dtype + ", expected I32"));
+  }
+  write_one_tensor(dir.file("fp8.safetensors"), "F8_E4M3", {0x3838, 0x3838, 0x3838});
+  std::vector<NamedTensor> w = {{"w", empty({6}, Mem::Params)}};
+  CHECK_THAT(usage_error_of([&] { read_safetensors(dir.file("fp8.safetensors"), w); }),
+             Contains("dtype F8_E4M3, expected F32 (or BF16, F16)"));
+}
+
+TEST_CASE("a BF16 safetensors whose data has fp32's size is refused", "[checkpoint][precision]") {
+  TempDir dir;
+  const std::string path = dir.file("w.safetensors");
+  // Three BF16 values take 6 bytes; data_offsets giving them fp32's 12 are refused.
+  const std::string header =
+      "{\"w\":{\"dtype\":\"BF16\",\"shape\":[3],\"data_offsets\":[0,12]}}";
+  std::string bytes(8, '\0');
+  for (int b = 0; b < 8; b++) bytes[b] = (char)((uint64_t)header.size() >> (8 * b));
+  write_bytes(path, bytes + header + std::string(12, '\0'));
+  std::vector<NamedTensor> w = {{"w", empty({3}, Mem::Params)}};
+  CHECK_THAT(usage_error_of([&] { read_safetensors(path, w); }),
+             Contains("hold 12 bytes, expected 6"));
+}
+
+TEST_CASE("--save-dtype accepts fp32 and bf16 and names itself otherwise",
+          "[checkpoint][precision]") {
+  CHECK(parse_save_dtype("fp32") == DType::F32);
+  CHECK(parse_save_dtype("bf16") == DType::BF16);
+  CHECK_THAT(usage_error_of([] { parse_save_dtype("fp8"); }),
+             Contains("--save-dtype fp8") && Contains("fp32") && Contains("bf16"));
 }
