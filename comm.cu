@@ -786,6 +786,13 @@ static void host_collective(Group& g, const char* op, int64_t bytes,
   Handle(s).wait();
 }
 
+void host_wait(Group& g, const char* what, int64_t bytes,
+               const std::function<int(MPI_Request*)>& post) {
+  auto s = new_state(g, what, bytes);
+  MPI_CHECK(post(s->request()));
+  Handle(s).wait();
+}
+
 static void all_reduce_doubles(Group& g, const char* op_name, double* values, int count,
                                ReduceOp op) {
   host_collective(g, op_name, (int64_t)count * sizeof(double), [&](MPI_Request* r) {

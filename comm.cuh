@@ -145,6 +145,13 @@ void barrier(Comm& c, Group& g, const Context& ctx);
 // count, or the reverse) has its input copied first when this holds.
 bool buffers_overlap(const float* a, int64_t na, const float* b, int64_t nb);
 
+// Any host-side MPI call on g (a report's rows gathered to rank 0, a checkpoint's tensors):
+// `post` issues it nonblocking (MPI_Igather, MPI_Ireduce, ...) on the request it is given, and
+// it is waited for like every collective: past the group's timeout every rank stops, the
+// message naming `what` and the group.
+void host_wait(Group& g, const char* what, int64_t bytes,
+               const std::function<int(MPI_Request*)>& post);
+
 // Host-side scalars (losses, norms, flags): an all-reduce of doubles over MPI, waited for like
 // every collective: past the group's timeout it stops every rank, naming itself and the group.
 void all_reduce_host(Group& g, double* values, int count, ReduceOp op);

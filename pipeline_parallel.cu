@@ -369,11 +369,15 @@ std::vector<NamedTensor> gather_pipeline_tensors(Comm& comm, const std::vector<N
   }
   int size = (int)pack.size();
   std::vector<int> sizes(g.size), offsets(g.size, 0);
-  MPI_CHECK(MPI_Gather(&size, 1, MPI_INT, sizes.data(), 1, MPI_INT, 0, g.mpi));
+  host_wait(g, "gather of the stages' tensors", sizeof size, [&](MPI_Request* r) {
+    return MPI_Igather(&size, 1, MPI_INT, sizes.data(), 1, MPI_INT, 0, g.mpi, r);
+  });
   for (int r = 1; r < g.size; r++) offsets[r] = offsets[r - 1] + sizes[r - 1];
   std::vector<char> all(g.rank == 0 ? offsets.back() + sizes.back() : 0);
-  MPI_CHECK(MPI_Gatherv(pack.data(), size, MPI_CHAR, all.data(), sizes.data(), offsets.data(),
-                        MPI_CHAR, 0, g.mpi));
+  host_wait(g, "gather of the stages' tensors", size, [&](MPI_Request* r) {
+    return MPI_Igatherv(pack.data(), size, MPI_CHAR, all.data(), sizes.data(), offsets.data(),
+                        MPI_CHAR, 0, g.mpi, r);
+  });
   std::vector<NamedTensor> whole;
   for (size_t at = 0; at < all.size();) {
     auto get = [&](void* data, size_t bytes) {

@@ -38,8 +38,10 @@ void print_memory_report(Comm& comm, int zero_stage, int64_t num_params, int64_t
       (int64_t)m.peak[(int)Mem::Workspace]};
   int world = comm.grid.world_size;
   std::vector<int64_t> all(world * kFields);
-  MPI_CHECK(
-      MPI_Gather(mine, kFields, MPI_INT64_T, all.data(), kFields, MPI_INT64_T, 0, comm.world.mpi));
+  host_wait(comm.world, "gather of the memory report", sizeof mine, [&](MPI_Request* r) {
+    return MPI_Igather(mine, kFields, MPI_INT64_T, all.data(), kFields, MPI_INT64_T, 0,
+                       comm.world.mpi, r);
+  });
   if (comm.grid.world_rank != 0) return;
   int N = comm.dp_cp.size;
   StaticMemory book = zero_static_memory(zero_stage, (double)num_params, N);
@@ -96,8 +98,10 @@ void print_comm_report(Comm& comm, int64_t num_params, int64_t steps) {
       mine.insert(mine.end(), {g->stats[c].calls, g->stats[c].elements, g->stats[c].bytes});
   int world = comm.grid.world_size;
   std::vector<int64_t> all(world * mine.size());
-  MPI_CHECK(MPI_Gather(mine.data(), (int)mine.size(), MPI_INT64_T, all.data(), (int)mine.size(),
-                       MPI_INT64_T, 0, comm.world.mpi));
+  host_wait(comm.world, "gather of the comm report", mine.size() * 8, [&](MPI_Request* r) {
+    return MPI_Igather(mine.data(), (int)mine.size(), MPI_INT64_T, all.data(),
+                       (int)mine.size(), MPI_INT64_T, 0, comm.world.mpi, r);
+  });
   if (comm.grid.world_rank != 0) return;
   steps = std::max<int64_t>(1, steps);
   printf("communication per step (--report comm; averaged over %lld steps, validation and "
@@ -251,7 +255,9 @@ void print_bubble_report(Comm& comm, const PipelineConfig& cfg, int m,
   const Grid& G = comm.grid;
   double mine[3] = {measured.busy_s, measured.step_s, (double)measured.peak_in_flight};
   std::vector<double> all(3 * G.world_size);
-  MPI_CHECK(MPI_Gather(mine, 3, MPI_DOUBLE, all.data(), 3, MPI_DOUBLE, 0, comm.world.mpi));
+  host_wait(comm.world, "gather of a report", sizeof mine, [&](MPI_Request* r) {
+    return MPI_Igather(mine, 3, MPI_DOUBLE, all.data(), 3, MPI_DOUBLE, 0, comm.world.mpi, r);
+  });
   if (G.world_rank != 0) return;
   int p = G.pp, V = cfg.virtual_stages;
   PipelineTiming ticks = simulate_pipeline(cfg.schedule, p, m, V, 1.0, 1.0, 1.0);
@@ -284,7 +290,9 @@ void print_balance_report(Comm& comm, const ContextParallel& cp, const CpWork& w
   const Grid& G = comm.grid;
   double mine[3] = {(double)work.blocks, (double)work.pairs, work.seconds};
   std::vector<double> all(3 * G.world_size);
-  MPI_CHECK(MPI_Gather(mine, 3, MPI_DOUBLE, all.data(), 3, MPI_DOUBLE, 0, comm.world.mpi));
+  host_wait(comm.world, "gather of a report", sizeof mine, [&](MPI_Request* r) {
+    return MPI_Igather(mine, 3, MPI_DOUBLE, all.data(), 3, MPI_DOUBLE, 0, comm.world.mpi, r);
+  });
   if (G.world_rank != 0 || G.cp == 1) return;
   double n = (double)std::max<int64_t>(1, steps);
   printf("attention work per cp rank and training step (--report balance; %s split, %s; pairs "

@@ -430,8 +430,10 @@ std::vector<Tensor> gather_full_tensors(const TensorParallel& tp, const std::vec
     const TpSlice& l = layouts[i];
     Tensor t = zeros(l.full_shape, Mem::Workspace);
     if (l.writer) store_block(shards[i], t.f32(), l.row0, l.col0, l.full_cols());
-    MPI_CHECK(MPI_Reduce(tp.rank() == 0 ? MPI_IN_PLACE : t.ptr, t.ptr, (int)t.numel(), MPI_FLOAT,
-                         MPI_SUM, 0, tp.group().mpi));
+    host_wait(tp.group(), "reduce of whole tensors", t.nbytes(), [&](MPI_Request* r) {
+      return MPI_Ireduce(tp.rank() == 0 ? MPI_IN_PLACE : t.ptr, t.ptr, (int)t.numel(), MPI_FLOAT,
+                         MPI_SUM, 0, tp.group().mpi, r);
+    });
     full.push_back(t);
   }
   return full;
