@@ -108,6 +108,8 @@ static const std::vector<ParityRow> PARITY_ROWS = {
     {"cp 2 x tp 2, sp", 4, "--cp 2 --tp 2 --sp", ""},
     {"cp 2 x dp 2, zero 3", 4, "--cp 2 --dp 2 --zero 3", "--grad-acc 2"},
     {"cp 2 x pp 2", 4, "--cp 2 --pp 2 --grad-acc 2", "--grad-acc 2"},
+    {"cp 2 x tp 2, sp x pp 2 (8 ranks: four dimensions at once)", 8,
+     "--cp 2 --tp 2 --sp --pp 2 --grad-acc 2", "--grad-acc 2"},
     {"cp 2, full recompute (the ring runs again in the backward)", 2,
      "--cp 2 --recompute full", "--recompute full"},
     {"pp 2, 5 layers (3 + 2)", 2, "--layers 5 --pp 2 --grad-acc 2", "--layers 5 --grad-acc 2"},
