@@ -31,7 +31,8 @@ for sched in afab 1f1b interleaved zb-h1; do
       END { printf "| %-11s | %3d | %8.1f | %-27s | %-27s | %6s |\n", s, m, ms / (k ? k : 1), meas, ticks, book }'
   done
 done
-echo "ticks are exact (the tables run against each other, t_b = 2 t_f); the wall clock on"
+echo "ticks are exact (the tables run against each other; a whole backward costs two forwards,"
+echo "zb-h1's B and W one each); the wall clock on"
 echo "CPU ranks sharing two cores also counts time-slicing and communication."
 
 # Context parallelism on 2 and 4 CPU ranks: step time and each rank's attention time per step,
