@@ -846,10 +846,12 @@ void trace_write(const Trace& trace, const std::string& path, Group& g) {
   t0 = -t0;
   // Chrome trace "complete" events: ph X, ts and dur in microseconds, pid = rank, tid = track.
   std::string mine;
-  for (const Trace::Span& s : trace.spans)
-    mine += nlohmann::json{{"name", s.name}, {"ph", "X"}, {"pid", g.rank}, {"tid", (int)s.track},
-                           {"ts", (s.start - t0) * 1e6}, {"dur", (s.end - s.start) * 1e6}}
-                .dump() + "\n";
+  for (const Trace::Span& s : trace.spans) {
+    nlohmann::json event{{"name", s.name}, {"ph", "X"}, {"pid", g.rank}, {"tid", (int)s.track},
+                         {"ts", (s.start - t0) * 1e6}, {"dur", (s.end - s.start) * 1e6}};
+    if (!s.color.empty()) event["cname"] = s.color;
+    mine += event.dump() + "\n";
+  }
   int length = (int)mine.size();
   std::vector<int> lengths(g.size, length), offsets(g.size, 0);
   host_collective(g, "trace_write", sizeof length, [&](MPI_Request* r) {

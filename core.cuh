@@ -231,11 +231,13 @@ struct Trace {
     std::string name;
     Track track;
     double start, end;  // now_seconds()
+    std::string color;  // a Chrome trace colour name ("cname"), or empty: chosen by the viewer
   };
   bool enabled = false;
   std::vector<Span> spans;
-  void add(const std::string& name, Track track, double start, double end) {
-    if (enabled) spans.push_back({name, track, start, end});
+  void add(const std::string& name, Track track, double start, double end,
+           const std::string& color = "") {
+    if (enabled) spans.push_back({name, track, start, end, color});
   }
 };
 // trace_write (comm.cuh) gathers every rank's spans and writes them as a Chrome trace.

@@ -302,10 +302,12 @@ StepStats run_pipeline(const Context& ctx, Comm& comm, Model& model, GradientSyn
     }
     double t1 = now_seconds();
     busy += t1 - t0;
+    // Coloured by kind, as the book draws its schedules (Chrome trace colour names).
     const char* kind[] = {"F", "B", "W"};
+    const char* color[] = {"thread_state_running", "thread_state_iowait", "yellow"};
     trace.add(kind[op.kind] + std::to_string(op.micro) +
                   (V > 1 ? " chunk " + std::to_string(op.chunk) : ""),
-              Track::Compute, t0, t1);
+              Track::Compute, t0, t1, color[op.kind]);
     size_t held = memory_stats().current[(int)Mem::Activations] - acts_base;
     if (one_micro == 0 && forward) one_micro = held;  // one micro-batch chunk's activations
     peak = std::max(peak, held);

@@ -445,6 +445,32 @@ TEST_CASE("--trace writes a Chrome trace with compute and communication spans pe
   fs::remove_all(dir);
 }
 
+// Playbook §8's figures in the trace: under --pp every rank's compute track holds one span per
+// schedule op, F and B of each micro-batch (2 ranks x 4 micro-batches x 2 kinds per step),
+// coloured by kind. Guards against ops missing from the trace or a colour by micro-batch.
+TEST_CASE("--trace draws the pipeline schedule: an F and a B span per micro-batch, coloured by kind",
+          "[parity]") {
+  std::string dir = make_temp_dir();
+  RunResult r = run_train(COMMON + "--pp 2 --grad-acc 4 --trace " + dir + "/trace.json", 2);
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  nlohmann::json trace = nlohmann::json::parse(read_whole_file(dir + "/trace.json"));
+  std::map<std::pair<int, std::string>, int> ops;  // (rank, colour) -> F or B spans
+  for (auto& e : trace["traceEvents"]) {
+    std::string name = e.value("name", "");
+    if (e["ph"] != "X" || name.size() < 2 || (name[0] != 'F' && name[0] != 'B') ||
+        !isdigit(name[1]))
+      continue;
+    std::string color = e.value("cname", "");
+    REQUIRE(color == (name[0] == 'F' ? "thread_state_running" : "thread_state_iowait"));
+    ops[{e["pid"].get<int>(), color}]++;
+  }
+  for (int rank : {0, 1})
+    for (const char* color : {"thread_state_running", "thread_state_iowait"})
+      REQUIRE(ops[{rank, color}] == 3 * 4);  // 3 steps x 4 micro-batches
+  fs::remove_all(dir);
+}
+
 // FlashAttention against naive attention in training (Playbook §12.8): the same model, data and
 // steps; only the order of the softmax's sums differs (tiles and an online rescale instead of
 // one pass over the row), ~1e-7 relative per score. Every parity row runs with flash (the
