@@ -76,9 +76,11 @@ std::vector<int32_t> ContextParallel::positions(int B, int T) const {
 }
 
 std::vector<int32_t> select_context_tokens(const ContextParallel& cp, const int32_t* tokens, int B,
-                                           int T) {
+                                           int T, int micro_batches) {
+  std::vector<int64_t> order = cp.local_tokens(B, T);
   std::vector<int32_t> local;
-  for (int64_t i : cp.local_tokens(B, T)) local.push_back(tokens[i]);
+  for (int m = 0; m < micro_batches; m++)
+    for (int64_t i : order) local.push_back(tokens[(int64_t)m * B * T + i]);
   return local;
 }
 

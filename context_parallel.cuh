@@ -41,9 +41,10 @@ struct ContextParallel {
   std::vector<int64_t> local_tokens(int B, int T) const;
   std::vector<int32_t> positions(int B, int T) const;  // the global position of each local token
 };
-// This rank's tokens of B whole sequences, host arrays [B*T] -> [B*T/cp] in local order.
+// This rank's tokens of `micro_batches` micro-batches of B whole sequences each, host arrays
+// [micro_batches*B*T] -> [micro_batches*B*T/cp], each micro-batch in local order.
 std::vector<int32_t> select_context_tokens(const ContextParallel& cp, const int32_t* tokens, int B,
-                                           int T);
+                                           int T, int micro_batches = 1);
 
 // What the attention of each rank computed (for --report balance): blocks of its queries
 // against a piece of keys (a diagonal block counts as one) and exact (query, key) pairs.

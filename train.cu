@@ -240,14 +240,8 @@ static bool train_step(Trainer& t, int64_t step) {
   float loss_scale = 1.0f / (float)(t.global_batch * seq);
   StepBatch batch{t.inputs.data(), t.targets.data(), o.grad_acc, o.mbs, seq, &t.fault, step};
   if (t.model.cp.size() > 1) {  // Playbook §7: each cp rank holds seq / cp tokens of each sequence
-    t.my_inputs.clear(), t.my_targets.clear();
-    for (int m = 0; m < o.grad_acc; m++) {
-      int64_t at = (int64_t)m * o.mbs * seq;
-      for (auto [all, mine] : {std::pair{&t.inputs, &t.my_inputs}, {&t.targets, &t.my_targets}}) {
-        std::vector<int32_t> part = select_context_tokens(t.model.cp, all->data() + at, o.mbs, seq);
-        mine->insert(mine->end(), part.begin(), part.end());
-      }
-    }
+    t.my_inputs = select_context_tokens(t.model.cp, t.inputs.data(), o.mbs, seq, o.grad_acc);
+    t.my_targets = select_context_tokens(t.model.cp, t.targets.data(), o.mbs, seq, o.grad_acc);
     batch.inputs = t.my_inputs.data(), batch.targets = t.my_targets.data();
     batch.seq = seq / t.model.cp.size();
   }
