@@ -36,7 +36,7 @@ const char* fault_where_name(FaultWhere w) {
 }
 
 void Fault::at(FaultWhere here, int world_rank, int64_t now) const {
-  if (kind.empty() || rank != world_rank || step != now || where != here) return;
+  if (kind.empty() || kind == "inf" || rank != world_rank || step != now || where != here) return;
   fprintf(stderr, "rank %d: injected fault '%s' at step %lld, %s\n", world_rank, kind.c_str(),
           (long long)now, fault_where_name(here));
   fflush(stderr);

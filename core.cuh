@@ -74,7 +74,7 @@ struct UsageError : std::runtime_error {
 
 // --fault KIND:RANK:STEP[:WHERE] (parsed in options.cu), for testing that a failed rank never
 // hangs the job: at place WHERE of step STEP, rank RANK kills itself (crash), stops answering
-// (hang) or fails a check (error). The places, in the order a step passes them:
+// (hang) or fails a check (error); kind inf puts an infinity into its gradient instead. The places, in the order a step passes them:
 enum class FaultWhere { Step, Forward, Backward, Clip, Optimizer, Validation, Save };
 const char* fault_where_name(FaultWhere w);  // "step", "forward", ...
 struct Fault {
@@ -84,6 +84,11 @@ struct Fault {
   FaultWhere where = FaultWhere::Step;
   // Called at each place: fires when this rank, step and place are the fault's.
   void at(FaultWhere here, int world_rank, int64_t now) const;
+  // Kind inf (fp16 loss scaling's test): this rank's gradient gets an infinity after the
+  // backward of this step, as an fp16 overflow would put there.
+  bool injects_inf(int world_rank, int64_t now) const {
+    return kind == "inf" && rank == world_rank && step == now;
+  }
 };
 
 // ----------------------------------------------------------------------------
@@ -93,6 +98,9 @@ enum class Device { CPU, CUDA };
 // F32 and I32 compute; BF16, F16 and the two FP8 formats are storage (mixed_precision.cuh).
 enum class DType { F32, I32, BF16, F16, F8E4M3, F8E5M2 };
 enum class Mem { Params, Grads, Optimizer, Activations, Workspace, Count };
+// What the linear layers compute in (--dtype; mixed_precision.cuh): their inputs rounded to
+// bf16 or fp16 (or FP8 tiles), products summed in fp32, outputs rounded; everything else fp32.
+enum class Precision { FP32, BF16, FP16, FP8 };
 
 const char* device_name(Device d);
 const char* dtype_name(DType t);  // safetensors spelling: "F32", "I32", "BF16", "F16", "F8_E4M3"...
@@ -170,6 +178,7 @@ struct Context {
   cudaStream_t stream = nullptr;  // compute stream (CUDA only)
   cublasHandle_t cublas = nullptr;
   bool sync_launches = false;     // debugging: synchronise after every kernel (launch_check)
+  Precision precision = Precision::FP32;  // of the linear layers (mixed_precision.cuh)
   static Context create(Device device);
   void destroy();
   void synchronize() const;  // wait for the compute stream (tests, timers); counted

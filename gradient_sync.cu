@@ -28,6 +28,11 @@ float GradientSync::clip_grad_norm(const Context& ctx, float max_norm) {
   return norm;
 }
 
+void GradientSync::poison_gradient(const Context& ctx) {
+  PICO_ASSERT(!slices_.empty(), "poison_gradient: this rank updates no parameter");
+  fill_(Tensor{nullptr, slices_.front().grad, {1}, DType::F32, ctx.device}, INFINITY);
+}
+
 void GradientSync::save(const Context& ctx, const std::string& dir, DType weights_dtype) {
   Tensor weights = gather_flat(ctx, Part::Params);
   Tensor m = gather_flat(ctx, Part::ExpAvg), v = gather_flat(ctx, Part::ExpAvgSq);

@@ -25,6 +25,10 @@ class GradientSync {
   // hold it, summed over dp_cp when sharded and over every group that splits the model (tp);
   // then every gradient scaled by max_norm / norm when the norm exceeds max_norm > 0.
   float clip_grad_norm(const Context& ctx, float max_norm);
+  // Every gradient this rank holds times alpha (fp16: dividing out the loss scale).
+  void scale_gradients(const Context& ctx, float alpha) { scale_grads(ctx, alpha); }
+  // Testing fp16 loss scaling (--fault inf): an infinity in this rank's first gradient.
+  void poison_gradient(const Context& ctx);
   virtual void step(const Context& ctx, float lr) = 0;  // AdamW on what this rank updates
   int64_t optimizer_steps() const { return adamw_.steps; }
 

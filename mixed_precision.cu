@@ -14,6 +14,8 @@
 // per-tile scales for fp8. Values only ever widen exactly back to fp32.
 #include "mixed_precision.cuh"
 
+#include "ops.cuh"
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -251,4 +253,237 @@ void dequantize_tiles(const Tensor& x, const Tensor& q, const Tensor& scales, in
     xv[r * cols + c] = (q.dtype == DType::F8E4M3 ? e4m3_to_float(b) : e5m2_to_float(b)) *
                        s[tr * tiles_across + tc];
   });
+}
+
+// ============================================================================
+// Training in low precision: the linear layers' arithmetic (see mixed_precision.cuh)
+// ============================================================================
+
+Precision parse_precision(const std::string& flag) {
+  if (flag == "fp32") return Precision::FP32;
+  if (flag == "bf16") return Precision::BF16;
+  if (flag == "fp16") return Precision::FP16;
+  if (flag == "fp8") return Precision::FP8;
+  throw UsageError("--dtype " + flag + ": unknown; use fp32, bf16, fp16 or fp8");
+}
+const char* precision_name(Precision p) {
+  static const char* names[] = {"fp32", "bf16", "fp16", "fp8"};
+  return names[(int)p];
+}
+DType output_dtype(Precision p) {
+  return p == Precision::FP32 ? DType::F32 : p == Precision::FP16 ? DType::F16 : DType::BF16;
+}
+
+static RoundingStats g_rounding[2];  // forward, backward (observation only)
+RoundingStats rounding_stats(bool backward) { return g_rounding[backward]; }
+void reset_rounding_stats() { g_rounding[0] = g_rounding[1] = RoundingStats{}; }
+
+// bf16 keeps the top 16 bits of an fp32: add half of the dropped part (minus one unless the
+// kept part is odd, so a tie goes to even) and cut. Agrees with encode() everywhere but NaN,
+// which has its own branch; about ten times faster, and every activation passes here.
+static float round_bf16(float x) {
+  uint32_t b = float_bits(x);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return NAN;
+  b = (b + 0x7FFFu + ((b >> 16) & 1)) & 0xFFFF0000u;
+  float y;
+  memcpy(&y, &b, 4);
+  return y;
+}
+
+// fp16 the same way, 13 bits cut; below fp16's smallest normal (2^-14) its subnormals are the
+// multiples of 2^-24, to which nearbyint rounds (ties to even, the default rounding mode);
+// past 65504 a value is infinite. Agrees with encode() everywhere but NaN.
+static float round_fp16(float x) {
+  const float a = std::fabs(x);
+  if (!(a <= 65504.0f)) {
+    if (std::isnan(x)) return NAN;
+    if (a >= 65520.0f) return std::copysign(INFINITY, x);  // half an ulp past the largest
+  }
+  if (a < 6.103515625e-05f) return std::nearbyint(x * 16777216.0f) * (1.0f / 16777216.0f);
+  uint32_t b = float_bits(x);
+  b = (b + 0xFFFu + ((b >> 13) & 1)) & 0xFFFFE000u;
+  float y;
+  memcpy(&y, &b, 4);
+  return y;
+}
+
+__global__ void round_kernel(float* x, int64_t n, DType format) {
+  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  x[i] = format == DType::BF16 ? __bfloat162float(__float2bfloat16_rn(x[i]))
+                               : __half2float(__float2half_rn(x[i]));
+}
+
+void round_(const Context& ctx, const Tensor& x, DType format, bool backward) {
+  PICO_ASSERT(x.dtype == DType::F32 && (format == DType::BF16 || format == DType::F16),
+              std::string("round_ to ") + dtype_name(format));
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  if (ctx.device == Device::CUDA) {
+    round_kernel<<<(unsigned)((n + 255) / 256), 256, 0, ctx.stream>>>(x.f32(), n, format);
+    return LAUNCH_CHECK(ctx, "round_kernel");
+  }
+  float* v = x.f32();
+  RoundingStats& stats = g_rounding[backward];
+  uint64_t nonzero = 0, flushed = 0, overflowed = 0;
+  for (int64_t i = 0; i < n; i++) {
+    const float before = v[i];
+    const float after = format == DType::BF16 ? round_bf16(before) : round_fp16(before);
+    nonzero += before != 0.0f;
+    flushed += before != 0.0f && after == 0.0f;
+    overflowed += std::isfinite(before) && std::isinf(after);
+    v[i] = after;
+  }
+  stats.nonzero += nonzero, stats.flushed += flushed, stats.overflowed += overflowed;
+}
+
+// One block per tile: its absmax, then every element through fp8 and back times the scale,
+// with the CPU's fp32 operations in the CPU's order (so the results agree bit for bit).
+__global__ void fake_quantize_kernel(float* x, int64_t rows, int64_t cols, int tile_rows,
+                                     int tile_cols, DType format, float largest) {
+  const int64_t tiles_across = (cols + tile_cols - 1) / tile_cols;
+  const int64_t r0 = blockIdx.x / tiles_across * tile_rows, c0 = blockIdx.x % tiles_across * tile_cols;
+  const int64_t tr = min((int64_t)tile_rows, rows - r0), tc = min((int64_t)tile_cols, cols - c0);
+  __shared__ float partial[32];
+  float m = 0.0f;
+  for (int64_t k = threadIdx.x; k < tr * tc; k += blockDim.x)
+    m = fmaxf(m, fabsf(x[(r0 + k / tc) * cols + c0 + k % tc]));
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = m;
+  __syncthreads();
+  m = 0.0f;
+  for (int w = 0; w < (int)blockDim.x / 32; w++) m = fmaxf(m, partial[w]);
+  const float s = m > 0.0f ? m / largest : 1.0f;
+  const __nv_fp8_interpretation_t fmt = format == DType::F8E4M3 ? __NV_E4M3 : __NV_E5M2;
+  const __nv_saturation_t sat = format == DType::F8E4M3 ? __NV_SATFINITE : __NV_NOSAT;
+  for (int64_t k = threadIdx.x; k < tr * tc; k += blockDim.x) {
+    float& v = x[(r0 + k / tc) * cols + c0 + k % tc];
+    const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(v / s, sat, fmt);
+    v = __half2float(__half(__nv_cvt_fp8_to_halfraw(q, fmt))) * s;
+  }
+}
+
+void fake_quantize_tiles_(const Context& ctx, const Tensor& x, DType format, int tile_rows,
+                          int tile_cols) {
+  PICO_ASSERT(x.dim() == 2 && x.dtype == DType::F32, "fake_quantize_tiles_ of " + x.shape_str());
+  const int64_t rows = x.size(0), cols = x.size(1);
+  if (rows == 0 || cols == 0) return;
+  const int64_t tiles = ((rows + tile_rows - 1) / tile_rows) * ((cols + tile_cols - 1) / tile_cols);
+  if (ctx.device == Device::CUDA) {
+    fake_quantize_kernel<<<(unsigned)tiles, 256, 0, ctx.stream>>>(
+        x.f32(), rows, cols, tile_rows, tile_cols, format, max_finite(format));
+    return LAUNCH_CHECK(ctx, "fake_quantize_kernel");
+  }
+  Tensor q = empty(x.shape, Mem::Workspace, Device::CPU, format);
+  Tensor scales = empty({(rows + tile_rows - 1) / tile_rows, (cols + tile_cols - 1) / tile_cols},
+                        Mem::Workspace, Device::CPU);
+  quantize_tiles(q, scales, x, tile_rows, tile_cols);
+  dequantize_tiles(x, q, scales, tile_rows, tile_cols);
+}
+
+// What a GEMM reads of `t` ([rows, cols], the contraction along cols for activations and
+// gradients): its values rounded, or FP8 tiles (DeepSeek-V3: 1 x 128 for activations and
+// gradients, 128 x 128 for weights), dequantized. A workspace the caller drops after the GEMM.
+// On CUDA, bf16 and fp16 operands are stored in that format for the tensor cores.
+enum class Operand { Activation, Weight, Gradient };
+static Tensor gemm_operand(const Context& ctx, const Tensor& t, Operand role) {
+  const DType format = output_dtype(ctx.precision);
+  if (ctx.device == Device::CUDA && ctx.precision != Precision::FP8) {
+    Tensor h = empty(ctx, t.shape, Mem::Workspace, format);
+    const int64_t n = t.numel();
+    if (n > 0) cast_from_f32_kernel<<<(unsigned)((n + 255) / 256), 256, 0, ctx.stream>>>(h.ptr, format, t.f32(), n);
+    LAUNCH_CHECK(ctx, "cast_from_f32_kernel");
+    return h;
+  }
+  Tensor copy = empty(ctx, t.shape, Mem::Workspace);
+  if (ctx.device == Device::CUDA)
+    CUDA_CHECK(cudaMemcpyAsync(copy.ptr, t.ptr, t.nbytes(), cudaMemcpyDeviceToDevice, ctx.stream));
+  else
+    copy_(copy, t);
+  Tensor m = copy.reshape({t.numel() / t.size(-1), t.size(-1)});
+  if (ctx.precision != Precision::FP8)
+    round_(ctx, m, format, role == Operand::Gradient);
+  else if (role == Operand::Weight)
+    fake_quantize_tiles_(ctx, m, DType::F8E4M3, 128, 128);
+  else
+    fake_quantize_tiles_(ctx, m, role == Operand::Activation ? DType::F8E4M3 : DType::F8E5M2, 1, 128);
+  return copy;
+}
+
+// gemm (ops.cuh) on two operands from gemm_operand: fp32 products and sums. F32 operands go
+// through gemm; bf16 / fp16 ones (CUDA) through cublasGemmEx with fp32 compute, the tensor
+// cores' mixed-precision GEMM, with gemm's row-major to column-major swap.
+static void operand_gemm(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K,
+                         const Tensor& A, int lda, const Tensor& B, int ldb, float beta,
+                         const Tensor& C, int ldc) {
+  if (A.dtype == DType::F32)
+    return gemm(ctx, trans_a, trans_b, M, N, K, 1.0f, A.f32(), lda, B.f32(), ldb, beta, C.f32(), ldc);
+  const cudaDataType type = A.dtype == DType::BF16 ? CUDA_R_16BF : CUDA_R_16F;
+  const float alpha = 1.0f;
+  CUBLAS_CHECK(cublasGemmEx(ctx.cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                            trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha, B.ptr, type, ldb,
+                            A.ptr, type, lda, &beta, C.ptr, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT));
+}
+
+void low_precision_linear_forward(const Context& ctx, const Tensor& y, const Tensor& x,
+                                  const Tensor& W) {
+  const int T = (int)x.size(0), in = (int)x.size(-1), out = (int)W.size(0);
+  PICO_ASSERT(W.size(1) == in && y.numel() == (int64_t)T * out, "linear_forward shapes");
+  Tensor xq = gemm_operand(ctx, x, Operand::Activation), wq = gemm_operand(ctx, W, Operand::Weight);
+  operand_gemm(ctx, false, true, T, out, in, xq, in, wq, in, 0.0f, y, out);
+  round_(ctx, y, output_dtype(ctx.precision));
+}
+
+void low_precision_linear_backward(const Context& ctx, const Tensor& dx, const Tensor& dW,
+                                   const Tensor& dy, const Tensor& x, const Tensor& W,
+                                   bool accumulate_dx) {
+  const int T = (int)x.size(0), in = (int)x.size(-1), out = (int)W.size(0);
+  Tensor dyq = gemm_operand(ctx, dy, Operand::Gradient);
+  if (dx.defined()) {  // dx[T, in] = dy[T, out] @ W[out, in], stored rounded
+    Tensor wq = gemm_operand(ctx, W, Operand::Weight);
+    operand_gemm(ctx, false, false, T, in, out, dyq, out, wq, in, accumulate_dx ? 1.0f : 0.0f, dx, in);
+    round_(ctx, dx, output_dtype(ctx.precision), true);
+  }
+  if (dW.defined()) {  // dW[out, in] += dy^T @ x, summed into the fp32 accumulator
+    Tensor xq = gemm_operand(ctx, x, Operand::Activation);
+    operand_gemm(ctx, true, false, out, in, T, dyq, out, xq, in, 1.0f, dW, in);
+  }
+}
+
+// ============================================================================
+// Dynamic loss scaling
+// ============================================================================
+
+bool LossScaler::update(bool gradients_finite) {
+  if (!enabled) return gradients_finite;
+  if (!gradients_finite) {
+    skipped++;
+    good_steps = 0;
+    if (dynamic) scale = std::max(scale / 2, 1.0f);
+    return false;
+  }
+  if (dynamic && ++good_steps >= window) scale = std::min(scale * 2, 65536.0f * 65536.0f), good_steps = 0;
+  return true;
+}
+
+LossScaler make_loss_scaler(Precision p, const std::string& loss_scale, int window,
+                            bool flags_given) {
+  LossScaler s;
+  if (p != Precision::FP16) {
+    if (flags_given)
+      throw UsageError(std::string("--loss-scale and --loss-scale-window apply to --dtype fp16 only (this run is ") +
+                       precision_name(p) + "); drop them");
+    return s;
+  }
+  s.enabled = true;
+  if (window < 1) throw UsageError("--loss-scale-window " + std::to_string(window) + ": use 1 or more steps");
+  s.window = window;
+  if (loss_scale == "dynamic") return s;
+  char* end = nullptr;
+  const float v = strtof(loss_scale.c_str(), &end);
+  if (end == loss_scale.c_str() || *end != '\0' || !std::isfinite(v) || v <= 0.0f)
+    throw UsageError("--loss-scale " + loss_scale + ": use dynamic or a positive number (1: no scaling)");
+  s.dynamic = false, s.scale = v;
+  return s;
 }

@@ -36,3 +36,64 @@ void quantize_tiles(const Tensor& q, const Tensor& scales, const Tensor& x, int 
 // x = q * scale of its tile (shapes as quantize_tiles).
 void dequantize_tiles(const Tensor& x, const Tensor& q, const Tensor& scales, int tile_rows,
                       int tile_cols);
+
+// ----------------------------------------------------------------------------
+// Training in low precision (Playbook §Mixed precision training, §FP8 pretraining)
+//
+// The weights the optimizer updates stay fp32 (the "master weights"), and so do Adam's
+// moments and the gradient accumulators. What changes is the arithmetic of the linear layers,
+// which hold nearly all the FLOPs: under --dtype bf16 or fp16 each GEMM reads its two operands
+// rounded to that format, sums their products in fp32 (as tensor cores do) and stores its
+// output rounded; under fp8 the operands are FP8 tiles with one scale each (E4M3 forward,
+// E5M2 for the gradients flowing back) and the outputs bf16. Norms, softmax, attention sums,
+// the loss and every reduction stay fp32.
+
+Precision parse_precision(const std::string& flag);  // fp32|bf16|fp16|fp8, else UsageError
+const char* precision_name(Precision p);             // "fp32", "bf16", ...
+// The format linear outputs are stored in: BF16 (bf16, fp8), F16 (fp16) or F32.
+DType output_dtype(Precision p);
+
+// x := x rounded to `format` (BF16 or F16; the values stay in x's F32 storage), on ctx's stream.
+// `backward` says which rounding statistics count it (CPU only; see RoundingStats).
+void round_(const Context& ctx, const Tensor& x, DType format, bool backward = false);
+// x := dequantize(quantize(x)) with one absmax scale per tile (quantize_tiles), in place: the
+// FP8 values a GEMM would read, times their scales. CPU, or a CUDA kernel matching it.
+void fake_quantize_tiles_(const Context& ctx, const Tensor& x, DType format, int tile_rows,
+                          int tile_cols);
+
+// What rounding did to the values stored by the forward and by the backward: how many were
+// nonzero, how many of those became zero (underflow: fp16's 6e-8 floor) and how many became
+// infinite (overflow: past 65504). Counted on CPU ranks only; observation, like MemoryStats.
+struct RoundingStats {
+  uint64_t nonzero = 0, flushed = 0, overflowed = 0;
+  double flushed_share() const { return nonzero ? (double)flushed / nonzero : 0.0; }
+};
+RoundingStats rounding_stats(bool backward);
+void reset_rounding_stats();
+
+// The linear layers under ctx.precision (ops.cu's linear_forward / linear_backward hand over
+// to these when it is not FP32; same contract). The weight gradient is summed in fp32 into
+// dW, the fp32 accumulator (Megatron's "main_grad").
+void low_precision_linear_forward(const Context& ctx, const Tensor& y, const Tensor& x,
+                                  const Tensor& W);
+void low_precision_linear_backward(const Context& ctx, const Tensor& dx, const Tensor& dW,
+                                   const Tensor& dy, const Tensor& x, const Tensor& W,
+                                   bool accumulate_dx);
+
+// Dynamic loss scaling for fp16 (Micikevicius et al., "Mixed Precision Training"): the loss,
+// hence every gradient, is multiplied by `scale` so that small gradients stay above fp16's
+// underflow; the optimizer sees them divided back. A step whose gradients hold an inf or NaN
+// (the scale was too large) is skipped and the scale halved; after `window` good steps in a
+// row it doubles. A static scale (dynamic false) never changes; 1 is no scaling.
+struct LossScaler {
+  bool enabled = false, dynamic = true;
+  float scale = 65536.0f;  // 2^16
+  int window = 1000;       // good steps before the scale doubles
+  int good_steps = 0;
+  int64_t skipped = 0;     // steps skipped so far
+  // After a step's gradients are known: false when the step must be skipped.
+  bool update(bool gradients_finite);
+};
+// --loss-scale dynamic|S and --loss-scale-window N (fp16 only; UsageError otherwise).
+LossScaler make_loss_scaler(Precision p, const std::string& loss_scale, int window,
+                            bool flags_given);

@@ -10,6 +10,7 @@
 
 #include "checkpoint.cuh"
 #include "data_parallel.cuh"
+#include "mixed_precision.cuh"
 #include "pipeline_parallel.cuh"
 #include "zero.cuh"
 
@@ -60,6 +61,16 @@ void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape) {
   app.add_option("--save", o.save, "write a Hugging Face checkpoint to DIR at the end");
   app.add_option("--save-dtype", o.save_dtype,
                  "model.safetensors in fp32 (the master weights) or bf16 (optimizer state: fp32)")
+      ->capture_default_str();
+  app.add_option("--dtype", o.dtype,
+                 "linear layers in fp32|bf16|fp16|fp8, fp32 master weights (auto: fp32 on CPU, "
+                 "bf16 on CUDA)")
+      ->capture_default_str();
+  app.add_option("--loss-scale", o.loss_scale,
+                 "fp16: dynamic (start 65536, halve on overflow) or a fixed scale (1: none)")
+      ->capture_default_str();
+  app.add_option("--loss-scale-window", o.loss_scale_window,
+                 "fp16: good steps before a dynamic loss scale doubles")
       ->capture_default_str();
   app.add_option("--load", o.load, "start from the checkpoint in DIR (weights, optimizer, step)");
   app.add_option("--log-json", o.log_json, "write one JSON object per step to FILE");
@@ -219,6 +230,9 @@ void resolve_options(Options& o, const std::vector<ShapeFlag>& shape) {
   validate_tensor_parallel(o.model, o.tp, o.sp);
   parse_dp_sync(o.dp_sync);
   parse_save_dtype(o.save_dtype);
+  if (o.dtype != "auto") parse_precision(o.dtype);
+  make_loss_scaler(o.dtype == "fp16" ? Precision::FP16 : Precision::FP32, o.loss_scale,
+                   o.loss_scale_window, given(o, "--loss-scale") || given(o, "--loss-scale-window"));
   parse_zero_stage(o.zero);
   check_range(o.bucket_mb, "--bucket-mb", 0, true, kNoMax, "must be a number > 0, e.g. 25");
   check_range(o.comm_timeout, "--comm-timeout", 0, true, kNoMax,
@@ -253,8 +267,8 @@ Fault parse_fault(const std::string& value) {
   if (fields.size() != 3 && fields.size() != 4) throw fail("not three or four fields");
   Fault f;
   f.kind = fields[0];
-  if (f.kind != "crash" && f.kind != "hang" && f.kind != "error")
-    throw fail("unknown kind '" + f.kind + "' (crash, hang or error)");
+  if (f.kind != "crash" && f.kind != "hang" && f.kind != "error" && f.kind != "inf")
+    throw fail("unknown kind '" + f.kind + "' (crash, hang, error or inf)");
   auto integer = [&](const std::string& text, const char* what) {
     if (text.empty() || text.size() > 12 || text.find_first_not_of("0123456789") != std::string::npos)
       throw fail(std::string(what) + " '" + text + "' is not a non-negative integer");
@@ -262,6 +276,8 @@ Fault parse_fault(const std::string& value) {
   };
   f.rank = (int)integer(fields[1], "rank");
   f.step = integer(fields[2], "step");
+  if (fields.size() == 4 && f.kind == "inf")
+    throw fail("inf has no place: it is put into the gradient after the step's backward");
   if (fields.size() == 4) {
     std::string places;
     for (int w = 0; w <= (int)FaultWhere::Save; w++) {
@@ -271,6 +287,22 @@ Fault parse_fault(const std::string& value) {
     throw fail("unknown place '" + fields[3] + "' (" + places + ")");
   }
   return f;
+}
+
+Precision resolve_precision(const Options& o, Device device) {
+  if (o.dtype == "auto") return device == Device::CUDA ? Precision::BF16 : Precision::FP32;
+  Precision p = parse_precision(o.dtype);
+  if (p == Precision::FP8 && device == Device::CUDA) {
+    int dev = 0, major = 0, minor = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    if (major * 10 + minor < 89)
+      throw UsageError("--dtype fp8 needs FP8 tensor cores (compute capability 8.9 or later: Ada, "
+                       "Hopper); this GPU is " + std::to_string(major) + "." +
+                       std::to_string(minor) + ": use --dtype bf16, or --device cpu to simulate fp8");
+  }
+  return p;
 }
 
 // ----------------------------------------------------------------------------
@@ -371,6 +403,14 @@ void print_config(const Options& o, const Dataset& data, const Comm& comm, int64
     row("gradient sync", "ZeRO-" + s(zero_stage) + ": reduce-scatter per unit" +
                              (o.no_overlap ? ", no overlap" : ", overlapped") +
                              (zero_stage == 3 && !o.no_overlap ? ", prefetch" : ""));
+  {
+    Precision p = resolve_precision(o, comm.device);
+    row("dtype", p == Precision::FP32
+                     ? std::string("fp32")
+                     : std::string(precision_name(p)) + " linear layers, fp32 master weights" +
+                           (o.dtype == "auto" ? " (auto on CUDA)" : "") +
+                           (p == Precision::FP16 ? ", loss scale " + o.loss_scale : ""));
+  }
   row("attention", o.attention == "flash" ? "flash (keeps O and its log-sum-exp: O(T))"
                                          : "naive (keeps the probabilities: O(T^2))");
   row("recompute", o.recompute == "selective" && o.attention == "flash"

@@ -19,6 +19,9 @@ struct Options {
   uint64_t seed = 1337;
   std::string data, save, load, log_json, save_grads, score, prompt = "\n";
   std::string save_dtype = "fp32";  // --save-dtype: model.safetensors in fp32 or bf16
+  // --dtype: the linear layers' arithmetic (mixed_precision.cuh); auto: fp32 on CPU, bf16 on CUDA
+  std::string dtype = "auto", loss_scale = "dynamic";  // --loss-scale: fp16 only
+  int loss_scale_window = 1000;
   int sample = 0;
   // parallelism
   int dp = 1, pp = 1, cp = 1, tp = 1, zero = 0;
@@ -57,5 +60,8 @@ Fault parse_fault(const std::string& flag_value);
 // on world rank 0 every output path (--save, --save-grads, --log-json, --trace) can be
 // written. Throws UsageError with both numbers, or the flag and the path.
 void check_before_start(const Options& o, const Comm& comm);
+// --dtype for `device` (auto: fp32 on CPU, bf16 on CUDA); UsageError for fp8 on a GPU without
+// FP8 tensor cores (before compute capability 8.9).
+Precision resolve_precision(const Options& o, Device device);
 void print_config(const Options& o, const Dataset& data, const Comm& comm, int64_t n_params,
                   int zero_stage);

@@ -21,6 +21,7 @@
 #include "data.cuh"
 #include "data_parallel.cuh"
 #include "gradient_sync.cuh"
+#include "mixed_precision.cuh"
 #include "model.cuh"
 #include "ops.cuh"
 #include "optimizer.cuh"
@@ -222,6 +223,7 @@ struct Trainer {
   TrafficMeter tp_traffic;                  // what the tp group sent in training steps
   PipelineMeasure bubble;                   // busy and idle time of the pipeline schedule
   Fault fault;                              // --fault: where this run fails on purpose
+  LossScaler scaler;                        // fp16's loss scale (mixed_precision.cuh)
 };
 
 // One optimizer step (DESIGN 7). Returns false when the loss is not finite.
@@ -237,7 +239,10 @@ static bool train_step(Trainer& t, int64_t step) {
   t.sync.begin_step(t.ctx);
   // Each micro-batch's gradient is scaled so that the sum over micro-batches and dp ranks is
   // the gradient of the mean loss over every token of the global batch (DESIGN 5).
-  float loss_scale = 1.0f / (float)(t.global_batch * seq);
+  // Under fp16 the loss is also multiplied by the loss scale, and the gradients divided back
+  // before clipping (Playbook §Mixed precision training).
+  float loss_scale = (t.scaler.enabled ? t.scaler.scale : 1.0f) / (float)(t.global_batch * seq);
+  reset_rounding_stats();
   StepBatch batch{t.inputs.data(), t.targets.data(), o.grad_acc, o.mbs, seq, &t.fault, step};
   if (t.model.cp.size() > 1) {  // Playbook §7: each cp rank holds seq / cp tokens of each sequence
     t.my_inputs = select_context_tokens(t.model.cp, t.inputs.data(), o.mbs, seq, o.grad_acc);
@@ -265,11 +270,20 @@ static bool train_step(Trainer& t, int64_t step) {
   if (t.steps_run == 0 && !o.save_grads.empty())  // whole gradients, before clipping
     all_or_none(t.comm, [&] { t.sync.save_gradients(t.ctx, o.save_grads, step); });
   double to = now_seconds();
+  if (t.fault.injects_inf(t.comm.grid.world_rank, step)) t.sync.poison_gradient(t.ctx);
   t.fault.at(FaultWhere::Clip, t.comm.grid.world_rank, step);
+  const float scale = t.scaler.scale;  // the one this step's gradients carry
+  if (t.scaler.enabled) t.sync.scale_gradients(t.ctx, 1.0f / scale);
   float norm = t.sync.clip_grad_norm(t.ctx, o.grad_clip);
+  bool take_step = true;
+  if (t.scaler.enabled) {  // an inf or NaN anywhere skips the step on every rank
+    double overflow = std::isfinite(norm) ? 0.0 : 1.0;
+    all_reduce_host(t.comm.world, &overflow, 1, ReduceOp::Max);
+    take_step = t.scaler.update(overflow == 0.0);
+  }
   float lr = learning_rate(t.schedule, step);
   t.fault.at(FaultWhere::Optimizer, t.comm.grid.world_rank, step);
-  t.sync.step(t.ctx, lr);
+  if (take_step) t.sync.step(t.ctx, lr);
   t.ctx.synchronize();
   t.trace.add("optimizer", Track::Compute, to, now_seconds());
   t.sync.trace_communication(t.trace);
@@ -283,12 +297,19 @@ static bool train_step(Trainer& t, int64_t step) {
   double dt = now_seconds() - t0;
   if (t.comm.grid.world_rank == 0) {
     double tok_s = t.global_batch * seq / dt;
-    printf("step %5lld/%d | loss %.4f | lr %.2e | norm %.4f | %8.0f tok/s | %7.1f ms\n",
-           (long long)step + 1, o.steps, loss, lr, norm, tok_s, dt * 1e3);
-    if (t.log_json.is_open())
-      t.log_json.write_line(nlohmann::json{{"step", step + 1}, {"loss", loss}, {"lr", lr},
-                                           {"grad_norm", norm}, {"tokens_per_s", tok_s}}
-                                .dump());
+    std::string scaling;
+    if (t.scaler.enabled)
+      scaling = " | scale " + std::to_string((long long)scale) + (take_step ? "" : " (overflow: step skipped)");
+    printf("step %5lld/%d | loss %.4f | lr %.2e | norm %.4f | %8.0f tok/s | %7.1f ms%s\n",
+           (long long)step + 1, o.steps, loss, lr, norm, tok_s, dt * 1e3, scaling.c_str());
+    if (t.log_json.is_open()) {
+      nlohmann::json line{{"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm},
+                          {"tokens_per_s", tok_s}};
+      if (t.scaler.enabled) line["loss_scale"] = scale, line["skipped"] = !take_step;
+      if (t.ctx.precision != Precision::FP32 && t.ctx.device == Device::CPU)
+        line["grad_underflow"] = rounding_stats(true).flushed_share();
+      t.log_json.write_line(line.dump());
+    }
   }
   return true;
 }
@@ -397,6 +418,7 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
   t.inputs.resize(rank_batch * c.seq), t.targets.resize(rank_batch * c.seq);
   t.trace.enabled = !o.trace.empty();
   if (!o.fault.empty()) t.fault = parse_fault(o.fault);
+  t.scaler = make_loss_scaler(ctx.precision, o.loss_scale, o.loss_scale_window, false);
   all_or_none(comm, [&] {
     if (main_rank && !o.log_json.empty()) t.log_json.open("--log-json", o.log_json);
   });
@@ -439,6 +461,7 @@ int main(int argc, char** argv) {
     Comm comm = comm_init(o.dp, o.pp, o.cp, o.tp, o.comm, device, o.comm_timeout);
     set_sync_launches(o.sync_launches);
     Context ctx = Context::create(device);
+    ctx.precision = resolve_precision(o, device);
     code = run(o, comm, ctx);
     ctx.destroy();
     comm_destroy(comm);

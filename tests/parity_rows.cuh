@@ -1,0 +1,120 @@
+// parity_rows.cuh: the parity matrix's layouts (DESIGN 8), shared by the fp32 matrix
+// (test_parity.cu) and its bf16 run (test_precision_parity.cu). Adding a layout is one row.
+#pragma once
+#include <string>
+#include <vector>
+
+struct ParityRow {
+  std::string name;
+  int ranks;              // mpirun -np
+  std::string layout;     // flags of the parallel run
+  std::string reference;  // flags of its single-process equivalent (DESIGN 5)
+};
+
+// dp d with grad-acc g reads the same global batch as one process with grad-acc d*g.
+inline const std::vector<ParityRow> PARITY_ROWS = {
+    {"dp 2, naive", 2, "--dp 2 --dp-sync naive", "--grad-acc 2"},
+    {"dp 2, bucket", 2, "--dp 2 --dp-sync bucket", "--grad-acc 2"},
+    {"dp 2, ring", 2, "--dp 2 --dp-sync ring", "--grad-acc 2"},
+    {"dp 3, naive", 3, "--dp 3 --dp-sync naive", "--grad-acc 3"},
+    {"dp 3, bucket", 3, "--dp 3 --dp-sync bucket", "--grad-acc 3"},
+    {"dp 3, ring", 3, "--dp 3 --dp-sync ring", "--grad-acc 3"},
+    {"dp 4, naive", 4, "--dp 4 --dp-sync naive", "--grad-acc 4"},
+    {"dp 4, bucket", 4, "--dp 4 --dp-sync bucket", "--grad-acc 4"},
+    {"dp 4, ring", 4, "--dp 4 --dp-sync ring", "--grad-acc 4"},
+    {"dp 2, grad-acc 2", 2, "--dp 2 --grad-acc 2", "--grad-acc 4"},
+    {"dp 2, buckets that split neighbours", 2, "--dp 2 --bucket-mb 0.01", "--grad-acc 2"},
+    {"dp 2, ring, buckets that split neighbours", 2, "--dp 2 --dp-sync ring --bucket-mb 0.003",
+     "--grad-acc 2"},
+    // ZeRO (Playbook §4): any group size; dp 3 pads every unit's shards. Stages 2 and 3
+    // reduce-scatter every micro-batch and accumulate into the shard.
+    {"zero 1, dp 2", 2, "--zero 1 --dp 2", "--grad-acc 2"},
+    {"zero 1, dp 2, grad-acc 2", 2, "--zero 1 --dp 2 --grad-acc 2", "--grad-acc 4"},
+    {"zero 1, dp 3", 3, "--zero 1 --dp 3", "--grad-acc 3"},
+    {"zero 1, dp 3, grad-acc 2", 3, "--zero 1 --dp 3 --grad-acc 2", "--grad-acc 6"},
+    {"zero 1, dp 4", 4, "--zero 1 --dp 4", "--grad-acc 4"},
+    {"zero 1, dp 4, grad-acc 2", 4, "--zero 1 --dp 4 --grad-acc 2", "--grad-acc 8"},
+    {"zero 2, dp 2", 2, "--zero 2 --dp 2", "--grad-acc 2"},
+    {"zero 2, dp 2, grad-acc 2", 2, "--zero 2 --dp 2 --grad-acc 2", "--grad-acc 4"},
+    {"zero 2, dp 3", 3, "--zero 2 --dp 3", "--grad-acc 3"},
+    {"zero 2, dp 3, grad-acc 2", 3, "--zero 2 --dp 3 --grad-acc 2", "--grad-acc 6"},
+    {"zero 2, dp 4", 4, "--zero 2 --dp 4", "--grad-acc 4"},
+    {"zero 2, dp 4, grad-acc 2", 4, "--zero 2 --dp 4 --grad-acc 2", "--grad-acc 8"},
+    {"zero 3, dp 2", 2, "--zero 3 --dp 2", "--grad-acc 2"},
+    {"zero 3, dp 2, grad-acc 2", 2, "--zero 3 --dp 2 --grad-acc 2", "--grad-acc 4"},
+    {"zero 3, dp 3", 3, "--zero 3 --dp 3", "--grad-acc 3"},
+    {"zero 3, dp 3, grad-acc 2", 3, "--zero 3 --dp 3 --grad-acc 2", "--grad-acc 6"},
+    {"zero 3, dp 4", 4, "--zero 3 --dp 4", "--grad-acc 4"},
+    {"zero 3, dp 4, grad-acc 2", 4, "--zero 3 --dp 4 --grad-acc 2", "--grad-acc 8"},
+    // Tied embeddings: the head writes the embedding's gradient and (stage 3) gathers its weights.
+    {"zero 2, dp 3, tied embeddings", 3, "--zero 2 --dp 3 --tie-embeddings",
+     "--grad-acc 3 --tie-embeddings"},
+    {"zero 3, dp 2, tied embeddings, full recompute", 2,
+     "--zero 3 --dp 2 --tie-embeddings --recompute full",
+     "--grad-acc 2 --tie-embeddings --recompute full"},
+    {"zero 3, dp 3, no overlap (no prefetch)", 3, "--zero 3 --dp 3 --no-overlap", "--grad-acc 3"},
+    // Tensor and sequence parallelism: the same batch, so the reference is one plain process.
+    {"tp 2", 2, "--tp 2", ""},
+    {"tp 4 (2 kv heads: each replicated on 2 ranks)", 4, "--tp 4", ""},
+    {"tp 2, sp", 2, "--tp 2 --sp", ""},
+    {"tp 4, sp", 4, "--tp 4 --sp", ""},
+    {"tp 2, one kv head (fewer kv heads than tp)", 2, "--tp 2 --kv-heads 1", "--kv-heads 1"},
+    {"tp 2, sp, full recompute", 2, "--tp 2 --sp --recompute full", "--recompute full"},
+    {"tp 2, tied embeddings, selective recompute", 2,
+     "--tp 2 --tie-embeddings --recompute selective", "--tie-embeddings --recompute selective"},
+    {"dp 2 x tp 2", 4, "--dp 2 --tp 2", "--grad-acc 2"},
+    {"dp 2 x tp 2, zero 1", 4, "--dp 2 --tp 2 --zero 1", "--grad-acc 2"},
+    {"dp 2 x tp 2, sp, zero 3, grad-acc 2", 4, "--dp 2 --tp 2 --sp --zero 3 --grad-acc 2",
+     "--grad-acc 4"},
+    // Pipeline parallelism (Playbook §8): the step's micro-batches (grad-acc) flow through the
+    // stages in the schedule's order; the reference is one process with the same micro-batches.
+    {"pp 2, afab", 2, "--pp 2 --pp-schedule afab --grad-acc 4", "--grad-acc 4"},
+    {"pp 2, 1f1b", 2, "--pp 2 --pp-schedule 1f1b --grad-acc 4", "--grad-acc 4"},
+    {"pp 2, interleaved, 2 chunks per rank (4 layers)", 2,
+     "--layers 4 --pp 2 --pp-schedule interleaved --pp-virtual 2 --grad-acc 4",
+     "--layers 4 --grad-acc 4"},
+    {"pp 4, afab (4 layers)", 4, "--layers 4 --pp 4 --pp-schedule afab --grad-acc 4",
+     "--layers 4 --grad-acc 4"},
+    {"pp 4, 1f1b (4 layers)", 4, "--layers 4 --pp 4 --grad-acc 4", "--layers 4 --grad-acc 4"},
+    {"pp 4, 1f1b, fewer micro-batches than stages", 4, "--layers 4 --pp 4 --grad-acc 2",
+     "--layers 4 --grad-acc 2"},
+    {"pp 4, interleaved, 2 chunks per rank (8 layers)", 4,
+     "--layers 8 --pp 4 --pp-schedule interleaved --pp-virtual 2 --grad-acc 4",
+     "--layers 8 --grad-acc 4"},
+    // Zero bubble (§8.6): the backward split into input gradient (B) and weight gradient (W).
+    {"pp 2, zb-h1", 2, "--pp 2 --pp-schedule zb-h1 --grad-acc 4", "--grad-acc 4"},
+    {"pp 4, zb-h1 (4 layers)", 4, "--layers 4 --pp 4 --pp-schedule zb-h1 --grad-acc 4",
+     "--layers 4 --grad-acc 4"},
+    {"pp 2 x tp 2, sp, zb-h1, one kv head (replicated)", 4,
+     "--pp 2 --tp 2 --sp --kv-heads 1 --pp-schedule zb-h1 --grad-acc 2",
+     "--kv-heads 1 --grad-acc 2"},
+    {"pp 2 x dp 2, zb-h1, zero 1", 4, "--pp 2 --dp 2 --zero 1 --pp-schedule zb-h1 --grad-acc 2",
+     "--grad-acc 4"},
+    // Context parallelism (Playbook §7): every rank holds seq / cp tokens of each sequence.
+    {"cp 2, zigzag, ring", 2, "--cp 2", ""},
+    {"cp 2, contiguous, ring", 2, "--cp 2 --cp-balance contiguous", ""},
+    {"cp 2, zigzag, all-gather", 2, "--cp 2 --cp-comm allgather", ""},
+    {"cp 4, zigzag, ring", 4, "--cp 4", ""},
+    {"cp 4, contiguous, all-gather", 4, "--cp 4 --cp-balance contiguous --cp-comm allgather", ""},
+    {"cp 2 x dp 2", 4, "--cp 2 --dp 2", "--grad-acc 2"},
+    {"cp 2 x tp 2, sp", 4, "--cp 2 --tp 2 --sp", ""},
+    {"cp 2 x dp 2, zero 3", 4, "--cp 2 --dp 2 --zero 3", "--grad-acc 2"},
+    {"cp 2 x pp 2", 4, "--cp 2 --pp 2 --grad-acc 2", "--grad-acc 2"},
+    {"cp 2 x tp 2, sp x pp 2 (8 ranks: four dimensions at once)", 8,
+     "--cp 2 --tp 2 --sp --pp 2 --grad-acc 2", "--grad-acc 2"},
+    {"cp 2, full recompute (the ring runs again in the backward)", 2,
+     "--cp 2 --recompute full", "--recompute full"},
+    {"pp 2, 5 layers (3 + 2)", 2, "--layers 5 --pp 2 --grad-acc 2", "--layers 5 --grad-acc 2"},
+    {"pp 2 x dp 2", 4, "--pp 2 --dp 2 --grad-acc 2", "--grad-acc 4"},
+    {"pp 2 x tp 2, sp", 4, "--pp 2 --tp 2 --sp --grad-acc 2", "--grad-acc 2"},
+    {"pp 2 x dp 2 x tp 2", 8, "--pp 2 --dp 2 --tp 2 --grad-acc 2", "--grad-acc 4"},
+    {"pp 2 x dp 2, zero 1", 4, "--pp 2 --dp 2 --zero 1 --grad-acc 2", "--grad-acc 4"},
+    {"pp 2 x dp 2, zero 2, full recompute", 4,
+     "--pp 2 --dp 2 --zero 2 --recompute full --grad-acc 2", "--grad-acc 4 --recompute full"},
+};
+
+// Small enough that a run takes about a second on one core; clipping is active (norms ~1).
+inline const std::string COMMON =
+    "--d-model 32 --layers 2 --heads 4 --kv-heads 2 --ffn 64 --seq 16 --mbs 2 --steps 3 "
+    "--warmup 1 --grad-clip 0.5 --val-every 0 --val-seqs 4 --comm-timeout 60 ";
+
