@@ -10,10 +10,13 @@
 #include "checkpoint.cuh"
 #include "launch.cuh"
 
-inline const std::vector<std::string> kFixtures = {"gqa", "mha_tied", "mqa_theta100"};
+// gqa_bf16 was saved by transformers in bf16: loaded here it widens exactly, so the float64
+// reference of those bf16 weights holds it to the same tolerances as the fp32 fixtures.
+inline const std::vector<std::string> kFixtures = {"gqa", "mha_tied", "mqa_theta100", "gqa_bf16"};
 
 struct Golden {
   std::string dir;
+  DType dtype = DType::F32;  // of the fixture's model.safetensors (F32, or BF16 for gqa_bf16)
   ModelConfig cfg;
   int B = 0, T = 0;
   std::vector<int32_t> ids, targets;              // [B*T] each
@@ -33,6 +36,9 @@ inline Golden read_golden(const std::string& name) {
   g.dir = "tests/data/golden/" + name;
   g.cfg = read_checkpoint_config(g.dir);
   g.ref = read_f32_tensors(g.dir + "/golden.safetensors");
+  auto weights = read_raw_tensors(g.dir + "/model.safetensors");
+  REQUIRE(!weights.empty());
+  REQUIRE(dtype_from_name(weights.begin()->second.dtype, &g.dtype));
   REQUIRE(g.ref.count("batch"));
   const std::vector<float>& batch = g.ref["batch"];  // [B, T+1] token ids (exact in fp32)
   g.T = g.cfg.seq;

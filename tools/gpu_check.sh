@@ -51,7 +51,7 @@ declare -A ESTIMATE=(
   [device_info]=5 [setup]=15 [libraries]=5 [mpi_singleton]=5 [unit_gpu_sync]=60 [unit_gpu]=40
   [train_cuda_vs_cpu]=40 [mpi_gpu_np1]=20 [nccl_timeout]=15 [mpi_gpu_np2]=30 [dp2_vs_grad_acc2]=30 [train_tiny]=20
   [train_medium]=40 [bench]=90 [bench_comm]=40 [memcheck]=100 [racecheck]=60 [racecheck_tp]=40
-  [unit_gpu_flash]=40 [flash_bench]=120 [flash_torch]=90 [racecheck_flash]=60
+  [unit_gpu_flash]=40 [dtype_llama1b]=150 [flash_bench]=120 [flash_torch]=90 [racecheck_flash]=60
 )
 
 elapsed() { echo $(($(date +%s) - START + CHARGED)); }
@@ -343,6 +343,25 @@ for model in tiny medium; do
     fail $name "exit $STEP_RC; $stats"
   fi
 done
+
+# ---- the same llama-1b step in fp32, bf16 and fp8: tokens/s and MFU (Playbook §Mixed precision) ----
+# MFU = tokens/s x (6N + 12 L h s) FLOPs per token (the book's count) over the GPU's dense peak
+# for the format (H100/H200 SXM: fp32 67, bf16 989, fp8 1979 TFLOP/s); the bf16 target is 50%.
+if run_step dtype_llama1b 240 bash -c "for d in fp32 bf16 fp8; do echo \"== dtype \$d\"; $RUN ./train --device cuda \
+    --model llama-1b --dtype \$d --mbs 1 --steps 4 --warmup 1 --val-every 0 --val-seqs 1 $DATA || exit 1; done"; then
+  mfu=$(awk '
+    /^== dtype/ { d = $3 }
+    /\| parameters/ { split($0, a, "|"); split(a[3], b, " "); n = b[1] }
+    /^step .* tok\/s/ { split($0, f, "|"); split(f[5], t, " "); tok[d] = t[1] }
+    END {
+      peak["fp32"] = 67e12; peak["bf16"] = 989e12; peak["fp8"] = 1979e12
+      flops = 6 * n + 12 * 16 * 2048 * 2048  # llama-1b: L 16, h 2048, s 2048
+      for (d in tok) printf "%s %.0f tok/s MFU %.1f%%; ", d, tok[d], 100 * tok[d] * flops / peak[d]
+    }' "$LOGS/dtype_llama1b.log")
+  record dtype_llama1b PASS "$STEP_SECONDS" "${mfu:-no step lines} (bf16 target 50%)"
+else
+  fail dtype_llama1b "exit $STEP_RC"
+fi
 
 # ---- benchmarks: one training step (CPU and GPU), all-reduce bandwidth on 2 ranks ----
 if run_step bench 200 "$RUN" build/bench_step; then

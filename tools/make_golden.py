@@ -38,6 +38,9 @@ FIXTURES = {
     "mha_tied": (4, 4, True, 10000.0, 1e-6),
     "mqa_theta100": (4, 1, False, 100.0, 0.05),  # large eps and fast rotations: both visible
 }
+# Saved by transformers in bf16 (torch_dtype bfloat16): the reference is float64 of the bf16
+# weights, and golden.safetensors also holds "loss_bf16", what transformers computes in bf16.
+BF16_FIXTURES = {"gqa_bf16": (4, 2, False, 10000.0, 1e-5)}
 
 
 def rmsnorm_fp64(self, x):
@@ -60,7 +63,7 @@ def write_shard(path, tokens):  # llm.c: 256 int32 header (magic, version, count
         f.write(struct.pack("<256i", *header) + struct.pack(f"<{len(tokens)}H", *tokens))
 
 
-def make(name, heads, kv_heads, tied, theta, eps, seed):
+def make(name, heads, kv_heads, tied, theta, eps, seed, bf16=False):
     cfg = LlamaConfig(vocab_size=32, hidden_size=24, intermediate_size=32, num_hidden_layers=2,
                       num_attention_heads=heads, num_key_value_heads=kv_heads,
                       max_position_embeddings=T, rope_theta=theta, rms_norm_eps=eps,
@@ -78,6 +81,9 @@ def make(name, heads, kv_heads, tied, theta, eps, seed):
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * (2 if "lm_head" in pname else 1) / math.sqrt(p.shape[1]))
     d = os.path.join(OUT, name)
+    loss_bf16 = None
+    if bf16:
+        model = model.to(torch.bfloat16)
     model.save_pretrained(d, safe_serialization=True)
     os.remove(os.path.join(d, "generation_config.json"))
 
@@ -86,11 +92,17 @@ def make(name, heads, kv_heads, tied, theta, eps, seed):
     write_shard(os.path.join(d, "tokens.bin"), stream.tolist() + torch.randint(0, 32, (B * T + 1,), generator=g).tolist())
     write_shard(os.path.join(d, "score.bin"), batch.flatten().tolist())
 
+    if bf16:  # transformers' own bf16 forward, unpatched (its RMSNorm and RoPE as shipped)
+        with patched(False), torch.no_grad():
+            lb = model(input_ids=batch[:, :T]).logits.float()
+            loss_bf16 = torch.nn.functional.cross_entropy(lb.reshape(B * T, -1), batch[:, 1:].reshape(-1))
     model = model.double()
     logits = model(input_ids=batch[:, :T]).logits.double()  # [B, T, V]
     loss = torch.nn.functional.cross_entropy(logits.reshape(B * T, -1), batch[:, 1:].reshape(-1))
     loss.backward()
     out = {"batch": batch.float(), "logits": logits.reshape(B * T, -1), "loss": loss.reshape(1)}
+    if loss_bf16 is not None:
+        out["loss_bf16"] = loss_bf16.reshape(1)
     for pname, p in model.named_parameters():  # tied: one tensor, both gradients summed
         out["grad." + pname] = p.grad
     save_file({k: v.detach().float().contiguous() for k, v in out.items()}, os.path.join(d, "golden.safetensors"),
@@ -98,9 +110,31 @@ def make(name, heads, kv_heads, tied, theta, eps, seed):
     print(f"{name}: loss {loss.item():.6f}, {sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))} bytes")
 
 
+ORIGINAL = (llama.LlamaRMSNorm.forward, llama.LlamaRotaryEmbedding.forward)
+
+
+class patched:  # with patched(on): the float64 RMSNorm and RoPE above, or transformers' own
+    def __init__(self, on):
+        self.on = on
+
+    def __enter__(self):
+        self.saved = (llama.LlamaRMSNorm.forward, llama.LlamaRotaryEmbedding.forward)
+        llama.LlamaRMSNorm.forward, llama.LlamaRotaryEmbedding.forward = (
+            (rmsnorm_fp64, rope_fp64) if self.on else ORIGINAL)
+
+    def __exit__(self, *args):
+        llama.LlamaRMSNorm.forward, llama.LlamaRotaryEmbedding.forward = self.saved
+
+
 if __name__ == "__main__":
+    import sys
+    only = sys.argv[1:]  # fixture names to write (default: all)
     llama.LlamaRMSNorm.forward = rmsnorm_fp64
     llama.LlamaRotaryEmbedding.forward = rope_fp64
     for i, (name, spec) in enumerate(FIXTURES.items()):
-        make(name, *spec, seed=1000 + i)
+        if not only or name in only:
+            make(name, *spec, seed=1000 + i)
+    for i, (name, spec) in enumerate(BF16_FIXTURES.items()):
+        if not only or name in only:
+            make(name, *spec, seed=2000 + i, bf16=True)
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")

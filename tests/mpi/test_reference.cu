@@ -210,7 +210,7 @@ TEST_CASE("a transformers checkpoint loaded into tp shards is assembled into the
     load_checkpoint_shards(model, g.dir, model.named_params, nullptr);
     std::vector<NamedTensor> whole = whole_tensors(model, model.named_params);
     if (w.rank() != 0) continue;
-    save_checkpoint(tmp + "/" + name, g.cfg, whole, nullptr);
+    save_checkpoint(tmp + "/" + name, g.cfg, whole, nullptr, g.dtype);
     require_fixture_bytes(tmp + "/" + name + "/model.safetensors", g);
   }
   if (w.rank() == 0) std::filesystem::remove_all(tmp);
