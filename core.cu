@@ -164,6 +164,13 @@ struct Storage {
   }
 };
 
+void recount(const Tensor& t, Mem category) {
+  PICO_ASSERT(t.storage != nullptr, "recount of a tensor without its own buffer");
+  account(t.storage->category, -(long long)t.storage->bytes);
+  t.storage->category = category;
+  account(category, (long long)t.storage->bytes);
+}
+
 // ----------------------------------------------------------------------------
 // Tensor
 

@@ -120,6 +120,10 @@ struct MemoryStats {
 };
 MemoryStats memory_stats();
 void memory_reset_peak();  // peak := current, per category and in total
+struct Tensor;
+// From now on the buffer of `t` counts under `category` (the fp32 weights become "master
+// weights", optimizer state, once mixed precision keeps a half-precision copy of them).
+void recount(const Tensor& t, Mem category);
 
 // Host synchronisations: every point where the host waits for the device (a stream
 // synchronise, a device-to-host copy, a result returned to the host). The same call sites
@@ -173,12 +177,17 @@ void from_host(const Tensor& dst, const int32_t* src);
 // ----------------------------------------------------------------------------
 // Context: what every op needs to run on its device; passed explicitly, never global.
 
+struct WeightCopies;  // mixed_precision.cuh
+
 struct Context {
   Device device = Device::CPU;
   cudaStream_t stream = nullptr;  // compute stream (CUDA only)
   cublasHandle_t cublas = nullptr;
   bool sync_launches = false;     // debugging: synchronise after every kernel (launch_check)
   Precision precision = Precision::FP32;  // of the linear layers (mixed_precision.cuh)
+  // The weights' copies in the compute format, where GEMMs read them (mixed_precision.cuh);
+  // null: every GEMM rounds the fp32 weights itself.
+  std::shared_ptr<WeightCopies> weight_copies;
   static Context create(Device device);
   void destroy();
   void synchronize() const;  // wait for the compute stream (tests, timers); counted

@@ -381,6 +381,46 @@ void fake_quantize_tiles_(const Context& ctx, const Tensor& x, DType format, int
   dequantize_tiles(x, q, scales, tile_rows, tile_cols);
 }
 
+// cast_ on ctx's stream (cast_ itself runs on the legacy default stream, for setup).
+static void cast_on(const Context& ctx, const Tensor& dst, const Tensor& src) {
+  const int64_t n = src.numel();
+  PICO_ASSERT(dst.numel() == n, "cast_on " + src.shape_str() + " into " + dst.shape_str());
+  if (ctx.device == Device::CPU) return cast_host(dst.ptr, dst.dtype, src.ptr, src.dtype, n);
+  if (n == 0) return;
+  const unsigned blocks = (unsigned)((n + 255) / 256);
+  if (dst.dtype == DType::F32)
+    cast_to_f32_kernel<<<blocks, 256, 0, ctx.stream>>>((float*)dst.ptr, src.ptr, src.dtype, n);
+  else
+    cast_from_f32_kernel<<<blocks, 256, 0, ctx.stream>>>(dst.ptr, dst.dtype, (const float*)src.ptr, n);
+  LAUNCH_CHECK(ctx, "cast kernel");
+}
+
+Tensor WeightCopies::find(const Tensor& W) const {
+  if (W.dtype != DType::F32) return {};
+  for (const Copy& c : copies) {
+    const float* begin = c.master.f32();
+    const float* at = (const float*)W.ptr;
+    if (at >= begin && at + W.numel() <= begin + c.master.numel())
+      return c.half.view(at - begin, W.shape);
+  }
+  return {};
+}
+
+void keep_compute_copy(Context& ctx, const Tensor& master) {
+  PICO_ASSERT(ctx.precision != Precision::FP32 && master.dtype == DType::F32,
+              "a compute copy is for fp32 weights under --dtype bf16, fp16 or fp8");
+  if (!ctx.weight_copies) ctx.weight_copies = std::make_shared<WeightCopies>();
+  Tensor half = empty(ctx, {master.numel()}, Mem::Params, output_dtype(ctx.precision));
+  ctx.weight_copies->copies.push_back({master, half});
+  recount(master, Mem::Optimizer);  // the fp32 weights are now the optimizer's master copy
+  refresh_compute_copies(ctx);
+}
+
+void refresh_compute_copies(const Context& ctx) {
+  if (!ctx.weight_copies) return;
+  for (const WeightCopies::Copy& c : ctx.weight_copies->copies) cast_on(ctx, c.half, c.master);
+}
+
 // What a GEMM reads of `t` ([rows, cols], the contraction along cols for activations and
 // gradients): its values rounded, or FP8 tiles (DeepSeek-V3: 1 x 128 for activations and
 // gradients, 128 x 128 for weights), dequantized. A workspace the caller drops after the GEMM.
@@ -388,22 +428,30 @@ void fake_quantize_tiles_(const Context& ctx, const Tensor& x, DType format, int
 enum class Operand { Activation, Weight, Gradient };
 static Tensor gemm_operand(const Context& ctx, const Tensor& t, Operand role) {
   const DType format = output_dtype(ctx.precision);
-  if (ctx.device == Device::CUDA && ctx.precision != Precision::FP8) {
-    Tensor h = empty(ctx, t.shape, Mem::Workspace, format);
+  // A weight's compute copy, when one is kept: on CUDA the GEMM reads it as it is.
+  Tensor half = role == Operand::Weight && ctx.weight_copies ? ctx.weight_copies->find(t) : Tensor{};
+  if (half.defined() && ctx.device == Device::CUDA && ctx.precision != Precision::FP8) return half;
+  if (!half.defined() && ctx.device == Device::CUDA && ctx.precision != Precision::FP8) {
+    half = empty(ctx, t.shape, Mem::Workspace, format);
     const int64_t n = t.numel();
-    if (n > 0) cast_from_f32_kernel<<<(unsigned)((n + 255) / 256), 256, 0, ctx.stream>>>(h.ptr, format, t.f32(), n);
+    if (n > 0) cast_from_f32_kernel<<<(unsigned)((n + 255) / 256), 256, 0, ctx.stream>>>(half.ptr, format, t.f32(), n);
     LAUNCH_CHECK(ctx, "cast_from_f32_kernel");
-    return h;
+    return half;
   }
+  // fp32 values in a workspace: the copy widened, or t rounded (to bf16 first for an FP8
+  // weight, which is quantized from its bf16 copy as in DeepSeek-V3), or FP8 tiles.
   Tensor copy = empty(ctx, t.shape, Mem::Workspace);
-  if (ctx.device == Device::CUDA)
+  if (half.defined())
+    cast_on(ctx, copy, half);
+  else if (ctx.device == Device::CUDA)
     CUDA_CHECK(cudaMemcpyAsync(copy.ptr, t.ptr, t.nbytes(), cudaMemcpyDeviceToDevice, ctx.stream));
   else
     copy_(copy, t);
   Tensor m = copy.reshape({t.numel() / t.size(-1), t.size(-1)});
-  if (ctx.precision != Precision::FP8)
+  if (!half.defined() && (ctx.precision != Precision::FP8 || role == Operand::Weight))
     round_(ctx, m, format, role == Operand::Gradient);
-  else if (role == Operand::Weight)
+  if (ctx.precision != Precision::FP8) return copy;
+  if (role == Operand::Weight)
     fake_quantize_tiles_(ctx, m, DType::F8E4M3, 128, 128);
   else
     fake_quantize_tiles_(ctx, m, role == Operand::Activation ? DType::F8E4M3 : DType::F8E5M2, 1, 128);

@@ -80,6 +80,25 @@ void low_precision_linear_backward(const Context& ctx, const Tensor& dx, const T
                                    const Tensor& dy, const Tensor& x, const Tensor& W,
                                    bool accumulate_dx);
 
+// The weights in the compute format, next to the fp32 master weights (Megatron keeps bf16
+// parameters for the GEMMs and fp32 ones in the optimizer): a copy of a flat fp32 buffer in
+// bf16 (fp16 for --dtype fp16), refreshed after every optimizer step. A GEMM reading a weight
+// inside the buffer reads its copy; one that finds none (ZeRO-3's gathered units) rounds the
+// fp32 values itself, to the same numbers.
+struct WeightCopies {
+  struct Copy {
+    Tensor master, half;  // F32 [n], and the same n values in the compute format
+  };
+  std::vector<Copy> copies;
+  // The copy's view of W (W's shape), or an undefined tensor when no copy holds W.
+  Tensor find(const Tensor& W) const;
+};
+// Allocates the compute-format copy of `master` (Mem::Params), fills it, registers it in
+// ctx.weight_copies (created if needed), and counts `master` as optimizer state from now on.
+void keep_compute_copy(Context& ctx, const Tensor& master);
+// After the optimizer changed the master weights: every copy := master, rounded.
+void refresh_compute_copies(const Context& ctx);
+
 // Dynamic loss scaling for fp16 (Micikevicius et al., "Mixed Precision Training"): the loss,
 // hence every gradient, is multiplied by `scale` so that small gradients stay above fp16's
 // underflow; the optimizer sees them divided back. A step whose gradients hold an inf or NaN

@@ -5,6 +5,8 @@
 
 #include "report.cuh"
 
+#include "mixed_precision.cuh"
+
 void print_memory(int64_t num_params, int zero_stage, int ranks) {
   MemoryStats m = memory_stats();
   printf("memory (peak / now):\n");
@@ -22,6 +24,33 @@ void print_memory(int64_t num_params, int zero_stage, int ranks) {
            zero_memory_formula(zero_stage), zero_static_memory(zero_stage, 1.0, ranks).total());
 }
 
+void print_precision_memory(Precision p, int64_t num_params, int64_t master_bytes) {
+  MemoryStats m = memory_stats();
+  const double params = (double)m.current[(int)Mem::Params] / num_params;
+  const double grads = (double)m.current[(int)Mem::Grads] / num_params;
+  const double optimizer = (double)m.current[(int)Mem::Optimizer] / num_params;
+  // fp32: the weights are what the optimizer updates. Mixed precision with a kept copy: the
+  // compute-format weights count as Params and the fp32 master copy within Optimizer. Without
+  // one (ZeRO-3): the GEMMs round the fp32 weights, which are then the master copy.
+  const bool low = p != Precision::FP32;
+  const double weights = !low ? params : master_bytes > 0 ? params : 0.0;
+  const double master = !low ? 0.0 : master_bytes > 0 ? (double)master_bytes / num_params : params;
+  const double adam = optimizer - (master_bytes > 0 ? master : 0.0);
+  printf("bytes per parameter by role, --dtype %s (Playbook §Mixed precision training):\n",
+         precision_name(p));
+  printf("  %-26s %8s %10s %8s %10s %7s\n", "", "weights", "gradients", "master", "Adam m, v",
+         "total");
+  printf("  %-26s %8d %10d %8s %10d %7d\n", "book, fp32", 4, 4, "-", 8, 16);
+  printf("  %-26s %8d %10d %8d %10d %7d   (+ 4 for fp32 gradient accumulation: 20)\n",
+         "book, bf16 + fp32 master", 2, 2, 4, 8, 16);
+  char master_str[16] = "-";
+  if (low) snprintf(master_str, sizeof master_str, "%.2f", master);
+  printf("  %-26s %8.2f %10.2f %8s %10.2f %7.2f   %s\n", "this rank, measured", weights, grads,
+         master_str, adam, weights + grads + master + adam,
+         !low ? "" : master_bytes > 0 ? "(gradients accumulate in fp32: no bf16 gradient copy)"
+                                      : "(no bf16 copy under ZeRO-3: the GEMMs round the fp32 weights)");
+}
+
 // An exact byte count as an integer, a fractional one (a formula at Psi / N) with two decimals.
 static std::string bytes_str(double b) {
   char buf[32];
@@ -29,7 +58,8 @@ static std::string bytes_str(double b) {
   return buf;
 }
 
-void print_memory_report(Comm& comm, int zero_stage, int64_t num_params, int64_t padded_params) {
+void print_memory_report(Comm& comm, int zero_stage, int64_t num_params, int64_t padded_params,
+                         Precision precision) {
   const int kFields = 5;  // params, grads, optimizer (current), activations, workspace (peak)
   MemoryStats m = memory_stats();
   int64_t mine[kFields] = {
@@ -81,8 +111,12 @@ void print_memory_report(Comm& comm, int zero_stage, int64_t num_params, int64_t
         "the formula at Ψ' - Ψ");
     row("= padded", expected, "the formula at Ψ', what every rank should hold");
   }
-  printf("  every rank holds exactly the formula's bytes%s: %s\n", zero_stage > 0 ? " at Ψ'" : "",
-         all_match ? "yes" : "NO");
+  if (precision == Precision::FP32)
+    printf("  every rank holds exactly the formula's bytes%s: %s\n", zero_stage > 0 ? " at Ψ'" : "",
+           all_match ? "yes" : "NO");
+  else  // the copy in the compute format moves bytes between the categories (see above)
+    printf("  (the formula is fp32's; under --dtype %s the bytes-per-parameter table above says "
+           "where each byte is)\n", precision_name(precision));
   printf(
       "  (ZeRO does not shard activations. Workspace holds what is transient: ZeRO-2/3 the "
       "gradients of the unit in backward, ZeRO-3 the gathered weights of the units in use, and "

@@ -8,10 +8,17 @@
 // This rank's peak and current bytes per memory category, and its static bytes per parameter
 // next to the book's (Playbook §2.4: 16 in fp32; §4.1 under ZeRO over `ranks` ranks).
 void print_memory(int64_t num_params, int zero_stage, int ranks);
+// --report memory, under --dtype: this rank's static bytes per parameter by role (weights the
+// GEMMs read, gradients, fp32 master weights, Adam's m and v), measured, next to the book's
+// mixed-precision table (Playbook §Mixed precision training: 2 + 2 + 4 + 4 + 4 = 16 bytes, 20
+// with fp32 gradient accumulation) and fp32's 4 + 4 + 8. Rank 0 prints.
+// master_bytes: the fp32 master weights' bytes when a compute copy is kept (else 0).
+void print_precision_memory(Precision p, int64_t num_params, int64_t master_bytes);
 // --report memory: every rank's params, grads and optimizer bytes (gathered to rank 0) next to
 // the book's formula for this ZeRO stage, with the padding of the shards named (padded_params:
 // Psi', the parameters plus padding; equal to num_params without ZeRO). Collective.
-void print_memory_report(Comm& comm, int zero_stage, int64_t num_params, int64_t padded_params);
+void print_memory_report(Comm& comm, int zero_stage, int64_t num_params, int64_t padded_params,
+                         Precision precision = Precision::FP32);
 // Per group and collective, per step: calls and elements counted on rank 0, and the bytes each
 // rank was charged by formula (rank 0, and the range over every rank), next to the ring
 // formulas for the gradient sync of num_params fp32 values (Playbook appendix A0).

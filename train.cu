@@ -284,6 +284,7 @@ static bool train_step(Trainer& t, int64_t step) {
   float lr = learning_rate(t.schedule, step);
   t.fault.at(FaultWhere::Optimizer, t.comm.grid.world_rank, step);
   if (take_step) t.sync.step(t.ctx, lr);
+  refresh_compute_copies(t.ctx);  // the bf16 / fp16 weights := the new fp32 master weights
   t.ctx.synchronize();
   t.trace.add("optimizer", Track::Compute, to, now_seconds());
   t.sync.trace_communication(t.trace);
@@ -352,7 +353,11 @@ static void print_reports(Trainer& t) {
              (unsigned long long)t.step_syncs_max, range.c_str());
     }
     if (r == "memory") {
-      print_memory_report(comm, t.sync.zero_stage(), n_params, t.sync.padded_params());
+      if (main_rank)
+        print_precision_memory(t.ctx.precision, n_params,
+                               t.ctx.weight_copies ? (int64_t)t.ctx.weight_copies->copies[0].master.nbytes() : 0);
+      print_memory_report(comm, t.sync.zero_stage(), n_params, t.sync.padded_params(),
+                          t.ctx.precision);
       if (main_rank && t.block_bytes >= 0)
         print_activation_report(local_sequences(o), o.mbs, o.tp, o.sp, t.recompute,
                                 t.model.attention, t.block_bytes);
@@ -391,7 +396,7 @@ static void finish_run(Trainer& t) {
     });
 }
 
-static int run(const Options& o, Comm& comm, const Context& ctx) {
+static int run(const Options& o, Comm& comm, Context& ctx) {
   all_or_none(comm, [&] { check_before_start(o, comm); });  // memory, outputs: before any step
   if (!o.score.empty()) return score_file(ctx, comm, o);
   const ModelConfig& c = o.model;
@@ -401,6 +406,10 @@ static int run(const Options& o, Comm& comm, const Context& ctx) {
   Model model = model_layout(comm, o);
   std::unique_ptr<GradientSync> sync = make_gradient_sync(comm, model, o);
   int64_t first_step = o.load.empty() ? 0 : sync->load(o.load);
+  // Mixed precision: the GEMMs read a bf16 / fp16 copy of the weights; the fp32 buffer becomes
+  // the optimizer's master copy. ZeRO-3 holds no whole buffer to copy: its GEMMs round the
+  // gathered fp32 weights as they read them (the same numbers).
+  if (ctx.precision != Precision::FP32 && model.params.defined()) keep_compute_copy(ctx, model.params);
   if (main_rank) {
     int64_t laid_out = 0;  // the layout's tensors, against the closed form
     for (const NamedTensor& p : model.named_params) laid_out += p.tensor.numel();

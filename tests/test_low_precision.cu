@@ -15,6 +15,7 @@
 #include "cuda_case.cuh"
 #include "launch.cuh"
 #include "mixed_precision.cuh"
+#include "model.cuh"
 #include "ops.cuh"
 #include "usage_error.cuh"
 
@@ -176,7 +177,9 @@ TEST_CASE("fp8 linear layers: E4M3 tiles forward, E5M2 tiles for the gradient, b
     return std::vector<float>(d.f32(), d.f32() + d.numel());
   };
   std::vector<float> xq = dequantized(x, DType::F8E4M3, 1, 128);
-  std::vector<float> wq = dequantized(W, DType::F8E4M3, 128, 128);
+  Tensor W16 = empty(W.shape, Mem::Workspace);  // weights are quantized from their bf16 copy
+  for (int64_t i = 0; i < W.numel(); i++) W16.f32()[i] = as_bf16(W.f32()[i]);
+  std::vector<float> wq = dequantized(W16, DType::F8E4M3, 128, 128);
   std::vector<float> dyq = dequantized(dy, DType::F8E5M2, 1, 128);
   Tensor y = empty({T, out}, Mem::Workspace);
   linear_forward(ctx, y, x, W);
@@ -237,6 +240,50 @@ TEST_CASE("the dynamic loss scale halves on overflow, doubles after its window, 
   CHECK_THAT(usage_error_of([] { make_loss_scaler(Precision::FP16, "dynamic", 0, true); }),
              Catch::Contains("--loss-scale-window 0"));
   CHECK_THAT(usage_error_of([] { parse_precision("fp9"); }), Catch::Contains("--dtype fp9"));
+}
+
+// Guards: a stale copy (not refreshed after the master weights change), a copy in the wrong
+// format, GEMMs that miss the copy, and the memory counted under the wrong category.
+TEST_CASE("the kept bf16 weights give the GEMMs exactly what rounding the fp32 weights gives",
+          "[precision]") {
+  for (Precision p : {Precision::BF16, Precision::FP16, Precision::FP8}) {
+    INFO(precision_name(p));
+    ModelConfig cfg;
+    cfg.d_model = 32, cfg.layers = 2, cfg.heads = 4, cfg.kv_heads = 2, cfg.ffn = 64, cfg.seq = 16;
+    Model model = build_model(cfg, Device::CPU, 5);
+    Context ctx = Context::create(Device::CPU);
+    ctx.precision = p;
+    const int B = 2, T = 16;
+    std::vector<int32_t> ids(B * T), targets(B * T);
+    for (int i = 0; i < B * T; i++) ids[i] = (i * 37) % 256, targets[i] = (i * 11 + 3) % 256;
+    auto run = [&] {
+      Activations acts;
+      zero_(model.grads);
+      float loss = model_forward(ctx, model, acts, ids.data(), targets.data(), B, T, Recompute::None);
+      model_backward(ctx, model, acts, 1.0f / (B * T), Recompute::None);
+      std::vector<float> out = to_host_floats(model.grads);
+      out.push_back(loss);
+      return out;
+    };
+    std::vector<float> rounded = run();  // every GEMM rounds the fp32 weights itself
+    const MemoryStats before = memory_stats();
+    keep_compute_copy(ctx, model.params);
+    const MemoryStats after = memory_stats();
+    const size_t n = (size_t)model.num_params;
+    auto grew = [&](Mem m) {
+      return (long long)after.current[(int)m] - (long long)before.current[(int)m];
+    };
+    CHECK(grew(Mem::Params) == 2LL * (long long)n - 4LL * (long long)n);  // + copy, - master
+    CHECK(grew(Mem::Optimizer) == 4LL * (long long)n);                   // the master weights
+    CHECK(run() == rounded);  // bit for bit
+    // The master weights move: a copy not refreshed would keep the old values.
+    for (int64_t i = 0; i < model.params.numel(); i++) model.params.f32()[i] *= 1.01f;
+    refresh_compute_copies(ctx);
+    std::vector<float> with_copy = run();
+    ctx.weight_copies.reset();
+    CHECK(run() == with_copy);
+    CHECK(with_copy != rounded);
+  }
 }
 
 // The CUDA round and FP8 tile kernels against the CPU loops, bit for bit.
