@@ -658,3 +658,29 @@ TEST_CASE("CUDA sum_squares and scale_ (gradient clipping's two halves) match th
   CHECK(std::sqrt(sum_squares(ctx, g_grads)) == Approx(1.0f).epsilon(1e-5));
   ctx.destroy();
 }
+
+TEST_CASE("CUDA sum_squares_each: every tensor's sum in one launch, as alone, bit for bit twice",
+          "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  // Sizes from one element to past the 4096-block cap, and an empty tensor among them.
+  std::vector<int64_t> sizes = {1, 300, 0, 4096 * 256 + 5, 70000, 257};
+  std::vector<Tensor> cpu, gpus;
+  for (size_t j = 0; j < sizes.size(); j++) {
+    cpu.push_back(randn({sizes[j]}, "grad" + std::to_string(j)));
+    gpus.push_back(gpu(cpu.back()));
+  }
+  uint64_t before = host_syncs();
+  std::vector<float> got = same_twice([&] { return sum_squares_each(ctx, gpus); });
+  CHECK(host_syncs() - before == 2);  // one host synchronisation per call
+  std::vector<float> want = sum_squares_each(kCpu, cpu);
+  REQUIRE(got.size() == want.size());
+  for (size_t j = 0; j < sizes.size(); j++) {
+    INFO("tensor " << j << " of " << sizes[j] << " elements");
+    CHECK(got[j] == Approx(want[j]).epsilon(1e-5).margin(1e-30));
+    // Among other tensors or alone, a tensor's sum is the same bits (its blocks are its own).
+    float alone = sum_squares(ctx, gpus[j]);
+    CHECK(memcmp(&alone, &got[j], sizeof(float)) == 0);
+  }
+  ctx.destroy();
+}
