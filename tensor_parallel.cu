@@ -7,6 +7,7 @@
 // all-gather (same bytes) so the norms and residuals in between run on N/tp tokens only.
 #include "tensor_parallel.cuh"
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <initializer_list>
@@ -260,6 +261,15 @@ static void ce_row_sums_cpu(float* sums, const float* logits, const float* row_m
     sums[2 * t + 1] = targets[t] >= 0 ? logits[t * V + targets[t]] : 0.0f;
   }
 }
+// The finish, once the max and the sums are reduced over the tp group: losses [N] and the
+// stats [N, 2] (max, sum of exponentials) the backward reads.
+static void ce_finish_cpu(float* losses, float* stats, const float* row_max, const float* sums,
+                          int64_t N) {
+  for (int64_t t = 0; t < N; t++) {
+    losses[t] = logf(sums[2 * t]) + row_max[t] - sums[2 * t + 1];
+    stats[2 * t] = row_max[t], stats[2 * t + 1] = sums[2 * t];
+  }
+}
 static void ce_backward_cpu(float* dlogits, const float* logits, const float* stats,
                             const int32_t* targets, int64_t N, int V, float scale) {
   for (int64_t t = 0; t < N; t++)
@@ -306,6 +316,16 @@ static __global__ void ce_row_sums_kernel(float* sums, const float* logits, cons
     sums[2 * blockIdx.x + 1] = target >= 0 ? row[target] : 0.0f;
   }
 }
+// The same finish on the device, a thread per token: the losses stay there until the caller
+// sums them, and the host does not wait here.
+static __global__ void ce_finish_kernel(float* losses, float* stats, const float* row_max,
+                                        const float* sums, int64_t N) {
+  for (int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; t < N;
+       t += (int64_t)gridDim.x * blockDim.x) {
+    losses[t] = logf(sums[2 * t]) + row_max[t] - sums[2 * t + 1];
+    stats[2 * t] = row_max[t], stats[2 * t + 1] = sums[2 * t];
+  }
+}
 static __global__ void ce_backward_kernel(float* dlogits, const float* logits, const float* stats,
                                           const int32_t* targets, int V, float scale) {
   int64_t t = blockIdx.x;
@@ -330,8 +350,8 @@ void vocab_parallel_cross_entropy_forward(const TensorParallel& tp, const Contex
   int64_t N = logits.size(0);
   int V = (int)logits.size(1);
   check_ce_args(ctx, {&losses, &stats, &logits, &local_targets}, N);
-  Tensor row_max = empty({N}, Mem::Workspace, ctx.device);  // [N]
-  Tensor sums = empty({N, 2}, Mem::Workspace, ctx.device);  // [N, 2]
+  Tensor row_max = empty(ctx, {N}, Mem::Workspace);  // [N]
+  Tensor sums = empty(ctx, {N, 2}, Mem::Workspace);  // [N, 2]
   // N == 0 launches nothing (a zero-block grid is an error) but still joins the collectives.
   if (ctx.device == Device::CPU) {
     ce_row_max_cpu(row_max.f32(), logits.f32(), N, V);
@@ -348,14 +368,14 @@ void vocab_parallel_cross_entropy_forward(const TensorParallel& tp, const Contex
     LAUNCH_CHECK(ctx, "ce_row_sums_kernel");
   }
   if (tp.size() > 1) all_reduce(*tp.comm, tp.group(), ctx, sums.f32(), 2 * N, ReduceOp::Sum);
-  // On the host: N scalars, once per micro-batch (stats[t] = (max, sum of exponentials)).
-  std::vector<float> m = to_host_floats(row_max), s = to_host_floats(sums), loss(N), st(2 * N);
-  for (int64_t t = 0; t < N; t++) {
-    loss[t] = logf(s[2 * t]) + m[t] - s[2 * t + 1];
-    st[2 * t] = m[t], st[2 * t + 1] = s[2 * t];
-  }
-  from_host(losses, loss.data());
-  from_host(stats, st.data());
+  // Where the statistics are: no trip to the host.
+  if (ctx.device == Device::CPU)
+    return ce_finish_cpu(losses.f32(), stats.f32(), row_max.f32(), sums.f32(), N);
+  if (N == 0) return;
+  unsigned blocks = (unsigned)std::min<int64_t>((N + kCeThreads - 1) / kCeThreads, 4096);
+  ce_finish_kernel<<<blocks, kCeThreads, 0, ctx.stream>>>(losses.f32(), stats.f32(), row_max.f32(),
+                                                          sums.f32(), N);
+  LAUNCH_CHECK(ctx, "ce_finish_kernel");
 }
 
 void vocab_parallel_cross_entropy_backward(const TensorParallel&, const Context& ctx,
