@@ -684,3 +684,38 @@ TEST_CASE("CUDA sum_squares_each: every tensor's sum in one launch, as alone, bi
   }
   ctx.destroy();
 }
+
+TEST_CASE("CUDA init_normal and init_uniform draw the CPU's values on the device", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  // Uniform draws use exact operations only (an integer shift, one multiply and one add, kept
+  // apart from FMA): bit for bit. Normal draws go through log and cos in double, where CUDA's
+  // functions may differ from glibc's by an ulp or two (sqrt is exact on both). Rounded to fp32
+  // that almost never shows: a float changes only when the double lies within a few double ulps
+  // of a rounding boundary, about 1 in 10^8 draws. So every element must be within one float
+  // ulp, and all but a handful bit for bit.
+  struct Case {
+    int64_t n, offset;
+  };
+  for (Case c : std::vector<Case>{{1, 0}, {1000, 12345}, {(1 << 20) + 3, 0}, {4099, 1ll << 33}}) {
+    INFO("n = " << c.n << ", offset = " << c.offset);
+    Tensor want = empty({c.n}, Mem::Params), got = empty({c.n}, Mem::Params, Device::CUDA);
+    init_uniform(want, 3, "layers.0.w", -0.5f, 0.25f, c.offset);
+    init_uniform(got, 3, "layers.0.w", -0.5f, 0.25f, c.offset);
+    std::vector<float> u = to_host_floats(got);
+    CHECK(memcmp(u.data(), want.f32(), c.n * sizeof(float)) == 0);
+
+    init_normal(want, 3, "layers.0.w", 0.02f, c.offset);
+    init_normal(got, 3, "layers.0.w", 0.02f, c.offset);
+    std::vector<float> g = to_host_floats(got);
+    int64_t differ = 0, beyond_one_ulp = 0;
+    for (int64_t i = 0; i < c.n; i++) {
+      float w = want.f32()[i];
+      if (memcmp(&g[i], &w, sizeof(float)) == 0) continue;
+      differ++;
+      if (g[i] != std::nextafter(w, INFINITY) && g[i] != std::nextafter(w, -INFINITY))
+        beyond_one_ulp++;
+    }
+    CHECK(beyond_one_ulp == 0);
+    CHECK(differ <= 2);
+  }
+}
