@@ -290,9 +290,10 @@ Context Context::create(Device device) {
       CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
     }
     // A blocking stream, on purpose: the forms of empty / zeros / zero_ / copy_ without a
-    // Context (setup, model activations, checkpoints, tests) run on the legacy default
-    // stream, and a blocking stream is ordered with it in both directions. A non-blocking
-    // compute stream would need every one of those calls to take this Context instead.
+    // Context (setup, checkpoints, tests, and every copy) run on the legacy default stream,
+    // and a blocking stream is ordered with it in both directions. The model's activations
+    // and workspace already take this Context; a non-blocking compute stream would need the
+    // copies to take it too.
     CUDA_CHECK(cudaStreamCreateWithFlags(&ctx.stream, cudaStreamDefault));
     CUBLAS_CHECK(cublasCreate(&ctx.cublas));
     CUBLAS_CHECK(cublasSetStream(ctx.cublas, ctx.stream));

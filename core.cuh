@@ -147,9 +147,12 @@ struct Tensor {
 };
 
 // Allocation, zeroing and copies. On CUDA the forms without a Context run on the legacy
-// default stream: for setup, checkpoints and tests. They are ordered with the compute stream
-// only because Context::create makes that stream blocking (it waits for the legacy stream and
-// the legacy stream waits for it). The forms taking a Context run on its stream and say so.
+// default stream: setup, checkpoints, tests, and every copy (copy_, from_host, fill_ have no
+// Context form; a step makes a few: token ids up, tensor-parallel identity copies). They are
+// ordered with the compute stream because Context::create makes that stream blocking (it waits
+// for the legacy stream and the legacy stream waits for it). The forms taking a Context run on
+// its stream and say so: the model's activations and workspace during training (model.cu, ops.cu,
+// the tensor-, context- and pipeline-parallel layers) are allocated, zeroed and freed with them.
 // A buffer is freed on the stream it was allocated on; the communication stream is ordered
 // with both through events (comm.cu), never implicitly.
 Tensor empty(std::vector<int64_t> shape, Mem category, Device device = Device::CPU,

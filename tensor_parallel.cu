@@ -111,8 +111,8 @@ void tp_region_exit_backward(const TensorParallel& tp, const Context& ctx, const
 // ----------------------------------------------------------------------------
 // The layers
 
-static Tensor workspace(std::vector<int64_t> shape, Device d) {
-  return empty(std::move(shape), Mem::Workspace, d);
+static Tensor workspace(std::vector<int64_t> shape, const Context& ctx) {  // on its stream
+  return empty(ctx, std::move(shape), Mem::Workspace);
 }
 
 // The full [N, D] input of a column-parallel linear from a rank's [n, D]: the same tensor
@@ -120,7 +120,7 @@ static Tensor workspace(std::vector<int64_t> shape, Device d) {
 // tensor, as Megatron does, so saved activations stay sharded).
 static Tensor region_input(const TensorParallel& tp, const Context& ctx, const Tensor& x) {
   if (!tp.sp) return x;
-  Tensor full = workspace({x.size(0) * tp.size(), x.size(1)}, ctx.device);
+  Tensor full = workspace({x.size(0) * tp.size(), x.size(1)}, ctx);
   tp_region_enter_forward(tp, ctx, x, full);
   return full;
 }
@@ -140,7 +140,7 @@ static void add_replicated_grad(const TensorParallel& tp, const Context& ctx, co
   if (slots == 1) {
     copy_to_tp_region_backward(tp, ctx, part);  // all-reduce over tp
   } else {
-    Tensor all = zeros({slots * part.numel()}, Mem::Workspace, ctx.device);
+    Tensor all = zeros(ctx, {slots * part.numel()}, Mem::Workspace);
     copy_(all.view(slot * part.numel(), {part.numel()}), part);
     copy_to_tp_region_backward(tp, ctx, all);
     copy_(part, all.view(slot * part.numel(), {part.numel()}));
@@ -159,14 +159,14 @@ void column_parallel_backward(const TensorParallel& tp, const Context& ctx, cons
                               DeferredGrads* deferred) {
   int64_t N = x.size(0) * (tp.sp ? tp.size() : 1), D = x.size(1);
   Tensor h = region_input(tp, ctx, x);                               // [N, D]
-  Tensor dh = tp.sp ? workspace({N, D}, ctx.device) : dx;           // [N, D], partial over tp
+  Tensor dh = tp.sp ? workspace({N, D}, ctx) : dx;           // [N, D], partial over tp
   for (size_t i = 0; i < grads.size(); i++)  // input gradient: sum_i dy_i W_i
     linear_backward(ctx, dh, Tensor(), grads[i].dy, h, grads[i].W, i > 0);
   weight_half(deferred, [tp, &ctx, h, grads] {
     bool replicated = tp.local.kv_replicas > 1;
     for (const ColumnGrad& g : grads) {
       // A replicated kv head's part, summed over its copies before it is added.
-      Tensor part = g.kv_replicated && replicated ? zeros(g.dW.shape, Mem::Workspace, ctx.device)
+      Tensor part = g.kv_replicated && replicated ? zeros(ctx, g.dW.shape, Mem::Workspace)
                                                   : Tensor();
       linear_backward(ctx, Tensor(), part.defined() ? part : g.dW, g.dy, h, g.W);
       if (part.defined())
@@ -179,7 +179,7 @@ void column_parallel_backward(const TensorParallel& tp, const Context& ctx, cons
 
 void row_parallel_forward(const TensorParallel& tp, const Context& ctx, const Tensor& y,
                           const Tensor& x, const Tensor& W) {
-  Tensor partial = tp.sp ? workspace({x.size(0), y.size(1)}, ctx.device) : y;  // [N, D]
+  Tensor partial = tp.sp ? workspace({x.size(0), y.size(1)}, ctx) : y;  // [N, D]
   linear_forward(ctx, partial, x, W);
   tp_region_exit_forward(tp, ctx, partial, y);  // all-reduce, or reduce-scatter under SP
 }
@@ -187,11 +187,11 @@ void row_parallel_forward(const TensorParallel& tp, const Context& ctx, const Te
 void row_parallel_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
                            const Tensor& dW, const Tensor& dy, const Tensor& x, const Tensor& W,
                            DeferredGrads* deferred) {
-  Tensor dfull = tp.sp ? workspace({x.size(0), dy.size(1)}, ctx.device) : dy;  // [N, D]
+  Tensor dfull = tp.sp ? workspace({x.size(0), dy.size(1)}, ctx) : dy;  // [N, D]
   tp_region_exit_backward(tp, ctx, dy, dfull);  // identity, or all-gather under SP
   linear_backward(ctx, dx, Tensor(), dfull, x, W);
   if (deferred && !tp.sp) {  // dy is the caller's residual gradient, which changes: keep a copy
-    Tensor saved = workspace(dy.shape, ctx.device);
+    Tensor saved = workspace(dy.shape, ctx);
     copy_(saved, dy);
     dfull = saved;
   }
@@ -202,7 +202,7 @@ void vocab_parallel_embedding_forward(const TensorParallel& tp, const Context& c
                                       const Tensor& x, const Tensor& local_ids,
                                       const Tensor& table) {
   if (tp.size() == 1) return embedding_forward(ctx, x, local_ids, table);
-  Tensor rows = workspace({local_ids.numel(), x.size(1)}, ctx.device);  // [N, D] partial rows
+  Tensor rows = workspace({local_ids.numel(), x.size(1)}, ctx);  // [N, D] partial rows
   embedding_forward(ctx, rows, local_ids, table);
   tp_region_exit_forward(tp, ctx, rows, x);  // sum over the slices (reduce-scatter under SP)
 }
@@ -210,7 +210,7 @@ void vocab_parallel_embedding_forward(const TensorParallel& tp, const Context& c
 void vocab_parallel_embedding_backward(const TensorParallel& tp, const Context& ctx,
                                        const Tensor& dtable, const Tensor& local_ids,
                                        const Tensor& dx) {
-  Tensor dfull = tp.sp ? workspace({local_ids.numel(), dx.size(1)}, ctx.device) : dx;
+  Tensor dfull = tp.sp ? workspace({local_ids.numel(), dx.size(1)}, ctx) : dx;
   tp_region_exit_backward(tp, ctx, dx, dfull);
   embedding_backward(ctx, dtable, local_ids, dfull);  // reads no weights, only ids
 }
@@ -219,7 +219,7 @@ void parallel_rmsnorm_backward(const TensorParallel& tp, const Context& ctx, con
                                const Tensor& dw, const Tensor& dy, const Tensor& x,
                                const Tensor& w, const Tensor& rstd) {
   if (!tp.sp) return rmsnorm_backward(ctx, dx, dw, dy, x, w, rstd);
-  Tensor part = zeros(dw.shape, Mem::Workspace, ctx.device);  // this rank's tokens' share
+  Tensor part = zeros(ctx, dw.shape, Mem::Workspace);  // this rank's tokens' share
   rmsnorm_backward(ctx, dx, part, dy, x, w, rstd);
   add_replicated_grad(tp, ctx, dw, part, 0, 1);
 }
