@@ -569,7 +569,7 @@ static __global__ void sum_many_kernel(float* partials, const SumItem* items, in
 }
 // totals[j] = the sum of tensor j's partials: one block per tensor, a fixed tree (no atomics).
 static __global__ void sum_partials_kernel(float* totals, const float* partials,
-                                           const SumItem* items, int count) {
+                                           const SumItem* items) {
   const SumItem item = items[blockIdx.x];
   int64_t blocks = grid_for_device(item.n);
   float acc = 0.0f;
@@ -612,8 +612,7 @@ static std::vector<float> reduce_each(const Context& ctx, const std::vector<Tens
                                                                  (int)xs.size(), squares);
   LAUNCH_CHECK(ctx, "sum_many_kernel");
   sum_partials_kernel<<<(unsigned)xs.size(), kThreads, 0, ctx.stream>>>(device_totals, partials,
-                                                                        device_items,
-                                                                        (int)xs.size());
+                                                                        device_items);
   LAUNCH_CHECK(ctx, "sum_partials_kernel");
   CUDA_CHECK(cudaMemcpyAsync(totals.data(), device_totals, xs.size() * sizeof(float),
                              cudaMemcpyDeviceToHost, ctx.stream));
