@@ -333,7 +333,7 @@ struct Handle::State {
   // MPI backend.
   std::vector<MPI_Request> requests;
   std::deque<std::vector<float>> host;  // host copies of aliased inputs (CPU)
-  std::vector<float*> pinned;           // staging buffers of device data (CUDA), given back at the end
+  std::vector<float*> pinned;  // staging buffers of device data (CUDA), given back at the end
   struct CopyBack {
     float* device;
     const float* host;

@@ -388,12 +388,14 @@ static void fill_host_then_copy(const Tensor& t, std::vector<float>& host) {
 // In double, then rounded to float, as the CPU loops below. nvcc would fuse the uniform's
 // multiply and add into one FMA (one rounding instead of two, so other bits than the CPU's):
 // __dmul_rn and __dadd_rn keep them apart. The normal has no add to fuse.
-static __global__ void init_kernel(float* out, int64_t n, uint64_t key, int64_t offset,
-                                   bool normal, float a, float b) {
+static __global__ void init_kernel(float* out, int64_t n, uint64_t key, int64_t offset, bool normal,
+                                   float a, float b) {
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
        i += (int64_t)gridDim.x * blockDim.x) {
-    if (normal) out[i] = (float)((double)a * rng_normal(key, offset + i));
-    else out[i] = (float)__dadd_rn(a, __dmul_rn((double)(b - a), rng_uniform(key, offset + i)));
+    if (normal)
+      out[i] = (float)((double)a * rng_normal(key, offset + i));
+    else
+      out[i] = (float)__dadd_rn(a, __dmul_rn((double)(b - a), rng_uniform(key, offset + i)));
   }
 }
 static void init_on_device(const Tensor& t, uint64_t key, int64_t offset, bool normal, float a,

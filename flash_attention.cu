@@ -168,8 +168,8 @@ static float* score_slice(const Tensor& x, int b, int h, const AttentionShape& s
 // for column-major as in gemm). The C_i must not overlap: cuBLAS may run them concurrently.
 static void gemm_batched(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K,
                          float alpha, const float* A, int lda, int64_t stride_a, const float* B,
-                         int ldb, int64_t stride_b, float beta, float* C, int ldc,
-                         int64_t stride_c, int count) {
+                         int ldb, int64_t stride_b, float beta, float* C, int ldc, int64_t stride_c,
+                         int count) {
   if (ctx.device == Device::CPU) {
     for (int i = 0; i < count; i++)
       gemm(ctx, trans_a, trans_b, M, N, K, alpha, A + i * stride_a, lda, B + i * stride_b, ldb,
@@ -177,8 +177,8 @@ static void gemm_batched(const Context& ctx, bool trans_a, bool trans_b, int M, 
     return;
   }
   CUBLAS_CHECK(cublasSgemmStridedBatched(
-      ctx.cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M,
-      K, &alpha, B, ldb, stride_b, A, lda, stride_a, &beta, C, ldc, stride_c, count));
+      ctx.cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K,
+      &alpha, B, ldb, stride_b, A, lda, stride_a, &beta, C, ldc, stride_c, count));
 }
 
 // One batch of naive attention's GEMMs: `count` sequences b, b+1, ... of head h, or `count`
@@ -267,9 +267,8 @@ void attention_backward(const Context& ctx, const Tensor& dq, const Tensor& dk, 
   // dP[T, T] = dO_h V_g^T
   for (const HeadBatch& hb : batches)
     gemm_batched(ctx, false, true, T, T, hd, 1.0f, head_slice(dout, hb.b, hb.h, s.Hq, s), qw,
-                 hb.q_stride(s), head_slice(v, hb.b, hb.h / group, s.Hkv, s), kvw,
-                 hb.kv_stride(s), 0.0f, score_slice(scratch, hb.b, hb.h, s), T,
-                 hb.score_stride(s), hb.count);
+                 hb.q_stride(s), head_slice(v, hb.b, hb.h / group, s.Hkv, s), kvw, hb.kv_stride(s),
+                 0.0f, score_slice(scratch, hb.b, hb.h, s), T, hb.score_stride(s), hb.count);
   // dV_g[T, hd] (+)= P^T dO_h
   for (const HeadBatch& hb : per_head)
     gemm_batched(ctx, true, false, T, hd, T, 1.0f, score_slice(probs, hb.b, hb.h, s), T,

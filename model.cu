@@ -476,7 +476,8 @@ static void block_backward(const Context& ctx, const Model& m, const BlockWeight
   int64_t N = (int64_t)B * T, n = sp_tokens(m.tp, N), D = c.d_model, hd = c.head_dim();
   Tensor d_norm = work({n, D}, ctx);  // [n, D] gradient of a norm's output
   // MLP
-  Tensor d_act = work({N, L.ffn}, ctx), d_gate = work({N, L.ffn}, ctx), d_up = work({N, L.ffn}, ctx);
+  Tensor d_act = work({N, L.ffn}, ctx), d_gate = work({N, L.ffn}, ctx),
+         d_up = work({N, L.ffn}, ctx);
   row_parallel_backward(m.tp, ctx, d_act, g.w_down, dres, a.act, w.w_down, deferred);
   swiglu_backward(ctx, d_gate, d_up, d_act, a.gate, a.up);
   column_parallel_backward(m.tp, ctx, d_norm, a.norm2,

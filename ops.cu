@@ -60,7 +60,9 @@ static __host__ __device__ unsigned grid_for_device(int64_t n) {
   int64_t blocks = (n + kThreads - 1) / kThreads;
   return (unsigned)(blocks < 1 ? 1 : blocks > 4096 ? 4096 : blocks);
 }
-static unsigned grid_for(int64_t n) { return grid_for_device(n); }
+static unsigned grid_for(int64_t n) {
+  return grid_for_device(n);
+}
 #define GRID_STRIDE_LOOP(i, n)                                              \
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); \
        i += (int64_t)gridDim.x * blockDim.x)
@@ -547,7 +549,7 @@ static float sum_cpu(const float* x, int64_t n, bool squares) {
 // do not depend on the other tensors: one tensor alone, or among many, sums bitwise the same.
 // The tensors' pointers and sizes come in one device array.
 struct SumItem {
-  const float* x;       // [n]
+  const float* x;  // [n]
   int64_t n;
   int64_t first_block;  // the first of this tensor's blocks; blocks are numbered tensor by tensor
 };
@@ -556,8 +558,10 @@ static __global__ void sum_many_kernel(float* partials, const SumItem* items, in
   int lo = 0, hi = count - 1;  // the item whose blocks hold this one: binary search
   while (lo < hi) {
     int mid = (lo + hi + 1) / 2;
-    if (items[mid].first_block <= (int64_t)blockIdx.x) lo = mid;
-    else hi = mid - 1;
+    if (items[mid].first_block <= (int64_t)blockIdx.x)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   const SumItem item = items[lo];
   int64_t block = blockIdx.x - item.first_block, blocks = grid_for_device(item.n);

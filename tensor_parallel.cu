@@ -159,15 +159,15 @@ void column_parallel_backward(const TensorParallel& tp, const Context& ctx, cons
                               DeferredGrads* deferred) {
   int64_t N = x.size(0) * (tp.sp ? tp.size() : 1), D = x.size(1);
   Tensor h = region_input(tp, ctx, x);                               // [N, D]
-  Tensor dh = tp.sp ? workspace({N, D}, ctx) : dx;           // [N, D], partial over tp
+  Tensor dh = tp.sp ? workspace({N, D}, ctx) : dx;                   // [N, D], partial over tp
   for (size_t i = 0; i < grads.size(); i++)  // input gradient: sum_i dy_i W_i
     linear_backward(ctx, dh, Tensor(), grads[i].dy, h, grads[i].W, i > 0);
   weight_half(deferred, [tp, &ctx, h, grads] {
     bool replicated = tp.local.kv_replicas > 1;
     for (const ColumnGrad& g : grads) {
       // A replicated kv head's part, summed over its copies before it is added.
-      Tensor part = g.kv_replicated && replicated ? zeros(ctx, g.dW.shape, Mem::Workspace)
-                                                  : Tensor();
+      Tensor part =
+          g.kv_replicated && replicated ? zeros(ctx, g.dW.shape, Mem::Workspace) : Tensor();
       linear_backward(ctx, Tensor(), part.defined() ? part : g.dW, g.dy, h, g.W);
       if (part.defined())
         add_replicated_grad(tp, ctx, g.dW, part, tp.local.kv_head0,

@@ -714,11 +714,13 @@ TEST_CASE("MPI staging: pinned buffers reused by ops in flight; the host waits f
         bufs.push_back(on(gpu, x.back()));
       }
       for (int k = 0; k < 4; k++)
-        h.push_back(all_reduce_async(c, g, gpu, bufs[k].f32(), (int64_t)x[k].size(), ReduceOp::Sum));
+        h.push_back(
+            all_reduce_async(c, g, gpu, bufs[k].f32(), (int64_t)x[k].size(), ReduceOp::Sum));
       for (int k = 3; k >= 0; k--) h[k].wait();
       for (int k = 0; k < 4; k++) {
         std::vector<float> want(x[k].size());
-        MPI_Allreduce(x[k].data(), want.data(), (int)want.size(), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        MPI_Allreduce(x[k].data(), want.data(), (int)want.size(), MPI_FLOAT, MPI_SUM,
+                      MPI_COMM_WORLD);
         CHECK(outside_sum_bound(back(gpu, bufs[k]), want, abs_sum_over_ranks(x[k]), N) == 0);
       }
     }
