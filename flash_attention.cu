@@ -152,7 +152,8 @@ void causal_softmax_backward(const Context& ctx, float* dscores, const float* dp
 // are constant strides, so either index can be the batch of one strided-batched GEMM (cuBLAS
 // cublasSgemmStridedBatched). The heads of one kv group share K_g and V_g (stride 0 for them).
 // Each call batches the longer of the two, so a forward makes Hkv * min(B, Hq/Hkv) calls per
-// GEMM instead of B * Hq. The softmax is the only kernel of its own.
+// GEMM instead of B * Hq (the backward's dK and dV GEMMs, Hq: see head_batches). The softmax is
+// the only kernel of its own.
 
 // The [T, hd] slice of head `head` in sequence b of a [B*T, H, hd] tensor.
 static float* head_slice(const Tensor& x, int b, int head, int H, const AttentionShape& s) {
