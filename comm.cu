@@ -12,6 +12,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <deque>
+#include <mutex>
 #include <thread>
 
 
@@ -277,6 +278,52 @@ void comm_destroy(Comm& c) {
 // Handle: what it takes to finish one collective
 // ============================================================================
 
+// ---- Staging through the host (MPI on CUDA: ranks sharing a GPU) ----
+// Pinned host buffers, cached and reused by every collective of the process, as the stream-ordered
+// pool caches device memory: cudaMallocHost is slow (it pins pages), and only pinned memory lets
+// a copy run asynchronously on a stream. A buffer is taken for one collective and given back
+// with an event on the stream of its last copy; it is taken again only once that event is done.
+struct PinnedBuffer {
+  float* ptr = nullptr;
+  int64_t capacity = 0;              // floats
+  cudaEvent_t free_after = nullptr;  // recorded after the last copy that uses it
+  bool taken = false;
+};
+static std::mutex g_pinned_mutex;
+static std::deque<PinnedBuffer> g_pinned;  // the cache; freed by the driver when the process ends
+
+static float* take_pinned(int64_t count) {
+  std::lock_guard<std::mutex> lock(g_pinned_mutex);
+  PinnedBuffer* best = nullptr;  // the smallest free buffer that fits
+  for (PinnedBuffer& b : g_pinned) {
+    if (b.taken || b.capacity < count || (best && best->capacity <= b.capacity)) continue;
+    cudaError_t e = b.free_after ? cudaEventQuery(b.free_after) : cudaSuccess;
+    if (e == cudaErrorNotReady) continue;  // its last copy back to the device has not run yet
+    CUDA_CHECK(e);
+    best = &b;
+  }
+  if (!best) {  // powers of two from 256 KiB, so buffers fit many later requests
+    best = &g_pinned.emplace_back();
+    best->capacity = 1 << 16;
+    while (best->capacity < count) best->capacity *= 2;
+    CUDA_CHECK(cudaMallocHost(&best->ptr, best->capacity * sizeof(float)));
+    CUDA_CHECK(cudaEventCreateWithFlags(&best->free_after, cudaEventDisableTiming));
+  }
+  best->taken = true;
+  return best->ptr;
+}
+// Free again once the work queued on `stream` so far (the copies that use it) has run.
+static void give_back_pinned(float* ptr, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(g_pinned_mutex);
+  for (PinnedBuffer& b : g_pinned)
+    if (b.ptr == ptr) {
+      CUDA_CHECK(cudaEventRecord(b.free_after, stream));
+      b.taken = false;
+      return;
+    }
+  PICO_ASSERT(false, "a staging buffer given back twice or never taken");
+}
+
 struct Handle::State {
   Group* group = nullptr;
   std::string what;  // "all_reduce on dp_cp, 1.50 MiB", for the timeout message
@@ -285,7 +332,8 @@ struct Handle::State {
   bool done = false;
   // MPI backend.
   std::vector<MPI_Request> requests;
-  std::deque<std::vector<float>> host;  // host copies of device buffers, or of aliased inputs
+  std::deque<std::vector<float>> host;  // host copies of aliased inputs (CPU)
+  std::vector<float*> pinned;  // staging buffers of device data (CUDA), given back at the end
   struct CopyBack {
     float* device;
     const float* host;
@@ -358,10 +406,13 @@ void Handle::State::finish() {
     float inverse = 1.0f / (float)group->size;
     for (int64_t i = 0; i < average_count; i++) average_buf[i] *= inverse;
   }
-  // Pageable-memory copies return once the host data is taken, so `host` may go right after.
+  // From pinned memory the copies are truly asynchronous: the host goes on at once, and the
+  // staging buffers are taken again only after these copies have run (give_back_pinned).
   for (const CopyBack& cb : copy_back)
     CUDA_CHECK(cudaMemcpyAsync(cb.device, cb.host, cb.count * sizeof(float), cudaMemcpyHostToDevice,
                                compute));
+  for (float* p : pinned) give_back_pinned(p, compute);
+  pinned.clear();
   // Work queued later on the compute stream runs after the collective; the host goes on.
   if (finished) CUDA_CHECK(cudaStreamWaitEvent(compute, finished, 0));
   done = true;
@@ -431,7 +482,8 @@ static int mpi_count(int64_t n) {
 
 // Starts a collective on a group of two or more, once the data it reads is ready. NCCL: the comm
 // stream waits for the compute stream's pending writes through an event, not a synchronize, so
-// the host goes on. MPI on CUDA: the host is about to copy the data out, so it must wait.
+// the host goes on. MPI on CUDA: each buffer MPI reads is copied to pinned host memory on the
+// compute stream, and the host waits for that copy only (mpi_buffer).
 // The state every pending op starts from: what it is (for the timeout message) and its deadline.
 static std::shared_ptr<Handle::State> new_state(Group& g, const std::string& op,
                                                 int64_t buffer_bytes) {
@@ -442,6 +494,23 @@ static std::shared_ptr<Handle::State> new_state(Group& g, const std::string& op,
   s->start = now_seconds();
   s->timeout_s = g.timeout_s;
   return s;
+}
+// The host waits for the work queued on `stream` so far, through an event rather than a stream
+// synchronise, and only until the op's deadline, like every wait of a collective.
+static void wait_for_stream(Handle::State& s, cudaStream_t stream) {
+  count_host_sync();
+  cudaEvent_t reached;
+  CUDA_CHECK(cudaEventCreateWithFlags(&reached, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventRecord(reached, stream));
+  for (;;) {
+    cudaError_t e = cudaEventQuery(reached);
+    if (e == cudaSuccess) break;
+    if (e != cudaErrorNotReady) CUDA_CHECK(e);
+    if (now_seconds() - s.start > s.timeout_s)
+      nccl_stop(s.nccl, past_deadline(s.world_rank, s.what, s.timeout_s));
+    std::this_thread::yield();
+  }
+  CUDA_CHECK(cudaEventDestroy(reached));
 }
 static std::shared_ptr<Handle::State> start(Comm& c, Group& g, const Context& ctx, Coll coll,
                                             int64_t buffer_bytes) {
@@ -455,10 +524,10 @@ static std::shared_ptr<Handle::State> start(Comm& c, Group& g, const Context& ct
     CUDA_CHECK(cudaEventRecord(ready, ctx.stream));
     CUDA_CHECK(cudaStreamWaitEvent(c.comm_ctx.stream, ready, 0));
     CUDA_CHECK(cudaEventDestroy(ready));  // safe: the wait is already queued
-  } else if (ctx.device == Device::CUDA) {
-    count_host_sync();
-    CUDA_CHECK(cudaStreamSynchronize(ctx.stream));
+  } else if (ctx.device == Device::CUDA && coll == Coll::Barrier) {
+    wait_for_stream(*s, ctx.stream);  // a barrier also means: this rank's work so far is done
   }
+  // (MPI on CUDA otherwise waits only for the data it sends: mpi_buffer.)
   return s;
 }
 // An NCCL call that enqueues (part of) an op on a nonblocking communicator: ncclInProgress is
@@ -483,15 +552,21 @@ static Handle issued(Comm& c, std::shared_ptr<Handle::State> s) {
   return Handle(std::move(s));
 }
 
-// The host memory MPI works on: the buffer itself on CPU; on CUDA a host copy, filled from the
-// device when `read`, and copied back when the op completes when `write`.
+// The host memory MPI works on: the buffer itself on CPU; on CUDA a pinned staging buffer,
+// filled from the device when `read` (the copy queued on the compute stream after the work that
+// writes the data, and waited for: MPI reads it next), and copied back on the compute stream
+// when the op completes when `write`.
 static float* mpi_buffer(Handle::State& s, const Context& ctx, const float* buf, int64_t count,
                          bool read, bool write) {
   if (ctx.device == Device::CPU) return const_cast<float*>(buf);
-  std::vector<float>& h = s.host.emplace_back(count);
-  if (read) CUDA_CHECK(cudaMemcpy(h.data(), buf, count * sizeof(float), cudaMemcpyDeviceToHost));
-  if (write) s.copy_back.push_back({const_cast<float*>(buf), h.data(), count});
-  return h.data();
+  float* h = take_pinned(count);
+  s.pinned.push_back(h);
+  if (read) {
+    CUDA_CHECK(cudaMemcpyAsync(h, buf, count * sizeof(float), cudaMemcpyDeviceToHost, ctx.stream));
+    wait_for_stream(s, ctx.stream);
+  }
+  if (write) s.copy_back.push_back({const_cast<float*>(buf), h, count});
+  return h;
 }
 // An input MPI reads. MPI forbids it to overlap the output (in-place calls, e.g. all_gather
 // from this rank's own slot, would otherwise be errors), so an overlapping one is copied first.

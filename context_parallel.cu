@@ -139,9 +139,9 @@ void context_attention_forward(const Context& ctx, const ContextParallel& cp, co
   int P = g.size, r = g.rank;
   Shapes s{B, T, Hq, Hkv, hd};
   std::vector<CpPiece> mine = cp_pieces(cp.balance, T, P, r);
-  zero_(out);
+  zero_(ctx, out);
   fill_(lse, -INFINITY);  // nothing seen yet: the first merge takes the first block as it is
-  Tensor kv = empty({2 * k.numel()}, Mem::Workspace, ctx.device);  // [2, N, Hkv, hd]
+  Tensor kv = empty(ctx, {2 * k.numel()}, Mem::Workspace);  // [2, N, Hkv, hd]
   copy_(kv_part(kv, 0), k.reshape({k.numel()}));
   copy_(kv_part(kv, 1), v.reshape({v.numel()}));
   // Attend this rank's queries to the keys and values `owner` holds, merging block by block.
@@ -153,8 +153,8 @@ void context_attention_forward(const Context& ctx, const ContextParallel& cp, co
         int64_t pairs = causal_pairs(mine[qp], keys[kp]);
         if (pairs == 0) continue;  // every key in the future of every query
         AttentionBlock a = s.block(mine[qp], keys[kp]);
-        Tensor o = empty({(int64_t)B * a.Tq, Hq, hd}, Mem::Workspace, ctx.device);
-        Tensor l = empty({B, Hq, a.Tq}, Mem::Workspace, ctx.device);
+        Tensor o = empty(ctx, {(int64_t)B * a.Tq, Hq, hd}, Mem::Workspace);
+        Tensor l = empty(ctx, {B, Hq, a.Tq}, Mem::Workspace);
         flash_attention_forward(ctx, o, l, piece_rows(q, mine, qp, B),
                                 piece_rows(k_all, keys, kp, B), piece_rows(v_all, keys, kp, B), a);
         attention_lse_merge(ctx, piece_rows(out, mine, qp, B), piece_lse(lse, mine, qp, B, Hq), o,
@@ -163,7 +163,7 @@ void context_attention_forward(const Context& ctx, const ContextParallel& cp, co
       }
   };
   if (cp.mode == CpComm::AllGather) {  // every rank's keys and values at once: P x the memory
-    Tensor all = empty({P * kv.numel()}, Mem::Workspace, ctx.device);
+    Tensor all = empty(ctx, {P * kv.numel()}, Mem::Workspace);
     all_gather(comm, g, ctx, kv.f32(), all.f32(), kv.numel());
     for (int owner = 0; owner < P; owner++)
       attend(all.view(owner * kv.numel(), {kv.numel()}), owner);
@@ -173,7 +173,7 @@ void context_attention_forward(const Context& ctx, const ContextParallel& cp, co
       Tensor next;
       Handle arriving;
       if (step < P - 1) {
-        next = empty({kv.numel()}, Mem::Workspace, ctx.device);
+        next = empty(ctx, {kv.numel()}, Mem::Workspace);
         arriving = send_recv_async(comm, g, ctx,
                                    {{true, held.f32(), held.numel(), g.next()},
                                     {false, next.f32(), next.numel(), g.prev()}});
@@ -196,13 +196,13 @@ void context_attention_backward(const Context& ctx, const ContextParallel& cp, c
   Shapes s{B, T, Hq, Hkv, hd};
   std::vector<CpPiece> mine = cp_pieces(cp.balance, T, P, r);
   // D = rowsum(dO * O) of the merged output, once per query piece, shared by every block.
-  Tensor D = empty(lse.shape, Mem::Workspace, ctx.device);
+  Tensor D = empty(ctx, lse.shape, Mem::Workspace);
   for (int qp = 0; qp < (int)mine.size(); qp++)
     attention_out_dot_dout(ctx, piece_lse(D, mine, qp, B, Hq), piece_rows(dout, mine, qp, B),
                            piece_rows(out, mine, qp, B), s.block(mine[qp], mine[qp]));
-  zero_(dq);
+  zero_(ctx, dq);
   int64_t n = 2 * k.numel();  // keys and values, then their gradients: [4, N, Hkv, hd]
-  Tensor held = zeros({2 * n}, Mem::Workspace, ctx.device);
+  Tensor held = zeros(ctx, {2 * n}, Mem::Workspace);
   copy_(held.view(0, {k.numel()}), k.reshape({k.numel()}));
   copy_(held.view(k.numel(), {v.numel()}), v.reshape({v.numel()}));
   // dq (+=) of this rank's queries and the gradients (+=) of `owner`'s keys and values.
@@ -222,12 +222,12 @@ void context_attention_backward(const Context& ctx, const ContextParallel& cp, c
   };
   Tensor mine_dkv;  // [2, N, Hkv, hd]: the gradients of this rank's keys and values
   if (cp.mode == CpComm::AllGather) {
-    Tensor all = empty({P * n}, Mem::Workspace, ctx.device);
+    Tensor all = empty(ctx, {P * n}, Mem::Workspace);
     all_gather(comm, g, ctx, held.f32(), all.f32(), n);
-    Tensor dall = zeros({P * n}, Mem::Workspace, ctx.device);
+    Tensor dall = zeros(ctx, {P * n}, Mem::Workspace);
     for (int owner = 0; owner < P; owner++)
       attend(all.view(owner * n, {n}), dall.view(owner * n, {n}), owner);
-    mine_dkv = empty({n}, Mem::Workspace, ctx.device);
+    mine_dkv = empty(ctx, {n}, Mem::Workspace);
     reduce_scatter(comm, g, ctx, dall.f32(), mine_dkv.f32(), n, ReduceOp::Sum);
   } else {
     // Keys, values and their gradient accumulators travel together; after the last block the
@@ -236,7 +236,7 @@ void context_attention_backward(const Context& ctx, const ContextParallel& cp, c
       attend(held.view(0, {n}), held.view(n, {n}), (r - step + P) % P);
       bool last = step == P - 1;
       Tensor send = last ? held.view(n, {n}) : held;
-      Tensor next = empty({send.numel()}, Mem::Workspace, ctx.device);
+      Tensor next = empty(ctx, {send.numel()}, Mem::Workspace);
       send_recv(comm, g, ctx,
                 {{true, send.f32(), send.numel(), g.next()},
                  {false, next.f32(), next.numel(), g.prev()}});

@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -296,9 +297,10 @@ Context Context::create(Device device) {
       CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
     }
     // A blocking stream, on purpose: the forms of empty / zeros / zero_ / copy_ without a
-    // Context (setup, model activations, checkpoints, tests) run on the legacy default
-    // stream, and a blocking stream is ordered with it in both directions. A non-blocking
-    // compute stream would need every one of those calls to take this Context instead.
+    // Context (setup, checkpoints, tests, and every copy) run on the legacy default stream,
+    // and a blocking stream is ordered with it in both directions. The model's activations
+    // and workspace already take this Context; a non-blocking compute stream would need the
+    // copies to take it too.
     CUDA_CHECK(cudaStreamCreateWithFlags(&ctx.stream, cudaStreamDefault));
     CUBLAS_CHECK(cublasCreate(&ctx.cublas));
     CUBLAS_CHECK(cublasSetStream(ctx.cublas, ctx.stream));
@@ -385,18 +387,37 @@ uint64_t rng_key(uint64_t seed, const std::string& name) {
   for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;
   return splitmix64(seed ^ splitmix64(h));
 }
-double rng_normal(uint64_t key, uint64_t index) {
-  double u1 = rng_uniform(key, 2 * index), u2 = rng_uniform(key, 2 * index + 1);
-  if (u1 < 1e-300) u1 = 1e-300;
-  return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
-}
 static void fill_host_then_copy(const Tensor& t, std::vector<float>& host) {
   PICO_ASSERT(t.dtype == DType::F32, "init needs an F32 tensor");
   from_host(t, host.data());
 }
+// out[i] = element offset + i of the full tensor: normal (a = std) or uniform in [a, b).
+// In double, then rounded to float, as the CPU loops below. nvcc would fuse the uniform's
+// multiply and add into one FMA (one rounding instead of two, so other bits than the CPU's):
+// __dmul_rn and __dadd_rn keep them apart. The normal has no add to fuse.
+static __global__ void init_kernel(float* out, int64_t n, uint64_t key, int64_t offset, bool normal,
+                                   float a, float b) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    if (normal)
+      out[i] = (float)((double)a * rng_normal(key, offset + i));
+    else
+      out[i] = (float)__dadd_rn(a, __dmul_rn((double)(b - a), rng_uniform(key, offset + i)));
+  }
+}
+static void init_on_device(const Tensor& t, uint64_t key, int64_t offset, bool normal, float a,
+                           float b) {
+  PICO_ASSERT(t.dtype == DType::F32, "init needs an F32 tensor");
+  int64_t n = t.numel();
+  if (n == 0) return;
+  unsigned blocks = (unsigned)std::min<int64_t>((n + 255) / 256, 4096);
+  init_kernel<<<blocks, 256>>>(t.f32(), n, key, offset, normal, a, b);  // legacy stream: setup
+  CUDA_CHECK(cudaGetLastError());
+}
 void init_normal(const Tensor& t, uint64_t seed, const std::string& name, float std,
                  int64_t offset) {
   uint64_t key = rng_key(seed, name);
+  if (t.device == Device::CUDA) return init_on_device(t, key, offset, true, std, 0.0f);
   std::vector<float> host(t.numel());
   for (int64_t i = 0; i < t.numel(); i++) host[i] = (float)(std * rng_normal(key, offset + i));
   fill_host_then_copy(t, host);
@@ -404,6 +425,7 @@ void init_normal(const Tensor& t, uint64_t seed, const std::string& name, float 
 void init_uniform(const Tensor& t, uint64_t seed, const std::string& name, float lo, float hi,
                   int64_t offset) {
   uint64_t key = rng_key(seed, name);
+  if (t.device == Device::CUDA) return init_on_device(t, key, offset, false, lo, hi);
   std::vector<float> host(t.numel());
   for (int64_t i = 0; i < t.numel(); i++)
     host[i] = (float)(lo + (hi - lo) * rng_uniform(key, offset + i));

@@ -1,6 +1,7 @@
 // core.cuh: tensors, devices, dtypes, memory accounting, error checks, RNG and timers.
 // Everything else in picoscale is built from these few types (DESIGN section 2).
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -158,9 +159,12 @@ struct Tensor {
 };
 
 // Allocation, zeroing and copies. On CUDA the forms without a Context run on the legacy
-// default stream: for setup, checkpoints and tests. They are ordered with the compute stream
-// only because Context::create makes that stream blocking (it waits for the legacy stream and
-// the legacy stream waits for it). The forms taking a Context run on its stream and say so.
+// default stream: setup, checkpoints, tests, and every copy (copy_, from_host, fill_ have no
+// Context form; a step makes a few: token ids up, tensor-parallel identity copies). They are
+// ordered with the compute stream because Context::create makes that stream blocking (it waits
+// for the legacy stream and the legacy stream waits for it). The forms taking a Context run on
+// its stream and say so: the model's activations and workspace during training (model.cu, ops.cu,
+// the tensor-, context- and pipeline-parallel layers) are allocated, zeroed and freed with them.
 // A buffer is freed on the stream it was allocated on; the communication stream is ordered
 // with both through events (comm.cu), never implicitly.
 Tensor empty(std::vector<int64_t> shape, Mem category, Device device = Device::CPU,
@@ -228,8 +232,16 @@ uint64_t rng_key(uint64_t seed, const std::string& name);  // FNV-1a of the name
 __host__ __device__ inline double rng_uniform(uint64_t key, uint64_t counter) {  // [0, 1)
   return (double)(splitmix64(key ^ splitmix64(counter)) >> 11) * (1.0 / 9007199254740992.0);
 }
-double rng_normal(uint64_t key, uint64_t index);  // N(0,1), Box-Muller on counters 2i, 2i+1
-// Fill elements [offset, offset + t.numel()) of the full tensor `name` into t.
+// N(0,1), Box-Muller on counters 2i, 2i+1, in double. The same code runs on the host (glibc's
+// log and cos) and in the CUDA init kernel (CUDA's: sqrt is exact on both, log and cos may
+// differ by an ulp or two of a double, which rounding to fp32 almost always hides).
+__host__ __device__ inline double rng_normal(uint64_t key, uint64_t index) {
+  double u1 = rng_uniform(key, 2 * index), u2 = rng_uniform(key, 2 * index + 1);
+  if (u1 < 1e-300) u1 = 1e-300;
+  return sqrt(-2.0 * log(u1)) * cos(2.0 * 3.14159265358979323846 * u2);
+}
+// Fill elements [offset, offset + t.numel()) of the full tensor `name` into t: on the CPU in a
+// loop, on CUDA in a kernel on the legacy default stream (setup), with the same values.
 void init_normal(const Tensor& t, uint64_t seed, const std::string& name, float std,
                  int64_t offset = 0);
 void init_uniform(const Tensor& t, uint64_t seed, const std::string& name, float lo, float hi,

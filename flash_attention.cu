@@ -144,12 +144,16 @@ void causal_softmax_backward(const Context& ctx, float* dscores, const float* dp
 }
 
 // ============================================================================
-// naive attention: one GEMM per (sequence, head) on strided views, no copies
+// naive attention: strided-batched GEMMs over the heads or the sequences, no copies
 // ============================================================================
 // q rows are tokens with Hq*hd floats each, so head h of sequence b is a [T, hd] matrix
 // starting at q + (b*T*Hq + h)*hd with leading dimension Hq*hd; likewise k, v with Hkv.
-// The GEMMs dispatch on ctx.device, so only the softmax above needs a kernel of its own.
-// (A production version would batch these GEMMs; one call per head keeps the math visible.)
+// Head h+1 starts hd floats after head h, and sequence b+1 T*Hq*hd floats after sequence b: both
+// are constant strides, so either index can be the batch of one strided-batched GEMM (cuBLAS
+// cublasSgemmStridedBatched). The heads of one kv group share K_g and V_g (stride 0 for them).
+// Each call batches the longer of the two, so a forward makes Hkv * min(B, Hq/Hkv) calls per
+// GEMM instead of B * Hq (the backward's dK and dV GEMMs, Hq: see head_batches). The softmax is
+// the only kernel of its own.
 
 // The [T, hd] slice of head `head` in sequence b of a [B*T, H, hd] tensor.
 static float* head_slice(const Tensor& x, int b, int head, int H, const AttentionShape& s) {
@@ -158,6 +162,54 @@ static float* head_slice(const Tensor& x, int b, int head, int H, const Attentio
 // The [T, T] slice of (b, h) in a [B, Hq, T, T] tensor.
 static float* score_slice(const Tensor& x, int b, int h, const AttentionShape& s) {
   return x.f32() + ((int64_t)b * s.Hq + h) * s.T * s.T;
+}
+
+// `count` GEMMs C_i = alpha op(A_i) op(B_i) + beta C_i, X_i = X + i * stride_x (row-major, as
+// gemm). CPU: one gemm each, in order; CUDA: one strided-batched call (the operands swapped
+// for column-major as in gemm). The C_i must not overlap: cuBLAS may run them concurrently.
+static void gemm_batched(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K,
+                         float alpha, const float* A, int lda, int64_t stride_a, const float* B,
+                         int ldb, int64_t stride_b, float beta, float* C, int ldc, int64_t stride_c,
+                         int count) {
+  if (ctx.device == Device::CPU) {
+    for (int i = 0; i < count; i++)
+      gemm(ctx, trans_a, trans_b, M, N, K, alpha, A + i * stride_a, lda, B + i * stride_b, ldb,
+           beta, C + i * stride_c, ldc);
+    return;
+  }
+  CUBLAS_CHECK(cublasSgemmStridedBatched(
+      ctx.cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K,
+      &alpha, B, ldb, stride_b, A, lda, stride_a, &beta, C, ldc, stride_c, count));
+}
+
+// One batch of naive attention's GEMMs: `count` sequences b, b+1, ... of head h, or `count`
+// heads h, h+1, ... of one kv group in sequence b. The strides between neighbours in the batch:
+struct HeadBatch {
+  int b, h, count;
+  bool over_sequences;
+  int64_t q_stride(const AttentionShape& s) const {  // a [B*T, Hq, hd] tensor
+    return over_sequences ? (int64_t)s.T * s.Hq * s.hd : s.hd;
+  }
+  int64_t kv_stride(const AttentionShape& s) const {  // a [B*T, Hkv, hd] tensor: shared by heads
+    return over_sequences ? (int64_t)s.T * s.Hkv * s.hd : 0;
+  }
+  int64_t score_stride(const AttentionShape& s) const {  // a [B, Hq, T, T] tensor
+    return over_sequences ? (int64_t)s.Hq * s.T * s.T : (int64_t)s.T * s.T;
+  }
+};
+// Every (b, h) once. Over the sequences when a kv group has no more heads than there are
+// sequences, or always when `per_head` (the heads of a group accumulate into one dK_g, dV_g:
+// one batch each, in head order, so no two GEMMs of a batch write the same memory).
+static std::vector<HeadBatch> head_batches(const AttentionShape& s, bool per_head) {
+  int group = s.Hq / s.Hkv;
+  std::vector<HeadBatch> batches;
+  if (per_head || s.B >= group) {
+    for (int h = 0; h < s.Hq; h++) batches.push_back({0, h, s.B, true});
+  } else {
+    for (int b = 0; b < s.B; b++)
+      for (int g = 0; g < s.Hkv; g++) batches.push_back({b, g * group, group, false});
+  }
+  return batches;
 }
 
 static void check_attention_args(const Context& ctx, const AttentionShape& s,
@@ -179,17 +231,19 @@ void attention_forward(const Context& ctx, const Tensor& out, const Tensor& prob
   int qw = s.Hq * s.hd, kvw = s.Hkv * s.hd, group = s.Hq / s.Hkv, T = s.T, hd = s.hd;
   check_attention_args(ctx, s, {{&out, qw}, {&q, qw}, {&k, kvw}, {&v, kvw}, {&probs, 0}});
   // S[T, T] = Q_h[T, hd] K_g[T, hd]^T, unscaled: the softmax applies 1/sqrt(hd).
-  for (int b = 0; b < s.B; b++)
-    for (int h = 0; h < s.Hq; h++)
-      gemm(ctx, false, true, T, T, hd, 1.0f, head_slice(q, b, h, s.Hq, s), qw,
-           head_slice(k, b, h / group, s.Hkv, s), kvw, 0.0f, score_slice(probs, b, h, s), T);
+  std::vector<HeadBatch> batches = head_batches(s, false);
+  for (const HeadBatch& hb : batches)
+    gemm_batched(ctx, false, true, T, T, hd, 1.0f, head_slice(q, hb.b, hb.h, s.Hq, s), qw,
+                 hb.q_stride(s), head_slice(k, hb.b, hb.h / group, s.Hkv, s), kvw, hb.kv_stride(s),
+                 0.0f, score_slice(probs, hb.b, hb.h, s), T, hb.score_stride(s), hb.count);
   // In place: the scores become the probabilities saved for backward.
   causal_softmax_forward(ctx, probs.f32(), probs.f32(), s.B * s.Hq, T, 1.0f / sqrtf((float)hd));
   // O_h[T, hd] = P[T, T] V_g[T, hd], written straight into its columns of out.
-  for (int b = 0; b < s.B; b++)
-    for (int h = 0; h < s.Hq; h++)
-      gemm(ctx, false, false, T, hd, T, 1.0f, score_slice(probs, b, h, s), T,
-           head_slice(v, b, h / group, s.Hkv, s), kvw, 0.0f, head_slice(out, b, h, s.Hq, s), qw);
+  for (const HeadBatch& hb : batches)
+    gemm_batched(ctx, false, false, T, hd, T, 1.0f, score_slice(probs, hb.b, hb.h, s), T,
+                 hb.score_stride(s), head_slice(v, hb.b, hb.h / group, s.Hkv, s), kvw,
+                 hb.kv_stride(s), 0.0f, head_slice(out, hb.b, hb.h, s.Hq, s), qw, hb.q_stride(s),
+                 hb.count);
 }
 
 void attention_backward(const Context& ctx, const Tensor& dq, const Tensor& dk, const Tensor& dv,
@@ -207,32 +261,36 @@ void attention_backward(const Context& ctx, const Tensor& dq, const Tensor& dk, 
                         {&probs, 0},
                         {&scratch, 0}});
   // The heads of a group share one K_g, V_g, so their gradients sum: the first head of the
-  // group writes (beta 0), the rest add (beta 1). No memset needed, and none to order.
+  // group writes (beta 0), the rest add (beta 1), one head after the other (per-head batches).
+  // No memset needed, and none to order.
   auto group_beta = [&](int h) { return h % group == 0 ? 0.0f : 1.0f; };
-  for (int b = 0; b < s.B; b++)
-    for (int h = 0; h < s.Hq; h++) {
-      const float* dO = head_slice(dout, b, h, s.Hq, s);  // [T, hd], ld qw
-      const float* P = score_slice(probs, b, h, s);       // [T, T]
-      // dP[T, T] = dO_h V_g^T
-      gemm(ctx, false, true, T, T, hd, 1.0f, dO, qw, head_slice(v, b, h / group, s.Hkv, s), kvw,
-           0.0f, score_slice(scratch, b, h, s), T);
-      // dV_g[T, hd] (+)= P^T dO_h
-      gemm(ctx, true, false, T, hd, T, 1.0f, P, T, dO, qw, group_beta(h),
-           head_slice(dv, b, h / group, s.Hkv, s), kvw);
-    }
+  std::vector<HeadBatch> batches = head_batches(s, false), per_head = head_batches(s, true);
+  // dP[T, T] = dO_h V_g^T
+  for (const HeadBatch& hb : batches)
+    gemm_batched(ctx, false, true, T, T, hd, 1.0f, head_slice(dout, hb.b, hb.h, s.Hq, s), qw,
+                 hb.q_stride(s), head_slice(v, hb.b, hb.h / group, s.Hkv, s), kvw, hb.kv_stride(s),
+                 0.0f, score_slice(scratch, hb.b, hb.h, s), T, hb.score_stride(s), hb.count);
+  // dV_g[T, hd] (+)= P^T dO_h
+  for (const HeadBatch& hb : per_head)
+    gemm_batched(ctx, true, false, T, hd, T, 1.0f, score_slice(probs, hb.b, hb.h, s), T,
+                 hb.score_stride(s), head_slice(dout, hb.b, hb.h, s.Hq, s), qw, hb.q_stride(s),
+                 group_beta(hb.h), head_slice(dv, hb.b, hb.h / group, s.Hkv, s), kvw,
+                 hb.kv_stride(s), hb.count);
   // dS = scale * P * (dP - rowsum(P * dP)), in place over dP; zero above the diagonal.
   causal_softmax_backward(ctx, scratch.f32(), scratch.f32(), probs.f32(), s.B * s.Hq, T,
                           1.0f / sqrtf((float)hd));
-  for (int b = 0; b < s.B; b++)
-    for (int h = 0; h < s.Hq; h++) {
-      const float* dS = score_slice(scratch, b, h, s);  // [T, T]
-      // dQ_h[T, hd] = dS K_g
-      gemm(ctx, false, false, T, hd, T, 1.0f, dS, T, head_slice(k, b, h / group, s.Hkv, s), kvw,
-           0.0f, head_slice(dq, b, h, s.Hq, s), qw);
-      // dK_g[T, hd] (+)= dS^T Q_h
-      gemm(ctx, true, false, T, hd, T, 1.0f, dS, T, head_slice(q, b, h, s.Hq, s), qw, group_beta(h),
-           head_slice(dk, b, h / group, s.Hkv, s), kvw);
-    }
+  // dQ_h[T, hd] = dS K_g
+  for (const HeadBatch& hb : batches)
+    gemm_batched(ctx, false, false, T, hd, T, 1.0f, score_slice(scratch, hb.b, hb.h, s), T,
+                 hb.score_stride(s), head_slice(k, hb.b, hb.h / group, s.Hkv, s), kvw,
+                 hb.kv_stride(s), 0.0f, head_slice(dq, hb.b, hb.h, s.Hq, s), qw, hb.q_stride(s),
+                 hb.count);
+  // dK_g[T, hd] (+)= dS^T Q_h
+  for (const HeadBatch& hb : per_head)
+    gemm_batched(ctx, true, false, T, hd, T, 1.0f, score_slice(scratch, hb.b, hb.h, s), T,
+                 hb.score_stride(s), head_slice(q, hb.b, hb.h, s.Hq, s), qw, hb.q_stride(s),
+                 group_beta(hb.h), head_slice(dk, hb.b, hb.h / group, s.Hkv, s), kvw,
+                 hb.kv_stride(s), hb.count);
 }
 
 // ============================================================================

@@ -265,8 +265,13 @@ Model build_model(const ModelConfig& cfg, Device device, uint64_t seed, const Te
 // ----------------------------------------------------------------------------
 // Forward
 
-static Tensor act(std::vector<int64_t> shape, Device d) { return empty(shape, Mem::Activations, d); }
-static Tensor work(std::vector<int64_t> shape, Device d) { return empty(shape, Mem::Workspace, d); }
+// On the compute stream, allocated and freed in its order (core.cuh).
+static Tensor act(std::vector<int64_t> shape, const Context& c) {
+  return empty(c, shape, Mem::Activations);
+}
+static Tensor work(std::vector<int64_t> shape, const Context& c) {
+  return empty(c, shape, Mem::Workspace);
+}
 
 // The attention core (DESIGN 6, "Attention"): the seam where ring attention plugs in. Naive
 // attention keeps the [B, Hl, T, T] probabilities for the backward; FlashAttention keeps the
@@ -282,9 +287,9 @@ static void attention_core_forward(const Context& ctx, const Model& m, BlockActi
                                    int T) {
   const LocalDims& L = m.tp.local;
   int64_t N = (int64_t)B * T, hd = m.cfg.head_dim();
-  a.attn = act({N, L.heads * hd}, ctx.device);
+  a.attn = act({N, L.heads * hd}, ctx);
   if (m.cp.size() > 1) {  // ring attention over the cp group: T is this rank's share
-    a.lse = act({B, L.heads, T}, ctx.device);
+    a.lse = act({B, L.heads, T}, ctx);
     context_attention_forward(ctx, m.cp, a.attn.reshape({N, L.heads, hd}), a.lse,
                               a.q.reshape({N, L.heads, hd}), a.k.reshape({N, L.kv_heads, hd}),
                               a.v.reshape({N, L.kv_heads, hd}), B, T * m.cp.size(), L.heads,
@@ -292,13 +297,13 @@ static void attention_core_forward(const Context& ctx, const Model& m, BlockActi
     return;
   }
   if (m.attention == Attention::Flash) {
-    a.lse = act({B, L.heads, T}, ctx.device);
+    a.lse = act({B, L.heads, T}, ctx);
     flash_attention_forward(ctx, a.attn.reshape({N, L.heads, hd}), a.lse,
                             a.q.reshape({N, L.heads, hd}), a.k.reshape({N, L.kv_heads, hd}),
                             a.v.reshape({N, L.kv_heads, hd}), attention_block(m, B, T));
     return;
   }
-  a.probs = act({B, L.heads, T, T}, ctx.device);
+  a.probs = act({B, L.heads, T, T}, ctx);
   attention_forward(ctx, a.attn.reshape({N, L.heads, hd}), a.probs, a.q.reshape({N, L.heads, hd}),
                     a.k.reshape({N, L.kv_heads, hd}), a.v.reshape({N, L.kv_heads, hd}),
                     attention_shape(m, B, T));
@@ -322,18 +327,18 @@ static void attention_core_backward(const Context& ctx, const Model& m, BlockAct
   }
   if (m.attention == Attention::Flash) {  // D = rowsum(dO * O) once, then dq, dk, dv (+=)
     AttentionBlock block = attention_block(m, B, T);
-    Tensor D = work({B, L.heads, T}, ctx.device), d_out = d_attn.reshape({N, L.heads, hd});
+    Tensor D = work({B, L.heads, T}, ctx), d_out = d_attn.reshape({N, L.heads, hd});
     attention_out_dot_dout(ctx, D, d_out, a.attn.reshape({N, L.heads, hd}), block);
-    zero_(dq), zero_(dk), zero_(dv);
+    zero_(ctx, dq), zero_(ctx, dk), zero_(ctx, dv);
     flash_attention_backward(ctx, dq.reshape({N, L.heads, hd}), dk.reshape({N, L.kv_heads, hd}),
                              dv.reshape({N, L.kv_heads, hd}), d_out, q3, k3, v3, a.lse, D, block);
     return;
   }
   if (!a.probs.defined()) {  // selective recompute: rebuild the probabilities from q and k
-    a.probs = act({B, L.heads, T, T}, ctx.device);
+    a.probs = act({B, L.heads, T, T}, ctx);
     attention_forward(ctx, dq.reshape({N, L.heads, hd}), a.probs, q3, k3, v3, shape);
   }
-  Tensor d_probs = work({B, L.heads, T, T}, ctx.device);
+  Tensor d_probs = work({B, L.heads, T, T}, ctx);
   attention_backward(ctx, dq.reshape({N, L.heads, hd}), dk.reshape({N, L.kv_heads, hd}),
                      dv.reshape({N, L.kv_heads, hd}), d_attn.reshape({N, L.heads, hd}), q3, k3,
                      v3, a.probs, d_probs, shape);
@@ -347,26 +352,25 @@ static void block_forward(const Context& ctx, const Model& m, const BlockWeights
                           const Tensor& x_out) {
   const ModelConfig& c = m.cfg;
   const LocalDims& L = m.tp.local;
-  Device d = ctx.device;
   int64_t N = (int64_t)B * T, n = sp_tokens(m.tp, N), D = c.d_model, hd = c.head_dim();
   // Attention: x_mid = x + o(attn(rope(q(n1)), rope(k(n1)), v(n1))), n1 = rmsnorm(x)
-  a.norm1 = act({n, D}, d), a.rstd1 = act({n}, d);
+  a.norm1 = act({n, D}, ctx), a.rstd1 = act({n}, ctx);
   rmsnorm_forward(ctx, a.norm1, a.rstd1, a.x, w.attn_norm, c.norm_eps);
-  a.q = act({N, L.heads * hd}, d);
-  a.k = act({N, L.kv_heads * hd}, d), a.v = act({N, L.kv_heads * hd}, d);
+  a.q = act({N, L.heads * hd}, ctx);
+  a.k = act({N, L.kv_heads * hd}, ctx), a.v = act({N, L.kv_heads * hd}, ctx);
   column_parallel_forward(m.tp, ctx, a.norm1, {{a.q, w.wq}, {a.k, w.wk}, {a.v, w.wv}});
   rope_forward(ctx, a.q.reshape({N, L.heads, hd}), positions, c.rope_theta);
   rope_forward(ctx, a.k.reshape({N, L.kv_heads, hd}), positions, c.rope_theta);
   attention_core_forward(ctx, m, a, B, T);
-  Tensor out = work({n, D}, d);
+  Tensor out = work({n, D}, ctx);
   row_parallel_forward(m.tp, ctx, out, a.attn, w.wo);
-  a.x_mid = act({n, D}, d);
+  a.x_mid = act({n, D}, ctx);
   residual_forward(ctx, a.x_mid, a.x, out);
 
   // MLP: x_out = x_mid + down(swiglu(gate(n2), up(n2))), n2 = rmsnorm(x_mid)
-  a.norm2 = act({n, D}, d), a.rstd2 = act({n}, d);
+  a.norm2 = act({n, D}, ctx), a.rstd2 = act({n}, ctx);
   rmsnorm_forward(ctx, a.norm2, a.rstd2, a.x_mid, w.mlp_norm, c.norm_eps);
-  a.gate = act({N, L.ffn}, d), a.up = act({N, L.ffn}, d), a.act = act({N, L.ffn}, d);
+  a.gate = act({N, L.ffn}, ctx), a.up = act({N, L.ffn}, ctx), a.act = act({N, L.ffn}, ctx);
   column_parallel_forward(m.tp, ctx, a.norm2, {{a.gate, w.w_gate}, {a.up, w.w_up}});
   swiglu_forward(ctx, a.act, a.gate, a.up);
   row_parallel_forward(m.tp, ctx, out, a.act, w.w_down);
@@ -398,15 +402,15 @@ static float head_forward(const Context& ctx, Model& model, Activations& acts,
   const LocalDims& L = model.tp.local;
   Device d = ctx.device;
   int64_t N = (int64_t)acts.B * acts.T, n = acts.x_final.size(0), D = model.cfg.d_model;
-  acts.normf = act({n, D}, d), acts.rstdf = act({n}, d);
+  acts.normf = act({n, D}, ctx), acts.rstdf = act({n}, ctx);
   rmsnorm_forward(ctx, acts.normf, acts.rstdf, acts.x_final, model.w.final_norm,
                   model.cfg.norm_eps);
-  acts.logits = act({N, L.vocab}, d);
+  acts.logits = act({N, L.vocab}, ctx);
   column_parallel_forward(model.tp, ctx, acts.normf, {{acts.logits, model.w.lm_head}});
   if (!targets) return 0.0f;
   acts.targets = device_ints(local_vocab_ids(targets, N, L.vocab0, L.vocab), d);
-  acts.losses = act({N}, d);
-  acts.ce_stats = act({N, 2}, d);
+  acts.losses = act({N}, ctx);
+  acts.ce_stats = act({N, 2}, ctx);
   tp_cross_entropy_forward(model.tp, ctx, acts.losses, acts.ce_stats, acts.logits, acts.targets);
   return sum(ctx, acts.losses);
 }
@@ -429,7 +433,7 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
   if (stage.embedding) {
     // Vocab-parallel embedding: this rank looks up the ids of its vocabulary slice.
     acts.ids = device_ints(local_vocab_ids(ids, N, L.vocab0, L.vocab), d);
-    x = act({n, D}, d);
+    x = act({n, D}, ctx);
     run_hook(hooks.before_forward, model.embedding_unit());
     vocab_parallel_embedding_forward(model.tp, ctx, x, acts.ids, model.w.embed);
     run_hook(hooks.after_forward, model.embedding_unit());
@@ -439,7 +443,7 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
   for (int l = 0; l < model.blocks(chunk); l++) {
     BlockActivations& a = acts.blocks[l];
     a.x = x;
-    x = act({n, D}, d);
+    x = act({n, D}, ctx);
     run_hook(hooks.before_forward, model.block_unit(chunk, l));
     block_forward(ctx, model, model.w.blocks[model.chunk_block0[chunk] + l], a, acts.positions, B,
                   T, x);
@@ -469,11 +473,11 @@ static void block_backward(const Context& ctx, const Model& m, const BlockWeight
                            int B, int T, const Tensor& dres, DeferredGrads* deferred) {
   const ModelConfig& c = m.cfg;
   const LocalDims& L = m.tp.local;
-  Device d = ctx.device;
   int64_t N = (int64_t)B * T, n = sp_tokens(m.tp, N), D = c.d_model, hd = c.head_dim();
-  Tensor d_norm = work({n, D}, d);  // [n, D] gradient of a norm's output
+  Tensor d_norm = work({n, D}, ctx);  // [n, D] gradient of a norm's output
   // MLP
-  Tensor d_act = work({N, L.ffn}, d), d_gate = work({N, L.ffn}, d), d_up = work({N, L.ffn}, d);
+  Tensor d_act = work({N, L.ffn}, ctx), d_gate = work({N, L.ffn}, ctx),
+         d_up = work({N, L.ffn}, ctx);
   row_parallel_backward(m.tp, ctx, d_act, g.w_down, dres, a.act, w.w_down, deferred);
   swiglu_backward(ctx, d_gate, d_up, d_act, a.gate, a.up);
   column_parallel_backward(m.tp, ctx, d_norm, a.norm2,
@@ -481,8 +485,8 @@ static void block_backward(const Context& ctx, const Model& m, const BlockWeight
   parallel_rmsnorm_backward(m.tp, ctx, dres, g.mlp_norm, d_norm, a.x_mid, w.mlp_norm, a.rstd2);
 
   // Attention
-  Tensor d_attn = work({N, L.heads * hd}, d), dq = work({N, L.heads * hd}, d);
-  Tensor dk = work({N, L.kv_heads * hd}, d), dv = work({N, L.kv_heads * hd}, d);
+  Tensor d_attn = work({N, L.heads * hd}, ctx), dq = work({N, L.heads * hd}, ctx);
+  Tensor dk = work({N, L.kv_heads * hd}, ctx), dv = work({N, L.kv_heads * hd}, ctx);
   row_parallel_backward(m.tp, ctx, d_attn, g.wo, dres, a.attn, w.wo, deferred);
   attention_core_backward(ctx, m, a, B, T, d_attn, dq, dk, dv);
   rope_backward(ctx, dq.reshape({N, L.heads, hd}), positions, c.rope_theta);
@@ -498,7 +502,7 @@ static void head_backward(const Context& ctx, Model& model, Activations& acts, f
                           const Tensor& dres, DeferredGrads* deferred) {
   tp_cross_entropy_backward(model.tp, ctx, acts.logits, acts.logits, acts.ce_stats, acts.targets,
                             loss_scale);  // in place: the logits become their gradient
-  Tensor d_norm = work(dres.shape, ctx.device);
+  Tensor d_norm = work(dres.shape, ctx);
   column_parallel_backward(model.tp, ctx, d_norm, acts.normf,
                            {{acts.logits, model.w.lm_head, model.g.lm_head}}, deferred);
   acts.logits = acts.normf = Tensor();
@@ -515,10 +519,9 @@ Tensor stage_backward(const Context& ctx, Model& model, Activations& acts, float
     if (!deferred) return run_hook(hooks.after_backward, unit);
     deferred->push_back([hook = hooks.after_backward, unit] { run_hook(hook, unit); });
   };
-  Device d = ctx.device;
   int B = acts.B, T = acts.T;
   int64_t n = acts.x_final.size(0), D = model.cfg.d_model;
-  Tensor dres = zeros({n, D}, Mem::Workspace, d);  // [n, D] gradient of the residual stream
+  Tensor dres = zeros(ctx, {n, D}, Mem::Workspace);  // [n, D] gradient of the residual stream
   if (stage.head) {
     run_hook(hooks.before_backward, model.head_unit());
     head_backward(ctx, model, acts, loss_scale, dres, deferred);
@@ -531,7 +534,7 @@ Tensor stage_backward(const Context& ctx, Model& model, Activations& acts, float
     int b = model.chunk_block0[chunk] + l, u = model.block_unit(chunk, l);
     run_hook(hooks.before_backward, u);
     if (mode == Recompute::Full) {  // rebuild this block's activations from its input
-      Tensor x_out = work({n, D}, d);
+      Tensor x_out = work({n, D}, ctx);
       block_forward(ctx, model, model.w.blocks[b], a, acts.positions, B, T, x_out);
     }
     block_backward(ctx, model, model.w.blocks[b], model.g.blocks[b], a, acts.positions, B, T,

@@ -60,8 +60,13 @@ void linear_backward(const Context& ctx, const Tensor& dx, const Tensor& dW, con
 constexpr int kThreads = 256;  // threads per block everywhere: a multiple of the 32-lane warp
 
 // Blocks to give each element its own thread, capped: kernels loop grid-stride over the rest.
+// (The device form lets a kernel that reduces several tensors find each one's share of blocks.)
+static __host__ __device__ unsigned grid_for_device(int64_t n) {
+  int64_t blocks = (n + kThreads - 1) / kThreads;
+  return (unsigned)(blocks < 1 ? 1 : blocks > 4096 ? 4096 : blocks);
+}
 static unsigned grid_for(int64_t n) {
-  return (unsigned)std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 4096));
+  return grid_for_device(n);
 }
 #define GRID_STRIDE_LOOP(i, n)                                              \
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); \
@@ -544,30 +549,49 @@ static float sum_cpu(const float* x, int64_t n, bool squares) {
   return total;
 }
 
-// Each block writes its partial sum to partials[blockIdx.x].
-static __global__ void sum_kernel(float* partials, const float* x, int64_t n, bool squares) {
+// Several tensors in one launch. Tensor j owns grid_for(n_j) consecutive blocks from
+// first_block[j] and walks its elements grid-stride over just those blocks, so its partials
+// do not depend on the other tensors: one tensor alone, or among many, sums bitwise the same.
+// The tensors' pointers and sizes come in one device array.
+struct SumItem {
+  const float* x;  // [n]
+  int64_t n;
+  int64_t first_block;  // the first of this tensor's blocks; blocks are numbered tensor by tensor
+};
+static __global__ void sum_many_kernel(float* partials, const SumItem* items, int count,
+                                       bool squares) {
+  int lo = 0, hi = count - 1;  // the item whose blocks hold this one: binary search
+  while (lo < hi) {
+    int mid = (lo + hi + 1) / 2;
+    if (items[mid].first_block <= (int64_t)blockIdx.x)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const SumItem item = items[lo];
+  int64_t block = blockIdx.x - item.first_block, blocks = grid_for_device(item.n);
   float acc = 0.0f;
-  GRID_STRIDE_LOOP(i, n) acc += squares ? x[i] * x[i] : x[i];
+  for (int64_t i = block * blockDim.x + threadIdx.x; i < item.n; i += blocks * blockDim.x)
+    acc += squares ? item.x[i] * item.x[i] : item.x[i];
   acc = block_reduce(acc, false);
   if (threadIdx.x == 0) partials[blockIdx.x] = acc;
 }
-
-// Queues the sum of x (or of its squares) into *total, using partials[grid_for(n)] as scratch.
-// Two passes of the same kernel, the second over the per-block partials with one block: no
-// atomics, so the GPU result does not depend on block scheduling.
-static void launch_sum(const Context& ctx, float* partials, float* total, const Tensor& x,
-                       bool squares) {
-  int64_t n = x.numel();
-  unsigned blocks = grid_for(n);
-  sum_kernel<<<blocks, kThreads, 0, ctx.stream>>>(partials, x.f32(), n, squares);
-  LAUNCH_CHECK(ctx, "sum_kernel");
-  sum_kernel<<<1, kThreads, 0, ctx.stream>>>(total, partials, blocks, false);
-  LAUNCH_CHECK(ctx, "sum_kernel");
+// totals[j] = the sum of tensor j's partials: one block per tensor, a fixed tree (no atomics).
+static __global__ void sum_partials_kernel(float* totals, const float* partials,
+                                           const SumItem* items) {
+  const SumItem item = items[blockIdx.x];
+  int64_t blocks = grid_for_device(item.n);
+  float acc = 0.0f;
+  for (int64_t b = threadIdx.x; b < blocks; b += blockDim.x) acc += partials[item.first_block + b];
+  acc = block_reduce(acc, false);
+  if (threadIdx.x == 0) totals[blockIdx.x] = acc;
 }
 
 // The sums of several tensors, each reduced on its own, with one trip to the host for all of
 // them (the gradient norm needs one per parameter tensor: one round trip each would stall the
-// GPU that many times per step).
+// GPU that many times per step). On CUDA: one kernel over every tensor's blocks, one small
+// kernel for the per-tensor totals, one copy to the host. No atomics: the same inputs give
+// bitwise the same sums, whatever the block scheduling.
 static std::vector<float> reduce_each(const Context& ctx, const std::vector<Tensor>& xs,
                                       bool squares) {
   for (const Tensor& x : xs) check_devices(ctx, "sum", x);
@@ -578,12 +602,28 @@ static std::vector<float> reduce_each(const Context& ctx, const std::vector<Tens
     return totals;
   }
   if (xs.empty()) return totals;
-  int64_t scratch = 0;  // the largest tensor's partials: the tensors are reduced in stream order
-  for (const Tensor& x : xs) scratch = std::max<int64_t>(scratch, grid_for(x.numel()));
-  Tensor buffer = empty(ctx, {scratch + (int64_t)xs.size()}, Mem::Workspace);  // [partials, totals]
-  for (size_t i = 0; i < xs.size(); i++)
-    launch_sum(ctx, buffer.f32(), buffer.f32() + scratch + i, xs[i], squares);
-  CUDA_CHECK(cudaMemcpyAsync(totals.data(), buffer.f32() + scratch, xs.size() * sizeof(float),
+  std::vector<SumItem> items(xs.size());  // [count]
+  int64_t blocks = 0;
+  for (size_t j = 0; j < xs.size(); j++) {
+    items[j] = {xs[j].f32(), xs[j].numel(), blocks};
+    blocks += grid_for(xs[j].numel());
+  }
+  PICO_ASSERT(blocks <= INT32_MAX && xs.size() <= INT32_MAX, "sum: too many tensors at once");
+  // One workspace: [items | partials [blocks] | totals [count]], items first (8-byte aligned).
+  int64_t item_floats = (int64_t)(items.size() * sizeof(SumItem) / sizeof(float));
+  Tensor buffer = empty(ctx, {item_floats + blocks + (int64_t)xs.size()}, Mem::Workspace);
+  SumItem* device_items = (SumItem*)buffer.ptr;
+  float *partials = buffer.f32() + item_floats, *device_totals = partials + blocks;
+  // From pageable memory: the call returns once the host data is staged, so `items` may go.
+  CUDA_CHECK(cudaMemcpyAsync(device_items, items.data(), items.size() * sizeof(SumItem),
+                             cudaMemcpyHostToDevice, ctx.stream));
+  sum_many_kernel<<<(unsigned)blocks, kThreads, 0, ctx.stream>>>(partials, device_items,
+                                                                 (int)xs.size(), squares);
+  LAUNCH_CHECK(ctx, "sum_many_kernel");
+  sum_partials_kernel<<<(unsigned)xs.size(), kThreads, 0, ctx.stream>>>(device_totals, partials,
+                                                                        device_items);
+  LAUNCH_CHECK(ctx, "sum_partials_kernel");
+  CUDA_CHECK(cudaMemcpyAsync(totals.data(), device_totals, xs.size() * sizeof(float),
                              cudaMemcpyDeviceToHost, ctx.stream));
   CUDA_CHECK(cudaStreamSynchronize(ctx.stream));
   return totals;

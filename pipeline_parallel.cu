@@ -219,7 +219,7 @@ class Exchange {
   }
   // Receives [n, D] from peer of g (issuing the queued sends with it) and waits for it.
   Tensor receive(Group& g, int peer, std::vector<int64_t> shape, Mem category) {
-    Tensor t = empty(std::move(shape), category, ctx_.device);
+    Tensor t = empty(ctx_, std::move(shape), category);
     P2P recv{false, t.f32(), t.numel(), peer, &g};
     if (comm_.backend != Backend::NCCL) {
       flush();

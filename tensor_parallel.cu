@@ -7,6 +7,7 @@
 // all-gather (same bytes) so the norms and residuals in between run on N/tp tokens only.
 #include "tensor_parallel.cuh"
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <initializer_list>
@@ -110,8 +111,8 @@ void tp_region_exit_backward(const TensorParallel& tp, const Context& ctx, const
 // ----------------------------------------------------------------------------
 // The layers
 
-static Tensor workspace(std::vector<int64_t> shape, Device d) {
-  return empty(std::move(shape), Mem::Workspace, d);
+static Tensor workspace(std::vector<int64_t> shape, const Context& ctx) {  // on its stream
+  return empty(ctx, std::move(shape), Mem::Workspace);
 }
 
 // The full [N, D] input of a column-parallel linear from a rank's [n, D]: the same tensor
@@ -119,7 +120,7 @@ static Tensor workspace(std::vector<int64_t> shape, Device d) {
 // tensor, as Megatron does, so saved activations stay sharded).
 static Tensor region_input(const TensorParallel& tp, const Context& ctx, const Tensor& x) {
   if (!tp.sp) return x;
-  Tensor full = workspace({x.size(0) * tp.size(), x.size(1)}, ctx.device);
+  Tensor full = workspace({x.size(0) * tp.size(), x.size(1)}, ctx);
   tp_region_enter_forward(tp, ctx, x, full);
   return full;
 }
@@ -139,7 +140,7 @@ static void add_replicated_grad(const TensorParallel& tp, const Context& ctx, co
   if (slots == 1) {
     copy_to_tp_region_backward(tp, ctx, part);  // all-reduce over tp
   } else {
-    Tensor all = zeros({slots * part.numel()}, Mem::Workspace, ctx.device);
+    Tensor all = zeros(ctx, {slots * part.numel()}, Mem::Workspace);
     copy_(all.view(slot * part.numel(), {part.numel()}), part);
     copy_to_tp_region_backward(tp, ctx, all);
     copy_(part, all.view(slot * part.numel(), {part.numel()}));
@@ -158,15 +159,15 @@ void column_parallel_backward(const TensorParallel& tp, const Context& ctx, cons
                               DeferredGrads* deferred) {
   int64_t N = x.size(0) * (tp.sp ? tp.size() : 1), D = x.size(1);
   Tensor h = region_input(tp, ctx, x);                               // [N, D]
-  Tensor dh = tp.sp ? workspace({N, D}, ctx.device) : dx;           // [N, D], partial over tp
+  Tensor dh = tp.sp ? workspace({N, D}, ctx) : dx;                   // [N, D], partial over tp
   for (size_t i = 0; i < grads.size(); i++)  // input gradient: sum_i dy_i W_i
     linear_backward(ctx, dh, Tensor(), grads[i].dy, h, grads[i].W, i > 0);
   weight_half(deferred, [tp, &ctx, h, grads] {
     bool replicated = tp.local.kv_replicas > 1;
     for (const ColumnGrad& g : grads) {
       // A replicated kv head's part, summed over its copies before it is added.
-      Tensor part = g.kv_replicated && replicated ? zeros(g.dW.shape, Mem::Workspace, ctx.device)
-                                                  : Tensor();
+      Tensor part =
+          g.kv_replicated && replicated ? zeros(ctx, g.dW.shape, Mem::Workspace) : Tensor();
       linear_backward(ctx, Tensor(), part.defined() ? part : g.dW, g.dy, h, g.W);
       if (part.defined())
         add_replicated_grad(tp, ctx, g.dW, part, tp.local.kv_head0,
@@ -178,7 +179,7 @@ void column_parallel_backward(const TensorParallel& tp, const Context& ctx, cons
 
 void row_parallel_forward(const TensorParallel& tp, const Context& ctx, const Tensor& y,
                           const Tensor& x, const Tensor& W) {
-  Tensor partial = tp.sp ? workspace({x.size(0), y.size(1)}, ctx.device) : y;  // [N, D]
+  Tensor partial = tp.sp ? workspace({x.size(0), y.size(1)}, ctx) : y;  // [N, D]
   linear_forward(ctx, partial, x, W);
   tp_region_exit_forward(tp, ctx, partial, y);  // all-reduce, or reduce-scatter under SP
 }
@@ -186,11 +187,11 @@ void row_parallel_forward(const TensorParallel& tp, const Context& ctx, const Te
 void row_parallel_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
                            const Tensor& dW, const Tensor& dy, const Tensor& x, const Tensor& W,
                            DeferredGrads* deferred) {
-  Tensor dfull = tp.sp ? workspace({x.size(0), dy.size(1)}, ctx.device) : dy;  // [N, D]
+  Tensor dfull = tp.sp ? workspace({x.size(0), dy.size(1)}, ctx) : dy;  // [N, D]
   tp_region_exit_backward(tp, ctx, dy, dfull);  // identity, or all-gather under SP
   linear_backward(ctx, dx, Tensor(), dfull, x, W);
   if (deferred && !tp.sp) {  // dy is the caller's residual gradient, which changes: keep a copy
-    Tensor saved = workspace(dy.shape, ctx.device);
+    Tensor saved = workspace(dy.shape, ctx);
     copy_(saved, dy);
     dfull = saved;
   }
@@ -201,7 +202,7 @@ void vocab_parallel_embedding_forward(const TensorParallel& tp, const Context& c
                                       const Tensor& x, const Tensor& local_ids,
                                       const Tensor& table) {
   if (tp.size() == 1) return embedding_forward(ctx, x, local_ids, table);
-  Tensor rows = workspace({local_ids.numel(), x.size(1)}, ctx.device);  // [N, D] partial rows
+  Tensor rows = workspace({local_ids.numel(), x.size(1)}, ctx);  // [N, D] partial rows
   embedding_forward(ctx, rows, local_ids, table);
   tp_region_exit_forward(tp, ctx, rows, x);  // sum over the slices (reduce-scatter under SP)
 }
@@ -209,7 +210,7 @@ void vocab_parallel_embedding_forward(const TensorParallel& tp, const Context& c
 void vocab_parallel_embedding_backward(const TensorParallel& tp, const Context& ctx,
                                        const Tensor& dtable, const Tensor& local_ids,
                                        const Tensor& dx) {
-  Tensor dfull = tp.sp ? workspace({local_ids.numel(), dx.size(1)}, ctx.device) : dx;
+  Tensor dfull = tp.sp ? workspace({local_ids.numel(), dx.size(1)}, ctx) : dx;
   tp_region_exit_backward(tp, ctx, dx, dfull);
   embedding_backward(ctx, dtable, local_ids, dfull);  // reads no weights, only ids
 }
@@ -218,7 +219,7 @@ void parallel_rmsnorm_backward(const TensorParallel& tp, const Context& ctx, con
                                const Tensor& dw, const Tensor& dy, const Tensor& x,
                                const Tensor& w, const Tensor& rstd) {
   if (!tp.sp) return rmsnorm_backward(ctx, dx, dw, dy, x, w, rstd);
-  Tensor part = zeros(dw.shape, Mem::Workspace, ctx.device);  // this rank's tokens' share
+  Tensor part = zeros(ctx, dw.shape, Mem::Workspace);  // this rank's tokens' share
   rmsnorm_backward(ctx, dx, part, dy, x, w, rstd);
   add_replicated_grad(tp, ctx, dw, part, 0, 1);
 }
@@ -258,6 +259,15 @@ static void ce_row_sums_cpu(float* sums, const float* logits, const float* row_m
     for (int v = 0; v < V; v++) s += expf(logits[t * V + v] - row_max[t]);
     sums[2 * t] = s;
     sums[2 * t + 1] = targets[t] >= 0 ? logits[t * V + targets[t]] : 0.0f;
+  }
+}
+// The finish, once the max and the sums are reduced over the tp group: losses [N] and the
+// stats [N, 2] (max, sum of exponentials) the backward reads.
+static void ce_finish_cpu(float* losses, float* stats, const float* row_max, const float* sums,
+                          int64_t N) {
+  for (int64_t t = 0; t < N; t++) {
+    losses[t] = logf(sums[2 * t]) + row_max[t] - sums[2 * t + 1];
+    stats[2 * t] = row_max[t], stats[2 * t + 1] = sums[2 * t];
   }
 }
 static void ce_backward_cpu(float* dlogits, const float* logits, const float* stats,
@@ -306,6 +316,16 @@ static __global__ void ce_row_sums_kernel(float* sums, const float* logits, cons
     sums[2 * blockIdx.x + 1] = target >= 0 ? row[target] : 0.0f;
   }
 }
+// The same finish on the device, a thread per token: the losses stay there until the caller
+// sums them, and the host does not wait here.
+static __global__ void ce_finish_kernel(float* losses, float* stats, const float* row_max,
+                                        const float* sums, int64_t N) {
+  for (int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; t < N;
+       t += (int64_t)gridDim.x * blockDim.x) {
+    losses[t] = logf(sums[2 * t]) + row_max[t] - sums[2 * t + 1];
+    stats[2 * t] = row_max[t], stats[2 * t + 1] = sums[2 * t];
+  }
+}
 static __global__ void ce_backward_kernel(float* dlogits, const float* logits, const float* stats,
                                           const int32_t* targets, int V, float scale) {
   int64_t t = blockIdx.x;
@@ -330,8 +350,8 @@ void vocab_parallel_cross_entropy_forward(const TensorParallel& tp, const Contex
   int64_t N = logits.size(0);
   int V = (int)logits.size(1);
   check_ce_args(ctx, {&losses, &stats, &logits, &local_targets}, N);
-  Tensor row_max = empty({N}, Mem::Workspace, ctx.device);  // [N]
-  Tensor sums = empty({N, 2}, Mem::Workspace, ctx.device);  // [N, 2]
+  Tensor row_max = empty(ctx, {N}, Mem::Workspace);  // [N]
+  Tensor sums = empty(ctx, {N, 2}, Mem::Workspace);  // [N, 2]
   // N == 0 launches nothing (a zero-block grid is an error) but still joins the collectives.
   if (ctx.device == Device::CPU) {
     ce_row_max_cpu(row_max.f32(), logits.f32(), N, V);
@@ -348,14 +368,14 @@ void vocab_parallel_cross_entropy_forward(const TensorParallel& tp, const Contex
     LAUNCH_CHECK(ctx, "ce_row_sums_kernel");
   }
   if (tp.size() > 1) all_reduce(*tp.comm, tp.group(), ctx, sums.f32(), 2 * N, ReduceOp::Sum);
-  // On the host: N scalars, once per micro-batch (stats[t] = (max, sum of exponentials)).
-  std::vector<float> m = to_host_floats(row_max), s = to_host_floats(sums), loss(N), st(2 * N);
-  for (int64_t t = 0; t < N; t++) {
-    loss[t] = logf(s[2 * t]) + m[t] - s[2 * t + 1];
-    st[2 * t] = m[t], st[2 * t + 1] = s[2 * t];
-  }
-  from_host(losses, loss.data());
-  from_host(stats, st.data());
+  // Where the statistics are: no trip to the host.
+  if (ctx.device == Device::CPU)
+    return ce_finish_cpu(losses.f32(), stats.f32(), row_max.f32(), sums.f32(), N);
+  if (N == 0) return;
+  unsigned blocks = (unsigned)std::min<int64_t>((N + kCeThreads - 1) / kCeThreads, 4096);
+  ce_finish_kernel<<<blocks, kCeThreads, 0, ctx.stream>>>(losses.f32(), stats.f32(), row_max.f32(),
+                                                          sums.f32(), N);
+  LAUNCH_CHECK(ctx, "ce_finish_kernel");
 }
 
 void vocab_parallel_cross_entropy_backward(const TensorParallel&, const Context& ctx,

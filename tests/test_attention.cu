@@ -235,9 +235,11 @@ TEST_CASE("causal softmax backward matches finite differences of sum(softmax * G
 TEST_CASE("CUDA attention forward matches the CPU reference", "[attention][gpu]") {
   SKIP_WITHOUT_CUDA();
   Context cpu = Context::create(Device::CPU), gpu = Context::create(Device::CUDA);
-  // T = 7 and T = 70: a row shorter than a warp, and one that wraps the warp twice.
+  // T = 7 and T = 70: a row shorter than a warp, and one that wraps the warp twice. The GEMMs
+  // batch over the sequences (B >= Hq/Hkv: the first and last shapes) or over a kv group's
+  // heads (the other two).
   for (AttentionShape s : {AttentionShape{2, 7, 4, 2, 8}, AttentionShape{2, 70, 6, 2, 16},
-                           AttentionShape{1, 70, 4, 1, 32}}) {
+                           AttentionShape{1, 70, 4, 1, 32}, AttentionShape{3, 33, 4, 4, 8}}) {
     INFO("T " << s.T << " Hq " << s.Hq << " Hkv " << s.Hkv << " hd " << s.hd);
     AttentionCase c(s, 21);
     c.forward(cpu);
@@ -257,7 +259,8 @@ TEST_CASE("CUDA attention forward matches the CPU reference", "[attention][gpu]"
 TEST_CASE("CUDA attention backward matches the CPU reference", "[attention][gpu]") {
   SKIP_WITHOUT_CUDA();
   Context cpu = Context::create(Device::CPU), gpu = Context::create(Device::CUDA);
-  for (AttentionShape s : {AttentionShape{2, 7, 4, 2, 8}, AttentionShape{2, 70, 6, 2, 16}}) {
+  for (AttentionShape s : {AttentionShape{2, 7, 4, 2, 8}, AttentionShape{2, 70, 6, 2, 16},
+                           AttentionShape{3, 33, 4, 4, 8}}) {
     INFO("T " << s.T << " Hq " << s.Hq << " Hkv " << s.Hkv << " hd " << s.hd);
     AttentionCase c(s, 22);
     Tensor R = empty(c.out.shape, Mem::Activations);

@@ -658,3 +658,64 @@ TEST_CASE("CUDA sum_squares and scale_ (gradient clipping's two halves) match th
   CHECK(std::sqrt(sum_squares(ctx, g_grads)) == Approx(1.0f).epsilon(1e-5));
   ctx.destroy();
 }
+
+TEST_CASE("CUDA sum_squares_each: every tensor's sum in one launch, as alone, bit for bit twice",
+          "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  // Sizes from one element to past the 4096-block cap, and an empty tensor among them.
+  std::vector<int64_t> sizes = {1, 300, 0, 4096 * 256 + 5, 70000, 257};
+  std::vector<Tensor> cpu, gpus;
+  for (size_t j = 0; j < sizes.size(); j++) {
+    cpu.push_back(randn({sizes[j]}, "grad" + std::to_string(j)));
+    gpus.push_back(gpu(cpu.back()));
+  }
+  uint64_t before = host_syncs();
+  std::vector<float> got = same_twice([&] { return sum_squares_each(ctx, gpus); });
+  CHECK(host_syncs() - before == 2);  // one host synchronisation per call
+  std::vector<float> want = sum_squares_each(kCpu, cpu);
+  REQUIRE(got.size() == want.size());
+  for (size_t j = 0; j < sizes.size(); j++) {
+    INFO("tensor " << j << " of " << sizes[j] << " elements");
+    CHECK(got[j] == Approx(want[j]).epsilon(1e-5).margin(1e-30));
+    // Among other tensors or alone, a tensor's sum is the same bits (its blocks are its own).
+    float alone = sum_squares(ctx, gpus[j]);
+    CHECK(memcmp(&alone, &got[j], sizeof(float)) == 0);
+  }
+  ctx.destroy();
+}
+
+TEST_CASE("CUDA init_normal and init_uniform draw the CPU's values on the device", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  // Uniform draws use exact operations only (an integer shift, one multiply and one add, kept
+  // apart from FMA): bit for bit. Normal draws go through log and cos in double, where CUDA's
+  // functions may differ from glibc's by an ulp or two (sqrt is exact on both). Rounded to fp32
+  // that almost never shows: a float changes only when the double lies within a few double ulps
+  // of a rounding boundary, about 1 in 10^8 draws. So every element must be within one float
+  // ulp, and all but a handful bit for bit.
+  struct Case {
+    int64_t n, offset;
+  };
+  for (Case c : std::vector<Case>{{1, 0}, {1000, 12345}, {(1 << 20) + 3, 0}, {4099, 1ll << 33}}) {
+    INFO("n = " << c.n << ", offset = " << c.offset);
+    Tensor want = empty({c.n}, Mem::Params), got = empty({c.n}, Mem::Params, Device::CUDA);
+    init_uniform(want, 3, "layers.0.w", -0.5f, 0.25f, c.offset);
+    init_uniform(got, 3, "layers.0.w", -0.5f, 0.25f, c.offset);
+    std::vector<float> u = to_host_floats(got);
+    CHECK(memcmp(u.data(), want.f32(), c.n * sizeof(float)) == 0);
+
+    init_normal(want, 3, "layers.0.w", 0.02f, c.offset);
+    init_normal(got, 3, "layers.0.w", 0.02f, c.offset);
+    std::vector<float> g = to_host_floats(got);
+    int64_t differ = 0, beyond_one_ulp = 0;
+    for (int64_t i = 0; i < c.n; i++) {
+      float w = want.f32()[i];
+      if (memcmp(&g[i], &w, sizeof(float)) == 0) continue;
+      differ++;
+      if (g[i] != std::nextafter(w, INFINITY) && g[i] != std::nextafter(w, -INFINITY))
+        beyond_one_ulp++;
+    }
+    CHECK(beyond_one_ulp == 0);
+    CHECK(differ <= 2);
+  }
+}

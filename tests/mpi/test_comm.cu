@@ -693,6 +693,55 @@ TEST_CASE("MPI backend: device buffers staged through host memory give the CPU r
   gpu.destroy();
 }
 
+TEST_CASE("MPI staging: pinned buffers reused by ops in flight; the host waits for sent data only",
+          "[mpi][gpu]") {
+  if (!gpu_case_ready()) return;
+  Context gpu = Context::create(Device::CUDA);
+  {
+    TestComm t(world_size(), 1, 1, 1, "mpi", Device::CUDA);
+    Comm& c = t.c;
+    Group& g = c.dp;
+    int N = g.size;
+    // Three rounds of four all-reduces in flight at once, one larger than a first staging
+    // buffer (64 Ki floats): later rounds take the buffers the earlier ones gave back.
+    for (int round = 0; round < 3; round++) {
+      std::vector<std::vector<float>> x;
+      std::vector<Tensor> bufs;
+      std::vector<Handle> h;
+      for (int k = 0; k < 4; k++) {
+        int64_t n = k == 3 ? 100000 : 1000 + 777 * k;
+        x.push_back(normal(n, on_rank("x" + std::to_string(round) + std::to_string(k))));
+        bufs.push_back(on(gpu, x.back()));
+      }
+      for (int k = 0; k < 4; k++)
+        h.push_back(
+            all_reduce_async(c, g, gpu, bufs[k].f32(), (int64_t)x[k].size(), ReduceOp::Sum));
+      for (int k = 3; k >= 0; k--) h[k].wait();
+      for (int k = 0; k < 4; k++) {
+        std::vector<float> want(x[k].size());
+        MPI_Allreduce(x[k].data(), want.data(), (int)want.size(), MPI_FLOAT, MPI_SUM,
+                      MPI_COMM_WORLD);
+        CHECK(outside_sum_bound(back(gpu, bufs[k]), want, abs_sum_over_ranks(x[k]), N) == 0);
+      }
+    }
+    // The host waits once for an all-reduce (its input reaches the host), and for a broadcast
+    // only on the root: the other ranks' buffers are only written, by a copy queued at the end.
+    // (A group of one stages nothing: its collectives are local.)
+    std::vector<float> v = normal(500, on_rank("b"));
+    Tensor buf = on(gpu, v);
+    uint64_t before = host_syncs();
+    all_reduce(c, g, gpu, buf.f32(), 500, ReduceOp::Sum);
+    CHECK(host_syncs() - before == (N > 1 ? 1u : 0u));
+    before = host_syncs();
+    broadcast(c, g, gpu, buf.f32(), 500, 0);
+    CHECK(host_syncs() - before == (N > 1 && g.rank == 0 ? 1u : 0u));
+    std::vector<float> root = back(gpu, buf);
+    MPI_Bcast(root.data(), 500, MPI_FLOAT, 0, MPI_COMM_WORLD);  // rank 0's result, everywhere
+    CHECK(back(gpu, buf) == root);
+  }
+  gpu.destroy();
+}
+
 TEST_CASE("NCCL collectives match the MPI ones, on any number of ranks from one", "[mpi][gpu]") {
   NcclCase n;  // agreed on by every rank
   if (!n.ready()) return;

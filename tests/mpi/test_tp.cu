@@ -167,7 +167,9 @@ TEST_CASE("vocab-parallel cross-entropy equals the unsharded one, forward and ba
   Tensor ltgt = empty({N}, Mem::Workspace, Device::CPU, DType::I32);
   from_host(ltgt, local_targets.data());
   Tensor plosses = empty({N}, Mem::Workspace), stats = empty({N, 2}, Mem::Workspace);
+  uint64_t syncs = host_syncs();
   vocab_parallel_cross_entropy_forward(t.tp, kCpu, plosses, stats, local, ltgt);
+  CHECK(host_syncs() - syncs == 0);  // the loss is finished where the statistics are
   // The same logsumexp from partial maxima and sums: fp32, ~1e-6 relative.
   require_close(to_host_floats(plosses), to_host_floats(losses), 1e-5);
   vocab_parallel_cross_entropy_backward(t.tp, kCpu, local, local, stats, ltgt, 0.5f);  // in place
@@ -213,7 +215,11 @@ TEST_CASE("CUDA vocab-parallel cross-entropy matches the CPU reference, forward 
     Tensor g_tgt = to_device(ltgt, Device::CUDA, Mem::Workspace);
     Tensor g_losses = empty({N}, Mem::Workspace, Device::CUDA);
     Tensor g_stats = empty({N, 2}, Mem::Workspace, Device::CUDA);
+    uint64_t syncs = host_syncs();
     vocab_parallel_cross_entropy_forward(t.tp, gpu, g_losses, g_stats, g_local, g_tgt);
+    // The finish runs on the device: with NCCL the host never waits (MPI staging waits for
+    // each all-reduce's input to reach the host).
+    if (t.c.backend == Backend::NCCL) CHECK(host_syncs() - syncs == 0);
     // In place, as the model calls it: dlogits over the logits.
     vocab_parallel_cross_entropy_backward(t.tp, gpu, g_local, g_local, g_stats, g_tgt, 0.5f);
     gpu.synchronize();
