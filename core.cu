@@ -311,6 +311,7 @@ Context Context::create(Device device) {
   return ctx;
 }
 void Context::destroy() {
+  weight_copies.reset();  // allocated on this stream: freed before it goes
   if (cublas) cublasDestroy(cublas);
   if (stream) cudaStreamDestroy(stream);
   cublas = nullptr;
