@@ -347,7 +347,10 @@ static void check_memory(const Options& o, Device device, int local_ranks) {
   int n = o.dp * o.cp, stage = n > 1 ? o.zero : 0;
   double weights = 4 * psi / (stage == 3 ? n : 1), grads = 4 * psi / (stage >= 2 ? n : 1);
   double adam = 8 * psi / (stage >= 1 ? n : 1);
-  double state = o.score.empty() ? weights + grads + adam : 4 * psi;
+  // Mixed precision keeps a bf16 / fp16 copy of whole weights next to the fp32 ones (not ZeRO-3).
+  double copy =
+      o.score.empty() && resolve_precision(o, device) != Precision::FP32 && stage < 3 ? 2 * psi : 0;
+  double state = (o.score.empty() ? weights + grads + adam : 4 * psi) + copy;
   double acts = (double)c.layers * activation_bytes_per_block(c, o.mbs, c.seq, o.tp, o.sp,
                                                               parse_recompute(o.recompute),
                                                               parse_attention(o.attention)) +

@@ -441,3 +441,46 @@ TEST_CASE("bad precision flags end with exit code 2 naming the flag", "[train]")
     CHECK_THAT(r.output, Catch::Contains(c.says));
   }
 }
+
+// The CUDA linear layers (bf16 and fp16 operands into cublasGemmEx, FP8 tiles by the kernel)
+// against the CPU emulation: the same rounded operands, fp32 sums in another order, so an
+// output may land on the neighbouring value of the format (one ulp), never further.
+TEST_CASE("the CUDA low-precision linear layers match the CPU emulation", "[precision][gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context gpu = Context::create(Device::CUDA);
+  for (Precision p : {Precision::BF16, Precision::FP16, Precision::FP8}) {
+    INFO(precision_name(p));
+    Context cpu = Context::create(Device::CPU);
+    cpu.precision = gpu.precision = p;
+    const int T = 40, in = 300, out = 136;
+    Tensor x = filled({T, in}, 21, 1.0f), W = filled({out, in}, 22, 0.1f), dy = filled({T, out}, 23, 0.01f);
+    auto on_gpu = [](const Tensor& t) { return to_device(t, Device::CUDA, Mem::Workspace); };
+    Tensor y = empty({T, out}, Mem::Workspace), dx = empty({T, in}, Mem::Workspace);
+    Tensor dW = zeros({out, in}, Mem::Workspace);
+    Tensor gy = empty(gpu, {T, out}, Mem::Workspace), gdx = empty(gpu, {T, in}, Mem::Workspace);
+    Tensor gdW = zeros(gpu, {out, in}, Mem::Workspace);
+    linear_forward(cpu, y, x, W);
+    linear_backward(cpu, dx, dW, dy, x, W);
+    Tensor gx = on_gpu(x), gW = on_gpu(W), gdy = on_gpu(dy);
+    linear_forward(gpu, gy, gx, gW);
+    linear_backward(gpu, gdx, gdW, gdy, gx, gW);
+    gpu.synchronize();
+    const Precision stored_as = p == Precision::FP8 ? Precision::BF16 : p;
+    for (auto [a, b] : {std::pair{&y, &gy}, {&dx, &gdx}}) {
+      std::vector<float> g = to_host_floats(*b);
+      for (int64_t i = 0; i < a->numel(); i++) {
+        float c = a->f32()[i];
+        float ulp = std::fabs(stored(stored_as, std::nextafter(c, 2 * c + 1)) - c) +
+                    std::fabs(c - stored(stored_as, std::nextafter(c, -2 * c - 1)));
+        INFO("element " << i << ": cpu " << c << ", gpu " << g[i]);
+        REQUIRE(std::fabs(g[i] - c) <= ulp);
+      }
+    }
+    std::vector<float> g = to_host_floats(gdW);
+    double scale = 0;
+    for (int64_t i = 0; i < dW.numel(); i++) scale = std::max(scale, (double)std::fabs(dW.f32()[i]));
+    for (int64_t i = 0; i < dW.numel(); i++)  // fp32 sums of T products: 1e-6 of the scale
+      REQUIRE(std::fabs(g[i] - dW.f32()[i]) <= 1e-6 * scale);
+  }
+  gpu.destroy();
+}

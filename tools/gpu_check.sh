@@ -44,7 +44,7 @@ START=$(date +%s)
 RESULTS=()  # "name|PASS/FAIL/SKIP|seconds|detail"
 NO_RUN=""   # set when setup fails: every later step is recorded as skipped, with this reason
 STEP_RC=0 STEP_SECONDS=0 STEP_CUT=0 CHARGED=0
-SMALL="--d-model 64 --layers 2 --heads 4 --kv-heads 2 --ffn 128 --seq 32 --mbs 4 --warmup 2 --val-seqs 8"
+SMALL="--d-model 64 --layers 2 --heads 4 --kv-heads 2 --ffn 128 --seq 32 --mbs 4 --warmup 2 --val-seqs 8 --dtype fp32"
 # Seconds each step is expected to take on one H100/H200 (estimates, not measurements: the
 # README's table of steps repeats them). A step without an entry is expected to take its cap.
 declare -A ESTIMATE=(
