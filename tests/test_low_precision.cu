@@ -111,12 +111,17 @@ TEST_CASE("bf16 and fp16 linear layers: operands rounded, fp32 sums, outputs rou
     // Row 0: x = 1 + 2^-8 + 2^-10 and 1 against weights 1 and -1: y = round(x0) - 1, which is
     // 2^-7 in bf16 but 2^-8 + 2^-10 unrounded (exact in both formats): a forgotten rounding of
     // x shows up as 0.0049 instead of 0.0078. fp16 keeps x0 exactly (10 mantissa bits).
-    for (int k = 0; k < in; k++) x.f32()[k] = 0, W.f32()[k] = 0;
+    // Row 1 the same for the weights: x = 1, -1 against W = 1 + 2^-8 + 2^-10, 1.
+    for (int k = 0; k < in; k++) x.f32()[k] = x.f32()[in + k] = W.f32()[k] = W.f32()[in + k] = 0;
     x.f32()[0] = 1 + 0.00390625f + 0.0009765625f, x.f32()[1] = 1;
     W.f32()[0] = 1, W.f32()[1] = -1;
+    x.f32()[in] = 1, x.f32()[in + 1] = -1;
+    W.f32()[in] = 1 + 0.00390625f + 0.0009765625f, W.f32()[in + 1] = 1;
     Tensor y = empty({T, out}, Mem::Workspace);
     linear_forward(ctx, y, x, W);
-    CHECK(y.f32()[0] == (p == Precision::BF16 ? 0.0078125f : 0.0048828125f));
+    const float diff = p == Precision::BF16 ? 0.0078125f : 0.0048828125f;
+    CHECK(y.f32()[0] == diff);        // x rounded
+    CHECK(y.f32()[out + 1] == diff);  // W rounded
     for (int t = 0; t < T; t++)
       for (int o = 0; o < out; o++) {
         double sum = 0, abs_sum = 0;

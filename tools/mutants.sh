@@ -105,6 +105,30 @@ mutant cp-owner context_parallel.cu \
   '      attend(held, (r - step + P) % P);' \
   '      attend(held, (r + step) % P);' \
   "ring attention: the block held is attributed to the wrong rank (wrong positions, mask)"
+mutant bf16-ties mixed_precision.cu \
+  '  b = (b + 0x7FFFu + ((b >> 16) & 1)) & 0xFFFF0000u;' \
+  '  b = (b + 0x8000u) & 0xFFFF0000u;' \
+  "bf16 rounding: ties away from zero instead of to even"
+mutant lp-output mixed_precision.cu \
+  '  round_(ctx, y, output_dtype(ctx.precision));' \
+  '  (void)y;' \
+  "low-precision linear: the output not rounded to bf16/fp16"
+mutant lp-weight mixed_precision.cu \
+  '  if (!half.defined() && (ctx.precision != Precision::FP8 || role == Operand::Weight))' \
+  '  if (!half.defined() && ctx.precision != Precision::FP8 && role != Operand::Weight)' \
+  "low-precision linear: the fp32 weights not rounded when no copy is kept"
+mutant fp8-grad-format mixed_precision.cu \
+  '    fake_quantize_tiles_(ctx, m, role == Operand::Activation ? DType::F8E4M3 : DType::F8E5M2, 1, 128);' \
+  '    fake_quantize_tiles_(ctx, m, DType::F8E4M3, 1, 128);' \
+  "fp8: gradients quantized to E4M3 instead of E5M2"
+mutant stale-copy mixed_precision.cu \
+  '  for (const WeightCopies::Copy& c : ctx.weight_copies->copies) cast_on(ctx, c.half, c.master);' \
+  '  for (const WeightCopies::Copy& c : ctx.weight_copies->copies) if (!c.half.defined()) cast_on(ctx, c.half, c.master);' \
+  "mixed precision: the bf16 weights never refreshed from the master weights"
+mutant scale-halve mixed_precision.cu \
+  '    if (dynamic) scale = std::max(scale / 2, 1.0f);' \
+  '    if (dynamic) scale = std::max(scale, 1.0f);' \
+  "fp16 loss scaling: the scale not halved on overflow"
 
 # Runs one step of the subset; on failure prints the step and the test files whose checks
 # failed (or "crashed" when there are none: an abort, a timeout).
