@@ -54,17 +54,57 @@ Grid make_grid(int dp, int pp, int cp, int tp, int world_size, int world_rank) {
 // Communicators
 // ============================================================================
 
-void local_rank(int* rank, int* size) {
+// ---- Set-up waits, bounded like every collective ----
+// MPI_Comm_split, MPI_Comm_split_type and the blocking collectives have no deadline: a rank that
+// never arrives (stopped, or crashed before set-up) would leave the others in them forever. So
+// every set-up step waits through host_wait, against --comm-timeout: data moves in nonblocking
+// collectives (MPI_Iallgather, MPI_Ibcast, ...), and a split comes only after a nonblocking
+// barrier on the communicator it splits. Once every rank has passed that barrier, each goes
+// straight to the split, which therefore cannot hang.
+
+// `comm` seen as a Group, for host_wait: its name and timeout for the message, this rank's
+// world rank in its own slot of `members` (the only one the message reads).
+static Group setup_group(MPI_Comm comm, const char* name, double timeout_s) {
+  Group g;
+  g.name = name;
+  g.mpi = comm;
+  g.timeout_s = timeout_s;
+  MPI_CHECK(MPI_Comm_rank(comm, &g.rank));
+  MPI_CHECK(MPI_Comm_size(comm, &g.size));
+  int world_rank = 0;
+  MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
+  g.members.assign(g.size, -1);
+  g.members[g.rank] = world_rank;
+  return g;
+}
+// Returns once every rank of the world has arrived (every split here splits the world); past the
+// timeout stops every rank, the message naming `step` ("barrier before MPI_Comm_split into tp on
+// world, 0 B did not finish within ...").
+static void barrier_before(const std::string& step, double timeout_s) {
+  Group world = setup_group(MPI_COMM_WORLD, "world", timeout_s);
+  host_wait(world, ("barrier before " + step).c_str(), 0,
+            [&](MPI_Request* r) { return MPI_Ibarrier(MPI_COMM_WORLD, r); });
+}
+// MPI_COMM_TYPE_SHARED: the ranks of this node, in world order.
+static MPI_Comm node_comm(const char* purpose, double timeout_s) {
+  barrier_before(std::string("MPI_Comm_split_type (") + purpose + ")", timeout_s);
   MPI_Comm node;
   MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  return node;
+}
+
+void local_rank(int* rank, int* size, double timeout_s) {
+  MPI_Comm node = node_comm("node-local ranks", timeout_s);
   MPI_CHECK(MPI_Comm_rank(node, rank));
   MPI_CHECK(MPI_Comm_size(node, size));
   MPI_CHECK(MPI_Comm_free(&node));
 }
 
 // The ranks that share `color` form one group, ordered by `key`.
-static void make_group(Group& g, const char* name, int color, int key) {
+static void make_group(Group& g, const char* name, int color, int key, double timeout_s) {
   g.name = name;
+  g.timeout_s = timeout_s;
+  barrier_before(std::string("MPI_Comm_split into ") + name, timeout_s);
   MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, color, key, &g.mpi));
   // Errors come back to MPI_CHECK, which names file:line before stopping every rank.
   MPI_CHECK(MPI_Comm_set_errhandler(g.mpi, MPI_ERRORS_RETURN));
@@ -73,7 +113,10 @@ static void make_group(Group& g, const char* name, int color, int key) {
   int world_rank = 0;
   MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
   g.members.assign(g.size, 0);
-  MPI_CHECK(MPI_Allgather(&world_rank, 1, MPI_INT, g.members.data(), 1, MPI_INT, g.mpi));
+  g.members[g.rank] = world_rank;  // the timeout message's rank, until the gather fills the rest
+  host_wait(g, "all_gather of the members", (int64_t)g.size * sizeof(int), [&](MPI_Request* r) {
+    return MPI_Iallgather(&world_rank, 1, MPI_INT, g.members.data(), 1, MPI_INT, g.mpi, r);
+  });
 }
 
 Backend backend_for_node(const std::vector<std::string>& bus_ids, std::string* why) {
@@ -108,25 +151,28 @@ static std::string my_bus_id(Device device) {
 // nccl when asked for (or, for auto, when possible) and every node has a GPU per rank. Each node
 // gathers its ranks' bus ids over a node-local communicator and applies backend_for_node; all
 // ranks then agree through one all-reduce, so either every rank throws or none does.
-static Backend choose_backend(const std::string& flag, Device device) {
+static Backend choose_backend(const std::string& flag, Device device, double timeout_s) {
   if (flag != "auto" && flag != "nccl" && flag != "mpi")
     throw UsageError("--comm " + flag + ": expected auto, nccl or mpi");
   if (flag == "mpi") return Backend::MPI;
   constexpr int kIdBytes = 64;
   char mine[kIdBytes] = "";
   snprintf(mine, sizeof mine, "%s", my_bus_id(device).c_str());
-  MPI_Comm node;
-  int node_ranks = 1;
-  MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
-  MPI_CHECK(MPI_Comm_size(node, &node_ranks));
-  std::vector<char> all(kIdBytes * node_ranks);
-  MPI_CHECK(MPI_Allgather(mine, kIdBytes, MPI_CHAR, all.data(), kIdBytes, MPI_CHAR, node));
+  MPI_Comm node = node_comm("GPU bus ids", timeout_s);
+  Group node_group = setup_group(node, "node", timeout_s);
+  std::vector<char> all(kIdBytes * node_group.size);
+  host_wait(node_group, "all_gather of the GPU bus ids", all.size(), [&](MPI_Request* r) {
+    return MPI_Iallgather(mine, kIdBytes, MPI_CHAR, all.data(), kIdBytes, MPI_CHAR, node, r);
+  });
   MPI_CHECK(MPI_Comm_free(&node));
   std::vector<std::string> bus_ids;
-  for (int r = 0; r < node_ranks; r++) bus_ids.emplace_back(all.data() + r * kIdBytes);
+  for (int r = 0; r < node_group.size; r++) bus_ids.emplace_back(all.data() + r * kIdBytes);
   std::string why;
   int here = backend_for_node(bus_ids, &why) == Backend::NCCL, everywhere = 0;
-  MPI_CHECK(MPI_Allreduce(&here, &everywhere, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
+  Group world = setup_group(MPI_COMM_WORLD, "world", timeout_s);
+  host_wait(world, "all_reduce of the backend choice", sizeof here, [&](MPI_Request* r) {
+    return MPI_Iallreduce(&here, &everywhere, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD, r);
+  });
   if (everywhere) return Backend::NCCL;
   if (flag == "auto") return Backend::MPI;
   if (device == Device::CPU) why = "the device is cpu";
@@ -210,7 +256,7 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
     throw UsageError("--comm-timeout " + std::to_string(timeout_s) + ": expected seconds > 0");
   Comm c;
   c.grid = make_grid(dp, pp, cp, tp, world_size, world_rank);  // checked before any allocation
-  c.backend = choose_backend(backend_flag, device);
+  c.backend = choose_backend(backend_flag, device, timeout_s);
   c.device = device;
   c.timeout_s = timeout_s;
 
@@ -218,14 +264,14 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
   // one number per group, shared by exactly the ranks that agree on the other coordinates.
   const Grid& G = c.grid;
   int d = G.dp_rank, p = G.pp_rank, x = G.cp_rank, t = G.tp_rank;
-  make_group(c.world, "world", 0, world_rank);  // a copy of MPI_COMM_WORLD, ours alone
-  make_group(c.tp, "tp", G.rank_of(d, p, x, 0), t);
-  make_group(c.cp, "cp", G.rank_of(d, p, 0, t), x);
-  make_group(c.pp, "pp", G.rank_of(d, 0, x, t), p);
-  make_group(c.pp_grad, "pp_grad", G.rank_of(d, 0, x, t), p);
-  make_group(c.dp, "dp", G.rank_of(0, p, x, t), d);
-  make_group(c.dp_cp, "dp_cp", G.rank_of(0, p, 0, t), d * G.cp + x);  // gradients average here
-  for (Group* g : c.groups()) g->timeout_s = timeout_s;
+  make_group(c.world, "world", 0, world_rank, timeout_s);  // a copy of MPI_COMM_WORLD, ours alone
+  make_group(c.tp, "tp", G.rank_of(d, p, x, 0), t, timeout_s);
+  make_group(c.cp, "cp", G.rank_of(d, p, 0, t), x, timeout_s);
+  make_group(c.pp, "pp", G.rank_of(d, 0, x, t), p, timeout_s);
+  make_group(c.pp_grad, "pp_grad", G.rank_of(d, 0, x, t), p, timeout_s);
+  make_group(c.dp, "dp", G.rank_of(0, p, x, t), d, timeout_s);
+  // Gradients average here.
+  make_group(c.dp_cp, "dp_cp", G.rank_of(0, p, 0, t), d * G.cp + x, timeout_s);
 
   if (c.backend == Backend::NCCL) {
     // The standard bootstrap, one id per group: group rank 0 makes it, MPI shares it. Under
@@ -236,7 +282,9 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
       if (g->size == 1 && !groups_of_one) continue;
       ncclUniqueId id;
       if (g->rank == 0) NCCL_CHECK(ncclGetUniqueId(&id));
-      MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, g->mpi));
+      host_wait(*g, "broadcast of the NCCL unique id", sizeof id, [&](MPI_Request* r) {
+        return MPI_Ibcast(&id, sizeof id, MPI_BYTE, 0, g->mpi, r);
+      });
       ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
       config.blocking = 0;  // returns at once; nccl_settle waits, bounded by the timeout
       double t0 = now_seconds();

@@ -99,15 +99,18 @@ struct Comm {
 // `backend_flag` is auto|nccl|mpi: auto is nccl on CUDA with one GPU per rank on each node,
 // else mpi. Under auto a group of one has no communicator (its collectives are local copies);
 // an explicit nccl gives every group one, groups of one included, so that one rank on one GPU
-// runs every collective through NCCL. NCCL communicators are nonblocking: their creation, first
-// connections and destruction are bounded by `timeout_s` like every collective. Throws
+// runs every collective through NCCL. Every wait of the set-up (the splits into groups, the
+// exchange of NCCL ids) and NCCL's creation, first connections and destruction are bounded by
+// `timeout_s` like every collective: a rank that never arrives stops every rank, never hangs. Throws
 // UsageError for a world that is not dp*pp*cp*tp, an unknown backend, or nccl without a GPU per
 // rank. Call after MPI_Init and cudaSetDevice.
 Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, Device device,
                double timeout_s);
 void comm_destroy(Comm& comm);
 // Node-local rank and node-local rank count (MPI_COMM_TYPE_SHARED), for choosing a GPU.
-void local_rank(int* rank, int* size);
+// Collective over the world; a rank that never arrives stops every rank after `timeout_s`
+// (--comm-timeout), the message naming the step, like every collective.
+void local_rank(int* rank, int* size, double timeout_s);
 // The backend one node allows, from the PCI bus id of each of its ranks' GPUs ("" for a rank
 // without one): nccl when every rank has a GPU and no two share one, else mpi (NCCL refuses two
 // ranks on one GPU). Bus ids, not device numbers: with one GPU visible per rank (SLURM

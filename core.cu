@@ -32,7 +32,8 @@ void fatal_abort() {
 }
 
 const char* fault_where_name(FaultWhere w) {
-  const char* names[] = {"step", "forward", "backward", "clip", "optimizer", "validation", "save"};
+  const char* names[] = {"init", "step",      "forward",    "backward",
+                         "clip", "optimizer", "validation", "save"};
   return names[(int)w];
 }
 

@@ -75,8 +75,10 @@ struct UsageError : std::runtime_error {
 
 // --fault KIND:RANK:STEP[:WHERE] (parsed in options.cu), for testing that a failed rank never
 // hangs the job: at place WHERE of step STEP, rank RANK kills itself (crash), stops answering
-// (hang) or fails a check (error); kind inf puts an infinity into its gradient instead. The places, in the order a step passes them:
-enum class FaultWhere { Step, Forward, Backward, Clip, Optimizer, Validation, Save };
+// (hang) or fails a check (error); kind inf puts an infinity into its gradient instead. The
+// places, in the order a run passes them (Init: before the communicators are set up, step 0
+// only):
+enum class FaultWhere { Init, Step, Forward, Backward, Clip, Optimizer, Validation, Save };
 const char* fault_where_name(FaultWhere w);  // "step", "forward", ...
 struct Fault {
   std::string kind;  // crash | hang | error; empty: no fault

@@ -113,7 +113,7 @@ void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape) {
                "where it faults (slow)");
   app.add_option("--fault", o.fault,
                  "test fault handling: KIND:RANK:STEP[:WHERE], KIND crash|hang|error, WHERE "
-                 "step|forward|backward|clip|optimizer|validation|save (default step)");
+                 "init|step|forward|backward|clip|optimizer|validation|save (default step)");
 }
 
 static void check_positive(int value, const char* flag) {
@@ -366,7 +366,7 @@ static void check_memory(const Options& o, Device device, int local_ranks) {
 
 void check_before_start(const Options& o, const Comm& comm) {
   int local = 0, local_ranks = 1;
-  local_rank(&local, &local_ranks);  // collective: before anything that may throw
+  local_rank(&local, &local_ranks, comm.timeout_s);  // collective: before anything that may throw
   check_memory(o, comm.device, local_ranks);
   if (comm.grid.world_rank != 0) return;  // world rank 0 writes every output
   if (!o.save.empty()) check_checkpoint_output("--save", o.save);

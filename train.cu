@@ -457,9 +457,10 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
     resolve_options(o, shape);
+    if (!o.fault.empty()) parse_fault(o.fault).at(FaultWhere::Init, rank, 0);  // before set-up
     // Ranks on one node share its cores (OpenBLAS) and its GPUs (local rank modulo count).
     int local = 0, local_size = 1;
-    local_rank(&local, &local_size);
+    local_rank(&local, &local_size, o.comm_timeout);
     openblas_set_num_threads(std::max(1, (int)std::thread::hardware_concurrency() / local_size));
     Device device = resolve_device(o.device);
     if (device == Device::CUDA) {

@@ -219,7 +219,7 @@ int main(int argc, char** argv) {
   int world = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &world);
   int local = 0, local_size = 1;
-  local_rank(&local, &local_size);
+  local_rank(&local, &local_size, 600);  // the comm_init timeout below
   openblas_set_num_threads(std::max(1, (int)std::thread::hardware_concurrency() / local_size));
   std::vector<std::pair<Device, const char*>> runs = {{Device::CPU, "mpi"}};
   if (cuda_available()) {

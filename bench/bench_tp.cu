@@ -57,7 +57,7 @@ int main(int argc, char** argv) {
   MPI_Comm_size(MPI_COMM_WORLD, &world);
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   int local = 0, local_size = 1;
-  local_rank(&local, &local_size);
+  local_rank(&local, &local_size, 600);  // the comm_init timeout below
   openblas_set_num_threads(std::max(1, (int)std::thread::hardware_concurrency() / local_size));
   std::vector<Device> devices = {Device::CPU};
   if (cuda_available()) {

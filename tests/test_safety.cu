@@ -403,3 +403,37 @@ TEST_CASE("a peer that never joins a host-side collective ends the job within --
     CHECK_THAT(r.output, Contains(std::string(which) + " on world") && Contains("--comm-timeout"));
   }
 }
+
+// Communicator set-up waits like every collective (comm.cu, "Set-up waits"): the splits into
+// groups come after a nonblocking barrier on the world, waited for against --comm-timeout, so a
+// rank that never arrives (here: asleep, --fault hang:1:0:init, before any collective) ends
+// the job instead of leaving its peers in MPI_Comm_split forever.
+TEST_CASE("a rank that never reaches communicator set-up ends the job within --comm-timeout, "
+          "naming the step and the group",
+          "[safety][parity]") {
+  struct Case {
+    std::string cmd, waits_on;
+  } cases[] = {
+      // ./train's first collective: the node-local ranks, which choose each rank's GPU.
+      {"mpirun --oversubscribe -np 2 ./train --device cpu --dp 2 --steps 1 --comm-timeout 2 "
+       "--fault hang:1:0:init",
+       "barrier before MPI_Comm_split_type (node-local ranks) on world"},
+      // comm_init itself (tests/mpi/test_safety.cu), under --comm mpi and auto.
+      {"mpirun --oversubscribe -np 2 build/mpi_tests '[.stuck-comm_init]'",
+       "barrier before MPI_Comm_split into world on world"},
+      {"mpirun --oversubscribe -np 2 build/mpi_tests '[.stuck-comm_init-auto]'",
+       "barrier before MPI_Comm_split_type (GPU bus ids) on world"},
+  };
+  for (const Case& c : cases) {
+    RunResult r;
+    double seconds = run_seconds("timeout 60 " + c.cmd, r);
+    INFO(c.cmd << "\n" << r.output);
+    CHECK(r.code != 0);
+    CHECK(r.code != 124);  // not ended by `timeout`: by the set-up's own deadline
+    CHECK(seconds < 2 + 20);
+    CHECK_THAT(r.output, Contains("rank 0: " + c.waits_on + ", 0 B did not finish within 2s "
+                                  "(--comm-timeout)"));
+    if (c.cmd.find("--fault") != std::string::npos)
+      CHECK_THAT(r.output, Contains("injected fault 'hang' at step 0, init"));
+  }
+}

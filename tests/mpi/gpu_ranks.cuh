@@ -15,7 +15,7 @@ inline bool cuda_on_every_rank(std::string* why = nullptr) {
 // A rank's GPU is its node-local rank modulo the node's GPU count: ranks may share one.
 inline void use_node_local_gpu() {
   int node_rank = 0, node_ranks = 1, gpus = 1;
-  local_rank(&node_rank, &node_ranks);
+  local_rank(&node_rank, &node_ranks, 60);
   CUDA_CHECK(cudaGetDeviceCount(&gpus));
   CUDA_CHECK(cudaSetDevice(node_rank % gpus));
 }
