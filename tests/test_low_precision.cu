@@ -350,7 +350,7 @@ const std::string kRun = "--steps 300 --mbs 4 --seq 64 --val-every 0 --val-seqs 
 
 // bf16 keeps fp32's range and 8 bits of precision: the loss curve follows fp32's. FP8 with
 // per-tile scales follows bf16's. Bounds, with what this seed measured: 20-step averages within
-// 0.05 nats of fp32 for bf16 (measured 0.022) and within 0.08 of bf16 for fp8 (0.046); the final
+// 0.05 nats of fp32 for bf16 (measured 0.022) and within 0.06 of bf16 for fp8 (0.028); the final
 // validation loss within 0.03 (measured 0.012) and 0.05 (0.023). Broken arithmetic (a scale
 // applied twice, gradients lost, a wrong format for a tensor) leaves the loss near its start,
 // 5.6, or makes it diverge: tenths of a nat or more.
@@ -368,7 +368,7 @@ TEST_CASE("bf16 tracks fp32 over 300 steps, and fp8 tracks bf16", "[train]") {
   }
   CHECK(mean_loss(logs["fp32"], 300, 20) < 2.8);  // it trained: from 5.6
   CHECK(curve_gap(logs["bf16"], logs["fp32"], 20) < 0.05);
-  CHECK(curve_gap(logs["fp8"], logs["bf16"], 20) < 0.08);
+  CHECK(curve_gap(logs["fp8"], logs["bf16"], 20) < 0.06);
   CHECK(std::fabs(val["bf16"] - val["fp32"]) < 0.03);
   CHECK(std::fabs(val["fp8"] - val["bf16"]) < 0.05);
   fs::remove_all(dir);
@@ -377,7 +377,8 @@ TEST_CASE("bf16 tracks fp32 over 300 steps, and fp8 tracks bf16", "[train]") {
 // fp16's smallest subnormal is 6e-8: gradients of a mean over thousands of tokens sit near it,
 // and without scaling a share of them rounds to zero (grad_underflow: the share of nonzero
 // values the backward stored that became zero). Scaling the loss by 2^16 lifts them clear.
-// This seed measured 0.8-3% lost without scaling and 0.04-0.07% with it.
+// Over 300 steps this seed measured 0.8-4% lost without scaling and 0.04-0.07% with it (in a
+// model this small the loss curve barely notices either).
 TEST_CASE("fp16 without loss scaling loses gradients to underflow; dynamic scaling keeps them",
           "[train]") {
   std::string dir = make_temp_dir();
