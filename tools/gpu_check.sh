@@ -49,7 +49,7 @@ SMALL="--d-model 64 --layers 2 --heads 4 --kv-heads 2 --ffn 128 --seq 32 --mbs 4
 # README's table of steps repeats them). A step without an entry is expected to take its cap.
 declare -A ESTIMATE=(
   [device_info]=5 [setup]=15 [libraries]=5 [mpi_singleton]=5 [unit_gpu_sync]=60 [unit_gpu]=40
-  [train_cuda_vs_cpu]=40 [mpi_gpu_np1]=20 [nccl_timeout]=15 [mpi_gpu_np2]=30 [dp2_vs_grad_acc2]=30 [train_tiny]=20
+  [train_cuda_vs_cpu]=60 [mpi_gpu_np1]=20 [nccl_timeout]=15 [mpi_gpu_np2]=30 [dp2_vs_grad_acc2]=30 [train_tiny]=20
   [train_medium]=40 [bench]=90 [bench_comm]=40 [memcheck]=100 [racecheck]=60 [racecheck_tp]=40
   [unit_gpu_flash]=40 [dtype_llama1b]=150 [flash_bench]=120 [flash_torch]=90 [racecheck_flash]=60
 )
