@@ -1,10 +1,11 @@
 // flash_attention.cuh: the attention core, softmax(q k^T / sqrt(hd) + causal mask) v, with
 // grouped-query heads (query head h reads key/value head h / (Hq / Hkv)).
-// Two versions: naive attention, which materialises the [B, Hq, T, T] probabilities
-// (Playbook §2.5's 5as^2b term) and stays as the readable reference, and FlashAttention
-// (Playbook §12.8), which streams key/value tiles past a query tile with an online softmax
-// and keeps only the log-sum-exp per query: O(T) memory, and the interface ring attention
-// (Playbook §7.2) is built from.
+// Two versions: naive attention (attention_naive.cu), which materialises the [B, Hq, T, T]
+// probabilities (Playbook §2.5's 5as^2b term) and stays as the readable reference, and
+// FlashAttention (Playbook §12.8; flash_attention.cu, its bf16 tensor-core kernels in
+// flash_attention_bf16.cu), which streams key/value tiles past a query tile with an online
+// softmax and keeps only the log-sum-exp per query: O(T) memory, and the interface ring
+// attention (Playbook §7.2) is built from.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -84,6 +85,8 @@ void attention_lse_merge(const Context& ctx, const Tensor& out, const Tensor& ls
                          const Tensor& out2, const Tensor& lse2, const AttentionBlock& a);
 
 // ---- bf16 on tensor cores (mma.sync m16n8k16, fp32 accumulation; sm_80 and newer) ----
+// In flash_attention_bf16.cu, but for attention_out_dot_dout_bf16 (flash_attention.cu, one
+// kernel with the fp32 version).
 // CUDA only, raw device pointers in the layouts above; hd in {16, 32, 64, 128}. The model has
 // no bf16 dtype yet: the benchmark and the GPU tests call these directly.
 // out (=) bf16, lse (=) fp32.

@@ -1,8 +1,9 @@
-// Tests for flash_attention.cu: naive causal attention with grouped-query heads against a
-// direct per-position loop, the causal mask, gradients against finite differences, and the
-// CUDA kernels against the CPU reference; then FlashAttention against naive attention and a
-// float64 reference (the FlashAttention paper's rule), offsets and fully masked blocks, the
-// LSE merge as a ring of two uses it, its memory, and its CUDA kernels (fp32 and bf16).
+// Tests for attention_naive.cu and flash_attention*.cu: naive causal attention with
+// grouped-query heads against a direct per-position loop, the causal mask, gradients against
+// finite differences, and the CUDA kernels against the CPU reference; then FlashAttention
+// against naive attention and a float64 reference (the FlashAttention paper's rule), offsets
+// and fully masked blocks, the LSE merge as a ring of two uses it, its memory, and its CUDA
+// kernels (fp32 and bf16).
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>

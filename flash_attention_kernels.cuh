@@ -1,0 +1,57 @@
+// flash_attention_kernels.cuh: what FlashAttention's fp32 code (flash_attention.cu) and its bf16
+// tensor-core kernels (flash_attention_bf16.cu) share: the offsets of the token-major layouts,
+// the causal mask by global position, the log2 units of the kernels' softmax, the backward's
+// per-query statistics and the launch grids. Internal to those two files: callers include
+// flash_attention.cuh.
+#pragma once
+#include <cuda_bf16.h>
+
+#include "flash_attention.cuh"
+
+using bf16 = __nv_bfloat16;
+
+// Element offset of (sequence b, token i, head h) in a token-major [B*T, H, hd] tensor.
+__host__ __device__ inline int64_t token_head(int b, int T, int i, int H, int h, int hd) {
+  return (((int64_t)b * T + i) * H + h) * hd;
+}
+// How many keys of [j0, j0 + n) query i sees: all n without the mask; with it, those at global
+// position k0 + j <= q0 + i, always a prefix of the tile (0 for a tile wholly in the future).
+__host__ __device__ inline int visible_keys(const AttentionBlock& a, int i, int j0, int n) {
+  if (!a.causal) return n;
+  int64_t seen = a.q0 + i - (a.k0 + j0) + 1;
+  return (int)(seen < 0 ? 0 : seen < n ? seen : n);
+}
+// The first query that sees key j0 (Tq when none does): backward skips the query tiles before it.
+__host__ __device__ inline int first_query_seeing(const AttentionBlock& a, int j0) {
+  if (!a.causal) return 0;
+  int64_t i = a.k0 + j0 - a.q0;
+  return (int)(i < 0 ? 0 : i < a.Tq ? i : a.Tq);
+}
+
+// The CUDA kernels keep scores in log2 units (q pre-scaled by log2(e)/sqrt(hd)), so each
+// exponential is one exp2f; lse goes back to natural log as (m + log2 l) ln 2.
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// lse (in log2 units) and D of queries [i0, i0 + rows) of head h, into shared memory; past Tq
+// lse is -inf, which masks those queries out.
+__device__ inline void load_query_stats(float* lse_s, float* D_s, const float* lse, const float* D,
+                                        const AttentionBlock& a, int b, int h, int i0, int rows) {
+  if (threadIdx.x >= rows) return;
+  const bool in = i0 + threadIdx.x < a.Tq;
+  const int64_t row = ((int64_t)b * a.Hq + h) * a.Tq + i0 + threadIdx.x;
+  lse_s[threadIdx.x] = in ? lse[row] * kLog2e : -INFINITY;
+  D_s[threadIdx.x] = in ? D[row] : 0.0f;
+}
+
+// Grid (query tiles, Hq, B) of `tile` queries each; never zero blocks (Tq = 0 launches nothing).
+inline dim3 query_tile_grid(const AttentionBlock& a, int tile) {
+  return dim3((a.Tq + tile - 1) / tile, a.Hq, a.B);
+}
+// Grid (key tiles, Hkv, B); never zero blocks (Tk = 0 launches nothing).
+inline dim3 key_tile_grid(const AttentionBlock& a, int tile) {
+  return dim3((a.Tk + tile - 1) / tile, a.Hkv, a.B);
+}
+
+// Threads per block of the kernels that take one (query, head) row or one element per thread.
+constexpr int kRowKernelThreads = 256;
