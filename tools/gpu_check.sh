@@ -358,9 +358,9 @@ if run_step dtype_llama1b 240 bash -c "for d in fp32 bf16 fp8; do echo \"== dtyp
       flops = 6 * n + 12 * 16 * 2048 * 2048  # llama-1b: L 16, h 2048, s 2048
       for (d in tok) printf "%s %.0f tok/s MFU %.1f%%; ", d, tok[d], 100 * tok[d] * flops / peak[d]
     }' "$LOGS/dtype_llama1b.log")
-  record dtype_llama1b PASS "$STEP_SECONDS" "${mfu:-no step lines} (bf16 target 50%)"
-else
-  fail dtype_llama1b "exit $STEP_RC"
+  if [ "$STEP_RC" -eq 0 ] && [ -n "$mfu" ]; then
+    record dtype_llama1b PASS "$STEP_SECONDS" "$mfu (bf16 target 50%)"
+  else fail dtype_llama1b "exit $STEP_RC; ${mfu:-no step lines}"; fi
 fi
 
 # ---- benchmarks: one training step (CPU and GPU), all-reduce bandwidth on 2 ranks ----
