@@ -12,10 +12,6 @@
 // The idea to take away: every store rounds (to nearest, ties to even), and what is lost is
 // relative precision for bf16 but range for fp16 and fp8, hence loss scaling for fp16 and
 // per-tile scales for fp8. Values only ever widen exactly back to fp32.
-#include "mixed_precision.cuh"
-
-#include "ops.cuh"
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -23,6 +19,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+
+#include "mixed_precision.cuh"
+#include "ops.cuh"
 
 // ----------------------------------------------------------------------------
 // One rounding routine for every format
@@ -85,21 +84,41 @@ static float decode(uint32_t code, FloatFormat f) {
   return negative ? -v : v;
 }
 
-uint16_t float_to_bf16(float x) { return (uint16_t)encode(x, kBF16); }
-uint16_t float_to_fp16(float x) { return (uint16_t)encode(x, kFP16); }
-uint8_t float_to_e4m3(float x) { return (uint8_t)encode(x, kE4M3); }
-uint8_t float_to_e5m2(float x) { return (uint8_t)encode(x, kE5M2); }
-float bf16_to_float(uint16_t bits) { return decode(bits, kBF16); }
-float fp16_to_float(uint16_t bits) { return decode(bits, kFP16); }
-float e4m3_to_float(uint8_t bits) { return decode(bits, kE4M3); }
-float e5m2_to_float(uint8_t bits) { return decode(bits, kE5M2); }
+uint16_t float_to_bf16(float x) {
+  return (uint16_t)encode(x, kBF16);
+}
+uint16_t float_to_fp16(float x) {
+  return (uint16_t)encode(x, kFP16);
+}
+uint8_t float_to_e4m3(float x) {
+  return (uint8_t)encode(x, kE4M3);
+}
+uint8_t float_to_e5m2(float x) {
+  return (uint8_t)encode(x, kE5M2);
+}
+float bf16_to_float(uint16_t bits) {
+  return decode(bits, kBF16);
+}
+float fp16_to_float(uint16_t bits) {
+  return decode(bits, kFP16);
+}
+float e4m3_to_float(uint8_t bits) {
+  return decode(bits, kE4M3);
+}
+float e5m2_to_float(uint8_t bits) {
+  return decode(bits, kE5M2);
+}
 
 float max_finite(DType format) {
   switch (format) {
-    case DType::BF16: return bf16_to_float(0x7F7F);
-    case DType::F16: return fp16_to_float(0x7BFF);
-    case DType::F8E4M3: return e4m3_to_float(0x7E);
-    case DType::F8E5M2: return e5m2_to_float(0x7B);
+    case DType::BF16:
+      return bf16_to_float(0x7F7F);
+    case DType::F16:
+      return fp16_to_float(0x7BFF);
+    case DType::F8E4M3:
+      return e4m3_to_float(0x7E);
+    case DType::F8E5M2:
+      return e5m2_to_float(0x7B);
     default:
       PICO_ASSERT(format == DType::F32, std::string("no max_finite for ") + dtype_name(format));
   }
@@ -151,15 +170,20 @@ __global__ void cast_from_f32_kernel(void* dst, DType dst_dtype, const float* sr
   if (i >= n) return;
   const float x = src[i];
   switch (dst_dtype) {
-    case DType::BF16: ((uint16_t*)dst)[i] = __bfloat16_as_ushort(__float2bfloat16_rn(x)); break;
-    case DType::F16: ((uint16_t*)dst)[i] = __half_as_ushort(__float2half_rn(x)); break;
+    case DType::BF16:
+      ((uint16_t*)dst)[i] = __bfloat16_as_ushort(__float2bfloat16_rn(x));
+      break;
+    case DType::F16:
+      ((uint16_t*)dst)[i] = __half_as_ushort(__float2half_rn(x));
+      break;
     case DType::F8E4M3:
       ((uint8_t*)dst)[i] = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
       break;
     case DType::F8E5M2:
       ((uint8_t*)dst)[i] = __nv_cvt_float_to_fp8(x, __NV_NOSAT, __NV_E5M2);
       break;
-    default: ((float*)dst)[i] = x;
+    default:
+      ((float*)dst)[i] = x;
   }
 }
 __global__ void cast_to_f32_kernel(float* dst, const void* src, DType src_dtype, int64_t n) {
@@ -169,14 +193,17 @@ __global__ void cast_to_f32_kernel(float* dst, const void* src, DType src_dtype,
     case DType::BF16:
       dst[i] = __bfloat162float(__ushort_as_bfloat16(((const uint16_t*)src)[i]));
       break;
-    case DType::F16: dst[i] = __half2float(__ushort_as_half(((const uint16_t*)src)[i])); break;
+    case DType::F16:
+      dst[i] = __half2float(__ushort_as_half(((const uint16_t*)src)[i]));
+      break;
     case DType::F8E4M3:
       dst[i] = __half2float(__half(__nv_cvt_fp8_to_halfraw(((const uint8_t*)src)[i], __NV_E4M3)));
       break;
     case DType::F8E5M2:
       dst[i] = __half2float(__half(__nv_cvt_fp8_to_halfraw(((const uint8_t*)src)[i], __NV_E5M2)));
       break;
-    default: dst[i] = ((const float*)src)[i];
+    default:
+      dst[i] = ((const float*)src)[i];
   }
 }
 
@@ -275,8 +302,12 @@ DType output_dtype(Precision p) {
 }
 
 static RoundingStats g_rounding[2];  // forward, backward (observation only)
-RoundingStats rounding_stats(bool backward) { return g_rounding[backward]; }
-void reset_rounding_stats() { g_rounding[0] = g_rounding[1] = RoundingStats{}; }
+RoundingStats rounding_stats(bool backward) {
+  return g_rounding[backward];
+}
+void reset_rounding_stats() {
+  g_rounding[0] = g_rounding[1] = RoundingStats{};
+}
 
 // bf16 keeps the top 16 bits of an fp32: add half of the dropped part (minus one unless the
 // kept part is odd, so a tie goes to even) and cut. Agrees with encode() everywhere but NaN,
@@ -342,7 +373,8 @@ void round_(const Context& ctx, const Tensor& x, DType format, bool backward) {
 __global__ void fake_quantize_kernel(float* x, int64_t rows, int64_t cols, int tile_rows,
                                      int tile_cols, DType format, float largest) {
   const int64_t tiles_across = (cols + tile_cols - 1) / tile_cols;
-  const int64_t r0 = blockIdx.x / tiles_across * tile_rows, c0 = blockIdx.x % tiles_across * tile_cols;
+  const int64_t r0 = blockIdx.x / tiles_across * tile_rows,
+                c0 = blockIdx.x % tiles_across * tile_cols;
   const int64_t tr = min((int64_t)tile_rows, rows - r0), tc = min((int64_t)tile_cols, cols - c0);
   __shared__ float partial[32];
   float m = 0.0f;
@@ -391,7 +423,8 @@ static void cast_on(const Context& ctx, const Tensor& dst, const Tensor& src) {
   if (dst.dtype == DType::F32)
     cast_to_f32_kernel<<<blocks, 256, 0, ctx.stream>>>((float*)dst.ptr, src.ptr, src.dtype, n);
   else
-    cast_from_f32_kernel<<<blocks, 256, 0, ctx.stream>>>(dst.ptr, dst.dtype, (const float*)src.ptr, n);
+    cast_from_f32_kernel<<<blocks, 256, 0, ctx.stream>>>(dst.ptr, dst.dtype, (const float*)src.ptr,
+                                                         n);
   LAUNCH_CHECK(ctx, "cast kernel");
 }
 
@@ -429,12 +462,15 @@ enum class Operand { Activation, Weight, Gradient };
 static Tensor gemm_operand(const Context& ctx, const Tensor& t, Operand role) {
   const DType format = output_dtype(ctx.precision);
   // A weight's compute copy, when one is kept: on CUDA the GEMM reads it as it is.
-  Tensor half = role == Operand::Weight && ctx.weight_copies ? ctx.weight_copies->find(t) : Tensor{};
+  Tensor half =
+      role == Operand::Weight && ctx.weight_copies ? ctx.weight_copies->find(t) : Tensor{};
   if (half.defined() && ctx.device == Device::CUDA && ctx.precision != Precision::FP8) return half;
   if (!half.defined() && ctx.device == Device::CUDA && ctx.precision != Precision::FP8) {
     half = empty(ctx, t.shape, Mem::Workspace, format);
     const int64_t n = t.numel();
-    if (n > 0) cast_from_f32_kernel<<<(unsigned)((n + 255) / 256), 256, 0, ctx.stream>>>(half.ptr, format, t.f32(), n);
+    if (n > 0)
+      cast_from_f32_kernel<<<(unsigned)((n + 255) / 256), 256, 0, ctx.stream>>>(half.ptr, format,
+                                                                                t.f32(), n);
     LAUNCH_CHECK(ctx, "cast_from_f32_kernel");
     return half;
   }
@@ -454,7 +490,7 @@ static Tensor gemm_operand(const Context& ctx, const Tensor& t, Operand role) {
   if (role == Operand::Weight)
     fake_quantize_tiles_(ctx, m, DType::F8E4M3, 128, 128);
   else
-    fake_quantize_tiles_(ctx, m, role == Operand::Activation ? DType::F8E4M3 : DType::F8E5M2, 1, 128);
+    fake_quantize_tiles_(ctx, m, role == Operand::Gradient ? DType::F8E5M2 : DType::F8E4M3, 1, 128);
   return copy;
 }
 
@@ -465,7 +501,8 @@ static void operand_gemm(const Context& ctx, bool trans_a, bool trans_b, int M, 
                          const Tensor& A, int lda, const Tensor& B, int ldb, float beta,
                          const Tensor& C, int ldc) {
   if (A.dtype == DType::F32)
-    return gemm(ctx, trans_a, trans_b, M, N, K, 1.0f, A.f32(), lda, B.f32(), ldb, beta, C.f32(), ldc);
+    return gemm(ctx, trans_a, trans_b, M, N, K, 1.0f, A.f32(), lda, B.f32(), ldb, beta, C.f32(),
+                ldc);
   const cudaDataType type = A.dtype == DType::BF16 ? CUDA_R_16BF : CUDA_R_16F;
   const float alpha = 1.0f;
   CUBLAS_CHECK(cublasGemmEx(ctx.cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
@@ -490,7 +527,8 @@ void low_precision_linear_backward(const Context& ctx, const Tensor& dx, const T
   Tensor dyq = gemm_operand(ctx, dy, Operand::Gradient);
   if (dx.defined()) {  // dx[T, in] = dy[T, out] @ W[out, in], stored rounded
     Tensor wq = gemm_operand(ctx, W, Operand::Weight);
-    operand_gemm(ctx, false, false, T, in, out, dyq, out, wq, in, accumulate_dx ? 1.0f : 0.0f, dx, in);
+    operand_gemm(ctx, false, false, T, in, out, dyq, out, wq, in, accumulate_dx ? 1.0f : 0.0f, dx,
+                 in);
     round_(ctx, dx, output_dtype(ctx.precision), true);
   }
   if (dW.defined()) {  // dW[out, in] += dy^T @ x, summed into the fp32 accumulator
@@ -511,7 +549,8 @@ bool LossScaler::update(bool gradients_finite) {
     if (dynamic) scale = std::max(scale / 2, 1.0f);
     return false;
   }
-  if (dynamic && ++good_steps >= window) scale = std::min(scale * 2, 65536.0f * 65536.0f), good_steps = 0;
+  if (dynamic && ++good_steps >= window)
+    scale = std::min(scale * 2, 65536.0f * 65536.0f), good_steps = 0;
   return true;
 }
 
@@ -520,18 +559,22 @@ LossScaler make_loss_scaler(Precision p, const std::string& loss_scale, int wind
   LossScaler s;
   if (p != Precision::FP16) {
     if (flags_given)
-      throw UsageError(std::string("--loss-scale and --loss-scale-window apply to --dtype fp16 only (this run is ") +
-                       precision_name(p) + "); drop them");
+      throw UsageError(
+          std::string(
+              "--loss-scale and --loss-scale-window apply to --dtype fp16 only (this run is ") +
+          precision_name(p) + "); drop them");
     return s;
   }
   s.enabled = true;
-  if (window < 1) throw UsageError("--loss-scale-window " + std::to_string(window) + ": use 1 or more steps");
+  if (window < 1)
+    throw UsageError("--loss-scale-window " + std::to_string(window) + ": use 1 or more steps");
   s.window = window;
   if (loss_scale == "dynamic") return s;
   char* end = nullptr;
   const float v = strtof(loss_scale.c_str(), &end);
   if (end == loss_scale.c_str() || *end != '\0' || !std::isfinite(v) || v <= 0.0f)
-    throw UsageError("--loss-scale " + loss_scale + ": use dynamic or a positive number (1: no scaling)");
+    throw UsageError("--loss-scale " + loss_scale +
+                     ": use dynamic or a positive number (1: no scaling)");
   s.dynamic = false, s.scale = v;
   return s;
 }

@@ -109,7 +109,7 @@ struct LossScaler {
   float scale = 65536.0f;  // 2^16
   int window = 1000;       // good steps before the scale doubles
   int good_steps = 0;
-  int64_t skipped = 0;     // steps skipped so far
+  int64_t skipped = 0;  // steps skipped so far
   // After a step's gradients are known: false when the step must be skipped.
   bool update(bool gradients_finite);
 };

@@ -102,8 +102,8 @@ inline const std::vector<ParityRow> PARITY_ROWS = {
     {"cp 2 x pp 2", 4, "--cp 2 --pp 2 --grad-acc 2", "--grad-acc 2"},
     {"cp 2 x tp 2, sp x pp 2 (8 ranks: four dimensions at once)", 8,
      "--cp 2 --tp 2 --sp --pp 2 --grad-acc 2", "--grad-acc 2"},
-    {"cp 2, full recompute (the ring runs again in the backward)", 2,
-     "--cp 2 --recompute full", "--recompute full"},
+    {"cp 2, full recompute (the ring runs again in the backward)", 2, "--cp 2 --recompute full",
+     "--recompute full"},
     {"pp 2, 5 layers (3 + 2)", 2, "--layers 5 --pp 2 --grad-acc 2", "--layers 5 --grad-acc 2"},
     {"pp 2 x dp 2", 4, "--pp 2 --dp 2 --grad-acc 2", "--grad-acc 4"},
     {"pp 2 x tp 2, sp", 4, "--pp 2 --tp 2 --sp --grad-acc 2", "--grad-acc 2"},
@@ -117,4 +117,3 @@ inline const std::vector<ParityRow> PARITY_ROWS = {
 inline const std::string COMMON =
     "--d-model 32 --layers 2 --heads 4 --kv-heads 2 --ffn 64 --seq 16 --mbs 2 --steps 3 "
     "--warmup 1 --grad-clip 0.5 --val-every 0 --val-seqs 4 --comm-timeout 60 ";
-

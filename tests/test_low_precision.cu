@@ -4,7 +4,6 @@
 // scaler's rule. The formats' own conversions are tested against the book's facts and CUDA's
 // in test_mixed_precision.cu, so the rounding of single values is taken from them here.
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -23,9 +22,15 @@ namespace fs = std::filesystem;
 
 namespace {
 
-float as_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
-float as_fp16(float x) { return fp16_to_float(float_to_fp16(x)); }
-float stored(Precision p, float x) { return p == Precision::FP16 ? as_fp16(x) : as_bf16(x); }
+float as_bf16(float x) {
+  return bf16_to_float(float_to_bf16(x));
+}
+float as_fp16(float x) {
+  return fp16_to_float(float_to_fp16(x));
+}
+float stored(Precision p, float x) {
+  return p == Precision::FP16 ? as_fp16(x) : as_bf16(x);
+}
 
 Tensor filled(std::vector<int64_t> shape, uint64_t seed, float scale) {
   Tensor t = empty(shape, Mem::Workspace);
@@ -132,7 +137,8 @@ TEST_CASE("bf16 and fp16 linear layers: operands rounded, fp32 sums, outputs rou
         require_rounded_sum(p, y.f32()[t * out + o], sum, abs_sum, in);
       }
 
-    Tensor dy = filled({T, out}, 3, 0.25f), dx = filled({T, in}, 4, 0.1f), dW = filled({out, in}, 5, 0.1f);
+    Tensor dy = filled({T, out}, 3, 0.25f), dx = filled({T, in}, 4, 0.1f),
+           dW = filled({out, in}, 5, 0.1f);
     for (int64_t i = 0; i < dx.numel(); i++) dx.f32()[i] = stored(p, dx.f32()[i]);  // as stored
     std::vector<float> dx0(dx.f32(), dx.f32() + dx.numel()), dW0(dW.f32(), dW.f32() + dW.numel());
     linear_backward(ctx, dx, dW, dy, x, W, /*accumulate_dx=*/true);
@@ -191,8 +197,9 @@ TEST_CASE("fp8 linear layers: E4M3 tiles forward, E5M2 tiles for the gradient, b
   for (int t = 0; t < T; t++)
     for (int o = 0; o < out; o++) {
       double sum = 0, abs_sum = 0;
-      for (int k = 0; k < in; k++) sum += (double)xq[t * in + k] * wq[o * in + k],
-                                  abs_sum += std::fabs((double)xq[t * in + k] * wq[o * in + k]);
+      for (int k = 0; k < in; k++)
+        sum += (double)xq[t * in + k] * wq[o * in + k],
+            abs_sum += std::fabs((double)xq[t * in + k] * wq[o * in + k]);
       require_rounded_sum(Precision::BF16, y.f32()[t * out + o], sum, abs_sum, in);
     }
   Tensor dx = empty({T, in}, Mem::Workspace), dW = zeros({out, in}, Mem::Workspace);
@@ -200,22 +207,26 @@ TEST_CASE("fp8 linear layers: E4M3 tiles forward, E5M2 tiles for the gradient, b
   for (int t = 0; t < T; t++)
     for (int k = 0; k < in; k++) {
       double sum = 0, abs_sum = 0;
-      for (int o = 0; o < out; o++) sum += (double)dyq[t * out + o] * wq[o * in + k],
-                                    abs_sum += std::fabs((double)dyq[t * out + o] * wq[o * in + k]);
+      for (int o = 0; o < out; o++)
+        sum += (double)dyq[t * out + o] * wq[o * in + k],
+            abs_sum += std::fabs((double)dyq[t * out + o] * wq[o * in + k]);
       require_rounded_sum(Precision::BF16, dx.f32()[t * in + k], sum, abs_sum, out);
     }
   for (int o = 0; o < out; o++)
     for (int k = 0; k < in; k++) {
       double sum = 0, abs_sum = 0;
-      for (int t = 0; t < T; t++) sum += (double)dyq[t * out + o] * xq[t * in + k],
-                                  abs_sum += std::fabs((double)dyq[t * out + o] * xq[t * in + k]);
+      for (int t = 0; t < T; t++)
+        sum += (double)dyq[t * out + o] * xq[t * in + k],
+            abs_sum += std::fabs((double)dyq[t * out + o] * xq[t * in + k]);
       REQUIRE(std::fabs(dW.f32()[o * in + k] - sum) <= T * std::ldexp(abs_sum, -23));
     }
 }
 
 // Micikevicius et al.: halve on overflow and skip, double after `window` good steps.
-TEST_CASE("the dynamic loss scale halves on overflow, doubles after its window, and a static "
-          "one stays", "[precision]") {
+TEST_CASE(
+    "the dynamic loss scale halves on overflow, doubles after its window, and a static "
+    "one stays",
+    "[precision]") {
   LossScaler s = make_loss_scaler(Precision::FP16, "dynamic", 3, true);
   REQUIRE(s.enabled);
   CHECK(s.scale == 65536.0f);
@@ -264,7 +275,8 @@ TEST_CASE("the kept bf16 weights give the GEMMs exactly what rounding the fp32 w
     auto run = [&] {
       Activations acts;
       zero_(model.grads);
-      float loss = model_forward(ctx, model, acts, ids.data(), targets.data(), B, T, Recompute::None);
+      float loss =
+          model_forward(ctx, model, acts, ids.data(), targets.data(), B, T, Recompute::None);
       model_backward(ctx, model, acts, 1.0f / (B * T), Recompute::None);
       std::vector<float> out = to_host_floats(model.grads);
       out.push_back(loss);
@@ -279,8 +291,8 @@ TEST_CASE("the kept bf16 weights give the GEMMs exactly what rounding the fp32 w
       return (long long)after.current[(int)m] - (long long)before.current[(int)m];
     };
     CHECK(grew(Mem::Params) == 2LL * (long long)n - 4LL * (long long)n);  // + copy, - master
-    CHECK(grew(Mem::Optimizer) == 4LL * (long long)n);                   // the master weights
-    CHECK(run() == rounded);  // bit for bit
+    CHECK(grew(Mem::Optimizer) == 4LL * (long long)n);                    // the master weights
+    CHECK(run() == rounded);                                              // bit for bit
     // The master weights move: a copy not refreshed would keep the old values.
     for (int64_t i = 0; i < model.params.numel(); i++) model.params.f32()[i] *= 1.01f;
     refresh_compute_copies(ctx);
@@ -397,7 +409,8 @@ TEST_CASE("fp16 without loss scaling loses gradients to underflow; dynamic scali
   CHECK(lost_none > 0.005);
   CHECK(lost_scaled < lost_none / 10);
   // and the scaled run trains as fp32 does (2^-7: a few fp16 ulps of the loss)
-  CHECK(scaled[19]["loss"].get<double>() == Approx(fp32[19]["loss"].get<double>()).epsilon(1.0 / 128));
+  CHECK(scaled[19]["loss"].get<double>() ==
+        Approx(fp32[19]["loss"].get<double>()).epsilon(1.0 / 128));
   fs::remove_all(dir);
 }
 
@@ -459,7 +472,8 @@ TEST_CASE("the CUDA low-precision linear layers match the CPU emulation", "[prec
     Context cpu = Context::create(Device::CPU);
     cpu.precision = gpu.precision = p;
     const int T = 40, in = 300, out = 136;
-    Tensor x = filled({T, in}, 21, 1.0f), W = filled({out, in}, 22, 0.1f), dy = filled({T, out}, 23, 0.01f);
+    Tensor x = filled({T, in}, 21, 1.0f), W = filled({out, in}, 22, 0.1f),
+           dy = filled({T, out}, 23, 0.01f);
     auto on_gpu = [](const Tensor& t) { return to_device(t, Device::CUDA, Mem::Workspace); };
     Tensor y = empty({T, out}, Mem::Workspace), dx = empty({T, in}, Mem::Workspace);
     Tensor dW = zeros({out, in}, Mem::Workspace);
@@ -484,7 +498,8 @@ TEST_CASE("the CUDA low-precision linear layers match the CPU emulation", "[prec
     }
     std::vector<float> g = to_host_floats(gdW);
     double scale = 0;
-    for (int64_t i = 0; i < dW.numel(); i++) scale = std::max(scale, (double)std::fabs(dW.f32()[i]));
+    for (int64_t i = 0; i < dW.numel(); i++)
+      scale = std::max(scale, (double)std::fabs(dW.f32()[i]));
     for (int64_t i = 0; i < dW.numel(); i++)  // fp32 sums of T products: 1e-6 of the scale
       REQUIRE(std::fabs(g[i] - dW.f32()[i]) <= 1e-6 * scale);
   }

@@ -1,7 +1,6 @@
 // The parity matrix in bf16 (Playbook §Mixed precision training): every layout of
 // parity_rows.cuh, run with --dtype bf16, against the single-process bf16 run.
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -57,7 +56,8 @@ TEST_CASE("every layout in bf16 trains like the single-process bf16 run", "[pari
         REQUIRE(got.log[i]["loss"].get<double>() ==
                 Approx(ref.log[i]["loss"].get<double>()).epsilon(std::ldexp(1.0, -10)));
         REQUIRE(got.log[i]["grad_norm"].get<double>() ==
-                Approx(ref.log[i]["grad_norm"].get<double>()).epsilon(std::ldexp(1.0, i == 0 ? -9 : -7)));
+                Approx(ref.log[i]["grad_norm"].get<double>())
+                    .epsilon(std::ldexp(1.0, i == 0 ? -9 : -7)));
       }
       REQUIRE(got.grads.size() == ref.grads.size());
       for (auto& [name, g_ref] : ref.grads) {
@@ -66,7 +66,8 @@ TEST_CASE("every layout in bf16 trains like the single-process bf16 run", "[pari
         REQUIRE(g.size() == g_ref.size());
         double scale = 0, worst = 0;
         for (float v : g_ref) scale = std::max(scale, (double)std::fabs(v));
-        for (size_t i = 0; i < g.size(); i++) worst = std::max(worst, (double)std::fabs(g[i] - g_ref[i]));
+        for (size_t i = 0; i < g.size(); i++)
+          worst = std::max(worst, (double)std::fabs(g[i] - g_ref[i]));
         INFO(row.name << ", gradient " << name << ": max diff " << worst << " of scale " << scale);
         REQUIRE(worst <= std::ldexp(scale, -5));
       }

@@ -118,7 +118,7 @@ mutant lp-weight mixed_precision.cu \
   '  if (!half.defined() && ctx.precision != Precision::FP8 && role != Operand::Weight)' \
   "low-precision linear: the fp32 weights not rounded when no copy is kept"
 mutant fp8-grad-format mixed_precision.cu \
-  '    fake_quantize_tiles_(ctx, m, role == Operand::Activation ? DType::F8E4M3 : DType::F8E5M2, 1, 128);' \
+  '    fake_quantize_tiles_(ctx, m, role == Operand::Gradient ? DType::F8E5M2 : DType::F8E4M3, 1, 128);' \
   '    fake_quantize_tiles_(ctx, m, DType::F8E4M3, 1, 128);' \
   "fp8: gradients quantized to E4M3 instead of E5M2"
 mutant stale-copy mixed_precision.cu \
