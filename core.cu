@@ -158,7 +158,7 @@ struct Storage {
   }
   ~Storage() {
     // Freed in `stream`'s order: work queued there before this point may still use the
-    // buffer. Work on the communication stream must have been waited for by then (comm.cu).
+    // buffer. Work on the communication stream must have been waited for by then (comm_handle.cu).
     if (device == Device::CUDA && pooled) CUDA_CHECK(cudaFreeAsync(ptr, stream));
     else if (device == Device::CUDA) CUDA_CHECK(cudaFree(ptr));
     else free(ptr);

@@ -168,7 +168,7 @@ struct Tensor {
 // its stream and say so: the model's activations and workspace during training (model.cu, ops.cu,
 // the tensor-, context- and pipeline-parallel layers) are allocated, zeroed and freed with them.
 // A buffer is freed on the stream it was allocated on; the communication stream is ordered
-// with both through events (comm.cu), never implicitly.
+// with both through events (comm_handle.cu), never implicitly.
 Tensor empty(std::vector<int64_t> shape, Mem category, Device device = Device::CPU,
              DType dtype = DType::F32);
 Tensor zeros(std::vector<int64_t> shape, Mem category, Device device = Device::CPU,

@@ -404,7 +404,7 @@ TEST_CASE("a peer that never joins a host-side collective ends the job within --
   }
 }
 
-// Communicator set-up waits like every collective (comm.cu, "Set-up waits"): the splits into
+// Communicator set-up waits like every collective (comm_setup.cu, "Set-up waits"): the splits into
 // groups come after a nonblocking barrier on the world, waited for against --comm-timeout, so a
 // rank that never arrives (here: asleep, --fault hang:1:0:init, before any collective) ends
 // the job instead of leaving its peers in MPI_Comm_split forever.

@@ -53,11 +53,11 @@ mutant ring-steps data_parallel.cu \
   '  if (step_ < N - 1) {  // reduce-scatter: add the received partial sum into our chunk' \
   '  if (step_ < N - 2) {  // reduce-scatter: add the received partial sum into our chunk' \
   "ring all-reduce: one reduce step not added"
-mutant overlap-edge comm.cu \
+mutant overlap-edge comm_handle.cu \
   '  return a && b && a < b + nb && b < a + na;' \
   '  return a && b && a < b + nb - 1 && b < a + na - 1;' \
   "overlap test misses a shared end element"
-mutant overlap-ignored comm.cu \
+mutant overlap-ignored comm_handle.cu \
   '  if (ctx.device == Device::CUDA || !overlap) return mpi_buffer(s, ctx, send, n_send, true, false);' \
   '  if (true) return mpi_buffer(s, ctx, send, n_send, true, false);' \
   "in-place collectives hand MPI overlapping buffers"

@@ -1,0 +1,229 @@
+// comm_handle.cu: a collective in flight, from the moment it starts to the moment a Handle
+// finishes it. Playbook appendix A0 (overlapping communication with computation). The one idea:
+// the host never blocks on a collective it can leave running. On NCCL the op is queued on the
+// communication stream behind an event of the compute stream, and its end is an event the compute
+// stream waits for; on MPI the op is a nonblocking call on host memory (on CUDA, pinned buffers
+// staged to and from the device), advanced by MPI_Testall. Every wait is bounded by
+// --comm-timeout: a peer that failed ends the job instead of hanging it.
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm_internal.cuh"
+
+// ============================================================================
+// Handle: what it takes to finish one collective
+// ============================================================================
+
+// With the staging buffers, at the end.
+static void give_back_pinned(float* ptr, cudaStream_t stream);
+
+// Advances the op (MPI_Testall progresses MPI's nonblocking collectives) and finishes it when
+// complete. Past the deadline it stops every rank: a peer that died or diverged would
+// otherwise leave this rank waiting forever.
+bool Handle::State::poll() {
+  if (done) return true;
+  bool complete = false;
+  if (finished) {
+    cudaError_t e = cudaEventQuery(finished);
+    if (e != cudaErrorNotReady) CUDA_CHECK(e);  // anything else is a real CUDA error
+    complete = e == cudaSuccess;
+    for (size_t i = 0; !complete && i < nccl.size(); i++) {  // a failed peer shows up here
+      ncclResult_t async = ncclSuccess, r = ncclCommGetAsyncError(nccl[i], &async);
+      if (r != ncclSuccess) async = r;
+      if (async != ncclSuccess && async != ncclInProgress)
+        nccl_stop(nccl, nccl_error(what, world_rank, async, nccl[i]));
+    }
+  } else {
+    int flag = 0;
+    MPI_CHECK(MPI_Testall((int)requests.size(), requests.data(), &flag, MPI_STATUSES_IGNORE));
+    complete = flag != 0;
+  }
+  if (complete) {
+    finish();
+    return true;
+  }
+  // Past the deadline: the NCCL communicators (if any) are aborted, then every rank stops.
+  if (now_seconds() - start > timeout_s)
+    nccl_stop(nccl, past_deadline(world_rank, what, timeout_s));
+  return false;
+}
+
+void Handle::State::finish() {
+  if (average_buf) {
+    float inverse = 1.0f / (float)group->size;
+    for (int64_t i = 0; i < average_count; i++) average_buf[i] *= inverse;
+  }
+  // From pinned memory the copies are truly asynchronous: the host goes on at once, and the
+  // staging buffers are taken again only after these copies have run (give_back_pinned).
+  for (const CopyBack& cb : copy_back)
+    CUDA_CHECK(cudaMemcpyAsync(cb.device, cb.host, cb.count * sizeof(float), cudaMemcpyHostToDevice,
+                               compute));
+  for (float* p : pinned) give_back_pinned(p, compute);
+  pinned.clear();
+  // Work queued later on the compute stream runs after the collective; the host goes on.
+  if (finished) CUDA_CHECK(cudaStreamWaitEvent(compute, finished, 0));
+  done = true;
+}
+
+bool Handle::test() {
+  return !state_ || state_->poll();
+}
+// On NCCL the host also waits here (polling the event) rather than trusting the GPU to finish:
+// that is what lets a stuck peer end the run after --comm-timeout instead of hanging it.
+void Handle::wait() {
+  if (state_) state_->wait();
+  state_.reset();
+}
+
+// ============================================================================
+// Starting one: the data ready, the op queued
+// ============================================================================
+
+// The state every pending op starts from: what it is (for the timeout message) and its deadline.
+std::shared_ptr<Handle::State> new_state(Group& g, const std::string& op, int64_t buffer_bytes) {
+  auto s = std::make_shared<Handle::State>();
+  s->group = &g;
+  s->what = op + " on " + g.name + ", " + human_bytes(buffer_bytes);
+  s->world_rank = g.members.empty() ? 0 : g.members[g.rank];
+  s->start = now_seconds();
+  s->timeout_s = g.timeout_s;
+  return s;
+}
+// The host waits for the work queued on `stream` so far, through an event rather than a stream
+// synchronise, and only until the op's deadline, like every wait of a collective.
+static void wait_for_stream(Handle::State& s, cudaStream_t stream) {
+  count_host_sync();
+  cudaEvent_t reached;
+  CUDA_CHECK(cudaEventCreateWithFlags(&reached, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventRecord(reached, stream));
+  for (;;) {
+    cudaError_t e = cudaEventQuery(reached);
+    if (e == cudaSuccess) break;
+    if (e != cudaErrorNotReady) CUDA_CHECK(e);
+    if (now_seconds() - s.start > s.timeout_s)
+      nccl_stop(s.nccl, past_deadline(s.world_rank, s.what, s.timeout_s));
+    std::this_thread::yield();
+  }
+  CUDA_CHECK(cudaEventDestroy(reached));
+}
+// Starts a collective on a group of two or more, once the data it reads is ready. NCCL: the comm
+// stream waits for the compute stream's pending writes through an event, not a synchronize, so
+// the host goes on. MPI on CUDA: each buffer MPI reads is copied to pinned host memory on the
+// compute stream, and the host waits for that copy only (mpi_buffer).
+std::shared_ptr<Handle::State> start(Comm& c, Group& g, const Context& ctx, Coll coll,
+                                     int64_t buffer_bytes) {
+  auto s = new_state(g, coll_name(coll), buffer_bytes);
+  s->compute = ctx.stream;
+  if (c.backend == Backend::NCCL) {
+    PICO_ASSERT(ctx.device == Device::CUDA, "NCCL collectives need device buffers");
+    s->nccl = {g.nccl};
+    cudaEvent_t ready;
+    CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventRecord(ready, ctx.stream));
+    CUDA_CHECK(cudaStreamWaitEvent(c.comm_ctx.stream, ready, 0));
+    CUDA_CHECK(cudaEventDestroy(ready));  // safe: the wait is already queued
+  } else if (ctx.device == Device::CUDA && coll == Coll::Barrier) {
+    wait_for_stream(*s, ctx.stream);  // a barrier also means: this rank's work so far is done
+  }
+  // (MPI on CUDA otherwise waits only for the data it sends: mpi_buffer.)
+  return s;
+}
+// Behind NCCL_ENQUEUE: ncclInProgress is remembered for settle(); an error stops every rank.
+void nccl_enqueue(Handle::State& s, ncclResult_t r, const char* call, const char* file, int line) {
+  if (r == ncclInProgress) s.enqueue_pending = true;
+  else if (r != ncclSuccess)
+    nccl_stop(s.nccl, std::string("[NCCL ERROR] ") + file + ":" + std::to_string(line) + ": " +
+                          call + " -> " + ncclGetErrorString(r) + " (" +
+                          ncclGetLastError(s.nccl[0]) + ")");
+}
+// The op is queued: NCCL marks its end on the comm stream, for test() and wait() to find. The
+// event goes on the stream only once NCCL has really enqueued the op (settle()).
+Handle issued(Comm& c, std::shared_ptr<Handle::State> s) {
+  if (c.backend == Backend::NCCL) {
+    s->settle();
+    CUDA_CHECK(cudaEventCreateWithFlags(&s->finished, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventRecord(s->finished, c.comm_ctx.stream));
+  }
+  return Handle(std::move(s));
+}
+
+// ============================================================================
+// Staging through the host (MPI on CUDA: ranks sharing a GPU)
+// ============================================================================
+
+// Pinned host buffers, cached and reused by every collective of the process, as the stream-ordered
+// pool caches device memory: cudaMallocHost is slow (it pins pages), and only pinned memory lets
+// a copy run asynchronously on a stream. A buffer is taken for one collective and given back
+// with an event on the stream of its last copy; it is taken again only once that event is done.
+struct PinnedBuffer {
+  float* ptr = nullptr;
+  int64_t capacity = 0;              // floats
+  cudaEvent_t free_after = nullptr;  // recorded after the last copy that uses it
+  bool taken = false;
+};
+static std::mutex g_pinned_mutex;
+static std::deque<PinnedBuffer> g_pinned;  // the cache; freed by the driver when the process ends
+
+static float* take_pinned(int64_t count) {
+  std::lock_guard<std::mutex> lock(g_pinned_mutex);
+  PinnedBuffer* best = nullptr;  // the smallest free buffer that fits
+  for (PinnedBuffer& b : g_pinned) {
+    if (b.taken || b.capacity < count || (best && best->capacity <= b.capacity)) continue;
+    cudaError_t e = b.free_after ? cudaEventQuery(b.free_after) : cudaSuccess;
+    if (e == cudaErrorNotReady) continue;  // its last copy back to the device has not run yet
+    CUDA_CHECK(e);
+    best = &b;
+  }
+  if (!best) {  // powers of two from 256 KiB, so buffers fit many later requests
+    best = &g_pinned.emplace_back();
+    best->capacity = 1 << 16;
+    while (best->capacity < count) best->capacity *= 2;
+    CUDA_CHECK(cudaMallocHost(&best->ptr, best->capacity * sizeof(float)));
+    CUDA_CHECK(cudaEventCreateWithFlags(&best->free_after, cudaEventDisableTiming));
+  }
+  best->taken = true;
+  return best->ptr;
+}
+// Free again once the work queued on `stream` so far (the copies that use it) has run.
+static void give_back_pinned(float* ptr, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(g_pinned_mutex);
+  for (PinnedBuffer& b : g_pinned)
+    if (b.ptr == ptr) {
+      CUDA_CHECK(cudaEventRecord(b.free_after, stream));
+      b.taken = false;
+      return;
+    }
+  PICO_ASSERT(false, "a staging buffer given back twice or never taken");
+}
+
+// The host memory MPI works on: the buffer itself on CPU; on CUDA a pinned staging buffer,
+// filled from the device when `read` (the copy queued on the compute stream after the work that
+// writes the data, and waited for: MPI reads it next), and copied back on the compute stream
+// when the op completes when `write`.
+float* mpi_buffer(Handle::State& s, const Context& ctx, const float* buf, int64_t count, bool read,
+                  bool write) {
+  if (ctx.device == Device::CPU) return const_cast<float*>(buf);
+  float* h = take_pinned(count);
+  s.pinned.push_back(h);
+  if (read) {
+    CUDA_CHECK(cudaMemcpyAsync(h, buf, count * sizeof(float), cudaMemcpyDeviceToHost, ctx.stream));
+    wait_for_stream(s, ctx.stream);
+  }
+  if (write) s.copy_back.push_back({const_cast<float*>(buf), h, count});
+  return h;
+}
+// An input MPI reads. MPI forbids it to overlap the output (in-place calls, e.g. all_gather
+// from this rank's own slot, would otherwise be errors), so an overlapping one is copied first.
+bool buffers_overlap(const float* a, int64_t na, const float* b, int64_t nb) {
+  return a && b && a < b + nb && b < a + na;
+}
+const float* mpi_input(Handle::State& s, const Context& ctx, const float* send, int64_t n_send,
+                       const float* recv, int64_t n_recv) {
+  bool overlap = buffers_overlap(send, n_send, recv, n_recv);
+  if (ctx.device == Device::CUDA || !overlap) return mpi_buffer(s, ctx, send, n_send, true, false);
+  return s.host.emplace_back(send, send + n_send).data();
+}

@@ -1,0 +1,93 @@
+// comm_internal.cuh: what comm.cu, comm_setup.cu and comm_handle.cu share, and no caller of
+// comm.cuh needs: NCCL's waits against a deadline, the state of a pending collective
+// (Handle::State), and the steps every collective takes to start, issue and stage its data.
+#pragma once
+#include <deque>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm.cuh"
+
+// ---- comm_setup.cu: NCCL's nonblocking communicators, waited for against a deadline ----
+
+// Prints `message`, aborts the communicators (at most a few seconds), then stops every rank.
+[[noreturn]] void nccl_stop(const std::vector<ncclComm_t>& comms, const std::string& message);
+// "rank 3: <what> failed in NCCL: <error> (<NCCL's last message>)".
+std::string nccl_error(const std::string& what, int world_rank, ncclResult_t r, ncclComm_t comm);
+// "rank 3: <what> did not finish within 300s (--comm-timeout): ...".
+std::string past_deadline(int world_rank, const std::string& what, double timeout_s);
+// Waits until every communicator of `comms` has finished the call that returned `returned`,
+// or stops every rank past start + timeout_s.
+void nccl_settle(const std::vector<ncclComm_t>& comms, ncclResult_t returned,
+                 const std::string& what, int world_rank, double start, double timeout_s);
+
+// ---- comm_handle.cu: a collective in flight ----
+
+// What it takes to finish one collective: its MPI requests or the NCCL event marking its end,
+// its staging buffers, and its deadline.
+struct Handle::State {
+  Group* group = nullptr;
+  std::string what;  // "all_reduce on dp_cp, 1.50 MiB", for the timeout message
+  int world_rank = 0;
+  double start = 0, timeout_s = 0;
+  bool done = false;
+  // MPI backend.
+  std::vector<MPI_Request> requests;
+  std::deque<std::vector<float>> host;  // host copies of aliased inputs (CPU)
+  std::vector<float*> pinned;  // staging buffers of device data (CUDA), given back at the end
+  struct CopyBack {
+    float* device;
+    const float* host;
+    int64_t count;
+  };
+  std::vector<CopyBack> copy_back;  // host -> device when the op completes
+  float* average_buf = nullptr;     // MPI has no average: sum, then scale this host buffer
+  int64_t average_count = 0;
+  // NCCL backend.
+  std::vector<ncclComm_t> nccl;    // the communicators the op runs on (two for some send_recv)
+  bool enqueue_pending = false;    // a call answered ncclInProgress: settle() before going on
+  cudaEvent_t finished = nullptr;  // recorded on the comm stream after the op
+  cudaStream_t compute = nullptr;  // the caller's stream: waits for `finished`, or copy-back
+
+  MPI_Request* request() {
+    requests.push_back(MPI_REQUEST_NULL);
+    return &requests.back();
+  }
+  bool poll();
+  void finish();
+  void settle() {  // every NCCL call of the op enqueued on its stream
+    nccl_settle(nccl, enqueue_pending ? ncclInProgress : ncclSuccess, what, world_rank, start,
+                timeout_s);
+    enqueue_pending = false;
+  }
+  void wait() {
+    while (!poll()) std::this_thread::yield();
+  }
+  // A Handle dropped without wait() still completes here, so its buffers are never left in
+  // flight (the communicator must still exist).
+  ~State() {
+    if (!done) wait();
+    if (finished) cudaEventDestroy(finished);
+  }
+};
+
+// A pending op on `g`, named `op` for the timeout message ("all_reduce", "agree_on_error"), its
+// deadline counted from now.
+std::shared_ptr<Handle::State> new_state(Group& g, const std::string& op, int64_t buffer_bytes);
+// The first and last steps of every collective on a group of two or more: start() orders the op
+// after the data it reads, issued() hands it to a Handle once its NCCL calls are queued.
+std::shared_ptr<Handle::State> start(Comm& c, Group& g, const Context& ctx, Coll coll,
+                                     int64_t buffer_bytes);
+Handle issued(Comm& c, std::shared_ptr<Handle::State> s);
+// An NCCL call that enqueues (part of) an op on a nonblocking communicator: ncclInProgress is
+// accepted and remembered, for issued() (or an explicit settle()) to wait for; an error stops.
+#define NCCL_ENQUEUE(state, call) nccl_enqueue(state, (call), #call, __FILE__, __LINE__)
+void nccl_enqueue(Handle::State& s, ncclResult_t r, const char* call, const char* file, int line);
+// The host memory an MPI call reads (mpi_input: copied first when it overlaps the output) or
+// writes; on CUDA a pinned buffer, staged from and to the device.
+float* mpi_buffer(Handle::State& s, const Context& ctx, const float* buf, int64_t count, bool read,
+                  bool write);
+const float* mpi_input(Handle::State& s, const Context& ctx, const float* send, int64_t n_send,
+                       const float* recv, int64_t n_recv);

@@ -1,0 +1,283 @@
+// comm_setup.cu: the communicators behind comm.cuh's groups. comm_init splits the world into the
+// grid's groups (world, tp, cp, pp, pp_grad, dp, dp_cp) over MPI, chooses NCCL or MPI from the
+// GPUs of each node's ranks (by PCI bus id), and on NCCL gives the groups NCCL communicators;
+// comm_destroy takes them down. The one idea: set-up is collective too, so every wait in
+// it (MPI's splits, NCCL's creation, first connections and finalization) is bounded by
+// --comm-timeout like a collective: a rank that never arrives ends the job instead of hanging it.
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm_internal.cuh"
+
+// ---- Set-up waits, bounded like every collective ----
+// MPI_Comm_split, MPI_Comm_split_type and the blocking collectives have no deadline: a rank that
+// never arrives (stopped, or crashed before set-up) would leave the others in them forever. So
+// every set-up step waits through host_wait, against --comm-timeout: data moves in nonblocking
+// collectives (MPI_Iallgather, MPI_Ibcast, ...), and a split comes only after a nonblocking
+// barrier on the communicator it splits. Once every rank has passed that barrier, each goes
+// straight to the split, which therefore cannot hang.
+
+// `comm` seen as a Group, for host_wait: its name and timeout for the message, this rank's
+// world rank in its own slot of `members` (the only one the message reads).
+static Group setup_group(MPI_Comm comm, const char* name, double timeout_s) {
+  Group g;
+  g.name = name;
+  g.mpi = comm;
+  g.timeout_s = timeout_s;
+  MPI_CHECK(MPI_Comm_rank(comm, &g.rank));
+  MPI_CHECK(MPI_Comm_size(comm, &g.size));
+  int world_rank = 0;
+  MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
+  g.members.assign(g.size, -1);
+  g.members[g.rank] = world_rank;
+  return g;
+}
+// Returns once every rank of the world has arrived (every split here splits the world); past the
+// timeout stops every rank, the message naming `step` ("barrier before MPI_Comm_split into tp on
+// world, 0 B did not finish within ...").
+static void barrier_before(const std::string& step, double timeout_s) {
+  Group world = setup_group(MPI_COMM_WORLD, "world", timeout_s);
+  host_wait(world, ("barrier before " + step).c_str(), 0,
+            [&](MPI_Request* r) { return MPI_Ibarrier(MPI_COMM_WORLD, r); });
+}
+// MPI_COMM_TYPE_SHARED: the ranks of this node, in world order.
+static MPI_Comm node_comm(const char* purpose, double timeout_s) {
+  barrier_before(std::string("MPI_Comm_split_type (") + purpose + ")", timeout_s);
+  MPI_Comm node;
+  MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  return node;
+}
+
+void local_rank(int* rank, int* size, double timeout_s) {
+  MPI_Comm node = node_comm("node-local ranks", timeout_s);
+  MPI_CHECK(MPI_Comm_rank(node, rank));
+  MPI_CHECK(MPI_Comm_size(node, size));
+  MPI_CHECK(MPI_Comm_free(&node));
+}
+
+// The ranks that share `color` form one group, ordered by `key`.
+static void make_group(Group& g, const char* name, int color, int key, double timeout_s) {
+  g.name = name;
+  g.timeout_s = timeout_s;
+  barrier_before(std::string("MPI_Comm_split into ") + name, timeout_s);
+  MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, color, key, &g.mpi));
+  // Errors come back to MPI_CHECK, which names file:line before stopping every rank.
+  MPI_CHECK(MPI_Comm_set_errhandler(g.mpi, MPI_ERRORS_RETURN));
+  MPI_CHECK(MPI_Comm_rank(g.mpi, &g.rank));
+  MPI_CHECK(MPI_Comm_size(g.mpi, &g.size));
+  int world_rank = 0;
+  MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
+  g.members.assign(g.size, 0);
+  g.members[g.rank] = world_rank;  // the timeout message's rank, until the gather fills the rest
+  host_wait(g, "all_gather of the members", (int64_t)g.size * sizeof(int), [&](MPI_Request* r) {
+    return MPI_Iallgather(&world_rank, 1, MPI_INT, g.members.data(), 1, MPI_INT, g.mpi, r);
+  });
+}
+
+Backend backend_for_node(const std::vector<std::string>& bus_ids, std::string* why) {
+  for (size_t i = 0; i < bus_ids.size(); i++) {
+    if (bus_ids[i].empty()) {
+      if (why) *why = "rank " + std::to_string(i) + " of a node has no GPU";
+      return Backend::MPI;
+    }
+    for (size_t j = 0; j < i; j++)
+      if (bus_ids[j] == bus_ids[i]) {
+        if (why)
+          *why = "ranks " + std::to_string(j) + " and " + std::to_string(i) +
+                 " of a node share the GPU at PCI bus " + bus_ids[i];
+        return Backend::MPI;
+      }
+  }
+  return Backend::NCCL;
+}
+
+// The PCI bus id of this rank's current GPU ("0000:3b:00.0"), or "" on CPU or without one.
+static std::string my_bus_id(Device device) {
+  char id[64] = "";
+  int dev = 0;
+  if (device != Device::CUDA || cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetPCIBusId(id, sizeof id, dev) != cudaSuccess) {
+    cudaGetLastError();  // clear a sticky "no driver" error
+    return "";
+  }
+  return id;
+}
+
+// nccl when asked for (or, for auto, when possible) and every node has a GPU per rank. Each node
+// gathers its ranks' bus ids over a node-local communicator and applies backend_for_node; all
+// ranks then agree through one all-reduce, so either every rank throws or none does.
+static Backend choose_backend(const std::string& flag, Device device, double timeout_s) {
+  if (flag != "auto" && flag != "nccl" && flag != "mpi")
+    throw UsageError("--comm " + flag + ": expected auto, nccl or mpi");
+  if (flag == "mpi") return Backend::MPI;
+  constexpr int kIdBytes = 64;
+  char mine[kIdBytes] = "";
+  snprintf(mine, sizeof mine, "%s", my_bus_id(device).c_str());
+  MPI_Comm node = node_comm("GPU bus ids", timeout_s);
+  Group node_group = setup_group(node, "node", timeout_s);
+  std::vector<char> all(kIdBytes * node_group.size);
+  host_wait(node_group, "all_gather of the GPU bus ids", all.size(), [&](MPI_Request* r) {
+    return MPI_Iallgather(mine, kIdBytes, MPI_CHAR, all.data(), kIdBytes, MPI_CHAR, node, r);
+  });
+  MPI_CHECK(MPI_Comm_free(&node));
+  std::vector<std::string> bus_ids;
+  for (int r = 0; r < node_group.size; r++) bus_ids.emplace_back(all.data() + r * kIdBytes);
+  std::string why;
+  int here = backend_for_node(bus_ids, &why) == Backend::NCCL, everywhere = 0;
+  Group world = setup_group(MPI_COMM_WORLD, "world", timeout_s);
+  host_wait(world, "all_reduce of the backend choice", sizeof here, [&](MPI_Request* r) {
+    return MPI_Iallreduce(&here, &everywhere, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD, r);
+  });
+  if (everywhere) return Backend::NCCL;
+  if (flag == "auto") return Backend::MPI;
+  if (device == Device::CPU) why = "the device is cpu";
+  else if (here) why = "another node has ranks without a GPU of their own";
+  throw UsageError("--comm nccl needs one GPU per rank: " + why +
+                   "; use --comm mpi (device buffers are then staged through host memory)");
+}
+
+// ---- NCCL's nonblocking communicators ----
+// Created with config.blocking = 0, a communicator answers every call at once. ncclInProgress
+// means accepted but not finished: creation, the connections NCCL opens on a communicator's
+// first ops, a grouped call, finalization. Until its state (ncclCommGetAsyncError) leaves
+// ncclInProgress nothing else may be issued on it, nor on a stream it uses. Waiting for that
+// here, against a deadline, lets --comm-timeout bound NCCL's set-up and tear-down as it bounds
+// the collectives: a peer that never arrives ends the job instead of hanging it.
+
+// Aborts the communicators (ncclCommAbort stops their kernels and frees them), then every rank.
+// ncclCommAbort may itself wait for a stream that other work holds up (a kernel of ours that
+// never ends): it gets a few seconds on a thread of its own, then the job stops regardless.
+[[noreturn]] void nccl_stop(const std::vector<ncclComm_t>& comms, const std::string& message) {
+  fprintf(stderr, "%s\n", message.c_str());
+  if (!comms.empty()) {
+    auto aborted = std::make_shared<std::atomic<bool>>(false);
+    std::thread([comms, aborted] {
+      for (ncclComm_t comm : comms)
+        if (comm) ncclCommAbort(comm);
+      *aborted = true;
+    }).detach();
+    constexpr double kAbortGrace_s = 10;
+    double t0 = now_seconds();
+    while (!*aborted && now_seconds() - t0 < kAbortGrace_s)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    if (!*aborted)
+      fprintf(stderr, "ncclCommAbort did not return within %gs: stopping without it\n",
+              kAbortGrace_s);
+  }
+  fatal_abort();
+}
+std::string nccl_error(const std::string& what, int world_rank, ncclResult_t r, ncclComm_t comm) {
+  return "rank " + std::to_string(world_rank) + ": " + what + " failed in NCCL: " +
+         ncclGetErrorString(r) + " (" + ncclGetLastError(comm) + ")";
+}
+// The message of every collective, or NCCL set-up step, that ran past its deadline.
+std::string past_deadline(int world_rank, const std::string& what, double timeout_s) {
+  char message[512];
+  snprintf(message, sizeof message,
+           "rank %d: %s did not finish within %gs (--comm-timeout): a peer rank failed or is stuck",
+           world_rank, what.c_str(), timeout_s);
+  return message;
+}
+// `returned` is what the call that started `what` returned; when it is ncclInProgress, waits
+// until every communicator of `comms` is ready, or stops every rank past start + timeout_s.
+void nccl_settle(const std::vector<ncclComm_t>& comms, ncclResult_t returned,
+                 const std::string& what, int world_rank, double start, double timeout_s) {
+  if (returned == ncclSuccess) return;
+  if (returned != ncclInProgress)
+    nccl_stop(comms, nccl_error(what, world_rank, returned, comms.empty() ? nullptr : comms[0]));
+  for (ncclComm_t comm : comms) {
+    for (;;) {
+      ncclResult_t state = ncclInProgress, r = ncclCommGetAsyncError(comm, &state);
+      if (r != ncclSuccess) state = r;
+      if (state == ncclSuccess) break;
+      if (state != ncclInProgress) nccl_stop(comms, nccl_error(what, world_rank, state, comm));
+      if (now_seconds() - start > timeout_s)
+        nccl_stop(comms, past_deadline(world_rank, what, timeout_s));
+      std::this_thread::yield();
+    }
+  }
+}
+
+// ---- The communicators of a run ----
+
+Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, Device device,
+               double timeout_s) {
+  int up = 0, world_size = 1, world_rank = 0;
+  MPI_Initialized(&up);
+  PICO_ASSERT(up, "comm_init needs MPI_Init first");
+  MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
+  MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
+  if (!(timeout_s > 0))
+    throw UsageError("--comm-timeout " + std::to_string(timeout_s) + ": expected seconds > 0");
+  Comm c;
+  c.grid = make_grid(dp, pp, cp, tp, world_size, world_rank);  // checked before any allocation
+  c.backend = choose_backend(backend_flag, device, timeout_s);
+  c.device = device;
+  c.timeout_s = timeout_s;
+
+  // A group's color is the world rank of its member with the group's own coordinates at 0:
+  // one number per group, shared by exactly the ranks that agree on the other coordinates.
+  const Grid& G = c.grid;
+  int d = G.dp_rank, p = G.pp_rank, x = G.cp_rank, t = G.tp_rank;
+  make_group(c.world, "world", 0, world_rank, timeout_s);  // a copy of MPI_COMM_WORLD, ours alone
+  make_group(c.tp, "tp", G.rank_of(d, p, x, 0), t, timeout_s);
+  make_group(c.cp, "cp", G.rank_of(d, p, 0, t), x, timeout_s);
+  make_group(c.pp, "pp", G.rank_of(d, 0, x, t), p, timeout_s);
+  make_group(c.pp_grad, "pp_grad", G.rank_of(d, 0, x, t), p, timeout_s);
+  make_group(c.dp, "dp", G.rank_of(0, p, x, t), d, timeout_s);
+  // Gradients average here.
+  make_group(c.dp_cp, "dp_cp", G.rank_of(0, p, 0, t), d * G.cp + x, timeout_s);
+
+  if (c.backend == Backend::NCCL) {
+    // The standard bootstrap, one id per group: group rank 0 makes it, MPI shares it. Under
+    // --comm auto a group of one needs no communicator (its collectives are local copies); an
+    // explicit --comm nccl gives it one, so that one rank on one GPU exercises NCCL.
+    bool groups_of_one = backend_flag == "nccl";
+    for (Group* g : c.groups()) {
+      if (g->size == 1 && !groups_of_one) continue;
+      ncclUniqueId id;
+      if (g->rank == 0) NCCL_CHECK(ncclGetUniqueId(&id));
+      host_wait(*g, "broadcast of the NCCL unique id", sizeof id, [&](MPI_Request* r) {
+        return MPI_Ibcast(&id, sizeof id, MPI_BYTE, 0, g->mpi, r);
+      });
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+      config.blocking = 0;  // returns at once; nccl_settle waits, bounded by the timeout
+      double t0 = now_seconds();
+      ncclResult_t r = ncclCommInitRankConfig(&g->nccl, g->size, id, g->rank, &config);
+      nccl_settle({g->nccl}, r, "ncclCommInitRankConfig on " + g->name, world_rank, t0,
+                  timeout_s);
+    }
+  }
+  if (device == Device::CUDA) {
+    // Non-blocking: it never waits for the legacy default stream, so communication overlaps
+    // compute; events order it with the compute stream where the data requires.
+    c.comm_ctx.device = Device::CUDA;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&c.comm_ctx.stream, cudaStreamNonBlocking));
+  } else {
+    c.comm_ctx = Context::create(Device::CPU);
+  }
+  return c;
+}
+
+// Call after every Handle has been waited for. An NCCL communicator is finalized first (it
+// flushes its work and waits for its peers: bounded by the timeout), then destroyed, which
+// after a finished finalize only frees local memory.
+void comm_destroy(Comm& c) {
+  for (Group* g : c.groups()) {
+    if (g->nccl) {
+      int world_rank = g->members.empty() ? 0 : g->members[g->rank];
+      double t0 = now_seconds();
+      nccl_settle({g->nccl}, ncclCommFinalize(g->nccl), "ncclCommFinalize on " + g->name,
+                  world_rank, t0, g->timeout_s);
+      NCCL_CHECK(ncclCommDestroy(g->nccl));  // frees local resources, without blocking (nccl.h)
+    }
+    if (g->mpi != MPI_COMM_NULL) MPI_CHECK(MPI_Comm_free(&g->mpi));
+    g->nccl = nullptr;
+  }
+  c.comm_ctx.destroy();
+}
