@@ -92,7 +92,7 @@ test: deps
 	@bash tools/run_tests.sh
 
 # The parity criteria on 24 layouts drawn at random (seeded; tests/test_parity.cu, [.sweep]):
-# about 5 minutes on two cores; not part of `make test`.
+# about a minute on two cores; not part of `make test`.
 test-sweep: deps
 	@$(MAKE) --no-print-directory -j$$(nproc) train $(BUILD)/unit_tests
 	@export OMPI_MCA_btl_vader_single_copy_mechanism=none; \
