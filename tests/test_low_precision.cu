@@ -505,3 +505,31 @@ TEST_CASE("the CUDA low-precision linear layers match the CPU emulation", "[prec
   }
   gpu.destroy();
 }
+
+// The memory report's bytes per parameter, measured at allocation, against the roles' sizes:
+// fp32 weights 4 + gradients 4 + Adam 8; bf16: the copy 2, fp32 gradients 4, the master 4,
+// Adam 8 (the book's 2 + 2 + 4 + 4 + 4 without the bf16 gradients, never stored); under ZeRO-3
+// over 2 ranks no copy, the rest halved.
+TEST_CASE("--report memory gives the bytes per parameter of each role under each dtype",
+          "[train]") {
+  struct Case {
+    std::string flags;
+    int np;
+    std::string row;
+  };
+  const Case cases[] = {
+      {"--dtype fp32", 0, "this rank, measured            4.00       4.00        -       8.00   16.00"},
+      {"--dtype bf16", 0, "this rank, measured            2.00       4.00     4.00       8.00   18.00"},
+      {"--dtype fp8", 0, "this rank, measured            2.00       4.00     4.00       8.00   18.00"},
+      {"--dtype bf16 --dp 2 --zero 3", 2,
+       "this rank, measured            0.00       2.00     2.00       4.00    8.00"},
+  };
+  for (const Case& c : cases) {
+    RunResult r = run_train("--steps 1 --mbs 2 --seq 32 --val-every 0 --val-seqs 2 --report memory " +
+                                c.flags,
+                            c.np);
+    INFO(c.flags << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    CHECK_THAT(r.output, Catch::Contains(c.row));
+  }
+}
