@@ -467,22 +467,13 @@ static Tensor gemm_operand(const Context& ctx, const Tensor& t, Operand role) {
   if (half.defined() && ctx.device == Device::CUDA && ctx.precision != Precision::FP8) return half;
   if (!half.defined() && ctx.device == Device::CUDA && ctx.precision != Precision::FP8) {
     half = empty(ctx, t.shape, Mem::Workspace, format);
-    const int64_t n = t.numel();
-    if (n > 0)
-      cast_from_f32_kernel<<<(unsigned)((n + 255) / 256), 256, 0, ctx.stream>>>(half.ptr, format,
-                                                                                t.f32(), n);
-    LAUNCH_CHECK(ctx, "cast_from_f32_kernel");
+    cast_on(ctx, half, t);
     return half;
   }
   // fp32 values in a workspace: the copy widened, or t rounded (to bf16 first for an FP8
   // weight, which is quantized from its bf16 copy as in DeepSeek-V3), or FP8 tiles.
   Tensor copy = empty(ctx, t.shape, Mem::Workspace);
-  if (half.defined())
-    cast_on(ctx, copy, half);
-  else if (ctx.device == Device::CUDA)
-    CUDA_CHECK(cudaMemcpyAsync(copy.ptr, t.ptr, t.nbytes(), cudaMemcpyDeviceToDevice, ctx.stream));
-  else
-    copy_(copy, t);
+  cast_on(ctx, copy, half.defined() ? half : t);
   Tensor m = copy.reshape({t.numel() / t.size(-1), t.size(-1)});
   if (!half.defined() && (ctx.precision != Precision::FP8 || role == Operand::Weight))
     round_(ctx, m, format, role == Operand::Gradient);
@@ -514,7 +505,6 @@ static void operand_gemm(const Context& ctx, bool trans_a, bool trans_b, int M, 
 void low_precision_linear_forward(const Context& ctx, const Tensor& y, const Tensor& x,
                                   const Tensor& W) {
   const int T = (int)x.size(0), in = (int)x.size(-1), out = (int)W.size(0);
-  PICO_ASSERT(W.size(1) == in && y.numel() == (int64_t)T * out, "linear_forward shapes");
   Tensor xq = gemm_operand(ctx, x, Operand::Activation), wq = gemm_operand(ctx, W, Operand::Weight);
   operand_gemm(ctx, false, true, T, out, in, xq, in, wq, in, 0.0f, y, out);
   round_(ctx, y, output_dtype(ctx.precision));

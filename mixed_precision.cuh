@@ -72,8 +72,8 @@ RoundingStats rounding_stats(bool backward);
 void reset_rounding_stats();
 
 // The linear layers under ctx.precision (ops.cu's linear_forward / linear_backward hand over
-// to these when it is not FP32; same contract). The weight gradient is summed in fp32 into
-// dW, the fp32 accumulator (Megatron's "main_grad").
+// to these when it is not FP32, after checking the shapes; same contract). The weight
+// gradient is summed in fp32 into dW, the fp32 accumulator (Megatron's "main_grad").
 void low_precision_linear_forward(const Context& ctx, const Tensor& y, const Tensor& x,
                                   const Tensor& W);
 void low_precision_linear_backward(const Context& ctx, const Tensor& dx, const Tensor& dW,

@@ -283,8 +283,10 @@ static bool train_step(Trainer& t, int64_t step) {
   }
   float lr = learning_rate(t.schedule, step);
   t.fault.at(FaultWhere::Optimizer, t.comm.grid.world_rank, step);
-  if (take_step) t.sync.step(t.ctx, lr);
-  refresh_compute_copies(t.ctx);  // the bf16 / fp16 weights := the new fp32 master weights
+  if (take_step) {
+    t.sync.step(t.ctx, lr);
+    refresh_compute_copies(t.ctx);  // the bf16 / fp16 weights := the new fp32 master weights
+  }
   t.ctx.synchronize();
   t.trace.add("optimizer", Track::Compute, to, now_seconds());
   t.sync.trace_communication(t.trace);

@@ -41,6 +41,12 @@ Tensor filled(std::vector<int64_t> shape, uint64_t seed, float scale) {
   return t;
 }
 
+// A float64 sum, and the sum of its terms' magnitudes (what fp32's rounding error scales with).
+struct Sum64 {
+  double sum = 0, abs = 0;
+  void add(double term) { sum += term, abs += std::fabs(term); }
+};
+
 // y must be a value of the format, and the rounding of some number within fp32's summation
 // error of the float64 sum y64 of the rounded operands' products (K terms, at most 2^-24 of
 // the running |sum| each): between the roundings of y64 -+ that error. Mostly that is one value.
@@ -129,12 +135,10 @@ TEST_CASE("bf16 and fp16 linear layers: operands rounded, fp32 sums, outputs rou
     CHECK(y.f32()[out + 1] == diff);  // W rounded
     for (int t = 0; t < T; t++)
       for (int o = 0; o < out; o++) {
-        double sum = 0, abs_sum = 0;
-        for (int k = 0; k < in; k++) {
-          double prod = (double)stored(p, x.f32()[t * in + k]) * stored(p, W.f32()[o * in + k]);
-          sum += prod, abs_sum += std::fabs(prod);
-        }
-        require_rounded_sum(p, y.f32()[t * out + o], sum, abs_sum, in);
+        Sum64 s;
+        for (int k = 0; k < in; k++)
+          s.add((double)stored(p, x.f32()[t * in + k]) * stored(p, W.f32()[o * in + k]));
+        require_rounded_sum(p, y.f32()[t * out + o], s.sum, s.abs, in);
       }
 
     Tensor dy = filled({T, out}, 3, 0.25f), dx = filled({T, in}, 4, 0.1f),
@@ -144,23 +148,21 @@ TEST_CASE("bf16 and fp16 linear layers: operands rounded, fp32 sums, outputs rou
     linear_backward(ctx, dx, dW, dy, x, W, /*accumulate_dx=*/true);
     for (int t = 0; t < T; t++)
       for (int k = 0; k < in; k++) {  // dx = round(dx0 + dy @ W)
-        double sum = dx0[t * in + k], abs_sum = std::fabs(sum);
-        for (int o = 0; o < out; o++) {
-          double prod = (double)stored(p, dy.f32()[t * out + o]) * stored(p, W.f32()[o * in + k]);
-          sum += prod, abs_sum += std::fabs(prod);
-        }
-        require_rounded_sum(p, dx.f32()[t * in + k], sum, abs_sum, out + 1);
+        Sum64 s;
+        s.add(dx0[t * in + k]);
+        for (int o = 0; o < out; o++)
+          s.add((double)stored(p, dy.f32()[t * out + o]) * stored(p, W.f32()[o * in + k]));
+        require_rounded_sum(p, dx.f32()[t * in + k], s.sum, s.abs, out + 1);
       }
     int64_t unrounded = 0;
     for (int o = 0; o < out; o++)
       for (int k = 0; k < in; k++) {  // dW = dW0 + dy^T x in fp32: within fp32's error
-        double sum = dW0[o * in + k], abs_sum = std::fabs(sum);
-        for (int t = 0; t < T; t++) {
-          double prod = (double)stored(p, dy.f32()[t * out + o]) * stored(p, x.f32()[t * in + k]);
-          sum += prod, abs_sum += std::fabs(prod);
-        }
+        Sum64 s;
+        s.add(dW0[o * in + k]);
+        for (int t = 0; t < T; t++)
+          s.add((double)stored(p, dy.f32()[t * out + o]) * stored(p, x.f32()[t * in + k]));
         float got = dW.f32()[o * in + k];
-        REQUIRE(std::fabs(got - sum) <= (T + 1) * std::ldexp(abs_sum, -23));
+        REQUIRE(std::fabs(got - s.sum) <= (T + 1) * std::ldexp(s.abs, -23));
         unrounded += got != stored(p, got);
       }
     CHECK(unrounded > out * in / 2);  // the accumulator keeps fp32 values, not bf16/fp16 ones
@@ -196,29 +198,23 @@ TEST_CASE("fp8 linear layers: E4M3 tiles forward, E5M2 tiles for the gradient, b
   linear_forward(ctx, y, x, W);
   for (int t = 0; t < T; t++)
     for (int o = 0; o < out; o++) {
-      double sum = 0, abs_sum = 0;
-      for (int k = 0; k < in; k++)
-        sum += (double)xq[t * in + k] * wq[o * in + k],
-            abs_sum += std::fabs((double)xq[t * in + k] * wq[o * in + k]);
-      require_rounded_sum(Precision::BF16, y.f32()[t * out + o], sum, abs_sum, in);
+      Sum64 s;
+      for (int k = 0; k < in; k++) s.add((double)xq[t * in + k] * wq[o * in + k]);
+      require_rounded_sum(Precision::BF16, y.f32()[t * out + o], s.sum, s.abs, in);
     }
   Tensor dx = empty({T, in}, Mem::Workspace), dW = zeros({out, in}, Mem::Workspace);
   linear_backward(ctx, dx, dW, dy, x, W);
   for (int t = 0; t < T; t++)
     for (int k = 0; k < in; k++) {
-      double sum = 0, abs_sum = 0;
-      for (int o = 0; o < out; o++)
-        sum += (double)dyq[t * out + o] * wq[o * in + k],
-            abs_sum += std::fabs((double)dyq[t * out + o] * wq[o * in + k]);
-      require_rounded_sum(Precision::BF16, dx.f32()[t * in + k], sum, abs_sum, out);
+      Sum64 s;
+      for (int o = 0; o < out; o++) s.add((double)dyq[t * out + o] * wq[o * in + k]);
+      require_rounded_sum(Precision::BF16, dx.f32()[t * in + k], s.sum, s.abs, out);
     }
   for (int o = 0; o < out; o++)
     for (int k = 0; k < in; k++) {
-      double sum = 0, abs_sum = 0;
-      for (int t = 0; t < T; t++)
-        sum += (double)dyq[t * out + o] * xq[t * in + k],
-            abs_sum += std::fabs((double)dyq[t * out + o] * xq[t * in + k]);
-      REQUIRE(std::fabs(dW.f32()[o * in + k] - sum) <= T * std::ldexp(abs_sum, -23));
+      Sum64 s;
+      for (int t = 0; t < T; t++) s.add((double)dyq[t * out + o] * xq[t * in + k]);
+      REQUIRE(std::fabs(dW.f32()[o * in + k] - s.sum) <= T * std::ldexp(s.abs, -23));
     }
 }
 
