@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "comm_internal.cuh"
+#include "mixed_precision.cuh"
 
 const char* coll_name(Coll c) {
   static const char* names[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce",
@@ -70,13 +71,17 @@ static void count_call(Group& g, Coll coll, int64_t elements, int64_t bytes_sent
   g.stats[(int)coll].bytes += g.size > 1 ? bytes_sent : 0;
 }
 
+static void copy_bytes(Device device, cudaStream_t stream, void* dst, const void* src,
+                       int64_t bytes) {
+  if (dst == src || bytes == 0) return;
+  if (device == Device::CPU)
+    memmove(dst, src, bytes);
+  else
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+}
 static void copy_floats(Device device, cudaStream_t stream, float* dst, const float* src,
                         int64_t count) {
-  if (dst == src || count == 0) return;
-  if (device == Device::CPU)
-    memmove(dst, src, count * sizeof(float));
-  else
-    CUDA_CHECK(cudaMemcpyAsync(dst, src, count * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+  copy_bytes(device, stream, dst, src, count * kF32);
 }
 
 // A collective on a group of one moves nothing between ranks: at most a copy, done at once.
@@ -84,8 +89,8 @@ static void copy_floats(Device device, cudaStream_t stream, float* dst, const fl
 static bool local(const Group& g) {
   return g.size == 1 && !g.nccl;
 }
-static Handle local_copy(const Context& ctx, float* dst, const float* src, int64_t count) {
-  copy_floats(ctx.device, ctx.stream, dst, src, count);
+static Handle local_copy(const Context& ctx, void* dst, const void* src, int64_t bytes) {
+  copy_bytes(ctx.device, ctx.stream, dst, src, bytes);
   return Handle();
 }
 
@@ -112,58 +117,115 @@ static void mpi_average(Handle::State& s, ReduceOp op, float* host_result, int64
 // Collectives: the bytes this rank sends, the NCCL call, the MPI call
 // ============================================================================
 
-Handle all_reduce_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count,
-                        ReduceOp op) {
-  int64_t N = g.size, K = count * kF32;
+// The wire types. F32 travels as MPI_FLOAT and ncclFloat. BF16 and F16 go to NCCL as
+// ncclBfloat16 and ncclHalf; MPI has no 16-bit float type, so they travel as MPI_UINT16_T, the
+// bits unchanged, and their sums and maxima are our own MPI operations on those bits: each
+// pair widened to fp32, added (or compared), the result rounded back to the format, as NCCL's
+// kernels do. Half the bytes of fp32 on the wire, for gradients and weights kept in bf16.
+static void check_wire_dtype(DType t, ReduceOp op) {
+  PICO_ASSERT(t == DType::F32 || t == DType::BF16 || t == DType::F16,
+              std::string("collectives carry F32, BF16 or F16, not ") + dtype_name(t));
+  PICO_ASSERT(t == DType::F32 || op != ReduceOp::Avg,
+              "a 16-bit average would round twice: sum, then scale in fp32");
+}
+static ncclDataType_t nccl_type(DType t) {
+  return t == DType::BF16 ? ncclBfloat16 : t == DType::F16 ? ncclHalf : ncclFloat;
+}
+static MPI_Datatype mpi_type(DType t) {
+  return t == DType::F32 ? MPI_FLOAT : MPI_UINT16_T;
+}
+template <DType T, bool Max>
+static void reduce_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
+  const uint16_t* a = (const uint16_t*)in;
+  uint16_t* b = (uint16_t*)inout;
+  for (int i = 0; i < *len; i++) {
+    float x = T == DType::BF16 ? bf16_to_float(a[i]) : fp16_to_float(a[i]);
+    float y = T == DType::BF16 ? bf16_to_float(b[i]) : fp16_to_float(b[i]);
+    float r = Max ? std::max(x, y) : x + y;
+    b[i] = T == DType::BF16 ? float_to_bf16(r) : float_to_fp16(r);
+  }
+}
+static MPI_Op mpi_op(ReduceOp op, DType t) {
+  if (t == DType::F32) return mpi_op(op);
+  static MPI_Op ops[2][2] = {{MPI_OP_NULL, MPI_OP_NULL}, {MPI_OP_NULL, MPI_OP_NULL}};
+  const int f = t == DType::BF16 ? 0 : 1, m = op == ReduceOp::Max ? 1 : 0;
+  if (ops[f][m] == MPI_OP_NULL) {
+    MPI_User_function* fn = f == 0 ? (m ? reduce_16bit<DType::BF16, true> : reduce_16bit<DType::BF16, false>)
+                                   : (m ? reduce_16bit<DType::F16, true> : reduce_16bit<DType::F16, false>);
+    MPI_CHECK(MPI_Op_create(fn, 1, &ops[f][m]));
+  }
+  return ops[f][m];
+}
+
+Handle all_reduce_async(Comm& c, Group& g, const Context& ctx, void* buf, DType dtype,
+                        int64_t count, ReduceOp op) {
+  check_wire_dtype(dtype, op);
+  const int64_t N = g.size, E = dtype_size(dtype), K = count * E;
   count_call(g, Coll::AllReduce, count, 2 * (N - 1) * K / N);
   if (local(g)) return Handle();  // the sum, average or max of one buffer is itself
   auto s = start(c, g, ctx, Coll::AllReduce, K);
   if (c.backend == Backend::NCCL) {
-    NCCL_ENQUEUE(*s, ncclAllReduce(buf, buf, count, ncclFloat, nccl_op(op), g.nccl,
+    NCCL_ENQUEUE(*s, ncclAllReduce(buf, buf, count, nccl_type(dtype), nccl_op(op), g.nccl,
                                    c.comm_ctx.stream));
   } else {
-    float* h = mpi_buffer(*s, ctx, buf, count, true, true);
-    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, h, mpi_count(count), MPI_FLOAT, mpi_op(op), g.mpi,
-                             s->request()));
-    mpi_average(*s, op, h, count);
+    void* h = mpi_buffer(*s, ctx, buf, K, true, true);
+    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, h, mpi_count(count), mpi_type(dtype),
+                             mpi_op(op, dtype), g.mpi, s->request()));
+    mpi_average(*s, op, (float*)h, count);
   }
   return issued(c, s);
 }
 
-Handle reduce_scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
-                            int64_t count, ReduceOp op) {
-  int64_t N = g.size, K = count * N * kF32;
+Handle reduce_scatter_async(Comm& c, Group& g, const Context& ctx, const void* send, void* recv,
+                            DType dtype, int64_t count, ReduceOp op) {
+  check_wire_dtype(dtype, op);
+  const int64_t N = g.size, E = dtype_size(dtype), K = count * N * E;
   count_call(g, Coll::ReduceScatter, count * N, (N - 1) * K / N);
-  if (local(g)) return local_copy(ctx, recv, send, count);
+  if (local(g)) return local_copy(ctx, recv, send, count * E);
   auto s = start(c, g, ctx, Coll::ReduceScatter, K);
   if (c.backend == Backend::NCCL) {
-    NCCL_ENQUEUE(*s, ncclReduceScatter(send, recv, count, ncclFloat, nccl_op(op), g.nccl,
+    NCCL_ENQUEUE(*s, ncclReduceScatter(send, recv, count, nccl_type(dtype), nccl_op(op), g.nccl,
                                        c.comm_ctx.stream));
   } else {
-    const float* hs = mpi_input(*s, ctx, send, count * N, recv, count);
-    float* hr = mpi_buffer(*s, ctx, recv, count, false, true);
-    MPI_CHECK(MPI_Ireduce_scatter_block(hs, hr, mpi_count(count), MPI_FLOAT, mpi_op(op), g.mpi,
-                                        s->request()));
-    mpi_average(*s, op, hr, count);
+    const void* hs = mpi_input(*s, ctx, send, K, recv, count * E);
+    void* hr = mpi_buffer(*s, ctx, recv, count * E, false, true);
+    MPI_CHECK(MPI_Ireduce_scatter_block(hs, hr, mpi_count(count), mpi_type(dtype),
+                                        mpi_op(op, dtype), g.mpi, s->request()));
+    mpi_average(*s, op, (float*)hr, count);
   }
   return issued(c, s);
 }
 
-Handle all_gather_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
-                        int64_t count) {
-  int64_t N = g.size, K = count * N * kF32;
+Handle all_gather_async(Comm& c, Group& g, const Context& ctx, const void* send, void* recv,
+                        DType dtype, int64_t count) {
+  check_wire_dtype(dtype, ReduceOp::Sum);
+  const int64_t N = g.size, E = dtype_size(dtype), K = count * N * E;
   count_call(g, Coll::AllGather, count, (N - 1) * K / N);
-  if (local(g)) return local_copy(ctx, recv, send, count);
+  if (local(g)) return local_copy(ctx, recv, send, count * E);
   auto s = start(c, g, ctx, Coll::AllGather, K);
   if (c.backend == Backend::NCCL) {
-    NCCL_ENQUEUE(*s, ncclAllGather(send, recv, count, ncclFloat, g.nccl, c.comm_ctx.stream));
+    NCCL_ENQUEUE(*s, ncclAllGather(send, recv, count, nccl_type(dtype), g.nccl, c.comm_ctx.stream));
   } else {
-    const float* hs = mpi_input(*s, ctx, send, count, recv, count * N);
-    float* hr = mpi_buffer(*s, ctx, recv, count * N, false, true);
-    MPI_CHECK(MPI_Iallgather(hs, mpi_count(count), MPI_FLOAT, hr, mpi_count(count), MPI_FLOAT,
-                             g.mpi, s->request()));
+    const void* hs = mpi_input(*s, ctx, send, count * E, recv, K);
+    void* hr = mpi_buffer(*s, ctx, recv, K, false, true);
+    MPI_CHECK(MPI_Iallgather(hs, mpi_count(count), mpi_type(dtype), hr, mpi_count(count),
+                             mpi_type(dtype), g.mpi, s->request()));
   }
   return issued(c, s);
+}
+
+// The fp32 forms.
+Handle all_reduce_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count,
+                        ReduceOp op) {
+  return all_reduce_async(c, g, ctx, buf, DType::F32, count, op);
+}
+Handle reduce_scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
+                            int64_t count, ReduceOp op) {
+  return reduce_scatter_async(c, g, ctx, send, recv, DType::F32, count, op);
+}
+Handle all_gather_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
+                        int64_t count) {
+  return all_gather_async(c, g, ctx, send, recv, DType::F32, count);
 }
 
 Handle broadcast_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, int root) {
@@ -176,7 +238,7 @@ Handle broadcast_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_
   if (c.backend == Backend::NCCL) {
     NCCL_ENQUEUE(*s, ncclBroadcast(buf, buf, count, ncclFloat, root, g.nccl, c.comm_ctx.stream));
   } else {
-    float* h = mpi_buffer(*s, ctx, buf, count, is_root, !is_root);
+    float* h = (float*)mpi_buffer(*s, ctx, buf, K, is_root, !is_root);
     MPI_CHECK(MPI_Ibcast(h, mpi_count(count), MPI_FLOAT, root, g.mpi, s->request()));
   }
   return issued(c, s);
@@ -188,14 +250,14 @@ Handle reduce_async(Comm& c, Group& g, const Context& ctx, const float* send, fl
   int64_t K = count * kF32;
   bool is_root = g.rank == root;
   count_call(g, Coll::Reduce, count, is_root ? 0 : K);
-  if (local(g)) return local_copy(ctx, recv, send, count);
+  if (local(g)) return local_copy(ctx, recv, send, count * kF32);
   auto s = start(c, g, ctx, Coll::Reduce, K);
   if (c.backend == Backend::NCCL) {
     NCCL_ENQUEUE(*s, ncclReduce(send, recv, count, ncclFloat, nccl_op(op), root, g.nccl,
                                 c.comm_ctx.stream));
   } else {
-    const float* hs = mpi_input(*s, ctx, send, count, is_root ? recv : nullptr, count);
-    float* hr = is_root ? mpi_buffer(*s, ctx, recv, count, false, true) : nullptr;
+    const void* hs = mpi_input(*s, ctx, send, K, is_root ? recv : nullptr, K);
+    float* hr = is_root ? (float*)mpi_buffer(*s, ctx, recv, K, false, true) : nullptr;
     MPI_CHECK(
         MPI_Ireduce(hs, hr, mpi_count(count), MPI_FLOAT, mpi_op(op), root, g.mpi, s->request()));
     if (is_root) mpi_average(*s, op, hr, count);
@@ -211,7 +273,7 @@ Handle gather_async(Comm& c, Group& g, const Context& ctx, const float* send, fl
   int64_t N = g.size, K = count * N * kF32;
   bool is_root = g.rank == root;
   count_call(g, Coll::Gather, count, is_root ? 0 : count * kF32);
-  if (local(g)) return local_copy(ctx, recv, send, count);
+  if (local(g)) return local_copy(ctx, recv, send, count * kF32);
   auto s = start(c, g, ctx, Coll::Gather, K);
   if (c.backend == Backend::NCCL) {
     cudaStream_t st = c.comm_ctx.stream;
@@ -223,8 +285,8 @@ Handle gather_async(Comm& c, Group& g, const Context& ctx, const float* send, fl
     if (!is_root) NCCL_ENQUEUE(*s, ncclSend(send, count, ncclFloat, root, g.nccl, st));
     NCCL_ENQUEUE(*s, ncclGroupEnd());
   } else {
-    const float* hs = mpi_input(*s, ctx, send, count, is_root ? recv : nullptr, count * N);
-    float* hr = is_root ? mpi_buffer(*s, ctx, recv, count * N, false, true) : nullptr;
+    const void* hs = mpi_input(*s, ctx, send, count * kF32, is_root ? recv : nullptr, K);
+    void* hr = is_root ? mpi_buffer(*s, ctx, recv, K, false, true) : nullptr;
     MPI_CHECK(MPI_Igather(hs, mpi_count(count), MPI_FLOAT, hr, mpi_count(count), MPI_FLOAT, root,
                           g.mpi, s->request()));
   }
@@ -237,7 +299,7 @@ Handle scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, f
   int64_t N = g.size, K = count * N * kF32;
   bool is_root = g.rank == root;
   count_call(g, Coll::Scatter, count, is_root ? (N - 1) * count * kF32 : 0);
-  if (local(g)) return local_copy(ctx, recv, send, count);
+  if (local(g)) return local_copy(ctx, recv, send, count * kF32);
   auto s = start(c, g, ctx, Coll::Scatter, K);
   if (c.backend == Backend::NCCL) {
     cudaStream_t st = c.comm_ctx.stream;
@@ -249,8 +311,8 @@ Handle scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, f
     if (!is_root) NCCL_ENQUEUE(*s, ncclRecv(recv, count, ncclFloat, root, g.nccl, st));
     NCCL_ENQUEUE(*s, ncclGroupEnd());
   } else {
-    const float* hs = is_root ? mpi_input(*s, ctx, send, count * N, recv, count) : nullptr;
-    float* hr = mpi_buffer(*s, ctx, recv, count, false, true);
+    const void* hs = is_root ? mpi_input(*s, ctx, send, K, recv, count * kF32) : nullptr;
+    void* hr = mpi_buffer(*s, ctx, recv, count * kF32, false, true);
     MPI_CHECK(MPI_Iscatter(hs, mpi_count(count), MPI_FLOAT, hr, mpi_count(count), MPI_FLOAT, root,
                            g.mpi, s->request()));
   }
@@ -302,7 +364,7 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
   } else {
     const int kTag = 0;  // MPI keeps the messages between two ranks in order: one tag is enough
     for (const P2P& op : ops) {
-      float* h = mpi_buffer(*s, ctx, op.buf, op.count, op.send, !op.send);
+      void* h = mpi_buffer(*s, ctx, op.buf, op.count * kF32, op.send, !op.send);
       int n = mpi_count(op.count);
       MPI_Comm mc = op.group ? op.group->mpi : g.mpi;
       if (op.send)

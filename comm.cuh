@@ -2,7 +2,8 @@
 // over NCCL (one GPU per rank) or MPI (CPU ranks, or ranks sharing a GPU: device buffers are
 // staged through host memory). Playbook appendix A0; DESIGN sections 3 and 4.
 // Every collective exists as a nonblocking call returning a Handle and as a blocking call
-// (the nonblocking one, waited for). All buffers are float arrays on the communicator's device.
+// (the nonblocking one, waited for). Buffers are float arrays on the communicator's device;
+// all-reduce, reduce-scatter and all-gather also carry bf16 and fp16 (mixed precision).
 #pragma once
 #include <functional>
 #include <memory>
@@ -122,6 +123,16 @@ Backend backend_for_node(const std::vector<std::string>& bus_ids, std::string* w
 // Sizes are element counts per rank: reduce_scatter sends count * size and receives count;
 // all_gather sends count and receives count * size (rank-major); gather/scatter likewise at root.
 Handle all_reduce_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, ReduceOp op);
+// The same three in `dtype` (F32, BF16 or F16; counts in elements, bytes counted at 2 per
+// element for 16-bit ones). 16-bit sums and maxima: each pair widened to fp32, combined, rounded
+// back (NCCL's ncclBfloat16 / ncclHalf; over MPI the bits travel as MPI_UINT16_T and the
+// operation is ours, comm.cu). No 16-bit Avg: sum, and scale afterwards in fp32.
+Handle all_reduce_async(Comm& c, Group& g, const Context& ctx, void* buf, DType dtype,
+                        int64_t count, ReduceOp op);
+Handle reduce_scatter_async(Comm& c, Group& g, const Context& ctx, const void* send, void* recv,
+                            DType dtype, int64_t count, ReduceOp op);
+Handle all_gather_async(Comm& c, Group& g, const Context& ctx, const void* send, void* recv,
+                        DType dtype, int64_t count);
 Handle reduce_scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count, ReduceOp op);
 Handle all_gather_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count);
 Handle broadcast_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, int root);

@@ -19,7 +19,7 @@
 // ============================================================================
 
 // With the staging buffers, at the end.
-static void give_back_pinned(float* ptr, cudaStream_t stream);
+static void give_back_pinned(void* ptr, cudaStream_t stream);
 
 // Advances the op (MPI_Testall progresses MPI's nonblocking collectives) and finishes it when
 // complete. Past the deadline it stops every rank: a peer that died or diverged would
@@ -60,9 +60,8 @@ void Handle::State::finish() {
   // From pinned memory the copies are truly asynchronous: the host goes on at once, and the
   // staging buffers are taken again only after these copies have run (give_back_pinned).
   for (const CopyBack& cb : copy_back)
-    CUDA_CHECK(cudaMemcpyAsync(cb.device, cb.host, cb.count * sizeof(float), cudaMemcpyHostToDevice,
-                               compute));
-  for (float* p : pinned) give_back_pinned(p, compute);
+    CUDA_CHECK(cudaMemcpyAsync(cb.device, cb.host, cb.bytes, cudaMemcpyHostToDevice, compute));
+  for (void* p : pinned) give_back_pinned(p, compute);
   pinned.clear();
   // Work queued later on the compute stream runs after the collective; the host goes on.
   if (finished) CUDA_CHECK(cudaStreamWaitEvent(compute, finished, 0));
@@ -160,19 +159,19 @@ Handle issued(Comm& c, std::shared_ptr<Handle::State> s) {
 // a copy run asynchronously on a stream. A buffer is taken for one collective and given back
 // with an event on the stream of its last copy; it is taken again only once that event is done.
 struct PinnedBuffer {
-  float* ptr = nullptr;
-  int64_t capacity = 0;              // floats
+  void* ptr = nullptr;
+  int64_t capacity = 0;              // bytes
   cudaEvent_t free_after = nullptr;  // recorded after the last copy that uses it
   bool taken = false;
 };
 static std::mutex g_pinned_mutex;
 static std::deque<PinnedBuffer> g_pinned;  // the cache; freed by the driver when the process ends
 
-static float* take_pinned(int64_t count) {
+static void* take_pinned(int64_t bytes) {
   std::lock_guard<std::mutex> lock(g_pinned_mutex);
   PinnedBuffer* best = nullptr;  // the smallest free buffer that fits
   for (PinnedBuffer& b : g_pinned) {
-    if (b.taken || b.capacity < count || (best && best->capacity <= b.capacity)) continue;
+    if (b.taken || b.capacity < bytes || (best && best->capacity <= b.capacity)) continue;
     cudaError_t e = b.free_after ? cudaEventQuery(b.free_after) : cudaSuccess;
     if (e == cudaErrorNotReady) continue;  // its last copy back to the device has not run yet
     CUDA_CHECK(e);
@@ -180,16 +179,16 @@ static float* take_pinned(int64_t count) {
   }
   if (!best) {  // powers of two from 256 KiB, so buffers fit many later requests
     best = &g_pinned.emplace_back();
-    best->capacity = 1 << 16;
-    while (best->capacity < count) best->capacity *= 2;
-    CUDA_CHECK(cudaMallocHost(&best->ptr, best->capacity * sizeof(float)));
+    best->capacity = 1 << 18;
+    while (best->capacity < bytes) best->capacity *= 2;
+    CUDA_CHECK(cudaMallocHost(&best->ptr, best->capacity));
     CUDA_CHECK(cudaEventCreateWithFlags(&best->free_after, cudaEventDisableTiming));
   }
   best->taken = true;
   return best->ptr;
 }
 // Free again once the work queued on `stream` so far (the copies that use it) has run.
-static void give_back_pinned(float* ptr, cudaStream_t stream) {
+static void give_back_pinned(void* ptr, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(g_pinned_mutex);
   for (PinnedBuffer& b : g_pinned)
     if (b.ptr == ptr) {
@@ -204,16 +203,16 @@ static void give_back_pinned(float* ptr, cudaStream_t stream) {
 // filled from the device when `read` (the copy queued on the compute stream after the work that
 // writes the data, and waited for: MPI reads it next), and copied back on the compute stream
 // when the op completes when `write`.
-float* mpi_buffer(Handle::State& s, const Context& ctx, const float* buf, int64_t count, bool read,
-                  bool write) {
-  if (ctx.device == Device::CPU) return const_cast<float*>(buf);
-  float* h = take_pinned(count);
+void* mpi_buffer(Handle::State& s, const Context& ctx, const void* buf, int64_t bytes, bool read,
+                 bool write) {
+  if (ctx.device == Device::CPU) return const_cast<void*>(buf);
+  void* h = take_pinned(bytes);
   s.pinned.push_back(h);
   if (read) {
-    CUDA_CHECK(cudaMemcpyAsync(h, buf, count * sizeof(float), cudaMemcpyDeviceToHost, ctx.stream));
+    CUDA_CHECK(cudaMemcpyAsync(h, buf, bytes, cudaMemcpyDeviceToHost, ctx.stream));
     wait_for_stream(s, ctx.stream);
   }
-  if (write) s.copy_back.push_back({const_cast<float*>(buf), h, count});
+  if (write) s.copy_back.push_back({const_cast<void*>(buf), h, bytes});
   return h;
 }
 // An input MPI reads. MPI forbids it to overlap the output (in-place calls, e.g. all_gather
@@ -221,9 +220,10 @@ float* mpi_buffer(Handle::State& s, const Context& ctx, const float* buf, int64_
 bool buffers_overlap(const float* a, int64_t na, const float* b, int64_t nb) {
   return a && b && a < b + nb && b < a + na;
 }
-const float* mpi_input(Handle::State& s, const Context& ctx, const float* send, int64_t n_send,
-                       const float* recv, int64_t n_recv) {
-  bool overlap = buffers_overlap(send, n_send, recv, n_recv);
-  if (ctx.device == Device::CUDA || !overlap) return mpi_buffer(s, ctx, send, n_send, true, false);
-  return s.host.emplace_back(send, send + n_send).data();
+const void* mpi_input(Handle::State& s, const Context& ctx, const void* send, int64_t send_bytes,
+                      const void* recv, int64_t recv_bytes) {
+  const char *a = (const char*)send, *b = (const char*)recv;
+  bool overlap = a && b && a < b + recv_bytes && b < a + send_bytes;
+  if (ctx.device == Device::CUDA || !overlap) return mpi_buffer(s, ctx, send, send_bytes, true, false);
+  return s.host.emplace_back(a, a + send_bytes).data();
 }

@@ -35,12 +35,12 @@ struct Handle::State {
   bool done = false;
   // MPI backend.
   std::vector<MPI_Request> requests;
-  std::deque<std::vector<float>> host;  // host copies of aliased inputs (CPU)
-  std::vector<float*> pinned;  // staging buffers of device data (CUDA), given back at the end
+  std::deque<std::vector<char>> host;  // host copies of aliased inputs (CPU)
+  std::vector<void*> pinned;  // staging buffers of device data (CUDA), given back at the end
   struct CopyBack {
-    float* device;
-    const float* host;
-    int64_t count;
+    void* device;
+    const void* host;
+    int64_t bytes;
   };
   std::vector<CopyBack> copy_back;  // host -> device when the op completes
   float* average_buf = nullptr;     // MPI has no average: sum, then scale this host buffer
@@ -86,8 +86,8 @@ Handle issued(Comm& c, std::shared_ptr<Handle::State> s);
 #define NCCL_ENQUEUE(state, call) nccl_enqueue(state, (call), #call, __FILE__, __LINE__)
 void nccl_enqueue(Handle::State& s, ncclResult_t r, const char* call, const char* file, int line);
 // The host memory an MPI call reads (mpi_input: copied first when it overlaps the output) or
-// writes; on CUDA a pinned buffer, staged from and to the device.
-float* mpi_buffer(Handle::State& s, const Context& ctx, const float* buf, int64_t count, bool read,
-                  bool write);
-const float* mpi_input(Handle::State& s, const Context& ctx, const float* send, int64_t n_send,
-                       const float* recv, int64_t n_recv);
+// writes, `bytes` long; on CUDA a pinned buffer, staged from and to the device.
+void* mpi_buffer(Handle::State& s, const Context& ctx, const void* buf, int64_t bytes, bool read,
+                 bool write);
+const void* mpi_input(Handle::State& s, const Context& ctx, const void* send, int64_t send_bytes,
+                      const void* recv, int64_t recv_bytes);
