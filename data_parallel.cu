@@ -5,6 +5,7 @@
 // each bucket's all-reduce starts the moment its last gradient is written (§3.2, §3.3).
 #include "data_parallel.cuh"
 
+#include "mixed_precision.cuh"
 #include "ops.cuh"
 
 DpSync parse_dp_sync(const std::string& flag) {
@@ -95,10 +96,16 @@ void ring_all_reduce(Comm& comm, Group& group, const Context& ctx, float* buf, i
 // Buckets
 
 DataParallel::DataParallel(Comm& comm, Model& model, DpSync mode, double bucket_mb, bool overlap,
-                           const AdamWConfig& hp, float weight_decay, uint64_t seed)
-    : GradientSync(comm, model, hp, weight_decay), mode_(mode), overlap_(overlap) {
+                           const AdamWConfig& hp, float weight_decay, uint64_t seed,
+                           DType grad_dtype)
+    : GradientSync(comm, model, hp, weight_decay), mode_(mode), grad_dtype_(grad_dtype),
+      overlap_(overlap) {
   PICO_ASSERT(!model.params.defined(), "DataParallel allocates a model from build_model_layout");
-  allocate_model(model, comm.device, seed);
+  PICO_ASSERT(grad_dtype == DType::F32 || (grad_dtype == DType::BF16 && mode != DpSync::Ring),
+              "gradients in fp32, or in bf16 with naive or bucket sync");
+  allocate_model(model, comm.device, seed, grad_dtype);
+  accumulators_.resize(model.units.size());
+  holders_.assign(model.units.size(), 0);
   moments_ = adam_moments(model.num_params, comm.device);
   slices_ = whole_model_slices(model, moments_);
   // Buckets in backward order: the flat buffer is laid out in forward order, so walking the
@@ -123,6 +130,7 @@ DataParallel::DataParallel(Comm& comm, Model& model, DpSync mode, double bucket_
 
 void DataParallel::begin_step(const Context& ctx) {
   zero_(model_.grads);
+  pending_scale_ = 1.0f;
   ctx_ = &ctx;
   active_ = comm_.dp_cp.size > 1;
   for (GradBucket& b : buckets_) b.ready = 0, b.launched = b.ring_started = false;
@@ -135,15 +143,59 @@ void DataParallel::begin_step(const Context& ctx) {
 UnitHooks DataParallel::hooks(const Context& ctx, bool last_micro_batch) {
   ctx_ = &ctx;
   UnitHooks h;
-  if (last_micro_batch) h.after_backward = [this](int unit) { on_gradients_ready(unit); };
+  if (grad_dtype_ == DType::F32) {
+    if (last_micro_batch) h.after_backward = [this](int unit) { on_gradients_ready(unit); };
+    return h;
+  }
+  h.before_backward = [this](int unit) {
+    for (int u : grads_written(unit)) hold(u);
+  };
+  h.after_backward = [this, last_micro_batch](int unit) {
+    for (int u : grads_written(unit)) drop(u);
+    if (last_micro_batch) on_gradients_ready(unit);
+  };
   return h;
+}
+
+// ----------------------------------------------------------------------------
+// Gradients in bf16: an fp32 accumulator per unit while its backward runs
+
+std::vector<int> DataParallel::grads_written(int unit) const {
+  const int embedding = model_.embedding_unit();
+  if (unit == model_.head_unit() && model_.cfg.tie_embeddings && embedding >= 0)
+    return {unit, embedding};  // the tied LM head's gradient is the embedding's
+  return {unit};
+}
+
+void* DataParallel::grad_at(int64_t offset) const {
+  return (char*)model_.grads.ptr + offset * dtype_size(model_.grads.dtype);
+}
+
+// Counted, because a zero-bubble pipeline runs the next micro-batch's backward of a unit before
+// the weight gradients of the previous one: the accumulator stays until both are in.
+void DataParallel::hold(int unit) {
+  if (holders_[unit]++ > 0) return;
+  const ModelUnit& u = model_.units[unit];
+  Tensor acc = empty(*ctx_, {u.numel}, Mem::Workspace);
+  cast_(*ctx_, acc, model_.grads.view(u.offset, {u.numel}));  // the bf16 sum so far, exactly
+  bind_unit_grads(model_, unit, acc);
+  accumulators_[unit] = acc;
+}
+
+void DataParallel::drop(int unit) {
+  PICO_ASSERT(holders_[unit] > 0, "a unit's gradients dropped without being held");
+  if (--holders_[unit] > 0) return;
+  const ModelUnit& u = model_.units[unit];
+  cast_(*ctx_, model_.grads.view(u.offset, {u.numel}), accumulators_[unit]);  // rounded to bf16
+  bind_unit_grads(model_, unit, Tensor());
+  accumulators_[unit] = Tensor();
 }
 
 void DataParallel::launch(GradBucket& b) {
   b.launched = true;
   b.launch_time = now_seconds();
   if (mode_ == DpSync::Ring) return pump_rings(false);
-  b.handle = all_reduce_async(comm_, comm_.dp_cp, *ctx_, model_.grads.f32() + b.offset, b.count,
+  b.handle = all_reduce_async(comm_, comm_.dp_cp, *ctx_, grad_at(b.offset), grad_dtype_, b.count,
                               ReduceOp::Sum);
 }
 
@@ -184,10 +236,10 @@ double DataParallel::finish(const Context& ctx) {
   if (!active_) return 0.0;
   double t0 = now_seconds();
   if (mode_ == DpSync::Naive) {  // Playbook §3.1: one blocking all-reduce per parameter
-    for (int p = (int)model_.named_grads.size() - 1; p >= 0; p--) {
-      const Tensor& g = model_.named_grads[p].tensor;
-      all_reduce(comm_, comm_.dp_cp, ctx, g.f32(), g.numel(), ReduceOp::Sum);
-    }
+    for (int p = (int)model_.named_params.size() - 1; p >= 0; p--)
+      all_reduce_async(comm_, comm_.dp_cp, ctx, grad_at(model_.offsets[p]), grad_dtype_,
+                       model_.named_params[p].tensor.numel(), ReduceOp::Sum)
+          .wait();
     spans_.push_back({t0, now_seconds()});
   } else {
     for (GradBucket& b : buckets_)
@@ -205,7 +257,19 @@ double DataParallel::finish(const Context& ctx) {
 
 void DataParallel::step(const Context& ctx, float lr) {
   adamw_.steps++;
-  for (const ParamSlice& s : slices_) adamw_.update(ctx, s, lr);
+  for (const ParamSlice& s : slices_) {
+    if (s.grad_dtype == DType::F32) {
+      adamw_.update(ctx, s, lr);
+      continue;
+    }
+    // A bf16 gradient, widened (and clipped) one parameter at a time into fp32 for AdamW.
+    Tensor wide = empty(ctx, {s.count}, Mem::Workspace);
+    cast_(ctx, wide, Tensor{nullptr, s.grad, {s.count}, s.grad_dtype, ctx.device});
+    if (pending_scale_ != 1.0f) scale_(ctx, wide, pending_scale_);
+    ParamSlice fp32 = s;
+    fp32.grad = wide.ptr, fp32.grad_dtype = DType::F32;
+    adamw_.update(ctx, fp32, lr);
+  }
 }
 
 void DataParallel::trace_communication(Trace& trace) const {
@@ -224,6 +288,17 @@ Tensor& DataParallel::flat(Part part) {
   }
   return moments_.exp_avg_sq;
 }
-Tensor DataParallel::gather_flat(const Context&, Part part) { return flat(part); }
+Tensor DataParallel::gather_flat(const Context&, Part part) {
+  if (part != Part::Grads || grad_dtype_ == DType::F32) return flat(part);
+  Tensor wide = empty({model_.num_params}, Mem::Workspace, comm_.device);  // checkpoints are fp32
+  cast_(wide, model_.grads);
+  return wide;
+}
 void DataParallel::load_flat(Part part, const Tensor& whole) { copy_(flat(part), whole); }
-void DataParallel::scale_grads(const Context& ctx, float alpha) { scale_(ctx, model_.grads, alpha); }
+// bf16 gradients keep clipping's factor and apply it in fp32 as step() widens them, rather than
+// rounding every gradient once more (the norm is taken before any scaling: fp16's loss scale,
+// the one scaling before clipping, is refused with bf16 gradients).
+void DataParallel::scale_grads(const Context& ctx, float alpha) {
+  if (grad_dtype_ == DType::F32) return scale_(ctx, model_.grads, alpha);
+  pending_scale_ *= alpha;
+}

@@ -51,13 +51,19 @@ struct GradBucket {
 
 // Plain data parallelism as a GradientSync: every rank holds every weight, gradient and Adam
 // moment (16 bytes per parameter in fp32); the gradients are summed over dp_cp.
+// Gradients in bf16 (--grad-acc-dtype bf16, Playbook §Mixed precision training: 2 bytes per
+// parameter instead of 4): the flat gradient buffer is bf16; each unit's backward accumulates
+// in an fp32 buffer of its own (the bf16 sum so far, widened), rounded back into the buffer when
+// the unit is done; the buckets are all-reduced in bf16; the optimizer widens each parameter's
+// gradient as it updates it.
 class DataParallel : public GradientSync {
  public:
-  // Allocates and initialises the weights of `model` (a layout) from `seed`, its gradients and
-  // AdamW's moments. bucket_mb: bucket capacity in MiB; overlap false launches every bucket
-  // after the backward.
+  // Allocates and initialises the weights of `model` (a layout) from `seed`, its gradients (in
+  // grad_dtype: F32 or BF16) and AdamW's moments. bucket_mb: bucket capacity in MiB; overlap
+  // false launches every bucket after the backward. Ring mode sums fp32 only.
   DataParallel(Comm& comm, Model& model, DpSync mode, double bucket_mb, bool overlap,
-               const AdamWConfig& hp, float weight_decay, uint64_t seed);
+               const AdamWConfig& hp, float weight_decay, uint64_t seed,
+               DType grad_dtype = DType::F32);
   void begin_step(const Context& ctx) override;
   // Only the last micro-batch communicates (Playbook §3.4); its after_backward hook marks a
   // unit's gradients final and launches the buckets it completes (§3.2, §3.3).
@@ -76,11 +82,19 @@ class DataParallel : public GradientSync {
 
  private:
   void on_gradients_ready(int unit);
+  std::vector<int> grads_written(int unit) const;  // its own, and a tied head's embedding
+  void hold(int unit);  // bf16 gradients: unit's fp32 accumulator, bound to its views
+  void drop(int unit);  // rounded back into the bf16 buffer once no backward holds it
+  void* grad_at(int64_t offset) const;  // element `offset` of the flat gradient buffer
   void launch(GradBucket& b);
   void progress_all();
   void pump_rings(bool block);
   Tensor& flat(Part part);
   DpSync mode_;
+  DType grad_dtype_;
+  std::vector<Tensor> accumulators_;  // per unit, while held (bf16 gradients)
+  std::vector<int> holders_;          // backwards in flight that write the unit's gradients
+  float pending_scale_ = 1.0f;        // clipping's factor, applied as bf16 gradients are widened
   bool overlap_, active_ = false;
   const Context* ctx_ = nullptr;
   AdamMoments moments_;  // [num_params] each

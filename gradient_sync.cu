@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "checkpoint.cuh"
+#include "mixed_precision.cuh"
 #include "pipeline_parallel.cuh"
 #include "gradient_sync.cuh"
 
@@ -17,7 +18,7 @@ GradientSync::GradientSync(Comm& comm, Model& model, const AdamWConfig& hp, floa
 float GradientSync::clip_grad_norm(const Context& ctx, float max_norm) {
   std::vector<Tensor> grads;
   for (const ParamSlice& s : slices_)
-    if (s.counted) grads.push_back(Tensor{nullptr, s.grad, {s.count}, DType::F32, ctx.device});
+    if (s.counted) grads.push_back(Tensor{nullptr, s.grad, {s.count}, s.grad_dtype, ctx.device});
   double squares = 0;
   for (float part : sum_squares_each(ctx, grads)) squares += part;  // one trip to the host
   if (grads_sharded()) all_reduce_host(comm_.dp_cp, &squares, 1, ReduceOp::Sum);
@@ -30,7 +31,10 @@ float GradientSync::clip_grad_norm(const Context& ctx, float max_norm) {
 
 void GradientSync::poison_gradient(const Context& ctx) {
   PICO_ASSERT(!slices_.empty(), "poison_gradient: this rank updates no parameter");
-  fill_(Tensor{nullptr, slices_.front().grad, {1}, DType::F32, ctx.device}, INFINITY);
+  const ParamSlice& s = slices_.front();
+  Tensor inf = empty({1}, Mem::Workspace, ctx.device);
+  fill_(inf, INFINITY);
+  cast_(Tensor{nullptr, s.grad, {1}, s.grad_dtype, ctx.device}, inf);
 }
 
 void GradientSync::save(const Context& ctx, const std::string& dir, DType weights_dtype) {

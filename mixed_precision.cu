@@ -413,10 +413,9 @@ void fake_quantize_tiles_(const Context& ctx, const Tensor& x, DType format, int
   dequantize_tiles(x, q, scales, tile_rows, tile_cols);
 }
 
-// cast_ on ctx's stream (cast_ itself runs on the legacy default stream, for setup).
-static void cast_on(const Context& ctx, const Tensor& dst, const Tensor& src) {
+void cast_(const Context& ctx, const Tensor& dst, const Tensor& src) {
   const int64_t n = src.numel();
-  PICO_ASSERT(dst.numel() == n, "cast_on " + src.shape_str() + " into " + dst.shape_str());
+  PICO_ASSERT(dst.numel() == n, "cast_ " + src.shape_str() + " into " + dst.shape_str());
   if (ctx.device == Device::CPU) return cast_host(dst.ptr, dst.dtype, src.ptr, src.dtype, n);
   if (n == 0) return;
   const unsigned blocks = (unsigned)((n + 255) / 256);
@@ -451,7 +450,7 @@ void keep_compute_copy(Context& ctx, const Tensor& master) {
 
 void refresh_compute_copies(const Context& ctx) {
   if (!ctx.weight_copies) return;
-  for (const WeightCopies::Copy& c : ctx.weight_copies->copies) cast_on(ctx, c.half, c.master);
+  for (const WeightCopies::Copy& c : ctx.weight_copies->copies) cast_(ctx, c.half, c.master);
 }
 
 // What a GEMM reads of `t` ([rows, cols], the contraction along cols for activations and
@@ -467,13 +466,13 @@ static Tensor gemm_operand(const Context& ctx, const Tensor& t, Operand role) {
   if (half.defined() && ctx.device == Device::CUDA && ctx.precision != Precision::FP8) return half;
   if (!half.defined() && ctx.device == Device::CUDA && ctx.precision != Precision::FP8) {
     half = empty(ctx, t.shape, Mem::Workspace, format);
-    cast_on(ctx, half, t);
+    cast_(ctx, half, t);
     return half;
   }
   // fp32 values in a workspace: the copy widened, or t rounded (to bf16 first for an FP8
   // weight, which is quantized from its bf16 copy as in DeepSeek-V3), or FP8 tiles.
   Tensor copy = empty(ctx, t.shape, Mem::Workspace);
-  cast_on(ctx, copy, half.defined() ? half : t);
+  cast_(ctx, copy, half.defined() ? half : t);
   Tensor m = copy.reshape({t.numel() / t.size(-1), t.size(-1)});
   if (!half.defined() && (ctx.precision != Precision::FP8 || role == Operand::Weight))
     round_(ctx, m, format, role == Operand::Gradient);

@@ -26,6 +26,8 @@ void cast_host(void* dst, DType dst_dtype, const void* src, DType src_dtype, int
 // cuda_bf16.h / cuda_fp16.h / cuda_fp8.h, bit-identical to the CPU loop (except NaN payloads),
 // on the legacy default stream like copy_ (core.cuh).
 void cast_(const Tensor& dst, const Tensor& src);
+// The same on ctx's stream (training: bf16 gradients widened for the optimizer, weight copies).
+void cast_(const Context& ctx, const Tensor& dst, const Tensor& src);
 
 // FP8 per-tile scaling (DeepSeek-V3 §3.3): each tile of x gets scale = absmax / max_finite(fmt)
 // and is stored as fp8(x / scale), so the tile's largest value lands on the format's largest.

@@ -243,14 +243,14 @@ std::vector<NamedTensor> named_views(const Model& m, const Tensor& flat) {
   return views;
 }
 
-void allocate_model(Model& m, Device device, uint64_t seed) {
+void allocate_model(Model& m, Device device, uint64_t seed, DType grad_dtype) {
   int64_t n = m.num_params;
   m.params = empty({n}, Mem::Params, device);
-  m.grads = zeros({n}, Mem::Grads, device);
+  m.grads = zeros({n}, Mem::Grads, device, grad_dtype);
   for (int u = 0; u < (int)m.units.size(); u++) {
     const ModelUnit& unit = m.units[u];
     bind_unit_params(m, u, m.params.view(unit.offset, {unit.numel}));
-    bind_unit_grads(m, u, m.grads.view(unit.offset, {unit.numel}));
+    if (grad_dtype == DType::F32) bind_unit_grads(m, u, m.grads.view(unit.offset, {unit.numel}));
   }
   init_parameters(m, seed, m.params, 0);
 }

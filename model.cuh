@@ -115,8 +115,10 @@ Model build_model(const ModelConfig& cfg, Device device, uint64_t seed,
 Model build_model_layout(const ModelConfig& cfg, const TensorParallel& tp = {},
                          std::vector<Stage> chunks = {});
 // Allocates the flat parameter and gradient buffers of a layout, binds every view and
-// initialises the weights (what build_model does after build_model_layout).
-void allocate_model(Model& m, Device device, uint64_t seed);
+// initialises the weights (what build_model does after build_model_layout). With bf16
+// gradients (--grad-acc-dtype bf16) the gradient views stay unbound: the backward accumulates
+// each unit in an fp32 buffer of its own, bound around it (data_parallel.cu).
+void allocate_model(Model& m, Device device, uint64_t seed, DType grad_dtype = DType::F32);
 // Points the views of unit u at `base`, which holds the unit laid out as in the flat buffer
 // (base[k] is flat element units[u].offset + k); an undefined `base` unbinds them.
 void bind_unit_params(Model& m, int u, const Tensor& base);

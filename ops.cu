@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 
 // ============================================================================
@@ -538,12 +539,26 @@ void cross_entropy_backward(const Context& ctx, const Tensor& dlogits, const Ten
 
 // Blocked fp32 sum: each 256-element chunk is summed alone and the chunk sums are added, so the
 // rounding error grows like 256 + n/256 additions instead of n (close to the GPU's tree).
-static float sum_cpu(const float* x, int64_t n, bool squares) {
+// A bf16 value is the top half of an fp32 one: widening is a shift, exact on both devices.
+__host__ __device__ static inline float load_value(const void* x, int64_t i, bool bf16) {
+  if (!bf16) return ((const float*)x)[i];
+#ifdef __CUDA_ARCH__
+  return __uint_as_float((uint32_t)((const uint16_t*)x)[i] << 16);
+#else
+  uint32_t bits = (uint32_t)((const uint16_t*)x)[i] << 16;
+  float v;
+  memcpy(&v, &bits, sizeof v);
+  return v;
+#endif
+}
+static float sum_cpu(const void* x, int64_t n, bool squares, bool bf16) {
   float total = 0.0f;
   for (int64_t start = 0; start < n; start += 256) {
     float chunk = 0.0f;
-    for (int64_t i = start; i < std::min<int64_t>(n, start + 256); i++)
-      chunk += squares ? x[i] * x[i] : x[i];
+    for (int64_t i = start; i < std::min<int64_t>(n, start + 256); i++) {
+      const float v = load_value(x, i, bf16);
+      chunk += squares ? v * v : v;
+    }
     total += chunk;
   }
   return total;
@@ -554,8 +569,9 @@ static float sum_cpu(const float* x, int64_t n, bool squares) {
 // do not depend on the other tensors: one tensor alone, or among many, sums bitwise the same.
 // The tensors' pointers and sizes come in one device array.
 struct SumItem {
-  const float* x;  // [n]
+  const void* x;  // [n] fp32, or bf16 (gradients kept in bf16)
   int64_t n;
+  bool bf16;
   int64_t first_block;  // the first of this tensor's blocks; blocks are numbered tensor by tensor
 };
 static __global__ void sum_many_kernel(float* partials, const SumItem* items, int count,
@@ -571,8 +587,10 @@ static __global__ void sum_many_kernel(float* partials, const SumItem* items, in
   const SumItem item = items[lo];
   int64_t block = blockIdx.x - item.first_block, blocks = grid_for_device(item.n);
   float acc = 0.0f;
-  for (int64_t i = block * blockDim.x + threadIdx.x; i < item.n; i += blocks * blockDim.x)
-    acc += squares ? item.x[i] * item.x[i] : item.x[i];
+  for (int64_t i = block * blockDim.x + threadIdx.x; i < item.n; i += blocks * blockDim.x) {
+    const float v = load_value(item.x, i, item.bf16);
+    acc += squares ? v * v : v;
+  }
   acc = block_reduce(acc, false);
   if (threadIdx.x == 0) partials[blockIdx.x] = acc;
 }
@@ -594,18 +612,21 @@ static __global__ void sum_partials_kernel(float* totals, const float* partials,
 // bitwise the same sums, whatever the block scheduling.
 static std::vector<float> reduce_each(const Context& ctx, const std::vector<Tensor>& xs,
                                       bool squares) {
-  for (const Tensor& x : xs) check_devices(ctx, "sum", x);
+  for (const Tensor& x : xs) {
+    check_devices(ctx, "sum", x);
+    PICO_ASSERT(x.dtype == DType::F32 || x.dtype == DType::BF16, "sum of " + x.shape_str());
+  }
   std::vector<float> totals(xs.size());
   count_host_sync();  // the results go to the host: on CUDA the host waits for the stream
   if (ctx.device == Device::CPU) {
-    for (size_t i = 0; i < xs.size(); i++) totals[i] = sum_cpu(xs[i].f32(), xs[i].numel(), squares);
+    for (size_t i = 0; i < xs.size(); i++) totals[i] = sum_cpu(xs[i].ptr, xs[i].numel(), squares, xs[i].dtype == DType::BF16);
     return totals;
   }
   if (xs.empty()) return totals;
   std::vector<SumItem> items(xs.size());  // [count]
   int64_t blocks = 0;
   for (size_t j = 0; j < xs.size(); j++) {
-    items[j] = {xs[j].f32(), xs[j].numel(), blocks};
+    items[j] = {xs[j].ptr, xs[j].numel(), xs[j].dtype == DType::BF16, blocks};
     blocks += grid_for(xs[j].numel());
   }
   PICO_ASSERT(blocks <= INT32_MAX && xs.size() <= INT32_MAX, "sum: too many tensors at once");

@@ -66,7 +66,8 @@ void cross_entropy_backward(const Context& ctx, const Tensor& dlogits, const Ten
 float sum(const Context& ctx, const Tensor& x);
 float sum_squares(const Context& ctx, const Tensor& x);
 // Each tensor's sum of squares, as sum_squares computes it, with one host synchronisation for
-// all of them (the global gradient norm, Playbook §gradient clipping).
+// all of them (the global gradient norm, Playbook §gradient clipping). F32 or BF16 tensors
+// (gradients kept in bf16 are widened as they are read; the sums stay fp32).
 std::vector<float> sum_squares_each(const Context& ctx, const std::vector<Tensor>& xs);
 
 // ---- AdamW (Loshchilov & Hutter): bias-corrected moments, decoupled weight decay ----

@@ -19,15 +19,17 @@ std::vector<ParamSlice> whole_model_slices(const Model& model, const AdamMoments
     for (int p = model.units[u].first; p < model.units[u].first + model.units[u].count; p++) {
       const Tensor& t = model.named_params[p].tensor;
       int64_t at = model.offsets[p];
-      slices.push_back({model.params.f32() + at, model.grads.f32() + at, moments.exp_avg.f32() + at,
+      void* grad = (char*)model.grads.ptr + at * dtype_size(model.grads.dtype);
+      slices.push_back({model.params.f32() + at, grad, moments.exp_avg.f32() + at,
                         moments.exp_avg_sq.f32() + at, t.numel(), u, weight_decays(t),
-                        model.layouts[p].writer});
+                        model.layouts[p].writer, model.grads.dtype});
     }
   return slices;
 }
 
 void AdamW::update(const Context& ctx, const ParamSlice& s, float lr) const {
-  adamw_update(ctx, s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.count, hp, lr,
+  PICO_ASSERT(s.grad_dtype == DType::F32, "AdamW reads fp32 gradients: widen bf16 ones first");
+  adamw_update(ctx, s.param, (const float*)s.grad, s.exp_avg, s.exp_avg_sq, s.count, hp, lr,
                s.decay ? weight_decay : 0.0f, (int)steps);
 }
 

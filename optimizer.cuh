@@ -7,13 +7,17 @@
 
 // A run of one parameter that this rank updates: `count` contiguous floats of its weights, its
 // gradient and its two Adam moments. Plain data parallelism has one slice per parameter; ZeRO
-// one per (parameter, unit shard) overlap.
+// one per (parameter, unit shard) overlap. The gradient is fp32, or bf16 under
+// --grad-acc-dtype bf16 (data_parallel.cu widens it for the update).
 struct ParamSlice {
-  float *param, *grad, *exp_avg, *exp_avg_sq;
+  float* param;
+  void* grad;
+  float *exp_avg, *exp_avg_sq;
   int64_t count = 0;
   int unit = 0;          // the model unit it belongs to
   bool decay = false;    // weight decay applies (weight_decays)
   bool counted = false;  // in the gradient norm: one copy of a weight several tp ranks hold
+  DType grad_dtype = DType::F32;
 };
 // Matrices decay; norm weights do not (as in GPT-2, llm.c and Megatron).
 bool weight_decays(const Tensor& param);

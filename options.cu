@@ -66,6 +66,10 @@ void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape) {
                  "linear layers in fp32|bf16|fp16|fp8, fp32 master weights (auto: fp32 on CPU, "
                  "bf16 on CUDA)")
       ->capture_default_str();
+  app.add_option("--grad-acc-dtype", o.grad_acc_dtype,
+                 "gradient buffers in fp32 (Playbook: 20 bytes per parameter with bf16 weights) or "
+                 "bf16 (16; with --dtype bf16 or fp8)")
+      ->capture_default_str();
   app.add_option("--loss-scale", o.loss_scale,
                  "fp16: dynamic (start 65536, halve on overflow) or a fixed scale (1: none)")
       ->capture_default_str();
@@ -231,6 +235,8 @@ void resolve_options(Options& o, const std::vector<ShapeFlag>& shape) {
   parse_dp_sync(o.dp_sync);
   parse_save_dtype(o.save_dtype);
   if (o.dtype != "auto") parse_precision(o.dtype);
+  if (o.grad_acc_dtype != "fp32" && o.grad_acc_dtype != "bf16")
+    throw UsageError("--grad-acc-dtype " + o.grad_acc_dtype + ": expected fp32 or bf16");
   make_loss_scaler(o.dtype == "fp16" ? Precision::FP16 : Precision::FP32, o.loss_scale,
                    o.loss_scale_window, given(o, "--loss-scale") || given(o, "--loss-scale-window"));
   parse_zero_stage(o.zero);
@@ -305,6 +311,24 @@ Precision resolve_precision(const Options& o, Device device) {
   return p;
 }
 
+DType resolve_grad_dtype(const Options& o, Precision p) {
+  if (o.grad_acc_dtype == "fp32") return DType::F32;
+  const std::string flag = "--grad-acc-dtype bf16";
+  if (p != Precision::BF16 && p != Precision::FP8)
+    throw UsageError(flag + " keeps gradients in the compute format of --dtype bf16 or fp8; this "
+                     "run is " + precision_name(p) +
+                     (p == Precision::FP16 ? " (fp16 gradients would underflow: loss scaling "
+                                             "needs fp32 ones)" : "") +
+                     ": add --dtype bf16, or drop the flag");
+  if (o.zero > 0 && o.dp * o.cp > 1)
+    throw UsageError(flag + " is built for plain data parallelism; ZeRO keeps its gradient "
+                     "shards in fp32: drop --zero " + std::to_string(o.zero) + " or the flag");
+  if (o.dp_sync == "ring")
+    throw UsageError(flag + ": the hand-written ring (--dp-sync ring) adds fp32 chunks; use "
+                     "--dp-sync bucket or naive");
+  return DType::BF16;
+}
+
 // ----------------------------------------------------------------------------
 // Before the first allocation
 
@@ -345,7 +369,9 @@ static void check_memory(const Options& o, Device device, int local_ranks) {
                      "); lower --mbs, --seq, --layers, --d-model or --ffn");
   double psi = (double)parameter_count(c) / o.tp;
   int n = o.dp * o.cp, stage = n > 1 ? o.zero : 0;
-  double weights = 4 * psi / (stage == 3 ? n : 1), grads = 4 * psi / (stage >= 2 ? n : 1);
+  const double grad_bytes =
+      o.score.empty() && resolve_grad_dtype(o, resolve_precision(o, device)) == DType::BF16 ? 2 : 4;
+  double weights = 4 * psi / (stage == 3 ? n : 1), grads = grad_bytes * psi / (stage >= 2 ? n : 1);
   double adam = 8 * psi / (stage >= 1 ? n : 1);
   // Mixed precision keeps a bf16 / fp16 copy of whole weights next to the fp32 ones (not ZeRO-3).
   double copy =
@@ -412,7 +438,9 @@ void print_config(const Options& o, const Dataset& data, const Comm& comm, int64
                      ? std::string("fp32")
                      : std::string(precision_name(p)) + " linear layers, fp32 master weights" +
                            (o.dtype == "auto" ? " (auto on CUDA)" : "") +
-                           (p == Precision::FP16 ? ", loss scale " + o.loss_scale : ""));
+                           (p == Precision::FP16 ? ", loss scale " + o.loss_scale : "") +
+                           (resolve_grad_dtype(o, p) == DType::BF16 ? ", bf16 gradients"
+                                                                    : ", fp32 gradients"));
   }
   row("attention", o.attention == "flash" ? "flash (keeps O and its log-sum-exp: O(T))"
                                          : "naive (keeps the probabilities: O(T^2))");

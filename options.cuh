@@ -22,6 +22,7 @@ struct Options {
   // --dtype: the linear layers' arithmetic (mixed_precision.cuh); auto: fp32 on CPU, bf16 on CUDA
   std::string dtype = "auto", loss_scale = "dynamic";  // --loss-scale: fp16 only
   int loss_scale_window = 1000;
+  std::string grad_acc_dtype = "fp32";  // --grad-acc-dtype: gradient buffers in fp32 or bf16
   int sample = 0;
   // parallelism
   int dp = 1, pp = 1, cp = 1, tp = 1, zero = 0;
@@ -63,5 +64,8 @@ void check_before_start(const Options& o, const Comm& comm);
 // --dtype for `device` (auto: fp32 on CPU, bf16 on CUDA); UsageError for fp8 on a GPU without
 // FP8 tensor cores (before compute capability 8.9).
 Precision resolve_precision(const Options& o, Device device);
+// --grad-acc-dtype for a run in precision p: F32, or BF16 (with --dtype bf16 or fp8, plain data
+// parallelism with naive or bucket sync: else UsageError naming the flags and the fix).
+DType resolve_grad_dtype(const Options& o, Precision p);
 void print_config(const Options& o, const Dataset& data, const Comm& comm, int64_t n_params,
                   int zero_stage);

@@ -24,7 +24,8 @@ void print_memory(int64_t num_params, int zero_stage, int ranks) {
            zero_memory_formula(zero_stage), zero_static_memory(zero_stage, 1.0, ranks).total());
 }
 
-void print_precision_memory(Precision p, int64_t num_params, int64_t master_bytes) {
+void print_precision_memory(Precision p, int64_t num_params, int64_t master_bytes,
+                            bool bf16_grads) {
   MemoryStats m = memory_stats();
   const double params = (double)m.current[(int)Mem::Params] / num_params;
   const double grads = (double)m.current[(int)Mem::Grads] / num_params;
@@ -47,8 +48,10 @@ void print_precision_memory(Precision p, int64_t num_params, int64_t master_byte
   if (low) snprintf(master_str, sizeof master_str, "%.2f", master);
   printf("  %-26s %8.2f %10.2f %8s %10.2f %7.2f   %s\n", "this rank, measured", weights, grads,
          master_str, adam, weights + grads + master + adam,
-         !low ? "" : master_bytes > 0 ? "(gradients accumulate in fp32: no bf16 gradient copy)"
-                                      : "(no bf16 copy under ZeRO-3: the GEMMs round the fp32 weights)");
+         !low            ? ""
+         : bf16_grads    ? "(--grad-acc-dtype bf16: each unit accumulates in fp32 while its backward runs)"
+         : master_bytes > 0 ? "(gradients accumulate in fp32: no bf16 gradient copy)"
+                            : "(no bf16 copy under ZeRO-3: the GEMMs round the fp32 weights)");
 }
 
 // An exact byte count as an integer, a fractional one (a formula at Psi / N) with two decimals.

@@ -12,8 +12,10 @@ void print_memory(int64_t num_params, int zero_stage, int ranks);
 // GEMMs read, gradients, fp32 master weights, Adam's m and v), measured, next to the book's
 // mixed-precision table (Playbook §Mixed precision training: 2 + 2 + 4 + 4 + 4 = 16 bytes, 20
 // with fp32 gradient accumulation) and fp32's 4 + 4 + 8. Rank 0 prints.
-// master_bytes: the fp32 master weights' bytes when a compute copy is kept (else 0).
-void print_precision_memory(Precision p, int64_t num_params, int64_t master_bytes);
+// master_bytes: the fp32 master weights' bytes when a compute copy is kept (else 0);
+// bf16_grads: the gradient buffers are bf16 (--grad-acc-dtype bf16).
+void print_precision_memory(Precision p, int64_t num_params, int64_t master_bytes,
+                            bool bf16_grads = false);
 // --report memory: every rank's params, grads and optimizer bytes (gathered to rank 0) next to
 // the book's formula for this ZeRO stage, with the padding of the shards named (padded_params:
 // Psi', the parameters plus padding; equal to num_params without ZeRO). Collective.

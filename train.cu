@@ -155,8 +155,10 @@ static std::unique_ptr<GradientSync> make_gradient_sync(Comm& comm, Model& model
   if (stage > 0)
     return std::make_unique<Zero>(comm, model, stage, AdamWConfig{}, o.weight_decay, o.seed,
                                   !o.no_overlap);
-  return std::make_unique<DataParallel>(comm, model, parse_dp_sync(o.dp_sync), o.bucket_mb,
-                                        !o.no_overlap, AdamWConfig{}, o.weight_decay, o.seed);
+  return std::make_unique<DataParallel>(
+      comm, model, parse_dp_sync(o.dp_sync), o.bucket_mb, !o.no_overlap, AdamWConfig{},
+      o.weight_decay, o.seed,
+      o.score.empty() ? resolve_grad_dtype(o, resolve_precision(o, comm.device)) : DType::F32);
 }
 
 // Evaluation reads the whole model: ZeRO-3 gathers it for the duration.
@@ -357,7 +359,8 @@ static void print_reports(Trainer& t) {
     if (r == "memory") {
       if (main_rank)
         print_precision_memory(t.ctx.precision, n_params,
-                               t.ctx.weight_copies ? (int64_t)t.ctx.weight_copies->copies[0].master.nbytes() : 0);
+                               t.ctx.weight_copies ? (int64_t)t.ctx.weight_copies->copies[0].master.nbytes() : 0,
+                               t.model.grads.defined() && t.model.grads.dtype == DType::BF16);
       print_memory_report(comm, t.sync.zero_stage(), n_params, t.sync.padded_params(),
                           t.ctx.precision);
       if (main_rank && t.block_bytes >= 0)
@@ -474,6 +477,7 @@ int main(int argc, char** argv) {
     set_sync_launches(o.sync_launches);
     Context ctx = Context::create(device);
     ctx.precision = resolve_precision(o, device);
+    resolve_grad_dtype(o, ctx.precision);  // refused here, on every rank, before any step
     code = run(o, comm, ctx);
     ctx.destroy();
     comm_destroy(comm);

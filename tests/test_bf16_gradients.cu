@@ -1,0 +1,207 @@
+// test_bf16_gradients.cu: --grad-acc-dtype bf16 (Playbook §Mixed precision training: gradients
+// in the compute format, 2 bytes per parameter instead of fp32 accumulation's 4). Each unit's
+// backward sums in fp32 and the sum is stored rounded to bf16, so with one micro-batch the
+// stored gradient is exactly the fp32-accumulated one rounded, whatever the model split; with
+// several micro-batches or data-parallel ranks each partial sum is rounded once more, and the
+// layouts track the single process within bf16's precision.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <map>
+
+#include "launch.cuh"
+#include "ops.cuh"
+#include "parity_rows.cuh"
+#include "cuda_case.cuh"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// fp32 -> bf16 -> fp32, round to nearest even, written here from the bit layout (finite inputs).
+float round_bf16(float x) {
+  uint32_t b;
+  memcpy(&b, &x, 4);
+  b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000u;
+  float r;
+  memcpy(&r, &b, 4);
+  return r;
+}
+
+struct Run {
+  std::vector<nlohmann::json> log;
+  std::map<std::string, std::vector<float>> grads;
+  std::string output;
+};
+Run run(const std::string& flags, int ranks, const std::string& dir) {
+  fs::create_directories(dir);
+  RunResult r = run_train(COMMON + flags + " --dtype bf16 --log-json " + dir + "/log.jsonl" +
+                              " --save-grads " + dir + "/grads.safetensors",
+                          ranks);
+  INFO(flags << "\n" << r.output);
+  REQUIRE(r.code == 0);
+  return {read_json_lines(dir + "/log.jsonl"), read_f32_tensors(dir + "/grads.safetensors"),
+          r.output};
+}
+
+}  // namespace
+
+TEST_CASE("bf16 gradients are the fp32-accumulated ones rounded to bf16, in every model split",
+          "[train]") {
+  std::string dir = make_temp_dir();
+  struct Layout {
+    const char* flags;
+    int ranks;
+  };
+  // One micro-batch on one data-parallel rank: one rounding per element, after the whole sum
+  // (sequence-parallel norm weights are summed over tp in the fp32 accumulator first).
+  for (Layout l : {Layout{"", 0}, Layout{"--tp 2 --sp", 2}, Layout{"--pp 2", 2}}) {
+    SECTION(std::string("layout ") + (l.ranks ? l.flags : "single process")) {
+      Run fp32 = run(l.flags, l.ranks, dir + "/fp32");
+      Run bf16 = run(std::string(l.flags) + " --grad-acc-dtype bf16", l.ranks, dir + "/bf16");
+      REQUIRE(bf16.grads.size() == fp32.grads.size());
+      int64_t elements = 0, differ = 0, rounded = 0;
+      for (const auto& [name, g] : fp32.grads) {
+        const std::vector<float>& h = bf16.grads.at(name);
+        REQUIRE(h.size() == g.size());
+        for (size_t i = 0; i < g.size(); i++) {
+          elements++;
+          differ += h[i] != round_bf16(g[i]);
+          rounded += h[i] != g[i];
+        }
+      }
+      CHECK(differ == 0);
+      CHECK(rounded > elements / 2);  // the rounding happened: most fp32 values are not bf16
+      // The first step's loss is computed before any gradient: bit-identical.
+      CHECK(bf16.log[0]["loss"] == fp32.log[0]["loss"]);
+    }
+  }
+  fs::remove_all(dir);
+}
+
+// Layouts round at different points: a data-parallel rank rounds its own sum, and the bf16
+// all-reduce rounds the sum of the ranks' (one more rounding per element on two ranks); a
+// micro-batch split rounds after each micro-batch. Each is 2^-9 of an element, so gradients
+// differ by an ulp or two of bf16 between layouts, as in the bf16 parity matrix
+// (test_precision_parity.cu), whose bounds apply: the loss 2^-10 relative at every step, the
+// gradient norm 2^-9 at step 1 and 2^-7 after (AdamW's scale-free update turns an ulp of a
+// near-zero gradient into a different step). A rank's missing or doubled contribution moves the
+// loss by 1% or more.
+TEST_CASE("bf16 gradients: data, pipeline and tensor parallel runs track the single process",
+          "[parity]") {
+  std::string dir = make_temp_dir();
+  struct Row {
+    const char *name, *layout;
+    int ranks;
+    const char* reference;
+  };
+  const Row rows[] = {
+      {"dp 2, buckets", "--dp 2", 2, "--grad-acc 2"},
+      {"dp 2, naive", "--dp 2 --dp-sync naive", 2, "--grad-acc 2"},
+      {"dp 2 x tp 2 + sp", "--dp 2 --tp 2 --sp", 4, "--grad-acc 2"},
+      {"pp 2, zero-bubble", "--pp 2 --pp-schedule zb-h1 --grad-acc 4", 2, "--grad-acc 4"},
+      {"pp 2 x dp 2, interleaved", "--layers 4 --pp 2 --dp 2 --pp-schedule interleaved --pp-virtual 2 --grad-acc 2",
+       4, "--layers 4 --grad-acc 4"},
+      {"dp 2, tied embeddings", "--dp 2 --tie-embeddings", 2, "--grad-acc 2 --tie-embeddings"},
+  };
+  std::map<std::string, Run> refs;
+  for (const Row& row : rows) {
+    SECTION(row.name) {
+      const std::string bf16 = " --grad-acc-dtype bf16";
+      if (!refs.count(row.reference))
+        refs[row.reference] = run(std::string(row.reference) + bf16, 0, dir + "/ref");
+      const Run& ref = refs[row.reference];
+      Run got = run(std::string(row.layout) + bf16, row.ranks, dir + "/layout");
+      REQUIRE(got.log.size() == ref.log.size());
+      for (size_t i = 0; i < ref.log.size(); i++) {
+        INFO(row.name << ", step " << i + 1);
+        CHECK(got.log[i]["loss"].get<double>() ==
+              Approx(ref.log[i]["loss"].get<double>()).epsilon(std::ldexp(1.0, -10)));
+        CHECK(got.log[i]["grad_norm"].get<double>() ==
+              Approx(ref.log[i]["grad_norm"].get<double>()).epsilon(std::ldexp(1.0, i == 0 ? -9 : -7)));
+      }
+    }
+  }
+  fs::remove_all(dir);
+}
+
+TEST_CASE("--grad-acc-dtype bf16 halves the gradients' bytes: the book's 16 per parameter",
+          "[train]") {
+  RunResult r = run_train(
+      "--steps 1 --mbs 2 --seq 32 --val-every 0 --val-seqs 2 --report memory --dtype bf16 "
+      "--grad-acc-dtype bf16");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  // Measured at allocation: bf16 weights 2, bf16 gradients 2, fp32 master 4, Adam 8.
+  CHECK_THAT(r.output,
+             Catch::Contains("this rank, measured            2.00       2.00     4.00       8.00   16.00"));
+  CHECK_THAT(r.output, Catch::Contains("bf16 gradients"));  // the configuration table says so
+}
+
+TEST_CASE("--grad-acc-dtype bf16 where it cannot apply ends with exit code 2 naming the fix",
+          "[train]") {
+  const std::string base = "--steps 1 --mbs 2 --seq 32 --val-every 0 --val-seqs 2 ";
+  struct Case {
+    std::string flags;
+    int ranks;
+    const char* says;
+  };
+  const Case cases[] = {
+      {"--grad-acc-dtype bf16", 0, "add --dtype bf16"},  // fp32 on CPU by default
+      {"--dtype fp16 --grad-acc-dtype bf16", 0, "fp16 gradients would underflow"},
+      {"--dtype bf16 --grad-acc-dtype bf16 --dp-sync ring", 0, "use --dp-sync bucket or naive"},
+      {"--dtype bf16 --grad-acc-dtype bf16 --dp 2 --zero 1", 2, "drop --zero 1"},
+      {"--dtype bf16 --grad-acc-dtype fp16", 0, "expected fp32 or bf16"},
+  };
+  for (const Case& c : cases) {
+    RunResult r = run_train(base + c.flags, c.ranks);
+    INFO(c.flags << "\n" << r.output);
+    CHECK(r.code == 2);
+    CHECK_THAT(r.output, Catch::Contains("--grad-acc-dtype") && Catch::Contains(c.says));
+    if (c.ranks) CHECK(count_occurrences(r.output, "error: --grad-acc-dtype") == 1);
+  }
+}
+
+// The gradient norm reads bf16 gradients directly: each value widened exactly, squares summed
+// in fp32 (float64 recomputation: the fp32 sum's error is at most ~2^-24 x 256 + n/256 steps).
+TEST_CASE("sum_squares_each reads bf16 tensors, widened exactly", "[ops]") {
+  const int64_t n = 3000;
+  std::vector<uint16_t> bits(n);
+  std::vector<float> wide(n);
+  double exact = 0;
+  for (int64_t i = 0; i < n; i++) {
+    float x = round_bf16(std::sin(0.37 * i) * (1 + i % 7));
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    bits[i] = (uint16_t)(b >> 16);
+    wide[i] = x;
+    exact += (double)x * x;
+  }
+  Context cpu;
+  Tensor h{nullptr, bits.data(), {n}, DType::BF16, Device::CPU};
+  Tensor f{nullptr, wide.data(), {n}, DType::F32, Device::CPU};
+  std::vector<float> got = sum_squares_each(cpu, {h, f});
+  CHECK(got[0] == got[1]);  // the same values in either storage: the same fp32 sum
+  CHECK(std::fabs(got[0] - exact) <= 1e-5 * exact);
+}
+
+TEST_CASE("CUDA sum_squares_each of bf16 tensors equals the CPU's", "[ops][gpu]") {
+  SKIP_WITHOUT_CUDA();
+  const int64_t n = 100000;
+  std::vector<uint16_t> bits(n);
+  for (int64_t i = 0; i < n; i++) {
+    float x = std::cos(0.11 * i) * (1 + i % 5);
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    bits[i] = (uint16_t)(b >> 16);
+  }
+  Context cpu, gpu = Context::create(Device::CUDA);
+  Tensor h{nullptr, bits.data(), {n}, DType::BF16, Device::CPU};
+  Tensor d = empty({n}, Mem::Workspace, Device::CUDA, DType::BF16);
+  CUDA_CHECK(cudaMemcpy(d.ptr, bits.data(), n * 2, cudaMemcpyHostToDevice));
+  float c = sum_squares_each(cpu, {h})[0], g = sum_squares_each(gpu, {d})[0];
+  // Blocked sums in both, in different trees: within fp32 summation error of the total.
+  CHECK(std::fabs(c - g) <= 1e-5 * c);
+  gpu.destroy();
+}
