@@ -29,6 +29,10 @@ float GradientSync::clip_grad_norm(const Context& ctx, float max_norm) {
   return norm;
 }
 
+int64_t GradientSync::master_bytes(const Context& ctx) const {
+  return ctx.weight_copies ? (int64_t)ctx.weight_copies->copies[0].master.nbytes() : 0;
+}
+
 void GradientSync::poison_gradient(const Context& ctx) {
   PICO_ASSERT(!slices_.empty(), "poison_gradient: this rank updates no parameter");
   const ParamSlice& s = slices_.front();

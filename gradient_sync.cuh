@@ -46,6 +46,10 @@ class GradientSync {
   // ---- measurements ----
   virtual int zero_stage() const { return 0; }
   virtual int64_t padded_params() const { return model_.num_params; }     // Ψ' (ZeRO's padding)
+  // Bytes of fp32 master weights kept apart from the weights the model computes with (mixed
+  // precision): a kept copy's master, or ZeRO-1/2's master shard; 0 when the model's own
+  // weights are what the optimizer updates.
+  virtual int64_t master_bytes(const Context& ctx) const;
   virtual void trace_communication(Trace& trace) const = 0;               // this step's collectives
   virtual void print_comm_report(int grad_acc) const { (void)grad_acc; }  // rank 0 prints
 

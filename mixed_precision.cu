@@ -453,6 +453,16 @@ void refresh_compute_copies(const Context& ctx) {
   for (const WeightCopies::Copy& c : ctx.weight_copies->copies) cast_(ctx, c.half, c.master);
 }
 
+Tensor compute_weight(const Context& ctx, const Tensor& W) {
+  if (ctx.precision == Precision::FP32 && W.dtype == DType::F32) return W;
+  Tensor half = W.dtype != DType::F32 ? W : ctx.weight_copies ? ctx.weight_copies->find(W) : Tensor{};
+  Tensor wide = empty(ctx, W.shape, Mem::Workspace);
+  cast_(ctx, wide, half.defined() ? half : W);
+  if (!half.defined()) round_(ctx, wide.reshape({W.numel() / W.size(-1), W.size(-1)}),
+                              output_dtype(ctx.precision));
+  return wide;
+}
+
 // What a GEMM reads of `t` ([rows, cols], the contraction along cols for activations and
 // gradients): its values rounded, or FP8 tiles (DeepSeek-V3: 1 x 128 for activations and
 // gradients, 128 x 128 for weights), dequantized. A workspace the caller drops after the GEMM.
@@ -460,9 +470,12 @@ void refresh_compute_copies(const Context& ctx) {
 enum class Operand { Activation, Weight, Gradient };
 static Tensor gemm_operand(const Context& ctx, const Tensor& t, Operand role) {
   const DType format = output_dtype(ctx.precision);
-  // A weight's compute copy, when one is kept: on CUDA the GEMM reads it as it is.
-  Tensor half =
-      role == Operand::Weight && ctx.weight_copies ? ctx.weight_copies->find(t) : Tensor{};
+  // A weight stored in the compute format (ZeRO-1/2), or its kept copy: on CUDA the GEMM reads
+  // it as it is.
+  Tensor half = role != Operand::Weight ? Tensor{}
+                : t.dtype != DType::F32 ? t
+                : ctx.weight_copies     ? ctx.weight_copies->find(t)
+                                        : Tensor{};
   if (half.defined() && ctx.device == Device::CUDA && ctx.precision != Precision::FP8) return half;
   if (!half.defined() && ctx.device == Device::CUDA && ctx.precision != Precision::FP8) {
     half = empty(ctx, t.shape, Mem::Workspace, format);

@@ -100,6 +100,12 @@ struct WeightCopies {
 void keep_compute_copy(Context& ctx, const Tensor& master);
 // After the optimizer changed the master weights: every copy := master, rounded.
 void refresh_compute_copies(const Context& ctx);
+// What an op that is not a GEMM (the embedding lookup, RMSNorm's scale) reads of weight W:
+// under fp32, W itself; otherwise W's values in the compute format, widened to fp32 in a
+// workspace: from W when W is stored in that format (ZeRO-1/2 keep only that), from its kept
+// copy, or W rounded (ZeRO-3's gathered fp32 weights). So every op reads what a model held in
+// bf16 reads (as Megatron's --bf16 models do), and every layout reads the same numbers.
+Tensor compute_weight(const Context& ctx, const Tensor& W);
 
 // Dynamic loss scaling for fp16 (Micikevicius et al., "Mixed Precision Training"): the loss,
 // hence every gradient, is multiplied by `scale` so that small gradients stay above fp16's

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 
+#include "mixed_precision.cuh"
 #include "ops.cuh"
 
 // ----------------------------------------------------------------------------
@@ -355,7 +356,7 @@ static void block_forward(const Context& ctx, const Model& m, const BlockWeights
   int64_t N = (int64_t)B * T, n = sp_tokens(m.tp, N), D = c.d_model, hd = c.head_dim();
   // Attention: x_mid = x + o(attn(rope(q(n1)), rope(k(n1)), v(n1))), n1 = rmsnorm(x)
   a.norm1 = act({n, D}, ctx), a.rstd1 = act({n}, ctx);
-  rmsnorm_forward(ctx, a.norm1, a.rstd1, a.x, w.attn_norm, c.norm_eps);
+  rmsnorm_forward(ctx, a.norm1, a.rstd1, a.x, compute_weight(ctx, w.attn_norm), c.norm_eps);
   a.q = act({N, L.heads * hd}, ctx);
   a.k = act({N, L.kv_heads * hd}, ctx), a.v = act({N, L.kv_heads * hd}, ctx);
   column_parallel_forward(m.tp, ctx, a.norm1, {{a.q, w.wq}, {a.k, w.wk}, {a.v, w.wv}});
@@ -369,7 +370,7 @@ static void block_forward(const Context& ctx, const Model& m, const BlockWeights
 
   // MLP: x_out = x_mid + down(swiglu(gate(n2), up(n2))), n2 = rmsnorm(x_mid)
   a.norm2 = act({n, D}, ctx), a.rstd2 = act({n}, ctx);
-  rmsnorm_forward(ctx, a.norm2, a.rstd2, a.x_mid, w.mlp_norm, c.norm_eps);
+  rmsnorm_forward(ctx, a.norm2, a.rstd2, a.x_mid, compute_weight(ctx, w.mlp_norm), c.norm_eps);
   a.gate = act({N, L.ffn}, ctx), a.up = act({N, L.ffn}, ctx), a.act = act({N, L.ffn}, ctx);
   column_parallel_forward(m.tp, ctx, a.norm2, {{a.gate, w.w_gate}, {a.up, w.w_up}});
   swiglu_forward(ctx, a.act, a.gate, a.up);
@@ -403,8 +404,8 @@ static float head_forward(const Context& ctx, Model& model, Activations& acts,
   Device d = ctx.device;
   int64_t N = (int64_t)acts.B * acts.T, n = acts.x_final.size(0), D = model.cfg.d_model;
   acts.normf = act({n, D}, ctx), acts.rstdf = act({n}, ctx);
-  rmsnorm_forward(ctx, acts.normf, acts.rstdf, acts.x_final, model.w.final_norm,
-                  model.cfg.norm_eps);
+  rmsnorm_forward(ctx, acts.normf, acts.rstdf, acts.x_final,
+                  compute_weight(ctx, model.w.final_norm), model.cfg.norm_eps);
   acts.logits = act({N, L.vocab}, ctx);
   column_parallel_forward(model.tp, ctx, acts.normf, {{acts.logits, model.w.lm_head}});
   if (!targets) return 0.0f;
@@ -435,7 +436,7 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
     acts.ids = device_ints(local_vocab_ids(ids, N, L.vocab0, L.vocab), d);
     x = act({n, D}, ctx);
     run_hook(hooks.before_forward, model.embedding_unit());
-    vocab_parallel_embedding_forward(model.tp, ctx, x, acts.ids, model.w.embed);
+    vocab_parallel_embedding_forward(model.tp, ctx, x, acts.ids, compute_weight(ctx, model.w.embed));
     run_hook(hooks.after_forward, model.embedding_unit());
   }
   PICO_ASSERT(x.defined() && x.numel() == n * D, "stage input " + x.shape_str());
@@ -482,7 +483,8 @@ static void block_backward(const Context& ctx, const Model& m, const BlockWeight
   swiglu_backward(ctx, d_gate, d_up, d_act, a.gate, a.up);
   column_parallel_backward(m.tp, ctx, d_norm, a.norm2,
                            {{d_gate, w.w_gate, g.w_gate}, {d_up, w.w_up, g.w_up}}, deferred);
-  parallel_rmsnorm_backward(m.tp, ctx, dres, g.mlp_norm, d_norm, a.x_mid, w.mlp_norm, a.rstd2);
+  parallel_rmsnorm_backward(m.tp, ctx, dres, g.mlp_norm, d_norm, a.x_mid,
+                            compute_weight(ctx, w.mlp_norm), a.rstd2);
 
   // Attention
   Tensor d_attn = work({N, L.heads * hd}, ctx), dq = work({N, L.heads * hd}, ctx);
@@ -494,7 +496,8 @@ static void block_backward(const Context& ctx, const Model& m, const BlockWeight
   column_parallel_backward(
       m.tp, ctx, d_norm, a.norm1,
       {{dq, w.wq, g.wq}, {dk, w.wk, g.wk, true}, {dv, w.wv, g.wv, true}}, deferred);
-  parallel_rmsnorm_backward(m.tp, ctx, dres, g.attn_norm, d_norm, a.x, w.attn_norm, a.rstd1);
+  parallel_rmsnorm_backward(m.tp, ctx, dres, g.attn_norm, d_norm, a.x,
+                            compute_weight(ctx, w.attn_norm), a.rstd1);
 }
 
 // Loss -> d(final hidden) [n, D] into dres: cross-entropy, LM head, final norm.
@@ -507,7 +510,7 @@ static void head_backward(const Context& ctx, Model& model, Activations& acts, f
                            {{acts.logits, model.w.lm_head, model.g.lm_head}}, deferred);
   acts.logits = acts.normf = Tensor();
   parallel_rmsnorm_backward(model.tp, ctx, dres, model.g.final_norm, d_norm, acts.x_final,
-                            model.w.final_norm, acts.rstdf);
+                            compute_weight(ctx, model.w.final_norm), acts.rstdf);
 }
 
 Tensor stage_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,

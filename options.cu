@@ -371,11 +371,13 @@ static void check_memory(const Options& o, Device device, int local_ranks) {
   int n = o.dp * o.cp, stage = n > 1 ? o.zero : 0;
   const double grad_bytes =
       o.score.empty() && resolve_grad_dtype(o, resolve_precision(o, device)) == DType::BF16 ? 2 : 4;
-  double weights = 4 * psi / (stage == 3 ? n : 1), grads = grad_bytes * psi / (stage >= 2 ? n : 1);
+  // Mixed precision keeps the whole weights in bf16 / fp16 too (not ZeRO-3), and ZeRO-1/2 then
+  // shard the fp32 master weights with Adam's moments.
+  const bool low = o.score.empty() && resolve_precision(o, device) != Precision::FP32;
+  double weights = 4 * psi / (stage == 3 || (low && stage >= 1) ? n : 1);
+  double grads = grad_bytes * psi / (stage >= 2 ? n : 1);
   double adam = 8 * psi / (stage >= 1 ? n : 1);
-  // Mixed precision keeps a bf16 / fp16 copy of whole weights next to the fp32 ones (not ZeRO-3).
-  double copy =
-      o.score.empty() && resolve_precision(o, device) != Precision::FP32 && stage < 3 ? 2 * psi : 0;
+  double copy = low && stage < 3 ? 2 * psi : 0;
   double state = (o.score.empty() ? weights + grads + adam : 4 * psi) + copy;
   double acts = (double)c.layers * activation_bytes_per_block(c, o.mbs, c.seq, o.tp, o.sp,
                                                               parse_recompute(o.recompute),

@@ -21,7 +21,7 @@ void print_memory(int64_t num_params, int zero_stage, int ranks) {
     printf("(Playbook §2.4, fp32: 16)\n");
   else
     printf("(Playbook §4.1, ZeRO-%d over %d ranks, fp32: %s = %.2f)\n", zero_stage, ranks,
-           zero_memory_formula(zero_stage), zero_static_memory(zero_stage, 1.0, ranks).total());
+           zero_memory_formula(zero_stage).c_str(), zero_static_memory(zero_stage, 1.0, ranks).total());
 }
 
 void print_precision_memory(Precision p, int64_t num_params, int64_t master_bytes,
@@ -62,7 +62,7 @@ static std::string bytes_str(double b) {
 }
 
 void print_memory_report(Comm& comm, int zero_stage, int64_t num_params, int64_t padded_params,
-                         Precision precision) {
+                         Precision precision, bool bf16_grads) {
   const int kFields = 5;  // params, grads, optimizer (current), activations, workspace (peak)
   MemoryStats m = memory_stats();
   int64_t mine[kFields] = {
@@ -77,12 +77,19 @@ void print_memory_report(Comm& comm, int zero_stage, int64_t num_params, int64_t
   });
   if (comm.grid.world_rank != 0) return;
   int N = comm.dp_cp.size;
-  StaticMemory book = zero_static_memory(zero_stage, (double)num_params, N);
-  StaticMemory expected = zero_static_memory(zero_stage, (double)padded_params, N);
-  printf(
-      "memory per rank (--report memory), ZeRO-%d over dp_cp, N = %d: bytes now; fp32, so 4 per "
-      "weight, 4 per gradient, 8 per parameter for Adam's m and v\n",
-      zero_stage, N);
+  const BytesPerParameter b = bytes_per_parameter(zero_stage, precision, bf16_grads);
+  StaticMemory book = zero_static_memory(zero_stage, (double)num_params, N, b);
+  StaticMemory expected = zero_static_memory(zero_stage, (double)padded_params, N, b);
+  if (b.params == 4)
+    printf("memory per rank (--report memory), ZeRO-%d over dp_cp, N = %d: bytes now; fp32, so 4 "
+           "per weight, 4 per gradient, 8 per parameter for Adam's m and v\n",
+           zero_stage, N);
+  else
+    printf("memory per rank (--report memory), ZeRO-%d over dp_cp, N = %d: bytes now; --dtype %s, "
+           "so 2 per weight (%s), %g per gradient, 12 per parameter for the fp32 master weight "
+           "and Adam's m and v\n",
+           zero_stage, N, precision_name(precision), precision == Precision::FP16 ? "fp16" : "bf16",
+           b.grads);
   printf("  Ψ = %lld parameters", (long long)num_params);
   if (zero_stage > 0)
     printf(
@@ -106,7 +113,7 @@ void print_memory_report(Comm& comm, int zero_stage, int64_t num_params, int64_t
            bytes_str(s.grads).c_str(), bytes_str(s.optimizer).c_str(), bytes_str(s.total()).c_str(),
            what.c_str());
   };
-  row("book", book, std::string("Playbook §4.1: ") + zero_memory_formula(zero_stage));
+  row("book", book, std::string("Playbook §4.1: ") + zero_memory_formula(zero_stage, b));
   if (zero_stage > 0) {
     row("+ padding",
         {expected.params - book.params, expected.grads - book.grads,
@@ -114,12 +121,8 @@ void print_memory_report(Comm& comm, int zero_stage, int64_t num_params, int64_t
         "the formula at Ψ' - Ψ");
     row("= padded", expected, "the formula at Ψ', what every rank should hold");
   }
-  if (precision == Precision::FP32)
-    printf("  every rank holds exactly the formula's bytes%s: %s\n", zero_stage > 0 ? " at Ψ'" : "",
-           all_match ? "yes" : "NO");
-  else  // the copy in the compute format moves bytes between the categories (see above)
-    printf("  (the formula is fp32's; under --dtype %s the bytes-per-parameter table above says "
-           "where each byte is)\n", precision_name(precision));
+  printf("  every rank holds exactly the formula's bytes%s: %s\n", zero_stage > 0 ? " at Ψ'" : "",
+         all_match ? "yes" : "NO");
   printf(
       "  (ZeRO does not shard activations. Workspace holds what is transient: ZeRO-2/3 the "
       "gradients of the unit in backward, ZeRO-3 the gathered weights of the units in use, and "
@@ -182,10 +185,16 @@ void print_zero_comm_report(const Comm& comm, const Zero& zero, int grad_acc) {
   int64_t steps = std::max<int64_t>(1, zero.steps_measured);
   ZeroTraffic got = zero.measured_traffic(), want = zero.expected_traffic(grad_acc);
   int64_t psi = s.units.back().offset + s.units.back().numel;
+  const DType w = zero.weight_format();  // what stages 1-2 all-gather: fp32, or bf16 / fp16
+  const int wb = (int)dtype_size(w);
   printf(
       "ZeRO-%d traffic per training step over dp_cp (N = %d; averaged over %lld steps; "
-      "validation and checkpoint gathers excluded; fp32: 4 bytes per element):\n",
-      stage, N, (long long)steps);
+      "validation and checkpoint gathers excluded; %s):\n",
+      stage, N, (long long)steps,
+      w == DType::F32 ? "fp32: 4 bytes per element"
+                      : (std::string("gradients fp32, 4 bytes per element; weights gathered in ") +
+                         (w == DType::BF16 ? "bf16" : "fp16") + ", 2")
+                            .c_str());
   printf("  %-15s %10s %14s   %10s %14s\n", "collective", "calls", "bytes", "expected", "bytes");
   printf("  %-15s %10.1f %14.0f   %10lld %14lld\n", "reduce_scatter",
          (double)got.reduce_scatter_calls / steps, (double)got.reduce_scatter_bytes / steps,
@@ -197,11 +206,18 @@ void print_zero_comm_report(const Comm& comm, const Zero& zero, int grad_acc) {
   printf("  %-15s %10s %14.0f   %10s %14lld\n", "total", "", total, "",
          (long long)(want.reduce_scatter_bytes + want.all_gather_bytes));
   double k = stage == 3 ? 3.0 : 2.0, padded = (double)s.padded_numel();
-  printf(
-      "  book, Playbook §4.4: %.0fΨ(N-1)/N elements x 4 bytes = %s bytes (Ψ = %lld), %s at Ψ' "
-      "(padded)\n",
-      k, bytes_str(k * psi * (N - 1) / N * 4).c_str(), (long long)psi,
-      bytes_str(k * padded * (N - 1) / N * 4).c_str());
+  if (wb == 4)
+    printf(
+        "  book, Playbook §4.4: %.0fΨ(N-1)/N elements x 4 bytes = %s bytes (Ψ = %lld), %s at Ψ' "
+        "(padded)\n",
+        k, bytes_str(k * psi * (N - 1) / N * 4).c_str(), (long long)psi,
+        bytes_str(k * padded * (N - 1) / N * 4).c_str());
+  else  // the reduce-scatter's Ψ(N-1)/N in fp32, the all-gather's in the 2-byte format
+    printf(
+        "  book, Playbook §4.4: Ψ(N-1)/N elements x 4 bytes + Ψ(N-1)/N x %d = %s bytes (Ψ = "
+        "%lld), %s at Ψ' (padded)\n",
+        wb, bytes_str(psi * (N - 1.0) / N * (4 + wb)).c_str(), (long long)psi,
+        bytes_str(padded * (N - 1) / N * (4 + wb)).c_str());
   if (stage == 2 && grad_acc > 1)
     printf(
         "  ZeRO-2 keeps no full gradient across micro-batches: it reduce-scatters each of the %d, "

@@ -19,8 +19,10 @@ void print_precision_memory(Precision p, int64_t num_params, int64_t master_byte
 // --report memory: every rank's params, grads and optimizer bytes (gathered to rank 0) next to
 // the book's formula for this ZeRO stage, with the padding of the shards named (padded_params:
 // Psi', the parameters plus padding; equal to num_params without ZeRO). Collective.
+// bf16_grads: --grad-acc-dtype bf16. Under mixed precision the formula counts 2 bytes per weight
+// and 12 per parameter for the optimizer (master weights included), as the book's.
 void print_memory_report(Comm& comm, int zero_stage, int64_t num_params, int64_t padded_params,
-                         Precision precision = Precision::FP32);
+                         Precision precision = Precision::FP32, bool bf16_grads = false);
 // Per group and collective, per step: calls and elements counted on rank 0, and the bytes each
 // rank was charged by formula (rank 0, and the range over every rank), next to the ring
 // formulas for the gradient sync of num_params fp32 values (Playbook appendix A0).

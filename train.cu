@@ -152,9 +152,11 @@ static std::unique_ptr<GradientSync> make_gradient_sync(Comm& comm, Model& model
               o.zero);
     stage = 0;
   }
+  // Mixed precision: ZeRO-1/2 keep the whole weights in the compute format only.
+  const Precision p = o.score.empty() ? resolve_precision(o, comm.device) : Precision::FP32;
   if (stage > 0)
     return std::make_unique<Zero>(comm, model, stage, AdamWConfig{}, o.weight_decay, o.seed,
-                                  !o.no_overlap);
+                                  !o.no_overlap, output_dtype(p));
   return std::make_unique<DataParallel>(
       comm, model, parse_dp_sync(o.dp_sync), o.bucket_mb, !o.no_overlap, AdamWConfig{},
       o.weight_decay, o.seed,
@@ -358,11 +360,11 @@ static void print_reports(Trainer& t) {
     }
     if (r == "memory") {
       if (main_rank)
-        print_precision_memory(t.ctx.precision, n_params,
-                               t.ctx.weight_copies ? (int64_t)t.ctx.weight_copies->copies[0].master.nbytes() : 0,
+        print_precision_memory(t.ctx.precision, n_params, t.sync.master_bytes(t.ctx),
                                t.model.grads.defined() && t.model.grads.dtype == DType::BF16);
       print_memory_report(comm, t.sync.zero_stage(), n_params, t.sync.padded_params(),
-                          t.ctx.precision);
+                          t.ctx.precision,
+                          t.model.grads.defined() && t.model.grads.dtype == DType::BF16);
       if (main_rank && t.block_bytes >= 0)
         print_activation_report(local_sequences(o), o.mbs, o.tp, o.sp, t.recompute,
                                 t.model.attention, t.block_bytes);
@@ -414,7 +416,9 @@ static int run(const Options& o, Comm& comm, Context& ctx) {
   // Mixed precision: the GEMMs read a bf16 / fp16 copy of the weights; the fp32 buffer becomes
   // the optimizer's master copy. ZeRO-3 holds no whole buffer to copy: its GEMMs round the
   // gathered fp32 weights as they read them (the same numbers).
-  if (ctx.precision != Precision::FP32 && model.params.defined()) keep_compute_copy(ctx, model.params);
+  if (ctx.precision != Precision::FP32 && model.params.defined() &&
+      model.params.dtype == DType::F32)
+    keep_compute_copy(ctx, model.params);
   if (main_rank) {
     int64_t laid_out = 0;  // the layout's tensors, against the closed form
     for (const NamedTensor& p : model.named_params) laid_out += p.tensor.numel();

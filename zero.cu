@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "mixed_precision.cuh"
 #include "report.cuh"
 #include "zero.cuh"
 
@@ -54,18 +55,26 @@ StaticMemory zero_static_memory(int stage, double psi, int ranks, BytesPerParame
   return {b.params * psi / (stage >= 3 ? N : 1.0), b.grads * psi / (stage >= 2 ? N : 1.0),
           b.optimizer * psi / (stage >= 1 ? N : 1.0)};
 }
-const char* zero_memory_formula(int stage) {
-  static const char* formulas[] = {"4Ψ + 4Ψ + 8Ψ", "4Ψ + 4Ψ + 8Ψ/N", "4Ψ + 4Ψ/N + 8Ψ/N",
-                                   "4Ψ/N + 4Ψ/N + 8Ψ/N"};
-  return formulas[stage];
+BytesPerParameter bytes_per_parameter(int stage, Precision precision, bool bf16_grads) {
+  if (precision == Precision::FP32 || stage == 3) return {};
+  return {2, bf16_grads ? 2.0 : 4.0, 12};
+}
+
+std::string zero_memory_formula(int stage, BytesPerParameter b) {
+  auto term = [&](double bytes, bool sharded) {
+    return std::to_string((int)bytes) + "Ψ" + (sharded ? "/N" : "");
+  };
+  return term(b.params, stage >= 3) + " + " + term(b.grads, stage >= 2) + " + " +
+         term(b.optimizer, stage >= 1);
 }
 
 // ----------------------------------------------------------------------------
 // Shards
 
 Zero::Zero(Comm& comm, Model& model, int stage, const AdamWConfig& hp, float weight_decay,
-           uint64_t seed, bool overlap)
-    : GradientSync(comm, model, hp, weight_decay), stage_(stage), overlap_(overlap) {
+           uint64_t seed, bool overlap, DType weight_format)
+    : GradientSync(comm, model, hp, weight_decay), stage_(stage), overlap_(overlap),
+      weight_format_(stage == 3 ? DType::F32 : weight_format) {
   PICO_ASSERT(stage >= 1 && stage <= 3, "ZeRO stage " + std::to_string(stage));
   PICO_ASSERT(!model.params.defined(), "Zero shards a model from build_model_layout");
   layout_ = make_shard_layout(model, comm.dp_cp.size, comm.dp_cp.rank);
@@ -75,15 +84,23 @@ Zero::Zero(Comm& comm, Model& model, int stage, const AdamWConfig& hp, float wei
   int64_t S = layout_.shard_numel;
   // Each rank initialises exactly what it holds; the counter-based RNG gives every slice the
   // values of the unsharded model (DESIGN 5). Padding is zero and stays zero.
-  if (stage <= 2) {
-    model.params = zeros({layout_.padded_numel()}, Mem::Params, d);
+  if (stage <= 2) {  // whole weights, in fp32 or in the compute format
+    model.params = zeros({layout_.padded_numel()}, Mem::Params, d, weight_format_);
     for (size_t u = 0; u < units_.size(); u++) {
       const ShardLayout::Unit& U = layout_.units[u];
       bind_unit_params(model, (int)u, model.params.view(U.padded_offset, {N * U.shard}));
-      init_parameters(model, seed, model.params.view(U.padded_offset, {U.numel}), U.offset);
+      Tensor whole = model.params.view(U.padded_offset, {U.numel});
+      if (weight_format_ == DType::F32) {
+        init_parameters(model, seed, whole, U.offset);
+        continue;
+      }
+      Tensor fp32 = empty({U.numel}, Mem::Workspace, d);  // the unit's initial values, rounded
+      init_parameters(model, seed, fp32, U.offset);
+      cast_(whole, fp32);
     }
-  } else {
-    param_shard_ = zeros({S}, Mem::Params, d);
+  }
+  if (stage == 3 || weight_format_ != DType::F32) {  // the master weights: this rank's slice
+    param_shard_ = zeros({S}, stage == 3 ? Mem::Params : Mem::Optimizer, d);
     for (const ShardLayout::Unit& U : layout_.units)
       if (U.valid > 0)
         init_parameters(model, seed, param_shard_.view(U.shard_offset, {U.valid}),
@@ -125,7 +142,8 @@ float* Zero::shard(Part part, int u) const {
   int64_t in_full = U.padded_offset + layout_.rank * U.shard;
   switch (part) {
     case Part::Params:
-      return stage_ == 3 ? param_shard_.f32() + U.shard_offset : model_.params.f32() + in_full;
+      return param_shard_.defined() ? param_shard_.f32() + U.shard_offset
+                                    : model_.params.f32() + in_full;
     case Part::Grads:
       return stage_ == 1 ? model_.grads.f32() + in_full : grad_shard_.f32() + U.shard_offset;
     case Part::ExpAvg:
@@ -329,10 +347,14 @@ void Zero::step(const Context& ctx, float lr) {
     for (; k < slices_.size() && slices_[k].unit == iu; k++) adamw_.update(ctx, slices_[k], lr);
     if (stage_ <= 2) {  // in place, like the reduce-scatter
       const ShardLayout::Unit& U = layout_.units[u];
-      float* full = model_.params.f32() + U.padded_offset;
+      Tensor full = model_.params.view(U.padded_offset, {layout_.ranks * U.shard});
+      Tensor mine = full.view(layout_.rank * U.shard, {U.shard});
+      // Mixed precision: this rank's slice of the master weights, rounded to the compute format,
+      // is what every rank needs, and half the bytes of fp32 on the wire.
+      if (param_shard_.defined()) cast_(ctx, mine, shard_view(Part::Params, iu, U.shard));
       units_[u].gather_start = now_seconds();
-      units_[u].gather =
-          all_gather_async(comm_, comm_.dp_cp, ctx, full + layout_.rank * U.shard, full, U.shard);
+      units_[u].gather = all_gather_async(comm_, comm_.dp_cp, ctx, mine.ptr, full.ptr,
+                                          weight_format_, U.shard);
       if (!overlap_) finish_gather(u);
     }
   }
@@ -363,7 +385,7 @@ Tensor Zero::gather_flat(const Context& ctx, Part part) {
   Tensor whole = root ? empty({model_.num_params}, Mem::Workspace, Device::CPU) : Tensor();
   for (size_t u = 0; u < units_.size(); u++) {
     const ShardLayout::Unit& U = layout_.units[u];
-    if (part == Part::Params && stage_ <= 2) {
+    if (part == Part::Params && !param_shard_.defined()) {
       if (root) copy_(whole.view(U.offset, {U.numel}), model_.params.view(U.padded_offset, {U.numel}));
       continue;
     }
@@ -380,8 +402,14 @@ void Zero::load_flat(Part part, const Tensor& whole) {
   for (size_t u = 0; u < units_.size(); u++) {
     const ShardLayout::Unit& U = layout_.units[u];
     if (part == Part::Params && stage_ <= 2) {  // every rank holds the whole weights
-      copy_(model_.params.view(U.padded_offset, {U.numel}), whole.view(U.offset, {U.numel}));
-      continue;
+      Tensor mine = model_.params.view(U.padded_offset, {U.numel});
+      if (weight_format_ == DType::F32) {
+        copy_(mine, whole.view(U.offset, {U.numel}));
+        continue;
+      }
+      Tensor rounded = empty({U.numel}, Mem::Workspace, Device::CPU, weight_format_);
+      cast_(rounded, whole.view(U.offset, {U.numel}));
+      copy_(mine, rounded);  // and the master slice below
     }
     if (U.valid == 0) continue;
     int64_t first = U.offset + layout_.rank * U.shard;  // this rank's slice of the whole vector
@@ -416,6 +444,7 @@ ZeroTraffic Zero::measured_traffic() const {
 ZeroTraffic Zero::expected_traffic(int grad_acc) const {
   ZeroTraffic t;
   int64_t per_element = (int64_t)(layout_.ranks - 1) * (int64_t)sizeof(float);
+  int64_t gathered_element = (int64_t)(layout_.ranks - 1) * (int64_t)dtype_size(weight_format_);
   int reduces = stage_ == 1 ? 1 : grad_acc;
   for (const ShardLayout::Unit& U : layout_.units) {
     t.reduce_scatter_calls += reduces;
@@ -423,7 +452,7 @@ ZeroTraffic Zero::expected_traffic(int grad_acc) const {
   }
   auto gather = [&](int u, int times) {
     t.all_gather_calls += times;
-    t.all_gather_bytes += times * per_element * layout_.units[u].shard;
+    t.all_gather_bytes += times * gathered_element * layout_.units[u].shard;
   };
   int units = (int)layout_.units.size();
   if (stage_ <= 2) {

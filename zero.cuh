@@ -39,7 +39,13 @@ struct StaticMemory {
 };
 // Playbook §4.1, bytes per rank for psi parameters at ZeRO stage 0..3 over `ranks` ranks.
 StaticMemory zero_static_memory(int stage, double psi, int ranks, BytesPerParameter bytes = {});
-const char* zero_memory_formula(int stage);  // fp32: "4Ψ + 4Ψ + 8Ψ/N" for stage 1, ...
+// The formula in words: fp32 "4Ψ + 4Ψ + 8Ψ/N" for stage 1, ...; bf16 with an fp32 master
+// {2, 4, 12}: "2Ψ + 4Ψ + 12Ψ/N".
+std::string zero_memory_formula(int stage, BytesPerParameter bytes = {});
+// What each rank keeps per parameter: fp32's 4, 4, 8, or under mixed precision (not ZeRO-3,
+// which keeps no copy) the compute-format weights 2, the gradients (4, or 2 in bf16) and the
+// fp32 master weights with Adam's moments, 12.
+BytesPerParameter bytes_per_parameter(int stage, Precision precision, bool bf16_grads);
 
 // Collective calls and bytes this rank sends over dp_cp in one training step.
 struct ZeroTraffic {
@@ -54,8 +60,11 @@ class Zero : public GradientSync {
   // `model` comes from build_model_layout (it holds no memory yet). Allocates what `stage` keeps
   // (see zero.cu), binds the model's views, and initialises this rank's part from `seed`.
   // overlap false: every collective is waited for when issued (no prefetch, no overlap).
+  // weight_format BF16 or F16 (mixed precision, stages 1-2): the whole weights every rank holds
+  // are kept in that format only; the fp32 master weights are sharded with Adam's moments (the
+  // book's 2Ψ + 4Ψ + 12Ψ/N for ZeRO-1), and each step all-gathers the rounded slices.
   Zero(Comm& comm, Model& model, int stage, const AdamWConfig& hp, float weight_decay,
-       uint64_t seed, bool overlap);
+       uint64_t seed, bool overlap, DType weight_format = DType::F32);
   int stage() const { return stage_; }
   const ShardLayout& layout() const { return layout_; }
 
@@ -74,6 +83,10 @@ class Zero : public GradientSync {
   // ---- measurements ----
   int zero_stage() const override { return stage_; }
   int64_t padded_params() const override { return layout_.padded_numel(); }
+  int64_t master_bytes(const Context& ctx) const override {
+    return weight_format_ != DType::F32 ? (int64_t)param_shard_.nbytes() : GradientSync::master_bytes(ctx);
+  }
+  DType weight_format() const { return weight_format_; }
   void trace_communication(Trace& trace) const override;
   void print_comm_report(int grad_acc) const override;  // report.cu's ZeRO table
   struct Span {
@@ -118,8 +131,9 @@ class Zero : public GradientSync {
 
   int stage_;
   bool overlap_;
+  DType weight_format_;  // of model.params under stages 1-2 (F32 unless mixed precision)
   ShardLayout layout_;
-  Tensor param_shard_, grad_shard_;  // [S] stage 3 weights, stages 2-3 gradients
+  Tensor param_shard_, grad_shard_;  // [S] stage 3 (or mixed precision) weights, stages 2-3 gradients
   Tensor exp_avg_, exp_avg_sq_;      // [S] Adam m and v
   std::vector<UnitState> units_;
   const Context* ctx_ = nullptr;

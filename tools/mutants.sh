@@ -11,6 +11,7 @@
 #   4. the parity rows "dp 2, ring", "dp 3, ring", "zero 3, dp 2", "tp 2", "tp 4 (...)",
 #      "pp 2, 1f1b" and "cp 2, zigzag, ring"
 #      and the one-process checkpoint resumed under tp 2 + sp and tp 4
+#   5. the bf16 gradients' layouts and ZeRO-1/2 in bf16 against plain data parallelism
 # Usage: tools/mutants.sh [ID ...]   (no IDs: every mutant)
 set -u
 cd "$(dirname "$0")/.."
@@ -122,13 +123,25 @@ mutant fp8-grad-format mixed_precision.cu \
   '    fake_quantize_tiles_(ctx, m, DType::F8E4M3, 1, 128);' \
   "fp8: gradients quantized to E4M3 instead of E5M2"
 mutant stale-copy mixed_precision.cu \
-  '  for (const WeightCopies::Copy& c : ctx.weight_copies->copies) cast_on(ctx, c.half, c.master);' \
-  '  for (const WeightCopies::Copy& c : ctx.weight_copies->copies) if (!c.half.defined()) cast_on(ctx, c.half, c.master);' \
+  '  for (const WeightCopies::Copy& c : ctx.weight_copies->copies) cast_(ctx, c.half, c.master);' \
+  '  for (const WeightCopies::Copy& c : ctx.weight_copies->copies) if (!c.half.defined()) cast_(ctx, c.half, c.master);' \
   "mixed precision: the bf16 weights never refreshed from the master weights"
 mutant scale-halve mixed_precision.cu \
   '    if (dynamic) scale = std::max(scale / 2, 1.0f);' \
   '    if (dynamic) scale = std::max(scale, 1.0f);' \
   "fp16 loss scaling: the scale not halved on overflow"
+mutant mpi-16bit-sum comm.cu \
+  '    b[i] = T == DType::BF16 ? float_to_bf16(r) : float_to_fp16(r);' \
+  '    b[i] = T == DType::BF16 ? (uint16_t)(float_to_bf16(r) & 0xFFFE) : float_to_fp16(r);' \
+  "bf16 collectives over MPI: sums not rounded to nearest even (last bit dropped)"
+mutant bf16-grad-acc data_parallel.cu \
+  '  cast_(*ctx_, acc, model_.grads.view(u.offset, {u.numel}));  // the bf16 sum so far, exactly' \
+  '  zero_(*ctx_, acc);' \
+  "bf16 gradients: a unit's accumulator starts from zero, losing earlier micro-batches"
+mutant zero-bf16-gather zero.cu \
+  '      if (param_shard_.defined()) cast_(ctx, mine, shard_view(Part::Params, iu, U.shard));' \
+  '      if (param_shard_.defined()) (void)mine;' \
+  "ZeRO-1/2 in bf16: the updated master slice never rounded into the gathered bf16 weights"
 
 # Runs one step of the subset; on failure prints the step and the test files whose checks
 # failed (or "crashed" when there are none: an abort, a timeout).
@@ -152,7 +165,8 @@ subset() {
              "pp 2, 1f1b" "cp 2, zigzag, ring"; do
     step "parity: $row" build/unit_tests "every layout trains like its single-process reference" -c "$row" || return 1
   done
-  step "parity: resume under tp" build/unit_tests "a one-process checkpoint resumes under tp 2 + sp and tp 4 like the run it left"
+  step "parity: resume under tp" build/unit_tests "a one-process checkpoint resumes under tp 2 + sp and tp 4 like the run it left" || return 1
+  step "bf16 state" build/unit_tests "bf16 gradients: data*,ZeRO-1/2 in bf16*"
 }
 
 WORK=$(mktemp -d /tmp/picoscale-mutants-XXXXXX)

@@ -1,14 +1,17 @@
-// test_bf16_gradients.cu: --grad-acc-dtype bf16 (Playbook §Mixed precision training: gradients
-// in the compute format, 2 bytes per parameter instead of fp32 accumulation's 4). Each unit's
-// backward sums in fp32 and the sum is stored rounded to bf16, so with one micro-batch the
-// stored gradient is exactly the fp32-accumulated one rounded, whatever the model split; with
-// several micro-batches or data-parallel ranks each partial sum is rounded once more, and the
-// layouts track the single process within bf16's precision.
+// test_bf16_state.cu: training state kept in bf16 (Playbook §Mixed precision training).
+// --grad-acc-dtype bf16: gradients in the compute format, 2 bytes per parameter instead of fp32
+// accumulation's 4. Each unit's backward sums in fp32 and the sum is stored rounded to bf16, so
+// with one micro-batch the stored gradient is exactly the fp32-accumulated one rounded, whatever
+// the model split; with several micro-batches or data-parallel ranks each partial sum is rounded
+// once more, and the layouts track the single process within bf16's precision.
+// ZeRO-1/2 under --dtype bf16: the whole weights in bf16 only, the fp32 master weights sharded,
+// the rounded slices all-gathered in bf16.
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <sstream>
 
 #include "launch.cuh"
 #include "ops.cuh"
@@ -161,6 +164,84 @@ TEST_CASE("--grad-acc-dtype bf16 where it cannot apply ends with exit code 2 nam
     CHECK_THAT(r.output, Catch::Contains("--grad-acc-dtype") && Catch::Contains(c.says));
     if (c.ranks) CHECK(count_occurrences(r.output, "error: --grad-acc-dtype") == 1);
   }
+}
+
+// Two data-parallel ranks sum their gradients the same way under ZeRO as under plain data
+// parallelism (one fp32 addition of two values does not depend on the order), and AdamW's
+// update is elementwise: so a ZeRO-1/2 run, with its sharded master weights and bf16
+// all-gather, must end with the very bytes of the plain run, in the checkpoint's master weights
+// and Adam moments. Without clipping: the global norm is summed from shards under ZeRO, in
+// another order, so it differs in its last bits (checked to 2^-20), and a clipped step with it.
+// And a checkpoint of one resumes in the other: the bf16 weights of a resumed ZeRO run are its
+// loaded master slices rounded, as the uninterrupted run's were.
+TEST_CASE("ZeRO-1/2 in bf16 (sharded master, bf16 gathers) end bit for bit where dp does",
+          "[parity]") {
+  std::string dir = make_temp_dir();
+  const std::string flags = COMMON + "--dtype bf16 --dp 2 --grad-clip 0 ";
+  auto train = [&](const std::string& extra, const std::string& out) {
+    RunResult r = run_train(flags + extra + " --log-json " + out + ".jsonl --save " + out, 2);
+    INFO(extra << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    return read_json_lines(out + ".jsonl");
+  };
+  std::vector<nlohmann::json> plain = train("", dir + "/dp");
+  for (int zero : {1, 2}) {
+    const std::string z = "--zero " + std::to_string(zero);
+    SECTION(z) {
+      std::vector<nlohmann::json> log = train(z, dir + "/zero");
+      REQUIRE(log.size() == plain.size());
+      for (size_t i = 0; i < log.size(); i++) {
+        CHECK(log[i]["loss"] == plain[i]["loss"]);
+        CHECK(log[i]["grad_norm"].get<double>() ==
+              Approx(plain[i]["grad_norm"].get<double>()).epsilon(std::ldexp(1.0, -20)));
+      }
+      for (const char* file : {"/model.safetensors", "/optimizer.safetensors"})
+        CHECK(read_whole_file(dir + "/zero" + file) == read_whole_file(dir + "/dp" + file));
+      // Resumed: one step of the plain run, saved, then ZeRO takes over for the rest.
+      RunResult a = run_train(flags + "--stop-after 1 --save " + dir + "/half", 2);
+      REQUIRE(a.code == 0);
+      std::vector<nlohmann::json> resumed = train(z + " --load " + dir + "/half", dir + "/resumed");
+      REQUIRE(resumed.size() == plain.size() - 1);
+      for (size_t i = 0; i < resumed.size(); i++) CHECK(resumed[i]["loss"] == plain[i + 1]["loss"]);
+      CHECK(read_whole_file(dir + "/resumed/model.safetensors") ==
+            read_whole_file(dir + "/dp/model.safetensors"));
+    }
+  }
+  fs::remove_all(dir);
+}
+
+// The bytes of --report memory and --report comm under ZeRO in bf16, against the book's
+// mixed-precision formula (2 bytes per bf16 weight, 4 per fp32 gradient, 12 for the master
+// weight and Adam's m and v) and fp32's all-gather bytes halved.
+TEST_CASE("ZeRO in bf16: the book's 2Ψ + 4Ψ + 12Ψ/N, and all-gathers of half fp32's bytes",
+          "[train]") {
+  const std::string base =
+      "--steps 2 --mbs 2 --seq 32 --val-every 0 --val-seqs 2 --dp 2 --report memory,comm ";
+  auto all_gather_bytes = [](const std::string& out) {
+    size_t at = out.find("  all_gather ", out.find("ZeRO-1 traffic"));
+    REQUIRE(at != std::string::npos);
+    std::istringstream row(out.substr(at + 13, 80));
+    double calls = 0, bytes = 0, want_calls = 0, want_bytes = 0;
+    row >> calls >> bytes >> want_calls >> want_bytes;
+    CHECK(bytes == want_bytes);
+    return bytes;
+  };
+  RunResult fp32 = run_train(base + "--zero 1 --dtype fp32", 2);
+  RunResult bf16 = run_train(base + "--zero 1 --dtype bf16", 2);
+  INFO(fp32.output << bf16.output);
+  REQUIRE(fp32.code == 0);
+  REQUIRE(bf16.code == 0);
+  CHECK(all_gather_bytes(bf16.output) * 2 == all_gather_bytes(fp32.output));
+  // N = 2: 2 + 4 + 12/2 = 12 bytes per parameter, the master weights 4/2 of them.
+  CHECK_THAT(bf16.output,
+             Catch::Contains("this rank, measured            2.00       4.00     2.00       4.00   12.00"));
+  CHECK_THAT(bf16.output, Catch::Contains("Playbook §4.1: 2Ψ + 4Ψ + 12Ψ/N"));
+  CHECK_THAT(bf16.output, Catch::Contains("every rank holds exactly the formula's bytes at Ψ': yes"));
+  RunResult zero2 = run_train(base + "--zero 2 --dtype bf16", 2);
+  INFO(zero2.output);
+  REQUIRE(zero2.code == 0);
+  CHECK_THAT(zero2.output, Catch::Contains("Playbook §4.1: 2Ψ + 4Ψ/N + 12Ψ/N"));
+  CHECK_THAT(zero2.output, Catch::Contains("every rank holds exactly the formula's bytes at Ψ': yes"));
 }
 
 // The gradient norm reads bf16 gradients directly: each value widened exactly, squares summed
