@@ -231,8 +231,8 @@ bool fp8_gemm(const Context& ctx, const Tensor& d, const Tensor& x, DType x_form
   if (ctx.device != Device::CUDA) return decline("not on a CUDA device");
   // cuBLASLt's scales come in rows of 16 bytes (N a multiple of 4), and FP8 rows of K bytes
   // must start 16-byte aligned; so must d's rows.
-  if (rows % 4 || cols % 4 || K % 16 || (uintptr_t)d.ptr % 16)
-    return decline("rows and cols must be multiples of 4, K of 16, and d 16-byte aligned");
+  if (rows % 4 || cols % 4 || K % 16 || (uintptr_t)d.ptr % 16 || rows * cols * K == 0)
+    return decline("rows and cols must be multiples of 4, K of 16 (none 0), d 16-byte aligned");
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   const auto key = std::make_tuple(device, rows, cols, K, (int)x_format);
