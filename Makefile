@@ -12,12 +12,12 @@ BUILD := build
 NVFLAGS := -std=c++17 -O3 $(GPU_ARCH) $(addprefix -I,$(MPI_INC)) -I. \
            -Xcompiler -Wall,-Wno-unused-function,-pthread -MMD -MP
 LDFLAGS := $(addprefix -L,$(MPI_LIBDIRS)) $(addprefix -l,$(MPI_LIBS)) \
-           -lcublas -lnccl -lopenblas -Xcompiler -pthread
+           -lcublas -lcublasLt -lnccl -lopenblas -Xcompiler -pthread
 
 LIB_SRCS := core.cu comm.cu comm_setup.cu comm_handle.cu ops.cu attention_naive.cu flash_attention.cu \
             flash_attention_bf16.cu context_parallel.cu tensor_parallel.cu model.cu optimizer.cu \
             gradient_sync.cu data_parallel.cu zero.cu schedule.cu pipeline_parallel.cu report.cu data.cu \
-            checkpoint.cu mixed_precision.cu
+            checkpoint.cu mixed_precision.cu fp8_gemm.cu
 LIB_OBJS := $(LIB_SRCS:%.cu=$(BUILD)/%.o)
 TEST_SRCS := $(wildcard tests/test_*.cu)
 TEST_OBJS := $(TEST_SRCS:%.cu=$(BUILD)/%.o)

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "fp8_gemm.cuh"
 #include "mixed_precision.cuh"
 #include "ops.cuh"
 
@@ -368,49 +369,16 @@ void round_(const Context& ctx, const Tensor& x, DType format, bool backward) {
   stats.nonzero += nonzero, stats.flushed += flushed, stats.overflowed += overflowed;
 }
 
-// One block per tile: its absmax, then every element through fp8 and back times the scale,
-// with the CPU's fp32 operations in the CPU's order (so the results agree bit for bit).
-__global__ void fake_quantize_kernel(float* x, int64_t rows, int64_t cols, int tile_rows,
-                                     int tile_cols, DType format, float largest) {
-  const int64_t tiles_across = (cols + tile_cols - 1) / tile_cols;
-  const int64_t r0 = blockIdx.x / tiles_across * tile_rows,
-                c0 = blockIdx.x % tiles_across * tile_cols;
-  const int64_t tr = min((int64_t)tile_rows, rows - r0), tc = min((int64_t)tile_cols, cols - c0);
-  __shared__ float partial[32];
-  float m = 0.0f;
-  for (int64_t k = threadIdx.x; k < tr * tc; k += blockDim.x)
-    m = fmaxf(m, fabsf(x[(r0 + k / tc) * cols + c0 + k % tc]));
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = m;
-  __syncthreads();
-  m = 0.0f;
-  for (int w = 0; w < (int)blockDim.x / 32; w++) m = fmaxf(m, partial[w]);
-  const float s = m > 0.0f ? m / largest : 1.0f;
-  const __nv_fp8_interpretation_t fmt = format == DType::F8E4M3 ? __NV_E4M3 : __NV_E5M2;
-  const __nv_saturation_t sat = format == DType::F8E4M3 ? __NV_SATFINITE : __NV_NOSAT;
-  for (int64_t k = threadIdx.x; k < tr * tc; k += blockDim.x) {
-    float& v = x[(r0 + k / tc) * cols + c0 + k % tc];
-    const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(v / s, sat, fmt);
-    v = __half2float(__half(__nv_cvt_fp8_to_halfraw(q, fmt))) * s;
-  }
-}
-
 void fake_quantize_tiles_(const Context& ctx, const Tensor& x, DType format, int tile_rows,
                           int tile_cols) {
   PICO_ASSERT(x.dim() == 2 && x.dtype == DType::F32, "fake_quantize_tiles_ of " + x.shape_str());
   const int64_t rows = x.size(0), cols = x.size(1);
   if (rows == 0 || cols == 0) return;
-  const int64_t tiles = ((rows + tile_rows - 1) / tile_rows) * ((cols + tile_cols - 1) / tile_cols);
-  if (ctx.device == Device::CUDA) {
-    fake_quantize_kernel<<<(unsigned)tiles, 256, 0, ctx.stream>>>(
-        x.f32(), rows, cols, tile_rows, tile_cols, format, max_finite(format));
-    return LAUNCH_CHECK(ctx, "fake_quantize_kernel");
-  }
-  Tensor q = empty(x.shape, Mem::Workspace, Device::CPU, format);
-  Tensor scales = empty({(rows + tile_rows - 1) / tile_rows, (cols + tile_cols - 1) / tile_cols},
-                        Mem::Workspace, Device::CPU);
-  quantize_tiles(q, scales, x, tile_rows, tile_cols);
-  dequantize_tiles(x, q, scales, tile_rows, tile_cols);
+  Tensor q = empty(ctx, x.shape, Mem::Workspace, format);
+  Tensor scales = empty(
+      ctx, {(rows + tile_rows - 1) / tile_rows, (cols + tile_cols - 1) / tile_cols}, Mem::Workspace);
+  quantize_tiles_on(ctx, q, scales, x, tile_rows, tile_cols);
+  dequantize_tiles_on(ctx, x, q, scales, tile_rows, tile_cols);
 }
 
 void cast_(const Context& ctx, const Tensor& dst, const Tensor& src) {
@@ -466,9 +434,11 @@ Tensor compute_weight(const Context& ctx, const Tensor& W) {
 // What a GEMM reads of `t` ([rows, cols], the contraction along cols for activations and
 // gradients): its values rounded, or FP8 tiles (DeepSeek-V3: 1 x 128 for activations and
 // gradients, 128 x 128 for weights), dequantized. A workspace the caller drops after the GEMM.
-// On CUDA, bf16 and fp16 operands are stored in that format for the tensor cores.
+// On CUDA, bf16 and fp16 operands are stored in that format for the tensor cores. Under FP8,
+// fp8_tiles false stops before the tiles: the values fp8_gemm quantizes itself.
 enum class Operand { Activation, Weight, Gradient };
-static Tensor gemm_operand(const Context& ctx, const Tensor& t, Operand role) {
+static Tensor gemm_operand(const Context& ctx, const Tensor& t, Operand role,
+                           bool fp8_tiles = true) {
   const DType format = output_dtype(ctx.precision);
   // A weight stored in the compute format (ZeRO-1/2), or its kept copy: on CUDA the GEMM reads
   // it as it is.
@@ -489,7 +459,7 @@ static Tensor gemm_operand(const Context& ctx, const Tensor& t, Operand role) {
   Tensor m = copy.reshape({t.numel() / t.size(-1), t.size(-1)});
   if (!half.defined() && (ctx.precision != Precision::FP8 || role == Operand::Weight))
     round_(ctx, m, format, role == Operand::Gradient);
-  if (ctx.precision != Precision::FP8) return copy;
+  if (ctx.precision != Precision::FP8 || !fp8_tiles) return copy;
   if (role == Operand::Weight)
     fake_quantize_tiles_(ctx, m, DType::F8E4M3, 128, 128);
   else
@@ -514,9 +484,18 @@ static void operand_gemm(const Context& ctx, bool trans_a, bool trans_b, int M, 
                             CUBLAS_GEMM_DEFAULT));
 }
 
+// FP8 on a GPU: the forward and dgrad GEMMs go to fp8_gemm (real FP8 on Hopper), which declines
+// where it cannot run them; the emulation below then does.
+static bool fp8_on_gpu(const Context& ctx) {
+  return ctx.precision == Precision::FP8 && ctx.device == Device::CUDA;
+}
+
 void low_precision_linear_forward(const Context& ctx, const Tensor& y, const Tensor& x,
                                   const Tensor& W) {
   const int T = (int)x.size(0), in = (int)x.size(-1), out = (int)W.size(0);
+  if (fp8_on_gpu(ctx) && fp8_gemm(ctx, y.reshape({T, out}), x.reshape({T, in}), DType::F8E4M3,
+                                  gemm_operand(ctx, W, Operand::Weight, false), false, 0.0f))
+    return round_(ctx, y, output_dtype(ctx.precision));
   Tensor xq = gemm_operand(ctx, x, Operand::Activation), wq = gemm_operand(ctx, W, Operand::Weight);
   operand_gemm(ctx, false, true, T, out, in, xq, in, wq, in, 0.0f, y, out);
   round_(ctx, y, output_dtype(ctx.precision));
@@ -528,12 +507,19 @@ void low_precision_linear_backward(const Context& ctx, const Tensor& dx, const T
   const int T = (int)x.size(0), in = (int)x.size(-1), out = (int)W.size(0);
   Tensor dyq = gemm_operand(ctx, dy, Operand::Gradient);
   if (dx.defined()) {  // dx[T, in] = dy[T, out] @ W[out, in], stored rounded
-    Tensor wq = gemm_operand(ctx, W, Operand::Weight);
-    operand_gemm(ctx, false, false, T, in, out, dyq, out, wq, in, accumulate_dx ? 1.0f : 0.0f, dx,
-                 in);
+    const float beta = accumulate_dx ? 1.0f : 0.0f;
+    if (!fp8_on_gpu(ctx) ||
+        !fp8_gemm(ctx, dx.reshape({T, in}), dy.reshape({T, out}), DType::F8E5M2,
+                  gemm_operand(ctx, W, Operand::Weight, false), true, beta)) {
+      Tensor wq = gemm_operand(ctx, W, Operand::Weight);
+      operand_gemm(ctx, false, false, T, in, out, dyq, out, wq, in, beta, dx, in);
+    }
     round_(ctx, dx, output_dtype(ctx.precision), true);
   }
-  if (dW.defined()) {  // dW[out, in] += dy^T @ x, summed into the fp32 accumulator
+  // dW[out, in] += dy^T @ x, summed into the fp32 accumulator. Emulated under FP8 on every
+  // device: it contracts along the tokens, but the tiles of dy and x run along out and in, and
+  // cuBLASLt's block scaling applies its scales along the contraction only.
+  if (dW.defined()) {
     Tensor xq = gemm_operand(ctx, x, Operand::Activation);
     operand_gemm(ctx, true, false, out, in, T, dyq, out, xq, in, 1.0f, dW, in);
   }

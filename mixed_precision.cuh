@@ -32,7 +32,8 @@ void cast_(const Context& ctx, const Tensor& dst, const Tensor& src);
 // FP8 per-tile scaling (DeepSeek-V3 §3.3): each tile of x gets scale = absmax / max_finite(fmt)
 // and is stored as fp8(x / scale), so the tile's largest value lands on the format's largest.
 // x: [rows, cols] F32; q: [rows, cols] F8E4M3 or F8E5M2;
-// scales: [ceil(rows / tile_rows), ceil(cols / tile_cols)] F32. All on the CPU for now.
+// scales: [ceil(rows / tile_rows), ceil(cols / tile_cols)] F32. On the CPU; quantize_tiles_on
+// (fp8_gemm.cuh) runs it on either device.
 void quantize_tiles(const Tensor& q, const Tensor& scales, const Tensor& x, int tile_rows,
                     int tile_cols);
 // x = q * scale of its tile (shapes as quantize_tiles).

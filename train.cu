@@ -20,6 +20,7 @@
 #include "core.cuh"
 #include "data.cuh"
 #include "data_parallel.cuh"
+#include "fp8_gemm.cuh"
 #include "gradient_sync.cuh"
 #include "mixed_precision.cuh"
 #include "model.cuh"
@@ -446,6 +447,11 @@ static int run(const Options& o, Comm& comm, Context& ctx) {
     if (!train_step(t, step)) return 3;
     if (step + 1 == end || (o.val_every > 0 && (step + 1) % o.val_every == 0)) validate(t, step);
     fflush(stdout);
+  }
+  if (main_rank && ctx.precision == Precision::FP8 && ctx.device == Device::CUDA) {
+    const Fp8GemmCounts n = fp8_gemm_counts();  // forward and dgrad GEMMs (fp8_gemm.cuh)
+    printf("fp8 GEMMs on rank 0: %llu native (cuBLASLt block-scaled), %llu emulated\n",
+           (unsigned long long)n.native, (unsigned long long)n.emulated);
   }
   t.fault.at(FaultWhere::Save, comm.grid.world_rank, end - 1);  // where the checkpoint is saved
   finish_run(t);
