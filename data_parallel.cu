@@ -98,14 +98,16 @@ void ring_all_reduce(Comm& comm, Group& group, const Context& ctx, float* buf, i
 DataParallel::DataParallel(Comm& comm, Model& model, DpSync mode, double bucket_mb, bool overlap,
                            const AdamWConfig& hp, float weight_decay, uint64_t seed,
                            DType grad_dtype)
-    : GradientSync(comm, model, hp, weight_decay), mode_(mode), grad_dtype_(grad_dtype),
+    : GradientSync(comm, model, hp, weight_decay), mode_(mode),
+      accumulators_(model, [&model](int u) {
+        return model.grads.view(model.units[u].offset, {model.units[u].numel});
+      }),
       overlap_(overlap) {
+  grad_dtype_ = grad_dtype;
   PICO_ASSERT(!model.params.defined(), "DataParallel allocates a model from build_model_layout");
   PICO_ASSERT(grad_dtype == DType::F32 || (grad_dtype == DType::BF16 && mode != DpSync::Ring),
               "gradients in fp32, or in bf16 with naive or bucket sync");
   allocate_model(model, comm.device, seed, grad_dtype);
-  accumulators_.resize(model.units.size());
-  holders_.assign(model.units.size(), 0);
   moments_ = adam_moments(model.num_params, comm.device);
   slices_ = whole_model_slices(model, moments_);
   // Buckets in backward order: the flat buffer is laid out in forward order, so walking the
@@ -147,48 +149,16 @@ UnitHooks DataParallel::hooks(const Context& ctx, bool last_micro_batch) {
     if (last_micro_batch) h.after_backward = [this](int unit) { on_gradients_ready(unit); };
     return h;
   }
-  h.before_backward = [this](int unit) {
-    for (int u : grads_written(unit)) hold(u);
-  };
+  h.before_backward = [this](int unit) { accumulators_.hold(*ctx_, unit); };
   h.after_backward = [this, last_micro_batch](int unit) {
-    for (int u : grads_written(unit)) drop(u);
+    accumulators_.drop(*ctx_, unit);
     if (last_micro_batch) on_gradients_ready(unit);
   };
   return h;
 }
 
-// ----------------------------------------------------------------------------
-// Gradients in bf16: an fp32 accumulator per unit while its backward runs
-
-std::vector<int> DataParallel::grads_written(int unit) const {
-  const int embedding = model_.embedding_unit();
-  if (unit == model_.head_unit() && model_.cfg.tie_embeddings && embedding >= 0)
-    return {unit, embedding};  // the tied LM head's gradient is the embedding's
-  return {unit};
-}
-
 void* DataParallel::grad_at(int64_t offset) const {
   return (char*)model_.grads.ptr + offset * dtype_size(model_.grads.dtype);
-}
-
-// Counted, because a zero-bubble pipeline runs the next micro-batch's backward of a unit before
-// the weight gradients of the previous one: the accumulator stays until both are in.
-void DataParallel::hold(int unit) {
-  if (holders_[unit]++ > 0) return;
-  const ModelUnit& u = model_.units[unit];
-  Tensor acc = empty(*ctx_, {u.numel}, Mem::Workspace);
-  cast_(*ctx_, acc, model_.grads.view(u.offset, {u.numel}));  // the bf16 sum so far, exactly
-  bind_unit_grads(model_, unit, acc);
-  accumulators_[unit] = acc;
-}
-
-void DataParallel::drop(int unit) {
-  PICO_ASSERT(holders_[unit] > 0, "a unit's gradients dropped without being held");
-  if (--holders_[unit] > 0) return;
-  const ModelUnit& u = model_.units[unit];
-  cast_(*ctx_, model_.grads.view(u.offset, {u.numel}), accumulators_[unit]);  // rounded to bf16
-  bind_unit_grads(model_, unit, Tensor());
-  accumulators_[unit] = Tensor();
 }
 
 void DataParallel::launch(GradBucket& b) {
@@ -257,19 +227,7 @@ double DataParallel::finish(const Context& ctx) {
 
 void DataParallel::step(const Context& ctx, float lr) {
   adamw_.steps++;
-  for (const ParamSlice& s : slices_) {
-    if (s.grad_dtype == DType::F32) {
-      adamw_.update(ctx, s, lr);
-      continue;
-    }
-    // A bf16 gradient, widened (and clipped) one parameter at a time into fp32 for AdamW.
-    Tensor wide = empty(ctx, {s.count}, Mem::Workspace);
-    cast_(ctx, wide, Tensor{nullptr, s.grad, {s.count}, s.grad_dtype, ctx.device});
-    if (pending_scale_ != 1.0f) scale_(ctx, wide, pending_scale_);
-    ParamSlice fp32 = s;
-    fp32.grad = wide.ptr, fp32.grad_dtype = DType::F32;
-    adamw_.update(ctx, fp32, lr);
-  }
+  for (const ParamSlice& s : slices_) adamw_.update(ctx, s, lr, pending_scale_);
 }
 
 void DataParallel::trace_communication(Trace& trace) const {
@@ -295,10 +253,4 @@ Tensor DataParallel::gather_flat(const Context&, Part part) {
   return wide;
 }
 void DataParallel::load_flat(Part part, const Tensor& whole) { copy_(flat(part), whole); }
-// bf16 gradients keep clipping's factor and apply it in fp32 as step() widens them, rather than
-// rounding every gradient once more (the norm is taken before any scaling: fp16's loss scale,
-// the one scaling before clipping, is refused with bf16 gradients).
-void DataParallel::scale_grads(const Context& ctx, float alpha) {
-  if (grad_dtype_ == DType::F32) return scale_(ctx, model_.grads, alpha);
-  pending_scale_ *= alpha;
-}
+void DataParallel::scale_grads(const Context& ctx, float alpha) { scale_(ctx, model_.grads, alpha); }

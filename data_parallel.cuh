@@ -82,19 +82,13 @@ class DataParallel : public GradientSync {
 
  private:
   void on_gradients_ready(int unit);
-  std::vector<int> grads_written(int unit) const;  // its own, and a tied head's embedding
-  void hold(int unit);  // bf16 gradients: unit's fp32 accumulator, bound to its views
-  void drop(int unit);  // rounded back into the bf16 buffer once no backward holds it
   void* grad_at(int64_t offset) const;  // element `offset` of the flat gradient buffer
   void launch(GradBucket& b);
   void progress_all();
   void pump_rings(bool block);
   Tensor& flat(Part part);
   DpSync mode_;
-  DType grad_dtype_;
-  std::vector<Tensor> accumulators_;  // per unit, while held (bf16 gradients)
-  std::vector<int> holders_;          // backwards in flight that write the unit's gradients
-  float pending_scale_ = 1.0f;        // clipping's factor, applied as bf16 gradients are widened
+  Bf16Accumulators accumulators_;  // bf16 gradients only
   bool overlap_, active_ = false;
   const Context* ctx_ = nullptr;
   AdamMoments moments_;  // [num_params] each

@@ -15,6 +15,44 @@ GradientSync::GradientSync(Comm& comm, Model& model, const AdamWConfig& hp, floa
   adamw_.weight_decay = weight_decay;
 }
 
+Bf16Accumulators::Bf16Accumulators(Model& model, std::function<Tensor(int)> bf16_unit)
+    : model_(model), bf16_unit_(std::move(bf16_unit)) {
+  acc_.resize(model.units.size());
+  holders_.assign(model.units.size(), 0);
+}
+
+std::vector<int> Bf16Accumulators::written(int unit) const {
+  const int embedding = model_.embedding_unit();
+  if (unit == model_.head_unit() && model_.cfg.tie_embeddings && embedding >= 0)
+    return {unit, embedding};  // the tied LM head's gradient is the embedding's
+  return {unit};
+}
+
+void Bf16Accumulators::hold(const Context& ctx, int unit) {
+  for (int u : written(unit)) {
+    if (holders_[u]++ > 0) continue;
+    Tensor acc = empty(ctx, {model_.units[u].numel}, Mem::Workspace);
+    cast_(ctx, acc, bf16_unit_(u));  // the bf16 sum so far, exactly
+    bind_unit_grads(model_, u, acc);
+    acc_[u] = acc;
+  }
+}
+
+void Bf16Accumulators::drop(const Context& ctx, int unit) {
+  for (int u : written(unit)) {
+    PICO_ASSERT(holders_[u] > 0, "a unit's gradients dropped without being held");
+    if (--holders_[u] > 0) continue;
+    cast_(ctx, bf16_unit_(u), acc_[u]);  // rounded to bf16
+    bind_unit_grads(model_, u, Tensor());
+    acc_[u] = Tensor();
+  }
+}
+
+void GradientSync::scale_gradients(const Context& ctx, float alpha) {
+  if (grad_dtype_ == DType::F32) return scale_grads(ctx, alpha);
+  pending_scale_ *= alpha;
+}
+
 float GradientSync::clip_grad_norm(const Context& ctx, float max_norm) {
   std::vector<Tensor> grads;
   for (const ParamSlice& s : slices_)
@@ -25,7 +63,7 @@ float GradientSync::clip_grad_norm(const Context& ctx, float max_norm) {
   all_reduce_host(comm_.tp, &squares, 1, ReduceOp::Sum);  // the groups that split the model
   all_reduce_host(comm_.pp, &squares, 1, ReduceOp::Sum);
   float norm = (float)std::sqrt(squares);
-  if (max_norm > 0.0f && norm > max_norm) scale_grads(ctx, max_norm / norm);
+  if (max_norm > 0.0f && norm > max_norm) scale_gradients(ctx, max_norm / norm);
   return norm;
 }
 

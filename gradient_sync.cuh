@@ -3,11 +3,33 @@
 // and by ZeRO-1/2/3 (zero.cu): train.cu holds one, chosen by flags, and never asks which.
 // Each owns the gradients' sum over dp_cp, the optimizer state and the weights' memory.
 #pragma once
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "comm.cuh"
 #include "model.cuh"
 #include "optimizer.cuh"
+
+// Gradients kept in bf16 (--grad-acc-dtype bf16): while a unit's backward runs, its gradient
+// views point at an fp32 accumulator that starts from the bf16 sum so far; once no backward
+// holds the unit any more, the accumulator is rounded back into the bf16 buffer. Counted,
+// because a zero-bubble pipeline runs the next micro-batch's backward of a unit before the
+// weight gradients of the previous one, and a tied LM head writes the embedding's gradient.
+class Bf16Accumulators {
+ public:
+  // `bf16_unit(u)`: where unit u's gradient lives in bf16, laid out as in the flat buffer.
+  Bf16Accumulators(Model& model, std::function<Tensor(int)> bf16_unit);
+  void hold(const Context& ctx, int unit);  // this unit's, and a tied head's embedding's
+  void drop(const Context& ctx, int unit);
+
+ private:
+  std::vector<int> written(int unit) const;
+  Model& model_;
+  std::function<Tensor(int)> bf16_unit_;
+  std::vector<Tensor> acc_;
+  std::vector<int> holders_;
+};
 
 class GradientSync {
  public:
@@ -25,12 +47,16 @@ class GradientSync {
   // hold it, summed over dp_cp when sharded and over every group that splits the model (tp);
   // then every gradient scaled by max_norm / norm when the norm exceeds max_norm > 0.
   float clip_grad_norm(const Context& ctx, float max_norm);
-  // Every gradient this rank holds times alpha (fp16: dividing out the loss scale).
-  void scale_gradients(const Context& ctx, float alpha) { scale_grads(ctx, alpha); }
+  // Every gradient this rank holds times alpha (fp16: dividing out the loss scale; clipping).
+  // bf16 gradients keep the factor and AdamW applies it in fp32 as it widens them, rather than
+  // rounding every gradient once more (the norm is taken before: fp16's loss scale, the one
+  // scaling before clipping, is refused with bf16 gradients).
+  void scale_gradients(const Context& ctx, float alpha);
   // Testing fp16 loss scaling (--fault inf): an infinity in this rank's first gradient.
   void poison_gradient(const Context& ctx);
   virtual void step(const Context& ctx, float lr) = 0;  // AdamW on what this rank updates
   int64_t optimizer_steps() const { return adamw_.steps; }
+  DType grad_dtype() const { return grad_dtype_; }  // F32, or BF16 (--grad-acc-dtype bf16)
 
   // ---- the whole model for evaluation and sampling (ZeRO-3 gathers it: collective) ----
   virtual void gather_weights(const Context&) {}
@@ -67,4 +93,6 @@ class GradientSync {
   Model& model_;
   AdamW adamw_;
   std::vector<ParamSlice> slices_;  // what this rank's optimizer updates
+  DType grad_dtype_ = DType::F32;   // of the gradient buffers (--grad-acc-dtype)
+  float pending_scale_ = 1.0f;      // bf16 gradients: the factor not yet applied (reset per step)
 };

@@ -3,6 +3,7 @@
 // why it dominates static memory, and why ZeRO shards it first (Playbook §4).
 #include <cmath>
 
+#include "mixed_precision.cuh"
 #include "optimizer.cuh"
 
 bool weight_decays(const Tensor& param) {
@@ -27,9 +28,17 @@ std::vector<ParamSlice> whole_model_slices(const Model& model, const AdamMoments
   return slices;
 }
 
-void AdamW::update(const Context& ctx, const ParamSlice& s, float lr) const {
-  PICO_ASSERT(s.grad_dtype == DType::F32, "AdamW reads fp32 gradients: widen bf16 ones first");
-  adamw_update(ctx, s.param, (const float*)s.grad, s.exp_avg, s.exp_avg_sq, s.count, hp, lr,
+void AdamW::update(const Context& ctx, const ParamSlice& s, float lr, float grad_scale) const {
+  Tensor grad{nullptr, s.grad, {s.count}, s.grad_dtype, ctx.device};
+  if (s.grad_dtype != DType::F32) {  // one parameter at a time: a small fp32 workspace
+    Tensor wide = empty(ctx, {s.count}, Mem::Workspace);
+    cast_(ctx, wide, grad);
+    if (grad_scale != 1.0f) scale_(ctx, wide, grad_scale);
+    grad = wide;
+  } else {
+    PICO_ASSERT(grad_scale == 1.0f, "fp32 gradients are scaled in place");
+  }
+  adamw_update(ctx, s.param, grad.f32(), s.exp_avg, s.exp_avg_sq, s.count, hp, lr,
                s.decay ? weight_decay : 0.0f, (int)steps);
 }
 

@@ -36,7 +36,9 @@ struct AdamW {
   float weight_decay = 0.1f;
   int64_t steps = 0;  // updates taken so far; the caller counts them, update() reads them
   // One AdamW update of one slice at learning rate lr (Loshchilov & Hutter, decoupled decay).
-  void update(const Context& ctx, const ParamSlice& s, float lr) const;
+  // A bf16 gradient is widened into fp32 first (and multiplied by grad_scale, a factor kept
+  // aside for it: clipping); an fp32 one is read as it is (grad_scale must be 1).
+  void update(const Context& ctx, const ParamSlice& s, float lr, float grad_scale = 1.0f) const;
 };
 
 struct LrSchedule {

@@ -320,9 +320,6 @@ DType resolve_grad_dtype(const Options& o, Precision p) {
                      (p == Precision::FP16 ? " (fp16 gradients would underflow: loss scaling "
                                              "needs fp32 ones)" : "") +
                      ": add --dtype bf16, or drop the flag");
-  if (o.zero > 0 && o.dp * o.cp > 1)
-    throw UsageError(flag + " is built for plain data parallelism; ZeRO keeps its gradient "
-                     "shards in fp32: drop --zero " + std::to_string(o.zero) + " or the flag");
   if (o.dp_sync == "ring")
     throw UsageError(flag + ": the hand-written ring (--dp-sync ring) adds fp32 chunks; use "
                      "--dp-sync bucket or naive");

@@ -64,8 +64,8 @@ void check_before_start(const Options& o, const Comm& comm);
 // --dtype for `device` (auto: fp32 on CPU, bf16 on CUDA); UsageError for fp8 on a GPU without
 // FP8 tensor cores (before compute capability 8.9).
 Precision resolve_precision(const Options& o, Device device);
-// --grad-acc-dtype for a run in precision p: F32, or BF16 (with --dtype bf16 or fp8, plain data
-// parallelism with naive or bucket sync: else UsageError naming the flags and the fix).
+// --grad-acc-dtype for a run in precision p: F32, or BF16 (with --dtype bf16 or fp8, and not
+// with --dp-sync ring: else UsageError naming the flags and the fix).
 DType resolve_grad_dtype(const Options& o, Precision p);
 void print_config(const Options& o, const Dataset& data, const Comm& comm, int64_t n_params,
                   int zero_stage);

@@ -155,13 +155,13 @@ static std::unique_ptr<GradientSync> make_gradient_sync(Comm& comm, Model& model
   }
   // Mixed precision: ZeRO-1/2 keep the whole weights in the compute format only.
   const Precision p = o.score.empty() ? resolve_precision(o, comm.device) : Precision::FP32;
+  const DType grads = o.score.empty() ? resolve_grad_dtype(o, p) : DType::F32;
   if (stage > 0)
     return std::make_unique<Zero>(comm, model, stage, AdamWConfig{}, o.weight_decay, o.seed,
-                                  !o.no_overlap, output_dtype(p));
-  return std::make_unique<DataParallel>(
-      comm, model, parse_dp_sync(o.dp_sync), o.bucket_mb, !o.no_overlap, AdamWConfig{},
-      o.weight_decay, o.seed,
-      o.score.empty() ? resolve_grad_dtype(o, resolve_precision(o, comm.device)) : DType::F32);
+                                  !o.no_overlap, output_dtype(p), grads);
+  return std::make_unique<DataParallel>(comm, model, parse_dp_sync(o.dp_sync), o.bucket_mb,
+                                        !o.no_overlap, AdamWConfig{}, o.weight_decay, o.seed,
+                                        grads);
 }
 
 // Evaluation reads the whole model: ZeRO-3 gathers it for the duration.
@@ -362,10 +362,10 @@ static void print_reports(Trainer& t) {
     if (r == "memory") {
       if (main_rank)
         print_precision_memory(t.ctx.precision, n_params, t.sync.master_bytes(t.ctx),
-                               t.model.grads.defined() && t.model.grads.dtype == DType::BF16);
+                               t.sync.grad_dtype() == DType::BF16);
       print_memory_report(comm, t.sync.zero_stage(), n_params, t.sync.padded_params(),
                           t.ctx.precision,
-                          t.model.grads.defined() && t.model.grads.dtype == DType::BF16);
+                          t.sync.grad_dtype() == DType::BF16);
       if (main_rank && t.block_bytes >= 0)
         print_activation_report(local_sequences(o), o.mbs, o.tp, o.sp, t.recompute,
                                 t.model.attention, t.block_bytes);

@@ -56,8 +56,10 @@ StaticMemory zero_static_memory(int stage, double psi, int ranks, BytesPerParame
           b.optimizer * psi / (stage >= 1 ? N : 1.0)};
 }
 BytesPerParameter bytes_per_parameter(int stage, Precision precision, bool bf16_grads) {
-  if (precision == Precision::FP32 || stage == 3) return {};
-  return {2, bf16_grads ? 2.0 : 4.0, 12};
+  const double grads = bf16_grads ? 2 : 4;
+  if (precision == Precision::FP32) return {};
+  if (stage == 3) return {4, grads, 8};  // no compute copy: the fp32 shard is the master
+  return {2, grads, 12};
 }
 
 std::string zero_memory_formula(int stage, BytesPerParameter b) {
@@ -72,9 +74,14 @@ std::string zero_memory_formula(int stage, BytesPerParameter b) {
 // Shards
 
 Zero::Zero(Comm& comm, Model& model, int stage, const AdamWConfig& hp, float weight_decay,
-           uint64_t seed, bool overlap, DType weight_format)
+           uint64_t seed, bool overlap, DType weight_format, DType grad_dtype)
     : GradientSync(comm, model, hp, weight_decay), stage_(stage), overlap_(overlap),
-      weight_format_(stage == 3 ? DType::F32 : weight_format) {
+      weight_format_(stage == 3 ? DType::F32 : weight_format),
+      accumulators_(model, [this](int u) {
+        const ShardLayout::Unit& U = layout_.units[u];
+        return model_.grads.view(U.padded_offset, {U.numel});
+      }) {
+  grad_dtype_ = grad_dtype;
   PICO_ASSERT(stage >= 1 && stage <= 3, "ZeRO stage " + std::to_string(stage));
   PICO_ASSERT(!model.params.defined(), "Zero shards a model from build_model_layout");
   layout_ = make_shard_layout(model, comm.dp_cp.size, comm.dp_cp.rank);
@@ -106,14 +113,16 @@ Zero::Zero(Comm& comm, Model& model, int stage, const AdamWConfig& hp, float wei
         init_parameters(model, seed, param_shard_.view(U.shard_offset, {U.valid}),
                         U.offset + r * U.shard);
   }
+  // Gradients in fp32 or bf16 (--grad-acc-dtype). Stage 1 in bf16 binds the views per unit
+  // around its backward (Bf16Accumulators); stages 2-3 always do (acquire_grads).
   if (stage == 1) {
-    model.grads = zeros({layout_.padded_numel()}, Mem::Grads, d);
-    for (size_t u = 0; u < units_.size(); u++) {
+    model.grads = zeros({layout_.padded_numel()}, Mem::Grads, d, grad_dtype);
+    for (size_t u = 0; u < units_.size() && grad_dtype == DType::F32; u++) {
       const ShardLayout::Unit& U = layout_.units[u];
       bind_unit_grads(model, (int)u, model.grads.view(U.padded_offset, {N * U.shard}));
     }
   } else {
-    grad_shard_ = zeros({S}, Mem::Grads, d);
+    grad_shard_ = zeros({S}, Mem::Grads, d, grad_dtype);
   }
   exp_avg_ = zeros({S}, Mem::Optimizer, d);
   exp_avg_sq_ = zeros({S}, Mem::Optimizer, d);
@@ -128,9 +137,9 @@ Zero::Zero(Comm& comm, Model& model, int stage, const AdamWConfig& hp, float wei
       begin = std::max(begin, lo), end = std::min(end, hi);
       int64_t at = begin - lo;  // within the unit's shard
       if (begin < end)
-        slices_.push_back({shard(Part::Params, u) + at, shard(Part::Grads, u) + at,
+        slices_.push_back({shard(Part::Params, u) + at, grads_of(u).view(at, {end - begin}).ptr,
                            shard(Part::ExpAvg, u) + at, shard(Part::ExpAvgSq, u) + at,
-                           end - begin, u, weight_decays(t), model.layouts[p].writer});
+                           end - begin, u, weight_decays(t), model.layouts[p].writer, grad_dtype});
     }
   }
 }
@@ -145,6 +154,7 @@ float* Zero::shard(Part part, int u) const {
       return param_shard_.defined() ? param_shard_.f32() + U.shard_offset
                                     : model_.params.f32() + in_full;
     case Part::Grads:
+      PICO_ASSERT(grad_dtype_ == DType::F32, "bf16 gradients: use grads_of");
       return stage_ == 1 ? model_.grads.f32() + in_full : grad_shard_.f32() + U.shard_offset;
     case Part::ExpAvg:
       return exp_avg_.f32() + U.shard_offset;
@@ -152,6 +162,11 @@ float* Zero::shard(Part part, int u) const {
       return exp_avg_sq_.f32() + U.shard_offset;
   }
   return nullptr;
+}
+Tensor Zero::grads_of(int u) const {
+  const ShardLayout::Unit& U = layout_.units[u];
+  return stage_ == 1 ? model_.grads.view(U.padded_offset + layout_.rank * U.shard, {U.shard})
+                     : grad_shard_.view(U.shard_offset, {U.shard});
 }
 Tensor Zero::shard_view(Part part, int u, int64_t count) const {
   Tensor t;  // a non-owning view
@@ -201,6 +216,7 @@ void Zero::after_forward(int u) {
 }
 void Zero::before_backward(int u) {
   progress();
+  if (stage_ == 1 && grad_dtype_ != DType::F32) accumulators_.hold(*ctx_, u);
   if (stage_ == 3) {
     for (int w : weights_read(u, true)) gather_unit(w);
     if (overlap_)
@@ -210,6 +226,7 @@ void Zero::before_backward(int u) {
     for (int w : weights_read(u, false)) acquire_grads(w);  // the gradients it writes
 }
 void Zero::after_backward(int u, bool last_micro_batch) {
+  if (stage_ == 1 && grad_dtype_ != DType::F32) accumulators_.drop(*ctx_, u);
   if (stage_ == 3)
     for (int w : weights_read(u, true)) release_unit(w);
   if (stage_ >= 2 || last_micro_batch) reduce_unit(u);  // §4.3: reduce-scatter as produced
@@ -266,9 +283,18 @@ void Zero::acquire_grads(int u) {
 void Zero::reduce_unit(int u) {
   UnitState& s = units_[u];
   const ShardLayout::Unit& U = layout_.units[u];
-  float* full = stage_ == 1 ? model_.grads.f32() + U.padded_offset : s.grads.f32();
+  // The unit's full gradient in the wire format: stage 1's buffer itself; stages 2-3's fp32
+  // workspace, or under bf16 gradients its rounding (this micro-batch's sum, rounded once).
+  Tensor full = stage_ == 1 ? model_.grads.view(U.padded_offset, {layout_.ranks * U.shard})
+                            : s.grads;
+  if (stage_ >= 2 && grad_dtype_ != DType::F32) {
+    s.wire = empty(*ctx_, full.shape, Mem::Workspace, grad_dtype_);
+    cast_(*ctx_, s.wire, full);
+    full = s.wire;
+  }
   s.reduce_start = now_seconds();
-  s.reduce = reduce_scatter_async(comm_, comm_.dp_cp, *ctx_, full, full + layout_.rank * U.shard,
+  s.reduce = reduce_scatter_async(comm_, comm_.dp_cp, *ctx_, full.ptr,
+                                  full.view(layout_.rank * U.shard, {U.shard}).ptr, grad_dtype_,
                                   U.shard, ReduceOp::Sum);
   s.reducing = true;
   if (!overlap_) complete_reduce(u);
@@ -285,8 +311,17 @@ void Zero::complete_reduce(int u) {
   s.reducing = false;
   if (stage_ >= 2) {  // keep the sum of this rank's slice; the unit's full gradient goes
     const ShardLayout::Unit& U = layout_.units[u];
-    axpy(*ctx_, shard_view(Part::Grads, u, U.shard), 1.0f,
-         s.grads.view(layout_.rank * U.shard, {U.shard}));
+    const Tensor shard = grads_of(u);
+    if (grad_dtype_ == DType::F32) {
+      axpy(*ctx_, shard, 1.0f, s.grads.view(layout_.rank * U.shard, {U.shard}));
+    } else {  // bf16 shard += bf16 slice: added in fp32, rounded once
+      Tensor sum = empty(*ctx_, {U.shard}, Mem::Workspace), mine = empty(*ctx_, {U.shard}, Mem::Workspace);
+      cast_(*ctx_, sum, shard);
+      cast_(*ctx_, mine, s.wire.view(layout_.rank * U.shard, {U.shard}));
+      axpy(*ctx_, sum, 1.0f, mine);
+      cast_(*ctx_, shard, sum);
+      s.wire = Tensor();
+    }
     bind_unit_grads(model_, u, Tensor());
     s.grads = Tensor();
   }
@@ -310,6 +345,7 @@ void Zero::begin_step(const Context& ctx) {
   exposed_gather_s = exposed_reduce_s = 0;
   traffic_.open(comm_.dp_cp);
   zero_(stage_ == 1 ? model_.grads : grad_shard_);
+  pending_scale_ = 1.0f;
 }
 
 double Zero::finish(const Context& ctx) {
@@ -323,8 +359,7 @@ double Zero::finish(const Context& ctx) {
 }
 
 void Zero::scale_grads(const Context& ctx, float alpha) {
-  for (size_t u = 0; u < units_.size(); u++)
-    scale_(ctx, shard_view(Part::Grads, (int)u, layout_.units[u].shard), alpha);
+  for (size_t u = 0; u < units_.size(); u++) scale_(ctx, grads_of((int)u), alpha);
 }
 
 // Playbook §4.2 steps 4-5: AdamW on this rank's slice, then (stages 1-2) every rank's updated
@@ -344,7 +379,8 @@ void Zero::step(const Context& ctx, float lr) {
   size_t k = 0;
   for (size_t u = 0; u < units_.size(); u++) {
     int iu = (int)u;
-    for (; k < slices_.size() && slices_[k].unit == iu; k++) adamw_.update(ctx, slices_[k], lr);
+    for (; k < slices_.size() && slices_[k].unit == iu; k++)
+      adamw_.update(ctx, slices_[k], lr, pending_scale_);
     if (stage_ <= 2) {  // in place, like the reduce-scatter
       const ShardLayout::Unit& U = layout_.units[u];
       Tensor full = model_.params.view(U.padded_offset, {layout_.ranks * U.shard});
@@ -391,8 +427,13 @@ Tensor Zero::gather_flat(const Context& ctx, Part part) {
     }
     Tensor staging =
         root ? empty({layout_.ranks * U.shard}, Mem::Workspace, comm_.device) : Tensor();
-    gather(comm_, comm_.dp_cp, ctx, shard(part, (int)u), root ? staging.f32() : nullptr, U.shard,
-           0);
+    Tensor mine = part == Part::Grads ? grads_of((int)u) : shard_view(part, (int)u, U.shard);
+    if (mine.dtype != DType::F32) {  // checkpoints hold fp32: bf16 gradients widened first
+      Tensor wide = empty({U.shard}, Mem::Workspace, comm_.device);
+      cast_(wide, mine);
+      mine = wide;
+    }
+    gather(comm_, comm_.dp_cp, ctx, mine.f32(), root ? staging.f32() : nullptr, U.shard, 0);
     if (root) copy_(whole.view(U.offset, {U.numel}), staging.view(0, {U.numel}));
   }
   return whole;
@@ -443,7 +484,7 @@ ZeroTraffic Zero::measured_traffic() const {
 //                   per step.
 ZeroTraffic Zero::expected_traffic(int grad_acc) const {
   ZeroTraffic t;
-  int64_t per_element = (int64_t)(layout_.ranks - 1) * (int64_t)sizeof(float);
+  int64_t per_element = (int64_t)(layout_.ranks - 1) * (int64_t)dtype_size(grad_dtype_);
   int64_t gathered_element = (int64_t)(layout_.ranks - 1) * (int64_t)dtype_size(weight_format_);
   int reduces = stage_ == 1 ? 1 : grad_acc;
   for (const ShardLayout::Unit& U : layout_.units) {

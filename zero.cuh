@@ -42,9 +42,9 @@ StaticMemory zero_static_memory(int stage, double psi, int ranks, BytesPerParame
 // The formula in words: fp32 "4Ψ + 4Ψ + 8Ψ/N" for stage 1, ...; bf16 with an fp32 master
 // {2, 4, 12}: "2Ψ + 4Ψ + 12Ψ/N".
 std::string zero_memory_formula(int stage, BytesPerParameter bytes = {});
-// What each rank keeps per parameter: fp32's 4, 4, 8, or under mixed precision (not ZeRO-3,
-// which keeps no copy) the compute-format weights 2, the gradients (4, or 2 in bf16) and the
-// fp32 master weights with Adam's moments, 12.
+// What each rank keeps per parameter: fp32's 4, 4, 8, or under mixed precision the
+// compute-format weights 2, the gradients (4, or 2 in bf16) and the fp32 master weights with
+// Adam's moments, 12 (ZeRO-3 keeps no compute copy: 4, the gradients, 8).
 BytesPerParameter bytes_per_parameter(int stage, Precision precision, bool bf16_grads);
 
 // Collective calls and bytes this rank sends over dp_cp in one training step.
@@ -63,8 +63,11 @@ class Zero : public GradientSync {
   // weight_format BF16 or F16 (mixed precision, stages 1-2): the whole weights every rank holds
   // are kept in that format only; the fp32 master weights are sharded with Adam's moments (the
   // book's 2Ψ + 4Ψ + 12Ψ/N for ZeRO-1), and each step all-gathers the rounded slices.
+  // grad_dtype BF16 (--grad-acc-dtype bf16): the gradient buffers and shards in bf16, each
+  // unit summed in fp32 while its backward runs, reduce-scattered in bf16.
   Zero(Comm& comm, Model& model, int stage, const AdamWConfig& hp, float weight_decay,
-       uint64_t seed, bool overlap, DType weight_format = DType::F32);
+       uint64_t seed, bool overlap, DType weight_format = DType::F32,
+       DType grad_dtype = DType::F32);
   int stage() const { return stage_; }
   const ShardLayout& layout() const { return layout_; }
 
@@ -111,11 +114,13 @@ class Zero : public GradientSync {
  private:
   struct UnitState {
     Tensor params, grads;  // transient full-unit buffers [N * S_u] (Mem::Workspace)
+    Tensor wire;           // bf16 gradients: the unit's gradient rounded, as reduce-scattered
     bool gathering = false, resident = false, reducing = false;
     Handle gather, reduce;
     double gather_start = 0, reduce_start = 0;
   };
   float* shard(Part part, int u) const;
+  Tensor grads_of(int u) const;  // this rank's slice of unit u's gradient [S_u], fp32 or bf16
   Tensor shard_view(Part part, int u, int64_t count) const;
   void before_forward(int u);
   void after_forward(int u);
@@ -132,6 +137,7 @@ class Zero : public GradientSync {
   int stage_;
   bool overlap_;
   DType weight_format_;  // of model.params under stages 1-2 (F32 unless mixed precision)
+  Bf16Accumulators accumulators_;  // stage 1 with bf16 gradients
   ShardLayout layout_;
   Tensor param_shard_, grad_shard_;  // [S] stage 3 (or mixed precision) weights, stages 2-3 gradients
   Tensor exp_avg_, exp_avg_sq_;      // [S] Adam m and v

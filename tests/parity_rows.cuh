@@ -1,8 +1,13 @@
 // parity_rows.cuh: the parity matrix's layouts (DESIGN 8), shared by the fp32 matrix
 // (test_parity.cu) and its bf16 run (test_precision_parity.cu). Adding a layout is one row.
 #pragma once
+#include <catch2/catch.hpp>
+#include <filesystem>
+#include <map>
 #include <string>
 #include <vector>
+
+#include "launch.cuh"
 
 struct ParityRow {
   std::string name;
@@ -117,3 +122,21 @@ inline const std::vector<ParityRow> PARITY_ROWS = {
 inline const std::string COMMON =
     "--d-model 32 --layers 2 --heads 4 --kv-heads 2 --ffn 64 --seq 16 --mbs 2 --steps 3 "
     "--warmup 1 --grad-clip 0.5 --val-every 0 --val-seqs 4 --comm-timeout 60 ";
+
+// A run of COMMON + flags under --dtype bf16 on `ranks` ranks (0: one process): its log, the
+// first step's gradients (--save-grads) and what it printed. Requires exit code 0.
+struct Bf16Run {
+  std::vector<nlohmann::json> log;
+  std::map<std::string, std::vector<float>> grads;
+  std::string output;
+};
+inline Bf16Run run_bf16(const std::string& flags, int ranks, const std::string& dir) {
+  std::filesystem::create_directories(dir);
+  RunResult r = run_train(COMMON + flags + " --dtype bf16 --log-json " + dir + "/log.jsonl" +
+                              " --save-grads " + dir + "/grads.safetensors",
+                          ranks);
+  INFO(flags << "\n" << r.output);
+  REQUIRE(r.code == 0);
+  return {read_json_lines(dir + "/log.jsonl"), read_f32_tensors(dir + "/grads.safetensors"),
+          r.output};
+}

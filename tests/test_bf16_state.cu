@@ -32,21 +32,6 @@ float round_bf16(float x) {
   return r;
 }
 
-struct Run {
-  std::vector<nlohmann::json> log;
-  std::map<std::string, std::vector<float>> grads;
-  std::string output;
-};
-Run run(const std::string& flags, int ranks, const std::string& dir) {
-  fs::create_directories(dir);
-  RunResult r = run_train(COMMON + flags + " --dtype bf16 --log-json " + dir + "/log.jsonl" +
-                              " --save-grads " + dir + "/grads.safetensors",
-                          ranks);
-  INFO(flags << "\n" << r.output);
-  REQUIRE(r.code == 0);
-  return {read_json_lines(dir + "/log.jsonl"), read_f32_tensors(dir + "/grads.safetensors"),
-          r.output};
-}
 
 }  // namespace
 
@@ -61,8 +46,8 @@ TEST_CASE("bf16 gradients are the fp32-accumulated ones rounded to bf16, in ever
   // (sequence-parallel norm weights are summed over tp in the fp32 accumulator first).
   for (Layout l : {Layout{"", 0}, Layout{"--tp 2 --sp", 2}, Layout{"--pp 2", 2}}) {
     SECTION(std::string("layout ") + (l.ranks ? l.flags : "single process")) {
-      Run fp32 = run(l.flags, l.ranks, dir + "/fp32");
-      Run bf16 = run(std::string(l.flags) + " --grad-acc-dtype bf16", l.ranks, dir + "/bf16");
+      Bf16Run fp32 = run_bf16(l.flags, l.ranks, dir + "/fp32");
+      Bf16Run bf16 = run_bf16(std::string(l.flags) + " --grad-acc-dtype bf16", l.ranks, dir + "/bf16");
       REQUIRE(bf16.grads.size() == fp32.grads.size());
       int64_t elements = 0, differ = 0, rounded = 0;
       for (const auto& [name, g] : fp32.grads) {
@@ -107,15 +92,20 @@ TEST_CASE("bf16 gradients: data, pipeline and tensor parallel runs track the sin
       {"pp 2 x dp 2, interleaved", "--layers 4 --pp 2 --dp 2 --pp-schedule interleaved --pp-virtual 2 --grad-acc 2",
        4, "--layers 4 --grad-acc 4"},
       {"dp 2, tied embeddings", "--dp 2 --tie-embeddings", 2, "--grad-acc 2 --tie-embeddings"},
+      {"dp 2, zero 1, 2 micro-batches", "--dp 2 --zero 1 --grad-acc 2", 2, "--grad-acc 4"},
+      {"dp 2, zero 2, tied embeddings", "--dp 2 --zero 2 --tie-embeddings", 2, "--grad-acc 2 --tie-embeddings"},
+      {"dp 2, zero 3, 2 micro-batches", "--dp 2 --zero 3 --grad-acc 2", 2, "--grad-acc 4"},
+      {"pp 2 x dp 2, zero 1, zero-bubble", "--pp 2 --dp 2 --zero 1 --pp-schedule zb-h1 --grad-acc 2", 4,
+       "--grad-acc 4"},
   };
-  std::map<std::string, Run> refs;
+  std::map<std::string, Bf16Run> refs;
   for (const Row& row : rows) {
     SECTION(row.name) {
       const std::string bf16 = " --grad-acc-dtype bf16";
       if (!refs.count(row.reference))
-        refs[row.reference] = run(std::string(row.reference) + bf16, 0, dir + "/ref");
-      const Run& ref = refs[row.reference];
-      Run got = run(std::string(row.layout) + bf16, row.ranks, dir + "/layout");
+        refs[row.reference] = run_bf16(std::string(row.reference) + bf16, 0, dir + "/ref");
+      const Bf16Run& ref = refs[row.reference];
+      Bf16Run got = run_bf16(std::string(row.layout) + bf16, row.ranks, dir + "/layout");
       REQUIRE(got.log.size() == ref.log.size());
       for (size_t i = 0; i < ref.log.size(); i++) {
         INFO(row.name << ", step " << i + 1);
@@ -131,15 +121,24 @@ TEST_CASE("bf16 gradients: data, pipeline and tensor parallel runs track the sin
 
 TEST_CASE("--grad-acc-dtype bf16 halves the gradients' bytes: the book's 16 per parameter",
           "[train]") {
-  RunResult r = run_train(
-      "--steps 1 --mbs 2 --seq 32 --val-every 0 --val-seqs 2 --report memory --dtype bf16 "
-      "--grad-acc-dtype bf16");
+  const std::string run = "--steps 1 --mbs 2 --seq 32 --val-every 0 --val-seqs 2 --report memory "
+                          "--dtype bf16 --grad-acc-dtype bf16 ";
+  RunResult r = run_train(run);
   INFO(r.output);
   REQUIRE(r.code == 0);
   // Measured at allocation: bf16 weights 2, bf16 gradients 2, fp32 master 4, Adam 8.
   CHECK_THAT(r.output,
              Catch::Contains("this rank, measured            2.00       2.00     4.00       8.00   16.00"));
   CHECK_THAT(r.output, Catch::Contains("bf16 gradients"));  // the configuration table says so
+  // ZeRO over 2 ranks: the book's 2Ψ + 2Ψ + 12Ψ/N (ZeRO-1), 2Ψ + 2Ψ/N + 12Ψ/N (ZeRO-2), to the byte.
+  for (const char* z : {"1", "2"}) {
+    RunResult zr = run_train(run + "--dp 2 --zero " + z, 2);
+    INFO(zr.output);
+    REQUIRE(zr.code == 0);
+    CHECK_THAT(zr.output, Catch::Contains(std::string("Playbook §4.1: 2Ψ + 2Ψ") +
+                                          (z[0] == '1' ? "" : "/N") + " + 12Ψ/N"));
+    CHECK_THAT(zr.output, Catch::Contains("every rank holds exactly the formula's bytes at Ψ': yes"));
+  }
 }
 
 TEST_CASE("--grad-acc-dtype bf16 where it cannot apply ends with exit code 2 naming the fix",
@@ -154,7 +153,6 @@ TEST_CASE("--grad-acc-dtype bf16 where it cannot apply ends with exit code 2 nam
       {"--grad-acc-dtype bf16", 0, "add --dtype bf16"},  // fp32 on CPU by default
       {"--dtype fp16 --grad-acc-dtype bf16", 0, "fp16 gradients would underflow"},
       {"--dtype bf16 --grad-acc-dtype bf16 --dp-sync ring", 0, "use --dp-sync bucket or naive"},
-      {"--dtype bf16 --grad-acc-dtype bf16 --dp 2 --zero 1", 2, "drop --zero 1"},
       {"--dtype bf16 --grad-acc-dtype fp16", 0, "expected fp32 or bf16"},
   };
   for (const Case& c : cases) {
@@ -167,14 +165,16 @@ TEST_CASE("--grad-acc-dtype bf16 where it cannot apply ends with exit code 2 nam
 }
 
 // Two data-parallel ranks sum their gradients the same way under ZeRO as under plain data
-// parallelism (one fp32 addition of two values does not depend on the order), and AdamW's
-// update is elementwise: so a ZeRO-1/2 run, with its sharded master weights and bf16
-// all-gather, must end with the very bytes of the plain run, in the checkpoint's master weights
-// and Adam moments. Without clipping: the global norm is summed from shards under ZeRO, in
+// parallelism (one addition of two values does not depend on the order; in bf16, one fp32 add
+// rounded once, whether all-reduced or reduce-scattered), and AdamW's update is elementwise: so
+// a ZeRO run, with its sharded master weights, bf16 all-gathers and (with --grad-acc-dtype
+// bf16) bf16 gradient shards, must end with the very bytes of the plain run, in the
+// checkpoint's master weights and Adam moments (one micro-batch: ZeRO-2/3 round each
+// micro-batch's sum where plain data parallelism rounds the running one). Without clipping: the global norm is summed from shards under ZeRO, in
 // another order, so it differs in its last bits (checked to 2^-20), and a clipped step with it.
 // And a checkpoint of one resumes in the other: the bf16 weights of a resumed ZeRO run are its
 // loaded master slices rounded, as the uninterrupted run's were.
-TEST_CASE("ZeRO-1/2 in bf16 (sharded master, bf16 gathers) end bit for bit where dp does",
+TEST_CASE("ZeRO-1/2/3 in bf16 (sharded master, bf16 gathers and gradients) end bit for bit where dp does",
           "[parity]") {
   std::string dir = make_temp_dir();
   const std::string flags = COMMON + "--dtype bf16 --dp 2 --grad-clip 0 ";
@@ -184,27 +184,29 @@ TEST_CASE("ZeRO-1/2 in bf16 (sharded master, bf16 gathers) end bit for bit where
     REQUIRE(r.code == 0);
     return read_json_lines(out + ".jsonl");
   };
-  std::vector<nlohmann::json> plain = train("", dir + "/dp");
-  for (int zero : {1, 2}) {
-    const std::string z = "--zero " + std::to_string(zero);
-    SECTION(z) {
-      std::vector<nlohmann::json> log = train(z, dir + "/zero");
-      REQUIRE(log.size() == plain.size());
-      for (size_t i = 0; i < log.size(); i++) {
-        CHECK(log[i]["loss"] == plain[i]["loss"]);
-        CHECK(log[i]["grad_norm"].get<double>() ==
-              Approx(plain[i]["grad_norm"].get<double>()).epsilon(std::ldexp(1.0, -20)));
+  for (const std::string grads : {"--grad-acc-dtype fp32", "--grad-acc-dtype bf16"}) {
+    for (int zero : {1, 2, 3}) {
+      const std::string z = grads + " --zero " + std::to_string(zero);
+      SECTION(z) {
+        std::vector<nlohmann::json> plain = train(grads, dir + "/dp");
+        std::vector<nlohmann::json> log = train(z, dir + "/zero");
+        REQUIRE(log.size() == plain.size());
+        for (size_t i = 0; i < log.size(); i++) {
+          CHECK(log[i]["loss"] == plain[i]["loss"]);
+          CHECK(log[i]["grad_norm"].get<double>() ==
+                Approx(plain[i]["grad_norm"].get<double>()).epsilon(std::ldexp(1.0, -20)));
+        }
+        for (const char* file : {"/model.safetensors", "/optimizer.safetensors"})
+          CHECK(read_whole_file(dir + "/zero" + file) == read_whole_file(dir + "/dp" + file));
+        // Resumed: one step of the plain run, saved, then ZeRO takes over for the rest.
+        RunResult a = run_train(flags + grads + " --stop-after 1 --save " + dir + "/half", 2);
+        REQUIRE(a.code == 0);
+        std::vector<nlohmann::json> resumed = train(z + " --load " + dir + "/half", dir + "/resumed");
+        REQUIRE(resumed.size() == plain.size() - 1);
+        for (size_t i = 0; i < resumed.size(); i++) CHECK(resumed[i]["loss"] == plain[i + 1]["loss"]);
+        CHECK(read_whole_file(dir + "/resumed/model.safetensors") ==
+              read_whole_file(dir + "/dp/model.safetensors"));
       }
-      for (const char* file : {"/model.safetensors", "/optimizer.safetensors"})
-        CHECK(read_whole_file(dir + "/zero" + file) == read_whole_file(dir + "/dp" + file));
-      // Resumed: one step of the plain run, saved, then ZeRO takes over for the rest.
-      RunResult a = run_train(flags + "--stop-after 1 --save " + dir + "/half", 2);
-      REQUIRE(a.code == 0);
-      std::vector<nlohmann::json> resumed = train(z + " --load " + dir + "/half", dir + "/resumed");
-      REQUIRE(resumed.size() == plain.size() - 1);
-      for (size_t i = 0; i < resumed.size(); i++) CHECK(resumed[i]["loss"] == plain[i + 1]["loss"]);
-      CHECK(read_whole_file(dir + "/resumed/model.safetensors") ==
-            read_whole_file(dir + "/dp/model.safetensors"));
     }
   }
   fs::remove_all(dir);

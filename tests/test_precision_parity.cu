@@ -10,22 +10,6 @@
 
 namespace fs = std::filesystem;
 
-namespace {
-struct Bf16Run {
-  std::vector<nlohmann::json> log;
-  std::map<std::string, std::vector<float>> grads;
-};
-Bf16Run run_bf16(const std::string& flags, int ranks, const std::string& dir) {
-  fs::create_directories(dir);
-  RunResult r = run_train(COMMON + flags + " --dtype bf16 --log-json " + dir + "/log.jsonl" +
-                              " --save-grads " + dir + "/grads.safetensors",
-                          ranks);
-  INFO(flags << "\n" << r.output);
-  REQUIRE(r.code == 0);
-  return {read_json_lines(dir + "/log.jsonl"), read_f32_tensors(dir + "/grads.safetensors")};
-}
-}  // namespace
-
 // Why the fp32 matrix's 1e-5 cannot hold, and what does: a layout changes which partial sums
 // are rounded to bf16 (a row-parallel layer rounds each rank's partial output before the
 // all-reduce, as Megatron's bf16 layers do; the reductions' order flips the rare value sitting

@@ -16,21 +16,12 @@
 
 #include "comm.cuh"
 #include "gpu_ranks.cuh"
+#include "world.cuh"
 
 namespace {
 
 using Catch::Matchers::Contains;
 
-int world_size() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
 
 const Context kCpu;                // a default Context is the CPU
 constexpr double kTimeout = 60;    // a broken collective stops the run after a minute, never hangs

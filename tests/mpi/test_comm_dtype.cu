@@ -12,20 +12,11 @@
 
 #include "comm.cuh"
 #include "gpu_ranks.cuh"
+#include "world.cuh"
 #include "mixed_precision.cuh"
 
 namespace {
 
-int world_size() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
 const Context kCpu;
 constexpr double kTimeout = 60;
 
