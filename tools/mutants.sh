@@ -134,9 +134,9 @@ mutant mpi-16bit-sum comm.cu \
   '    b[i] = T == DType::BF16 ? float_to_bf16(r) : float_to_fp16(r);' \
   '    b[i] = T == DType::BF16 ? (uint16_t)(float_to_bf16(r) & 0xFFFE) : float_to_fp16(r);' \
   "bf16 collectives over MPI: sums not rounded to nearest even (last bit dropped)"
-mutant bf16-grad-acc data_parallel.cu \
-  '  cast_(*ctx_, acc, model_.grads.view(u.offset, {u.numel}));  // the bf16 sum so far, exactly' \
-  '  zero_(*ctx_, acc);' \
+mutant bf16-grad-acc gradient_sync.cu \
+  '    cast_(ctx, acc, bf16_unit_(u));  // the bf16 sum so far, exactly' \
+  '    zero_(ctx, acc);' \
   "bf16 gradients: a unit's accumulator starts from zero, losing earlier micro-batches"
 mutant zero-bf16-gather zero.cu \
   '      if (param_shard_.defined()) cast_(ctx, mine, shard_view(Part::Params, iu, U.shard));' \
