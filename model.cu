@@ -386,6 +386,34 @@ static void drop_for_recompute(BlockActivations& a, Recompute mode) {
   if (mode == Recompute::Full) a = BlockActivations{a.x};  // only the block input
 }
 
+// Mixed precision (Playbook §Mixed precision training): what a block keeps for its backward is
+// stored in the compute format, half the bytes, as a model trained in bf16 keeps it. Kept fp32:
+// the residual stream (x, x_mid: Megatron's --fp32-residual-connection, which the forward here
+// always is) and the statistics (RMSNorm's 1/rms, FlashAttention's log-sum-exp). Most of what
+// is stored is bf16-valued already (linear outputs; the norms' and attention's outputs feed only
+// GEMMs, which round them); RoPE's q and k and naive attention's probabilities are rounded here.
+static std::vector<Tensor*> stored_compact(BlockActivations& a) {
+  return {&a.norm1, &a.q, &a.k, &a.v, &a.probs, &a.attn, &a.norm2, &a.gate, &a.up, &a.act};
+}
+static void store_compact(const Context& ctx, BlockActivations& a) {
+  if (ctx.precision == Precision::FP32) return;
+  for (Tensor* t : stored_compact(a)) {
+    if (!t->defined() || t->dtype != DType::F32) continue;
+    Tensor half = empty(ctx, t->shape, Mem::Activations, output_dtype(ctx.precision));
+    cast_(ctx, half, *t);
+    *t = half;
+  }
+}
+// Before the backward reads them: fp32 again, in workspace.
+static void widen_stored(const Context& ctx, BlockActivations& a) {
+  for (Tensor* t : stored_compact(a)) {
+    if (!t->defined() || t->dtype == DType::F32) continue;
+    Tensor wide = empty(ctx, t->shape, Mem::Workspace);
+    cast_(ctx, wide, *t);
+    *t = wide;
+  }
+}
+
 static void run_hook(const std::function<void(int)>& hook, int unit) {
   if (hook) hook(unit);
 }
@@ -450,6 +478,7 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
                   T, x);
     run_hook(hooks.after_forward, model.block_unit(chunk, l));
     drop_for_recompute(a, mode);
+    store_compact(ctx, a);
   }
   acts.x_final = x;
   if (!stage.head) return 0.0f;
@@ -540,6 +569,7 @@ Tensor stage_backward(const Context& ctx, Model& model, Activations& acts, float
       Tensor x_out = work({n, D}, ctx);
       block_forward(ctx, model, model.w.blocks[b], a, acts.positions, B, T, x_out);
     }
+    widen_stored(ctx, a);
     block_backward(ctx, model, model.w.blocks[b], model.g.blocks[b], a, acts.positions, B, T,
                    dres, deferred);
     a = BlockActivations{};  // this micro-batch no longer needs block l's activations
@@ -575,15 +605,17 @@ void model_backward(const Context& ctx, Model& model, Activations& acts, float l
 // FlashAttention never keeps the probabilities, only the log-sum-exp [B, Hq/t, T]: its term is
 // 4 Hq / t bytes per token instead of 4 Hq T / t, so a block's activations grow as T, not T^2.
 int64_t activation_bytes_per_block(const ModelConfig& c, int B, int T, int tp, bool sp,
-                                   Recompute mode, Attention attention) {
+                                   Recompute mode, Attention attention, int e) {
   LocalDims L = local_dims(c, 0, tp);
   int64_t N = (int64_t)B * T, n = sp ? N / tp : N, D = c.d_model, hd = c.head_dim();
   if (mode == Recompute::Full) return 4 * n * D;
-  int64_t outside = 4 * n * D * 4 + 2 * 4 * n;
-  int64_t inside = 4 * N * (2 * L.heads * hd + 2 * L.kv_heads * hd + 3 * L.ffn);
+  // x and x_mid fp32, norm1 and norm2 in e bytes, 1/rms twice in fp32 (on n tokens); q, attn,
+  // k, v, gate, up, act in e bytes (on N tokens, this rank's heads and ffn columns).
+  int64_t outside = (2 * 4 + 2 * e) * n * D + 2 * 4 * n;
+  int64_t inside = e * N * (2 * L.heads * hd + 2 * L.kv_heads * hd + 3 * L.ffn);
   int64_t probs = attention == Attention::Flash  ? 4 * (int64_t)B * L.heads * T  // the lse
                   : mode == Recompute::Selective ? 0
-                                                 : 4 * (int64_t)B * L.heads * T * T;
+                                                 : e * (int64_t)B * L.heads * T * T;
   return outside + inside + probs;
 }
 

@@ -154,9 +154,12 @@ struct BlockActivations {
   Tensor gate, up, act;  // [N, Fl] x3
 };
 // Bytes of one block's saved activations for B sequences of T tokens, by the formula derived
-// in model.cu (the fp32, RMSNorm, SwiGLU, GQA analog of the book's sbh(34 + 5as/h)).
+// in model.cu (the RMSNorm, SwiGLU, GQA analog of the book's sbh(34 + 5as/h)). e: the bytes of
+// an element of what is stored in the compute format (4 in fp32, 2 under --dtype bf16, fp16 or
+// fp8); the residual stream and the statistics are fp32 always.
 int64_t activation_bytes_per_block(const ModelConfig& cfg, int B, int T, int tp, bool sp,
-                                   Recompute mode, Attention attention = Attention::Naive);
+                                   Recompute mode, Attention attention = Attention::Naive,
+                                   int e = 4);
 // The same, measured: the bytes `a` holds.
 int64_t saved_bytes(const BlockActivations& a);
 struct Activations {

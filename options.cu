@@ -378,7 +378,8 @@ static void check_memory(const Options& o, Device device, int local_ranks) {
   double state = (o.score.empty() ? weights + grads + adam : 4 * psi) + copy;
   double acts = (double)c.layers * activation_bytes_per_block(c, o.mbs, c.seq, o.tp, o.sp,
                                                               parse_recompute(o.recompute),
-                                                              parse_attention(o.attention)) +
+                                                              parse_attention(o.attention),
+                                                              low ? 2 : 4) +
                 2.0 * o.mbs * c.seq * (c.vocab / o.tp) * 4;
   if (state + acts > have)
     throw UsageError("the run needs about " + human_bytes(state + acts) +

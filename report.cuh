@@ -36,8 +36,10 @@ void print_zero_comm_report(const Comm& comm, const Zero& zero, int grad_acc);
 // micro-batch, measured, next to the derived formula (model.cu). Traffic: what the tp group
 // sent per training step (measured over the training steps only), next to the count of
 // all-reduces, or all-gathers and reduce-scatters under SP, that the model issues.
+// e: bytes per element of the activations stored in the compute format (4, or 2 under --dtype
+// bf16, fp16, fp8).
 void print_activation_report(const ModelConfig& cfg, int mbs, int tp, bool sp, Recompute mode,
-                             Attention attention, int64_t measured_block_bytes);
+                             Attention attention, int64_t measured_block_bytes, int e = 4);
 struct TpTraffic {
   int64_t all_reduce = 0, all_gather = 0, reduce_scatter = 0;  // bytes each rank sends
 };

@@ -367,8 +367,9 @@ static void print_reports(Trainer& t) {
                           t.ctx.precision,
                           t.sync.grad_dtype() == DType::BF16);
       if (main_rank && t.block_bytes >= 0)
-        print_activation_report(local_sequences(o), o.mbs, o.tp, o.sp, t.recompute,
-                                t.model.attention, t.block_bytes);
+        print_activation_report(
+            local_sequences(o), o.mbs, o.tp, o.sp, t.recompute, t.model.attention, t.block_bytes,
+            t.ctx.precision == Precision::FP32 ? 4 : (int)dtype_size(output_dtype(t.ctx.precision)));
     }
     if (r == "comm") {
       print_comm_report(comm, n_params, t.steps_run);

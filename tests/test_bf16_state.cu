@@ -246,6 +246,39 @@ TEST_CASE("ZeRO in bf16: the book's 2Ψ + 4Ψ + 12Ψ/N, and all-gathers of half 
   CHECK_THAT(zero2.output, Catch::Contains("every rank holds exactly the formula's bytes at Ψ': yes"));
 }
 
+// Activations stored in bf16: what a block keeps shrinks by 2 bytes per element of everything
+// but the residual stream (x, x_mid) and the statistics (1/rms, log-sum-exp), counted here from
+// the tiny model's shapes (D 128, 4 heads of 32, 2 kv heads, F 384; N = mbs x seq tokens), and
+// the report's formula says the same to the byte.
+TEST_CASE("activations stored in bf16: 2 bytes less per element of all but the residual stream",
+          "[train]") {
+  const int64_t mbs = 2, seq = 64, N = mbs * seq, D = 128, Hq = 4, Hkv = 2, hd = 32, F = 384;
+  auto measured = [](const std::string& out) {
+    size_t at = out.find("  measured ", out.find("activations per block"));
+    REQUIRE(at != std::string::npos);
+    CHECK(out.substr(at, 200).find(", equal") != std::string::npos);  // against the formula
+    return std::stoll(out.substr(out.find('(', at) + 1));
+  };
+  for (const char* attention : {"flash", "naive"}) {
+    for (const char* recompute : {"none", "selective", "full"}) {
+      const std::string flags = std::string("--steps 1 --mbs 2 --seq 64 --val-every 0 --val-seqs 2 "
+                                            "--report memory --attention ") +
+                                attention + " --recompute " + recompute;
+      RunResult fp32 = run_train(flags), bf16 = run_train(flags + " --dtype bf16");
+      INFO(flags << "\n" << fp32.output << bf16.output);
+      REQUIRE(fp32.code == 0);
+      REQUIRE(bf16.code == 0);
+      int64_t saved = 2 * (2 * N * D)                                   // norm1, norm2
+                      + 2 * N * (2 * Hq * hd + 2 * Hkv * hd + 3 * F);  // q, attn, k, v, gate, up, act
+      if (std::string(attention) == "naive") saved += 2 * mbs * Hq * seq * seq;  // the probabilities
+      if (std::string(recompute) == "selective" && std::string(attention) == "naive")
+        saved -= 2 * mbs * Hq * seq * seq;  // dropped, recomputed: not stored at all
+      if (std::string(recompute) == "full") saved = 0;  // only the block input, fp32
+      CHECK(measured(fp32.output) - measured(bf16.output) == saved);
+    }
+  }
+}
+
 // The gradient norm reads bf16 gradients directly: each value widened exactly, squares summed
 // in fp32 (float64 recomputation: the fp32 sum's error is at most ~2^-24 x 256 + n/256 steps).
 TEST_CASE("sum_squares_each reads bf16 tensors, widened exactly", "[ops]") {
