@@ -87,9 +87,9 @@ void attention_lse_merge(const Context& ctx, const Tensor& out, const Tensor& ls
 // ---- bf16 on tensor cores (mma.sync m16n8k16, fp32 accumulation; sm_80 and newer) ----
 // In flash_attention_bf16.cu, but for attention_out_dot_dout_bf16 (flash_attention.cu, one
 // kernel with the fp32 version).
-// CUDA only, raw device pointers in the layouts above; hd in {16, 32, 64, 128}. The model does
-// not call them (under --dtype bf16 its attention runs the fp32 kernels on bf16-valued q, k,
-// v): the benchmark and the GPU tests call these directly.
+// CUDA only, raw device pointers in the layouts above; hd in {16, 32, 64, 128}. The model calls
+// them under --dtype bf16 (and fp8) for single-rank FlashAttention (model.cu); the benchmark
+// and the GPU tests call them directly.
 // out (=) bf16, lse (=) fp32.
 void flash_attention_forward_bf16(const Context& ctx, __nv_bfloat16* out, float* lse,
                                   const __nv_bfloat16* q, const __nv_bfloat16* k,

@@ -284,30 +284,58 @@ static AttentionShape attention_shape(const Model& m, int B, int T) {
 static AttentionBlock attention_block(const Model& m, int B, int T) {
   return {B, T, T, m.tp.local.heads, m.tp.local.kv_heads, m.cfg.head_dim(), 0, 0, true};
 }
+// Under mixed precision attention reads q, k and v in the compute format and stores its output
+// in it (v, a linear output, already is; RoPE's q and k are rounded here), as a model trained
+// in bf16 does. On a GPU, bf16 (and fp8, whose activations are bf16) single-rank FlashAttention
+// runs the bf16 tensor-core kernels (flash_attention_bf16.cu): fp32 accumulation, the
+// probabilities rounded to bf16 before they multiply v, which the CPU emulation does not round;
+// elsewhere the fp32 kernels run on the rounded inputs.
+static bool bf16_kernels(const Context& ctx, const Model& m) {
+  const int hd = m.cfg.head_dim();
+  return ctx.device == Device::CUDA && m.attention == Attention::Flash && m.cp.size() == 1 &&
+         output_dtype(ctx.precision) == DType::BF16 && (hd == 16 || hd == 32 || hd == 64 || hd == 128);
+}
+static Tensor in_bf16(const Context& ctx, const Tensor& t) {
+  Tensor h = empty(ctx, t.shape, Mem::Workspace, DType::BF16);
+  cast_(ctx, h, t);
+  return h;
+}
+static __nv_bfloat16* bf16_ptr(const Tensor& t) { return (__nv_bfloat16*)t.ptr; }
+
 static void attention_core_forward(const Context& ctx, const Model& m, BlockActivations& a, int B,
                                    int T) {
   const LocalDims& L = m.tp.local;
   int64_t N = (int64_t)B * T, hd = m.cfg.head_dim();
   a.attn = act({N, L.heads * hd}, ctx);
+  if (ctx.precision != Precision::FP32) {
+    round_(ctx, a.q, output_dtype(ctx.precision));
+    round_(ctx, a.k, output_dtype(ctx.precision));
+  }
   if (m.cp.size() > 1) {  // ring attention over the cp group: T is this rank's share
     a.lse = act({B, L.heads, T}, ctx);
     context_attention_forward(ctx, m.cp, a.attn.reshape({N, L.heads, hd}), a.lse,
                               a.q.reshape({N, L.heads, hd}), a.k.reshape({N, L.kv_heads, hd}),
                               a.v.reshape({N, L.kv_heads, hd}), B, T * m.cp.size(), L.heads,
                               L.kv_heads, (int)hd, m.cp_work);
-    return;
-  }
-  if (m.attention == Attention::Flash) {
+  } else if (bf16_kernels(ctx, m)) {
+    a.lse = act({B, L.heads, T}, ctx);
+    Tensor out = empty(ctx, a.attn.shape, Mem::Workspace, DType::BF16);
+    flash_attention_forward_bf16(ctx, bf16_ptr(out), a.lse.f32(), bf16_ptr(in_bf16(ctx, a.q)),
+                                 bf16_ptr(in_bf16(ctx, a.k)), bf16_ptr(in_bf16(ctx, a.v)),
+                                 attention_block(m, B, T));
+    cast_(ctx, a.attn, out);
+  } else if (m.attention == Attention::Flash) {
     a.lse = act({B, L.heads, T}, ctx);
     flash_attention_forward(ctx, a.attn.reshape({N, L.heads, hd}), a.lse,
                             a.q.reshape({N, L.heads, hd}), a.k.reshape({N, L.kv_heads, hd}),
                             a.v.reshape({N, L.kv_heads, hd}), attention_block(m, B, T));
-    return;
+  } else {
+    a.probs = act({B, L.heads, T, T}, ctx);
+    attention_forward(ctx, a.attn.reshape({N, L.heads, hd}), a.probs,
+                      a.q.reshape({N, L.heads, hd}), a.k.reshape({N, L.kv_heads, hd}),
+                      a.v.reshape({N, L.kv_heads, hd}), attention_shape(m, B, T));
   }
-  a.probs = act({B, L.heads, T, T}, ctx);
-  attention_forward(ctx, a.attn.reshape({N, L.heads, hd}), a.probs, a.q.reshape({N, L.heads, hd}),
-                    a.k.reshape({N, L.kv_heads, hd}), a.v.reshape({N, L.kv_heads, hd}),
-                    attention_shape(m, B, T));
+  if (ctx.precision != Precision::FP32) round_(ctx, a.attn, output_dtype(ctx.precision));
 }
 // dq (=), dk, dv (=) from d_attn; rebuilds the probabilities when selective recompute dropped them.
 static void attention_core_backward(const Context& ctx, const Model& m, BlockActivations& a,
@@ -324,6 +352,16 @@ static void attention_core_backward(const Context& ctx, const Model& m, BlockAct
                                d_attn.reshape({N, L.heads, hd}), a.attn.reshape({N, L.heads, hd}),
                                a.lse, q3, k3, v3, B, T * m.cp.size(), L.heads, L.kv_heads,
                                (int)hd);
+    return;
+  }
+  if (bf16_kernels(ctx, m)) {  // the same in bf16 on tensor cores, fp32 sums and gradients
+    AttentionBlock block = attention_block(m, B, T);
+    Tensor D = work({B, L.heads, T}, ctx), d_out = in_bf16(ctx, d_attn), out = in_bf16(ctx, a.attn);
+    attention_out_dot_dout_bf16(ctx, D.f32(), bf16_ptr(d_out), bf16_ptr(out), block);
+    zero_(ctx, dq), zero_(ctx, dk), zero_(ctx, dv);
+    flash_attention_backward_bf16(ctx, dq.f32(), dk.f32(), dv.f32(), bf16_ptr(d_out),
+                                  bf16_ptr(in_bf16(ctx, q3)), bf16_ptr(in_bf16(ctx, k3)),
+                                  bf16_ptr(in_bf16(ctx, v3)), a.lse.f32(), D.f32(), block);
     return;
   }
   if (m.attention == Attention::Flash) {  // D = rowsum(dO * O) once, then dq, dk, dv (+=)
