@@ -353,10 +353,12 @@ if run_step dtype_llama1b 240 bash -c "for d in fp32 bf16 fp8; do echo \"== dtyp
     /^== dtype/ { d = $3 }
     /\| parameters/ { split($0, a, "|"); split(a[3], b, " "); n = b[1] }
     /^step .* tok\/s/ { split($0, f, "|"); split(f[5], t, " "); tok[d] = t[1] }
+    /^fp8 GEMMs on rank 0:/ { fp8 = $6 " native, " $10 " emulated" }
     END {
       peak["fp32"] = 67e12; peak["bf16"] = 989e12; peak["fp8"] = 1979e12
       flops = 6 * n + 12 * 16 * 2048 * 2048  # llama-1b: L 16, h 2048, s 2048
       for (d in tok) printf "%s %.0f tok/s MFU %.1f%%; ", d, tok[d], 100 * tok[d] * flops / peak[d]
+      if (fp8 != "") printf "fp8 GEMMs %s; ", fp8
     }' "$LOGS/dtype_llama1b.log")
   if [ "$STEP_RC" -eq 0 ] && [ -n "$mfu" ]; then
     record dtype_llama1b PASS "$STEP_SECONDS" "$mfu (bf16 target 50%)"
