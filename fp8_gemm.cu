@@ -1,7 +1,8 @@
 // fp8_gemm.cu: real FP8 GEMMs for the linear layers (Playbook §FP8 pretraining), the way
 // DeepSeek-V3 trains: each operand is quantized to FP8 in tiles with one fp32 scale each (1 x 128
-// for activations and gradients, 128 x 128 for weights), the tensor cores multiply the FP8
-// values, and each 128-long block of a dot product is multiplied by its two scales before it
+// for activations and gradients, 128 x 128 for weights, both along the contraction; for the
+// weight gradient, which contracts over the tokens, 128 tokens x 1), the tensor cores multiply the
+// FP8 values, and each 128-long block of a dot product is multiplied by its two scales before it
 // joins the fp32 sum. cuBLAS 12.9 added this GEMM for Hopper ("VEC128" and "BLK128x128"
 // scales); mixed_precision.cu emulates it wherever it is not available.
 //
@@ -114,18 +115,18 @@ void dequantize_tiles_on(const Context& ctx, const Tensor& x, const Tensor& q, c
 // The block-scaled GEMM (cuBLASLt; cuBLAS docs, "128-element 1D and 128x128 2D block scaling")
 //
 // cuBLASLt is column-major, so as in gemm (ops.cu) the row-major d [rows, cols] is read as the
-// column-major D (M = cols) x (N = rows), and D = op(A) op(B) with A = w, B = x:
-//   A: w's FP8 bytes, row-major [cols, K] = column-major K x M, transposed (op T)
-//   B: x's FP8 bytes, row-major [rows, K] = column-major K x N, as it is (op N)
-// Hopper's FP8 GEMM takes only this "TN" form: both operands K-major, as our tiles run.
-// The scales, as cuBLASLt reads them:
-//   B's 1 x 128 scales (VEC128_32F): N-major, [ceil(K/128)][N]: the transpose of our
-//     [rows, ceil(K/128)]; N must be a multiple of 4
-//   A's 128 x 128 scales (BLK128x128_32F): K-major, [ceil(M/128)][L4], L4 = ceil(K/128) rounded
-//     up to a multiple of 4: our layout with each row padded to L4
-// Of the pairs, BLK x BLK is the one not supported; of the FP8 types, E5M2 x E5M2 (we pair
-// E4M3 weights with E4M3 or E5M2). D is fp32 (bf16 and fp16 are the others), and C = D, so
-// beta accumulates in fp32 and the caller rounds the result exactly as the emulation does.
+// column-major D (M = cols) x (N = rows), and D = op(A) op(B) with A = b, B = a:
+//   A: b's FP8 bytes, row-major [cols, K] = column-major K x M, transposed (op T)
+//   B: a's FP8 bytes, row-major [rows, K] = column-major K x N, as it is (op N)
+// Hopper's FP8 GEMM takes only this "TN" form: both operands K-major, as our tiles run (a
+// transposed operand is quantized into a K-major copy). The scales, as cuBLASLt reads them:
+//   1 x 128 (VEC128_32F): n-major, [ceil(K/128)][n] for an operand of n rows: the transpose of
+//     our [n, ceil(K/128)]; n must be a multiple of 4
+//   128 x 128 (BLK128x128_32F): K-major, [ceil(n/128)][L4], L4 = ceil(K/128) rounded up to a
+//     multiple of 4: our layout with each row padded to L4
+// Of the pairs, BLK x BLK is the one not supported (VEC x VEC, the wgrad's, VEC x BLK and BLK x
+// VEC are); of the FP8 types, E5M2 x E5M2. D is fp32 (bf16 and fp16 are the others), and C = D,
+// so beta accumulates in fp32 and the caller rounds the result exactly as the emulation does.
 
 // What cuBLASLt answered for one shape on one device.
 struct Fp8Plan {
@@ -135,8 +136,9 @@ struct Fp8Plan {
   std::string why;  // when not supported
 };
 // The answer depends on the device, the library and the shape, never on the Context: one table
-// per process, like cuBLAS's own heuristics cache. Key: device, rows, cols, K, x's format.
-static std::map<std::tuple<int, int64_t, int64_t, int64_t, int>, Fp8Plan> g_plans;
+// per process, like cuBLAS's own heuristics cache. Key: device, rows, cols, K, and the formats
+// and tiles of a and b.
+static std::map<std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int>, Fp8Plan> g_plans;
 static Fp8GemmCounts g_counts;
 
 Fp8GemmCounts fp8_gemm_counts() {
@@ -149,24 +151,30 @@ static void set_attribute(cublasLtMatmulDesc_t op, cublasLtMatmulDescAttributes_
 }
 
 // The descriptors of one call: the operation (scale modes and pointers, fp32 compute, no fast
-// accumulation: each 128-long block is promoted to fp32) and the layouts of A, B and D (= C).
+// accumulation: each 128-long block is promoted to fp32) and the layouts of A, B and D (= C);
+// a_op and b_op are the operands cuBLASLt calls A and B.
 struct LtGemm {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
-  LtGemm(int64_t M, int64_t N, int64_t K, cudaDataType b_type, const float* a_scales,
-         const float* b_scales) {
+  LtGemm(int64_t M, int64_t N, int64_t K, const Fp8Operand& a_op, const Fp8Operand& b_op,
+         const float* a_scales, const float* b_scales) {
+    auto type = [](const Fp8Operand& o) {
+      return o.format == DType::F8E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2;
+    };
+    auto scale_mode = [](const Fp8Operand& o) -> int32_t {
+      return o.tiles == Fp8Tiles::Block128 ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
+                                           : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    };
     CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     set_attribute<int32_t>(op, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
     set_attribute<int32_t>(op, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
-    set_attribute<int32_t>(op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
-                           CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F);
-    set_attribute<int32_t>(op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
-                           CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F);
+    set_attribute<int32_t>(op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, scale_mode(a_op));
+    set_attribute<int32_t>(op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, scale_mode(b_op));
     set_attribute<const void*>(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a_scales);
     set_attribute<const void*>(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, b_scales);
     set_attribute<int8_t>(op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, 0);
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&a, CUDA_R_8F_E4M3, K, M, K));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&b, b_type, K, N, K));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&a, type(a_op), K, M, K));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&b, type(b_op), K, N, K));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d, CUDA_R_32F, M, N, M));
   }
   ~LtGemm() {
@@ -212,15 +220,48 @@ static Fp8Plan find_plan(const Context& ctx, const LtGemm& g, int device) {
   return plan;
 }
 
-bool fp8_gemm(const Context& ctx, const Tensor& d, const Tensor& x, DType x_format, const Tensor& w,
-              bool w_transposed, float beta, std::string* why) {
-  const int64_t rows = x.size(0), K = x.size(1), cols = d.size(1);
-  const std::vector<int64_t> w_shape =
-      w_transposed ? std::vector<int64_t>{K, cols} : std::vector<int64_t>{cols, K};
-  PICO_ASSERT(x.dim() == 2 && d.shape == std::vector<int64_t>({rows, cols}) && w.shape == w_shape &&
-                  x.dtype == DType::F32 && w.dtype == DType::F32 && d.dtype == DType::F32 &&
-                  (x_format == DType::F8E4M3 || x_format == DType::F8E5M2),
-              "fp8_gemm: d " + d.shape_str() + " = x " + x.shape_str() + " . w " + w.shape_str());
+// One operand in FP8: its bytes [n, K] and its scales where cuBLASLt reads them (above). The
+// scale of tile (i, j) of our [n / tile rows, K / 128] grid sits at i * row + j * col of scales_at.
+struct Fp8Bytes {
+  Tensor q, scales;
+  Strides scales_at;
+};
+
+static Fp8Bytes fp8_buffers(const Context& ctx, const Fp8Operand& o, int64_t n, int64_t K) {
+  const int64_t k_blocks = (K + 127) / 128, k_blocks4 = (k_blocks + 3) / 4 * 4;
+  Tensor q = empty(ctx, {n, K}, Mem::Workspace, o.format);  // [n, K]
+  if (o.tiles == Fp8Tiles::Block128)                        // [n/128, L4], the padding zeroed
+    return {q, zeros(ctx, {(n + 127) / 128, k_blocks4}, Mem::Workspace), {k_blocks4, 1}};
+  return {q, empty(ctx, {k_blocks, n}, Mem::Workspace), {1, n}};  // [K/128, n]
+}
+
+// The operand's tiles along K, read in place: [n, K], or [K, n] transposed. A transposed
+// operand's tiles are the tiles of what it was given, transposed: the same absmax, scale and
+// bytes (W^T's 128 x 128 tiles are W's; the wgrad's 1 x 128 tiles of x^T are 128 x 1 tiles of x).
+static void quantize_operand(const Context& ctx, const Fp8Bytes& bytes, const Fp8Operand& o) {
+  const int64_t n = bytes.q.size(0), K = bytes.q.size(1);
+  launch_quantize(ctx, bytes.q, bytes.scales.f32(), bytes.scales_at, o.values.f32(),
+                  o.transposed ? Strides{1, n} : Strides{K, 1},
+                  o.tiles == Fp8Tiles::Block128 ? 128 : 1, 128);
+}
+
+bool fp8_gemm(const Context& ctx, const Tensor& d, const Fp8Operand& a, const Fp8Operand& b,
+              float beta, std::string* why) {
+  const int64_t rows = d.size(0), cols = d.size(1);
+  const int64_t K = a.values.size(a.transposed ? 0 : 1);
+  auto shape_of = [&](const Fp8Operand& o, int64_t n) {
+    return o.transposed ? std::vector<int64_t>{K, n} : std::vector<int64_t>{n, K};
+  };
+  auto fp8 = [](DType t) { return t == DType::F8E4M3 || t == DType::F8E5M2; };
+  PICO_ASSERT(d.dim() == 2 && a.values.dim() == 2 && a.values.shape == shape_of(a, rows) &&
+                  b.values.shape == shape_of(b, cols) && a.values.dtype == DType::F32 &&
+                  b.values.dtype == DType::F32 && d.dtype == DType::F32 && fp8(a.format) &&
+                  fp8(b.format),
+              "fp8_gemm: d " + d.shape_str() + " = a " + a.values.shape_str() + " . b " +
+                  b.values.shape_str());
+  PICO_ASSERT(!(a.tiles == Fp8Tiles::Block128 && b.tiles == Fp8Tiles::Block128) &&
+                  !(a.format == DType::F8E5M2 && b.format == DType::F8E5M2),
+              "fp8_gemm: cuBLASLt pairs neither two 128 x 128 operands nor two E5M2 ones");
   const std::string shape = "[" + std::to_string(rows) + ", " + std::to_string(K) + "] x [" +
                             std::to_string(K) + ", " + std::to_string(cols) + "]: ";
   auto decline = [&](const std::string& reason) {
@@ -229,39 +270,32 @@ bool fp8_gemm(const Context& ctx, const Tensor& d, const Tensor& x, DType x_form
     return false;
   };
   if (ctx.device != Device::CUDA) return decline("not on a CUDA device");
-  // cuBLASLt's scales come in rows of 16 bytes (N a multiple of 4), and FP8 rows of K bytes
-  // must start 16-byte aligned; so must d's rows.
+  // cuBLASLt's 1 x 128 scales come in rows of 16 bytes (n a multiple of 4), and FP8 rows of K
+  // bytes must start 16-byte aligned; so must d's rows.
   if (rows % 4 || cols % 4 || K % 16 || (uintptr_t)d.ptr % 16 || rows * cols * K == 0)
     return decline("rows and cols must be multiples of 4, K of 16 (none 0), d 16-byte aligned");
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
-  const auto key = std::make_tuple(device, rows, cols, K, (int)x_format);
+  const auto key = std::make_tuple(device, rows, cols, K, (int)a.format, (int)b.format,
+                                   (int)a.tiles, (int)b.tiles);
   auto known = g_plans.find(key);
   if (known != g_plans.end() && !known->second.supported) return decline(known->second.why);
 
-  // The operands in FP8, the scales where cuBLASLt reads them (the weight's padding zeroed).
-  const int64_t k_blocks = (K + 127) / 128, k_blocks4 = (k_blocks + 3) / 4 * 4;
-  Tensor xq = empty(ctx, {rows, K}, Mem::Workspace, x_format);                    // [N, K]
-  Tensor x_scales = empty(ctx, {k_blocks, rows}, Mem::Workspace);                 // [K/128, N]
-  Tensor wq = empty(ctx, {cols, K}, Mem::Workspace, DType::F8E4M3);               // [M, K]
-  Tensor w_scales = zeros(ctx, {(cols + 127) / 128, k_blocks4}, Mem::Workspace);  // [M/128, L4]
-  const LtGemm g(cols, rows, K, x_format == DType::F8E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2,
-                 w_scales.f32(), x_scales.f32());
+  const Fp8Bytes aq = fp8_buffers(ctx, a, rows, K), bq = fp8_buffers(ctx, b, cols, K);
+  const LtGemm g(cols, rows, K, b, a, bq.scales.f32(), aq.scales.f32());  // A = b, B = a
   if (known == g_plans.end()) known = g_plans.emplace(key, find_plan(ctx, g, device)).first;
   Fp8Plan& plan = known->second;
   if (!plan.supported) return decline(plan.why);
 
-  launch_quantize(ctx, xq, x_scales.f32(), {1, rows}, x.f32(), {K, 1}, 1, 128);
-  // W^T's 128 x 128 tiles are W's tiles transposed: same absmax, same scale, same bytes.
-  launch_quantize(ctx, wq, w_scales.f32(), {k_blocks4, 1}, w.f32(),
-                  w_transposed ? Strides{1, cols} : Strides{K, 1}, 128, 128);
+  quantize_operand(ctx, aq, a);
+  quantize_operand(ctx, bq, b);
   Tensor workspace;
   if (plan.workspace > 0)
     workspace = empty(ctx, {(int64_t)(plan.workspace + 3) / 4}, Mem::Workspace);
   const float alpha = 1.0f;
-  const cublasStatus_t st =
-      cublasLtMatmul((cublasLtHandle_t)ctx.cublas, g.op, &alpha, wq.ptr, g.a, xq.ptr, g.b, &beta,
-                     d.ptr, g.d, d.ptr, g.d, &plan.algo, workspace.ptr, plan.workspace, ctx.stream);
+  const cublasStatus_t st = cublasLtMatmul((cublasLtHandle_t)ctx.cublas, g.op, &alpha, bq.q.ptr,
+                                           g.a, aq.q.ptr, g.b, &beta, d.ptr, g.d, d.ptr, g.d,
+                                           &plan.algo, workspace.ptr, plan.workspace, ctx.stream);
   if (st == CUBLAS_STATUS_NOT_SUPPORTED) {  // d untouched: the caller emulates, now and after
     plan.supported = false;
     plan.why = "cuBLASLt declined the algorithm its heuristic chose (NOT_SUPPORTED)";

@@ -1,6 +1,7 @@
 // fp8_gemm.cuh: FP8 GEMMs on the tensor cores (Playbook §FP8 pretraining): operands quantized
 // on the GPU into FP8 tiles with one fp32 scale each (DeepSeek-V3: 1 x 128 activations and
-// gradients, 128 x 128 weights), multiplied by cuBLASLt's block-scaled FP8 GEMM on Hopper.
+// gradients, 128 x 128 weights; 128 tokens x 1 for both operands of the weight gradient),
+// multiplied by cuBLASLt's block-scaled FP8 GEMM on Hopper.
 // The CPU reference of the quantization is quantize_tiles (mixed_precision.cuh).
 #pragma once
 #include <string>
@@ -15,14 +16,30 @@ void quantize_tiles_on(const Context& ctx, const Tensor& q, const Tensor& scales
 void dequantize_tiles_on(const Context& ctx, const Tensor& x, const Tensor& q, const Tensor& scales,
                          int tile_rows, int tile_cols);
 
-// d = a · b^T + beta d as real FP8 GEMM (Playbook §FP8 pretraining): a [rows, K] quantized to
-// `a_format` (E4M3 or E5M2) in 1 x 128 tiles along K, b [cols, K] (or, with b_transposed, b^T
-// given as [K, cols]) to E4M3 in 128 x 128 tiles, products summed in fp32 by cuBLASLt's
-// block-scaled GEMM; d [rows, cols] fp32. Returns false, touching nothing, where that GEMM is
-// not available (no Hopper, cuBLAS older than 12.9, a shape or alignment it declines): the
-// caller emulates it. cuBLASLt's answer is asked once per shape; `why` gets the reason.
-bool fp8_gemm(const Context& ctx, const Tensor& d, const Tensor& a, DType a_format, const Tensor& b,
-              bool b_transposed, float beta, std::string* why = nullptr);
+// One operand of fp8_gemm: n rows of K fp32 values, which fp8_gemm quantizes to `format` in tiles
+// along K: 1 x 128 (activations and gradients) or 128 x 128 (weights). A transposed operand is
+// given as [K, n] and read in place (the dgrad's weight, the wgrad's dy and x).
+enum class Fp8Tiles { Row128, Block128 };
+struct Fp8Operand {
+  Tensor values;  // F32 [n, K], or [K, n] when transposed
+  DType format;   // F8E4M3 or F8E5M2
+  Fp8Tiles tiles;
+  bool transposed = false;
+};
+
+// d = a · b^T + beta d as real FP8 GEMM (Playbook §FP8 pretraining): a [rows, K] and b [cols, K]
+// quantized as their Fp8Operand says, products summed in fp32 by cuBLASLt's block-scaled GEMM;
+// d [rows, cols] fp32. cuBLASLt pairs neither two 128 x 128 operands nor two E5M2 ones. The
+// three GEMMs of a linear layer (DeepSeek-V3):
+//   forward  y  = x · W^T:      a = x 1 x 128 E4M3,           b = W 128 x 128 E4M3
+//   dgrad    dx = dy · W:       a = dy 1 x 128 E5M2,          b = W^T (W transposed) 128 x 128
+//   wgrad    dW += dy^T · x:    a = dy^T 1 x 128 E5M2,        b = x^T 1 x 128 E4M3
+//                               (both transposed: K = tokens; beta 1 adds to the accumulator)
+// Returns false, touching nothing, where that GEMM is not available (no Hopper, cuBLAS older than
+// 12.9, a shape or alignment it declines): the caller emulates it. cuBLASLt's answer is asked
+// once per shape; `why` gets the reason.
+bool fp8_gemm(const Context& ctx, const Tensor& d, const Fp8Operand& a, const Fp8Operand& b,
+              float beta, std::string* why = nullptr);
 
 // How many fp8_gemm calls ran on the tensor cores and how many were declined (and so
 // emulated by the caller), since the process started. Observation only, like RoundingStats.

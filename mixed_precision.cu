@@ -431,14 +431,16 @@ Tensor compute_weight(const Context& ctx, const Tensor& W) {
   return wide;
 }
 
-// What a GEMM reads of `t` ([rows, cols], the contraction along cols for activations and
-// gradients): its values rounded, or FP8 tiles (DeepSeek-V3: 1 x 128 for activations and
-// gradients, 128 x 128 for weights), dequantized. A workspace the caller drops after the GEMM.
-// On CUDA, bf16 and fp16 operands are stored in that format for the tensor cores. Under FP8,
-// fp8_tiles false stops before the tiles: the values fp8_gemm quantizes itself.
+// What a GEMM reads of `t` ([rows, cols]): its values rounded, or FP8 tiles (DeepSeek-V3:
+// 128 x 128 for weights; 1 x 128 for activations and gradients where the GEMM contracts along
+// cols, the forward and the dgrad, and 128 x 1 where it contracts along the tokens, the wgrad),
+// dequantized. A workspace the caller drops after the GEMM. On CUDA, bf16 and fp16 operands are
+// stored in that format for the tensor cores. Under FP8, Fp8Tiling::None stops before the tiles:
+// the values fp8_gemm quantizes itself.
 enum class Operand { Activation, Weight, Gradient };
+enum class Fp8Tiling { AlongCols, AlongTokens, None };
 static Tensor gemm_operand(const Context& ctx, const Tensor& t, Operand role,
-                           bool fp8_tiles = true) {
+                           Fp8Tiling tiling = Fp8Tiling::AlongCols) {
   const DType format = output_dtype(ctx.precision);
   // A weight stored in the compute format (ZeRO-1/2), or its kept copy: on CUDA the GEMM reads
   // it as it is.
@@ -459,11 +461,14 @@ static Tensor gemm_operand(const Context& ctx, const Tensor& t, Operand role,
   Tensor m = copy.reshape({t.numel() / t.size(-1), t.size(-1)});
   if (!half.defined() && (ctx.precision != Precision::FP8 || role == Operand::Weight))
     round_(ctx, m, format, role == Operand::Gradient);
-  if (ctx.precision != Precision::FP8 || !fp8_tiles) return copy;
+  if (ctx.precision != Precision::FP8 || tiling == Fp8Tiling::None) return copy;
+  const DType fp8 = role == Operand::Gradient ? DType::F8E5M2 : DType::F8E4M3;
   if (role == Operand::Weight)
-    fake_quantize_tiles_(ctx, m, DType::F8E4M3, 128, 128);
+    fake_quantize_tiles_(ctx, m, fp8, 128, 128);
+  else if (tiling == Fp8Tiling::AlongTokens)
+    fake_quantize_tiles_(ctx, m, fp8, 128, 1);
   else
-    fake_quantize_tiles_(ctx, m, role == Operand::Gradient ? DType::F8E5M2 : DType::F8E4M3, 1, 128);
+    fake_quantize_tiles_(ctx, m, fp8, 1, 128);
   return copy;
 }
 
@@ -484,8 +489,8 @@ static void operand_gemm(const Context& ctx, bool trans_a, bool trans_b, int M, 
                             CUBLAS_GEMM_DEFAULT));
 }
 
-// FP8 on a GPU: the forward and dgrad GEMMs go to fp8_gemm (real FP8 on Hopper), which declines
-// where it cannot run them; the emulation below then does.
+// FP8 on a GPU: the three GEMMs go to fp8_gemm (real FP8 on Hopper), which declines where it
+// cannot run them; the emulation below then does.
 static bool fp8_on_gpu(const Context& ctx) {
   return ctx.precision == Precision::FP8 && ctx.device == Device::CUDA;
 }
@@ -493,8 +498,11 @@ static bool fp8_on_gpu(const Context& ctx) {
 void low_precision_linear_forward(const Context& ctx, const Tensor& y, const Tensor& x,
                                   const Tensor& W) {
   const int T = (int)x.size(0), in = (int)x.size(-1), out = (int)W.size(0);
-  if (fp8_on_gpu(ctx) && fp8_gemm(ctx, y.reshape({T, out}), x.reshape({T, in}), DType::F8E4M3,
-                                  gemm_operand(ctx, W, Operand::Weight, false), false, 0.0f))
+  if (fp8_on_gpu(ctx) &&
+      fp8_gemm(ctx, y.reshape({T, out}), {x.reshape({T, in}), DType::F8E4M3, Fp8Tiles::Row128},
+               {gemm_operand(ctx, W, Operand::Weight, Fp8Tiling::None), DType::F8E4M3,
+                Fp8Tiles::Block128},
+               0.0f))
     return round_(ctx, y, output_dtype(ctx.precision));
   Tensor xq = gemm_operand(ctx, x, Operand::Activation), wq = gemm_operand(ctx, W, Operand::Weight);
   operand_gemm(ctx, false, true, T, out, in, xq, in, wq, in, 0.0f, y, out);
@@ -509,19 +517,28 @@ void low_precision_linear_backward(const Context& ctx, const Tensor& dx, const T
   if (dx.defined()) {  // dx[T, in] = dy[T, out] @ W[out, in], stored rounded
     const float beta = accumulate_dx ? 1.0f : 0.0f;
     if (!fp8_on_gpu(ctx) ||
-        !fp8_gemm(ctx, dx.reshape({T, in}), dy.reshape({T, out}), DType::F8E5M2,
-                  gemm_operand(ctx, W, Operand::Weight, false), true, beta)) {
+        !fp8_gemm(ctx, dx.reshape({T, in}), {dy.reshape({T, out}), DType::F8E5M2, Fp8Tiles::Row128},
+                  {gemm_operand(ctx, W, Operand::Weight, Fp8Tiling::None), DType::F8E4M3,
+                   Fp8Tiles::Block128, true},
+                  beta)) {
       Tensor wq = gemm_operand(ctx, W, Operand::Weight);
       operand_gemm(ctx, false, false, T, in, out, dyq, out, wq, in, beta, dx, in);
     }
     round_(ctx, dx, output_dtype(ctx.precision), true);
   }
-  // dW[out, in] += dy^T @ x, summed into the fp32 accumulator. Emulated under FP8 on every
-  // device: it contracts along the tokens, but the tiles of dy and x run along out and in, and
-  // cuBLASLt's block scaling applies its scales along the contraction only.
+  // dW[out, in] += dy^T @ x, summed into the fp32 accumulator. It contracts along the tokens, so
+  // under FP8 x and dy are tiled 128 tokens x 1 (DeepSeek-V3): each scale applies along the
+  // contraction, and on Hopper dy^T [out, T] and x^T [in, T] are two 1 x 128 operands.
   if (dW.defined()) {
-    Tensor xq = gemm_operand(ctx, x, Operand::Activation);
-    operand_gemm(ctx, true, false, out, in, T, dyq, out, xq, in, 1.0f, dW, in);
+    if (fp8_on_gpu(ctx) &&
+        fp8_gemm(ctx, dW, {dy.reshape({T, out}), DType::F8E5M2, Fp8Tiles::Row128, true},
+                 {x.reshape({T, in}), DType::F8E4M3, Fp8Tiles::Row128, true}, 1.0f))
+      return;
+    Tensor dy_tokens = ctx.precision == Precision::FP8
+                           ? gemm_operand(ctx, dy, Operand::Gradient, Fp8Tiling::AlongTokens)
+                           : dyq;
+    Tensor xq = gemm_operand(ctx, x, Operand::Activation, Fp8Tiling::AlongTokens);
+    operand_gemm(ctx, true, false, out, in, T, dy_tokens, out, xq, in, 1.0f, dW, in);
   }
 }
 

@@ -450,7 +450,7 @@ static int run(const Options& o, Comm& comm, Context& ctx) {
     fflush(stdout);
   }
   if (main_rank && ctx.precision == Precision::FP8 && ctx.device == Device::CUDA) {
-    const Fp8GemmCounts n = fp8_gemm_counts();  // forward and dgrad GEMMs (fp8_gemm.cuh)
+    const Fp8GemmCounts n = fp8_gemm_counts();  // forward, dgrad and wgrad GEMMs (fp8_gemm.cuh)
     printf("fp8 GEMMs on rank 0: %llu native (cuBLASLt block-scaled), %llu emulated\n",
            (unsigned long long)n.native, (unsigned long long)n.emulated);
   }

@@ -119,9 +119,13 @@ mutant lp-weight mixed_precision.cu \
   '  if (!half.defined() && ctx.precision != Precision::FP8 && role != Operand::Weight)' \
   "low-precision linear: the fp32 weights not rounded when no copy is kept"
 mutant fp8-grad-format mixed_precision.cu \
-  '    fake_quantize_tiles_(ctx, m, role == Operand::Gradient ? DType::F8E5M2 : DType::F8E4M3, 1, 128);' \
-  '    fake_quantize_tiles_(ctx, m, DType::F8E4M3, 1, 128);' \
+  '  const DType fp8 = role == Operand::Gradient ? DType::F8E5M2 : DType::F8E4M3;' \
+  '  const DType fp8 = DType::F8E4M3;' \
   "fp8: gradients quantized to E4M3 instead of E5M2"
+mutant fp8-wgrad-tiles mixed_precision.cu \
+  '    fake_quantize_tiles_(ctx, m, fp8, 128, 1);' \
+  '    fake_quantize_tiles_(ctx, m, fp8, 1, 128);' \
+  "fp8: the weight gradient reuses the forward's 1 x 128 tiles (scales across its contraction)"
 mutant stale-copy mixed_precision.cu \
   '  for (const WeightCopies::Copy& c : ctx.weight_copies->copies) cast_(ctx, c.half, c.master);' \
   '  for (const WeightCopies::Copy& c : ctx.weight_copies->copies) if (!c.half.defined()) cast_(ctx, c.half, c.master);' \
