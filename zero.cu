@@ -19,6 +19,11 @@
 //              reduce-scatter completes (tied embeddings: the embedding's, from the head's
 //              backward, which writes into it, to the embedding's own)
 //   m, v       the shard [S] each
+// Under mixed precision (--dtype bf16, fp16, fp8), stages 1-2 keep the whole weights in the
+// compute format only and the fp32 master weights as a shard [S] next to m and v (the book's
+// 2Ψ + 4Ψ + 12Ψ/N for ZeRO-1): each rank rounds its updated slice, and the units are
+// all-gathered in that format. With --grad-acc-dtype bf16 the gradient buffer (stage 1) or
+// shard (stages 2-3) is bf16, and the reduce-scatters carry bf16.
 #include <algorithm>
 #include <cmath>
 
