@@ -30,13 +30,14 @@ void print_precision_memory(Precision p, int64_t num_params, int64_t master_byte
   const double params = (double)m.current[(int)Mem::Params] / num_params;
   const double grads = (double)m.current[(int)Mem::Grads] / num_params;
   const double optimizer = (double)m.current[(int)Mem::Optimizer] / num_params;
-  // fp32: the weights are what the optimizer updates. Mixed precision with a kept copy: the
-  // compute-format weights count as Params and the fp32 master copy within Optimizer. Without
-  // one (ZeRO-3): the GEMMs round the fp32 weights, which are then the master copy.
+  // fp32: the weights are what the optimizer updates. Mixed precision: the compute-format
+  // weights (a copy, ZeRO-1/2's whole bf16 weights, ZeRO-3's bf16 shard) count as Params and
+  // the fp32 master weights within Optimizer.
   const bool low = p != Precision::FP32;
-  const double weights = !low ? params : master_bytes > 0 ? params : 0.0;
-  const double master = !low ? 0.0 : master_bytes > 0 ? (double)master_bytes / num_params : params;
-  const double adam = optimizer - (master_bytes > 0 ? master : 0.0);
+  PICO_ASSERT(!low || master_bytes > 0, "mixed precision keeps fp32 master weights");
+  const double weights = params;
+  const double master = low ? (double)master_bytes / num_params : 0.0;
+  const double adam = optimizer - master;
   printf("bytes per parameter by role, --dtype %s (Playbook §Mixed precision training):\n",
          precision_name(p));
   printf("  %-26s %8s %10s %8s %10s %7s\n", "", "weights", "gradients", "master", "Adam m, v",
@@ -48,10 +49,9 @@ void print_precision_memory(Precision p, int64_t num_params, int64_t master_byte
   if (low) snprintf(master_str, sizeof master_str, "%.2f", master);
   printf("  %-26s %8.2f %10.2f %8s %10.2f %7.2f   %s\n", "this rank, measured", weights, grads,
          master_str, adam, weights + grads + master + adam,
-         !low            ? ""
-         : bf16_grads    ? "(--grad-acc-dtype bf16: each unit accumulates in fp32 while its backward runs)"
-         : master_bytes > 0 ? "(gradients accumulate in fp32: no bf16 gradient copy)"
-                            : "(no bf16 copy under ZeRO-3: the GEMMs round the fp32 weights)");
+         !low         ? ""
+         : bf16_grads ? "(--grad-acc-dtype bf16: each unit accumulates in fp32 while its backward runs)"
+                      : "(gradients accumulate in fp32: no bf16 gradient copy)");
 }
 
 // An exact byte count as an integer, a fractional one (a formula at Psi / N) with two decimals.
@@ -185,16 +185,14 @@ void print_zero_comm_report(const Comm& comm, const Zero& zero, int grad_acc) {
   int64_t steps = std::max<int64_t>(1, zero.steps_measured);
   ZeroTraffic got = zero.measured_traffic(), want = zero.expected_traffic(grad_acc);
   int64_t psi = s.units.back().offset + s.units.back().numel;
-  const DType w = zero.weight_format();  // what stages 1-2 all-gather: fp32, or bf16 / fp16
-  const int wb = (int)dtype_size(w);
+  const DType w = zero.weight_format();  // what is all-gathered: fp32, or bf16 / fp16
+  const int wb = (int)dtype_size(w), gb = (int)dtype_size(zero.grad_dtype());
+  auto name = [](DType t) { return t == DType::F32 ? "fp32" : t == DType::BF16 ? "bf16" : "fp16"; };
   printf(
       "ZeRO-%d traffic per training step over dp_cp (N = %d; averaged over %lld steps; "
-      "validation and checkpoint gathers excluded; %s):\n",
-      stage, N, (long long)steps,
-      w == DType::F32 ? "fp32: 4 bytes per element"
-                      : (std::string("gradients fp32, 4 bytes per element; weights gathered in ") +
-                         (w == DType::BF16 ? "bf16" : "fp16") + ", 2")
-                            .c_str());
+      "validation and checkpoint gathers excluded; gradients %s, %d bytes per element; weights "
+      "gathered in %s, %d):\n",
+      stage, N, (long long)steps, name(zero.grad_dtype()), gb, name(w), wb);
   printf("  %-15s %10s %14s   %10s %14s\n", "collective", "calls", "bytes", "expected", "bytes");
   printf("  %-15s %10.1f %14.0f   %10lld %14lld\n", "reduce_scatter",
          (double)got.reduce_scatter_calls / steps, (double)got.reduce_scatter_bytes / steps,
@@ -205,19 +203,15 @@ void print_zero_comm_report(const Comm& comm, const Zero& zero, int grad_acc) {
   double total = (double)(got.reduce_scatter_bytes + got.all_gather_bytes) / steps;
   printf("  %-15s %10s %14.0f   %10s %14lld\n", "total", "", total, "",
          (long long)(want.reduce_scatter_bytes + want.all_gather_bytes));
-  double k = stage == 3 ? 3.0 : 2.0, padded = (double)s.padded_numel();
-  if (wb == 4)
-    printf(
-        "  book, Playbook §4.4: %.0fΨ(N-1)/N elements x 4 bytes = %s bytes (Ψ = %lld), %s at Ψ' "
-        "(padded)\n",
-        k, bytes_str(k * psi * (N - 1) / N * 4).c_str(), (long long)psi,
-        bytes_str(k * padded * (N - 1) / N * 4).c_str());
-  else  // the reduce-scatter's Ψ(N-1)/N in fp32, the all-gather's in the 2-byte format
-    printf(
-        "  book, Playbook §4.4: Ψ(N-1)/N elements x 4 bytes + Ψ(N-1)/N x %d = %s bytes (Ψ = "
-        "%lld), %s at Ψ' (padded)\n",
-        wb, bytes_str(psi * (N - 1.0) / N * (4 + wb)).c_str(), (long long)psi,
-        bytes_str(padded * (N - 1) / N * (4 + wb)).c_str());
+  // The book's Ψ(N-1)/N reduce-scattered and Ψ(N-1)/N all-gathered (twice under ZeRO-3), each
+  // at its element size.
+  const double gathers = stage == 3 ? 2.0 : 1.0, padded = (double)s.padded_numel();
+  const double per = gb + gathers * wb;
+  printf(
+      "  book, Playbook §4.4: %.0fΨ(N-1)/N elements (Ψ(N-1)/N x %d bytes + %.0fΨ(N-1)/N x %d) = "
+      "%s bytes (Ψ = %lld), %s at Ψ' (padded)\n",
+      1 + gathers, gb, gathers, wb, bytes_str(psi * (N - 1.0) / N * per).c_str(), (long long)psi,
+      bytes_str(padded * (N - 1) / N * per).c_str());
   if (stage == 2 && grad_acc > 1)
     printf(
         "  ZeRO-2 keeps no full gradient across micro-batches: it reduce-scatters each of the %d, "

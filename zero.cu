@@ -19,10 +19,10 @@
 //              reduce-scatter completes (tied embeddings: the embedding's, from the head's
 //              backward, which writes into it, to the embedding's own)
 //   m, v       the shard [S] each
-// Under mixed precision (--dtype bf16, fp16, fp8), stages 1-2 keep the whole weights in the
-// compute format only and the fp32 master weights as a shard [S] next to m and v (the book's
-// 2Ψ + 4Ψ + 12Ψ/N for ZeRO-1): each rank rounds its updated slice, and the units are
-// all-gathered in that format. With --grad-acc-dtype bf16 the gradient buffer (stage 1) or
+// Under mixed precision (--dtype bf16, fp16, fp8), the fp32 master weights are a shard [S] next
+// to m and v, and what is gathered is in the compute format: stages 1-2 keep the whole weights
+// only in that format (the book's 2Ψ + 4Ψ + 12Ψ/N for ZeRO-1), stage 3 a bf16 copy of its
+// shard (2Ψ/N); each rank rounds its updated slice, and the units are all-gathered in bf16. With --grad-acc-dtype bf16 the gradient buffer (stage 1) or
 // shard (stages 2-3) is bf16, and the reduce-scatters carry bf16.
 #include <algorithm>
 #include <cmath>
@@ -61,10 +61,9 @@ StaticMemory zero_static_memory(int stage, double psi, int ranks, BytesPerParame
           b.optimizer * psi / (stage >= 1 ? N : 1.0)};
 }
 BytesPerParameter bytes_per_parameter(int stage, Precision precision, bool bf16_grads) {
-  const double grads = bf16_grads ? 2 : 4;
+  (void)stage;  // every stage keeps the same kinds of bytes; the formula divides them by N
   if (precision == Precision::FP32) return {};
-  if (stage == 3) return {4, grads, 8};  // no compute copy: the fp32 shard is the master
-  return {2, grads, 12};
+  return {2, bf16_grads ? 2.0 : 4.0, 12};
 }
 
 std::string zero_memory_formula(int stage, BytesPerParameter b) {
@@ -81,7 +80,7 @@ std::string zero_memory_formula(int stage, BytesPerParameter b) {
 Zero::Zero(Comm& comm, Model& model, int stage, const AdamWConfig& hp, float weight_decay,
            uint64_t seed, bool overlap, DType weight_format, DType grad_dtype)
     : GradientSync(comm, model, hp, weight_decay), stage_(stage), overlap_(overlap),
-      weight_format_(stage == 3 ? DType::F32 : weight_format),
+      weight_format_(weight_format),
       accumulators_(model, [this](int u) {
         const ShardLayout::Unit& U = layout_.units[u];
         return model_.grads.view(U.padded_offset, {U.numel});
@@ -112,11 +111,15 @@ Zero::Zero(Comm& comm, Model& model, int stage, const AdamWConfig& hp, float wei
     }
   }
   if (stage == 3 || weight_format_ != DType::F32) {  // the master weights: this rank's slice
-    param_shard_ = zeros({S}, stage == 3 ? Mem::Params : Mem::Optimizer, d);
+    param_shard_ = zeros({S}, weight_format_ == DType::F32 ? Mem::Params : Mem::Optimizer, d);
     for (const ShardLayout::Unit& U : layout_.units)
       if (U.valid > 0)
         init_parameters(model, seed, param_shard_.view(U.shard_offset, {U.valid}),
                         U.offset + r * U.shard);
+  }
+  if (stage == 3 && weight_format_ != DType::F32) {  // the shard in the format it is gathered in
+    compute_shard_ = empty({S}, Mem::Params, d, weight_format_);
+    cast_(compute_shard_, param_shard_);
   }
   // Gradients in fp32 or bf16 (--grad-acc-dtype). Stage 1 in bf16 binds the views per unit
   // around its backward (Bf16Accumulators); stages 2-3 always do (acquire_grads).
@@ -245,10 +248,12 @@ void Zero::launch_gather(int u) {
   UnitState& s = units_[u];
   if (s.resident || s.gathering) return;
   const ShardLayout::Unit& U = layout_.units[u];
-  s.params = empty({layout_.ranks * U.shard}, Mem::Workspace, comm_.device);
+  // Mixed precision: the bf16 (fp16) shard, half the bytes; the ops read the gathered unit as it is.
+  Tensor mine = compute_shard_.defined() ? compute_shard_.view(U.shard_offset, {U.shard})
+                                         : shard_view(Part::Params, u, U.shard);
+  s.params = empty({layout_.ranks * U.shard}, Mem::Workspace, comm_.device, mine.dtype);
   s.gather_start = now_seconds();
-  s.gather =
-      all_gather_async(comm_, comm_.dp_cp, *ctx_, shard(Part::Params, u), s.params.f32(), U.shard);
+  s.gather = all_gather_async(comm_, comm_.dp_cp, *ctx_, mine.ptr, s.params.ptr, mine.dtype, U.shard);
   s.gathering = true;
 }
 
@@ -386,6 +391,10 @@ void Zero::step(const Context& ctx, float lr) {
     int iu = (int)u;
     for (; k < slices_.size() && slices_[k].unit == iu; k++)
       adamw_.update(ctx, slices_[k], lr, pending_scale_);
+    if (compute_shard_.defined()) {  // stage 3: the updated slice, rounded, for the next gathers
+      const ShardLayout::Unit& U = layout_.units[u];
+      cast_(ctx, compute_shard_.view(U.shard_offset, {U.shard}), shard_view(Part::Params, iu, U.shard));
+    }
     if (stage_ <= 2) {  // in place, like the reduce-scatter
       const ShardLayout::Unit& U = layout_.units[u];
       Tensor full = model_.params.view(U.padded_offset, {layout_.ranks * U.shard});
@@ -460,6 +469,8 @@ void Zero::load_flat(Part part, const Tensor& whole) {
     if (U.valid == 0) continue;
     int64_t first = U.offset + layout_.rank * U.shard;  // this rank's slice of the whole vector
     copy_(shard_view(part, (int)u, U.valid), whole.view(first, {U.valid}));
+    if (part == Part::Params && compute_shard_.defined())
+      cast_(compute_shard_.view(U.shard_offset, {U.valid}), shard_view(part, (int)u, U.valid));
   }
 }
 

@@ -44,7 +44,7 @@ StaticMemory zero_static_memory(int stage, double psi, int ranks, BytesPerParame
 std::string zero_memory_formula(int stage, BytesPerParameter bytes = {});
 // What each rank keeps per parameter: fp32's 4, 4, 8, or under mixed precision the
 // compute-format weights 2, the gradients (4, or 2 in bf16) and the fp32 master weights with
-// Adam's moments, 12 (ZeRO-3 keeps no compute copy: 4, the gradients, 8).
+// Adam's moments, 12.
 BytesPerParameter bytes_per_parameter(int stage, Precision precision, bool bf16_grads);
 
 // Collective calls and bytes this rank sends over dp_cp in one training step.
@@ -60,9 +60,9 @@ class Zero : public GradientSync {
   // `model` comes from build_model_layout (it holds no memory yet). Allocates what `stage` keeps
   // (see zero.cu), binds the model's views, and initialises this rank's part from `seed`.
   // overlap false: every collective is waited for when issued (no prefetch, no overlap).
-  // weight_format BF16 or F16 (mixed precision, stages 1-2): the whole weights every rank holds
-  // are kept in that format only; the fp32 master weights are sharded with Adam's moments (the
-  // book's 2Ψ + 4Ψ + 12Ψ/N for ZeRO-1), and each step all-gathers the rounded slices.
+  // weight_format BF16 or F16 (mixed precision): the fp32 master weights are sharded with Adam's
+  // moments and the weights are gathered in that format; stages 1-2 keep the whole weights in
+  // it only (the book's 2Ψ + 4Ψ + 12Ψ/N for ZeRO-1), stage 3 a copy of its shard.
   // grad_dtype BF16 (--grad-acc-dtype bf16): the gradient buffers and shards in bf16, each
   // unit summed in fp32 while its backward runs, reduce-scattered in bf16.
   Zero(Comm& comm, Model& model, int stage, const AdamWConfig& hp, float weight_decay,
@@ -140,6 +140,7 @@ class Zero : public GradientSync {
   Bf16Accumulators accumulators_;  // stage 1 with bf16 gradients
   ShardLayout layout_;
   Tensor param_shard_, grad_shard_;  // [S] stage 3 (or mixed precision) weights, stages 2-3 gradients
+  Tensor compute_shard_;             // [S] stage 3 under mixed precision: param_shard_ rounded
   Tensor exp_avg_, exp_avg_sq_;      // [S] Adam m and v
   std::vector<UnitState> units_;
   const Context* ctx_ = nullptr;

@@ -4,8 +4,8 @@
 // with one micro-batch the stored gradient is exactly the fp32-accumulated one rounded, whatever
 // the model split; with several micro-batches or data-parallel ranks each partial sum is rounded
 // once more, and the layouts track the single process within bf16's precision.
-// ZeRO-1/2 under --dtype bf16: the whole weights in bf16 only, the fp32 master weights sharded,
-// the rounded slices all-gathered in bf16.
+// ZeRO under --dtype bf16: the fp32 master weights sharded, the rounded slices all-gathered in
+// bf16 (ZeRO-1/2 keep the whole weights in bf16 only, ZeRO-3 a bf16 copy of its shard).
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
@@ -219,8 +219,8 @@ TEST_CASE("ZeRO in bf16: the book's 2Ψ + 4Ψ + 12Ψ/N, and all-gathers of half 
           "[train]") {
   const std::string base =
       "--steps 2 --mbs 2 --seq 32 --val-every 0 --val-seqs 2 --dp 2 --report memory,comm ";
-  auto all_gather_bytes = [](const std::string& out) {
-    size_t at = out.find("  all_gather ", out.find("ZeRO-1 traffic"));
+  auto all_gather_bytes = [](const std::string& out, const std::string& stage) {
+    size_t at = out.find("  all_gather ", out.find("ZeRO-" + stage + " traffic"));
     REQUIRE(at != std::string::npos);
     std::istringstream row(out.substr(at + 13, 80));
     double calls = 0, bytes = 0, want_calls = 0, want_bytes = 0;
@@ -228,22 +228,24 @@ TEST_CASE("ZeRO in bf16: the book's 2Ψ + 4Ψ + 12Ψ/N, and all-gathers of half 
     CHECK(bytes == want_bytes);
     return bytes;
   };
-  RunResult fp32 = run_train(base + "--zero 1 --dtype fp32", 2);
-  RunResult bf16 = run_train(base + "--zero 1 --dtype bf16", 2);
-  INFO(fp32.output << bf16.output);
-  REQUIRE(fp32.code == 0);
-  REQUIRE(bf16.code == 0);
-  CHECK(all_gather_bytes(bf16.output) * 2 == all_gather_bytes(fp32.output));
-  // N = 2: 2 + 4 + 12/2 = 12 bytes per parameter, the master weights 4/2 of them.
-  CHECK_THAT(bf16.output,
-             Catch::Contains("this rank, measured            2.00       4.00     2.00       4.00   12.00"));
-  CHECK_THAT(bf16.output, Catch::Contains("Playbook §4.1: 2Ψ + 4Ψ + 12Ψ/N"));
-  CHECK_THAT(bf16.output, Catch::Contains("every rank holds exactly the formula's bytes at Ψ': yes"));
-  RunResult zero2 = run_train(base + "--zero 2 --dtype bf16", 2);
-  INFO(zero2.output);
-  REQUIRE(zero2.code == 0);
-  CHECK_THAT(zero2.output, Catch::Contains("Playbook §4.1: 2Ψ + 4Ψ/N + 12Ψ/N"));
-  CHECK_THAT(zero2.output, Catch::Contains("every rank holds exactly the formula's bytes at Ψ': yes"));
+  // Over N = 2, per parameter: weights 2 (bf16; ZeRO-3: its shard, 2/2), gradients 4 (fp32;
+  // ZeRO-2 and -3: 4/2), the master weights 4/2 and Adam 8/2.
+  struct Stage {
+    const char *zero, *formula, *measured;
+  };
+  for (const Stage& z : {Stage{"1", "2Ψ + 4Ψ + 12Ψ/N", "2.00       4.00     2.00       4.00   12.00"},
+                         Stage{"2", "2Ψ + 4Ψ/N + 12Ψ/N", "2.00       2.00     2.00       4.00   10.00"},
+                         Stage{"3", "2Ψ/N + 4Ψ/N + 12Ψ/N", "1.00       2.00     2.00       4.00    9.00"}}) {
+    RunResult fp32 = run_train(base + "--zero " + z.zero + " --dtype fp32", 2);
+    RunResult bf16 = run_train(base + "--zero " + z.zero + " --dtype bf16", 2);
+    INFO("--zero " << z.zero << "\n" << fp32.output << bf16.output);
+    REQUIRE(fp32.code == 0);
+    REQUIRE(bf16.code == 0);
+    CHECK(all_gather_bytes(bf16.output, z.zero) * 2 == all_gather_bytes(fp32.output, z.zero));
+    CHECK_THAT(bf16.output, Catch::Contains(std::string("this rank, measured            ") + z.measured));
+    CHECK_THAT(bf16.output, Catch::Contains(std::string("Playbook §4.1: ") + z.formula));
+    CHECK_THAT(bf16.output, Catch::Contains("every rank holds exactly the formula's bytes at Ψ': yes"));
+  }
 }
 
 // Activations stored in bf16: what a block keeps shrinks by 2 bytes per element of everything

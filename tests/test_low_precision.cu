@@ -532,7 +532,7 @@ TEST_CASE("--report memory gives the bytes per parameter of each role under each
       {"--dtype bf16", 0, "this rank, measured            2.00       4.00     4.00       8.00   18.00"},
       {"--dtype fp8", 0, "this rank, measured            2.00       4.00     4.00       8.00   18.00"},
       {"--dtype bf16 --dp 2 --zero 3", 2,
-       "this rank, measured            0.00       2.00     2.00       4.00    8.00"},
+       "this rank, measured            1.00       2.00     2.00       4.00    9.00"},
   };
   for (const Case& c : cases) {
     RunResult r = run_train(
