@@ -374,7 +374,7 @@ static void check_memory(const Options& o, Device device, int local_ranks) {
   double weights = 4 * psi / (stage == 3 || (low && stage >= 1) ? n : 1);
   double grads = grad_bytes * psi / (stage >= 2 ? n : 1);
   double adam = 8 * psi / (stage >= 1 ? n : 1);
-  double copy = low && stage < 3 ? 2 * psi : 0;
+  double copy = !low ? 0 : stage < 3 ? 2 * psi : 2 * psi / n;  // ZeRO-3: a bf16 copy of its shard
   double state = (o.score.empty() ? weights + grads + adam : 4 * psi) + copy;
   double acts = (double)c.layers * activation_bytes_per_block(c, o.mbs, c.seq, o.tp, o.sp,
                                                               parse_recompute(o.recompute),
