@@ -7,7 +7,8 @@
 
 #include "mixed_precision.cuh"
 
-void print_memory(int64_t num_params, int zero_stage, int ranks) {
+void print_memory(int64_t num_params, int zero_stage, int ranks, Precision precision,
+                  bool bf16_grads) {
   MemoryStats m = memory_stats();
   printf("memory (peak / now):\n");
   for (int i = 0; i < (int)Mem::Count; i++)
@@ -17,11 +18,16 @@ void print_memory(int64_t num_params, int zero_stage, int ranks) {
                 m.current[(int)Mem::Optimizer];
   printf("  static (params + grads + optimizer) = %s = %.2f bytes/parameter ",
          human_bytes(stat).c_str(), (double)stat / num_params);
+  // The book's bytes for this run: fp32's 4 + 4 + 8, or mixed precision's 2 + 4 (2) + 12.
+  const BytesPerParameter b = bytes_per_parameter(zero_stage, precision, bf16_grads);
+  const char* what = precision == Precision::FP32 ? "fp32" : precision_name(precision);
   if (zero_stage == 0)
-    printf("(Playbook §2.4, fp32: 16)\n");
+    printf("(Playbook §2.4, %s: %s = %.0f)\n", what, zero_memory_formula(0, b).c_str(),
+           zero_static_memory(0, 1.0, 1, b).total());
   else
-    printf("(Playbook §4.1, ZeRO-%d over %d ranks, fp32: %s = %.2f)\n", zero_stage, ranks,
-           zero_memory_formula(zero_stage).c_str(), zero_static_memory(zero_stage, 1.0, ranks).total());
+    printf("(Playbook §4.1, ZeRO-%d over %d ranks, %s: %s = %.2f)\n", zero_stage, ranks, what,
+           zero_memory_formula(zero_stage, b).c_str(),
+           zero_static_memory(zero_stage, 1.0, ranks, b).total());
 }
 
 void print_precision_memory(Precision p, int64_t num_params, int64_t master_bytes,

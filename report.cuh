@@ -6,8 +6,10 @@
 #include "zero.cuh"
 
 // This rank's peak and current bytes per memory category, and its static bytes per parameter
-// next to the book's (Playbook §2.4: 16 in fp32; §4.1 under ZeRO over `ranks` ranks).
-void print_memory(int64_t num_params, int zero_stage, int ranks);
+// next to the book's (Playbook §2.4: 16 in fp32, 18 or 16 in mixed precision; §4.1 under ZeRO
+// over `ranks` ranks).
+void print_memory(int64_t num_params, int zero_stage, int ranks,
+                  Precision precision = Precision::FP32, bool bf16_grads = false);
 // --report memory, under --dtype: this rank's static bytes per parameter by role (weights the
 // GEMMs read, gradients, fp32 master weights, Adam's m and v), measured, next to the book's
 // mixed-precision table (Playbook §Mixed precision training: 2 + 2 + 4 + 4 + 4 = 16 bytes, 20

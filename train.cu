@@ -349,7 +349,9 @@ static void print_reports(Trainer& t) {
   Comm& comm = t.comm;
   bool main_rank = comm.grid.world_rank == 0;
   int64_t n_params = t.model.num_params;  // on this rank: the whole model over tp
-  if (main_rank) print_memory(n_params, t.sync.zero_stage(), comm.dp_cp.size);
+  if (main_rank)
+    print_memory(n_params, t.sync.zero_stage(), comm.dp_cp.size, t.ctx.precision,
+                 t.sync.grad_dtype() == DType::BF16);
   for (const std::string& r : o.reports) {
     if (r == "sync" && main_rank && t.steps_run > 0) {
       // The points where the host waits for the device (core.cuh, count_host_sync): each one
