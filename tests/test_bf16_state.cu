@@ -130,6 +130,8 @@ TEST_CASE("--grad-acc-dtype bf16 halves the gradients' bytes: the book's 16 per 
   CHECK_THAT(r.output,
              Catch::Contains("this rank, measured            2.00       2.00     4.00       8.00   16.00"));
   CHECK_THAT(r.output, Catch::Contains("bf16 gradients"));  // the configuration table says so
+  // The memory summary measures 16.00 and names the book's formula for this precision.
+  CHECK_THAT(r.output, Catch::Contains("= 16.00 bytes/parameter (Playbook §2.4, bf16: 2Ψ + 2Ψ + 12Ψ = 16)"));
   // ZeRO over 2 ranks: the book's 2Ψ + 2Ψ + 12Ψ/N (ZeRO-1), 2Ψ + 2Ψ/N + 12Ψ/N (ZeRO-2), to the byte.
   for (const char* z : {"1", "2"}) {
     RunResult zr = run_train(run + "--dp 2 --zero " + z, 2);
