@@ -63,7 +63,8 @@ Grid make_grid(int dp, int pp, int cp, int tp, int world_size, int world_rank) {
 //   reduce           K = count*4, except root, where the chain ends, which sends 0
 //   gather           count*4 from every rank but root; scatter (N-1)*count*4 from root only
 //   send_recv        the bytes of its sends;  barrier 0
-// A group of one sends nothing: every formula is 0 for N = 1, and send_recv to oneself is a copy.
+// (4 is an fp32 element's bytes: bf16 and fp16 all-reduces, reduce-scatters and all-gathers
+// count 2.) A group of one sends nothing: every formula is 0 for N = 1, and send_recv to oneself is a copy.
 constexpr int64_t kF32 = sizeof(float);
 static void count_call(Group& g, Coll coll, int64_t elements, int64_t bytes_sent) {
   g.stats[(int)coll].calls += 1;

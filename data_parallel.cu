@@ -157,15 +157,12 @@ UnitHooks DataParallel::hooks(const Context& ctx, bool last_micro_batch) {
   return h;
 }
 
-void* DataParallel::grad_at(int64_t offset) const {
-  return (char*)model_.grads.ptr + offset * dtype_size(model_.grads.dtype);
-}
-
 void DataParallel::launch(GradBucket& b) {
   b.launched = true;
   b.launch_time = now_seconds();
   if (mode_ == DpSync::Ring) return pump_rings(false);
-  b.handle = all_reduce_async(comm_, comm_.dp_cp, *ctx_, grad_at(b.offset), grad_dtype_, b.count,
+  b.handle = all_reduce_async(comm_, comm_.dp_cp, *ctx_, model_.grads.view(b.offset, {b.count}).ptr,
+                              grad_dtype_, b.count,
                               ReduceOp::Sum);
 }
 
@@ -206,10 +203,12 @@ double DataParallel::finish(const Context& ctx) {
   if (!active_) return 0.0;
   double t0 = now_seconds();
   if (mode_ == DpSync::Naive) {  // Playbook §3.1: one blocking all-reduce per parameter
-    for (int p = (int)model_.named_params.size() - 1; p >= 0; p--)
-      all_reduce_async(comm_, comm_.dp_cp, ctx, grad_at(model_.offsets[p]), grad_dtype_,
-                       model_.named_params[p].tensor.numel(), ReduceOp::Sum)
+    for (int p = (int)model_.named_params.size() - 1; p >= 0; p--) {
+      const int64_t n = model_.named_params[p].tensor.numel();
+      all_reduce_async(comm_, comm_.dp_cp, ctx, model_.grads.view(model_.offsets[p], {n}).ptr,
+                       grad_dtype_, n, ReduceOp::Sum)
           .wait();
+    }
     spans_.push_back({t0, now_seconds()});
   } else {
     for (GradBucket& b : buckets_)

@@ -82,7 +82,6 @@ class DataParallel : public GradientSync {
 
  private:
   void on_gradients_ready(int unit);
-  void* grad_at(int64_t offset) const;  // element `offset` of the flat gradient buffer
   void launch(GradBucket& b);
   void progress_all();
   void pump_rings(bool block);

@@ -20,8 +20,8 @@ std::vector<ParamSlice> whole_model_slices(const Model& model, const AdamMoments
     for (int p = model.units[u].first; p < model.units[u].first + model.units[u].count; p++) {
       const Tensor& t = model.named_params[p].tensor;
       int64_t at = model.offsets[p];
-      void* grad = (char*)model.grads.ptr + at * dtype_size(model.grads.dtype);
-      slices.push_back({model.params.f32() + at, grad, moments.exp_avg.f32() + at,
+      slices.push_back({model.params.f32() + at, model.grads.view(at, {t.numel()}).ptr,
+                        moments.exp_avg.f32() + at,
                         moments.exp_avg_sq.f32() + at, t.numel(), u, weight_decays(t),
                         model.layouts[p].writer, model.grads.dtype});
     }
