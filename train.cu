@@ -222,6 +222,7 @@ struct Trainer {
   std::vector<int32_t> my_inputs, my_targets;  // and its share of their tokens (cp)
   CpWork attention_work;                   // what ring attention computed (--report balance)
   OutputLines log_json;
+  nlohmann::json log_line;  // this step's --log-json line, written once validation has run
   Trace trace;
   int64_t steps_run = 0, block_bytes = -1;  // one block's saved activations, measured once
   uint64_t step_syncs_min = UINT64_MAX, step_syncs_max = 0;  // host synchronisations per step
@@ -316,7 +317,7 @@ static bool train_step(Trainer& t, int64_t step) {
       if (t.scaler.enabled) line["loss_scale"] = scale, line["skipped"] = !take_step;
       if (t.ctx.precision != Precision::FP32 && t.ctx.device == Device::CPU)
         line["grad_underflow"] = rounding_stats(true).flushed_share();
-      t.log_json.write_line(line.dump());
+      t.log_line = line;
     }
   }
   return true;
@@ -333,6 +334,7 @@ static void validate(Trainer& t, int64_t step) {
   });
   if (t.comm.grid.world_rank == 0)
     printf("step %5lld/%d | val loss %.4f\n", (long long)step + 1, t.o.steps, val);
+  t.log_line["val_loss"] = val;
 }
 
 // The model config with a cp rank's share of each sequence as its length (Playbook §7): what
@@ -449,6 +451,7 @@ static int run(const Options& o, Comm& comm, Context& ctx) {
   for (int64_t step = first_step; step < end; step++) {
     if (!train_step(t, step)) return 3;
     if (step + 1 == end || (o.val_every > 0 && (step + 1) % o.val_every == 0)) validate(t, step);
+    if (t.log_json.is_open()) t.log_json.write_line(t.log_line.dump());
     fflush(stdout);
   }
   if (main_rank && ctx.precision == Precision::FP8 && ctx.device == Device::CUDA) {
