@@ -9,7 +9,7 @@
 
 #include "context_parallel.cuh"
 #include "flash_attention.cuh"
-#include "ops.cuh"
+#include "runtime/ops.cuh"
 
 CpBalance parse_cp_balance(const std::string& flag) {
   if (flag == "zigzag") return CpBalance::Zigzag;

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "comm.cuh"
+#include "runtime/comm.cuh"
 
 enum class CpBalance { Zigzag, Contiguous };
 enum class CpComm { Ring, AllGather };

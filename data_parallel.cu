@@ -6,7 +6,7 @@
 #include "data_parallel.cuh"
 
 #include "mixed_precision.cuh"
-#include "ops.cuh"
+#include "runtime/ops.cuh"
 
 DpSync parse_dp_sync(const std::string& flag) {
   if (flag == "naive") return DpSync::Naive;

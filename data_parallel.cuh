@@ -5,8 +5,8 @@
 #include <string>
 #include <vector>
 
-#include "comm.cuh"
-#include "gradient_sync.cuh"
+#include "runtime/comm.cuh"
+#include "runtime/gradient_sync.cuh"
 
 enum class DpSync { Naive, Bucket, Ring };
 DpSync parse_dp_sync(const std::string& flag);  // naive|bucket|ring

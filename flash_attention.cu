@@ -20,7 +20,7 @@
 #include <utility>
 #include <vector>
 
-#include "flash_attention_kernels.cuh"
+#include "kernels/flash_attention_kernels.cuh"
 
 // ============================================================================
 // FlashAttention: the pieces every version shares

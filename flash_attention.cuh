@@ -9,7 +9,7 @@
 #pragma once
 #include <cuda_bf16.h>
 
-#include "core.cuh"
+#include "runtime/core.cuh"
 
 struct AttentionShape {
   int B;    // sequences

@@ -20,9 +20,9 @@
 #include <cmath>
 #include <cstring>
 
-#include "fp8_gemm.cuh"
+#include "kernels/fp8_gemm.cuh"
 #include "mixed_precision.cuh"
-#include "ops.cuh"
+#include "runtime/ops.cuh"
 
 // ----------------------------------------------------------------------------
 // One rounding routine for every format

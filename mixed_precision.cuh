@@ -2,7 +2,7 @@
 // training, §FP8 pretraining): rounding from fp32 and the exact way back, and FP8 with one
 // absmax scale per tile (DeepSeek-V3: 1 x 128 activations, 128 x 128 weights).
 #pragma once
-#include "core.cuh"
+#include "runtime/core.cuh"
 
 // One value, fp32 -> format: round to nearest, ties to even, subnormals kept. Overflow goes to
 // infinity (bf16, fp16, e5m2); e4m3 has no infinity and saturates to +-448 ("satfinite").

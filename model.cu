@@ -9,7 +9,7 @@
 #include <algorithm>
 
 #include "mixed_precision.cuh"
-#include "ops.cuh"
+#include "runtime/ops.cuh"
 
 // ----------------------------------------------------------------------------
 // Configuration

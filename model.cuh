@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "context_parallel.cuh"
-#include "core.cuh"
+#include "runtime/core.cuh"
 #include "flash_attention.cuh"
 #include "tensor_parallel.cuh"
 

@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "gradient_sync.cuh"
-#include "schedule.cuh"
+#include "runtime/gradient_sync.cuh"
+#include "runtime/schedule.cuh"
 
 enum class PpSchedule { AFAB, OneFOneB, Interleaved, ZeroBubbleH1 };
 PpSchedule parse_pp_schedule(const std::string& flag);  // afab|1f1b|interleaved|zb-h1

@@ -13,7 +13,7 @@
 #include <initializer_list>
 
 #include "model.cuh"
-#include "ops.cuh"
+#include "runtime/ops.cuh"
 
 // ----------------------------------------------------------------------------
 // This rank's slice of the model (Playbook §5.3)

@@ -6,7 +6,7 @@
 #include <functional>
 #include <vector>
 
-#include "comm.cuh"
+#include "runtime/comm.cuh"
 
 struct ModelConfig;  // model.cuh
 

@@ -15,21 +15,21 @@
 #include <thread>
 #include <unistd.h>
 
-#include "checkpoint.cuh"
-#include "comm.cuh"
-#include "core.cuh"
-#include "data.cuh"
+#include "runtime/checkpoint.cuh"
+#include "runtime/comm.cuh"
+#include "runtime/core.cuh"
+#include "runtime/data.cuh"
 #include "data_parallel.cuh"
-#include "fp8_gemm.cuh"
-#include "gradient_sync.cuh"
+#include "kernels/fp8_gemm.cuh"
+#include "runtime/gradient_sync.cuh"
 #include "mixed_precision.cuh"
 #include "model.cuh"
-#include "ops.cuh"
-#include "optimizer.cuh"
-#include "options.cuh"
+#include "runtime/ops.cuh"
+#include "runtime/optimizer.cuh"
+#include "runtime/options.cuh"
 #include "pipeline_parallel.cuh"
-#include "report.cuh"
-#include "schedule.cuh"
+#include "runtime/report.cuh"
+#include "runtime/schedule.cuh"
 #include "zero.cuh"
 
 // ----------------------------------------------------------------------------

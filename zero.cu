@@ -28,7 +28,7 @@
 #include <cmath>
 
 #include "mixed_precision.cuh"
-#include "report.cuh"
+#include "runtime/report.cuh"
 #include "zero.cuh"
 
 int parse_zero_stage(int flag) {

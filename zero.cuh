@@ -4,8 +4,8 @@
 #include <string>
 #include <vector>
 
-#include "comm.cuh"
-#include "gradient_sync.cuh"
+#include "runtime/comm.cuh"
+#include "runtime/gradient_sync.cuh"
 
 int parse_zero_stage(int flag);  // 0 (off), 1, 2 or 3; else UsageError naming --zero
 

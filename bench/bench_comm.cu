@@ -15,11 +15,11 @@
 #include <thread>
 #include <vector>
 
-#include "comm.cuh"
+#include "runtime/comm.cuh"
 #include "data_parallel.cuh"
 #include "model.cuh"
-#include "ops.cuh"
-#include "optimizer.cuh"
+#include "runtime/ops.cuh"
+#include "runtime/optimizer.cuh"
 #include "zero.cuh"
 
 static void bandwidth(Comm& comm, const Context& ctx, const char* backend) {

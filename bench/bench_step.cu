@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "model.cuh"
-#include "ops.cuh"
-#include "optimizer.cuh"
+#include "runtime/ops.cuh"
+#include "runtime/optimizer.cuh"
 
 struct BenchConfig {
   const char* name;

@@ -10,9 +10,9 @@
 #include <thread>
 #include <vector>
 
-#include "comm.cuh"
+#include "runtime/comm.cuh"
 #include "model.cuh"
-#include "ops.cuh"
+#include "runtime/ops.cuh"
 
 struct Result {
   double step_ms;

@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "core.cuh"
+#include "runtime/core.cuh"
 
 inline bool nvidia_smi_lists_a_gpu() { return std::system("nvidia-smi -L >/dev/null 2>&1") == 0; }
 

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "checkpoint.cuh"
+#include "runtime/checkpoint.cuh"
 #include "launch.cuh"
 
 // gqa_bf16 was saved by transformers in bf16: loaded here it widens exactly, so the float64

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "core.cuh"
+#include "runtime/core.cuh"
 
 // Element i: mean + std * N(0,1) of the stream `name` (the same on every rank that asks).
 inline std::vector<float> reference_normal(int64_t n, const std::string& name, double mean = 0,

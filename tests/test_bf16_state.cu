@@ -14,7 +14,7 @@
 #include <sstream>
 
 #include "launch.cuh"
-#include "ops.cuh"
+#include "runtime/ops.cuh"
 #include "parity_rows.cuh"
 #include "cuda_case.cuh"
 

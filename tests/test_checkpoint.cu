@@ -16,9 +16,9 @@
 #include <tuple>
 #include <vector>
 
-#include "checkpoint.cuh"
+#include "runtime/checkpoint.cuh"
 #include "cuda_case.cuh"
-#include "core.cuh"
+#include "runtime/core.cuh"
 #include "usage_error.cuh"
 
 namespace fs = std::filesystem;

@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "core.cuh"
+#include "runtime/core.cuh"
 #include "usage_error.cuh"
-#include "data.cuh"
+#include "runtime/data.cuh"
 
 namespace fs = std::filesystem;
 using Catch::Matchers::Contains;

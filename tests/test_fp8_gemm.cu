@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "core.cuh"
+#include "runtime/core.cuh"
 #include "cuda_case.cuh"
-#include "fp8_gemm.cuh"
+#include "kernels/fp8_gemm.cuh"
 #include "mixed_precision.cuh"
 #include "reference.cuh"
 

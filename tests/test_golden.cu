@@ -8,11 +8,11 @@
 #include <cmath>
 #include <filesystem>
 
-#include "checkpoint.cuh"
+#include "runtime/checkpoint.cuh"
 #include "golden.cuh"
 #include "launch.cuh"
 #include "model.cuh"
-#include "ops.cuh"
+#include "runtime/ops.cuh"
 
 namespace fs = std::filesystem;
 

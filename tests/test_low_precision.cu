@@ -10,12 +10,12 @@
 #include <map>
 #include <vector>
 
-#include "core.cuh"
+#include "runtime/core.cuh"
 #include "cuda_case.cuh"
 #include "launch.cuh"
 #include "mixed_precision.cuh"
 #include "model.cuh"
-#include "ops.cuh"
+#include "runtime/ops.cuh"
 #include "usage_error.cuh"
 
 namespace fs = std::filesystem;

@@ -7,8 +7,8 @@
 #include <map>
 
 #include "model.cuh"
-#include "ops.cuh"
-#include "optimizer.cuh"
+#include "runtime/ops.cuh"
+#include "runtime/optimizer.cuh"
 
 static ModelConfig small_config() {
   ModelConfig c;

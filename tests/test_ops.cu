@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "cuda_case.cuh"
-#include "ops.cuh"
+#include "runtime/ops.cuh"
 
 namespace {
 

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <vector>
 
-#include "ops.cuh"
+#include "runtime/ops.cuh"
 #include "reference.cuh"
 
 namespace {

@@ -18,8 +18,8 @@
 #include <regex>
 #include <set>
 
-#include "checkpoint.cuh"
-#include "data.cuh"
+#include "runtime/checkpoint.cuh"
+#include "runtime/data.cuh"
 #include "launch.cuh"
 #include "model.cuh"
 #include "usage_error.cuh"

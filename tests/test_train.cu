@@ -10,12 +10,12 @@
 #include <regex>
 #include <sstream>
 
-#include "checkpoint.cuh"
+#include "runtime/checkpoint.cuh"
 #include "cuda_case.cuh"
-#include "data.cuh"
+#include "runtime/data.cuh"
 #include "launch.cuh"
 #include "model.cuh"
-#include "ops.cuh"
+#include "runtime/ops.cuh"
 
 namespace fs = std::filesystem;
 

@@ -2,7 +2,7 @@
 #pragma once
 #include <string>
 
-#include "core.cuh"
+#include "runtime/core.cuh"
 
 // The message of the UsageError `f` throws ("" when it throws none).
 template <typename F>

@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <string>
 
-#include "core.cuh"
+#include "runtime/core.cuh"
 
 // Every shared object of this process whose path names a library picoscale depends on.
 static int print_library(struct dl_phdr_info* info, size_t, void*) {

@@ -3,7 +3,7 @@
 // rank uses its node-local GPU, as train.cu does (DESIGN 3).
 #pragma once
 #include "../cuda_case.cuh"
-#include "comm.cuh"
+#include "runtime/comm.cuh"
 
 // True on every rank when every rank sees a CUDA device, else false on every rank (`why`: this
 // rank's reason, when it has one).

@@ -14,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-#include "comm.cuh"
+#include "runtime/comm.cuh"
 #include "gpu_ranks.cuh"
 #include "world.cuh"
 

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "comm.cuh"
+#include "runtime/comm.cuh"
 #include "gpu_ranks.cuh"
 #include "world.cuh"
 #include "mixed_precision.cuh"

@@ -11,7 +11,7 @@
 #include "../reference.cuh"
 #include "data_parallel.cuh"
 #include "model.cuh"
-#include "ops.cuh"
+#include "runtime/ops.cuh"
 #include "tensor_parallel.cuh"
 
 namespace {

@@ -8,7 +8,7 @@
 #include <string>
 #include <thread>
 
-#include "comm.cuh"
+#include "runtime/comm.cuh"
 
 namespace {
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "gpu_ranks.cuh"
-#include "ops.cuh"
+#include "runtime/ops.cuh"
 #include "tensor_parallel.cuh"
 
 namespace {
@@ -264,7 +264,7 @@ TEST_CASE("a weight shard is exactly its slice of the full layout-free initialis
 // ----------------------------------------------------------------------------
 // The model under tensor parallelism, against the same model on one rank
 
-#include "checkpoint.cuh"
+#include "runtime/checkpoint.cuh"
 #include "model.cuh"
 
 namespace {

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <vector>
 
-#include "comm.cuh"
+#include "runtime/comm.cuh"
 #include "data_parallel.cuh"
 #include "zero.cuh"
 

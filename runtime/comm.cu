@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "comm_internal.cuh"
+#include "runtime/comm_internal.cuh"
 #include "mixed_precision.cuh"
 
 const char* coll_name(Coll c) {

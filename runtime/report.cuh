@@ -1,6 +1,6 @@
 // report.cuh: what a run measured, next to what the book predicts (--report memory,comm).
 #pragma once
-#include "comm.cuh"
+#include "runtime/comm.cuh"
 #include "model.cuh"
 #include "pipeline_parallel.cuh"
 #include "zero.cuh"

@@ -3,7 +3,7 @@
 // Layouts follow PyTorch/HF: row-major, activations [tokens, features], linear W [out, in].
 // Backward functions that take a gradient "+=" accumulate into it; "=" overwrites.
 #pragma once
-#include "core.cuh"
+#include "runtime/core.cuh"
 
 // ---- matmul (Playbook §2.1: every linear layer is a GEMM) ----
 // C[M,N] = alpha * op(A) @ op(B) + beta * C, all row-major with leading dimensions

@@ -4,10 +4,10 @@
 // model as one process would: each weight once, whole.
 #include <cmath>
 
-#include "checkpoint.cuh"
+#include "runtime/checkpoint.cuh"
 #include "mixed_precision.cuh"
 #include "pipeline_parallel.cuh"
-#include "gradient_sync.cuh"
+#include "runtime/gradient_sync.cuh"
 
 GradientSync::GradientSync(Comm& comm, Model& model, const AdamWConfig& hp, float weight_decay)
     : comm_(comm), model_(model) {

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "report.cuh"
+#include "runtime/report.cuh"
 
 #include "mixed_precision.cuh"
 

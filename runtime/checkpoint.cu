@@ -4,7 +4,7 @@
 // write goes to a temporary name, is flushed to disk, then renamed, so a crash leaves the old
 // checkpoint or the new one, never half of one; every load checks the whole file (header,
 // names, dtypes, shapes, sizes) before it touches a single weight.
-#include "checkpoint.cuh"
+#include "runtime/checkpoint.cuh"
 
 #include "mixed_precision.cuh"
 

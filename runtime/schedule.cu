@@ -5,7 +5,7 @@
 #include <string>
 
 #include "pipeline_parallel.cuh"
-#include "schedule.cuh"
+#include "runtime/schedule.cuh"
 
 StepStats run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& sync,
                        const StepBatch& batch, Recompute mode, float loss_scale, Trace& trace,

@@ -12,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-#include "comm_internal.cuh"
+#include "runtime/comm_internal.cuh"
 
 // ---- Set-up waits, bounded like every collective ----
 // MPI_Comm_split, MPI_Comm_split_type and the blocking collectives have no deadline: a rank that

@@ -3,7 +3,7 @@
 // of the book's 16 bytes per parameter (Playbook §2.4: 4 weights + 4 gradients + 8 optimizer).
 #pragma once
 #include "model.cuh"
-#include "ops.cuh"
+#include "runtime/ops.cuh"
 
 // A run of one parameter that this rank updates: `count` contiguous floats of its weights, its
 // gradient and its two Adam moments. Plain data parallelism has one slice per parameter; ZeRO

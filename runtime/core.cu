@@ -1,7 +1,7 @@
 // core.cu: tensors on CPU or CUDA with per-category memory accounting, error handling,
 // the counter-based RNG and timers. The one idea: every byte is counted by category, so the
 // book's memory anatomy (Playbook §2.3) can be read off a run rather than estimated.
-#include "core.cuh"
+#include "runtime/core.cuh"
 
 #include <atomic>
 #include <fcntl.h>

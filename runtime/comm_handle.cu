@@ -12,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-#include "comm_internal.cuh"
+#include "runtime/comm_internal.cuh"
 
 // ============================================================================
 // Handle: what it takes to finish one collective

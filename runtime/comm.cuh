@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "core.cuh"
+#include "runtime/core.cuh"
 
 enum class Backend { MPI, NCCL };
 enum class ReduceOp { Sum, Avg, Max };

@@ -8,7 +8,7 @@
 #include <thread>
 #include <vector>
 
-#include "comm.cuh"
+#include "runtime/comm.cuh"
 
 // ---- comm_setup.cu: NCCL's nonblocking communicators, waited for against a deadline ----
 

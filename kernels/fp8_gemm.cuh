@@ -6,7 +6,7 @@
 #pragma once
 #include <string>
 
-#include "core.cuh"
+#include "runtime/core.cuh"
 
 // quantize_tiles on ctx's device (Playbook §FP8 pretraining): the CPU loop, or one CUDA block
 // per tile giving the same bytes and scales bit for bit. Shapes as quantize_tiles.

@@ -5,7 +5,7 @@
 #pragma once
 #include <cstdint>
 
-#include "gradient_sync.cuh"
+#include "runtime/gradient_sync.cuh"
 
 struct PipelineConfig;  // pipeline_parallel.cuh
 struct PipelineMeasure;

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "flash_attention.cuh"
-#include "ops.cuh"
+#include "runtime/ops.cuh"
 
 // ============================================================================
 // causal softmax, forward: probs = softmax over j <= i of scale * scores, 0 above the diagonal

@@ -12,7 +12,7 @@
 #include <string>
 #include <type_traits>
 
-#include "flash_attention_kernels.cuh"
+#include "kernels/flash_attention_kernels.cuh"
 
 // ============================================================================
 // mma.sync m16n8k16: the fragments

@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "comm.cuh"
+#include "runtime/comm.cuh"
 #include "model.cuh"
-#include "optimizer.cuh"
+#include "runtime/optimizer.cuh"
 
 // Gradients kept in bf16 (--grad-acc-dtype bf16): while a unit's backward runs, its gradient
 // views point at an fp32 accumulator that starts from the bf16 sum so far; once no backward

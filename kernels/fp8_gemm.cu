@@ -15,7 +15,7 @@
 #include <map>
 #include <tuple>
 
-#include "fp8_gemm.cuh"
+#include "kernels/fp8_gemm.cuh"
 #include "mixed_precision.cuh"
 
 // ----------------------------------------------------------------------------

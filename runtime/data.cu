@@ -3,7 +3,7 @@
 // (step, sequence index in the global batch) alone. A rank asks for its slice of the global
 // batch [first_seq, first_seq + num_seqs), so dp=2 x grad_acc=1 reads exactly the tokens of
 // dp=1 x grad_acc=2, and any layout can be checked against the single-process run.
-#include "data.cuh"
+#include "runtime/data.cuh"
 
 #include <algorithm>
 #include <cerrno>
@@ -11,7 +11,7 @@
 #include <cstring>
 #include <filesystem>
 
-#include "core.cuh"
+#include "runtime/core.cuh"
 
 namespace fs = std::filesystem;
 

@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "comm.cuh"
-#include "data.cuh"
+#include "runtime/comm.cuh"
+#include "runtime/data.cuh"
 #include "model.cuh"
 
 struct Options {

@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "mixed_precision.cuh"
-#include "optimizer.cuh"
+#include "runtime/optimizer.cuh"
 
 bool weight_decays(const Tensor& param) {
   return param.dim() >= 2;

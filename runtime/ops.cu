@@ -2,7 +2,7 @@
 // that must match it, then the function that dispatches on the device (STYLE: CPU reference
 // beside each kernel). The one idea: a transformer is a handful of GEMMs plus cheap
 // elementwise and row-wise ops, and every one of them has a simple backward.
-#include "ops.cuh"
+#include "runtime/ops.cuh"
 
 #include "mixed_precision.cuh"
 

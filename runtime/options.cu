@@ -1,5 +1,5 @@
 // options.cu: train's flags (CLI11), their validation and the configuration table.
-#include "options.cuh"
+#include "runtime/options.cuh"
 
 #include <unistd.h>
 
@@ -8,7 +8,7 @@
 #include <fstream>
 #include <limits>
 
-#include "checkpoint.cuh"
+#include "runtime/checkpoint.cuh"
 #include "data_parallel.cuh"
 #include "mixed_precision.cuh"
 #include "pipeline_parallel.cuh"
