@@ -8,7 +8,6 @@
 #include <cmath>
 
 #include "context_parallel.cuh"
-#include "flash_attention.cuh"
 #include "runtime/ops.cuh"
 
 CpBalance parse_cp_balance(const std::string& flag) {
@@ -248,4 +247,28 @@ void context_attention_backward(const Context& ctx, const ContextParallel& cp, c
   }
   copy_(dk.reshape({dk.numel()}), kv_part(mine_dkv, 0));
   copy_(dv.reshape({dv.numel()}), kv_part(mine_dkv, 1));
+}
+
+// ----------------------------------------------------------------------------
+// The seam
+
+std::vector<int32_t> ContextParallelAttention::positions(int B, int T) const {
+  return cp_.positions(B, T * cp_.size());
+}
+
+void ContextParallelAttention::forward(const Context& ctx, const AttentionShape& s,
+                                       const Tensor& out, AttentionSaved& saved, const Tensor& q,
+                                       const Tensor& k, const Tensor& v) const {
+  saved.lse = empty(ctx, {s.B, s.Hq, s.T}, Mem::Activations);
+  context_attention_forward(ctx, cp_, out, saved.lse, q, k, v, s.B, s.T * cp_.size(), s.Hq, s.Hkv,
+                            s.hd, work);
+}
+
+void ContextParallelAttention::backward(const Context& ctx, const AttentionShape& s,
+                                        const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                        const Tensor& dout, const Tensor& out,
+                                        AttentionSaved& saved, const Tensor& q, const Tensor& k,
+                                        const Tensor& v) const {
+  context_attention_backward(ctx, cp_, dq, dk, dv, dout, out, saved.lse, q, k, v, s.B,
+                             s.T * cp_.size(), s.Hq, s.Hkv, s.hd);
 }

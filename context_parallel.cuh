@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "flash_attention.cuh"
 #include "runtime/comm.cuh"
 
 enum class CpBalance { Zigzag, Contiguous };
@@ -51,6 +52,32 @@ std::vector<int32_t> select_context_tokens(const ContextParallel& cp, const int3
 struct CpWork {
   int64_t blocks = 0, pairs = 0;
   double seconds = 0;
+};
+
+// The model's attention core under context parallelism (DESIGN 6, "Attention"): ring or
+// all-gather attention over the cp group, each a loop of FlashAttention calls merged by their
+// log-sum-exp. T, the attention seam's sequence length, is this rank's share of each sequence.
+class ContextParallelAttention : public AttentionCore {
+ public:
+  explicit ContextParallelAttention(ContextParallel cp) : cp_(cp) {}
+  std::string name() const override { return cp_comm_name(cp_.mode); }
+  std::vector<int32_t> positions(int B, int T) const override;
+  void forward(const Context& ctx, const AttentionShape& s, const Tensor& out,
+               AttentionSaved& saved, const Tensor& q, const Tensor& k,
+               const Tensor& v) const override;
+  void backward(const Context& ctx, const AttentionShape& s, const Tensor& dq, const Tensor& dk,
+                const Tensor& dv, const Tensor& dout, const Tensor& out, AttentionSaved& saved,
+                const Tensor& q, const Tensor& k, const Tensor& v) const override;
+  int64_t saved_bytes(int64_t B, int64_t T, int64_t heads, bool, int) const override {
+    return 4 * B * heads * T;  // the merged log-sum-exp, fp32
+  }
+  std::string saved_formula(int) const override { return "4 Hq"; }
+  const ContextParallel& layout() const { return cp_; }
+  // Where the forward counts its blocks (--report balance), when set: an observer, not state.
+  mutable CpWork* work = nullptr;
+
+ private:
+  ContextParallel cp_;
 };
 
 // ---- Ring attention (Playbook §7.2): FlashAttention blocks merged by their log-sum-exp ----

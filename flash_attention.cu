@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "kernels/flash_attention_kernels.cuh"
+#include "mixed_precision.cuh"
 
 // ============================================================================
 // FlashAttention: the pieces every version shares
@@ -597,4 +598,128 @@ void attention_lse_merge(const Context& ctx, const Tensor& out, const Tensor& ls
   lse_merge_kernel<<<row_kernel_blocks(a), kRowKernelThreads, 0, ctx.stream>>>(
       out.f32(), lse.f32(), out2.f32(), lse2.f32(), a);
   CUDA_CHECK(cudaGetLastError());
+}
+
+// ============================================================================
+// The seam: naive attention and FlashAttention as the model's attention core
+// ============================================================================
+
+std::vector<int32_t> AttentionCore::positions(int B, int T) const {
+  std::vector<int32_t> pos((size_t)B * T);
+  for (size_t i = 0; i < pos.size(); i++) pos[i] = (int32_t)(i % T);
+  return pos;
+}
+
+AttentionKind parse_attention(const std::string& flag) {
+  if (flag == "naive") return AttentionKind::Naive;
+  if (flag == "flash") return AttentionKind::Flash;
+  throw UsageError("--attention " + flag + ": expected naive or flash");
+}
+const char* attention_name(AttentionKind kind) {
+  switch (kind) {
+    case AttentionKind::Naive:
+      return "naive";
+    case AttentionKind::Flash:
+      break;
+  }
+  return "flash";
+}
+
+static Tensor kept(const Context& ctx, std::vector<int64_t> shape) {  // on the compute stream
+  return empty(ctx, std::move(shape), Mem::Activations);
+}
+
+// Keeps the [B, Hq, T, T] probabilities (Playbook §2.5); selective recomputation drops them and
+// the backward rebuilds them from q and k.
+class NaiveAttention : public AttentionCore {
+ public:
+  std::string name() const override { return "naive"; }
+  void forward(const Context& ctx, const AttentionShape& s, const Tensor& out,
+               AttentionSaved& saved, const Tensor& q, const Tensor& k,
+               const Tensor& v) const override {
+    saved.probs = kept(ctx, {s.B, s.Hq, s.T, s.T});
+    attention_forward(ctx, out, saved.probs, q, k, v, s);
+  }
+  void backward(const Context& ctx, const AttentionShape& s, const Tensor& dq, const Tensor& dk,
+                const Tensor& dv, const Tensor& dout, const Tensor&, AttentionSaved& saved,
+                const Tensor& q, const Tensor& k, const Tensor& v) const override {
+    if (!saved.probs.defined()) {  // selective recompute: dq serves as the rebuilt output's space
+      saved.probs = kept(ctx, {s.B, s.Hq, s.T, s.T});
+      attention_forward(ctx, dq, saved.probs, q, k, v, s);
+    }
+    Tensor d_probs = empty(ctx, {s.B, s.Hq, s.T, s.T}, Mem::Workspace);
+    attention_backward(ctx, dq, dk, dv, dout, q, k, v, saved.probs, d_probs, s);
+  }
+  int64_t saved_bytes(int64_t B, int64_t T, int64_t heads, bool selective, int e) const override {
+    return selective ? 0 : e * B * heads * T * T;
+  }
+  std::string saved_formula(int e) const override { return std::to_string(e) + " Hq T"; }
+};
+
+// Keeps the output and the [B, Hq, T] log-sum-exp (Playbook §12.8): one block of the ring
+// interface, queries at [0, T) against keys at [0, T). Under --dtype bf16 (and fp8) on a GPU
+// it runs the tensor-core kernels on the inputs in bf16, fp32 accumulation, the probabilities
+// rounded to bf16 before they multiply v (which the CPU emulation does not round); elsewhere
+// the fp32 version on the rounded inputs.
+class FlashAttention : public AttentionCore {
+ public:
+  std::string name() const override { return "flash"; }
+  void forward(const Context& ctx, const AttentionShape& s, const Tensor& out,
+               AttentionSaved& saved, const Tensor& q, const Tensor& k,
+               const Tensor& v) const override {
+    saved.lse = kept(ctx, {s.B, s.Hq, s.T});
+    const AttentionBlock a = whole_block(s);
+    if (!on_tensor_cores(ctx, s)) return flash_attention_forward(ctx, out, saved.lse, q, k, v, a);
+    Tensor o = empty(ctx, out.shape, Mem::Workspace, DType::BF16);
+    flash_attention_forward_bf16(ctx, bf16_ptr(o), saved.lse.f32(), bf16_ptr(in_bf16(ctx, q)),
+                                 bf16_ptr(in_bf16(ctx, k)), bf16_ptr(in_bf16(ctx, v)), a);
+    cast_(ctx, out, o);
+  }
+  // D = rowsum(dO * O) once, then dq, dk, dv (+=) from zero.
+  void backward(const Context& ctx, const AttentionShape& s, const Tensor& dq, const Tensor& dk,
+                const Tensor& dv, const Tensor& dout, const Tensor& out, AttentionSaved& saved,
+                const Tensor& q, const Tensor& k, const Tensor& v) const override {
+    const AttentionBlock a = whole_block(s);
+    Tensor D = empty(ctx, {s.B, s.Hq, s.T}, Mem::Workspace);
+    if (!on_tensor_cores(ctx, s)) {
+      attention_out_dot_dout(ctx, D, dout, out, a);
+      zero_(ctx, dq), zero_(ctx, dk), zero_(ctx, dv);
+      return flash_attention_backward(ctx, dq, dk, dv, dout, q, k, v, saved.lse, D, a);
+    }
+    Tensor d_out = in_bf16(ctx, dout);
+    attention_out_dot_dout_bf16(ctx, D.f32(), bf16_ptr(d_out), bf16_ptr(in_bf16(ctx, out)), a);
+    zero_(ctx, dq), zero_(ctx, dk), zero_(ctx, dv);
+    flash_attention_backward_bf16(ctx, dq.f32(), dk.f32(), dv.f32(), bf16_ptr(d_out),
+                                  bf16_ptr(in_bf16(ctx, q)), bf16_ptr(in_bf16(ctx, k)),
+                                  bf16_ptr(in_bf16(ctx, v)), saved.lse.f32(), D.f32(), a);
+  }
+  int64_t saved_bytes(int64_t B, int64_t T, int64_t heads, bool, int) const override {
+    return 4 * B * heads * T;  // the lse, fp32
+  }
+  std::string saved_formula(int) const override { return "4 Hq"; }
+
+ private:
+  static AttentionBlock whole_block(const AttentionShape& s) {
+    return {s.B, s.T, s.T, s.Hq, s.Hkv, s.hd, 0, 0, true};
+  }
+  static bool on_tensor_cores(const Context& ctx, const AttentionShape& s) {
+    return ctx.device == Device::CUDA && output_dtype(ctx.precision) == DType::BF16 &&
+           (s.hd == 16 || s.hd == 32 || s.hd == 64 || s.hd == 128);
+  }
+  static Tensor in_bf16(const Context& ctx, const Tensor& t) {
+    Tensor h = empty(ctx, t.shape, Mem::Workspace, DType::BF16);
+    cast_(ctx, h, t);
+    return h;
+  }
+  static __nv_bfloat16* bf16_ptr(const Tensor& t) { return (__nv_bfloat16*)t.ptr; }
+};
+
+std::shared_ptr<const AttentionCore> local_attention(AttentionKind kind) {
+  switch (kind) {
+    case AttentionKind::Naive:
+      return std::make_shared<NaiveAttention>();
+    case AttentionKind::Flash:
+      break;
+  }
+  return std::make_shared<FlashAttention>();
 }

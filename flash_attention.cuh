@@ -1,13 +1,18 @@
 // flash_attention.cuh: the attention core, softmax(q k^T / sqrt(hd) + causal mask) v, with
-// grouped-query heads (query head h reads key/value head h / (Hq / Hkv)).
-// Two versions: naive attention (attention_naive.cu), which materialises the [B, Hq, T, T]
-// probabilities (Playbook §2.5's 5as^2b term) and stays as the readable reference, and
-// FlashAttention (Playbook §12.8; flash_attention.cu, its bf16 tensor-core kernels in
-// flash_attention_bf16.cu), which streams key/value tiles past a query tile with an online
-// softmax and keeps only the log-sum-exp per query: O(T) memory, and the interface ring
-// attention (Playbook §7.2) is built from.
+// grouped-query heads (query head h reads key/value head h / (Hq / Hkv)), and the seam the
+// model's block calls it through.
+// Two versions: naive attention (kernels/attention_naive.cu), which materialises the
+// [B, Hq, T, T] probabilities (Playbook §2.5's 5as^2b term) and stays as the readable
+// reference, and FlashAttention (Playbook §12.8; flash_attention.cu, its CUDA kernels in
+// kernels/), which streams key/value tiles past a query tile with an online softmax and keeps
+// only the log-sum-exp per query: O(T) memory, and the interface ring attention (Playbook §7.2,
+// context_parallel.cu) is built from.
 #pragma once
 #include <cuda_bf16.h>
+
+#include <memory>
+#include <string>
+#include <vector>
 
 #include "runtime/core.cuh"
 
@@ -18,6 +23,53 @@ struct AttentionShape {
   int Hkv;  // key/value heads (divides Hq)
   int hd;   // head dimension
 };
+
+// ============================================================================
+// The seam (DESIGN 6, "Attention"): the model holds one AttentionCore, chosen when it is built
+// (local_attention below, or context_parallel.cuh's ring and all-gather attention), and its
+// block calls it without asking which.
+// ============================================================================
+
+// What attention keeps of one block for its backward.
+struct AttentionSaved {
+  Tensor probs;  // [B, Hq, T, T] naive attention's probabilities (compute format under --dtype)
+  Tensor lse;    // [B, Hq, T] FlashAttention's log-sum-exp per query and head (fp32 always)
+};
+
+class AttentionCore {
+ public:
+  virtual ~AttentionCore() = default;
+  virtual std::string name() const = 0;  // "naive", "flash", "ring", "allgather"
+  // The global position of each of this rank's T tokens of B sequences (RoPE, the causal
+  // mask): [0, T) in every sequence, unless the sequence is split over ranks.
+  virtual std::vector<int32_t> positions(int B, int T) const;
+  // out [B*T, Hq, hd] (=) from q [B*T, Hq, hd] and k, v [B*T, Hkv, hd]; fills `saved`.
+  virtual void forward(const Context& ctx, const AttentionShape& s, const Tensor& out,
+                       AttentionSaved& saved, const Tensor& q, const Tensor& k,
+                       const Tensor& v) const = 0;
+  // dq (=), dk, dv (=) from dout and the forward's out and saved (rebuilt where dropped).
+  virtual void backward(const Context& ctx, const AttentionShape& s, const Tensor& dq,
+                        const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& out,
+                        AttentionSaved& saved, const Tensor& q, const Tensor& k,
+                        const Tensor& v) const = 0;
+  // Selective recomputation (Playbook §2.6) drops what the backward rebuilds: the probabilities.
+  virtual void drop_recomputable(AttentionSaved& saved) const { saved.probs = Tensor(); }
+  // Bytes `saved` holds for B sequences of T tokens and `heads` query heads, e bytes per
+  // element stored in the compute format (model.cu's activation formula adds them).
+  virtual int64_t saved_bytes(int64_t B, int64_t T, int64_t heads, bool selective, int e) const = 0;
+  // The same per token, as the report writes it next to the book's 5as/h: "4 Hq" or "2 Hq T".
+  virtual std::string saved_formula(int e) const = 0;
+};
+
+// The attention that runs on one rank's whole sequences: naive or flash (--attention).
+enum class AttentionKind { Naive, Flash };
+AttentionKind parse_attention(const std::string& flag);  // naive|flash, else UsageError
+const char* attention_name(AttentionKind kind);
+std::shared_ptr<const AttentionCore> local_attention(AttentionKind kind);
+
+// ============================================================================
+// Naive attention (kernels/attention_naive.cu)
+// ============================================================================
 
 // q [B*T, Hq, hd], k and v [B*T, Hkv, hd] -> out [B*T, Hq, hd];
 // probs [B, Hq, T, T] receives the softmax probabilities (zero above the diagonal).
@@ -85,11 +137,10 @@ void attention_lse_merge(const Context& ctx, const Tensor& out, const Tensor& ls
                          const Tensor& out2, const Tensor& lse2, const AttentionBlock& a);
 
 // ---- bf16 on tensor cores (mma.sync m16n8k16, fp32 accumulation; sm_80 and newer) ----
-// In flash_attention_bf16.cu, but for attention_out_dot_dout_bf16 (flash_attention.cu, one
-// kernel with the fp32 version).
-// CUDA only, raw device pointers in the layouts above; hd in {16, 32, 64, 128}. The model calls
-// them under --dtype bf16 (and fp8) for single-rank FlashAttention (model.cu); the benchmark
-// and the GPU tests call them directly.
+// In kernels/flash_attention_bf16.cu, but for attention_out_dot_dout_bf16 (one kernel with the
+// fp32 version). CUDA only, raw device pointers in the layouts above; hd in {16, 32, 64, 128}.
+// local_attention's flash runs them under --dtype bf16 (and fp8) on a GPU; the benchmark and the
+// GPU tests call them directly.
 // out (=) bf16, lse (=) fp32.
 void flash_attention_forward_bf16(const Context& ctx, __nv_bfloat16* out, float* lse,
                                   const __nv_bfloat16* q, const __nv_bfloat16* k,

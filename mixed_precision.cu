@@ -381,6 +381,28 @@ void fake_quantize_tiles_(const Context& ctx, const Tensor& x, DType format, int
   dequantize_tiles_on(ctx, x, q, scales, tile_rows, tile_cols);
 }
 
+void round_to_compute(const Context& ctx, const Tensor& x) {
+  if (ctx.precision != Precision::FP32) round_(ctx, x, output_dtype(ctx.precision));
+}
+
+void store_in_compute_format(const Context& ctx, const std::vector<Tensor*>& kept) {
+  if (ctx.precision == Precision::FP32) return;
+  for (Tensor* t : kept) {
+    if (!t->defined() || t->dtype != DType::F32) continue;
+    Tensor half = empty(ctx, t->shape, Mem::Activations, output_dtype(ctx.precision));
+    cast_(ctx, half, *t);
+    *t = half;
+  }
+}
+void widen_to_fp32(const Context& ctx, const std::vector<Tensor*>& kept) {
+  for (Tensor* t : kept) {
+    if (!t->defined() || t->dtype == DType::F32) continue;
+    Tensor wide = empty(ctx, t->shape, Mem::Workspace);
+    cast_(ctx, wide, *t);
+    *t = wide;
+  }
+}
+
 void cast_(const Context& ctx, const Tensor& dst, const Tensor& src) {
   const int64_t n = src.numel();
   PICO_ASSERT(dst.numel() == n, "cast_ " + src.shape_str() + " into " + dst.shape_str());

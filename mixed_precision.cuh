@@ -2,6 +2,8 @@
 // training, §FP8 pretraining): rounding from fp32 and the exact way back, and FP8 with one
 // absmax scale per tile (DeepSeek-V3: 1 x 128 activations, 128 x 128 weights).
 #pragma once
+#include <vector>
+
 #include "runtime/core.cuh"
 
 // One value, fp32 -> format: round to nearest, ties to even, subnormals kept. Overflow goes to
@@ -59,6 +61,15 @@ DType output_dtype(Precision p);
 // x := x rounded to `format` (BF16 or F16; the values stay in x's F32 storage), on ctx's stream.
 // `backward` says which rounding statistics count it (CPU only; see RoundingStats).
 void round_(const Context& ctx, const Tensor& x, DType format, bool backward = false);
+// x rounded to the compute format in place, on ctx's stream; nothing under fp32. What the block
+// applies to the values attention reads and writes (RoPE's q and k, attention's output).
+void round_to_compute(const Context& ctx, const Tensor& x);
+// What a block keeps for its backward is stored in the compute format under --dtype, half the
+// bytes, as a model trained in bf16 keeps it (each fp32 tensor of `kept` replaced by its
+// rounding, Mem::Activations); nothing changes under fp32. widen_to_fp32 undoes it before the
+// backward reads them (fp32 again, in workspace).
+void store_in_compute_format(const Context& ctx, const std::vector<Tensor*>& kept);
+void widen_to_fp32(const Context& ctx, const std::vector<Tensor*>& kept);
 // x := dequantize(quantize(x)) with one absmax scale per tile (quantize_tiles), in place: the
 // FP8 values a GEMM would read, times their scales. CPU, or a CUDA kernel matching it.
 void fake_quantize_tiles_(const Context& ctx, const Tensor& x, DType format, int tile_rows,

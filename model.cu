@@ -74,13 +74,6 @@ Recompute parse_recompute(const std::string& flag) {
 const char* recompute_name(Recompute r) {
   return r == Recompute::None ? "none" : r == Recompute::Selective ? "selective" : "full";
 }
-Attention parse_attention(const std::string& flag) {
-  if (flag == "naive") return Attention::Naive;
-  if (flag == "flash") return Attention::Flash;
-  throw UsageError("--attention " + flag + ": expected naive or flash");
-}
-const char* attention_name(Attention a) { return a == Attention::Naive ? "naive" : "flash"; }
-
 // ----------------------------------------------------------------------------
 // Parameters: one flat buffer, HF names, layout-free initialisation (DESIGN 5)
 
@@ -274,113 +267,39 @@ static Tensor work(std::vector<int64_t> shape, const Context& c) {
   return empty(c, shape, Mem::Workspace);
 }
 
-// The attention core (DESIGN 6, "Attention"): the seam where ring attention plugs in. Naive
-// attention keeps the [B, Hl, T, T] probabilities for the backward; FlashAttention keeps the
-// output and the [B, Hl, T] log-sum-exp, and its backward recomputes the probabilities tile by
-// tile (queries at positions [0, T) against keys at [0, T): one block of the ring interface).
+// The attention core (DESIGN 6, "Attention"): the model's one AttentionCore, naive, flash or
+// ring (flash_attention.cuh), chosen when the model was built. Under mixed precision attention
+// reads q, k and v in the compute format and stores its output in it (v, a linear output,
+// already is; RoPE's q and k are rounded here), as a model trained in bf16 does.
 static AttentionShape attention_shape(const Model& m, int B, int T) {
   return {B, T, m.tp.local.heads, m.tp.local.kv_heads, m.cfg.head_dim()};
 }
-static AttentionBlock attention_block(const Model& m, int B, int T) {
-  return {B, T, T, m.tp.local.heads, m.tp.local.kv_heads, m.cfg.head_dim(), 0, 0, true};
+static Tensor heads(const Tensor& t, int64_t H, int64_t hd) {  // [N, H*hd] -> [N, H, hd]
+  return t.reshape({t.size(0), H, hd});
 }
-// Under mixed precision attention reads q, k and v in the compute format and stores its output
-// in it (v, a linear output, already is; RoPE's q and k are rounded here), as a model trained
-// in bf16 does. On a GPU, bf16 (and fp8, whose activations are bf16) single-rank FlashAttention
-// runs the bf16 tensor-core kernels (flash_attention_bf16.cu): fp32 accumulation, the
-// probabilities rounded to bf16 before they multiply v, which the CPU emulation does not round;
-// elsewhere the fp32 kernels run on the rounded inputs.
-static bool bf16_kernels(const Context& ctx, const Model& m) {
-  const int hd = m.cfg.head_dim();
-  return ctx.device == Device::CUDA && m.attention == Attention::Flash && m.cp.size() == 1 &&
-         output_dtype(ctx.precision) == DType::BF16 && (hd == 16 || hd == 32 || hd == 64 || hd == 128);
-}
-static Tensor in_bf16(const Context& ctx, const Tensor& t) {
-  Tensor h = empty(ctx, t.shape, Mem::Workspace, DType::BF16);
-  cast_(ctx, h, t);
-  return h;
-}
-static __nv_bfloat16* bf16_ptr(const Tensor& t) { return (__nv_bfloat16*)t.ptr; }
 
 static void attention_core_forward(const Context& ctx, const Model& m, BlockActivations& a, int B,
                                    int T) {
   const LocalDims& L = m.tp.local;
   int64_t N = (int64_t)B * T, hd = m.cfg.head_dim();
   a.attn = act({N, L.heads * hd}, ctx);
-  if (ctx.precision != Precision::FP32) {
-    round_(ctx, a.q, output_dtype(ctx.precision));
-    round_(ctx, a.k, output_dtype(ctx.precision));
-  }
-  if (m.cp.size() > 1) {  // ring attention over the cp group: T is this rank's share
-    a.lse = act({B, L.heads, T}, ctx);
-    context_attention_forward(ctx, m.cp, a.attn.reshape({N, L.heads, hd}), a.lse,
-                              a.q.reshape({N, L.heads, hd}), a.k.reshape({N, L.kv_heads, hd}),
-                              a.v.reshape({N, L.kv_heads, hd}), B, T * m.cp.size(), L.heads,
-                              L.kv_heads, (int)hd, m.cp_work);
-  } else if (bf16_kernels(ctx, m)) {
-    a.lse = act({B, L.heads, T}, ctx);
-    Tensor out = empty(ctx, a.attn.shape, Mem::Workspace, DType::BF16);
-    flash_attention_forward_bf16(ctx, bf16_ptr(out), a.lse.f32(), bf16_ptr(in_bf16(ctx, a.q)),
-                                 bf16_ptr(in_bf16(ctx, a.k)), bf16_ptr(in_bf16(ctx, a.v)),
-                                 attention_block(m, B, T));
-    cast_(ctx, a.attn, out);
-  } else if (m.attention == Attention::Flash) {
-    a.lse = act({B, L.heads, T}, ctx);
-    flash_attention_forward(ctx, a.attn.reshape({N, L.heads, hd}), a.lse,
-                            a.q.reshape({N, L.heads, hd}), a.k.reshape({N, L.kv_heads, hd}),
-                            a.v.reshape({N, L.kv_heads, hd}), attention_block(m, B, T));
-  } else {
-    a.probs = act({B, L.heads, T, T}, ctx);
-    attention_forward(ctx, a.attn.reshape({N, L.heads, hd}), a.probs,
-                      a.q.reshape({N, L.heads, hd}), a.k.reshape({N, L.kv_heads, hd}),
-                      a.v.reshape({N, L.kv_heads, hd}), attention_shape(m, B, T));
-  }
-  if (ctx.precision != Precision::FP32) round_(ctx, a.attn, output_dtype(ctx.precision));
+  round_to_compute(ctx, a.q), round_to_compute(ctx, a.k);
+  m.attention->forward(ctx, attention_shape(m, B, T), heads(a.attn, L.heads, hd), a.saved,
+                       heads(a.q, L.heads, hd), heads(a.k, L.kv_heads, hd),
+                       heads(a.v, L.kv_heads, hd));
+  round_to_compute(ctx, a.attn);
 }
-// dq (=), dk, dv (=) from d_attn; rebuilds the probabilities when selective recompute dropped them.
+// dq (=), dk, dv (=) from d_attn.
 static void attention_core_backward(const Context& ctx, const Model& m, BlockActivations& a,
                                     int B, int T, const Tensor& d_attn, const Tensor& dq,
                                     const Tensor& dk, const Tensor& dv) {
   const LocalDims& L = m.tp.local;
-  int64_t N = (int64_t)B * T, hd = m.cfg.head_dim();
-  AttentionShape shape = attention_shape(m, B, T);
-  Tensor q3 = a.q.reshape({N, L.heads, hd}), k3 = a.k.reshape({N, L.kv_heads, hd});
-  Tensor v3 = a.v.reshape({N, L.kv_heads, hd});
-  if (m.cp.size() > 1) {
-    context_attention_backward(ctx, m.cp, dq.reshape({N, L.heads, hd}),
-                               dk.reshape({N, L.kv_heads, hd}), dv.reshape({N, L.kv_heads, hd}),
-                               d_attn.reshape({N, L.heads, hd}), a.attn.reshape({N, L.heads, hd}),
-                               a.lse, q3, k3, v3, B, T * m.cp.size(), L.heads, L.kv_heads,
-                               (int)hd);
-    return;
-  }
-  if (bf16_kernels(ctx, m)) {  // the same in bf16 on tensor cores, fp32 sums and gradients
-    AttentionBlock block = attention_block(m, B, T);
-    Tensor D = work({B, L.heads, T}, ctx), d_out = in_bf16(ctx, d_attn), out = in_bf16(ctx, a.attn);
-    attention_out_dot_dout_bf16(ctx, D.f32(), bf16_ptr(d_out), bf16_ptr(out), block);
-    zero_(ctx, dq), zero_(ctx, dk), zero_(ctx, dv);
-    flash_attention_backward_bf16(ctx, dq.f32(), dk.f32(), dv.f32(), bf16_ptr(d_out),
-                                  bf16_ptr(in_bf16(ctx, q3)), bf16_ptr(in_bf16(ctx, k3)),
-                                  bf16_ptr(in_bf16(ctx, v3)), a.lse.f32(), D.f32(), block);
-    return;
-  }
-  if (m.attention == Attention::Flash) {  // D = rowsum(dO * O) once, then dq, dk, dv (+=)
-    AttentionBlock block = attention_block(m, B, T);
-    Tensor D = work({B, L.heads, T}, ctx), d_out = d_attn.reshape({N, L.heads, hd});
-    attention_out_dot_dout(ctx, D, d_out, a.attn.reshape({N, L.heads, hd}), block);
-    zero_(ctx, dq), zero_(ctx, dk), zero_(ctx, dv);
-    flash_attention_backward(ctx, dq.reshape({N, L.heads, hd}), dk.reshape({N, L.kv_heads, hd}),
-                             dv.reshape({N, L.kv_heads, hd}), d_out, q3, k3, v3, a.lse, D, block);
-    return;
-  }
-  if (!a.probs.defined()) {  // selective recompute: rebuild the probabilities from q and k
-    a.probs = act({B, L.heads, T, T}, ctx);
-    attention_forward(ctx, dq.reshape({N, L.heads, hd}), a.probs, q3, k3, v3, shape);
-  }
-  Tensor d_probs = work({B, L.heads, T, T}, ctx);
-  attention_backward(ctx, dq.reshape({N, L.heads, hd}), dk.reshape({N, L.kv_heads, hd}),
-                     dv.reshape({N, L.kv_heads, hd}), d_attn.reshape({N, L.heads, hd}), q3, k3,
-                     v3, a.probs, d_probs, shape);
+  int64_t hd = m.cfg.head_dim();
+  m.attention->backward(ctx, attention_shape(m, B, T), heads(dq, L.heads, hd),
+                        heads(dk, L.kv_heads, hd), heads(dv, L.kv_heads, hd),
+                        heads(d_attn, L.heads, hd), heads(a.attn, L.heads, hd), a.saved,
+                        heads(a.q, L.heads, hd), heads(a.k, L.kv_heads, hd),
+                        heads(a.v, L.kv_heads, hd));
 }
 
 // Fills every field of `a` (a.x must be set) and writes the block's output into x_out.
@@ -419,8 +338,8 @@ static void block_forward(const Context& ctx, const Model& m, const BlockWeights
 // What each recompute mode keeps after the forward (Playbook §2.6). The one place a new policy
 // goes (e.g. keep everything but the MLP's gate, up and act). FlashAttention keeps no
 // probabilities: selective recompute has nothing more to drop there.
-static void drop_for_recompute(BlockActivations& a, Recompute mode) {
-  if (mode == Recompute::Selective) a.probs = Tensor();  // the s^2 term: recomputed
+static void drop_for_recompute(const Model& m, BlockActivations& a, Recompute mode) {
+  if (mode == Recompute::Selective) m.attention->drop_recomputable(a.saved);  // the s^2 term
   if (mode == Recompute::Full) a = BlockActivations{a.x};  // only the block input
 }
 
@@ -430,28 +349,9 @@ static void drop_for_recompute(BlockActivations& a, Recompute mode) {
 // always is) and the statistics (RMSNorm's 1/rms, FlashAttention's log-sum-exp). Most of what
 // is stored is bf16-valued already (linear outputs; the norms' and attention's outputs feed only
 // GEMMs, which round them); RoPE's q and k and naive attention's probabilities are rounded here.
-static std::vector<Tensor*> stored_compact(BlockActivations& a) {
-  return {&a.norm1, &a.q, &a.k, &a.v, &a.probs, &a.attn, &a.norm2, &a.gate, &a.up, &a.act};
+static std::vector<Tensor*> stored_in_compute_format(BlockActivations& a) {
+  return {&a.norm1, &a.q, &a.k, &a.v, &a.saved.probs, &a.attn, &a.norm2, &a.gate, &a.up, &a.act};
 }
-static void store_compact(const Context& ctx, BlockActivations& a) {
-  if (ctx.precision == Precision::FP32) return;
-  for (Tensor* t : stored_compact(a)) {
-    if (!t->defined() || t->dtype != DType::F32) continue;
-    Tensor half = empty(ctx, t->shape, Mem::Activations, output_dtype(ctx.precision));
-    cast_(ctx, half, *t);
-    *t = half;
-  }
-}
-// Before the backward reads them: fp32 again, in workspace.
-static void widen_stored(const Context& ctx, BlockActivations& a) {
-  for (Tensor* t : stored_compact(a)) {
-    if (!t->defined() || t->dtype == DType::F32) continue;
-    Tensor wide = empty(ctx, t->shape, Mem::Workspace);
-    cast_(ctx, wide, *t);
-    *t = wide;
-  }
-}
-
 static void run_hook(const std::function<void(int)>& hook, int unit) {
   if (hook) hook(unit);
 }
@@ -494,7 +394,7 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
   acts.B = B, acts.T = T;
   // Global positions (RoPE, the causal mask): under context parallelism T is this rank's
   // share of each sequence, whose tokens sit at the positions the cp layout gives them.
-  acts.positions = device_ints(model.cp.positions(B, T * model.cp.size()), d);
+  acts.positions = device_ints(model.attention->positions(B, T), d);
 
   Tensor x = hidden_in;  // [n, D] the residual stream
   if (stage.embedding) {
@@ -515,8 +415,8 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
     block_forward(ctx, model, model.w.blocks[model.chunk_block0[chunk] + l], a, acts.positions, B,
                   T, x);
     run_hook(hooks.after_forward, model.block_unit(chunk, l));
-    drop_for_recompute(a, mode);
-    store_compact(ctx, a);
+    drop_for_recompute(model, a, mode);
+    store_in_compute_format(ctx, stored_in_compute_format(a));
   }
   acts.x_final = x;
   if (!stage.head) return 0.0f;
@@ -607,7 +507,7 @@ Tensor stage_backward(const Context& ctx, Model& model, Activations& acts, float
       Tensor x_out = work({n, D}, ctx);
       block_forward(ctx, model, model.w.blocks[b], a, acts.positions, B, T, x_out);
     }
-    widen_stored(ctx, a);
+    widen_to_fp32(ctx, stored_in_compute_format(a));
     block_backward(ctx, model, model.w.blocks[b], model.g.blocks[b], a, acts.positions, B, T,
                    dres, deferred);
     a = BlockActivations{};  // this micro-batch no longer needs block l's activations
@@ -643,7 +543,7 @@ void model_backward(const Context& ctx, Model& model, Activations& acts, float l
 // FlashAttention never keeps the probabilities, only the log-sum-exp [B, Hq/t, T]: its term is
 // 4 Hq / t bytes per token instead of 4 Hq T / t, so a block's activations grow as T, not T^2.
 int64_t activation_bytes_per_block(const ModelConfig& c, int B, int T, int tp, bool sp,
-                                   Recompute mode, Attention attention, int e) {
+                                   Recompute mode, const AttentionCore& attention, int e) {
   LocalDims L = local_dims(c, 0, tp);
   int64_t N = (int64_t)B * T, n = sp ? N / tp : N, D = c.d_model, hd = c.head_dim();
   if (mode == Recompute::Full) return 4 * n * D;
@@ -651,15 +551,13 @@ int64_t activation_bytes_per_block(const ModelConfig& c, int B, int T, int tp, b
   // k, v, gate, up, act in e bytes (on N tokens, this rank's heads and ffn columns).
   int64_t outside = (2 * 4 + 2 * e) * n * D + 2 * 4 * n;
   int64_t inside = e * N * (2 * L.heads * hd + 2 * L.kv_heads * hd + 3 * L.ffn);
-  int64_t probs = attention == Attention::Flash  ? 4 * (int64_t)B * L.heads * T  // the lse
-                  : mode == Recompute::Selective ? 0
-                                                 : e * (int64_t)B * L.heads * T * T;
-  return outside + inside + probs;
+  return outside + inside +
+         attention.saved_bytes(B, T, L.heads, mode == Recompute::Selective, e);
 }
 
 int64_t saved_bytes(const BlockActivations& a) {
   int64_t bytes = 0;
-  for (const Tensor* t : {&a.x, &a.norm1, &a.rstd1, &a.q, &a.k, &a.v, &a.probs, &a.lse, &a.attn,
+  for (const Tensor* t : {&a.x, &a.norm1, &a.rstd1, &a.q, &a.k, &a.v, &a.saved.probs, &a.saved.lse, &a.attn,
                           &a.x_mid, &a.norm2, &a.rstd2, &a.gate, &a.up, &a.act})
     if (t->defined()) bytes += t->nbytes();
   return bytes;

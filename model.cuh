@@ -3,12 +3,12 @@
 // ZeRO can treat them as contiguous memory; each named tensor is a view into it.
 #pragma once
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
-#include "context_parallel.cuh"
-#include "runtime/core.cuh"
 #include "flash_attention.cuh"
+#include "runtime/core.cuh"
 #include "tensor_parallel.cuh"
 
 struct ModelConfig {
@@ -36,11 +36,6 @@ int64_t parameter_count(const ModelConfig& cfg);
 enum class Recompute { None, Selective, Full };  // Playbook §2.6
 Recompute parse_recompute(const std::string& flag);
 const char* recompute_name(Recompute r);
-// The attention core: naive (keeps the [B, H, T, T] probabilities, Playbook §2.5) or
-// FlashAttention (keeps the output and one log-sum-exp per query and head, §12.8).
-enum class Attention { Naive, Flash };
-Attention parse_attention(const std::string& flag);  // naive|flash
-const char* attention_name(Attention a);
 
 // The weights of one block, as views into the flat buffer (the gradients use the same struct).
 struct BlockWeights {
@@ -85,9 +80,9 @@ struct Model {
   ModelConfig cfg;
   std::vector<Stage> chunks;  // the parts of the model this rank holds, in order (resolved)
   TensorParallel tp;     // the tp group and this rank's heads, ffn and vocabulary slice
-  Attention attention = Attention::Naive;  // train's --attention chooses (default flash)
-  ContextParallel cp;    // the cp group: this rank holds T/cp tokens of every sequence
-  CpWork* cp_work = nullptr;  // where ring attention counts its blocks (--report balance)
+  // The attention core (flash_attention.cuh): naive, flash, or ring attention over the cp
+  // group; train's --attention and --cp choose (default here: naive, the reference).
+  std::shared_ptr<const AttentionCore> attention = local_attention(AttentionKind::Naive);
   int64_t num_params = 0;  // parameters on this rank: the stage's, over tp
   std::vector<TpSlice> layouts;  // per named parameter: where its shard sits in the whole
   // [num_params] flat, Mem::Params and Mem::Grads. A sharded optimizer (zero.cu) may hold the
@@ -145,9 +140,8 @@ struct BlockActivations {
   Tensor x;             // [n, D] block input (always kept)
   Tensor norm1, rstd1;  // [n, D], [n]
   Tensor q, k, v;       // [N, Hl*hd], [N, KVl*hd] x2 (after RoPE)
-  Tensor probs;         // [B, Hl, T, T] naive attention (dropped by selective recompute)
-  Tensor lse;           // [B, Hl, T] FlashAttention's log-sum-exp per query and head (under
-                        // context parallelism, per piece of this rank's tokens)
+  AttentionSaved saved;  // naive attention's [B, Hl, T, T] probabilities (dropped by selective
+                         // recompute), or FlashAttention's [B, Hl, T] log-sum-exp
   Tensor attn;          // [N, Hl*hd] attention output before wo
   Tensor x_mid;         // [n, D] after the attention residual
   Tensor norm2, rstd2;  // [n, D], [n]
@@ -158,8 +152,7 @@ struct BlockActivations {
 // an element of what is stored in the compute format (4 in fp32, 2 under --dtype bf16, fp16 or
 // fp8); the residual stream and the statistics are fp32 always.
 int64_t activation_bytes_per_block(const ModelConfig& cfg, int B, int T, int tp, bool sp,
-                                   Recompute mode, Attention attention = Attention::Naive,
-                                   int e = 4);
+                                   Recompute mode, const AttentionCore& attention, int e = 4);
 // The same, measured: the bytes `a` holds.
 int64_t saved_bytes(const BlockActivations& a);
 struct Activations {

@@ -19,6 +19,7 @@
 #include "runtime/comm.cuh"
 #include "runtime/core.cuh"
 #include "runtime/data.cuh"
+#include "context_parallel.cuh"
 #include "data_parallel.cuh"
 #include "kernels/fp8_gemm.cuh"
 #include "runtime/gradient_sync.cuh"
@@ -37,7 +38,8 @@
 
 // Sum of per-token cross-entropies over windows [first, first + count) of seq + 1 tokens;
 // window w starts at token w * stride (stride seq: validation; seq + 1: disjoint, --score).
-static double loss_sum(const Context& ctx, Comm& comm, Model& model,
+// Under context parallelism each rank runs its share of every window's tokens.
+static double loss_sum(const Context& ctx, Comm& comm, Model& model, const ContextParallel& cp,
                        const std::vector<int32_t>& tokens, int64_t first, int64_t count, int seq,
                        int64_t stride, int mbs) {
   std::vector<int32_t> in((size_t)mbs * seq), tgt((size_t)mbs * seq);
@@ -50,15 +52,10 @@ static double loss_sum(const Context& ctx, Comm& comm, Model& model,
       std::copy(src + 1, src + seq + 1, tgt.begin() + (size_t)i * seq);
     }
     Activations acts;
-    if (model.cp.size() == 1) {
-      total += pipeline_forward(ctx, comm, model, acts, in.data(), tgt.data(), n, seq);
-      continue;
-    }
-    // Context parallelism: this rank's share of the tokens of every window.
-    std::vector<int32_t> my_in = select_context_tokens(model.cp, in.data(), n, seq);
-    std::vector<int32_t> my_tgt = select_context_tokens(model.cp, tgt.data(), n, seq);
+    std::vector<int32_t> my_in = select_context_tokens(cp, in.data(), n, seq);
+    std::vector<int32_t> my_tgt = select_context_tokens(cp, tgt.data(), n, seq);
     total += pipeline_forward(ctx, comm, model, acts, my_in.data(), my_tgt.data(), n,
-                              seq / model.cp.size());
+                              seq / cp.size());
   }
   return total;
 }
@@ -66,12 +63,12 @@ static double loss_sum(const Context& ctx, Comm& comm, Model& model,
 // Mean loss over `windows` windows, the windows split evenly over the dp ranks (every rank
 // holds the same weights), each window's tokens over the cp ranks, and the sums added up (over
 // pp too: the last stage holds the loss).
-static double mean_loss(const Context& ctx, Comm& comm, Model& model,
+static double mean_loss(const Context& ctx, Comm& comm, Model& model, const ContextParallel& cp,
                         const std::vector<int32_t>& tokens, int64_t windows, int seq,
                         int64_t stride, int mbs) {
   Group& g = comm.dp;
   int64_t first = windows * g.rank / g.size, last = windows * (g.rank + 1) / g.size;
-  double total = loss_sum(ctx, comm, model, tokens, first, last - first, seq, stride, mbs);
+  double total = loss_sum(ctx, comm, model, cp, tokens, first, last - first, seq, stride, mbs);
   all_reduce_host(comm.dp_cp, &total, 1, ReduceOp::Sum);
   all_reduce_host(comm.pp, &total, 1, ReduceOp::Sum);
   return total / ((double)windows * seq);
@@ -172,13 +169,21 @@ static void with_whole_model(GradientSync& sync, const Context& ctx,
   sync.release_weights();
 }
 
-// This rank's part of the model (its tp slice, its pipeline stage or chunks) as a layout.
+// How the cp group splits each sequence (Playbook §7): this rank's tokens.
+static ContextParallel context_parallel(Comm& comm, const Options& o) {
+  return ContextParallel{&comm, parse_cp_balance(o.cp_balance), parse_cp_comm(o.cp_comm)};
+}
+
+// This rank's part of the model (its tp slice, its pipeline stage or chunks) as a layout, with
+// its attention core: ring or all-gather attention over the cp group, or one rank's own.
 static Model model_layout(Comm& comm, const Options& o) {
   Model model = build_model_layout(
       o.model, TensorParallel{&comm, o.sp},
       pipeline_chunks(o.model.layers, o.pp, o.pp_virtual, comm.grid.pp_rank));
-  model.attention = parse_attention(o.attention);
-  model.cp = ContextParallel{&comm, parse_cp_balance(o.cp_balance), parse_cp_comm(o.cp_comm)};
+  if (o.cp > 1)
+    model.attention = std::make_shared<ContextParallelAttention>(context_parallel(comm, o));
+  else
+    model.attention = local_attention(parse_attention(o.attention));
   return model;
 }
 
@@ -198,7 +203,8 @@ static int score_file(const Context& ctx, Comm& comm, const Options& o) {
                        " is outside the vocabulary " + std::to_string(c.vocab));
   double loss = 0;
   with_whole_model(*sync, ctx, [&] {
-    loss = mean_loss(ctx, comm, model, tokens, windows, c.seq, c.seq + 1, o.mbs);
+    loss = mean_loss(ctx, comm, model, context_parallel(comm, o), tokens, windows, c.seq,
+                     c.seq + 1, o.mbs);
   });
   if (comm.grid.world_rank == 0) printf("loss: %.6f\n", loss);
   return 0;
@@ -220,6 +226,8 @@ struct Trainer {
   int first_seq;                     // this dp rank's first sequence of the global batch
   std::vector<int32_t> inputs, targets;  // this rank's sequences, whole
   std::vector<int32_t> my_inputs, my_targets;  // and its share of their tokens (cp)
+  ContextParallel cp;                          // which tokens those are
+  const ContextParallelAttention* ring = nullptr;  // the model's attention under cp (else null)
   CpWork attention_work;                   // what ring attention computed (--report balance)
   OutputLines log_json;
   nlohmann::json log_line;  // this step's --log-json line, written once validation has run
@@ -250,16 +258,15 @@ static bool train_step(Trainer& t, int64_t step) {
   float loss_scale = (t.scaler.enabled ? t.scaler.scale : 1.0f) / (float)(t.global_batch * seq);
   reset_rounding_stats();
   StepBatch batch{t.inputs.data(), t.targets.data(), o.grad_acc, o.mbs, seq, &t.fault, step};
-  if (t.model.cp.size() > 1) {  // Playbook §7: each cp rank holds seq / cp tokens of each sequence
-    t.my_inputs = select_context_tokens(t.model.cp, t.inputs.data(), o.mbs, seq, o.grad_acc);
-    t.my_targets = select_context_tokens(t.model.cp, t.targets.data(), o.mbs, seq, o.grad_acc);
-    batch.inputs = t.my_inputs.data(), batch.targets = t.my_targets.data();
-    batch.seq = seq / t.model.cp.size();
-  }
-  t.model.cp_work = &t.attention_work;  // training steps only, not validation
+  // Playbook §7: each cp rank holds seq / cp tokens of each sequence.
+  t.my_inputs = select_context_tokens(t.cp, t.inputs.data(), o.mbs, seq, o.grad_acc);
+  t.my_targets = select_context_tokens(t.cp, t.targets.data(), o.mbs, seq, o.grad_acc);
+  batch.inputs = t.my_inputs.data(), batch.targets = t.my_targets.data();
+  batch.seq = seq / t.cp.size();
+  if (t.ring) t.ring->work = &t.attention_work;  // training steps only, not validation
   StepStats stats = run_schedule(t.ctx, t.comm, t.model, t.sync, batch, t.recompute, loss_scale,
                                  t.trace, t.pipeline, &t.bubble);
-  t.model.cp_work = nullptr;
+  if (t.ring) t.ring->work = nullptr;
   if (t.block_bytes < 0) t.block_bytes = stats.block_bytes;
   double tw = now_seconds();
   t.sync.finish(t.ctx);
@@ -330,7 +337,7 @@ static void validate(Trainer& t, int64_t step) {
   if (windows <= 0) return;
   double val = 0;
   with_whole_model(t.sync, t.ctx, [&] {
-    val = mean_loss(t.ctx, t.comm, t.model, t.data.val, windows, c.seq, c.seq, t.o.mbs);
+    val = mean_loss(t.ctx, t.comm, t.model, t.cp, t.data.val, windows, c.seq, c.seq, t.o.mbs);
   });
   if (t.comm.grid.world_rank == 0)
     printf("step %5lld/%d | val loss %.4f\n", (long long)step + 1, t.o.steps, val);
@@ -372,7 +379,7 @@ static void print_reports(Trainer& t) {
                           t.sync.grad_dtype() == DType::BF16);
       if (main_rank && t.block_bytes >= 0)
         print_activation_report(
-            local_sequences(o), o.mbs, o.tp, o.sp, t.recompute, t.model.attention, t.block_bytes,
+            local_sequences(o), o.mbs, o.tp, o.sp, t.recompute, *t.model.attention, t.block_bytes,
             t.ctx.precision == Precision::FP32 ? 4 : (int)dtype_size(output_dtype(t.ctx.precision)));
     }
     if (r == "comm") {
@@ -383,7 +390,7 @@ static void print_reports(Trainer& t) {
                              t.steps_run);
     }
     if (r == "bubble") print_bubble_report(comm, t.pipeline, o.grad_acc, t.bubble);
-    if (r == "balance") print_balance_report(comm, t.model.cp, t.attention_work, t.steps_run);
+    if (r == "balance") print_balance_report(comm, t.cp, t.attention_work, t.steps_run);
   }
 }
 
@@ -440,6 +447,8 @@ static int run(const Options& o, Comm& comm, Context& ctx) {
             PipelineConfig{parse_pp_schedule(o.pp_schedule), o.pp_virtual}, rank_batch,
             rank_batch * o.dp, (int)(comm.grid.dp_rank * rank_batch)};
   t.inputs.resize(rank_batch * c.seq), t.targets.resize(rank_batch * c.seq);
+  t.cp = context_parallel(comm, o);
+  t.ring = dynamic_cast<const ContextParallelAttention*>(model.attention.get());
   t.trace.enabled = !o.trace.empty();
   if (!o.fault.empty()) t.fault = parse_fault(o.fault);
   t.scaler = make_loss_scaler(ctx.precision, o.loss_scale, o.loss_scale_window, false);

@@ -27,7 +27,7 @@ static Result measure(const Context& ctx, int tp_size, bool sp, int world, Devic
   int mbs = 2, T = c.seq, N = mbs * T;
   std::vector<int32_t> ids(N), targets(N);
   for (int i = 0; i < N; i++) ids[i] = (i * 31) % c.vocab, targets[i] = (i * 17) % c.vocab;
-  Result r{1e30, 0, 0, activation_bytes_per_block(c, mbs, T, tp_size, sp, Recompute::None), 0};
+  Result r{1e30, 0, 0, activation_bytes_per_block(c, mbs, T, tp_size, sp, Recompute::None, *model.attention), 0};
   for (int rep = 0; rep < 3; rep++) {  // the first is a warm-up
     barrier(comm, comm.world, ctx);
     int64_t sent = 0;

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <limits>
 
+#include "context_parallel.cuh"
 #include "runtime/checkpoint.cuh"
 #include "data_parallel.cuh"
 #include "mixed_precision.cuh"
@@ -228,7 +229,7 @@ void resolve_options(Options& o, const std::vector<ShapeFlag>& shape) {
   check_positive(o.cp, "--cp"), check_positive(o.tp, "--tp");
   parse_cp_comm(o.cp_comm);
   validate_context_parallel(o.model.seq, o.cp, parse_cp_balance(o.cp_balance),
-                            parse_attention(o.attention) == Attention::Flash, o.tp, o.sp, o.sample);
+                            parse_attention(o.attention) == AttentionKind::Flash, o.tp, o.sp, o.sample);
   validate_pipeline(o.model.layers, o.pp, o.pp_virtual, o.grad_acc, parse_pp_schedule(o.pp_schedule),
                     o.model.tie_embeddings, o.zero);
   validate_tensor_parallel(o.model, o.tp, o.sp);
@@ -378,7 +379,7 @@ static void check_memory(const Options& o, Device device, int local_ranks) {
   double state = (o.score.empty() ? weights + grads + adam : 4 * psi) + copy;
   double acts = (double)c.layers * activation_bytes_per_block(c, o.mbs, c.seq, o.tp, o.sp,
                                                               parse_recompute(o.recompute),
-                                                              parse_attention(o.attention),
+                                                              *local_attention(parse_attention(o.attention)),
                                                               low ? 2 : 4) +
                 2.0 * o.mbs * c.seq * (c.vocab / o.tp) * 4;
   if (state + acts > have)

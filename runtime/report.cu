@@ -236,25 +236,21 @@ void print_zero_comm_report(const Comm& comm, const Zero& zero, int grad_acc) {
 // Tensor parallelism
 
 void print_activation_report(const ModelConfig& cfg, int mbs, int tp, bool sp, Recompute mode,
-                             Attention attention, int64_t measured, int e) {
+                             const AttentionCore& attention, int64_t measured, int e) {
   int64_t formula = activation_bytes_per_block(cfg, mbs, cfg.seq, tp, sp, mode, attention, e);
   printf("activations per block and micro-batch (--report memory; tp %d%s, recompute %s, %s "
          "attention, %s):\n",
-         tp, sp ? " + sp" : "", recompute_name(mode), attention_name(attention),
+         tp, sp ? " + sp" : "", recompute_name(mode), attention.name().c_str(),
          e == 4 ? "stored in fp32" : "stored in 16 bits, residual stream and statistics fp32");
   printf("  measured %s (%lld B), formula %s (%lld B)%s\n", human_bytes(measured).c_str(),
          (long long)measured, human_bytes(formula).c_str(), (long long)formula,
          measured == formula ? ", equal" : ", DIFFERENT");
-  const std::string probs = attention == Attention::Flash ? "4 Hq" : std::to_string(e) + " Hq T";
   printf("  formula: N(%dD + 8)/%s + N(%dD + %d Hkv hd + %dF + %s)/tp bytes, N = mbs x seq: "
          "the book's sbh(34 + 5as/h) for this Llama; norms and residuals (the book's 10) "
-         "shrink with tp only under sp (34/t)%s\n",
-         8 + 2 * e, sp ? "tp" : "1", 2 * e, 2 * e, 3 * e, probs.c_str(),
-         attention == Attention::Flash
-             ? ("; FlashAttention keeps a log-sum-exp per query and head (4 Hq) instead of the "
-                "probabilities (" + std::to_string(e) + " Hq T, the 5as/h term): linear in the sequence")
-                   .c_str()
-             : "");
+         "shrink with tp only under sp (34/t); attention keeps %s per token (the probabilities: "
+         "%d Hq T, the 5as/h term; FlashAttention's log-sum-exp: 4 Hq, linear in the sequence)\n",
+         8 + 2 * e, sp ? "tp" : "1", 2 * e, 2 * e, 3 * e, attention.saved_formula(e).c_str(),
+         attention.saved_formula(e).c_str(), e);
 }
 
 TpTraffic tp_expected_traffic(const ModelConfig& c, int B, int T, int tp, bool sp) {

@@ -1,5 +1,6 @@
 // report.cuh: what a run measured, next to what the book predicts (--report memory,comm).
 #pragma once
+#include "context_parallel.cuh"
 #include "runtime/comm.cuh"
 #include "model.cuh"
 #include "pipeline_parallel.cuh"
@@ -41,7 +42,8 @@ void print_zero_comm_report(const Comm& comm, const Zero& zero, int grad_acc);
 // e: bytes per element of the activations stored in the compute format (4, or 2 under --dtype
 // bf16, fp16, fp8).
 void print_activation_report(const ModelConfig& cfg, int mbs, int tp, bool sp, Recompute mode,
-                             Attention attention, int64_t measured_block_bytes, int e = 4);
+                             const AttentionCore& attention, int64_t measured_block_bytes,
+                             int e = 4);
 struct TpTraffic {
   int64_t all_reduce = 0, all_gather = 0, reduce_scatter = 0;  // bytes each rank sends
 };

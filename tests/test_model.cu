@@ -310,12 +310,12 @@ TEST_CASE("a block keeps O(T) activations with FlashAttention and O(T^2) with na
   Context ctx = Context::create(Device::CPU);
   ModelConfig c = small_config();
   c.layers = 1;
-  std::map<Attention, std::vector<int64_t>> bytes;
-  for (Attention attention : {Attention::Flash, Attention::Naive})
+  std::map<AttentionKind, std::vector<int64_t>> bytes;
+  for (AttentionKind attention : {AttentionKind::Flash, AttentionKind::Naive})
     for (int T : {256, 512, 1024, 2048}) {
       c.seq = T;
       Model m = build_model(c, Device::CPU, 2);
-      m.attention = attention;
+      m.attention = local_attention(attention);
       std::vector<int32_t> ids(T), tgt(T);
       random_tokens(ids, c.vocab, 8), random_tokens(tgt, c.vocab, 9);
       size_t before = memory_stats().current[(int)Mem::Activations];
@@ -323,18 +323,19 @@ TEST_CASE("a block keeps O(T) activations with FlashAttention and O(T^2) with na
       model_forward(ctx, m, acts, ids.data(), tgt.data(), 1, T, Recompute::None);
       int64_t measured = saved_bytes(acts.blocks[0]);
       INFO(attention_name(attention) << " at T " << T);
-      REQUIRE(measured == activation_bytes_per_block(c, 1, T, 1, false, Recompute::None, attention));
+      REQUIRE(measured == activation_bytes_per_block(c, 1, T, 1, false, Recompute::None,
+                                                    *local_attention(attention)));
       REQUIRE((int64_t)(memory_stats().current[(int)Mem::Activations] - before) >= measured);
       // Per token, D 16, Hkv hd 8, F 24, Hq 4: N (16 D + 8) + N (8 D + 8 Hkv hd + 12 F) + lse or
       // probabilities, all in bytes.
       int64_t linear = (int64_t)T * (16 * 16 + 8) + (int64_t)T * (8 * 16 + 8 * 8 + 12 * 24);
-      REQUIRE(measured == linear + (attention == Attention::Flash ? 4 * 4 * (int64_t)T
+      REQUIRE(measured == linear + (attention == AttentionKind::Flash ? 4 * 4 * (int64_t)T
                                                                   : 4 * 4 * (int64_t)T * T));
       bytes[attention].push_back(measured);
     }
-  for (size_t i = 1; i < bytes[Attention::Flash].size(); i++) {
-    REQUIRE(bytes[Attention::Flash][i] == 2 * bytes[Attention::Flash][i - 1]);
-    REQUIRE(bytes[Attention::Naive][i] > 3 * bytes[Attention::Naive][i - 1]);
+  for (size_t i = 1; i < bytes[AttentionKind::Flash].size(); i++) {
+    REQUIRE(bytes[AttentionKind::Flash][i] == 2 * bytes[AttentionKind::Flash][i - 1]);
+    REQUIRE(bytes[AttentionKind::Naive][i] > 3 * bytes[AttentionKind::Naive][i - 1]);
   }
 }
 
@@ -352,9 +353,9 @@ TEST_CASE("FlashAttention and naive attention give the same loss and gradients",
     random_tokens(ids, c.vocab, 10), random_tokens(tgt, c.vocab, 11);
     std::vector<Model> models;
     std::vector<float> losses;
-    for (Attention attention : {Attention::Naive, Attention::Flash}) {
+    for (AttentionKind attention : {AttentionKind::Naive, AttentionKind::Flash}) {
       models.push_back(build_model(c, Device::CPU, 4));
-      models.back().attention = attention;
+      models.back().attention = local_attention(attention);
       Activations acts;
       losses.push_back(model_forward(ctx, models.back(), acts, ids.data(), tgt.data(), B, T,
                                      Recompute::Selective));
