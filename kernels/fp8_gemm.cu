@@ -212,8 +212,8 @@ static Fp8Plan find_plan(const Context& ctx, const LtGemm& g, int device) {
                                                            g.b, g.d, g.d, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
-    plan.why = "cuBLASLt has no block-scaled FP8 algorithm for it (status " +
-               std::to_string((int)st) + ", " + std::to_string(found) + " found)";
+    plan.why = std::string("cuBLASLt has no block-scaled FP8 algorithm for it (") +
+               cublasGetStatusName(st) + ", " + std::to_string(found) + " found)";
     return plan;
   }
   plan.supported = true, plan.algo = result.algo, plan.workspace = result.workspaceSize;
@@ -296,12 +296,17 @@ bool fp8_gemm(const Context& ctx, const Tensor& d, const Fp8Operand& a, const Fp
   const cublasStatus_t st = cublasLtMatmul((cublasLtHandle_t)ctx.cublas, g.op, &alpha, bq.q.ptr,
                                            g.a, aq.q.ptr, g.b, &beta, d.ptr, g.d, d.ptr, g.d,
                                            &plan.algo, workspace.ptr, plan.workspace, ctx.stream);
-  if (st == CUBLAS_STATUS_NOT_SUPPORTED) {  // d untouched: the caller emulates, now and after
+  if (st != CUBLAS_STATUS_SUCCESS) {
+    // Any refusal (NOT_SUPPORTED, or INVALID_VALUE, ARCH_MISMATCH... from a library or driver
+    // that reads these descriptors otherwise): nothing ran and d is untouched, so the caller
+    // emulates, now and for this shape after, rather than stopping the run. A launch error
+    // left behind is cuBLASLt's, not the next kernel's: cleared.
+    cudaGetLastError();
     plan.supported = false;
-    plan.why = "cuBLASLt declined the algorithm its heuristic chose (NOT_SUPPORTED)";
+    plan.why = std::string("cuBLASLt's matmul returned ") + cublasGetStatusName(st) + " (" +
+               std::to_string((int)st) + ") for the algorithm its heuristic chose";
     return decline(plan.why);
   }
-  CUBLAS_CHECK(st);
   g_counts.native++;
   return true;
 }

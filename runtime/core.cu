@@ -140,7 +140,11 @@ struct Storage {
   Mem category;
   cudaStream_t stream = nullptr;  // CUDA: allocated, and freed, in this stream's order
   bool pooled = false;            // cudaMallocAsync (else cudaMalloc)
-  Storage(size_t n, Device d, Mem m, cudaStream_t s) : bytes(n), device(d), category(m), stream(s) {
+  // The live count of the Context this was allocated on (Context::allocations); null for the
+  // forms without a Context. Shared, so it outlives a Context destroyed too early.
+  std::shared_ptr<std::atomic<int64_t>> owner;
+  Storage(size_t n, Device d, Mem m, cudaStream_t s, std::shared_ptr<std::atomic<int64_t>> o)
+      : bytes(n), device(d), category(m), stream(s), owner(std::move(o)) {
     if (n == 0) n = 1;  // keep a valid pointer for empty tensors
     if (d == Device::CUDA) {
       // Stream-ordered allocation: a free does not stall the whole GPU as cudaFree does (which
@@ -155,6 +159,7 @@ struct Storage {
       PICO_ASSERT(ptr != nullptr, "host allocation of " + std::to_string(n) + " bytes");
     }
     account(category, (long long)bytes);
+    if (owner) ++*owner;
   }
   ~Storage() {
     // Freed in `stream`'s order: work queued there before this point may still use the
@@ -163,6 +168,7 @@ struct Storage {
     else if (device == Device::CUDA) CUDA_CHECK(cudaFree(ptr));
     else free(ptr);
     account(category, -(long long)bytes);
+    if (owner) --*owner;
   }
 };
 
@@ -203,15 +209,16 @@ std::string Tensor::shape_str() const {
   return s + "]";
 }
 
-// The one allocation path; `stream` is the legacy default stream (0) for the forms without a
-// Context.
+// The one allocation path; `stream` is the legacy default stream (0) and `owner` null for the
+// forms without a Context.
 static Tensor empty_on(cudaStream_t stream, std::vector<int64_t> shape, Mem category,
-                       Device device, DType dtype) {
+                       Device device, DType dtype,
+                       std::shared_ptr<std::atomic<int64_t>> owner = nullptr) {
   Tensor t;
   t.shape = std::move(shape);
   t.dtype = dtype;
   t.device = device;
-  t.storage = std::make_shared<Storage>(t.nbytes(), device, category, stream);
+  t.storage = std::make_shared<Storage>(t.nbytes(), device, category, stream, std::move(owner));
   t.ptr = t.storage->ptr;
   return t;
 }
@@ -229,7 +236,7 @@ Tensor zeros(std::vector<int64_t> shape, Mem category, Device device, DType dtyp
 }
 void zero_(const Tensor& t) { zero_on(0, t); }
 Tensor empty(const Context& ctx, std::vector<int64_t> shape, Mem category, DType dtype) {
-  return empty_on(ctx.stream, std::move(shape), category, ctx.device, dtype);
+  return empty_on(ctx.stream, std::move(shape), category, ctx.device, dtype, ctx.allocations);
 }
 Tensor zeros(const Context& ctx, std::vector<int64_t> shape, Mem category, DType dtype) {
   Tensor t = empty(ctx, std::move(shape), category, dtype);
@@ -313,6 +320,12 @@ Context Context::create(Device device) {
 }
 void Context::destroy() {
   weight_copies.reset();  // allocated on this stream: freed before it goes
+  // Any other buffer still alive would be freed later, on a destroyed stream: a bug on every
+  // device, stopped here where it is made rather than at some later free.
+  const int64_t alive = live_allocations();
+  PICO_ASSERT(alive == 0, std::to_string(alive) +
+                              " allocations made on this context are still alive; let their "
+                              "tensors go out of scope before Context::destroy");
   if (cublas) cublasDestroy(cublas);
   if (stream) cudaStreamDestroy(stream);
   cublas = nullptr;

@@ -1,6 +1,7 @@
 // core.cuh: tensors, devices, dtypes, memory accounting, error checks, RNG and timers.
 // Everything else in picoscale is built from these few types (DESIGN section 2).
 #pragma once
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -194,8 +195,13 @@ struct Context {
   // The weights' copies in the compute format, where GEMMs read them (mixed_precision.cuh);
   // null: every GEMM rounds the fp32 weights itself.
   std::shared_ptr<WeightCopies> weight_copies;
+  // Buffers from the stream-ordered empty / zeros below made on this context (or a copy of
+  // it: copies share the count) and still alive. destroy() requires none: on CUDA such a buffer
+  // would later be freed on a destroyed stream. Counted on the CPU too, so CPU tests catch it.
+  std::shared_ptr<std::atomic<int64_t>> allocations = std::make_shared<std::atomic<int64_t>>(0);
+  int64_t live_allocations() const { return allocations->load(); }
   static Context create(Device device);
-  void destroy();
+  void destroy();  // a [BUG] stop while live_allocations() > 0
   void synchronize() const;  // wait for the compute stream (tests, timers); counted
 };
 Device resolve_device(const std::string& flag);  // "auto" | "cpu" | "cuda"

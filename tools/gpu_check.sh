@@ -1,63 +1,98 @@
 #!/usr/bin/env bash
-# gpu_check.sh: one call on a GPU machine (`make gpu-check`). Sets up, then runs every GPU test,
-# the CUDA-vs-CPU training comparison, short CUDA training runs of tiny and medium, the step,
-# collective and FlashAttention benchmarks (the last against PyTorch's flash backend) and,
-# where the machine allows, compute-sanitizer; prints a summary table LAST, always. A failing or
-# stuck step is recorded (each has a timeout) and the next one runs.
+# gpu_check.sh: one call on a GPU machine (`make gpu-check`), within one command of at most 600 s.
+# Sets up, then runs the steps in the order of what only a GPU can tell: the kernels against
+# their CPU references and CUDA training against the CPU run; the FlashAttention benchmark
+# against PyTorch's SDPA (flash backend); the llama-1b step in fp32, bf16 and fp8; then the rest
+# (NCCL, the asynchronous passes, compute-sanitizer, data parallelism, training speed, the step and
+# collective benchmarks). Every step appears in the summary table, run or skipped, with why; the
+# table comes LAST, always. A failing or stuck step is recorded (each has a timeout), the next runs.
 #
-# Setup: with gpu_bundle/ (made beforehand by tools/gpu_bundle.sh and carried over),
-# tools/gpu_unpack.sh unpacks the binaries, libraries, corpus and OpenMPI tree under the work
-# folder (OpenMPI at a private prefix, found through OPAL_PREFIX: the image's own MPI, if any, is
-# left alone), and the libraries the binaries need (readelf's NEEDED entries) that neither the
-# bundle nor the system provides, cuBLAS and NCCL, are looked up by those exact names in the CUDA
-# toolkit or the Python wheels' nvidia/* folders. Without gpu_bundle/ it builds here, which needs
-# picoscale's build dependencies. Nothing is written outside the work folder and $OUT.
+# The two steps (tools/README.md says the same):
+#   1. Where picoscale builds (MPI, OpenBLAS, CLI11, Catch2, nlohmann-json, fortunes installed):
+#        bash tools/gpu_bundle.sh        # builds for sm_80 + sm_90, packs gpu_bundle/ (~23 MiB)
+#   2. On the GPU machine, in a copy of the checkout WITH gpu_bundle/ in it (the folder is
+#      git-ignored: a clone or a copy of the tracked files leaves it behind, so carry it by name):
+#        bash tools/gpu_check.sh         # default --budget 540: fits one 600 s command
+# The GPU machine needs only the NVIDIA driver and CUDA (cuBLAS and NCCL from the toolkit or the
+# Python wheels). When the bundle is missing, the FIRST line of output says so; the check then
+# builds here if picoscale's build dependencies are present, and otherwise stops at setup at once.
 #
-# Usage: bash tools/gpu_check.sh [--budget SECONDS] [--work DIR] [--dry-run]
-#   --budget: total seconds (default 480). A step whose estimate (ESTIMATE below) does not fit
-#     in what is left is skipped, and one cut short by the end of the budget is recorded as
-#     skipped, not failed (its own timeout is a failure).
+# Setup with the bundle: tools/gpu_unpack.sh unpacks the binaries, libraries, corpus and OpenMPI
+# tree under the work folder (OpenMPI at a private prefix, found through OPAL_PREFIX: the image's
+# own MPI, if any, is left alone), and the libraries the binaries need (readelf's NEEDED entries)
+# that neither the bundle nor the system provides, cuBLAS and NCCL, are looked up by those exact
+# names in the CUDA toolkit or the Python wheels' nvidia/* folders (for at most 30 s in all).
+# Nothing is written outside the work folder and $OUT.
+#
+# Usage: bash tools/gpu_check.sh [--budget SECONDS] [--work DIR] [--bundle DIR] [--dry-run]
+#   --budget: total seconds, setup included (default 540: one 600 s command, with 60 s to spare
+#     for the table, the tarball and the kill grace of a step cut short). A step whose estimate
+#     (ESTIMATE below) does not fit in what is left is skipped; one cut short by the end of the
+#     budget is recorded as skipped, not failed (its own timeout is a failure).
 #   --work: the work folder (default: a new one under /tmp).
-#   --dry-run: runs nothing; charges each step its estimate against the budget and prints what
-#     would run, the skips and the table (tools/test_gpu_check.sh uses it on machines without a GPU).
+#   --bundle: the bundle made by tools/gpu_bundle.sh (default: gpu_bundle in the checkout).
+#     Relative paths (--work too) are taken from the checkout's root.
+#   --dry-run: runs nothing; charges each step its estimate against the budget and prints the
+#     plan: what would run, what would be skipped and why, the total, and the table
+#     (tools/test_gpu_check.sh uses it on machines without a GPU).
 # Logs: $OUT/gpu_check_summary.txt, $OUT/gpu_check_console.log and $OUT/gpu_check_logs.tar.gz
 # (one log per step) when OUT is set, else the same files in the work folder.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-BUDGET=480 WORK="" DRY_RUN=0
+BUDGET=540 WORK="" BUNDLE=gpu_bundle DRY_RUN=0
 while [ $# -gt 0 ]; do
   case $1 in
     --budget) BUDGET=$2; shift 2 ;;
     --work) WORK=$2; shift 2 ;;
+    --bundle) BUNDLE=$2; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
     *) echo "gpu_check: unknown argument $1 (usage: tools/gpu_check.sh [--budget SECONDS]" \
-            "[--work DIR] [--dry-run])"; exit 2 ;;
+            "[--work DIR] [--bundle DIR] [--dry-run])"; exit 2 ;;
   esac
 done
+case $BUDGET in ''|*[!0-9]*) echo "gpu_check: --budget $BUDGET: expected whole seconds, e.g. --budget 540"; exit 2 ;; esac
 if [ -n "$WORK" ]; then mkdir -p "$WORK" && WORK=$(cd "$WORK" && pwd); else
   WORK=$(mktemp -d /tmp/picoscale-gpu-check.XXXXXX); fi
+[ -d "$BUNDLE" ] && BUNDLE=$(cd "$BUNDLE" && pwd)
 LOGS=$WORK/logs
 DEST=${OUT:-$WORK}
 mkdir -p "$LOGS" "$DEST"
 START=$(date +%s)
 RESULTS=()  # "name|PASS/FAIL/SKIP|seconds|detail"
+declare -A RECORDED=()
 NO_RUN=""   # set when setup fails: every later step is recorded as skipped, with this reason
-STEP_RC=0 STEP_SECONDS=0 STEP_CUT=0 CHARGED=0
+STEP_RC=0 STEP_SECONDS=0 STEP_CUT=0 STEP_WENT=0 CHARGED=0 PLANNED=0
+RESERVE=10  # seconds kept for the table and the tarball
 SMALL="--d-model 64 --layers 2 --heads 4 --kv-heads 2 --ffn 128 --seq 32 --mbs 4 --warmup 2 --val-seqs 8 --dtype fp32"
+# Every step, in the order it runs: what only a GPU can tell first. The table lists each one;
+# a step that was neither run nor skipped on its way is recorded at the end as not reached.
+PLAN=(
+  environment setup device_info libraries mpi_singleton  # the machine, the bundle
+  unit_gpu_sync train_cuda_vs_cpu                         # kernels and CUDA training vs the CPU
+  flash_bench flash_torch                                 # FlashAttention against PyTorch's SDPA
+  dtype_llama1b                                           # llama-1b in fp32, bf16, fp8: MFU
+  mpi_gpu_np1 nccl_timeout unit_gpu unit_gpu_flash memcheck mpi_gpu_np2 dp2_vs_grad_acc2
+  train_tiny train_medium bench bench_comm racecheck racecheck_flash racecheck_tp
+)
 # Seconds each step is expected to take on one H100/H200 (estimates, not measurements: the
-# README's table of steps repeats them). A step without an entry is expected to take its cap.
+# README's table of steps repeats them). With the default budget the plan reaches dtype_llama1b
+# and mpi_gpu_np1 (`--dry-run` prints it); a run whose steps are quicker than these goes further.
 declare -A ESTIMATE=(
-  [device_info]=5 [setup]=15 [libraries]=5 [mpi_singleton]=5 [unit_gpu_sync]=60 [unit_gpu]=40
-  [train_cuda_vs_cpu]=60 [mpi_gpu_np1]=20 [nccl_timeout]=15 [mpi_gpu_np2]=30 [dp2_vs_grad_acc2]=30 [train_tiny]=20
-  [train_medium]=40 [bench]=90 [bench_comm]=40 [memcheck]=100 [racecheck]=60 [racecheck_tp]=40
-  [unit_gpu_flash]=40 [dtype_llama1b]=150 [flash_bench]=120 [flash_torch]=90 [racecheck_flash]=60
+  [environment]=0 [setup]=15 [setup_build]=300 [device_info]=5 [libraries]=5 [mpi_singleton]=5
+  [unit_gpu_sync]=60 [train_cuda_vs_cpu]=60 [flash_bench]=120 [flash_torch]=90
+  [dtype_llama1b]=150 [mpi_gpu_np1]=20 [nccl_timeout]=15 [unit_gpu]=40 [unit_gpu_flash]=40
+  [memcheck]=100 [mpi_gpu_np2]=30 [dp2_vs_grad_acc2]=30 [train_tiny]=20 [train_medium]=40
+  [bench]=90 [bench_comm]=40 [racecheck]=60 [racecheck_flash]=60 [racecheck_tp]=40
 )
 
-elapsed() { echo $(($(date +%s) - START + CHARGED)); }
+# Seconds used: the clock's, or in a dry run the estimates charged (so the plan is the same
+# however fast this machine prints it).
+elapsed() { if [ "$DRY_RUN" = 1 ]; then echo "$CHARGED"; else echo $(($(date +%s) - START)); fi; }
 record() {  # name result seconds detail
   local detail=${4//|//}  # (| separates the table's columns)
   RESULTS+=("$1|$2|$3|$detail")
+  RECORDED[$1]=1
   printf '== %-28s %-4s %4ss  %s\n' "$1" "$2" "$3" "$detail"
   # Saved after every step, so a run cut short still leaves its logs behind.
   tar -czf "$DEST/gpu_check_logs.tar.gz" -C "$WORK" logs 2>/dev/null
@@ -66,25 +101,27 @@ record() {  # name result seconds detail
 # of CAP, or of what is left of the budget when that is less (then STEP_CUT=1); sets STEP_RC
 # (124 on timeout) and STEP_SECONDS. Returns 1 without running it, the step recorded as skipped,
 # when its estimate does not fit in what is left, after a failed setup, or in a dry run.
+# STEP_WENT=1 when it fitted: it ran, or in a dry run would have.
 run_step() {
   local name=$1 cap=$2 left t0 estimate
   shift 2
-  STEP_RC=0 STEP_SECONDS=0 STEP_CUT=0
+  STEP_RC=0 STEP_SECONDS=0 STEP_CUT=0 STEP_WENT=0
   estimate=${ESTIMATE[$name]:-$cap}
   if [ -n "$NO_RUN" ]; then
     record "$name" SKIP 0 "$NO_RUN"
     return 1
   fi
-  left=$((BUDGET - $(elapsed) - 10))  # 10 s kept for the table and the tarball
-  if [ "$estimate" -gt "$left" ]; then
+  left=$((BUDGET - $(elapsed) - RESERVE))
+  if [ "$estimate" -gt "$left" ] || [ "$left" -le 0 ]; then
     record "$name" SKIP 0 "needs ~${estimate}s, ${left}s left of --budget $BUDGET"
     return 1
   fi
   [ "$cap" -gt "$left" ] && cap=$left STEP_CUT=1
+  STEP_WENT=1  # it fits: it runs (or, in a dry run, would)
   local what="$*"
   if [ "$DRY_RUN" = 1 ]; then
     echo "-- $name (dry run, timeout ${cap}s): $what"
-    CHARGED=$((CHARGED + estimate))
+    CHARGED=$((CHARGED + estimate)) PLANNED=$((PLANNED + 1))
     record "$name" SKIP 0 "dry run: would run ~${estimate}s (timeout ${cap}s): ${what:0:100}"
     return 1
   fi
@@ -110,17 +147,8 @@ fail() {  # name detail
   show_tail "$1"
 }
 
-# Catch2's last summary line: "All tests passed (A assertions in N test cases)" or
-# "test cases: N | P passed | F failed". Sets CASES_OK and CASES_TEXT.
-catch_result() {
-  local log=$1 line
-  line=$(grep -E "^(All tests passed|test cases:)" "$log" | tail -1)
-  CASES_TEXT=${line:-no Catch2 summary (crashed?)}
-  CASES_TEXT=$(echo "$CASES_TEXT" | sed 's/  */ /g')
-  CASES_OK=0
-  [[ $line == All\ tests\ passed* ]] && CASES_OK=1
-  SKIPS=$(grep -ciE "SKIP" "$log")  # "SKIP: no CUDA device", "no CUDA device: skipped"
-}
+# Catch2's summary and its SKIP lines: catch_result, SKIP_LINE (tools/catch_log.sh).
+. "$ROOT/tools/catch_log.sh"
 catch_step() {  # name cap command...: a Catch2 binary; a SKIP (no CUDA seen) is a failure here
   local name=$1
   run_step "$@" || return
@@ -128,7 +156,7 @@ catch_step() {  # name cap command...: a Catch2 binary; a SKIP (no CUDA seen) is
   if [ "$STEP_RC" -eq 0 ] && [ "$CASES_OK" -eq 1 ] && [ "$SKIPS" -eq 0 ]; then
     record "$name" PASS "$STEP_SECONDS" "$CASES_TEXT"
   else
-    fail "$name" "$CASES_TEXT, exit $STEP_RC, $SKIPS SKIP lines"
+    fail "$name" "$CASES_TEXT, exit $STEP_RC, $SKIPS SKIP lines${FIRST_SKIP:+ (first: $FIRST_SKIP)}"
   fi
 }
 # "step N/M | loss L | ... | T tok/s | ..." lines of ./train: first and last loss, median tok/s
@@ -145,19 +173,44 @@ train_stats() {
 }
 json_losses() { grep -o '"loss":[^,}]*' "$1" 2>/dev/null | cut -d: -f2; }
 
+# picoscale's build dependencies, for a build here without the bundle: the missing ones, or "".
+missing_build_deps() {
+  local missing="" h dir found
+  command -v mpicxx >/dev/null 2>&1 || missing="$missing mpicxx (OpenMPI)"
+  command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ] || missing="$missing nvcc"
+  for h in catch2/catch.hpp CLI/CLI.hpp nlohmann/json.hpp cblas.h; do
+    found=0
+    for dir in /usr/include /usr/local/include /usr/include/x86_64-linux-gnu; do
+      [ -e "$dir/$h" ] && found=1
+    done
+    [ "$found" = 1 ] || missing="$missing $h"
+  done
+  [ -d /usr/share/games/fortunes ] || missing="$missing the fortunes corpus"
+  echo "${missing# }"
+}
+
 {
 # ---------------------------------------------------------------------------------------------
+# The first line: whether the bundle is here (without it, a bare GPU machine cannot run a step).
+if [ -d "$BUNDLE" ]; then
+  echo "picoscale GPU check: bundle $BUNDLE ($(sed -n 2p "$BUNDLE/MANIFEST.txt" 2>/dev/null || echo 'no MANIFEST.txt'))"
+else
+  echo "gpu_check: NO BUNDLE: $BUNDLE is missing. A GPU machine without MPI, OpenBLAS, CLI11," \
+       "Catch2 and nlohmann-json needs it: run 'bash tools/gpu_bundle.sh' where picoscale builds," \
+       "then bring gpu_bundle/ (git-ignored, so name it) to this checkout; see tools/README.md." \
+       "Without it this check builds here, which needs those dependencies."
+fi
 echo "picoscale GPU check in $ROOT, budget ${BUDGET}s, work folder $WORK, logs to $DEST"
 GPU="no GPU"
 if [ "$DRY_RUN" = 1 ]; then
   record environment SKIP 0 "dry run: the machine is not examined"
-elif ! nvidia-smi -L >"$LOGS/environment.log" 2>&1; then
-  record environment FAIL 0 "no NVIDIA GPU visible (nvidia-smi -L failed)"
+elif ! timeout -k 5 30 nvidia-smi -L >"$LOGS/environment.log" 2>&1; then
+  record environment FAIL 0 "no NVIDIA GPU visible (nvidia-smi -L failed or took over 30 s)"
   NO_RUN="no GPU visible"
 else
-  GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)
+  GPU=$(timeout -k 5 30 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)
   {
-    nvidia-smi
+    timeout -k 5 30 nvidia-smi
     echo "OS: $(. /etc/os-release 2>/dev/null; echo "${PRETTY_NAME:-unknown}"), $(ldd --version | head -1)"
     command -v nvcc && nvcc --version
     echo "CPUs: $(nproc)"
@@ -165,19 +218,34 @@ else
   record environment PASS 0 "$GPU; $(ldd --version | head -1 | grep -o '[0-9.]*$' | sed 's/^/glibc /')"
 fi
 
-# ---- setup: unpack the bundle under the work folder (or build here) ----
+# ---- setup: unpack the bundle under the work folder (or build here, if this machine can) ----
 BINARIES="train build/unit_tests build/mpi_tests build/bench_step build/bench_comm build/bench_attention build/device_info"
 ENV_FILE=""
-if [ -d gpu_bundle ]; then
+SETUP_STARTED=0
+if [ -d "$BUNDLE" ]; then
   RUNDIR=$WORK/root ENV_FILE=$WORK/env.sh
-  SETUP_DETAIL="unpacked gpu_bundle under $WORK ($(sed -n 2p gpu_bundle/MANIFEST.txt 2>/dev/null))"
-  run_step setup 120 bash tools/gpu_unpack.sh gpu_bundle "$WORK"
+  SETUP_DETAIL="unpacked $BUNDLE under $WORK ($(sed -n 2p "$BUNDLE/MANIFEST.txt" 2>/dev/null))"
+  run_step setup 120 bash tools/gpu_unpack.sh "$BUNDLE" "$WORK" && SETUP_STARTED=1
 else
   RUNDIR=$ROOT
-  SETUP_DETAIL="built here (no gpu_bundle/)"
-  run_step setup 400 bash -c "export PATH=\$PATH:/usr/local/cuda/bin; make -j\$(nproc) $BINARIES"
+  SETUP_DETAIL="built here (no bundle at $BUNDLE)"
+  deps_missing=$(missing_build_deps)
+  if [ -n "$NO_RUN" ]; then
+    record setup SKIP 0 "$NO_RUN"
+  elif [ -n "$deps_missing" ]; then
+    # Minutes of a build that cannot succeed would be the whole budget: stop here instead.
+    why="no bundle at $BUNDLE, and no build here (missing: $deps_missing): run\
+ 'bash tools/gpu_bundle.sh' where picoscale builds and bring gpu_bundle/ (tools/README.md)"
+    if [ "$DRY_RUN" = 1 ]; then record setup SKIP 0 "dry run: would fail: $why"
+    else record setup FAIL 0 "$why"; fi
+    NO_RUN="setup failed: no bundle"
+  else
+    ESTIMATE[setup]=${ESTIMATE[setup_build]}
+    run_step setup 400 bash -c "export PATH=\$PATH:/usr/local/cuda/bin; make -j\$(nproc) $BINARIES" &&
+      SETUP_STARTED=1
+  fi
 fi
-if [ $? -eq 0 ]; then
+if [ "$SETUP_STARTED" = 1 ]; then
   if [ "$STEP_RC" -eq 0 ]; then record setup PASS "$STEP_SECONDS" "$SETUP_DETAIL"
   else fail setup "$SETUP_DETAIL: failed"; NO_RUN="setup failed"; fi
 elif [ "$DRY_RUN" = 0 ] && [ -z "$NO_RUN" ]; then
@@ -191,16 +259,19 @@ DATA=""
 # Each NEEDED entry (readelf -d) of the binaries, and of the libraries found for them, that
 # neither the bundle (lib/) nor the system's loader cache provides is looked up by exactly that
 # name: first in a folder already chosen (so libcublasLt comes from libcublas's folder), then in
-# the CUDA toolkit, /opt, and the Python wheels (nvidia/*/lib). Every candidate is logged.
+# the CUDA toolkit, /opt, and the Python wheels (nvidia/*/lib). Every candidate is logged. The
+# search has SEARCH_SECONDS in all (a large /opt or site-packages must not eat the budget): a
+# library not found by then is reported missing, with that reason.
+SEARCH_SECONDS=30
 search_dirs="/usr/local /opt /usr/lib /usr/lib64"
-for d in $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null); do
-  case " $search_dirs " in *" $d "*) ;; *) search_dirs="$search_dirs $d" ;; esac
-done
 needed_of() { for f in "$@"; do readelf -d "$f" 2>/dev/null | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p'; done; }
 LIBDIRS=${ENV_FILE:+$WORK/lib} MISSING=""
 declare -A LIB_SEEN=()
 resolve_libraries() {
-  local queue next lib dir d candidates
+  local queue next lib dir d candidates left deadline=$(($(date +%s) + SEARCH_SECONDS))
+  for d in $(timeout -k 2 10 python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null); do
+    case " $search_dirs " in *" $d "*) ;; *) search_dirs="$search_dirs $d" ;; esac
+  done
   queue=$(cd "$RUNDIR" 2>/dev/null && needed_of $BINARIES | sort -u)
   while [ -n "$queue" ]; do
     next=""
@@ -212,7 +283,12 @@ resolve_libraries() {
       dir=""
       for d in ${LIBDIRS//:/ }; do [ -e "$d/$lib" ] && { dir=$d; break; }; done
       if [ -z "$dir" ]; then
-        candidates=$(find $search_dirs \( -type f -o -type l \) -name "$lib" 2>/dev/null)
+        left=$((deadline - $(date +%s)))
+        if [ "$left" -le 0 ]; then
+          echo "$lib: not searched: the ${SEARCH_SECONDS} s of the search were used up" >>"$LOGS/libraries_search.log"
+          MISSING="$MISSING $lib(search-time-up)"; continue
+        fi
+        candidates=$(timeout -k 2 "$left" find $search_dirs \( -type f -o -type l \) -name "$lib" 2>/dev/null)
         echo "$lib: candidates: ${candidates:-none}" >>"$LOGS/libraries_search.log"
         dir=$(echo "$candidates" | head -1 | xargs -r dirname)
       fi
@@ -270,39 +346,97 @@ if run_step mpi_singleton 60 "$RUN" ./train --help; then
   fi
 fi
 
-# ---- the kernel tests, first synchronising after every launch (a fault names its kernel) ----
+# =============================================================================================
+# 1. What only a GPU can tell, first: every kernel against its CPU reference, synchronising after
+#    each launch (a fault names its kernel), then CUDA training against the CPU run.
 catch_step unit_gpu_sync 180 "$RUN" build/unit_tests "[gpu]~a CUDA training run*" \
   --sync-launches --use-colour no
-
-# ---- every kernel against its CPU reference; CUDA training against the CPU run ----
-# ...then as training runs them, asynchronously.
-catch_step unit_gpu 180 "$RUN" build/unit_tests "[gpu]~[flash]~a CUDA training run*" --use-colour no
-catch_step unit_gpu_flash 120 "$RUN" build/unit_tests "[flash][gpu]" --use-colour no
 catch_step train_cuda_vs_cpu 150 "$RUN" build/unit_tests "a CUDA training run*" --use-colour no
+
+# =============================================================================================
+# 2. FlashAttention TFLOP/s, ours (fp32, bf16) and PyTorch's SDPA flash backend (bf16), same shapes
+flash_rows() { grep -E "^\| $1 +\| $2 " "$LOGS/$3.log" | tr -d ' ' | cut -d'|' -f4-7; }  # hd|T|fwd|bwd
+run_step flash_bench 240 "$RUN" build/bench_attention --cuda-only
+ran=$?
+FLASH_BENCH_WENT=$STEP_WENT
+if [ "$ran" = 0 ]; then
+  rows=$(flash_rows ours bf16 flash_bench | awk -F'|' '$2 == 16384 { printf "%shd %s: fwd %s bwd %s", (n++ ? "; " : ""), $1, $3, $4 }')
+  f32=$(flash_rows ours fp32 flash_bench | awk -F'|' '$2 == 16384 { printf "%shd %s: fwd %s bwd %s", (n++ ? "; " : ""), $1, $3, $4 }')
+  if [ "$STEP_RC" -eq 0 ] && [ -n "$rows" ]; then
+    record flash_bench PASS "$STEP_SECONDS" "TFLOP/s at T 16k, bf16 $rows; fp32 $f32"
+  else fail flash_bench "exit $STEP_RC; ${rows:-no bf16 rows}"; fi
+fi
+# The machine's own python and PyTorch (not the bundle's libraries); exit 3: no PyTorch there.
+# (From the checkout: the steps run in the unpacked bundle's folder, which has no tools/.) Its
+# numbers mean something only next to ours: without flash_bench's rows it is not worth its time.
+if [ "$FLASH_BENCH_WENT" = 0 ]; then
+  record flash_torch SKIP 0 "nothing to compare with: flash_bench did not run"
+elif run_step flash_torch 240 python3 "$ROOT/tools/flash_bench_torch.py"; then
+  if [ "$STEP_RC" -eq 3 ]; then record flash_torch SKIP "$STEP_SECONDS" "$(head -1 "$LOGS/flash_torch.log")"
+  elif [ "$STEP_RC" -ne 0 ]; then fail flash_torch "exit $STEP_RC"
+  else
+    # Per (hd, T): ours / PyTorch's, forward and backward; targets 60% and 50% on every row.
+    detail=$(join -t'|' <(flash_rows ours bf16 flash_bench | awk -F'|' '{print $1"/"$2"|"$3"|"$4}' | sort) \
+                        <(flash_rows torch bf16 flash_torch | awk -F'|' '{print $1"/"$2"|"$3"|"$4}' | sort) | awk -F'|' '
+      { f = $2 / $4; b = $3 / $5; if (n++ == 0 || f < fmin) fmin = f; if (n == 1 || b < bmin) bmin = b
+        if ($1 ~ /\/16384$/) last = last sprintf("; hd %s: fwd %.0f%% bwd %.0f%%", substr($1, 1, index($1, "/") - 1), 100 * f, 100 * b) }
+      END { if (n == 0) { print "no rows to compare"; exit }
+            printf "targets %s: ours / PyTorch worst fwd %.0f%% bwd %.0f%% over %d shapes (targets 60%%, 50%%)%s", (fmin >= 0.6 && bmin >= 0.5 ? "met" : "NOT met"), 100 * fmin, 100 * bmin, n, last }')
+    if [[ $detail == "targets met"* ]]; then record flash_torch PASS "$STEP_SECONDS" "$detail"
+    else record flash_torch FAIL "$STEP_SECONDS" "$detail"; fi
+  fi
+fi
+
+# =============================================================================================
+# 3. The same llama-1b step in fp32, bf16 and fp8: tokens/s and MFU (Playbook §Mixed precision)
+# MFU = tokens/s x (6N + 12 L h s) FLOPs per token (the book's count) over the GPU's dense peak
+# for the format (H100/H200 SXM: fp32 67, bf16 989, fp8 1979 TFLOP/s); the bf16 target is 50%.
+if run_step dtype_llama1b 240 bash -c "for d in fp32 bf16 fp8; do echo \"== dtype \$d\"; $RUN ./train --device cuda \
+    --model llama-1b --dtype \$d --mbs 1 --steps 4 --warmup 1 --val-every 0 --val-seqs 1 $DATA || exit 1; done"; then
+  mfu=$(awk '
+    /^== dtype/ { d = $3 }
+    /\| parameters/ { split($0, a, "|"); split(a[3], b, " "); n = b[1] }
+    /^step .* tok\/s/ { split($0, f, "|"); split(f[5], t, " "); tok[d] = t[1] }
+    /^fp8 GEMMs on rank 0:/ { fp8 = $6 " native, " $10 " emulated" }
+    END {
+      peak["fp32"] = 67e12; peak["bf16"] = 989e12; peak["fp8"] = 1979e12
+      flops = 6 * n + 12 * 16 * 2048 * 2048  # llama-1b: L 16, h 2048, s 2048
+      for (d in tok) printf "%s %.0f tok/s MFU %.1f%%; ", d, tok[d], 100 * tok[d] * flops / peak[d]
+      if (fp8 != "") printf "fp8 GEMMs %s; ", fp8
+    }' "$LOGS/dtype_llama1b.log")
+  if [ "$STEP_RC" -eq 0 ] && [ -n "$mfu" ]; then
+    record dtype_llama1b PASS "$STEP_SECONDS" "$mfu (bf16 target 50%)"
+  else fail dtype_llama1b "exit $STEP_RC; ${mfu:-no step lines}"; fi
+fi
+
+# =============================================================================================
+# 4. The rest, as the budget allows.
 
 # ---- collectives and vocab-parallel cross-entropy on device buffers: 1 rank, 2 ranks on one GPU ----
 # One rank runs every NCCL case over one-rank communicators (--comm nccl gives groups of one a
 # communicator): a SKIP there is a failure. Two ranks on one GPU cannot use NCCL: those skip.
-for np in 1 2; do
-  name=mpi_gpu_np$np
-  run_step $name 150 $MPIRUN -np $np build/mpi_tests "[gpu]" --use-colour no || continue
+mpi_gpu_step() {  # ranks
+  local np=$1 name=mpi_gpu_np$1 nccl_skip other_skips note=""
+  run_step $name 150 $MPIRUN -np $np build/mpi_tests "[gpu]" --use-colour no || return
   catch_result "$LOGS/$name.log"
-  nccl_skip=$(grep -c "SKIP: NCCL needs one GPU per rank" "$LOGS/$name.log")
+  nccl_skip=$(grep -c "${SKIP_LINE}NCCL needs one GPU per rank" "$LOGS/$name.log")
   other_skips=$((SKIPS - nccl_skip))
   [ "$np" = 1 ] && other_skips=$SKIPS
-  note=""
-  [ "$nccl_skip" -gt 0 ] && note=" ($nccl_skip NCCL cases skipped: $np ranks share one GPU, so MPI staging ran)"
+  [ "$nccl_skip" -gt 0 ] && [ "$np" != 1 ] &&
+    note=" ($nccl_skip NCCL cases skipped: $np ranks share one GPU, so MPI staging ran)"
   if [ "$STEP_RC" -eq 0 ] && [ "$CASES_OK" -eq 1 ] && [ "$other_skips" -eq 0 ] &&
      grep -q "^mpi ranks failed: 0" "$LOGS/$name.log"; then
     record $name PASS "$STEP_SECONDS" "$CASES_TEXT$note"
   else
-    fail $name "$CASES_TEXT, exit $STEP_RC, $other_skips unexpected SKIP lines"
+    fail $name "$CASES_TEXT, exit $STEP_RC, $other_skips unexpected SKIP lines${FIRST_SKIP:+ (first: $FIRST_SKIP)}"
   fi
-  # ---- right after one rank: NCCL's timeout path. An all-reduce whose input never becomes
-  # ready (a kernel spins 120 s on the compute stream) must end the job by --comm-timeout 2:
-  # the message, ncclCommAbort (given at most 10 s), MPI_Abort; not when the kernel lets go.
-  [ "$np" = 1 ] || continue
-  run_step nccl_timeout 60 $MPIRUN -np 1 build/mpi_tests "[.stuck-nccl]" --use-colour no || continue
+}
+mpi_gpu_step 1
+# ---- NCCL's timeout path, on one rank (a step of its own: it runs whether or not the one
+# above did). An all-reduce whose input never becomes ready (a kernel spins 120 s on the compute
+# stream) must end the job by --comm-timeout 2: the message, ncclCommAbort (given at most 10 s),
+# MPI_Abort; not when the kernel lets go.
+if run_step nccl_timeout 60 $MPIRUN -np 1 build/mpi_tests "[.stuck-nccl]" --use-colour no; then
   abort_note=""
   grep -q "ncclCommAbort did not return" "$LOGS/nccl_timeout.log" &&
     abort_note="; ncclCommAbort did not return within 10 s (it waits for the spinning stream)"
@@ -312,7 +446,36 @@ for np in 1 2; do
   else
     fail nccl_timeout "exit $STEP_RC after ${STEP_SECONDS}s (want: non-zero, under 25 s, the timeout message)$abort_note"
   fi
-done
+fi
+
+# ---- the kernel tests again, as training runs them: asynchronously ----
+catch_step unit_gpu 180 "$RUN" build/unit_tests "[gpu]~[flash]~a CUDA training run*" --use-colour no
+catch_step unit_gpu_flash 120 "$RUN" build/unit_tests "[flash][gpu]" --use-colour no
+
+# ---- compute-sanitizer, where the machine supports it (Firecracker yes, gVisor no) ----
+SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer \
+  /usr/local/cuda*/compute-sanitizer/compute-sanitizer /opt/nvidia/*/compute-sanitizer 2>/dev/null | head -1)
+# A dry run plans the sanitizer steps whether or not this machine has the tool.
+[ -z "$SANITIZER" ] && [ "$DRY_RUN" = 1 ] && SANITIZER=compute-sanitizer
+sanitize() {  # name cap tool binary tests (an MPI binary runs as one process: a singleton)
+  local name=$1 cap=$2 tool=$3 binary=$4 tests=$5 summary
+  if [ -z "$SANITIZER" ] && [ -z "$NO_RUN" ]; then
+    record "$name" SKIP 0 "compute-sanitizer not found"; return
+  fi
+  run_step "$name" "$cap" "$RUN" "$SANITIZER" --tool "$tool" --error-exitcode 9 \
+    "$binary" "$tests" --use-colour no || return
+  summary=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$LOGS/$name.log" | tail -1 | sed 's/^=* *//')
+  if grep -qiE "device not supported|not supported on this|unable to .*initialize" "$LOGS/$name.log"; then
+    record "$name" SKIP "$STEP_SECONDS" "compute-sanitizer does not support this machine"
+  elif [ "$STEP_RC" -eq 0 ] && [ -n "$summary" ]; then
+    record "$name" PASS "$STEP_SECONDS" "$summary"
+  else
+    fail "$name" "exit $STEP_RC; ${summary:-no sanitizer summary}"
+  fi
+}
+sanitize memcheck 150 memcheck build/unit_tests "[gpu]~a CUDA training run*"
+
+mpi_gpu_step 2
 
 # ---- data parallelism on one GPU: dp 2 (MPI staging) equals grad-acc 2 in one process ----
 if run_step dp2_vs_grad_acc2 120 bash -c "set -e
@@ -344,27 +507,6 @@ for model in tiny medium; do
   fi
 done
 
-# ---- the same llama-1b step in fp32, bf16 and fp8: tokens/s and MFU (Playbook §Mixed precision) ----
-# MFU = tokens/s x (6N + 12 L h s) FLOPs per token (the book's count) over the GPU's dense peak
-# for the format (H100/H200 SXM: fp32 67, bf16 989, fp8 1979 TFLOP/s); the bf16 target is 50%.
-if run_step dtype_llama1b 240 bash -c "for d in fp32 bf16 fp8; do echo \"== dtype \$d\"; $RUN ./train --device cuda \
-    --model llama-1b --dtype \$d --mbs 1 --steps 4 --warmup 1 --val-every 0 --val-seqs 1 $DATA || exit 1; done"; then
-  mfu=$(awk '
-    /^== dtype/ { d = $3 }
-    /\| parameters/ { split($0, a, "|"); split(a[3], b, " "); n = b[1] }
-    /^step .* tok\/s/ { split($0, f, "|"); split(f[5], t, " "); tok[d] = t[1] }
-    /^fp8 GEMMs on rank 0:/ { fp8 = $6 " native, " $10 " emulated" }
-    END {
-      peak["fp32"] = 67e12; peak["bf16"] = 989e12; peak["fp8"] = 1979e12
-      flops = 6 * n + 12 * 16 * 2048 * 2048  # llama-1b: L 16, h 2048, s 2048
-      for (d in tok) printf "%s %.0f tok/s MFU %.1f%%; ", d, tok[d], 100 * tok[d] * flops / peak[d]
-      if (fp8 != "") printf "fp8 GEMMs %s; ", fp8
-    }' "$LOGS/dtype_llama1b.log")
-  if [ "$STEP_RC" -eq 0 ] && [ -n "$mfu" ]; then
-    record dtype_llama1b PASS "$STEP_SECONDS" "$mfu (bf16 target 50%)"
-  else fail dtype_llama1b "exit $STEP_RC; ${mfu:-no step lines}"; fi
-fi
-
 # ---- benchmarks: one training step (CPU and GPU), all-reduce bandwidth on 2 ranks ----
 if run_step bench 200 "$RUN" build/bench_step; then
   rows=$(grep -E '^\| (tiny|medium) +\| cuda' "$LOGS/bench.log" | awk -F'|' '
@@ -382,61 +524,27 @@ if run_step bench_comm 200 $MPIRUN -np 2 build/bench_comm --bandwidth-only; then
   else fail bench_comm "exit $STEP_RC; ${rows:-no 256 MiB rows}"; fi
 fi
 
-# ---- FlashAttention TFLOP/s, ours (fp32, bf16) and PyTorch's flash backend (bf16), same shapes ----
-flash_rows() { grep -E "^\| $1 +\| $2 " "$LOGS/$3.log" | tr -d ' ' | cut -d'|' -f4-7; }  # hd|T|fwd|bwd
-if run_step flash_bench 240 "$RUN" build/bench_attention --cuda-only; then
-  rows=$(flash_rows ours bf16 flash_bench | awk -F'|' '$2 == 16384 { printf "%shd %s: fwd %s bwd %s", (n++ ? "; " : ""), $1, $3, $4 }')
-  f32=$(flash_rows ours fp32 flash_bench | awk -F'|' '$2 == 16384 { printf "%shd %s: fwd %s bwd %s", (n++ ? "; " : ""), $1, $3, $4 }')
-  if [ "$STEP_RC" -eq 0 ] && [ -n "$rows" ]; then
-    record flash_bench PASS "$STEP_SECONDS" "TFLOP/s at T 16k, bf16 $rows; fp32 $f32"
-  else fail flash_bench "exit $STEP_RC; ${rows:-no bf16 rows}"; fi
-fi
-# The machine's own python and PyTorch (not the bundle's libraries); exit 3: no PyTorch there.
-if run_step flash_torch 240 python3 tools/flash_bench_torch.py; then
-  if [ "$STEP_RC" -eq 3 ]; then record flash_torch SKIP "$STEP_SECONDS" "$(head -1 "$LOGS/flash_torch.log")"
-  elif [ "$STEP_RC" -ne 0 ]; then fail flash_torch "exit $STEP_RC"
-  else
-    # Per (hd, T): ours / PyTorch's, forward and backward; targets 60% and 50% on every row.
-    detail=$(join -t'|' <(flash_rows ours bf16 flash_bench | awk -F'|' '{print $1"/"$2"|"$3"|"$4}' | sort) \
-                        <(flash_rows torch bf16 flash_torch | awk -F'|' '{print $1"/"$2"|"$3"|"$4}' | sort) | awk -F'|' '
-      { f = $2 / $4; b = $3 / $5; if (n++ == 0 || f < fmin) fmin = f; if (n == 1 || b < bmin) bmin = b
-        if ($1 ~ /\/16384$/) last = last sprintf("; hd %s: fwd %.0f%% bwd %.0f%%", substr($1, 1, index($1, "/") - 1), 100 * f, 100 * b) }
-      END { if (n == 0) { print "no rows to compare"; exit }
-            printf "targets %s: ours / PyTorch worst fwd %.0f%% bwd %.0f%% over %d shapes (targets 60%%, 50%%)%s", (fmin >= 0.6 && bmin >= 0.5 ? "met" : "NOT met"), 100 * fmin, 100 * bmin, n, last }')
-    if [[ $detail == "targets met"* ]]; then record flash_torch PASS "$STEP_SECONDS" "$detail"
-    else record flash_torch FAIL "$STEP_SECONDS" "$detail"; fi
-  fi
-fi
-
-# ---- compute-sanitizer, where the machine supports it (Firecracker yes, gVisor no) ----
-SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer \
-  /usr/local/cuda*/compute-sanitizer/compute-sanitizer /opt/nvidia/*/compute-sanitizer 2>/dev/null | head -1)
-sanitize() {  # name cap tool binary tests (an MPI binary runs as one process: a singleton)
-  local name=$1 cap=$2 tool=$3 binary=$4 tests=$5 summary
-  if [ -z "$SANITIZER" ]; then record "$name" SKIP 0 "compute-sanitizer not found"; return; fi
-  run_step "$name" "$cap" "$RUN" "$SANITIZER" --tool "$tool" --error-exitcode 9 \
-    "$binary" "$tests" --use-colour no || return
-  summary=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$LOGS/$name.log" | tail -1 | sed 's/^=* *//')
-  if grep -qiE "device not supported|not supported on this|unable to .*initialize" "$LOGS/$name.log"; then
-    record "$name" SKIP "$STEP_SECONDS" "compute-sanitizer does not support this machine"
-  elif [ "$STEP_RC" -eq 0 ] && [ -n "$summary" ]; then
-    record "$name" PASS "$STEP_SECONDS" "$summary"
-  else
-    fail "$name" "exit $STEP_RC; ${summary:-no sanitizer summary}"
-  fi
-}
-sanitize memcheck 150 memcheck build/unit_tests "[gpu]~a CUDA training run*"
-# The kernels that reduce through shared memory (racecheck looks at nothing else).
+# ---- race checks of the kernels that reduce through shared memory (racecheck sees nothing else) ----
 sanitize racecheck 120 racecheck build/unit_tests "CUDA rmsnorm*,CUDA cross-entropy*,CUDA sum*"
 sanitize racecheck_flash 150 racecheck build/unit_tests "CUDA FlashAttention*"
 sanitize racecheck_tp 90 racecheck build/mpi_tests "CUDA vocab-parallel*"
+
+# Every step of the plan has a line: one that no branch above reached says so.
+for step in "${PLAN[@]}"; do
+  [ -n "${RECORDED[$step]:-}" ] || record "$step" SKIP 0 "not reached${NO_RUN:+: $NO_RUN}"
+done
 
 # ---- summary, last ----
 passed=0 failed=0 skipped=0
 summary=$DEST/gpu_check_summary.txt
 {
   echo
-  echo "== picoscale GPU check: $GPU; $(sed -n 2p gpu_bundle/MANIFEST.txt 2>/dev/null || git rev-parse --short HEAD 2>/dev/null); $(elapsed)s"
+  if [ "$DRY_RUN" = 1 ]; then
+    # The plan: what would run, against the budget (the reserve is kept for the table).
+    echo "plan: $PLANNED of ${#PLAN[@]} steps would run, estimates ${CHARGED}s + ${RESERVE}s" \
+         "reserve = $((CHARGED + RESERVE))s of --budget $BUDGET"
+  fi
+  echo "== picoscale GPU check: $GPU; $(sed -n 2p "$BUNDLE/MANIFEST.txt" 2>/dev/null || git -C "$ROOT" rev-parse --short HEAD 2>/dev/null); $(elapsed)s of --budget $BUDGET"
   echo "| step | result | s | detail |"
   echo "|---|---|---|---|"
 } >"$summary"

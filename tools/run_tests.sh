@@ -5,6 +5,7 @@ set -u
 cd "$(dirname "$0")/.."
 UNIT=build/unit_tests
 passed=0 failed=0 skipped=0
+. tools/catch_log.sh  # SKIP_LINE: how Catch2 prints a skipped case
 
 # Adds one Catch2 run's test-case counts to the totals (from its console summary line).
 count() {
@@ -23,7 +24,7 @@ count() {
   # A case that does not apply here ends with a visible "SKIP: why" warning: count it as
   # skipped, not passed.
   local s
-  s=$(grep -c "^  SKIP: " "$log")
+  s=$(grep -c -- "$SKIP_LINE" "$log")
   [ "$s" -gt "$p" ] && s=$p
   passed=$((passed + p - s)) failed=$((failed + f)) skipped=$((skipped + s))
 }

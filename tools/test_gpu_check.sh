@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
 # test_gpu_check.sh: checks tools/gpu_check.sh and tools/gpu_unpack.sh on a machine without a GPU
-# (one counted case of `make test`, about 15 s). Needs ./train built and Debian's OpenMPI.
+# (one counted case of `make test`, about 20 s). Needs ./train built and Debian's OpenMPI.
 #   1. A dry run with a budget too small for every step: it skips the steps that do not fit,
-#      prints the table last, and writes nothing outside its work folder.
-#   2. A real run with --budget 0: every step skipped (or, without a GPU, the environment failed
+#      lists every step all the same, prints the table last, and writes nothing outside its
+#      work folder.
+#   2. The plan at the default budget: what only a GPU can tell first (the kernel tests and CUDA
+#      training against the CPU, then FlashAttention against PyTorch's SDPA, then llama-1b in
+#      three formats, then the rest); its estimates fit the budget, the budget fits one 600 s
+#      command, and the attention benchmark and the llama-1b step are inside it.
+#   3. Without the bundle, the first line of output says so (dry run and real run).
+#   4. A real run with --budget 0: every step skipped (or, without a GPU, the environment failed
 #      and the rest skipped), and still the table, not an abort.
-#   3. The OpenMPI of a bundle (tools/gpu_bundle.sh --mpi-only), unpacked under a work folder on
+#   5. Skipped tests are Catch2's "  SKIP: " lines only (tools/catch_log.sh), not any line with
+#      the word in it.
+#   6. The OpenMPI of a bundle (tools/gpu_bundle.sh --mpi-only), unpacked under a work folder on
 #      a machine whose own OpenMPI is replaced by another one (a broken one, so using it fails),
 #      runs `mpirun -np 2 ./train --dp 2` through OPAL_PREFIX, and leaves the other one untouched.
 #      The replacement is made in a private mount namespace (unshare -m, bind mounts over the
@@ -28,8 +36,23 @@ unset OUT
 before=$(git status --porcelain 2>/dev/null)
 ls -d /tmp/picoscale-gpu-check.* 2>/dev/null | sort >"$T/tmp_before"
 
+# A bundle as the check sees it before unpacking (a dry run unpacks nothing), and none at all:
+# given by --bundle, so neither plan depends on whether this checkout has a gpu_bundle/.
+mkdir -p "$T/bundle_stub"
+printf 'picoscale GPU bundle (stub)\ncommit: 0000000\n' >"$T/bundle_stub/MANIFEST.txt"
+NO_BUNDLE=$T/no_bundle
+# Every step, in the order the check must run them: what only a GPU can tell first.
+SETUP_STEPS="environment setup device_info libraries mpi_singleton"
+FIRST_STEPS="unit_gpu_sync train_cuda_vs_cpu flash_bench flash_torch dtype_llama1b"
+REST_STEPS="mpi_gpu_np1 nccl_timeout unit_gpu unit_gpu_flash memcheck mpi_gpu_np2 dp2_vs_grad_acc2
+            train_tiny train_medium bench bench_comm racecheck racecheck_flash racecheck_tp"
+table_steps() { grep -E '^\| [a-z_0-9]+ \| (PASS|FAIL|SKIP) \|' "$1" | cut -d'|' -f2 | tr -d ' '; }
+# The table lists exactly the steps above, each once, in that order.
+in_order() { [ "$(table_steps "$1" | tr '\n' ' ')" = "$(echo $SETUP_STEPS $FIRST_STEPS $REST_STEPS) " ]; }
+every_row_says_why() { ! grep -E '^\| [a-z_0-9]+ \| (SKIP|FAIL) \| [0-9]+ \| *\|$' "$1"; }
+
 # ---- 1. dry run: skips what does not fit, table last, writes only in its folder ----
-bash tools/gpu_check.sh --dry-run --budget 150 --work "$T/dry" >"$T/dry.log" 2>&1
+bash tools/gpu_check.sh --dry-run --budget 150 --bundle "$T/bundle_stub" --work "$T/dry" >"$T/dry.log" 2>&1
 rc=$?
 check "dry run exits 0 (nothing failed)" [ "$rc" -eq 0 ]
 check "dry run charges estimates and skips the steps that no longer fit" \
@@ -40,20 +63,93 @@ check "the summary table is the end of the output" \
            grep -q '^| step | result | s | detail |' '$T/dry.log'"
 check "the first pass over the kernel tests synchronises after every launch" \
   grep -q "^-- unit_gpu_sync (dry run.*build/unit_tests .*--sync-launches" "$T/dry.log"
+check "a short budget still lists every step once, in order (nccl_timeout with mpi_gpu_np1 skipped)" \
+  in_order "$T/dry.log"
+check "every skipped step says why" every_row_says_why "$T/dry.log"
 check "the summary and logs are in the work folder" \
   test -f "$T/dry/gpu_check_summary.txt" -a -f "$T/dry/gpu_check_logs.tar.gz"
 
-# ---- 2. --budget 0: no step runs, no abort before the table ----
-bash tools/gpu_check.sh --budget 0 --work "$T/zero" >"$T/zero.log" 2>&1
+# ---- 2. the plan at the default budget ----
+bash tools/gpu_check.sh --dry-run --bundle "$T/bundle_stub" --work "$T/plan" >"$T/plan.log" 2>&1
+check "the default plan exits 0" [ $? -eq 0 ]
+budget=$(sed -n 's/.*, budget \([0-9]*\)s, work folder.*/\1/p' "$T/plan.log" | head -1)
+planned=$(grep -o '^| [a-z_0-9]* | SKIP | 0 | dry run: would run ~[0-9]*s' "$T/plan.log" |
+          sed 's/.*~\([0-9]*\)s$/\1/' | awk '{ s += $1 } END { print s + 0 }')
+echo "   default budget ${budget:-?}s; the estimates of the steps it would run add up to ${planned}s"
+# 600 s is the most one command may run; a step cut short at the budget's end may take 10 s
+# more (timeout's kill grace), and the table and the tarball a few: 30 s to spare at least.
+check "the default budget fits one 600 s command with 30 s to spare" \
+  bash -c "[ -n '$budget' ] && [ '$budget' -le 570 ] && [ '$budget' -ge 300 ]"
+check "the plan's estimates fit in the budget, 10 s kept for the table" \
+  bash -c "[ '$planned' -gt 0 ] && [ \$(( $planned + 10 )) -le '${budget:-0}' ] &&
+           grep -q '^plan: [0-9]* of 24 steps would run, estimates ${planned}s + 10s reserve' '$T/plan.log'"
+for step in $FIRST_STEPS; do
+  check "the default plan runs $step" grep -q "^| $step | SKIP | 0 | dry run: would run" "$T/plan.log"
+done
+check "the default plan lists every step once, in the order of what only a GPU can tell" \
+  in_order "$T/plan.log"
+check "every step of the default plan says why it runs or not" every_row_says_why "$T/plan.log"
+check "the plan plans the sanitizer steps whether or not this machine has compute-sanitizer" \
+  bash -c "! grep -q 'compute-sanitizer not found' '$T/plan.log'"
+
+# ---- 3. no bundle: the first line says so ----
+bash tools/gpu_check.sh --dry-run --bundle "$NO_BUNDLE" --work "$T/nob" >"$T/nob.log" 2>&1
+check "without the bundle, the first line of a dry run says so and how to make it" \
+  bash -c "head -1 '$T/nob.log' | grep -q 'NO BUNDLE: $NO_BUNDLE is missing' &&
+           head -1 '$T/nob.log' | grep -q 'tools/gpu_bundle.sh'"
+check "with the bundle, the first line names it" \
+  bash -c "head -1 '$T/plan.log' | grep -q '^picoscale GPU check: bundle $T/bundle_stub (commit: 0000000)'"
+
+# ---- 4. --budget 0: no step runs, no abort before the table ----
+bash tools/gpu_check.sh --budget 0 --bundle "$NO_BUNDLE" --work "$T/zero" >"$T/zero.log" 2>&1
+check "without the bundle, the first line of a real run says so" \
+  bash -c "head -1 '$T/zero.log' | grep -q 'NO BUNDLE'"
 check "--budget 0 still prints the table" grep -q '^| step | result | s | detail |' "$T/zero.log"
 check "--budget 0 runs no step" \
   bash -c "! grep -E '^\| [a-z_0-9]+ \| PASS' '$T/zero.log' | grep -qv environment &&
            [ \$(grep -cE '^\| [a-z_0-9]+ \| SKIP' '$T/zero.log') -ge 15 ]"
+check "--budget 0 lists every step once, in order" in_order "$T/zero.log"
 check "neither run wrote into the checkout" [ "$(git status --porcelain 2>/dev/null)" = "$before" ]
 ls -d /tmp/picoscale-gpu-check.* 2>/dev/null | sort >"$T/tmp_after"
 check "neither run made a folder of its own in /tmp (--work was given)" cmp -s "$T/tmp_before" "$T/tmp_after"
 
-# ---- 3. unpacking next to another OpenMPI ----
+# ---- 5. what counts as a skipped test ----
+# Catch2 prints WARN("SKIP: why") as "<file>:<line>: " and "warning:", then the message indented
+# by two spaces (wrapped at 79 columns, each piece indented alike).
+cat >"$T/skips.log" <<'EOF'
+NCCL INFO Channel 00/0 : skipping the P2P transport: one rank only
+NCCL WARN NET/IB : No device found, skip.
+SKIP and skipped, in the middle of someone else's line: not a test
+-------------------------------------------------------------------------------
+CUDA gemm matches the CPU reference
+-------------------------------------------------------------------------------
+tests/test_ops.cu:441
+...............................................................................
+
+tests/cuda_case.cuh:20: 
+warning:
+  SKIP: no CUDA device (cudaErrorNoDevice: no CUDA-capable device is detected)
+
+===============================================================================
+All tests passed (12 assertions in 3 test cases)
+EOF
+grep -v '^  SKIP: ' "$T/skips.log" >"$T/noskips.log"
+skips_of() { (. tools/catch_log.sh; catch_result "$1"; echo "$SKIPS|$CASES_OK|$FIRST_SKIP"); }
+check "a Catch2 SKIP line is a skipped test; an NCCL line with 'skip' in it is not" \
+  [ "$(skips_of "$T/skips.log")" = "1|1|SKIP: no CUDA device (cudaErrorNoDevice: no CUDA-capable device is detected)" ]
+check "lines that merely contain 'skip' count as no skipped test" [ "$(skips_of "$T/noskips.log")" = "0|1|" ]
+check "gpu_check.sh and run_tests.sh read SKIP lines through tools/catch_log.sh" \
+  bash -c "grep -q '^\. \"\$ROOT/tools/catch_log.sh\"' tools/gpu_check.sh &&
+           grep -q '^\. tools/catch_log.sh' tools/run_tests.sh &&
+           ! grep -n 'grep -ci.*SKIP' tools/gpu_check.sh"
+# The real thing, where this machine has no GPU: a [gpu] case's own output.
+if [ -x build/unit_tests ] && ! nvidia-smi -L >/dev/null 2>&1; then
+  build/unit_tests "CUDA gemm matches the CPU reference" --use-colour no >"$T/real.log" 2>&1
+  check "a [gpu] case on this machine (no GPU) prints one SKIP line that catch_result counts" \
+    bash -c "[ \"\$(. tools/catch_log.sh; catch_result '$T/real.log'; echo \$SKIPS)\" = 1 ]"
+fi
+
+# ---- 6. unpacking next to another OpenMPI ----
 MPI=/usr/lib/x86_64-linux-gnu/openmpi PMIX=/usr/lib/x86_64-linux-gnu/pmix2
 if ! bash tools/gpu_bundle.sh --mpi-only "$T/bundle" >"$T/bundle.log" 2>&1; then
   check "gpu_bundle.sh --mpi-only packs OpenMPI" false
