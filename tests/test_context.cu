@@ -13,7 +13,7 @@
 #include <functional>
 #include <string>
 
-#include "core.cuh"
+#include "runtime/core.cuh"
 
 namespace {
 
