@@ -95,20 +95,25 @@ void ring_all_reduce(Comm& comm, Group& group, const Context& ctx, float* buf, i
 // ----------------------------------------------------------------------------
 // Buckets
 
-DataParallel::DataParallel(Comm& comm, Model& model, DpSync mode, double bucket_mb, bool overlap,
-                           const AdamWConfig& hp, float weight_decay, uint64_t seed,
-                           DType grad_dtype)
+DataParallel::DataParallel(Comm& comm, FlatParameters& model, Context& ctx, DpSync mode,
+                           double bucket_mb, bool overlap, const AdamWConfig& hp,
+                           float weight_decay, uint64_t seed, const PrecisionPolicy& precision)
     : GradientSync(comm, model, hp, weight_decay), mode_(mode),
       accumulators_(model, [&model](int u) {
         return model.grads.view(model.units[u].offset, {model.units[u].numel});
       }),
-      overlap_(overlap) {
+      overlap_(overlap), ctx_(&ctx) {
+  const DType grad_dtype = precision.grads();
   grad_dtype_ = grad_dtype;
   PICO_ASSERT(!model.params.defined(), "DataParallel allocates a model from build_model_layout");
   PICO_ASSERT(grad_dtype == DType::F32 || (grad_dtype == DType::BF16 && mode != DpSync::Ring),
               "gradients in fp32, or in bf16 with naive or bucket sync");
-  allocate_model(model, comm.device, seed, grad_dtype);
+  allocate_flat(model, comm.device, seed, grad_dtype);
   moments_ = adam_moments(model.num_params, comm.device);
+  // Mixed precision: the GEMMs read a bf16 / fp16 copy of the weights; the fp32 buffer becomes
+  // the optimizer's master copy.
+  compute_copy_ = precision.mixed();
+  if (compute_copy_) keep_compute_copy(ctx, model.params);
   slices_ = whole_model_slices(model, moments_);
   // Buckets in backward order: the flat buffer is laid out in forward order, so walking the
   // parameters backwards gives contiguous slices. A bucket closes once it holds bucket_mb.
@@ -227,6 +232,11 @@ double DataParallel::finish(const Context& ctx) {
 void DataParallel::step(const Context& ctx, float lr) {
   adamw_.steps++;
   for (const ParamSlice& s : slices_) adamw_.update(ctx, s, lr, pending_scale_);
+  if (compute_copy_) refresh_compute_copies(ctx);  // the copy := the new master weights
+}
+
+int64_t DataParallel::master_bytes() const {
+  return compute_copy_ ? (int64_t)model_.params.nbytes() : 0;
 }
 
 void DataParallel::trace_communication(Trace& trace) const {
@@ -251,5 +261,8 @@ Tensor DataParallel::gather_flat(const Context&, Part part) {
   cast_(wide, model_.grads);
   return wide;
 }
-void DataParallel::load_flat(Part part, const Tensor& whole) { copy_(flat(part), whole); }
+void DataParallel::load_flat(Part part, const Tensor& whole) {
+  copy_(flat(part), whole);
+  if (part == Part::Params && compute_copy_) refresh_compute_copies(*ctx_);
+}
 void DataParallel::scale_grads(const Context& ctx, float alpha) { scale_(ctx, model_.grads, alpha); }

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "mixed_precision.cuh"
 #include "runtime/comm.cuh"
 #include "runtime/gradient_sync.cuh"
 
@@ -59,11 +60,13 @@ struct GradBucket {
 class DataParallel : public GradientSync {
  public:
   // Allocates and initialises the weights of `model` (a layout) from `seed`, its gradients (in
-  // grad_dtype: F32 or BF16) and AdamW's moments. bucket_mb: bucket capacity in MiB; overlap
-  // false launches every bucket after the backward. Ring mode sums fp32 only.
-  DataParallel(Comm& comm, Model& model, DpSync mode, double bucket_mb, bool overlap,
-               const AdamWConfig& hp, float weight_decay, uint64_t seed,
-               DType grad_dtype = DType::F32);
+  // the policy's gradient dtype: F32 or BF16) and AdamW's moments; under mixed precision the
+  // weights' copy in the compute format too, which GEMMs read (registered in ctx), refreshed
+  // after every optimizer step. bucket_mb: bucket capacity in MiB; overlap false launches every
+  // bucket after the backward. Ring mode sums fp32 only.
+  DataParallel(Comm& comm, FlatParameters& model, Context& ctx, DpSync mode, double bucket_mb,
+               bool overlap, const AdamWConfig& hp, float weight_decay, uint64_t seed,
+               const PrecisionPolicy& precision = {});
   void begin_step(const Context& ctx) override;
   // Only the last micro-batch communicates (Playbook §3.4); its after_backward hook marks a
   // unit's gradients final and launches the buckets it completes (§3.2, §3.3).
@@ -72,6 +75,7 @@ class DataParallel : public GradientSync {
   double finish(const Context& ctx) override;
   void step(const Context& ctx, float lr) override;
   void trace_communication(Trace& trace) const override;
+  int64_t master_bytes() const override;
   const std::vector<GradBucket>& buckets() const { return buckets_; }
 
  protected:
@@ -89,6 +93,7 @@ class DataParallel : public GradientSync {
   DpSync mode_;
   Bf16Accumulators accumulators_;  // bf16 gradients only
   bool overlap_, active_ = false;
+  bool compute_copy_ = false;  // mixed precision: GEMMs read a bf16 / fp16 copy of the weights
   const Context* ctx_ = nullptr;
   AdamMoments moments_;  // [num_params] each
   std::vector<GradBucket> buckets_;

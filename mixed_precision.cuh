@@ -4,32 +4,14 @@
 #pragma once
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
+#include <string>
+
+#include "runtime/comm.cuh"
 #include "runtime/core.cuh"
-
-// One value, fp32 -> format: round to nearest, ties to even, subnormals kept. Overflow goes to
-// infinity (bf16, fp16, e5m2); e4m3 has no infinity and saturates to +-448 ("satfinite").
-// NaN becomes the canonical NaN: every bit but the sign set (what the CUDA conversions give).
-uint16_t float_to_bf16(float x);
-uint16_t float_to_fp16(float x);
-uint8_t float_to_e4m3(float x);
-uint8_t float_to_e5m2(float x);
-// format -> fp32: exact (every value of these formats is an fp32 value).
-float bf16_to_float(uint16_t bits);
-float fp16_to_float(uint16_t bits);
-float e4m3_to_float(uint8_t bits);
-float e5m2_to_float(uint8_t bits);
-// Largest finite value of a storage format: 3.39e38, 65504, 448, 57344.
-float max_finite(DType format);
-
-// n values from src to dst on the host; one of the two dtypes is F32, the other F32, BF16, F16,
-// F8E4M3 or F8E5M2. The CPU reference of cast_.
-void cast_host(void* dst, DType dst_dtype, const void* src, DType src_dtype, int64_t n);
-// dst = src in dst's dtype (same device, same numel; as cast_host). On CUDA a kernel built on
-// cuda_bf16.h / cuda_fp16.h / cuda_fp8.h, bit-identical to the CPU loop (except NaN payloads),
-// on the legacy default stream like copy_ (core.cuh).
-void cast_(const Tensor& dst, const Tensor& src);
-// The same on ctx's stream (training: bf16 gradients widened for the optimizer, weight copies).
-void cast_(const Context& ctx, const Tensor& dst, const Tensor& src);
+#include "runtime/dtype.cuh"
+#include "runtime/ops.cuh"
 
 // FP8 per-tile scaling (DeepSeek-V3 §3.3): each tile of x gets scale = absmax / max_finite(fmt)
 // and is stored as fp8(x / scale), so the tile's largest value lands on the format's largest.
@@ -85,8 +67,17 @@ struct RoundingStats {
 RoundingStats rounding_stats(bool backward);
 void reset_rounding_stats();
 
-// The linear layers under ctx.precision (ops.cu's linear_forward / linear_backward hand over
-// to these when it is not FP32, after checking the shapes; same contract). The weight
+// The linear layer every model GEMM goes through (tensor_parallel.cu's column- and row-parallel
+// layers): under fp32 the GEMMs of ops.cuh, otherwise the low-precision ones below.
+// y[T, out] = x[T, in] @ W[out, in]^T
+void linear_forward(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& W);
+// dx[T, in] (= or += when accumulate_dx) dy[T, out] @ W ; dW[out, in] += dy^T @ x.
+// dx or dW may be undefined: that half is not computed (no input gradient is needed, or a
+// zero-bubble pipeline computes the weight gradient later).
+void linear_backward(const Context& ctx, const Tensor& dx, const Tensor& dW, const Tensor& dy,
+                     const Tensor& x, const Tensor& W, bool accumulate_dx = false);
+// The linear layers under a ctx.precision other than fp32 (linear_forward / linear_backward
+// hand over to these after checking the shapes; same contract). The weight
 // gradient is summed in fp32 into dW, the fp32 accumulator (Megatron's "main_grad").
 void low_precision_linear_forward(const Context& ctx, const Tensor& y, const Tensor& x,
                                   const Tensor& W);
@@ -136,3 +127,42 @@ struct LossScaler {
 // --loss-scale dynamic|S and --loss-scale-window N (fp16 only; UsageError otherwise).
 LossScaler make_loss_scaler(Precision p, const std::string& loss_scale, int window,
                             bool flags_given);
+
+// ----------------------------------------------------------------------------
+// The precision policy (DESIGN 6, "Precision"): built once from --dtype, --grad-acc-dtype and
+// --loss-scale; train.cu asks it what the step needs and never the dtype itself. The gradient
+// sync keeps (and refreshes) the weights' copies in the compute format, and the fp32 master
+// weights with Adam's moments.
+class GradientSync;  // runtime/gradient_sync.cuh
+class PrecisionPolicy {
+ public:
+  PrecisionPolicy() = default;  // fp32 everywhere
+  PrecisionPolicy(Precision compute, DType grads, LossScaler scaler)
+      : compute_(compute), grads_(grads), scaler_(scaler) {}
+  Precision compute() const { return compute_; }      // the linear layers (ctx.precision)
+  DType grads() const { return grads_; }              // the gradient buffers: F32 or BF16
+  DType weight_format() const { return output_dtype(compute_); }  // the weights GEMMs read
+  bool mixed() const { return compute_ != Precision::FP32; }       // fp32 master weights apart
+  // Playbook §Mixed precision training: fp16 multiplies the loss by the loss scale, so every
+  // gradient carries it (1 otherwise); the gradients are divided back before clipping.
+  float loss_scale() const { return scaler_.enabled ? scaler_.scale : 1.0f; }
+  void unscale(const Context& ctx, GradientSync& sync) const;
+  // After clipping, with the global norm: false when the step must be skipped (fp16: an inf
+  // or NaN on any rank of `world` halves the scale and skips the step on every rank).
+  bool keep_step(float norm, Group& world);
+  // What the step's line of the log adds (fp16: " | scale 65536", and the skip), and its
+  // --log-json fields: the scale and the skip, and under --dtype on CPU the share of the
+  // backward's nonzero values that rounded to zero (rounding_stats).
+  std::string step_note() const;
+  void log_step(const Context& ctx, nlohmann::json& line) const;
+  void begin_step() const { reset_rounding_stats(); }
+  // After the last step, on rank 0: how many FP8 GEMMs ran natively (CUDA).
+  void print_summary(const Context& ctx) const;
+
+ private:
+  Precision compute_ = Precision::FP32;
+  DType grads_ = DType::F32;
+  LossScaler scaler_;
+  float step_scale_ = 1.0f;  // the scale the last step's gradients carried
+  bool skipped_ = false;     // whether keep_step skipped it
+};

@@ -174,8 +174,8 @@ Model build_model_layout(const ModelConfig& cfg, const TensorParallel& tp,
   PICO_ASSERT(tp.size() > 1 || !whole || offset == parameter_count(cfg),
               "parameter layout disagrees with parameter_count");
   for (int u = 0; u < (int)m.units.size(); u++) {
-    bind_unit_params(m, u, Tensor());
-    bind_unit_grads(m, u, Tensor());
+    m.bind_unit_params(u, Tensor());
+    m.bind_unit_grads(u, Tensor());
   }
   return m;
 }
@@ -196,14 +196,31 @@ static void bind_unit(Model& m, int u, const Tensor& base, Weights& w,
   for_each_param(m.cfg, m.chunks, m.tp.local, w, bind);
   if (m.cfg.tie_embeddings && u == m.embedding_unit()) w.lm_head = w.embed;
 }
-void bind_unit_params(Model& m, int u, const Tensor& base) {
-  bind_unit(m, u, base, m.w, m.named_params);
+void Model::bind_unit_params(int u, const Tensor& base) {
+  bind_unit(*this, u, base, w, named_params);
 }
-void bind_unit_grads(Model& m, int u, const Tensor& base) {
-  bind_unit(m, u, base, m.g, m.named_grads);
+void Model::bind_unit_grads(int u, const Tensor& base) {
+  bind_unit(*this, u, base, g, named_grads);
 }
 
-void init_parameters(const Model& m, uint64_t seed, const Tensor& out, int64_t first) {
+std::vector<int> Model::weights_read(int u, bool backward) const {
+  if (u < 0 || u >= (int)units.size()) return {};
+  if (backward && u == embedding_unit()) return {};
+  if (u == head_unit() && cfg.tie_embeddings) return {u, embedding_unit()};
+  return {u};
+}
+std::vector<int> Model::grads_written(int u) const {
+  if (u == head_unit() && cfg.tie_embeddings && embedding_unit() >= 0)
+    return {u, embedding_unit()};  // the tied LM head's gradient is the embedding's
+  return {u};
+}
+
+std::unique_ptr<FlatParameters> Model::whole_layout() const {
+  return std::make_unique<Model>(build_model_layout(cfg, tp));
+}
+
+void Model::init_parameters(uint64_t seed, const Tensor& out, int64_t first) const {
+  const Model& m = *this;
   int64_t last = first + out.numel();
   for (size_t i = 0; i < m.named_params.size(); i++) {
     const NamedTensor& p = m.named_params[i];
@@ -229,30 +246,10 @@ void init_parameters(const Model& m, uint64_t seed, const Tensor& out, int64_t f
   }
 }
 
-std::vector<NamedTensor> named_views(const Model& m, const Tensor& flat) {
-  std::vector<NamedTensor> views;
-  for (size_t i = 0; i < m.named_params.size(); i++)
-    views.push_back(
-        {m.named_params[i].name, flat.view(m.offsets[i], m.named_params[i].tensor.shape)});
-  return views;
-}
-
-void allocate_model(Model& m, Device device, uint64_t seed, DType grad_dtype) {
-  int64_t n = m.num_params;
-  m.params = empty({n}, Mem::Params, device);
-  m.grads = zeros({n}, Mem::Grads, device, grad_dtype);
-  for (int u = 0; u < (int)m.units.size(); u++) {
-    const ModelUnit& unit = m.units[u];
-    bind_unit_params(m, u, m.params.view(unit.offset, {unit.numel}));
-    if (grad_dtype == DType::F32) bind_unit_grads(m, u, m.grads.view(unit.offset, {unit.numel}));
-  }
-  init_parameters(m, seed, m.params, 0);
-}
-
 Model build_model(const ModelConfig& cfg, Device device, uint64_t seed, const TensorParallel& tp,
                   std::vector<Stage> chunks) {
   Model m = build_model_layout(cfg, tp, std::move(chunks));
-  allocate_model(m, device, seed);
+  allocate_flat(m, device, seed);
   return m;
 }
 

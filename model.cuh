@@ -9,23 +9,9 @@
 
 #include "flash_attention.cuh"
 #include "runtime/core.cuh"
+#include "runtime/model_config.cuh"
+#include "runtime/parameters.cuh"
 #include "tensor_parallel.cuh"
-
-struct ModelConfig {
-  std::string preset = "tiny";
-  int vocab = 256;     // vocab_size
-  int d_model = 128;   // hidden_size
-  int layers = 4;      // num_hidden_layers
-  int heads = 4;       // num_attention_heads
-  int kv_heads = 2;    // num_key_value_heads
-  int ffn = 384;       // intermediate_size
-  int seq = 128;       // tokens per sequence (max_position_embeddings)
-  float rope_theta = 10000.0f;
-  float norm_eps = 1e-5f;
-  bool tie_embeddings = false;
-  float init_std = 0.02f;
-  int head_dim() const { return d_model / heads; }
-};
 
 ModelConfig model_preset(const std::string& name);  // tiny, medium, smollm-135m, llama-1b
 std::vector<std::string> model_preset_names();
@@ -53,11 +39,6 @@ struct Weights {
   Tensor final_norm;  // [D]
   Tensor lm_head;     // [V, D] (a view of embed when tied)
 };
-struct NamedTensor {
-  std::string name;  // Hugging Face name, e.g. model.layers.0.self_attn.q_proj.weight
-  Tensor tensor;
-};
-
 // A pipeline stage (DESIGN 6, "Stage"): the blocks [first_block, last_block), with the
 // embedding or not (the first stage) and with the final norm + LM head + loss or not (the last).
 // The whole model is the one stage that holds everything; last_block -1 means every block.
@@ -67,70 +48,45 @@ struct Stage {
   bool embedding = true, head = true;
 };
 
-// A unit: the parameters one hook covers (the embedding, one block, or the head: final norm and
-// LM head unless tied), a contiguous slice of the flat buffer. Data parallelism reduces, and
-// ZeRO gathers, one unit at a time. Units are in forward order: u + 1 runs after u.
-struct ModelUnit {
-  std::string name;               // "embedding", "block 3", "head"
-  int64_t offset = 0, numel = 0;  // its slice [offset, offset + numel) of the flat buffer
-  int first = 0, count = 0;       // its parameters: named_params[first, first + count)
-};
-
-struct Model {
+// This rank's part of the model: its parameters in flat buffers (FlatParameters,
+// runtime/parameters.cuh: units per chunk: [embedding], its blocks, [head]), viewed as the
+// Llama's weights, and how it computes: its tensor-parallel slice and its attention core.
+struct Model : FlatParameters {
   ModelConfig cfg;
   std::vector<Stage> chunks;  // the parts of the model this rank holds, in order (resolved)
   TensorParallel tp;     // the tp group and this rank's heads, ffn and vocabulary slice
   // The attention core (flash_attention.cuh): naive, flash, or ring attention over the cp
   // group; train's --attention and --cp choose (default here: naive, the reference).
   std::shared_ptr<const AttentionCore> attention = local_attention(AttentionKind::Naive);
-  int64_t num_params = 0;  // parameters on this rank: the stage's, over tp
-  std::vector<TpSlice> layouts;  // per named parameter: where its shard sits in the whole
-  // [num_params] flat, Mem::Params and Mem::Grads. A sharded optimizer (zero.cu) may hold the
-  // memory instead: then these are undefined or padded, and the views point where it binds them.
-  Tensor params, grads;
-  Weights w, g;                                        // views into params and grads
-  std::vector<NamedTensor> named_params, named_grads;  // HF order (the checkpoint's order)
-  std::vector<int64_t> offsets;  // per named parameter: its first element in the flat buffer
-  std::vector<ModelUnit> units;  // per chunk: [embedding], its blocks, [head]
+  Weights w, g;                                // views into params and grads
   std::vector<int> chunk_unit0, chunk_block0;  // per chunk: its first unit and first block in w
   int blocks(int chunk) const { return chunks[chunk].last_block - chunks[chunk].first_block; }
   int embedding_unit() const { return chunks.front().embedding ? 0 : -1; }  // -1: not here
   int head_unit() const { return chunks.back().head ? (int)units.size() - 1 : -1; }
   // The unit of block l (0-based within chunk c).
   int block_unit(int c, int l) const { return chunk_unit0[c] + (chunks[c].embedding ? 1 : 0) + l; }
+
+  // ---- FlatParameters ----
+  void bind_unit_params(int u, const Tensor& base) override;
+  void bind_unit_grads(int u, const Tensor& base) override;
+  // Linear and embedding weights N(0, init_std), norm weights 1 (DESIGN 5).
+  void init_parameters(uint64_t seed, const Tensor& out, int64_t first) const override;
+  // A tied LM head reads (and writes the gradient of) the embedding's weights; the embedding's
+  // backward reads no weights (a scatter-add of the ids).
+  std::vector<int> weights_read(int u, bool backward) const override;
+  std::vector<int> grads_written(int u) const override;
+  std::unique_ptr<FlatParameters> whole_layout() const override;
 };
-// Allocates the flat buffers and initialises every weight from (seed, name, element index):
-// linear and embedding weights N(0, init_std), norm weights 1.
+// Allocates the flat buffers and initialises every weight from (seed, name, element index).
 // Under tensor parallelism each rank allocates and initialises exactly its shards.
 // `chunks`: the stages this rank holds (empty: the whole model).
 Model build_model(const ModelConfig& cfg, Device device, uint64_t seed,
                   const TensorParallel& tp = {}, std::vector<Stage> chunks = {});
 // The layout alone (names, shapes, offsets, units), no memory: every view is unbound (its
-// shape is set, its data pointer null) until bind_unit_params / bind_unit_grads point it.
+// shape is set, its data pointer null) until bind_unit_params / bind_unit_grads point it;
+// a gradient sync allocates what it keeps (allocate_flat, or its shards).
 Model build_model_layout(const ModelConfig& cfg, const TensorParallel& tp = {},
                          std::vector<Stage> chunks = {});
-// Allocates the flat parameter and gradient buffers of a layout, binds every view and
-// initialises the weights (what build_model does after build_model_layout). With bf16
-// gradients (--grad-acc-dtype bf16) the gradient views stay unbound: the backward accumulates
-// each unit in an fp32 buffer of its own, bound around it (data_parallel.cu).
-void allocate_model(Model& m, Device device, uint64_t seed, DType grad_dtype = DType::F32);
-// Points the views of unit u at `base`, which holds the unit laid out as in the flat buffer
-// (base[k] is flat element units[u].offset + k); an undefined `base` unbinds them.
-void bind_unit_params(Model& m, int u, const Tensor& base);
-void bind_unit_grads(Model& m, int u, const Tensor& base);
-// out[k] := flat element first + k of the initial parameters: any slice, layout-free (DESIGN 5).
-void init_parameters(const Model& m, uint64_t seed, const Tensor& out, int64_t first);
-// Views of `flat` ([num_params], any device) under the parameter names and shapes: a whole copy
-// of the weights, the gradients or an optimizer moment, in the checkpoint's order.
-std::vector<NamedTensor> named_views(const Model& m, const Tensor& flat);
-
-// Hooks around each unit's forward and backward, by unit index (Model::units). after_backward
-// runs as soon as the unit's weight gradients are final: the seam where data parallelism
-// launches a bucket's all-reduce and ZeRO a reduce-scatter; ZeRO-3 gathers a unit's weights
-// in before_forward / before_backward and frees them in after_forward / after_backward.
-struct UnitHooks {
-  std::function<void(int)> before_forward, after_forward, before_backward, after_backward;
-};
 
 // What one micro-batch's forward saves for its backward (its own object, so a pipeline can
 // hold several in flight). Which tensors are kept depends on the recompute mode.

@@ -7,34 +7,14 @@
 // and 1F1B bounds the activations a stage holds at p micro-batches where AFAB holds m.
 //
 // Each schedule is a table, a list of (forward or backward, micro-batch, chunk) per rank,
-// made by pipeline_schedule and run by one engine (run_pipeline); simulate_pipeline runs the
-// tables of every rank against each other on paper, which is how the tests check them.
+// made by pipeline_schedule and run by one engine (run_schedule, which also runs gradient
+// accumulation: the one-stage table); simulate_pipeline runs the tables of every rank against
+// each other on paper, which is how the tests check them.
 #include <algorithm>
 #include <cmath>
 #include <map>
 
 #include "pipeline_parallel.cuh"
-
-PpSchedule parse_pp_schedule(const std::string& flag) {
-  if (flag == "afab") return PpSchedule::AFAB;
-  if (flag == "1f1b") return PpSchedule::OneFOneB;
-  if (flag == "interleaved") return PpSchedule::Interleaved;
-  if (flag == "zb-h1") return PpSchedule::ZeroBubbleH1;
-  throw UsageError("--pp-schedule " + flag + ": expected afab, 1f1b, interleaved or zb-h1");
-}
-const char* pp_schedule_name(PpSchedule s) {
-  switch (s) {
-    case PpSchedule::AFAB:
-      return "afab";
-    case PpSchedule::OneFOneB:
-      return "1f1b";
-    case PpSchedule::Interleaved:
-      return "interleaved";
-    case PpSchedule::ZeroBubbleH1:
-      break;
-  }
-  return "zb-h1";
-}
 
 // ----------------------------------------------------------------------------
 // Partition
@@ -50,32 +30,137 @@ std::vector<Stage> pipeline_chunks(int layers, int p, int V, int rank) {
   return mine;
 }
 
+// ----------------------------------------------------------------------------
+// Schedules as tables (Playbook §8.3-§8.6). A schedule is its table and the book's idle
+// fraction; what the engine and the paper run need (whether the backward splits into B and W)
+// is read off the table. A new schedule is a function and a row.
+
+namespace {
+using Table = std::vector<PipelineOp>;
+
+// §8.3 GPipe: every forward, then every backward.
+Table afab(int, int, int m, int) {
+  Table ops;
+  for (int i = 0; i < m; i++) ops.push_back({Phase::Forward, i, 0});
+  for (int i = 0; i < m; i++) ops.push_back({Phase::Backward, i, 0});
+  return ops;
+}
+
+// §8.4: warm-up forwards, then one forward, one backward, then the remaining backwards.
+// ZB-H1 (§8.6) runs the same F and B, B being the input gradient only; rank r runs micro-batch
+// j's weight gradient W after the B of micro-batch j + r, and the last r at the end: the W's
+// fill the idle ticks the shorter B chain leaves, while no rank holds more than p micro-batches
+// (1F1B's first stage), and every rank idles (p-1)(t_f + t_b - t_w).
+Table one_f_one_b(int p, int rank, int m, bool zero_bubble) {
+  Table ops;
+  int warmup = std::min(p - rank - 1, m), weights = 0;
+  auto backward = [&](int i) {
+    ops.push_back({Phase::Backward, i, 0});
+    for (; zero_bubble && weights <= i - rank; weights++) ops.push_back({Phase::Weight, weights, 0});
+  };
+  for (int i = 0; i < warmup; i++) ops.push_back({Phase::Forward, i, 0});
+  for (int i = 0; i < m - warmup; i++) ops.push_back({Phase::Forward, warmup + i, 0}), backward(i);
+  for (int i = m - warmup; i < m; i++) backward(i);
+  for (; zero_bubble && weights < m; weights++) ops.push_back({Phase::Weight, weights, 0});
+  return ops;
+}
+
+// §8.5 interleaved (Megatron): micro-batches in groups of p; each group goes through chunk 0,
+// then chunk 1, ... (virtual step k: chunk (k / p) mod V of micro-batch (k / pV) p + k mod p),
+// backwards in the reverse chunk order. The warm-up fills the loop of all p x V chunks.
+Table interleaved(int p, int rank, int m, int V) {
+  Table ops;
+  int total = m * V;
+  auto micro = [&](int k) { return k / (p * V) * p + k % p; };
+  auto fwd_chunk = [&](int k) { return k / p % V; };
+  auto F = [&](int k) { ops.push_back({Phase::Forward, micro(k), fwd_chunk(k)}); };
+  auto B = [&](int k) { ops.push_back({Phase::Backward, micro(k), V - 1 - fwd_chunk(k)}); };
+  int warmup = m == p ? total : std::min(total, (p - rank - 1) * 2 + (V - 1) * p);
+  for (int k = 0; k < warmup; k++) F(k);
+  for (int k = 0; k < total - warmup; k++) F(warmup + k), B(k);
+  for (int k = total - warmup; k < total; k++) B(k);
+  return ops;
+}
+
+struct ScheduleRow {
+  PpSchedule id;
+  const char* name;  // --pp-schedule
+  Table (*table)(int p, int rank, int m, int V);
+  bool chunks;  // runs V >= 2 model chunks per rank, micro-batches in groups of p
+  // The book's idle fraction of a step (the bubble as a share of the step, not of the work).
+  double (*bubble)(int p, int m, int V);
+};
+const ScheduleRow kSchedules[] = {
+    {PpSchedule::AFAB, "afab", afab, false,
+     [](int p, int m, int) { return (p - 1) / (m + p - 1.0); }},
+    {PpSchedule::OneFOneB, "1f1b",
+     [](int p, int rank, int m, int) { return one_f_one_b(p, rank, m, false); }, false,
+     [](int p, int m, int) { return (p - 1) / (m + p - 1.0); }},
+    {PpSchedule::Interleaved, "interleaved", interleaved, true,
+     [](int p, int m, int V) { return (p - 1) / ((double)V * m + p - 1); }},
+    // t_f = t_b = t_w: the idle (p-1)(t_f + t_b - t_w) of a step of 3m + p - 1 ticks.
+    {PpSchedule::ZeroBubbleH1, "zb-h1",
+     [](int p, int rank, int m, int) { return one_f_one_b(p, rank, m, true); }, false,
+     [](int p, int m, int) { return (p - 1) / (3.0 * m + p - 1); }},
+};
+const ScheduleRow& row(PpSchedule s) {
+  for (const ScheduleRow& r : kSchedules)
+    if (r.id == s) return r;
+  PICO_ASSERT(false, "a pipeline schedule without a row in kSchedules");
+  return kSchedules[0];
+}
+}  // namespace
+
+PpSchedule parse_pp_schedule(const std::string& flag) {
+  std::string names;
+  for (const ScheduleRow& r : kSchedules) {
+    if (flag == r.name) return r.id;
+    names += std::string(names.empty() ? "" : ", ") + r.name;
+  }
+  throw UsageError("--pp-schedule " + flag + ": expected one of " + names);
+}
+const char* pp_schedule_name(PpSchedule s) { return row(s).name; }
+
+std::vector<PipelineOp> pipeline_schedule(PpSchedule s, int p, int rank, int m, int V) {
+  return row(s).table(p, rank, m, V);
+}
+bool splits_backward(const std::vector<PipelineOp>& table) {
+  return std::any_of(table.begin(), table.end(),
+                     [](const PipelineOp& op) { return op.kind == Phase::Weight; });
+}
+double bubble_fraction(PpSchedule s, int p, int m, int V) { return row(s).bubble(p, m, V); }
+
 void validate_pipeline(int layers, int p, int V, int m, PpSchedule s, bool tied, int zero_stage) {
-  std::string pp = "--pp " + std::to_string(p);
+  std::string pp = "--pp " + std::to_string(p), name = pp_schedule_name(s);
+  const bool chunks = row(s).chunks;
   if (V < 1) throw UsageError("--pp-virtual " + std::to_string(V) + ": must be >= 1");
-  if (s == PpSchedule::Interleaved && V < 2)
-    throw UsageError(
-        "--pp-schedule interleaved needs --pp-virtual 2 or more model chunks per "
-        "rank (with one chunk it is 1f1b)");
-  if (s != PpSchedule::Interleaved && V > 1)
-    throw UsageError("--pp-virtual " + std::to_string(V) + " needs --pp-schedule interleaved");
+  if (chunks && V < 2)
+    throw UsageError("--pp-schedule " + name +
+                     " needs --pp-virtual 2 or more model chunks per rank (with one chunk it is "
+                     "1f1b)");
+  if (!chunks && V > 1) {
+    std::string chunked;
+    for (const ScheduleRow& r : kSchedules)
+      if (r.chunks) chunked += std::string(chunked.empty() ? "" : " or ") + r.name;
+    throw UsageError("--pp-virtual " + std::to_string(V) + " needs --pp-schedule " + chunked);
+  }
   if (layers < p * V)
     throw UsageError(pp + " x --pp-virtual " + std::to_string(V) + " = " + std::to_string(p * V) +
                      " chunks but --layers " + std::to_string(layers) +
                      ": every chunk needs a block; lower --pp or --pp-virtual");
   if (p == 1) return;
-  if (s == PpSchedule::Interleaved && m % p)
-    throw UsageError("--pp-schedule interleaved runs micro-batches in groups of --pp: --grad-acc " +
+  if (chunks && m % p)
+    throw UsageError("--pp-schedule " + name + " runs micro-batches in groups of --pp: --grad-acc " +
                      std::to_string(m) + " must be a multiple of " + pp);
   if (tied)
     throw UsageError("--tie-embeddings with " + pp +
                      ": the embedding lives on the first stage and the head on the last; tied "
                      "weights across stages are not supported, drop --tie-embeddings");
-  if (zero_stage == 2 && s == PpSchedule::ZeroBubbleH1)
-    throw UsageError(
-        "--zero 2 with --pp-schedule zb-h1: ZeRO-2 reduce-scatters each "
-        "micro-batch's gradient as soon as it is final, while zb-h1 still adds "
-        "earlier micro-batches' deferred weight gradients; use --zero 1");
+  if (zero_stage == 2 && splits_backward(pipeline_schedule(s, p, 0, m, V)))
+    throw UsageError("--zero 2 with --pp-schedule " + name +
+                     ": ZeRO-2 reduce-scatters each micro-batch's gradient as soon as it is "
+                     "final, while " + name + " still adds earlier micro-batches' deferred "
+                     "weight gradients; use --zero 1");
   if (zero_stage == 3)
     throw UsageError("--zero 3 with " + pp +
                      ": ZeRO-3 would gather every unit's weights again for each micro-batch in "
@@ -83,56 +168,12 @@ void validate_pipeline(int layers, int p, int V, int m, PpSchedule s, bool tied,
                      "alternatives); use --zero 1 or 2 with --pp");
 }
 
-// ----------------------------------------------------------------------------
-// Schedules
-
-std::vector<PipelineOp> pipeline_schedule(PpSchedule s, int p, int rank, int m, int V) {
-  std::vector<PipelineOp> ops;
-  auto F = [&](int micro, int chunk) { ops.push_back({PipelineOp::Forward, micro, chunk}); };
-  auto B = [&](int micro, int chunk) { ops.push_back({PipelineOp::Backward, micro, chunk}); };
-  if (s == PpSchedule::AFAB) {  // §8.3 GPipe: every forward, then every backward
-    for (int i = 0; i < m; i++) F(i, 0);
-    for (int i = 0; i < m; i++) B(i, 0);
-    return ops;
-  }
-  if (s == PpSchedule::OneFOneB || s == PpSchedule::ZeroBubbleH1) {
-    // §8.4: warm-up forwards, then one forward, one backward, then the remaining backwards.
-    // ZB-H1 (§8.6) runs the same F and B, B being the input gradient only; rank r runs micro-
-    // batch j's weight gradient W after the B of micro-batch j + r, and the last r at the end:
-    // the W's fill the idle ticks the shorter B chain leaves, while no rank holds more than p
-    // micro-batches (1F1B's first stage), and every rank idles (p-1)(t_f + t_b - t_w).
-    bool zb = s == PpSchedule::ZeroBubbleH1;
-    int warmup = std::min(p - rank - 1, m), weights = 0;
-    auto backward = [&](int i) {
-      B(i, 0);
-      for (; zb && weights <= i - rank; weights++) ops.push_back({PipelineOp::Weight, weights, 0});
-    };
-    for (int i = 0; i < warmup; i++) F(i, 0);
-    for (int i = 0; i < m - warmup; i++) F(warmup + i, 0), backward(i);
-    for (int i = m - warmup; i < m; i++) backward(i);
-    for (; zb && weights < m; weights++) ops.push_back({PipelineOp::Weight, weights, 0});
-    return ops;
-  }
-  // §8.5 interleaved (Megatron): micro-batches in groups of p; each group goes through chunk 0,
-  // then chunk 1, ... (virtual step k: chunk (k / p) mod V of micro-batch (k / pV) p + k mod p),
-  // backwards in the reverse chunk order. The warm-up fills the loop of all p x V chunks.
-  int total = m * V;
-  auto micro = [&](int k) { return k / (p * V) * p + k % p; };
-  auto fwd_chunk = [&](int k) { return k / p % V; };
-  int warmup = m == p ? total : std::min(total, (p - rank - 1) * 2 + (V - 1) * p);
-  for (int k = 0; k < warmup; k++) F(micro(k), fwd_chunk(k));
-  for (int k = 0; k < total - warmup; k++)
-    F(micro(warmup + k), fwd_chunk(warmup + k)), B(micro(k), V - 1 - fwd_chunk(k));
-  for (int k = total - warmup; k < total; k++) B(micro(k), V - 1 - fwd_chunk(k));
-  return ops;
-}
-
 PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, double t_f, double t_b,
                                  double t_w) {
-  bool zb = s == PpSchedule::ZeroBubbleH1;
   int chunks = p * V;
   std::vector<std::vector<PipelineOp>> table(p);
   for (int r = 0; r < p; r++) table[r] = pipeline_schedule(s, p, r, m, V);
+  const bool zb = splits_backward(table[0]);
   // Completion times per (global chunk, micro-batch); -1 until done.
   std::vector<std::vector<double>> fwd(chunks, std::vector<double>(m, -1)), bwd = fwd, wgt = fwd;
   std::vector<size_t> next(p, 0);
@@ -146,7 +187,7 @@ PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, double t_f, 
       for (; next[r] < table[r].size(); next[r]++) {
         const PipelineOp& op = table[r][next[r]];
         int g = r + op.chunk * p;
-        bool forward = op.kind == PipelineOp::Forward, weight = op.kind == PipelineOp::Weight;
+        bool forward = op.kind == Phase::Forward, weight = op.kind == Phase::Weight;
         // A forward needs the previous chunk's output; a backward its own forward and the
         // next chunk's input gradient; a weight gradient its own backward.
         double ready = forward  ? (g > 0 ? fwd[g - 1][op.micro] : 0.0)
@@ -180,10 +221,10 @@ std::string pipeline_chart(PpSchedule s, int p, int m, int V) {
     std::vector<PipelineOp> ops = pipeline_schedule(s, p, r, m, V);
     for (size_t i = 0; i < ops.size() && i < t.start[r].size(); i++) {
       const char* kind[] = {"F", "B", "W"};
-      std::string cell = kind[ops[i].kind] + std::to_string(ops[i].micro) +
+      std::string cell = kind[(int)ops[i].kind] + std::to_string(ops[i].micro) +
                          (V > 1 ? "." + std::to_string(ops[i].chunk) : "");
       cell = std::string(std::max(0, width - (int)cell.size()), ' ') + cell;
-      bool whole_backward = ops[i].kind == PipelineOp::Backward && s != PpSchedule::ZeroBubbleH1;
+      bool whole_backward = ops[i].kind == Phase::Backward && !splits_backward(ops);
       int first = (int)std::lround(t.start[r][i]), span = whole_backward ? 2 : 1;
       for (int k = first; k < first + span && k < ticks; k++) cells[k] = cell;
     }
@@ -194,11 +235,6 @@ std::string pipeline_chart(PpSchedule s, int p, int m, int V) {
   return chart;
 }
 
-double bubble_fraction(PpSchedule s, int p, int m, int V) {
-  if (s == PpSchedule::ZeroBubbleH1) return (p - 1) / (3.0 * m + p - 1);
-  double work = s == PpSchedule::Interleaved ? (double)V * m : (double)m;
-  return (p - 1) / (work + p - 1);
-}
 
 // ----------------------------------------------------------------------------
 // Point-to-point: sends go out with the next receive
@@ -253,24 +289,25 @@ class Exchange {
 // ----------------------------------------------------------------------------
 // The engine
 
-StepStats run_pipeline(const Context& ctx, Comm& comm, Model& model, GradientSync& sync,
-                       const StepBatch& batch, Recompute mode, float loss_scale, Trace& trace,
-                       const PipelineConfig& cfg, PipelineMeasure* measure) {
+double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& sync,
+                    const StepBatch& batch, Recompute mode, float loss_scale,
+                    const PipelineConfig& cfg, Observer& observer) {
   int p = comm.pp.size, rank = comm.pp.rank, V = (int)model.chunks.size(), m = batch.micro_batches;
   int last_chunk = p * V - 1, next = comm.pp.next(), prev = comm.pp.prev();
   int64_t tokens = (int64_t)batch.mbs * batch.seq;  // per micro-batch
   std::vector<int64_t> hidden = {sp_tokens(model.tp, tokens), model.cfg.d_model};  // [n, D]
-  StepStats stats;
+  // One stage: gradient accumulation, whatever --pp-schedule says.
+  std::vector<PipelineOp> table =
+      pipeline_schedule(p > 1 ? cfg.schedule : PpSchedule::OneFOneB, p, rank, m, V);
+  const bool split = splits_backward(table);  // zero-bubble: B and W apart
+  double loss_sum = 0;
   Exchange exchange(comm, ctx);
   std::map<std::pair<int, int>, Activations> saved;      // (micro-batch, chunk) in flight
   std::map<std::pair<int, int>, DeferredGrads> weights;  // zero-bubble: W ops still to run
-  bool split = cfg.schedule == PpSchedule::ZeroBubbleH1;
-  size_t acts_base = memory_stats().current[(int)Mem::Activations], one_micro = 0, peak = 0;
-  double t_step = now_seconds(), busy = 0;
-  for (const PipelineOp& op : pipeline_schedule(cfg.schedule, p, rank, m, V)) {
+  for (const PipelineOp& op : table) {
     int g = rank + op.chunk * p;
     std::pair<int, int> key{op.micro, op.chunk};
-    bool forward = op.kind == PipelineOp::Forward, backward = op.kind == PipelineOp::Backward;
+    bool forward = op.kind == Phase::Forward, backward = op.kind == Phase::Backward;
     // Receive what the op needs (with the queued sends), or let the queued sends go.
     Tensor input;
     if (forward && g > 0)
@@ -279,20 +316,19 @@ StepStats run_pipeline(const Context& ctx, Comm& comm, Model& model, GradientSyn
       input = exchange.receive(comm.pp_grad, next, hidden, Mem::Workspace);
     else
       exchange.flush();
-    batch.fault_at(forward ? FaultWhere::Forward : FaultWhere::Backward, comm.grid.world_rank);
+    observer.before(op.kind, op.micro);
     UnitHooks hooks = sync.hooks(ctx, op.micro == m - 1);
-    double t0 = now_seconds();
-    if (op.kind == PipelineOp::Weight) {  // the deferred weight gradients, then their hooks
+    double start = now_seconds();
+    int64_t block_bytes = -1;
+    if (op.kind == Phase::Weight) {  // the deferred weight gradients, then their hooks
       for (const std::function<void()>& w : weights[key]) w();
       weights.erase(key);
     } else if (forward) {
       Activations& acts = saved[key];
-      const int32_t* ids = batch.inputs + op.micro * tokens;
-      stats.loss_sum +=
-          stage_forward(ctx, model, acts, ids, input, batch.targets + op.micro * tokens, batch.mbs,
-                        batch.seq, mode, hooks, op.chunk);
-      if (stats.block_bytes < 0 && !acts.blocks.empty())
-        stats.block_bytes = saved_bytes(acts.blocks[0]);
+      loss_sum += stage_forward(ctx, model, acts, batch.inputs + op.micro * tokens, input,
+                                batch.targets + op.micro * tokens, batch.mbs, batch.seq, mode,
+                                hooks, op.chunk);
+      if (!acts.blocks.empty()) block_bytes = saved_bytes(acts.blocks[0]);
       if (g < last_chunk) exchange.send(comm.pp, next, acts.x_final);
     } else {
       Tensor d_in = stage_backward(ctx, model, saved[key], loss_scale, input, mode, hooks, op.chunk,
@@ -300,32 +336,14 @@ StepStats run_pipeline(const Context& ctx, Comm& comm, Model& model, GradientSyn
       saved.erase(key);
       if (g > 0) exchange.send(comm.pp_grad, prev, d_in);
     }
-    double t1 = now_seconds();
-    busy += t1 - t0;
-    // Coloured by kind, as the book draws its schedules (Chrome trace colour names).
-    const char* kind[] = {"F", "B", "W"};
-    const char* color[] = {"thread_state_running", "thread_state_iowait", "yellow"};
-    trace.add(kind[op.kind] + std::to_string(op.micro) +
-                  (V > 1 ? " chunk " + std::to_string(op.chunk) : ""),
-              Track::Compute, t0, t1, color[op.kind]);
-    size_t held = memory_stats().current[(int)Mem::Activations] - acts_base;
-    if (one_micro == 0 && forward) one_micro = held;  // one micro-batch chunk's activations
-    peak = std::max(peak, held);
+    observer.after(op.kind, op.micro, op.chunk, V, start, block_bytes);
   }
   exchange.finish();
-  if (measure) {
-    measure->busy_s += busy, measure->step_s += now_seconds() - t_step, measure->steps++;
-    if (one_micro > 0)
-      measure->peak_in_flight =
-          std::max(measure->peak_in_flight, (int)std::lround((double)peak / one_micro));
-  }
-  return stats;
+  return loss_sum;
 }
 
 float pipeline_forward(const Context& ctx, Comm& comm, Model& model, Activations& acts,
                        const int32_t* ids, const int32_t* targets, int B, int T) {
-  if (comm.pp.size == 1)
-    return model_forward(ctx, model, acts, ids, targets, B, T, Recompute::None);
   int p = comm.pp.size, rank = comm.pp.rank, last_chunk = p * (int)model.chunks.size() - 1;
   std::vector<int64_t> hidden = {sp_tokens(model.tp, (int64_t)B * T), model.cfg.d_model};
   Exchange exchange(comm, ctx);
@@ -339,65 +357,4 @@ float pipeline_forward(const Context& ctx, Comm& comm, Model& model, Activations
   }
   exchange.finish();
   return loss;
-}
-
-// ----------------------------------------------------------------------------
-// Checkpoints: the stages' tensors on one rank
-
-// Hugging Face order: the embedding, the blocks by index (each block's tensors as they come),
-// the final norm, the LM head.
-static std::pair<int, int> hf_rank(const std::string& name) {
-  const std::string layers = "model.layers.";
-  if (name.rfind("model.embed_tokens", 0) == 0) return {0, 0};
-  if (name.rfind(layers, 0) == 0) return {1, std::stoi(name.substr(layers.size()))};
-  if (name.rfind("model.norm", 0) == 0) return {2, 0};
-  return {3, 0};
-}
-
-std::vector<NamedTensor> gather_pipeline_tensors(Comm& comm, const std::vector<NamedTensor>& mine) {
-  Group& g = comm.pp;
-  if (g.size == 1) return mine;
-  // Each rank packs its tensors: name, dims, shape, values; pp rank 0 gathers the packs.
-  std::vector<char> pack;
-  auto put = [&](const void* data, size_t bytes) {
-    pack.insert(pack.end(), (const char*)data, (const char*)data + bytes);
-  };
-  for (const NamedTensor& t : mine) {
-    int64_t name_size = (int64_t)t.name.size(), dims = t.tensor.dim();
-    put(&name_size, sizeof name_size), put(t.name.data(), t.name.size());
-    put(&dims, sizeof dims), put(t.tensor.shape.data(), dims * sizeof(int64_t));
-    std::vector<float> values = to_host_floats(t.tensor);
-    put(values.data(), values.size() * sizeof(float));
-  }
-  int size = (int)pack.size();
-  std::vector<int> sizes(g.size), offsets(g.size, 0);
-  host_wait(g, "gather of the stages' tensors", sizeof size, [&](MPI_Request* r) {
-    return MPI_Igather(&size, 1, MPI_INT, sizes.data(), 1, MPI_INT, 0, g.mpi, r);
-  });
-  for (int r = 1; r < g.size; r++) offsets[r] = offsets[r - 1] + sizes[r - 1];
-  std::vector<char> all(g.rank == 0 ? offsets.back() + sizes.back() : 0);
-  host_wait(g, "gather of the stages' tensors", size, [&](MPI_Request* r) {
-    return MPI_Igatherv(pack.data(), size, MPI_CHAR, all.data(), sizes.data(), offsets.data(),
-                        MPI_CHAR, 0, g.mpi, r);
-  });
-  std::vector<NamedTensor> whole;
-  for (size_t at = 0; at < all.size();) {
-    auto get = [&](void* data, size_t bytes) {
-      std::copy_n(&all[at], bytes, (char*)data), at += bytes;
-    };
-    int64_t name_size = 0, dims = 0;
-    get(&name_size, sizeof name_size);
-    std::string name(name_size, '\0');
-    get(name.data(), name_size);
-    get(&dims, sizeof dims);
-    std::vector<int64_t> shape(dims);
-    get(shape.data(), dims * sizeof(int64_t));
-    Tensor t = empty(shape, Mem::Workspace);
-    get(t.ptr, t.nbytes());
-    whole.push_back({name, t});
-  }
-  std::stable_sort(whole.begin(), whole.end(), [](const NamedTensor& a, const NamedTensor& b) {
-    return hf_rank(a.name) < hf_rank(b.name);
-  });
-  return whole;
 }

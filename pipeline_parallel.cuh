@@ -6,8 +6,9 @@
 #include <string>
 #include <vector>
 
+#include "model.cuh"
 #include "runtime/gradient_sync.cuh"
-#include "runtime/schedule.cuh"
+#include "runtime/observe.cuh"
 
 enum class PpSchedule { AFAB, OneFOneB, Interleaved, ZeroBubbleH1 };
 PpSchedule parse_pp_schedule(const std::string& flag);  // afab|1f1b|interleaved|zb-h1
@@ -27,12 +28,14 @@ void validate_pipeline(int layers, int p, int V, int micro_batches, PpSchedule s
 struct PipelineOp {
   // Backward: the whole backward, or (zero-bubble) only its input-gradient half, B, whose
   // weight-gradient half W runs later as its own op (Qi et al., 2023).
-  enum Kind { Forward, Backward, Weight } kind;
+  Phase kind;
   int micro;  // micro-batch
   int chunk;  // this rank's model chunk (0 .. V-1); its global chunk is rank + chunk * p
 };
 // Rank `rank`'s ops in order, for p stages, m micro-batches and V chunks per rank.
 std::vector<PipelineOp> pipeline_schedule(PpSchedule s, int p, int rank, int m, int V);
+// A table with weight ops (zero-bubble) needs the backward split into B and W.
+bool splits_backward(const std::vector<PipelineOp>& table);
 
 // Every rank's table run against each other with a forward costing t_f, a backward's input
 // gradient t_b and its weight gradient t_w (one op of t_b + t_w unless zero-bubble) and
@@ -56,26 +59,28 @@ std::string pipeline_chart(PpSchedule s, int p, int m, int V);
 // ZB-H1 idles (p-1)(t_f + t_b - t_w), which with t_f = t_b = t_w is (p-1)/(3m+p-1).
 double bubble_fraction(PpSchedule s, int p, int m, int V);
 
-// ---- Running a step ----
+// ---- Running a step: the one engine (DESIGN 6, "Schedule") ----
 struct PipelineConfig {
   PpSchedule schedule = PpSchedule::OneFOneB;
   int virtual_stages = 1;
 };
-// What --report bubble prints: measured on this rank over the training steps.
-struct PipelineMeasure {
-  double busy_s = 0, step_s = 0;  // forward/backward time, and whole schedule time
-  int steps = 0;
-  int peak_in_flight = 0;  // from the activation memory held, in micro-batch chunks
+// This rank's part of one step's global batch: micro_batches x mbs sequences of seq tokens.
+struct StepBatch {
+  const int32_t* inputs;   // host [micro_batches * mbs * seq]
+  const int32_t* targets;  // host [micro_batches * mbs * seq]
+  int micro_batches, mbs, seq;
 };
-// One step's micro-batches in the schedule's order: receive, forward or backward, send, with
-// the gradient sync's hooks. Sends wait to go out with the next receive as one grouped call.
-StepStats run_pipeline(const Context& ctx, Comm& comm, Model& model, GradientSync& sync,
-                       const StepBatch& batch, Recompute mode, float loss_scale, Trace& trace,
-                       const PipelineConfig& cfg, PipelineMeasure* measure);
+// Runs every micro-batch of a step through this rank's chunks in the schedule's order:
+// receive, forward or backward, send, with the gradient sync's hooks; loss_scale turns each
+// micro-batch's summed loss into its share of the step's mean (DESIGN 5). Without a pipeline
+// (pp = 1) the table is the one-stage 1F1B table F0 B0 F1 B1 ...: gradient accumulation
+// (Playbook §2.7). Sends wait to go out with the next receive as one grouped call. The observer
+// sees every op (trace, faults, memory). Returns the summed per-token losses of this rank's
+// micro-batches (those of the last stage; 0 elsewhere).
+double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& sync,
+                    const StepBatch& batch, Recompute mode, float loss_scale,
+                    const PipelineConfig& cfg, Observer& observer);
 // Forward only, through every stage in turn (evaluation, sampling): the summed loss on the rank
-// that holds the head (0 elsewhere); `acts` then holds its logits. With pp = 1, model_forward.
+// that holds the head (0 elsewhere); `acts` then holds its logits.
 float pipeline_forward(const Context& ctx, Comm& comm, Model& model, Activations& acts,
                        const int32_t* ids, const int32_t* targets, int B, int T);
-// The stages' whole tensors together on pp rank 0 in Hugging Face order (checkpoints);
-// collective over the pp group; other ranks get an empty list.
-std::vector<NamedTensor> gather_pipeline_tensors(Comm& comm, const std::vector<NamedTensor>& mine);

@@ -12,7 +12,8 @@
 #include <cmath>
 #include <initializer_list>
 
-#include "model.cuh"
+#include "mixed_precision.cuh"
+#include "runtime/model_config.cuh"
 #include "runtime/ops.cuh"
 
 // ----------------------------------------------------------------------------
@@ -406,63 +407,3 @@ void tp_cross_entropy_backward(const TensorParallel& tp, const Context& ctx,
   vocab_parallel_cross_entropy_backward(tp, ctx, dlogits, logits, stats, targets, scale);
 }
 
-// ----------------------------------------------------------------------------
-// Weight shards: blocks of a full row-major tensor
-
-void init_normal_block(const Tensor& shard, uint64_t seed, const std::string& name, float std,
-                       int64_t row0, int64_t col0, int64_t full_cols) {
-  int64_t rows = shard.dim() > 1 ? shard.size(0) : 1, cols = shard.numel() / rows;
-  for (int64_t r = 0; r < rows; r++)  // row r of the shard is a contiguous run of the full tensor
-    init_normal(shard.view(r * cols, {cols}), seed, name, std, (row0 + r) * full_cols + col0);
-}
-static void copy_block(const Tensor& shard, float* full, int64_t row0, int64_t col0,
-                       int64_t full_cols, bool into_shard) {
-  int64_t rows = shard.dim() > 1 ? shard.size(0) : 1, cols = shard.numel() / rows;
-  std::vector<float> host = into_shard ? std::vector<float>(shard.numel()) : to_host_floats(shard);
-  for (int64_t r = 0; r < rows; r++)
-    for (int64_t c = 0; c < cols; c++) {
-      float& cell = full[(row0 + r) * full_cols + col0 + c];
-      if (into_shard) host[r * cols + c] = cell;
-      else cell = host[r * cols + c];
-    }
-  if (into_shard) from_host(shard, host.data());
-}
-void load_block(const Tensor& shard, const float* full, int64_t row0, int64_t col0, int64_t full_cols) {
-  copy_block(shard, const_cast<float*>(full), row0, col0, full_cols, true);
-}
-void store_block(const Tensor& shard, float* full, int64_t row0, int64_t col0, int64_t full_cols) {
-  copy_block(shard, full, row0, col0, full_cols, false);
-}
-
-bool TpSlice::whole(const Tensor& shard) const {
-  int64_t n = 1;
-  for (int64_t s : full_shape) n *= s;
-  return shard.numel() == n;
-}
-
-// Each rank writes its block into a zeroed full tensor and the tp ranks sum them on rank 0:
-// blocks do not overlap (only one writer per replicated block), so the sum is exact.
-std::vector<Tensor> gather_full_tensors(const TensorParallel& tp, const std::vector<Tensor>& shards,
-                                        const std::vector<TpSlice>& layouts) {
-  if (tp.size() == 1) return shards;
-  std::vector<Tensor> full;
-  for (size_t i = 0; i < shards.size(); i++) {
-    const TpSlice& l = layouts[i];
-    Tensor t = zeros(l.full_shape, Mem::Workspace);
-    if (l.writer) store_block(shards[i], t.f32(), l.row0, l.col0, l.full_cols());
-    host_wait(tp.group(), "reduce of whole tensors", t.nbytes(), [&](MPI_Request* r) {
-      return MPI_Ireduce(tp.rank() == 0 ? MPI_IN_PLACE : t.ptr, t.ptr, (int)t.numel(), MPI_FLOAT,
-                         MPI_SUM, 0, tp.group().mpi, r);
-    });
-    full.push_back(t);
-  }
-  return full;
-}
-void scatter_full_tensors(const std::vector<Tensor>& full, const std::vector<Tensor>& shards,
-                          const std::vector<TpSlice>& layouts) {
-  for (size_t i = 0; i < shards.size(); i++) {
-    if (full[i].ptr == shards[i].ptr) continue;
-    std::vector<float> host = to_host_floats(full[i]);
-    load_block(shards[i], host.data(), layouts[i].row0, layouts[i].col0, layouts[i].full_cols());
-  }
-}

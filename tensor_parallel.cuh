@@ -7,8 +7,9 @@
 #include <vector>
 
 #include "runtime/comm.cuh"
+#include "runtime/parameters.cuh"
 
-struct ModelConfig;  // model.cuh
+#include "runtime/model_config.cuh"
 
 // The slice of the model one tensor-parallel rank holds (Playbook §5.3): query heads, ffn
 // columns and vocabulary rows split evenly over tp; key/value heads split too, or, when tp
@@ -144,32 +145,3 @@ void tp_cross_entropy_forward(const TensorParallel& tp, const Context& ctx, cons
 void tp_cross_entropy_backward(const TensorParallel& tp, const Context& ctx,
                                const Tensor& dlogits, const Tensor& logits, const Tensor& stats,
                                const Tensor& targets, float scale);
-
-// ---- Weight shards ----
-// Where this rank's shard of a weight sits in the full tensor: the block of rows
-// [row0, row0 + rows) and columns [col0, col0 + cols) of the full [full_rows, full_cols] matrix
-// (a 1-D weight is one row). Rows are split for column-parallel layers, columns for
-// row-parallel ones; nothing for norms. `writer`: the one tp rank whose copy goes into a
-// checkpoint when several hold the same block (norms; replicated key/value heads).
-struct TpSlice {
-  std::vector<int64_t> full_shape;
-  int64_t row0 = 0, col0 = 0;
-  bool writer = true;
-  int64_t full_cols() const { return full_shape.size() > 1 ? full_shape[1] : full_shape[0]; }
-  bool whole(const Tensor& shard) const;  // the shard is the full tensor
-};
-// Full tensors (host, Mem::Workspace) assembled on tp rank 0 from every rank's shard; on the
-// other tp ranks the result is undefined. One process: the shards themselves.
-std::vector<Tensor> gather_full_tensors(const TensorParallel& tp, const std::vector<Tensor>& shards,
-                                        const std::vector<TpSlice>& layouts);
-// Each shard := its block of the full tensor (full tensors on the host, every rank).
-void scatter_full_tensors(const std::vector<Tensor>& full, const std::vector<Tensor>& shards,
-                          const std::vector<TpSlice>& layouts);
-// The rows [row0, row0 + rows) and columns [col0, col0 + cols) of the full [*, full_cols]
-// tensor `name`, initialised from the layout-free RNG (DESIGN 5) into `shard` [rows, cols].
-void init_normal_block(const Tensor& shard, uint64_t seed, const std::string& name, float std,
-                       int64_t row0, int64_t col0, int64_t full_cols);
-// Copies the block [row0, row0 + shard rows) x [col0, col0 + shard cols) of a full host
-// tensor [*, full_cols] into `shard` (any device), and back.
-void load_block(const Tensor& shard, const float* full, int64_t row0, int64_t col0, int64_t full_cols);
-void store_block(const Tensor& shard, float* full, int64_t row0, int64_t col0, int64_t full_cols);

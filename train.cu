@@ -30,7 +30,7 @@
 #include "runtime/options.cuh"
 #include "pipeline_parallel.cuh"
 #include "runtime/report.cuh"
-#include "runtime/schedule.cuh"
+#include "runtime/observe.cuh"
 #include "zero.cuh"
 
 // ----------------------------------------------------------------------------
@@ -139,8 +139,9 @@ static void all_or_none(Comm& comm, const std::function<void()>& fn) {
 
 // The gradient sync the flags choose (Playbook §3, §4): ZeRO-k over the dp_cp group, or plain
 // data parallelism. It allocates the model's memory and initialises the weights.
-static std::unique_ptr<GradientSync> make_gradient_sync(Comm& comm, Model& model,
-                                                        const Options& o) {
+static std::unique_ptr<GradientSync> make_gradient_sync(Comm& comm, Model& model, Context& ctx,
+                                                        const Options& o,
+                                                        const PrecisionPolicy& precision) {
   int stage = o.zero;
   if (stage > 0 && comm.dp_cp.size == 1) {  // nothing to shard: zero 0 is the same run
     if (comm.grid.world_rank == 0)
@@ -150,15 +151,12 @@ static std::unique_ptr<GradientSync> make_gradient_sync(Comm& comm, Model& model
               o.zero);
     stage = 0;
   }
-  // Mixed precision: ZeRO-1/2 keep the whole weights in the compute format only.
-  const Precision p = o.score.empty() ? resolve_precision(o, comm.device) : Precision::FP32;
-  const DType grads = o.score.empty() ? resolve_grad_dtype(o, p) : DType::F32;
   if (stage > 0)
     return std::make_unique<Zero>(comm, model, stage, AdamWConfig{}, o.weight_decay, o.seed,
-                                  !o.no_overlap, output_dtype(p), grads);
-  return std::make_unique<DataParallel>(comm, model, parse_dp_sync(o.dp_sync), o.bucket_mb,
+                                  !o.no_overlap, precision);
+  return std::make_unique<DataParallel>(comm, model, ctx, parse_dp_sync(o.dp_sync), o.bucket_mb,
                                         !o.no_overlap, AdamWConfig{}, o.weight_decay, o.seed,
-                                        grads);
+                                        precision);
 }
 
 // Evaluation reads the whole model: ZeRO-3 gathers it for the duration.
@@ -187,10 +185,11 @@ static Model model_layout(Comm& comm, const Options& o) {
   return model;
 }
 
-static int score_file(const Context& ctx, Comm& comm, const Options& o) {
+static int score_file(Context& ctx, Comm& comm, const Options& o) {
   const ModelConfig& c = o.model;
   Model model = model_layout(comm, o);
-  std::unique_ptr<GradientSync> sync = make_gradient_sync(comm, model, o);
+  // Scoring reads the fp32 weights of the checkpoint as they are.
+  std::unique_ptr<GradientSync> sync = make_gradient_sync(comm, model, ctx, o, PrecisionPolicy{});
   sync->load(o.load);
   std::vector<int32_t> tokens = read_tokens(o.score);
   int64_t windows = (int64_t)tokens.size() / (c.seq + 1);
@@ -231,20 +230,18 @@ struct Trainer {
   CpWork attention_work;                   // what ring attention computed (--report balance)
   OutputLines log_json;
   nlohmann::json log_line;  // this step's --log-json line, written once validation has run
-  Trace trace;
-  int64_t steps_run = 0, block_bytes = -1;  // one block's saved activations, measured once
+  Observer observer;  // the trace, --fault, and what the schedule measured
+  int64_t steps_run = 0;
   uint64_t step_syncs_min = UINT64_MAX, step_syncs_max = 0;  // host synchronisations per step
   TrafficMeter tp_traffic;                  // what the tp group sent in training steps
-  PipelineMeasure bubble;                   // busy and idle time of the pipeline schedule
-  Fault fault;                              // --fault: where this run fails on purpose
-  LossScaler scaler;                        // fp16's loss scale (mixed_precision.cuh)
+  PrecisionPolicy precision;                // --dtype: the loss scale, what the log adds
 };
 
 // One optimizer step (DESIGN 7). Returns false when the loss is not finite.
 static bool train_step(Trainer& t, int64_t step) {
   const Options& o = t.o;
   int seq = o.model.seq;
-  t.fault.at(FaultWhere::Step, t.comm.grid.world_rank, step);
+  t.observer.at(FaultWhere::Step, step);
   double t0 = now_seconds();
   uint64_t syncs0 = host_syncs();
   t.tp_traffic.open(t.comm.tp);
@@ -255,25 +252,26 @@ static bool train_step(Trainer& t, int64_t step) {
   // the gradient of the mean loss over every token of the global batch (DESIGN 5).
   // Under fp16 the loss is also multiplied by the loss scale, and the gradients divided back
   // before clipping (Playbook §Mixed precision training).
-  float loss_scale = (t.scaler.enabled ? t.scaler.scale : 1.0f) / (float)(t.global_batch * seq);
-  reset_rounding_stats();
-  StepBatch batch{t.inputs.data(), t.targets.data(), o.grad_acc, o.mbs, seq, &t.fault, step};
+  float loss_scale = t.precision.loss_scale() / (float)(t.global_batch * seq);
+  t.precision.begin_step();
+  StepBatch batch{t.inputs.data(), t.targets.data(), o.grad_acc, o.mbs, seq};
   // Playbook §7: each cp rank holds seq / cp tokens of each sequence.
   t.my_inputs = select_context_tokens(t.cp, t.inputs.data(), o.mbs, seq, o.grad_acc);
   t.my_targets = select_context_tokens(t.cp, t.targets.data(), o.mbs, seq, o.grad_acc);
   batch.inputs = t.my_inputs.data(), batch.targets = t.my_targets.data();
   batch.seq = seq / t.cp.size();
   if (t.ring) t.ring->work = &t.attention_work;  // training steps only, not validation
-  StepStats stats = run_schedule(t.ctx, t.comm, t.model, t.sync, batch, t.recompute, loss_scale,
-                                 t.trace, t.pipeline, &t.bubble);
+  t.observer.begin_schedule(step, true);
+  double loss_sum = run_schedule(t.ctx, t.comm, t.model, t.sync, batch, t.recompute, loss_scale,
+                                 t.pipeline, t.observer);
+  t.observer.end_schedule();
   if (t.ring) t.ring->work = nullptr;
-  if (t.block_bytes < 0) t.block_bytes = stats.block_bytes;
   double tw = now_seconds();
   t.sync.finish(t.ctx);
-  t.trace.add("wait for gradients", Track::Compute, tw, now_seconds());
-  all_reduce_host(t.comm.dp_cp, &stats.loss_sum, 1, ReduceOp::Sum);
-  all_reduce_host(t.comm.pp, &stats.loss_sum, 1, ReduceOp::Sum);  // the last stage holds it
-  float loss = (float)(stats.loss_sum / (t.global_batch * seq));
+  t.observer.span("wait for gradients", Track::Compute, tw, now_seconds());
+  all_reduce_host(t.comm.dp_cp, &loss_sum, 1, ReduceOp::Sum);
+  all_reduce_host(t.comm.pp, &loss_sum, 1, ReduceOp::Sum);  // the last stage holds it
+  float loss = (float)(loss_sum / (t.global_batch * seq));
   if (!std::isfinite(loss)) {
     if (t.comm.grid.world_rank == 0)
       fprintf(stderr, "error: loss is %f at step %lld; lower --lr or check the data\n", loss,
@@ -283,47 +281,34 @@ static bool train_step(Trainer& t, int64_t step) {
   if (t.steps_run == 0 && !o.save_grads.empty())  // whole gradients, before clipping
     all_or_none(t.comm, [&] { t.sync.save_gradients(t.ctx, o.save_grads, step); });
   double to = now_seconds();
-  if (t.fault.injects_inf(t.comm.grid.world_rank, step)) t.sync.poison_gradient(t.ctx);
-  t.fault.at(FaultWhere::Clip, t.comm.grid.world_rank, step);
-  const float scale = t.scaler.scale;  // the one this step's gradients carry
-  if (t.scaler.enabled) t.sync.scale_gradients(t.ctx, 1.0f / scale);
+  if (t.observer.injects_inf(step)) t.sync.poison_gradient(t.ctx);
+  t.observer.at(FaultWhere::Clip, step);
+  t.precision.unscale(t.ctx, t.sync);
   float norm = t.sync.clip_grad_norm(t.ctx, o.grad_clip);
-  bool take_step = true;
-  if (t.scaler.enabled) {  // an inf or NaN anywhere skips the step on every rank
-    double overflow = std::isfinite(norm) ? 0.0 : 1.0;
-    all_reduce_host(t.comm.world, &overflow, 1, ReduceOp::Max);
-    take_step = t.scaler.update(overflow == 0.0);
-  }
+  bool take_step = t.precision.keep_step(norm, t.comm.world);
   float lr = learning_rate(t.schedule, step);
-  t.fault.at(FaultWhere::Optimizer, t.comm.grid.world_rank, step);
-  if (take_step) {
-    t.sync.step(t.ctx, lr);
-    refresh_compute_copies(t.ctx);  // the bf16 / fp16 weights := the new fp32 master weights
-  }
+  t.observer.at(FaultWhere::Optimizer, step);
+  if (take_step) t.sync.step(t.ctx, lr);
   t.ctx.synchronize();
-  t.trace.add("optimizer", Track::Compute, to, now_seconds());
-  t.sync.trace_communication(t.trace);
+  t.observer.span("optimizer", Track::Compute, to, now_seconds());
+  t.sync.trace_communication(t.observer.trace());
   t.tp_traffic.close(t.comm.tp);
   t.steps_run++;
   uint64_t syncs = host_syncs() - syncs0;
   t.step_syncs_min = std::min(t.step_syncs_min, syncs);
   t.step_syncs_max = std::max(t.step_syncs_max, syncs);
-  t.trace.add("step " + std::to_string(step + 1) + " (" + std::to_string(syncs) + " host syncs)",
+  t.observer.span("step " + std::to_string(step + 1) + " (" + std::to_string(syncs) + " host syncs)",
               Track::Compute, t0, now_seconds());
   double dt = now_seconds() - t0;
   if (t.comm.grid.world_rank == 0) {
     double tok_s = t.global_batch * seq / dt;
-    std::string scaling;
-    if (t.scaler.enabled)
-      scaling = " | scale " + std::to_string((long long)scale) + (take_step ? "" : " (overflow: step skipped)");
     printf("step %5lld/%d | loss %.4f | lr %.2e | norm %.4f | %8.0f tok/s | %7.1f ms%s\n",
-           (long long)step + 1, o.steps, loss, lr, norm, tok_s, dt * 1e3, scaling.c_str());
+           (long long)step + 1, o.steps, loss, lr, norm, tok_s, dt * 1e3,
+           t.precision.step_note().c_str());
     if (t.log_json.is_open()) {
       nlohmann::json line{{"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm},
                           {"tokens_per_s", tok_s}};
-      if (t.scaler.enabled) line["loss_scale"] = scale, line["skipped"] = !take_step;
-      if (t.ctx.precision != Precision::FP32 && t.ctx.device == Device::CPU)
-        line["grad_underflow"] = rounding_stats(true).flushed_share();
+      t.precision.log_step(t.ctx, line);
       t.log_line = line;
     }
   }
@@ -331,7 +316,7 @@ static bool train_step(Trainer& t, int64_t step) {
 }
 
 static void validate(Trainer& t, int64_t step) {
-  t.fault.at(FaultWhere::Validation, t.comm.grid.world_rank, step);
+  t.observer.at(FaultWhere::Validation, step);
   const ModelConfig& c = t.o.model;
   int64_t windows = std::min<int64_t>(t.o.val_seqs, num_val_windows(t.data, c.seq));
   if (windows <= 0) return;
@@ -359,8 +344,8 @@ static void print_reports(Trainer& t) {
   bool main_rank = comm.grid.world_rank == 0;
   int64_t n_params = t.model.num_params;  // on this rank: the whole model over tp
   if (main_rank)
-    print_memory(n_params, t.sync.zero_stage(), comm.dp_cp.size, t.ctx.precision,
-                 t.sync.grad_dtype() == DType::BF16);
+    print_memory(n_params, t.sync.zero_stage(), comm.dp_cp.size, t.precision.compute(),
+                 t.precision.grads() == DType::BF16);
   for (const std::string& r : o.reports) {
     if (r == "sync" && main_rank && t.steps_run > 0) {
       // The points where the host waits for the device (core.cuh, count_host_sync): each one
@@ -372,15 +357,14 @@ static void print_reports(Trainer& t) {
     }
     if (r == "memory") {
       if (main_rank)
-        print_precision_memory(t.ctx.precision, n_params, t.sync.master_bytes(t.ctx),
-                               t.sync.grad_dtype() == DType::BF16);
+        print_precision_memory(t.precision.compute(), n_params, t.sync.master_bytes(),
+                               t.precision.grads() == DType::BF16);
       print_memory_report(comm, t.sync.zero_stage(), n_params, t.sync.padded_params(),
-                          t.ctx.precision,
-                          t.sync.grad_dtype() == DType::BF16);
-      if (main_rank && t.block_bytes >= 0)
+                          t.precision.compute(), t.precision.grads() == DType::BF16);
+      if (main_rank && t.observer.schedule().block_bytes >= 0)
         print_activation_report(
-            local_sequences(o), o.mbs, o.tp, o.sp, t.recompute, *t.model.attention, t.block_bytes,
-            t.ctx.precision == Precision::FP32 ? 4 : (int)dtype_size(output_dtype(t.ctx.precision)));
+            local_sequences(o), o.mbs, o.tp, o.sp, t.recompute, *t.model.attention, t.observer.schedule().block_bytes,
+            (int)dtype_size(t.precision.weight_format()));
     }
     if (r == "comm") {
       print_comm_report(comm, n_params, t.steps_run);
@@ -389,7 +373,7 @@ static void print_reports(Trainer& t) {
         print_tp_comm_report(o.model, o.mbs, o.grad_acc, o.tp, o.sp, t.tp_traffic.total,
                              t.steps_run);
     }
-    if (r == "bubble") print_bubble_report(comm, t.pipeline, o.grad_acc, t.bubble);
+    if (r == "bubble") print_bubble_report(comm, t.pipeline, o.grad_acc, t.observer.schedule());
     if (r == "balance") print_balance_report(comm, t.cp, t.attention_work, t.steps_run);
   }
 }
@@ -399,12 +383,13 @@ static void finish_run(Trainer& t) {
   const Options& o = t.o;
   bool main_rank = t.comm.grid.world_rank == 0;
   if (!o.save.empty()) {  // whole tensors, whatever the layout
-    all_or_none(t.comm, [&] { t.sync.save(t.ctx, o.save, parse_save_dtype(o.save_dtype)); });
+    all_or_none(t.comm,
+                [&] { t.sync.save(t.ctx, o.save, t.model.cfg, parse_save_dtype(o.save_dtype)); });
     if (main_rank)
       printf("saved %s (config.json, model.safetensors, optimizer.safetensors)\n", o.save.c_str());
   }
-  if (t.trace.enabled) {
-    all_or_none(t.comm, [&] { trace_write(t.trace, o.trace, t.comm.world); });
+  if (t.observer.trace().enabled) {
+    all_or_none(t.comm, [&] { trace_write(t.observer.trace(), o.trace, t.comm.world); });
     if (main_rank)
       printf("trace: %s (open in https://ui.perfetto.dev or chrome://tracing)\n", o.trace.c_str());
   }
@@ -416,7 +401,7 @@ static void finish_run(Trainer& t) {
     });
 }
 
-static int run(const Options& o, Comm& comm, Context& ctx) {
+static int run(const Options& o, Comm& comm, Context& ctx, PrecisionPolicy precision) {
   all_or_none(comm, [&] { check_before_start(o, comm); });  // memory, outputs: before any step
   if (!o.score.empty()) return score_file(ctx, comm, o);
   const ModelConfig& c = o.model;
@@ -424,14 +409,8 @@ static int run(const Options& o, Comm& comm, Context& ctx) {
   Dataset data = load_dataset(o.data, o.val_frac, c.seq);
   check_vocab(data, c.vocab);
   Model model = model_layout(comm, o);
-  std::unique_ptr<GradientSync> sync = make_gradient_sync(comm, model, o);
+  std::unique_ptr<GradientSync> sync = make_gradient_sync(comm, model, ctx, o, precision);
   int64_t first_step = o.load.empty() ? 0 : sync->load(o.load);
-  // Mixed precision: the GEMMs read a bf16 / fp16 copy of the weights; the fp32 buffer becomes
-  // the optimizer's master copy. ZeRO-3 holds no whole buffer to copy: its GEMMs round the
-  // gathered fp32 weights as they read them (the same numbers).
-  if (ctx.precision != Precision::FP32 && model.params.defined() &&
-      model.params.dtype == DType::F32)
-    keep_compute_copy(ctx, model.params);
   if (main_rank) {
     int64_t laid_out = 0;  // the layout's tensors, against the closed form
     for (const NamedTensor& p : model.named_params) laid_out += p.tensor.numel();
@@ -449,9 +428,9 @@ static int run(const Options& o, Comm& comm, Context& ctx) {
   t.inputs.resize(rank_batch * c.seq), t.targets.resize(rank_batch * c.seq);
   t.cp = context_parallel(comm, o);
   t.ring = dynamic_cast<const ContextParallelAttention*>(model.attention.get());
-  t.trace.enabled = !o.trace.empty();
-  if (!o.fault.empty()) t.fault = parse_fault(o.fault);
-  t.scaler = make_loss_scaler(ctx.precision, o.loss_scale, o.loss_scale_window, false);
+  t.observer = Observer(comm.grid.world_rank, o.fault.empty() ? Fault{} : parse_fault(o.fault),
+                        !o.trace.empty());
+  t.precision = precision;
   all_or_none(comm, [&] {
     if (main_rank && !o.log_json.empty()) t.log_json.open("--log-json", o.log_json);
   });
@@ -463,12 +442,8 @@ static int run(const Options& o, Comm& comm, Context& ctx) {
     if (t.log_json.is_open()) t.log_json.write_line(t.log_line.dump());
     fflush(stdout);
   }
-  if (main_rank && ctx.precision == Precision::FP8 && ctx.device == Device::CUDA) {
-    const Fp8GemmCounts n = fp8_gemm_counts();  // forward, dgrad and wgrad GEMMs (fp8_gemm.cuh)
-    printf("fp8 GEMMs on rank 0: %llu native (cuBLASLt block-scaled), %llu emulated\n",
-           (unsigned long long)n.native, (unsigned long long)n.emulated);
-  }
-  t.fault.at(FaultWhere::Save, comm.grid.world_rank, end - 1);  // where the checkpoint is saved
+  if (main_rank) t.precision.print_summary(ctx);
+  t.observer.at(FaultWhere::Save, end - 1);  // where the checkpoint is saved
   finish_run(t);
   barrier(comm, comm.world, ctx);  // no rank leaves while rank 0 still writes
   return 0;
@@ -501,9 +476,12 @@ int main(int argc, char** argv) {
     Comm comm = comm_init(o.dp, o.pp, o.cp, o.tp, o.comm, device, o.comm_timeout);
     set_sync_launches(o.sync_launches);
     Context ctx = Context::create(device);
-    ctx.precision = resolve_precision(o, device);
-    resolve_grad_dtype(o, ctx.precision);  // refused here, on every rank, before any step
-    code = run(o, comm, ctx);
+    // The precision policy (mixed_precision.cuh): refused here, on every rank, before any step.
+    const Precision compute = resolve_precision(o, device);
+    PrecisionPolicy precision(compute, resolve_grad_dtype(o, compute),
+                              make_loss_scaler(compute, o.loss_scale, o.loss_scale_window, false));
+    ctx.precision = compute;
+    code = run(o, comm, ctx, precision);
     ctx.destroy();
     comm_destroy(comm);
   } catch (const CLI::CallForHelp&) {

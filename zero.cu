@@ -39,7 +39,7 @@ int parse_zero_stage(int flag) {
   return flag;
 }
 
-ShardLayout make_shard_layout(const Model& model, int ranks, int rank) {
+ShardLayout make_shard_layout(const FlatParameters& model, int ranks, int rank) {
   ShardLayout s;
   s.ranks = ranks, s.rank = rank;
   for (const ModelUnit& mu : model.units) {
@@ -77,14 +77,15 @@ std::string zero_memory_formula(int stage, BytesPerParameter b) {
 // ----------------------------------------------------------------------------
 // Shards
 
-Zero::Zero(Comm& comm, Model& model, int stage, const AdamWConfig& hp, float weight_decay,
-           uint64_t seed, bool overlap, DType weight_format, DType grad_dtype)
+Zero::Zero(Comm& comm, FlatParameters& model, int stage, const AdamWConfig& hp,
+           float weight_decay, uint64_t seed, bool overlap, const PrecisionPolicy& precision)
     : GradientSync(comm, model, hp, weight_decay), stage_(stage), overlap_(overlap),
-      weight_format_(weight_format),
+      weight_format_(precision.weight_format()),
       accumulators_(model, [this](int u) {
         const ShardLayout::Unit& U = layout_.units[u];
         return model_.grads.view(U.padded_offset, {U.numel});
       }) {
+  const DType grad_dtype = precision.grads();
   grad_dtype_ = grad_dtype;
   PICO_ASSERT(stage >= 1 && stage <= 3, "ZeRO stage " + std::to_string(stage));
   PICO_ASSERT(!model.params.defined(), "Zero shards a model from build_model_layout");
@@ -99,14 +100,14 @@ Zero::Zero(Comm& comm, Model& model, int stage, const AdamWConfig& hp, float wei
     model.params = zeros({layout_.padded_numel()}, Mem::Params, d, weight_format_);
     for (size_t u = 0; u < units_.size(); u++) {
       const ShardLayout::Unit& U = layout_.units[u];
-      bind_unit_params(model, (int)u, model.params.view(U.padded_offset, {N * U.shard}));
+      model.bind_unit_params((int)u, model.params.view(U.padded_offset, {N * U.shard}));
       Tensor whole = model.params.view(U.padded_offset, {U.numel});
       if (weight_format_ == DType::F32) {
-        init_parameters(model, seed, whole, U.offset);
+        model.init_parameters(seed, whole, U.offset);
         continue;
       }
       Tensor fp32 = empty({U.numel}, Mem::Workspace, d);  // the unit's initial values, rounded
-      init_parameters(model, seed, fp32, U.offset);
+      model.init_parameters(seed, fp32, U.offset);
       cast_(whole, fp32);
     }
   }
@@ -114,7 +115,7 @@ Zero::Zero(Comm& comm, Model& model, int stage, const AdamWConfig& hp, float wei
     param_shard_ = zeros({S}, weight_format_ == DType::F32 ? Mem::Params : Mem::Optimizer, d);
     for (const ShardLayout::Unit& U : layout_.units)
       if (U.valid > 0)
-        init_parameters(model, seed, param_shard_.view(U.shard_offset, {U.valid}),
+        model.init_parameters(seed, param_shard_.view(U.shard_offset, {U.valid}),
                         U.offset + r * U.shard);
   }
   if (stage == 3 && weight_format_ != DType::F32) {  // the shard in the format it is gathered in
@@ -127,7 +128,7 @@ Zero::Zero(Comm& comm, Model& model, int stage, const AdamWConfig& hp, float wei
     model.grads = zeros({layout_.padded_numel()}, Mem::Grads, d, grad_dtype);
     for (size_t u = 0; u < units_.size() && grad_dtype == DType::F32; u++) {
       const ShardLayout::Unit& U = layout_.units[u];
-      bind_unit_grads(model, (int)u, model.grads.view(U.padded_offset, {N * U.shard}));
+      model.bind_unit_grads((int)u, model.grads.view(U.padded_offset, {N * U.shard}));
     }
   } else {
     grad_shard_ = zeros({S}, Mem::Grads, d, grad_dtype);
@@ -187,15 +188,6 @@ Tensor Zero::shard_view(Part part, int u, int64_t count) const {
 // ----------------------------------------------------------------------------
 // The hooks: which unit needs what, when
 
-// Forward: unit u reads its own weights, and a tied head the embedding's too. Backward reads
-// the same, except the embedding: its backward is a scatter-add of the ids, weights unread.
-std::vector<int> Zero::weights_read(int u, bool backward) const {
-  if (u < 0 || u >= (int)units_.size()) return {};
-  if (backward && u == model_.embedding_unit()) return {};
-  if (u == model_.head_unit() && model_.cfg.tie_embeddings) return {u, model_.embedding_unit()};
-  return {u};
-}
-
 UnitHooks Zero::hooks(const Context& ctx, bool last_micro_batch) {
   ctx_ = &ctx;
   UnitHooks h;
@@ -212,31 +204,31 @@ UnitHooks Zero::hooks(const Context& ctx, bool last_micro_batch) {
 // the next unit's gather, which then runs while this unit computes.
 void Zero::before_forward(int u) {
   progress();
-  for (int w : weights_read(u, false)) gather_unit(w);
+  for (int w : model_.weights_read(u, false)) gather_unit(w);
   if (overlap_)
-    for (int w : weights_read(u + 1, false)) launch_gather(w);
+    for (int w : model_.weights_read(u + 1, false)) launch_gather(w);
 }
 // Freed right after use, except the last unit's: its backward comes next, so its weights are
 // still resident when the backward starts (the book's "2L - 1", see expected_traffic).
 void Zero::after_forward(int u) {
   if (u == (int)units_.size() - 1) return;
-  for (int w : weights_read(u, false)) release_unit(w);
+  for (int w : model_.weights_read(u, false)) release_unit(w);
 }
 void Zero::before_backward(int u) {
   progress();
   if (stage_ == 1 && grad_dtype_ != DType::F32) accumulators_.hold(*ctx_, u);
   if (stage_ == 3) {
-    for (int w : weights_read(u, true)) gather_unit(w);
+    for (int w : model_.weights_read(u, true)) gather_unit(w);
     if (overlap_)
-      for (int w : weights_read(u - 1, true)) launch_gather(w);
+      for (int w : model_.weights_read(u - 1, true)) launch_gather(w);
   }
   if (stage_ >= 2)
-    for (int w : weights_read(u, false)) acquire_grads(w);  // the gradients it writes
+    for (int w : model_.weights_read(u, false)) acquire_grads(w);  // the gradients it writes
 }
 void Zero::after_backward(int u, bool last_micro_batch) {
   if (stage_ == 1 && grad_dtype_ != DType::F32) accumulators_.drop(*ctx_, u);
   if (stage_ == 3)
-    for (int w : weights_read(u, true)) release_unit(w);
+    for (int w : model_.weights_read(u, true)) release_unit(w);
   if (stage_ >= 2 || last_micro_batch) reduce_unit(u);  // §4.3: reduce-scatter as produced
   progress();
 }
@@ -267,13 +259,13 @@ void Zero::gather_unit(int u) {
   exposed_gather_s += t1 - t0;
   spans.push_back({"all-gather " + model_.units[u].name, s.gather_start, t1});
   s.gathering = false, s.resident = true;
-  bind_unit_params(model_, u, s.params);
+  model_.bind_unit_params(u, s.params);
 }
 
 void Zero::release_unit(int u) {
   UnitState& s = units_[u];
   PICO_ASSERT(!s.gathering, "released " + model_.units[u].name + " while its gather is in flight");
-  bind_unit_params(model_, u, Tensor());
+  model_.bind_unit_params(u, Tensor());
   s.params = Tensor();
   s.resident = false;
 }
@@ -284,7 +276,7 @@ void Zero::acquire_grads(int u) {
   if (s.grads.defined() && !s.reducing) return;  // already taken this micro-batch (tied head)
   complete_reduce(u);  // the previous micro-batch's reduce-scatter of this unit
   s.grads = zeros({layout_.ranks * layout_.units[u].shard}, Mem::Workspace, comm_.device);
-  bind_unit_grads(model_, u, s.grads);
+  model_.bind_unit_grads(u, s.grads);
 }
 
 // Sums unit u's gradients over dp_cp, in place: this rank's slice of the unit's full buffer
@@ -332,7 +324,7 @@ void Zero::complete_reduce(int u) {
       cast_(*ctx_, shard, sum);
       s.wire = Tensor();
     }
-    bind_unit_grads(model_, u, Tensor());
+    model_.bind_unit_grads(u, Tensor());
     s.grads = Tensor();
   }
 }
@@ -516,9 +508,9 @@ ZeroTraffic Zero::expected_traffic(int grad_acc) const {
     for (int u = 0; u < units; u++) gather(u, 1);
   } else {
     for (int u = 0; u < units; u++)
-      for (int w : weights_read(u, false)) gather(w, grad_acc);
+      for (int w : model_.weights_read(u, false)) gather(w, grad_acc);
     for (int u = 0; u < units - 1; u++)  // the last unit: resident since its forward
-      for (int w : weights_read(u, true)) gather(w, grad_acc);
+      for (int w : model_.weights_read(u, true)) gather(w, grad_acc);
   }
   return t;
 }

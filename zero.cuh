@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "mixed_precision.cuh"
 #include "runtime/comm.cuh"
 #include "runtime/gradient_sync.cuh"
 
@@ -26,7 +27,7 @@ struct ShardLayout {
   int64_t shard_numel = 0;  // sum of S_u: the size of every shard buffer, on every rank
   int64_t padded_numel() const { return ranks * shard_numel; }  // Psi': Psi plus the padding
 };
-ShardLayout make_shard_layout(const Model& model, int ranks, int rank);
+ShardLayout make_shard_layout(const FlatParameters& model, int ranks, int rank);
 
 // Bytes per parameter of each category. fp32 training: 4 (weights), 4 (gradients), 8 (Adam m, v).
 // The book's mixed-precision figures use 2, 2 and k = 12 (fp32 master weights, m and v).
@@ -65,9 +66,8 @@ class Zero : public GradientSync {
   // it only (the book's 2Ψ + 4Ψ + 12Ψ/N for ZeRO-1), stage 3 a copy of its shard.
   // grad_dtype BF16 (--grad-acc-dtype bf16): the gradient buffers and shards in bf16, each
   // unit summed in fp32 while its backward runs, reduce-scattered in bf16.
-  Zero(Comm& comm, Model& model, int stage, const AdamWConfig& hp, float weight_decay,
-       uint64_t seed, bool overlap, DType weight_format = DType::F32,
-       DType grad_dtype = DType::F32);
+  Zero(Comm& comm, FlatParameters& model, int stage, const AdamWConfig& hp, float weight_decay,
+       uint64_t seed, bool overlap, const PrecisionPolicy& precision = {});
   int stage() const { return stage_; }
   const ShardLayout& layout() const { return layout_; }
 
@@ -86,8 +86,8 @@ class Zero : public GradientSync {
   // ---- measurements ----
   int zero_stage() const override { return stage_; }
   int64_t padded_params() const override { return layout_.padded_numel(); }
-  int64_t master_bytes(const Context& ctx) const override {
-    return weight_format_ != DType::F32 ? (int64_t)param_shard_.nbytes() : GradientSync::master_bytes(ctx);
+  int64_t master_bytes() const override {
+    return weight_format_ != DType::F32 ? (int64_t)param_shard_.nbytes() : 0;
   }
   DType weight_format() const { return weight_format_; }
   void trace_communication(Trace& trace) const override;
@@ -102,8 +102,6 @@ class Zero : public GradientSync {
   ZeroTraffic measured_traffic() const;  // summed over every step so far (training steps only)
   int64_t steps_measured = 0;
   ZeroTraffic expected_traffic(int grad_acc) const;  // per step, by the rules in zero.cu
-  // Units whose weights unit u reads, in forward or backward (see zero.cu).
-  std::vector<int> weights_read(int u, bool backward) const;
 
  protected:
   Tensor gather_flat(const Context& ctx, Part part) override;

@@ -55,7 +55,7 @@ static void bandwidth(Comm& comm, const Context& ctx, const char* backend) {
   }
 }
 
-static void dp_step(Comm& comm, const Context& ctx) {
+static void dp_step(Comm& comm, Context& ctx) {
   ModelConfig c = model_preset("medium");
   int mbs = 4, T = c.seq, tokens = mbs * T;
   std::vector<int32_t> ids(tokens), targets(tokens);
@@ -71,7 +71,7 @@ static void dp_step(Comm& comm, const Context& ctx) {
   for (Mode m : {Mode{"naive", DpSync::Naive, false}, Mode{"bucket, no overlap", DpSync::Bucket, false},
                  Mode{"bucket", DpSync::Bucket, true}, Mode{"ring", DpSync::Ring, true}}) {
     Model model = build_model_layout(c);
-    DataParallel dp(comm, model, m.sync, 25, m.overlap, AdamWConfig{}, 0.1f, 1);
+    DataParallel dp(comm, model, ctx, m.sync, 25, m.overlap, AdamWConfig{}, 0.1f, 1);
     double step_sum = 0, exposed_sum = 0;
     for (int rep = 0; rep < 4; rep++) {
       barrier(comm, comm.world, ctx);
@@ -104,7 +104,7 @@ struct ZeroRun {
   double step_ms = 0, exposed_gather_ms = 0, exposed_reduce_ms = 0;
   int64_t static_bytes = 0, peak_bytes = 0, padded = 0;
 };
-static ZeroRun zero_run(Comm& comm, const Context& ctx, int stage, bool overlap) {
+static ZeroRun zero_run(Comm& comm, Context& ctx, int stage, bool overlap) {
   ModelConfig c = model_preset("medium");
   int mbs = 4, T = c.seq, tokens = mbs * T, N = comm.dp_cp.size;
   std::vector<int32_t> ids(tokens), targets(tokens);
@@ -119,7 +119,7 @@ static ZeroRun zero_run(Comm& comm, const Context& ctx, int stage, bool overlap)
     if (stage > 0)
       sync.reset(zero = new Zero(comm, model, stage, AdamWConfig{}, 0.1f, 1, overlap));
     else
-      sync = std::make_unique<DataParallel>(comm, model, DpSync::Bucket, 25, true, AdamWConfig{},
+      sync = std::make_unique<DataParallel>(comm, model, ctx, DpSync::Bucket, 25, true, AdamWConfig{},
                                             0.1f, 1);
     for (int rep = 0; rep < 4; rep++) {
       barrier(comm, comm.world, ctx);
@@ -158,7 +158,7 @@ static std::string padded(const std::string& text, size_t width) {
   return text + std::string(width > columns ? width - columns : 0, ' ');
 }
 
-static void zero_steps(Comm& comm, const Context& ctx) {
+static void zero_steps(Comm& comm, Context& ctx) {
   ModelConfig c = model_preset("medium");
   int N = comm.dp_cp.size;
   bool root = comm.grid.world_rank == 0;

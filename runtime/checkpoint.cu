@@ -6,7 +6,7 @@
 // names, dtypes, shapes, sizes) before it touches a single weight.
 #include "runtime/checkpoint.cuh"
 
-#include "mixed_precision.cuh"
+#include "runtime/dtype.cuh"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -602,39 +602,127 @@ bool load_checkpoint(const std::string& dir_arg, const std::vector<NamedTensor>&
 // ----------------------------------------------------------------------------
 // Tensor-parallel shards: checkpoints always hold whole tensors
 
+// Each rank writes its block into a zeroed full tensor and the tp ranks sum them on rank 0:
+// blocks do not overlap (only one writer per replicated block), so the sum is exact.
+static std::vector<Tensor> gather_full_tensors(Group& tp, const std::vector<Tensor>& shards,
+                                               const std::vector<TpSlice>& layouts) {
+  if (tp.size == 1) return shards;
+  std::vector<Tensor> full;
+  for (size_t i = 0; i < shards.size(); i++) {
+    const TpSlice& l = layouts[i];
+    Tensor t = zeros(l.full_shape, Mem::Workspace);
+    if (l.writer) store_block(shards[i], t.f32(), l.row0, l.col0, l.full_cols());
+    host_wait(tp, "reduce of whole tensors", t.nbytes(), [&](MPI_Request* r) {
+      return MPI_Ireduce(tp.rank == 0 ? MPI_IN_PLACE : t.ptr, t.ptr, (int)t.numel(), MPI_FLOAT,
+                         MPI_SUM, 0, tp.mpi, r);
+    });
+    full.push_back(t);
+  }
+  return full;
+}
+static void scatter_full_tensors(const std::vector<Tensor>& full, const std::vector<Tensor>& shards,
+                          const std::vector<TpSlice>& layouts) {
+  for (size_t i = 0; i < shards.size(); i++) {
+    if (full[i].ptr == shards[i].ptr) continue;
+    std::vector<float> host = to_host_floats(full[i]);
+    load_block(shards[i], host.data(), layouts[i].row0, layouts[i].col0, layouts[i].full_cols());
+  }
+}
+
 static std::vector<Tensor> tensors_of(const std::vector<NamedTensor>& named) {
   std::vector<Tensor> t;
   for (const NamedTensor& n : named) t.push_back(n.tensor);
   return t;
 }
 
-std::vector<NamedTensor> whole_tensors(const Model& m, const std::vector<NamedTensor>& shards) {
-  if (m.tp.size() == 1) return shards;
-  std::vector<Tensor> whole = gather_full_tensors(m.tp, tensors_of(shards), m.layouts);
-  if (m.tp.rank() != 0) return {};
+std::vector<NamedTensor> whole_tensors(const FlatParameters& p, Group& tp,
+                                       const std::vector<NamedTensor>& shards) {
+  if (tp.size == 1) return shards;
+  std::vector<Tensor> whole = gather_full_tensors(tp, tensors_of(shards), p.layouts);
+  if (tp.rank != 0) return {};
   std::vector<NamedTensor> named;
   for (size_t i = 0; i < shards.size(); i++) named.push_back({shards[i].name, whole[i]});
   return named;
 }
 
-bool load_checkpoint_shards(const Model& m, const std::string& dir,
+bool load_checkpoint_shards(const FlatParameters& p, Group& tp, const std::string& dir,
                             const std::vector<NamedTensor>& params, OptimizerState* opt) {
-  if (m.tp.size() == 1) return load_checkpoint(dir, params, opt);
+  if (tp.size == 1) return load_checkpoint(dir, params, opt);
   auto whole_like = [&](const std::vector<NamedTensor>& shards) {
     std::vector<NamedTensor> whole;
     for (size_t i = 0; i < shards.size(); i++)
-      whole.push_back({shards[i].name, empty(m.layouts[i].full_shape, Mem::Workspace)});
+      whole.push_back({shards[i].name, empty(p.layouts[i].full_shape, Mem::Workspace)});
     return whole;
   };
   std::vector<NamedTensor> weights = whole_like(params);
   OptimizerState whole_opt;
   if (opt) whole_opt = {whole_like(opt->exp_avg), whole_like(opt->exp_avg_sq), 0};
   bool loaded = load_checkpoint(dir, weights, opt ? &whole_opt : nullptr);
-  scatter_full_tensors(tensors_of(weights), tensors_of(params), m.layouts);
+  scatter_full_tensors(tensors_of(weights), tensors_of(params), p.layouts);
   if (loaded) {
-    scatter_full_tensors(tensors_of(whole_opt.exp_avg), tensors_of(opt->exp_avg), m.layouts);
-    scatter_full_tensors(tensors_of(whole_opt.exp_avg_sq), tensors_of(opt->exp_avg_sq), m.layouts);
+    scatter_full_tensors(tensors_of(whole_opt.exp_avg), tensors_of(opt->exp_avg), p.layouts);
+    scatter_full_tensors(tensors_of(whole_opt.exp_avg_sq), tensors_of(opt->exp_avg_sq), p.layouts);
     opt->step = whole_opt.step;
   }
   return loaded;
+}
+
+// ----------------------------------------------------------------------------
+// Pipeline stages: the stages' tensors on one rank
+
+// Hugging Face order: the embedding, the blocks by index (each block's tensors as they come),
+// the final norm, the LM head.
+static std::pair<int, int> hf_rank(const std::string& name) {
+  const std::string layers = "model.layers.";
+  if (name.rfind("model.embed_tokens", 0) == 0) return {0, 0};
+  if (name.rfind(layers, 0) == 0) return {1, std::stoi(name.substr(layers.size()))};
+  if (name.rfind("model.norm", 0) == 0) return {2, 0};
+  return {3, 0};
+}
+
+std::vector<NamedTensor> gather_stage_tensors(Group& g, const std::vector<NamedTensor>& mine) {
+  if (g.size == 1) return mine;
+  // Each rank packs its tensors: name, dims, shape, values; pp rank 0 gathers the packs.
+  std::vector<char> pack;
+  auto put = [&](const void* data, size_t bytes) {
+    pack.insert(pack.end(), (const char*)data, (const char*)data + bytes);
+  };
+  for (const NamedTensor& t : mine) {
+    int64_t name_size = (int64_t)t.name.size(), dims = t.tensor.dim();
+    put(&name_size, sizeof name_size), put(t.name.data(), t.name.size());
+    put(&dims, sizeof dims), put(t.tensor.shape.data(), dims * sizeof(int64_t));
+    std::vector<float> values = to_host_floats(t.tensor);
+    put(values.data(), values.size() * sizeof(float));
+  }
+  int size = (int)pack.size();
+  std::vector<int> sizes(g.size), offsets(g.size, 0);
+  host_wait(g, "gather of the stages' tensors", sizeof size, [&](MPI_Request* r) {
+    return MPI_Igather(&size, 1, MPI_INT, sizes.data(), 1, MPI_INT, 0, g.mpi, r);
+  });
+  for (int r = 1; r < g.size; r++) offsets[r] = offsets[r - 1] + sizes[r - 1];
+  std::vector<char> all(g.rank == 0 ? offsets.back() + sizes.back() : 0);
+  host_wait(g, "gather of the stages' tensors", size, [&](MPI_Request* r) {
+    return MPI_Igatherv(pack.data(), size, MPI_CHAR, all.data(), sizes.data(), offsets.data(),
+                        MPI_CHAR, 0, g.mpi, r);
+  });
+  std::vector<NamedTensor> whole;
+  for (size_t at = 0; at < all.size();) {
+    auto get = [&](void* data, size_t bytes) {
+      std::copy_n(&all[at], bytes, (char*)data), at += bytes;
+    };
+    int64_t name_size = 0, dims = 0;
+    get(&name_size, sizeof name_size);
+    std::string name(name_size, '\0');
+    get(name.data(), name_size);
+    get(&dims, sizeof dims);
+    std::vector<int64_t> shape(dims);
+    get(shape.data(), dims * sizeof(int64_t));
+    Tensor t = empty(shape, Mem::Workspace);
+    get(t.ptr, t.nbytes());
+    whole.push_back({name, t});
+  }
+  std::stable_sort(whole.begin(), whole.end(), [](const NamedTensor& a, const NamedTensor& b) {
+    return hf_rank(a.name) < hf_rank(b.name);
+  });
+  return whole;
 }

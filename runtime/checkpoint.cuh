@@ -8,7 +8,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "model.cuh"
+#include "runtime/comm.cuh"
+#include "runtime/model_config.cuh"
+#include "runtime/parameters.cuh"
 
 // safetensors: u64 little-endian header length, JSON header
 // {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {str: str}}, raw data.
@@ -47,11 +49,17 @@ ModelConfig read_checkpoint_config(const std::string& dir);
 bool load_checkpoint(const std::string& dir, const std::vector<NamedTensor>& params,
                      OptimizerState* opt);
 
-// Tensor-parallel models (Model::layouts, lists in named_params order); every tp rank calls
-// these. whole_tensors: the shards assembled into whole tensors on tp rank 0 (on the host);
-// other tp ranks get an empty list. One rank: the shards themselves.
-std::vector<NamedTensor> whole_tensors(const Model& m, const std::vector<NamedTensor>& shards);
+// Whole tensors from any layout (checkpoints, --save-grads). Tensor parallelism: every rank of
+// the tp group calls these. whole_tensors: the shards (p.layouts says where each sits)
+// assembled into whole tensors on tp rank 0 (on the host); other tp ranks get an empty list.
+// One rank: the shards themselves.
+std::vector<NamedTensor> whole_tensors(const FlatParameters& p, Group& tp,
+                                       const std::vector<NamedTensor>& shards);
 // Reads whole tensors and keeps each shard's block: weights into `params`, and the optimizer
 // moments into opt's lists when opt is given. Returns true when optimizer state was loaded.
-bool load_checkpoint_shards(const Model& m, const std::string& dir,
+bool load_checkpoint_shards(const FlatParameters& p, Group& tp, const std::string& dir,
                             const std::vector<NamedTensor>& params, OptimizerState* opt);
+// Pipeline stages: every stage's tensors together on rank 0 of the pp group `g`, in Hugging
+// Face order (the embedding, the blocks by index, the final norm, the LM head); collective
+// over g; other ranks get an empty list.
+std::vector<NamedTensor> gather_stage_tensors(Group& g, const std::vector<NamedTensor>& mine);

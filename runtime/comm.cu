@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "runtime/comm_internal.cuh"
-#include "mixed_precision.cuh"
+#include "runtime/dtype.cuh"
 
 const char* coll_name(Coll c) {
   static const char* names[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce",

@@ -31,22 +31,6 @@ void fatal_abort() {
   abort();
 }
 
-const char* fault_where_name(FaultWhere w) {
-  const char* names[] = {"init", "step",      "forward",    "backward",
-                         "clip", "optimizer", "validation", "save"};
-  return names[(int)w];
-}
-
-void Fault::at(FaultWhere here, int world_rank, int64_t now) const {
-  if (kind.empty() || kind == "inf" || rank != world_rank || step != now || where != here) return;
-  fprintf(stderr, "rank %d: injected fault '%s' at step %lld, %s\n", world_rank, kind.c_str(),
-          (long long)now, fault_where_name(here));
-  fflush(stderr);
-  if (kind == "crash") raise(SIGKILL);
-  if (kind == "hang") for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
-  PICO_ASSERT(kind != "error", "injected error");
-}
-
 const char* device_name(Device d) { return d == Device::CPU ? "cpu" : "cuda"; }
 static const DType kDTypes[] = {DType::F32, DType::I32, DType::BF16, DType::F16, DType::F8E4M3,
                                 DType::F8E5M2};

@@ -74,27 +74,6 @@ struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// --fault KIND:RANK:STEP[:WHERE] (parsed in options.cu), for testing that a failed rank never
-// hangs the job: at place WHERE of step STEP, rank RANK kills itself (crash), stops answering
-// (hang) or fails a check (error); kind inf puts an infinity into its gradient instead. The
-// places, in the order a run passes them (Init: before the communicators are set up, step 0
-// only):
-enum class FaultWhere { Init, Step, Forward, Backward, Clip, Optimizer, Validation, Save };
-const char* fault_where_name(FaultWhere w);  // "step", "forward", ...
-struct Fault {
-  std::string kind;  // crash | hang | error; empty: no fault
-  int rank = 0;
-  int64_t step = 0;
-  FaultWhere where = FaultWhere::Step;
-  // Called at each place: fires when this rank, step and place are the fault's.
-  void at(FaultWhere here, int world_rank, int64_t now) const;
-  // Kind inf (fp16 loss scaling's test): this rank's gradient gets an infinity after the
-  // backward of this step, as an fp16 overflow would put there.
-  bool injects_inf(int world_rank, int64_t now) const {
-    return kind == "inf" && rank == world_rank && step == now;
-  }
-};
-
 // ----------------------------------------------------------------------------
 // Devices, dtypes, memory categories
 

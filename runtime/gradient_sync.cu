@@ -4,46 +4,41 @@
 // model as one process would: each weight once, whole.
 #include <cmath>
 
-#include "runtime/checkpoint.cuh"
-#include "mixed_precision.cuh"
-#include "pipeline_parallel.cuh"
 #include "runtime/gradient_sync.cuh"
 
-GradientSync::GradientSync(Comm& comm, Model& model, const AdamWConfig& hp, float weight_decay)
+#include "runtime/checkpoint.cuh"
+#include "runtime/dtype.cuh"
+#include "runtime/ops.cuh"
+
+GradientSync::GradientSync(Comm& comm, FlatParameters& model, const AdamWConfig& hp,
+                           float weight_decay)
     : comm_(comm), model_(model) {
   adamw_.hp = hp;
   adamw_.weight_decay = weight_decay;
 }
 
-Bf16Accumulators::Bf16Accumulators(Model& model, std::function<Tensor(int)> bf16_unit)
+Bf16Accumulators::Bf16Accumulators(FlatParameters& model, std::function<Tensor(int)> bf16_unit)
     : model_(model), bf16_unit_(std::move(bf16_unit)) {
   acc_.resize(model.units.size());
   holders_.assign(model.units.size(), 0);
 }
 
-std::vector<int> Bf16Accumulators::written(int unit) const {
-  const int embedding = model_.embedding_unit();
-  if (unit == model_.head_unit() && model_.cfg.tie_embeddings && embedding >= 0)
-    return {unit, embedding};  // the tied LM head's gradient is the embedding's
-  return {unit};
-}
-
 void Bf16Accumulators::hold(const Context& ctx, int unit) {
-  for (int u : written(unit)) {
+  for (int u : model_.grads_written(unit)) {  // a tied LM head writes the embedding's too
     if (holders_[u]++ > 0) continue;
     Tensor acc = empty(ctx, {model_.units[u].numel}, Mem::Workspace);
     cast_(ctx, acc, bf16_unit_(u));  // the bf16 sum so far, exactly
-    bind_unit_grads(model_, u, acc);
+    model_.bind_unit_grads(u, acc);
     acc_[u] = acc;
   }
 }
 
 void Bf16Accumulators::drop(const Context& ctx, int unit) {
-  for (int u : written(unit)) {
+  for (int u : model_.grads_written(unit)) {
     PICO_ASSERT(holders_[u] > 0, "a unit's gradients dropped without being held");
     if (--holders_[u] > 0) continue;
     cast_(ctx, bf16_unit_(u), acc_[u]);  // rounded to bf16
-    bind_unit_grads(model_, u, Tensor());
+    model_.bind_unit_grads(u, Tensor());
     acc_[u] = Tensor();
   }
 }
@@ -67,10 +62,6 @@ float GradientSync::clip_grad_norm(const Context& ctx, float max_norm) {
   return norm;
 }
 
-int64_t GradientSync::master_bytes(const Context& ctx) const {
-  return ctx.weight_copies ? (int64_t)ctx.weight_copies->copies[0].master.nbytes() : 0;
-}
-
 void GradientSync::poison_gradient(const Context& ctx) {
   PICO_ASSERT(!slices_.empty(), "poison_gradient: this rank updates no parameter");
   const ParamSlice& s = slices_.front();
@@ -79,29 +70,30 @@ void GradientSync::poison_gradient(const Context& ctx) {
   cast_(Tensor{nullptr, s.grad, {1}, s.grad_dtype, ctx.device}, inf);
 }
 
-void GradientSync::save(const Context& ctx, const std::string& dir, DType weights_dtype) {
+void GradientSync::save(const Context& ctx, const std::string& dir, const ModelConfig& cfg,
+                        DType weights_dtype) {
   Tensor weights = gather_flat(ctx, Part::Params);
   Tensor m = gather_flat(ctx, Part::ExpAvg), v = gather_flat(ctx, Part::ExpAvgSq);
   if (comm_.dp_cp.rank != 0) return;  // then the tp shards, and the stages, meet on world rank 0
   auto whole = [&](const Tensor& flat) {
-    return gather_pipeline_tensors(comm_, whole_tensors(model_, named_views(model_, flat)));
+    return gather_stage_tensors(comm_.pp, whole_tensors(model_, comm_.tp, named_views(model_, flat)));
   };
   std::vector<NamedTensor> w = whole(weights);
   OptimizerState state{whole(m), whole(v), adamw_.steps};
-  if (comm_.grid.world_rank == 0) save_checkpoint(dir, model_.cfg, w, &state, weights_dtype);
+  if (comm_.grid.world_rank == 0) save_checkpoint(dir, cfg, w, &state, weights_dtype);
 }
 
 void GradientSync::save_gradients(const Context& ctx, const std::string& path, int64_t step) {
   Tensor grads = gather_flat(ctx, Part::Grads);
   if (comm_.dp_cp.rank != 0) return;
   std::vector<NamedTensor> whole =
-      gather_pipeline_tensors(comm_, whole_tensors(model_, named_views(model_, grads)));
+      gather_stage_tensors(comm_.pp, whole_tensors(model_, comm_.tp, named_views(model_, grads)));
   if (comm_.grid.world_rank == 0) write_safetensors(path, whole, {{"step", std::to_string(step)}});
 }
 
 // The tensors of `mine` (a rank's part of the model) picked by name out of the flat vector of
 // `whole` (the whole model, same tp shard): [mine.num_params], on the host.
-static Tensor part_of(const Model& whole, const Tensor& flat, const Model& mine) {
+static Tensor part_of(const FlatParameters& whole, const Tensor& flat, const FlatParameters& mine) {
   if (whole.num_params == mine.num_params) return flat;  // the whole model is this rank's
   Tensor part = empty({mine.num_params}, Mem::Workspace, Device::CPU);
   std::vector<NamedTensor> from = named_views(whole, flat), to = named_views(mine, part);
@@ -114,12 +106,14 @@ static Tensor part_of(const Model& whole, const Tensor& flat, const Model& mine)
 int64_t GradientSync::load(const std::string& dir) {
   // Every rank reads the whole checkpoint (its tp shard of every tensor) and keeps its part:
   // its stage's tensors under pipeline parallelism, its dp_cp slice under ZeRO.
-  Model whole = build_model_layout(model_.cfg, model_.tp);
+  std::unique_ptr<FlatParameters> layout = model_.whole_layout();
+  const FlatParameters& whole = *layout;
   int64_t n = whole.num_params;
   Tensor weights = empty({n}, Mem::Workspace, Device::CPU);
   Tensor m = zeros({n}, Mem::Workspace, Device::CPU), v = zeros({n}, Mem::Workspace, Device::CPU);
   OptimizerState state{named_views(whole, m), named_views(whole, v), 0};
-  bool with_optimizer = load_checkpoint_shards(whole, dir, named_views(whole, weights), &state);
+  bool with_optimizer =
+      load_checkpoint_shards(whole, comm_.tp, dir, named_views(whole, weights), &state);
   load_flat(Part::Params, part_of(whole, weights, model_));
   load_flat(Part::ExpAvg, part_of(whole, m, model_));
   load_flat(Part::ExpAvgSq, part_of(whole, v, model_));

@@ -8,8 +8,9 @@
 #include <vector>
 
 #include "runtime/comm.cuh"
-#include "model.cuh"
+#include "runtime/model_config.cuh"
 #include "runtime/optimizer.cuh"
+#include "runtime/parameters.cuh"
 
 // Gradients kept in bf16 (--grad-acc-dtype bf16): while a unit's backward runs, its gradient
 // views point at an fp32 accumulator that starts from the bf16 sum so far; once no backward
@@ -19,13 +20,12 @@
 class Bf16Accumulators {
  public:
   // `bf16_unit(u)`: where unit u's gradient lives in bf16, laid out as in the flat buffer.
-  Bf16Accumulators(Model& model, std::function<Tensor(int)> bf16_unit);
+  Bf16Accumulators(FlatParameters& model, std::function<Tensor(int)> bf16_unit);
   void hold(const Context& ctx, int unit);  // this unit's, and a tied head's embedding's
   void drop(const Context& ctx, int unit);
 
  private:
-  std::vector<int> written(int unit) const;
-  Model& model_;
+  FlatParameters& model_;
   std::function<Tensor(int)> bf16_unit_;
   std::vector<Tensor> acc_;
   std::vector<int> holders_;
@@ -34,9 +34,9 @@ class Bf16Accumulators {
 class GradientSync {
  public:
   // `model` is a layout (build_model_layout): the implementation allocates what it keeps.
-  GradientSync(Comm& comm, Model& model, const AdamWConfig& hp, float weight_decay);
+  GradientSync(Comm& comm, FlatParameters& model, const AdamWConfig& hp, float weight_decay);
   virtual ~GradientSync() = default;
-  const Model& model() const { return model_; }
+  const FlatParameters& parameters() const { return model_; }
 
   // ---- one training step, in this order (DESIGN 7) ----
   virtual void begin_step(const Context& ctx) = 0;  // zeroes the gradients
@@ -63,7 +63,9 @@ class GradientSync {
   virtual void release_weights() {}
 
   // ---- checkpoints hold whole tensors, whatever the layout (collective) ----
-  void save(const Context& ctx, const std::string& dir, DType weights_dtype = DType::F32);
+  // `cfg` goes into config.json.
+  void save(const Context& ctx, const std::string& dir, const ModelConfig& cfg,
+            DType weights_dtype = DType::F32);
   void save_gradients(const Context& ctx, const std::string& path, int64_t step);
   // Every rank reads the whole files and keeps its part, so any layout resumes any other.
   // Returns the optimizer step (0 when the directory has no optimizer state).
@@ -75,7 +77,7 @@ class GradientSync {
   // Bytes of fp32 master weights kept apart from the weights the model computes with (mixed
   // precision): a kept copy's master, or ZeRO-1/2's master shard; 0 when the model's own
   // weights are what the optimizer updates.
-  virtual int64_t master_bytes(const Context& ctx) const;
+  virtual int64_t master_bytes() const = 0;
   virtual void trace_communication(Trace& trace) const = 0;               // this step's collectives
   virtual void print_comm_report(int grad_acc) const { (void)grad_acc; }  // rank 0 prints
 
@@ -90,7 +92,7 @@ class GradientSync {
   virtual bool grads_sharded() const = 0;  // each dp_cp rank holds a slice of the gradient
 
   Comm& comm_;
-  Model& model_;
+  FlatParameters& model_;
   AdamW adamw_;
   std::vector<ParamSlice> slices_;  // what this rank's optimizer updates
   DType grad_dtype_ = DType::F32;   // of the gradient buffers (--grad-acc-dtype)

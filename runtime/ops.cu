@@ -4,7 +4,7 @@
 // elementwise and row-wise ops, and every one of them has a simple backward.
 #include "runtime/ops.cuh"
 
-#include "mixed_precision.cuh"
+#include "runtime/dtype.cuh"
 
 #include <cblas.h>
 
@@ -33,25 +33,6 @@ void gemm(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K, f
   CUBLAS_CHECK(cublasSgemm(ctx.cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
                            trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha, B, ldb, A, lda,
                            &beta, C, ldc));
-}
-
-void linear_forward(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& W) {
-  int T = (int)x.size(0), in = (int)x.size(-1), out = (int)W.size(0);
-  PICO_ASSERT(W.size(1) == in && y.numel() == (int64_t)T * out, "linear_forward shapes");
-  if (ctx.precision != Precision::FP32) return low_precision_linear_forward(ctx, y, x, W);
-  gemm(ctx, false, true, T, out, in, 1.0f, x.f32(), in, W.f32(), in, 0.0f, y.f32(), out);
-}
-
-void linear_backward(const Context& ctx, const Tensor& dx, const Tensor& dW, const Tensor& dy,
-                     const Tensor& x, const Tensor& W, bool accumulate_dx) {
-  if (ctx.precision != Precision::FP32)
-    return low_precision_linear_backward(ctx, dx, dW, dy, x, W, accumulate_dx);
-  int T = (int)x.size(0), in = (int)x.size(-1), out = (int)W.size(0);
-  if (dx.defined())  // dx[T, in] = dy[T, out] @ W[out, in]
-    gemm(ctx, false, false, T, in, out, 1.0f, dy.f32(), out, W.f32(), in,
-         accumulate_dx ? 1.0f : 0.0f, dx.f32(), in);
-  if (dW.defined())  // dW[out, in] += dy^T[out, T] @ x[T, in]
-    gemm(ctx, true, false, out, in, T, 1.0f, dy.f32(), out, x.f32(), in, 1.0f, dW.f32(), in);
 }
 
 // ============================================================================

@@ -10,14 +10,6 @@
 // (op(A) is [M,K], op(B) is [K,N]). CPU: cblas_sgemm; CUDA: cublasSgemm.
 void gemm(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha,
           const float* A, int lda, const float* B, int ldb, float beta, float* C, int ldc);
-// y[T, out] = x[T, in] @ W[out, in]^T
-void linear_forward(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& W);
-// dx[T, in] (= or += when accumulate_dx) dy[T, out] @ W ; dW[out, in] += dy^T @ x.
-// dx or dW may be undefined: that half is not computed (no input gradient is needed, or a
-// zero-bubble pipeline computes the weight gradient later).
-void linear_backward(const Context& ctx, const Tensor& dx, const Tensor& dW, const Tensor& dy,
-                     const Tensor& x, const Tensor& W, bool accumulate_dx = false);
-
 // ---- embedding ----
 // out[T, D] = table[ids[t], :]; ids [T] int32; id -1 gives a zero row (and no gradient): the
 // ids another rank's vocabulary slice holds under tensor parallelism

@@ -3,7 +3,7 @@
 // why it dominates static memory, and why ZeRO shards it first (Playbook §4).
 #include <cmath>
 
-#include "mixed_precision.cuh"
+#include "runtime/dtype.cuh"
 #include "runtime/optimizer.cuh"
 
 bool weight_decays(const Tensor& param) {
@@ -14,7 +14,7 @@ AdamMoments adam_moments(int64_t n, Device device) {
   return {zeros({n}, Mem::Optimizer, device), zeros({n}, Mem::Optimizer, device)};
 }
 
-std::vector<ParamSlice> whole_model_slices(const Model& model, const AdamMoments& moments) {
+std::vector<ParamSlice> whole_model_slices(const FlatParameters& model, const AdamMoments& moments) {
   std::vector<ParamSlice> slices;
   for (int u = 0; u < (int)model.units.size(); u++)
     for (int p = model.units[u].first; p < model.units[u].first + model.units[u].count; p++) {

@@ -2,7 +2,7 @@
 // rule, and the learning-rate schedule. Adam keeps two fp32 moments per parameter: the 8 bytes
 // of the book's 16 bytes per parameter (Playbook §2.4: 4 weights + 4 gradients + 8 optimizer).
 #pragma once
-#include "model.cuh"
+#include "runtime/parameters.cuh"
 #include "runtime/ops.cuh"
 
 // A run of one parameter that this rank updates: `count` contiguous floats of its weights, its
@@ -29,7 +29,7 @@ struct AdamMoments {
 AdamMoments adam_moments(int64_t n, Device device);
 // One slice per parameter, for a model whose flat buffers hold all of its parameters (plain
 // data parallelism, one process); `moments` laid out like model.params.
-std::vector<ParamSlice> whole_model_slices(const Model& model, const AdamMoments& moments);
+std::vector<ParamSlice> whole_model_slices(const FlatParameters& model, const AdamMoments& moments);
 
 struct AdamW {
   AdamWConfig hp;

@@ -257,45 +257,6 @@ void resolve_options(Options& o, const std::vector<ShapeFlag>& shape) {
   }
 }
 
-// KIND:RANK:STEP[:WHERE] with KIND crash, hang or error, RANK and STEP non-negative integers,
-// WHERE one of the places of FaultWhere (default step).
-Fault parse_fault(const std::string& value) {
-  auto fail = [&](const std::string& why) {
-    return UsageError("--fault " + value + ": " + why +
-                      "; expected KIND:RANK:STEP[:WHERE], e.g. crash:1:3 or hang:0:2:backward");
-  };
-  std::vector<std::string> fields;
-  for (size_t from = 0;;) {
-    size_t colon = value.find(':', from);
-    fields.push_back(value.substr(from, colon - from));
-    if (colon == std::string::npos) break;
-    from = colon + 1;
-  }
-  if (fields.size() != 3 && fields.size() != 4) throw fail("not three or four fields");
-  Fault f;
-  f.kind = fields[0];
-  if (f.kind != "crash" && f.kind != "hang" && f.kind != "error" && f.kind != "inf")
-    throw fail("unknown kind '" + f.kind + "' (crash, hang, error or inf)");
-  auto integer = [&](const std::string& text, const char* what) {
-    if (text.empty() || text.size() > 12 || text.find_first_not_of("0123456789") != std::string::npos)
-      throw fail(std::string(what) + " '" + text + "' is not a non-negative integer");
-    return std::stoll(text);
-  };
-  f.rank = (int)integer(fields[1], "rank");
-  f.step = integer(fields[2], "step");
-  if (fields.size() == 4 && f.kind == "inf")
-    throw fail("inf has no place: it is put into the gradient after the step's backward");
-  if (fields.size() == 4) {
-    std::string places;
-    for (int w = 0; w <= (int)FaultWhere::Save; w++) {
-      if (fields[3] == fault_where_name((FaultWhere)w)) return f.where = (FaultWhere)w, f;
-      places += std::string(w ? ", " : "") + fault_where_name((FaultWhere)w);
-    }
-    throw fail("unknown place '" + fields[3] + "' (" + places + ")");
-  }
-  return f;
-}
-
 Precision resolve_precision(const Options& o, Device device) {
   if (o.dtype == "auto") return device == Device::CUDA ? Precision::BF16 : Precision::FP32;
   Precision p = parse_precision(o.dtype);

@@ -54,8 +54,6 @@ void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape);
 // Builds the model config (preset, flags, or checkpoint) and checks every flag; throws
 // UsageError naming the flag and the fix.
 void resolve_options(Options& o, const std::vector<ShapeFlag>& shape);
-// --fault KIND:RANK:STEP[:WHERE] as a Fault (core.cuh); throws UsageError naming --fault.
-Fault parse_fault(const std::string& flag_value);
 // Before anything is allocated (collective, every rank): the predicted memory of a rank fits
 // its device (host memory on CPU, the GPU's on CUDA, shared by the ranks that share it), and
 // on world rank 0 every output path (--save, --save-grads, --log-json, --trace) can be

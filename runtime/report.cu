@@ -229,7 +229,7 @@ void print_zero_comm_report(const Comm& comm, const Zero& zero, int grad_acc) {
         "block, not the head (still resident from the forward) nor the embedding (its backward "
         "reads no weights)\n",
         grad_acc,
-        zero.model().cfg.tie_embeddings ? ", and the embedding again for the tied head" : "");
+        zero.parameters().weights_read((int)zero.parameters().units.size() - 1, false).size() > 1 ? ", and the embedding again for the tied head" : "");
 }
 
 // ----------------------------------------------------------------------------
@@ -303,7 +303,7 @@ void print_tp_comm_report(const ModelConfig& cfg, int mbs, int grad_acc, int tp,
 }
 
 void print_bubble_report(Comm& comm, const PipelineConfig& cfg, int m,
-                         const PipelineMeasure& measured) {
+                         const ScheduleMeasure& measured) {
   const Grid& G = comm.grid;
   double mine[3] = {measured.busy_s, measured.step_s, (double)measured.peak_in_flight};
   std::vector<double> all(3 * G.world_size);

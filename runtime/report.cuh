@@ -58,7 +58,7 @@ void print_tp_comm_report(const ModelConfig& cfg, int mbs, int grad_acc, int tp,
 // t_b = 2 t_f), the book's formula, and the micro-batches in flight measured from the
 // activation memory next to the schedule's. Collective: every rank calls it; rank 0 prints.
 void print_bubble_report(Comm& comm, const PipelineConfig& cfg, int micro_batches,
-                         const PipelineMeasure& measured);
+                         const ScheduleMeasure& measured);
 // Context parallelism (Playbook §7.3): per cp rank, the attention blocks and (query, key) pairs
 // it computed per training step and the time it took, next to what the split predicts:
 // zig-zag gives every rank the same pairs; contiguous chunks give rank r r + 1 blocks.

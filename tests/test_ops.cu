@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cuda_case.cuh"
+#include "mixed_precision.cuh"
 #include "runtime/ops.cuh"
 
 namespace {

@@ -52,9 +52,9 @@ static void require_complete_table(PpSchedule s, int p, int m, int V) {
     for (const PipelineOp& op : pipeline_schedule(s, p, r, m, V)) {
       std::pair<int, int> key{op.micro, op.chunk};
       REQUIRE((op.micro >= 0 && op.micro < m && op.chunk >= 0 && op.chunk < V));
-      if (op.kind == PipelineOp::Forward) {
+      if (op.kind == Phase::Forward) {
         REQUIRE(forwarded.insert(key).second);
-      } else if (op.kind == PipelineOp::Backward) {
+      } else if (op.kind == Phase::Backward) {
         REQUIRE(forwarded.count(key));
         REQUIRE(backwarded.insert(key).second);
       } else {

@@ -207,8 +207,8 @@ TEST_CASE("a transformers checkpoint loaded into tp shards is assembled into the
     INFO("fixture " << name << " at tp " << n);
     Golden g = read_golden(name);
     Model model = build_model(g.cfg, Device::CPU, 1, w.tp);
-    load_checkpoint_shards(model, g.dir, model.named_params, nullptr);
-    std::vector<NamedTensor> whole = whole_tensors(model, model.named_params);
+    load_checkpoint_shards(model, model.tp.group(), g.dir, model.named_params, nullptr);
+    std::vector<NamedTensor> whole = whole_tensors(model, model.tp.group(), model.named_params);
     if (w.rank() != 0) continue;
     save_checkpoint(tmp + "/" + name, g.cfg, whole, nullptr, g.dtype);
     require_fixture_bytes(tmp + "/" + name + "/model.safetensors", g);

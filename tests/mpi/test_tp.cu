@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "gpu_ranks.cuh"
+#include "mixed_precision.cuh"
 #include "runtime/ops.cuh"
 #include "tensor_parallel.cuh"
 
@@ -322,7 +323,7 @@ TEST_CASE("attention and MLP split over tp (with and without SP) equal the unsha
       CHECK(l2 == Approx(l1).epsilon(1e-5));
       model_backward(kCpu, whole, a1, 1.0f / (B * T), Recompute::None);
       model_backward(kCpu, shard, a2, 1.0f / (B * T), Recompute::None);
-      std::vector<NamedTensor> grads = whole_tensors(shard, shard.named_grads);
+      std::vector<NamedTensor> grads = whole_tensors(shard, shard.tp.group(), shard.named_grads);
       if (t.tp.rank() != 0) continue;  // the whole gradients are on tp rank 0
       for (const NamedTensor& g : whole.named_grads) {
         std::vector<float> ref = to_host_floats(g.tensor), got = whole_of(grads, g.name);

@@ -5,14 +5,16 @@
 #include <cmath>
 #include <vector>
 
-#include "runtime/comm.cuh"
 #include "data_parallel.cuh"
+#include "model.cuh"
+#include "runtime/comm.cuh"
 #include "zero.cuh"
 
 namespace {
 
 struct WorldComm {  // dp = world, freed at the end of the test case
   Comm c;
+  Context ctx;  // CPU: where plain data parallelism would register a weight copy
   WorldComm() {
     int n = 1;
     MPI_Comm_size(MPI_COMM_WORLD, &n);
@@ -104,7 +106,7 @@ TEST_CASE("after two ZeRO steps every rank holds plain data parallelism's weight
           "[mpi][zero]") {
   WorldComm w;
   Model plain = build_model_layout(small_config());
-  DataParallel dp(w.c, plain, DpSync::Bucket, 25, true, AdamWConfig{}, 0.1f, 7);
+  DataParallel dp(w.c, plain, w.ctx, DpSync::Bucket, 25, true, AdamWConfig{}, 0.1f, 7);
   Trained want = two_steps(w.c, dp, plain);
   Trained first;
   for (int stage : {1, 2, 3}) {
@@ -164,7 +166,7 @@ TEST_CASE("the one gradient-norm routine: plain dp and ZeRO-1/2/3 report the flo
           "[mpi][zero]") {
   WorldComm w;
   Model m = build_model_layout(small_config());
-  DataParallel dp(w.c, m, DpSync::Bucket, 25, true, AdamWConfig{}, 0.1f, 7);
+  DataParallel dp(w.c, m, w.ctx, DpSync::Bucket, 25, true, AdamWConfig{}, 0.1f, 7);
   float norm = synced_norm(w.c, dp, m, 0.0f);  // max_norm 0: no clipping
   double squares = 0;
   for (float g : to_host_floats(m.grads)) squares += (double)g * g;

@@ -1,0 +1,32 @@
+// dtype.cuh: the low-precision storage formats (bf16, fp16, fp8 e4m3 and e5m2): one value
+// rounded from fp32 and widened back, and tensors cast between a format and fp32.
+#pragma once
+#include <cstdint>
+
+#include "runtime/core.cuh"
+
+// One value, fp32 -> format: round to nearest, ties to even, subnormals kept. Overflow goes to
+// infinity (bf16, fp16, e5m2); e4m3 has no infinity and saturates to +-448 ("satfinite").
+// NaN becomes the canonical NaN: every bit but the sign set (what the CUDA conversions give).
+uint16_t float_to_bf16(float x);
+uint16_t float_to_fp16(float x);
+uint8_t float_to_e4m3(float x);
+uint8_t float_to_e5m2(float x);
+// format -> fp32: exact (every value of these formats is an fp32 value).
+float bf16_to_float(uint16_t bits);
+float fp16_to_float(uint16_t bits);
+float e4m3_to_float(uint8_t bits);
+float e5m2_to_float(uint8_t bits);
+// Largest finite value of a storage format: 3.39e38, 65504, 448, 57344.
+float max_finite(DType format);
+
+// n values from src to dst on the host; one of the two dtypes is F32, the other F32, BF16, F16,
+// F8E4M3 or F8E5M2. The CPU reference of cast_.
+void cast_host(void* dst, DType dst_dtype, const void* src, DType src_dtype, int64_t n);
+// dst = src in dst's dtype (same device, same numel; as cast_host). On CUDA a kernel built on
+// cuda_bf16.h / cuda_fp16.h / cuda_fp8.h, bit-identical to the CPU loop (except NaN payloads),
+// on the legacy default stream like copy_ (core.cuh).
+void cast_(const Tensor& dst, const Tensor& src);
+// The same on ctx's stream (training: bf16 gradients widened for the optimizer, weight copies).
+void cast_(const Context& ctx, const Tensor& dst, const Tensor& src);
+

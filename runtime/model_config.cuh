@@ -1,0 +1,21 @@
+// model_config.cuh: the shape of the Llama, the numbers a Hugging Face config.json holds
+// (LlamaConfig's keys in the comments). The presets and the model itself are model.cu's; the
+// config.json mapping is checkpoint.cu's.
+#pragma once
+#include <string>
+
+struct ModelConfig {
+  std::string preset = "tiny";
+  int vocab = 256;     // vocab_size
+  int d_model = 128;   // hidden_size
+  int layers = 4;      // num_hidden_layers
+  int heads = 4;       // num_attention_heads
+  int kv_heads = 2;    // num_key_value_heads
+  int ffn = 384;       // intermediate_size
+  int seq = 128;       // tokens per sequence (max_position_embeddings)
+  float rope_theta = 10000.0f;
+  float norm_eps = 1e-5f;
+  bool tie_embeddings = false;
+  float init_std = 0.02f;
+  int head_dim() const { return d_model / heads; }
+};

@@ -1,0 +1,101 @@
+// observe.cu: faults on purpose, and what the engine's operations measured (observe.cuh).
+#include "runtime/observe.cuh"
+
+#include <csignal>
+#include <chrono>
+#include <cmath>
+#include <thread>
+#include <vector>
+
+const char* fault_where_name(FaultWhere w) {
+  const char* names[] = {"init", "step",      "forward",    "backward",
+                         "clip", "optimizer", "validation", "save"};
+  return names[(int)w];
+}
+
+void Fault::at(FaultWhere here, int world_rank, int64_t now) const {
+  if (kind.empty() || kind == "inf" || rank != world_rank || step != now || where != here) return;
+  fprintf(stderr, "rank %d: injected fault '%s' at step %lld, %s\n", world_rank, kind.c_str(),
+          (long long)now, fault_where_name(here));
+  fflush(stderr);
+  if (kind == "crash") raise(SIGKILL);
+  if (kind == "hang") for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+  PICO_ASSERT(kind != "error", "injected error");
+}
+
+// KIND:RANK:STEP[:WHERE] with KIND crash, hang or error, RANK and STEP non-negative integers,
+// WHERE one of the places of FaultWhere (default step).
+Fault parse_fault(const std::string& value) {
+  auto fail = [&](const std::string& why) {
+    return UsageError("--fault " + value + ": " + why +
+                      "; expected KIND:RANK:STEP[:WHERE], e.g. crash:1:3 or hang:0:2:backward");
+  };
+  std::vector<std::string> fields;
+  for (size_t from = 0;;) {
+    size_t colon = value.find(':', from);
+    fields.push_back(value.substr(from, colon - from));
+    if (colon == std::string::npos) break;
+    from = colon + 1;
+  }
+  if (fields.size() != 3 && fields.size() != 4) throw fail("not three or four fields");
+  Fault f;
+  f.kind = fields[0];
+  if (f.kind != "crash" && f.kind != "hang" && f.kind != "error" && f.kind != "inf")
+    throw fail("unknown kind '" + f.kind + "' (crash, hang, error or inf)");
+  auto integer = [&](const std::string& text, const char* what) {
+    if (text.empty() || text.size() > 12 || text.find_first_not_of("0123456789") != std::string::npos)
+      throw fail(std::string(what) + " '" + text + "' is not a non-negative integer");
+    return std::stoll(text);
+  };
+  f.rank = (int)integer(fields[1], "rank");
+  f.step = integer(fields[2], "step");
+  if (fields.size() == 4 && f.kind == "inf")
+    throw fail("inf has no place: it is put into the gradient after the step's backward");
+  if (fields.size() == 4) {
+    std::string places;
+    for (int w = 0; w <= (int)FaultWhere::Save; w++) {
+      if (fields[3] == fault_where_name((FaultWhere)w)) return f.where = (FaultWhere)w, f;
+      places += std::string(w ? ", " : "") + fault_where_name((FaultWhere)w);
+    }
+    throw fail("unknown place '" + fields[3] + "' (" + places + ")");
+  }
+  return f;
+}
+
+// ----------------------------------------------------------------------------
+// Around a step's schedule
+
+void Observer::begin_schedule(int64_t step, bool measured) {
+  step_ = step, measured_ = measured;
+  schedule_start_ = now_seconds(), busy_ = 0;
+  acts_base_ = memory_stats().current[(int)Mem::Activations], one_micro_ = 0, peak_ = 0;
+}
+
+void Observer::before(Phase phase, int) const {
+  if (measured_) at(phase == Phase::Forward ? FaultWhere::Forward : FaultWhere::Backward, step_);
+}
+
+void Observer::after(Phase phase, int micro, int chunk, int chunks, double start,
+                     int64_t block_bytes) {
+  if (!measured_) return;
+  double end = now_seconds();
+  busy_ += end - start;
+  // Coloured by kind, as the book draws its schedules (Chrome trace colour names).
+  const char* kind[] = {"F", "B", "W"};
+  const char* color[] = {"thread_state_running", "thread_state_iowait", "yellow"};
+  trace_.add(kind[(int)phase] + std::to_string(micro) +
+                 (chunks > 1 ? " chunk " + std::to_string(chunk) : ""),
+             Track::Compute, start, end, color[(int)phase]);
+  if (measure_.block_bytes < 0 && block_bytes >= 0) measure_.block_bytes = block_bytes;
+  size_t held = memory_stats().current[(int)Mem::Activations] - acts_base_;
+  if (one_micro_ == 0 && phase == Phase::Forward) one_micro_ = held;  // one chunk's activations
+  peak_ = std::max(peak_, held);
+}
+
+void Observer::end_schedule() {
+  if (!measured_) return;
+  measure_.busy_s += busy_, measure_.step_s += now_seconds() - schedule_start_, measure_.steps++;
+  if (one_micro_ > 0)
+    measure_.peak_in_flight =
+        std::max(measure_.peak_in_flight, (int)std::lround((double)peak_ / one_micro_));
+}

@@ -1,0 +1,81 @@
+// observe.cuh: what a run measures and where it fails on purpose, kept out of the algorithms
+// (DESIGN 2): the engine that runs a step's schedule calls an Observer around each operation,
+// and the Observer records the trace's spans (Chrome trace colours by kind), the busy time and
+// the activation memory the schedule holds (--report bubble), the first block's saved bytes
+// (--report memory), and fires --fault where the run asked for it.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "runtime/core.cuh"
+
+// --fault KIND:RANK:STEP[:WHERE] , for testing that a failed rank never
+// hangs the job: at place WHERE of step STEP, rank RANK kills itself (crash), stops answering
+// (hang) or fails a check (error); kind inf puts an infinity into its gradient instead. The
+// places, in the order a run passes them (Init: before the communicators are set up, step 0
+// only):
+enum class FaultWhere { Init, Step, Forward, Backward, Clip, Optimizer, Validation, Save };
+const char* fault_where_name(FaultWhere w);  // "step", "forward", ...
+struct Fault {
+  std::string kind;  // crash | hang | error; empty: no fault
+  int rank = 0;
+  int64_t step = 0;
+  FaultWhere where = FaultWhere::Step;
+  // Called at each place: fires when this rank, step and place are the fault's.
+  void at(FaultWhere here, int world_rank, int64_t now) const;
+  // Kind inf (fp16 loss scaling's test): this rank's gradient gets an infinity after the
+  // backward of this step, as an fp16 overflow would put there.
+  bool injects_inf(int world_rank, int64_t now) const {
+    return kind == "inf" && rank == world_rank && step == now;
+  }
+};
+// --fault KIND:RANK:STEP[:WHERE] as a Fault; throws UsageError naming --fault.
+Fault parse_fault(const std::string& flag_value);
+
+// What an operation of a schedule does (pipeline_parallel.cuh's tables): a micro-batch's
+// forward, its backward (or, zero-bubble, only the input-gradient half of it), or the deferred
+// weight-gradient half.
+enum class Phase { Forward, Backward, Weight };
+
+// What the schedule of the training steps measured on this rank (--report bubble, memory).
+struct ScheduleMeasure {
+  double busy_s = 0, step_s = 0;  // forward/backward time, and whole schedule time
+  int steps = 0;
+  int peak_in_flight = 0;      // most micro-batch chunks' activations held, from the memory held
+  int64_t block_bytes = -1;    // one block's saved activations, measured on the first forward
+};
+
+class Observer {
+ public:
+  Observer() = default;
+  Observer(int world_rank, Fault fault, bool trace) : rank_(world_rank), fault_(fault) {
+    trace_.enabled = trace;
+  }
+  // ---- places of a step (--fault) ----
+  void at(FaultWhere where, int64_t step) const { fault_.at(where, rank_, step); }
+  bool injects_inf(int64_t step) const { return fault_.injects_inf(rank_, step); }
+  // ---- around one step's schedule, and each of its operations ----
+  // `measured`: a training step (validation and generation schedules are not measured).
+  void begin_schedule(int64_t step, bool measured);
+  void before(Phase phase, int micro) const;  // --fault at the forward / backward
+  // After the operation: its span (chunk shown when the rank holds several), the busy time and
+  // the activation memory held; `block_bytes`, one block's saved activations after a forward.
+  void after(Phase phase, int micro, int chunk, int chunks, double start, int64_t block_bytes);
+  void end_schedule();
+  const ScheduleMeasure& schedule() const { return measure_; }
+  // ---- the trace (--trace) ----
+  Trace& trace() { return trace_; }
+  void span(const std::string& name, Track track, double start, double end) {
+    trace_.add(name, track, start, end);
+  }
+
+ private:
+  int rank_ = 0;
+  Fault fault_;
+  Trace trace_;
+  ScheduleMeasure measure_;
+  int64_t step_ = 0;
+  bool measured_ = false;
+  double schedule_start_ = 0, busy_ = 0;
+  size_t acts_base_ = 0, one_micro_ = 0, peak_ = 0;
+};
