@@ -112,8 +112,7 @@ DataParallel::DataParallel(Comm& comm, FlatParameters& model, Context& ctx, DpSy
   moments_ = adam_moments(model.num_params, comm.device);
   // Mixed precision: the GEMMs read a bf16 / fp16 copy of the weights; the fp32 buffer becomes
   // the optimizer's master copy.
-  compute_copy_ = precision.mixed();
-  if (compute_copy_) keep_compute_copy(ctx, model.params);
+  if (precision.mixed()) compute_copy_ = keep_compute_copy(ctx, model.params);
   slices_ = whole_model_slices(model, moments_);
   // Buckets in backward order: the flat buffer is laid out in forward order, so walking the
   // parameters backwards gives contiguous slices. A bucket closes once it holds bucket_mb.
@@ -232,11 +231,11 @@ double DataParallel::finish(const Context& ctx) {
 void DataParallel::step(const Context& ctx, float lr) {
   adamw_.steps++;
   for (const ParamSlice& s : slices_) adamw_.update(ctx, s, lr, pending_scale_);
-  if (compute_copy_) refresh_compute_copies(ctx);  // the copy := the new master weights
+  if (compute_copy_.defined()) refresh_compute_copies(ctx);  // := the new master weights
 }
 
 int64_t DataParallel::master_bytes() const {
-  return compute_copy_ ? (int64_t)model_.params.nbytes() : 0;
+  return compute_copy_.defined() ? (int64_t)model_.params.nbytes() : 0;
 }
 
 void DataParallel::trace_communication(Trace& trace) const {
@@ -244,25 +243,25 @@ void DataParallel::trace_communication(Trace& trace) const {
 }
 
 // ----------------------------------------------------------------------------
-// Checkpoints: every rank holds everything
+// Checkpoints: every rank holds everything, whole
 
-Tensor& DataParallel::flat(Part part) {
+std::vector<GradientSync::Holding> DataParallel::holdings(Part part) const {
+  auto whole = [this](const Tensor& flat) {
+    return Holding{false, [this, flat](int u) {
+                     return flat.view(model_.units[u].offset, {model_.units[u].numel});
+                   }};
+  };
   switch (part) {
-    case Part::Params: return model_.params;
-    case Part::Grads: return model_.grads;
-    case Part::ExpAvg: return moments_.exp_avg;
-    case Part::ExpAvgSq: break;
+    case Part::Params:
+      if (compute_copy_.defined()) return {whole(model_.params), whole(compute_copy_)};
+      return {whole(model_.params)};
+    case Part::Grads:
+      return {whole(model_.grads)};
+    case Part::ExpAvg:
+      return {whole(moments_.exp_avg)};
+    case Part::ExpAvgSq:
+      break;
   }
-  return moments_.exp_avg_sq;
-}
-Tensor DataParallel::gather_flat(const Context&, Part part) {
-  if (part != Part::Grads || grad_dtype_ == DType::F32) return flat(part);
-  Tensor wide = empty({model_.num_params}, Mem::Workspace, comm_.device);  // checkpoints are fp32
-  cast_(wide, model_.grads);
-  return wide;
-}
-void DataParallel::load_flat(Part part, const Tensor& whole) {
-  copy_(flat(part), whole);
-  if (part == Part::Params && compute_copy_) refresh_compute_copies(*ctx_);
+  return {whole(moments_.exp_avg_sq)};
 }
 void DataParallel::scale_grads(const Context& ctx, float alpha) { scale_(ctx, model_.grads, alpha); }

@@ -79,8 +79,7 @@ class DataParallel : public GradientSync {
   const std::vector<GradBucket>& buckets() const { return buckets_; }
 
  protected:
-  Tensor gather_flat(const Context& ctx, Part part) override;
-  void load_flat(Part part, const Tensor& whole) override;
+  std::vector<Holding> holdings(Part part) const override;
   void scale_grads(const Context& ctx, float alpha) override;
   bool grads_sharded() const override { return false; }
 
@@ -89,11 +88,10 @@ class DataParallel : public GradientSync {
   void launch(GradBucket& b);
   void progress_all();
   void pump_rings(bool block);
-  Tensor& flat(Part part);
   DpSync mode_;
   Bf16Accumulators accumulators_;  // bf16 gradients only
   bool overlap_, active_ = false;
-  bool compute_copy_ = false;  // mixed precision: GEMMs read a bf16 / fp16 copy of the weights
+  Tensor compute_copy_;  // mixed precision: the bf16 / fp16 copy of the weights GEMMs read
   const Context* ctx_ = nullptr;
   AdamMoments moments_;  // [num_params] each
   std::vector<GradBucket> buckets_;

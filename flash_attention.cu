@@ -5,9 +5,10 @@
 // query is kept. Backward recomputes the probabilities tile by tile from it. The one idea:
 // attention is GEMM, row softmax, GEMM, and the softmax can be computed a tile at a time, so the
 // T x T matrix never exists.
-// Here: the CPU reference (the tile loop), the fp32 CUDA kernels, D, the LSE merge and the
-// dispatchers. Naive attention, which FlashAttention is tested against, is attention_naive.cu;
-// the bf16 tensor-core kernels are flash_attention_bf16.cu.
+// Here: the tile loops on the CPU (the reference), D, the LSE merge, the dispatchers, and
+// FlashAttention as the model's attention core. Its CUDA kernels are in kernels/
+// (flash_attention_cuda.cu in fp32, flash_attention_bf16.cu on tensor cores); naive attention,
+// which it is tested against, is kernels/attention_naive.cu.
 #include <cblas.h>
 
 #include <algorithm>
@@ -15,36 +16,15 @@
 #include <cstring>
 #include <initializer_list>
 #include <string>
-#include <thread>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "kernels/flash_attention_kernels.cuh"
 #include "mixed_precision.cuh"
-
-// ============================================================================
-// FlashAttention: the pieces every version shares
-// ============================================================================
+#include "runtime/ops.cuh"
 
 // The layout offsets and the causal mask (token_head, visible_keys, first_query_seeing) are in
-// flash_attention_kernels.cuh, shared with the bf16 kernels.
-
-// logaddexp(lse1, lse2) and the weights exp(lse1 - lse), exp(lse2 - lse) of the two partial
-// outputs. Written around the larger side, so exp never overflows; both sides -inf (no key seen
-// by either) gives -inf and weights 0 instead of exp(-inf - -inf) = NaN.
-__host__ __device__ inline float lse_merge_weights(float lse1, float lse2, float* w1, float* w2) {
-  float hi = fmaxf(lse1, lse2), lo = fminf(lse1, lse2);
-  if (hi == -INFINITY) {
-    *w1 = *w2 = 0.0f;
-    return -INFINITY;
-  }
-  float lse = hi + log1pf(expf(lo - hi));
-  *w1 = expf(lse1 - lse);
-  *w2 = expf(lse2 - lse);
-  return lse;
-}
-
+// kernels/flash_attention_kernels.cuh, shared with the CUDA kernels.
 static void check_block_args(const Context& ctx, const AttentionBlock& a,
                              std::initializer_list<std::pair<const Tensor*, int64_t>> tensors) {
   PICO_ASSERT(a.B > 0 && a.Tq >= 0 && a.Tk >= 0 && a.hd > 0 && a.Hkv > 0 && a.Hq % a.Hkv == 0,
@@ -63,31 +43,6 @@ static int64_t kv_numel(const AttentionBlock& a) {
 }
 static int64_t lse_numel(const AttentionBlock& a) {
   return (int64_t)a.B * a.Hq * a.Tq;
-}
-
-// ----------------------------------------------------------------------------
-// CPU threads. The CPU version splits its work into independent items (a query tile, or a
-// key/value head) and runs them on as many threads as OpenBLAS may use, worker w taking items
-// w, w + W, ... (a fixed assignment: results never depend on timing). OpenBLAS itself is held
-// to one thread meanwhile: a 64 x 64 x hd tile GEMM is too small to split, and splitting it
-// inside each of our threads would oversubscribe the cores.
-
-static int cpu_workers(int items) {
-  return std::max(1, std::min(openblas_get_num_threads(), items));
-}
-
-template <class F>
-static void run_on_cpu_workers(int items, int workers, F item) {
-  int saved = openblas_get_num_threads();
-  openblas_set_num_threads(1);
-  std::vector<std::thread> pool;
-  for (int w = 1; w < workers; w++)
-    pool.emplace_back([&, w] {
-      for (int i = w; i < items; i += workers) item(i, w);
-    });
-  for (int i = 0; i < items; i += workers) item(i, 0);
-  for (std::thread& t : pool) t.join();
-  openblas_set_num_threads(saved);
 }
 
 // ============================================================================
@@ -186,111 +141,6 @@ static void flash_forward_cpu(float* out, float* lse, const float* q, const floa
   });
 }
 
-// ----------------------------------------------------------------------------
-// CUDA, fp32 on CUDA cores (the fp32 model's path). One block per (query tile, head, sequence),
-// as FlashAttention-2: the block owns its queries' output for the whole loop, so no other block
-// ever writes it. Four threads share a query row, thread c owning dims c, c + 4, c + 8, ...
-// (interleaved, so the four read four different shared-memory banks). Each thread holds its
-// dims of q and of the output accumulator in registers; K and V tiles pass through shared
-// memory. A score is the four partial dot products summed by two shuffles, after which all
-// four threads hold the whole row of scores and run the same online softmax, without any
-// further communication. Scores are kept in log2 units (q is pre-scaled by log2(e)/sqrt(hd)),
-// so each exponential is one exp2f.
-
-constexpr int kRowThreads = 4;  // threads per query (or key) row
-constexpr int kF32Tile = 32;    // rows per tile: 128 threads
-
-// Rows [row0, row0 + rows) of head `head` in a [B*T, H, hd] tensor into dst[rows][MAX_HD],
-// zero past T and past hd (zeros add nothing to a dot product).
-template <int MAX_HD>
-__device__ void load_rows_f32(float* dst, const float* src, int rows, int b, int T, int row0, int H,
-                              int head, int hd) {
-  for (int idx = threadIdx.x; idx < rows * MAX_HD; idx += blockDim.x) {
-    int r = idx / MAX_HD, d = idx % MAX_HD;
-    dst[idx] = row0 + r < T && d < hd ? src[token_head(b, T, row0 + r, H, head, hd) + d] : 0.0f;
-  }
-}
-
-// out, q [B*Tq, Hq, hd]; k, v [B*Tk, Hkv, hd]; lse [B, Hq, Tq]. Grid (query tiles, Hq, B).
-template <int MAX_HD>
-__global__ void __launch_bounds__(kF32Tile* kRowThreads)
-    flash_forward_f32_kernel(float* out, float* lse, const float* q, const float* k, const float* v,
-                             AttentionBlock a) {
-  constexpr int D = MAX_HD / kRowThreads;  // dims per thread
-  __shared__ float Ks[kF32Tile][MAX_HD], Vs[kF32Tile][MAX_HD];
-  // Causal: the last query tiles see the most keys; start them first so none runs alone at the end.
-  const int i0 = (gridDim.x - 1 - blockIdx.x) * kF32Tile;
-  const int h = blockIdx.y, b = blockIdx.z, g = h / (a.Hq / a.Hkv), hd = a.hd;
-  const int r = threadIdx.x / kRowThreads, c = threadIdx.x % kRowThreads, i = i0 + r;
-  const bool live = i < a.Tq;
-  const float scale_log2 = kLog2e / sqrtf((float)hd);
-  float qr[D], o[D];  // this thread's dims of q (pre-scaled) and of the output accumulator
-  const float* qrow = q + token_head(b, a.Tq, live ? i : 0, a.Hq, h, hd);
-#pragma unroll
-  for (int e = 0; e < D; e++) {
-    int d = c + kRowThreads * e;
-    qr[e] = live && d < hd ? qrow[d] * scale_log2 : 0.0f;
-    o[e] = 0.0f;
-  }
-  float m = -INFINITY, l = 0.0f;  // running max (log2 units) and running sum of the row
-  const int n_keys = visible_keys(a, min(i0 + kF32Tile, a.Tq) - 1, 0, a.Tk);
-  for (int j0 = 0; j0 < n_keys; j0 += kF32Tile) {
-    __syncthreads();  // every thread is done with the previous K, V tile
-    load_rows_f32<MAX_HD>(&Ks[0][0], k, kF32Tile, b, a.Tk, j0, a.Hkv, g, hd);
-    load_rows_f32<MAX_HD>(&Vs[0][0], v, kF32Tile, b, a.Tk, j0, a.Hkv, g, hd);
-    __syncthreads();
-    const int seen = live ? visible_keys(a, i, j0, min(kF32Tile, a.Tk - j0)) : 0;
-    float s[kF32Tile], m_new = m;
-#pragma unroll
-    for (int j = 0; j < kF32Tile; j++) {
-      float dot = 0.0f;
-#pragma unroll
-      for (int e = 0; e < D; e++) dot += qr[e] * Ks[j][c + kRowThreads * e];
-      dot += __shfl_xor_sync(0xffffffffu, dot, 1);  // the row's four lanes are adjacent
-      dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-      s[j] = j < seen ? dot : -INFINITY;
-      m_new = fmaxf(m_new, s[j]);
-    }
-    // Subtract 0 instead of -inf while the row has seen nothing: exp2(-inf) = 0, never NaN.
-    const float m_use = m_new == -INFINITY ? 0.0f : m_new, correction = exp2f(m - m_use);
-    l *= correction;
-#pragma unroll
-    for (int e = 0; e < D; e++) o[e] *= correction;
-#pragma unroll
-    for (int j = 0; j < kF32Tile; j++) {
-      const float p = exp2f(s[j] - m_use);
-      l += p;
-#pragma unroll
-      for (int e = 0; e < D; e++) o[e] += p * Vs[j][c + kRowThreads * e];
-    }
-    m = m_new;
-  }
-  if (!live) return;
-  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-  float* orow = out + token_head(b, a.Tq, i, a.Hq, h, hd);
-#pragma unroll
-  for (int e = 0; e < D; e++)
-    if (c + kRowThreads * e < hd) orow[c + kRowThreads * e] = o[e] * inv;
-  if (c == 0)
-    lse[((int64_t)b * a.Hq + h) * a.Tq + i] = l > 0.0f ? (m + log2f(l)) * kLn2 : -INFINITY;
-}
-
-// ----------------------------------------------------------------------------
-
-// Calls launch(std::integral_constant<int, MAX_HD>) with the smallest of the fp32 kernels'
-// register widths, 32, 64 or 128, that holds hd (any hd up to 128: the kernels mask the rest).
-template <class Launch>
-static void launch_f32_kernel(int hd, Launch launch) {
-  PICO_ASSERT(hd <= 128, "flash attention on CUDA: head dim " + std::to_string(hd) + " > 128");
-  if (hd <= 32)
-    launch(std::integral_constant<int, 32>{});
-  else if (hd <= 64)
-    launch(std::integral_constant<int, 64>{});
-  else
-    launch(std::integral_constant<int, 128>{});
-  CUDA_CHECK(cudaGetLastError());
-}
-
 void flash_attention_forward(const Context& ctx, const Tensor& out, const Tensor& lse,
                              const Tensor& q, const Tensor& k, const Tensor& v,
                              const AttentionBlock& a) {
@@ -302,12 +152,7 @@ void flash_attention_forward(const Context& ctx, const Tensor& out, const Tensor
                     {&v, kv_numel(a)}});
   if (ctx.device == Device::CPU)
     return flash_forward_cpu(out.f32(), lse.f32(), q.f32(), k.f32(), v.f32(), a);
-  if (a.Tq == 0) return;
-  launch_f32_kernel(a.hd, [&](auto max_hd) {
-    flash_forward_f32_kernel<decltype(max_hd)::value>
-        <<<query_tile_grid(a, kF32Tile), kF32Tile * kRowThreads, 0, ctx.stream>>>(
-            out.f32(), lse.f32(), q.f32(), k.f32(), v.f32(), a);
-  });
+  flash_forward_cuda(ctx, out.f32(), lse.f32(), q.f32(), k.f32(), v.f32(), a);
 }
 
 // ============================================================================
@@ -329,41 +174,11 @@ static void out_dot_dout_cpu(float* D, const float* dout, const float* out,
       }
 }
 
-// One thread per (sequence, query, head) row, fp32 sums whatever the input type.
-template <class T>
-__global__ void out_dot_dout_kernel(float* D, const T* dout, const T* out, AttentionBlock a) {
-  const int64_t rows = (int64_t)a.B * a.Tq * a.Hq;
-  for (int64_t r = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; r < rows;
-       r += (int64_t)gridDim.x * blockDim.x) {
-    const int h = (int)(r % a.Hq), i = (int)(r / a.Hq % a.Tq), b = (int)(r / a.Hq / a.Tq);
-    float dot = 0.0f;
-    for (int d = 0; d < a.hd; d++) dot += (float)dout[r * a.hd + d] * (float)out[r * a.hd + d];
-    D[((int64_t)b * a.Hq + h) * a.Tq + i] = dot;
-  }
-}
-
-// Blocks for one thread per (query, head) row, capped (the kernels loop over the rest).
-static int row_kernel_blocks(const AttentionBlock& a) {
-  int64_t rows = (int64_t)a.B * a.Tq * a.Hq;
-  return (int)std::min<int64_t>((rows + kRowKernelThreads - 1) / kRowKernelThreads, 4096);
-}
-
 void attention_out_dot_dout(const Context& ctx, const Tensor& D, const Tensor& dout,
                             const Tensor& out, const AttentionBlock& a) {
   check_block_args(ctx, a, {{&D, lse_numel(a)}, {&dout, q_numel(a)}, {&out, q_numel(a)}});
   if (ctx.device == Device::CPU) return out_dot_dout_cpu(D.f32(), dout.f32(), out.f32(), a);
-  if (lse_numel(a) == 0) return;
-  out_dot_dout_kernel<<<row_kernel_blocks(a), kRowKernelThreads, 0, ctx.stream>>>(
-      D.f32(), dout.f32(), out.f32(), a);
-  CUDA_CHECK(cudaGetLastError());
-}
-
-void attention_out_dot_dout_bf16(const Context& ctx, float* D, const bf16* dout, const bf16* out,
-                                 const AttentionBlock& a) {
-  PICO_ASSERT(ctx.device == Device::CUDA, "attention_out_dot_dout_bf16 runs on CUDA only");
-  if (lse_numel(a) == 0) return;
-  out_dot_dout_kernel<<<row_kernel_blocks(a), kRowKernelThreads, 0, ctx.stream>>>(D, dout, out, a);
-  CUDA_CHECK(cudaGetLastError());
+  out_dot_dout_cuda(ctx, D.f32(), dout.f32(), out.f32(), a);
 }
 
 // ============================================================================
@@ -443,90 +258,6 @@ static void flash_backward_cpu(float* dq, float* dk, float* dv, const float* dou
 }
 
 // ----------------------------------------------------------------------------
-// CUDA, fp32 on CUDA cores. One block per (key tile, key/value head, sequence): four threads
-// per key row, each holding its dims of k, v, dk, dv in registers, loop over the group's query
-// heads and the query tiles that see the tile. Per query the row's four threads recompute the
-// score and dP with two shuffles each, as in the forward kernel. dK, dV belong to the block
-// alone and are added once at the end; dQ sums over key tiles of other blocks, so each block
-// adds its part with atomicAdd (fp32 sums in an order that varies from run to run).
-// load_query_stats (flash_attention_kernels.cuh) brings a query tile's lse and D to shared memory.
-
-constexpr int kF32QueryTile = 16;  // queries per inner step: 34 KiB of shared memory at hd 128
-
-// dq, dout, q [B*Tq, Hq, hd]; dk, dv, k, v [B*Tk, Hkv, hd]; lse, D [B, Hq, Tq].
-// Grid (key tiles, Hkv, B).
-template <int MAX_HD>
-__global__ void __launch_bounds__(kF32Tile* kRowThreads)
-    flash_backward_f32_kernel(float* dq, float* dk, float* dv, const float* dout, const float* q,
-                              const float* k, const float* v, const float* lse, const float* D,
-                              AttentionBlock a) {
-  constexpr int DIMS = MAX_HD / kRowThreads, BQ = kF32QueryTile;
-  __shared__ float Ks[kF32Tile][MAX_HD];  // for dQ = dS K, which mixes every key row
-  __shared__ float Qs[BQ][MAX_HD], dOs[BQ][MAX_HD], dSs[BQ][kF32Tile + 1];
-  __shared__ float lse_s[BQ], D_s[BQ];
-  const int j0 = blockIdx.x * kF32Tile, g = blockIdx.y, b = blockIdx.z, hd = a.hd;
-  const int r = threadIdx.x / kRowThreads, c = threadIdx.x % kRowThreads, j = j0 + r;
-  const float scale = 1.0f / sqrtf((float)hd), scale_log2 = scale * kLog2e;  // as the CPU
-  load_rows_f32<MAX_HD>(&Ks[0][0], k, kF32Tile, b, a.Tk, j0, a.Hkv, g, hd);
-  __syncthreads();
-  float kr[DIMS], vr[DIMS], dkr[DIMS], dvr[DIMS];  // this thread's dims of its key row
-  const float* vrow = v + token_head(b, a.Tk, j < a.Tk ? j : 0, a.Hkv, g, hd);
-#pragma unroll
-  for (int e = 0; e < DIMS; e++) {
-    const int d = c + kRowThreads * e;
-    kr[e] = Ks[r][d] * scale_log2;  // zero past Tk and hd, as loaded
-    vr[e] = j < a.Tk && d < hd ? vrow[d] : 0.0f;
-    dkr[e] = dvr[e] = 0.0f;
-  }
-  const int i_first = first_query_seeing(a, j0);
-  for (int h = g * (a.Hq / a.Hkv); h < (g + 1) * (a.Hq / a.Hkv); h++)
-    for (int i0 = i_first - i_first % BQ; i0 < a.Tq; i0 += BQ) {
-      __syncthreads();  // the previous step's Qs, dOs, dSs are no longer read
-      load_rows_f32<MAX_HD>(&Qs[0][0], q, BQ, b, a.Tq, i0, a.Hq, h, hd);
-      load_rows_f32<MAX_HD>(&dOs[0][0], dout, BQ, b, a.Tq, i0, a.Hq, h, hd);
-      load_query_stats(lse_s, D_s, lse, D, a, b, h, i0, BQ);
-      __syncthreads();
-      for (int ii = 0; ii < BQ; ii++) {
-        float s = 0.0f, dp = 0.0f;
-#pragma unroll
-        for (int e = 0; e < DIMS; e++) {
-          s += kr[e] * Qs[ii][c + kRowThreads * e];
-          dp += vr[e] * dOs[ii][c + kRowThreads * e];
-        }
-        s += __shfl_xor_sync(0xffffffffu, s, 1);
-        s += __shfl_xor_sync(0xffffffffu, s, 2);
-        dp += __shfl_xor_sync(0xffffffffu, dp, 1);
-        dp += __shfl_xor_sync(0xffffffffu, dp, 2);
-        const bool seen = j < a.Tk && lse_s[ii] != -INFINITY && visible_keys(a, i0 + ii, j, 1) == 1;
-        const float p = seen ? exp2f(s - lse_s[ii]) : 0.0f, ds = p * (dp - D_s[ii]);
-#pragma unroll
-        for (int e = 0; e < DIMS; e++) {
-          dvr[e] += p * dOs[ii][c + kRowThreads * e];
-          dkr[e] += ds * Qs[ii][c + kRowThreads * e];
-        }
-        if (c == 0) dSs[ii][r] = ds;
-      }
-      __syncthreads();
-      // dQ[i0 + ii, d] += scale sum_j dS[ii, j] K[j, d]: one thread per (query, dim)
-      for (int idx = threadIdx.x; idx < BQ * hd; idx += blockDim.x) {
-        const int ii = idx / hd, d = idx % hd;
-        if (i0 + ii >= a.Tq) continue;
-        float sum = 0.0f;
-#pragma unroll 8
-        for (int jj = 0; jj < kF32Tile; jj++) sum += dSs[ii][jj] * Ks[jj][d];
-        atomicAdd(dq + token_head(b, a.Tq, i0 + ii, a.Hq, h, hd) + d, scale * sum);
-      }
-    }
-  if (j >= a.Tk) return;
-  const int64_t off = token_head(b, a.Tk, j, a.Hkv, g, hd);
-#pragma unroll
-  for (int e = 0; e < DIMS; e++) {
-    const int d = c + kRowThreads * e;
-    if (d < hd) dk[off + d] += scale * dkr[e], dv[off + d] += dvr[e];
-  }
-}
-
-// ----------------------------------------------------------------------------
 
 void flash_attention_backward(const Context& ctx, const Tensor& dq, const Tensor& dk,
                               const Tensor& dv, const Tensor& dout, const Tensor& q,
@@ -545,13 +276,8 @@ void flash_attention_backward(const Context& ctx, const Tensor& dq, const Tensor
   if (ctx.device == Device::CPU)
     return flash_backward_cpu(dq.f32(), dk.f32(), dv.f32(), dout.f32(), q.f32(), k.f32(), v.f32(),
                               lse.f32(), D.f32(), a);
-  if (a.Tk == 0 || a.Tq == 0) return;
-  launch_f32_kernel(a.hd, [&](auto max_hd) {
-    flash_backward_f32_kernel<decltype(max_hd)::value>
-        <<<key_tile_grid(a, kF32Tile), kF32Tile * kRowThreads, 0, ctx.stream>>>(
-            dq.f32(), dk.f32(), dv.f32(), dout.f32(), q.f32(), k.f32(), v.f32(), lse.f32(), D.f32(),
-            a);
-  });
+  flash_backward_cuda(ctx, dq.f32(), dk.f32(), dv.f32(), dout.f32(), q.f32(), k.f32(), v.f32(),
+                      lse.f32(), D.f32(), a);
 }
 
 // ============================================================================
@@ -572,21 +298,6 @@ static void lse_merge_cpu(float* out, float* lse, const float* out2, const float
       }
 }
 
-// One thread per (sequence, query, head) row, in the order of out (token-major).
-__global__ void lse_merge_kernel(float* out, float* lse, const float* out2, const float* lse2,
-                                 AttentionBlock a) {
-  const int64_t rows = (int64_t)a.B * a.Tq * a.Hq;
-  for (int64_t r = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; r < rows;
-       r += (int64_t)gridDim.x * blockDim.x) {
-    const int h = (int)(r % a.Hq), i = (int)(r / a.Hq % a.Tq), b = (int)(r / a.Hq / a.Tq);
-    const int64_t l = ((int64_t)b * a.Hq + h) * a.Tq + i;
-    float w1, w2;
-    lse[l] = lse_merge_weights(lse[l], lse2[l], &w1, &w2);
-    for (int d = 0; d < a.hd; d++)
-      out[r * a.hd + d] = w1 * out[r * a.hd + d] + w2 * out2[r * a.hd + d];
-  }
-}
-
 void attention_lse_merge(const Context& ctx, const Tensor& out, const Tensor& lse,
                          const Tensor& out2, const Tensor& lse2, const AttentionBlock& a) {
   check_block_args(
@@ -594,10 +305,7 @@ void attention_lse_merge(const Context& ctx, const Tensor& out, const Tensor& ls
       {{&out, q_numel(a)}, {&lse, lse_numel(a)}, {&out2, q_numel(a)}, {&lse2, lse_numel(a)}});
   if (ctx.device == Device::CPU)
     return lse_merge_cpu(out.f32(), lse.f32(), out2.f32(), lse2.f32(), a);
-  if (lse_numel(a) == 0) return;
-  lse_merge_kernel<<<row_kernel_blocks(a), kRowKernelThreads, 0, ctx.stream>>>(
-      out.f32(), lse.f32(), out2.f32(), lse2.f32(), a);
-  CUDA_CHECK(cudaGetLastError());
+  lse_merge_cuda(ctx, out.f32(), lse.f32(), out2.f32(), lse2.f32(), a);
 }
 
 // ============================================================================
@@ -628,33 +336,6 @@ const char* attention_name(AttentionKind kind) {
 static Tensor kept(const Context& ctx, std::vector<int64_t> shape) {  // on the compute stream
   return empty(ctx, std::move(shape), Mem::Activations);
 }
-
-// Keeps the [B, Hq, T, T] probabilities (Playbook §2.5); selective recomputation drops them and
-// the backward rebuilds them from q and k.
-class NaiveAttention : public AttentionCore {
- public:
-  std::string name() const override { return "naive"; }
-  void forward(const Context& ctx, const AttentionShape& s, const Tensor& out,
-               AttentionSaved& saved, const Tensor& q, const Tensor& k,
-               const Tensor& v) const override {
-    saved.probs = kept(ctx, {s.B, s.Hq, s.T, s.T});
-    attention_forward(ctx, out, saved.probs, q, k, v, s);
-  }
-  void backward(const Context& ctx, const AttentionShape& s, const Tensor& dq, const Tensor& dk,
-                const Tensor& dv, const Tensor& dout, const Tensor&, AttentionSaved& saved,
-                const Tensor& q, const Tensor& k, const Tensor& v) const override {
-    if (!saved.probs.defined()) {  // selective recompute: dq serves as the rebuilt output's space
-      saved.probs = kept(ctx, {s.B, s.Hq, s.T, s.T});
-      attention_forward(ctx, dq, saved.probs, q, k, v, s);
-    }
-    Tensor d_probs = empty(ctx, {s.B, s.Hq, s.T, s.T}, Mem::Workspace);
-    attention_backward(ctx, dq, dk, dv, dout, q, k, v, saved.probs, d_probs, s);
-  }
-  int64_t saved_bytes(int64_t B, int64_t T, int64_t heads, bool selective, int e) const override {
-    return selective ? 0 : e * B * heads * T * T;
-  }
-  std::string saved_formula(int e) const override { return std::to_string(e) + " Hq T"; }
-};
 
 // Keeps the output and the [B, Hq, T] log-sum-exp (Playbook §12.8): one block of the ring
 // interface, queries at [0, T) against keys at [0, T). Under --dtype bf16 (and fp8) on a GPU
@@ -717,7 +398,7 @@ class FlashAttention : public AttentionCore {
 std::shared_ptr<const AttentionCore> local_attention(AttentionKind kind) {
   switch (kind) {
     case AttentionKind::Naive:
-      return std::make_shared<NaiveAttention>();
+      return naive_attention();
     case AttentionKind::Flash:
       break;
   }

@@ -88,6 +88,9 @@ void causal_softmax_forward(const Context& ctx, float* probs, const float* score
 // dscores[r,i,j] = scale * probs * (dprobs - sum_j' probs * dprobs); may alias dprobs.
 void causal_softmax_backward(const Context& ctx, float* dscores, const float* dprobs,
                              const float* probs, int rows, int T, float scale);
+// Naive attention as the model's attention core: keeps the probabilities, which selective
+// recomputation drops and the backward rebuilds (local_attention(AttentionKind::Naive)).
+std::shared_ptr<const AttentionCore> naive_attention();
 
 // ============================================================================
 // FlashAttention (Playbook §12.8), shaped for ring attention (Playbook §7.2)

@@ -1,6 +1,8 @@
-// mixed_precision.cu: the low-precision formats of Playbook §Mixed precision training and §FP8
-// pretraining, as storage. A float is sign | exponent | mantissa; the formats differ only in
-// how many bits each part gets, so one rounding routine serves all four:
+// mixed_precision.cu: training in low precision (Playbook §Mixed precision training, §FP8
+// pretraining): the linear layers read their operands rounded to bf16 or fp16 (or as FP8 tiles)
+// and sum in fp32, the optimizer updates fp32 master weights, fp16 scales its loss. The formats
+// are storage; a float is sign | exponent | mantissa, and they differ only in how many bits each
+// part gets (runtime/dtype.cu rounds to all four with one routine):
 //
 //   format  exp man  bias  largest finite        epsilon (1 to next)  values in (1, 2)
 //   fp32     8  23   127   3.40e38               2^-23 = 1.19e-7      2^23 - 1
@@ -11,7 +13,8 @@
 //
 // The idea to take away: every store rounds (to nearest, ties to even), and what is lost is
 // relative precision for bf16 but range for fp16 and fp8, hence loss scaling for fp16 and
-// per-tile scales for fp8. Values only ever widen exactly back to fp32.
+// per-tile scales for fp8 (quantize_tiles, kernels/fp8_gemm.cu). Values only ever widen exactly
+// back to fp32. The precision policy at the end is what train.cu holds.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -24,65 +27,6 @@
 #include "mixed_precision.cuh"
 #include "runtime/gradient_sync.cuh"
 #include "runtime/ops.cuh"
-
-// ----------------------------------------------------------------------------
-// FP8 per-tile absmax scaling (DeepSeek-V3 §3.3): CPU reference
-
-// Calls fn(row, col, tile_row, tile_col) for every element of a [rows, cols] matrix.
-template <class Fn>
-static void for_each_in_tiles(const Tensor& x, int tile_rows, int tile_cols, Fn fn) {
-  PICO_ASSERT(x.dim() == 2 && tile_rows > 0 && tile_cols > 0, "tiles of a matrix " + x.shape_str());
-  for (int64_t r = 0; r < x.size(0); r++)
-    for (int64_t c = 0; c < x.size(1); c++) fn(r, c, r / tile_rows, c / tile_cols);
-}
-static void check_tiles(const Tensor& q, const Tensor& scales, const Tensor& x, int tile_rows,
-                        int tile_cols) {
-  PICO_ASSERT(x.dtype == DType::F32 && scales.dtype == DType::F32 &&
-                  (q.dtype == DType::F8E4M3 || q.dtype == DType::F8E5M2) && q.shape == x.shape,
-              "tile scaling: F32 " + x.shape_str() + " and an FP8 tensor of that shape");
-  PICO_ASSERT(x.device == Device::CPU && q.device == Device::CPU && scales.device == Device::CPU,
-              "tile scaling runs on the CPU");
-  const std::vector<int64_t> want = {(x.size(0) + tile_rows - 1) / tile_rows,
-                                     (x.size(1) + tile_cols - 1) / tile_cols};
-  PICO_ASSERT(scales.shape == want, "scales " + scales.shape_str() + " for " + x.shape_str());
-}
-
-void quantize_tiles(const Tensor& q, const Tensor& scales, const Tensor& x, int tile_rows,
-                    int tile_cols) {
-  check_tiles(q, scales, x, tile_rows, tile_cols);
-  const int64_t cols = x.size(1), tiles_across = scales.size(1);
-  const float* xv = x.f32();
-  float* s = scales.f32();
-  std::fill(s, s + scales.numel(), 0.0f);
-  for_each_in_tiles(x, tile_rows, tile_cols, [&](int64_t r, int64_t c, int64_t tr, int64_t tc) {
-    float& absmax = s[tr * tiles_across + tc];
-    absmax = std::max(absmax, std::fabs(xv[r * cols + c]));
-  });
-  // An all-zero tile keeps scale 1 (any scale stores zeros exactly). x / scale may round a hair
-  // above the format's largest value: e4m3 saturates there (satfinite), e5m2 is rounded by the
-  // same RNE and cannot reach its overflow threshold, half an ulp above 57344.
-  const float largest = max_finite(q.dtype);
-  for (int64_t i = 0; i < scales.numel(); i++) s[i] = s[i] > 0 ? s[i] / largest : 1.0f;
-  uint8_t* qv = (uint8_t*)q.ptr;
-  for_each_in_tiles(x, tile_rows, tile_cols, [&](int64_t r, int64_t c, int64_t tr, int64_t tc) {
-    const float y = xv[r * cols + c] / s[tr * tiles_across + tc];
-    qv[r * cols + c] = q.dtype == DType::F8E4M3 ? float_to_e4m3(y) : float_to_e5m2(y);
-  });
-}
-
-void dequantize_tiles(const Tensor& x, const Tensor& q, const Tensor& scales, int tile_rows,
-                      int tile_cols) {
-  check_tiles(q, scales, x, tile_rows, tile_cols);
-  const int64_t cols = x.size(1), tiles_across = scales.size(1);
-  const uint8_t* qv = (const uint8_t*)q.ptr;
-  const float* s = scales.f32();
-  float* xv = x.f32();
-  for_each_in_tiles(x, tile_rows, tile_cols, [&](int64_t r, int64_t c, int64_t tr, int64_t tc) {
-    const uint8_t b = qv[r * cols + c];
-    xv[r * cols + c] = (q.dtype == DType::F8E4M3 ? e4m3_to_float(b) : e5m2_to_float(b)) *
-                       s[tr * tiles_across + tc];
-  });
-}
 
 // ============================================================================
 // Training in low precision: the linear layers' arithmetic (see mixed_precision.cuh)
@@ -222,7 +166,7 @@ Tensor WeightCopies::find(const Tensor& W) const {
   return {};
 }
 
-void keep_compute_copy(Context& ctx, const Tensor& master) {
+Tensor keep_compute_copy(Context& ctx, const Tensor& master) {
   PICO_ASSERT(ctx.precision != Precision::FP32 && master.dtype == DType::F32,
               "a compute copy is for fp32 weights under --dtype bf16, fp16 or fp8");
   if (!ctx.weight_copies) ctx.weight_copies = std::make_shared<WeightCopies>();
@@ -230,6 +174,7 @@ void keep_compute_copy(Context& ctx, const Tensor& master) {
   ctx.weight_copies->copies.push_back({master, half});
   recount(master, Mem::Optimizer);  // the fp32 weights are now the optimizer's master copy
   refresh_compute_copies(ctx);
+  return half;
 }
 
 void refresh_compute_copies(const Context& ctx) {

@@ -10,19 +10,9 @@
 
 #include "runtime/comm.cuh"
 #include "runtime/core.cuh"
+#include "kernels/fp8_gemm.cuh"
 #include "runtime/dtype.cuh"
 #include "runtime/ops.cuh"
-
-// FP8 per-tile scaling (DeepSeek-V3 §3.3): each tile of x gets scale = absmax / max_finite(fmt)
-// and is stored as fp8(x / scale), so the tile's largest value lands on the format's largest.
-// x: [rows, cols] F32; q: [rows, cols] F8E4M3 or F8E5M2;
-// scales: [ceil(rows / tile_rows), ceil(cols / tile_cols)] F32. On the CPU; quantize_tiles_on
-// (fp8_gemm.cuh) runs it on either device.
-void quantize_tiles(const Tensor& q, const Tensor& scales, const Tensor& x, int tile_rows,
-                    int tile_cols);
-// x = q * scale of its tile (shapes as quantize_tiles).
-void dequantize_tiles(const Tensor& x, const Tensor& q, const Tensor& scales, int tile_rows,
-                      int tile_cols);
 
 // ----------------------------------------------------------------------------
 // Training in low precision (Playbook §Mixed precision training, §FP8 pretraining)
@@ -99,8 +89,9 @@ struct WeightCopies {
   Tensor find(const Tensor& W) const;
 };
 // Allocates the compute-format copy of `master` (Mem::Params), fills it, registers it in
-// ctx.weight_copies (created if needed), and counts `master` as optimizer state from now on.
-void keep_compute_copy(Context& ctx, const Tensor& master);
+// ctx.weight_copies (created if needed), counts `master` as optimizer state from now on, and
+// returns the copy.
+Tensor keep_compute_copy(Context& ctx, const Tensor& master);
 // After the optimizer changed the master weights: every copy := master, rounded.
 void refresh_compute_copies(const Context& ctx);
 // What an op that is not a GEMM (the embedding lookup, RMSNorm's scale) reads of weight W:

@@ -375,7 +375,7 @@ static float head_forward(const Context& ctx, Model& model, Activations& acts,
   acts.targets = device_ints(local_vocab_ids(targets, N, L.vocab0, L.vocab), d);
   acts.losses = act({N}, ctx);
   acts.ce_stats = act({N, 2}, ctx);
-  tp_cross_entropy_forward(model.tp, ctx, acts.losses, acts.ce_stats, acts.logits, acts.targets);
+  vocab_parallel_cross_entropy_forward(model.tp, ctx, acts.losses, acts.ce_stats, acts.logits, acts.targets);
   return sum(ctx, acts.losses);
 }
 
@@ -467,7 +467,7 @@ static void block_backward(const Context& ctx, const Model& m, const BlockWeight
 // Loss -> d(final hidden) [n, D] into dres: cross-entropy, LM head, final norm.
 static void head_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
                           const Tensor& dres, DeferredGrads* deferred) {
-  tp_cross_entropy_backward(model.tp, ctx, acts.logits, acts.logits, acts.ce_stats, acts.targets,
+  vocab_parallel_cross_entropy_backward(model.tp, ctx, acts.logits, acts.logits, acts.ce_stats, acts.targets,
                             loss_scale);  // in place: the logits become their gradient
   Tensor d_norm = work(dres.shape, ctx);
   column_parallel_backward(model.tp, ctx, d_norm, acts.normf,

@@ -239,171 +239,28 @@ std::vector<int32_t> local_vocab_ids(const int32_t* ids, int64_t n, int vocab_st
 }
 
 // ----------------------------------------------------------------------------
-// Vocab-parallel cross-entropy
-//
-// Pass 1 (local): each row's maximum over this rank's logits -> all-reduce max.
-// Pass 2 (local): sum of exp(logit - max) and the target's logit (0 when another rank holds
-// the target) -> all-reduce sum. loss = log(sum) + max - target logit.
-
-static void ce_row_max_cpu(float* row_max, const float* logits, int64_t N, int V) {
-  for (int64_t t = 0; t < N; t++) {
-    float m = -FLT_MAX;
-    for (int v = 0; v < V; v++) m = std::max(m, logits[t * V + v]);
-    row_max[t] = m;
-  }
-}
-// sums [N, 2]: (sum of exponentials, target logit)
-static void ce_row_sums_cpu(float* sums, const float* logits, const float* row_max,
-                            const int32_t* targets, int64_t N, int V) {
-  for (int64_t t = 0; t < N; t++) {
-    float s = 0;
-    for (int v = 0; v < V; v++) s += expf(logits[t * V + v] - row_max[t]);
-    sums[2 * t] = s;
-    sums[2 * t + 1] = targets[t] >= 0 ? logits[t * V + targets[t]] : 0.0f;
-  }
-}
-// The finish, once the max and the sums are reduced over the tp group: losses [N] and the
-// stats [N, 2] (max, sum of exponentials) the backward reads.
-static void ce_finish_cpu(float* losses, float* stats, const float* row_max, const float* sums,
-                          int64_t N) {
-  for (int64_t t = 0; t < N; t++) {
-    losses[t] = logf(sums[2 * t]) + row_max[t] - sums[2 * t + 1];
-    stats[2 * t] = row_max[t], stats[2 * t + 1] = sums[2 * t];
-  }
-}
-static void ce_backward_cpu(float* dlogits, const float* logits, const float* stats,
-                            const int32_t* targets, int64_t N, int V, float scale) {
-  for (int64_t t = 0; t < N; t++)
-    for (int v = 0; v < V; v++) {
-      float p = expf(logits[t * V + v] - stats[2 * t]) / stats[2 * t + 1];
-      dlogits[t * V + v] = scale * (p - (v == targets[t] ? 1.0f : 0.0f));
-    }
-}
-
-// One block of kCeThreads per row; a shared-memory tree reduction, which halves the active
-// threads each round, so the block size must be a power of two (and fill buf exactly).
-constexpr int kCeThreads = 256;
-static_assert((kCeThreads & (kCeThreads - 1)) == 0, "tree reduction needs a power of two");
-static __device__ float block_reduce(float v, bool take_max) {
-  __shared__ float buf[kCeThreads];
-  buf[threadIdx.x] = v;
-  __syncthreads();
-  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride)
-      buf[threadIdx.x] = take_max ? fmaxf(buf[threadIdx.x], buf[threadIdx.x + stride])
-                                  : buf[threadIdx.x] + buf[threadIdx.x + stride];
-    __syncthreads();
-  }
-  float r = buf[0];
-  __syncthreads();
-  return r;
-}
-static __global__ void ce_row_max_kernel(float* row_max, const float* logits, int V) {
-  const float* row = logits + (int64_t)blockIdx.x * V;
-  float m = -FLT_MAX;
-  for (int v = threadIdx.x; v < V; v += blockDim.x) m = fmaxf(m, row[v]);
-  m = block_reduce(m, true);
-  if (threadIdx.x == 0) row_max[blockIdx.x] = m;
-}
-static __global__ void ce_row_sums_kernel(float* sums, const float* logits, const float* row_max,
-                                          const int32_t* targets, int V) {
-  const float* row = logits + (int64_t)blockIdx.x * V;
-  float s = 0;
-  for (int v = threadIdx.x; v < V; v += blockDim.x) s += expf(row[v] - row_max[blockIdx.x]);
-  s = block_reduce(s, false);
-  if (threadIdx.x == 0) {
-    int target = targets[blockIdx.x];
-    sums[2 * blockIdx.x] = s;
-    sums[2 * blockIdx.x + 1] = target >= 0 ? row[target] : 0.0f;
-  }
-}
-// The same finish on the device, a thread per token: the losses stay there until the caller
-// sums them, and the host does not wait here.
-static __global__ void ce_finish_kernel(float* losses, float* stats, const float* row_max,
-                                        const float* sums, int64_t N) {
-  for (int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; t < N;
-       t += (int64_t)gridDim.x * blockDim.x) {
-    losses[t] = logf(sums[2 * t]) + row_max[t] - sums[2 * t + 1];
-    stats[2 * t] = row_max[t], stats[2 * t + 1] = sums[2 * t];
-  }
-}
-static __global__ void ce_backward_kernel(float* dlogits, const float* logits, const float* stats,
-                                          const int32_t* targets, int V, float scale) {
-  int64_t t = blockIdx.x;
-  for (int v = threadIdx.x; v < V; v += blockDim.x) {
-    float p = expf(logits[t * V + v] - stats[2 * t]) / stats[2 * t + 1];
-    dlogits[t * V + v] = scale * (p - (v == targets[t] ? 1.0f : 0.0f));
-  }
-}
-
-// Every tensor on the context's device (a kernel handed a host pointer faults), N rows each.
-static void check_ce_args(const Context& ctx, std::initializer_list<const Tensor*> tensors,
-                          int64_t N) {
-  for (const Tensor* t : tensors)
-    PICO_ASSERT(t->device == ctx.device && t->numel() >= N,
-                "vocab-parallel cross-entropy: tensor " + t->shape_str() + " on " +
-                    device_name(t->device) + ", context on " + device_name(ctx.device));
-}
+// Vocab-parallel cross-entropy (Megatron's): ops.cuh's passes with the tp group's reductions
+// between them, so no rank ever holds the full logits.
+//   1. each row's maximum over this rank's logits -> all-reduce max
+//   2. sum of exp(logit - max) and the target's logit (0 when another rank holds the target)
+//      -> all-reduce sum
+//   3. loss = log(sum) + max - target logit
 
 void vocab_parallel_cross_entropy_forward(const TensorParallel& tp, const Context& ctx,
                                           const Tensor& losses, const Tensor& stats,
                                           const Tensor& logits, const Tensor& local_targets) {
   int64_t N = logits.size(0);
-  int V = (int)logits.size(1);
-  check_ce_args(ctx, {&losses, &stats, &logits, &local_targets}, N);
-  Tensor row_max = empty(ctx, {N}, Mem::Workspace);  // [N]
-  Tensor sums = empty(ctx, {N, 2}, Mem::Workspace);  // [N, 2]
-  // N == 0 launches nothing (a zero-block grid is an error) but still joins the collectives.
-  if (ctx.device == Device::CPU) {
-    ce_row_max_cpu(row_max.f32(), logits.f32(), N, V);
-  } else if (N > 0) {
-    ce_row_max_kernel<<<N, kCeThreads, 0, ctx.stream>>>(row_max.f32(), logits.f32(), V);
-    LAUNCH_CHECK(ctx, "ce_row_max_kernel");
-  }
+  Tensor row_max = workspace({N}, ctx), sums = workspace({N, 2}, ctx);  // [N], [N, 2]
+  cross_entropy_row_max(ctx, row_max, logits);
   if (tp.size() > 1) all_reduce(*tp.comm, tp.group(), ctx, row_max.f32(), N, ReduceOp::Max);
-  if (ctx.device == Device::CPU) {
-    ce_row_sums_cpu(sums.f32(), logits.f32(), row_max.f32(), local_targets.i32(), N, V);
-  } else if (N > 0) {
-    ce_row_sums_kernel<<<N, kCeThreads, 0, ctx.stream>>>(sums.f32(), logits.f32(), row_max.f32(),
-                                                         local_targets.i32(), V);
-    LAUNCH_CHECK(ctx, "ce_row_sums_kernel");
-  }
+  cross_entropy_row_sums(ctx, sums, logits, row_max, local_targets);
   if (tp.size() > 1) all_reduce(*tp.comm, tp.group(), ctx, sums.f32(), 2 * N, ReduceOp::Sum);
-  // Where the statistics are: no trip to the host.
-  if (ctx.device == Device::CPU)
-    return ce_finish_cpu(losses.f32(), stats.f32(), row_max.f32(), sums.f32(), N);
-  if (N == 0) return;
-  unsigned blocks = (unsigned)std::min<int64_t>((N + kCeThreads - 1) / kCeThreads, 4096);
-  ce_finish_kernel<<<blocks, kCeThreads, 0, ctx.stream>>>(losses.f32(), stats.f32(), row_max.f32(),
-                                                          sums.f32(), N);
-  LAUNCH_CHECK(ctx, "ce_finish_kernel");
+  cross_entropy_finish(ctx, losses, stats, row_max, sums);  // where the statistics are
 }
 
 void vocab_parallel_cross_entropy_backward(const TensorParallel&, const Context& ctx,
                                            const Tensor& dlogits, const Tensor& logits,
                                            const Tensor& stats, const Tensor& local_targets,
                                            float scale) {
-  int64_t N = logits.size(0);
-  int V = (int)logits.size(1);
-  check_ce_args(ctx, {&dlogits, &stats, &logits, &local_targets}, N);
-  PICO_ASSERT(dlogits.numel() == logits.numel(), "vocab-parallel dlogits " + dlogits.shape_str());
-  if (ctx.device == Device::CPU)
-    return ce_backward_cpu(dlogits.f32(), logits.f32(), stats.f32(), local_targets.i32(), N, V, scale);
-  if (N == 0) return;
-  ce_backward_kernel<<<N, kCeThreads, 0, ctx.stream>>>(dlogits.f32(), logits.f32(), stats.f32(),
-                                                       local_targets.i32(), V, scale);
-  LAUNCH_CHECK(ctx, "ce_backward_kernel");
+  cross_entropy_backward(ctx, dlogits, logits, stats, local_targets, scale);
 }
-
-void tp_cross_entropy_forward(const TensorParallel& tp, const Context& ctx, const Tensor& losses,
-                              const Tensor& stats, const Tensor& logits, const Tensor& targets) {
-  if (tp.size() == 1) return cross_entropy_forward(ctx, losses, logits, targets);
-  vocab_parallel_cross_entropy_forward(tp, ctx, losses, stats, logits, targets);
-}
-void tp_cross_entropy_backward(const TensorParallel& tp, const Context& ctx,
-                               const Tensor& dlogits, const Tensor& logits, const Tensor& stats,
-                               const Tensor& targets, float scale) {
-  if (tp.size() == 1) return cross_entropy_backward(ctx, dlogits, logits, targets, scale);
-  vocab_parallel_cross_entropy_backward(tp, ctx, dlogits, logits, stats, targets, scale);
-}
-

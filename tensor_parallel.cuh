@@ -139,9 +139,3 @@ void vocab_parallel_cross_entropy_backward(const TensorParallel& tp, const Conte
                                            const Tensor& dlogits, const Tensor& logits,
                                            const Tensor& stats, const Tensor& local_targets,
                                            float scale);
-// The model's cross-entropy: ops.cu's fused one on one rank, the vocab-parallel one on several.
-void tp_cross_entropy_forward(const TensorParallel& tp, const Context& ctx, const Tensor& losses,
-                              const Tensor& stats, const Tensor& logits, const Tensor& targets);
-void tp_cross_entropy_backward(const TensorParallel& tp, const Context& ctx,
-                               const Tensor& dlogits, const Tensor& logits, const Tensor& stats,
-                               const Tensor& targets, float scale);

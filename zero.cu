@@ -419,51 +419,25 @@ void Zero::release_weights() {
   for (size_t u = 0; u < units_.size(); u++) release_unit((int)u);
 }
 
-// Every rank's slice of `part`, unit by unit, onto dp_cp rank 0 (world rank 0 of its tp
-// shard): the whole flat vector [Ψ] in host memory, padding dropped. Stages 1-2 hold the whole
-// weights on every rank already. Other ranks return an undefined tensor.
-Tensor Zero::gather_flat(const Context& ctx, Part part) {
-  bool root = comm_.dp_cp.rank == 0;
-  Tensor whole = root ? empty({model_.num_params}, Mem::Workspace, Device::CPU) : Tensor();
-  for (size_t u = 0; u < units_.size(); u++) {
-    const ShardLayout::Unit& U = layout_.units[u];
-    if (part == Part::Params && !param_shard_.defined()) {
-      if (root) copy_(whole.view(U.offset, {U.numel}), model_.params.view(U.padded_offset, {U.numel}));
-      continue;
-    }
-    Tensor staging =
-        root ? empty({layout_.ranks * U.shard}, Mem::Workspace, comm_.device) : Tensor();
-    Tensor mine = part == Part::Grads ? grads_of((int)u) : shard_view(part, (int)u, U.shard);
-    if (mine.dtype != DType::F32) {  // checkpoints hold fp32: bf16 gradients widened first
-      Tensor wide = empty({U.shard}, Mem::Workspace, comm_.device);
-      cast_(wide, mine);
-      mine = wide;
-    }
-    gather(comm_, comm_.dp_cp, ctx, mine.f32(), root ? staging.f32() : nullptr, U.shard, 0);
-    if (root) copy_(whole.view(U.offset, {U.numel}), staging.view(0, {U.numel}));
-  }
-  return whole;
-}
-
-void Zero::load_flat(Part part, const Tensor& whole) {
-  for (size_t u = 0; u < units_.size(); u++) {
-    const ShardLayout::Unit& U = layout_.units[u];
-    if (part == Part::Params && stage_ <= 2) {  // every rank holds the whole weights
-      Tensor mine = model_.params.view(U.padded_offset, {U.numel});
-      if (weight_format_ == DType::F32) {
-        copy_(mine, whole.view(U.offset, {U.numel}));
-        continue;
-      }
-      Tensor rounded = empty({U.numel}, Mem::Workspace, Device::CPU, weight_format_);
-      cast_(rounded, whole.view(U.offset, {U.numel}));
-      copy_(mine, rounded);  // and the master slice below
-    }
-    if (U.valid == 0) continue;
-    int64_t first = U.offset + layout_.rank * U.shard;  // this rank's slice of the whole vector
-    copy_(shard_view(part, (int)u, U.valid), whole.view(first, {U.valid}));
-    if (part == Part::Params && compute_shard_.defined())
-      cast_(compute_shard_.view(U.shard_offset, {U.valid}), shard_view(part, (int)u, U.valid));
-  }
+// What a checkpoint reads and writes: this rank's slices, and the weights stages 1-2 hold whole
+// (in fp32, or in the compute format next to the fp32 master shard).
+std::vector<GradientSync::Holding> Zero::holdings(Part part) const {
+  auto slices = [this](Part p) {
+    return Holding{true, [this, p](int u) { return shard_view(p, u, layout_.units[u].shard); }};
+  };
+  if (part == Part::Grads) return {{true, [this](int u) { return grads_of(u); }}};
+  if (part != Part::Params) return {slices(part)};
+  Holding whole{false, [this](int u) {
+                  return model_.params.view(layout_.units[u].padded_offset, {layout_.units[u].numel});
+                }};
+  Holding compute{true, [this](int u) {
+                    const ShardLayout::Unit& U = layout_.units[u];
+                    return compute_shard_.view(U.shard_offset, {U.shard});
+                  }};
+  if (!param_shard_.defined()) return {whole};                   // stages 1-2, fp32
+  if (stage_ <= 2) return {slices(Part::Params), whole};          // the master, the compute format
+  if (compute_shard_.defined()) return {slices(Part::Params), compute};  // stage 3, mixed
+  return {slices(Part::Params)};
 }
 
 void Zero::trace_communication(Trace& trace) const {

@@ -104,8 +104,7 @@ class Zero : public GradientSync {
   ZeroTraffic expected_traffic(int grad_acc) const;  // per step, by the rules in zero.cu
 
  protected:
-  Tensor gather_flat(const Context& ctx, Part part) override;
-  void load_flat(Part part, const Tensor& whole) override;
+  std::vector<Holding> holdings(Part part) const override;
   void scale_grads(const Context& ctx, float alpha) override;
   bool grads_sharded() const override { return true; }
 

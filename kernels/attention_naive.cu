@@ -282,3 +282,40 @@ void attention_backward(const Context& ctx, const Tensor& dq, const Tensor& dk, 
                  group_beta(hb.h), head_slice(dk, hb.b, hb.h / group, s.Hkv, s), kvw,
                  hb.kv_stride(s), hb.count);
 }
+
+// ----------------------------------------------------------------------------
+// The seam (flash_attention.cuh's AttentionCore)
+
+namespace {
+static Tensor kept(const Context& ctx, std::vector<int64_t> shape) {  // on the compute stream
+  return empty(ctx, std::move(shape), Mem::Activations);
+}
+// Keeps the [B, Hq, T, T] probabilities (Playbook §2.5); selective recomputation drops them and
+// the backward rebuilds them from q and k.
+class NaiveAttention : public AttentionCore {
+ public:
+  std::string name() const override { return "naive"; }
+  void forward(const Context& ctx, const AttentionShape& s, const Tensor& out,
+               AttentionSaved& saved, const Tensor& q, const Tensor& k,
+               const Tensor& v) const override {
+    saved.probs = kept(ctx, {s.B, s.Hq, s.T, s.T});
+    attention_forward(ctx, out, saved.probs, q, k, v, s);
+  }
+  void backward(const Context& ctx, const AttentionShape& s, const Tensor& dq, const Tensor& dk,
+                const Tensor& dv, const Tensor& dout, const Tensor&, AttentionSaved& saved,
+                const Tensor& q, const Tensor& k, const Tensor& v) const override {
+    if (!saved.probs.defined()) {  // selective recompute: dq serves as the rebuilt output's space
+      saved.probs = kept(ctx, {s.B, s.Hq, s.T, s.T});
+      attention_forward(ctx, dq, saved.probs, q, k, v, s);
+    }
+    Tensor d_probs = empty(ctx, {s.B, s.Hq, s.T, s.T}, Mem::Workspace);
+    attention_backward(ctx, dq, dk, dv, dout, q, k, v, saved.probs, d_probs, s);
+  }
+  int64_t saved_bytes(int64_t B, int64_t T, int64_t heads, bool selective, int e) const override {
+    return selective ? 0 : e * B * heads * T * T;
+  }
+  std::string saved_formula(int e) const override { return std::to_string(e) + " Hq T"; }
+};
+}  // namespace
+
+std::shared_ptr<const AttentionCore> naive_attention() { return std::make_shared<NaiveAttention>(); }

@@ -1,5 +1,6 @@
-// flash_attention_kernels.cuh: what FlashAttention's fp32 code (flash_attention.cu) and its bf16
-// tensor-core kernels (flash_attention_bf16.cu) share: the offsets of the token-major layouts,
+// flash_attention_kernels.cuh: what FlashAttention's CPU code (flash_attention.cu), its fp32
+// CUDA kernels (flash_attention_cuda.cu) and its bf16 tensor-core kernels
+// (flash_attention_bf16.cu) share: the offsets of the token-major layouts,
 // the causal mask by global position, the log2 units of the kernels' softmax, the backward's
 // per-query statistics and the launch grids. Internal to those two files: callers include
 // flash_attention.cuh.
@@ -55,3 +56,31 @@ inline dim3 key_tile_grid(const AttentionBlock& a, int tile) {
 
 // Threads per block of the kernels that take one (query, head) row or one element per thread.
 constexpr int kRowKernelThreads = 256;
+
+// logaddexp(lse1, lse2) and the weights exp(lse1 - lse), exp(lse2 - lse) of the two partial
+// outputs. Written around the larger side, so exp never overflows; both sides -inf (no key seen
+// by either) gives -inf and weights 0 instead of exp(-inf - -inf) = NaN.
+__host__ __device__ inline float lse_merge_weights(float lse1, float lse2, float* w1, float* w2) {
+  float hi = fmaxf(lse1, lse2), lo = fminf(lse1, lse2);
+  if (hi == -INFINITY) {
+    *w1 = *w2 = 0.0f;
+    return -INFINITY;
+  }
+  float lse = hi + log1pf(expf(lo - hi));
+  *w1 = expf(lse1 - lse);
+  *w2 = expf(lse2 - lse);
+  return lse;
+}
+
+// ---- The fp32 CUDA kernels (flash_attention_cuda.cu), the GPU side of flash_attention.cu's
+// dispatchers: same layouts and contracts as flash_attention_forward, _backward,
+// attention_out_dot_dout and attention_lse_merge, raw device pointers on ctx's stream.
+void flash_forward_cuda(const Context& ctx, float* out, float* lse, const float* q, const float* k,
+                        const float* v, const AttentionBlock& a);
+void flash_backward_cuda(const Context& ctx, float* dq, float* dk, float* dv, const float* dout,
+                         const float* q, const float* k, const float* v, const float* lse,
+                         const float* D, const AttentionBlock& a);
+void out_dot_dout_cuda(const Context& ctx, float* D, const float* dout, const float* out,
+                       const AttentionBlock& a);
+void lse_merge_cuda(const Context& ctx, float* out, float* lse, const float* out2, const float* lse2,
+                    const AttentionBlock& a);

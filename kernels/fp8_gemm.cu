@@ -15,11 +15,73 @@
 #include <map>
 #include <tuple>
 
+#include <algorithm>
+#include <cmath>
+
 #include "kernels/fp8_gemm.cuh"
-#include "mixed_precision.cuh"
+#include "runtime/dtype.cuh"
 
 // ----------------------------------------------------------------------------
-// Quantization on the GPU (the CPU loops: quantize_tiles, dequantize_tiles in mixed_precision.cu)
+// FP8 per-tile absmax scaling (DeepSeek-V3 §3.3): CPU reference
+
+// Calls fn(row, col, tile_row, tile_col) for every element of a [rows, cols] matrix.
+template <class Fn>
+static void for_each_in_tiles(const Tensor& x, int tile_rows, int tile_cols, Fn fn) {
+  PICO_ASSERT(x.dim() == 2 && tile_rows > 0 && tile_cols > 0, "tiles of a matrix " + x.shape_str());
+  for (int64_t r = 0; r < x.size(0); r++)
+    for (int64_t c = 0; c < x.size(1); c++) fn(r, c, r / tile_rows, c / tile_cols);
+}
+static void check_tiles(const Tensor& q, const Tensor& scales, const Tensor& x, int tile_rows,
+                        int tile_cols) {
+  PICO_ASSERT(x.dtype == DType::F32 && scales.dtype == DType::F32 &&
+                  (q.dtype == DType::F8E4M3 || q.dtype == DType::F8E5M2) && q.shape == x.shape,
+              "tile scaling: F32 " + x.shape_str() + " and an FP8 tensor of that shape");
+  PICO_ASSERT(x.device == Device::CPU && q.device == Device::CPU && scales.device == Device::CPU,
+              "tile scaling runs on the CPU");
+  const std::vector<int64_t> want = {(x.size(0) + tile_rows - 1) / tile_rows,
+                                     (x.size(1) + tile_cols - 1) / tile_cols};
+  PICO_ASSERT(scales.shape == want, "scales " + scales.shape_str() + " for " + x.shape_str());
+}
+
+void quantize_tiles(const Tensor& q, const Tensor& scales, const Tensor& x, int tile_rows,
+                    int tile_cols) {
+  check_tiles(q, scales, x, tile_rows, tile_cols);
+  const int64_t cols = x.size(1), tiles_across = scales.size(1);
+  const float* xv = x.f32();
+  float* s = scales.f32();
+  std::fill(s, s + scales.numel(), 0.0f);
+  for_each_in_tiles(x, tile_rows, tile_cols, [&](int64_t r, int64_t c, int64_t tr, int64_t tc) {
+    float& absmax = s[tr * tiles_across + tc];
+    absmax = std::max(absmax, std::fabs(xv[r * cols + c]));
+  });
+  // An all-zero tile keeps scale 1 (any scale stores zeros exactly). x / scale may round a hair
+  // above the format's largest value: e4m3 saturates there (satfinite), e5m2 is rounded by the
+  // same RNE and cannot reach its overflow threshold, half an ulp above 57344.
+  const float largest = max_finite(q.dtype);
+  for (int64_t i = 0; i < scales.numel(); i++) s[i] = s[i] > 0 ? s[i] / largest : 1.0f;
+  uint8_t* qv = (uint8_t*)q.ptr;
+  for_each_in_tiles(x, tile_rows, tile_cols, [&](int64_t r, int64_t c, int64_t tr, int64_t tc) {
+    const float y = xv[r * cols + c] / s[tr * tiles_across + tc];
+    qv[r * cols + c] = q.dtype == DType::F8E4M3 ? float_to_e4m3(y) : float_to_e5m2(y);
+  });
+}
+
+void dequantize_tiles(const Tensor& x, const Tensor& q, const Tensor& scales, int tile_rows,
+                      int tile_cols) {
+  check_tiles(q, scales, x, tile_rows, tile_cols);
+  const int64_t cols = x.size(1), tiles_across = scales.size(1);
+  const uint8_t* qv = (const uint8_t*)q.ptr;
+  const float* s = scales.f32();
+  float* xv = x.f32();
+  for_each_in_tiles(x, tile_rows, tile_cols, [&](int64_t r, int64_t c, int64_t tr, int64_t tc) {
+    const uint8_t b = qv[r * cols + c];
+    xv[r * cols + c] = (q.dtype == DType::F8E4M3 ? e4m3_to_float(b) : e5m2_to_float(b)) *
+                       s[tr * tiles_across + tc];
+  });
+}
+
+// ----------------------------------------------------------------------------
+// Quantization on the GPU (the CPU loops above)
 
 // Where element (r, c) of a matrix sits: at r * row + c * col.
 struct Strides {

@@ -2,11 +2,22 @@
 // on the GPU into FP8 tiles with one fp32 scale each (DeepSeek-V3: 1 x 128 activations and
 // gradients, 128 x 128 weights; 128 tokens x 1 for both operands of the weight gradient),
 // multiplied by cuBLASLt's block-scaled FP8 GEMM on Hopper.
-// The CPU reference of the quantization is quantize_tiles (mixed_precision.cuh).
+// The CPU reference of the quantization, quantize_tiles, is here too.
 #pragma once
 #include <string>
 
 #include "runtime/core.cuh"
+
+// FP8 per-tile scaling (DeepSeek-V3 §3.3): each tile of x gets scale = absmax / max_finite(fmt)
+// and is stored as fp8(x / scale), so the tile's largest value lands on the format's largest.
+// x: [rows, cols] F32; q: [rows, cols] F8E4M3 or F8E5M2;
+// scales: [ceil(rows / tile_rows), ceil(cols / tile_cols)] F32. On the CPU; quantize_tiles_on
+// (below) runs it on either device.
+void quantize_tiles(const Tensor& q, const Tensor& scales, const Tensor& x, int tile_rows,
+                    int tile_cols);
+// x = q * scale of its tile (shapes as quantize_tiles).
+void dequantize_tiles(const Tensor& x, const Tensor& q, const Tensor& scales, int tile_rows,
+                      int tile_cols);
 
 // quantize_tiles on ctx's device (Playbook §FP8 pretraining): the CPU loop, or one CUDA block
 // per tile giving the same bytes and scales bit for bit. Shapes as quantize_tiles.

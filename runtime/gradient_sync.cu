@@ -2,6 +2,7 @@
 // and checkpoints of whole tensors (DESIGN 6, "Gradient sync").
 // The one idea: whichever way the replicas are kept in step, clipping and checkpoints see the
 // model as one process would: each weight once, whole.
+#include <algorithm>
 #include <cmath>
 
 #include "runtime/gradient_sync.cuh"
@@ -68,6 +69,55 @@ void GradientSync::poison_gradient(const Context& ctx) {
   Tensor inf = empty({1}, Mem::Workspace, ctx.device);
   fill_(inf, INFINITY);
   cast_(Tensor{nullptr, s.grad, {1}, s.grad_dtype, ctx.device}, inf);
+}
+
+// ----------------------------------------------------------------------------
+// Whole tensors from any layout: the flat state over dp_cp by the syncs' holdings, then the
+// tensor-parallel shards and the pipeline stages (runtime/checkpoint.cu)
+
+// The flat [num_params] fp32 vector of `part`, whole over dp_cp, on dp_cp rank 0 (host);
+// undefined elsewhere. Collective over dp_cp.
+Tensor GradientSync::gather_flat(const Context& ctx, Part part) {
+  const Holding held = holdings(part).front();
+  bool root = comm_.dp_cp.rank == 0;
+  Tensor whole = root ? empty({model_.num_params}, Mem::Workspace, Device::CPU) : Tensor();
+  auto fp32 = [&](const Tensor& t) {  // checkpoints hold fp32: bf16 gradients widened first
+    if (t.dtype == DType::F32) return t;
+    Tensor wide = empty({t.numel()}, Mem::Workspace, comm_.device);
+    cast_(wide, t);
+    return wide;
+  };
+  for (size_t u = 0; u < model_.units.size(); u++) {
+    const ModelUnit& U = model_.units[u];
+    Tensor mine = fp32(held.unit((int)u));
+    if (!held.sharded) {  // every rank holds the unit: the root's copy is the whole
+      if (root) copy_(whole.view(U.offset, {U.numel}), mine.view(0, {U.numel}));
+      continue;
+    }
+    const int64_t S = mine.numel();
+    Tensor staging = root ? empty({comm_.dp_cp.size * S}, Mem::Workspace, comm_.device) : Tensor();
+    gather(comm_, comm_.dp_cp, ctx, mine.f32(), root ? staging.f32() : nullptr, S, 0);
+    if (root) copy_(whole.view(U.offset, {U.numel}), staging.view(0, {U.numel}));  // no padding
+  }
+  return whole;
+}
+
+// Keeps this rank's part of a whole flat fp32 host vector [num_params], in every holding.
+void GradientSync::load_flat(Part part, const Tensor& whole) {
+  for (const Holding& held : holdings(part))
+    for (size_t u = 0; u < model_.units.size(); u++) {
+      const ModelUnit& U = model_.units[u];
+      Tensor mine = held.unit((int)u);
+      int64_t first = 0, count = U.numel;  // of the unit
+      if (held.sharded) {
+        const int64_t S = mine.numel();
+        first = comm_.dp_cp.rank * S, count = std::clamp(U.numel - first, (int64_t)0, S);
+      }
+      if (count == 0) continue;
+      Tensor from = whole.view(U.offset + first, {count}), into = mine.view(0, {count});
+      if (into.dtype == DType::F32) copy_(into, from);
+      else cast_(into, to_device(from, into.device, Mem::Workspace));  // rounded once
+    }
 }
 
 void GradientSync::save(const Context& ctx, const std::string& dir, const ModelConfig& cfg,

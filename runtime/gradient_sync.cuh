@@ -83,11 +83,16 @@ class GradientSync {
 
  protected:
   enum class Part { Params, Grads, ExpAvg, ExpAvgSq };
-  // The flat [num_params] vector of `part` (this tp rank's shard of the model), whole over
-  // dp_cp, on dp_cp rank 0 (any device); undefined elsewhere. Collective over dp_cp.
-  virtual Tensor gather_flat(const Context& ctx, Part part) = 0;
-  // Keeps this rank's part of a whole flat host vector [num_params].
-  virtual void load_flat(Part part, const Tensor& whole) = 0;
+  // How this rank holds `part` of the flat state, which is all a checkpoint asks of a gradient
+  // sync: each holding a copy of it, unit by unit, whole (every dp_cp rank the same unit,
+  // [numel]) or sharded as ZeRO shards it (rank r the unit's elements [r S, r S + S) of
+  // S = ceil(numel / dp_cp), zero padding past the end), in its own dtype. A save reads the
+  // first; a load writes them all (the fp32 master weights and their bf16 copy alike).
+  struct Holding {
+    bool sharded;
+    std::function<Tensor(int unit)> unit;
+  };
+  virtual std::vector<Holding> holdings(Part part) const = 0;
   virtual void scale_grads(const Context& ctx, float alpha) = 0;
   virtual bool grads_sharded() const = 0;  // each dp_cp rank holds a slice of the gradient
 
@@ -97,4 +102,8 @@ class GradientSync {
   std::vector<ParamSlice> slices_;  // what this rank's optimizer updates
   DType grad_dtype_ = DType::F32;   // of the gradient buffers (--grad-acc-dtype)
   float pending_scale_ = 1.0f;      // bf16 gradients: the factor not yet applied (reset per step)
+
+ private:
+  Tensor gather_flat(const Context& ctx, Part part);
+  void load_flat(Part part, const Tensor& whole);
 };

@@ -11,9 +11,12 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <thread>
+#include <vector>
 
 // ============================================================================
 // matmul
@@ -447,71 +450,156 @@ void scale_(const Context& ctx, const Tensor& x, float alpha) {
 }
 
 // ============================================================================
-// cross-entropy fused with softmax: the [T, V] probabilities are never stored
+// cross-entropy in passes: row max, sums, finish; the [T, V] probabilities are never stored.
+// The vocabulary may be split (tensor_parallel.cu's vocab-parallel version all-reduces the max
+// and the sums between the passes), so a target another rank holds is -1 here.
 // ============================================================================
 
-// Per row: losses[t] = logsumexp - logit of the target (if losses), and/or dlogits[t] =
-// scale * (softmax - onehot) (if dlogits). Subtracting the row max keeps expf from overflowing;
-// every read of a row comes before its writes, so dlogits may alias logits.
-static void cross_entropy_cpu(float* losses, float* dlogits, const float* logits,
-                              const int32_t* targets, int T, int V, float scale) {
-  for (int t = 0; t < T; t++) {
-    const float* x = logits + (int64_t)t * V;  // [V]
-    int target = targets[t];
-    PICO_ASSERT(target >= 0 && target < V, "target " + std::to_string(target) +
-                                               " outside the vocabulary of " + std::to_string(V));
-    float x_target = x[target], mx = -INFINITY, se = 0.0f;
-    for (int i = 0; i < V; i++) mx = fmaxf(mx, x[i]);
-    for (int i = 0; i < V; i++) se += expf(x[i] - mx);
-    if (losses) losses[t] = logf(se) + mx - x_target;
-    if (dlogits)
-      for (int i = 0; i < V; i++)
-        dlogits[(int64_t)t * V + i] = scale * (expf(x[i] - mx) / se - (i == target ? 1.0f : 0.0f));
+static void ce_row_max_cpu(float* row_max, const float* logits, int64_t N, int V) {
+  for (int64_t t = 0; t < N; t++) {
+    float m = -FLT_MAX;
+    for (int v = 0; v < V; v++) m = std::max(m, logits[t * V + v]);
+    row_max[t] = m;
+  }
+}
+// sums [N, 2]: (sum of exponentials, target logit, 0 when another rank holds the target)
+static void ce_row_sums_cpu(float* sums, const float* logits, const float* row_max,
+                            const int32_t* targets, int64_t N, int V) {
+  for (int64_t t = 0; t < N; t++) {
+    PICO_ASSERT(targets[t] < V, "target " + std::to_string(targets[t]) +
+                                    " outside the vocabulary of " + std::to_string(V));
+    float s = 0;
+    for (int v = 0; v < V; v++) s += expf(logits[t * V + v] - row_max[t]);
+    sums[2 * t] = s;
+    sums[2 * t + 1] = targets[t] >= 0 ? logits[t * V + targets[t]] : 0.0f;
+  }
+}
+// losses [N] = log(sum) + max - target logit; stats [N, 2] = (max, sum) for the backward.
+static void ce_finish_cpu(float* losses, float* stats, const float* row_max, const float* sums,
+                          int64_t N) {
+  for (int64_t t = 0; t < N; t++) {
+    losses[t] = logf(sums[2 * t]) + row_max[t] - sums[2 * t + 1];
+    stats[2 * t] = row_max[t], stats[2 * t + 1] = sums[2 * t];
+  }
+}
+static void ce_backward_cpu(float* dlogits, const float* logits, const float* stats,
+                            const int32_t* targets, int64_t N, int V, float scale) {
+  for (int64_t t = 0; t < N; t++)
+    for (int v = 0; v < V; v++) {
+      float p = expf(logits[t * V + v] - stats[2 * t]) / stats[2 * t + 1];
+      dlogits[t * V + v] = scale * (p - (v == targets[t] ? 1.0f : 0.0f));
+    }
+}
+
+// One block per row: a block reduction over the row.
+static __global__ void ce_row_max_kernel(float* row_max, const float* logits, int V) {
+  const float* row = logits + (int64_t)blockIdx.x * V;
+  float m = -FLT_MAX;
+  for (int v = threadIdx.x; v < V; v += blockDim.x) m = fmaxf(m, row[v]);
+  m = block_reduce(m, true);
+  if (threadIdx.x == 0) row_max[blockIdx.x] = m;
+}
+static __global__ void ce_row_sums_kernel(float* sums, const float* logits, const float* row_max,
+                                          const int32_t* targets, int V) {
+  const float* row = logits + (int64_t)blockIdx.x * V;
+  float s = 0;
+  for (int v = threadIdx.x; v < V; v += blockDim.x) s += expf(row[v] - row_max[blockIdx.x]);
+  s = block_reduce(s, false);
+  if (threadIdx.x == 0) {
+    int target = targets[blockIdx.x];  // no assert on the GPU: past V reads a wrong logit
+    sums[2 * blockIdx.x] = s;
+    sums[2 * blockIdx.x + 1] = target >= 0 && target < V ? row[target] : 0.0f;
+  }
+}
+// A thread per token: the losses stay on the device until the caller sums them.
+static __global__ void ce_finish_kernel(float* losses, float* stats, const float* row_max,
+                                        const float* sums, int64_t N) {
+  for (int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; t < N;
+       t += (int64_t)gridDim.x * blockDim.x) {
+    losses[t] = logf(sums[2 * t]) + row_max[t] - sums[2 * t + 1];
+    stats[2 * t] = row_max[t], stats[2 * t + 1] = sums[2 * t];
+  }
+}
+static __global__ void ce_backward_kernel(float* dlogits, const float* logits, const float* stats,
+                                          const int32_t* targets, int V, float scale) {
+  int64_t t = blockIdx.x;
+  for (int v = threadIdx.x; v < V; v += blockDim.x) {
+    float p = expf(logits[t * V + v] - stats[2 * t]) / stats[2 * t + 1];
+    dlogits[t * V + v] = scale * (p - (v == targets[t] ? 1.0f : 0.0f));
   }
 }
 
-// One block per row: two block reductions (max, then sum of exponentials), then the write.
-static __global__ void cross_entropy_kernel(float* losses, float* dlogits, const float* logits,
-                                            const int32_t* targets, int V, float scale) {
-  const float* x = logits + (int64_t)blockIdx.x * V;  // [V]
-  int target = targets[blockIdx.x];
-  bool valid = target >= 0 && target < V;  // no assert on the GPU: a bad target gives a NaN loss
-  float x_target = valid ? x[target] : NAN, mx = -INFINITY, se = 0.0f;
-  for (int i = threadIdx.x; i < V; i += blockDim.x) mx = fmaxf(mx, x[i]);
-  mx = block_reduce(mx, true);
-  for (int i = threadIdx.x; i < V; i += blockDim.x) se += expf(x[i] - mx);
-  se = block_reduce(se, false);  // its __syncthreads also orders all reads before any write
-  if (losses && threadIdx.x == 0) losses[blockIdx.x] = logf(se) + mx - x_target;
-  if (dlogits)
-    for (int i = threadIdx.x; i < V; i += blockDim.x)
-      dlogits[(int64_t)blockIdx.x * V + i] =
-          scale * (expf(x[i] - mx) / se - (i == target ? 1.0f : 0.0f));
+// N == 0 launches nothing (a zero-block grid is an error).
+void cross_entropy_row_max(const Context& ctx, const Tensor& row_max, const Tensor& logits) {
+  int64_t N = logits.size(0);
+  int V = (int)logits.size(1);
+  check_devices(ctx, "cross_entropy_row_max", row_max, logits);
+  if (ctx.device == Device::CPU) return ce_row_max_cpu(row_max.f32(), logits.f32(), N, V);
+  if (N == 0) return;
+  ce_row_max_kernel<<<N, kThreads, 0, ctx.stream>>>(row_max.f32(), logits.f32(), V);
+  LAUNCH_CHECK(ctx, "ce_row_max_kernel");
+}
+void cross_entropy_row_sums(const Context& ctx, const Tensor& sums, const Tensor& logits,
+                            const Tensor& row_max, const Tensor& targets) {
+  int64_t N = logits.size(0);
+  int V = (int)logits.size(1);
+  check_devices(ctx, "cross_entropy_row_sums", sums, logits, row_max, targets);
+  PICO_ASSERT(targets.numel() == N && sums.numel() == 2 * N,
+              "cross_entropy_row_sums: " + std::to_string(targets.numel()) +
+                  " targets for logits " + logits.shape_str());
+  if (ctx.device == Device::CPU)
+    return ce_row_sums_cpu(sums.f32(), logits.f32(), row_max.f32(), targets.i32(), N, V);
+  if (N == 0) return;
+  ce_row_sums_kernel<<<N, kThreads, 0, ctx.stream>>>(sums.f32(), logits.f32(), row_max.f32(),
+                                                      targets.i32(), V);
+  LAUNCH_CHECK(ctx, "ce_row_sums_kernel");
+}
+void cross_entropy_finish(const Context& ctx, const Tensor& losses, const Tensor& stats,
+                          const Tensor& row_max, const Tensor& sums) {
+  int64_t N = row_max.numel();
+  check_devices(ctx, "cross_entropy_finish", losses, stats, row_max, sums);
+  if (ctx.device == Device::CPU)
+    return ce_finish_cpu(losses.f32(), stats.f32(), row_max.f32(), sums.f32(), N);
+  if (N == 0) return;
+  ce_finish_kernel<<<grid_for(N), kThreads, 0, ctx.stream>>>(losses.f32(), stats.f32(),
+                                                             row_max.f32(), sums.f32(), N);
+  LAUNCH_CHECK(ctx, "ce_finish_kernel");
+}
+void cross_entropy_backward(const Context& ctx, const Tensor& dlogits, const Tensor& logits,
+                            const Tensor& stats, const Tensor& targets, float scale) {
+  int64_t N = logits.size(0);
+  int V = (int)logits.size(1);
+  check_devices(ctx, "cross_entropy_backward", dlogits, logits, stats, targets);
+  PICO_ASSERT(dlogits.numel() == logits.numel(), "cross_entropy_backward " + dlogits.shape_str());
+  if (ctx.device == Device::CPU)
+    return ce_backward_cpu(dlogits.f32(), logits.f32(), stats.f32(), targets.i32(), N, V, scale);
+  if (N == 0) return;
+  ce_backward_kernel<<<N, kThreads, 0, ctx.stream>>>(dlogits.f32(), logits.f32(), stats.f32(),
+                                                      targets.i32(), V, scale);
+  LAUNCH_CHECK(ctx, "ce_backward_kernel");
 }
 
-static void cross_entropy(const Context& ctx, float* losses, float* dlogits, const Tensor& logits,
-                          const Tensor& targets, float scale) {
-  int V = (int)logits.size(-1), T = (int)(logits.numel() / V);
-  PICO_ASSERT(targets.numel() == T, "cross_entropy: " + std::to_string(targets.numel()) +
-                                        " targets for logits " + logits.shape_str());
-  if (ctx.device == Device::CPU)
-    return cross_entropy_cpu(losses, dlogits, logits.f32(), targets.i32(), T, V, scale);
-  if (T == 0) return;  // one block per row: zero rows would be a zero-block launch error
-  cross_entropy_kernel<<<T, kThreads, 0, ctx.stream>>>(losses, dlogits, logits.f32(), targets.i32(),
-                                                       V, scale);
-  LAUNCH_CHECK(ctx, "cross_entropy_kernel");
+void cross_entropy_forward(const Context& ctx, const Tensor& losses, const Tensor& stats,
+                           const Tensor& logits, const Tensor& targets) {
+  Tensor row_max = empty(ctx, {logits.size(0)}, Mem::Workspace);   // [N]
+  Tensor sums = empty(ctx, {logits.size(0), 2}, Mem::Workspace);   // [N, 2]
+  cross_entropy_row_max(ctx, row_max, logits);
+  cross_entropy_row_sums(ctx, sums, logits, row_max, targets);
+  cross_entropy_finish(ctx, losses, stats, row_max, sums);
 }
 void cross_entropy_forward(const Context& ctx, const Tensor& losses, const Tensor& logits,
                            const Tensor& targets) {
-  check_devices(ctx, "cross_entropy_forward", losses, logits, targets);
-  PICO_ASSERT(losses.numel() == targets.numel(),
-              "cross_entropy_forward losses " + losses.shape_str());
-  cross_entropy(ctx, losses.f32(), nullptr, logits, targets, 1.0f);
+  Tensor stats = empty(ctx, {logits.numel() / logits.size(-1), 2}, Mem::Workspace);
+  cross_entropy_forward(ctx, losses, stats, logits.reshape({stats.size(0), logits.size(-1)}),
+                        targets);
 }
 void cross_entropy_backward(const Context& ctx, const Tensor& dlogits, const Tensor& logits,
                             const Tensor& targets, float scale) {
-  check_devices(ctx, "cross_entropy_backward", dlogits, logits, targets);
-  PICO_ASSERT(dlogits.numel() == logits.numel(), "cross_entropy_backward " + dlogits.shape_str());
-  cross_entropy(ctx, nullptr, dlogits.f32(), logits, targets, scale);
+  const int64_t N = logits.numel() / logits.size(-1), V = logits.size(-1);
+  Tensor losses = empty(ctx, {N}, Mem::Workspace), stats = empty(ctx, {N, 2}, Mem::Workspace);
+  cross_entropy_forward(ctx, losses, stats, logits.reshape({N, V}), targets);
+  cross_entropy_backward(ctx, dlogits.reshape({N, V}), logits.reshape({N, V}), stats, targets,
+                         scale);
 }
 
 // ============================================================================
@@ -675,4 +763,24 @@ void adamw_update(const Context& ctx, float* p, const float* g, float* m, float*
   adamw_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(p, g, m, v, n, cfg, lr, weight_decay, bc1,
                                                          bc2);
   LAUNCH_CHECK(ctx, "adamw_kernel");
+}
+
+// ============================================================================
+// CPU threads
+// ============================================================================
+
+int cpu_workers(int items) { return std::max(1, std::min(openblas_get_num_threads(), items)); }
+
+void run_on_cpu_workers(int items, int workers,
+                        const std::function<void(int item, int worker)>& fn) {
+  int saved = openblas_get_num_threads();
+  openblas_set_num_threads(1);
+  std::vector<std::thread> pool;
+  for (int w = 1; w < workers; w++)
+    pool.emplace_back([&, w] {
+      for (int i = w; i < items; i += workers) fn(i, w);
+    });
+  for (int i = 0; i < items; i += workers) fn(i, 0);
+  for (std::thread& t : pool) t.join();
+  openblas_set_num_threads(saved);
 }

@@ -3,6 +3,8 @@
 // Layouts follow PyTorch/HF: row-major, activations [tokens, features], linear W [out, in].
 // Backward functions that take a gradient "+=" accumulate into it; "=" overwrites.
 #pragma once
+#include <functional>
+
 #include "runtime/core.cuh"
 
 // ---- matmul (Playbook §2.1: every linear layer is a GEMM) ----
@@ -46,14 +48,27 @@ void residual_forward(const Context& ctx, const Tensor& out, const Tensor& a, co
 void axpy(const Context& ctx, const Tensor& y, float alpha, const Tensor& x);
 void scale_(const Context& ctx, const Tensor& x, float alpha);
 
-// ---- cross-entropy fused with softmax, fp32 accumulation ----
-// losses[T] = logsumexp(logits[t]) - logits[t, targets[t]]; logits [T, V]; targets [T] int32
+// ---- cross-entropy, fp32 accumulation, in passes a split vocabulary can reduce between ----
+// logits [N, V]; targets [N] int32, -1 for a target another rank's vocabulary slice holds.
+// row_max [N] (=) the row maxima; sums [N, 2] (=) (sum of exp(logit - max), target logit or 0);
+// losses [N] (=) log(sum) + max - target logit, stats [N, 2] (=) (max, sum) for the backward.
+void cross_entropy_row_max(const Context& ctx, const Tensor& row_max, const Tensor& logits);
+void cross_entropy_row_sums(const Context& ctx, const Tensor& sums, const Tensor& logits,
+                            const Tensor& row_max, const Tensor& targets);
+void cross_entropy_finish(const Context& ctx, const Tensor& losses, const Tensor& stats,
+                          const Tensor& row_max, const Tensor& sums);
+// dlogits [N, V] = scale * (softmax - onehot(target)) from the forward's stats; may alias logits.
+void cross_entropy_backward(const Context& ctx, const Tensor& dlogits, const Tensor& logits,
+                            const Tensor& stats, const Tensor& targets, float scale);
+// The three passes on one rank (the vocabulary whole).
+void cross_entropy_forward(const Context& ctx, const Tensor& losses, const Tensor& stats,
+                           const Tensor& logits, const Tensor& targets);
+// The same without the stats (tests): losses[T] = logsumexp(logits[t]) - logits[t, targets[t]];
+// and dlogits[T, V] = scale * (softmax(logits) - onehot(targets)), the stats recomputed.
 void cross_entropy_forward(const Context& ctx, const Tensor& losses, const Tensor& logits,
                            const Tensor& targets);
-// dlogits[T, V] = scale * (softmax(logits) - onehot(targets)); dlogits may alias logits
 void cross_entropy_backward(const Context& ctx, const Tensor& dlogits, const Tensor& logits,
                             const Tensor& targets, float scale);
-
 // ---- reductions (fp32 accumulation, result on the host) ----
 float sum(const Context& ctx, const Tensor& x);
 float sum_squares(const Context& ctx, const Tensor& x);
@@ -71,3 +86,10 @@ struct AdamWConfig {
 void adamw_update(const Context& ctx, float* p, const float* g, float* m, float* v, int64_t n,
                   const AdamWConfig& cfg, float lr, float weight_decay, int step);
 
+// ---- CPU threads (FlashAttention's CPU tiles) ----
+// Work split into independent items runs on as many threads as OpenBLAS may use, worker w
+// taking items w, w + W, ... (a fixed assignment: results never depend on timing). OpenBLAS
+// itself is held to one thread meanwhile: a tile-sized GEMM is too small to split, and
+// splitting it inside each worker would oversubscribe the cores.
+int cpu_workers(int items);  // min(OpenBLAS threads, items), at least 1
+void run_on_cpu_workers(int items, int workers, const std::function<void(int item, int worker)>& fn);

@@ -50,6 +50,14 @@ RUNS=(
   "fp8_tp2_sp|2|--dtype fp8 --tp 2 --sp --grad-acc 2"
   "dp2_pp2_tp2_zero1|8|--dp 2 --pp 2 --tp 2 --sp --zero 1 --grad-acc 2"
   "dp2_pp2_cp2_tp2_sp_zero1|16|--dp 2 --pp 2 --cp 2 --tp 2 --sp --zero 1 --grad-acc 2"
+  # Resumes: a run stopped after 3 steps (--stop-after), loaded into other layouts and dtypes
+  # (@NAME is the checkpoint of the run NAME, recorded before).
+  "half_single|1|--grad-acc 4 --stop-after 3"
+  "resume_single|1|--grad-acc 4 --load @half_single"
+  "resume_zero3_dp2|2|--dp 2 --zero 3 --grad-acc 2 --load @half_single"
+  "resume_zero1_bf16_dp2|2|--dp 2 --zero 1 --dtype bf16 --grad-acc 2 --load @half_single"
+  "resume_tp2_sp_pp2|4|--tp 2 --sp --pp 2 --grad-acc 4 --load @half_single"
+  "resume_bf16_dp2|2|--dp 2 --dtype bf16 --grad-acc 2 --load @half_single"
 )
 COMMON="--device cpu --d-model 64 --layers 4 --heads 4 --kv-heads 2 --ffn 128 --seq 32 --mbs 2"
 COMMON+=" --steps 5 --warmup 2 --val-every 2 --val-seqs 8 --lr 3e-3"
@@ -60,6 +68,8 @@ export OMPI_MCA_btl_vader_single_copy_mechanism=none OPENBLAS_NUM_THREADS=1
 
 record_one() {  # dir name ranks flags
   local out=$1/$2 np=$3 flags=$4
+  flags=${flags//@/$1/}  # @NAME: that run's directory
+  flags=$(echo "$flags" | sed -E "s#(--load [^ ]+)#\1/ckpt#")
   rm -rf "$out" && mkdir -p "$out"
   local cmd="./train $COMMON $flags --log-json $out/log.raw --save-grads $out/grads.safetensors --save $out/ckpt"
   if [ "$np" -gt 1 ]; then cmd="mpirun ${mpirun_flags[*]} -np $np $cmd"; fi
