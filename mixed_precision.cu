@@ -32,21 +32,6 @@
 // Training in low precision: the linear layers' arithmetic (see mixed_precision.cuh)
 // ============================================================================
 
-Precision parse_precision(const std::string& flag) {
-  if (flag == "fp32") return Precision::FP32;
-  if (flag == "bf16") return Precision::BF16;
-  if (flag == "fp16") return Precision::FP16;
-  if (flag == "fp8") return Precision::FP8;
-  throw UsageError("--dtype " + flag + ": unknown; use fp32, bf16, fp16 or fp8");
-}
-const char* precision_name(Precision p) {
-  static const char* names[] = {"fp32", "bf16", "fp16", "fp8"};
-  return names[(int)p];
-}
-DType output_dtype(Precision p) {
-  return p == Precision::FP32 ? DType::F32 : p == Precision::FP16 ? DType::F16 : DType::BF16;
-}
-
 static RoundingStats g_rounding[2];  // forward, backward (observation only)
 RoundingStats rounding_stats(bool backward) {
   return g_rounding[backward];

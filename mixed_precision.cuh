@@ -25,10 +25,6 @@
 // E5M2 for the gradients flowing back) and the outputs bf16. Norms, softmax, attention sums,
 // the loss and every reduction stay fp32.
 
-Precision parse_precision(const std::string& flag);  // fp32|bf16|fp16|fp8, else UsageError
-const char* precision_name(Precision p);             // "fp32", "bf16", ...
-// The format linear outputs are stored in: BF16 (bf16, fp8), F16 (fp16) or F32.
-DType output_dtype(Precision p);
 
 // x := x rounded to `format` (BF16 or F16; the values stay in x's F32 storage), on ctx's stream.
 // `backward` says which rounding statistics count it (CPU only; see RoundingStats).

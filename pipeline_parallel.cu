@@ -236,6 +236,12 @@ std::string pipeline_chart(PpSchedule s, int p, int m, int V) {
 }
 
 
+BubblePrediction bubble_prediction(PpSchedule s, int p, int m, int V) {
+  PipelineTiming ticks = simulate_pipeline(s, p, m, V, 1.0, 1.0, 1.0);
+  return {pp_schedule_name(s), p, m, V, ticks.busy, ticks.makespan, ticks.peak_in_flight,
+          bubble_fraction(s, p, m, V), pipeline_chart(s, p, m, V)};
+}
+
 // ----------------------------------------------------------------------------
 // Point-to-point: sends go out with the next receive
 

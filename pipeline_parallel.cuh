@@ -9,6 +9,7 @@
 #include "model.cuh"
 #include "runtime/gradient_sync.cuh"
 #include "runtime/observe.cuh"
+#include "runtime/report.cuh"
 
 enum class PpSchedule { AFAB, OneFOneB, Interleaved, ZeroBubbleH1 };
 PpSchedule parse_pp_schedule(const std::string& flag);  // afab|1f1b|interleaved|zb-h1
@@ -58,6 +59,9 @@ std::string pipeline_chart(PpSchedule s, int p, int m, int V);
 // interleaved (the bubble (p-1)/m, resp. (p-1)/(Vm), of the ideal time, as a share of the step);
 // ZB-H1 idles (p-1)(t_f + t_b - t_w), which with t_f = t_b = t_w is (p-1)/(3m+p-1).
 double bubble_fraction(PpSchedule s, int p, int m, int V);
+// What --report bubble prints next to the measured times: the tables on paper, the book's
+// fraction and the chart.
+BubblePrediction bubble_prediction(PpSchedule s, int p, int m, int V);
 
 // ---- Running a step: the one engine (DESIGN 6, "Schedule") ----
 struct PipelineConfig {

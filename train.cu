@@ -361,20 +361,33 @@ static void print_reports(Trainer& t) {
                                t.precision.grads() == DType::BF16);
       print_memory_report(comm, t.sync.zero_stage(), n_params, t.sync.padded_params(),
                           t.precision.compute(), t.precision.grads() == DType::BF16);
-      if (main_rank && t.observer.schedule().block_bytes >= 0)
+      if (main_rank && t.observer.schedule().block_bytes >= 0) {
+        const int e = (int)dtype_size(t.precision.weight_format());
+        const AttentionCore& attention = *t.model.attention;
         print_activation_report(
-            local_sequences(o), o.mbs, o.tp, o.sp, t.recompute, *t.model.attention, t.observer.schedule().block_bytes,
-            (int)dtype_size(t.precision.weight_format()));
+            t.observer.schedule().block_bytes,
+            activation_bytes_per_block(local_sequences(o), o.mbs, o.model.seq / o.cp, o.tp, o.sp,
+                                       t.recompute, attention, e),
+            "tp " + std::to_string(o.tp) + (o.sp ? " + sp" : "") + ", recompute " +
+                recompute_name(t.recompute) + ", " + attention.name() + " attention",
+            attention.saved_formula(e), o.sp, e);
+      }
     }
     if (r == "comm") {
       print_comm_report(comm, n_params, t.steps_run);
       t.sync.print_comm_report(o.grad_acc);
       if (main_rank && o.tp > 1)
-        print_tp_comm_report(o.model, o.mbs, o.grad_acc, o.tp, o.sp, t.tp_traffic.total,
+        print_tp_comm_report(tp_expected_traffic(o.model, o.mbs, o.model.seq, o.tp, o.sp),
+                             o.grad_acc, o.tp, o.sp, t.tp_traffic.total,
                              t.steps_run);
     }
-    if (r == "bubble") print_bubble_report(comm, t.pipeline, o.grad_acc, t.observer.schedule());
-    if (r == "balance") print_balance_report(comm, t.cp, t.attention_work, t.steps_run);
+    if (r == "bubble")
+      print_bubble_report(comm,
+                          bubble_prediction(t.pipeline.schedule, o.pp, o.grad_acc, o.pp_virtual),
+                          t.observer.schedule());
+    if (r == "balance")
+      print_balance_report(comm, o.cp_balance + " split, " + o.cp_comm, t.attention_work.blocks,
+                           t.attention_work.pairs, t.attention_work.seconds, t.steps_run);
   }
 }
 

@@ -39,41 +39,6 @@ int parse_zero_stage(int flag) {
   return flag;
 }
 
-ShardLayout make_shard_layout(const FlatParameters& model, int ranks, int rank) {
-  ShardLayout s;
-  s.ranks = ranks, s.rank = rank;
-  for (const ModelUnit& mu : model.units) {
-    ShardLayout::Unit u;
-    u.offset = mu.offset, u.numel = mu.numel;
-    u.shard = (mu.numel + ranks - 1) / ranks;
-    u.shard_offset = s.shard_numel;
-    u.padded_offset = (int64_t)ranks * s.shard_numel;
-    u.valid = std::clamp(mu.numel - (int64_t)rank * u.shard, (int64_t)0, u.shard);
-    s.shard_numel += u.shard;
-    s.units.push_back(u);
-  }
-  return s;
-}
-
-StaticMemory zero_static_memory(int stage, double psi, int ranks, BytesPerParameter b) {
-  double N = ranks;
-  return {b.params * psi / (stage >= 3 ? N : 1.0), b.grads * psi / (stage >= 2 ? N : 1.0),
-          b.optimizer * psi / (stage >= 1 ? N : 1.0)};
-}
-BytesPerParameter bytes_per_parameter(int stage, Precision precision, bool bf16_grads) {
-  (void)stage;  // every stage keeps the same kinds of bytes; the formula divides them by N
-  if (precision == Precision::FP32) return {};
-  return {2, bf16_grads ? 2.0 : 4.0, 12};
-}
-
-std::string zero_memory_formula(int stage, BytesPerParameter b) {
-  auto term = [&](double bytes, bool sharded) {
-    return std::to_string((int)bytes) + "Ψ" + (sharded ? "/N" : "");
-  };
-  return term(b.params, stage >= 3) + " + " + term(b.grads, stage >= 2) + " + " +
-         term(b.optimizer, stage >= 1);
-}
-
 // ----------------------------------------------------------------------------
 // Shards
 
@@ -443,7 +408,14 @@ std::vector<GradientSync::Holding> Zero::holdings(Part part) const {
 void Zero::trace_communication(Trace& trace) const {
   for (const Span& span : spans) trace.add(span.name, Track::Comm, span.start, span.end);
 }
-void Zero::print_comm_report(int grad_acc) const { print_zero_comm_report(comm_, *this, grad_acc); }
+void Zero::print_comm_report(int grad_acc) const {
+  const ShardLayout::Unit& last = layout_.units.back();
+  const int head = (int)layout_.units.size() - 1;
+  print_zero_comm_report(
+      comm_, {stage_, layout_.ranks, grad_acc, steps_measured, measured_traffic(),
+              expected_traffic(grad_acc), last.offset + last.numel, layout_.padded_numel(),
+              grad_dtype_, weight_format_, model_.weights_read(head, false).size() > 1});
+}
 
 // ----------------------------------------------------------------------------
 // Traffic
@@ -454,37 +426,17 @@ ZeroTraffic Zero::measured_traffic() const {
           t[(int)Coll::AllGather].calls, t[(int)Coll::AllGather].bytes};
 }
 
-// What one step issues. Reduce-scatter and all-gather of S_u elements per rank each send
-// (N-1) x S_u x 4 bytes from every rank: over all units, (N-1)/N x Ψ' x 4, Ψ' = N x S (padded).
-//   reduce-scatter  every unit: once per step (stage 1), once per micro-batch (stages 2, 3)
-//   all-gather      stages 1-2: every unit once, after the optimizer step
-//                   stage 3, per micro-batch: forward, every unit (a tied head re-gathers the
-//                   embedding); backward, every block: the head is still resident from the
-//                   forward and the embedding's backward reads no weights. So ZeRO-3 sends
-//                   3Ψ(N-1)/N less the head and the embedding once per micro-batch, and issues
-//                   L + 2 (+1 tied) + L all-gathers per micro-batch where stages 1-2 issue L + 2
-//                   per step.
+// What one step issues (runtime/formulas.cu, zero_expected_traffic): every unit's shard, and
+// the units each unit reads in its forward and its backward.
 ZeroTraffic Zero::expected_traffic(int grad_acc) const {
-  ZeroTraffic t;
-  int64_t per_element = (int64_t)(layout_.ranks - 1) * (int64_t)dtype_size(grad_dtype_);
-  int64_t gathered_element = (int64_t)(layout_.ranks - 1) * (int64_t)dtype_size(weight_format_);
-  int reduces = stage_ == 1 ? 1 : grad_acc;
-  for (const ShardLayout::Unit& U : layout_.units) {
-    t.reduce_scatter_calls += reduces;
-    t.reduce_scatter_bytes += reduces * per_element * U.shard;
+  std::vector<int64_t> shards;
+  std::vector<std::vector<int>> reads, reads_back;
+  for (int u = 0; u < (int)layout_.units.size(); u++) {
+    shards.push_back(layout_.units[u].shard);
+    reads.push_back(model_.weights_read(u, false));
+    reads_back.push_back(model_.weights_read(u, true));
   }
-  auto gather = [&](int u, int times) {
-    t.all_gather_calls += times;
-    t.all_gather_bytes += times * gathered_element * layout_.units[u].shard;
-  };
-  int units = (int)layout_.units.size();
-  if (stage_ <= 2) {
-    for (int u = 0; u < units; u++) gather(u, 1);
-  } else {
-    for (int u = 0; u < units; u++)
-      for (int w : model_.weights_read(u, false)) gather(w, grad_acc);
-    for (int u = 0; u < units - 1; u++)  // the last unit: resident since its forward
-      for (int w : model_.weights_read(u, true)) gather(w, grad_acc);
-  }
-  return t;
+  return zero_expected_traffic(stage_, layout_.ranks, shards, reads, reads_back,
+                               (int)dtype_size(grad_dtype_), (int)dtype_size(weight_format_),
+                               grad_acc);
 }

@@ -6,53 +6,11 @@
 
 #include "mixed_precision.cuh"
 #include "runtime/comm.cuh"
+#include "runtime/formulas.cuh"
 #include "runtime/gradient_sync.cuh"
 
 int parse_zero_stage(int flag);  // 0 (off), 1, 2 or 3; else UsageError naming --zero
 
-// How the flat parameter vector is split over N ranks. Each unit (embedding, block, head) is
-// split on its own, as FSDP splits each wrapped module's flat parameter, so that ZeRO-3 gathers a
-// block with one all-gather: rank r owns elements [r*S_u, (r+1)*S_u) of unit u, S_u =
-// ceil(numel_u / N); the slice of the last rank(s) runs past the unit's end into zero padding.
-struct ShardLayout {
-  int ranks = 1, rank = 0;
-  struct Unit {
-    int64_t offset = 0, numel = 0;  // the unit's slice of the flat (unpadded) parameter vector
-    int64_t shard = 0;              // S_u: elements per rank, padding included
-    int64_t shard_offset = 0;       // where the unit starts in each rank's shard buffers
-    int64_t padded_offset = 0;      // where it starts in a full padded buffer: ranks * shard_offset
-    int64_t valid = 0;              // elements of this rank's shard that are parameters
-  };
-  std::vector<Unit> units;  // the model's units, in order
-  int64_t shard_numel = 0;  // sum of S_u: the size of every shard buffer, on every rank
-  int64_t padded_numel() const { return ranks * shard_numel; }  // Psi': Psi plus the padding
-};
-ShardLayout make_shard_layout(const FlatParameters& model, int ranks, int rank);
-
-// Bytes per parameter of each category. fp32 training: 4 (weights), 4 (gradients), 8 (Adam m, v).
-// The book's mixed-precision figures use 2, 2 and k = 12 (fp32 master weights, m and v).
-struct BytesPerParameter {
-  double params = 4, grads = 4, optimizer = 8;
-};
-struct StaticMemory {
-  double params = 0, grads = 0, optimizer = 0;
-  double total() const { return params + grads + optimizer; }
-};
-// Playbook §4.1, bytes per rank for psi parameters at ZeRO stage 0..3 over `ranks` ranks.
-StaticMemory zero_static_memory(int stage, double psi, int ranks, BytesPerParameter bytes = {});
-// The formula in words: fp32 "4Ψ + 4Ψ + 8Ψ/N" for stage 1, ...; bf16 with an fp32 master
-// {2, 4, 12}: "2Ψ + 4Ψ + 12Ψ/N".
-std::string zero_memory_formula(int stage, BytesPerParameter bytes = {});
-// What each rank keeps per parameter: fp32's 4, 4, 8, or under mixed precision the
-// compute-format weights 2, the gradients (4, or 2 in bf16) and the fp32 master weights with
-// Adam's moments, 12.
-BytesPerParameter bytes_per_parameter(int stage, Precision precision, bool bf16_grads);
-
-// Collective calls and bytes this rank sends over dp_cp in one training step.
-struct ZeroTraffic {
-  int64_t reduce_scatter_calls = 0, reduce_scatter_bytes = 0;
-  int64_t all_gather_calls = 0, all_gather_bytes = 0;
-};
 
 // One rank's part of ZeRO training as a GradientSync: the shard buffers, the hooks that gather
 // and reduce-scatter around each unit, AdamW on the shard, and its part of whole checkpoints.

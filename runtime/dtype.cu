@@ -226,3 +226,21 @@ void cast_(const Context& ctx, const Tensor& dst, const Tensor& src) {
                                                          n);
   LAUNCH_CHECK(ctx, "cast kernel");
 }
+
+// ----------------------------------------------------------------------------
+// --dtype
+
+Precision parse_precision(const std::string& flag) {
+  if (flag == "fp32") return Precision::FP32;
+  if (flag == "bf16") return Precision::BF16;
+  if (flag == "fp16") return Precision::FP16;
+  if (flag == "fp8") return Precision::FP8;
+  throw UsageError("--dtype " + flag + ": unknown; use fp32, bf16, fp16 or fp8");
+}
+const char* precision_name(Precision p) {
+  static const char* names[] = {"fp32", "bf16", "fp16", "fp8"};
+  return names[(int)p];
+}
+DType output_dtype(Precision p) {
+  return p == Precision::FP32 ? DType::F32 : p == Precision::FP16 ? DType::F16 : DType::BF16;
+}

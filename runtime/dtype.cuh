@@ -2,6 +2,7 @@
 // rounded from fp32 and widened back, and tensors cast between a format and fp32.
 #pragma once
 #include <cstdint>
+#include <string>
 
 #include "runtime/core.cuh"
 
@@ -30,3 +31,8 @@ void cast_(const Tensor& dst, const Tensor& src);
 // The same on ctx's stream (training: bf16 gradients widened for the optimizer, weight copies).
 void cast_(const Context& ctx, const Tensor& dst, const Tensor& src);
 
+// --dtype: what the linear layers compute in (Precision, core.cuh; mixed_precision.cuh).
+Precision parse_precision(const std::string& flag);  // fp32|bf16|fp16|fp8, else UsageError
+const char* precision_name(Precision p);             // "fp32", "bf16", ...
+// The format linear outputs are stored in: BF16 (bf16, fp8), F16 (fp16) or F32.
+DType output_dtype(Precision p);

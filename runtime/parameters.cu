@@ -58,3 +58,18 @@ bool TpSlice::whole(const Tensor& shard) const {
   return shard.numel() == n;
 }
 
+ShardLayout make_shard_layout(const FlatParameters& model, int ranks, int rank) {
+  ShardLayout s;
+  s.ranks = ranks, s.rank = rank;
+  for (const ModelUnit& mu : model.units) {
+    ShardLayout::Unit u;
+    u.offset = mu.offset, u.numel = mu.numel;
+    u.shard = (mu.numel + ranks - 1) / ranks;
+    u.shard_offset = s.shard_numel;
+    u.padded_offset = (int64_t)ranks * s.shard_numel;
+    u.valid = std::clamp(mu.numel - (int64_t)rank * u.shard, (int64_t)0, u.shard);
+    s.shard_numel += u.shard;
+    s.units.push_back(u);
+  }
+  return s;
+}

@@ -5,7 +5,7 @@
 
 #include "runtime/report.cuh"
 
-#include "mixed_precision.cuh"
+#include "runtime/dtype.cuh"
 
 void print_memory(int64_t num_params, int zero_stage, int ranks, Precision precision,
                   bool bf16_grads) {
@@ -184,21 +184,18 @@ void print_comm_report(Comm& comm, int64_t num_params, int64_t steps) {
   }
 }
 
-void print_zero_comm_report(const Comm& comm, const Zero& zero, int grad_acc) {
+void print_zero_comm_report(const Comm& comm, const ZeroCommReport& r) {
   if (comm.grid.world_rank != 0) return;
-  const ShardLayout& s = zero.layout();
-  int N = s.ranks, stage = zero.stage();
-  int64_t steps = std::max<int64_t>(1, zero.steps_measured);
-  ZeroTraffic got = zero.measured_traffic(), want = zero.expected_traffic(grad_acc);
-  int64_t psi = s.units.back().offset + s.units.back().numel;
-  const DType w = zero.weight_format();  // what is all-gathered: fp32, or bf16 / fp16
-  const int wb = (int)dtype_size(w), gb = (int)dtype_size(zero.grad_dtype());
+  const int N = r.ranks, stage = r.stage, grad_acc = r.grad_acc;
+  const int64_t steps = std::max<int64_t>(1, r.steps), psi = r.psi;
+  const ZeroTraffic &got = r.measured, &want = r.expected;
+  const int wb = (int)dtype_size(r.weights), gb = (int)dtype_size(r.grads);
   auto name = [](DType t) { return t == DType::F32 ? "fp32" : t == DType::BF16 ? "bf16" : "fp16"; };
   printf(
       "ZeRO-%d traffic per training step over dp_cp (N = %d; averaged over %lld steps; "
       "validation and checkpoint gathers excluded; gradients %s, %d bytes per element; weights "
       "gathered in %s, %d):\n",
-      stage, N, (long long)steps, name(zero.grad_dtype()), gb, name(w), wb);
+      stage, N, (long long)steps, name(r.grads), gb, name(r.weights), wb);
   printf("  %-15s %10s %14s   %10s %14s\n", "collective", "calls", "bytes", "expected", "bytes");
   printf("  %-15s %10.1f %14.0f   %10lld %14lld\n", "reduce_scatter",
          (double)got.reduce_scatter_calls / steps, (double)got.reduce_scatter_bytes / steps,
@@ -211,7 +208,7 @@ void print_zero_comm_report(const Comm& comm, const Zero& zero, int grad_acc) {
          (long long)(want.reduce_scatter_bytes + want.all_gather_bytes));
   // The book's Ψ(N-1)/N reduce-scattered and Ψ(N-1)/N all-gathered (twice under ZeRO-3), each
   // at its element size.
-  const double gathers = stage == 3 ? 2.0 : 1.0, padded = (double)s.padded_numel();
+  const double gathers = stage == 3 ? 2.0 : 1.0, padded = (double)r.padded;
   const double per = gb + gathers * wb;
   printf(
       "  book, Playbook §4.4: %.0fΨ(N-1)/N elements (Ψ(N-1)/N x %d bytes + %.0fΨ(N-1)/N x %d) = "
@@ -228,19 +225,15 @@ void print_zero_comm_report(const Comm& comm, const Zero& zero, int grad_acc) {
         "  ZeRO-3, per micro-batch (x %d): the forward gathers every unit%s; the backward every "
         "block, not the head (still resident from the forward) nor the embedding (its backward "
         "reads no weights)\n",
-        grad_acc,
-        zero.parameters().weights_read((int)zero.parameters().units.size() - 1, false).size() > 1 ? ", and the embedding again for the tied head" : "");
+        grad_acc, r.tied ? ", and the embedding again for the tied head" : "");
 }
 
 // ----------------------------------------------------------------------------
 // Tensor parallelism
 
-void print_activation_report(const ModelConfig& cfg, int mbs, int tp, bool sp, Recompute mode,
-                             const AttentionCore& attention, int64_t measured, int e) {
-  int64_t formula = activation_bytes_per_block(cfg, mbs, cfg.seq, tp, sp, mode, attention, e);
-  printf("activations per block and micro-batch (--report memory; tp %d%s, recompute %s, %s "
-         "attention, %s):\n",
-         tp, sp ? " + sp" : "", recompute_name(mode), attention.name().c_str(),
+void print_activation_report(int64_t measured, int64_t formula, const std::string& run,
+                             const std::string& attention_term, bool sp, int e) {
+  printf("activations per block and micro-batch (--report memory; %s, %s):\n", run.c_str(),
          e == 4 ? "stored in fp32" : "stored in 16 bits, residual stream and statistics fp32");
   printf("  measured %s (%lld B), formula %s (%lld B)%s\n", human_bytes(measured).c_str(),
          (long long)measured, human_bytes(formula).c_str(), (long long)formula,
@@ -249,39 +242,12 @@ void print_activation_report(const ModelConfig& cfg, int mbs, int tp, bool sp, R
          "the book's sbh(34 + 5as/h) for this Llama; norms and residuals (the book's 10) "
          "shrink with tp only under sp (34/t); attention keeps %s per token (the probabilities: "
          "%d Hq T, the 5as/h term; FlashAttention's log-sum-exp: 4 Hq, linear in the sequence)\n",
-         8 + 2 * e, sp ? "tp" : "1", 2 * e, 2 * e, 3 * e, attention.saved_formula(e).c_str(),
-         attention.saved_formula(e).c_str(), e);
+         8 + 2 * e, sp ? "tp" : "1", 2 * e, 2 * e, 3 * e, attention_term.c_str(),
+         attention_term.c_str(), e);
 }
 
-TpTraffic tp_expected_traffic(const ModelConfig& c, int B, int T, int tp, bool sp) {
-  TpTraffic t;
-  if (tp == 1) return t;
-  int64_t N = (int64_t)B * T, L = c.layers, K = 4 * N * c.d_model;  // one [N, D] activation
-  auto ar = [&](int64_t bytes) { return 2 * (tp - 1) * bytes / tp; };
-  auto ag = [&](int64_t bytes) { return (tp - 1) * bytes / tp; };
-  if (sp) {
-    // per block: forward 2 all-gathers (enter) + 2 reduce-scatters (exit); backward 2 all-gathers
-    // (exit), 2 more re-gathering the norm outputs, 2 reduce-scatters (enter). Embedding: a
-    // reduce-scatter forward, an all-gather backward; head: an all-gather forward and one
-    // backward, a reduce-scatter backward. Norm weight gradients: 2L + 1 all-reduces of D.
-    t.all_gather = (6 * L + 3) * ag(K);
-    t.reduce_scatter = (4 * L + 2) * ag(K);
-    t.all_reduce = (2 * L + 1) * ar(4 * c.d_model);
-  } else {
-    // per block: an all-reduce after attention and after the MLP (forward), one before each in
-    // backward; the embedding forward and the head backward add one each.
-    t.all_reduce = (4 * L + 2) * ar(K);
-  }
-  t.all_reduce += ar(4 * N) + ar(8 * N);  // vocab-parallel cross-entropy: max, then two sums
-  LocalDims local = local_dims(c, 0, tp);
-  if (local.kv_replicas > 1)  // replicated k and v projections: their gradient parts summed
-    t.all_reduce += 2 * L * ar(4 * (int64_t)c.kv_heads * c.head_dim() * c.d_model);
-  return t;
-}
-
-void print_tp_comm_report(const ModelConfig& cfg, int mbs, int grad_acc, int tp, bool sp,
+void print_tp_comm_report(const TpTraffic& e, int grad_acc, int tp, bool sp,
                           const CollStats* measured, int64_t steps) {
-  TpTraffic e = tp_expected_traffic(cfg, mbs, cfg.seq, tp, sp);
   steps = std::max<int64_t>(1, steps);
   printf("tensor-parallel traffic per training step (--report comm; tp %d%s, %d micro-batches, "
          "rank 0; calls and elements counted, bytes charged by the ring formula):\n",
@@ -302,7 +268,7 @@ void print_tp_comm_report(const ModelConfig& cfg, int mbs, int grad_acc, int tp,
          "re-gathers of the norm outputs here (Megatron's choice: activations stay sharded)\n");
 }
 
-void print_bubble_report(Comm& comm, const PipelineConfig& cfg, int m,
+void print_bubble_report(Comm& comm, const BubblePrediction& paper,
                          const ScheduleMeasure& measured) {
   const Grid& G = comm.grid;
   double mine[3] = {measured.busy_s, measured.step_s, (double)measured.peak_in_flight};
@@ -311,12 +277,10 @@ void print_bubble_report(Comm& comm, const PipelineConfig& cfg, int m,
     return MPI_Igather(mine, 3, MPI_DOUBLE, all.data(), 3, MPI_DOUBLE, 0, comm.world.mpi, r);
   });
   if (G.world_rank != 0) return;
-  int p = G.pp, V = cfg.virtual_stages;
-  PipelineTiming ticks = simulate_pipeline(cfg.schedule, p, m, V, 1.0, 1.0, 1.0);
-  double book = bubble_fraction(cfg.schedule, p, m, V);
+  const int p = paper.p, m = paper.m, V = paper.V;
   printf("pipeline bubble (--report bubble; %s, p = %d stages, m = %d micro-batches, V = %d; "
          "averaged over %d steps):\n",
-         pp_schedule_name(cfg.schedule), p, m, V, measured.steps);
+         paper.schedule.c_str(), p, m, V, measured.steps);
   printf("  %5s %9s %9s %13s %12s %11s %19s\n", "stage", "busy ms", "step ms", "idle measured",
          "idle ticks", "book", "in flight measured");
   int steps = std::max(1, measured.steps);
@@ -324,12 +288,12 @@ void print_bubble_report(Comm& comm, const PipelineConfig& cfg, int m,
     const double* r = &all[3 * G.rank_of(0, s, 0, 0)];  // dp, cp and tp rank 0 of stage s
     printf("  %5d %9.2f %9.2f %12.1f%% %11.1f%% %10.1f%% %9d (tables: %d)\n", s,
            r[0] / steps * 1e3, r[1] / steps * 1e3, 100.0 * (1.0 - r[0] / std::max(r[1], 1e-12)),
-           100.0 * (1.0 - ticks.busy[s] / ticks.makespan), 100.0 * book, (int)r[2],
-           ticks.peak_in_flight[s]);
+           100.0 * (1.0 - paper.busy_ticks[s] / paper.makespan_ticks), 100.0 * paper.book,
+           (int)r[2], paper.peak_in_flight[s]);
   }
   printf("the schedule's tables in ticks of t_f (a backward takes 2, zb-h1's B and W one each; "
          "F3 forward of micro-batch 3%s, . idle):\n%s",
-         V > 1 ? ", F3.1 of its chunk 1" : "", pipeline_chart(cfg.schedule, p, m, V).c_str());
+         V > 1 ? ", F3.1 of its chunk 1" : "", paper.chart.c_str());
   printf("  book: idle share (p-1)/(m+p-1) for afab and 1f1b, (p-1)/(Vm+p-1) interleaved, i.e. "
          "a bubble of (p-1)/m, (p-1)/(Vm), of the ideal time (Playbook §8.3-§8.5); zb-h1 "
          "(p-1)(t_f+t_b-t_w) of idle, (p-1)/(3m+p-1) with equal costs (§8.6). The ticks "
@@ -337,19 +301,19 @@ void print_bubble_report(Comm& comm, const PipelineConfig& cfg, int m,
          "sharing cores, time-slicing.\n");
 }
 
-void print_balance_report(Comm& comm, const ContextParallel& cp, const CpWork& work,
-                          int64_t steps) {
+void print_balance_report(Comm& comm, const std::string& split, int64_t blocks, int64_t pairs,
+                          double seconds, int64_t steps) {
   const Grid& G = comm.grid;
-  double mine[3] = {(double)work.blocks, (double)work.pairs, work.seconds};
+  double mine[3] = {(double)blocks, (double)pairs, seconds};
   std::vector<double> all(3 * G.world_size);
   host_wait(comm.world, "gather of a report", sizeof mine, [&](MPI_Request* r) {
     return MPI_Igather(mine, 3, MPI_DOUBLE, all.data(), 3, MPI_DOUBLE, 0, comm.world.mpi, r);
   });
   if (G.world_rank != 0 || G.cp == 1) return;
   double n = (double)std::max<int64_t>(1, steps);
-  printf("attention work per cp rank and training step (--report balance; %s split, %s; pairs "
+  printf("attention work per cp rank and training step (--report balance; %s; pairs "
          "of one sequence and head, summed over blocks and layers):\n",
-         cp_balance_name(cp.balance), cp_comm_name(cp.mode));
+         split.c_str());
   printf("  %7s %10s %14s %12s\n", "cp rank", "blocks", "(q, k) pairs", "time ms");
   for (int r = 0; r < G.cp; r++) {
     const double* w = &all[3 * G.rank_of(0, 0, r, 0)];

@@ -1,10 +1,13 @@
 // report.cuh: what a run measured, next to what the book predicts (--report memory,comm).
+// Every report takes numbers: what the run measured, and what the technique or the book's
+// formula (runtime/formulas.cuh, or the technique's own) predicts.
 #pragma once
-#include "context_parallel.cuh"
+#include <string>
+#include <vector>
+
 #include "runtime/comm.cuh"
-#include "model.cuh"
-#include "pipeline_parallel.cuh"
-#include "zero.cuh"
+#include "runtime/formulas.cuh"
+#include "runtime/observe.cuh"
 
 // This rank's peak and current bytes per memory category, and its static bytes per parameter
 // next to the book's (Playbook §2.4: 16 in fp32, 18 or 16 in mixed precision; §4.1 under ZeRO
@@ -33,35 +36,47 @@ void print_memory_report(Comm& comm, int zero_stage, int64_t num_params, int64_t
 void print_comm_report(Comm& comm, int64_t num_params, int64_t steps);
 // ZeRO's reduce-scatters and all-gathers per training step (validation and checkpoint gathers
 // excluded), next to the book's 2Ψ(N-1)/N (stages 1-2) or 3Ψ(N-1)/N (stage 3). Rank 0 prints.
-void print_zero_comm_report(const Comm& comm, const Zero& zero, int grad_acc);
-
-// Tensor parallelism (Playbook §5, §6). Activations: one block's saved bytes for this run's
-// micro-batch, measured, next to the derived formula (model.cu). Traffic: what the tp group
-// sent per training step (measured over the training steps only), next to the count of
-// all-reduces, or all-gathers and reduce-scatters under SP, that the model issues.
-// e: bytes per element of the activations stored in the compute format (4, or 2 under --dtype
-// bf16, fp16, fp8).
-void print_activation_report(const ModelConfig& cfg, int mbs, int tp, bool sp, Recompute mode,
-                             const AttentionCore& attention, int64_t measured_block_bytes,
-                             int e = 4);
-struct TpTraffic {
-  int64_t all_reduce = 0, all_gather = 0, reduce_scatter = 0;  // bytes each rank sends
+struct ZeroCommReport {
+  int stage = 1, ranks = 1, grad_acc = 1;
+  int64_t steps = 0;             // training steps measured
+  ZeroTraffic measured;          // over those steps
+  ZeroTraffic expected;          // per step (zero_expected_traffic)
+  int64_t psi = 0, padded = 0;   // parameters, and with the shards' padding (Ψ')
+  DType grads = DType::F32, weights = DType::F32;  // reduce-scattered, all-gathered
+  bool tied = false;             // a tied head gathers the embedding again
 };
-// Per micro-batch of B sequences of T tokens, for the ring algorithm: all-reduce 2(t-1)/t K,
-// all-gather and reduce-scatter (t-1)/t K of a K-byte activation.
-TpTraffic tp_expected_traffic(const ModelConfig& cfg, int B, int T, int tp, bool sp);
-void print_tp_comm_report(const ModelConfig& cfg, int mbs, int grad_acc, int tp, bool sp,
-                          const CollStats* measured, int64_t steps);  // totals over steps
+void print_zero_comm_report(const Comm& comm, const ZeroCommReport& r);
+
+// One block's saved activations for this run's micro-batch, measured, next to the formula
+// (model.cu's activation_bytes_per_block); `run` describes the layout ("tp 2 + sp, recompute
+// none, flash attention"), `attention_term` the attention's bytes per token ("4 Hq").
+// e: bytes per element of what is stored in the compute format (4, or 2 under --dtype).
+void print_activation_report(int64_t measured, int64_t formula, const std::string& run,
+                             const std::string& attention_term, bool sp, int e);
+// Tensor parallelism (Playbook §5, §6): what the tp group sent per training step (measured over
+// the training steps only; `measured` totals over `steps`), next to the count of all-reduces,
+// or all-gathers and reduce-scatters under SP, that the model issues per micro-batch.
+void print_tp_comm_report(const TpTraffic& expected, int grad_acc, int tp, bool sp,
+                          const CollStats* measured, int64_t steps);
 
 // Pipeline parallelism (Playbook §8): per stage, the measured busy and idle time of the
 // schedule over the training steps, the idle share of the same tables run on paper (ticks,
 // t_b = 2 t_f), the book's formula, and the micro-batches in flight measured from the
 // activation memory next to the schedule's. Collective: every rank calls it; rank 0 prints.
-void print_bubble_report(Comm& comm, const PipelineConfig& cfg, int micro_batches,
+struct BubblePrediction {
+  std::string schedule;
+  int p = 1, m = 1, V = 1;
+  std::vector<double> busy_ticks;    // per stage, on paper
+  double makespan_ticks = 0;
+  std::vector<int> peak_in_flight;   // per stage, on paper
+  double book = 0;                   // the book's idle fraction
+  std::string chart;                 // the tables drawn as the book draws them
+};
+void print_bubble_report(Comm& comm, const BubblePrediction& paper,
                          const ScheduleMeasure& measured);
 // Context parallelism (Playbook §7.3): per cp rank, the attention blocks and (query, key) pairs
 // it computed per training step and the time it took, next to what the split predicts:
 // zig-zag gives every rank the same pairs; contiguous chunks give rank r r + 1 blocks.
-// Collective: every rank calls it; rank 0 prints.
-void print_balance_report(Comm& comm, const ContextParallel& cp, const CpWork& work,
-                          int64_t steps);
+// `split`: "zigzag split, ring". Collective: every rank calls it; rank 0 prints.
+void print_balance_report(Comm& comm, const std::string& split, int64_t blocks, int64_t pairs,
+                          double seconds, int64_t steps);
