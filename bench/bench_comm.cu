@@ -1,11 +1,12 @@
 // bench_comm.cu: `make bench`, under mpirun. (1) All-reduce bandwidth of the library and of our
 // ring, nccl-tests convention: algbw = bytes / time, busbw = algbw * 2(N-1)/N (the bandwidth
-// each link carries, comparable across N). (2) A data-parallel training step of the medium
-// model with naive, bucketed, and bucketed-without-overlap gradient sync, with the exposed
-// communication time: how long the step waits for gradients after its backward (the span
-// "wait for gradients" of --trace). (3) ZeRO-0 to ZeRO-3 steps of the medium model: static and
-// peak memory per rank against the book's formulas, step time, and how much of ZeRO-3's gather
-// time prefetching hides.
+// each link carries, comparable across N); all-to-all's, the same way: algbw = S / time for a
+// send buffer of S bytes per rank (S/N to each peer), busbw = algbw * (N-1)/N. (2) A
+// data-parallel training step of the medium model with naive, bucketed, and
+// bucketed-without-overlap gradient sync, with the exposed communication time: how long the
+// step waits for gradients after its backward (the span "wait for gradients" of --trace).
+// (3) ZeRO-0 to ZeRO-3 steps of the medium model: static and peak memory per rank against the
+// book's formulas, step time, and how much of ZeRO-3's gather time prefetching hides.
 #include <cblas.h>
 
 #include <algorithm>
@@ -52,6 +53,42 @@ static void bandwidth(Comm& comm, const Context& ctx, const char* backend) {
         printf("| %10s | %-7s | %10.1f | %10.3f | %10.3f |\n", human_bytes(bytes).c_str(), impl,
                best * 1e6, algbw, algbw * 2.0 * (N - 1) / N);
     }
+  }
+}
+
+// All-to-all with equal counts, as nccl-tests' alltoall: each rank sends S/N bytes to every rank
+// (itself included: that share stays local), so each link carries (N-1)/N of S.
+static void all_to_all_bandwidth(Comm& comm, const Context& ctx, const char* backend) {
+  Group& g = comm.world;
+  int N = g.size;
+  bool root = g.rank == 0;
+  if (root) {
+    printf("\nall-to-all bandwidth, %d ranks, %s, %s (best of 3; size: the send buffer per rank)\n",
+           N, backend, device_name(ctx.device));
+    printf("| %10s | %-10s | %10s | %10s | %10s |\n", "size", "impl", "time us", "algbw GB/s",
+           "busbw GB/s");
+    printf("|------------|------------|------------|------------|------------|\n");
+  }
+  for (int64_t bytes = 4 << 10; bytes <= (256 << 20); bytes *= 4) {
+    int64_t per_peer = bytes / 4 / N, count = per_peer * N;  // [N segments of per_peer floats]
+    std::vector<int64_t> counts(N, per_peer);
+    Tensor send = empty({count}, Mem::Workspace, ctx.device);
+    Tensor recv = empty({count}, Mem::Workspace, ctx.device);
+    init_normal(send, 1, "bench", 1.0f);
+    double best = 1e30;
+    for (int rep = 0; rep < 4; rep++) {  // the first is a warm-up
+      barrier(comm, g, ctx);
+      double t0 = now_seconds();
+      all_to_all_v(comm, g, ctx, send.f32(), counts, recv.f32(), counts, DType::F32);
+      ctx.synchronize();
+      double t = now_seconds() - t0;
+      all_reduce_host(g, &t, 1, ReduceOp::Max);
+      if (rep > 0) best = std::min(best, t);
+    }
+    double algbw = count * 4.0 / best / 1e9;
+    if (root)
+      printf("| %10s | %-10s | %10.1f | %10.3f | %10.3f |\n", human_bytes(count * 4.0).c_str(),
+             "all_to_all", best * 1e6, algbw, algbw * (N - 1) / N);
   }
 }
 
@@ -238,6 +275,7 @@ int main(int argc, char** argv) {
     Comm comm = comm_init(world, 1, 1, 1, backend, device, 600);
     Context ctx = Context::create(device);
     if (only != "--zero-only") bandwidth(comm, ctx, backend);
+    if (only != "--zero-only") all_to_all_bandwidth(comm, ctx, backend);
     if (only.empty()) dp_step(comm, ctx);
     if (only != "--bandwidth-only") zero_steps(comm, ctx);
     ctx.destroy();

@@ -18,8 +18,10 @@
 #include "runtime/dtype.cuh"
 
 const char* coll_name(Coll c) {
-  static const char* names[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce",
-                                "gather",     "scatter",        "send_recv",  "barrier"};
+  static const char* names[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast",
+                                "reduce",     "gather",         "scatter",    "send_recv",
+                                "barrier",    "all_to_all"};
+  static_assert(sizeof names / sizeof names[0] == (size_t)Coll::Count, "a name per collective");
   return names[(int)c];
 }
 const char* backend_name(Backend b) {
@@ -63,8 +65,12 @@ Grid make_grid(int dp, int pp, int cp, int tp, int world_size, int world_rank) {
 //   reduce           K = count*4, except root, where the chain ends, which sends 0
 //   gather           count*4 from every rank but root; scatter (N-1)*count*4 from root only
 //   send_recv        the bytes of its sends;  barrier 0
-// (4 is an fp32 element's bytes: bf16 and fp16 all-reduces, reduce-scatters and all-gathers
-// count 2.) A group of one sends nothing: every formula is 0 for N = 1, and send_recv to oneself is a copy.
+//   all_to_all       the segments it sends to the other ranks, sum over p != rank of
+//                    send_counts[p]*4 (its own segment is copied locally); no ring: each
+//                    segment goes straight to its destination, so these are the bytes sent
+// (4 is an fp32 element's bytes: bf16 and fp16 all-reduces, reduce-scatters, all-gathers and
+// all-to-alls count 2.) A group of one sends nothing: every formula is 0 for N = 1, and
+// send_recv or all-to-all to oneself is a copy.
 constexpr int64_t kF32 = sizeof(float);
 static void count_call(Group& g, Coll coll, int64_t elements, int64_t bytes_sent) {
   g.stats[(int)coll].calls += 1;
@@ -396,6 +402,81 @@ Handle barrier_async(Comm& c, Group& g, const Context& ctx) {
   return issued(c, s);
 }
 
+// ---- all-to-all with variable counts: expert parallelism's dispatch and combine ----
+
+// Where each peer's segment starts in a rank-major buffer: offsets[p] = counts[0] + ... +
+// counts[p-1]; offsets[N] is the buffer's length. Counts are checked: one per rank, none negative.
+static std::vector<int64_t> segment_offsets(const Group& g, const std::vector<int64_t>& counts,
+                                            const char* which) {
+  PICO_ASSERT((int)counts.size() == g.size,
+              std::string("all_to_all_v on ") + g.name + ": " + which + " has " +
+                  std::to_string(counts.size()) + " entries for " + std::to_string(g.size) +
+                  " ranks");
+  std::vector<int64_t> offsets(g.size + 1, 0);
+  for (int p = 0; p < g.size; p++) {
+    PICO_ASSERT(counts[p] >= 0, std::string("all_to_all_v: ") + which + "[" + std::to_string(p) +
+                                    "] = " + std::to_string(counts[p]));
+    offsets[p + 1] = offsets[p] + counts[p];
+  }
+  return offsets;
+}
+
+// Every rank sends a segment to every other and receives one from each, all at once: on NCCL
+// one group of sends and receives (nothing waits for another, so no order can deadlock), on MPI
+// one MPI_Ialltoallv. Zero-length segments are skipped on both sides (the counts agree).
+Handle all_to_all_v_async(Comm& c, Group& g, const Context& ctx, const void* send,
+                          const std::vector<int64_t>& send_counts, void* recv,
+                          const std::vector<int64_t>& recv_counts, DType dtype) {
+  check_wire_dtype(dtype, ReduceOp::Sum);
+  const int N = g.size, me = g.rank;
+  const int64_t E = dtype_size(dtype);
+  const std::vector<int64_t> send_at = segment_offsets(g, send_counts, "send_counts");
+  const std::vector<int64_t> recv_at = segment_offsets(g, recv_counts, "recv_counts");
+  const int64_t send_total = send_at[N], recv_total = recv_at[N];  // elements
+  PICO_ASSERT(send_counts[me] == recv_counts[me],
+              "all_to_all_v: rank " + std::to_string(me) + " of " + g.name + " sends itself " +
+                  std::to_string(send_counts[me]) + " elements but expects " +
+                  std::to_string(recv_counts[me]));
+  const char* s8 = (const char*)send;
+  char* r8 = (char*)recv;
+  PICO_ASSERT(
+      send_total == 0 || recv_total == 0 || s8 + send_total * E <= r8 || r8 + recv_total * E <= s8,
+      "all_to_all_v: the send and receive buffers overlap");
+  count_call(g, Coll::AllToAll, send_total, (send_total - send_counts[me]) * E);
+  if (local(g)) return local_copy(ctx, recv, send, send_total * E);
+  auto s = start(c, g, ctx, Coll::AllToAll, send_total * E);
+  if (c.backend == Backend::NCCL) {
+    cudaStream_t st = c.comm_ctx.stream;
+    copy_bytes(Device::CUDA, st, r8 + recv_at[me] * E, s8 + send_at[me] * E, send_counts[me] * E);
+    NCCL_CHECK(ncclGroupStart());
+    for (int p = 0; p < N; p++) {
+      if (p == me) continue;
+      if (send_counts[p] > 0)
+        NCCL_ENQUEUE(
+            *s, ncclSend(s8 + send_at[p] * E, send_counts[p], nccl_type(dtype), p, g.nccl, st));
+      if (recv_counts[p] > 0)
+        NCCL_ENQUEUE(
+            *s, ncclRecv(r8 + recv_at[p] * E, recv_counts[p], nccl_type(dtype), p, g.nccl, st));
+    }
+    NCCL_ENQUEUE(*s, ncclGroupEnd());
+  } else {
+    // MPI's counts and displacements are ints, read until the op completes: kept in its state.
+    (void)mpi_count(send_total);  // then every count and displacement fits too
+    (void)mpi_count(recv_total);
+    std::vector<int>& a = s->mpi_counts;
+    a.resize(4 * N);
+    int *sc = a.data(), *sd = sc + N, *rc = sd + N, *rd = rc + N;
+    for (int p = 0; p < N; p++)
+      sc[p] = (int)send_counts[p], sd[p] = (int)send_at[p], rc[p] = (int)recv_counts[p],
+      rd[p] = (int)recv_at[p];
+    const void* hs = send_total ? mpi_buffer(*s, ctx, send, send_total * E, true, false) : nullptr;
+    void* hr = recv_total ? mpi_buffer(*s, ctx, recv, recv_total * E, false, true) : nullptr;
+    MPI_CHECK(MPI_Ialltoallv(hs, sc, sd, mpi_type(dtype), hr, rc, rd, mpi_type(dtype), g.mpi,
+                             s->request()));
+  }
+  return issued(c, s);
+}
+
 // ---- blocking versions: the nonblocking call, waited for ----
 
 void all_reduce(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, ReduceOp op) {
@@ -436,6 +517,11 @@ void recv(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, int 
 void barrier(Comm& c, Group& g, const Context& ctx) {
   barrier_async(c, g, ctx).wait();
 }
+void all_to_all_v(Comm& c, Group& g, const Context& ctx, const void* send,
+                  const std::vector<int64_t>& send_counts, void* recv,
+                  const std::vector<int64_t>& recv_counts, DType dtype) {
+  all_to_all_v_async(c, g, ctx, send, send_counts, recv, recv_counts, dtype).wait();
+}
 
 // ---- host-side collectives: bookkeeping, not training traffic (never counted) ----
 
@@ -474,6 +560,21 @@ void TrafficMeter::close(const Group& g) {
 
 void all_reduce_host(Group& g, double* values, int count, ReduceOp op) {
   all_reduce_doubles(g, "all_reduce_host", values, count, op);
+}
+
+// One int64 to each peer and one from each: the transpose of the group's matrix of counts.
+std::vector<int64_t> exchange_counts(Comm&, Group& g, const std::vector<int64_t>& send_counts) {
+  PICO_ASSERT((int)send_counts.size() == g.size,
+              "exchange_counts on " + g.name + ": " + std::to_string(send_counts.size()) +
+                  " counts for " + std::to_string(g.size) + " ranks");
+  for (int64_t n : send_counts)
+    PICO_ASSERT(n >= 0, "exchange_counts: a negative count, " + std::to_string(n));
+  std::vector<int64_t> recv_counts = send_counts;  // a group of one receives its own
+  host_collective(g, "exchange_counts", (int64_t)g.size * sizeof(int64_t), [&](MPI_Request* r) {
+    return MPI_Ialltoall(send_counts.data(), 1, MPI_INT64_T, recv_counts.data(), 1, MPI_INT64_T,
+                         g.mpi, r);
+  });
+  return recv_counts;
 }
 
 void agree_on_error(Group& g, const std::function<void()>& fn) {

@@ -3,7 +3,8 @@
 // staged through host memory). Playbook appendix A0; DESIGN sections 3 and 4.
 // Every collective exists as a nonblocking call returning a Handle and as a blocking call
 // (the nonblocking one, waited for). Buffers are float arrays on the communicator's device;
-// all-reduce, reduce-scatter and all-gather also carry bf16 and fp16 (mixed precision).
+// all-reduce, reduce-scatter, all-gather and all-to-all also carry bf16 and fp16 (mixed
+// precision).
 #pragma once
 #include <functional>
 #include <memory>
@@ -14,17 +15,19 @@
 
 enum class Backend { MPI, NCCL };
 enum class ReduceOp { Sum, Avg, Max };
-enum class Coll { AllReduce, ReduceScatter, AllGather, Broadcast, Reduce, Gather, Scatter, SendRecv, Barrier, Count };
+enum class Coll { AllReduce, ReduceScatter, AllGather, Broadcast, Reduce, Gather, Scatter, SendRecv, Barrier, AllToAll, Count };
 const char* coll_name(Coll c);        // "all_reduce", "reduce_scatter", ...
 const char* backend_name(Backend b);  // "mpi", "nccl"
 
 // Per group and collective. Counted at each call: calls, and elements, the floats of this rank's
 // data argument (all-reduce, broadcast and reduce: the buffer; reduce-scatter: its input of N
-// shards; all-gather, gather and scatter: this rank's shard; send/recv: the floats it sends).
+// shards; all-gather, gather and scatter: this rank's shard; send/recv: the floats it sends;
+// all-to-all: its whole send buffer, its own segment included).
 // Charged by formula: bytes, what the algorithm makes this rank send. Library collectives are
 // charged the ring algorithm's share (all-reduce 2(N-1)K/N, reduce-scatter and all-gather
 // (N-1)K/N of a K-byte buffer; see comm.cu for the others), since the library does not say
-// what it sent; send/recv, and the hand-written ring built on it, count the bytes actually sent.
+// what it sent; send/recv, and the hand-written ring built on it, count the bytes actually sent,
+// and so does all-to-all: the segments it sends to other ranks (its own stays local).
 struct CollStats {
   int64_t calls = 0;
   int64_t elements = 0;
@@ -141,6 +144,16 @@ Handle gather_async(Comm& c, Group& g, const Context& ctx, const float* send, fl
 Handle scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count, int root);
 Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<P2P>& ops);
 Handle barrier_async(Comm& c, Group& g, const Context& ctx);
+// All-to-all with variable counts (expert parallelism's dispatch and combine): this rank sends
+// send_counts[p] elements to group rank p and receives recv_counts[p] from it. Both buffers
+// hold one contiguous segment per peer in rank order ([sum of counts] elements, peer 0's first);
+// this rank's own segment is copied locally. The counts must agree pairwise (p's send_counts[q]
+// is q's recv_counts[p]: exchange_counts gives them) and may be 0; send and recv must not
+// overlap. `dtype` F32, BF16 or F16: the elements are moved, never combined. Over MPI each
+// buffer's total must fit in an int (MPI's counts and displacements).
+Handle all_to_all_v_async(Comm& c, Group& g, const Context& ctx, const void* send,
+                          const std::vector<int64_t>& send_counts, void* recv,
+                          const std::vector<int64_t>& recv_counts, DType dtype);
 
 void all_reduce(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, ReduceOp op);
 void reduce_scatter(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count, ReduceOp op);
@@ -153,6 +166,14 @@ void send_recv(Comm& c, Group& g, const Context& ctx, const std::vector<P2P>& op
 void send(Comm& c, Group& g, const Context& ctx, const float* buf, int64_t count, int peer);
 void recv(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, int peer);
 void barrier(Comm& c, Group& g, const Context& ctx);
+void all_to_all_v(Comm& c, Group& g, const Context& ctx, const void* send,
+                  const std::vector<int64_t>& send_counts, void* recv,
+                  const std::vector<int64_t>& recv_counts, DType dtype);
+// The counts an all-to-all-v will receive: element p of the result is what group rank p sends
+// to this rank (its send_counts[rank]). A host-side all-to-all of one int64 per peer, waited for
+// like every collective (past the group's timeout every rank stops, naming exchange_counts and
+// the group); bookkeeping, not counted in the group's stats.
+std::vector<int64_t> exchange_counts(Comm& c, Group& g, const std::vector<int64_t>& send_counts);
 
 // Whether [a, a + na) and [b, b + nb) share an element; b may be null (no output). MPI forbids
 // a collective's send and receive buffers to overlap: an in-place call (recv = send + rank *

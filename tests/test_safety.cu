@@ -388,11 +388,12 @@ static double run_seconds(const std::string& cmd, RunResult& r) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-TEST_CASE("a peer that never joins a host-side collective ends the job within --comm-timeout, "
-          "naming the collective and the group",
+TEST_CASE("a peer that never joins a host-side collective or an all-to-all ends the job within "
+          "--comm-timeout, naming the collective and the group",
           "[safety][parity]") {
-  // tests/mpi/test_safety.cu: the hidden cases, a 2 s timeout, rank 1 asleep for 60 s.
-  for (const char* which : {"all_reduce_host", "agree_on_error"}) {
+  // tests/mpi/test_safety.cu and test_all_to_all.cu: the hidden cases, a 2 s timeout, rank 1
+  // asleep for 60 s.
+  for (const char* which : {"all_reduce_host", "agree_on_error", "exchange_counts", "all_to_all"}) {
     RunResult r;
     double seconds = run_seconds("timeout 90 mpirun --oversubscribe -np 2 build/mpi_tests "
                                  "'[.stuck-" + std::string(which) + "]'", r);
