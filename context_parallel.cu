@@ -9,22 +9,26 @@
 
 #include "context_parallel.cuh"
 #include "runtime/ops.cuh"
+#include "runtime/options.cuh"
 
+static const std::vector<Choice<CpBalance>> kBalances = {{"zigzag", CpBalance::Zigzag},
+                                                          {"contiguous", CpBalance::Contiguous}};
+static const std::vector<Choice<CpComm>> kCpComms = {{"ring", CpComm::Ring},
+                                                     {"allgather", CpComm::AllGather}};
 CpBalance parse_cp_balance(const std::string& flag) {
-  if (flag == "zigzag") return CpBalance::Zigzag;
-  if (flag == "contiguous") return CpBalance::Contiguous;
-  throw UsageError("--cp-balance " + flag + ": expected zigzag or contiguous");
+  return parse_choice("--cp-balance", flag, kBalances);
 }
-CpComm parse_cp_comm(const std::string& flag) {
-  if (flag == "ring") return CpComm::Ring;
-  if (flag == "allgather") return CpComm::AllGather;
-  throw UsageError("--cp-comm " + flag + ": expected ring or allgather");
-}
-const char* cp_balance_name(CpBalance b) {
-  return b == CpBalance::Zigzag ? "zigzag" : "contiguous";
-}
-const char* cp_comm_name(CpComm c) {
-  return c == CpComm::Ring ? "ring" : "allgather";
+CpComm parse_cp_comm(const std::string& flag) { return parse_choice("--cp-comm", flag, kCpComms); }
+const char* cp_balance_name(CpBalance b) { return choice_name(kBalances, b); }
+const char* cp_comm_name(CpComm c) { return choice_name(kCpComms, c); }
+
+void add_context_parallel_flags(CLI::App& app, ContextParallelOptions& o) {
+  CLI::App& g = flag_group(app, "Context parallelism (Playbook §7)");
+  g.add_option("--cp", o.cp, "context-parallel ranks")->capture_default_str();
+  add_typed(g, "--cp-balance", &o.cp_balance, parse_cp_balance, cp_balance_name(o.cp_balance),
+            "how the sequence is split: zigzag|contiguous");
+  add_typed(g, "--cp-comm", &o.cp_comm, parse_cp_comm, cp_comm_name(o.cp_comm),
+            "keys and values: ring|allgather");
 }
 
 // ----------------------------------------------------------------------------
@@ -38,6 +42,7 @@ std::vector<CpPiece> cp_pieces(CpBalance b, int T, int cp, int rank) {
 
 void validate_context_parallel(int seq, int cp, CpBalance b, bool flash, int tp, bool sp,
                                int sample) {
+  check_positive(cp, "--cp");
   if (cp == 1) return;
   std::string flags = "--cp " + std::to_string(cp);
   int parts = b == CpBalance::Zigzag ? 2 * cp : cp;

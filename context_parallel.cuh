@@ -10,6 +10,17 @@
 
 enum class CpBalance { Zigzag, Contiguous };
 enum class CpComm { Ring, AllGather };
+
+// ---- Flags (Playbook §7) ----
+namespace CLI {
+class App;
+}
+struct ContextParallelOptions {
+  int cp = 1;                                // --cp: context-parallel ranks
+  CpBalance cp_balance = CpBalance::Zigzag;  // --cp-balance
+  CpComm cp_comm = CpComm::Ring;             // --cp-comm
+};
+void add_context_parallel_flags(CLI::App& app, ContextParallelOptions& o);
 CpBalance parse_cp_balance(const std::string& flag);  // zigzag|contiguous
 CpComm parse_cp_comm(const std::string& flag);        // ring|allgather
 const char* cp_balance_name(CpBalance b);

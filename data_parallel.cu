@@ -5,17 +5,35 @@
 // each bucket's all-reduce starts the moment its last gradient is written (§3.2, §3.3).
 #include "data_parallel.cuh"
 
+#include "runtime/options.cuh"
+
 #include "mixed_precision.cuh"
 #include "runtime/ops.cuh"
 
-DpSync parse_dp_sync(const std::string& flag) {
-  if (flag == "naive") return DpSync::Naive;
-  if (flag == "bucket") return DpSync::Bucket;
-  if (flag == "ring") return DpSync::Ring;
-  throw UsageError("--dp-sync " + flag + ": expected naive, bucket or ring");
+static const std::vector<Choice<DpSync>> kDpSyncs = {
+    {"naive", DpSync::Naive}, {"bucket", DpSync::Bucket}, {"ring", DpSync::Ring}};
+DpSync parse_dp_sync(const std::string& flag) { return parse_choice("--dp-sync", flag, kDpSyncs); }
+const char* dp_sync_name(DpSync s) { return choice_name(kDpSyncs, s); }
+
+void add_data_parallel_flags(CLI::App& app, DataParallelOptions& o) {
+  CLI::App& g = flag_group(app, "Data parallelism (Playbook §3)");
+  g.add_option("--dp", o.dp, "data-parallel ranks")->capture_default_str();
+  add_typed(g, "--dp-sync", &o.dp_sync, parse_dp_sync, dp_sync_name(o.dp_sync),
+            "gradient sync: naive (one all-reduce per parameter), bucket (overlapped with the "
+            "backward), ring (our own all-reduce)");
+  g.add_option("--bucket-mb", o.bucket_mb, "gradient bucket size in MiB, > 0")
+      ->capture_default_str();
+  g.add_flag("--no-overlap", o.no_overlap,
+             "launch every bucket after the backward pass (ZeRO: wait for every collective when "
+             "issued, no prefetch)");
 }
-const char* dp_sync_name(DpSync s) {
-  return s == DpSync::Naive ? "naive" : s == DpSync::Bucket ? "bucket" : "ring";
+
+void validate_data_parallel(const DataParallelOptions& o, DType grad_dtype) {
+  check_positive(o.dp, "--dp");
+  check_range(o.bucket_mb, "--bucket-mb", 0, true, kNoMax, "must be a number > 0, e.g. 25");
+  if (grad_dtype != DType::F32 && o.dp_sync == DpSync::Ring)
+    throw UsageError("--grad-acc-dtype bf16: the hand-written ring (--dp-sync ring) adds fp32 "
+                     "chunks; use --dp-sync bucket or naive");
 }
 
 // On CUDA, make `waiter`'s stream wait for everything queued so far on `producer`'s stream.

@@ -9,9 +9,24 @@
 #include "runtime/comm.cuh"
 #include "runtime/gradient_sync.cuh"
 
+namespace CLI {
+class App;
+}
+
 enum class DpSync { Naive, Bucket, Ring };
 DpSync parse_dp_sync(const std::string& flag);  // naive|bucket|ring
 const char* dp_sync_name(DpSync s);
+
+// ---- Flags (Playbook §3) ----
+struct DataParallelOptions {
+  int dp = 1;                       // --dp: data-parallel ranks
+  DpSync dp_sync = DpSync::Bucket;  // --dp-sync
+  double bucket_mb = 25;            // --bucket-mb
+  bool no_overlap = false;          // --no-overlap (ZeRO's collectives too)
+};
+void add_data_parallel_flags(CLI::App& app, DataParallelOptions& o);
+// UsageError naming the flags: --dp or --bucket-mb out of range, the ring with bf16 gradients.
+void validate_data_parallel(const DataParallelOptions& o, DType grad_dtype);
 
 // The ring all-reduce of the NCCL article: N-1 reduce-scatter steps, then N-1 all-gather
 // steps, each a send to the next rank and a receive from the previous one; any N, any count.

@@ -22,6 +22,7 @@
 #include "kernels/flash_attention_kernels.cuh"
 #include "mixed_precision.cuh"
 #include "runtime/ops.cuh"
+#include "runtime/options.cuh"
 
 // The layout offsets and the causal mask (token_head, visible_keys, first_query_seeing) are in
 // kernels/flash_attention_kernels.cuh, shared with the CUDA kernels.
@@ -318,23 +319,17 @@ std::vector<int32_t> AttentionCore::positions(int B, int T) const {
   return pos;
 }
 
+static const std::vector<Choice<AttentionKind>> kAttentions = {{"naive", AttentionKind::Naive},
+                                                                {"flash", AttentionKind::Flash}};
 AttentionKind parse_attention(const std::string& flag) {
-  if (flag == "naive") return AttentionKind::Naive;
-  if (flag == "flash") return AttentionKind::Flash;
-  throw UsageError("--attention " + flag + ": expected naive or flash");
+  return parse_choice("--attention", flag, kAttentions);
 }
-const char* attention_name(AttentionKind kind) {
-  switch (kind) {
-    case AttentionKind::Naive:
-      return "naive";
-    case AttentionKind::Flash:
-      break;
-  }
-  return "flash";
-}
-
-static Tensor kept(const Context& ctx, std::vector<int64_t> shape) {  // on the compute stream
-  return empty(ctx, std::move(shape), Mem::Activations);
+const char* attention_name(AttentionKind kind) { return choice_name(kAttentions, kind); }
+void add_attention_flags(CLI::App& app, AttentionOptions& o) {
+  add_typed(flag_group(app, "FlashAttention (Playbook §12.8)"), "--attention", &o.attention,
+            parse_attention, attention_name(o.attention),
+            "attention core: flash (keeps O and its log-sum-exp: O(T)) or naive (keeps the "
+            "probabilities: O(T^2))");
 }
 
 // Keeps the output and the [B, Hq, T] log-sum-exp (Playbook §12.8): one block of the ring
@@ -348,7 +343,7 @@ class FlashAttention : public AttentionCore {
   void forward(const Context& ctx, const AttentionShape& s, const Tensor& out,
                AttentionSaved& saved, const Tensor& q, const Tensor& k,
                const Tensor& v) const override {
-    saved.lse = kept(ctx, {s.B, s.Hq, s.T});
+    saved.lse = empty(ctx, {s.B, s.Hq, s.T}, Mem::Activations);
     const AttentionBlock a = whole_block(s);
     if (!on_tensor_cores(ctx, s)) return flash_attention_forward(ctx, out, saved.lse, q, k, v, a);
     Tensor o = empty(ctx, out.shape, Mem::Workspace, DType::BF16);

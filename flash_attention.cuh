@@ -66,6 +66,13 @@ enum class AttentionKind { Naive, Flash };
 AttentionKind parse_attention(const std::string& flag);  // naive|flash, else UsageError
 const char* attention_name(AttentionKind kind);
 std::shared_ptr<const AttentionCore> local_attention(AttentionKind kind);
+namespace CLI {
+class App;
+}
+struct AttentionOptions {
+  AttentionKind attention = AttentionKind::Flash;  // --attention
+};
+void add_attention_flags(CLI::App& app, AttentionOptions& o);
 
 // ============================================================================
 // Naive attention (kernels/attention_naive.cu)

@@ -27,6 +27,7 @@
 #include "mixed_precision.cuh"
 #include "runtime/gradient_sync.cuh"
 #include "runtime/ops.cuh"
+#include "runtime/options.cuh"
 
 // ============================================================================
 // Training in low precision: the linear layers' arithmetic (see mixed_precision.cuh)
@@ -385,4 +386,65 @@ void PrecisionPolicy::print_summary(const Context& ctx) const {
   const Fp8GemmCounts n = fp8_gemm_counts();  // forward, dgrad and wgrad GEMMs (fp8_gemm.cuh)
   printf("fp8 GEMMs on rank 0: %llu native (cuBLASLt block-scaled), %llu emulated\n",
          (unsigned long long)n.native, (unsigned long long)n.emulated);
+}
+
+std::string PrecisionPolicy::describe() const {
+  if (!mixed()) return "fp32";
+  return std::string(precision_name(compute_)) + " linear layers, fp32 master weights" +
+         (scaler_.enabled ? ", loss scale " + (scaler_.dynamic ? std::string("dynamic")
+                                                               : num(scaler_.scale))
+                          : "") +
+         (grads_ == DType::BF16 ? ", bf16 gradients" : ", fp32 gradients");
+}
+
+// ----------------------------------------------------------------------------
+// Flags
+
+void add_precision_flags(CLI::App& app, PrecisionOptions& o) {
+  CLI::App& g = flag_group(app, "Mixed precision and FP8 (Playbook §Mixed precision training)");
+  g.add_option("--dtype", o.dtype,
+               "linear layers in fp32|bf16|fp16|fp8, fp32 master weights (auto: fp32 on CPU, bf16 "
+               "on CUDA)")
+      ->capture_default_str();
+  add_typed(g, "--grad-acc-dtype", &o.grad_acc_dtype,
+            [](const std::string& v) {
+              return parse_choice<DType>("--grad-acc-dtype", v,
+                                         {{"fp32", DType::F32}, {"bf16", DType::BF16}});
+            },
+            "fp32",
+            "gradient buffers in fp32 (20 bytes per parameter with bf16 weights) or bf16 (16; "
+            "with --dtype bf16 or fp8)");
+  g.add_option_function<std::string>(
+       "--loss-scale",
+       [&o](const std::string& v) { o.loss_scale = v, o.loss_scale_given = true; },
+       "fp16: dynamic (start 65536, halve on overflow) or a fixed scale (1: none)")
+      ->default_str(o.loss_scale);
+  g.add_option_function<int>(
+       "--loss-scale-window",
+       [&o](int v) { o.loss_scale_window = v, o.loss_scale_given = true; },
+       "fp16: good steps before a dynamic loss scale doubles, >= 1")
+      ->default_str(std::to_string(o.loss_scale_window));
+}
+
+PrecisionPolicy make_precision_policy(const PrecisionOptions& o, Device device) {
+  const Precision p = o.dtype == "auto" ? device == Device::CUDA ? Precision::BF16 : Precision::FP32
+                                        : parse_precision(o.dtype);
+  if (p == Precision::FP8 && device == Device::CUDA) {
+    int dev = 0, major = 0, minor = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    if (major * 10 + minor < 89)
+      throw UsageError("--dtype fp8 needs FP8 tensor cores (compute capability 8.9 or later: Ada, "
+                       "Hopper); this GPU is " + std::to_string(major) + "." +
+                       std::to_string(minor) + ": use --dtype bf16, or --device cpu to simulate fp8");
+  }
+  if (o.grad_acc_dtype == DType::BF16 && p != Precision::BF16 && p != Precision::FP8)
+    throw UsageError("--grad-acc-dtype bf16 keeps gradients in the compute format of --dtype bf16 "
+                     "or fp8; this run is " + std::string(precision_name(p)) +
+                     (p == Precision::FP16 ? " (fp16 gradients would underflow: loss scaling "
+                                             "needs fp32 ones)" : "") +
+                     ": add --dtype bf16, or drop the flag");
+  return PrecisionPolicy(p, o.grad_acc_dtype,
+                         make_loss_scaler(p, o.loss_scale, o.loss_scale_window, o.loss_scale_given));
 }

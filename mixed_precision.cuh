@@ -115,6 +115,19 @@ struct LossScaler {
 LossScaler make_loss_scaler(Precision p, const std::string& loss_scale, int window,
                             bool flags_given);
 
+// ---- Flags (Playbook §Mixed precision training) ----
+namespace CLI {
+class App;
+}
+struct PrecisionOptions {
+  std::string dtype = "auto";          // --dtype: fp32|bf16|fp16|fp8, auto: fp32 on CPU, bf16 on CUDA
+  DType grad_acc_dtype = DType::F32;   // --grad-acc-dtype: fp32 or bf16 gradient buffers
+  std::string loss_scale = "dynamic";  // --loss-scale (fp16)
+  int loss_scale_window = 1000;        // --loss-scale-window (fp16)
+  bool loss_scale_given = false;       // either given: refused outside fp16
+};
+void add_precision_flags(CLI::App& app, PrecisionOptions& o);
+
 // ----------------------------------------------------------------------------
 // The precision policy (DESIGN 6, "Precision"): built once from --dtype, --grad-acc-dtype and
 // --loss-scale; train.cu asks it what the step needs and never the dtype itself. The gradient
@@ -145,6 +158,7 @@ class PrecisionPolicy {
   void begin_step() const { reset_rounding_stats(); }
   // After the last step, on rank 0: how many FP8 GEMMs ran natively (CUDA).
   void print_summary(const Context& ctx) const;
+  std::string describe() const;  // the configuration table's row: "bf16 linear layers, ..."
 
  private:
   Precision compute_ = Precision::FP32;
@@ -153,3 +167,7 @@ class PrecisionPolicy {
   float step_scale_ = 1.0f;  // the scale the last step's gradients carried
   bool skipped_ = false;     // whether keep_step skipped it
 };
+// The policy the flags ask for on `device` (auto: fp32 on CPU, bf16 on CUDA). Throws UsageError
+// naming the flags: fp8 on a GPU without FP8 tensor cores, bf16 gradients with fp32 or fp16
+// arithmetic, loss-scale flags outside fp16.
+PrecisionPolicy make_precision_policy(const PrecisionOptions& o, Device device);

@@ -13,15 +13,16 @@
 #include "runtime/parameters.cuh"
 #include "tensor_parallel.cuh"
 
-ModelConfig model_preset(const std::string& name);  // tiny, medium, smollm-135m, llama-1b
-std::vector<std::string> model_preset_names();
-void validate_model_config(const ModelConfig& cfg);  // throws UsageError naming the flag
-// Closed form: V*D [embed] + L*(2D + D*hd*(2Hq + 2Hkv) + 3*D*F) + D + (tied ? 0 : V*D)
-int64_t parameter_count(const ModelConfig& cfg);
-
 enum class Recompute { None, Selective, Full };  // Playbook §2.6
 Recompute parse_recompute(const std::string& flag);
 const char* recompute_name(Recompute r);
+namespace CLI {
+class App;
+}
+struct ModelOptions {
+  Recompute recompute = Recompute::None;  // --recompute
+};
+void add_model_flags(CLI::App& app, ModelOptions& o);
 
 // The weights of one block, as views into the flat buffer (the gradients use the same struct).
 struct BlockWeights {

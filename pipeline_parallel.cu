@@ -15,6 +15,7 @@
 #include <map>
 
 #include "pipeline_parallel.cuh"
+#include "runtime/options.cuh"
 
 // ----------------------------------------------------------------------------
 // Partition
@@ -130,7 +131,19 @@ bool splits_backward(const std::vector<PipelineOp>& table) {
 }
 double bubble_fraction(PpSchedule s, int p, int m, int V) { return row(s).bubble(p, m, V); }
 
+void add_pipeline_flags(CLI::App& app, PipelineOptions& o) {
+  std::string names;
+  for (const ScheduleRow& r : kSchedules) names += std::string(names.empty() ? "" : "|") + r.name;
+  CLI::App& g = flag_group(app, "Pipeline parallelism (Playbook §8)");
+  g.add_option("--pp", o.pp, "pipeline-parallel stages")->capture_default_str();
+  add_typed(g, "--pp-schedule", &o.pp_schedule, parse_pp_schedule, pp_schedule_name(o.pp_schedule),
+            "pipeline schedule: " + names);
+  g.add_option("--pp-virtual", o.pp_virtual, "model chunks per pipeline rank (interleaved), >= 1")
+      ->capture_default_str();
+}
+
 void validate_pipeline(int layers, int p, int V, int m, PpSchedule s, bool tied, int zero_stage) {
+  check_positive(p, "--pp");
   std::string pp = "--pp " + std::to_string(p), name = pp_schedule_name(s);
   const bool chunks = row(s).chunks;
   if (V < 1) throw UsageError("--pp-virtual " + std::to_string(V) + ": must be >= 1");

@@ -15,6 +15,7 @@
 #include "mixed_precision.cuh"
 #include "runtime/model_config.cuh"
 #include "runtime/ops.cuh"
+#include "runtime/options.cuh"
 
 // ----------------------------------------------------------------------------
 // This rank's slice of the model (Playbook §5.3)
@@ -33,7 +34,15 @@ LocalDims local_dims(const ModelConfig& c, int rank, int size) {
   return L;
 }
 
+void add_tensor_parallel_flags(CLI::App& app, TensorParallelOptions& o) {
+  CLI::App& g = flag_group(app, "Tensor and sequence parallelism (Playbook §5, §6)");
+  g.add_option("--tp", o.tp, "tensor-parallel ranks, dividing --heads, --ffn and --vocab")
+      ->capture_default_str();
+  g.add_flag("--sp", o.sp, "sequence parallelism in the tensor-parallel group (needs --tp > 1)");
+}
+
 void validate_tensor_parallel(const ModelConfig& c, int tp, bool sp) {
+  check_positive(tp, "--tp");
   auto divides = [&](int n, const char* flag) {
     if (n % tp)
       throw UsageError("--tp " + std::to_string(tp) + " does not divide " + flag + " " +

@@ -26,6 +26,16 @@ LocalDims local_dims(const ModelConfig& cfg, int tp_rank, int tp_size);
 // another, and (with --sp) --tp divides --seq.
 void validate_tensor_parallel(const ModelConfig& cfg, int tp, bool sp);
 
+// ---- Flags (Playbook §5, §6) ----
+namespace CLI {
+class App;
+}
+struct TensorParallelOptions {
+  int tp = 1;       // --tp: tensor-parallel ranks
+  bool sp = false;  // --sp: sequence parallelism in the tp group
+};
+void add_tensor_parallel_flags(CLI::App& app, TensorParallelOptions& o);
+
 // The tp group, whether sequence parallelism is on, and this rank's slice of the model (set by
 // build_model). size 1 turns every operator into the identity and every layer below into a
 // plain one, so the model makes the same calls with or without tensor parallelism.

@@ -8,30 +8,150 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
-#include <fstream>
 #include <functional>
-#include <map>
 #include <memory>
 #include <thread>
-#include <unistd.h>
 
-#include "runtime/checkpoint.cuh"
-#include "runtime/comm.cuh"
-#include "runtime/core.cuh"
-#include "runtime/data.cuh"
 #include "context_parallel.cuh"
 #include "data_parallel.cuh"
-#include "kernels/fp8_gemm.cuh"
-#include "runtime/gradient_sync.cuh"
 #include "mixed_precision.cuh"
 #include "model.cuh"
-#include "runtime/ops.cuh"
-#include "runtime/optimizer.cuh"
-#include "runtime/options.cuh"
 #include "pipeline_parallel.cuh"
-#include "runtime/report.cuh"
+#include "runtime/checkpoint.cuh"
+#include "runtime/comm.cuh"
+#include "runtime/data.cuh"
+#include "runtime/formulas.cuh"
 #include "runtime/observe.cuh"
+#include "runtime/options.cuh"
+#include "runtime/report.cuh"
+#include "tensor_parallel.cuh"
 #include "zero.cuh"
+
+// ----------------------------------------------------------------------------
+// The command line: the run's flags (runtime/options.cuh) and each chapter's, each checked
+// next to its code, then what only the composition knows: how they combine.
+
+struct Options : RunOptions, ModelOptions, AttentionOptions, PrecisionOptions,
+                 DataParallelOptions, ZeroOptions, TensorParallelOptions, PipelineOptions,
+                 ContextParallelOptions {};
+
+static void add_flags(CLI::App& app, Options& o) {
+  // A flag given twice takes its last value, so a script can append overrides.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  add_run_flags(app, o);  // in the book's order
+  add_model_flags(app, o);
+  add_data_parallel_flags(app, o);
+  add_zero_flags(app, o);
+  add_tensor_parallel_flags(app, o);
+  add_context_parallel_flags(app, o);
+  add_pipeline_flags(app, o);
+  add_attention_flags(app, o);
+  add_precision_flags(app, o);
+  add_io_flags(app, o);
+}
+
+// The same on every rank, before anything is allocated; UsageError names the flag and the fix.
+static void resolve_options(Options& o) {
+  const int64_t world = (int64_t)o.dp * o.pp * o.cp * o.tp;
+  resolve_run_options(o, (int)std::min<int64_t>(world, INT32_MAX));
+  check_positive(o.dp, "--dp");
+  validate_context_parallel(o.model.seq, o.cp, o.cp_balance,
+                            o.attention == AttentionKind::Flash, o.tp, o.sp, o.sample);
+  validate_pipeline(o.model.layers, o.pp, o.pp_virtual, o.grad_acc, o.pp_schedule,
+                    o.model.tie_embeddings, o.zero);
+  validate_tensor_parallel(o.model, o.tp, o.sp);
+  if (o.dtype != "auto") parse_precision(o.dtype);
+}
+
+// The closed forms, per rank (runtime/formulas.cuh, model.cu): weights, gradients and Adam's
+// m and v over tp and ZeRO's shards, the saved activations of every block of one micro-batch,
+// and the logits with their gradient. Collective (node-local ranks share the device).
+static void check_before_start(const Options& o, const Comm& comm,
+                               const PrecisionPolicy& precision) {
+  int local = 0, local_ranks = 1;
+  local_rank(&local, &local_ranks, comm.timeout_s);  // collective: before anything that may throw
+  const ModelConfig& c = o.model;
+  // The closed forms are int64: guard them against sizes whose bytes would overflow.
+  double rough = (double)c.layers * c.d_model * ((double)c.d_model + c.ffn) +
+                 (double)c.vocab * c.d_model +
+                 (double)c.layers * o.mbs * c.seq * ((double)c.heads * c.seq + c.d_model + c.ffn);
+  if (rough > 1e17) check_memory_fits(rough, 0, comm.device, local_ranks);
+  const bool train = o.score.empty();
+  const double psi = (double)parameter_count(c) / o.tp;
+  const int n = o.dp * o.cp, stage = n > 1 ? o.zero : 0;
+  double state = 4 * psi;  // --score: the fp32 weights
+  if (train) {
+    StaticMemory m = zero_static_memory(
+        stage, psi, n, bytes_per_parameter(stage, precision.compute(), precision.grads() == DType::BF16));
+    // Mixed precision: the fp32 master weights sit with the optimizer's 12 bytes; ZeRO-1/2
+    // hold the whole compute-format weights, ZeRO-3 its shard of them.
+    state = m.total();
+  }
+  const int e = train ? (int)dtype_size(precision.weight_format()) : 4;
+  double acts = (double)c.layers * activation_bytes_per_block(c, o.mbs, c.seq, o.tp, o.sp,
+                                                              o.recompute,
+                                                              *local_attention(o.attention), e) +
+                2.0 * o.mbs * c.seq * (c.vocab / o.tp) * 4;
+  check_memory_fits(state, acts, comm.device, local_ranks);
+  check_outputs(o, comm);
+}
+
+// The table rank 0 prints before the first step.
+static void print_config(const Options& o, const Dataset& data, const Comm& comm,
+                         int64_t n_params, int zero_stage, const PrecisionPolicy& precision) {
+  const ModelConfig& c = o.model;
+  auto s = [](auto v) { return std::to_string(v); };
+  std::vector<std::pair<std::string, std::string>> rows = {
+      {"model", c.preset + (o.load.empty() ? "" : " (from " + o.load + ")")},
+      {"d_model / layers", s(c.d_model) + " / " + s(c.layers)},
+      {"heads / kv heads / hd", s(c.heads) + " / " + s(c.kv_heads) + " / " + s(c.head_dim())},
+      {"ffn / vocab / seq", s(c.ffn) + " / " + s(c.vocab) + " / " + s(c.seq)},
+      {"tied embeddings", c.tie_embeddings ? "yes" : "no"},
+      {"parameters", s(n_params) + " (closed form " + s(parameter_count(c)) + ")"},
+      {"device / backend", std::string(device_name(comm.device)) + " / " +
+                               backend_name(comm.backend) +
+                               (o.sync_launches ? ", sync after every kernel" : "")},
+      {"grid dp x pp x cp x tp", s(o.dp) + " x " + s(o.pp) + " x " + s(o.cp) + " x " + s(o.tp) +
+                                     " = " + s(comm.grid.world_size) + " ranks" +
+                                     (o.sp ? ", sequence parallel" : "")}};
+  if (o.cp > 1)
+    rows.push_back({"context parallel", std::string(cp_balance_name(o.cp_balance)) + " split, " +
+                                            cp_comm_name(o.cp_comm) + ", " + s(c.seq / o.cp) +
+                                            " tokens per rank"});
+  if (o.pp > 1)
+    rows.push_back({"pipeline", std::string(pp_schedule_name(o.pp_schedule)) + ", " +
+                                    s(o.grad_acc) + " micro-batches" +
+                                    (o.pp_virtual > 1 ? ", " + s(o.pp_virtual) + " chunks per rank"
+                                                      : "")});
+  std::string overlap = o.no_overlap ? ", no overlap" : ", overlapped";
+  rows.push_back({"gradient sync",
+                  zero_stage == 0 ? std::string(dp_sync_name(o.dp_sync)) + ", buckets of " +
+                                        num(o.bucket_mb) + " MiB" + overlap
+                                  : "ZeRO-" + s(zero_stage) + ": reduce-scatter per unit" + overlap +
+                                        (zero_stage == 3 && !o.no_overlap ? ", prefetch" : "")});
+  rows.push_back({"dtype", precision.describe() + (precision.mixed() && o.dtype == "auto"
+                                                       ? " (auto on CUDA)" : "")});
+  rows.push_back({"attention", std::string(attention_name(o.attention)) +
+                                   (o.attention == AttentionKind::Flash
+                                        ? " (keeps O and its log-sum-exp: O(T))"
+                                        : " (keeps the probabilities: O(T^2))")});
+  rows.push_back({"recompute", o.recompute == Recompute::Selective && o.attention == AttentionKind::Flash
+                                   ? "selective: nothing more to drop, flash keeps no probabilities"
+                                   : recompute_name(o.recompute)});
+  rows.push_back({"steps / mbs / grad-acc", s(o.steps) + " / " + s(o.mbs) + " / " + s(o.grad_acc)});
+  rows.push_back({"tokens per step", s((int64_t)o.mbs * o.grad_acc * o.dp * c.seq) +
+                                         " (mbs x grad-acc x dp x seq)"});
+  char lr[96];
+  snprintf(lr, sizeof lr, "%.2e -> %.2e, warmup %d, wd %.3g, clip %.3g", o.lr, o.min_lr,
+           o.warmup, o.weight_decay, o.grad_clip);
+  rows.push_back({"lr schedule (cosine)", lr});
+  rows.push_back({"seed", s(o.seed)});
+  rows.push_back({"data", data.source});
+  rows.push_back({"train / val tokens", s(data.train.size()) + " / " + s(data.val.size())});
+  rows.push_back({"data order", o.no_shuffle ? "file order (--no-shuffle)"
+                                             : "shuffled per epoch (--seed)"});
+  print_config_table(rows);
+}
 
 // ----------------------------------------------------------------------------
 // Evaluation
@@ -154,7 +274,7 @@ static std::unique_ptr<GradientSync> make_gradient_sync(Comm& comm, Model& model
   if (stage > 0)
     return std::make_unique<Zero>(comm, model, stage, AdamWConfig{}, o.weight_decay, o.seed,
                                   !o.no_overlap, precision);
-  return std::make_unique<DataParallel>(comm, model, ctx, parse_dp_sync(o.dp_sync), o.bucket_mb,
+  return std::make_unique<DataParallel>(comm, model, ctx, o.dp_sync, o.bucket_mb,
                                         !o.no_overlap, AdamWConfig{}, o.weight_decay, o.seed,
                                         precision);
 }
@@ -169,7 +289,7 @@ static void with_whole_model(GradientSync& sync, const Context& ctx,
 
 // How the cp group splits each sequence (Playbook §7): this rank's tokens.
 static ContextParallel context_parallel(Comm& comm, const Options& o) {
-  return ContextParallel{&comm, parse_cp_balance(o.cp_balance), parse_cp_comm(o.cp_comm)};
+  return ContextParallel{&comm, o.cp_balance, o.cp_comm};
 }
 
 // This rank's part of the model (its tp slice, its pipeline stage or chunks) as a layout, with
@@ -181,7 +301,7 @@ static Model model_layout(Comm& comm, const Options& o) {
   if (o.cp > 1)
     model.attention = std::make_shared<ContextParallelAttention>(context_parallel(comm, o));
   else
-    model.attention = local_attention(parse_attention(o.attention));
+    model.attention = local_attention(o.attention);
   return model;
 }
 
@@ -346,8 +466,8 @@ static void print_reports(Trainer& t) {
   if (main_rank)
     print_memory(n_params, t.sync.zero_stage(), comm.dp_cp.size, t.precision.compute(),
                  t.precision.grads() == DType::BF16);
-  for (const std::string& r : o.reports) {
-    if (r == "sync" && main_rank && t.steps_run > 0) {
+  for (Report r : o.reports) {
+    if (r == Report::Sync && main_rank && t.steps_run > 0) {
       // The points where the host waits for the device (core.cuh, count_host_sync): each one
       // drains the GPU's queue, so the fewer per step the better.
       std::string range = t.step_syncs_min == t.step_syncs_max
@@ -355,7 +475,7 @@ static void print_reports(Trainer& t) {
       printf("host synchronisations per training step: %llu%s\n",
              (unsigned long long)t.step_syncs_max, range.c_str());
     }
-    if (r == "memory") {
+    if (r == Report::Memory) {
       if (main_rank)
         print_precision_memory(t.precision.compute(), n_params, t.sync.master_bytes(),
                                t.precision.grads() == DType::BF16);
@@ -373,7 +493,7 @@ static void print_reports(Trainer& t) {
             attention.saved_formula(e), o.sp, e);
       }
     }
-    if (r == "comm") {
+    if (r == Report::Comm) {
       print_comm_report(comm, n_params, t.steps_run);
       t.sync.print_comm_report(o.grad_acc);
       if (main_rank && o.tp > 1)
@@ -381,13 +501,15 @@ static void print_reports(Trainer& t) {
                              o.grad_acc, o.tp, o.sp, t.tp_traffic.total,
                              t.steps_run);
     }
-    if (r == "bubble")
-      print_bubble_report(comm,
-                          bubble_prediction(t.pipeline.schedule, o.pp, o.grad_acc, o.pp_virtual),
+    if (r == Report::Bubble)
+      print_bubble_report(comm, bubble_prediction(o.pp_schedule, o.pp, o.grad_acc, o.pp_virtual),
                           t.observer.schedule());
-    if (r == "balance")
-      print_balance_report(comm, o.cp_balance + " split, " + o.cp_comm, t.attention_work.blocks,
-                           t.attention_work.pairs, t.attention_work.seconds, t.steps_run);
+    if (r == Report::Balance)
+      print_balance_report(comm,
+                           std::string(cp_balance_name(o.cp_balance)) + " split, " +
+                               cp_comm_name(o.cp_comm),
+                           t.attention_work.blocks, t.attention_work.pairs,
+                           t.attention_work.seconds, t.steps_run);
   }
 }
 
@@ -397,7 +519,7 @@ static void finish_run(Trainer& t) {
   bool main_rank = t.comm.grid.world_rank == 0;
   if (!o.save.empty()) {  // whole tensors, whatever the layout
     all_or_none(t.comm,
-                [&] { t.sync.save(t.ctx, o.save, t.model.cfg, parse_save_dtype(o.save_dtype)); });
+                [&] { t.sync.save(t.ctx, o.save, t.model.cfg, o.save_dtype); });
     if (main_rank)
       printf("saved %s (config.json, model.safetensors, optimizer.safetensors)\n", o.save.c_str());
   }
@@ -415,7 +537,8 @@ static void finish_run(Trainer& t) {
 }
 
 static int run(const Options& o, Comm& comm, Context& ctx, PrecisionPolicy precision) {
-  all_or_none(comm, [&] { check_before_start(o, comm); });  // memory, outputs: before any step
+  // Memory, outputs: before any step.
+  all_or_none(comm, [&] { check_before_start(o, comm, precision); });
   if (!o.score.empty()) return score_file(ctx, comm, o);
   const ModelConfig& c = o.model;
   bool main_rank = comm.grid.world_rank == 0;
@@ -427,22 +550,21 @@ static int run(const Options& o, Comm& comm, Context& ctx, PrecisionPolicy preci
   if (main_rank) {
     int64_t laid_out = 0;  // the layout's tensors, against the closed form
     for (const NamedTensor& p : model.named_params) laid_out += p.tensor.numel();
-    print_config(o, data, comm, laid_out, sync->zero_stage());
+    print_config(o, data, comm, laid_out, sync->zero_stage(), precision);
     printf("unigram entropy of the training tokens: %.4f nats (a model that ignores context)\n",
            unigram_entropy(data.train, c.vocab));
   }
   // The global batch (DESIGN 5): mbs x grad_acc x dp sequences. dp rank d reads the
   // consecutive sequences [d * mbs * grad_acc, (d + 1) * mbs * grad_acc).
   int64_t rank_batch = (int64_t)o.mbs * o.grad_acc;
-  Trainer t{o, comm, ctx, model, *sync, data, parse_recompute(o.recompute),
+  Trainer t{o, comm, ctx, model, *sync, data, o.recompute,
             LrSchedule{o.lr, o.min_lr, o.warmup, o.steps},
-            PipelineConfig{parse_pp_schedule(o.pp_schedule), o.pp_virtual}, rank_batch,
+            PipelineConfig{o.pp_schedule, o.pp_virtual}, rank_batch,
             rank_batch * o.dp, (int)(comm.grid.dp_rank * rank_batch)};
   t.inputs.resize(rank_batch * c.seq), t.targets.resize(rank_batch * c.seq);
   t.cp = context_parallel(comm, o);
   t.ring = dynamic_cast<const ContextParallelAttention*>(model.attention.get());
-  t.observer = Observer(comm.grid.world_rank, o.fault.empty() ? Fault{} : parse_fault(o.fault),
-                        !o.trace.empty());
+  t.observer = Observer(comm.grid.world_rank, o.fault, !o.trace.empty());
   t.precision = precision;
   all_or_none(comm, [&] {
     if (main_rank && !o.log_json.empty()) t.log_json.open("--log-json", o.log_json);
@@ -469,13 +591,12 @@ int main(int argc, char** argv) {
   MPI_Comm_size(MPI_COMM_WORLD, &world);
   CLI::App app{"picoscale: train a tiny Llama, the Ultra-Scale Playbook way"};
   Options o;
-  std::vector<ShapeFlag> shape;
-  add_flags(app, o, shape);
+  add_flags(app, o);
   int code = 0;
   try {
     app.parse(argc, argv);
-    resolve_options(o, shape);
-    if (!o.fault.empty()) parse_fault(o.fault).at(FaultWhere::Init, rank, 0);  // before set-up
+    resolve_options(o);
+    o.fault.at(FaultWhere::Init, rank, 0);  // before set-up
     // Ranks on one node share its cores (OpenBLAS) and its GPUs (local rank modulo count).
     int local = 0, local_size = 1;
     local_rank(&local, &local_size, o.comm_timeout);
@@ -486,14 +607,13 @@ int main(int argc, char** argv) {
       CUDA_CHECK(cudaGetDeviceCount(&gpus));
       CUDA_CHECK(cudaSetDevice(local % gpus));
     }
+    // The precision policy (mixed_precision.cuh): refused here, on every rank, before any step.
+    PrecisionPolicy precision = make_precision_policy(o, device);
+    validate_data_parallel(o, precision.grads());
     Comm comm = comm_init(o.dp, o.pp, o.cp, o.tp, o.comm, device, o.comm_timeout);
     set_sync_launches(o.sync_launches);
     Context ctx = Context::create(device);
-    // The precision policy (mixed_precision.cuh): refused here, on every rank, before any step.
-    const Precision compute = resolve_precision(o, device);
-    PrecisionPolicy precision(compute, resolve_grad_dtype(o, compute),
-                              make_loss_scaler(compute, o.loss_scale, o.loss_scale_window, false));
-    ctx.precision = compute;
+    ctx.precision = precision.compute();
     code = run(o, comm, ctx, precision);
     ctx.destroy();
     comm_destroy(comm);

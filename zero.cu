@@ -28,15 +28,23 @@
 #include <cmath>
 
 #include "mixed_precision.cuh"
+#include "runtime/options.cuh"
 #include "runtime/report.cuh"
 #include "zero.cuh"
 
-int parse_zero_stage(int flag) {
-  if (flag < 0 || flag > 3)
-    throw UsageError("--zero " + std::to_string(flag) +
-                     ": expected 0 (off), 1 (shard optimizer states), 2 (+ gradients) or 3 "
-                     "(+ weights)");
-  return flag;
+void add_zero_flags(CLI::App& app, ZeroOptions& o) {
+  flag_group(app, "ZeRO (Playbook §4)")
+      .add_option_function<int>(
+          "--zero",
+          [&o](int stage) {
+            if (stage < 0 || stage > 3)
+              throw UsageError("--zero " + std::to_string(stage) +
+                               ": expected 0 (off), 1 (shard optimizer states), 2 (+ gradients) "
+                               "or 3 (+ weights)");
+            o.zero = stage;
+          },
+          "ZeRO stage over dp_cp: 0 off, 1 optimizer states, 2 + gradients, 3 + weights")
+      ->default_str("0");
 }
 
 // ----------------------------------------------------------------------------

@@ -9,7 +9,15 @@
 #include "runtime/formulas.cuh"
 #include "runtime/gradient_sync.cuh"
 
-int parse_zero_stage(int flag);  // 0 (off), 1, 2 or 3; else UsageError naming --zero
+namespace CLI {
+class App;
+}
+
+// ---- Flags (Playbook §4) ----
+struct ZeroOptions {
+  int zero = 0;  // --zero: 0 (off), 1, 2 or 3
+};
+void add_zero_flags(CLI::App& app, ZeroOptions& o);
 
 
 // One rank's part of ZeRO training as a GradientSync: the shard buffers, the hooks that gather

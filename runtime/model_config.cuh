@@ -1,8 +1,10 @@
 // model_config.cuh: the shape of the Llama, the numbers a Hugging Face config.json holds
-// (LlamaConfig's keys in the comments). The presets and the model itself are model.cu's; the
-// config.json mapping is checkpoint.cu's.
+// (LlamaConfig's keys in the comments), its presets and its closed-form parameter count. The
+// model itself is model.cu's; the config.json mapping is checkpoint.cu's.
 #pragma once
+#include <cstdint>
 #include <string>
+#include <vector>
 
 struct ModelConfig {
   std::string preset = "tiny";
@@ -19,3 +21,9 @@ struct ModelConfig {
   float init_std = 0.02f;
   int head_dim() const { return d_model / heads; }
 };
+
+ModelConfig model_preset(const std::string& name);  // tiny, medium, smollm-135m, llama-1b
+std::vector<std::string> model_preset_names();
+void validate_model_config(const ModelConfig& cfg);  // throws UsageError naming the flag
+// Closed form: V*D [embed] + L*(2D + D*hd*(2Hq + 2Hkv) + 3*D*F) + D + (tied ? 0 : V*D)
+int64_t parameter_count(const ModelConfig& cfg);

@@ -1,69 +1,122 @@
-// options.cuh: train's command line: every flag, its validation (the same on every rank,
-// before anything is allocated), and the configuration table rank 0 prints.
+// options.cuh: the command line's machinery. The run's own flags (the model's shape, steps and
+// learning rate, data, checkpoints, logs, reports, faults, device and collectives) are here;
+// each technique declares its own flags and checks them next to its code (XxxOptions in its
+// header, in a --help group named after its chapter), with the helpers below; train.cu puts
+// them together. Every value is parsed once, into a typed value, the same on every rank, before
+// anything is allocated.
 #pragma once
 #include <CLI/CLI.hpp>
 
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "runtime/comm.cuh"
-#include "runtime/data.cuh"
-#include "model.cuh"
+#include "runtime/core.cuh"
+#include "runtime/model_config.cuh"
+#include "runtime/observe.cuh"
 
-struct Options {
-  ModelConfig model;
-  std::string preset = "tiny", device = "auto", recompute = "none", attention = "flash";
-  int steps = 100, stop_after = 0, mbs = 16, grad_acc = 1, warmup = 20, val_every = 50, val_seqs = 64;
-  float lr = 2e-3f, min_lr = -1.0f, weight_decay = 0.1f, grad_clip = 1.0f;
-  float val_frac = 0.1f, temperature = 0.8f;
-  uint64_t seed = 1337;
-  std::string data, save, load, log_json, save_grads, score, prompt = "\n";
-  std::string save_dtype = "fp32";  // --save-dtype: model.safetensors in fp32 or bf16
-  // --dtype: the linear layers' arithmetic (mixed_precision.cuh); auto: fp32 on CPU, bf16 on CUDA
-  std::string dtype = "auto", loss_scale = "dynamic";  // --loss-scale: fp16 only
-  int loss_scale_window = 1000;
-  std::string grad_acc_dtype = "fp32";  // --grad-acc-dtype: gradient buffers in fp32 or bf16
-  int sample = 0;
-  // parallelism
-  int dp = 1, pp = 1, cp = 1, tp = 1, zero = 0;
-  std::string comm = "auto", dp_sync = "bucket", trace, fault, pp_schedule = "1f1b";
-  std::string cp_balance = "zigzag", cp_comm = "ring";
-  int pp_virtual = 1;
-  double comm_timeout = 300, bucket_mb = 25;
-  bool no_overlap = false, sp = false;
-  bool no_shuffle = false;  // data: consecutive stretches in file order (the old order)
-  bool sync_launches = false;  // debugging: synchronise after every CUDA kernel
-  std::vector<std::string> reports;
-  const CLI::App* app = nullptr;  // the parsed command line (main's, alive for the whole run)
+// ---- Helpers for every technique's flags ----
+// A flag whose value is one name of a table: the one place its names are written, read by the
+// parse and by the name (a new value is one more row).
+template <class T>
+struct Choice {
+  const char* name;
+  T value;
 };
+template <class T>
+T parse_choice(const std::string& flag, const std::string& value,
+               const std::vector<Choice<T>>& table) {
+  std::string names;
+  for (size_t i = 0; i < table.size(); i++) {
+    if (value == table[i].name) return table[i].value;
+    names += (i == 0 ? "" : i + 1 == table.size() ? " or " : ", ") + std::string(table[i].name);
+  }
+  throw UsageError(flag + " " + value + ": expected " + names);
+}
+template <class T>
+const char* choice_name(const std::vector<Choice<T>>& table, T value) {
+  for (const Choice<T>& c : table)
+    if (c.value == value) return c.name;
+  PICO_ASSERT(false, "a value without a name in its table");
+  return "";
+}
+// Registers --flag in `group`, its value parsed by `parse` into *target as the command line is
+// read (a bad value stops there, naming the flag); `shown` is the default --help prints.
+template <class T, class Parse>
+CLI::Option* add_typed(CLI::App& group, const std::string& flag, T* target, Parse parse,
+                       const std::string& shown, const std::string& help) {
+  return group
+      .add_option_function<std::string>(
+          flag, [target, parse](const std::string& v) { *target = parse(v); }, help)
+      ->default_str(shown);
+}
+// A --help group: the book's chapter the flags belong to.
+CLI::App& flag_group(CLI::App& app, const std::string& chapter);
+
+constexpr double kNoMax = std::numeric_limits<double>::max();
+void check_positive(int64_t value, const std::string& flag);  // UsageError "--x 0: must be > 0"
+// A float flag that must be a finite number in [lo, hi] (lo excluded when `open_lo`).
+void check_range(double value, const std::string& flag, double lo, bool open_lo, double hi,
+                 const std::string& fix);
+// Sizes past `max` overflow int arithmetic or fit no machine; `source` names where the value
+// came from: the flag, or the checkpoint's config.json key.
+void check_at_most(int64_t value, int64_t max, const std::string& source, const std::string& fix);
+std::string num(double x);  // 0.002, inf, nan: as the user would type it
+
+// ---- The run's own flags ----
+enum class Report { Memory, Comm, Bubble, Sync, Balance };  // --report
 
 // The largest values picoscale accepts (sizes past them overflow its int arithmetic or fit no
-// machine); the README's flag table states them.
+// machine); --help states them.
 constexpr int kMaxSeq = 1 << 20, kMaxMbs = 1 << 20, kMaxLayers = 4096, kMaxWidth = 1 << 24;
 constexpr int kMaxSample = 1 << 20;
 
-// Model-shape flags: applied over the preset, or checked against a loaded checkpoint.
-using IntField = int ModelConfig::*;
-struct ShapeFlag {
-  const char* flag;
-  IntField field;
-  CLI::Option* opt;
+struct RunOptions {
+  // the model: a preset, its shape flags over it, or the checkpoint's config.json (--load)
+  std::string preset = "tiny";
+  ModelConfig model;
+  std::vector<std::pair<std::string, int ModelConfig::*>> shape;  // the shape flags given
+  // the optimisation
+  int steps = 100, stop_after = 0, mbs = 16, grad_acc = 1, warmup = 20;
+  float lr = 2e-3f, min_lr = -1.0f, weight_decay = 0.1f, grad_clip = 1.0f;
+  uint64_t seed = 1337;
+  // data and evaluation
+  std::string data, score, prompt = "\n";
+  float val_frac = 0.1f, temperature = 0.8f;
+  int val_every = 50, val_seqs = 64, sample = 0;
+  bool no_shuffle = false;  // consecutive stretches in file order
+  // checkpoints, logs, reports
+  std::string save, load, log_json, save_grads, trace;
+  DType save_dtype = DType::F32;  // --save-dtype: model.safetensors in fp32 or bf16
+  std::vector<Report> reports;
+  // where it runs, and its faults
+  std::string device = "auto", comm = "auto";
+  double comm_timeout = 300;
+  bool sync_launches = false;  // debugging: synchronise after every CUDA kernel
+  Fault fault;                 // --fault; kind empty: none
+  const CLI::App* app = nullptr;  // the parsed command line (main's, alive for the whole run)
+  bool given(const std::string& flag) const { return app && app->count(flag) > 0; }
+  bool reports_on(Report r) const;
 };
+// The model's shape and the training step's flags; add_io_flags the rest (data, checkpoints,
+// logs, reports, devices, faults), for --help after the chapters' groups.
+void add_run_flags(CLI::App& app, RunOptions& o);
+void add_io_flags(CLI::App& app, RunOptions& o);
+// After the parse: the model config (preset and flags, or the checkpoint's, checked against the
+// flags) and every run flag's range; `world` ranks for --fault. Throws UsageError naming the
+// flag and the fix.
+void resolve_run_options(RunOptions& o, int world);
 
-void add_flags(CLI::App& app, Options& o, std::vector<ShapeFlag>& shape);
-// Builds the model config (preset, flags, or checkpoint) and checks every flag; throws
-// UsageError naming the flag and the fix.
-void resolve_options(Options& o, const std::vector<ShapeFlag>& shape);
-// Before anything is allocated (collective, every rank): the predicted memory of a rank fits
-// its device (host memory on CPU, the GPU's on CUDA, shared by the ranks that share it), and
-// on world rank 0 every output path (--save, --save-grads, --log-json, --trace) can be
-// written. Throws UsageError with both numbers, or the flag and the path.
-void check_before_start(const Options& o, const Comm& comm);
-// --dtype for `device` (auto: fp32 on CPU, bf16 on CUDA); UsageError for fp8 on a GPU without
-// FP8 tensor cores (before compute capability 8.9).
-Precision resolve_precision(const Options& o, Device device);
-// --grad-acc-dtype for a run in precision p: F32, or BF16 (with --dtype bf16 or fp8, and not
-// with --dp-sync ring: else UsageError naming the flags and the fix).
-DType resolve_grad_dtype(const Options& o, Precision p);
-void print_config(const Options& o, const Dataset& data, const Comm& comm, int64_t n_params,
-                  int zero_stage);
+// ---- Before the first allocation ----
+// This rank's share of its device's memory: host RAM over the node's ranks on CPU; on CUDA the
+// GPU's memory over the ranks that share it. `what` says which.
+double device_bytes_per_rank(Device device, int local_ranks, std::string& what);
+// UsageError with both numbers when static state and one micro-batch's activations (bytes per
+// rank) do not fit the rank's share of its device.
+void check_memory_fits(double state_bytes, double activation_bytes, Device device,
+                       int local_ranks);
+// On world rank 0: every output path (--save, --save-grads, --log-json, --trace) can be written.
+void check_outputs(const RunOptions& o, const Comm& comm);
+// The configuration table rank 0 prints before the first step: one row per (name, value).
+void print_config_table(const std::vector<std::pair<std::string, std::string>>& rows);

@@ -1,0 +1,55 @@
+// model_config.cu: the presets, their checks and the closed-form parameter count.
+#include "runtime/model_config.cuh"
+
+#include "runtime/core.cuh"
+
+ModelConfig model_preset(const std::string& name) {
+  ModelConfig c;
+  c.preset = name;
+  if (name == "tiny") return c;  // 0.85M parameters: trains in minutes on 2 CPU cores
+  if (name == "medium") {        // 25M parameters: the CPU benchmark's config
+    c.d_model = 512, c.layers = 8, c.heads = 8, c.kv_heads = 4, c.ffn = 1536, c.seq = 256;
+    return c;
+  }
+  if (name == "smollm-135m") {  // SmolLM-135M's shape
+    c.vocab = 49152, c.d_model = 576, c.layers = 30, c.heads = 9, c.kv_heads = 3;
+    c.ffn = 1536, c.seq = 2048, c.tie_embeddings = true;
+    return c;
+  }
+  if (name == "llama-1b") {  // Llama-3.2-1B's shape
+    c.vocab = 128256, c.d_model = 2048, c.layers = 16, c.heads = 32, c.kv_heads = 8;
+    c.ffn = 8192, c.seq = 2048, c.rope_theta = 500000.0f, c.tie_embeddings = true;
+    return c;
+  }
+  std::string known;
+  for (auto& n : model_preset_names()) known += (known.empty() ? "" : ", ") + n;
+  throw UsageError("--model " + name + ": unknown preset; choose one of " + known);
+}
+std::vector<std::string> model_preset_names() {
+  return {"tiny", "medium", "smollm-135m", "llama-1b"};
+}
+
+void validate_model_config(const ModelConfig& c) {
+  auto positive = [](int v, const char* flag) {
+    if (v <= 0) throw UsageError(std::string(flag) + " " + std::to_string(v) + ": must be > 0");
+  };
+  positive(c.vocab, "--vocab"), positive(c.d_model, "--d-model"), positive(c.layers, "--layers");
+  positive(c.heads, "--heads"), positive(c.kv_heads, "--kv-heads"), positive(c.ffn, "--ffn");
+  positive(c.seq, "--seq");
+  if (c.d_model % c.heads)
+    throw UsageError("--heads " + std::to_string(c.heads) + " does not divide --d-model " +
+                     std::to_string(c.d_model) + ": pick a head count that divides it");
+  if (c.heads % c.kv_heads)
+    throw UsageError("--kv-heads " + std::to_string(c.kv_heads) + " does not divide --heads " +
+                     std::to_string(c.heads) + ": grouped-query attention shares each key/value "
+                     "head among heads/kv_heads query heads");
+  if (c.head_dim() % 2)
+    throw UsageError("--d-model / --heads = " + std::to_string(c.head_dim()) +
+                     " is odd: RoPE rotates pairs, so the head dimension must be even");
+}
+
+int64_t parameter_count(const ModelConfig& c) {
+  int64_t V = c.vocab, D = c.d_model, F = c.ffn, hd = c.head_dim();
+  int64_t block = 2 * D + D * hd * (2 * c.heads + 2 * c.kv_heads) + 3 * D * F;
+  return V * D + c.layers * block + D + (c.tie_embeddings ? 0 : V * D);
+}
