@@ -5,6 +5,8 @@
 // each bucket's all-reduce starts the moment its last gradient is written (§3.2, §3.3).
 #include "data_parallel.cuh"
 
+#include <deque>
+
 #include "runtime/options.cuh"
 
 #include "mixed_precision.cuh"
@@ -111,35 +113,135 @@ void ring_all_reduce(Comm& comm, Group& group, const Context& ctx, float* buf, i
 }
 
 // ----------------------------------------------------------------------------
+// The reducers: how a bucket is summed
+
+namespace {
+
+// Playbook §3.1: once the backward is done, one blocking all-reduce per parameter.
+class NaiveReducer : public BucketReducer {
+ public:
+  explicit NaiveReducer(Comm& comm) : comm_(comm) {}
+  bool per_parameter() const override { return true; }
+  bool overlaps() const override { return false; }
+  void launch(const Context& ctx, const Tensor& g) override {
+    all_reduce_async(comm_, comm_.dp_cp, ctx, g.ptr, g.dtype, g.numel(), ReduceOp::Sum).wait();
+  }
+  void wait(const Context&) override {}
+
+ private:
+  Comm& comm_;
+};
+
+// §3.2, §3.3: the library's all-reduce (NCCL or MPI), one per bucket, in flight together.
+class LibraryReducer : public BucketReducer {
+ public:
+  explicit LibraryReducer(Comm& comm) : comm_(comm) {}
+  void launch(const Context& ctx, const Tensor& g) override {
+    handles_.push_back(
+        all_reduce_async(comm_, comm_.dp_cp, ctx, g.ptr, g.dtype, g.numel(), ReduceOp::Sum));
+  }
+  void progress() override {
+    for (Handle& h : handles_) h.test();
+  }
+  void wait(const Context&) override {
+    for (Handle& h : handles_) h.wait();
+    handles_.clear();
+  }
+
+ private:
+  Comm& comm_;
+  std::vector<Handle> handles_;
+};
+
+// Our RingAllReduce per bucket. Rings talk with plain sends and receives, which MPI matches by
+// order of posting: two rings in flight at once could post in different orders on different
+// ranks and receive each other's chunks. So they run one at a time, in launch order (as NCCL
+// runs the operations of one stream), the next starting when the one before completes.
+class RingReducer : public BucketReducer {
+ public:
+  RingReducer(Comm& comm, int64_t largest)
+      : comm_(comm),
+        scratch_(empty({largest / std::max(1, comm.dp_cp.size) + 1}, Mem::Workspace, comm.device)) {}
+  void launch(const Context& ctx, const Tensor& g) override {
+    PICO_ASSERT(g.dtype == DType::F32, "the ring adds fp32 chunks");
+    queue_.push_back({g, RingAllReduce{}, false});
+    pump(ctx, false);
+  }
+  void progress() override { pump(*ctx_, false); }
+  void wait(const Context& ctx) override {
+    pump(ctx, true);
+    stream_wait(ctx, comm_.comm_ctx);  // the last chunks were added on the communication stream
+    queue_.clear(), next_ = 0;
+  }
+
+ private:
+  struct Queued {
+    Tensor grads;
+    RingAllReduce ring;
+    bool started;
+  };
+  void pump(const Context& ctx, bool block) {
+    ctx_ = &ctx;
+    for (; next_ < queue_.size(); next_++) {
+      Queued& q = queue_[next_];
+      if (!q.started)
+        q.ring.start(comm_, comm_.dp_cp, ctx, q.grads.f32(), q.grads.numel(), scratch_.f32());
+      q.started = true;
+      if (block) q.ring.wait();
+      else if (!q.ring.progress()) return;
+    }
+  }
+  Comm& comm_;
+  Tensor scratch_;  // the ring's receive buffer, a chunk of the largest bucket
+  std::deque<Queued> queue_;
+  size_t next_ = 0;
+  const Context* ctx_ = nullptr;
+};
+
+std::unique_ptr<BucketReducer> make_reducer(DpSync mode, Comm& comm, int64_t largest_bucket) {
+  switch (mode) {
+    case DpSync::Naive:
+      return std::make_unique<NaiveReducer>(comm);
+    case DpSync::Bucket:
+      return std::make_unique<LibraryReducer>(comm);
+    case DpSync::Ring:
+      break;
+  }
+  return std::make_unique<RingReducer>(comm, largest_bucket);
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------
 // Buckets
 
 DataParallel::DataParallel(Comm& comm, FlatParameters& model, Context& ctx, DpSync mode,
                            double bucket_mb, bool overlap, const AdamWConfig& hp,
                            float weight_decay, uint64_t seed, const PrecisionPolicy& precision)
-    : GradientSync(comm, model, hp, weight_decay), mode_(mode),
+    : GradientSync(comm, model, hp, weight_decay),
       accumulators_(model, [&model](int u) {
         return model.grads.view(model.units[u].offset, {model.units[u].numel});
       }),
-      overlap_(overlap), ctx_(&ctx) {
-  const DType grad_dtype = precision.grads();
-  grad_dtype_ = grad_dtype;
+      ctx_(&ctx) {
+  grad_dtype_ = precision.grads();
   PICO_ASSERT(!model.params.defined(), "DataParallel allocates a model from build_model_layout");
-  PICO_ASSERT(grad_dtype == DType::F32 || (grad_dtype == DType::BF16 && mode != DpSync::Ring),
-              "gradients in fp32, or in bf16 with naive or bucket sync");
-  allocate_flat(model, comm.device, seed, grad_dtype);
+  allocate_flat(model, comm.device, seed, grad_dtype_);
   moments_ = adam_moments(model.num_params, comm.device);
   // Mixed precision: the GEMMs read a bf16 / fp16 copy of the weights; the fp32 buffer becomes
   // the optimizer's master copy.
   if (precision.mixed()) compute_copy_ = keep_compute_copy(ctx, model.params);
   slices_ = whole_model_slices(model, moments_);
   // Buckets in backward order: the flat buffer is laid out in forward order, so walking the
-  // parameters backwards gives contiguous slices. A bucket closes once it holds bucket_mb.
-  int64_t capacity = std::max<int64_t>(1, (int64_t)(bucket_mb * 1024 * 1024 / sizeof(float)));
+  // parameters backwards gives contiguous slices. A bucket closes once it holds bucket_mb
+  // (naive: once it holds one parameter).
+  const bool one_each = make_reducer(mode, comm, 0)->per_parameter();
+  int64_t capacity = one_each ? 1 : std::max<int64_t>(1, (int64_t)(bucket_mb * 1024 * 1024 / 4));
   param_bucket_.assign(model.named_params.size(), -1);
   for (int p = (int)model.named_params.size() - 1; p >= 0; p--) {
     const Tensor& t = model.named_params[p].tensor;
     int64_t offset = model.offsets[p];
-    if (buckets_.empty() || buckets_.back().count >= capacity) buckets_.push_back(GradBucket{offset + t.numel(), 0});
+    if (buckets_.empty() || buckets_.back().count >= capacity)
+      buckets_.push_back(GradBucket{offset + t.numel(), 0});
     GradBucket& b = buckets_.back();
     b.offset = offset;  // grows downwards
     b.count += t.numel();
@@ -148,8 +250,8 @@ DataParallel::DataParallel(Comm& comm, FlatParameters& model, Context& ctx, DpSy
   }
   int64_t largest = 0;
   for (const GradBucket& b : buckets_) largest = std::max(largest, b.count);
-  if (mode == DpSync::Ring)
-    scratch_ = empty({largest / std::max(1, comm.dp_cp.size) + 1}, Mem::Workspace, comm.device);
+  reducer_ = make_reducer(mode, comm, largest);
+  overlap_ = overlap && reducer_->overlaps();
 }
 
 void DataParallel::begin_step(const Context& ctx) {
@@ -157,8 +259,7 @@ void DataParallel::begin_step(const Context& ctx) {
   pending_scale_ = 1.0f;
   ctx_ = &ctx;
   active_ = comm_.dp_cp.size > 1;
-  for (GradBucket& b : buckets_) b.ready = 0, b.launched = b.ring_started = false;
-  ring_next_ = 0;
+  for (GradBucket& b : buckets_) b.ready = 0, b.launched = false;
   spans_.clear();
 }
 
@@ -182,66 +283,29 @@ UnitHooks DataParallel::hooks(const Context& ctx, bool last_micro_batch) {
 void DataParallel::launch(GradBucket& b) {
   b.launched = true;
   b.launch_time = now_seconds();
-  if (mode_ == DpSync::Ring) return pump_rings(false);
-  b.handle = all_reduce_async(comm_, comm_.dp_cp, *ctx_, model_.grads.view(b.offset, {b.count}).ptr,
-                              grad_dtype_, b.count,
-                              ReduceOp::Sum);
+  reducer_->launch(*ctx_, model_.grads.view(b.offset, {b.count}));
 }
 
-// Our rings talk with plain sends and receives, which MPI matches by order of posting: two rings
-// in flight at once could post in different orders on different ranks and receive each other's
-// chunks. So they run one at a time, in bucket order (as NCCL runs the operations of one stream).
-void DataParallel::pump_rings(bool block) {
-  while (ring_next_ < buckets_.size() && buckets_[ring_next_].launched) {
-    GradBucket& b = buckets_[ring_next_];
-    if (!b.ring_started) {
-      b.ring.start(comm_, comm_.dp_cp, *ctx_, model_.grads.f32() + b.offset, b.count, scratch_.f32());
-      b.ring_started = true;
-    }
-    if (block) b.ring.wait();
-    else if (!b.ring.progress()) return;
-    ring_next_++;
-  }
-}
-
-// MPI makes progress only inside MPI calls: poll every bucket in flight at each hook.
-void DataParallel::progress_all() {
-  if (mode_ == DpSync::Ring) return pump_rings(false);
-  for (GradBucket& b : buckets_)
-    if (b.launched) b.handle.test();
-}
-
+// A unit's gradients are final: the buckets it completes go (§3.2), and MPI gets a chance to
+// advance the ones in flight.
 void DataParallel::on_gradients_ready(int unit) {
-  if (!active_ || mode_ == DpSync::Naive) return;
+  if (!active_ || !overlap_) return;
   const ModelUnit& u = model_.units[unit];
   for (int p = u.first; p < u.first + u.count; p++) {
     GradBucket& b = buckets_[param_bucket_[p]];
-    if (++b.ready == b.params && overlap_) launch(b);
+    if (++b.ready == b.params) launch(b);
   }
-  progress_all();
+  reducer_->progress();
 }
 
 double DataParallel::finish(const Context& ctx) {
   if (!active_) return 0.0;
+  ctx_ = &ctx;
   double t0 = now_seconds();
-  if (mode_ == DpSync::Naive) {  // Playbook §3.1: one blocking all-reduce per parameter
-    for (int p = (int)model_.named_params.size() - 1; p >= 0; p--) {
-      const int64_t n = model_.named_params[p].tensor.numel();
-      all_reduce_async(comm_, comm_.dp_cp, ctx, model_.grads.view(model_.offsets[p], {n}).ptr,
-                       grad_dtype_, n, ReduceOp::Sum)
-          .wait();
-    }
-    spans_.push_back({t0, now_seconds()});
-  } else {
-    for (GradBucket& b : buckets_)
-      if (!b.launched) launch(b);
-    if (mode_ == DpSync::Ring) pump_rings(true);
-    for (GradBucket& b : buckets_) {
-      if (mode_ != DpSync::Ring) b.handle.wait();
-      spans_.push_back({b.launch_time, now_seconds()});
-    }
-    if (mode_ == DpSync::Ring) stream_wait(ctx, comm_.comm_ctx);
-  }
+  for (GradBucket& b : buckets_)
+    if (!b.launched) launch(b);
+  reducer_->wait(ctx);
+  for (const GradBucket& b : buckets_) spans_.push_back({b.launch_time, now_seconds()});
   active_ = false;
   return now_seconds() - t0;
 }

@@ -2,6 +2,7 @@
 // all-reduce per parameter (naive), bucketed all-reduces launched during the backward pass
 // (bucket), or the same buckets on our own ring all-reduce (ring).
 #pragma once
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -59,10 +60,24 @@ void ring_all_reduce(Comm& comm, Group& group, const Context& ctx, float* buf, i
 struct GradBucket {
   int64_t offset = 0, count = 0;  // a contiguous slice of the flat gradient buffer
   int params = 0, ready = 0;      // parameters in it, and how many are final
-  bool launched = false, ring_started = false;
+  bool launched = false;
   double launch_time = 0;
-  Handle handle;       // bucket mode
-  RingAllReduce ring;  // ring mode
+};
+
+// How the buckets are summed over the group (a strategy; --dp-sync chooses): naive (each
+// parameter its own bucket, summed one after the other once the backward is done), bucket (the
+// library's all-reduce, launched as each bucket completes) or ring (our RingAllReduce). A new
+// way to sum (a tree, say) is one more class and one more row in data_parallel.cu.
+class BucketReducer {
+ public:
+  virtual ~BucketReducer() = default;
+  virtual bool per_parameter() const { return false; }  // buckets of one parameter each
+  virtual bool overlaps() const { return true; }        // may launch during the backward
+  // Starts the sum of `grads` (the bucket's slice: fp32, or bf16 when the reducer allows it).
+  virtual void launch(const Context& ctx, const Tensor& grads) = 0;
+  virtual void progress() {}  // MPI advances only inside MPI calls: at every hook
+  // Every launched bucket summed, the compute stream ordered after them; ready for the next step.
+  virtual void wait(const Context& ctx) = 0;
 };
 
 // Plain data parallelism as a GradientSync: every rank holds every weight, gradient and Adam
@@ -101,9 +116,7 @@ class DataParallel : public GradientSync {
  private:
   void on_gradients_ready(int unit);
   void launch(GradBucket& b);
-  void progress_all();
-  void pump_rings(bool block);
-  DpSync mode_;
+  std::unique_ptr<BucketReducer> reducer_;
   Bf16Accumulators accumulators_;  // bf16 gradients only
   bool overlap_, active_ = false;
   Tensor compute_copy_;  // mixed precision: the bf16 / fp16 copy of the weights GEMMs read
@@ -111,7 +124,5 @@ class DataParallel : public GradientSync {
   AdamMoments moments_;  // [num_params] each
   std::vector<GradBucket> buckets_;
   std::vector<int> param_bucket_;  // parameter -> bucket
-  Tensor scratch_;                 // ring receive buffer
-  size_t ring_next_ = 0;  // rings run one at a time, in bucket order (see pump_rings)
   std::vector<std::pair<double, double>> spans_;  // (start, end) of each bucket's last sync
 };

@@ -313,14 +313,8 @@ void attention_lse_merge(const Context& ctx, const Tensor& out, const Tensor& ls
 // The seam: naive attention and FlashAttention as the model's attention core
 // ============================================================================
 
-std::vector<int32_t> AttentionCore::positions(int B, int T) const {
-  std::vector<int32_t> pos((size_t)B * T);
-  for (size_t i = 0; i < pos.size(); i++) pos[i] = (int32_t)(i % T);
-  return pos;
-}
-
-static const std::vector<Choice<AttentionKind>> kAttentions = {{"naive", AttentionKind::Naive},
-                                                                {"flash", AttentionKind::Flash}};
+static const std::vector<Choice<AttentionKind>> kAttentions = {
+    {"naive", AttentionKind::Naive}, {"flash", AttentionKind::Flash}};
 AttentionKind parse_attention(const std::string& flag) {
   return parse_choice("--attention", flag, kAttentions);
 }

@@ -42,7 +42,11 @@ class AttentionCore {
   virtual std::string name() const = 0;  // "naive", "flash", "ring", "allgather"
   // The global position of each of this rank's T tokens of B sequences (RoPE, the causal
   // mask): [0, T) in every sequence, unless the sequence is split over ranks.
-  virtual std::vector<int32_t> positions(int B, int T) const;
+  virtual std::vector<int32_t> positions(int B, int T) const {
+    std::vector<int32_t> pos((size_t)B * T);
+    for (size_t i = 0; i < pos.size(); i++) pos[i] = (int32_t)(i % T);
+    return pos;
+  }
   // out [B*T, Hq, hd] (=) from q [B*T, Hq, hd] and k, v [B*T, Hkv, hd]; fills `saved`.
   virtual void forward(const Context& ctx, const AttentionShape& s, const Tensor& out,
                        AttentionSaved& saved, const Tensor& q, const Tensor& k,

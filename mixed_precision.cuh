@@ -26,9 +26,6 @@
 // the loss and every reduction stay fp32.
 
 
-// x := x rounded to `format` (BF16 or F16; the values stay in x's F32 storage), on ctx's stream.
-// `backward` says which rounding statistics count it (CPU only; see RoundingStats).
-void round_(const Context& ctx, const Tensor& x, DType format, bool backward = false);
 // x rounded to the compute format in place, on ctx's stream; nothing under fp32. What the block
 // applies to the values attention reads and writes (RoPE's q and k, attention's output).
 void round_to_compute(const Context& ctx, const Tensor& x);
@@ -43,15 +40,6 @@ void widen_to_fp32(const Context& ctx, const std::vector<Tensor*>& kept);
 void fake_quantize_tiles_(const Context& ctx, const Tensor& x, DType format, int tile_rows,
                           int tile_cols);
 
-// What rounding did to the values stored by the forward and by the backward: how many were
-// nonzero, how many of those became zero (underflow: fp16's 6e-8 floor) and how many became
-// infinite (overflow: past 65504). Counted on CPU ranks only; observation, like MemoryStats.
-struct RoundingStats {
-  uint64_t nonzero = 0, flushed = 0, overflowed = 0;
-  double flushed_share() const { return nonzero ? (double)flushed / nonzero : 0.0; }
-};
-RoundingStats rounding_stats(bool backward);
-void reset_rounding_stats();
 
 // The linear layer every model GEMM goes through (tensor_parallel.cu's column- and row-parallel
 // layers): under fp32 the GEMMs of ops.cuh, otherwise the low-precision ones below.

@@ -353,7 +353,7 @@ struct Trainer {
   Observer observer;  // the trace, --fault, and what the schedule measured
   int64_t steps_run = 0;
   uint64_t step_syncs_min = UINT64_MAX, step_syncs_max = 0;  // host synchronisations per step
-  TrafficMeter tp_traffic;                  // what the tp group sent in training steps
+  TrafficMeter tp_traffic, dp_traffic;      // what tp and dp_cp sent in training steps
   PrecisionPolicy precision;                // --dtype: the loss scale, what the log adds
 };
 
@@ -367,6 +367,7 @@ static bool train_step(Trainer& t, int64_t step) {
   t.tp_traffic.open(t.comm.tp);
   fill_train_batch(t.data, step, t.global_batch, t.first_seq, (int)t.rank_batch, seq,
                    t.inputs.data(), t.targets.data(), !o.no_shuffle, o.seed);
+  t.dp_traffic.open(t.comm.dp_cp);
   t.sync.begin_step(t.ctx);
   // Each micro-batch's gradient is scaled so that the sum over micro-batches and dp ranks is
   // the gradient of the mean loss over every token of the global batch (DESIGN 5).
@@ -388,6 +389,7 @@ static bool train_step(Trainer& t, int64_t step) {
   if (t.ring) t.ring->work = nullptr;
   double tw = now_seconds();
   t.sync.finish(t.ctx);
+  t.dp_traffic.close(t.comm.dp_cp);  // --save-grads gathers next: not training traffic
   t.observer.span("wait for gradients", Track::Compute, tw, now_seconds());
   all_reduce_host(t.comm.dp_cp, &loss_sum, 1, ReduceOp::Sum);
   all_reduce_host(t.comm.pp, &loss_sum, 1, ReduceOp::Sum);  // the last stage holds it
@@ -408,7 +410,9 @@ static bool train_step(Trainer& t, int64_t step) {
   bool take_step = t.precision.keep_step(norm, t.comm.world);
   float lr = learning_rate(t.schedule, step);
   t.observer.at(FaultWhere::Optimizer, step);
+  t.dp_traffic.open(t.comm.dp_cp);
   if (take_step) t.sync.step(t.ctx, lr);
+  t.dp_traffic.close(t.comm.dp_cp);
   t.ctx.synchronize();
   t.observer.span("optimizer", Track::Compute, to, now_seconds());
   t.sync.trace_communication(t.observer.trace());
@@ -495,7 +499,7 @@ static void print_reports(Trainer& t) {
     }
     if (r == Report::Comm) {
       print_comm_report(comm, n_params, t.steps_run);
-      t.sync.print_comm_report(o.grad_acc);
+      t.sync.print_comm_report(o.grad_acc, t.dp_traffic.total, t.steps_run);
       if (main_rank && o.tp > 1)
         print_tp_comm_report(tp_expected_traffic(o.model, o.mbs, o.model.seq, o.tp, o.sp),
                              o.grad_acc, o.tp, o.sp, t.tp_traffic.total,

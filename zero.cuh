@@ -57,7 +57,8 @@ class Zero : public GradientSync {
   }
   DType weight_format() const { return weight_format_; }
   void trace_communication(Trace& trace) const override;
-  void print_comm_report(int grad_acc) const override;  // report.cu's ZeRO table
+  // The ZeRO table (runtime/report.cu): `measured`, dp_cp's traffic over `steps` steps.
+  void print_comm_report(int grad_acc, const CollStats* measured, int64_t steps) const override;
   struct Span {
     std::string name;
     double start, end;  // host times, launch to completion observed
@@ -65,9 +66,7 @@ class Zero : public GradientSync {
   std::vector<Span> spans;  // this step's collectives, for --trace
   // This step's host time blocked on ZeRO's all-gathers and on its reduce-scatters.
   double exposed_gather_s = 0, exposed_reduce_s = 0;
-  ZeroTraffic measured_traffic() const;  // summed over every step so far (training steps only)
-  int64_t steps_measured = 0;
-  ZeroTraffic expected_traffic(int grad_acc) const;  // per step, by the rules in zero.cu
+  ZeroTraffic expected_traffic(int grad_acc) const;  // per step (runtime/formulas.cu)
 
  protected:
   std::vector<Holding> holdings(Part part) const override;
@@ -77,14 +76,19 @@ class Zero : public GradientSync {
  private:
   struct UnitState {
     Tensor params, grads;  // transient full-unit buffers [N * S_u] (Mem::Workspace)
-    Tensor wire;           // bf16 gradients: the unit's gradient rounded, as reduce-scattered
+    Tensor wire;           // the unit's gradient as reduce-scattered (bf16: rounded)
     bool gathering = false, resident = false, reducing = false;
     Handle gather, reduce;
     double gather_start = 0, reduce_start = 0;
   };
-  float* shard(Part part, int u) const;
+  const ShardLayout::Unit& unit(int u) const { return layout_.units[u]; }
+  Tensor full(const Tensor& padded, int u) const;   // unit u in a padded buffer [N x S_u]
+  Tensor whole(const Tensor& padded, int u) const;  // its parameters [numel]
+  Tensor slice(const Tensor& padded, int u) const;  // this rank's slice of it [S_u]
+  Tensor mine(const Tensor& shard, int u) const;    // unit u's part of a shard buffer [S_u]
+  Tensor master(int u) const;    // what AdamW updates of unit u [S_u], fp32
   Tensor grads_of(int u) const;  // this rank's slice of unit u's gradient [S_u], fp32 or bf16
-  Tensor shard_view(Part part, int u, int64_t count) const;
+  void wait(Handle& h, const std::string& name, double start, double& exposed);
   void before_forward(int u);
   void after_forward(int u);
   void before_backward(int u);
@@ -98,6 +102,7 @@ class Zero : public GradientSync {
   void progress();
 
   int stage_;
+  bool shard_grads_, shard_weights_;  // stages 2-3, stage 3
   bool overlap_;
   DType weight_format_;  // of model.params under stages 1-2 (F32 unless mixed precision)
   Bf16Accumulators accumulators_;  // stage 1 with bf16 gradients
@@ -107,5 +112,4 @@ class Zero : public GradientSync {
   Tensor exp_avg_, exp_avg_sq_;      // [S] Adam m and v
   std::vector<UnitState> units_;
   const Context* ctx_ = nullptr;
-  TrafficMeter traffic_;  // dp_cp, over the training steps only
 };

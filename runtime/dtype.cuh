@@ -30,9 +30,27 @@ void cast_host(void* dst, DType dst_dtype, const void* src, DType src_dtype, int
 void cast_(const Tensor& dst, const Tensor& src);
 // The same on ctx's stream (training: bf16 gradients widened for the optimizer, weight copies).
 void cast_(const Context& ctx, const Tensor& dst, const Tensor& src);
+// t in `dtype`: t itself when it already is, else a cast copy (Mem::Workspace, ctx's stream).
+Tensor cast_to(const Context& ctx, const Tensor& t, DType dtype);
+// acc += x, summed in fp32 and rounded once into acc's dtype (fp32 or a storage format).
+void accumulate(const Context& ctx, const Tensor& acc, const Tensor& x);
 
 // --dtype: what the linear layers compute in (Precision, core.cuh; mixed_precision.cuh).
 Precision parse_precision(const std::string& flag);  // fp32|bf16|fp16|fp8, else UsageError
 const char* precision_name(Precision p);             // "fp32", "bf16", ...
 // The format linear outputs are stored in: BF16 (bf16, fp8), F16 (fp16) or F32.
 DType output_dtype(Precision p);
+
+// ---- Rounding in place (mixed precision emulates the formats on fp32 storage) ----
+// x := x rounded to `format` (BF16 or F16; the values stay in x's F32 storage), on ctx's stream.
+// `backward` says which rounding statistics count it (CPU only; see RoundingStats).
+void round_(const Context& ctx, const Tensor& x, DType format, bool backward = false);
+// What rounding did to the values stored by the forward and by the backward: how many were
+// nonzero, how many of those became zero (underflow: fp16's 6e-8 floor) and how many became
+// infinite (overflow: past 65504). Counted on CPU ranks only; observation, like MemoryStats.
+struct RoundingStats {
+  uint64_t nonzero = 0, flushed = 0, overflowed = 0;
+  double flushed_share() const { return nonzero ? (double)flushed / nonzero : 0.0; }
+};
+RoundingStats rounding_stats(bool backward);
+void reset_rounding_stats();

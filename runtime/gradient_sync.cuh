@@ -79,7 +79,9 @@ class GradientSync {
   // weights are what the optimizer updates.
   virtual int64_t master_bytes() const = 0;
   virtual void trace_communication(Trace& trace) const = 0;               // this step's collectives
-  virtual void print_comm_report(int grad_acc) const { (void)grad_acc; }  // rank 0 prints
+  // Its own collectives next to its formula (rank 0 prints): `measured`, dp_cp's traffic over
+  // `steps` training steps.
+  virtual void print_comm_report(int, const CollStats*, int64_t) const {}
 
  protected:
   enum class Part { Params, Grads, ExpAvg, ExpAvgSq };
