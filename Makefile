@@ -27,7 +27,7 @@ TEST_OBJS := $(TEST_SRCS:%.cu=$(BUILD)/%.o)
 MPI_TEST_SRCS := $(wildcard tests/mpi/test_*.cu)
 MPI_TEST_OBJS := $(MPI_TEST_SRCS:%.cu=$(BUILD)/%.o)
 
-.PHONY: all deps run test test-sweep bench gpu-check mutants clean format
+.PHONY: all deps run test test-sweep bench gpu-check mutants clean format floor
 all: train $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp \
      $(BUILD)/bench_attention $(BUILD)/device_info
 
@@ -114,6 +114,10 @@ gpu-check:
 # a rebuild and a test subset per mutant; not part of `make test`).
 mutants: deps
 	@bash tools/mutants.sh
+
+# The book's floor, counted: top level, technique files' lines, include graph, model.cu's seams.
+floor:
+	@bash tools/floor.sh
 
 format:
 	clang-format -i *.cu *.cuh runtime/*.cu runtime/*.cuh kernels/*.cu kernels/*.cuh bench/*.cu tests/*.cu tests/mpi/*.cu

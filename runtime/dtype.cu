@@ -12,7 +12,6 @@
 #include <cstring>
 
 #include "runtime/dtype.cuh"
-#include "runtime/ops.cuh"
 
 // ----------------------------------------------------------------------------
 // One rounding routine for every format
@@ -235,12 +234,6 @@ Tensor cast_to(const Context& ctx, const Tensor& t, DType dtype) {
   return out;
 }
 
-void accumulate(const Context& ctx, const Tensor& acc, const Tensor& x) {
-  if (acc.dtype == DType::F32 && x.dtype == DType::F32) return axpy(ctx, acc, 1.0f, x);
-  Tensor sum = cast_to(ctx, acc, DType::F32);  // acc += x: added in fp32, rounded once
-  axpy(ctx, sum, 1.0f, cast_to(ctx, x, DType::F32));
-  cast_(ctx, acc, sum);
-}
 
 // ----------------------------------------------------------------------------
 // --dtype

@@ -32,8 +32,7 @@ void cast_(const Tensor& dst, const Tensor& src);
 void cast_(const Context& ctx, const Tensor& dst, const Tensor& src);
 // t in `dtype`: t itself when it already is, else a cast copy (Mem::Workspace, ctx's stream).
 Tensor cast_to(const Context& ctx, const Tensor& t, DType dtype);
-// acc += x, summed in fp32 and rounded once into acc's dtype (fp32 or a storage format).
-void accumulate(const Context& ctx, const Tensor& acc, const Tensor& x);
+
 
 // --dtype: what the linear layers compute in (Precision, core.cuh; mixed_precision.cuh).
 Precision parse_precision(const std::string& flag);  // fp32|bf16|fp16|fp8, else UsageError

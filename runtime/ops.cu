@@ -445,6 +445,12 @@ void residual_forward(const Context& ctx, const Tensor& out, const Tensor& a, co
 void axpy(const Context& ctx, const Tensor& y, float alpha, const Tensor& x) {
   axpby(ctx, y, 1.0f, y, alpha, &x);
 }
+void accumulate(const Context& ctx, const Tensor& acc, const Tensor& x) {
+  if (acc.dtype == DType::F32 && x.dtype == DType::F32) return axpy(ctx, acc, 1.0f, x);
+  Tensor sum = cast_to(ctx, acc, DType::F32);  // acc += x: added in fp32, rounded once
+  axpy(ctx, sum, 1.0f, cast_to(ctx, x, DType::F32));
+  cast_(ctx, acc, sum);
+}
 void scale_(const Context& ctx, const Tensor& x, float alpha) {
   axpby(ctx, x, alpha, x, 0.0f, nullptr);
 }

@@ -47,6 +47,8 @@ void residual_forward(const Context& ctx, const Tensor& out, const Tensor& a, co
 // y += alpha * x (same numel); the accumulate used by residual backward and gradient sums
 void axpy(const Context& ctx, const Tensor& y, float alpha, const Tensor& x);
 void scale_(const Context& ctx, const Tensor& x, float alpha);
+// acc += x, summed in fp32 and rounded once into acc's dtype (fp32 or a storage format).
+void accumulate(const Context& ctx, const Tensor& acc, const Tensor& x);
 
 // ---- cross-entropy, fp32 accumulation, in passes a split vocabulary can reduce between ----
 // logits [N, V]; targets [N] int32, -1 for a target another rank's vocabulary slice holds.

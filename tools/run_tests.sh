@@ -62,6 +62,15 @@ run_group "unit tests (CPU)" "~[gpu]~[train]~[parity]~[sweep]"
 run_group "training runs (CPU)" "[train]"
 for np in 2 3 4 8; do run_mpi "$np"; done
 run_group "parity matrix and multi-rank runs (CPU, mpirun)" "[parity]"
+# The book's floor (tools/floor.sh: the top level, the technique files' lines, the include
+# graph, model.cu's seams) and the floor check's own test of planted violations (~30 s).
+for script in floor test_floor; do
+  log=$(mktemp)
+  echo "== tools/$script.sh"
+  if bash "tools/$script.sh" >"$log" 2>&1; then passed=$((passed + 1)); tail -1 "$log"
+  else failed=$((failed + 1)); grep -E "FAIL" "$log"; fi
+  rm -f "$log"
+done
 # The GPU check script itself, without a GPU (one case, ~20 s): dry runs, skips and the table,
 # and the bundle's OpenMPI unpacked next to another OpenMPI.
 log=$(mktemp)
