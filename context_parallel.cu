@@ -11,33 +11,59 @@
 #include "runtime/ops.cuh"
 #include "runtime/options.cuh"
 
-static const std::vector<Choice<CpBalance>> kBalances = {{"zigzag", CpBalance::Zigzag},
-                                                          {"contiguous", CpBalance::Contiguous}};
 static const std::vector<Choice<CpComm>> kCpComms = {{"ring", CpComm::Ring},
                                                      {"allgather", CpComm::AllGather}};
+
+// ----------------------------------------------------------------------------
+// Which tokens a rank holds (Playbook §7.3): each split cuts the sequence into cp x `chunks`
+// equal chunks and gives rank r its pieces. A new split is a function and a row.
+
+namespace {
+// contiguous: rank r holds [r T/cp, (r+1) T/cp); the last rank does the most causal work.
+std::vector<CpPiece> contiguous(int T, int cp, int r) { return {{r * (T / cp), T / cp}}; }
+// zig-zag: chunks r and 2cp - 1 - r of 2cp, the same causal work on every rank.
+std::vector<CpPiece> zigzag(int T, int cp, int r) {
+  int c = T / (2 * cp);
+  return {{r * c, c}, {(2 * cp - 1 - r) * c, c}};
+}
+struct SplitRow {
+  CpBalance id;
+  const char* name;  // --cp-balance
+  int chunks;        // per rank
+  std::vector<CpPiece> (*pieces)(int T, int cp, int rank);
+};
+const SplitRow kSplits[] = {{CpBalance::Zigzag, "zigzag", 2, zigzag},
+                            {CpBalance::Contiguous, "contiguous", 1, contiguous}};
+const SplitRow& split(CpBalance b) {
+  for (const SplitRow& r : kSplits)
+    if (r.id == b) return r;
+  PICO_ASSERT(false, "a context-parallel split without a row in kSplits");
+  return kSplits[0];
+}
+}  // namespace
+
 CpBalance parse_cp_balance(const std::string& flag) {
-  return parse_choice("--cp-balance", flag, kBalances);
+  std::vector<Choice<CpBalance>> names;
+  for (const SplitRow& r : kSplits) names.push_back({r.name, r.id});
+  return parse_choice("--cp-balance", flag, names);
 }
 CpComm parse_cp_comm(const std::string& flag) { return parse_choice("--cp-comm", flag, kCpComms); }
-const char* cp_balance_name(CpBalance b) { return choice_name(kBalances, b); }
+const char* cp_balance_name(CpBalance b) { return split(b).name; }
 const char* cp_comm_name(CpComm c) { return choice_name(kCpComms, c); }
 
 void add_context_parallel_flags(CLI::App& app, ContextParallelOptions& o) {
   CLI::App& g = flag_group(app, "Context parallelism (Playbook §7)");
   g.add_option("--cp", o.cp, "context-parallel ranks")->capture_default_str();
+  std::string splits;
+  for (const SplitRow& r : kSplits) splits += std::string(splits.empty() ? "" : "|") + r.name;
   add_typed(g, "--cp-balance", &o.cp_balance, parse_cp_balance, cp_balance_name(o.cp_balance),
-            "how the sequence is split: zigzag|contiguous");
+            "how the sequence is split (§7.3): " + splits);
   add_typed(g, "--cp-comm", &o.cp_comm, parse_cp_comm, cp_comm_name(o.cp_comm),
             "keys and values: ring|allgather");
 }
 
-// ----------------------------------------------------------------------------
-// Which tokens a rank holds (Playbook §7.3)
-
 std::vector<CpPiece> cp_pieces(CpBalance b, int T, int cp, int rank) {
-  if (b == CpBalance::Contiguous || cp == 1) return {{rank * (T / cp), T / cp}};
-  int c = T / (2 * cp);  // zig-zag: chunks r and 2cp - 1 - r of 2cp
-  return {{rank * c, c}, {(2 * cp - 1 - rank) * c, c}};
+  return cp == 1 ? contiguous(T, 1, 0) : split(b).pieces(T, cp, rank);
 }
 
 void validate_context_parallel(int seq, int cp, CpBalance b, bool flash, int tp, bool sp,
@@ -45,7 +71,7 @@ void validate_context_parallel(int seq, int cp, CpBalance b, bool flash, int tp,
   check_positive(cp, "--cp");
   if (cp == 1) return;
   std::string flags = "--cp " + std::to_string(cp);
-  int parts = b == CpBalance::Zigzag ? 2 * cp : cp;
+  int parts = split(b).chunks * cp;
   if (seq % parts)
     throw UsageError("--seq " + std::to_string(seq) + " with " + flags + " and --cp-balance " +
                      cp_balance_name(b) + ": the sequence is cut in " + std::to_string(parts) +

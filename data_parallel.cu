@@ -105,7 +105,8 @@ void RingAllReduce::wait() {
 }
 
 void ring_all_reduce(Comm& comm, Group& group, const Context& ctx, float* buf, int64_t count) {
-  Tensor scratch = empty({count / std::max(1, group.size) + 1}, Mem::Workspace, comm.device);
+  Tensor scratch =
+      empty({RingAllReduce::scratch_size(count, group.size)}, Mem::Workspace, comm.device);
   RingAllReduce ring;
   ring.start(comm, group, ctx, buf, count, scratch.f32());
   ring.wait();
@@ -153,18 +154,22 @@ class LibraryReducer : public BucketReducer {
   std::vector<Handle> handles_;
 };
 
-// Our RingAllReduce per bucket. Rings talk with plain sends and receives, which MPI matches by
-// order of posting: two rings in flight at once could post in different orders on different
-// ranks and receive each other's chunks. So they run one at a time, in launch order (as NCCL
-// runs the operations of one stream), the next starting when the one before completes.
-class RingReducer : public BucketReducer {
+// A hand-written all-reduce made of sends and receives (RingAllReduce), one per bucket. Such
+// algorithms talk with plain sends and receives, which MPI matches by order of posting: two in
+// flight at once could post in different orders on different ranks and receive each other's
+// chunks. So they run one at a time, in launch order (as NCCL runs the operations of one
+// stream), each starting when the one before completes. Any class with RingAllReduce's start,
+// progress, wait and scratch_size runs here.
+template <class AllReduce>
+class SequentialReducer : public BucketReducer {
  public:
-  RingReducer(Comm& comm, int64_t largest)
+  SequentialReducer(Comm& comm, int64_t largest)
       : comm_(comm),
-        scratch_(empty({largest / std::max(1, comm.dp_cp.size) + 1}, Mem::Workspace, comm.device)) {}
+        scratch_(empty({AllReduce::scratch_size(largest, comm.dp_cp.size)}, Mem::Workspace,
+                       comm.device)) {}
   void launch(const Context& ctx, const Tensor& g) override {
-    PICO_ASSERT(g.dtype == DType::F32, "the ring adds fp32 chunks");
-    queue_.push_back({g, RingAllReduce{}, false});
+    PICO_ASSERT(g.dtype == DType::F32, "our all-reduce adds fp32 chunks");
+    queue_.push_back({g, AllReduce{}, false});
     pump(ctx, false);
   }
   void progress() override { pump(*ctx_, false); }
@@ -177,7 +182,7 @@ class RingReducer : public BucketReducer {
  private:
   struct Queued {
     Tensor grads;
-    RingAllReduce ring;
+    AllReduce algorithm;
     bool started;
   };
   void pump(const Context& ctx, bool block) {
@@ -185,14 +190,14 @@ class RingReducer : public BucketReducer {
     for (; next_ < queue_.size(); next_++) {
       Queued& q = queue_[next_];
       if (!q.started)
-        q.ring.start(comm_, comm_.dp_cp, ctx, q.grads.f32(), q.grads.numel(), scratch_.f32());
+        q.algorithm.start(comm_, comm_.dp_cp, ctx, q.grads.f32(), q.grads.numel(), scratch_.f32());
       q.started = true;
-      if (block) q.ring.wait();
-      else if (!q.ring.progress()) return;
+      if (block) q.algorithm.wait();
+      else if (!q.algorithm.progress()) return;
     }
   }
   Comm& comm_;
-  Tensor scratch_;  // the ring's receive buffer, a chunk of the largest bucket
+  Tensor scratch_;  // the algorithm's receive buffer
   std::deque<Queued> queue_;
   size_t next_ = 0;
   const Context* ctx_ = nullptr;
@@ -207,7 +212,7 @@ std::unique_ptr<BucketReducer> make_reducer(DpSync mode, Comm& comm, int64_t lar
     case DpSync::Ring:
       break;
   }
-  return std::make_unique<RingReducer>(comm, largest_bucket);
+  return std::make_unique<SequentialReducer<RingAllReduce>>(comm, largest_bucket);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // all-reduce per parameter (naive), bucketed all-reduces launched during the backward pass
 // (bucket), or the same buckets on our own ring all-reduce (ring).
 #pragma once
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -32,7 +33,7 @@ void validate_data_parallel(const DataParallelOptions& o, DType grad_dtype);
 // The ring all-reduce of the NCCL article: N-1 reduce-scatter steps, then N-1 all-gather
 // steps, each a send to the next rank and a receive from the previous one; any N, any count.
 // Nonblocking: start() posts the first step, progress() advances without blocking, wait()
-// finishes. `scratch` holds at least ceil(count / N) floats.
+// finishes. `scratch` holds at least ceil(count / N) floats (scratch_size).
 class RingAllReduce {
  public:
   void start(Comm& comm, Group& group, const Context& ctx, float* buf, int64_t count,
@@ -40,6 +41,7 @@ class RingAllReduce {
   bool progress();  // true once done
   void wait();
   bool active() const { return comm_ != nullptr && step_ < total_steps(); }
+  static int64_t scratch_size(int64_t count, int N) { return count / std::max(1, N) + 1; }
 
  private:
   int total_steps() const { return 2 * (group_ ? group_->size - 1 : 0); }

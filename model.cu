@@ -293,6 +293,16 @@ static void drop_for_recompute(const Model& m, BlockActivations& a, Recompute mo
   if (mode == Recompute::Selective) m.attention->drop_recomputable(a.saved);  // the s^2 term
   if (mode == Recompute::Full) a = BlockActivations{a.x};  // only the block input
 }
+// Before a block's backward, once what was kept is fp32 again: what was dropped, rebuilt.
+// (Selective recomputation's probabilities are rebuilt by the attention's own backward.)
+static void rebuild_for_backward(const Context& ctx, const Model& m, const BlockWeights& w,
+                                 BlockActivations& a, const Tensor& positions, int B, int T,
+                                 Recompute mode) {
+  if (mode == Recompute::Full) {  // the whole block from its input
+    Tensor x_out = work({a.x.size(0), m.cfg.d_model}, ctx);
+    block_forward(ctx, m, w, a, positions, B, T, x_out);
+  }
+}
 
 // Mixed precision (Playbook §Mixed precision training): what a block keeps for its backward is
 // stored in the compute format, half the bytes, as a model trained in bf16 keeps it. Kept fp32:
@@ -454,11 +464,8 @@ Tensor stage_backward(const Context& ctx, Model& model, Activations& acts, float
     BlockActivations& a = acts.blocks[l];
     int b = model.chunk_block0[chunk] + l, u = model.block_unit(chunk, l);
     run_hook(hooks.before_backward, u);
-    if (mode == Recompute::Full) {  // rebuild this block's activations from its input
-      Tensor x_out = work({n, D}, ctx);
-      block_forward(ctx, model, model.w.blocks[b], a, acts.positions, B, T, x_out);
-    }
     widen_to_fp32(ctx, stored_in_compute_format(a));
+    rebuild_for_backward(ctx, model, model.w.blocks[b], a, acts.positions, B, T, mode);
     block_backward(ctx, model, model.w.blocks[b], model.g.blocks[b], a, acts.positions, B, T,
                    dres, deferred);
     a = BlockActivations{};  // this micro-batch no longer needs block l's activations
