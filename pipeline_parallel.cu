@@ -87,21 +87,22 @@ struct ScheduleRow {
   PpSchedule id;
   const char* name;  // --pp-schedule
   Table (*table)(int p, int rank, int m, int V);
-  bool chunks;  // runs V >= 2 model chunks per rank, micro-batches in groups of p
+  bool chunks;  // runs V >= 2 model chunks per rank
+  bool groups;  // runs micro-batches in groups of p (m a multiple of p)
   // The book's idle fraction of a step (the bubble as a share of the step, not of the work).
   double (*bubble)(int p, int m, int V);
 };
 const ScheduleRow kSchedules[] = {
-    {PpSchedule::AFAB, "afab", afab, false,
+    {PpSchedule::AFAB, "afab", afab, false, false,
      [](int p, int m, int) { return (p - 1) / (m + p - 1.0); }},
     {PpSchedule::OneFOneB, "1f1b",
-     [](int p, int rank, int m, int) { return one_f_one_b(p, rank, m, false); }, false,
+     [](int p, int rank, int m, int) { return one_f_one_b(p, rank, m, false); }, false, false,
      [](int p, int m, int) { return (p - 1) / (m + p - 1.0); }},
-    {PpSchedule::Interleaved, "interleaved", interleaved, true,
+    {PpSchedule::Interleaved, "interleaved", interleaved, true, true,
      [](int p, int m, int V) { return (p - 1) / ((double)V * m + p - 1); }},
     // t_f = t_b = t_w: the idle (p-1)(t_f + t_b - t_w) of a step of 3m + p - 1 ticks.
     {PpSchedule::ZeroBubbleH1, "zb-h1",
-     [](int p, int rank, int m, int) { return one_f_one_b(p, rank, m, true); }, false,
+     [](int p, int rank, int m, int) { return one_f_one_b(p, rank, m, true); }, false, false,
      [](int p, int m, int) { return (p - 1) / (3.0 * m + p - 1); }},
 };
 const ScheduleRow& row(PpSchedule s) {
@@ -162,7 +163,7 @@ void validate_pipeline(int layers, int p, int V, int m, PpSchedule s, bool tied,
                      " chunks but --layers " + std::to_string(layers) +
                      ": every chunk needs a block; lower --pp or --pp-virtual");
   if (p == 1) return;
-  if (chunks && m % p)
+  if (row(s).groups && m % p)
     throw UsageError("--pp-schedule " + name + " runs micro-batches in groups of --pp: --grad-acc " +
                      std::to_string(m) + " must be a multiple of " + pp);
   if (tied)
