@@ -6,37 +6,12 @@
 #include "data_parallel.cuh"
 
 #include <deque>
+#include <type_traits>
 
 #include "runtime/options.cuh"
 
 #include "mixed_precision.cuh"
 #include "runtime/ops.cuh"
-
-static const std::vector<Choice<DpSync>> kDpSyncs = {
-    {"naive", DpSync::Naive}, {"bucket", DpSync::Bucket}, {"ring", DpSync::Ring}};
-DpSync parse_dp_sync(const std::string& flag) { return parse_choice("--dp-sync", flag, kDpSyncs); }
-const char* dp_sync_name(DpSync s) { return choice_name(kDpSyncs, s); }
-
-void add_data_parallel_flags(CLI::App& app, DataParallelOptions& o) {
-  CLI::App& g = flag_group(app, "Data parallelism (Playbook §3)");
-  g.add_option("--dp", o.dp, "data-parallel ranks")->capture_default_str();
-  add_typed(g, "--dp-sync", &o.dp_sync, parse_dp_sync, dp_sync_name(o.dp_sync),
-            "gradient sync: naive (one all-reduce per parameter), bucket (overlapped with the "
-            "backward), ring (our own all-reduce)");
-  g.add_option("--bucket-mb", o.bucket_mb, "gradient bucket size in MiB, > 0")
-      ->capture_default_str();
-  g.add_flag("--no-overlap", o.no_overlap,
-             "launch every bucket after the backward pass (ZeRO: wait for every collective when "
-             "issued, no prefetch)");
-}
-
-void validate_data_parallel(const DataParallelOptions& o, DType grad_dtype) {
-  check_positive(o.dp, "--dp");
-  check_range(o.bucket_mb, "--bucket-mb", 0, true, kNoMax, "must be a number > 0, e.g. 25");
-  if (grad_dtype != DType::F32 && o.dp_sync == DpSync::Ring)
-    throw UsageError("--grad-acc-dtype bf16: the hand-written ring (--dp-sync ring) adds fp32 "
-                     "chunks; use --dp-sync bucket or naive");
-}
 
 // On CUDA, make `waiter`'s stream wait for everything queued so far on `producer`'s stream.
 static void stream_wait(const Context& waiter, const Context& producer) {
@@ -203,19 +178,72 @@ class SequentialReducer : public BucketReducer {
   const Context* ctx_ = nullptr;
 };
 
-std::unique_ptr<BucketReducer> make_reducer(DpSync mode, Comm& comm, int64_t largest_bucket) {
-  switch (mode) {
-    case DpSync::Naive:
-      return std::make_unique<NaiveReducer>(comm);
-    case DpSync::Bucket:
-      return std::make_unique<LibraryReducer>(comm);
-    case DpSync::Ring:
-      break;
-  }
-  return std::make_unique<SequentialReducer<RingAllReduce>>(comm, largest_bucket);
+template <class Reducer>
+std::unique_ptr<BucketReducer> reducer(Comm& comm, int64_t largest_bucket) {
+  if constexpr (std::is_constructible_v<Reducer, Comm&, int64_t>)
+    return std::make_unique<Reducer>(comm, largest_bucket);
+  else
+    return std::make_unique<Reducer>(comm);
 }
 
+// --dp-sync's values: one row each.
+struct SyncRow {
+  DpSync id;
+  const char* name;
+  const char* help;
+  bool fp32_only;  // adds fp32 chunks itself (no 16-bit gradients)
+  std::unique_ptr<BucketReducer> (*make)(Comm& comm, int64_t largest_bucket);
+};
+const SyncRow kSyncs[] = {
+    {DpSync::Naive, "naive", "one all-reduce per parameter after the backward", false,
+     reducer<NaiveReducer>},
+    {DpSync::Bucket, "bucket", "buckets all-reduced as the backward fills them", false,
+     reducer<LibraryReducer>},
+    {DpSync::Ring, "ring", "the same buckets on our own ring all-reduce", true,
+     reducer<SequentialReducer<RingAllReduce>>},
+};
+const SyncRow& sync_row(DpSync s) {
+  for (const SyncRow& r : kSyncs)
+    if (r.id == s) return r;
+  PICO_ASSERT(false, "a --dp-sync value without a row in kSyncs");
+  return kSyncs[0];
+}
+std::unique_ptr<BucketReducer> make_reducer(DpSync mode, Comm& comm, int64_t largest_bucket) {
+  return sync_row(mode).make(comm, largest_bucket);
+}
 }  // namespace
+
+// ----------------------------------------------------------------------------
+// Flags
+
+DpSync parse_dp_sync(const std::string& flag) {
+  std::vector<Choice<DpSync>> names;
+  for (const SyncRow& r : kSyncs) names.push_back({r.name, r.id});
+  return parse_choice("--dp-sync", flag, names);
+}
+const char* dp_sync_name(DpSync s) { return sync_row(s).name; }
+
+void add_data_parallel_flags(CLI::App& app, DataParallelOptions& o) {
+  std::string modes;
+  for (const SyncRow& r : kSyncs) modes += std::string(modes.empty() ? "" : "; ") + r.name + ": " + r.help;
+  CLI::App& g = flag_group(app, "Data parallelism (Playbook §3)");
+  g.add_option("--dp", o.dp, "data-parallel ranks")->capture_default_str();
+  add_typed(g, "--dp-sync", &o.dp_sync, parse_dp_sync, dp_sync_name(o.dp_sync),
+            "gradient sync: " + modes);
+  g.add_option("--bucket-mb", o.bucket_mb, "gradient bucket size in MiB, > 0")
+      ->capture_default_str();
+  g.add_flag("--no-overlap", o.no_overlap,
+             "launch every bucket after the backward pass (ZeRO: wait for every collective when "
+             "issued, no prefetch)");
+}
+
+void validate_data_parallel(const DataParallelOptions& o, DType grad_dtype) {
+  check_positive(o.dp, "--dp");
+  check_range(o.bucket_mb, "--bucket-mb", 0, true, kNoMax, "must be a number > 0, e.g. 25");
+  if (grad_dtype != DType::F32 && sync_row(o.dp_sync).fp32_only)
+    throw UsageError("--grad-acc-dtype bf16: --dp-sync " + std::string(dp_sync_name(o.dp_sync)) +
+                     " adds fp32 chunks itself; use --dp-sync bucket or naive");
+}
 
 // ----------------------------------------------------------------------------
 // Buckets

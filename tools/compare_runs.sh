@@ -101,10 +101,11 @@ case ${1:-} in
     ;;
   compare)
     a=${2:?usage: compare_runs.sh compare DIR_A DIR_B} b=${3:?usage: compare_runs.sh compare DIR_A DIR_B}
-    differ=0 same=0
+    differ=0 same=0 missing=0
     for run in "${RUNS[@]}"; do
       IFS='|' read -r name _ <<<"$run"
       [ -d "$a/$name" ] || continue
+      if [ ! -d "$b/$name" ]; then echo "not recorded in $b: $name"; missing=$((missing + 1)); continue; fi
       if diff -rq "$a/$name" "$b/$name" >/dev/null 2>&1; then
         same=$((same + 1))
       else
@@ -113,7 +114,7 @@ case ${1:-} in
         differ=$((differ + 1))
       fi
     done
-    echo "$same runs byte-identical, $differ differ"
+    echo "$same runs byte-identical, $differ differ${missing:+, $missing not compared}"
     [ "$differ" -eq 0 ]
     ;;
   *)
