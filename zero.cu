@@ -157,12 +157,14 @@ UnitHooks Zero::hooks(const Context& ctx, bool last_micro_batch) {
 }
 
 // Playbook §4.4: gather this unit's weights (prefetched, so usually there already) and start
-// the next unit's gather, which then runs while this unit computes.
+// the next units' gathers, which then run while this unit computes: kPrefetch units ahead,
+// each holding its gathered weights until its own release.
+constexpr int kPrefetch = 1;
 void Zero::before_forward(int u) {
   progress();
   for (int w : model_.weights_read(u, false)) gather_unit(w);
-  if (overlap_)
-    for (int w : model_.weights_read(u + 1, false)) launch_gather(w);
+  for (int k = 1; overlap_ && k <= kPrefetch; k++)
+    for (int w : model_.weights_read(u + k, false)) launch_gather(w);
 }
 // Freed right after use, except the last unit's: its backward comes next, so its weights are
 // still resident when the backward starts (the book's "2L - 1", see expected_traffic).
@@ -175,8 +177,8 @@ void Zero::before_backward(int u) {
   if (!shard_grads_ && grad_dtype_ != DType::F32) accumulators_.hold(*ctx_, u);
   if (shard_weights_) {
     for (int w : model_.weights_read(u, true)) gather_unit(w);
-    if (overlap_)
-      for (int w : model_.weights_read(u - 1, true)) launch_gather(w);
+    for (int k = 1; overlap_ && k <= kPrefetch; k++)
+      for (int w : model_.weights_read(u - k, true)) launch_gather(w);
   }
   if (shard_grads_)
     for (int w : model_.grads_written(u)) acquire_grads(w);
