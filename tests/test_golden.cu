@@ -138,6 +138,103 @@ TEST_CASE("--save writes exactly the bytes --load read from a transformers check
   fs::remove_all(tmp);
 }
 
+// Guards: a load and save that rewrites a transformers config.json in picoscale's own words:
+// max_position_embeddings set to the run's --seq, bos/eos token ids 1 and 2 set to null,
+// transformers' keys (dtype, rope_parameters, transformers_version, ...) dropped.
+TEST_CASE("a transformers config.json comes back from --load and --save with every key as it was",
+          "[golden]") {
+  std::string tmp = make_temp_dir();
+  for (const std::string& name : kFixtures) {
+    INFO("fixture " << name);
+    Golden g = read_golden(name);
+    const nlohmann::json original = nlohmann::json::parse(read_whole_file(g.dir + "/config.json"));
+    REQUIRE(original["bos_token_id"] == 1);
+    REQUIRE(original["eos_token_id"] == 2);
+    REQUIRE(original["max_position_embeddings"] == 12);
+    Model model = build_model(g.cfg, Device::CPU, 1);
+    load_checkpoint(g.dir, model.named_params, nullptr);
+    ModelConfig cfg = read_checkpoint_config(g.dir);
+    cfg.seq = 8;  // a run with a shorter --seq trains the same model
+    save_checkpoint(tmp + "/ck", cfg, model.named_params, nullptr, g.dtype);
+    CHECK(nlohmann::json::parse(read_whole_file(tmp + "/ck/config.json")) == original);
+    // Saved in the other dtype: only the dtype says so.
+    const DType other = g.dtype == DType::BF16 ? DType::F32 : DType::BF16;
+    save_checkpoint(tmp + "/ck", cfg, model.named_params, nullptr, other);
+    nlohmann::json written = nlohmann::json::parse(read_whole_file(tmp + "/ck/config.json"));
+    CHECK(written["dtype"] == (other == DType::BF16 ? "bfloat16" : "float32"));
+    CHECK_FALSE(written.contains("torch_dtype"));  // transformers 5 names it dtype
+    written["dtype"] = original["dtype"];
+    CHECK(written == original);
+    // A run on longer sequences than the config's records them.
+    cfg.seq = 20;
+    save_checkpoint(tmp + "/ck", cfg, model.named_params, nullptr, g.dtype);
+    written = nlohmann::json::parse(read_whole_file(tmp + "/ck/config.json"));
+    CHECK(written["max_position_embeddings"] == 20);
+    written["max_position_embeddings"] = 12;
+    CHECK(written == original);
+    // Read back, the written config is the same model.
+    const ModelConfig back = read_checkpoint_config(tmp + "/ck");
+    CHECK(back.d_model == g.cfg.d_model);
+    CHECK(back.kv_heads == g.cfg.kv_heads);
+    CHECK(back.rope_theta == g.cfg.rope_theta);
+    CHECK(back.norm_eps == g.cfg.norm_eps);
+    CHECK(back.tie_embeddings == g.cfg.tie_embeddings);
+  }
+  fs::remove_all(tmp);
+}
+
+// The same through ./train: one step at --seq 8 from a transformers checkpoint, then --save.
+TEST_CASE("./train --load (transformers) --seq 8 --save keeps config.json's keys",
+          "[golden][train]") {
+  Golden g = read_golden("gqa");
+  std::string tmp = make_temp_dir();
+  RunResult r = run_train("--load " + g.dir + " --data " + g.dir +
+                          "/tokens.bin --val-frac 0.5 --steps 1 --val-every 0 --mbs 2 --seq 8 " +
+                          "--save " + tmp + "/ck");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK(nlohmann::json::parse(read_whole_file(tmp + "/ck/config.json")) ==
+        nlohmann::json::parse(read_whole_file(g.dir + "/config.json")));
+  fs::remove_all(tmp);
+}
+
+// Guards: a NaN or inf in a transformers checkpoint loading, then training (an inf in the
+// embedding trained and saved again; a NaN in the final norm stopped the run at step 4 blaming
+// the learning rate). Every rank refuses it, before the first step, with exit code 2.
+TEST_CASE("./train --load refuses a checkpoint holding NaN or inf, naming the file and tensor",
+          "[golden][parity]") {
+  Golden g = read_golden("gqa");
+  std::string tmp = make_temp_dir();
+  struct Bad {
+    std::string tensor;
+    int64_t element;
+    float value;
+    std::string says;
+  };
+  const std::vector<Bad> cases = {
+      {"model.norm.weight", 0, NAN, "element 0 of 24 is NaN"},
+      {"model.embed_tokens.weight", 100, INFINITY, "element 100 of 768 is +inf"}};
+  for (const Bad& bad : cases) {
+    Model model = build_model(g.cfg, Device::CPU, 1);
+    load_checkpoint(g.dir, model.named_params, nullptr);
+    for (const NamedTensor& t : model.named_params)
+      if (t.name == bad.tensor) t.tensor.f32()[bad.element] = bad.value;
+    save_checkpoint(tmp + "/bad", g.cfg, model.named_params, nullptr);
+    for (auto [flags, ranks] : {std::pair{std::string(""), 0}, {"--tp 2", 2}}) {
+      RunResult r = run_train("--load " + tmp + "/bad --data " + g.dir +
+                                  "/tokens.bin --val-frac 0.5 --steps 1 --val-every 0 --mbs 2 " +
+                                  "--comm-timeout 60 " + flags,
+                              ranks);
+      INFO(bad.tensor << " " << flags << "\n" << r.output);
+      CHECK(r.code == 2);
+      CHECK_THAT(r.output, Catch::Contains(tmp + "/bad/model.safetensors: tensor " + bad.tensor +
+                                           ": " + bad.says));
+      CHECK_THAT(r.output, !Catch::Contains("step     1/"));
+    }
+  }
+  fs::remove_all(tmp);
+}
+
 // Guards: the sharded paths (column/row-parallel linears, vocab-parallel embedding, head and
 // cross-entropy, replicated kv heads, ZeRO-3's gathers and reduce-scatters, --save-grads'
 // assembly of whole tensors, --score's windows) against the same outside numbers.
