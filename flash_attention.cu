@@ -52,41 +52,24 @@ static int64_t lse_numel(const AttentionBlock& a) {
 
 constexpr int kCpuTileQ = 64, kCpuTileK = 64;  // Br x Bc: a 16 KiB score tile stays in L1/L2
 
-// exp(x) for x <= 0 (a score minus its row's max or lse), for the CPU tiles: x = n ln2 + r with
-// |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial (about 1 ulp), 2^n written straight into
-// the exponent bits. Unlike expf it has no branches and no call, so the compiler vectorises the
-// row loops around it: the exponentials are half of the CPU version's time otherwise. Inputs
-// below -87 (exp < 2e-38, nothing next to a row sum >= 1) are clamped there.
-static inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round: add, drop 1.5 * 2^23
-  float r = x - n * 0.693359375f;  // ln 2 in two parts: the first times n is exact
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = ((int32_t)n + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
-}
-
 // The figure of Playbook §12.8, for query tile [i0, i0 + Br) of head h in sequence b.
-// Workspace: S [Br, Bc] scores then probabilities, acc [Br, hd], m and l [Br].
+// Workspace: S [Br, Bc] scores (fp32); in double: P [Br, Bc] the probabilities, V [Bc, hd] the
+// tile's values, acc [Br, hd], m and l [Br].
+// The sums l and acc are kept in double (P V through dgemm), so O is exact to its own fp32
+// rounding: the backward's D = rowsum(dO * O) needs O to its last bits (attention_out_dot_dout
+// says why). Summed in fp32, O carried four times its rounding error, and a trained model's
+// q and k gradients 3-4 times the error fp32 needs (tests/test_golden.cu, the trained fixture).
 static void flash_forward_tile_cpu(float* out, float* lse, const float* q, const float* k,
                                    const float* v, const AttentionBlock& a, int b, int h, int i0,
-                                   float* S, float* acc, float* m, float* l) {
+                                   float* S, double* P, double* V64, double* acc, double* m,
+                                   double* l) {
   const int hd = a.hd, g = h / (a.Hq / a.Hkv), ldq = a.Hq * hd, ldk = a.Hkv * hd;
   const int rows = std::min(kCpuTileQ, a.Tq - i0);
   const float scale = 1.0f / sqrtf((float)hd);
   const float* Q = q + token_head(b, a.Tq, i0, a.Hq, h, hd);  // [rows, hd], leading dim ldq
   std::fill(m, m + rows, -INFINITY);                          // running max of each row's scores
-  std::fill(l, l + rows, 0.0f);                               // running sum of exp(score - m)
-  std::fill(acc, acc + (int64_t)rows * hd, 0.0f);             // running sum of exp(score - m) v
+  std::fill(l, l + rows, 0.0);                                // running sum of exp(score - m)
+  std::fill(acc, acc + (int64_t)rows * hd, 0.0);              // running sum of exp(score - m) v
   // Causal tile skipping: tiles past the last key the tile's last query sees are never loaded.
   const int n_keys = visible_keys(a, i0 + rows - 1, 0, a.Tk);
   for (int j0 = 0; j0 < n_keys; j0 += kCpuTileK) {
@@ -99,29 +82,33 @@ static void flash_forward_tile_cpu(float* out, float* lse, const float* q, const
     for (int r = 0; r < rows; r++) {
       float* s = S + r * kCpuTileK;
       const int seen = visible_keys(a, i0 + r, j0, cols);  // keys [0, seen) of the tile
-      float m_new = m[r];
+      float m_new = (float)m[r];
       for (int j = 0; j < seen; j++) m_new = fmaxf(m_new, s[j]);
       // The online softmax: what was summed under the old max is rescaled by exp(m - m_new).
       // A row that has seen no key yet keeps m = -inf and a zero P row (no -inf - -inf).
-      const float correction = m_new == -INFINITY ? 1.0f : expf(m[r] - m_new);
+      const double correction = m_new == -INFINITY ? 1.0 : std::exp(m[r] - m_new);
       const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // (seen = 0 then: all P are 0)
-      for (int j = 0; j < cols; j++) s[j] = j < seen ? exp_nonpositive(s[j] - m_use) : 0.0f;
-      float row_sum = 0.0f;
-      for (int j = 0; j < cols; j++) row_sum += s[j];
+      double* p = P + r * kCpuTileK;
+      for (int j = 0; j < cols; j++) p[j] = j < seen ? exp_nonpositive(s[j] - m_use) : 0.0f;
+      double row_sum = 0.0;
+      for (int j = 0; j < cols; j++) row_sum += p[j];
       l[r] = l[r] * correction + row_sum;
       m[r] = m_new;
-      if (correction != 1.0f)
+      if (correction != 1.0)
         for (int d = 0; d < hd; d++) acc[r * hd + d] *= correction;
     }
     // acc[rows, hd] += P[rows, cols] V[cols, hd]
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hd, cols, 1.0f, S, kCpuTileK, V,
-                ldk, 1.0f, acc, hd);
+    for (int j = 0; j < cols; j++)
+      for (int d = 0; d < hd; d++) V64[j * hd + d] = V[(int64_t)j * ldk + d];
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hd, cols, 1.0, P, kCpuTileK, V64,
+                hd, 1.0, acc, hd);
   }
   for (int r = 0; r < rows; r++) {  // out = acc / l; lse = m + log l (-inf: no key seen)
     float* o = out + token_head(b, a.Tq, i0 + r, a.Hq, h, hd);
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    for (int d = 0; d < hd; d++) o[d] = acc[r * hd + d] * inv;
-    lse[((int64_t)b * a.Hq + h) * a.Tq + i0 + r] = l[r] > 0.0f ? m[r] + logf(l[r]) : -INFINITY;
+    const double inv = l[r] > 0.0 ? 1.0 / l[r] : 0.0;
+    for (int d = 0; d < hd; d++) o[d] = (float)(acc[r * hd + d] * inv);
+    lse[((int64_t)b * a.Hq + h) * a.Tq + i0 + r] =
+        l[r] > 0.0 ? (float)(m[r] + std::log(l[r])) : -INFINITY;
   }
 }
 
@@ -129,16 +116,22 @@ static void flash_forward_cpu(float* out, float* lse, const float* q, const floa
                               const float* v, const AttentionBlock& a) {
   const int q_tiles = (a.Tq + kCpuTileQ - 1) / kCpuTileQ, items = a.B * a.Hq * q_tiles;
   const int workers = cpu_workers(items);
-  // Per worker: S [Br, Bc], acc [Br, hd], m [Br], l [Br]. Independent of T: the O(T) part of
-  // flash attention's memory is its output and lse, never a [T, T] buffer.
-  const int64_t per_worker = (int64_t)kCpuTileQ * (kCpuTileK + a.hd + 2);
+  // Per worker: S [Br, Bc] in fp32; P [Br, Bc], V [Bc, hd], acc [Br, hd], m [Br], l [Br] in
+  // double (two floats each). Independent of T: the O(T) part of flash attention's memory is
+  // its output and lse, never a [T, T] buffer.
+  const int64_t doubles =
+      (int64_t)kCpuTileQ * kCpuTileK + (int64_t)kCpuTileK * a.hd + (int64_t)kCpuTileQ * (a.hd + 2);
+  const int64_t per_worker = (int64_t)kCpuTileQ * kCpuTileK + 2 * doubles;  // in floats
   Tensor work = empty({workers, per_worker}, Mem::Workspace);
   run_on_cpu_workers(items, workers, [&](int item, int w) {
-    float* S = work.f32() + w * per_worker;
-    float* acc = S + kCpuTileQ * kCpuTileK;
-    float* m = acc + kCpuTileQ * a.hd;
+    float* S = work.f32() + w * per_worker;  // kCpuTileQ * kCpuTileK is even: doubles align
+    double* P = (double*)(S + kCpuTileQ * kCpuTileK);
+    double* V64 = P + kCpuTileQ * kCpuTileK;
+    double* acc = V64 + (int64_t)kCpuTileK * a.hd;
+    double* m = acc + (int64_t)kCpuTileQ * a.hd;
     int qt = item % q_tiles, h = item / q_tiles % a.Hq, b = item / q_tiles / a.Hq;
-    flash_forward_tile_cpu(out, lse, q, k, v, a, b, h, qt * kCpuTileQ, S, acc, m, m + kCpuTileQ);
+    flash_forward_tile_cpu(out, lse, q, k, v, a, b, h, qt * kCpuTileQ, S, P, V64, acc, m,
+                           m + kCpuTileQ);
   });
 }
 
@@ -161,6 +154,12 @@ void flash_attention_forward(const Context& ctx, const Tensor& out, const Tensor
 // ============================================================================
 // dP's softmax backward needs sum_j P_ij dP_ij per row, and that equals dO_i . O_i (Playbook
 // §7.2's D = rowsum(dO ∘ O)), which needs neither P nor the keys: a ring computes it once.
+// Precision: dS = P (dP - D) keeps only the differences between the dP_ij = dO_i . v_j, and in a
+// trained model the v_j share a common part many times their spread, so the dP_ij of a row
+// are nearly equal. An error e in D is then a large error in the small dP - D, the same on the
+// whole row, and dQ_i gets e times the attention-weighted mean key, which shares the keys' own
+// common part. D is summed in double here (and O made exact to its rounding by the forward);
+// in fp32 both added errors comparable to D's rounding itself.
 
 // D [B, Hq, Tq]; dout, out [B*Tq, Hq, hd]
 static void out_dot_dout_cpu(float* D, const float* dout, const float* out,
@@ -169,9 +168,9 @@ static void out_dot_dout_cpu(float* D, const float* dout, const float* out,
     for (int i = 0; i < a.Tq; i++)
       for (int h = 0; h < a.Hq; h++) {
         const int64_t off = token_head(b, a.Tq, i, a.Hq, h, a.hd);
-        float dot = 0.0f;
-        for (int d = 0; d < a.hd; d++) dot += dout[off + d] * out[off + d];
-        D[((int64_t)b * a.Hq + h) * a.Tq + i] = dot;
+        double dot = 0.0;
+        for (int d = 0; d < a.hd; d++) dot += (double)dout[off + d] * out[off + d];
+        D[((int64_t)b * a.Hq + h) * a.Tq + i] = (float)dot;
       }
 }
 

@@ -91,9 +91,14 @@ static void causal_softmax_backward_cpu(float* dscores, const float* dprobs, con
     const float* p = probs + row * T;
     const float* dp = dprobs + row * T;
     float* ds = dscores + row * T;
-    // The softmax Jacobian is diag(p) - p p^T, so J^T dp = p * (dp - <p, dp>).
-    float dot = 0.0f;
-    for (int j = 0; j <= i; j++) dot += p[j] * dp[j];
+    // The softmax Jacobian is diag(p) - p p^T, so J^T dp = p * (dp - <p, dp>). <p, dp> is taken
+    // as the p-weighted mean of dp, in double: the dp are nearly equal (every value vector
+    // shares a large common part), and dp - <p, dp> keeps only their small differences. An fp32
+    // sum, and fp32 p that sum to 1 only within a few ulps, leave an error in <p, dp> that
+    // every key then carries into dq, a few times fp32's own error in dq.
+    double weighted = 0.0, total = 0.0;
+    for (int j = 0; j <= i; j++) weighted += (double)p[j] * dp[j], total += p[j];
+    const float dot = (float)(weighted / total);
     for (int j = 0; j < T; j++) ds[j] = j <= i ? scale * p[j] * (dp[j] - dot) : 0.0f;
   }
 }

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -173,6 +174,30 @@ static SafetensorsPlan inspect_safetensors(const std::string& path,
   if (promised > data_size)
     throw fail("truncated: header promises " + std::to_string(promised) +
                " bytes of data, file has " + std::to_string(data_size));
+  // The format requires the tensors' byte ranges to tile the data exactly, in some order: no
+  // two overlap (one tensor's bytes read as another's) and none leaves a hole (bytes no tensor
+  // owns). The safetensors library refuses both; so does this reader.
+  std::vector<std::pair<std::pair<uint64_t, uint64_t>, std::string>> by_offset;
+  for (const auto& [name, range] : ranges) by_offset.push_back({range, name});
+  std::sort(by_offset.begin(), by_offset.end());
+  uint64_t covered = 0;  // the data [0, covered) belongs to the tensors walked so far
+  for (size_t i = 0; i < by_offset.size(); i++) {
+    const auto& [range, name] = by_offset[i];
+    const std::string offsets =
+        "data_offsets [" + std::to_string(range.first) + ", " + std::to_string(range.second) + "]";
+    if (range.first < covered)
+      throw fail("tensor " + name + ": " + offsets + " overlap tensor " + by_offset[i - 1].second +
+                 "'s [" + std::to_string(by_offset[i - 1].first.first) + ", " +
+                 std::to_string(by_offset[i - 1].first.second) +
+                 "]; the safetensors format gives every byte to one tensor (a corrupt or "
+                 "hand-edited header): write the file again");
+    if (range.first > covered)
+      throw fail("tensor " + name + ": " + offsets + " leave bytes [" + std::to_string(covered) +
+                 ", " + std::to_string(range.first) +
+                 ") of the data to no tensor; the safetensors format allows no gaps (a corrupt "
+                 "or hand-edited header): write the file again");
+    covered = range.second;
+  }
 
   // Names, dtypes, shapes and sizes against the destination.
   std::set<std::string> wanted;
@@ -208,29 +233,72 @@ static SafetensorsPlan inspect_safetensors(const std::string& path,
   return plan;
 }
 
-static void copy_safetensors(const SafetensorsPlan& plan, const std::vector<NamedTensor>& into) {
+// Calls visit(i, bytes) with each tensor's bytes as the file stores them (plan.file_dtypes[i]),
+// one tensor at a time.
+static void read_each_tensor(const SafetensorsPlan& plan, const std::vector<NamedTensor>& into,
+                             const std::function<void(size_t, const char*)>& visit) {
   FILE* f = fopen(plan.path.c_str(), "rb");
   if (!f) throw UsageError(plan.path + ": cannot open: " + strerror(errno));
-  wait_for_device(into);
-  std::vector<char> buf, widened;
+  std::vector<char> buf;
   for (size_t i = 0; i < into.size(); i++) {
-    const Tensor& t = into[i].tensor;
-    const DType file_dtype = plan.file_dtypes[i];
-    buf.resize((size_t)t.numel() * dtype_size(file_dtype));
+    buf.resize((size_t)into[i].tensor.numel() * dtype_size(plan.file_dtypes[i]));
     if (fseeko(f, (off_t)plan.file_offsets[i], SEEK_SET) != 0 ||
         fread(buf.data(), 1, buf.size(), f) != buf.size()) {
       fclose(f);
       throw UsageError(plan.path + ": tensor " + into[i].name + ": read error");
     }
-    const char* bytes = buf.data();
-    if (file_dtype != t.dtype) {  // BF16 or F16 into F32: exact
+    try {
+      visit(i, buf.data());
+    } catch (...) {
+      fclose(f);
+      throw;
+    }
+  }
+  fclose(f);
+}
+
+static void copy_safetensors(const SafetensorsPlan& plan, const std::vector<NamedTensor>& into) {
+  wait_for_device(into);
+  std::vector<char> widened;
+  read_each_tensor(plan, into, [&](size_t i, const char* bytes) {
+    const Tensor& t = into[i].tensor;
+    if (plan.file_dtypes[i] != t.dtype) {  // BF16 or F16 into F32: exact
       widened.resize(t.nbytes());
-      cast_host(widened.data(), t.dtype, buf.data(), file_dtype, t.numel());
+      cast_host(widened.data(), t.dtype, bytes, plan.file_dtypes[i], t.numel());
       bytes = widened.data();
     }
     copy_(t, host_view((void*)bytes, t));
-  }
-  fclose(f);
+  });
+}
+
+static const char* non_finite_name(float x) {
+  if (std::isnan(x)) return "NaN";
+  return x > 0 ? "+inf" : "-inf";
+}
+
+// A checkpoint's floating-point tensors hold finite numbers: a NaN or inf would only spread
+// through training (or stop it steps later, blaming the learning rate). Throws UsageError
+// naming the file, the first tensor (in the model's order) that is not, and the element.
+static void require_finite(const SafetensorsPlan& plan, const std::vector<NamedTensor>& tensors) {
+  std::vector<float> wide;
+  read_each_tensor(plan, tensors, [&](size_t i, const char* bytes) {
+    const DType dtype = plan.file_dtypes[i];
+    if (dtype != DType::F32 && dtype != DType::BF16 && dtype != DType::F16) return;
+    const int64_t n = tensors[i].tensor.numel();
+    const float* x = (const float*)bytes;
+    if (dtype != DType::F32) {
+      wide.resize(n);
+      cast_host(wide.data(), DType::F32, bytes, dtype, n);
+      x = wide.data();
+    }
+    for (int64_t e = 0; e < n; e++)
+      if (!std::isfinite(x[e]))
+        throw UsageError(plan.path + ": tensor " + tensors[i].name + ": element " +
+                         std::to_string(e) + " of " + std::to_string(n) + " is " +
+                         non_finite_name(x[e]) +
+                         "; a checkpoint must hold finite numbers (it was saved from a run "
+                         "that diverged, or is damaged): load an earlier checkpoint");
+  });
 }
 
 std::map<std::string, std::string> read_safetensors(const std::string& path,
@@ -255,6 +323,15 @@ static double shortest(float x) {
 }
 
 json hf_config(const ModelConfig& cfg) {
+  if (!cfg.loaded_config.empty()) {
+    // A loaded config.json is written back as it was: its token ids, transformers' own keys,
+    // rope_parameters, every key picoscale does not read. Training changes none of them, nor
+    // the shape (--load refuses shape flags that disagree). The one a run can move is the
+    // context: max_position_embeddings grows to --seq when a run trains on longer sequences.
+    json j = json::parse(cfg.loaded_config);
+    if (j.value("max_position_embeddings", 0) < cfg.seq) j["max_position_embeddings"] = cfg.seq;
+    return j;
+  }
   return {{"architectures", json::array({"LlamaForCausalLM"})}, {"model_type", "llama"},
           {"hidden_size", cfg.d_model}, {"intermediate_size", cfg.ffn},
           {"num_hidden_layers", cfg.layers}, {"num_attention_heads", cfg.heads},
@@ -325,6 +402,7 @@ ModelConfig config_from_hf(const json& j, const std::string& path) {
   }
   const json* preset = find("picoscale_preset", false);
   cfg.preset = preset && preset->is_string() ? preset->get<std::string>() : "hf";
+  cfg.loaded_config = j.dump();
   // What picoscale's Llama does not implement is refused, not silently ignored.
   if (positive_int("head_dim", false, cfg.d_model / cfg.heads) != cfg.head_dim())
     throw fail("head_dim differs from hidden_size / num_attention_heads = " +
@@ -423,7 +501,11 @@ void save_checkpoint(const std::string& dir_arg, const ModelConfig& cfg,
   if (!fs::create_directory(tmp, ec)) throw UsageError(tmp + ": cannot create: " + ec.message());
   try {
     json j = hf_config(cfg);
-    j["torch_dtype"] = weights_dtype == DType::BF16 ? "bfloat16" : "float32";
+    // The weights' dtype under the key the config uses: transformers 5 writes "dtype", earlier
+    // versions (and picoscale's own configs) "torch_dtype".
+    const char* dtype = weights_dtype == DType::BF16 ? "bfloat16" : "float32";
+    if (j.contains("dtype")) j["dtype"] = dtype;
+    if (j.contains("torch_dtype") || !j.contains("dtype")) j["torch_dtype"] = dtype;
     const std::string config = j.dump(2) + "\n";
     write_file_atomic(tmp + "/config.json", [&](FILE* f) {
       write_all(f, config.data(), config.size(), tmp + "/config.json");
@@ -590,6 +672,10 @@ bool load_checkpoint(const std::string& dir_arg, const std::vector<NamedTensor>&
     printf("note: %s has no optimizer.safetensors (weights only, as in a Hugging Face model): "
            "AdamW starts fresh at step 0\n", dir.c_str());
   }
+  // Every number finite, the weights' first (a second read of the files, from the page cache
+  // mostly: the check must end before any destination changes).
+  for (const WeightFile& w : weights) require_finite(w.plan, w.tensors);
+  if (with_opt) require_finite(moments_plan, moments);
   // Every file is valid: only now does any destination tensor change.
   for (const WeightFile& w : weights) copy_safetensors(w.plan, w.tensors);
   if (with_opt) {

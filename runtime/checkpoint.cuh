@@ -13,7 +13,8 @@
 #include "runtime/parameters.cuh"
 
 // safetensors: u64 little-endian header length, JSON header
-// {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {str: str}}, raw data.
+// {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {str: str}}, raw data;
+// the tensors' data_offsets cover the data exactly, without overlaps or gaps.
 void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 // Reads exactly the tensors named in `into` (names, shapes and dtypes must match; extra
@@ -23,8 +24,11 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
 std::map<std::string, std::string> read_safetensors(const std::string& path,
                                                     const std::vector<NamedTensor>& into);
 
-nlohmann::json hf_config(const ModelConfig& cfg);  // LlamaConfig keys
-ModelConfig config_from_hf(const nlohmann::json& j, const std::string& path);  // validates
+// LlamaConfig keys; for a config --load read (cfg.loaded_config), that config as it was, with
+// max_position_embeddings raised to cfg.seq if shorter.
+nlohmann::json hf_config(const ModelConfig& cfg);
+// Validates; keeps the JSON in loaded_config so that a save writes its keys back.
+ModelConfig config_from_hf(const nlohmann::json& j, const std::string& path);
 
 // dir/config.json, dir/model.safetensors, dir/optimizer.safetensors (exp_avg, exp_avg_sq per
 // parameter, step in the metadata). After a kill at any moment DIR holds the old checkpoint or
@@ -44,6 +48,7 @@ DType parse_save_dtype(const std::string& flag);  // --save-dtype fp32|bf16
 void check_checkpoint_output(const std::string& flag, const std::string& dir);
 ModelConfig read_checkpoint_config(const std::string& dir);
 // Loads weights (and, when opt is non-null and the file exists, optimizer state and step).
+// Every floating-point value must be finite: the first tensor holding a NaN or inf is named.
 // Returns true when optimizer state was loaded; when opt asks for it and there is none, rank 0
 // says that AdamW starts fresh at step 0.
 bool load_checkpoint(const std::string& dir, const std::vector<NamedTensor>& params,

@@ -19,6 +19,7 @@ struct ModelConfig {
   float norm_eps = 1e-5f;
   bool tie_embeddings = false;
   float init_std = 0.02f;
+  std::string loaded_config;  // the config.json --load read ("": none), which --save writes back
   int head_dim() const { return d_model / heads; }
 };
 

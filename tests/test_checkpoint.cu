@@ -60,6 +60,13 @@ std::vector<NamedTensor> sample_tensors(uint64_t seed) {
   for (int i = 0; i < 7; i++) ts[3].tensor.i32()[i] = (int32_t)(seed * 1000) - 3 * i;
   return ts;
 }
+// What a checkpoint may hold: sample_tensors without the NaN (a checkpoint load refuses
+// non-finite values; read_safetensors alone copies them bit for bit). The -0.0 stays.
+std::vector<NamedTensor> checkpoint_tensors(uint64_t seed) {
+  std::vector<NamedTensor> ts = sample_tensors(seed);
+  ts[0].tensor.f32()[1] = 0.25f;
+  return ts;
+}
 // Destination tensors of the same names and shapes, filled with 7s.
 std::vector<NamedTensor> like(const std::vector<NamedTensor>& src) {
   std::vector<NamedTensor> out;
@@ -236,6 +243,89 @@ TEST_CASE("a refused load leaves every destination tensor as it was", "[checkpoi
   CHECK(into.step == 0);
 }
 
+// Guards: a NaN or inf in a checkpoint loading silently, then spreading through training (or
+// stopping it steps later with a message that blames the learning rate).
+TEST_CASE("a checkpoint holding NaN or inf is refused at load, naming the file and the first "
+          "such tensor, and nothing is loaded",
+          "[checkpoint]") {
+  TempDir dir;
+  const std::string ckpt = dir.file("ckpt");
+  const std::vector<NamedTensor> good = checkpoint_tensors(20);
+  OptimizerState opt{checkpoint_tensors(21), checkpoint_tensors(22), 4};
+  std::vector<NamedTensor> dst = like(good);
+  OptimizerState into{like(good), like(good), 0};
+  const std::vector<NamedTensor> before = snapshot(dst), moments_before = snapshot(into.exp_avg);
+  auto refused = [&] {
+    std::string msg = usage_error_of([&] { load_checkpoint(ckpt, dst, &into); });
+    CHECK(same_bits(dst, before));  // checked whole before anything was copied
+    CHECK(same_bits(into.exp_avg, moments_before));
+    CHECK(into.step == 0);
+    return msg;
+  };
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+
+  std::vector<NamedTensor> bad = checkpoint_tensors(20);
+  bad[2].tensor.f32()[3] = nan;  // model.norm.weight
+  save_checkpoint(ckpt, ModelConfig{}, bad, &opt);
+  CHECK_THAT(refused(), Contains(ckpt + "/model.safetensors: tensor model.norm.weight: element "
+                                        "3 of 4 is NaN") &&
+                            Contains("load an earlier checkpoint"));
+  // Two: the first in the file's order is named (the embedding comes first).
+  bad[0].tensor.f32()[5] = inf;
+  save_checkpoint(ckpt, ModelConfig{}, bad, &opt);
+  CHECK_THAT(refused(), Contains("tensor model.embed_tokens.weight: element 5 of 40 is +inf"));
+  // Saved in bf16 (-inf stays -inf): found after widening.
+  std::vector<NamedTensor> weights = checkpoint_tensors(20);
+  weights.pop_back();  // a bf16 save holds the F32 weights only
+  weights[1].tensor.f32()[0] = -inf;
+  save_checkpoint(ckpt, ModelConfig{}, weights, nullptr, DType::BF16);
+  CHECK_THAT(usage_error_of([&] { load_checkpoint(ckpt, like(weights), nullptr); }),
+             Contains("tensor model.layers.0.self_attn.q_proj.weight: element 0 of 15 is -inf"));
+  // Finite weights, an inf in the optimizer state.
+  OptimizerState bad_opt{checkpoint_tensors(21), checkpoint_tensors(22), 4};
+  bad_opt.exp_avg_sq[2].tensor.f32()[1] = inf;
+  save_checkpoint(ckpt, ModelConfig{}, good, &bad_opt);
+  CHECK_THAT(refused(), Contains(ckpt + "/optimizer.safetensors: tensor "
+                                        "model.norm.weight.exp_avg_sq: element 1 of 4 is +inf"));
+  // The same files load once every value is finite.
+  save_checkpoint(ckpt, ModelConfig{}, good, &opt);
+  CHECK(load_checkpoint(ckpt, dst, &into));
+  CHECK(same_bits(dst, good));
+}
+
+// Guards: a header whose data_offsets overlap (one tensor read from another's bytes) or leave
+// a hole loading as wrong weights: the safetensors format, and its library, forbid both.
+TEST_CASE("safetensors data_offsets that overlap, leave a gap or run past the end are refused",
+          "[checkpoint]") {
+  TempDir dir;
+  const std::string path = dir.file("model.safetensors");
+  // a [3, 4] F32 (48 bytes) and b [5] F32 (20 bytes), at the offsets given, over `data` bytes.
+  std::vector<NamedTensor> dst = {{"a", empty({3, 4}, Mem::Params)},
+                                  {"b", empty({5}, Mem::Params)}};
+  auto load_with = [&](uint64_t a0, uint64_t b0, uint64_t data) {
+    const std::string header =
+        "{\"a\":{\"dtype\":\"F32\",\"shape\":[3,4],\"data_offsets\":[" + std::to_string(a0) +
+        "," + std::to_string(a0 + 48) + "]},\"b\":{\"dtype\":\"F32\",\"shape\":[5]," +
+        "\"data_offsets\":[" + std::to_string(b0) + "," + std::to_string(b0 + 20) + "]}}";
+    std::string bytes(8, '\0');
+    for (int i = 0; i < 8; i++) bytes[i] = (char)((uint64_t)header.size() >> (8 * i));
+    write_bytes(path, bytes + header + std::string(data, '\0'));
+    return usage_error_of([&] { read_safetensors(path, dst); });
+  };
+  CHECK(load_with(0, 48, 68).empty());  // the two tile the data: loads
+  CHECK(load_with(20, 0, 68).empty());  // in either order
+  CHECK_THAT(load_with(0, 40, 60),
+             Contains(path + ": tensor b: data_offsets [40, 60] overlap tensor a's [0, 48]"));
+  CHECK_THAT(load_with(0, 0, 48), Contains("overlap"));  // b inside a
+  CHECK_THAT(load_with(0, 52, 72),
+             Contains(path + ": tensor b: data_offsets [52, 72] leave bytes [48, 52) of the data "
+                             "to no tensor"));
+  CHECK_THAT(load_with(4, 52, 72), Contains("tensor a") && Contains("bytes [0, 4)"));
+  CHECK_THAT(load_with(0, 48, 60), Contains("truncated: header promises 68 bytes of data, file "
+                                            "has 60"));  // past the end
+}
+
 TEST_CASE("config.json holds every LlamaConfig key and reads back the same ModelConfig",
           "[checkpoint]") {
   const ModelConfig cfg = custom_config();
@@ -303,8 +393,8 @@ TEST_CASE("save_checkpoint writes a Hugging Face directory; load_checkpoint rest
   TempDir dir;
   const std::string ckpt = dir.file("runs/ckpt");  // the parent does not exist yet
   const ModelConfig cfg = custom_config();
-  const std::vector<NamedTensor> params = sample_tensors(8);
-  OptimizerState opt{sample_tensors(9), sample_tensors(10), 42};
+  const std::vector<NamedTensor> params = checkpoint_tensors(8);
+  OptimizerState opt{checkpoint_tensors(9), checkpoint_tensors(10), 42};
   save_checkpoint(ckpt, cfg, params, &opt);
   for (const char* f : {"config.json", "model.safetensors", "optimizer.safetensors"})
     CHECK(fs::is_regular_file(ckpt + "/" + f));
@@ -332,8 +422,8 @@ TEST_CASE("save_checkpoint replaces an existing checkpoint whole and leaves no t
           "[checkpoint]") {
   TempDir dir;
   const std::string ckpt = dir.file("ckpt");
-  save_checkpoint(ckpt, ModelConfig{}, sample_tensors(11), nullptr);
-  const std::vector<NamedTensor> second = sample_tensors(12);
+  save_checkpoint(ckpt, ModelConfig{}, checkpoint_tensors(11), nullptr);
+  const std::vector<NamedTensor> second = checkpoint_tensors(12);
   save_checkpoint(ckpt + "/", ModelConfig{}, second, nullptr);  // a trailing slash names ckpt
   std::vector<NamedTensor> p = like(second);
   load_checkpoint(ckpt, p, nullptr);
@@ -436,7 +526,7 @@ TEST_CASE("--save-dtype bf16: model.safetensors holds BF16 and loads back as the
           "[checkpoint][precision]") {
   TempDir dir;
   const std::string ckpt = dir.file("ckpt");
-  std::vector<NamedTensor> params = sample_tensors(11);
+  std::vector<NamedTensor> params = checkpoint_tensors(11);
   params.pop_back();  // the weights: F32 only
   OptimizerState opt{snapshot(params), snapshot(params), 5};
   save_checkpoint(ckpt, custom_config(), params, &opt, DType::BF16);

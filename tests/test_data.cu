@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -232,4 +233,254 @@ TEST_CASE("the default corpus is every fortune file, over 1 MB of bytes", "[data
   const std::string first = read_file(default_corpus_dir() + "/" + names.front());
   for (size_t i = 0; i < 64 && i < first.size(); i++)
     CHECK(data.train[i] == (unsigned char)first[i]);
+}
+
+// ----------------------------------------------------------------------------
+// Boundaries: split lengths that --seq divides and does not, one window, two epochs, the
+// val split's rounding, text and .bin. Expected values come from the definitions (a window of
+// seq + 1 tokens that fits in the split), counted by brute force, never from data.cu's formulas.
+
+namespace {
+
+// A training split of n tokens whose values are their positions.
+Dataset split_of(int64_t n) {
+  Dataset d;
+  d.train.resize(n);
+  for (int64_t i = 0; i < n; i++) d.train[i] = (int32_t)i;
+  d.val = d.train;
+  d.max_token = (int32_t)n - 1;
+  return d;
+}
+// The whole windows of a split: starts w * seq whose seq + 1 tokens all lie inside it.
+std::vector<int64_t> whole_windows(int64_t n, int seq) {
+  std::vector<int64_t> starts;
+  for (int64_t start = 0; start + seq + 1 <= n; start += seq) starts.push_back(start);
+  return starts;
+}
+// The starts of sequences [first, first + count) of the run (global batch 1), checking that each
+// reads seq consecutive tokens of the split and its next-token targets.
+std::vector<int64_t> read_starts(const Dataset& d, int seq, int64_t first, int64_t count,
+                                 bool shuffle) {
+  std::vector<int64_t> starts;
+  std::vector<int32_t> in(seq), tg(seq);
+  for (int64_t k = first; k < first + count; k++) {
+    fill_train_batch(d, k, 1, 0, 1, seq, in.data(), tg.data(), shuffle, 1337);
+    for (int t = 0; t < seq; t++) {
+      INFO("sequence " << k << ", token " << t);
+      REQUIRE(in[t] == in[0] + t);
+      REQUIRE(tg[t] == in[0] + t + 1);
+    }
+    REQUIRE(tg[seq - 1] < (int32_t)d.train.size());
+    starts.push_back(in[0]);
+  }
+  return starts;
+}
+
+}  // namespace
+
+// Guards: an off-by-one in the shuffled window count: (n - 1) / seq windows when the split is
+// n tokens. One too many reads past the split's end exactly when seq divides n (an llm.c shard
+// can be such a split); one too few never reads the last window when seq divides n - 1.
+TEST_CASE("the shuffled order reads every whole window exactly once per epoch, for every split "
+          "length around multiples of --seq",
+          "[data]") {
+  for (int seq : {1, 4, 7, 16}) {
+    for (int64_t windows : {1, 2, 3, 10, 64}) {
+      for (int64_t extra : {-1, 0, 1, 2, seq - 1}) {
+        // n = windows * seq + extra: seq divides n when extra is 0 (or seq - 1 + 1 wraps).
+        const int64_t n = windows * seq + extra;
+        if (n < seq + 1) continue;  // not even one window: load_dataset refuses such a split
+        INFO("seq " << seq << ", split of " << n << " tokens");
+        const Dataset d = split_of(n);
+        std::vector<int64_t> expected = whole_windows(n, seq);
+        REQUIRE(!expected.empty());
+        const int64_t W = (int64_t)expected.size();
+        for (int64_t epoch : {0, 1}) {  // two epochs: each a permutation of every window
+          INFO("epoch " << epoch);
+          std::vector<int64_t> got = read_starts(d, seq, epoch * W, W, true);
+          std::sort(got.begin(), got.end());
+          CHECK(got == expected);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("one window: every sequence of every epoch reads it, shuffled or in file order",
+          "[data]") {
+  for (int seq : {4, 16}) {
+    for (int64_t n : {(int64_t)seq + 1, 2 * (int64_t)seq}) {  // seq + 1 up to 2 seq: one window
+      INFO("seq " << seq << ", split of " << n);
+      const Dataset d = split_of(n);
+      REQUIRE(whole_windows(n, seq).size() == 1);
+      for (bool shuffle : {true, false}) {
+        INFO("shuffle " << shuffle);
+        CHECK(read_starts(d, seq, 0, 5, shuffle) == std::vector<int64_t>(5, 0));
+      }
+    }
+  }
+}
+
+// Guards: an order that ignores the epoch (every epoch the same), or a batch that skips or
+// repeats windows across steps of a global batch that does not divide the window count.
+TEST_CASE("two epochs of the shuffled order differ, and a global batch of 3 reads the same "
+          "sequence stream as a global batch of 1",
+          "[data]") {
+  const int seq = 8;
+  const Dataset d = split_of(50 * seq + 1);  // 50 windows
+  const std::vector<int64_t> stream = read_starts(d, seq, 0, 102, true);  // two epochs and 2
+  CHECK(std::vector<int64_t>(stream.begin(), stream.begin() + 50) !=
+        std::vector<int64_t>(stream.begin() + 50, stream.begin() + 100));
+  std::vector<int32_t> in(3 * seq), tg(3 * seq);
+  for (int64_t step = 0; step < 34; step++) {
+    fill_train_batch(d, step, 3, 0, 3, seq, in.data(), tg.data(), true, 1337);
+    for (int j = 0; j < 3; j++) {
+      INFO("step " << step << ", sequence " << j);
+      CHECK(in[j * seq] == stream[step * 3 + j]);
+    }
+  }
+}
+
+// Guards: file order wrapping one token late (a read past the split) or early (the last start
+// never read). Starts step seq apart and wrap modulo span = n - seq, the number of starts
+// whose seq + 1 tokens fit; with gcd(seq, span) = 1 every one of them comes up.
+TEST_CASE("file order visits every start that fits and no other, for split lengths around "
+          "multiples of --seq",
+          "[data]") {
+  for (int64_t seq : {4, 5, 16}) {
+    for (int64_t n : {seq + 1, 3 * seq, 3 * seq + 1, 8 * seq + 2, 8 * seq + 3}) {
+      int64_t fits = 0;  // starts s with s + seq + 1 <= n, by counting
+      for (int64_t s = 0; s + seq + 1 <= n; s++) fits++;
+      if (std::gcd<int64_t>(seq, fits) != 1) continue;
+      INFO("seq " << seq << ", split of " << n << ", " << fits << " starts fit");
+      std::vector<int64_t> got = read_starts(split_of(n), (int)seq, 0, fits, false);
+      std::sort(got.begin(), got.end());
+      std::vector<int64_t> all(fits);
+      for (int64_t s = 0; s < fits; s++) all[s] = s;
+      CHECK(got == all);
+    }
+  }
+}
+
+// Guards: (val - 1) / seq validation windows off by one when seq divides the val split.
+TEST_CASE("the val split holds every whole window and no more, for lengths around multiples of "
+          "--seq",
+          "[data]") {
+  for (int seq : {4, 16}) {
+    for (int64_t n : {(int64_t)seq + 1, 2 * (int64_t)seq, 2 * (int64_t)seq + 1, 5 * (int64_t)seq,
+                      5 * (int64_t)seq + 1}) {
+      INFO("seq " << seq << ", val split of " << n);
+      const Dataset d = split_of(n);
+      const int64_t windows = (int64_t)whole_windows(n, seq).size();
+      REQUIRE(num_val_windows(d, seq) == windows);
+      // The last window ends on the split's last token or before it.
+      std::vector<int32_t> in(seq), tg(seq);
+      fill_val_batch(d, windows - 1, 1, seq, in.data(), tg.data());
+      CHECK(in[0] == (windows - 1) * seq);
+      CHECK(tg[seq - 1] == (windows - 1) * seq + seq);
+      CHECK(tg[seq - 1] <= n - 1);
+    }
+  }
+}
+
+// Guards: the val split rounded up instead of down, or the "need at least N tokens" message
+// naming a count that is not the smallest that loads.
+TEST_CASE("--val-frac: val holds floor(n x frac) tokens, and the smallest file the message asks "
+          "for is the smallest that loads",
+          "[data]") {
+  TempDir dir;
+  const std::string path = dir.file("count.bin");
+  // Fractions a binary double holds exactly, so floor(n x frac) is unambiguous: n x 3/8 is an
+  // integer at n = 8, 16, ... and has fractional part 3/8, 6/8, 1/8 ... elsewhere.
+  for (auto [num, den] : {std::pair{1, 2}, {1, 4}, {3, 8}, {5, 8}, {1, 16}}) {
+    const double frac = (double)num / den;
+    for (int64_t n : {64, 65, 66, 67, 71, 72, 100, 127, 128}) {
+      write_token_shard(path, counting_tokens((int)n));
+      const int64_t want_val = n * num / den;  // integer floor
+      std::string err;
+      Dataset d;
+      try {
+        d = load_dataset(path, frac, 3);
+      } catch (const UsageError& e) {
+        err = e.what();
+      }
+      INFO("n " << n << ", --val-frac " << frac << ": " << err);
+      if (want_val < 4 || n - want_val < 4) {  // a split shorter than seq + 1 = 4 is refused
+        CHECK_THAT(err, Contains("too few"));
+        continue;
+      }
+      REQUIRE(err.empty());
+      CHECK((int64_t)d.val.size() == want_val);
+      CHECK((int64_t)d.train.size() == n - want_val);
+      CHECK(d.val.front() == n - want_val);  // val is the file's end
+    }
+  }
+  // The minimum in the message, against a search over file sizes.
+  for (int seq : {1, 3, 16, 64}) {
+    for (double frac : {0.5, 0.25, 0.1, 0.3, 0.05, 0.9}) {
+      int64_t smallest = 0;
+      for (int64_t n = 2; smallest == 0; n++) {
+        const int64_t val = (int64_t)(n * frac);  // floor, as documented
+        if (val >= seq + 1 && n - val >= seq + 1) smallest = n;
+      }
+      INFO("seq " << seq << ", --val-frac " << frac << ": smallest " << smallest);
+      write_token_shard(path, counting_tokens((int)smallest));
+      CHECK_NOTHROW(load_dataset(path, frac, seq));
+      write_token_shard(path, counting_tokens((int)smallest - 1));
+      CHECK_THAT(usage_error_of([&] { load_dataset(path, frac, seq); }),
+                 Contains("need at least " + std::to_string(smallest) + " so that"));
+    }
+  }
+}
+
+// Guards: the two file formats splitting or batching the same tokens differently.
+TEST_CASE("a text file and a .bin shard of the same bytes give the same splits and batches",
+          "[data]") {
+  TempDir dir;
+  for (int64_t n : {170, 171, 1000, 1024}) {  // 1024 - 102 = 922 train: not a multiple; 170: min
+    std::string text;
+    std::vector<int32_t> tokens;
+    for (int64_t i = 0; i < n; i++) {
+      const unsigned char byte = (unsigned char)(37 * i + 11);  // 256 tokens: every value
+      text += (char)byte;
+      tokens.push_back(byte);
+    }
+    write_bytes(dir.file("t.txt"), text);
+    write_token_shard(dir.file("t.bin"), tokens);
+    const Dataset a = load_dataset(dir.file("t.txt"), 0.1, 16);
+    const Dataset b = load_dataset(dir.file("t.bin"), 0.1, 16);
+    INFO(n << " tokens");
+    CHECK(a.train == b.train);
+    CHECK(a.val == b.val);
+    CHECK(a.max_token == b.max_token);
+    CHECK((int64_t)(a.train.size() + a.val.size()) == n);
+    CHECK(read_tokens(dir.file("t.txt")) == read_tokens(dir.file("t.bin")));
+    for (bool shuffle : {true, false}) {
+      std::vector<int32_t> ia(4 * 16), ta(4 * 16), ib(4 * 16), tb(4 * 16);
+      for (int64_t step : {0, 7, 60}) {
+        fill_train_batch(a, step, 4, 0, 4, 16, ia.data(), ta.data(), shuffle, 5);
+        fill_train_batch(b, step, 4, 0, 4, 16, ib.data(), tb.data(), shuffle, 5);
+        CHECK(ia == ib);
+        CHECK(ta == tb);
+      }
+    }
+  }
+}
+
+TEST_CASE("an llm.c shard whose size is not its header's promise is refused, one byte either "
+          "way",
+          "[data]") {
+  TempDir dir;
+  const std::string shard = dir.file("s.bin");
+  write_token_shard(shard, counting_tokens(500));
+  const std::string good = read_file(shard);
+  CHECK_NOTHROW(load_dataset(shard, 0.1, 16));
+  for (const std::string& bytes : {good + std::string(1, '\0'), good + std::string(2, '\0'),
+                                   good.substr(0, good.size() - 1)}) {
+    write_bytes(shard, bytes);
+    CHECK_THAT(usage_error_of([&] { load_dataset(shard, 0.1, 16); }),
+               Contains(shard) && Contains("header promises 500 tokens"));
+  }
+  write_token_shard(shard, {});  // a header and nothing else
+  CHECK_THAT(usage_error_of([&] { load_dataset(shard, 0.1, 16); }), Contains("0 tokens"));
 }

@@ -13,6 +13,8 @@ For each fixture, tests/data/golden/<name>/ holds:
   score.bin     the batch's B windows of T + 1 tokens back to back (what --score reads)
   golden.safetensors  F32: batch [B, T+1], logits [B*T, V], loss [1] (mean over the B*T
                 targets), and grad.<name> for every parameter (gradient of that mean loss)
+The fixture "trained" is a checkpoint after 20 steps of training instead of a random one (see
+make_trained): 4 layers, d_model 64, the byte vocabulary, batch 4 x 64 of held-out text.
 The reference runs in float64. transformers keeps RMSNorm and the RoPE angles in fp32 even in
 an fp64 model; both are patched below to stay in float64 (attention is sdpa, which runs in the
 model's dtype; transformers 5 no longer casts logits to fp32), so the stored values are exact
@@ -41,6 +43,15 @@ FIXTURES = {
 # Saved by transformers in bf16 (torch_dtype bfloat16): the reference is float64 of the bf16
 # weights, and golden.safetensors also holds "loss_bf16", what transformers computes in bf16.
 BF16_FIXTURES = {"gqa_bf16": (4, 2, False, 10000.0, 1e-5)}
+# Trained, not random: early training makes the residual stream share one large direction, so a
+# layer's value vectors are nearly equal (their common part ~20 times their spread at the last
+# layer) and the softmax backward's dP - rowsum(P * dP) cancels most of its bits. Random weights
+# never do this; a precision loss there (the row term summed in fp32) moved the gradients of
+# trained checkpoints 3-5 times further from float64 than fp32 arithmetic must. Seed 2 of the
+# first four, the one where that loss was clearest in both attention paths (2.2e-5 against
+# 3.8e-6 after the fix, in the golden tests' measure; the other seeds 1.2e-5 to 3.5e-5 before).
+TRAINED_FIXTURES = {"trained": dict(d_model=64, layers=4, heads=4, kv_heads=2, ffn=128, T=64, B=4,
+                                    steps=20, seed=2)}
 
 
 def rmsnorm_fp64(self, x):
@@ -81,7 +92,6 @@ def make(name, heads, kv_heads, tied, theta, eps, seed, bf16=False):
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * (2 if "lm_head" in pname else 1) / math.sqrt(p.shape[1]))
     d = os.path.join(OUT, name)
-    loss_bf16 = None
     if bf16:
         model = model.to(torch.bfloat16)
     model.save_pretrained(d, safe_serialization=True)
@@ -96,18 +106,68 @@ def make(name, heads, kv_heads, tied, theta, eps, seed, bf16=False):
         with patched(False), torch.no_grad():
             lb = model(input_ids=batch[:, :T]).logits.float()
             loss_bf16 = torch.nn.functional.cross_entropy(lb.reshape(B * T, -1), batch[:, 1:].reshape(-1))
+    write_reference(name, d, model, batch, {"loss_bf16": loss_bf16.reshape(1)} if bf16 else {})
+
+
+def write_reference(name, d, model, batch, extra):
+    """golden.safetensors: the float64 logits, mean loss and gradients of `model`'s weights on `batch`."""
+    B, T = batch.shape[0], batch.shape[1] - 1
     model = model.double()
+    model.zero_grad(set_to_none=True)  # a trained model still holds its last step's gradients
     logits = model(input_ids=batch[:, :T]).logits.double()  # [B, T, V]
     loss = torch.nn.functional.cross_entropy(logits.reshape(B * T, -1), batch[:, 1:].reshape(-1))
     loss.backward()
-    out = {"batch": batch.float(), "logits": logits.reshape(B * T, -1), "loss": loss.reshape(1)}
-    if loss_bf16 is not None:
-        out["loss_bf16"] = loss_bf16.reshape(1)
+    out = {"batch": batch.float(), "logits": logits.reshape(B * T, -1), "loss": loss.reshape(1), **extra}
     for pname, p in model.named_parameters():  # tied: one tensor, both gradients summed
         out["grad." + pname] = p.grad
     save_file({k: v.detach().float().contiguous() for k, v in out.items()}, os.path.join(d, "golden.safetensors"),
               metadata={"transformers": transformers.__version__, "torch": torch.__version__})
     print(f"{name}: loss {loss.item():.6f}, {sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))} bytes")
+
+
+def fortune_bytes():  # picoscale's default corpus, as runtime/data.cu reads it (files sorted by name)
+    root = "/usr/share/games/fortunes"
+    names = sorted(n for n in os.listdir(root) if "." not in n and os.path.isfile(os.path.join(root, n)))
+    return b"".join(open(os.path.join(root, n), "rb").read() for n in names)
+
+
+def make_trained(name, d_model, layers, heads, kv_heads, ffn, T, B, steps, seed):
+    """A checkpoint trained as picoscale trains by default, in float64: N(0, 0.02) weights, AdamW
+    (0.9, 0.95, eps 1e-8, weight decay 0.1), lr 2e-3 warmed up linearly over 20 steps, gradients
+    clipped to norm 1, 8 windows of T + 1 bytes per step drawn from the first 800,000 bytes of the
+    fortune corpus. Saved in fp32; the reference is float64 of those fp32 weights, on 4 windows
+    of bytes the training never read (from byte 900,000). torch's float64 GEMMs may round
+    differently on another machine: a regenerated fixture can differ in the last bits, and is
+    as valid."""
+    data = torch.tensor(list(fortune_bytes()[:1_000_000]))
+    cfg = LlamaConfig(vocab_size=256, hidden_size=d_model, intermediate_size=ffn, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=T,
+                      rope_theta=10000.0, rms_norm_eps=1e-5, initializer_range=0.02,
+                      tie_word_embeddings=False, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).double()
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = 2e-3 * min(1.0, (step + 1) / 20)
+        starts = torch.randint(0, 800_000, (8,), generator=g)
+        xb = torch.stack([data[s: s + T + 1] for s in starts])  # [8, T+1]
+        logits = model(input_ids=xb[:, :T]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), xb[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    d = os.path.join(OUT, name)
+    model = model.float()
+    model.save_pretrained(d, safe_serialization=True)
+    os.remove(os.path.join(d, "generation_config.json"))
+    stream = data[900_000: 900_000 + B * T + 1]  # the batch's stream, then as many filler bytes
+    batch = torch.stack([stream[b * T: b * T + T + 1] for b in range(B)])  # [B, T+1]
+    write_shard(os.path.join(d, "tokens.bin"), stream.tolist() + data[950_000: 950_000 + B * T + 1].tolist())
+    write_shard(os.path.join(d, "score.bin"), batch.flatten().tolist())
+    write_reference(name, d, model, batch, {})
 
 
 ORIGINAL = (llama.LlamaRMSNorm.forward, llama.LlamaRotaryEmbedding.forward)
@@ -137,4 +197,7 @@ if __name__ == "__main__":
     for i, (name, spec) in enumerate(BF16_FIXTURES.items()):
         if not only or name in only:
             make(name, *spec, seed=2000 + i, bf16=True)
+    for name, spec in TRAINED_FIXTURES.items():
+        if not only or name in only:
+            make_trained(name, **spec)
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")

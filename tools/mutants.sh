@@ -22,19 +22,19 @@ GPU_ARCH=${GPU_ARCH:-"-gencode arch=compute_90,code=sm_90"}
 # bug it plants.
 IDS=() FILES=() LINES=() REPLS=() WHATS=()
 mutant() { IDS+=("$1") FILES+=("$2") LINES+=("$3") REPLS+=("$4") WHATS+=("$5"); }
-mutant rms-eps ops.cu \
+mutant rms-eps runtime/ops.cu \
   '    float r = 1.0f / sqrtf(ss / D + eps);' \
   '    float r = 1.0f / (sqrtf(ss / D) + eps);' \
   "RMSNorm: eps outside the square root"
-mutant rope-angle ops.cu \
+mutant rope-angle runtime/ops.cu \
   '        float angle = (float)pos[t] * (1.0f / powf(theta, (2.0f * i) / hd));' \
   '        float angle = (float)pos[t] * (1.0f / powf(theta, (2.0f * i + 1) / hd));' \
   "RoPE: wrong frequencies (forward and backward still agree)"
-mutant rope-sign ops.cu \
+mutant rope-sign runtime/ops.cu \
   '        v[i + half] = b * c + a * s;' \
   '        v[i + half] = b * c - a * s;' \
   "RoPE: not a rotation"
-mutant ce-max ops.cu \
+mutant ce-max runtime/ops.cu \
   '    for (int i = 0; i < V; i++) mx = fmaxf(mx, x[i]);' \
   '    for (int i = 0; i < V; i++) mx = fmaxf(mx, 0.0f);' \
   "cross-entropy: no max shift"
@@ -54,19 +54,19 @@ mutant ring-steps data_parallel.cu \
   '  if (step_ < N - 1) {  // reduce-scatter: add the received partial sum into our chunk' \
   '  if (step_ < N - 2) {  // reduce-scatter: add the received partial sum into our chunk' \
   "ring all-reduce: one reduce step not added"
-mutant overlap-edge comm_handle.cu \
+mutant overlap-edge runtime/comm_handle.cu \
   '  return a && b && a < b + nb && b < a + na;' \
   '  return a && b && a < b + nb - 1 && b < a + na - 1;' \
   "overlap test misses a shared end element"
-mutant overlap-ignored comm_handle.cu \
-  '  if (ctx.device == Device::CUDA || !overlap) return mpi_buffer(s, ctx, send, n_send, true, false);' \
-  '  if (true) return mpi_buffer(s, ctx, send, n_send, true, false);' \
+mutant overlap-ignored runtime/comm_handle.cu \
+  '  if (ctx.device == Device::CUDA || !overlap) return mpi_buffer(s, ctx, send, send_bytes, true, false);' \
+  '  if (true) return mpi_buffer(s, ctx, send, send_bytes, true, false);' \
   "in-place collectives hand MPI overlapping buffers"
-mutant norm-replicas gradient_sync.cu \
-  '    if (s.counted) grads.push_back(Tensor{nullptr, s.grad, {s.count}, DType::F32, ctx.device});' \
-  '    grads.push_back(Tensor{nullptr, s.grad, {s.count}, DType::F32, ctx.device});' \
+mutant norm-replicas runtime/gradient_sync.cu \
+  '    if (s.counted) grads.push_back(Tensor{nullptr, s.grad, {s.count}, s.grad_dtype, ctx.device});' \
+  '    grads.push_back(Tensor{nullptr, s.grad, {s.count}, s.grad_dtype, ctx.device});' \
   "gradient norm counts replicated tensors on every tp rank"
-mutant zero-norm gradient_sync.cu \
+mutant zero-norm runtime/gradient_sync.cu \
   '  if (grads_sharded()) all_reduce_host(comm_.dp_cp, &squares, 1, ReduceOp::Sum);' \
   '  if (grads_sharded()) all_reduce_host(comm_.dp_cp, &squares, 1, ReduceOp::Max);' \
   "ZeRO gradient norm: the largest shard instead of the sum"
@@ -86,11 +86,11 @@ mutant shard-rows tensor_parallel.cu \
   '      float& cell = full[(row0 + r) * full_cols + col0 + c];' \
   '      float& cell = full[(row0 + rows - 1 - r) * full_cols + col0 + c];' \
   "tp shards loaded and saved row-reversed (round trips still pass)"
-mutant config-theta checkpoint.cu \
+mutant config-theta runtime/checkpoint.cu \
   '    if (theta != rope->end()) cfg.rope_theta = theta->get<float>();' \
   '    if (false) cfg.rope_theta = theta->get<float>();' \
   "--load ignores rope_parameters.rope_theta (transformers 5)"
-mutant config-eps checkpoint.cu \
+mutant config-eps runtime/checkpoint.cu \
   '  cfg.norm_eps = positive_float("rms_norm_eps", true, 0);' \
   '  cfg.norm_eps = 1e-5f;' \
   "--load ignores rms_norm_eps"
@@ -134,11 +134,11 @@ mutant scale-halve mixed_precision.cu \
   '    if (dynamic) scale = std::max(scale / 2, 1.0f);' \
   '    if (dynamic) scale = std::max(scale, 1.0f);' \
   "fp16 loss scaling: the scale not halved on overflow"
-mutant mpi-16bit-sum comm.cu \
+mutant mpi-16bit-sum runtime/comm.cu \
   '    b[i] = T == DType::BF16 ? float_to_bf16(r) : float_to_fp16(r);' \
   '    b[i] = T == DType::BF16 ? (uint16_t)(float_to_bf16(r) & 0xFFFE) : float_to_fp16(r);' \
   "bf16 collectives over MPI: sums not rounded to nearest even (last bit dropped)"
-mutant bf16-grad-acc gradient_sync.cu \
+mutant bf16-grad-acc runtime/gradient_sync.cu \
   '    cast_(ctx, acc, bf16_unit_(u));  // the bf16 sum so far, exactly' \
   '    zero_(ctx, acc);' \
   "bf16 gradients: a unit's accumulator starts from zero, losing earlier micro-batches"
@@ -146,6 +146,49 @@ mutant zero-bf16-gather zero.cu \
   '      if (param_shard_.defined()) cast_(ctx, mine, shard_view(Part::Params, iu, U.shard));' \
   '      if (param_shard_.defined()) (void)mine;' \
   "ZeRO-1/2 in bf16: the updated master slice never rounded into the gathered bf16 weights"
+# fp32 accuracy of the attention backward (tests/test_golden.cu's trained fixture): each puts
+# back an error in the softmax row term that a trained model's gradients carry 3-5 times over.
+mutant attn-row-mean kernels/attention_naive.cu \
+  '    const float dot = (float)(weighted / total);' \
+  '    const float dot = (float)weighted;' \
+  "naive attention backward: <p, dp> not divided by sum p (fp32 p sum to 1 within ulps only)"
+mutant flash-d-fp32 flash_attention.cu \
+  '        for (int d = 0; d < a.hd; d++) dot += (double)dout[off + d] * out[off + d];' \
+  '        for (int d = 0; d < a.hd; d++) dot = (float)(dot + dout[off + d] * out[off + d]);' \
+  "FlashAttention backward: D = rowsum(dO * O) summed in fp32"
+# Data boundaries (runtime/data.cu): each breaks only at a split length, window or epoch edge.
+mutant data-windows runtime/data.cu \
+  '  const int64_t span = n_train - seq, windows = (n_train - 1) / seq;' \
+  '  const int64_t span = n_train - seq, windows = n_train / seq;' \
+  "shuffled order: one window too many when --seq divides the split (reads past its end)"
+mutant data-windows-few runtime/data.cu \
+  '  const int64_t span = n_train - seq, windows = (n_train - 1) / seq;' \
+  '  const int64_t span = n_train - seq, windows = (n_train - 2) / seq;' \
+  "shuffled order: the last window never read when --seq divides the split minus one"
+mutant data-span runtime/data.cu \
+  '  const int64_t span = n_train - seq, windows = (n_train - 1) / seq;' \
+  '  const int64_t span = n_train - seq - 1, windows = (n_train - 1) / seq;' \
+  "file order: wraps one start early (the last start that fits never read)"
+mutant data-epoch runtime/data.cu \
+  '        shuffle ? seq * shuffled_window(k % windows, windows, seed, k / windows) : (k * seq) % span;' \
+  '        shuffle ? seq * shuffled_window(k % windows, windows, seed, 0) : (k * seq) % span;' \
+  "shuffled order: every epoch in the first epoch's order"
+mutant data-val-windows runtime/data.cu \
+  '  return ((int64_t)data.val.size() - 1) / seq;  // each window needs seq + 1 tokens' \
+  '  return ((int64_t)data.val.size()) / seq;  // each window needs seq + 1 tokens' \
+  "validation: one window too many when --seq divides the val split (reads past its end)"
+mutant data-val-round runtime/data.cu \
+  'static int64_t val_size(int64_t n, double val_fraction) { return (int64_t)(n * val_fraction); }' \
+  'static int64_t val_size(int64_t n, double val_fraction) { return (int64_t)std::ceil(n * val_fraction); }' \
+  "--val-frac: the val split rounded up instead of down"
+mutant data-min-tokens runtime/data.cu \
+  '  int64_t n = (int64_t)std::max({2 * need, need / val_fraction, seq / (1.0 - val_fraction)}) - 2;' \
+  '  int64_t n = (int64_t)std::max({2 * need, need / val_fraction, seq / (1.0 - val_fraction)}) + 1;' \
+  "too-small data: the message asks for one token more than the smallest file that loads"
+mutant data-shard-size runtime/data.cu \
+  '  if (count < 0 || size != kShardHeaderBytes + 2 * count)' \
+  '  if (count < 0 || size < kShardHeaderBytes + 2 * count)' \
+  "llm.c shard: bytes after the promised tokens accepted"
 
 # Runs one step of the subset; on failure prints the step and the test files whose checks
 # failed (or "crashed" when there are none: an abort, a timeout).
