@@ -8,6 +8,8 @@
 // says it cannot hide behind compute.
 #include "planner/planner.cuh"
 
+#include <cblas.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -916,8 +918,10 @@ DevicePeak device_peak(const Context& ctx, Precision p) {
     if (i > 0) best = std::min(best, now_seconds() - t0);
   }
   d.flops = 2.0 * n * n * n / best;
-  d.how = std::string("measured: fp32 GEMM ") + std::to_string(n) + "^3, best of 3 on " +
-          device_name(ctx.device) + (ctx.device == Device::CPU ? " (this rank's OpenBLAS threads)" : "");
+  d.how = "measured now: fp32 GEMM of " + std::to_string(n) + "^3, best of 3, " +
+          (ctx.device == Device::CPU
+               ? "on " + std::to_string(openblas_get_num_threads()) + " OpenBLAS thread(s)"
+               : std::string("on this GPU (no profile for its name)"));
   return d;
 }
 

@@ -283,3 +283,35 @@ TEST_CASE("the book's campaign: the planner's memory within 25% in 20 cells, the
   CHECK(2 * top5 >= ran);
   CHECK(2 * mfu >= ran);
 }
+
+// ----------------------------------------------------------------------------
+// MFU in the step lines
+
+TEST_CASE("every step line and --log-json line gives tokens/s per rank and the MFU of the book's "
+          "FLOP count over the printed peak", "[train]") {
+  std::string dir = make_temp_dir();
+  RunResult r = run_train("--d-model 64 --layers 2 --heads 4 --kv-heads 2 --ffn 128 --seq 32 "
+                          "--mbs 4 --steps 3 --warmup 1 --val-every 0 --val-seqs 1 --log-json " +
+                          dir + "/log.jsonl");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  // "MFU: the book's 6N + 12 L h s = F FLOPs per token (appendix A2) over P FLOP/s per rank (how)"
+  std::smatch m;
+  REQUIRE(std::regex_search(r.output, m, std::regex("MFU: the book's 6N \\+ 12 L h s = ([0-9.e+]+) "
+                                                    "FLOPs per token .* over ([0-9.e+]+) FLOP/s per "
+                                                    "rank \\(measured now: fp32 GEMM")));
+  ModelConfig c = model_preset("tiny");
+  c.d_model = 64, c.layers = 2, c.heads = 4, c.kv_heads = 2, c.ffn = 128, c.seq = 32;
+  const double flops = 6.0 * parameter_count(c) + 12.0 * 2 * 64 * 32;
+  CHECK(std::stod(m[1]) == Approx(flops).epsilon(1e-3));
+  const double peak = std::stod(m[2]);
+  CHECK(peak > 0);
+  CHECK(count_occurrences(r.output, " tok/s/rank | MFU ") == 3);
+  auto lines = read_json_lines(dir + "/log.jsonl");
+  REQUIRE(lines.size() == 3);
+  for (auto& line : lines) {
+    double per_rank = line["tokens_per_s_per_rank"], mfu = line["mfu"];
+    CHECK(per_rank == Approx(line["tokens_per_s"].get<double>()));  // one rank
+    CHECK(mfu == Approx(flops * per_rank / peak).epsilon(1e-3));
+  }
+}
