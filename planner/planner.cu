@@ -701,10 +701,19 @@ static std::vector<int> divisors(int n) {
   return d;
 }
 
-// The first clause of a rule's message: "--tp 3 does not divide --heads 32".
-static std::string first_clause(const std::string& why) {
-  size_t cut = why.find(':');
-  return cut == std::string::npos ? why : why.substr(0, cut);
+// A rule's message as a reason that groups its cases: its first clause with the numbers
+// named N ("--tp 3 does not divide --heads 32: ..." -> "--tp N does not divide --heads N").
+static std::string rule(const std::string& why) {
+  std::string clause = why.substr(0, why.find(':')), out;
+  for (size_t i = 0; i < clause.size(); i++) {
+    if (!isdigit((unsigned char)clause[i]) || (i > 0 && clause[i - 1] != ' ')) {
+      out += clause[i];
+      continue;
+    }
+    out += 'N';  // a number on its own (not the 1 of zb-h1)
+    while (i + 1 < clause.size() && isdigit((unsigned char)clause[i + 1])) i++;
+  }
+  return out;
 }
 
 PlanResult plan_layouts(const ModelConfig& cfg, int64_t global_tokens, const Cluster& cl,
@@ -756,7 +765,10 @@ PlanResult plan_layouts(const ModelConfig& cfg, int64_t global_tokens, const Clu
             for (int zero : space.zero_stages) {
               if (zero > 0 && dp * cp == 1) continue;  // nothing to shard: the zero 0 layout
               for (Recompute rec : space.recompute)
-                for (Precision prec : space.precisions)
+                for (Precision prec : space.precisions) {
+                  // FlashAttention keeps no probabilities: selective recomputation has nothing to
+                  // drop, and is the recompute none layout.
+                  if (rec == Recompute::Selective && base.attention == AttentionKind::Flash) continue;
                   for (int mbs : divisors((int)std::min<int64_t>(per_rank, 1 << 20))) {
                     if (per_rank % mbs || mbs > space.max_mbs) continue;
                     Layout l = base;
@@ -772,7 +784,7 @@ PlanResult plan_layouts(const ModelConfig& cfg, int64_t global_tokens, const Clu
                     try {
                       validate_layout(c, l);
                     } catch (const UsageError& e) {
-                      reject("invalid: " + first_clause(e.what()), l);
+                      reject("invalid: " + rule(e.what()), l);
                       continue;
                     }
                     reachable = true;
@@ -789,6 +801,7 @@ PlanResult plan_layouts(const ModelConfig& cfg, int64_t global_tokens, const Clu
                     cand.time = predict_time(c, l, cl, impl);
                     all.push_back(std::move(cand));
                   }
+                }
             }
       }
   }
@@ -803,8 +816,8 @@ PlanResult plan_layouts(const ModelConfig& cfg, int64_t global_tokens, const Clu
               " tokens (dp must divide the sequences, and tp, pp, cp the model)";
   } else if (r.ranked.empty()) {
     r.error = "the model does not fit: the smallest layout needs " +
-              human_bytes(r.smallest_memory) + " per GPU, a " + cl.gpu.name + " has " +
-              human_bytes(cl.gpu.memory);
+              human_bytes(r.smallest_memory) + " per GPU, one " + cl.gpu.name + " has " +
+              human_bytes(cl.gpu.memory) + " (every layout searched: add nodes, or GPUs with more memory)";
   }
   return r;
 }
