@@ -109,7 +109,7 @@ test-sweep: deps
 	  $(BUILD)/unit_tests "[sweep]" --use-colour no --durations yes
 
 bench: deps
-	@$(MAKE) --no-print-directory -j$$(nproc) train $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp \
+	@$(MAKE) --no-print-directory -j$$(nproc) train plan $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp \
 	  $(BUILD)/bench_attention
 	@bash tools/bench.sh
 

@@ -13,7 +13,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <unistd.h>
 
@@ -69,7 +71,7 @@ static GpuProfile h100() {
   g.peak_bf16 = 989e12, g.peak_fp32 = 67e12, g.peak_fp8 = 1979e12;
   g.memory = 80 * GiB, g.hbm_bandwidth = 3.35e12;
   g.intra_allreduce_bw = 436e9, g.intra_gather_bw = 250e9, g.intra_p2p_bw = 450e9;
-  g.intra_alpha = 2e-6;
+  g.intra_alpha = g.intra_alpha_gather = g.intra_alpha_p2p = 2e-6;
   g.inter_allreduce_bw = 408e9, g.inter_gather_bw = 285e9;
   g.inter_allreduce_per_rank = 4.1e-14, g.inter_gather_per_rank = 1.2e-13;
   g.inter_alpha = 5e-6;
@@ -111,7 +113,8 @@ GpuProfile gpu_profile(const std::string& name) {
     g.hbm_bandwidth = 10e9;
     // Shared-memory MPI between processes: a few GB/s and microseconds (bench_comm measures
     // this machine's; plan --comm-fit reads its fit).
-    g.intra_allreduce_bw = g.intra_gather_bw = 4e9, g.intra_p2p_bw = 4e9, g.intra_alpha = 5e-6;
+    g.intra_allreduce_bw = g.intra_gather_bw = 4e9, g.intra_p2p_bw = 4e9;
+    g.intra_alpha = g.intra_alpha_gather = g.intra_alpha_p2p = 5e-6;
     g.inter_allreduce_bw = g.inter_gather_bw = g.nic_bw = 4e9;
     g.inter_alpha = 5e-6;
     g.compute_efficiency = 0.5, g.gemm_half_width = 32;
@@ -123,6 +126,43 @@ GpuProfile gpu_profile(const std::string& name) {
   throw UsageError("--gpu " + name + ": unknown profile; choose one of " + known);
 }
 std::vector<std::string> gpu_profile_names() { return {"h100", "h200", "a100", "cpu"}; }
+
+void apply_comm_fit(GpuProfile& g, const std::string& path) {
+  std::ifstream f(path);
+  if (!f) throw UsageError("--comm-fit " + path + ": cannot open it (bench_comm --fit writes it)");
+  try {
+    nlohmann::json j = nlohmann::json::parse(f);
+    auto link = [&](const char* name, double& alpha, double& bw) {
+      const nlohmann::json& c = j.at("collectives").at(name);
+      alpha = c.at("alpha_s").get<double>(), bw = c.at("busbw_bytes_per_s").get<double>();
+      if (!(alpha >= 0) || !(bw > 0)) throw std::invalid_argument(name);
+    };
+    double gather_alpha = 0, gather_bw = 0, scatter_alpha = 0, scatter_bw = 0;
+    link("all_reduce", g.intra_alpha, g.intra_allreduce_bw);
+    link("all_gather", gather_alpha, gather_bw);
+    link("reduce_scatter", scatter_alpha, scatter_bw);
+    link("send_recv", g.intra_alpha_p2p, g.intra_p2p_bw);
+    // One figure for both: the planner prices all-gathers and reduce-scatters alike.
+    g.intra_alpha_gather = (gather_alpha + scatter_alpha) / 2;
+    g.intra_gather_bw = 2 / (1 / gather_bw + 1 / scatter_bw);
+    g.inter_allreduce_bw = g.intra_allreduce_bw, g.inter_gather_bw = g.intra_gather_bw;
+    g.inter_allreduce_per_rank = g.inter_gather_per_rank = 0;
+    g.inter_alpha = g.intra_alpha, g.nic_bw = g.intra_p2p_bw;
+    g.source += "; collectives measured by bench_comm --fit (" + path + ")";
+    if (g.name == "cpu" && j.contains("gemm_flops_alone")) {
+      // A rank alone runs at the machine's rate for one rank; together the ranks run
+      // shared_capacity at a time (the rest wait for a core).
+      double alone = j.at("gemm_flops_alone").get<double>();
+      double busy = j.at("gemm_flops_per_rank").get<double>();
+      int ranks = j.at("ranks").get<int>();
+      g.peak_fp32 = alone;
+      if (ranks * busy < 0.9 * ranks * alone) g.shared_capacity = ranks * busy / alone;
+      g.source += ", its fp32 GEMM rate alone and shared";
+    }
+  } catch (const std::exception& e) {
+    throw UsageError("--comm-fit " + path + ": not bench_comm --fit's JSON (" + e.what() + ")");
+  }
+}
 
 double peak_flops(const GpuProfile& g, Precision p) {
   switch (p) {
@@ -463,13 +503,14 @@ double collective_time(const GpuProfile& gpu, const Placement& pl, Op op, double
   const int R = pl.size;
   if (op == Op::PointToPoint) {
     double bw = pl.inter ? gpu.nic_bw : gpu.intra_p2p_bw;
-    return (pl.inter ? gpu.inter_alpha : gpu.intra_alpha) + bytes / bw;
+    return (pl.inter ? gpu.inter_alpha : gpu.intra_alpha_p2p) + bytes / bw;
   }
   if (R <= 1 || bytes <= 0) return 0;
   const bool ar = op == Op::AllReduce;
   const double steps = (ar ? 2.0 : 1.0) * (R - 1), factor = steps / R;
   if (!pl.inter)
-    return steps * gpu.intra_alpha + factor * bytes / (ar ? gpu.intra_allreduce_bw : gpu.intra_gather_bw);
+    return steps * (ar ? gpu.intra_alpha : gpu.intra_alpha_gather) +
+           factor * bytes / (ar ? gpu.intra_allreduce_bw : gpu.intra_gather_bw);
   // Between nodes: the ring's bandwidth, capped by the network links its members on one node
   // bring, and degraded by the ranks in it.
   double inverse = std::max(1.0 / (ar ? gpu.inter_allreduce_bw : gpu.inter_gather_bw),
@@ -503,6 +544,11 @@ PipelineTiming pipeline_timing(PpSchedule s, int p, int m, int V, double t_f, do
 }
 
 }  // namespace
+
+// The ranks of a layout on one node.
+static int world_ranks_per_node(const Layout& l, const Cluster& cl) {
+  return std::min(l.world(), cl.gpus_per_node);
+}
 
 double StepTime::exposed_total() const {
   double t = 0;
@@ -545,8 +591,8 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
   if (l.tp > 1) {
     double ar = collective_time(gpu, tp_pl, Op::AllReduce, K);
     double ag = collective_time(gpu, tp_pl, Op::Gather, K);
-    tp_fwd = l.sp ? 2 * ag + 2 * ag : 2 * ar;
-    tp_bwd = l.sp ? 4 * ag + 2 * ag : 2 * ar;
+    tp_fwd = l.sp ? 4 * ag : 2 * ar;  // a reduce-scatter costs an all-gather
+    tp_bwd = l.sp ? 6 * ag : 2 * ar;
   }
   // Context parallelism (Playbook §7.2): per block, cp - 1 ring steps, each passing k and v of
   // this rank's tokens (forward) or k, v and their gradient accumulators (backward) while one
@@ -565,14 +611,14 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
   double p2p = 0;
   if (p > 1) p2p = collective_time(gpu, placement(l, cl, "pp"), Op::PointToPoint, n * D * wire);
 
-  // The slowest pipeline rank's forward and backward of one micro-batch (all its chunks).
   // Appendix A3: an overlapped tp collective hides behind the GEMMs of its block.
   if (impl.tp_overlap) {
     tp_fwd = std::max(0.0, tp_fwd - block_gemm);
     tp_bwd = std::max(0.0, tp_bwd - 2 * block_gemm);
   }
-  // The first and the last pipeline ranks bound the others: the most blocks and the
-  // embedding, or the head (pipeline_chunks gives the first chunks the extra blocks).
+  // The slowest pipeline rank's forward and backward of one micro-batch (all its chunks). The
+  // first and the last bound the others: the most blocks and the embedding, or the head
+  // (pipeline_chunks gives the first chunks the extra blocks).
   std::vector<const StageShape*> shapes;
   for (int s : p > 1 ? std::vector<int>{0, p - 1} : std::vector<int>{0})
     shapes.push_back(&stage_shape(cfg, l, s));
@@ -580,7 +626,9 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
          stage_p2p = 0;
   for (const StageShape* shape : shapes) {
     double f = 0, r = 0, tpc = 0, cpc = 0, pc = 0;
+    int blocks = 0;
     for (const StageShape::Chunk& c : shape->chunks) {
+      blocks += c.blocks;
       f += c.blocks * block_fwd + (c.head ? head_fwd : 0);
       if (l.recompute == Recompute::Full) r += c.blocks * block_fwd;
       if (l.recompute == Recompute::Selective && l.attention == AttentionKind::Naive)
@@ -592,11 +640,7 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
     }
     if (impl.balanced_stages && p > 1) {  // every stage a p-th of the whole model's work
       f = (cfg.layers * block_fwd + head_fwd) / p;
-      r = cfg.layers * (r / std::max(1, [&] {
-            int blocks = 0;
-            for (const StageShape::Chunk& c : shape->chunks) blocks += c.blocks;
-            return blocks;
-          }())) / p;
+      r = r / blocks * cfg.layers / p;
     }
     if (3 * f + r + tpc + cpc + pc > stage_fwd + stage_bwd + stage_tp + stage_cp + stage_p2p) {
       stage_fwd = f, stage_bwd = 2 * f + r, stage_recompute = r;
@@ -628,9 +672,8 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
   // of the micro-batch that launches the collectives covers is hidden; the rest is exposed.
   const int Nd = l.dp * l.cp;
   const int zero = Nd > 1 ? l.zero : 0;
-  double dp_exposed = 0;
-  double opt = 0;
-  if (Nd >= 1) {
+  double dp_exposed = 0, opt = 0;
+  {
     Placement pl = placement(l, cl, "dp_cp");
     const double grad_bytes = l.bf16_grads ? 2 : 4;
     const double weight_bytes = l.precision == Precision::FP32 ? 4 : 2;
@@ -677,7 +720,12 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
   }
   st.exposed["dp"] = dp_exposed;
   st.optimizer = opt;
-  st.step = makespan + dp_exposed + opt;
+  // Ranks sharing cores: the node's compute cannot finish before its cores have done every
+  // rank's share, however the schedule lets ranks wait (a waiting rank frees its core).
+  double floor = 0;
+  if (gpu.shared_capacity > 0)
+    floor = st.compute * world_ranks_per_node(l, cl) / gpu.shared_capacity;
+  st.step = std::max(makespan, floor) + dp_exposed + opt;
   const double tokens = (double)l.dp * l.mbs * l.grad_acc * cfg.seq;
   const int world = l.world();
   st.tokens_per_s_per_gpu = tokens / st.step / world;

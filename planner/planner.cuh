@@ -44,8 +44,10 @@ struct GpuProfile {
   double memory = 0;                                   // bytes
   double hbm_bandwidth = 0;                            // bytes/s (the optimizer step)
   // Inside a node (NVLink; on CPU, shared memory): bus bandwidth of all-reduce and of
-  // all-gather / reduce-scatter (bytes/s), point-to-point bandwidth, latency per ring step.
-  double intra_allreduce_bw = 0, intra_gather_bw = 0, intra_p2p_bw = 0, intra_alpha = 0;
+  // all-gather / reduce-scatter (bytes/s), point-to-point bandwidth, and the latency per ring
+  // step of each (bench_comm --fit measures them per collective).
+  double intra_allreduce_bw = 0, intra_gather_bw = 0, intra_p2p_bw = 0;
+  double intra_alpha = 0, intra_alpha_gather = 0, intra_alpha_p2p = 0;
   // Between nodes: the bus bandwidth of a ring that leaves the node, which degrades with the
   // ranks R in it (1/busbw = 1/B + c R: congestion, not latency, as the book's 256 MB
   // measurement shows), the latency per ring step, and each GPU's own network bandwidth (a
@@ -56,9 +58,17 @@ struct GpuProfile {
   double compute_efficiency = 0.5;  // achievable fraction of the peak on a large step
   double gemm_half_width = 128;     // a GEMM dimension at which its efficiency halves
   double runtime_bytes = 0;         // the CUDA context, library workspaces, allocator slack
+  // CPU ranks sharing a machine's cores: how many ranks' worth of compute it runs at once
+  // (bench_comm --fit measures it); 0: every rank has its own device.
+  double shared_capacity = 0;
   std::string source;               // where the numbers come from
 };
 GpuProfile gpu_profile(const std::string& name);  // h100, h200, a100, cpu; else UsageError
+// The alpha and busbw bench_comm --fit measured on this machine's ranks (a JSON file), as the
+// profile's links inside a node and, for a one-node cluster, between nodes; for the cpu
+// profile also the GEMM rate each rank reached while every rank computed. UsageError naming
+// the file when it cannot be read.
+void apply_comm_fit(GpuProfile& gpu, const std::string& path);
 std::vector<std::string> gpu_profile_names();
 double peak_flops(const GpuProfile& gpu, Precision p);
 

@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <fstream>
 #include <regex>
 
 #include "launch.cuh"
@@ -314,4 +315,67 @@ TEST_CASE("every step line and --log-json line gives tokens/s per rank and the M
     CHECK(per_rank == Approx(line["tokens_per_s"].get<double>()));  // one rank
     CHECK(mfu == Approx(flops * per_rank / peak).epsilon(1e-3));
   }
+}
+
+// ----------------------------------------------------------------------------
+// Step time: the book's bubble, measured bandwidths, one layout on the command line
+
+TEST_CASE("the planner's 1F1B on 4 stages and 8 micro-batches idles 3/11 of the step when "
+          "communication is free", "[planner]") {
+  // Playbook §8.4: the idle share (p-1)/(m+p-1). The planner runs the schedule's tables on
+  // paper with its predicted op times; with free links nothing else is exposed.
+  GpuProfile free_links = gpu_profile("h100");
+  free_links.intra_alpha = free_links.intra_alpha_gather = free_links.intra_alpha_p2p = 0;
+  free_links.intra_allreduce_bw = free_links.intra_gather_bw = free_links.intra_p2p_bw = 1e30;
+  Cluster cl{1, 8, free_links};
+  Layout l;
+  l.dp = 2, l.pp = 4, l.grad_acc = 8, l.mbs = 1, l.schedule = PpSchedule::OneFOneB;
+  ModelConfig c = planner_model("llama-8b");
+  StepTime t = predict_time(c, l, cl, Implementation{});
+  CHECK(t.bubble / (t.compute + t.bubble) == Approx(3.0 / 11).epsilon(1e-6));
+  l.schedule = PpSchedule::AFAB;  // the same idle share, more memory
+  CHECK(predict_time(c, l, cl, Implementation{}).bubble / (t.compute + t.bubble) ==
+        Approx(3.0 / 11).epsilon(1e-6));
+}
+
+TEST_CASE("bench_comm --fit's measured collectives become the profile's links; a file that is not "
+          "one is named", "[planner]") {
+  std::string dir = make_temp_dir();
+  {
+    std::ofstream f(dir + "/fit.json");
+    f << R"({"ranks": 4, "collectives": {
+      "all_reduce": {"alpha_s": 5e-6, "busbw_bytes_per_s": 1.5e9},
+      "all_gather": {"alpha_s": 7e-6, "busbw_bytes_per_s": 2e9},
+      "reduce_scatter": {"alpha_s": 9e-6, "busbw_bytes_per_s": 1e9},
+      "send_recv": {"alpha_s": 2e-5, "busbw_bytes_per_s": 3e9}},
+      "gemm_flops_alone": 2e10, "gemm_flops_per_rank": 1e10})";
+  }
+  GpuProfile g = gpu_profile("cpu");
+  apply_comm_fit(g, dir + "/fit.json");
+  CHECK(g.intra_alpha == 5e-6);
+  CHECK(g.intra_allreduce_bw == 1.5e9);
+  CHECK(g.intra_alpha_gather == Approx(8e-6));
+  CHECK(g.intra_gather_bw == Approx(2 / (1 / 2e9 + 1 / 1e9)));  // the harmonic mean
+  CHECK(g.intra_alpha_p2p == 2e-5);
+  CHECK(g.intra_p2p_bw == 3e9);
+  CHECK(g.peak_fp32 == 2e10);
+  CHECK(g.shared_capacity == 2.0);  // 4 ranks at half the rate alone: two at a time
+  { std::ofstream f(dir + "/bad.json"); f << R"({"ranks": 4})"; }
+  CHECK_THROWS_WITH(apply_comm_fit(g, dir + "/bad.json"),
+                    Catch::StartsWith("--comm-fit " + dir + "/bad.json: not bench_comm --fit's JSON"));
+  CHECK_THROWS_WITH(apply_comm_fit(g, dir + "/none.json"), Catch::Contains("cannot open it"));
+}
+
+TEST_CASE("./plan --layout predicts one layout given as ./train's flags; a layout of another "
+          "size than the cluster is refused in one line", "[planner]") {
+  RunResult one = run_plan("--model llama-8b --nodes 1 --layout \"--dp 2 --tp 2 --pp 2 --mbs 1 "
+                           "--grad-acc 8 --zero 1\"");
+  INFO(one.output);
+  REQUIRE(one.code == 0);
+  CHECK_THAT(one.output, Catch::Contains("#1  dp 2 tp 2 pp 2 (1f1b) cp 1 zero 1 mbs 1 ga 8 bf16"));
+  CHECK_THAT(one.output, Catch::Contains("predicted step: "));
+  RunResult wrong = run_plan("--model llama-8b --nodes 1 --layout \"--dp 2\"");
+  CHECK(wrong.code == 2);
+  CHECK(count_occurrences(wrong.output, "\n") == 1);
+  CHECK_THAT(wrong.output, Catch::Contains("--layout has 2 ranks"));
 }

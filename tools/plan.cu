@@ -72,12 +72,34 @@ static int campaign(const std::string& path, const GpuProfile& gpu) {
   return 0;
 }
 
+// --layout "--dp 2 --tp 2 ...": one layout in ./train's flags (those that shape a step).
+static Layout parse_layout(const std::string& flags) {
+  CLI::App app{"layout"};
+  Layout l;
+  std::string schedule = "1f1b", dtype = "bf16", grads = "fp32", recompute = "none", attention = "flash";
+  app.add_option("--dp", l.dp), app.add_option("--tp", l.tp), app.add_option("--pp", l.pp);
+  app.add_option("--cp", l.cp), app.add_flag("--sp", l.sp), app.add_option("--zero", l.zero);
+  app.add_option("--pp-schedule", schedule), app.add_option("--pp-virtual", l.virtual_stages);
+  app.add_option("--mbs", l.mbs), app.add_option("--grad-acc", l.grad_acc);
+  app.add_option("--dtype", dtype), app.add_option("--grad-acc-dtype", grads);
+  app.add_option("--recompute", recompute), app.add_option("--attention", attention);
+  try {
+    app.parse(flags, false);
+  } catch (const CLI::ParseError& e) {
+    throw UsageError("--layout \"" + flags + "\": " + e.what());
+  }
+  l.schedule = parse_pp_schedule(schedule), l.precision = parse_precision(dtype);
+  l.bf16_grads = grads == "bf16", l.recompute = parse_recompute(recompute);
+  l.attention = parse_attention(attention);
+  return l;
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"plan: the best layouts for a model on a cluster (Playbook §11)"};
   std::string model = "llama-8b", gpu_name = "h100", activations = "llama";
   std::string zero = "0,1,2,3", recompute = "none,selective,full",
               schedules = "afab,1f1b,interleaved,zb-h1", dtypes = "";
-  std::string campaign_file, json_file;
+  std::string campaign_file, json_file, comm_fit, one_layout;
   int nodes = 1, gpus_per_node = 8, top = 5, seq = 0, max_mbs = 64, wire = 4;
   int layers = 0, d_model = 0, heads = 0, kv_heads = 0, ffn = 0, vocab = 0;
   double batch_tokens = 1 << 20, peak = 0, memory_gib = 0, intra = 0, inter = 0, nic = 0,
@@ -108,6 +130,10 @@ int main(int argc, char** argv) {
   app.add_option("--nic-bw", nic, "override each GPU's network bandwidth, GB/s");
   app.add_option("--alpha-us", alpha_us, "override every collective's latency per ring step, us");
   app.add_option("--efficiency", efficiency, "override the achievable fraction of the peak");
+  app.add_option("--comm-fit", comm_fit, "the collectives' alpha and busbw bench_comm --fit measured");
+  app.add_option("--layout", one_layout,
+                 "predict one layout, given as ./train's flags (\"--dp 2 --tp 2 --mbs 4 ...\"); "
+                 "its global batch is dp x mbs x grad-acc sequences");
   app.add_option("--zero", zero, "ZeRO stages to try")->capture_default_str();
   app.add_option("--recompute", recompute, "recompute modes to try")->capture_default_str();
   app.add_option("--schedules", schedules, "pipeline schedules to try")->capture_default_str();
@@ -131,23 +157,28 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
     GpuProfile gpu = gpu_profile(gpu_name);
     if (gpu.name == "cpu") {  // this machine: each rank's share of the cores
-      int threads = std::max(1, (int)std::thread::hardware_concurrency() / gpus_per_node);
+      const int cores = std::max(1, (int)std::thread::hardware_concurrency());
+      const int threads = std::max(1, cores / gpus_per_node);
       openblas_set_num_threads(threads);
       Context ctx = Context::create(Device::CPU);
       DevicePeak d = device_peak(ctx, Precision::FP32);
       ctx.destroy();
-      gpu.peak_fp32 = d.flops;
+      // More ranks than cores: they take turns, each at its share of the measured rate.
+      const double share = std::min(1.0, (double)cores / (gpus_per_node * threads));
+      gpu.peak_fp32 = d.flops * share;
       gpu.memory /= gpus_per_node;
-      gpu.source += " (" + d.how + ", " + std::to_string(threads) + " thread" +
-                    (threads > 1 ? "s" : "") + " per rank)";
+      gpu.source += " (" + d.how + (share < 1 ? ", x " + std::to_string(cores) + " cores / " +
+                                                    std::to_string(gpus_per_node) + " ranks" : "") + ")";
     }
     if (peak > 0) (gpu.name == "cpu" ? gpu.peak_fp32 : gpu.peak_bf16) = peak * 1e12;
     if (memory_gib > 0) gpu.memory = memory_gib * 1024.0 * 1024 * 1024;
     if (intra > 0) gpu.intra_allreduce_bw = gpu.intra_gather_bw = gpu.intra_p2p_bw = intra * 1e9;
     if (inter > 0) gpu.inter_allreduce_bw = gpu.inter_gather_bw = inter * 1e9;
     if (nic > 0) gpu.nic_bw = nic * 1e9;
+    if (!comm_fit.empty()) apply_comm_fit(gpu, comm_fit);
     if (alpha_us >= 0)
-      gpu.intra_alpha = gpu.inter_alpha = alpha_us * 1e-6;
+      gpu.intra_alpha = gpu.intra_alpha_gather = gpu.intra_alpha_p2p = gpu.inter_alpha =
+          alpha_us * 1e-6;
     if (efficiency > 0) gpu.compute_efficiency = efficiency;
     if (!campaign_file.empty()) return campaign(campaign_file, gpu);
 
@@ -181,6 +212,22 @@ int main(int argc, char** argv) {
     impl.activation_wire_bytes = wire;
     impl.mpi_sends = gpu.name == "cpu";
     if (campaign_space_flag) space = campaign_space(), impl = campaign_implementation();
+    if (!one_layout.empty()) {  // one layout: its memory and time, whether or not it fits
+      Layout l = parse_layout(one_layout);
+      if (l.world() != cl.world())
+        throw UsageError("--layout has " + std::to_string(l.world()) + " ranks (dp x tp x pp x cp), "
+                         "the cluster " + std::to_string(cl.world()) +
+                         ": set --nodes and --gpus-per-node to match");
+      validate_layout(cfg, l);
+      Candidate c;
+      c.layout = l;
+      c.memory = predict_memory(cfg, l, impl);
+      c.memory.runtime = gpu.runtime_bytes;
+      c.time = predict_time(cfg, l, cl, impl);
+      print_candidate(1, c, cl);
+      printf("predicted step: %.6f s\n", c.time.step);
+      return 0;
+    }
     PlanResult r = plan_layouts(cfg, (int64_t)batch_tokens, cl, space, impl);
     if (!r.error.empty()) {
       fprintf(stderr, "error: %s\n", r.error.c_str());
