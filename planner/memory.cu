@@ -74,8 +74,8 @@ void validate_layout(const ModelConfig& cfg, const Layout& l) {
   validate_tensor_parallel(cfg, l.tp, l.sp);
   validate_context_parallel(cfg.seq, l.cp, CpBalance::Zigzag, l.attention == AttentionKind::Flash,
                             l.tp, l.sp, 0);
-  validate_pipeline(cfg.layers, l.pp, l.virtual_stages, l.grad_acc, l.schedule,
-                    cfg.tie_embeddings, l.zero);
+  validate_pipeline(cfg.layers, l.pp, l.virtual_stages, l.grad_acc, l.schedule, cfg.tie_embeddings,
+                    l.zero);
   if (l.ep != 1) throw UsageError("--ep: expert parallelism is not planned (dense models only)");
 }
 
@@ -89,8 +89,8 @@ static StageShape build_stage_shape(const ModelConfig& cfg, const Layout& l, int
   Model m = build_model_layout(cfg, TensorParallel{&grid, l.sp}, chunks);
   StageShape s;
   for (size_t c = 0; c < m.chunks.size(); c++)
-    s.chunks.push_back({m.blocks((int)c), m.chunks[c].embedding, m.chunks[c].head,
-                        stage + (int)c * l.pp});
+    s.chunks.push_back(
+        {m.blocks((int)c), m.chunks[c].embedding, m.chunks[c].head, stage + (int)c * l.pp});
   for (const ModelUnit& u : m.units) s.unit_numel.push_back(u.numel);
   s.num_params = m.num_params;
   return s;
@@ -114,11 +114,11 @@ namespace {
 
 // Bytes of one micro-batch's activations on one chunk, and how they move while it runs.
 struct ChunkBytes {
-  double held = 0;         // after its forward, until its backward
-  double forward_peak = 0; // the most held during its forward (>= held)
+  double held = 0;           // after its forward, until its backward
+  double forward_peak = 0;   // the most held during its forward (>= held)
   double backward_peak = 0;  // extra over what is held when its backward starts (>= 0)
-  double weight_held = 0;  // zero-bubble: held from its B until its W
-  double sent = 0;         // x_final, sent to the next stage
+  double weight_held = 0;    // zero-bubble: held from its B until its W
+  double sent = 0;           // x_final, sent to the next stage
 };
 
 // The attention core a layout's blocks use (its saved_bytes is all the formula asks).
@@ -141,10 +141,11 @@ ChunkBytes chunk_bytes(const ModelConfig& cfg, const Layout& l, const Implementa
   // recompute policy drops and the compute format shrinks what it keeps).
   double kept, fresh;
   if (impl.activations == ActivationFormula::Book) {
-    kept = fresh = book_activation_bytes(1, T, l.mbs, cfg.d_model, cfg.heads, l.tp, l.sp,
-                                         l.recompute);
+    kept = fresh =
+        book_activation_bytes(1, T, l.mbs, cfg.d_model, cfg.heads, l.tp, l.sp, l.recompute);
   } else {
-    kept = (double)activation_bytes_per_block(local, l.mbs, T, l.tp, l.sp, l.recompute, *attention, e);
+    kept =
+        (double)activation_bytes_per_block(local, l.mbs, T, l.tp, l.sp, l.recompute, *attention, e);
     fresh = (double)activation_bytes_per_block(local, l.mbs, T, l.tp, l.sp, Recompute::None,
                                                *attention, 4);
   }
@@ -153,12 +154,20 @@ ChunkBytes chunk_bytes(const ModelConfig& cfg, const Layout& l, const Implementa
   // stored_in_compute_format's order. Full recomputation keeps only the (fp32) input.
   double block_peak = fresh;
   if (impl.activations == ActivationFormula::Llama && e < 4 && l.recompute != Recompute::Full) {
-    const double probs = fresh - (double)activation_bytes_per_block(
-                                     local, l.mbs, T, l.tp, l.sp, Recompute::Selective, *attention, 4);
+    const double probs =
+        fresh - (double)activation_bytes_per_block(local, l.mbs, T, l.tp, l.sp,
+                                                   Recompute::Selective, *attention, 4);
     double now = fresh - (l.recompute == Recompute::Selective ? probs : 0);
-    std::vector<double> order = {n * D, N * L.heads * hd, N * L.kv_heads * hd, N * L.kv_heads * hd,
+    std::vector<double> order = {n * D,
+                                 N * L.heads * hd,
+                                 N * L.kv_heads * hd,
+                                 N * L.kv_heads * hd,
                                  l.recompute == Recompute::None ? probs / 4 : 0,
-                                 N * L.heads * hd, n * D, N * L.ffn, N * L.ffn, N * L.ffn};
+                                 N * L.heads * hd,
+                                 n * D,
+                                 N * L.ffn,
+                                 N * L.ffn,
+                                 N * L.ffn};
     for (double elements : order) {
       block_peak = std::max(block_peak, now + e * elements);
       now -= (4 - e) * elements;
@@ -172,8 +181,8 @@ ChunkBytes chunk_bytes(const ModelConfig& cfg, const Layout& l, const Implementa
   b.held = positions + ids + c.blocks * kept + x_final + head;
   // The last block's forward: the earlier blocks kept, this one at its peak, its output.
   b.forward_peak = std::max(b.held, positions + ids + (c.blocks - 1) * kept + block_peak + x_final);
-  const bool split =
-      l.pp > 1 && splits_backward(pipeline_schedule(l.schedule, l.pp, 0, 2 * l.pp, l.virtual_stages));
+  const bool split = l.pp > 1 && splits_backward(pipeline_schedule(l.schedule, l.pp, 0, 2 * l.pp,
+                                                                   l.virtual_stages));
   if (l.recompute == Recompute::Full) {
     // The first block's backward rebuilds its activations (fp32) from its input; the head's
     // logits and final norm are gone by then unless a deferred W still reads them.
@@ -187,8 +196,8 @@ ChunkBytes chunk_bytes(const ModelConfig& cfg, const Layout& l, const Implementa
     // workspace copies); the head's final-norm output and the logits' gradient (in place).
     double block_inputs = (l.sp ? 0 : 2 * 4 * N * D) + 4 * N * L.heads * hd + 4 * N * L.ffn;
     bool fp32_inputs = e == 4 || l.recompute == Recompute::Full;
-    b.weight_held = (fp32_inputs ? c.blocks * block_inputs : 0) +
-                    (c.head ? (l.sp ? 0 : normf) + logits : 0);
+    b.weight_held =
+        (fp32_inputs ? c.blocks * block_inputs : 0) + (c.head ? (l.sp ? 0 : normf) + logits : 0);
   }
   return b;
 }
@@ -227,7 +236,8 @@ Walk walk_schedule(const Layout& l, const Implementation& impl, int stage,
     const int g = stage + op.chunk * p;
     const std::pair<int, int> key{op.micro, op.chunk};
     const ChunkBytes& b = bytes[op.chunk];
-    bool receives = (op.kind == Phase::Forward && g > 0) || (op.kind == Phase::Backward && g < last);
+    bool receives =
+        (op.kind == Phase::Forward && g > 0) || (op.kind == Phase::Backward && g < last);
     if (receives && !impl.mpi_sends)
       release_queued();
     else
@@ -304,4 +314,3 @@ MemoryPrediction predict_memory(const ModelConfig& cfg, const Layout& l, const I
   }
   return mp;
 }
-

@@ -41,8 +41,8 @@ ActivationFormula parse_activation_formula(const std::string& flag);  // llama|b
 struct GpuProfile {
   std::string name;
   double peak_bf16 = 0, peak_fp32 = 0, peak_fp8 = 0;  // dense FLOP/s
-  double memory = 0;                                   // bytes
-  double hbm_bandwidth = 0;                            // bytes/s (the optimizer step)
+  double memory = 0;                                  // bytes
+  double hbm_bandwidth = 0;                           // bytes/s (the optimizer step)
   // Inside a node (NVLink; on CPU, shared memory): bus bandwidth of all-reduce and of
   // all-gather / reduce-scatter (bytes/s), point-to-point bandwidth, and the latency per ring
   // step of each (bench_comm --fit measures them per collective).
@@ -61,7 +61,7 @@ struct GpuProfile {
   // CPU ranks sharing a machine's cores: how many ranks' worth of compute it runs at once
   // (bench_comm --fit measures it); 0: every rank has its own device.
   double shared_capacity = 0;
-  std::string source;               // where the numbers come from
+  std::string source;  // where the numbers come from
 };
 GpuProfile gpu_profile(const std::string& name);  // h100, h200, a100, cpu; else UsageError
 // The alpha and busbw bench_comm --fit measured on this machine's ranks (a JSON file), as the
@@ -121,12 +121,12 @@ void validate_layout(const ModelConfig& cfg, const Layout& l);
 // Memory per rank (Playbook §2.4-§2.6, §4.1, §8)
 
 struct RankMemory {
-  int stage = 0;                                   // pipeline rank
-  int64_t num_params = 0, padded_params = 0;       // Ψ of this rank, and Ψ' with ZeRO's padding
-  double params = 0, grads = 0, optimizer = 0;     // bytes, exact: the report's formula
-  double activations = 0;                          // peak bytes, the schedule walked op by op
-  double workspace = 0;                            // transient buffers, approximate
-  int peak_in_flight = 0;                          // micro-batch chunks held at the peak
+  int stage = 0;                                // pipeline rank
+  int64_t num_params = 0, padded_params = 0;    // Ψ of this rank, and Ψ' with ZeRO's padding
+  double params = 0, grads = 0, optimizer = 0;  // bytes, exact: the report's formula
+  double activations = 0;                       // peak bytes, the schedule walked op by op
+  double workspace = 0;                         // transient buffers, approximate
+  int peak_in_flight = 0;                       // micro-batch chunks held at the peak
   double static_bytes() const { return params + grads + optimizer; }
   double total() const { return params + grads + optimizer + activations + workspace; }
 };
@@ -144,10 +144,10 @@ MemoryPrediction predict_memory(const ModelConfig& cfg, const Layout& l, const I
 // Step time (Playbook §3-§8, appendix A3)
 
 struct StepTime {
-  double compute = 0;     // the slowest stage's forwards and backwards (recomputation included)
-  double recompute = 0;   // of which recomputation
-  double bubble = 0;      // the pipeline's idle time on that stage
-  double optimizer = 0;   // AdamW on this rank's shard (memory-bound)
+  double compute = 0;    // the slowest stage's forwards and backwards (recomputation included)
+  double recompute = 0;  // of which recomputation
+  double bubble = 0;     // the pipeline's idle time on that stage
+  double optimizer = 0;  // AdamW on this rank's shard (memory-bound)
   std::map<std::string, double> exposed;  // per group (tp, cp, pp, dp): communication not hidden
   double step = 0;
   double tokens_per_s_per_gpu = 0, mfu = 0;
@@ -169,10 +169,10 @@ struct SearchSpace {
                                        PpSchedule::Interleaved, PpSchedule::ZeroBubbleH1};
   std::vector<int> virtual_stages = {2, 4};
   std::vector<Precision> precisions = {Precision::BF16};
-  bool sp = true;          // try tp with and without sequence parallelism
-  bool sp_only = false;    // only with it
-  bool cp = true;          // try context parallelism
-  int max_tp = 0;          // 0: the GPUs of a node
+  bool sp = true;        // try tp with and without sequence parallelism
+  bool sp_only = false;  // only with it
+  bool cp = true;        // try context parallelism
+  int max_tp = 0;        // 0: the GPUs of a node
   int max_mbs = 64;
   // A tied model with pp > 1 holds the embedding and the head as two copies (nanotron does;
   // picoscale refuses --tie-embeddings with --pp > 1, so false skips such layouts).
@@ -187,12 +187,12 @@ struct Candidate {
   StepTime time;
 };
 struct PlanResult {
-  std::vector<Candidate> ranked;          // every layout that fits and reaches the batch, fastest first
-  std::map<std::string, int> rejected;    // why the others lost: reason -> count
+  std::vector<Candidate> ranked;  // every layout that fits and reaches the batch, fastest first
+  std::map<std::string, int> rejected;                  // why the others lost: reason -> count
   std::map<std::string, std::string> rejected_example;  // reason -> one such layout
   int64_t tried = 0;
-  double smallest_memory = 0;             // of every valid layout reaching the batch
-  std::string error;                      // one line when nothing fits or reaches the batch
+  double smallest_memory = 0;  // of every valid layout reaching the batch
+  std::string error;           // one line when nothing fits or reaches the batch
 };
 PlanResult plan_layouts(const ModelConfig& cfg, int64_t global_tokens, const Cluster& cluster,
                         const SearchSpace& space, const Implementation& impl);
@@ -245,11 +245,11 @@ SearchSpace campaign_space();
 Implementation campaign_implementation();
 struct CampaignVerdict {
   CampaignCell cell;
-  bool valid = false;         // picoscale can express the book's layout
-  Candidate book;             // the planner's prediction for it
+  bool valid = false;  // picoscale can express the book's layout
+  Candidate book;      // the planner's prediction for it
   bool fits = false;
-  int rank = 0;               // among the planner's layouts by (dp, tp, pp, zero, mbs, ga); 0: unranked
-  Candidate best;             // the planner's own best
-  int layouts = 0;            // distinct (dp, tp, pp, zero, mbs, ga) that fit
+  int rank = 0;     // among the planner's layouts by (dp, tp, pp, zero, mbs, ga); 0: unranked
+  Candidate best;   // the planner's own best
+  int layouts = 0;  // distinct (dp, tp, pp, zero, mbs, ga) that fit
 };
 CampaignVerdict judge_campaign_cell(const CampaignCell& cell, const GpuProfile& gpu);

@@ -1,12 +1,12 @@
 // profiles.cu: the planner's hardware (Playbook §11): GPU profiles with their named constants,
 // the links bench_comm --fit measured, and the peak a running job's MFU divides by.
 #include <cblas.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <unistd.h>
 
 #include "planner/planner_internal.cuh"
 #include "runtime/ops.cuh"
@@ -83,7 +83,9 @@ GpuProfile gpu_profile(const std::string& name) {
   for (const std::string& n : gpu_profile_names()) known += (known.empty() ? "" : ", ") + n;
   throw UsageError("--gpu " + name + ": unknown profile; choose one of " + known);
 }
-std::vector<std::string> gpu_profile_names() { return {"h100", "h200", "a100", "cpu"}; }
+std::vector<std::string> gpu_profile_names() {
+  return {"h100", "h200", "a100", "cpu"};
+}
 
 void apply_comm_fit(GpuProfile& g, const std::string& path) {
   std::ifstream f(path);
@@ -124,10 +126,13 @@ void apply_comm_fit(GpuProfile& g, const std::string& path) {
 
 double peak_flops(const GpuProfile& g, Precision p) {
   switch (p) {
-    case Precision::FP32: return g.peak_fp32;
+    case Precision::FP32:
+      return g.peak_fp32;
     case Precision::BF16:
-    case Precision::FP16: return g.peak_bf16;
-    case Precision::FP8: return g.peak_fp8;
+    case Precision::FP16:
+      return g.peak_bf16;
+    case Precision::FP8:
+      return g.peak_fp8;
   }
   return 0;
 }
@@ -160,7 +165,8 @@ DevicePeak device_peak(const Context& ctx, Precision p) {
   }
   // Measured: the best of 3 square GEMMs of 512 (after one warm-up) on this rank's threads.
   const int n = 512;
-  Tensor a = empty({n, n}, Mem::Workspace, ctx.device), b = empty({n, n}, Mem::Workspace, ctx.device);
+  Tensor a = empty({n, n}, Mem::Workspace, ctx.device),
+         b = empty({n, n}, Mem::Workspace, ctx.device);
   Tensor c = empty({n, n}, Mem::Workspace, ctx.device);
   init_normal(a, 1, "a", 1.0f), init_normal(b, 1, "b", 1.0f);
   double best = 1e30;
@@ -178,4 +184,3 @@ DevicePeak device_peak(const Context& ctx, Precision p) {
                : std::string("on this GPU (no profile for its name)"));
   return d;
 }
-

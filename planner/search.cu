@@ -40,6 +40,45 @@ static std::string rule(const std::string& why) {
   return out;
 }
 
+// The layouts of one grid (dp, tp, pp, cp) the space allows: with and without sp, every
+// schedule, ZeRO stage, recompute mode and format, every micro-batch size that divides a dp
+// rank's `per_rank` sequences (grad-acc the rest).
+static std::vector<Layout> grid_layouts(const Layout& grid, int64_t per_rank,
+                                        const SearchSpace& space) {
+  std::vector<bool> sps = {false};
+  if (grid.tp > 1 && space.sp)
+    sps = space.sp_only ? std::vector<bool>{true} : std::vector<bool>{false, true};
+  std::vector<std::pair<PpSchedule, int>> schedules = {{PpSchedule::OneFOneB, 1}};
+  if (grid.pp > 1) {
+    schedules.clear();
+    for (PpSchedule s : space.schedules)
+      if (s == PpSchedule::Interleaved)
+        for (int V : space.virtual_stages) schedules.push_back({s, V});
+      else
+        schedules.push_back({s, 1});
+  }
+  std::vector<Layout> out;
+  for (bool sp : sps)
+    for (auto [schedule, V] : schedules)
+      for (int zero : space.zero_stages) {
+        if (zero > 0 && grid.dp * grid.cp == 1) continue;  // nothing to shard: the zero 0 layout
+        for (Recompute rec : space.recompute) {
+          // FlashAttention keeps no probabilities: selective recomputation has nothing to drop.
+          if (rec == Recompute::Selective && grid.attention == AttentionKind::Flash) continue;
+          for (Precision prec : space.precisions)
+            for (int mbs : divisors((int)std::min<int64_t>(per_rank, space.max_mbs))) {
+              if (per_rank % mbs) continue;
+              Layout l = grid;
+              l.sp = sp, l.schedule = schedule, l.virtual_stages = V, l.zero = zero;
+              l.recompute = rec, l.precision = prec, l.mbs = mbs;
+              l.grad_acc = (int)(per_rank / mbs);
+              out.push_back(l);
+            }
+        }
+      }
+  return out;
+}
+
 PlanResult plan_layouts(const ModelConfig& cfg, int64_t global_tokens, const Cluster& cl,
                         const SearchSpace& space, const Implementation& impl) {
   PlanResult r;
@@ -56,77 +95,45 @@ PlanResult plan_layouts(const ModelConfig& cfg, int64_t global_tokens, const Clu
   bool reachable = false;
   r.smallest_memory = INFINITY;
   std::vector<Candidate> all;
+  // §11.1-§11.3 for one layout: valid, fits, then timed.
+  auto consider = [&](const Layout& l) {
+    r.tried++;
+    ModelConfig c = layout_model(cfg, l, space);
+    if (peak_flops(cl.gpu, l.precision) <= 0)
+      return reject(
+          std::string("invalid: no ") + precision_name(l.precision) + " on " + cl.gpu.name, l);
+    try {
+      validate_layout(c, l);
+    } catch (const UsageError& e) {
+      return reject("invalid: " + rule(e.what()), l);
+    }
+    reachable = true;
+    Candidate cand;
+    cand.layout = l;
+    cand.memory =
+        predict_memory(c, l, impl, l.pp > 1 ? std::vector<int>{0, l.pp - 1} : std::vector<int>{0});
+    cand.memory.runtime = cl.gpu.runtime_bytes;
+    r.smallest_memory = std::min(r.smallest_memory, cand.memory.total());
+    if (cand.memory.total() > cl.gpu.memory)
+      return reject("does not fit in " + human_bytes(cl.gpu.memory), l);
+    cand.time = predict_time(c, l, cl, impl);
+    all.push_back(std::move(cand));
+  };
   for (int tp : divisors(world)) {
     if (space.max_tp > 0 && tp > space.max_tp) continue;
     for (int pp : divisors(world / tp))
       for (int cp : divisors(world / tp / pp)) {
         if (!space.cp && cp > 1) continue;
-        const int dp = world / tp / pp / cp;
-        Layout base;
-        base.dp = dp, base.tp = tp, base.pp = pp, base.cp = cp;
-        if (sequences % dp) {
+        Layout grid;
+        grid.dp = world / tp / pp / cp, grid.tp = tp, grid.pp = pp, grid.cp = cp;
+        if (sequences % grid.dp) {  // §11.2: dp ranks take whole sequences
           r.tried++;
           reject("batch not reachable (" + std::to_string(sequences) +
-                     " sequences do not split over dp)", base);
+                     " sequences do not split over dp)",
+                 grid);
           continue;
         }
-        const int64_t per_rank = sequences / dp;
-        std::vector<bool> sps = {false};
-        if (tp > 1 && space.sp) sps = space.sp_only ? std::vector<bool>{true} : std::vector<bool>{false, true};
-        std::vector<std::pair<PpSchedule, int>> schedules = {{PpSchedule::OneFOneB, 1}};
-        if (pp > 1) {
-          schedules.clear();
-          for (PpSchedule s : space.schedules) {
-            if (s == PpSchedule::Interleaved) {
-              for (int V : space.virtual_stages) schedules.push_back({s, V});
-            } else {
-              schedules.push_back({s, 1});
-            }
-          }
-        }
-        for (bool sp : sps)
-          for (auto [schedule, V] : schedules)
-            for (int zero : space.zero_stages) {
-              if (zero > 0 && dp * cp == 1) continue;  // nothing to shard: the zero 0 layout
-              for (Recompute rec : space.recompute)
-                for (Precision prec : space.precisions) {
-                  // FlashAttention keeps no probabilities: selective recomputation has nothing to
-                  // drop, and is the recompute none layout.
-                  if (rec == Recompute::Selective && base.attention == AttentionKind::Flash) continue;
-                  for (int mbs : divisors((int)std::min<int64_t>(per_rank, 1 << 20))) {
-                    if (per_rank % mbs || mbs > space.max_mbs) continue;
-                    Layout l = base;
-                    l.sp = sp, l.schedule = schedule, l.virtual_stages = V, l.zero = zero;
-                    l.recompute = rec, l.precision = prec, l.mbs = mbs;
-                    l.grad_acc = (int)(per_rank / mbs);
-                    r.tried++;
-                    ModelConfig c = layout_model(cfg, l, space);
-                    if (peak_flops(cl.gpu, prec) <= 0) {
-                      reject(std::string("invalid: no ") + precision_name(prec) + " on " + cl.gpu.name, l);
-                      continue;
-                    }
-                    try {
-                      validate_layout(c, l);
-                    } catch (const UsageError& e) {
-                      reject("invalid: " + rule(e.what()), l);
-                      continue;
-                    }
-                    reachable = true;
-                    Candidate cand;
-                    cand.layout = l;
-                    cand.memory = predict_memory(c, l, impl, pp > 1 ? std::vector<int>{0, pp - 1}
-                                                                     : std::vector<int>{0});
-                    cand.memory.runtime = cl.gpu.runtime_bytes;
-                    r.smallest_memory = std::min(r.smallest_memory, cand.memory.total());
-                    if (cand.memory.total() > cl.gpu.memory) {
-                      reject("does not fit in " + human_bytes(cl.gpu.memory), l);
-                      continue;
-                    }
-                    cand.time = predict_time(c, l, cl, impl);
-                    all.push_back(std::move(cand));
-                  }
-                }
-            }
+        for (const Layout& l : grid_layouts(grid, sequences / grid.dp, space)) consider(l);
       }
   }
   std::sort(all.begin(), all.end(), [&](const Candidate& a, const Candidate& b) {
@@ -141,7 +148,8 @@ PlanResult plan_layouts(const ModelConfig& cfg, int64_t global_tokens, const Clu
   } else if (r.ranked.empty()) {
     r.error = "the model does not fit: the smallest layout needs " +
               human_bytes(r.smallest_memory) + " per GPU, one " + cl.gpu.name + " has " +
-              human_bytes(cl.gpu.memory) + " (every layout searched: add nodes, or GPUs with more memory)";
+              human_bytes(cl.gpu.memory) +
+              " (every layout searched: add nodes, or GPUs with more memory)";
   }
   return r;
 }
@@ -165,12 +173,13 @@ void print_candidate(int rank, const Candidate& c, const Cluster& cl) {
   const RankMemory& w = m.worst;
   const StepTime& t = c.time;
   printf("#%d  %s\n", rank, c.layout.str().c_str());
-  printf("    memory per GPU (GiB, pipeline stage %d): params %s + grads %s + optimizer %s + "
-         "activations %s (%d micro-batch chunks in flight) + workspace ~%s + runtime %s = %s "
-         "of %s\n",
-         w.stage, gib(w.params).c_str(), gib(w.grads).c_str(), gib(w.optimizer).c_str(),
-         gib(w.activations).c_str(), w.peak_in_flight, gib(w.workspace).c_str(),
-         gib(m.runtime).c_str(), gib(m.total()).c_str(), gib(cl.gpu.memory).c_str());
+  printf(
+      "    memory per GPU (GiB, pipeline stage %d): params %s + grads %s + optimizer %s + "
+      "activations %s (%d micro-batch chunks in flight) + workspace ~%s + runtime %s = %s "
+      "of %s\n",
+      w.stage, gib(w.params).c_str(), gib(w.grads).c_str(), gib(w.optimizer).c_str(),
+      gib(w.activations).c_str(), w.peak_in_flight, gib(w.workspace).c_str(),
+      gib(m.runtime).c_str(), gib(m.total()).c_str(), gib(cl.gpu.memory).c_str());
   std::string comm;
   for (const char* g : {"tp", "cp", "pp", "dp"}) {
     auto it = t.exposed.find(g);
@@ -192,18 +201,20 @@ void print_plan(const PlanResult& r, const ModelConfig& cfg, int64_t global_toke
   printf("model: %s, %.3f B parameters (L %d, h %d, heads %d/%d kv, ffn %d, vocab %d%s), seq %d\n",
          cfg.preset.c_str(), parameter_count(cfg) / 1e9, cfg.layers, cfg.d_model, cfg.heads,
          cfg.kv_heads, cfg.ffn, cfg.vocab, cfg.tie_embeddings ? ", tied" : "", cfg.seq);
-  printf("batch: %lld tokens = %lld sequences per step; FLOPs per token (the book's 6N + 12 L h s): "
-         "%.3g\n",
-         (long long)global_tokens, (long long)(global_tokens / cfg.seq), book_flops_per_token(cfg));
-  printf("cluster: %d node%s x %d %s = %d GPUs; peak %.0f TFLOP/s bf16, %.1f fp32; %s GiB; "
-         "busbw in a node %.0f (all-reduce) / %.0f GB/s (all-gather), between nodes %.0f / %.0f "
-         "GB/s less %.2g / %.2g s/B per rank, %.0f GB/s per GPU; alpha %.1f us in a node, %.1f "
-         "between\n",
-         cl.nodes, cl.nodes > 1 ? "s" : "", cl.gpus_per_node, g.name.c_str(), cl.world(),
-         g.peak_bf16 / 1e12, g.peak_fp32 / 1e12, gib(g.memory).c_str(), g.intra_allreduce_bw / 1e9,
-         g.intra_gather_bw / 1e9, g.inter_allreduce_bw / 1e9, g.inter_gather_bw / 1e9,
-         g.inter_allreduce_per_rank, g.inter_gather_per_rank, g.nic_bw / 1e9,
-         g.intra_alpha * 1e6, g.inter_alpha * 1e6);
+  printf(
+      "batch: %lld tokens = %lld sequences per step; FLOPs per token (the book's 6N + 12 L h s): "
+      "%.3g\n",
+      (long long)global_tokens, (long long)(global_tokens / cfg.seq), book_flops_per_token(cfg));
+  printf(
+      "cluster: %d node%s x %d %s = %d GPUs; peak %.0f TFLOP/s bf16, %.1f fp32; %s GiB; "
+      "busbw in a node %.0f (all-reduce) / %.0f GB/s (all-gather), between nodes %.0f / %.0f "
+      "GB/s less %.2g / %.2g s/B per rank, %.0f GB/s per GPU; alpha %.1f us in a node, %.1f "
+      "between\n",
+      cl.nodes, cl.nodes > 1 ? "s" : "", cl.gpus_per_node, g.name.c_str(), cl.world(),
+      g.peak_bf16 / 1e12, g.peak_fp32 / 1e12, gib(g.memory).c_str(), g.intra_allreduce_bw / 1e9,
+      g.intra_gather_bw / 1e9, g.inter_allreduce_bw / 1e9, g.inter_gather_bw / 1e9,
+      g.inter_allreduce_per_rank, g.inter_gather_per_rank, g.nic_bw / 1e9, g.intra_alpha * 1e6,
+      g.inter_alpha * 1e6);
   printf("model constants (%s): %.0f%% of peak on large GEMMs, half of that at width %.0f\n",
          g.source.c_str(), 100 * g.compute_efficiency, g.gemm_half_width);
   printf("activations: %s\n",
@@ -235,8 +246,10 @@ ModelConfig planner_model(const std::string& name) {
   if (name == "llama-8b") return llama3(c, 4096, 32, 32, 14336, false);
   if (name == "llama-70b") return llama3(c, 8192, 80, 64, 28672, false);
   if (name.rfind("book-", 0) == 0) {
-    std::map<std::string, std::string> base = {
-        {"book-1b", "llama-1b"}, {"book-3b", "llama-3b"}, {"book-8b", "llama-8b"}, {"book-80b", "llama-70b"}};
+    std::map<std::string, std::string> base = {{"book-1b", "llama-1b"},
+                                               {"book-3b", "llama-3b"},
+                                               {"book-8b", "llama-8b"},
+                                               {"book-80b", "llama-70b"}};
     auto it = base.find(name);
     if (it != base.end()) {
       ModelConfig b = planner_model(it->second);
@@ -252,7 +265,8 @@ ModelConfig planner_model(const std::string& name) {
 }
 std::vector<std::string> planner_model_names() {
   std::vector<std::string> names = model_preset_names();
-  for (const char* n : {"llama-3b", "llama-8b", "llama-70b", "book-1b", "book-3b", "book-8b", "book-80b"})
+  for (const char* n :
+       {"llama-3b", "llama-8b", "llama-70b", "book-1b", "book-3b", "book-8b", "book-80b"})
     names.push_back(n);
   return names;
 }
@@ -282,7 +296,8 @@ std::vector<CampaignCell> read_campaign(const std::string& path) {
       c.ran = fields.size() >= 11 && !fields[2].empty();
       if (c.ran) {
         c.dp = std::stoi(fields[2]), c.tp = std::stoi(fields[3]), c.pp = std::stoi(fields[4]);
-        c.zero = std::stoi(fields[5]), c.mbs = std::stoi(fields[6]), c.grad_acc = std::stoi(fields[7]);
+        c.zero = std::stoi(fields[5]), c.mbs = std::stoi(fields[6]),
+        c.grad_acc = std::stoi(fields[7]);
         c.mfu = std::stod(fields[8]) / 100, c.tokens_per_s_per_gpu = std::stod(fields[9]);
         c.memory_gb = std::stod(fields[10]);
       }
@@ -361,7 +376,8 @@ CampaignVerdict judge_campaign_cell(const CampaignCell& cell, const GpuProfile& 
   }
   v.valid = true;
   v.book.layout = l;
-  v.book.memory = predict_memory(c, l, impl, l.pp > 1 ? std::vector<int>{0, l.pp - 1} : std::vector<int>{0});
+  v.book.memory =
+      predict_memory(c, l, impl, l.pp > 1 ? std::vector<int>{0, l.pp - 1} : std::vector<int>{0});
   v.book.memory.runtime = gpu.runtime_bytes;
   v.book.time = predict_time(c, l, cl, impl);
   v.fits = v.book.memory.total() <= gpu.memory;

@@ -74,11 +74,12 @@ double gemm_efficiency(const GpuProfile& gpu, double width) {
 
 // simulate_pipeline on ticks: its result depends on the ratios of the op costs only, so
 // layouts with the same (schedule, p, m, V) and ratios share one run.
-PipelineTiming pipeline_timing(PpSchedule s, int p, int m, int V, double t_f, double t_b, double t_w) {
+PipelineTiming pipeline_timing(PpSchedule s, int p, int m, int V, double t_f, double t_b,
+                               double t_w) {
   static std::map<std::vector<double>, PipelineTiming> cache;
   auto round2 = [](double x) { return std::round(x * 100) / 100; };
-  std::vector<double> key = {(double)s, (double)p, (double)m, (double)V, round2(t_b / t_f),
-                             round2(t_w / t_f)};
+  std::vector<double> key = {(double)s, (double)p,         (double)m,
+                             (double)V, round2(t_b / t_f), round2(t_w / t_f)};
   auto it = cache.find(key);
   if (it == cache.end()) {
     if (cache.size() > 20000) cache.clear();
@@ -104,8 +105,8 @@ double StepTime::exposed_total() const {
 }
 
 double book_flops_per_token(const ModelConfig& cfg) {
-  return model_flops_per_token((double)parameter_count(cfg), cfg.layers,
-                               cfg.heads * cfg.head_dim(), cfg.seq);
+  return model_flops_per_token((double)parameter_count(cfg), cfg.layers, cfg.heads * cfg.head_dim(),
+                               cfg.seq);
 }
 
 StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl,
@@ -122,7 +123,8 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
   const double block_weights = D * hd * (2.0 * L.heads + 2.0 * L.kv_heads) + 3.0 * D * L.ffn;
   // A GEMM of this step is [N tokens, D] x [D, D/tp or wider]: both its token count and the
   // width each rank keeps decide how close it comes to the achievable rate.
-  const double eff = gemm_efficiency(gpu, N) * gemm_efficiency(gpu, D / l.tp) / gpu.compute_efficiency;
+  const double eff =
+      gemm_efficiency(gpu, N) * gemm_efficiency(gpu, D / l.tp) / gpu.compute_efficiency;
   const double block_gemm = 2 * N * block_weights / (gemm_peak * eff);
   const double block_attn = 4 * N * (L.heads * hd) * cfg.seq / (attn_peak * eff);
   const double head_fwd = 2 * N * D * L.vocab / (gemm_peak * eff);
@@ -202,8 +204,8 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
   const double comm_op = (stage_tp + stage_cp + stage_p2p) / ops / 2;
   double t_f = stage_fwd / ops + comm_op, t_b = stage_bwd / ops + comm_op, t_w = 0;
   if (split) t_w = stage_fwd / ops, t_b -= t_w;  // W: the weight-gradient GEMMs, 1 forward
-  PipelineTiming timing = p > 1 ? pipeline_timing(l.schedule, p, m, V, t_f, t_b, t_w)
-                                : PipelineTiming{};
+  PipelineTiming timing =
+      p > 1 ? pipeline_timing(l.schedule, p, m, V, t_f, t_b, t_w) : PipelineTiming{};
   const double busy = m * (stage_fwd + stage_bwd + stage_tp + stage_cp + stage_p2p);
   const double makespan = p > 1 ? timing.makespan : busy;
 
@@ -279,4 +281,3 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
   st.mfu = book_flops_per_token(cfg) * tokens / (st.step * world * mfu_peak(gpu, l.precision));
   return st;
 }
-

@@ -4,12 +4,12 @@
 // MFU, and why the others lost. `./plan --campaign tests/data/book_campaign.csv` sets the
 // planner against the book's benchmark campaign (docs/planner.md). Bad input (a cluster that
 // cannot hold the model, a batch no layout reaches) is one line and exit code 2.
-#include <CLI/CLI.hpp>
 #include <cblas.h>
-#include <nlohmann/json.hpp>
 
+#include <CLI/CLI.hpp>
 #include <cmath>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "planner/planner.cuh"
@@ -29,8 +29,9 @@ static std::vector<std::string> split(const std::string& s) {
 // The campaign table of docs/planner.md: every cell, the book's layout and the planner's view.
 static int campaign(const std::string& path, const GpuProfile& gpu) {
   std::vector<CampaignCell> cells = read_campaign(path);
-  printf("| model | nodes | book's best (dp tp pp zero mbs ga) | book MFU | planner MFU | book mem GB "
-         "| planner mem GB | planner rank | planner's best | note |\n");
+  printf(
+      "| model | nodes | book's best (dp tp pp zero mbs ga) | book MFU | planner MFU | book mem GB "
+      "| planner mem GB | planner rank | planner's best | note |\n");
   printf("|---|---|---|---|---|---|---|---|---|---|\n");
   int ran = 0, memory_ok = 0, top5 = 0, mfu_ok = 0;
   for (const CampaignCell& c : cells) {
@@ -39,14 +40,16 @@ static int campaign(const std::string& path, const GpuProfile& gpu) {
     if (v.best.time.step > 0) {
       char b[160];
       snprintf(b, sizeof b, "dp%d tp%d%s pp%d z%d mbs%d ga%d (%.1f%%)", v.best.layout.dp,
-               v.best.layout.tp, v.best.layout.sp ? "+sp" : "", v.best.layout.pp, v.best.layout.zero,
-               v.best.layout.mbs, v.best.layout.grad_acc, 100 * v.best.time.mfu);
+               v.best.layout.tp, v.best.layout.sp ? "+sp" : "", v.best.layout.pp,
+               v.best.layout.zero, v.best.layout.mbs, v.best.layout.grad_acc,
+               100 * v.best.time.mfu);
       best = b;
     } else {
       best = "nothing fits";
     }
     if (!c.ran) {
-      printf("| %s | %d | nothing ran | | | | | | %s | |\n", c.model.c_str(), c.nodes, best.c_str());
+      printf("| %s | %d | nothing ran | | | | | | %s | |\n", c.model.c_str(), c.nodes,
+             best.c_str());
       continue;
     }
     ran++;
@@ -56,19 +59,25 @@ static int campaign(const std::string& path, const GpuProfile& gpu) {
     bool in_top = v.rank >= 1 && v.rank <= 5;
     memory_ok += mem_close, mfu_ok += mfu_close, top5 += in_top;
     std::string note;
-    if (!v.valid) note = "picoscale cannot run it";
-    else if (!v.fits) note = "predicted not to fit";
+    if (!v.valid)
+      note = "picoscale cannot run it";
+    else if (!v.fits)
+      note = "predicted not to fit";
     if (!mem_close && v.valid) note += std::string(note.empty() ? "" : "; ") + "memory off by >25%";
-    if (!mfu_close && v.valid) note += std::string(note.empty() ? "" : "; ") + "MFU off by >10 points";
-    if (!in_top && v.fits) note += std::string(note.empty() ? "" : "; ") + "not in the planner's top 5";
-    printf("| %s | %d | %d %d%s %d %d %d %d | %.1f%% | %.1f%% | %.1f | %.1f | %s of %d | %s | %s |\n",
-           c.model.c_str(), c.nodes, c.dp, c.tp, v.book.layout.sp ? "+sp" : "", c.pp, c.zero, c.mbs,
-           c.grad_acc, 100 * c.mfu, 100 * v.book.time.mfu, c.memory_gb, mem,
-           v.rank > 0 ? std::to_string(v.rank).c_str() : "-", v.layouts, best.c_str(), note.c_str());
+    if (!mfu_close && v.valid)
+      note += std::string(note.empty() ? "" : "; ") + "MFU off by >10 points";
+    if (!in_top && v.fits)
+      note += std::string(note.empty() ? "" : "; ") + "not in the planner's top 5";
+    printf(
+        "| %s | %d | %d %d%s %d %d %d %d | %.1f%% | %.1f%% | %.1f | %.1f | %s of %d | %s | %s |\n",
+        c.model.c_str(), c.nodes, c.dp, c.tp, v.book.layout.sp ? "+sp" : "", c.pp, c.zero, c.mbs,
+        c.grad_acc, 100 * c.mfu, 100 * v.book.time.mfu, c.memory_gb, mem,
+        v.rank > 0 ? std::to_string(v.rank).c_str() : "-", v.layouts, best.c_str(), note.c_str());
   }
-  printf("\n%d cells ran: memory within 25%% in %d, the book's layout among the planner's five "
-         "best in %d, MFU within 10 points in %d\n",
-         ran, memory_ok, top5, mfu_ok);
+  printf(
+      "\n%d cells ran: memory within 25%% in %d, the book's layout among the planner's five "
+      "best in %d, MFU within 10 points in %d\n",
+      ran, memory_ok, top5, mfu_ok);
   return 0;
 }
 
@@ -76,7 +85,8 @@ static int campaign(const std::string& path, const GpuProfile& gpu) {
 static Layout parse_layout(const std::string& flags) {
   CLI::App app{"layout"};
   Layout l;
-  std::string schedule = "1f1b", dtype = "bf16", grads = "fp32", recompute = "none", attention = "flash";
+  std::string schedule = "1f1b", dtype = "bf16", grads = "fp32", recompute = "none",
+              attention = "flash";
   app.add_option("--dp", l.dp), app.add_option("--tp", l.tp), app.add_option("--pp", l.pp);
   app.add_option("--cp", l.cp), app.add_flag("--sp", l.sp), app.add_option("--zero", l.zero);
   app.add_option("--pp-schedule", schedule), app.add_option("--pp-virtual", l.virtual_stages);
@@ -105,11 +115,16 @@ int main(int argc, char** argv) {
   double batch_tokens = 1 << 20, peak = 0, memory_gib = 0, intra = 0, inter = 0, nic = 0,
          efficiency = 0, alpha_us = -1;
   bool no_cp = false, no_sp = false, tie = false, untie = false, campaign_space_flag = false;
-  app.add_option("--model", model, "preset or planner shape (" + [] {
-    std::string s;
-    for (const std::string& n : planner_model_names()) s += (s.empty() ? "" : ", ") + n;
-    return s;
-  }() + ")")->capture_default_str();
+  app.add_option(
+         "--model", model,
+         "preset or planner shape (" +
+             [] {
+               std::string s;
+               for (const std::string& n : planner_model_names()) s += (s.empty() ? "" : ", ") + n;
+               return s;
+             }() +
+             ")")
+      ->capture_default_str();
   app.add_option("--layers", layers, "override the model's layers");
   app.add_option("--d-model", d_model, "override its hidden size");
   app.add_option("--heads", heads, "override its attention heads");
@@ -121,8 +136,10 @@ int main(int argc, char** argv) {
   app.add_option("--seq", seq, "tokens per sequence (default: the model's)");
   app.add_option("--batch-tokens", batch_tokens, "global batch in tokens")->capture_default_str();
   app.add_option("--nodes", nodes, "nodes")->capture_default_str();
-  app.add_option("--gpus-per-node", gpus_per_node, "GPUs (or CPU ranks) per node")->capture_default_str();
-  app.add_option("--gpu", gpu_name, "profile: h100, h200, a100, cpu (measured here)")->capture_default_str();
+  app.add_option("--gpus-per-node", gpus_per_node, "GPUs (or CPU ranks) per node")
+      ->capture_default_str();
+  app.add_option("--gpu", gpu_name, "profile: h100, h200, a100, cpu (measured here)")
+      ->capture_default_str();
   app.add_option("--peak-tflops", peak, "override the profile's dense bf16 peak (fp32 for cpu)");
   app.add_option("--memory-gib", memory_gib, "override its memory per GPU");
   app.add_option("--intra-bw", intra, "override its in-node bus bandwidth, GB/s (all collectives)");
@@ -130,7 +147,8 @@ int main(int argc, char** argv) {
   app.add_option("--nic-bw", nic, "override each GPU's network bandwidth, GB/s");
   app.add_option("--alpha-us", alpha_us, "override every collective's latency per ring step, us");
   app.add_option("--efficiency", efficiency, "override the achievable fraction of the peak");
-  app.add_option("--comm-fit", comm_fit, "the collectives' alpha and busbw bench_comm --fit measured");
+  app.add_option("--comm-fit", comm_fit,
+                 "the collectives' alpha and busbw bench_comm --fit measured");
   app.add_option("--layout", one_layout,
                  "predict one layout, given as ./train's flags (\"--dp 2 --tp 2 --mbs 4 ...\"); "
                  "its global batch is dp x mbs x grad-acc sequences");
@@ -144,15 +162,17 @@ int main(int argc, char** argv) {
   app.add_option("--activations", activations,
                  "llama (model.cu's formula, picoscale's Llama) or book (34 sbh + 5 a s^2 b)")
       ->capture_default_str();
-  app.add_option("--wire-bytes", wire, "bytes per activation element that tp, cp and pp send "
+  app.add_option("--wire-bytes", wire,
+                 "bytes per activation element that tp, cp and pp send "
                  "(picoscale: 4, its residual stream is fp32; 2 for a bf16 framework)")
       ->capture_default_str();
   app.add_option("--top", top, "layouts to print")->capture_default_str();
   app.add_flag("--campaign-space", campaign_space_flag,
                "search what the book's campaign searched, as it did (ranked by MFU; bf16 wire)");
   app.add_option("--json", json_file, "write the ranked layouts as JSON");
-  app.add_option("--campaign", campaign_file,
-                 "judge the planner against the book's campaign table (tests/data/book_campaign.csv)");
+  app.add_option(
+      "--campaign", campaign_file,
+      "judge the planner against the book's campaign table (tests/data/book_campaign.csv)");
   try {
     app.parse(argc, argv);
     GpuProfile gpu = gpu_profile(gpu_name);
@@ -167,8 +187,11 @@ int main(int argc, char** argv) {
       const double share = std::min(1.0, (double)cores / (gpus_per_node * threads));
       gpu.peak_fp32 = d.flops * share;
       gpu.memory /= gpus_per_node;
-      gpu.source += " (" + d.how + (share < 1 ? ", x " + std::to_string(cores) + " cores / " +
-                                                    std::to_string(gpus_per_node) + " ranks" : "") + ")";
+      gpu.source += " (" + d.how +
+                    (share < 1 ? ", x " + std::to_string(cores) + " cores / " +
+                                     std::to_string(gpus_per_node) + " ranks"
+                               : "") +
+                    ")";
     }
     if (peak > 0) (gpu.name == "cpu" ? gpu.peak_fp32 : gpu.peak_bf16) = peak * 1e12;
     if (memory_gib > 0) gpu.memory = memory_gib * 1024.0 * 1024 * 1024;
@@ -184,9 +207,12 @@ int main(int argc, char** argv) {
 
     ModelConfig cfg = planner_model(model);
     for (auto [value, field] : {std::pair<int, int ModelConfig::*>{layers, &ModelConfig::layers},
-                                {d_model, &ModelConfig::d_model}, {heads, &ModelConfig::heads},
-                                {kv_heads, &ModelConfig::kv_heads}, {ffn, &ModelConfig::ffn},
-                                {vocab, &ModelConfig::vocab}, {seq, &ModelConfig::seq}})
+                                {d_model, &ModelConfig::d_model},
+                                {heads, &ModelConfig::heads},
+                                {kv_heads, &ModelConfig::kv_heads},
+                                {ffn, &ModelConfig::ffn},
+                                {vocab, &ModelConfig::vocab},
+                                {seq, &ModelConfig::seq}})
       if (value > 0) cfg.*field = value;
     if (tie) cfg.tie_embeddings = true;
     if (untie) cfg.tie_embeddings = false;
@@ -215,9 +241,10 @@ int main(int argc, char** argv) {
     if (!one_layout.empty()) {  // one layout: its memory and time, whether or not it fits
       Layout l = parse_layout(one_layout);
       if (l.world() != cl.world())
-        throw UsageError("--layout has " + std::to_string(l.world()) + " ranks (dp x tp x pp x cp), "
-                         "the cluster " + std::to_string(cl.world()) +
-                         ": set --nodes and --gpus-per-node to match");
+        throw UsageError("--layout has " + std::to_string(l.world()) +
+                         " ranks (dp x tp x pp x cp), "
+                         "the cluster " +
+                         std::to_string(cl.world()) + ": set --nodes and --gpus-per-node to match");
       validate_layout(cfg, l);
       Candidate c;
       c.layout = l;
@@ -240,16 +267,21 @@ int main(int argc, char** argv) {
         const Candidate& c = r.ranked[i];
         nlohmann::json exposed;
         for (auto& [g, s] : c.time.exposed) exposed[g] = s;
-        out.push_back({{"layout", c.layout.str()}, {"flags", c.layout.flags()},
-                       {"step_s", c.time.step}, {"compute_s", c.time.compute},
-                       {"bubble_s", c.time.bubble}, {"exposed_s", exposed},
-                       {"tokens_per_s_per_gpu", c.time.tokens_per_s_per_gpu}, {"mfu", c.time.mfu},
-                       {"memory_bytes", {{"params", c.memory.worst.params},
-                                         {"grads", c.memory.worst.grads},
-                                         {"optimizer", c.memory.worst.optimizer},
-                                         {"activations", c.memory.worst.activations},
-                                         {"workspace", c.memory.worst.workspace},
-                                         {"runtime", c.memory.runtime}}}});
+        out.push_back({{"layout", c.layout.str()},
+                       {"flags", c.layout.flags()},
+                       {"step_s", c.time.step},
+                       {"compute_s", c.time.compute},
+                       {"bubble_s", c.time.bubble},
+                       {"exposed_s", exposed},
+                       {"tokens_per_s_per_gpu", c.time.tokens_per_s_per_gpu},
+                       {"mfu", c.time.mfu},
+                       {"memory_bytes",
+                        {{"params", c.memory.worst.params},
+                         {"grads", c.memory.worst.grads},
+                         {"optimizer", c.memory.worst.optimizer},
+                         {"activations", c.memory.worst.activations},
+                         {"workspace", c.memory.worst.workspace},
+                         {"runtime", c.memory.runtime}}}});
       }
       std::ofstream f(json_file);
       if (!f) throw UsageError("--json " + json_file + ": cannot write it");
@@ -264,8 +296,9 @@ int main(int argc, char** argv) {
     fprintf(stderr, "error: %s\n", e.what());
     return 2;
   } catch (const std::invalid_argument&) {
-    fprintf(stderr, "error: a list flag (--zero, --recompute, ...) holds something that is not "
-                    "one of its values\n");
+    fprintf(stderr,
+            "error: a list flag (--zero, --recompute, ...) holds something that is not "
+            "one of its values\n");
     return 2;
   }
   return 0;
