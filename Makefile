@@ -17,7 +17,7 @@ LDFLAGS := $(addprefix -L,$(MPI_LIBDIRS)) $(addprefix -l,$(MPI_LIBS)) \
 # The book's files at the top; the runtime below them (runtime/) and the kernel variants the
 # chapters point to (kernels/).
 TECHNIQUE_SRCS := model.cu data_parallel.cu zero.cu tensor_parallel.cu pipeline_parallel.cu \
-                  context_parallel.cu flash_attention.cu mixed_precision.cu
+                  context_parallel.cu flash_attention.cu mixed_precision.cu expert_parallel.cu
 RUNTIME_SRCS := $(wildcard runtime/*.cu)
 KERNEL_SRCS := $(wildcard kernels/*.cu)
 # The planner (Playbook §11): uses the techniques and the runtime; ./plan and train's MFU use it.

@@ -99,8 +99,8 @@ class NaiveReducer : public BucketReducer {
   explicit NaiveReducer(Comm& comm) : comm_(comm) {}
   bool per_parameter() const override { return true; }
   bool overlaps() const override { return false; }
-  void launch(const Context& ctx, const Tensor& g) override {
-    all_reduce_async(comm_, comm_.dp_cp, ctx, g.ptr, g.dtype, g.numel(), ReduceOp::Sum).wait();
+  void launch(const Context& ctx, Group& group, const Tensor& g) override {
+    all_reduce_async(comm_, group, ctx, g.ptr, g.dtype, g.numel(), ReduceOp::Sum).wait();
   }
   void wait(const Context&) override {}
 
@@ -112,9 +112,9 @@ class NaiveReducer : public BucketReducer {
 class LibraryReducer : public BucketReducer {
  public:
   explicit LibraryReducer(Comm& comm) : comm_(comm) {}
-  void launch(const Context& ctx, const Tensor& g) override {
+  void launch(const Context& ctx, Group& group, const Tensor& g) override {
     handles_.push_back(
-        all_reduce_async(comm_, comm_.dp_cp, ctx, g.ptr, g.dtype, g.numel(), ReduceOp::Sum));
+        all_reduce_async(comm_, group, ctx, g.ptr, g.dtype, g.numel(), ReduceOp::Sum));
   }
   void progress() override {
     for (Handle& h : handles_) h.test();
@@ -140,11 +140,12 @@ class SequentialReducer : public BucketReducer {
  public:
   SequentialReducer(Comm& comm, int64_t largest)
       : comm_(comm),
-        scratch_(empty({AllReduce::scratch_size(largest, comm.dp_cp.size)}, Mem::Workspace,
-                       comm.device)) {}
-  void launch(const Context& ctx, const Tensor& g) override {
+        scratch_(empty({std::max(AllReduce::scratch_size(largest, comm.dp_cp.size),
+                                 AllReduce::scratch_size(largest, comm.edp_cp.size))},
+                       Mem::Workspace, comm.device)) {}
+  void launch(const Context& ctx, Group& group, const Tensor& g) override {
     PICO_ASSERT(g.dtype == DType::F32, "our all-reduce adds fp32 chunks");
-    queue_.push_back({g, AllReduce{}, false});
+    queue_.push_back({g, &group, AllReduce{}, false});
     pump(ctx, false);
   }
   void progress() override { pump(*ctx_, false); }
@@ -157,6 +158,7 @@ class SequentialReducer : public BucketReducer {
  private:
   struct Queued {
     Tensor grads;
+    Group* group;
     AllReduce algorithm;
     bool started;
   };
@@ -165,7 +167,7 @@ class SequentialReducer : public BucketReducer {
     for (; next_ < queue_.size(); next_++) {
       Queued& q = queue_[next_];
       if (!q.started)
-        q.algorithm.start(comm_, comm_.dp_cp, ctx, q.grads.f32(), q.grads.numel(), scratch_.f32());
+        q.algorithm.start(comm_, *q.group, ctx, q.grads.f32(), q.grads.numel(), scratch_.f32());
       q.started = true;
       if (block) q.algorithm.wait();
       else if (!q.algorithm.progress()) return;
@@ -266,15 +268,20 @@ DataParallel::DataParallel(Comm& comm, FlatParameters& model, Context& ctx, DpSy
   slices_ = whole_model_slices(model, moments_);
   // Buckets in backward order: the flat buffer is laid out in forward order, so walking the
   // parameters backwards gives contiguous slices. A bucket closes once it holds bucket_mb
-  // (naive: once it holds one parameter).
+  // (naive: once it holds one parameter), or where the group changes (experts: edp_cp).
   const bool one_each = make_reducer(mode, comm, 0)->per_parameter();
   int64_t capacity = one_each ? 1 : std::max<int64_t>(1, (int64_t)(bucket_mb * 1024 * 1024 / 4));
   param_bucket_.assign(model.named_params.size(), -1);
+  std::vector<Group*> group_of_param(model.named_params.size());
+  for (int u = 0; u < (int)model.units.size(); u++)
+    for (int p = model.units[u].first; p < model.units[u].first + model.units[u].count; p++)
+      group_of_param[p] = &group_of(u);
   for (int p = (int)model.named_params.size() - 1; p >= 0; p--) {
     const Tensor& t = model.named_params[p].tensor;
     int64_t offset = model.offsets[p];
-    if (buckets_.empty() || buckets_.back().count >= capacity)
-      buckets_.push_back(GradBucket{offset + t.numel(), 0});
+    if (buckets_.empty() || buckets_.back().count >= capacity ||
+        buckets_.back().group != group_of_param[p])
+      buckets_.push_back(GradBucket{offset + t.numel(), 0, 0, 0, group_of_param[p]});
     GradBucket& b = buckets_.back();
     b.offset = offset;  // grows downwards
     b.count += t.numel();
@@ -316,7 +323,7 @@ UnitHooks DataParallel::hooks(const Context& ctx, bool last_micro_batch) {
 void DataParallel::launch(GradBucket& b) {
   b.launched = true;
   b.launch_time = now_seconds();
-  reducer_->launch(*ctx_, model_.grads.view(b.offset, {b.count}));
+  reducer_->launch(*ctx_, *b.group, model_.grads.view(b.offset, {b.count}));
 }
 
 // A unit's gradients are final: the buckets it completes go (§3.2), and MPI gets a chance to

@@ -62,6 +62,7 @@ void ring_all_reduce(Comm& comm, Group& group, const Context& ctx, float* buf, i
 struct GradBucket {
   int64_t offset = 0, count = 0;  // a contiguous slice of the flat gradient buffer
   int params = 0, ready = 0;      // parameters in it, and how many are final
+  Group* group = nullptr;         // summed over: dp_cp, or edp_cp for experts (never both)
   bool launched = false;
   double launch_time = 0;
 };
@@ -75,8 +76,9 @@ class BucketReducer {
   virtual ~BucketReducer() = default;
   virtual bool per_parameter() const { return false; }  // buckets of one parameter each
   virtual bool overlaps() const { return true; }        // may launch during the backward
-  // Starts the sum of `grads` (the bucket's slice: fp32, or bf16 when the reducer allows it).
-  virtual void launch(const Context& ctx, const Tensor& grads) = 0;
+  // Starts the sum of `grads` over `group` (the bucket's slice: fp32, or bf16 when the reducer
+  // allows it).
+  virtual void launch(const Context& ctx, Group& group, const Tensor& grads) = 0;
   virtual void progress() {}  // MPI advances only inside MPI calls: at every hook
   // Every launched bucket summed, the compute stream ordered after them; ready for the next step.
   virtual void wait(const Context& ctx) = 0;

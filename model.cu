@@ -38,7 +38,7 @@ void add_model_flags(CLI::App& app, ModelOptions& o) {
 // norms whole). The one place that order and those splits are written down.
 template <class Fn>
 static void for_each_param(const ModelConfig& c, const std::vector<Stage>& chunks,
-                           const LocalDims& L, Weights& w, Fn fn) {
+                           const LocalDims& L, const ExpertRange& X, Weights& w, Fn fn) {
   int64_t V = c.vocab, D = c.d_model, F = c.ffn, hd = c.head_dim();
   auto rows = [&](std::vector<int64_t> whole, int64_t row0, bool writer = true) {
     return TpSlice{whole, row0, 0, writer};
@@ -63,9 +63,25 @@ static void for_each_param(const ModelConfig& c, const std::vector<Stage>& chunk
       fn(unit, p + "self_attn.o_proj.weight", {D, L.heads * hd},
          cols({D, c.heads * hd}, L.head0 * hd), b.wo);
       fn(unit, p + "post_attention_layernorm.weight", {D}, norm, b.mlp_norm);
-      fn(unit, p + "mlp.gate_proj.weight", {L.ffn, D}, rows({F, D}, L.ffn0), b.w_gate);
-      fn(unit, p + "mlp.up_proj.weight", {L.ffn, D}, rows({F, D}, L.ffn0), b.w_up);
-      fn(unit, p + "mlp.down_proj.weight", {D, L.ffn}, cols({D, F}, L.ffn0), b.w_down);
+      if (c.experts == 0) {
+        fn(unit, p + "mlp.gate_proj.weight", {L.ffn, D}, rows({F, D}, L.ffn0), b.w_gate);
+        fn(unit, p + "mlp.up_proj.weight", {L.ffn, D}, rows({F, D}, L.ffn0), b.w_up);
+        fn(unit, p + "mlp.down_proj.weight", {D, L.ffn}, cols({D, F}, L.ffn0), b.w_down);
+        continue;
+      }
+      // Mixtral's sparse MoE block: the router with the block (every rank holds it, tp rank 0
+      // saves it), this rank's experts a unit of their own, split over tp as the MLP is.
+      std::string moe = p + "block_sparse_moe.";
+      int64_t E = c.experts;
+      fn(unit, moe + "gate.weight", {E, D}, TpSlice{{E, D}, 0, 0, L.tp_rank == 0}, b.moe.router);
+      unit++;
+      for (int j = 0; j < X.count; j++) {
+        std::string e = moe + "experts." + std::to_string(X.first + j) + ".";
+        ExpertWeights& x = b.moe.experts[j];
+        fn(unit, e + "w1.weight", {L.ffn, D}, rows({F, D}, L.ffn0), x.w1);
+        fn(unit, e + "w2.weight", {D, L.ffn}, cols({D, F}, L.ffn0), x.w2);
+        fn(unit, e + "w3.weight", {L.ffn, D}, rows({F, D}, L.ffn0), x.w3);
+      }
     }
     if (!stage.head) continue;
     fn(unit, "model.norm.weight", {D}, norm, w.final_norm);
@@ -81,8 +97,10 @@ static Tensor unbound(const std::vector<int64_t>& shape) {
   return t;
 }
 
+static std::shared_ptr<const FeedForward> feed_forward(const ModelConfig& cfg);
+
 Model build_model_layout(const ModelConfig& cfg, const TensorParallel& tp,
-                         std::vector<Stage> chunks) {
+                         std::vector<Stage> chunks, const ExpertParallel& ep) {
   validate_model_config(cfg);
   if (chunks.empty()) chunks.push_back(Stage{});
   Model m;
@@ -96,8 +114,13 @@ Model build_model_layout(const ModelConfig& cfg, const TensorParallel& tp,
     m.chunk_unit0.push_back((int)m.units.size());
     m.chunk_block0.push_back(blocks);
     if (stage.embedding) m.units.push_back(ModelUnit{"embedding"});
-    for (int l = stage.first_block; l < stage.last_block; l++, blocks++)
+    for (int l = stage.first_block; l < stage.last_block; l++, blocks++) {
       m.units.push_back(ModelUnit{"block " + std::to_string(l)});
+      if (cfg.experts > 0) {
+        m.units.push_back(ModelUnit{"block " + std::to_string(l) + " experts"});
+        m.units.back().experts = true;
+      }
+    }
     if (stage.head) m.units.push_back(ModelUnit{"head"});
   }
   PICO_ASSERT(!cfg.tie_embeddings || chunks.front().embedding == chunks.back().head,
@@ -106,8 +129,13 @@ Model build_model_layout(const ModelConfig& cfg, const TensorParallel& tp,
   m.chunks = chunks;
   m.tp = tp;
   m.tp.local = local_dims(cfg, tp.rank(), tp.size());
+  m.ep = ep;
+  m.mlp = feed_forward(cfg);
   m.w.blocks.resize(blocks);
   m.g.blocks.resize(blocks);
+  const ExpertRange mine = local_experts(cfg.experts, ep.rank(), ep.size());
+  for (Weights* w : {&m.w, &m.g})
+    for (BlockWeights& b : w->blocks) b.moe.experts.resize(mine.count);
   int64_t offset = 0;
   auto add = [&](int u, const std::string& name, const std::vector<int64_t>& shape,
                  const TpSlice& layout, Tensor&) {
@@ -121,11 +149,11 @@ Model build_model_layout(const ModelConfig& cfg, const TensorParallel& tp,
     offset += view.numel();
     unit.numel = offset - unit.offset;
   };
-  for_each_param(cfg, chunks, m.tp.local, m.w, add);
+  for_each_param(cfg, chunks, m.tp.local, mine, m.w, add);
   m.num_params = offset;
   bool whole = chunks.size() == 1 && chunks[0].first_block == 0 &&
                chunks[0].last_block == cfg.layers && chunks[0].embedding && chunks[0].head;
-  PICO_ASSERT(tp.size() > 1 || !whole || offset == parameter_count(cfg),
+  PICO_ASSERT(tp.size() > 1 || ep.size() > 1 || !whole || offset == parameter_count(cfg),
               "parameter layout disagrees with parameter_count");
   for (int u = 0; u < (int)m.units.size(); u++) {
     m.bind_unit_params(u, Tensor());
@@ -147,7 +175,8 @@ static void bind_unit(Model& m, int u, const Tensor& base, Weights& w,
     view = base.defined() ? base.view(m.offsets[i] - unit.offset, shape) : unbound(shape);
     named[i].tensor = view;
   };
-  for_each_param(m.cfg, m.chunks, m.tp.local, w, bind);
+  for_each_param(m.cfg, m.chunks, m.tp.local,
+                 local_experts(m.cfg.experts, m.ep.rank(), m.ep.size()), w, bind);
   if (m.cfg.tie_embeddings && u == m.embedding_unit()) w.lm_head = w.embed;
 }
 void Model::bind_unit_params(int u, const Tensor& base) {
@@ -201,8 +230,8 @@ void Model::init_parameters(uint64_t seed, const Tensor& out, int64_t first) con
 }
 
 Model build_model(const ModelConfig& cfg, Device device, uint64_t seed, const TensorParallel& tp,
-                  std::vector<Stage> chunks) {
-  Model m = build_model_layout(cfg, tp, std::move(chunks));
+                  std::vector<Stage> chunks, const ExpertParallel& ep) {
+  Model m = build_model_layout(cfg, tp, std::move(chunks), ep);
   allocate_flat(m, device, seed);
   return m;
 }
@@ -258,7 +287,7 @@ static void attention_core_backward(const Context& ctx, const Model& m, BlockAct
 // The book's figure, top to bottom; the column- and row-parallel linears are tensor_parallel.cu's.
 static void block_forward(const Context& ctx, const Model& m, const BlockWeights& w,
                           BlockActivations& a, const Tensor& positions, int B, int T,
-                          const Tensor& x_out) {
+                          const Tensor& x_out, int layer, std::vector<float>* carry) {
   const ModelConfig& c = m.cfg;
   const LocalDims& L = m.tp.local;
   int64_t N = (int64_t)B * T, n = sp_tokens(m.tp, N), D = c.d_model, hd = c.head_dim();
@@ -276,14 +305,59 @@ static void block_forward(const Context& ctx, const Model& m, const BlockWeights
   a.x_mid = act({n, D}, ctx);
   residual_forward(ctx, a.x_mid, a.x, out);
 
-  // MLP: x_out = x_mid + down(swiglu(gate(n2), up(n2))), n2 = rmsnorm(x_mid)
+  // MLP: x_out = x_mid + mlp(n2), n2 = rmsnorm(x_mid)
   a.norm2 = act({n, D}, ctx), a.rstd2 = act({n}, ctx);
   rmsnorm_forward(ctx, a.norm2, a.rstd2, a.x_mid, compute_weight(ctx, w.mlp_norm), c.norm_eps);
-  a.gate = act({N, L.ffn}, ctx), a.up = act({N, L.ffn}, ctx), a.act = act({N, L.ffn}, ctx);
-  column_parallel_forward(m.tp, ctx, a.norm2, {{a.gate, w.w_gate}, {a.up, w.w_up}});
-  swiglu_forward(ctx, a.act, a.gate, a.up);
-  row_parallel_forward(m.tp, ctx, out, a.act, w.w_down);
+  m.mlp->forward(ctx, m, layer, w, a, a.norm2, out, carry);
   residual_forward(ctx, x_out, a.x_mid, out);
+}
+
+// The dense MLP: down(swiglu(gate(x), up(x))), column- then row-parallel (Playbook §5.2).
+struct DenseMlp : FeedForward {
+  void forward(const Context& ctx, const Model& m, int, const BlockWeights& w,
+               BlockActivations& a, const Tensor& x, const Tensor& out,
+               std::vector<float>*) const override {
+    int64_t N = (int64_t)x.size(0) * (m.tp.sp ? m.tp.size() : 1), F = m.tp.local.ffn;
+    a.gate = act({N, F}, ctx), a.up = act({N, F}, ctx), a.act = act({N, F}, ctx);
+    column_parallel_forward(m.tp, ctx, x, {{a.gate, w.w_gate}, {a.up, w.w_up}});
+    swiglu_forward(ctx, a.act, a.gate, a.up);
+    row_parallel_forward(m.tp, ctx, out, a.act, w.w_down);
+  }
+  void backward(const Context& ctx, const Model& m, const BlockWeights& w, const BlockWeights& g,
+                BlockActivations& a, const Tensor& x, const Tensor& dout, const Tensor& dx,
+                const std::vector<float>&, float, DeferredGrads* deferred) const override {
+    int64_t N = a.gate.size(0), F = m.tp.local.ffn;
+    Tensor d_act = work({N, F}, ctx), d_gate = work({N, F}, ctx), d_up = work({N, F}, ctx);
+    row_parallel_backward(m.tp, ctx, d_act, g.w_down, dout, a.act, w.w_down, deferred);
+    swiglu_backward(ctx, d_gate, d_up, d_act, a.gate, a.up);
+    column_parallel_backward(m.tp, ctx, dx, x, {{d_gate, w.w_gate, g.w_gate}, {d_up, w.w_up, g.w_up}},
+                             deferred);
+  }
+};
+// A mixture of experts (expert_parallel.cu) over the model's ep and tp groups. The expert
+// weights' gradients are computed in the backward itself (not deferred to a zero-bubble W op).
+struct MixtureMlp : FeedForward {
+  void forward(const Context& ctx, const Model& m, int layer, const BlockWeights& w,
+               BlockActivations& a, const Tensor& x, const Tensor& out,
+               std::vector<float>* carry) const override {
+    moe_forward(m.ep, m.tp, m.cfg, ctx, w.moe, a.moe, x, out, layer, carry);
+  }
+  void backward(const Context& ctx, const Model& m, const BlockWeights& w, const BlockWeights& g,
+                BlockActivations& a, const Tensor& x, const Tensor& dout, const Tensor& dx,
+                const std::vector<float>& carry, float loss_scale, DeferredGrads*) const override {
+    moe_backward(m.ep, m.tp, m.cfg, ctx, w.moe, g.moe, a.moe, x, dout, dx, carry, loss_scale);
+  }
+  int carry_numel() const override { return 2 * n_experts; }
+  void finish(const Model& m, const std::vector<float>& carry, int64_t tokens) const override {
+    moe_finish_micro_batch(m.ep, m.cfg, carry, tokens);
+  }
+  int n_experts = 0;
+};
+static std::shared_ptr<const FeedForward> feed_forward(const ModelConfig& cfg) {
+  if (cfg.experts == 0) return std::make_shared<DenseMlp>();
+  auto moe = std::make_shared<MixtureMlp>();
+  moe->n_experts = cfg.experts;
+  return moe;
 }
 
 // What each recompute mode keeps after the forward (Playbook §2.6). The one place a new policy
@@ -300,7 +374,7 @@ static void rebuild_for_backward(const Context& ctx, const Model& m, const Block
                                  Recompute mode) {
   if (mode == Recompute::Full) {  // the whole block from its input
     Tensor x_out = work({a.x.size(0), m.cfg.d_model}, ctx);
-    block_forward(ctx, m, w, a, positions, B, T, x_out);
+    block_forward(ctx, m, w, a, positions, B, T, x_out, -1, nullptr);
   }
 }
 
@@ -311,7 +385,9 @@ static void rebuild_for_backward(const Context& ctx, const Model& m, const Block
 // is stored is bf16-valued already (linear outputs; the norms' and attention's outputs feed only
 // GEMMs, which round them); RoPE's q and k and naive attention's probabilities are rounded here.
 static std::vector<Tensor*> stored_in_compute_format(BlockActivations& a) {
-  return {&a.norm1, &a.q, &a.k, &a.v, &a.saved.probs, &a.attn, &a.norm2, &a.gate, &a.up, &a.act};
+  return {&a.norm1, &a.q,     &a.k,        &a.v,        &a.saved.probs, &a.attn,
+          &a.norm2, &a.gate,  &a.up,       &a.act,      &a.moe.xe,      &a.moe.gate,
+          &a.moe.up, &a.moe.act, &a.moe.out};
 }
 static void run_hook(const std::function<void(int)>& hook, int unit) {
   if (hook) hook(unit);
@@ -343,9 +419,17 @@ static float head_forward(const Context& ctx, Model& model, Activations& acts,
   return sum(ctx, acts.losses);
 }
 
+// A block's units in forward order: one, or its dense part and its experts.
+static std::vector<int> block_units(const Model& m, int chunk, int l) {
+  std::vector<int> units;
+  for (int i = 0; i < m.units_per_block(); i++) units.push_back(m.block_unit(chunk, l) + i);
+  return units;
+}
+
 float stage_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
                     const Tensor& hidden_in, const int32_t* targets, int B, int T,
-                    Recompute mode, const UnitHooks& hooks, int chunk) {
+                    Recompute mode, const UnitHooks& hooks, int chunk,
+                    const std::vector<float>& carry_in) {
   const Stage& stage = model.chunks[chunk];
   const ModelConfig& c = model.cfg;
   const LocalDims& L = model.tp.local;
@@ -353,6 +437,8 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
   int64_t N = (int64_t)B * T, n = sp_tokens(model.tp, N), D = c.d_model;
   acts = Activations{};
   acts.B = B, acts.T = T;
+  acts.carry = carry_in;
+  acts.carry.resize(model.mlp->carry_numel(), 0.0f);
   // Global positions (RoPE, the causal mask): under context parallelism T is this rank's
   // share of each sequence, whose tokens sit at the positions the cp layout gives them.
   acts.positions = device_ints(model.attention->positions(B, T), d);
@@ -372,15 +458,16 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
     BlockActivations& a = acts.blocks[l];
     a.x = x;
     x = act({n, D}, ctx);
-    run_hook(hooks.before_forward, model.block_unit(chunk, l));
+    for (int u : block_units(model, chunk, l)) run_hook(hooks.before_forward, u);
     block_forward(ctx, model, model.w.blocks[model.chunk_block0[chunk] + l], a, acts.positions, B,
-                  T, x);
-    run_hook(hooks.after_forward, model.block_unit(chunk, l));
+                  T, x, stage.first_block + l, &acts.carry);
+    for (int u : block_units(model, chunk, l)) run_hook(hooks.after_forward, u);
     drop_for_recompute(model, a, mode);
     store_in_compute_format(ctx, stored_in_compute_format(a));
   }
   acts.x_final = x;
   if (!stage.head) return 0.0f;
+  model.mlp->finish(model, acts.carry, N);
   run_hook(hooks.before_forward, model.head_unit());
   float loss = head_forward(ctx, model, acts, targets);
   run_hook(hooks.after_forward, model.head_unit());
@@ -399,18 +486,14 @@ float model_forward(const Context& ctx, Model& model, Activations& acts, const i
 // bottom to top: MLP first, then attention.
 static void block_backward(const Context& ctx, const Model& m, const BlockWeights& w,
                            const BlockWeights& g, BlockActivations& a, const Tensor& positions,
-                           int B, int T, const Tensor& dres, DeferredGrads* deferred) {
+                           int B, int T, const Tensor& dres, const std::vector<float>& carry,
+                           float loss_scale, DeferredGrads* deferred) {
   const ModelConfig& c = m.cfg;
   const LocalDims& L = m.tp.local;
   int64_t N = (int64_t)B * T, n = sp_tokens(m.tp, N), D = c.d_model, hd = c.head_dim();
   Tensor d_norm = work({n, D}, ctx);  // [n, D] gradient of a norm's output
   // MLP
-  Tensor d_act = work({N, L.ffn}, ctx), d_gate = work({N, L.ffn}, ctx),
-         d_up = work({N, L.ffn}, ctx);
-  row_parallel_backward(m.tp, ctx, d_act, g.w_down, dres, a.act, w.w_down, deferred);
-  swiglu_backward(ctx, d_gate, d_up, d_act, a.gate, a.up);
-  column_parallel_backward(m.tp, ctx, d_norm, a.norm2,
-                           {{d_gate, w.w_gate, g.w_gate}, {d_up, w.w_up, g.w_up}}, deferred);
+  m.mlp->backward(ctx, m, w, g, a, a.norm2, dres, d_norm, carry, loss_scale, deferred);
   parallel_rmsnorm_backward(m.tp, ctx, dres, g.mlp_norm, d_norm, a.x_mid,
                             compute_weight(ctx, w.mlp_norm), a.rstd2);
 
@@ -443,8 +526,9 @@ static void head_backward(const Context& ctx, Model& model, Activations& acts, f
 
 Tensor stage_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
                       const Tensor& d_out, Recompute mode, const UnitHooks& hooks, int chunk,
-                      DeferredGrads* deferred) {
+                      DeferredGrads* deferred, const std::vector<float>& carry) {
   const Stage& stage = model.chunks[chunk];
+  if (!stage.head) acts.carry = carry;  // every layer's, from the stage that holds the head
   // A unit's gradients are final once its weight gradients are: after the W op when deferred.
   auto gradients_ready = [&](int unit) {
     if (!deferred) return run_hook(hooks.after_backward, unit);
@@ -462,14 +546,15 @@ Tensor stage_backward(const Context& ctx, Model& model, Activations& acts, float
   }
   for (int l = model.blocks(chunk) - 1; l >= 0; l--) {
     BlockActivations& a = acts.blocks[l];
-    int b = model.chunk_block0[chunk] + l, u = model.block_unit(chunk, l);
-    run_hook(hooks.before_backward, u);
+    int b = model.chunk_block0[chunk] + l;
+    std::vector<int> units = block_units(model, chunk, l);  // in backward order: experts first
+    for (auto u = units.rbegin(); u != units.rend(); u++) run_hook(hooks.before_backward, *u);
     widen_to_fp32(ctx, stored_in_compute_format(a));
     rebuild_for_backward(ctx, model, model.w.blocks[b], a, acts.positions, B, T, mode);
     block_backward(ctx, model, model.w.blocks[b], model.g.blocks[b], a, acts.positions, B, T,
-                   dres, deferred);
+                   dres, acts.carry, loss_scale, deferred);
     a = BlockActivations{};  // this micro-batch no longer needs block l's activations
-    gradients_ready(u);
+    for (auto u = units.rbegin(); u != units.rend(); u++) gradients_ready(*u);
   }
   if (stage.embedding) {
     run_hook(hooks.before_backward, model.embedding_unit());
@@ -498,6 +583,9 @@ void model_backward(const Context& ctx, Model& model, Activations& acts, float l
 // so bytes = N (16 D + 8) / (sp ? t : 1) + N (8 D + 8 Hkv hd + 12 F + 4 Hq T) / t:
 // the book's 10 + 24/t shape with TP (norms and residuals stay whole) and 34/t with TP+SP.
 // Selective recomputation drops the probabilities; full keeps the block input only.
+// A mixture of experts keeps, for each of a token's k rows, its hidden state at the expert and
+// the expert's output (D each) and gate, up and SwiGLU output (F/t each): k (2 D + 3 F/t) in
+// place of 3 F/t, exact when the routing is balanced (moe_activation_bytes).
 // FlashAttention never keeps the probabilities, only the log-sum-exp [B, Hq/t, T]: its term is
 // 4 Hq / t bytes per token instead of 4 Hq T / t, so a block's activations grow as T, not T^2.
 int64_t activation_bytes_per_block(const ModelConfig& c, int B, int T, int tp, bool sp,
@@ -508,15 +596,17 @@ int64_t activation_bytes_per_block(const ModelConfig& c, int B, int T, int tp, b
   // x and x_mid fp32, norm1 and norm2 in e bytes, 1/rms twice in fp32 (on n tokens); q, attn,
   // k, v, gate, up, act in e bytes (on N tokens, this rank's heads and ffn columns).
   int64_t outside = (2 * 4 + 2 * e) * n * D + 2 * 4 * n;
-  int64_t inside = e * N * (2 * L.heads * hd + 2 * L.kv_heads * hd + 3 * L.ffn);
+  int64_t inside = e * N * (2 * L.heads * hd + 2 * L.kv_heads * hd) +
+                   (c.experts > 0 ? moe_activation_bytes(c, N, tp, e) : e * N * 3 * L.ffn);
   return outside + inside +
          attention.saved_bytes(B, T, L.heads, mode == Recompute::Selective, e);
 }
 
 int64_t saved_bytes(const BlockActivations& a) {
   int64_t bytes = 0;
-  for (const Tensor* t : {&a.x, &a.norm1, &a.rstd1, &a.q, &a.k, &a.v, &a.saved.probs, &a.saved.lse, &a.attn,
-                          &a.x_mid, &a.norm2, &a.rstd2, &a.gate, &a.up, &a.act})
+  for (const Tensor* t : {&a.x, &a.norm1, &a.rstd1, &a.q, &a.k, &a.v, &a.saved.probs,
+                          &a.saved.lse, &a.attn, &a.x_mid, &a.norm2, &a.rstd2, &a.gate, &a.up,
+                          &a.act, &a.moe.xe, &a.moe.gate, &a.moe.up, &a.moe.act, &a.moe.out})
     if (t->defined()) bytes += t->nbytes();
   return bytes;
 }

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "expert_parallel.cuh"
 #include "flash_attention.cuh"
 #include "runtime/core.cuh"
 #include "runtime/model_config.cuh"
@@ -31,8 +32,9 @@ struct BlockWeights {
   Tensor wk, wv;     // [Hkv*hd, D]
   Tensor wo;         // [D, Hq*hd]
   Tensor mlp_norm;   // [D]
-  Tensor w_gate, w_up;  // [F, D]
+  Tensor w_gate, w_up;  // [F, D]   the dense MLP
   Tensor w_down;     // [D, F]
+  MoeWeights moe;    // or a mixture of experts (expert_parallel.cuh): router, this rank's experts
 };
 struct Weights {
   Tensor embed;       // [V, D]
@@ -40,6 +42,30 @@ struct Weights {
   Tensor final_norm;  // [D]
   Tensor lm_head;     // [V, D] (a view of embed when tied)
 };
+struct Model;
+struct BlockActivations;
+// The block's MLP (DESIGN 6, "Feed-forward"): the dense SwiGLU, or a mixture of experts
+// (expert_parallel.cu), chosen by the config when the model is built; the block asks neither.
+struct FeedForward {
+  virtual ~FeedForward() = default;
+  // out [n, D] (=) from x [n, D], the post-attention norm's output, keeping what the backward
+  // needs in `a`. `carry`: what the micro-batch carries from layer to layer and stage to stage
+  // (Activations::carry), added to; null when the block is recomputed.
+  virtual void forward(const Context& ctx, const Model& m, int layer, const BlockWeights& w,
+                       BlockActivations& a, const Tensor& x, const Tensor& out,
+                       std::vector<float>* carry) const = 0;
+  // dx [n, D] (=) and the weights' gradients (+=; or queued on `deferred`) from dout [n, D];
+  // `carry` as the last layer left it; `loss_scale` the one the loss's gradient starts from.
+  virtual void backward(const Context& ctx, const Model& m, const BlockWeights& w,
+                        const BlockWeights& g, BlockActivations& a, const Tensor& x,
+                        const Tensor& dout, const Tensor& dx, const std::vector<float>& carry,
+                        float loss_scale, DeferredGrads* deferred) const = 0;
+  // Floats that travel with the hidden state between pipeline stages (0: none).
+  virtual int carry_numel() const { return 0; }
+  // After the last block, on the stage with the head: the carried values complete.
+  virtual void finish(const Model&, const std::vector<float>&, int64_t) const {}
+};
+
 // A pipeline stage (DESIGN 6, "Stage"): the blocks [first_block, last_block), with the
 // embedding or not (the first stage) and with the final norm + LM head + loss or not (the last).
 // The whole model is the one stage that holds everything; last_block -1 means every block.
@@ -59,13 +85,21 @@ struct Model : FlatParameters {
   // The attention core (flash_attention.cuh): naive, flash, or ring attention over the cp
   // group; train's --attention and --cp choose (default here: naive, the reference).
   std::shared_ptr<const AttentionCore> attention = local_attention(AttentionKind::Naive);
+  // The MLP: dense, or a mixture of experts over the ep group (ep: which experts are here).
+  ExpertParallel ep;
+  std::shared_ptr<const FeedForward> mlp;
   Weights w, g;                                // views into params and grads
   std::vector<int> chunk_unit0, chunk_block0;  // per chunk: its first unit and first block in w
   int blocks(int chunk) const { return chunks[chunk].last_block - chunks[chunk].first_block; }
   int embedding_unit() const { return chunks.front().embedding ? 0 : -1; }  // -1: not here
   int head_unit() const { return chunks.back().head ? (int)units.size() - 1 : -1; }
-  // The unit of block l (0-based within chunk c).
-  int block_unit(int c, int l) const { return chunk_unit0[c] + (chunks[c].embedding ? 1 : 0) + l; }
+  // A block is one unit, or two under a mixture of experts: its dense part (attention, norms,
+  // the router) and its experts, whose gradients sum over another group (ModelUnit::experts).
+  int units_per_block() const { return cfg.experts > 0 ? 2 : 1; }
+  // The (first) unit of block l (0-based within chunk c).
+  int block_unit(int c, int l) const {
+    return chunk_unit0[c] + (chunks[c].embedding ? 1 : 0) + l * units_per_block();
+  }
 
   // ---- FlatParameters ----
   void bind_unit_params(int u, const Tensor& base) override;
@@ -80,14 +114,16 @@ struct Model : FlatParameters {
 };
 // Allocates the flat buffers and initialises every weight from (seed, name, element index).
 // Under tensor parallelism each rank allocates and initialises exactly its shards.
-// `chunks`: the stages this rank holds (empty: the whole model).
+// `chunks`: the stages this rank holds (empty: the whole model); `ep`: which experts (a
+// mixture of experts; default: all of them).
 Model build_model(const ModelConfig& cfg, Device device, uint64_t seed,
-                  const TensorParallel& tp = {}, std::vector<Stage> chunks = {});
+                  const TensorParallel& tp = {}, std::vector<Stage> chunks = {},
+                  const ExpertParallel& ep = {});
 // The layout alone (names, shapes, offsets, units), no memory: every view is unbound (its
 // shape is set, its data pointer null) until bind_unit_params / bind_unit_grads point it;
 // a gradient sync allocates what it keeps (allocate_flat, or its shards).
 Model build_model_layout(const ModelConfig& cfg, const TensorParallel& tp = {},
-                         std::vector<Stage> chunks = {});
+                         std::vector<Stage> chunks = {}, const ExpertParallel& ep = {});
 
 // What one micro-batch's forward saves for its backward (its own object, so a pipeline can
 // hold several in flight). Which tensors are kept depends on the recompute mode.
@@ -102,7 +138,8 @@ struct BlockActivations {
   Tensor attn;          // [N, Hl*hd] attention output before wo
   Tensor x_mid;         // [n, D] after the attention residual
   Tensor norm2, rstd2;  // [n, D], [n]
-  Tensor gate, up, act;  // [N, Fl] x3
+  Tensor gate, up, act;  // [N, Fl] x3 (the dense MLP)
+  MoeActivations moe;    // or the mixture's (expert_parallel.cuh)
 };
 // Bytes of one block's saved activations for B sequences of T tokens, by the formula derived
 // in model.cu (the RMSNorm, SwiGLU, GQA analog of the book's sbh(34 + 5as/h)). e: the bytes of
@@ -121,6 +158,10 @@ struct Activations {
   Tensor logits;                 // [N, V / tp] this rank's vocabulary slice
   Tensor losses;                 // [N] per-token cross-entropy
   Tensor ce_stats;               // [N, 2] row max and sum of exponentials (vocab-parallel)
+  // What travels with the hidden state from layer to layer and stage to stage
+  // (FeedForward::carry_numel floats): a mixture of experts' routing counts, which its
+  // load-balancing loss needs over every layer. Empty for a dense model.
+  std::vector<float> carry;
 };
 
 // ---- The stage seam (DESIGN 6): what a pipeline schedule runs, one micro-batch at a time ----
@@ -129,18 +170,22 @@ struct Activations {
 // Returns, when it holds the head, the sum of per-token losses (fp32 accumulation; with
 // targets == nullptr only the logits are computed, for generation); elsewhere 0, and
 // acts.x_final holds the output for the next stage.
+// `carry_in`: what the previous stage's acts.carry held (empty on the first stage).
 float stage_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
                     const Tensor& hidden_in, const int32_t* targets, int B, int T,
-                    Recompute mode, const UnitHooks& hooks = {}, int chunk = 0);
+                    Recompute mode, const UnitHooks& hooks = {}, int chunk = 0,
+                    const std::vector<float>& carry_in = {});
 // Accumulates (+=) into the gradient views the gradient of loss_scale * sum(losses) (the head's
 // chunk) or of <d_out, output> (d_out [n, D], other chunks), releasing the activations as it
 // goes; units run in backward order. Returns d(input hidden) [n, D], undefined for the chunk
 // that holds the embedding. With `deferred` (zero-bubble pipelines, Playbook §8.6) only the
 // input gradients are computed: the linear layers' weight gradients and the after_backward
-// hooks are queued there, in order, for the schedule's W op.
+// hooks are queued there, in order, for the schedule's W op. `carry`: the last stage's
+// acts.carry, for a stage without the head (its own holds only the layers up to it).
 Tensor stage_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
                       const Tensor& d_out, Recompute mode, const UnitHooks& hooks = {},
-                      int chunk = 0, DeferredGrads* deferred = nullptr);
+                      int chunk = 0, DeferredGrads* deferred = nullptr,
+                      const std::vector<float>& carry = {});
 // The whole model as one stage: ids in, loss (or logits) out; and its backward.
 float model_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
                     const int32_t* targets, int B, int T, Recompute mode,

@@ -324,18 +324,25 @@ double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& 
   Exchange exchange(comm, ctx);
   std::map<std::pair<int, int>, Activations> saved;      // (micro-batch, chunk) in flight
   std::map<std::pair<int, int>, DeferredGrads> weights;  // zero-bubble: W ops still to run
+  // What travels with the hidden state besides it (a mixture of experts' routing counts): to
+  // the next stage with the activations, and back, complete, with their gradient.
+  const int carried = model.mlp->carry_numel();
   for (const PipelineOp& op : table) {
     int g = rank + op.chunk * p;
     std::pair<int, int> key{op.micro, op.chunk};
     bool forward = op.kind == Phase::Forward, backward = op.kind == Phase::Backward;
     // Receive what the op needs (with the queued sends), or let the queued sends go.
     Tensor input;
-    if (forward && g > 0)
+    std::vector<float> carry;
+    if (forward && g > 0) {
       input = exchange.receive(comm.pp, prev, hidden, Mem::Activations);
-    else if (backward && g < last_chunk)
+      if (carried) carry = to_host_floats(exchange.receive(comm.pp, prev, {carried}, Mem::Workspace));
+    } else if (backward && g < last_chunk) {
       input = exchange.receive(comm.pp_grad, next, hidden, Mem::Workspace);
-    else
+      if (carried) carry = to_host_floats(exchange.receive(comm.pp_grad, next, {carried}, Mem::Workspace));
+    } else {
       exchange.flush();
+    }
     observer.before(op.kind, op.micro);
     UnitHooks hooks = sync.hooks(ctx, op.micro == m - 1);
     double start = now_seconds();
@@ -347,14 +354,17 @@ double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& 
       Activations& acts = saved[key];
       loss_sum += stage_forward(ctx, model, acts, batch.inputs + op.micro * tokens, input,
                                 batch.targets + op.micro * tokens, batch.mbs, batch.seq, mode,
-                                hooks, op.chunk);
+                                hooks, op.chunk, carry);
       if (!acts.blocks.empty()) block_bytes = saved_bytes(acts.blocks[0]);
       if (g < last_chunk) exchange.send(comm.pp, next, acts.x_final);
+      if (g < last_chunk && carried) exchange.send(comm.pp, next, device_floats(ctx, acts.carry, {carried}));
     } else {
+      if (g == last_chunk) carry = saved[key].carry;  // every layer's: this chunk ends the model
       Tensor d_in = stage_backward(ctx, model, saved[key], loss_scale, input, mode, hooks, op.chunk,
-                                   split ? &weights[key] : nullptr);
+                                   split ? &weights[key] : nullptr, carry);
       saved.erase(key);
       if (g > 0) exchange.send(comm.pp_grad, prev, d_in);
+      if (g > 0 && carried) exchange.send(comm.pp_grad, prev, device_floats(ctx, carry, {carried}));
     }
     observer.after(op.kind, op.micro, op.chunk, V, start, block_bytes);
   }
@@ -368,11 +378,17 @@ float pipeline_forward(const Context& ctx, Comm& comm, Model& model, Activations
   std::vector<int64_t> hidden = {sp_tokens(model.tp, (int64_t)B * T), model.cfg.d_model};
   Exchange exchange(comm, ctx);
   float loss = 0;
+  const int carried = model.mlp->carry_numel();
   for (int g = rank; g <= last_chunk; g += p) {  // this rank's chunks, in order
     Tensor input;
+    std::vector<float> carry;
     if (g > 0) input = exchange.receive(comm.pp, comm.pp.prev(), hidden, Mem::Activations);
-    loss = stage_forward(ctx, model, acts, ids, input, targets, B, T, Recompute::None, {}, g / p);
+    if (g > 0 && carried)
+      carry = to_host_floats(exchange.receive(comm.pp, comm.pp.prev(), {carried}, Mem::Workspace));
+    loss = stage_forward(ctx, model, acts, ids, input, targets, B, T, Recompute::None, {}, g / p,
+                         carry);
     if (g < last_chunk) exchange.send(comm.pp, comm.pp.next(), acts.x_final);
+    if (g < last_chunk && carried) exchange.send(comm.pp, comm.pp.next(), device_floats(ctx, acts.carry, {carried}));
     exchange.flush();
   }
   exchange.finish();

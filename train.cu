@@ -14,6 +14,7 @@
 
 #include "context_parallel.cuh"
 #include "data_parallel.cuh"
+#include "expert_parallel.cuh"
 #include "mixed_precision.cuh"
 #include "model.cuh"
 #include "pipeline_parallel.cuh"
@@ -34,7 +35,7 @@
 
 struct Options : RunOptions, ModelOptions, AttentionOptions, PrecisionOptions,
                  DataParallelOptions, ZeroOptions, TensorParallelOptions, PipelineOptions,
-                 ContextParallelOptions {};
+                 ContextParallelOptions, ExpertOptions {};
 
 static void add_flags(CLI::App& app, Options& o) {
   // A flag given twice takes its last value, so a script can append overrides.
@@ -46,6 +47,7 @@ static void add_flags(CLI::App& app, Options& o) {
   add_tensor_parallel_flags(app, o);
   add_context_parallel_flags(app, o);
   add_pipeline_flags(app, o);
+  add_expert_flags(app, o, o);
   add_attention_flags(app, o);
   add_precision_flags(app, o);
   add_io_flags(app, o);
@@ -61,6 +63,7 @@ static void resolve_options(Options& o) {
   validate_pipeline(o.model.layers, o.pp, o.pp_virtual, o.grad_acc, o.pp_schedule,
                     o.model.tie_embeddings, o.zero);
   validate_tensor_parallel(o.model, o.tp, o.sp);
+  validate_expert_parallel(o.model, o, o.dp, o.cp);
   if (o.dtype != "auto") parse_precision(o.dtype);
 }
 
@@ -78,7 +81,9 @@ static void check_before_start(const Options& o, const Comm& comm,
                  (double)c.layers * o.mbs * c.seq * ((double)c.heads * c.seq + c.d_model + c.ffn);
   if (rough > 1e17) check_memory_fits(rough, 0, comm.device, local_ranks);
   const bool train = o.score.empty();
-  const double psi = (double)parameter_count(c) / o.tp;
+  // Each rank holds its tp shard of every weight, of the experts only its ep rank's.
+  const double psi =
+      ((double)parameter_count(c) - (double)expert_parameter_count(c) * (o.ep - 1) / o.ep) / o.tp;
   const int n = o.dp * o.cp, stage = n > 1 ? o.zero : 0;
   double state = 4 * psi;  // --score: the fp32 weights
   if (train) {
@@ -119,6 +124,13 @@ static void print_config(const Options& o, const Dataset& data, const Comm& comm
     rows.push_back({"context parallel", std::string(cp_balance_name(o.cp_balance)) + " split, " +
                                             cp_comm_name(o.cp_comm) + ", " + s(c.seq / o.cp) +
                                             " tokens per rank"});
+  if (c.experts > 0)
+    rows.push_back({"mixture of experts",
+                    s(c.experts) + " experts of ffn " + s(c.ffn) + ", top " + s(c.top_k) +
+                        ", ep " + s(o.ep) + " (" + s(c.experts / o.ep) + " per rank), " +
+                        (o.capacity_factor > 0 ? "capacity factor " + num(o.capacity_factor)
+                                               : std::string("dropless")) +
+                        ", aux loss coef " + num(c.aux_loss_coef)});
   if (o.pp > 1)
     rows.push_back({"pipeline", std::string(pp_schedule_name(o.pp_schedule)) + ", " +
                                     s(o.grad_acc) + " micro-batches" +
@@ -183,13 +195,15 @@ static double loss_sum(const Context& ctx, Comm& comm, Model& model, const Conte
 
 // Mean loss over `windows` windows, the windows split evenly over the dp ranks (every rank
 // holds the same weights), each window's tokens over the cp ranks, and the sums added up (over
-// pp too: the last stage holds the loss).
+// pp too: the last stage holds the loss). The ranks of an ep group hold different experts and
+// dispatch to each other: they run the same windows, and ep rank 0's sum counts.
 static double mean_loss(const Context& ctx, Comm& comm, Model& model, const ContextParallel& cp,
                         const std::vector<int32_t>& tokens, int64_t windows, int seq,
                         int64_t stride, int mbs) {
-  Group& g = comm.dp;
-  int64_t first = windows * g.rank / g.size, last = windows * (g.rank + 1) / g.size;
+  int share = comm.dp.rank / comm.ep.size, shares = comm.dp.size / comm.ep.size;
+  int64_t first = windows * share / shares, last = windows * (share + 1) / shares;
   double total = loss_sum(ctx, comm, model, cp, tokens, first, last - first, seq, stride, mbs);
+  if (comm.ep.rank != 0) total = 0;
   all_reduce_host(comm.dp_cp, &total, 1, ReduceOp::Sum);
   all_reduce_host(comm.pp, &total, 1, ReduceOp::Sum);
   return total / ((double)windows * seq);
@@ -298,7 +312,8 @@ static ContextParallel context_parallel(Comm& comm, const Options& o) {
 static Model model_layout(Comm& comm, const Options& o) {
   Model model = build_model_layout(
       o.model, TensorParallel{&comm, o.sp},
-      pipeline_chunks(o.model.layers, o.pp, o.pp_virtual, comm.grid.pp_rank));
+      pipeline_chunks(o.model.layers, o.pp, o.pp_virtual, comm.grid.pp_rank),
+      ExpertParallel{&comm, o.capacity_factor});
   if (o.cp > 1)
     model.attention = std::make_shared<ContextParallelAttention>(context_parallel(comm, o));
   else
@@ -356,6 +371,8 @@ struct Trainer {
   uint64_t step_syncs_min = UINT64_MAX, step_syncs_max = 0;  // host synchronisations per step
   TrafficMeter tp_traffic, dp_traffic;      // what tp and dp_cp sent in training steps
   PrecisionPolicy precision;                // --dtype: the loss scale, what the log adds
+  ExpertStats experts;                      // what the routers did (--report experts)
+  TrafficMeter ep_traffic;                  // what the ep group sent in training steps
   DevicePeak peak;  // rank 0: the FLOP rate MFU divides by (planner.cuh)
 };
 
@@ -384,10 +401,15 @@ static bool train_step(Trainer& t, int64_t step) {
   batch.inputs = t.my_inputs.data(), batch.targets = t.my_targets.data();
   batch.seq = seq / t.cp.size();
   if (t.ring) t.ring->work = &t.attention_work;  // training steps only, not validation
+  t.model.ep.stats = &t.experts;
+  const double aux_before = t.experts.aux_sum;
+  t.ep_traffic.open(t.comm.ep);
   t.observer.begin_schedule(step, true);
   double loss_sum = run_schedule(t.ctx, t.comm, t.model, t.sync, batch, t.recompute, loss_scale,
                                  t.pipeline, t.observer);
   t.observer.end_schedule();
+  t.ep_traffic.close(t.comm.ep);
+  t.model.ep.stats = nullptr;
   if (t.ring) t.ring->work = nullptr;
   double tw = now_seconds();
   t.sync.finish(t.ctx);
@@ -396,6 +418,13 @@ static bool train_step(Trainer& t, int64_t step) {
   all_reduce_host(t.comm.dp_cp, &loss_sum, 1, ReduceOp::Sum);
   all_reduce_host(t.comm.pp, &loss_sum, 1, ReduceOp::Sum);  // the last stage holds it
   float loss = (float)(loss_sum / (t.global_batch * seq));
+  // A mixture of experts: its load-balancing loss, per micro-batch, also in the gradients
+  // (times --aux-loss-coef); logged apart from the loss, which stays the language model's.
+  double aux = t.experts.aux_sum - aux_before;
+  if (o.model.experts > 0) {
+    all_reduce_host(t.comm.world, &aux, 1, ReduceOp::Sum);
+    aux /= (double)o.grad_acc * o.dp;
+  }
   if (!std::isfinite(loss)) {
     if (t.comm.grid.world_rank == 0)
       fprintf(stderr, "error: loss is %f at step %lld; lower --lr or check the data\n", loss,
@@ -429,14 +458,17 @@ static bool train_step(Trainer& t, int64_t step) {
   if (t.comm.grid.world_rank == 0) {
     double tok_s = t.global_batch * seq / dt, per_rank = tok_s / t.comm.grid.world_size;
     double mfu = book_flops_per_token(o.model) * per_rank / t.peak.flops;  // Playbook §2.6
-    printf("step %5lld/%d | loss %.4f | lr %.2e | norm %.4f | %8.0f tok/s | %7.0f tok/s/rank | "
+    char moe[32] = "";
+    if (o.model.experts > 0) snprintf(moe, sizeof moe, " | aux %.4f", aux);
+    printf("step %5lld/%d | loss %.4f%s | lr %.2e | norm %.4f | %8.0f tok/s | %7.0f tok/s/rank | "
            "MFU %5.1f%% | %7.1f ms%s\n",
-           (long long)step + 1, o.steps, loss, lr, norm, tok_s, per_rank, 100 * mfu, dt * 1e3,
-           t.precision.step_note().c_str());
+           (long long)step + 1, o.steps, loss, moe, lr, norm, tok_s, per_rank, 100 * mfu,
+           dt * 1e3, t.precision.step_note().c_str());
     if (t.log_json.is_open()) {
       nlohmann::json line{{"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm},
                           {"tokens_per_s", tok_s}, {"tokens_per_s_per_rank", per_rank},
                           {"mfu", mfu}};
+      if (o.model.experts > 0) line["aux_loss"] = aux;
       t.precision.log_step(t.ctx, line);
       t.log_line = line;
     }
@@ -490,6 +522,15 @@ static void print_reports(Trainer& t) {
                                t.precision.grads() == DType::BF16);
       print_memory_report(comm, t.sync.zero_stage(), n_params, t.sync.padded_params(),
                           t.precision.compute(), t.precision.grads() == DType::BF16);
+      if (main_rank && o.model.experts > 0) {  // this rank's experts: E / ep per block
+        int64_t held = 0, blocks = 0;
+        for (const ModelUnit& u : t.model.units) held += u.experts ? u.numel * 4 : 0;
+        for (int c = 0; c < (int)t.model.chunks.size(); c++) blocks += t.model.blocks(c);
+        const int64_t D = o.model.d_model, F = o.model.ffn / o.tp, per = o.model.experts / o.ep;
+        print_expert_memory(held, blocks * per * 3 * D * F * 4,
+                            std::to_string(blocks) + " blocks x " + std::to_string(per) +
+                                " experts (E / ep) x 3 D F / tp x 4");
+      }
       if (main_rank && t.observer.schedule().block_bytes >= 0) {
         const int e = (int)dtype_size(t.precision.weight_format());
         const AttentionCore& attention = *t.model.attention;
@@ -505,11 +546,32 @@ static void print_reports(Trainer& t) {
     if (r == Report::Comm) {
       print_comm_report(comm, n_params, t.steps_run);
       t.sync.print_comm_report(o.grad_acc, t.dp_traffic.total, t.steps_run);
+      if (main_rank && o.model.experts > 0 && o.ep > 1) {
+        // Each block's forward dispatches and combines once, its backward once more (and full
+        // recomputation's forward again); every rank charged for the rows it sends.
+        const int passes = t.recompute == Recompute::Full ? 3 : 2;
+        int64_t blocks = 0, n = (int64_t)o.mbs * o.model.seq / o.cp, steps = t.steps_run;
+        for (int c = 0; c < (int)t.model.chunks.size(); c++) blocks += t.model.blocks(c);
+        double uniform = (double)blocks * o.grad_acc * passes *
+                         moe_expected_a2a_bytes(o.model, n, o.ep);
+        double routed = passes * 4.0 * o.model.d_model *
+                        (t.experts.rows_elsewhere + t.experts.rows_arrived) /
+                        (double)std::max<int64_t>(1, steps);
+        print_expert_comm_report(t.ep_traffic.total[(int)Coll::AllToAll], uniform, routed, steps,
+                                 passes);
+      }
       if (main_rank && o.tp > 1)
         print_tp_comm_report(tp_expected_traffic(o.model, o.mbs, o.model.seq, o.tp, o.sp),
                              o.grad_acc, o.tp, o.sp, t.tp_traffic.total,
                              t.steps_run);
     }
+    if (r == Report::Experts && o.model.experts > 0)
+      print_expert_report(comm,
+                          std::to_string(o.model.experts) + " experts, top " +
+                              std::to_string(o.model.top_k) + ", ep " + std::to_string(o.ep) +
+                              (o.capacity_factor > 0 ? ", capacity factor " + num(o.capacity_factor)
+                                                     : ", dropless"),
+                          o.model.layers, o.model.experts, t.experts, t.steps_run);
     if (r == Report::Bubble)
       print_bubble_report(comm, bubble_prediction(o.pp_schedule, o.pp, o.grad_acc, o.pp_virtual),
                           t.observer.schedule());
@@ -579,6 +641,9 @@ static int run(const Options& o, Comm& comm, Context& ctx, PrecisionPolicy preci
     t.peak = device_peak(ctx, precision.compute());
     printf("MFU: the book's 6N + 12 L h s = %.4g FLOPs per token (appendix A2) over %.4g FLOP/s "
            "per rank (%s)\n", book_flops_per_token(c), t.peak.flops, t.peak.how.c_str());
+    if (c.experts > 0)
+      printf("MFU: N = %lld parameters a token meets (top %d of %d experts per layer) of %lld\n",
+             (long long)active_parameter_count(c), c.top_k, c.experts, (long long)parameter_count(c));
   }
   all_or_none(comm, [&] {
     if (main_rank && !o.log_json.empty()) t.log_json.open("--log-json", o.log_json);
@@ -624,7 +689,7 @@ int main(int argc, char** argv) {
     // The precision policy (mixed_precision.cuh): refused here, on every rank, before any step.
     PrecisionPolicy precision = make_precision_policy(o, device);
     validate_data_parallel(o, precision.grads());
-    Comm comm = comm_init(o.dp, o.pp, o.cp, o.tp, o.comm, device, o.comm_timeout);
+    Comm comm = comm_init(o.dp, o.pp, o.cp, o.tp, o.comm, device, o.comm_timeout, o.ep);
     set_sync_launches(o.sync_launches);
     Context ctx = Context::create(device);
     ctx.precision = precision.compute();

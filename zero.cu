@@ -11,20 +11,13 @@
 // The one idea: reduce-scatter + all-gather moves what all-reduce moves (2Ψ), so sharding the
 // optimizer and the gradients costs no communication; sharding the weights costs one more Ψ.
 //
-// What lives where (persistent: Params / Grads / Optimizer; transient: Workspace):
-//   weights    stages 1-2: all of them, each unit padded to N x S_u   stage 3: the shard [S]
-//              stage 3 also: each gathered unit [N x S_u], from its gather to its release
-//   gradients  stage 1: all of them, padded                           stages 2-3: the shard [S]
-//              stages 2-3 also: the unit in backward [N x S_u], from before_backward until its
-//              reduce-scatter completes (tied embeddings: the embedding's, from the head's
-//              backward, which writes into it, to the embedding's own)
-//   m, v       the shard [S] each
-// Under mixed precision (--dtype bf16, fp16, fp8), the fp32 master weights are a shard [S] next
-// to m and v, and what is gathered is in the compute format: stages 1-2 keep the whole weights
-// only in that format (the book's 2Ψ + 4Ψ + 12Ψ/N for ZeRO-1), stage 3 a bf16 copy of its
-// shard (2Ψ/N); each rank rounds its updated slice, and the units are all-gathered in bf16.
-// With --grad-acc-dtype bf16 the gradient buffer (stage 1) or shard (stages 2-3) is bf16, and
-// the reduce-scatters carry bf16.
+// What lives where: weights, stages 1-2 all (each unit padded to N x S_u), stage 3 the shard
+// [S] and each gathered unit [N x S_u] from its gather to its release; gradients, stage 1 all
+// (padded), stages 2-3 the shard [S] and the unit in backward [N x S_u] until its
+// reduce-scatter completes; m and v, the shard [S] each. Under mixed precision (--dtype bf16,
+// fp16, fp8) the fp32 master weights are a shard next to m and v and what is gathered is in
+// the compute format (the book's 2Ψ + 4Ψ + 12Ψ/N for ZeRO-1); --grad-acc-dtype bf16 makes the
+// gradient buffer or shard bf16. Experts shard over edp_cp instead (comm.cuh).
 #include <algorithm>
 #include <cmath>
 
@@ -62,7 +55,8 @@ Zero::Zero(Comm& comm, FlatParameters& model, int stage, const AdamWConfig& hp,
   grad_dtype_ = precision.grads();
   PICO_ASSERT(stage >= 1 && stage <= 3, "ZeRO stage " + std::to_string(stage));
   PICO_ASSERT(!model.params.defined(), "Zero shards a model from build_model_layout");
-  layout_ = make_shard_layout(model, comm.dp_cp.size, comm.dp_cp.rank);
+  layout_ = make_shard_layout(model, comm.dp_cp.size, comm.dp_cp.rank, comm.edp_cp.size,
+                              comm.edp_cp.rank);
   units_.resize(layout_.units.size());
   const Device d = comm.device;
   const int64_t S = layout_.shard_numel, padded = layout_.padded_numel();
@@ -83,7 +77,7 @@ Zero::Zero(Comm& comm, FlatParameters& model, int stage, const AdamWConfig& hp,
     for (int u = 0; u < (int)units_.size(); u++)
       if (unit(u).valid > 0)
         model.init_parameters(seed, mine(param_shard_, u).view(0, {unit(u).valid}),
-                              unit(u).offset + layout_.rank * unit(u).shard);
+                              unit(u).offset + unit(u).rank * unit(u).shard);
   }
   if (shard_weights_ && mixed) {  // the shard in the format it is gathered in
     compute_shard_ = empty({S}, Mem::Params, d, weight_format_);
@@ -104,7 +98,7 @@ Zero::Zero(Comm& comm, FlatParameters& model, int stage, const AdamWConfig& hp,
   for (int u = 0; u < (int)units_.size(); u++) {
     const ShardLayout::Unit& U = unit(u);
     const ModelUnit& mu = model.units[u];
-    int64_t lo = layout_.rank * U.shard, hi = lo + U.valid;  // unit-relative
+    int64_t lo = U.rank * U.shard, hi = lo + U.valid;  // unit-relative
     for (int p = mu.first; p < mu.first + mu.count; p++) {
       const Tensor& t = model.named_params[p].tensor;
       int64_t begin = model.offsets[p] - U.offset, end = begin + t.numel();
@@ -122,7 +116,7 @@ Zero::Zero(Comm& comm, FlatParameters& model, int stage, const AdamWConfig& hp,
 // a padded whole buffer (stages 1-2 keep the weights whole, stage 1 the gradients) or of a
 // shard buffer [S] (slice).
 Tensor Zero::full(const Tensor& padded, int u) const {
-  return padded.view(unit(u).padded_offset, {layout_.ranks * unit(u).shard});
+  return padded.view(unit(u).padded_offset, {unit(u).ranks * unit(u).shard});
 }
 Tensor Zero::whole(const Tensor& padded, int u) const {
   return padded.view(unit(u).padded_offset, {unit(u).numel});
@@ -131,7 +125,7 @@ Tensor Zero::mine(const Tensor& shard, int u) const {
   return shard.view(unit(u).shard_offset, {unit(u).shard});
 }
 Tensor Zero::slice(const Tensor& padded, int u) const {
-  return full(padded, u).view(layout_.rank * unit(u).shard, {unit(u).shard});
+  return full(padded, u).view(unit(u).rank * unit(u).shard, {unit(u).shard});
 }
 // What AdamW updates: the fp32 master shard, or (stages 1-2 in fp32) the slice of the weights.
 Tensor Zero::master(int u) const {
@@ -209,9 +203,9 @@ void Zero::launch_gather(int u) {
   if (s.resident || s.gathering) return;
   // Mixed precision: the bf16 (fp16) shard, half the bytes; the ops read the gathered unit as is.
   Tensor shard = compute_shard_.defined() ? mine(compute_shard_, u) : master(u);
-  s.params = empty({layout_.ranks * unit(u).shard}, Mem::Workspace, comm_.device, shard.dtype);
+  s.params = empty({unit(u).ranks * unit(u).shard}, Mem::Workspace, comm_.device, shard.dtype);
   s.gather_start = now_seconds();
-  s.gather = all_gather_async(comm_, comm_.dp_cp, *ctx_, shard.ptr, s.params.ptr, shard.dtype,
+  s.gather = all_gather_async(comm_, group_of(u), *ctx_, shard.ptr, s.params.ptr, shard.dtype,
                               unit(u).shard);
   s.gathering = true;
 }
@@ -238,7 +232,7 @@ void Zero::acquire_grads(int u) {
   UnitState& s = units_[u];
   if (s.grads.defined() && !s.reducing) return;  // already taken this micro-batch (tied head)
   complete_reduce(u);  // the previous micro-batch's reduce-scatter of this unit
-  s.grads = zeros({layout_.ranks * unit(u).shard}, Mem::Workspace, comm_.device);
+  s.grads = zeros({unit(u).ranks * unit(u).shard}, Mem::Workspace, comm_.device);
   model_.bind_unit_grads(u, s.grads);
 }
 
@@ -251,8 +245,8 @@ void Zero::reduce_unit(int u) {
   UnitState& s = units_[u];
   s.wire = shard_grads_ ? cast_to(*ctx_, s.grads, grad_dtype_) : full(model_.grads, u);
   s.reduce_start = now_seconds();
-  Tensor mine = s.wire.view(layout_.rank * unit(u).shard, {unit(u).shard});
-  s.reduce = reduce_scatter_async(comm_, comm_.dp_cp, *ctx_, s.wire.ptr, mine.ptr, grad_dtype_,
+  Tensor mine = s.wire.view(unit(u).rank * unit(u).shard, {unit(u).shard});
+  s.reduce = reduce_scatter_async(comm_, group_of(u), *ctx_, s.wire.ptr, mine.ptr, grad_dtype_,
                                   unit(u).shard, ReduceOp::Sum);
   s.reducing = true;
   if (!overlap_) complete_reduce(u);
@@ -264,7 +258,7 @@ void Zero::complete_reduce(int u) {
   wait(s.reduce, "reduce-scatter " + model_.units[u].name, s.reduce_start, exposed_reduce_s);
   s.reducing = false;
   if (shard_grads_) {  // keep the sum of this rank's slice; the unit's full gradient goes
-    accumulate(*ctx_, grads_of(u), s.wire.view(layout_.rank * unit(u).shard, {unit(u).shard}));
+    accumulate(*ctx_, grads_of(u), s.wire.view(unit(u).rank * unit(u).shard, {unit(u).shard}));
     model_.bind_unit_grads(u, Tensor());
     s.grads = Tensor();
   }
@@ -326,7 +320,7 @@ void Zero::step(const Context& ctx, float lr) {
     // bytes of fp32 on the wire.
     if (param_shard_.defined()) cast_(ctx, slice(model_.params, u), master(u));
     units_[u].gather_start = now_seconds();
-    units_[u].gather = all_gather_async(comm_, comm_.dp_cp, ctx, slice(model_.params, u).ptr,
+    units_[u].gather = all_gather_async(comm_, group_of(u), ctx, slice(model_.params, u).ptr,
                                         full(model_.params, u).ptr, weight_format_, unit(u).shard);
     if (!overlap_) finish_gather(u);
   }
@@ -374,25 +368,32 @@ void Zero::trace_communication(Trace& trace) const {
   for (const Span& span : spans) trace.add(span.name, Track::Comm, span.start, span.end);
 }
 void Zero::print_comm_report(int grad_acc, const CollStats* measured, int64_t steps) const {
-  const ShardLayout::Unit& last = layout_.units.back();
   const int head = (int)layout_.units.size() - 1;
   const CollStats &rs = measured[(int)Coll::ReduceScatter], &ag = measured[(int)Coll::AllGather];
+  int64_t psi = 0, padded = 0;  // over dp_cp's units (experts travel over edp_cp)
+  for (int u = 0; u <= head; u++)
+    if (!model_.units[u].experts) psi += unit(u).numel, padded += unit(u).ranks * unit(u).shard;
   print_zero_comm_report(
       comm_, {stage_, layout_.ranks, grad_acc, steps, {rs.calls, rs.bytes, ag.calls, ag.bytes},
-              expected_traffic(grad_acc), last.offset + last.numel, layout_.padded_numel(),
-              grad_dtype_, weight_format_, model_.weights_read(head, false).size() > 1});
+              expected_traffic(grad_acc), psi, padded, grad_dtype_, weight_format_,
+              model_.weights_read(head, false).size() > 1});
 }
 
-// What one step issues (runtime/formulas.cu, zero_expected_traffic): every unit's shard, and
-// the units each unit reads in its forward and its backward.
+// What one step issues over dp_cp (runtime/formulas.cu, zero_expected_traffic): every unit's
+// shard, and the units each unit reads in its forward and its backward (experts: over edp_cp).
 ZeroTraffic Zero::expected_traffic(int grad_acc) const {
   std::vector<int64_t> shards;
   std::vector<std::vector<int>> reads, reads_back;
-  for (int u = 0; u < (int)layout_.units.size(); u++) {
-    shards.push_back(unit(u).shard);
-    reads.push_back(model_.weights_read(u, false));
-    reads_back.push_back(model_.weights_read(u, true));
-  }
+  std::vector<int> index(layout_.units.size(), -1);  // unit -> its place among dp_cp's
+  for (int u = 0; u < (int)layout_.units.size(); u++)
+    if (!model_.units[u].experts) index[u] = (int)shards.size(), shards.push_back(unit(u).shard);
+  for (int u = 0; u < (int)layout_.units.size(); u++)
+    for (bool back : {false, true})
+      if (index[u] >= 0) {
+        std::vector<int> read = model_.weights_read(u, back);
+        for (int& w : read) w = index[w];
+        (back ? reads_back : reads).push_back(read);
+      }
   return zero_expected_traffic(stage_, layout_.ranks, shards, reads, reads_back,
                                (int)dtype_size(grad_dtype_), (int)dtype_size(weight_format_),
                                grad_acc);

@@ -154,7 +154,7 @@ struct StepTime {
   double exposed_total() const;
 };
 // The step of `l` on `cluster`; `model_flops_per_token` is the FLOP count MFU divides (the
-// book's 6N + 12 L h s).
+// book's 6N + 12 L h s, N the parameters a token meets: active_parameter_count).
 StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cluster,
                       const Implementation& impl);
 double book_flops_per_token(const ModelConfig& cfg);

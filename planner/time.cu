@@ -105,7 +105,7 @@ double StepTime::exposed_total() const {
 }
 
 double book_flops_per_token(const ModelConfig& cfg) {
-  return model_flops_per_token((double)parameter_count(cfg), cfg.layers, cfg.heads * cfg.head_dim(),
+  return model_flops_per_token((double)active_parameter_count(cfg), cfg.layers, cfg.heads * cfg.head_dim(),
                                cfg.seq);
 }
 

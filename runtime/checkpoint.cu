@@ -332,7 +332,7 @@ json hf_config(const ModelConfig& cfg) {
     if (j.value("max_position_embeddings", 0) < cfg.seq) j["max_position_embeddings"] = cfg.seq;
     return j;
   }
-  return {{"architectures", json::array({"LlamaForCausalLM"})}, {"model_type", "llama"},
+  json j = {{"architectures", json::array({"LlamaForCausalLM"})}, {"model_type", "llama"},
           {"hidden_size", cfg.d_model}, {"intermediate_size", cfg.ffn},
           {"num_hidden_layers", cfg.layers}, {"num_attention_heads", cfg.heads},
           {"num_key_value_heads", cfg.kv_heads}, {"head_dim", cfg.head_dim()},
@@ -344,6 +344,16 @@ json hf_config(const ModelConfig& cfg) {
           {"bos_token_id", nullptr}, {"eos_token_id", nullptr},
           {"hidden_act", "silu"}, {"attention_bias", false}, {"mlp_bias", false},
           {"picoscale_preset", cfg.preset}};
+  if (cfg.experts > 0) {  // MixtralForCausalLM: the same Llama with a sparse MoE for its MLP
+    j["architectures"] = json::array({"MixtralForCausalLM"});
+    j["model_type"] = "mixtral";
+    j.erase("attention_bias"), j.erase("mlp_bias");
+    j["num_local_experts"] = cfg.experts, j["num_experts_per_tok"] = cfg.top_k;
+    j["router_aux_loss_coef"] = shortest(cfg.aux_loss_coef);
+    j["output_router_logits"] = true;  // the loss includes the load-balancing loss, as trained
+    j["sliding_window"] = nullptr, j["router_jitter_noise"] = 0.0;
+  }
+  return j;
 }
 
 ModelConfig config_from_hf(const json& j, const std::string& path) {
@@ -371,8 +381,13 @@ ModelConfig config_from_hf(const json& j, const std::string& path) {
     return v->get<float>();
   };
   const json* arch = find("architectures", true);
-  if (!arch->is_array() || std::find(arch->begin(), arch->end(), "LlamaForCausalLM") == arch->end())
-    throw fail("architectures " + arch->dump() + " do not include LlamaForCausalLM");
+  auto has = [&](const char* name) {
+    return arch->is_array() && std::find(arch->begin(), arch->end(), name) != arch->end();
+  };
+  const bool mixtral = has("MixtralForCausalLM");
+  if (!has("LlamaForCausalLM") && !mixtral)
+    throw fail("architectures " + arch->dump() +
+               " include neither LlamaForCausalLM nor MixtralForCausalLM");
   ModelConfig cfg;
   cfg.d_model = positive_int("hidden_size", true, 0);
   cfg.ffn = positive_int("intermediate_size", true, 0);
@@ -414,6 +429,20 @@ ModelConfig config_from_hf(const json& j, const std::string& path) {
   for (const char* bias : {"attention_bias", "mlp_bias"})
     if (const json* b = find(bias, false); b && *b != false)
       throw fail(std::string(bias) + " is not supported (picoscale's linears have no bias)");
+  if (mixtral) {  // the MLP is a sparse mixture of experts (expert_parallel.cu)
+    cfg.experts = positive_int("num_local_experts", true, 0);
+    cfg.top_k = positive_int("num_experts_per_tok", false, 2);
+    const json* coef = find("router_aux_loss_coef", false);
+    if (coef && !(coef->is_number() && coef->get<double>() >= 0))
+      throw fail("router_aux_loss_coef must be a number >= 0, found " + coef->dump());
+    cfg.aux_loss_coef = coef ? coef->get<float>() : 0.001f;
+    if (const json* noise = find("router_jitter_noise", false); noise && *noise != 0)
+      throw fail("router_jitter_noise " + noise->dump() + " is not supported (picoscale routes "
+                 "without noise)");
+    if (const json* w = find("sliding_window", false); w && !(w->is_number() && *w >= cfg.seq))
+      throw fail("sliding_window " + w->dump() + " is not supported (picoscale attends to every "
+                 "earlier token)");
+  }
   return cfg;
 }
 

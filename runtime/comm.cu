@@ -562,18 +562,20 @@ void all_reduce_host(Group& g, double* values, int count, ReduceOp op) {
   all_reduce_doubles(g, "all_reduce_host", values, count, op);
 }
 
-// One int64 to each peer and one from each: the transpose of the group's matrix of counts.
+// `per` int64s to each peer and `per` from each: the transpose of the group's matrix of counts.
 std::vector<int64_t> exchange_counts(Comm&, Group& g, const std::vector<int64_t>& send_counts) {
-  PICO_ASSERT((int)send_counts.size() == g.size,
+  PICO_ASSERT(!send_counts.empty() && (int)send_counts.size() % g.size == 0,
               "exchange_counts on " + g.name + ": " + std::to_string(send_counts.size()) +
                   " counts for " + std::to_string(g.size) + " ranks");
+  const int per = (int)send_counts.size() / g.size;
   for (int64_t n : send_counts)
     PICO_ASSERT(n >= 0, "exchange_counts: a negative count, " + std::to_string(n));
   std::vector<int64_t> recv_counts = send_counts;  // a group of one receives its own
-  host_collective(g, "exchange_counts", (int64_t)g.size * sizeof(int64_t), [&](MPI_Request* r) {
-    return MPI_Ialltoall(send_counts.data(), 1, MPI_INT64_T, recv_counts.data(), 1, MPI_INT64_T,
-                         g.mpi, r);
-  });
+  host_collective(g, "exchange_counts", (int64_t)send_counts.size() * sizeof(int64_t),
+                  [&](MPI_Request* r) {
+                    return MPI_Ialltoall(send_counts.data(), per, MPI_INT64_T, recv_counts.data(),
+                                         per, MPI_INT64_T, g.mpi, r);
+                  });
   return recv_counts;
 }
 

@@ -57,8 +57,10 @@ struct Group {
 
 struct Grid {
   int dp = 1, pp = 1, cp = 1, tp = 1;
+  int ep = 1;  // expert parallelism: blocks of ep consecutive dp ranks (it divides dp)
   int world_size = 1, world_rank = 0;
   int dp_rank = 0, pp_rank = 0, cp_rank = 0, tp_rank = 0;
+  int ep_rank() const { return dp_rank % ep; }
   // The world rank at coordinates (d, p, c, t): ((d * pp + p) * cp + c) * tp + t.
   int rank_of(int d, int p, int c, int t) const { return ((d * pp + p) * cp + c) * tp + t; }
 };
@@ -96,9 +98,16 @@ struct Comm {
   Grid grid;
   // pp carries activations to the next stage; pp_grad, the same ranks on a communicator of its
   // own, carries their gradients back, so the two directions never match each other's messages.
-  Group world, tp, cp, pp, pp_grad, dp, dp_cp;
+  // Expert parallelism (expert_parallel.cu) carves its groups out of the dp ranks: ep, the ep
+  // consecutive dp ranks (same pp, cp, tp) whose experts together are all of them, where tokens
+  // are dispatched; edp_cp, the ranks holding the same experts (same pp, tp and ep rank, every
+  // cp rank and every ep block), over which the experts' gradients are summed. ep = 1: every
+  // rank holds every expert, ep is one rank and edp_cp is dp_cp.
+  Group world, tp, cp, pp, pp_grad, dp, dp_cp, ep, edp_cp;
   Context comm_ctx;  // the communication stream (CUDA), for kernels that belong to it
-  std::vector<Group*> groups() { return {&world, &tp, &cp, &pp, &pp_grad, &dp, &dp_cp}; }
+  std::vector<Group*> groups() {
+    return {&world, &tp, &cp, &pp, &pp_grad, &dp, &dp_cp, &ep, &edp_cp};
+  }
 };
 // `backend_flag` is auto|nccl|mpi: auto is nccl on CUDA with one GPU per rank on each node,
 // else mpi. Under auto a group of one has no communicator (its collectives are local copies);
@@ -109,7 +118,7 @@ struct Comm {
 // UsageError for a world that is not dp*pp*cp*tp, an unknown backend, or nccl without a GPU per
 // rank. Call after MPI_Init and cudaSetDevice.
 Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, Device device,
-               double timeout_s);
+               double timeout_s, int ep = 1);
 void comm_destroy(Comm& comm);
 // Node-local rank and node-local rank count (MPI_COMM_TYPE_SHARED), for choosing a GPU.
 // Collective over the world; a rank that never arrives stops every rank after `timeout_s`
@@ -170,7 +179,9 @@ void all_to_all_v(Comm& c, Group& g, const Context& ctx, const void* send,
                   const std::vector<int64_t>& send_counts, void* recv,
                   const std::vector<int64_t>& recv_counts, DType dtype);
 // The counts an all-to-all-v will receive: element p of the result is what group rank p sends
-// to this rank (its send_counts[rank]). A host-side all-to-all of one int64 per peer, waited for
+// to this rank (its send_counts[rank]). With several counts per peer (send_counts holds
+// group-size blocks of c, e.g. one per expert a peer holds), block p of the result is rank p's
+// block for this rank. A host-side all-to-all of int64s, waited for
 // like every collective (past the group's timeout every rank stops, naming exchange_counts and
 // the group); bookkeeping, not counted in the group's stats.
 std::vector<int64_t> exchange_counts(Comm& c, Group& g, const std::vector<int64_t>& send_counts);

@@ -206,7 +206,7 @@ void nccl_settle(const std::vector<ncclComm_t>& comms, ncclResult_t returned,
 // ---- The communicators of a run ----
 
 Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, Device device,
-               double timeout_s) {
+               double timeout_s, int ep) {
   int up = 0, world_size = 1, world_rank = 0;
   MPI_Initialized(&up);
   PICO_ASSERT(up, "comm_init needs MPI_Init first");
@@ -216,6 +216,8 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
     throw UsageError("--comm-timeout " + std::to_string(timeout_s) + ": expected seconds > 0");
   Comm c;
   c.grid = make_grid(dp, pp, cp, tp, world_size, world_rank);  // checked before any allocation
+  PICO_ASSERT(ep >= 1 && dp % ep == 0, "--ep " + std::to_string(ep) + " divides --dp");
+  c.grid.ep = ep;
   c.backend = choose_backend(backend_flag, device, timeout_s);
   c.device = device;
   c.timeout_s = timeout_s;
@@ -232,6 +234,10 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
   make_group(c.dp, "dp", G.rank_of(0, p, x, t), d, timeout_s);
   // Gradients average here.
   make_group(c.dp_cp, "dp_cp", G.rank_of(0, p, 0, t), d * G.cp + x, timeout_s);
+  // Expert parallelism's, carved out of dp (runtime/comm.cuh): a block of ep dp ranks, and the
+  // ranks of the same ep rank in every block (and every cp rank).
+  make_group(c.ep, "ep", G.rank_of(d - d % ep, p, x, t), d % ep, timeout_s);
+  make_group(c.edp_cp, "edp_cp", G.rank_of(d % ep, p, 0, t), (d / ep) * G.cp + x, timeout_s);
 
   if (c.backend == Backend::NCCL) {
     // The standard bootstrap, one id per group: group rank 0 makes it, MPI shares it. Under

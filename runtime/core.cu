@@ -229,6 +229,24 @@ Tensor zeros(const Context& ctx, std::vector<int64_t> shape, Mem category, DType
 }
 void zero_(const Context& ctx, const Tensor& t) { zero_on(ctx.stream, t); }
 
+Tensor empty_rows(const Context& ctx, int64_t rows, int64_t cols, Mem category) {
+  return empty(ctx, {std::max<int64_t>(rows, 1), cols}, category).view(0, {rows, cols});
+}
+Tensor device_floats(const Context& ctx, const std::vector<float>& v, std::vector<int64_t> shape) {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  PICO_ASSERT(n == (int64_t)v.size(), "device_floats: shape");
+  Tensor t = empty(ctx, {std::max<int64_t>(n, 1)}, Mem::Workspace).view(0, shape);
+  if (n > 0) from_host(t, v.data());
+  return t;
+}
+Tensor device_ints(const Context& ctx, const std::vector<int32_t>& v) {
+  const int64_t n = (int64_t)v.size();
+  Tensor t = empty(ctx, {std::max<int64_t>(n, 1)}, Mem::Workspace, DType::I32).view(0, {n});
+  if (n > 0) from_host(t, v.data());
+  return t;
+}
+
 // On the legacy default stream. cudaMemcpy from device to host returns when the data is there:
 // a host synchronisation, counted. A host-to-device copy from pageable memory returns once the
 // source is staged, so the caller may reuse it at once.

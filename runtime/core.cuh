@@ -191,6 +191,11 @@ Tensor empty(const Context& ctx, std::vector<int64_t> shape, Mem category,
 Tensor zeros(const Context& ctx, std::vector<int64_t> shape, Mem category,
              DType dtype = DType::F32);
 void zero_(const Context& ctx, const Tensor& t);
+// [rows, cols] on ctx's stream, zero rows included (an empty view of one row's buffer).
+Tensor empty_rows(const Context& ctx, int64_t rows, int64_t cols, Mem category = Mem::Workspace);
+// Host values in a new workspace tensor of `shape` on ctx's device (any element count, 0 too).
+Tensor device_floats(const Context& ctx, const std::vector<float>& v, std::vector<int64_t> shape);
+Tensor device_ints(const Context& ctx, const std::vector<int32_t>& v);  // [v.size()]
 
 // Debugging aid, not a training behaviour: every Context created afterwards synchronises after
 // each kernel launch, so a faulting kernel is named where it faults instead of at the next

@@ -53,8 +53,16 @@ float GradientSync::clip_grad_norm(const Context& ctx, float max_norm) {
   std::vector<Tensor> grads;
   for (const ParamSlice& s : slices_)
     if (s.counted) grads.push_back(Tensor{nullptr, s.grad, {s.count}, s.grad_dtype, ctx.device});
-  double squares = 0;
-  for (float part : sum_squares_each(ctx, grads)) squares += part;  // one trip to the host
+  // Expert units: each ep rank holds other experts; unsharded, their squares add over ep.
+  std::vector<bool> experts;
+  for (const ParamSlice& s : slices_)
+    if (s.counted) experts.push_back(model_.units[s.unit].experts);
+  double squares = 0, expert_squares = 0;
+  std::vector<float> parts = sum_squares_each(ctx, grads);  // one trip to the host
+  for (size_t i = 0; i < parts.size(); i++) (experts[i] ? expert_squares : squares) += parts[i];
+  if (!grads_sharded() && comm_.ep.size > 1)
+    all_reduce_host(comm_.ep, &expert_squares, 1, ReduceOp::Sum);
+  squares += expert_squares;
   if (grads_sharded()) all_reduce_host(comm_.dp_cp, &squares, 1, ReduceOp::Sum);
   all_reduce_host(comm_.tp, &squares, 1, ReduceOp::Sum);  // the groups that split the model
   all_reduce_host(comm_.pp, &squares, 1, ReduceOp::Sum);
@@ -75,12 +83,13 @@ void GradientSync::poison_gradient(const Context& ctx) {
 // Whole tensors from any layout: the flat state over dp_cp by the syncs' holdings, then the
 // tensor-parallel shards and the pipeline stages (runtime/checkpoint.cu)
 
-// The flat [num_params] fp32 vector of `part`, whole over dp_cp, on dp_cp rank 0 (host);
-// undefined elsewhere. Collective over dp_cp.
+// The flat [num_params] fp32 vector of `part`, each unit whole over its group (dp_cp, or
+// edp_cp for expert units) on that group's rank 0 (host); elsewhere undefined, or holding only
+// the units this rank is the root of (an ep rank's experts). Collective over dp_cp and edp_cp.
 Tensor GradientSync::gather_flat(const Context& ctx, Part part) {
   const Holding held = holdings(part).front();
-  bool root = comm_.dp_cp.rank == 0;
-  Tensor whole = root ? empty({model_.num_params}, Mem::Workspace, Device::CPU) : Tensor();
+  bool root = comm_.dp_cp.rank == 0 || comm_.edp_cp.rank == 0;
+  Tensor whole = root ? zeros({model_.num_params}, Mem::Workspace, Device::CPU) : Tensor();
   auto fp32 = [&](const Tensor& t) {  // checkpoints hold fp32: bf16 gradients widened first
     if (t.dtype == DType::F32) return t;
     Tensor wide = empty({t.numel()}, Mem::Workspace, comm_.device);
@@ -89,15 +98,16 @@ Tensor GradientSync::gather_flat(const Context& ctx, Part part) {
   };
   for (size_t u = 0; u < model_.units.size(); u++) {
     const ModelUnit& U = model_.units[u];
+    Group& g = group_of((int)u);
     Tensor mine = fp32(held.unit((int)u));
     if (!held.sharded) {  // every rank holds the unit: the root's copy is the whole
-      if (root) copy_(whole.view(U.offset, {U.numel}), mine.view(0, {U.numel}));
+      if (g.rank == 0) copy_(whole.view(U.offset, {U.numel}), mine.view(0, {U.numel}));
       continue;
     }
     const int64_t S = mine.numel();
-    Tensor staging = root ? empty({comm_.dp_cp.size * S}, Mem::Workspace, comm_.device) : Tensor();
-    gather(comm_, comm_.dp_cp, ctx, mine.f32(), root ? staging.f32() : nullptr, S, 0);
-    if (root) copy_(whole.view(U.offset, {U.numel}), staging.view(0, {U.numel}));  // no padding
+    Tensor staging = g.rank == 0 ? empty({g.size * S}, Mem::Workspace, comm_.device) : Tensor();
+    gather(comm_, g, ctx, mine.f32(), g.rank == 0 ? staging.f32() : nullptr, S, 0);
+    if (g.rank == 0) copy_(whole.view(U.offset, {U.numel}), staging.view(0, {U.numel}));
   }
   return whole;
 }
@@ -111,7 +121,7 @@ void GradientSync::load_flat(Part part, const Tensor& whole) {
       int64_t first = 0, count = U.numel;  // of the unit
       if (held.sharded) {
         const int64_t S = mine.numel();
-        first = comm_.dp_cp.rank * S, count = std::clamp(U.numel - first, (int64_t)0, S);
+        first = group_of((int)u).rank * S, count = std::clamp(U.numel - first, (int64_t)0, S);
       }
       if (count == 0) continue;
       Tensor from = whole.view(U.offset + first, {count}), into = mine.view(0, {count});
@@ -120,24 +130,36 @@ void GradientSync::load_flat(Part part, const Tensor& whole) {
     }
 }
 
+// Whole tensors on world rank 0 from gather_flat's vector (collective over the ranks that hold
+// one): the tp shards assembled, an ep rank's experts joined to the others' on ep rank 0, the
+// pipeline stages' joined on pp rank 0. Called on the roots of dp_cp or edp_cp only.
+std::vector<NamedTensor> GradientSync::whole_named(const Tensor& flat) {
+  std::vector<NamedTensor> tensors = whole_tensors(model_, comm_.tp, named_views(model_, flat));
+  if (comm_.ep.size > 1 && !tensors.empty()) {  // tp rank 0: the other ep ranks send experts only
+    std::vector<NamedTensor> mine;
+    for (const ModelUnit& U : model_.units)
+      for (int i = U.first; i < U.first + U.count; i++)
+        if (U.experts || comm_.ep.rank == 0) mine.push_back(tensors[i]);
+    tensors = gather_stage_tensors(comm_.ep, mine);
+  }
+  if (comm_.dp_cp.rank != 0) return {};
+  return gather_stage_tensors(comm_.pp, tensors);
+}
+
 void GradientSync::save(const Context& ctx, const std::string& dir, const ModelConfig& cfg,
                         DType weights_dtype) {
   Tensor weights = gather_flat(ctx, Part::Params);
   Tensor m = gather_flat(ctx, Part::ExpAvg), v = gather_flat(ctx, Part::ExpAvgSq);
-  if (comm_.dp_cp.rank != 0) return;  // then the tp shards, and the stages, meet on world rank 0
-  auto whole = [&](const Tensor& flat) {
-    return gather_stage_tensors(comm_.pp, whole_tensors(model_, comm_.tp, named_views(model_, flat)));
-  };
-  std::vector<NamedTensor> w = whole(weights);
-  OptimizerState state{whole(m), whole(v), adamw_.steps};
+  if (comm_.dp_cp.rank != 0 && comm_.edp_cp.rank != 0) return;  // the others meet on rank 0
+  std::vector<NamedTensor> w = whole_named(weights);
+  OptimizerState state{whole_named(m), whole_named(v), adamw_.steps};
   if (comm_.grid.world_rank == 0) save_checkpoint(dir, cfg, w, &state, weights_dtype);
 }
 
 void GradientSync::save_gradients(const Context& ctx, const std::string& path, int64_t step) {
   Tensor grads = gather_flat(ctx, Part::Grads);
-  if (comm_.dp_cp.rank != 0) return;
-  std::vector<NamedTensor> whole =
-      gather_stage_tensors(comm_.pp, whole_tensors(model_, comm_.tp, named_views(model_, grads)));
+  if (comm_.dp_cp.rank != 0 && comm_.edp_cp.rank != 0) return;
+  std::vector<NamedTensor> whole = whole_named(grads);
   if (comm_.grid.world_rank == 0) write_safetensors(path, whole, {{"step", std::to_string(step)}});
 }
 

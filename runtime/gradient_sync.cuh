@@ -98,6 +98,10 @@ class GradientSync {
   virtual void scale_grads(const Context& ctx, float alpha) = 0;
   virtual bool grads_sharded() const = 0;  // each dp_cp rank holds a slice of the gradient
 
+  // The group unit u's gradients are summed over: dp_cp, or edp_cp for expert units (the ranks
+  // that hold the same experts; runtime/comm.cuh).
+  Group& group_of(int u) const { return model_.units[u].experts ? comm_.edp_cp : comm_.dp_cp; }
+
   Comm& comm_;
   FlatParameters& model_;
   AdamW adamw_;
@@ -107,5 +111,6 @@ class GradientSync {
 
  private:
   Tensor gather_flat(const Context& ctx, Part part);
+  std::vector<NamedTensor> whole_named(const Tensor& flat);
   void load_flat(Part part, const Tensor& whole);
 };

@@ -7,6 +7,10 @@ ModelConfig model_preset(const std::string& name) {
   ModelConfig c;
   c.preset = name;
   if (name == "tiny") return c;  // 0.85M parameters: trains in minutes on 2 CPU cores
+  if (name == "tiny-moe") {      // tiny with 8 experts of half its ffn, 2 per token: the same
+    c.experts = 8, c.top_k = 2, c.ffn = 192;  // expert FLOPs per token, 4x the MLP weights
+    return c;
+  }
   if (name == "medium") {        // 25M parameters: the CPU benchmark's config
     c.d_model = 512, c.layers = 8, c.heads = 8, c.kv_heads = 4, c.ffn = 1536, c.seq = 256;
     return c;
@@ -26,10 +30,16 @@ ModelConfig model_preset(const std::string& name) {
   throw UsageError("--model " + name + ": unknown preset; choose one of " + known);
 }
 std::vector<std::string> model_preset_names() {
-  return {"tiny", "medium", "smollm-135m", "llama-1b"};
+  return {"tiny", "tiny-moe", "medium", "smollm-135m", "llama-1b"};
 }
 
 void validate_model_config(const ModelConfig& c) {
+  if (c.experts < 0)
+    throw UsageError("--experts " + std::to_string(c.experts) + ": 0 (a dense MLP) or more");
+  if (c.experts > 0 && (c.top_k < 1 || c.top_k > c.experts))
+    throw UsageError("--top-k " + std::to_string(c.top_k) + " with --experts " +
+                     std::to_string(c.experts) + ": each token goes to 1 to " +
+                     std::to_string(c.experts) + " experts");
   auto positive = [](int v, const char* flag) {
     if (v <= 0) throw UsageError(std::string(flag) + " " + std::to_string(v) + ": must be > 0");
   };
@@ -50,6 +60,16 @@ void validate_model_config(const ModelConfig& c) {
 
 int64_t parameter_count(const ModelConfig& c) {
   int64_t V = c.vocab, D = c.d_model, F = c.ffn, hd = c.head_dim();
-  int64_t block = 2 * D + D * hd * (2 * c.heads + 2 * c.kv_heads) + 3 * D * F;
+  int64_t mlp = c.experts > 0 ? c.experts * 3 * D * F + D * c.experts : 3 * D * F;
+  int64_t block = 2 * D + D * hd * (2 * c.heads + 2 * c.kv_heads) + mlp;
   return V * D + c.layers * block + D + (c.tie_embeddings ? 0 : V * D);
+}
+
+int64_t expert_parameter_count(const ModelConfig& c) {
+  return (int64_t)c.layers * c.experts * 3 * (int64_t)c.d_model * c.ffn;
+}
+
+int64_t active_parameter_count(const ModelConfig& c) {
+  int64_t experts = expert_parameter_count(c);
+  return parameter_count(c) - experts + (c.experts > 0 ? experts / c.experts * c.top_k : 0);
 }

@@ -19,6 +19,10 @@ struct ModelConfig {
   float norm_eps = 1e-5f;
   bool tie_embeddings = false;
   float init_std = 0.02f;
+  // A Mixtral-style mixture of experts in every block's MLP (expert_parallel.cu); 0: dense.
+  int experts = 0;                // num_local_experts
+  int top_k = 2;                  // num_experts_per_tok
+  float aux_loss_coef = 0.001f;   // router_aux_loss_coef: the load-balancing loss's weight
   std::string loaded_config;  // the config.json --load read ("": none), which --save writes back
   int head_dim() const { return d_model / heads; }
 };
@@ -26,5 +30,11 @@ struct ModelConfig {
 ModelConfig model_preset(const std::string& name);  // tiny, medium, smollm-135m, llama-1b
 std::vector<std::string> model_preset_names();
 void validate_model_config(const ModelConfig& cfg);  // throws UsageError naming the flag
-// Closed form: V*D [embed] + L*(2D + D*hd*(2Hq + 2Hkv) + 3*D*F) + D + (tied ? 0 : V*D)
+// Closed form: V*D [embed] + L*(2D + D*hd*(2Hq + 2Hkv) + 3*D*F) + D + (tied ? 0 : V*D), the
+// MLP's 3DF being E(3DF) + DE (the experts and the router) under a mixture of experts
 int64_t parameter_count(const ModelConfig& cfg);
+// The experts' weights alone (0 without them): L x E x 3 D F, which expert parallelism splits.
+int64_t expert_parameter_count(const ModelConfig& cfg);
+// The parameters one token meets: all but the experts, plus top_k of E experts per layer (the N
+// of the book's 6N under a mixture of experts; parameter_count without one).
+int64_t active_parameter_count(const ModelConfig& cfg);

@@ -461,6 +461,55 @@ void scale_(const Context& ctx, const Tensor& x, float alpha) {
 }
 
 // ============================================================================
+// rows times weights, and row dot products (a mixture of experts' combine and its backward)
+// ============================================================================
+
+static void scale_rows_cpu(float* y, const float* x, const float* w, int64_t K, int64_t D) {
+  for (int64_t k = 0; k < K; k++)
+    for (int64_t d = 0; d < D; d++) y[k * D + d] = x[k * D + d] * w[k];
+}
+// One thread per row, its products summed in order: the CPU loop's sum, bit for bit.
+static void row_dots_cpu(float* out, const float* a, const float* b, int64_t K, int64_t D) {
+  for (int64_t k = 0; k < K; k++) {
+    float s = 0.0f;
+    for (int64_t d = 0; d < D; d++) s += a[k * D + d] * b[k * D + d];
+    out[k] = s;
+  }
+}
+static __global__ void scale_rows_kernel(float* y, const float* x, const float* w, int64_t K,
+                                         int64_t D) {
+  GRID_STRIDE_LOOP(i, K * D) y[i] = x[i] * w[i / D];
+}
+static __global__ void row_dots_kernel(float* out, const float* a, const float* b, int64_t K,
+                                       int64_t D) {
+  GRID_STRIDE_LOOP(k, K) {
+    float s = 0.0f;
+    for (int64_t d = 0; d < D; d++) s += a[k * D + d] * b[k * D + d];
+    out[k] = s;
+  }
+}
+void scale_rows(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& w) {
+  check_devices(ctx, "scale_rows", y, x, w);
+  int64_t K = w.numel(), D = K > 0 ? x.numel() / K : 0;
+  PICO_ASSERT(x.numel() == K * D && y.numel() == x.numel(),
+              "scale_rows: " + y.shape_str() + " = " + x.shape_str() + " x " + w.shape_str());
+  if (ctx.device == Device::CPU) return scale_rows_cpu(y.f32(), x.f32(), w.f32(), K, D);
+  if (K * D == 0) return;
+  scale_rows_kernel<<<grid_for(K * D), kThreads, 0, ctx.stream>>>(y.f32(), x.f32(), w.f32(), K, D);
+  LAUNCH_CHECK(ctx, "scale_rows_kernel");
+}
+void row_dots(const Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b) {
+  check_devices(ctx, "row_dots", out, a, b);
+  int64_t K = out.numel(), D = K > 0 ? a.numel() / K : 0;
+  PICO_ASSERT(a.numel() == K * D && b.numel() == a.numel(),
+              "row_dots: " + out.shape_str() + " from " + a.shape_str() + " . " + b.shape_str());
+  if (ctx.device == Device::CPU) return row_dots_cpu(out.f32(), a.f32(), b.f32(), K, D);
+  if (K == 0) return;
+  row_dots_kernel<<<grid_for(K), kThreads, 0, ctx.stream>>>(out.f32(), a.f32(), b.f32(), K, D);
+  LAUNCH_CHECK(ctx, "row_dots_kernel");
+}
+
+// ============================================================================
 // cross-entropy in passes: row max, sums, finish; the [T, V] probabilities are never stored.
 // The vocabulary may be split (tensor_parallel.cu's vocab-parallel version all-reduces the max
 // and the sums between the passes), so a target another rank holds is -1 here.

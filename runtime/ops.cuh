@@ -52,6 +52,11 @@ void scale_(const Context& ctx, const Tensor& x, float alpha);
 // acc += x, summed in fp32 and rounded once into acc's dtype (fp32 or a storage format).
 void accumulate(const Context& ctx, const Tensor& acc, const Tensor& x);
 
+// ---- rows times weights (a mixture of experts' combine) ----
+// y[K, D] = x[K, D] with row k times w[k] (y may be x); out[K] = sum_d a[k, d] b[k, d] (fp32)
+void scale_rows(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& w);
+void row_dots(const Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b);
+
 // ---- cross-entropy, fp32 accumulation, in passes a split vocabulary can reduce between ----
 // logits [N, V]; targets [N] int32, -1 for a target another rank's vocabulary slice holds.
 // row_max [N] (=) the row maxima; sums [N, 2] (=) (sum of exp(logit - max), target logit or 0);

@@ -45,21 +45,27 @@ static const std::vector<Choice<Report>> kReports = {{"memory", Report::Memory},
                                                      {"comm", Report::Comm},
                                                      {"bubble", Report::Bubble},
                                                      {"sync", Report::Sync},
-                                                     {"balance", Report::Balance}};
+                                                     {"balance", Report::Balance},
+                                                     {"experts", Report::Experts}};
 static const std::vector<Choice<DType>> kSaveDtypes = {{"fp32", DType::F32}, {"bf16", DType::BF16}};
 
 bool RunOptions::reports_on(Report r) const {
   return std::find(reports.begin(), reports.end(), r) != reports.end();
 }
 
+void add_shape_flag(CLI::App& group, RunOptions& o, const std::string& flag,
+                    int ModelConfig::*field, const std::string& help) {
+  o.shape.push_back({flag, field});
+  group.add_option(flag, o.model.*field, help);
+}
+
 void add_run_flags(CLI::App& app, RunOptions& o) {
   o.app = &app;
   CLI::App& model = flag_group(app, "The model: a tiny Llama (model.cu)");
-  model.add_option("--model", o.preset, "preset: tiny, medium, smollm-135m, llama-1b")
+  model.add_option("--model", o.preset, "preset: tiny, tiny-moe, medium, smollm-135m, llama-1b")
       ->capture_default_str();
   auto shape = [&](const char* flag, int ModelConfig::*field, const char* help) {
-    o.shape.push_back({flag, field});
-    model.add_option(flag, o.model.*field, help);
+    add_shape_flag(model, o, flag, field, help);
   };
   shape("--d-model", &ModelConfig::d_model, "hidden size, at most 16777216 (default: the preset's)");
   shape("--layers", &ModelConfig::layers, "transformer blocks, at most 4096");
@@ -69,6 +75,7 @@ void add_run_flags(CLI::App& app, RunOptions& o) {
   shape("--vocab", &ModelConfig::vocab, "vocabulary size, at most 16777216");
   shape("--seq", &ModelConfig::seq, "tokens per sequence, at most 1048576");
   model.add_option("--rope-theta", o.model.rope_theta, "RoPE base, > 0");
+
   model.add_flag("--tie-embeddings", o.model.tie_embeddings, "share embedding and LM head");
 
   CLI::App& steps = flag_group(app, "First steps: the training step (Playbook §2)");
@@ -125,7 +132,8 @@ void add_io_flags(CLI::App& app, RunOptions& o) {
          [&o](const std::vector<std::string>& names) {
            for (const std::string& n : names) o.reports.push_back(parse_choice("--report", n, kReports));
          },
-         "print reports at the end: memory, comm, bubble, sync, balance (several: memory,comm)")
+         "print reports at the end: memory, comm, bubble, sync, balance, experts (several: "
+         "memory,comm)")
       ->delimiter(',');
 
   CLI::App& run = flag_group(app, "Devices, collectives and faults (Playbook appendix A0)");
@@ -175,15 +183,19 @@ static void resolve_model(RunOptions& o) {
                      "rope_theta " + num(o.model.rope_theta));
     if (o.given("--tie-embeddings") && !o.model.tie_embeddings)
       throw disagree("--tie-embeddings", "tie_word_embeddings false");
+    if (o.given("--aux-loss-coef")) o.model.aux_loss_coef = flags.aux_loss_coef;  // a loss weight
   } else {
     o.model = model_preset(o.preset);
     for (auto [flag, field] : o.shape)
       if (o.given(flag)) o.model.*field = flags.*field;
     if (o.given("--rope-theta")) o.model.rope_theta = flags.rope_theta;
+    if (o.given("--aux-loss-coef")) o.model.aux_loss_coef = flags.aux_loss_coef;
     o.model.tie_embeddings = o.model.tie_embeddings || flags.tie_embeddings;
   }
   check_model_limits(o);
   validate_model_config(o.model);
+  check_range(o.model.aux_loss_coef, "--aux-loss-coef", 0, false, kNoMax,
+              "must be a number >= 0 (0 turns the load-balancing loss off), e.g. 0.001");
   check_range(o.model.rope_theta, "--rope-theta", 0, true, kNoMax,
               "must be a positive number (RoPE's base, 10000 in Llama 2)");
 }

@@ -65,7 +65,7 @@ void check_at_most(int64_t value, int64_t max, const std::string& source, const 
 std::string num(double x);  // 0.002, inf, nan: as the user would type it
 
 // ---- The run's own flags ----
-enum class Report { Memory, Comm, Bubble, Sync, Balance };  // --report
+enum class Report { Memory, Comm, Bubble, Sync, Balance, Experts };  // --report
 
 // The largest values picoscale accepts (sizes past them overflow its int arithmetic or fit no
 // machine); --help states them.
@@ -102,6 +102,9 @@ struct RunOptions {
 // The model's shape and the training step's flags; add_io_flags the rest (data, checkpoints,
 // logs, reports, devices, faults), for --help after the chapters' groups.
 void add_run_flags(CLI::App& app, RunOptions& o);
+// A flag that sets a ModelConfig field: from the preset, or checked against --load's config.json.
+void add_shape_flag(CLI::App& group, RunOptions& o, const std::string& flag,
+                    int ModelConfig::*field, const std::string& help);
 void add_io_flags(CLI::App& app, RunOptions& o);
 // After the parse: the model config (preset and flags, or the checkpoint's, checked against the
 // flags) and every run flag's range; `world` ranks for --fault. Throws UsageError naming the

@@ -58,17 +58,21 @@ bool TpSlice::whole(const Tensor& shard) const {
   return shard.numel() == n;
 }
 
-ShardLayout make_shard_layout(const FlatParameters& model, int ranks, int rank) {
+ShardLayout make_shard_layout(const FlatParameters& model, int ranks, int rank,
+                              int expert_ranks, int expert_rank) {
   ShardLayout s;
   s.ranks = ranks, s.rank = rank;
+  if (expert_ranks == 0) expert_ranks = ranks, expert_rank = rank;
   for (const ModelUnit& mu : model.units) {
     ShardLayout::Unit u;
+    u.ranks = mu.experts ? expert_ranks : ranks, u.rank = mu.experts ? expert_rank : rank;
     u.offset = mu.offset, u.numel = mu.numel;
-    u.shard = (mu.numel + ranks - 1) / ranks;
+    u.shard = (mu.numel + u.ranks - 1) / u.ranks;
     u.shard_offset = s.shard_numel;
-    u.padded_offset = (int64_t)ranks * s.shard_numel;
-    u.valid = std::clamp(mu.numel - (int64_t)rank * u.shard, (int64_t)0, u.shard);
+    u.padded_offset = s.padded;
+    u.valid = std::clamp(mu.numel - (int64_t)u.rank * u.shard, (int64_t)0, u.shard);
     s.shard_numel += u.shard;
+    s.padded += (int64_t)u.ranks * u.shard;
     s.units.push_back(u);
   }
   return s;

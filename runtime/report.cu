@@ -323,3 +323,59 @@ void print_balance_report(Comm& comm, const std::string& split, int64_t blocks, 
          "so the last rank sets the pace; zig-zag (chunks r and 2cp - 1 - r) gives every rank "
          "the same pairs\n");
 }
+
+// ----------------------------------------------------------------------------
+// Expert parallelism
+
+void print_expert_report(Comm& comm, const std::string& setup, int layers, int experts,
+                         const ExpertStats& stats, int64_t steps) {
+  // [routed L x E | dropped L | layer aux L | layer batches L | aux | batches], summed.
+  const size_t L = layers, E = experts;
+  std::vector<double> all(L * E + 3 * L + 2, 0.0);
+  for (size_t l = 0; l < stats.routed.size() && l < L; l++) {
+    for (size_t e = 0; e < E; e++) all[l * E + e] = (double)stats.routed[l][e];
+    all[L * E + l] = (double)stats.dropped[l];
+    all[L * E + L + l] = stats.layer_aux[l];
+    all[L * E + 2 * L + l] = (double)stats.layer_batches[l];
+  }
+  all[L * E + 3 * L] = stats.aux_sum, all[L * E + 3 * L + 1] = (double)stats.batches;
+  all_reduce_host(comm.world, all.data(), (int)all.size(), ReduceOp::Sum);
+  if (comm.grid.world_rank != 0) return;
+  double n = (double)std::max<int64_t>(1, steps);
+  printf("experts per layer (--report experts; %s): (token, slot) pairs routed to each expert "
+         "per training step, over every data-parallel rank\n", setup.c_str());
+  printf("  %5s %9s %9s %9s %9s %12s %13s\n", "layer", "min", "mean", "max", "max/mean",
+         "dropped", "balance loss");
+  for (size_t l = 0; l < L; l++) {
+    const double* r = &all[l * E];
+    double lo = *std::min_element(r, r + E), hi = *std::max_element(r, r + E), mean = 0;
+    for (size_t e = 0; e < E; e++) mean += r[e] / E;
+    double batches = std::max(1.0, all[L * E + 2 * L + l]);
+    printf("  %5zu %9.1f %9.1f %9.1f %9.3f %12.1f %13.4f\n", l, lo / n, mean / n, hi / n,
+           mean > 0 ? hi / mean : 0.0, all[L * E + l] / n, all[L * E + L + l] / batches);
+  }
+  double batches = std::max(1.0, all[L * E + 3 * L + 1]);
+  printf("  load-balancing loss (transformers' load_balancing_loss_func, every layer's tokens "
+         "together), per micro-batch: %.4f\n", all[L * E + 3 * L] / batches);
+  printf("  book (EP): E sum_e f_e P_e is k (top-k) when every expert gets tokens x k / E rows "
+         "and 1/E of the probability; max/mean 1 is perfect balance\n");
+}
+
+void print_expert_comm_report(const CollStats& measured, double uniform_per_step,
+                              double routed_per_step, int64_t steps, int passes) {
+  double n = (double)std::max<int64_t>(1, steps);
+  printf("expert all-to-all per training step, this rank (--report comm; %d passes per block: "
+         "dispatch and combine each):\n", passes);
+  printf("  measured                %12.0f bytes in %.0f calls\n", measured.bytes / n,
+         measured.calls / n);
+  printf("  the routing measured    %12.0f bytes (every row that left or came back, 4 D bytes)\n",
+         routed_per_step);
+  printf("  uniform routing (book)  %12.0f bytes (2 N k (ep - 1) / ep x 4 D per block, "
+         "micro-batch and pass)\n", uniform_per_step);
+}
+
+void print_expert_memory(int64_t measured_bytes, int64_t formula_bytes, const std::string& formula) {
+  printf("expert weights on this rank: %s (%lld bytes); formula %s = %lld bytes%s\n",
+         human_bytes((double)measured_bytes).c_str(), (long long)measured_bytes, formula.c_str(),
+         (long long)formula_bytes, measured_bytes == formula_bytes ? ", equal" : ", DIFFERENT");
+}

@@ -80,3 +80,30 @@ void print_bubble_report(Comm& comm, const BubblePrediction& paper,
 // `split`: "zigzag split, ring". Collective: every rank calls it; rank 0 prints.
 void print_balance_report(Comm& comm, const std::string& split, int64_t blocks, int64_t pairs,
                           double seconds, int64_t steps);
+// Expert parallelism (--report experts): what training steps routed, per layer, summed over
+// micro-batches and steps on the ranks that count them (tp rank 0 and cp rank 0 of each
+// data-parallel replica: tp ranks route the same tokens, cp ranks sum their counts first), and
+// the rows this rank dispatched.
+struct ExpertStats {
+  std::vector<std::vector<int64_t>> routed;  // [layer][expert] (token, slot) pairs routed to it
+  std::vector<int64_t> dropped;              // [layer] pairs the capacity dropped
+  std::vector<double> layer_aux;             // [layer] the layer's own balance loss, summed
+  std::vector<int64_t> layer_batches;        // [layer] micro-batches counted
+  double aux_sum = 0;                        // the model's load-balancing loss, summed
+  int64_t batches = 0;                       // micro-batches it was summed over
+  int64_t rows_sent = 0, rows_elsewhere = 0;  // this rank: dispatched rows, those to another rank
+  int64_t rows_arrived = 0;                  // this rank's experts: rows from another rank
+};
+// Per layer: tokens per expert per step (min, mean, max, max/mean), dropped pairs per step and
+// the layer's balance loss; the model's load-balancing loss per micro-batch. Summed over every
+// rank (collective over the world); rank 0 prints. `setup`: "8 experts, top 2, ep 2".
+void print_expert_report(Comm& comm, const std::string& setup, int layers, int experts,
+                         const ExpertStats& stats, int64_t steps);
+// The all-to-all bytes this rank sent over the ep group per training step, next to the formula
+// with the routing uniform (uniform_per_step: 2 N k (ep - 1) / ep D 4 per block, micro-batch and
+// pass) and with the routing the run measured (routed_per_step: every row that left this rank,
+// 4 D bytes each). Rank 0 prints its own.
+void print_expert_comm_report(const CollStats& measured, double uniform_per_step,
+                              double routed_per_step, int64_t steps, int passes);
+// The expert weights this rank holds, measured, next to L E / ep 3 D F / tp 4 bytes.
+void print_expert_memory(int64_t measured_bytes, int64_t formula_bytes, const std::string& formula);
