@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# test_links.sh: the README and the guides point at what exists. Checks, printing a FAILED line
+# for each problem:
+#   1. README.md has at most 250 lines, none wider than 160 characters; each guide in docs/ has
+#      at most 250 lines;
+#   2. the chapter map (README's "The book, chapter by chapter"): every file a row names exists,
+#      and every function the row names is found (grep -F) in one of the row's files;
+#   3. every relative Markdown link of README.md, docs/*.md, tests/README.md, bench/README.md and
+#      tools/README.md resolves (from the linking file's folder), and so does its #anchor when it
+#      has one (a heading of the target, slugged as GitHub does for ASCII headings);
+#   4. every `file:function` written in backticks in those files names a file that exists and a
+#      name found in it, and every `path.cu` (.cuh .cpp .sh .py .md .patch) in backticks exists,
+#      from the repository's root or the linking file's folder.
+# Names of files being written elsewhere (PENDING) print a SKIP line while they do not exist.
+# Prints "test_links: N checked, N failed"; exits 1 on a failure. A second or two.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PENDING=" docs/planner.md expert_parallel.cu expert_parallel.cuh "
+failed=0 checked=0
+fail() { echo "FAILED: $*"; failed=$((failed + 1)); }
+pass() { checked=$((checked + 1)); }
+docs=(README.md docs/*.md tests/README.md bench/README.md tools/README.md)
+
+# ---- 1. lengths ----
+n=$(wc -l <README.md)
+if [ "$n" -le 250 ]; then pass; else fail "README.md has $n lines (at most 250)"; fi
+width=0 line=0
+while IFS= read -r l; do  # characters, not bytes (the README has § and Ψ)
+  line=$((line + 1)) w=$(LC_ALL=C.UTF-8 bash -c 'echo ${#1}' _ "$l")
+  [ "$w" -gt 160 ] && fail "README.md:$line is $w characters wide (at most 160)"
+  [ "$w" -gt "$width" ] && width=$w
+done <README.md
+[ "$width" -le 160 ] && pass
+for g in docs/*.md; do
+  n=$(wc -l <"$g")
+  if [ "$n" -le 250 ]; then pass; else fail "$g has $n lines (a guide is read in one sitting: at most 250)"; fi
+done
+
+# ---- 2. the chapter map ----
+# Each row as "LINE<TAB>files<TAB>functions": the second column's backticked names, and the third's.
+rows=$(awk '
+  /^## / { inmap = ($0 ~ /^## The book, chapter by chapter/) }
+  inmap && /^\|/ && !/^\|[-| :]*$/ {
+    row = $0; gsub(/\\\|/, "", row)          # an escaped pipe inside a cell
+    n = split(row, c, "|")
+    if (c[3] ~ /^ *file *$/) next              # the header
+    files = ""; fns = ""
+    s = c[3]; while (match(s, /`[^`]+`/)) { files = files " " substr(s, RSTART + 1, RLENGTH - 2); s = substr(s, RSTART + RLENGTH) }
+    s = c[4]; while (match(s, /`[^`]+`/)) { fns = fns " " substr(s, RSTART + 1, RLENGTH - 2); s = substr(s, RSTART + RLENGTH) }
+    print NR "\t" files "\t" fns
+  }' README.md)
+[ -n "$rows" ] || fail "README.md: no chapter map found under \"## The book, chapter by chapter\""
+while IFS=$'\t' read -r line files fns; do
+  [ -n "$files" ] || { fail "README.md:$line: a map row without a file"; continue; }
+  [ -n "$fns" ] || fail "README.md:$line: a map row without a function to read first"
+  for f in $files; do
+    if [ -f "$f" ]; then pass; else fail "README.md:$line: the map names $f, which does not exist"; fi
+  done
+  for fn in $fns; do
+    found=0
+    for f in $files; do [ -f "$f" ] && grep -qF -- "$fn" "$f" && found=1; done
+    if [ "$found" = 1 ]; then pass; else fail "README.md:$line: $fn is not in$(printf ' %s' $files)"; fi
+  done
+done <<<"$rows"
+
+# ---- 3. links ----
+slug() { echo "$1" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9 _-]//g; s/ /-/g'; }
+has_anchor() {  # file anchor
+  grep -E '^#{1,6} ' "$1" | sed -E 's/^#+ +//' | while read -r h; do slug "$h"; done | grep -qxF -- "$2"
+}
+for doc in "${docs[@]}"; do
+  [ -f "$doc" ] || { fail "$doc is missing"; continue; }
+  base=$(dirname "$doc")
+  while IFS= read -r target; do
+    case $target in http://* | https://* | mailto:*) continue ;; esac
+    path=${target%%#*} anchor=""
+    [[ $target == *"#"* ]] && anchor=${target#*#}
+    resolved=$doc
+    if [ -n "$path" ]; then resolved=$(realpath -m --relative-to=. "$base/$path"); fi
+    if [ ! -e "$resolved" ]; then
+      if [[ $PENDING == *" $resolved "* ]]; then echo "SKIP: $doc links to $resolved (not written yet)"; continue; fi
+      fail "$doc: the link ($target) leads nowhere ($resolved)"; continue
+    fi
+    if [ -n "$anchor" ] && [[ $resolved == *.md ]] && ! has_anchor "$resolved" "$anchor"; then
+      fail "$doc: the link ($target): $resolved has no heading #$anchor"; continue
+    fi
+    pass
+  done < <(grep -oE '\]\([^) ]+\)' "$doc" | sed -E 's/^\]\(//; s/\)$//')
+done
+
+# ---- 4. names in backticks ----
+exists_from() {  # doc path: from the root, or from the doc's folder
+  [ -e "$2" ] || [ -e "$(dirname "$1")/$2" ]
+}
+for doc in "${docs[@]}"; do
+  [ -f "$doc" ] || continue
+  while IFS= read -r ref; do
+    f=${ref%%:*} name=${ref#*:}
+    file=$f; [ -e "$file" ] || file=$(dirname "$doc")/$f
+    if [ ! -f "$file" ]; then
+      if [[ $PENDING == *" $f "* ]]; then echo "SKIP: $doc names $f (not written yet)"; continue; fi
+      fail "$doc: \`$ref\`: no file $f"; continue
+    fi
+    if grep -qF -- "$name" "$file"; then pass; else fail "$doc: \`$ref\`: $name is not in $file"; fi
+  done < <(grep -oE '`[A-Za-z0-9_./-]+\.(cu|cuh|cpp|sh|py):[A-Za-z_~][A-Za-z0-9_:~]*`' "$doc" | tr -d '`' | sort -u)
+  while IFS= read -r f; do
+    if exists_from "$doc" "$f"; then pass
+    elif [[ $PENDING == *" $f "* ]]; then echo "SKIP: $doc names $f (not written yet)"
+    else fail "$doc: \`$f\` does not exist"; fi
+  done < <(grep -oE '`[A-Za-z0-9_./-]+\.(cu|cuh|cpp|sh|py|md|patch)`' "$doc" | tr -d '`' | sort -u)
+done
+
+echo "test_links: $checked checked, $failed failed"
+[ "$failed" -eq 0 ]
