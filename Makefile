@@ -20,7 +20,9 @@ TECHNIQUE_SRCS := model.cu data_parallel.cu zero.cu tensor_parallel.cu pipeline_
                   context_parallel.cu flash_attention.cu mixed_precision.cu
 RUNTIME_SRCS := $(wildcard runtime/*.cu)
 KERNEL_SRCS := $(wildcard kernels/*.cu)
-LIB_SRCS := $(TECHNIQUE_SRCS) $(RUNTIME_SRCS) $(KERNEL_SRCS)
+# The planner (Playbook §11): uses the techniques and the runtime; ./plan and train's MFU use it.
+PLANNER_SRCS := $(wildcard planner/*.cu)
+LIB_SRCS := $(TECHNIQUE_SRCS) $(RUNTIME_SRCS) $(KERNEL_SRCS) $(PLANNER_SRCS)
 LIB_OBJS := $(LIB_SRCS:%.cu=$(BUILD)/%.o)
 TEST_SRCS := $(wildcard tests/test_*.cu)
 TEST_OBJS := $(TEST_SRCS:%.cu=$(BUILD)/%.o)
@@ -28,7 +30,7 @@ MPI_TEST_SRCS := $(wildcard tests/mpi/test_*.cu)
 MPI_TEST_OBJS := $(MPI_TEST_SRCS:%.cu=$(BUILD)/%.o)
 
 .PHONY: all deps run test test-sweep bench gpu-check mutants clean format floor
-all: train $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp \
+all: train plan $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp \
      $(BUILD)/bench_attention $(BUILD)/device_info
 
 # Objects depend on the flags they were built with: a new GPU_ARCH rebuilds them.
@@ -53,6 +55,10 @@ $(BUILD)/mpi_tests: $(MPI_TEST_OBJS) $(BUILD)/tests/mpi/mpi_main.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
 train: $(BUILD)/train.o $(LIB_OBJS)
+	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
+
+# The planner's command line: the best layouts for a model on a cluster (docs/planner.md).
+plan: $(BUILD)/tools/plan.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
 # The benchmarks (bench/): the step, collectives and gradient sync, tensor parallelism, attention.
@@ -91,7 +97,7 @@ run: deps
 
 # Every test; ends with the suite's own last line, "N passed, N failed, N skipped".
 test: deps
-	@$(MAKE) --no-print-directory -j$$(nproc) train $(BUILD)/unit_tests $(BUILD)/mpi_tests
+	@$(MAKE) --no-print-directory -j$$(nproc) train plan $(BUILD)/unit_tests $(BUILD)/mpi_tests
 	@bash tools/run_tests.sh
 
 # The parity criteria on 24 layouts drawn at random (seeded; tests/test_parity.cu, [.sweep]):
@@ -103,7 +109,7 @@ test-sweep: deps
 	  $(BUILD)/unit_tests "[sweep]" --use-colour no --durations yes
 
 bench: deps
-	@$(MAKE) --no-print-directory -j$$(nproc) train $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp \
+	@$(MAKE) --no-print-directory -j$$(nproc) train plan $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp \
 	  $(BUILD)/bench_attention
 	@bash tools/bench.sh
 
@@ -120,7 +126,8 @@ floor:
 	@bash tools/floor.sh
 
 format:
-	clang-format -i *.cu *.cuh runtime/*.cu runtime/*.cuh kernels/*.cu kernels/*.cuh bench/*.cu tests/*.cu tests/mpi/*.cu
+	clang-format -i *.cu *.cuh runtime/*.cu runtime/*.cuh kernels/*.cu kernels/*.cuh planner/*.cu \
+	  planner/*.cuh bench/*.cu tests/*.cu tests/mpi/*.cu tools/*.cu
 
 clean:
-	rm -rf $(BUILD) train
+	rm -rf $(BUILD) train plan

@@ -17,6 +17,7 @@
 #include "mixed_precision.cuh"
 #include "model.cuh"
 #include "pipeline_parallel.cuh"
+#include "planner/planner.cuh"
 #include "runtime/checkpoint.cuh"
 #include "runtime/comm.cuh"
 #include "runtime/data.cuh"
@@ -355,6 +356,7 @@ struct Trainer {
   uint64_t step_syncs_min = UINT64_MAX, step_syncs_max = 0;  // host synchronisations per step
   TrafficMeter tp_traffic, dp_traffic;      // what tp and dp_cp sent in training steps
   PrecisionPolicy precision;                // --dtype: the loss scale, what the log adds
+  DevicePeak peak;  // rank 0: the FLOP rate MFU divides by (planner.cuh)
 };
 
 // One optimizer step (DESIGN 7). Returns false when the loss is not finite.
@@ -425,13 +427,16 @@ static bool train_step(Trainer& t, int64_t step) {
               Track::Compute, t0, now_seconds());
   double dt = now_seconds() - t0;
   if (t.comm.grid.world_rank == 0) {
-    double tok_s = t.global_batch * seq / dt;
-    printf("step %5lld/%d | loss %.4f | lr %.2e | norm %.4f | %8.0f tok/s | %7.1f ms%s\n",
-           (long long)step + 1, o.steps, loss, lr, norm, tok_s, dt * 1e3,
+    double tok_s = t.global_batch * seq / dt, per_rank = tok_s / t.comm.grid.world_size;
+    double mfu = book_flops_per_token(o.model) * per_rank / t.peak.flops;  // Playbook §2.6
+    printf("step %5lld/%d | loss %.4f | lr %.2e | norm %.4f | %8.0f tok/s | %7.0f tok/s/rank | "
+           "MFU %5.1f%% | %7.1f ms%s\n",
+           (long long)step + 1, o.steps, loss, lr, norm, tok_s, per_rank, 100 * mfu, dt * 1e3,
            t.precision.step_note().c_str());
     if (t.log_json.is_open()) {
       nlohmann::json line{{"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm},
-                          {"tokens_per_s", tok_s}};
+                          {"tokens_per_s", tok_s}, {"tokens_per_s_per_rank", per_rank},
+                          {"mfu", mfu}};
       t.precision.log_step(t.ctx, line);
       t.log_line = line;
     }
@@ -570,6 +575,11 @@ static int run(const Options& o, Comm& comm, Context& ctx, PrecisionPolicy preci
   t.ring = dynamic_cast<const ContextParallelAttention*>(model.attention.get());
   t.observer = Observer(comm.grid.world_rank, o.fault, !o.trace.empty());
   t.precision = precision;
+  if (main_rank) {
+    t.peak = device_peak(ctx, precision.compute());
+    printf("MFU: the book's 6N + 12 L h s = %.4g FLOPs per token (appendix A2) over %.4g FLOP/s "
+           "per rank (%s)\n", book_flops_per_token(c), t.peak.flops, t.peak.how.c_str());
+  }
   all_or_none(comm, [&] {
     if (main_rank && !o.log_json.empty()) t.log_json.open("--log-json", o.log_json);
   });

@@ -7,9 +7,13 @@
 // step waits for gradients after its backward (the span "wait for gradients" of --trace).
 // (3) ZeRO-0 to ZeRO-3 steps of the medium model: static and peak memory per rank against the
 // book's formulas, step time, and how much of ZeRO-3's gather time prefetching hides.
+// (4) --fit FILE: all-reduce, all-gather, reduce-scatter and send/recv over message sizes, with
+// alpha and beta fitted per collective, written where ./plan --comm-fit reads them.
 #include <cblas.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <fstream>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -18,6 +22,7 @@
 
 #include "runtime/comm.cuh"
 #include "data_parallel.cuh"
+#include "planner/planner.cuh"
 #include "model.cuh"
 #include "runtime/ops.cuh"
 #include "runtime/optimizer.cuh"
@@ -89,6 +94,97 @@ static void all_to_all_bandwidth(Comm& comm, const Context& ctx, const char* bac
     if (root)
       printf("| %10s | %-10s | %10.1f | %10.3f | %10.3f |\n", human_bytes(count * 4.0).c_str(),
              "all_to_all", best * 1e6, algbw, algbw * (N - 1) / N);
+  }
+}
+
+// Every collective the planner prices, over message sizes, as nccl-tests reports them (algbw =
+// S / time, S the whole buffer: all-reduce's, all-gather's output, reduce-scatter's input, one
+// send of send/recv; busbw = algbw x 2(N-1)/N, (N-1)/N, (N-1)/N, 1), then alpha and beta fitted
+// per collective to time = steps x alpha + factor x S / busbw (steps 2(N-1), N-1, N-1, 1; factor
+// the busbw one) by least squares on the relative error; written to `path` for plan --comm-fit.
+static void fit_collectives(Comm& comm, const Context& ctx, const char* backend,
+                            const std::string& path) {
+  Group& g = comm.world;
+  const int N = g.size;
+  const bool root = g.rank == 0;
+  struct Kind { const char* name; double steps, factor; };
+  const Kind kinds[] = {{"all_reduce", 2.0 * (N - 1), 2.0 * (N - 1) / N},
+                        {"all_gather", N - 1.0, (N - 1.0) / N},
+                        {"reduce_scatter", N - 1.0, (N - 1.0) / N},
+                        {"send_recv", 1, 1}};
+  if (root) {
+    printf("\ncollectives for the planner, %d ranks, %s, %s (best of 3)\n", N, backend,
+           device_name(ctx.device));
+    printf("| %-14s | %10s | %10s | %10s | %10s |\n", "collective", "size", "time us", "algbw GB/s",
+           "busbw GB/s");
+    printf("|----------------|------------|------------|------------|------------|\n");
+  }
+  nlohmann::json out{{"ranks", N}, {"backend", backend}, {"device", device_name(ctx.device)}};
+  for (const Kind& k : kinds) {
+    std::vector<double> sizes, times;
+    for (int64_t bytes = 16 << 10; bytes <= (16 << 20); bytes *= 4) {
+      int64_t count = bytes / 4 / N * N;  // whole shards
+      Tensor a = empty({count}, Mem::Workspace, ctx.device), b = empty({count}, Mem::Workspace, ctx.device);
+      init_normal(a, 1, "bench", 1.0f);
+      double best = 1e30;
+      for (int rep = 0; rep < 4; rep++) {  // the first is a warm-up
+        barrier(comm, g, ctx);
+        double t0 = now_seconds();
+        std::string n = k.name;
+        if (n == "all_reduce") all_reduce(comm, g, ctx, a.f32(), count, ReduceOp::Sum);
+        if (n == "all_gather") all_gather(comm, g, ctx, a.f32(), b.f32(), count / N);
+        if (n == "reduce_scatter") reduce_scatter(comm, g, ctx, a.f32(), b.f32(), count / N, ReduceOp::Sum);
+        if (n == "send_recv")
+          send_recv(comm, g, ctx, {P2P{true, a.f32(), count, g.next()}, P2P{false, b.f32(), count, g.prev()}});
+        ctx.synchronize();
+        double t = now_seconds() - t0;
+        all_reduce_host(g, &t, 1, ReduceOp::Max);
+        if (rep > 0) best = std::min(best, t);
+      }
+      double S = count * 4.0, algbw = S / best;
+      sizes.push_back(S), times.push_back(best);
+      if (root)
+        printf("| %-14s | %10s | %10.1f | %10.3f | %10.3f |\n", k.name, human_bytes(S).c_str(),
+               best * 1e6, algbw / 1e9, algbw * k.factor / 1e9);
+    }
+    // Weighted least squares in (alpha, 1/busbw): each row steps/t, factor S/t against 1.
+    double a11 = 0, a12 = 0, a22 = 0, b1 = 0, b2 = 0;
+    for (size_t i = 0; i < sizes.size(); i++) {
+      double x1 = k.steps / times[i], x2 = k.factor * sizes[i] / times[i];
+      a11 += x1 * x1, a12 += x1 * x2, a22 += x2 * x2, b1 += x1, b2 += x2;
+    }
+    double det = a11 * a22 - a12 * a12;
+    double alpha = (b1 * a22 - b2 * a12) / det, inverse = (a11 * b2 - a12 * b1) / det;
+    if (alpha < 0 || inverse <= 0) {  // one term alone explains the times: fit it alone
+      alpha = std::max(0.0, alpha);
+      inverse = 0;
+      for (size_t i = 0; i < sizes.size(); i++)
+        inverse = std::max(inverse, (times[i] - k.steps * alpha) / (k.factor * sizes[i]));
+    }
+    out["collectives"][k.name] = {{"alpha_s", alpha}, {"busbw_bytes_per_s", 1.0 / inverse}};
+    if (root)
+      printf("  %s: alpha %.2f us per step, busbw %.3f GB/s\n", k.name, alpha * 1e6, 1e-9 / inverse);
+  }
+  // The FLOP rate of one rank alone (the others wait), and of each while every rank computes:
+  // ranks on one machine share its cores, N x busy / alone of them at a time.
+  barrier(comm, g, ctx);
+  double alone = root ? device_peak(ctx, Precision::FP32).flops : 0;
+  all_reduce_host(g, &alone, 1, ReduceOp::Sum);
+  double busy = device_peak(ctx, Precision::FP32).flops;
+  all_reduce_host(g, &busy, 1, ReduceOp::Sum);
+  busy /= N;
+  out["gemm_flops_alone"] = alone, out["gemm_flops_per_rank"] = busy;
+  if (root)
+    printf("  fp32 GEMM: %.2f GFLOP/s on one rank alone, %.2f per rank with all %d at once "
+           "(%.2f ranks' worth at a time)\n", alone / 1e9, busy / 1e9, N, N * busy / alone);
+  if (root) {
+    std::ofstream f(path);
+    if (!f) {
+      fprintf(stderr, "bench_comm --fit %s: cannot write it\n", path.c_str());
+      return;
+    }
+    f << out.dump(1) << "\n";
+    printf("wrote %s (./plan --gpu cpu --comm-fit %s)\n", path.c_str(), path.c_str());
   }
 }
 
@@ -265,15 +361,23 @@ int main(int argc, char** argv) {
     CUDA_CHECK(cudaSetDevice(local % gpus));
     runs.push_back({Device::CUDA, local_size <= gpus ? "nccl" : "mpi"});
   }
-  std::string only = argc > 1 ? argv[1] : "";  // --bandwidth-only, --zero-only
-  if (!only.empty() && only != "--bandwidth-only" && only != "--zero-only") {
-    fprintf(stderr, "usage: bench_comm [--bandwidth-only | --zero-only]\n");
+  std::string only = argc > 1 ? argv[1] : "";  // --bandwidth-only, --zero-only, --fit FILE
+  if ((!only.empty() && only != "--bandwidth-only" && only != "--zero-only" && only != "--fit") ||
+      (only == "--fit" && argc < 3)) {
+    fprintf(stderr, "usage: bench_comm [--bandwidth-only | --zero-only | --fit FILE]\n");
     MPI_Finalize();
     return 2;
   }
+  if (only == "--fit") runs.resize(1);  // the CPU ranks: what ./plan --gpu cpu prices
   for (auto [device, backend] : runs) {
     Comm comm = comm_init(world, 1, 1, 1, backend, device, 600);
     Context ctx = Context::create(device);
+    if (only == "--fit") {
+      fit_collectives(comm, ctx, backend, argv[2]);
+      ctx.destroy();
+      comm_destroy(comm);
+      continue;
+    }
     if (only != "--zero-only") bandwidth(comm, ctx, backend);
     if (only != "--zero-only") all_to_all_bandwidth(comm, ctx, backend);
     if (only.empty()) dp_step(comm, ctx);

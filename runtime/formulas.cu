@@ -88,3 +88,16 @@ TpTraffic tp_expected_traffic(const ModelConfig& c, int B, int T, int tp, bool s
     t.all_reduce += 2 * L * ar(4 * (int64_t)c.kv_heads * c.head_dim() * c.d_model);
   return t;
 }
+
+// ----------------------------------------------------------------------------
+// The book's model
+
+int64_t book_parameter_count(int64_t h, int64_t v, int64_t L) {
+  // Per layer: attention 4h^2 + 4h (q, k, v, o and their biases), MLP 8h^2 + 5h (h -> 4h -> h),
+  // two LayerNorms 4h; then the embedding h v and the final LayerNorm 2h.
+  return h * v + L * (12 * h * h + 13 * h) + 2 * h;
+}
+
+double model_flops_per_token(double params, int layers, int attention_width, int seq) {
+  return 6.0 * params + 12.0 * layers * (double)attention_width * seq;
+}

@@ -52,3 +52,16 @@ struct TpTraffic {
   int64_t all_reduce = 0, all_gather = 0, reduce_scatter = 0;  // bytes each rank sends
 };
 TpTraffic tp_expected_traffic(const ModelConfig& cfg, int B, int T, int tp, bool sp);
+
+// ----------------------------------------------------------------------------
+// The book's model: parameters and FLOPs
+
+// Playbook §2.4: N = h v + L (12 h^2 + 13 h) + 2 h, the book's GPT-style transformer (a 4h GeLU
+// MLP, LayerNorms and biases, tied embeddings). picoscale's Llama counts its own
+// (model.cuh, parameter_count); the book's figures use this one.
+int64_t book_parameter_count(int64_t hidden, int64_t vocab, int64_t layers);
+// Appendix A2: FLOPs of one training token, forward and backward: 6 N for the matmuls (2 forward,
+// 4 backward per parameter) plus 12 L h s for attention's QK^T and AV, whose cost grows with
+// the sequence s (the book's 6 seq N + 12 L h seq^2 per sequence). h is the attention width
+// (heads x head dimension). MFU counts these; recomputation does not (Playbook §2.6).
+double model_flops_per_token(double params, int layers, int attention_width, int seq);

@@ -78,9 +78,10 @@ record_one() {  # dir name ranks flags
     return 1
   fi
   # Timings vary from run to run; everything else must not.
-  sed -E 's/,?"tokens_per_s":[^,}]*//' "$out/log.raw" >"$out/log.jsonl" && rm "$out/log.raw"
-  grep -E "^step .*(loss|scale)" "$out/stdout.txt" | sed -E 's/\| +[0-9]+ tok\/s \| +[0-9.]+ ms//' \
-    >"$out/steps.txt"
+  sed -E 's/,?"(tokens_per_s|tokens_per_s_per_rank|mfu)":[^,}]*//g' "$out/log.raw" >"$out/log.jsonl" &&
+    rm "$out/log.raw"
+  grep -E "^step .*(loss|scale)" "$out/stdout.txt" |
+    sed -E 's/\| +[0-9]+ tok\/s \| +[0-9]+ tok\/s\/rank \| MFU +[0-9.]+% \| +[0-9.]+ ms//' >"$out/steps.txt"
   rm "$out/stdout.txt" "$out/stderr.txt"
   echo "  $2: $(wc -l <"$out/log.jsonl") steps recorded"
 }

@@ -18,7 +18,7 @@ card="Makefile README.md model.cu model.cuh train.cu data_parallel.cu data_paral
 tensor_parallel.cu tensor_parallel.cuh pipeline_parallel.cu pipeline_parallel.cuh context_parallel.cu
 context_parallel.cuh expert_parallel.cu expert_parallel.cuh flash_attention.cu flash_attention.cuh
 mixed_precision.cu mixed_precision.cuh"
-folders="runtime kernels tests bench tools docs"
+folders="runtime kernels planner tests bench tools docs"
 echo "top level (git ls-files): the design card's files, and folders"
 extra=""
 for f in $(git ls-files | cut -d/ -f1 | sort -u); do

@@ -38,8 +38,8 @@ run_group() {  # name, Catch2 test spec
   rm -f "$log"
 }
 
-if [ ! -x "$UNIT" ] || [ ! -x ./train ] || [ ! -x build/mpi_tests ]; then
-  echo "build first: make train $UNIT build/mpi_tests"
+if [ ! -x "$UNIT" ] || [ ! -x ./train ] || [ ! -x ./plan ] || [ ! -x build/mpi_tests ]; then
+  echo "build first: make train plan $UNIT build/mpi_tests"
   echo "0 passed, 1 failed"
   exit 1
 fi

@@ -1,0 +1,316 @@
+// memory.cu: a layout's memory per pipeline rank (Playbook §2.4-§2.6, §4.1, §8). The one idea:
+// every byte is one the reports already check against a run: static bytes by §4.1's formula at
+// the rank's parameters, activations by model.cu's per-block formula held as many times as the
+// pipeline's own schedule table keeps micro-batches in flight, walked op by op.
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include "context_parallel.cuh"
+#include "planner/planner_internal.cuh"
+#include "runtime/dtype.cuh"
+#include "runtime/formulas.cuh"
+#include "runtime/parameters.cuh"
+#include "tensor_parallel.cuh"
+
+// ----------------------------------------------------------------------------
+// The book's activation formula
+
+double book_activation_bytes(int layers, int64_t s, int64_t b, int64_t h, int a, int tp, bool sp,
+                             Recompute mode) {
+  const double sbh = (double)s * b * h, t = tp;
+  const double scores = 5.0 * a * s / h;  // the attention scores, softmax and dropout: 5 a s^2 b
+  double per_layer;
+  if (mode == Recompute::Full)  // the layer's input only, 2 bytes per element
+    per_layer = 2 * sbh / (sp ? t : 1);
+  else if (tp == 1 || sp)  // 34: everything, split over tp when sp splits the rest by tokens
+    per_layer = sbh * (34 + (mode == Recompute::None ? scores : 0)) / t;
+  else  // tp without sp: norms, dropout masks and residual inputs (10) stay whole
+    per_layer = sbh * (10 + 24 / t + (mode == Recompute::None ? scores / t : 0));
+  return layers * per_layer;
+}
+
+ActivationFormula parse_activation_formula(const std::string& flag) {
+  if (flag == "llama") return ActivationFormula::Llama;
+  if (flag == "book") return ActivationFormula::Book;
+  throw UsageError("--activations " + flag +
+                   ": expected llama (model.cu's formula for picoscale's Llama: RMSNorm, SwiGLU, "
+                   "fp32 residual stream) or book (the book's 34 sbh + 5 a s^2 b)");
+}
+
+// ----------------------------------------------------------------------------
+// Layouts
+
+std::string Layout::str() const {
+  std::string s = "dp " + std::to_string(dp) + " tp " + std::to_string(tp) + (sp ? "+sp" : "") +
+                  " pp " + std::to_string(pp);
+  if (pp > 1)
+    s += std::string(" (") + pp_schedule_name(schedule) +
+         (virtual_stages > 1 ? " V " + std::to_string(virtual_stages) : "") + ")";
+  s += " cp " + std::to_string(cp) + " zero " + std::to_string(zero) + " mbs " +
+       std::to_string(mbs) + " ga " + std::to_string(grad_acc) + " " + precision_name(precision) +
+       (bf16_grads ? " (bf16 grads)" : "") + " recompute " + recompute_name(recompute);
+  if (attention == AttentionKind::Naive) s += " naive attention";
+  return s;
+}
+
+std::string Layout::flags() const {
+  std::string s = "--dp " + std::to_string(dp) + " --tp " + std::to_string(tp) + " --pp " +
+                  std::to_string(pp) + " --cp " + std::to_string(cp);
+  if (sp) s += " --sp";
+  if (pp > 1) s += std::string(" --pp-schedule ") + pp_schedule_name(schedule);
+  if (virtual_stages > 1) s += " --pp-virtual " + std::to_string(virtual_stages);
+  if (zero) s += " --zero " + std::to_string(zero);
+  s += " --mbs " + std::to_string(mbs) + " --grad-acc " + std::to_string(grad_acc);
+  s += std::string(" --dtype ") + precision_name(precision);
+  if (bf16_grads) s += " --grad-acc-dtype bf16";
+  if (recompute != Recompute::None) s += std::string(" --recompute ") + recompute_name(recompute);
+  s += std::string(" --attention ") + attention_name(attention);
+  return s;
+}
+
+void validate_layout(const ModelConfig& cfg, const Layout& l) {
+  validate_model_config(cfg);
+  validate_tensor_parallel(cfg, l.tp, l.sp);
+  validate_context_parallel(cfg.seq, l.cp, CpBalance::Zigzag, l.attention == AttentionKind::Flash,
+                            l.tp, l.sp, 0);
+  validate_pipeline(cfg.layers, l.pp, l.virtual_stages, l.grad_acc, l.schedule, cfg.tie_embeddings,
+                    l.zero);
+  if (l.ep != 1) throw UsageError("--ep: expert parallelism is not planned (dense models only)");
+}
+
+// ----------------------------------------------------------------------------
+// One pipeline rank's part of the model
+
+static StageShape build_stage_shape(const ModelConfig& cfg, const Layout& l, int stage) {
+  Comm grid;  // only its tp group's size and rank are read: a layout, not a communicator
+  grid.tp.size = l.tp, grid.tp.rank = 0;
+  std::vector<Stage> chunks = pipeline_chunks(cfg.layers, l.pp, l.virtual_stages, stage);
+  Model m = build_model_layout(cfg, TensorParallel{&grid, l.sp}, chunks);
+  StageShape s;
+  for (size_t c = 0; c < m.chunks.size(); c++)
+    s.chunks.push_back(
+        {m.blocks((int)c), m.chunks[c].embedding, m.chunks[c].head, stage + (int)c * l.pp});
+  for (const ModelUnit& u : m.units) s.unit_numel.push_back(u.numel);
+  s.num_params = m.num_params;
+  return s;
+}
+
+const StageShape& stage_shape(const ModelConfig& cfg, const Layout& l, int stage) {
+  static std::map<std::string, StageShape> cache;
+  std::string key;
+  for (int v : {cfg.vocab, cfg.d_model, cfg.layers, cfg.heads, cfg.kv_heads, cfg.ffn, cfg.seq,
+                (int)cfg.tie_embeddings, l.tp, l.pp, l.virtual_stages, stage})
+    key += std::to_string(v) + ",";
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    if (cache.size() > 4096) cache.clear();
+    it = cache.emplace(key, build_stage_shape(cfg, l, stage)).first;
+  }
+  return it->second;
+}
+
+namespace {
+
+// Bytes of one micro-batch's activations on one chunk, and how they move while it runs.
+struct ChunkBytes {
+  double held = 0;           // after its forward, until its backward
+  double forward_peak = 0;   // the most held during its forward (>= held)
+  double backward_peak = 0;  // extra over what is held when its backward starts (>= 0)
+  double weight_held = 0;    // zero-bubble: held from its B until its W
+  double sent = 0;           // x_final, sent to the next stage
+};
+
+// The attention core a layout's blocks use (its saved_bytes is all the formula asks).
+std::shared_ptr<const AttentionCore> attention_core(const Layout& l) {
+  if (l.cp > 1) return std::make_shared<ContextParallelAttention>(ContextParallel{});
+  return local_attention(l.attention);
+}
+
+ChunkBytes chunk_bytes(const ModelConfig& cfg, const Layout& l, const Implementation& impl,
+                       const StageShape::Chunk& c) {
+  const int T = cfg.seq / l.cp;  // this rank's share of each sequence
+  ModelConfig local = cfg;
+  local.seq = T;
+  const LocalDims L = local_dims(cfg, 0, l.tp);
+  const double N = (double)l.mbs * T, n = l.sp ? N / l.tp : N, D = cfg.d_model;
+  const double hd = cfg.head_dim();
+  const int e = l.precision == Precision::FP32 ? 4 : 2;
+  std::shared_ptr<const AttentionCore> attention = attention_core(l);
+  // One block: what it keeps, and everything in fp32 right after its forward (before the
+  // recompute policy drops and the compute format shrinks what it keeps).
+  double kept, fresh;
+  if (impl.activations == ActivationFormula::Book) {
+    kept = fresh =
+        book_activation_bytes(1, T, l.mbs, cfg.d_model, cfg.heads, l.tp, l.sp, l.recompute);
+  } else {
+    kept =
+        (double)activation_bytes_per_block(local, l.mbs, T, l.tp, l.sp, l.recompute, *attention, e);
+    fresh = (double)activation_bytes_per_block(local, l.mbs, T, l.tp, l.sp, Recompute::None,
+                                               *attention, 4);
+  }
+  // The block's own peak: fresh, or while its tensors are rounded to the compute format one by
+  // one (store_in_compute_format: the 16-bit copy exists next to the fp32 one), in
+  // stored_in_compute_format's order. Full recomputation keeps only the (fp32) input.
+  double block_peak = fresh;
+  if (impl.activations == ActivationFormula::Llama && e < 4 && l.recompute != Recompute::Full) {
+    const double probs =
+        fresh - (double)activation_bytes_per_block(local, l.mbs, T, l.tp, l.sp,
+                                                   Recompute::Selective, *attention, 4);
+    double now = fresh - (l.recompute == Recompute::Selective ? probs : 0);
+    std::vector<double> order = {n * D,
+                                 N * L.heads * hd,
+                                 N * L.kv_heads * hd,
+                                 N * L.kv_heads * hd,
+                                 l.recompute == Recompute::None ? probs / 4 : 0,
+                                 N * L.heads * hd,
+                                 n * D,
+                                 N * L.ffn,
+                                 N * L.ffn,
+                                 N * L.ffn};
+    for (double elements : order) {
+      block_peak = std::max(block_peak, now + e * elements);
+      now -= (4 - e) * elements;
+    }
+  }
+  const double positions = 4 * N, ids = c.embedding ? 4 * N : 0, x_final = 4 * n * D;
+  const double normf = 4 * n * D, logits = 4 * N * L.vocab;
+  const double head = c.head ? normf + 4 * n + logits + 4 * N + 4 * N + 8 * N : 0;
+  ChunkBytes b;
+  b.sent = x_final;
+  b.held = positions + ids + c.blocks * kept + x_final + head;
+  // The last block's forward: the earlier blocks kept, this one at its peak, its output.
+  b.forward_peak = std::max(b.held, positions + ids + (c.blocks - 1) * kept + block_peak + x_final);
+  const bool split = l.pp > 1 && splits_backward(pipeline_schedule(l.schedule, l.pp, 0, 2 * l.pp,
+                                                                   l.virtual_stages));
+  if (l.recompute == Recompute::Full) {
+    // The first block's backward rebuilds its activations (fp32) from its input; the head's
+    // logits and final norm are gone by then unless a deferred W still reads them.
+    double freed = c.head && !split ? normf + logits : 0;
+    b.backward_peak = std::max(0.0, fresh - 4 * n * D - freed);
+  }
+  if (split) {
+    // The W op's inputs: the linear layers' inputs (norm1 and norm2 only without sp: with sp
+    // the layers read gathered copies, which are workspace), held in fp32 where they are
+    // activations (fp32 runs and full recomputation; in 16-bit runs the backward reads widened
+    // workspace copies); the head's final-norm output and the logits' gradient (in place).
+    double block_inputs = (l.sp ? 0 : 2 * 4 * N * D) + 4 * N * L.heads * hd + 4 * N * L.ffn;
+    bool fp32_inputs = e == 4 || l.recompute == Recompute::Full;
+    b.weight_held =
+        (fp32_inputs ? c.blocks * block_inputs : 0) + (c.head ? (l.sp ? 0 : normf) + logits : 0);
+  }
+  return b;
+}
+
+// One pipeline rank's table walked op by op: the activations held after each op and the most
+// held at any time (the run's peak of the Activations category).
+struct Walk {
+  double peak = 0;
+  int peak_in_flight = 0;
+};
+Walk walk_schedule(const Layout& l, const Implementation& impl, int stage,
+                   const std::vector<ChunkBytes>& bytes) {
+  const int p = l.pp, V = l.virtual_stages, last = p * V - 1;
+  std::vector<PipelineOp> table =
+      pipeline_schedule(p > 1 ? l.schedule : PpSchedule::OneFOneB, p, stage, l.grad_acc, V);
+  // The engine's sends (pipeline_parallel.cu, Exchange): queued until the next receive, which
+  // over NCCL sends them with it and lets them go; otherwise (no receive follows, or MPI) they
+  // stay in flight, their buffers alive, until the step ends.
+  std::set<std::pair<int, int>> queued, in_flight, done;
+  double now = 0;
+  int held = 0;
+  Walk w;
+  auto note = [&](double bytes) {
+    if (bytes > w.peak) w.peak = bytes, w.peak_in_flight = held;
+  };
+  auto release_queued = [&] {
+    for (const auto& key : queued)
+      if (done.count(key)) now -= bytes[key.second].sent;  // no longer kept by anyone
+    queued.clear();
+  };
+  auto flush = [&] {
+    in_flight.insert(queued.begin(), queued.end());
+    queued.clear();
+  };
+  for (const PipelineOp& op : table) {
+    const int g = stage + op.chunk * p;
+    const std::pair<int, int> key{op.micro, op.chunk};
+    const ChunkBytes& b = bytes[op.chunk];
+    bool receives =
+        (op.kind == Phase::Forward && g > 0) || (op.kind == Phase::Backward && g < last);
+    if (receives && !impl.mpi_sends)
+      release_queued();
+    else
+      flush();
+    if (op.kind == Phase::Forward) {
+      held++;
+      note(now + b.forward_peak);
+      now += b.held;
+      if (g < last) queued.insert(key);
+    } else if (op.kind == Phase::Backward) {
+      note(now + b.backward_peak);
+      now -= b.held;
+      held--;
+      done.insert(key);
+      if (queued.count(key) || in_flight.count(key)) now += b.sent;  // its send still reads it
+      now += b.weight_held;
+    } else {
+      now -= b.weight_held;
+    }
+    note(now);
+  }
+  return w;
+}
+
+// Transient buffers (Workspace): the larger of a block's backward temporaries (the gradients of
+// its activations, the 16-bit stored tensors widened back to fp32) and the head's, plus ZeRO's
+// gathered weights and a unit's full gradient. An estimate: the test checks static memory and
+// activations, not this.
+double workspace_bytes(const ModelConfig& cfg, const Layout& l, const StageShape& s) {
+  const LocalDims L = local_dims(cfg, 0, l.tp);
+  const double N = (double)l.mbs * cfg.seq / l.cp, n = l.sp ? N / l.tp : N, D = cfg.d_model;
+  const double hd = cfg.head_dim();
+  double block = 4 * (n * D + 3 * N * L.ffn + 2 * N * L.heads * hd + 2 * N * L.kv_heads * hd);
+  if (l.sp) block += 2 * 4 * N * D;  // the gathered inputs of the column-parallel layers
+  if (l.precision != Precision::FP32)
+    block += 2 * (N * (2 * L.heads * hd + 2 * L.kv_heads * hd + 3 * L.ffn) + 2 * n * D);
+  double head = 0;
+  for (const StageShape::Chunk& c : s.chunks)
+    if (c.head) head = 4 * n * D + 4 * N * 2;
+  double units = 0;
+  int64_t largest = 0;
+  for (int64_t u : s.unit_numel) largest = std::max(largest, u);
+  const int wb = l.precision == Precision::FP32 ? 4 : 2;
+  if (l.zero >= 2) units += 4.0 * largest;       // the unit in backward's full gradient
+  if (l.zero == 3) units += 2.0 * wb * largest;  // the unit in use and the next one, gathered
+  return std::max(block, head) + units + (l.pp > 1 ? 4 * n * D : 0);
+}
+
+}  // namespace
+
+MemoryPrediction predict_memory(const ModelConfig& cfg, const Layout& l, const Implementation& impl,
+                                std::vector<int> stages) {
+  if (stages.empty())
+    for (int s = 0; s < l.pp; s++) stages.push_back(s);
+  MemoryPrediction mp;
+  const int N = l.dp * l.cp;
+  const int zero = N > 1 ? l.zero : 0;  // ./train runs --zero k over one rank as zero 0
+  const BytesPerParameter b = bytes_per_parameter(zero, l.precision, l.bf16_grads);
+  for (int stage : stages) {
+    const StageShape& s = stage_shape(cfg, l, stage);
+    RankMemory r;
+    r.stage = stage;
+    r.num_params = s.num_params;
+    r.padded_params = zero > 0 ? s.padded(N) : s.num_params;
+    StaticMemory st = zero_static_memory(zero, (double)r.padded_params, N, b);
+    r.params = st.params, r.grads = st.grads, r.optimizer = st.optimizer;
+    std::vector<ChunkBytes> bytes;
+    for (const StageShape::Chunk& c : s.chunks) bytes.push_back(chunk_bytes(cfg, l, impl, c));
+    Walk w = walk_schedule(l, impl, stage, bytes);
+    r.activations = w.peak, r.peak_in_flight = w.peak_in_flight;
+    r.workspace = workspace_bytes(cfg, l, s);
+    mp.stages.push_back(r);
+    if (mp.stages.size() == 1 || r.total() > mp.worst.total()) mp.worst = r;
+  }
+  return mp;
+}

@@ -1,0 +1,186 @@
+// profiles.cu: the planner's hardware (Playbook §11): GPU profiles with their named constants,
+// the links bench_comm --fit measured, and the peak a running job's MFU divides by.
+#include <cblas.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "planner/planner_internal.cuh"
+#include "runtime/ops.cuh"
+
+// ----------------------------------------------------------------------------
+// GPU profiles
+
+// The H100 numbers the whole model uses (the book's cluster: 8 H100 SXM per node, 400 Gb/s per
+// GPU between nodes). Bus bandwidths are the book's own measurement (Playbook §8.1,
+// pp_comm_bandwidth: median busbw of 256 MB collectives on 1 to 64 nodes): within a node
+// all-reduce reaches 436 GB/s, all-gather and reduce-scatter 250; between nodes, with a latency
+// of 5 us per ring step, 1/busbw = 1/B + c R + alpha R / S over R = 8 x nodes ranks fits
+// all-reduce with B = 408 GB/s and c = 4.1e-14 s/B, all-gather and reduce-scatter with B = 285
+// GB/s and c = 1.2e-13 s/B (least squares on relative error over 2..64 nodes; within 30% of
+// every point but 4 and 8 nodes' all-reduce). compute_efficiency: the fraction of the bf16 peak
+// a large step sustains (GEMMs, FlashAttention and the memory-bound rest together).
+static GpuProfile h100() {
+  GpuProfile g;
+  g.name = "h100";
+  g.peak_bf16 = 989e12, g.peak_fp32 = 67e12, g.peak_fp8 = 1979e12;
+  g.memory = 80 * kGiB, g.hbm_bandwidth = 3.35e12;
+  g.intra_allreduce_bw = 436e9, g.intra_gather_bw = 250e9, g.intra_p2p_bw = 450e9;
+  g.intra_alpha = g.intra_alpha_gather = g.intra_alpha_p2p = 2e-6;
+  g.inter_allreduce_bw = 408e9, g.inter_gather_bw = 285e9;
+  g.inter_allreduce_per_rank = 4.1e-14, g.inter_gather_per_rank = 1.2e-13;
+  g.inter_alpha = 5e-6;
+  g.nic_bw = 50e9;
+  g.compute_efficiency = 0.45, g.gemm_half_width = 128;
+  g.runtime_bytes = 2 * kGiB;  // the book: CUDA context and kernels 1-2 GB, plus buffers
+  g.source = "H100 SXM datasheet; busbw fitted to the book's §8.1 measurement";
+  return g;
+}
+
+GpuProfile gpu_profile(const std::string& name) {
+  if (name == "h100") return h100();
+  if (name == "h200") {  // the H100's compute and NVLink with 141 GB of faster memory
+    GpuProfile g = h100();
+    g.name = "h200", g.memory = 141e9, g.hbm_bandwidth = 4.8e12;
+    g.source = "H200 SXM datasheet; links as the H100's";
+    return g;
+  }
+  if (name == "a100") {  // NVLink 3 (300 GB/s per direction), 200 Gb/s per GPU between nodes
+    GpuProfile g = h100();
+    g.name = "a100";
+    g.peak_bf16 = 312e12, g.peak_fp32 = 19.5e12, g.peak_fp8 = 0;
+    g.memory = 80 * kGiB, g.hbm_bandwidth = 2.04e12;
+    const double nvlink = 300.0 / 450.0;
+    g.intra_allreduce_bw *= nvlink, g.intra_gather_bw *= nvlink, g.intra_p2p_bw = 300e9;
+    g.nic_bw = 25e9;
+    g.inter_allreduce_bw = std::min(g.inter_allreduce_bw, 8 * g.nic_bw);
+    g.inter_gather_bw = std::min(g.inter_gather_bw, 8 * g.nic_bw);
+    g.source = "A100 SXM datasheet; busbw scaled from the H100's by NVLink and network bandwidth";
+    return g;
+  }
+  if (name == "cpu") {  // this machine: one node whose "GPUs" are MPI ranks sharing its cores
+    GpuProfile g;
+    g.name = "cpu";
+    g.peak_fp32 = 0;  // measured by the caller (device_peak) for its ranks' threads
+    g.peak_bf16 = g.peak_fp8 = 0;
+    double pages = (double)sysconf(_SC_PHYS_PAGES), page = (double)sysconf(_SC_PAGE_SIZE);
+    g.memory = pages * page;
+    g.hbm_bandwidth = 10e9;
+    // Shared-memory MPI between processes: a few GB/s and microseconds (bench_comm measures
+    // this machine's; plan --comm-fit reads its fit).
+    g.intra_allreduce_bw = g.intra_gather_bw = 4e9, g.intra_p2p_bw = 4e9;
+    g.intra_alpha = g.intra_alpha_gather = g.intra_alpha_p2p = 5e-6;
+    g.inter_allreduce_bw = g.inter_gather_bw = g.nic_bw = 4e9;
+    g.inter_alpha = 5e-6;
+    g.compute_efficiency = 0.5, g.gemm_half_width = 32;
+    g.source = "this machine: sgemm measured now, shared-memory MPI defaults";
+    return g;
+  }
+  std::string known;
+  for (const std::string& n : gpu_profile_names()) known += (known.empty() ? "" : ", ") + n;
+  throw UsageError("--gpu " + name + ": unknown profile; choose one of " + known);
+}
+std::vector<std::string> gpu_profile_names() {
+  return {"h100", "h200", "a100", "cpu"};
+}
+
+void apply_comm_fit(GpuProfile& g, const std::string& path) {
+  std::ifstream f(path);
+  if (!f) throw UsageError("--comm-fit " + path + ": cannot open it (bench_comm --fit writes it)");
+  try {
+    nlohmann::json j = nlohmann::json::parse(f);
+    auto link = [&](const char* name, double& alpha, double& bw) {
+      const nlohmann::json& c = j.at("collectives").at(name);
+      alpha = c.at("alpha_s").get<double>(), bw = c.at("busbw_bytes_per_s").get<double>();
+      if (!(alpha >= 0) || !(bw > 0)) throw std::invalid_argument(name);
+    };
+    double gather_alpha = 0, gather_bw = 0, scatter_alpha = 0, scatter_bw = 0;
+    link("all_reduce", g.intra_alpha, g.intra_allreduce_bw);
+    link("all_gather", gather_alpha, gather_bw);
+    link("reduce_scatter", scatter_alpha, scatter_bw);
+    link("send_recv", g.intra_alpha_p2p, g.intra_p2p_bw);
+    // One figure for both: the planner prices all-gathers and reduce-scatters alike.
+    g.intra_alpha_gather = (gather_alpha + scatter_alpha) / 2;
+    g.intra_gather_bw = 2 / (1 / gather_bw + 1 / scatter_bw);
+    g.inter_allreduce_bw = g.intra_allreduce_bw, g.inter_gather_bw = g.intra_gather_bw;
+    g.inter_allreduce_per_rank = g.inter_gather_per_rank = 0;
+    g.inter_alpha = g.intra_alpha, g.nic_bw = g.intra_p2p_bw;
+    g.source += "; collectives measured by bench_comm --fit (" + path + ")";
+    if (g.name == "cpu" && j.contains("gemm_flops_alone")) {
+      // A rank alone runs at the machine's rate for one rank; together the ranks run
+      // shared_capacity at a time (the rest wait for a core).
+      double alone = j.at("gemm_flops_alone").get<double>();
+      double busy = j.at("gemm_flops_per_rank").get<double>();
+      int ranks = j.at("ranks").get<int>();
+      g.peak_fp32 = alone;
+      if (ranks * busy < 0.9 * ranks * alone) g.shared_capacity = ranks * busy / alone;
+      g.source += ", its fp32 GEMM rate alone and shared";
+    }
+  } catch (const std::exception& e) {
+    throw UsageError("--comm-fit " + path + ": not bench_comm --fit's JSON (" + e.what() + ")");
+  }
+}
+
+double peak_flops(const GpuProfile& g, Precision p) {
+  switch (p) {
+    case Precision::FP32:
+      return g.peak_fp32;
+    case Precision::BF16:
+    case Precision::FP16:
+      return g.peak_bf16;
+    case Precision::FP8:
+      return g.peak_fp8;
+  }
+  return 0;
+}
+
+// MFU's peak: the format's, fp8 counted against bf16 (its attention and the rest run in bf16).
+double mfu_peak(const GpuProfile& g, Precision p) {
+  return p == Precision::FP32 ? g.peak_fp32 : g.peak_bf16;
+}
+
+// ----------------------------------------------------------------------------
+// The peak of a running job
+
+DevicePeak device_peak(const Context& ctx, Precision p) {
+  DevicePeak d;
+  if (ctx.device == Device::CUDA) {
+    int dev = 0;
+    cudaDeviceProp prop;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    for (const char* name : {"H100", "H200", "A100"})
+      if (strstr(prop.name, name)) {
+        std::string lower = name;
+        for (char& ch : lower) ch = (char)tolower(ch);
+        GpuProfile g = gpu_profile(lower);
+        d.flops = mfu_peak(g, p);
+        d.how = std::string(prop.name) + ": the " + lower + " profile's dense " +
+                (p == Precision::FP32 ? "fp32" : "bf16") + " peak";
+        return d;
+      }
+  }
+  // Measured: the best of 3 square GEMMs of 512 (after one warm-up) on this rank's threads.
+  const int n = 512;
+  Tensor a = empty({n, n}, Mem::Workspace, ctx.device),
+         b = empty({n, n}, Mem::Workspace, ctx.device);
+  Tensor c = empty({n, n}, Mem::Workspace, ctx.device);
+  init_normal(a, 1, "a", 1.0f), init_normal(b, 1, "b", 1.0f);
+  double best = 1e30;
+  for (int i = 0; i < 4; i++) {
+    ctx.synchronize();
+    double t0 = now_seconds();
+    gemm(ctx, false, false, n, n, n, 1, a.f32(), n, b.f32(), n, 0, c.f32(), n);
+    ctx.synchronize();
+    if (i > 0) best = std::min(best, now_seconds() - t0);
+  }
+  d.flops = 2.0 * n * n * n / best;
+  d.how = "measured now: fp32 GEMM of " + std::to_string(n) + "^3, best of 3, " +
+          (ctx.device == Device::CPU
+               ? "on " + std::to_string(openblas_get_num_threads()) + " OpenBLAS thread(s)"
+               : std::string("on this GPU (no profile for its name)"));
+  return d;
+}

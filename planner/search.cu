@@ -1,0 +1,385 @@
+// search.cu: finding the best configuration (Playbook §11.1-§11.3): every layout picoscale can
+// run for a model on a cluster, tried and ranked, and why the others lost; the printout; the
+// models the planner knows; the book's benchmark campaign (§11.4) set against the planner.
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <set>
+
+#include "planner/planner_internal.cuh"
+#include "runtime/dtype.cuh"
+
+// ----------------------------------------------------------------------------
+// The search
+
+ModelConfig layout_model(const ModelConfig& cfg, const Layout& l, const SearchSpace& space) {
+  ModelConfig c = cfg;
+  if (space.untie_for_pipeline && l.pp > 1) c.tie_embeddings = false;
+  return c;
+}
+
+static std::vector<int> divisors(int n) {
+  std::vector<int> d;
+  for (int i = 1; i <= n; i++)
+    if (n % i == 0) d.push_back(i);
+  return d;
+}
+
+// A rule's message as a reason that groups its cases: its first clause with the numbers
+// named N ("--tp 3 does not divide --heads 32: ..." -> "--tp N does not divide --heads N").
+static std::string rule(const std::string& why) {
+  std::string clause = why.substr(0, why.find(':')), out;
+  for (size_t i = 0; i < clause.size(); i++) {
+    if (!isdigit((unsigned char)clause[i]) || (i > 0 && clause[i - 1] != ' ')) {
+      out += clause[i];
+      continue;
+    }
+    out += 'N';  // a number on its own (not the 1 of zb-h1)
+    while (i + 1 < clause.size() && isdigit((unsigned char)clause[i + 1])) i++;
+  }
+  return out;
+}
+
+// The layouts of one grid (dp, tp, pp, cp) the space allows: with and without sp, every
+// schedule, ZeRO stage, recompute mode and format, every micro-batch size that divides a dp
+// rank's `per_rank` sequences (grad-acc the rest).
+static std::vector<Layout> grid_layouts(const Layout& grid, int64_t per_rank,
+                                        const SearchSpace& space) {
+  std::vector<bool> sps = {false};
+  if (grid.tp > 1 && space.sp)
+    sps = space.sp_only ? std::vector<bool>{true} : std::vector<bool>{false, true};
+  std::vector<std::pair<PpSchedule, int>> schedules = {{PpSchedule::OneFOneB, 1}};
+  if (grid.pp > 1) {
+    schedules.clear();
+    for (PpSchedule s : space.schedules)
+      if (s == PpSchedule::Interleaved)
+        for (int V : space.virtual_stages) schedules.push_back({s, V});
+      else
+        schedules.push_back({s, 1});
+  }
+  std::vector<Layout> out;
+  for (bool sp : sps)
+    for (auto [schedule, V] : schedules)
+      for (int zero : space.zero_stages) {
+        if (zero > 0 && grid.dp * grid.cp == 1) continue;  // nothing to shard: the zero 0 layout
+        for (Recompute rec : space.recompute) {
+          // FlashAttention keeps no probabilities: selective recomputation has nothing to drop.
+          if (rec == Recompute::Selective && grid.attention == AttentionKind::Flash) continue;
+          for (Precision prec : space.precisions)
+            for (int mbs : divisors((int)std::min<int64_t>(per_rank, space.max_mbs))) {
+              if (per_rank % mbs) continue;
+              Layout l = grid;
+              l.sp = sp, l.schedule = schedule, l.virtual_stages = V, l.zero = zero;
+              l.recompute = rec, l.precision = prec, l.mbs = mbs;
+              l.grad_acc = (int)(per_rank / mbs);
+              out.push_back(l);
+            }
+        }
+      }
+  return out;
+}
+
+PlanResult plan_layouts(const ModelConfig& cfg, int64_t global_tokens, const Cluster& cl,
+                        const SearchSpace& space, const Implementation& impl) {
+  PlanResult r;
+  const int world = cl.world();
+  auto reject = [&](const std::string& reason, const Layout& l) {
+    if (r.rejected[reason]++ == 0) r.rejected_example[reason] = l.str();
+  };
+  if (global_tokens % cfg.seq) {
+    r.error = "a global batch of " + std::to_string(global_tokens) + " tokens is not a whole " +
+              "number of sequences of " + std::to_string(cfg.seq) + " tokens";
+    return r;
+  }
+  const int64_t sequences = global_tokens / cfg.seq;
+  bool reachable = false;
+  r.smallest_memory = INFINITY;
+  std::vector<Candidate> all;
+  // §11.1-§11.3 for one layout: valid, fits, then timed.
+  auto consider = [&](const Layout& l) {
+    r.tried++;
+    ModelConfig c = layout_model(cfg, l, space);
+    if (peak_flops(cl.gpu, l.precision) <= 0)
+      return reject(
+          std::string("invalid: no ") + precision_name(l.precision) + " on " + cl.gpu.name, l);
+    try {
+      validate_layout(c, l);
+    } catch (const UsageError& e) {
+      return reject("invalid: " + rule(e.what()), l);
+    }
+    reachable = true;
+    Candidate cand;
+    cand.layout = l;
+    cand.memory =
+        predict_memory(c, l, impl, l.pp > 1 ? std::vector<int>{0, l.pp - 1} : std::vector<int>{0});
+    cand.memory.runtime = cl.gpu.runtime_bytes;
+    r.smallest_memory = std::min(r.smallest_memory, cand.memory.total());
+    if (cand.memory.total() > cl.gpu.memory)
+      return reject("does not fit in " + human_bytes(cl.gpu.memory), l);
+    cand.time = predict_time(c, l, cl, impl);
+    all.push_back(std::move(cand));
+  };
+  for (int tp : divisors(world)) {
+    if (space.max_tp > 0 && tp > space.max_tp) continue;
+    for (int pp : divisors(world / tp))
+      for (int cp : divisors(world / tp / pp)) {
+        if (!space.cp && cp > 1) continue;
+        Layout grid;
+        grid.dp = world / tp / pp / cp, grid.tp = tp, grid.pp = pp, grid.cp = cp;
+        if (sequences % grid.dp) {  // §11.2: dp ranks take whole sequences
+          r.tried++;
+          reject("batch not reachable (" + std::to_string(sequences) +
+                     " sequences do not split over dp)",
+                 grid);
+          continue;
+        }
+        for (const Layout& l : grid_layouts(grid, sequences / grid.dp, space)) consider(l);
+      }
+  }
+  std::sort(all.begin(), all.end(), [&](const Candidate& a, const Candidate& b) {
+    return space.rank_by_mfu ? a.time.mfu > b.time.mfu : a.time.step < b.time.step;
+  });
+  for (size_t i = 1; i < all.size(); i++) reject("slower", all[i].layout);
+  r.ranked = std::move(all);
+  if (!reachable) {
+    r.error = "no layout of " + std::to_string(world) + " GPUs reaches a global batch of " +
+              std::to_string(sequences) + " sequences of " + std::to_string(cfg.seq) +
+              " tokens (dp must divide the sequences, and tp, pp, cp the model)";
+  } else if (r.ranked.empty()) {
+    r.error = "the model does not fit: the smallest layout needs " +
+              human_bytes(r.smallest_memory) + " per GPU, one " + cl.gpu.name + " has " +
+              human_bytes(cl.gpu.memory) +
+              " (every layout searched: add nodes, or GPUs with more memory)";
+  }
+  return r;
+}
+
+// ----------------------------------------------------------------------------
+// Printing
+
+static std::string gib(double bytes) {
+  char buf[32];
+  snprintf(buf, sizeof buf, "%.2f", bytes / kGiB);
+  return buf;
+}
+static std::string ms(double s) {
+  char buf[32];
+  snprintf(buf, sizeof buf, s >= 1 ? "%.3f s" : "%.1f ms", s >= 1 ? s : s * 1e3);
+  return buf;
+}
+
+void print_candidate(int rank, const Candidate& c, const Cluster& cl) {
+  const MemoryPrediction& m = c.memory;
+  const RankMemory& w = m.worst;
+  const StepTime& t = c.time;
+  printf("#%d  %s\n", rank, c.layout.str().c_str());
+  printf(
+      "    memory per GPU (GiB, pipeline stage %d): params %s + grads %s + optimizer %s + "
+      "activations %s (%d micro-batch chunks in flight) + workspace ~%s + runtime %s = %s "
+      "of %s\n",
+      w.stage, gib(w.params).c_str(), gib(w.grads).c_str(), gib(w.optimizer).c_str(),
+      gib(w.activations).c_str(), w.peak_in_flight, gib(w.workspace).c_str(),
+      gib(m.runtime).c_str(), gib(m.total()).c_str(), gib(cl.gpu.memory).c_str());
+  std::string comm;
+  for (const char* g : {"tp", "cp", "pp", "dp"}) {
+    auto it = t.exposed.find(g);
+    double s = it == t.exposed.end() ? 0 : it->second;
+    if (s > 0) comm += std::string(comm.empty() ? "" : ", ") + g + " " + ms(s);
+  }
+  printf("    step %s = compute %s%s + bubble %s + exposed communication %s (%s) + optimizer %s\n",
+         ms(t.step).c_str(), ms(t.compute).c_str(),
+         t.recompute > 0 ? (" (recompute " + ms(t.recompute) + ")").c_str() : "",
+         ms(t.bubble).c_str(), ms(t.exposed_total()).c_str(), comm.empty() ? "none" : comm.c_str(),
+         ms(t.optimizer).c_str());
+  printf("    %.0f tokens/s per GPU, MFU %.1f%%   ./train %s\n", t.tokens_per_s_per_gpu,
+         100 * t.mfu, c.layout.flags().c_str());
+}
+
+void print_plan(const PlanResult& r, const ModelConfig& cfg, int64_t global_tokens,
+                const Cluster& cl, const Implementation& impl, int top) {
+  const GpuProfile& g = cl.gpu;
+  printf("model: %s, %.3f B parameters (L %d, h %d, heads %d/%d kv, ffn %d, vocab %d%s), seq %d\n",
+         cfg.preset.c_str(), parameter_count(cfg) / 1e9, cfg.layers, cfg.d_model, cfg.heads,
+         cfg.kv_heads, cfg.ffn, cfg.vocab, cfg.tie_embeddings ? ", tied" : "", cfg.seq);
+  printf(
+      "batch: %lld tokens = %lld sequences per step; FLOPs per token (the book's 6N + 12 L h s): "
+      "%.3g\n",
+      (long long)global_tokens, (long long)(global_tokens / cfg.seq), book_flops_per_token(cfg));
+  printf(
+      "cluster: %d node%s x %d %s = %d GPUs; peak %.0f TFLOP/s bf16, %.1f fp32; %s GiB; "
+      "busbw in a node %.0f (all-reduce) / %.0f GB/s (all-gather), between nodes %.0f / %.0f "
+      "GB/s less %.2g / %.2g s/B per rank, %.0f GB/s per GPU; alpha %.1f us in a node, %.1f "
+      "between\n",
+      cl.nodes, cl.nodes > 1 ? "s" : "", cl.gpus_per_node, g.name.c_str(), cl.world(),
+      g.peak_bf16 / 1e12, g.peak_fp32 / 1e12, gib(g.memory).c_str(), g.intra_allreduce_bw / 1e9,
+      g.intra_gather_bw / 1e9, g.inter_allreduce_bw / 1e9, g.inter_gather_bw / 1e9,
+      g.inter_allreduce_per_rank, g.inter_gather_per_rank, g.nic_bw / 1e9, g.intra_alpha * 1e6,
+      g.inter_alpha * 1e6);
+  printf("model constants (%s): %.0f%% of peak on large GEMMs, half of that at width %.0f\n",
+         g.source.c_str(), 100 * g.compute_efficiency, g.gemm_half_width);
+  printf("activations: %s\n",
+         impl.activations == ActivationFormula::Llama
+             ? "picoscale's Llama (model.cu: RMSNorm, SwiGLU, grouped-query heads, fp32 residual "
+               "stream; --activations book for the book's 34 sbh + 5 a s^2 b)"
+             : "the book's 34 sbh + 5 a s^2 b (LayerNorm, GeLU, dropout, 16-bit; "
+               "--activations llama for picoscale's own)");
+  printf("searched %lld layouts\n", (long long)r.tried);
+  if (!r.error.empty()) return;
+  for (int i = 0; i < top && i < (int)r.ranked.size(); i++) print_candidate(i + 1, r.ranked[i], cl);
+  printf("why the others lost:\n");
+  for (auto& [why, count] : r.rejected)
+    printf("  %6d  %s (e.g. %s)\n", count, why.c_str(), r.rejected_example.at(why).c_str());
+}
+
+// ----------------------------------------------------------------------------
+// Models
+
+ModelConfig planner_model(const std::string& name) {
+  auto llama3 = [](ModelConfig c, int d, int layers, int heads, int ffn, bool tied) {
+    c.vocab = 128256, c.d_model = d, c.layers = layers, c.heads = heads, c.kv_heads = 8;
+    c.ffn = ffn, c.tie_embeddings = tied, c.rope_theta = 500000.0f, c.seq = 4096;
+    return c;
+  };
+  ModelConfig c;
+  c.preset = name;
+  if (name == "llama-3b") return llama3(c, 3072, 28, 24, 8192, true);
+  if (name == "llama-8b") return llama3(c, 4096, 32, 32, 14336, false);
+  if (name == "llama-70b") return llama3(c, 8192, 80, 64, 28672, false);
+  if (name.rfind("book-", 0) == 0) {
+    std::map<std::string, std::string> base = {{"book-1b", "llama-1b"},
+                                               {"book-3b", "llama-3b"},
+                                               {"book-8b", "llama-8b"},
+                                               {"book-80b", "llama-70b"}};
+    auto it = base.find(name);
+    if (it != base.end()) {
+      ModelConfig b = planner_model(it->second);
+      b.preset = name, b.kv_heads = b.heads, b.seq = 4096;
+      return b;
+    }
+  }
+  for (const std::string& n : model_preset_names())
+    if (n == name) return model_preset(name);
+  std::string known;
+  for (const std::string& n : planner_model_names()) known += (known.empty() ? "" : ", ") + n;
+  throw UsageError("--model " + name + ": unknown; choose one of " + known);
+}
+std::vector<std::string> planner_model_names() {
+  std::vector<std::string> names = model_preset_names();
+  for (const char* n :
+       {"llama-3b", "llama-8b", "llama-70b", "book-1b", "book-3b", "book-8b", "book-80b"})
+    names.push_back(n);
+  return names;
+}
+
+// ----------------------------------------------------------------------------
+// The book's campaign
+
+std::vector<CampaignCell> read_campaign(const std::string& path) {
+  FILE* f = fopen(path.c_str(), "r");
+  if (!f) throw UsageError("--campaign " + path + ": cannot open it");
+  std::vector<CampaignCell> cells;
+  char line[512];
+  int number = 0;
+  while (fgets(line, sizeof line, f)) {
+    number++;
+    std::string s(line);
+    while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+    if (s.empty() || s[0] == '#' || s.rfind("model,", 0) == 0) continue;
+    std::vector<std::string> fields;
+    size_t start = 0;
+    for (size_t i = 0; i <= s.size(); i++)
+      if (i == s.size() || s[i] == ',') fields.push_back(s.substr(start, i - start)), start = i + 1;
+    CampaignCell c;
+    try {
+      if (fields.size() < 2) throw std::invalid_argument("too few fields");
+      c.model = fields[0], c.nodes = std::stoi(fields[1]);
+      c.ran = fields.size() >= 11 && !fields[2].empty();
+      if (c.ran) {
+        c.dp = std::stoi(fields[2]), c.tp = std::stoi(fields[3]), c.pp = std::stoi(fields[4]);
+        c.zero = std::stoi(fields[5]), c.mbs = std::stoi(fields[6]),
+        c.grad_acc = std::stoi(fields[7]);
+        c.mfu = std::stod(fields[8]) / 100, c.tokens_per_s_per_gpu = std::stod(fields[9]);
+        c.memory_gb = std::stod(fields[10]);
+      }
+    } catch (const std::exception&) {
+      fclose(f);
+      throw UsageError("--campaign " + path + ":" + std::to_string(number) +
+                       ": expected model,nodes,dp,tp,pp,zero,mbs,ga,mfu_percent,tok_s_gpu,mem_gb");
+    }
+    cells.push_back(c);
+  }
+  fclose(f);
+  return cells;
+}
+
+SearchSpace campaign_space() {
+  SearchSpace s;
+  s.zero_stages = {0, 1};
+  s.recompute = {Recompute::None};
+  s.schedules = {PpSchedule::OneFOneB};
+  s.precisions = {Precision::BF16};
+  s.cp = false;
+  // The campaign's memory figures need sequence parallelism wherever tp > 1 (8B at tp 8 and
+  // mbs 8 in 67 GB; without it the activations alone would take ~67 GB): nanotron's
+  // REDUCE_SCATTER mode.
+  s.sp_only = true;
+  s.untie_for_pipeline = true;
+  s.rank_by_mfu = true;
+  s.max_mbs = 64;
+  return s;
+}
+Implementation campaign_implementation() {
+  Implementation impl;
+  impl.activation_wire_bytes = 2;
+  impl.tp_overlap = true;       // the campaign's sequence-parallel mode runs asynchronously
+  impl.balanced_stages = true;  // nanotron splits the blocks by their compute cost
+  return impl;
+}
+
+CampaignVerdict judge_campaign_cell(const CampaignCell& cell, const GpuProfile& gpu) {
+  CampaignVerdict v;
+  v.cell = cell;
+  Cluster cl;
+  cl.nodes = cell.nodes, cl.gpus_per_node = 8, cl.gpu = gpu;
+  ModelConfig cfg = planner_model("book-" + [&] {
+    std::string m = cell.model;
+    for (char& ch : m) ch = (char)tolower(ch);
+    return m;
+  }());
+  const int64_t tokens = 256LL * cfg.seq;  // 1M tokens: 256 sequences of 4096
+  SearchSpace space = campaign_space();
+  Implementation impl = campaign_implementation();
+  PlanResult r = plan_layouts(cfg, tokens, cl, space, impl);
+  // The planner's layouts by the book's columns, in its order.
+  auto tuple = [](const Layout& l) {
+    return std::vector<int>{l.dp, l.tp, l.pp, l.zero, l.mbs, l.grad_acc};
+  };
+  std::vector<std::vector<int>> order;
+  std::set<std::vector<int>> seen;
+  for (const Candidate& c : r.ranked)
+    if (seen.insert(tuple(c.layout)).second) order.push_back(tuple(c.layout));
+  v.layouts = (int)order.size();
+  if (!r.ranked.empty()) v.best = r.ranked.front();
+  if (!cell.ran) return v;
+  std::vector<int> want = {cell.dp, cell.tp, cell.pp, cell.zero, cell.mbs, cell.grad_acc};
+  for (size_t i = 0; i < order.size(); i++)
+    if (order[i] == want) v.rank = (int)i + 1;
+  // The book's layout itself, fitting or not.
+  Layout l;
+  l.dp = cell.dp, l.tp = cell.tp, l.pp = cell.pp, l.zero = cell.zero, l.mbs = cell.mbs;
+  l.grad_acc = cell.grad_acc, l.sp = cell.tp > 1, l.precision = Precision::BF16;
+  ModelConfig c = layout_model(cfg, l, space);
+  try {
+    validate_layout(c, l);
+  } catch (const UsageError&) {
+    return v;
+  }
+  v.valid = true;
+  v.book.layout = l;
+  v.book.memory =
+      predict_memory(c, l, impl, l.pp > 1 ? std::vector<int>{0, l.pp - 1} : std::vector<int>{0});
+  v.book.memory.runtime = gpu.runtime_bytes;
+  v.book.time = predict_time(c, l, cl, impl);
+  v.fits = v.book.memory.total() <= gpu.memory;
+  return v;
+}

@@ -1,0 +1,283 @@
+// time.cu: a layout's step time (Playbook §3-§8, appendix A3): the book's FLOPs at a named
+// fraction of the peak, every collective at latency plus bytes over bus bandwidth with the ring's
+// factors, exposed only where A3 says compute cannot hide it, and the bubble of the schedule's
+// tables run on paper.
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "planner/planner_internal.cuh"
+#include "runtime/formulas.cuh"
+#include "tensor_parallel.cuh"
+
+// ----------------------------------------------------------------------------
+// Communication: the alpha-beta cost of ring collectives (collectives notes §2.4, nccl-tests'
+// bus bandwidth)
+
+namespace {
+
+enum class Op { AllReduce, Gather, PointToPoint };  // Gather: all-gather or reduce-scatter
+
+// Where a group's members sit: how many, whether the group leaves the node, and how many of
+// them share the busiest node (each brings its own network link).
+struct Placement {
+  int size = 1, per_node = 1;
+  bool inter = false;
+};
+// The group of world rank 0 along the given grid dimensions ("dp", "pp", "cp", "tp", "dp_cp").
+Placement placement(const Layout& l, const Cluster& cl, const std::string& group) {
+  Grid g;
+  g.dp = l.dp, g.pp = l.pp, g.cp = l.cp, g.tp = l.tp;
+  std::vector<int> members;
+  const bool d = group == "dp" || group == "dp_cp", p = group == "pp",
+             c = group == "cp" || group == "dp_cp", t = group == "tp";
+  for (int di = 0; di < (d ? l.dp : 1); di++)
+    for (int pi = 0; pi < (p ? l.pp : 1); pi++)
+      for (int ci = 0; ci < (c ? l.cp : 1); ci++)
+        for (int ti = 0; ti < (t ? l.tp : 1); ti++) members.push_back(g.rank_of(di, pi, ci, ti));
+  std::map<int, int> per_node;
+  for (int r : members) per_node[r / cl.gpus_per_node]++;
+  Placement pl;
+  pl.size = (int)members.size();
+  pl.inter = per_node.size() > 1;
+  for (auto& [node, k] : per_node) pl.per_node = std::max(pl.per_node, k);
+  return pl;
+}
+
+// Seconds for one collective on `bytes` (all-reduce: the buffer; all-gather: the gathered
+// output; reduce-scatter: the input; point-to-point: the message).
+double collective_time(const GpuProfile& gpu, const Placement& pl, Op op, double bytes) {
+  const int R = pl.size;
+  if (op == Op::PointToPoint) {
+    double bw = pl.inter ? gpu.nic_bw : gpu.intra_p2p_bw;
+    return (pl.inter ? gpu.inter_alpha : gpu.intra_alpha_p2p) + bytes / bw;
+  }
+  if (R <= 1 || bytes <= 0) return 0;
+  const bool ar = op == Op::AllReduce;
+  const double steps = (ar ? 2.0 : 1.0) * (R - 1), factor = steps / R;
+  if (!pl.inter)
+    return steps * (ar ? gpu.intra_alpha : gpu.intra_alpha_gather) +
+           factor * bytes / (ar ? gpu.intra_allreduce_bw : gpu.intra_gather_bw);
+  // Between nodes: the ring's bandwidth, capped by the network links its members on one node
+  // bring, and degraded by the ranks in it.
+  double inverse = std::max(1.0 / (ar ? gpu.inter_allreduce_bw : gpu.inter_gather_bw),
+                            1.0 / (pl.per_node * gpu.nic_bw)) +
+                   R * (ar ? gpu.inter_allreduce_per_rank : gpu.inter_gather_per_rank);
+  return steps * gpu.inter_alpha + factor * bytes * inverse;
+}
+
+// The efficiency of a GEMM along a dimension of `width`: it saturates the device only when wide
+// (gemm_half_width: the width at which it reaches half of the achievable rate).
+double gemm_efficiency(const GpuProfile& gpu, double width) {
+  return gpu.compute_efficiency * width / (width + gpu.gemm_half_width);
+}
+
+// simulate_pipeline on ticks: its result depends on the ratios of the op costs only, so
+// layouts with the same (schedule, p, m, V) and ratios share one run.
+PipelineTiming pipeline_timing(PpSchedule s, int p, int m, int V, double t_f, double t_b,
+                               double t_w) {
+  static std::map<std::vector<double>, PipelineTiming> cache;
+  auto round2 = [](double x) { return std::round(x * 100) / 100; };
+  std::vector<double> key = {(double)s, (double)p,         (double)m,
+                             (double)V, round2(t_b / t_f), round2(t_w / t_f)};
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    if (cache.size() > 20000) cache.clear();
+    it = cache.emplace(key, simulate_pipeline(s, p, m, V, 1.0, key[4], key[5])).first;
+  }
+  PipelineTiming t = it->second;
+  t.makespan *= t_f;
+  for (double& b : t.busy) b *= t_f;
+  return t;
+}
+
+}  // namespace
+
+// The ranks of a layout on one node.
+static int world_ranks_per_node(const Layout& l, const Cluster& cl) {
+  return std::min(l.world(), cl.gpus_per_node);
+}
+
+double StepTime::exposed_total() const {
+  double t = 0;
+  for (auto& [group, s] : exposed) t += s;
+  return t;
+}
+
+double book_flops_per_token(const ModelConfig& cfg) {
+  return model_flops_per_token((double)parameter_count(cfg), cfg.layers, cfg.heads * cfg.head_dim(),
+                               cfg.seq);
+}
+
+StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl,
+                      const Implementation& impl) {
+  const GpuProfile& gpu = cl.gpu;
+  const LocalDims L = local_dims(cfg, 0, l.tp);
+  const int m = l.grad_acc, p = l.pp, V = l.virtual_stages;
+  const double T = (double)cfg.seq / l.cp, N = l.mbs * T, n = l.sp ? N / l.tp : N;
+  const double D = cfg.d_model, hd = cfg.head_dim(), wire = impl.activation_wire_bytes;
+  const double gemm_peak = peak_flops(gpu, l.precision);
+  const double attn_peak = l.precision == Precision::FP32 ? gpu.peak_fp32 : gpu.peak_bf16;
+  // One block's forward on this rank: its linear layers (2 FLOPs per weight and token) and
+  // attention (QK^T and AV over the whole sequence, as the book counts them: 4 h s per token).
+  const double block_weights = D * hd * (2.0 * L.heads + 2.0 * L.kv_heads) + 3.0 * D * L.ffn;
+  // A GEMM of this step is [N tokens, D] x [D, D/tp or wider]: both its token count and the
+  // width each rank keeps decide how close it comes to the achievable rate.
+  const double eff =
+      gemm_efficiency(gpu, N) * gemm_efficiency(gpu, D / l.tp) / gpu.compute_efficiency;
+  const double block_gemm = 2 * N * block_weights / (gemm_peak * eff);
+  const double block_attn = 4 * N * (L.heads * hd) * cfg.seq / (attn_peak * eff);
+  const double head_fwd = 2 * N * D * L.vocab / (gemm_peak * eff);
+  const double block_fwd = block_gemm + block_attn;
+
+  // Tensor parallelism: every collective on the critical path (Playbook §5.3; picoscale's are
+  // blocking). Per block, forward: 2 all-reduces of [N, D], or under sp 2 all-gathers and 2
+  // reduce-scatters; backward: 2 all-reduces, or 4 all-gathers (2 re-gathering the norms'
+  // outputs) and 2 reduce-scatters (runtime/formulas.cu, tp_expected_traffic).
+  Placement tp_pl = placement(l, cl, "tp");
+  const double K = N * D * wire;
+  double tp_fwd = 0, tp_bwd = 0;
+  if (l.tp > 1) {
+    double ar = collective_time(gpu, tp_pl, Op::AllReduce, K);
+    double ag = collective_time(gpu, tp_pl, Op::Gather, K);
+    tp_fwd = l.sp ? 4 * ag : 2 * ar;  // a reduce-scatter costs an all-gather
+    tp_bwd = l.sp ? 6 * ag : 2 * ar;
+  }
+  // Context parallelism (Playbook §7.2): per block, cp - 1 ring steps, each passing k and v of
+  // this rank's tokens (forward) or k, v and their gradient accumulators (backward) while one
+  // block of attention computes; only what the step's compute does not cover is exposed.
+  double cp_fwd = 0, cp_bwd = 0;
+  if (l.cp > 1) {
+    Placement cp_pl = placement(l, cl, "cp");
+    double kv = 2 * N * L.kv_heads * hd * wire;
+    double step_fwd = collective_time(gpu, cp_pl, Op::PointToPoint, kv);
+    double step_bwd = collective_time(gpu, cp_pl, Op::PointToPoint, 2 * kv);
+    cp_fwd = (l.cp - 1) * std::max(0.0, step_fwd - block_attn / l.cp);
+    cp_bwd = (l.cp - 1) * std::max(0.0, step_bwd - 2 * block_attn / l.cp);
+  }
+  // Pipeline parallelism (Playbook §8.7): each op receives [n, D] from its neighbour and waits
+  // for it (the engine's receives block), so the transfer adds to the op.
+  double p2p = 0;
+  if (p > 1) p2p = collective_time(gpu, placement(l, cl, "pp"), Op::PointToPoint, n * D * wire);
+
+  // Appendix A3: an overlapped tp collective hides behind the GEMMs of its block.
+  if (impl.tp_overlap) {
+    tp_fwd = std::max(0.0, tp_fwd - block_gemm);
+    tp_bwd = std::max(0.0, tp_bwd - 2 * block_gemm);
+  }
+  // The slowest pipeline rank's forward and backward of one micro-batch (all its chunks). The
+  // first and the last bound the others: the most blocks and the embedding, or the head
+  // (pipeline_chunks gives the first chunks the extra blocks).
+  std::vector<const StageShape*> shapes;
+  for (int s : p > 1 ? std::vector<int>{0, p - 1} : std::vector<int>{0})
+    shapes.push_back(&stage_shape(cfg, l, s));
+  double stage_fwd = 0, stage_bwd = 0, stage_recompute = 0, stage_tp = 0, stage_cp = 0,
+         stage_p2p = 0;
+  for (const StageShape* shape : shapes) {
+    double f = 0, r = 0, tpc = 0, cpc = 0, pc = 0;
+    int blocks = 0;
+    for (const StageShape::Chunk& c : shape->chunks) {
+      blocks += c.blocks;
+      f += c.blocks * block_fwd + (c.head ? head_fwd : 0);
+      if (l.recompute == Recompute::Full) r += c.blocks * block_fwd;
+      if (l.recompute == Recompute::Selective && l.attention == AttentionKind::Naive)
+        r += c.blocks * block_attn;
+      // The vocab-parallel embedding's forward and the head's backward add one collective each.
+      tpc += c.blocks * (tp_fwd + tp_bwd) + ((c.embedding ? 1 : 0) + (c.head ? 1 : 0)) * tp_fwd / 2;
+      cpc += c.blocks * (cp_fwd + cp_bwd);
+      pc += (c.global > 0 ? 2 * p2p : 0) + (c.global < p * V - 1 ? 2 * p2p : 0);
+    }
+    if (impl.balanced_stages && p > 1) {  // every stage a p-th of the whole model's work
+      f = (cfg.layers * block_fwd + head_fwd) / p;
+      r = r / blocks * cfg.layers / p;
+    }
+    if (3 * f + r + tpc + cpc + pc > stage_fwd + stage_bwd + stage_tp + stage_cp + stage_p2p) {
+      stage_fwd = f, stage_bwd = 2 * f + r, stage_recompute = r;
+      stage_tp = tpc, stage_cp = cpc, stage_p2p = pc;
+    }
+  }
+  // Per op (a chunk's share): compute plus its exposed tp, cp and pp communication; the
+  // backward splits into B and W halves of its matmuls under zero-bubble tables.
+  const double ops = (double)V;
+  const bool split =
+      p > 1 && splits_backward(pipeline_schedule(l.schedule, p, 0, std::max(m, 2 * p), V));
+  const double comm_op = (stage_tp + stage_cp + stage_p2p) / ops / 2;
+  double t_f = stage_fwd / ops + comm_op, t_b = stage_bwd / ops + comm_op, t_w = 0;
+  if (split) t_w = stage_fwd / ops, t_b -= t_w;  // W: the weight-gradient GEMMs, 1 forward
+  PipelineTiming timing =
+      p > 1 ? pipeline_timing(l.schedule, p, m, V, t_f, t_b, t_w) : PipelineTiming{};
+  const double busy = m * (stage_fwd + stage_bwd + stage_tp + stage_cp + stage_p2p);
+  const double makespan = p > 1 ? timing.makespan : busy;
+
+  StepTime st;
+  st.compute = m * (stage_fwd + stage_bwd);
+  st.recompute = m * stage_recompute;
+  st.bubble = std::max(0.0, makespan - busy);
+  st.exposed["tp"] = m * stage_tp;
+  st.exposed["cp"] = m * stage_cp;
+  st.exposed["pp"] = m * stage_p2p;
+
+  // Data parallelism and ZeRO over dp_cp (Playbook §3, §4; appendix A3): what the backward
+  // of the micro-batch that launches the collectives covers is hidden; the rest is exposed.
+  const int Nd = l.dp * l.cp;
+  const int zero = Nd > 1 ? l.zero : 0;
+  double dp_exposed = 0, opt = 0;
+  {
+    Placement pl = placement(l, cl, "dp_cp");
+    const double grad_bytes = l.bf16_grads ? 2 : 4;
+    const double weight_bytes = l.precision == Precision::FP32 ? 4 : 2;
+    double worst = 0, worst_opt = 0;
+    for (const StageShape* shape : shapes) {
+      const StageShape& sh = *shape;
+      double shard = zero > 0 ? (double)sh.padded(Nd) / Nd : (double)sh.num_params;
+      double o = 32 * shard / gpu.hbm_bandwidth;  // AdamW: ~32 bytes read and written per parameter
+      double exposed = 0;
+      if (Nd > 1) {
+        double window = stage_bwd;  // the last micro-batch's backward on this stage
+        if (zero == 0) {
+          // Buckets of 25 MiB (data_parallel.cu), all-reduced as they fill; the last cannot hide.
+          double bytes = grad_bytes * sh.num_params, bucket = 25.0 * 1024 * 1024;
+          int buckets = std::max(1, (int)std::ceil(bytes / bucket));
+          double each = collective_time(gpu, pl, Op::AllReduce, bytes / buckets);
+          exposed = std::max(each, buckets * each - window);
+        } else {
+          double rs = 0, rs_last = 0, ag = 0;
+          for (int64_t u : sh.unit_numel) {
+            double padded = (double)Nd * ((u + Nd - 1) / Nd);
+            rs_last = collective_time(gpu, pl, Op::Gather, grad_bytes * padded);
+            rs += rs_last;
+            ag += collective_time(gpu, pl, Op::Gather, weight_bytes * padded);
+          }
+          if (zero == 1) exposed = std::max(rs_last, rs - window);
+          if (zero == 2) exposed = m * std::max(rs_last, rs - window);  // every micro-batch
+          if (zero <= 2) exposed += std::max(0.0, ag - o);  // gathered as the optimizer updates
+          if (zero == 3) {
+            // Per micro-batch: every unit gathered before its forward and again before its
+            // backward, the next one prefetched while this one computes; the reduce-scatter
+            // after its backward overlaps the next unit's (A3: 1/(2 seq mbs) x peak/bw <= 1).
+            double units = (double)sh.unit_numel.size();
+            double f_unit = stage_fwd / units, b_unit = stage_bwd / units;
+            double ag_unit = ag / units, rs_unit = rs / units;
+            exposed = m * (ag_unit + units * std::max(0.0, ag_unit - f_unit) +
+                           units * std::max(0.0, ag_unit + rs_unit - b_unit));
+          }
+        }
+      }
+      worst = std::max(worst, exposed), worst_opt = std::max(worst_opt, o);
+    }
+    dp_exposed = worst, opt = worst_opt;
+  }
+  st.exposed["dp"] = dp_exposed;
+  st.optimizer = opt;
+  // Ranks sharing cores: the node's compute cannot finish before its cores have done every
+  // rank's share, however the schedule lets ranks wait (a waiting rank frees its core).
+  double floor = 0;
+  if (gpu.shared_capacity > 0)
+    floor = st.compute * world_ranks_per_node(l, cl) / gpu.shared_capacity;
+  st.step = std::max(makespan, floor) + dp_exposed + opt;
+  const double tokens = (double)l.dp * l.mbs * l.grad_acc * cfg.seq;
+  const int world = l.world();
+  st.tokens_per_s_per_gpu = tokens / st.step / world;
+  st.mfu = book_flops_per_token(cfg) * tokens / (st.step * world * mfu_peak(gpu, l.precision));
+  return st;
+}

@@ -1,0 +1,381 @@
+// The planner (Playbook §11): the book's own numbers from its closed forms (§2.4-§2.6, §5, §6;
+// playbook-notes §21 A), the memory it predicts for a layout against what ./train measures on
+// CPU ranks ([parity]: runs under mpirun), the book's benchmark campaign (§11.4, the table in
+// tests/data/book_campaign.csv), and ./plan's answers to bad input.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <fstream>
+#include <regex>
+
+#include "launch.cuh"
+#include "planner/planner.cuh"
+#include "runtime/formulas.cuh"
+
+static const double GiB = 1024.0 * 1024 * 1024;
+
+// ----------------------------------------------------------------------------
+// The book's numbers
+
+TEST_CASE("the book's parameter formula gives 1,068,404,736, 6,969,499,648 and 65,483,718,656 for "
+          "its 1B, 8B and 70B shapes", "[planner]") {
+  // Playbook §2.4: N = h v + L (12 h^2 + 13 h) + 2 h with Llama 3's vocabulary of 128,256.
+  CHECK(book_parameter_count(2048, 128256, 16) == 1068404736LL);
+  CHECK(book_parameter_count(4096, 128256, 32) == 6969499648LL);
+  CHECK(book_parameter_count(8192, 128256, 80) == 65483718656LL);
+  // With the seq x h positional term of the book's fp32 charts: 6,973,693,952 at seq 1024.
+  CHECK(book_parameter_count(4096, 128256, 32) + 1024 * 4096 == 6973693952LL);
+}
+
+TEST_CASE("the book's activation formula: 97.0 GiB for the 8B shape at 4,096 tokens, 956,301,312 "
+          "bytes for the toy configuration", "[planner]") {
+  // L s b h (34 + 5 a s / h): Llama 3.1 8B is L 32, h 4096, a 32.
+  double b8 = book_activation_bytes(32, 4096, 1, 4096, 32, 1, false, Recompute::None);
+  CHECK(b8 / GiB == Approx(97.0).margin(0.005));
+  // h 1024, L 8, a 16, s 1024, b 1: 8 x 1024 x 1024 x (34 + 80) bytes, exactly.
+  CHECK(book_activation_bytes(8, 1024, 1, 1024, 16, 1, false, Recompute::None) == 956301312.0);
+  CHECK(956301312.0 / GiB == Approx(0.891).margin(0.0005));
+}
+
+TEST_CASE("the book's activation tables of §2.5 and §2.6 (GiB, bs 1): none, selective, full",
+          "[planner]") {
+  struct Shape { const char* name; int L, h, a; };
+  const Shape shapes[] = {{"1B", 16, 2048, 32}, {"3B", 28, 3072, 24}, {"8B", 32, 4096, 32},
+                          {"70B", 80, 8192, 64}, {"405B", 126, 16384, 128}};
+  // The book's charts (memusage_activations, memory-recomputation), 1024 to 8192 tokens (16384
+  // in the §2.5 table for 8B, 70B and 405B, without recomputation), with the decimals they show.
+  struct Row { const char* model; Recompute mode; int decimals; double gib[5]; };
+  const Row rows[] = {
+      {"1B", Recompute::None, 2, {3.56, 12.13, 44.26, 168.52, 0}},
+      {"1B", Recompute::Selective, 2, {1.06, 2.13, 4.26, 8.52, 0}},
+      {"1B", Recompute::Full, 3, {0.064, 0.129, 0.258, 0.516, 0}},
+      {"3B", Recompute::None, 2, {6.07, 18.71, 63.67, 232.34, 0}},
+      {"3B", Recompute::Selective, 2, {2.79, 5.58, 11.17, 22.34, 0}},
+      {"3B", Recompute::Full, 3, {0.167, 0.334, 0.668, 1.336, 0}},
+      {"8B", Recompute::None, 2, {9.25, 28.51, 97.02, 354.03, 1348.06}},
+      {"8B", Recompute::Selective, 2, {4.25, 8.51, 17.02, 34.03, 0}},
+      {"8B", Recompute::Full, 3, {0.254, 0.508, 1.016, 2.031, 0}},
+      {"70B", Recompute::None, 2, {46.26, 142.52, 485.03, 1770.06, 6740.13}},
+      {"70B", Recompute::Selective, 2, {21.26, 42.52, 85.03, 170.06, 0}},
+      {"70B", Recompute::Full, 3, {1.258, 2.516, 5.031, 10.062, 0}},
+      {"405B", Recompute::None, 2, {145.70, 448.91, 1527.81, 5575.63, 21231.25}},
+      {"405B", Recompute::Selective, 2, {66.95, 133.91, 267.81, 535.63, 0}},
+      {"405B", Recompute::Full, 2, {3.95, 7.91, 15.81, 31.63, 0}},
+  };
+  int checked = 0;
+  for (const Row& row : rows) {
+    const Shape* s = nullptr;
+    for (const Shape& sh : shapes)
+      if (std::string(sh.name) == row.model) s = &sh;
+    REQUIRE(s);
+    for (int i = 0; i < 5; i++) {
+      if (row.gib[i] == 0) continue;
+      int seq = 1024 << i;
+      double layers = book_activation_bytes(s->L, seq, 1, s->h, s->a, 1, false, row.mode);
+      // The charts also count, outside the layers, the embedding's dropout mask: s b h bytes
+      // (one per element; the book's memory widget). Within half the last decimal shown.
+      double got = (layers + (double)seq * s->h) / GiB;
+      INFO(row.model << " " << recompute_name(row.mode) << " at " << seq << ": " << got);
+      CHECK(std::fabs(got - row.gib[i]) <= 0.5 * std::pow(10.0, -row.decimals) + 1e-9);
+      checked++;
+    }
+  }
+  CHECK(checked == 63);
+}
+
+TEST_CASE("the 70B shape with tensor parallelism: 32.5 and 28.75 GiB at tp 8 and 16, 10.625 and "
+          "5.3125 GiB with sequence parallelism", "[planner]") {
+  // Playbook §5.4 and §6.6 (selective recomputation, bs 1): s b h (10 + 24/t) per layer without
+  // sp, 34 s b h / t with it; and the charts' 1k and 16k columns.
+  auto tp = [](int seq, int t, bool sp) {
+    return book_activation_bytes(80, seq, 1, 8192, 64, t, sp, Recompute::Selective) / GiB;
+  };
+  CHECK(tp(4096, 8, false) == 32.5);
+  CHECK(tp(4096, 16, false) == 28.75);
+  CHECK(tp(4096, 8, true) == 10.625);
+  CHECK(tp(4096, 16, true) == 5.3125);
+  CHECK(tp(1024, 8, false) == 8.125);
+  CHECK(tp(16384, 8, false) == 130.0);
+  CHECK(tp(1024, 16, false) == Approx(7.19).margin(0.005));
+  CHECK(tp(16384, 16, false) == 115.0);
+  CHECK(tp(1024, 8, true) == Approx(2.66).margin(0.005));
+  CHECK(tp(16384, 8, true) == 42.5);
+  CHECK(tp(1024, 16, true) == Approx(1.33).margin(0.005));
+  CHECK(tp(16384, 16, true) == 21.25);
+  CHECK(tp(4096, 1, false) == 85.0);  // tp 1 in both charts
+}
+
+// A run of ./plan, like run_train.
+static RunResult run_plan(const std::string& args) {
+  RunResult r{-1, ""};
+  FILE* p = popen(("./plan " + args + " 2>&1").c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, p)) r.output.append(buf, n);
+  int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+TEST_CASE("the planner offers the book's activation constants and picoscale's Llama's, and says "
+          "which it uses", "[planner]") {
+  // The book's 34 + 5as/h is a GPT with LayerNorm, GeLU and dropout; picoscale's Llama (RMSNorm,
+  // SwiGLU, fp32 residual stream) keeps other tensors: model.cu's formula. Same layout, both.
+  ModelConfig c = planner_model("llama-8b");
+  Layout l;
+  l.mbs = 1, l.precision = Precision::BF16, l.attention = AttentionKind::Naive;
+  Implementation llama, book;
+  book.activations = ActivationFormula::Book;
+  double a = predict_memory(c, l, llama).worst.activations;
+  double b = predict_memory(c, l, book).worst.activations;
+  double book_layers = book_activation_bytes(c.layers, c.seq, 1, c.d_model, c.heads, 1, false,
+                                             Recompute::None);
+  CHECK(b >= book_layers);  // the book's layers, plus the logits and the stage's boundaries
+  CHECK(b - book_layers < 0.05 * b);
+  CHECK(std::fabs(a - b) > 0.05 * b);  // the two models keep different tensors
+  RunResult r1 = run_plan("--model llama-8b --nodes 1 --top 1"), r2 =
+      run_plan("--model llama-8b --nodes 1 --top 1 --activations book");
+  INFO(r1.output << r2.output);
+  REQUIRE(r1.code == 0);
+  REQUIRE(r2.code == 0);
+  CHECK_THAT(r1.output, Catch::Contains("activations: picoscale's Llama"));
+  CHECK_THAT(r2.output, Catch::Contains("activations: the book's 34 sbh + 5 a s^2 b"));
+}
+
+// ----------------------------------------------------------------------------
+// Bad input
+
+TEST_CASE("./plan says in one line, with exit code 2, when the cluster cannot hold the model or "
+          "no layout reaches the batch", "[planner]") {
+  // 70B on one node of 8 A100: 16 bytes per parameter alone is 1.1 TB.
+  RunResult big = run_plan("--model llama-70b --nodes 1 --gpu a100");
+  INFO(big.output);
+  CHECK(big.code == 2);
+  CHECK(count_occurrences(big.output, "\n") == 1);
+  CHECK_THAT(big.output, Catch::StartsWith("error: the model does not fit"));
+  // 3 sequences on 64 ranks of the tiny model without context parallelism: tp and pp reach 4
+  // each at most (4 heads, 4 layers), so dp is at least 4 and never divides 3.
+  RunResult odd = run_plan("--model tiny --nodes 8 --batch-tokens 384 --no-cp");
+  INFO(odd.output);
+  CHECK(odd.code == 2);
+  CHECK(count_occurrences(odd.output, "\n") == 1);
+  CHECK_THAT(odd.output, Catch::StartsWith("error: no layout of 64 GPUs reaches a global batch"));
+  RunResult partial = run_plan("--model llama-8b --batch-tokens 1000");
+  CHECK(partial.code == 2);
+  CHECK(count_occurrences(partial.output, "\n") == 1);
+}
+
+// ----------------------------------------------------------------------------
+// Memory, predicted against measured
+
+namespace {
+// What --report memory measured on one rank: its static bytes, peak activations.
+struct Measured {
+  int64_t params, grads, optimizer;
+  double activations;
+};
+std::map<int, Measured> measured_rows(const std::string& out) {
+  std::map<int, Measured> rows;
+  std::regex row("\n  ([0-9]+) +([0-9]+) +([0-9]+) +([0-9]+) +[0-9]+   ([0-9.]+) (B|KiB|MiB|GiB), ");
+  for (std::sregex_iterator it(out.begin(), out.end(), row), end; it != end; ++it) {
+    double unit = 1;
+    for (std::string u = (*it)[6]; u != "B"; u = u == "GiB" ? "MiB" : u == "MiB" ? "KiB" : "B")
+      unit *= 1024;
+    rows[std::stoi((*it)[1])] = {std::stoll((*it)[2]), std::stoll((*it)[3]), std::stoll((*it)[4]),
+                                 std::stod((*it)[5]) * unit};
+  }
+  return rows;
+}
+}  // namespace
+
+TEST_CASE("the planner's memory per rank equals --report memory's: static bytes exactly, "
+          "activations within 5%, over 14 layouts", "[planner][parity]") {
+  // A small model, so each run takes a second: 4 blocks of d_model 32, vocab 256, seq 16.
+  // --val-seqs 1: the validation at the end holds one sequence, less than training does.
+  ModelConfig c = model_preset("tiny");
+  c.d_model = 32, c.layers = 4, c.heads = 4, c.kv_heads = 2, c.ffn = 64, c.seq = 16;
+  const std::string base = "--d-model 32 --layers 4 --heads 4 --kv-heads 2 --ffn 64 --seq 16 "
+                           "--warmup 1 --val-every 0 --val-seqs 1 --steps 1 --report memory "
+                           "--comm-timeout 60 ";
+  struct Case {
+    Layout l;
+  };
+  auto layout = [](int dp, int tp, int pp, int cp, int zero) {
+    Layout l;
+    l.dp = dp, l.tp = tp, l.pp = pp, l.cp = cp, l.zero = zero, l.mbs = 2;
+    l.precision = Precision::FP32;
+    return l;
+  };
+  std::vector<Layout> layouts;
+  layouts.push_back(layout(1, 1, 1, 1, 0));  // one rank
+  { Layout l = layout(2, 1, 1, 1, 1); layouts.push_back(l); }  // ZeRO-1
+  { Layout l = layout(2, 1, 1, 1, 2); l.precision = Precision::BF16; layouts.push_back(l); }
+  { Layout l = layout(3, 1, 1, 1, 3); layouts.push_back(l); }  // ZeRO-3, padded shards
+  { Layout l = layout(1, 2, 1, 1, 0); l.sp = true; layouts.push_back(l); }  // tp + sp
+  { Layout l = layout(1, 2, 1, 1, 0); l.recompute = Recompute::Selective;
+    l.attention = AttentionKind::Naive; layouts.push_back(l); }  // tp, naive attention
+  { Layout l = layout(1, 1, 2, 1, 0); l.schedule = PpSchedule::AFAB; l.grad_acc = 4;
+    layouts.push_back(l); }
+  { Layout l = layout(2, 1, 2, 1, 1); l.grad_acc = 4; layouts.push_back(l); }  // 1F1B + ZeRO-1
+  { Layout l = layout(1, 1, 2, 1, 0); l.schedule = PpSchedule::Interleaved; l.virtual_stages = 2;
+    l.grad_acc = 4; layouts.push_back(l); }
+  { Layout l = layout(1, 1, 2, 1, 0); l.schedule = PpSchedule::ZeroBubbleH1; l.grad_acc = 4;
+    layouts.push_back(l); }
+  { Layout l = layout(1, 1, 1, 2, 0); layouts.push_back(l); }  // context parallelism
+  { Layout l = layout(1, 1, 1, 1, 0); l.precision = Precision::FP8; l.recompute = Recompute::Full;
+    l.mbs = 4; layouts.push_back(l); }
+  { Layout l = layout(1, 1, 2, 1, 0); l.precision = Precision::BF16; l.recompute = Recompute::Full;
+    l.mbs = 4, l.grad_acc = 4; layouts.push_back(l); }
+  { Layout l = layout(2, 2, 1, 1, 1); l.sp = true; l.precision = Precision::BF16;
+    l.bf16_grads = true; layouts.push_back(l); }  // dp x tp + sp, bf16 gradients
+  REQUIRE(layouts.size() >= 12);
+  Implementation impl;
+  impl.mpi_sends = true;  // CPU ranks: the pipeline's sends stay alive until the step ends
+  for (const Layout& l : layouts) {
+    validate_layout(c, l);
+    RunResult r = run_train(base + l.flags(), l.world() > 1 ? l.world() : 0);
+    INFO(l.str() << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    std::map<int, Measured> rows = measured_rows(r.output);
+    REQUIRE((int)rows.size() == l.world());
+    MemoryPrediction p = predict_memory(c, l, impl);
+    for (auto& [rank, m] : rows) {
+      int stage = (rank / (l.cp * l.tp)) % l.pp;
+      const RankMemory& want = p.stages[stage];
+      INFO("rank " << rank << " (stage " << stage << "): predicted activations "
+                   << want.activations << " B, measured " << m.activations << " B");
+      CHECK(m.params == (int64_t)want.params);
+      CHECK(m.grads == (int64_t)want.grads);
+      CHECK(m.optimizer == (int64_t)want.optimizer);
+      CHECK(std::fabs(m.activations - want.activations) <= 0.05 * m.activations);
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------
+// The book's campaign
+
+TEST_CASE("the book's campaign: the planner's memory within 25% in 20 cells, the book's layout "
+          "among its five best and its MFU within 10 points in half of them", "[planner]") {
+  // Playbook §11.4 (tests/data/book_campaign.csv, the book's best configuration per cell of 1B,
+  // 3B, 8B and 80B on 1 to 64 nodes of 8 H100). One set of H100 constants for every cell.
+  std::vector<CampaignCell> cells = read_campaign("tests/data/book_campaign.csv");
+  REQUIRE(cells.size() == 28);
+  GpuProfile h100 = gpu_profile("h100");
+  int ran = 0, memory = 0, top5 = 0, mfu = 0;
+  for (const CampaignCell& cell : cells) {
+    CampaignVerdict v = judge_campaign_cell(cell, h100);
+    if (!cell.ran) {
+      // 80B on 1-2 nodes: nothing ran in the book, and nothing fits here either.
+      CHECK(v.layouts == 0);
+      continue;
+    }
+    ran++;
+    REQUIRE(v.valid);
+    double gb = v.book.memory.total() / 1e9;
+    memory += std::fabs(gb - cell.memory_gb) <= 0.25 * cell.memory_gb;
+    top5 += v.rank >= 1 && v.rank <= 5;
+    mfu += std::fabs(v.book.time.mfu - cell.mfu) <= 0.10;
+  }
+  INFO(ran << " cells ran: memory within 25% in " << memory << ", top five in " << top5
+           << ", MFU within 10 points in " << mfu);
+  CHECK(ran == 26);
+  CHECK(memory >= 20);
+  CHECK(2 * top5 >= ran);
+  CHECK(2 * mfu >= ran);
+}
+
+// ----------------------------------------------------------------------------
+// MFU in the step lines
+
+TEST_CASE("every step line and --log-json line gives tokens/s per rank and the MFU of the book's "
+          "FLOP count over the printed peak", "[train]") {
+  std::string dir = make_temp_dir();
+  RunResult r = run_train("--d-model 64 --layers 2 --heads 4 --kv-heads 2 --ffn 128 --seq 32 "
+                          "--mbs 4 --steps 3 --warmup 1 --val-every 0 --val-seqs 1 --log-json " +
+                          dir + "/log.jsonl");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  // "MFU: the book's 6N + 12 L h s = F FLOPs per token (appendix A2) over P FLOP/s per rank (how)"
+  std::smatch m;
+  REQUIRE(std::regex_search(r.output, m, std::regex("MFU: the book's 6N \\+ 12 L h s = ([0-9.e+]+) "
+                                                    "FLOPs per token .* over ([0-9.e+]+) FLOP/s per "
+                                                    "rank \\(measured now: fp32 GEMM")));
+  ModelConfig c = model_preset("tiny");
+  c.d_model = 64, c.layers = 2, c.heads = 4, c.kv_heads = 2, c.ffn = 128, c.seq = 32;
+  const double flops = 6.0 * parameter_count(c) + 12.0 * 2 * 64 * 32;
+  CHECK(std::stod(m[1]) == Approx(flops).epsilon(1e-3));
+  const double peak = std::stod(m[2]);
+  CHECK(peak > 0);
+  CHECK(count_occurrences(r.output, " tok/s/rank | MFU ") == 3);
+  auto lines = read_json_lines(dir + "/log.jsonl");
+  REQUIRE(lines.size() == 3);
+  for (auto& line : lines) {
+    double per_rank = line["tokens_per_s_per_rank"], mfu = line["mfu"];
+    CHECK(per_rank == Approx(line["tokens_per_s"].get<double>()));  // one rank
+    CHECK(mfu == Approx(flops * per_rank / peak).epsilon(1e-3));
+  }
+}
+
+// ----------------------------------------------------------------------------
+// Step time: the book's bubble, measured bandwidths, one layout on the command line
+
+TEST_CASE("the planner's 1F1B on 4 stages and 8 micro-batches idles 3/11 of the step when "
+          "communication is free", "[planner]") {
+  // Playbook §8.4: the idle share (p-1)/(m+p-1). The planner runs the schedule's tables on
+  // paper with its predicted op times; with free links nothing else is exposed.
+  GpuProfile free_links = gpu_profile("h100");
+  free_links.intra_alpha = free_links.intra_alpha_gather = free_links.intra_alpha_p2p = 0;
+  free_links.intra_allreduce_bw = free_links.intra_gather_bw = free_links.intra_p2p_bw = 1e30;
+  Cluster cl{1, 8, free_links};
+  Layout l;
+  l.dp = 2, l.pp = 4, l.grad_acc = 8, l.mbs = 1, l.schedule = PpSchedule::OneFOneB;
+  ModelConfig c = planner_model("llama-8b");
+  StepTime t = predict_time(c, l, cl, Implementation{});
+  CHECK(t.bubble / (t.compute + t.bubble) == Approx(3.0 / 11).epsilon(1e-6));
+  l.schedule = PpSchedule::AFAB;  // the same idle share, more memory
+  CHECK(predict_time(c, l, cl, Implementation{}).bubble / (t.compute + t.bubble) ==
+        Approx(3.0 / 11).epsilon(1e-6));
+}
+
+TEST_CASE("bench_comm --fit's measured collectives become the profile's links; a file that is not "
+          "one is named", "[planner]") {
+  std::string dir = make_temp_dir();
+  {
+    std::ofstream f(dir + "/fit.json");
+    f << R"({"ranks": 4, "collectives": {
+      "all_reduce": {"alpha_s": 5e-6, "busbw_bytes_per_s": 1.5e9},
+      "all_gather": {"alpha_s": 7e-6, "busbw_bytes_per_s": 2e9},
+      "reduce_scatter": {"alpha_s": 9e-6, "busbw_bytes_per_s": 1e9},
+      "send_recv": {"alpha_s": 2e-5, "busbw_bytes_per_s": 3e9}},
+      "gemm_flops_alone": 2e10, "gemm_flops_per_rank": 1e10})";
+  }
+  GpuProfile g = gpu_profile("cpu");
+  apply_comm_fit(g, dir + "/fit.json");
+  CHECK(g.intra_alpha == 5e-6);
+  CHECK(g.intra_allreduce_bw == 1.5e9);
+  CHECK(g.intra_alpha_gather == Approx(8e-6));
+  CHECK(g.intra_gather_bw == Approx(2 / (1 / 2e9 + 1 / 1e9)));  // the harmonic mean
+  CHECK(g.intra_alpha_p2p == 2e-5);
+  CHECK(g.intra_p2p_bw == 3e9);
+  CHECK(g.peak_fp32 == 2e10);
+  CHECK(g.shared_capacity == 2.0);  // 4 ranks at half the rate alone: two at a time
+  { std::ofstream f(dir + "/bad.json"); f << R"({"ranks": 4})"; }
+  CHECK_THROWS_WITH(apply_comm_fit(g, dir + "/bad.json"),
+                    Catch::StartsWith("--comm-fit " + dir + "/bad.json: not bench_comm --fit's JSON"));
+  CHECK_THROWS_WITH(apply_comm_fit(g, dir + "/none.json"), Catch::Contains("cannot open it"));
+}
+
+TEST_CASE("./plan --layout predicts one layout given as ./train's flags; a layout of another "
+          "size than the cluster is refused in one line", "[planner]") {
+  RunResult one = run_plan("--model llama-8b --nodes 1 --layout \"--dp 2 --tp 2 --pp 2 --mbs 1 "
+                           "--grad-acc 8 --zero 1\"");
+  INFO(one.output);
+  REQUIRE(one.code == 0);
+  CHECK_THAT(one.output, Catch::Contains("#1  dp 2 tp 2 pp 2 (1f1b) cp 1 zero 1 mbs 1 ga 8 bf16"));
+  CHECK_THAT(one.output, Catch::Contains("predicted step: "));
+  RunResult wrong = run_plan("--model llama-8b --nodes 1 --layout \"--dp 2\"");
+  CHECK(wrong.code == 2);
+  CHECK(count_occurrences(wrong.output, "\n") == 1);
+  CHECK_THAT(wrong.output, Catch::Contains("--layout has 2 ranks"));
+}

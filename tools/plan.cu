@@ -1,0 +1,305 @@
+// plan.cu: `./plan`, the planner's command line (Playbook §11, finding the best configuration).
+// For a model, a sequence length, a global batch in tokens and a cluster, it tries every
+// layout picoscale can run and prints the fastest few with their memory per GPU, step time and
+// MFU, and why the others lost. `./plan --campaign tests/data/book_campaign.csv` sets the
+// planner against the book's benchmark campaign (docs/planner.md). Bad input (a cluster that
+// cannot hold the model, a batch no layout reaches) is one line and exit code 2.
+#include <cblas.h>
+
+#include <CLI/CLI.hpp>
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "planner/planner.cuh"
+#include "runtime/dtype.cuh"
+
+static std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  for (size_t i = 0; i <= s.size(); i++)
+    if (i == s.size() || s[i] == ',') {
+      if (i > start) out.push_back(s.substr(start, i - start));
+      start = i + 1;
+    }
+  return out;
+}
+
+// The campaign table of docs/planner.md: every cell, the book's layout and the planner's view.
+static int campaign(const std::string& path, const GpuProfile& gpu) {
+  std::vector<CampaignCell> cells = read_campaign(path);
+  printf(
+      "| model | nodes | book's best (dp tp pp zero mbs ga) | book MFU | planner MFU | book mem GB "
+      "| planner mem GB | planner rank | planner's best | note |\n");
+  printf("|---|---|---|---|---|---|---|---|---|---|\n");
+  int ran = 0, memory_ok = 0, top5 = 0, mfu_ok = 0;
+  for (const CampaignCell& c : cells) {
+    CampaignVerdict v = judge_campaign_cell(c, gpu);
+    std::string best = v.best.layout.str();
+    if (v.best.time.step > 0) {
+      char b[160];
+      snprintf(b, sizeof b, "dp%d tp%d%s pp%d z%d mbs%d ga%d (%.1f%%)", v.best.layout.dp,
+               v.best.layout.tp, v.best.layout.sp ? "+sp" : "", v.best.layout.pp,
+               v.best.layout.zero, v.best.layout.mbs, v.best.layout.grad_acc,
+               100 * v.best.time.mfu);
+      best = b;
+    } else {
+      best = "nothing fits";
+    }
+    if (!c.ran) {
+      printf("| %s | %d | nothing ran | | | | | | %s | |\n", c.model.c_str(), c.nodes,
+             best.c_str());
+      continue;
+    }
+    ran++;
+    double mem = v.book.memory.total() / 1e9;
+    bool mem_close = v.valid && std::fabs(mem - c.memory_gb) <= 0.25 * c.memory_gb;
+    bool mfu_close = v.valid && std::fabs(v.book.time.mfu - c.mfu) <= 0.10;
+    bool in_top = v.rank >= 1 && v.rank <= 5;
+    memory_ok += mem_close, mfu_ok += mfu_close, top5 += in_top;
+    std::string note;
+    if (!v.valid)
+      note = "picoscale cannot run it";
+    else if (!v.fits)
+      note = "predicted not to fit";
+    if (!mem_close && v.valid) note += std::string(note.empty() ? "" : "; ") + "memory off by >25%";
+    if (!mfu_close && v.valid)
+      note += std::string(note.empty() ? "" : "; ") + "MFU off by >10 points";
+    if (!in_top && v.fits)
+      note += std::string(note.empty() ? "" : "; ") + "not in the planner's top 5";
+    printf(
+        "| %s | %d | %d %d%s %d %d %d %d | %.1f%% | %.1f%% | %.1f | %.1f | %s of %d | %s | %s |\n",
+        c.model.c_str(), c.nodes, c.dp, c.tp, v.book.layout.sp ? "+sp" : "", c.pp, c.zero, c.mbs,
+        c.grad_acc, 100 * c.mfu, 100 * v.book.time.mfu, c.memory_gb, mem,
+        v.rank > 0 ? std::to_string(v.rank).c_str() : "-", v.layouts, best.c_str(), note.c_str());
+  }
+  printf(
+      "\n%d cells ran: memory within 25%% in %d, the book's layout among the planner's five "
+      "best in %d, MFU within 10 points in %d\n",
+      ran, memory_ok, top5, mfu_ok);
+  return 0;
+}
+
+// --layout "--dp 2 --tp 2 ...": one layout in ./train's flags (those that shape a step).
+static Layout parse_layout(const std::string& flags) {
+  CLI::App app{"layout"};
+  Layout l;
+  std::string schedule = "1f1b", dtype = "bf16", grads = "fp32", recompute = "none",
+              attention = "flash";
+  app.add_option("--dp", l.dp), app.add_option("--tp", l.tp), app.add_option("--pp", l.pp);
+  app.add_option("--cp", l.cp), app.add_flag("--sp", l.sp), app.add_option("--zero", l.zero);
+  app.add_option("--pp-schedule", schedule), app.add_option("--pp-virtual", l.virtual_stages);
+  app.add_option("--mbs", l.mbs), app.add_option("--grad-acc", l.grad_acc);
+  app.add_option("--dtype", dtype), app.add_option("--grad-acc-dtype", grads);
+  app.add_option("--recompute", recompute), app.add_option("--attention", attention);
+  try {
+    app.parse(flags, false);
+  } catch (const CLI::ParseError& e) {
+    throw UsageError("--layout \"" + flags + "\": " + e.what());
+  }
+  l.schedule = parse_pp_schedule(schedule), l.precision = parse_precision(dtype);
+  l.bf16_grads = grads == "bf16", l.recompute = parse_recompute(recompute);
+  l.attention = parse_attention(attention);
+  return l;
+}
+
+int main(int argc, char** argv) {
+  CLI::App app{"plan: the best layouts for a model on a cluster (Playbook §11)"};
+  std::string model = "llama-8b", gpu_name = "h100", activations = "llama";
+  std::string zero = "0,1,2,3", recompute = "none,selective,full",
+              schedules = "afab,1f1b,interleaved,zb-h1", dtypes = "";
+  std::string campaign_file, json_file, comm_fit, one_layout;
+  int nodes = 1, gpus_per_node = 8, top = 5, seq = 0, max_mbs = 64, wire = 4;
+  int layers = 0, d_model = 0, heads = 0, kv_heads = 0, ffn = 0, vocab = 0;
+  double batch_tokens = 1 << 20, peak = 0, memory_gib = 0, intra = 0, inter = 0, nic = 0,
+         efficiency = 0, alpha_us = -1;
+  bool no_cp = false, no_sp = false, tie = false, untie = false, campaign_space_flag = false;
+  app.add_option(
+         "--model", model,
+         "preset or planner shape (" +
+             [] {
+               std::string s;
+               for (const std::string& n : planner_model_names()) s += (s.empty() ? "" : ", ") + n;
+               return s;
+             }() +
+             ")")
+      ->capture_default_str();
+  app.add_option("--layers", layers, "override the model's layers");
+  app.add_option("--d-model", d_model, "override its hidden size");
+  app.add_option("--heads", heads, "override its attention heads");
+  app.add_option("--kv-heads", kv_heads, "override its key/value heads");
+  app.add_option("--ffn", ffn, "override its MLP width");
+  app.add_option("--vocab", vocab, "override its vocabulary");
+  app.add_flag("--tie-embeddings", tie, "tie the embedding and the LM head");
+  app.add_flag("--untie-embeddings", untie, "untie them");
+  app.add_option("--seq", seq, "tokens per sequence (default: the model's)");
+  app.add_option("--batch-tokens", batch_tokens, "global batch in tokens")->capture_default_str();
+  app.add_option("--nodes", nodes, "nodes")->capture_default_str();
+  app.add_option("--gpus-per-node", gpus_per_node, "GPUs (or CPU ranks) per node")
+      ->capture_default_str();
+  app.add_option("--gpu", gpu_name, "profile: h100, h200, a100, cpu (measured here)")
+      ->capture_default_str();
+  app.add_option("--peak-tflops", peak, "override the profile's dense bf16 peak (fp32 for cpu)");
+  app.add_option("--memory-gib", memory_gib, "override its memory per GPU");
+  app.add_option("--intra-bw", intra, "override its in-node bus bandwidth, GB/s (all collectives)");
+  app.add_option("--inter-bw", inter, "override its between-node bus bandwidth, GB/s");
+  app.add_option("--nic-bw", nic, "override each GPU's network bandwidth, GB/s");
+  app.add_option("--alpha-us", alpha_us, "override every collective's latency per ring step, us");
+  app.add_option("--efficiency", efficiency, "override the achievable fraction of the peak");
+  app.add_option("--comm-fit", comm_fit,
+                 "the collectives' alpha and busbw bench_comm --fit measured");
+  app.add_option("--layout", one_layout,
+                 "predict one layout, given as ./train's flags (\"--dp 2 --tp 2 --mbs 4 ...\"); "
+                 "its global batch is dp x mbs x grad-acc sequences");
+  app.add_option("--zero", zero, "ZeRO stages to try")->capture_default_str();
+  app.add_option("--recompute", recompute, "recompute modes to try")->capture_default_str();
+  app.add_option("--schedules", schedules, "pipeline schedules to try")->capture_default_str();
+  app.add_option("--dtype", dtypes, "formats to try (default: bf16 on GPUs, fp32 on cpu)");
+  app.add_option("--max-mbs", max_mbs, "largest micro-batch to try")->capture_default_str();
+  app.add_flag("--no-cp", no_cp, "do not try context parallelism");
+  app.add_flag("--no-sp", no_sp, "do not try sequence parallelism");
+  app.add_option("--activations", activations,
+                 "llama (model.cu's formula, picoscale's Llama) or book (34 sbh + 5 a s^2 b)")
+      ->capture_default_str();
+  app.add_option("--wire-bytes", wire,
+                 "bytes per activation element that tp, cp and pp send "
+                 "(picoscale: 4, its residual stream is fp32; 2 for a bf16 framework)")
+      ->capture_default_str();
+  app.add_option("--top", top, "layouts to print")->capture_default_str();
+  app.add_flag("--campaign-space", campaign_space_flag,
+               "search what the book's campaign searched, as it did (ranked by MFU; bf16 wire)");
+  app.add_option("--json", json_file, "write the ranked layouts as JSON");
+  app.add_option(
+      "--campaign", campaign_file,
+      "judge the planner against the book's campaign table (tests/data/book_campaign.csv)");
+  try {
+    app.parse(argc, argv);
+    GpuProfile gpu = gpu_profile(gpu_name);
+    if (gpu.name == "cpu") {  // this machine: each rank's share of the cores
+      const int cores = std::max(1, (int)std::thread::hardware_concurrency());
+      const int threads = std::max(1, cores / gpus_per_node);
+      openblas_set_num_threads(threads);
+      Context ctx = Context::create(Device::CPU);
+      DevicePeak d = device_peak(ctx, Precision::FP32);
+      ctx.destroy();
+      // More ranks than cores: they take turns, each at its share of the measured rate.
+      const double share = std::min(1.0, (double)cores / (gpus_per_node * threads));
+      gpu.peak_fp32 = d.flops * share;
+      gpu.memory /= gpus_per_node;
+      gpu.source += " (" + d.how +
+                    (share < 1 ? ", x " + std::to_string(cores) + " cores / " +
+                                     std::to_string(gpus_per_node) + " ranks"
+                               : "") +
+                    ")";
+    }
+    if (peak > 0) (gpu.name == "cpu" ? gpu.peak_fp32 : gpu.peak_bf16) = peak * 1e12;
+    if (memory_gib > 0) gpu.memory = memory_gib * 1024.0 * 1024 * 1024;
+    if (intra > 0) gpu.intra_allreduce_bw = gpu.intra_gather_bw = gpu.intra_p2p_bw = intra * 1e9;
+    if (inter > 0) gpu.inter_allreduce_bw = gpu.inter_gather_bw = inter * 1e9;
+    if (nic > 0) gpu.nic_bw = nic * 1e9;
+    if (!comm_fit.empty()) apply_comm_fit(gpu, comm_fit);
+    if (alpha_us >= 0)
+      gpu.intra_alpha = gpu.intra_alpha_gather = gpu.intra_alpha_p2p = gpu.inter_alpha =
+          alpha_us * 1e-6;
+    if (efficiency > 0) gpu.compute_efficiency = efficiency;
+    if (!campaign_file.empty()) return campaign(campaign_file, gpu);
+
+    ModelConfig cfg = planner_model(model);
+    for (auto [value, field] : {std::pair<int, int ModelConfig::*>{layers, &ModelConfig::layers},
+                                {d_model, &ModelConfig::d_model},
+                                {heads, &ModelConfig::heads},
+                                {kv_heads, &ModelConfig::kv_heads},
+                                {ffn, &ModelConfig::ffn},
+                                {vocab, &ModelConfig::vocab},
+                                {seq, &ModelConfig::seq}})
+      if (value > 0) cfg.*field = value;
+    if (tie) cfg.tie_embeddings = true;
+    if (untie) cfg.tie_embeddings = false;
+    validate_model_config(cfg);
+    if (nodes < 1 || gpus_per_node < 1)
+      throw UsageError("--nodes and --gpus-per-node must be >= 1");
+    if (batch_tokens < 1 || batch_tokens != std::floor(batch_tokens))
+      throw UsageError("--batch-tokens must be a whole number of tokens >= 1");
+    Cluster cl{nodes, gpus_per_node, gpu};
+    SearchSpace space;
+    space.zero_stages.clear();
+    for (const std::string& z : split(zero)) space.zero_stages.push_back(std::stoi(z));
+    space.recompute.clear();
+    for (const std::string& r : split(recompute)) space.recompute.push_back(parse_recompute(r));
+    space.schedules.clear();
+    for (const std::string& s : split(schedules)) space.schedules.push_back(parse_pp_schedule(s));
+    space.precisions.clear();
+    if (dtypes.empty()) dtypes = gpu.name == "cpu" ? "fp32" : "bf16";
+    for (const std::string& d : split(dtypes)) space.precisions.push_back(parse_precision(d));
+    space.cp = !no_cp, space.sp = !no_sp, space.max_mbs = max_mbs;
+    Implementation impl;
+    impl.activations = parse_activation_formula(activations);
+    impl.activation_wire_bytes = wire;
+    impl.mpi_sends = gpu.name == "cpu";
+    if (campaign_space_flag) space = campaign_space(), impl = campaign_implementation();
+    if (!one_layout.empty()) {  // one layout: its memory and time, whether or not it fits
+      Layout l = parse_layout(one_layout);
+      if (l.world() != cl.world())
+        throw UsageError("--layout has " + std::to_string(l.world()) +
+                         " ranks (dp x tp x pp x cp), "
+                         "the cluster " +
+                         std::to_string(cl.world()) + ": set --nodes and --gpus-per-node to match");
+      validate_layout(cfg, l);
+      Candidate c;
+      c.layout = l;
+      c.memory = predict_memory(cfg, l, impl);
+      c.memory.runtime = gpu.runtime_bytes;
+      c.time = predict_time(cfg, l, cl, impl);
+      print_candidate(1, c, cl);
+      printf("predicted step: %.6f s\n", c.time.step);
+      return 0;
+    }
+    PlanResult r = plan_layouts(cfg, (int64_t)batch_tokens, cl, space, impl);
+    if (!r.error.empty()) {
+      fprintf(stderr, "error: %s\n", r.error.c_str());
+      return 2;
+    }
+    print_plan(r, cfg, (int64_t)batch_tokens, cl, impl, top);
+    if (!json_file.empty()) {
+      nlohmann::json out = nlohmann::json::array();
+      for (size_t i = 0; i < r.ranked.size() && i < 200; i++) {
+        const Candidate& c = r.ranked[i];
+        nlohmann::json exposed;
+        for (auto& [g, s] : c.time.exposed) exposed[g] = s;
+        out.push_back({{"layout", c.layout.str()},
+                       {"flags", c.layout.flags()},
+                       {"step_s", c.time.step},
+                       {"compute_s", c.time.compute},
+                       {"bubble_s", c.time.bubble},
+                       {"exposed_s", exposed},
+                       {"tokens_per_s_per_gpu", c.time.tokens_per_s_per_gpu},
+                       {"mfu", c.time.mfu},
+                       {"memory_bytes",
+                        {{"params", c.memory.worst.params},
+                         {"grads", c.memory.worst.grads},
+                         {"optimizer", c.memory.worst.optimizer},
+                         {"activations", c.memory.worst.activations},
+                         {"workspace", c.memory.worst.workspace},
+                         {"runtime", c.memory.runtime}}}});
+      }
+      std::ofstream f(json_file);
+      if (!f) throw UsageError("--json " + json_file + ": cannot write it");
+      f << out.dump(1) << "\n";
+    }
+  } catch (const CLI::CallForHelp&) {
+    std::cout << app.help();
+  } catch (const CLI::ParseError& e) {
+    fprintf(stderr, "error: %s\nRun ./plan --help for every flag.\n", e.what());
+    return 2;
+  } catch (const UsageError& e) {
+    fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  } catch (const std::invalid_argument&) {
+    fprintf(stderr,
+            "error: a list flag (--zero, --recompute, ...) holds something that is not "
+            "one of its values\n");
+    return 2;
+  }
+  return 0;
+}
