@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# test_docs.sh: every fenced `./train` or `mpirun` command of README.md and docs/*.md runs as
-# written and exits 0, with its training shortened: `--steps N` becomes `--steps 2` (or is
+# test_docs.sh: every fenced `./train`, `mpirun` or `./plan` command of README.md and docs/*.md
+# runs as written and exits 0, with its training shortened: `--steps N` becomes `--steps 2` (or is
 # added), and `--val-every 0` is added when the command does not set it (a `--score` command,
-# which refuses training flags, and a command that runs no ./train, run untouched). Each file's commands run in order in a folder
-# of their own, so a `--save ckpt` followed by `--load ckpt` works as the guide shows it. Under
+# which refuses training flags, and a command that runs no ./train, such as ./plan, run
+# untouched). Each file's commands run in order in a folder of their own, so a `--save ckpt` followed by `--load ckpt` works as the guide shows it. Under
 # mpirun the launcher gets `--oversubscribe` (the guides' rank counts exceed two cores), and
 # `--allow-run-as-root` when run as root. Commands that need a GPU (`--device cuda`,
 # `--comm nccl`) or several nodes (`--hostfile`) print a SKIP line. A command that ends non-zero,
@@ -15,7 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 CAP=2
-[ -x ./train ] || { echo "FAILED: build ./train first (make train)"; exit 1; }
+[ -x ./train ] && [ -x ./plan ] || { echo "FAILED: build ./train and ./plan first (make train plan)"; exit 1; }
 files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(README.md docs/*.md)
 
@@ -26,7 +26,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 # The commands of one Markdown file, one per line as "LINE<TAB>COMMAND": lines of fenced code
-# blocks that start with ./train or mpirun, continuation backslashes joined, trailing
+# blocks that start with ./train, ./plan or mpirun, continuation backslashes joined, trailing
 # "# comments" dropped.
 commands() {
   awk '
@@ -35,7 +35,7 @@ commands() {
     {
       line = $0
       if (pending != "") cmd = cmd " " line
-      else if (line ~ /^[ \t]*(\.\/train|mpirun)([ \t]|$)/) { cmd = line; start = NR }
+      else if (line ~ /^[ \t]*(\.\/train|\.\/plan|mpirun)([ \t]|$)/) { cmd = line; start = NR }
       else next
       pending = (cmd ~ /\\[ \t]*$/) ? "yes" : ""
       if (pending != "") { sub(/\\[ \t]*$/, "", cmd); next }
@@ -67,7 +67,7 @@ shorten() {
 passed=0 failed=0 skipped=0
 for file in "${files[@]}"; do
   dir=$work/$(echo "$file" | tr '/.' '__')
-  mkdir -p "$dir" && ln -s "$ROOT/train" "$dir/train" && ln -s "$ROOT/build" "$dir/build"
+  mkdir -p "$dir" && ln -s "$ROOT/train" "$dir/train" && ln -s "$ROOT/plan" "$dir/plan" && ln -s "$ROOT/build" "$dir/build"
   while IFS=$'\t' read -r line cmd; do
     where="$file:$line"
     case " $cmd " in
