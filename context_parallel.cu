@@ -53,7 +53,7 @@ const char* cp_comm_name(CpComm c) { return choice_name(kCpComms, c); }
 
 void add_context_parallel_flags(CLI::App& app, ContextParallelOptions& o) {
   CLI::App& g = flag_group(app, "Context parallelism (Playbook §7)");
-  g.add_option("--cp", o.cp, "context-parallel ranks")->capture_default_str();
+  g.add_option("--cp", o.cp, "context-parallel ranks, >= 1")->capture_default_str();
   std::string splits;
   for (const SplitRow& r : kSplits) splits += std::string(splits.empty() ? "" : "|") + r.name;
   add_typed(g, "--cp-balance", &o.cp_balance, parse_cp_balance, cp_balance_name(o.cp_balance),

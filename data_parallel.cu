@@ -227,7 +227,7 @@ void add_data_parallel_flags(CLI::App& app, DataParallelOptions& o) {
   std::string modes;
   for (const SyncRow& r : kSyncs) modes += std::string(modes.empty() ? "" : "; ") + r.name + ": " + r.help;
   CLI::App& g = flag_group(app, "Data parallelism (Playbook §3)");
-  g.add_option("--dp", o.dp, "data-parallel ranks")->capture_default_str();
+  g.add_option("--dp", o.dp, "data-parallel ranks, >= 1")->capture_default_str();
   add_typed(g, "--dp-sync", &o.dp_sync, parse_dp_sync, dp_sync_name(o.dp_sync),
             "gradient sync: " + modes);
   g.add_option("--bucket-mb", o.bucket_mb, "gradient bucket size in MiB, > 0")

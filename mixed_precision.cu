@@ -328,7 +328,7 @@ std::string PrecisionPolicy::describe() const {
 // Flags
 
 void add_precision_flags(CLI::App& app, PrecisionOptions& o) {
-  CLI::App& g = flag_group(app, "Mixed precision and FP8 (Playbook §Mixed precision training)");
+  CLI::App& g = flag_group(app, "Mixed precision and FP8 (Playbook §12.9, §12.10)");
   g.add_option("--dtype", o.dtype,
                "linear layers in fp32|bf16|fp16|fp8, fp32 master weights (auto: fp32 on CPU, bf16 "
                "on CUDA)")

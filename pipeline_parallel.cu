@@ -136,7 +136,7 @@ void add_pipeline_flags(CLI::App& app, PipelineOptions& o) {
   std::string names;
   for (const ScheduleRow& r : kSchedules) names += std::string(names.empty() ? "" : "|") + r.name;
   CLI::App& g = flag_group(app, "Pipeline parallelism (Playbook §8)");
-  g.add_option("--pp", o.pp, "pipeline-parallel stages")->capture_default_str();
+  g.add_option("--pp", o.pp, "pipeline-parallel stages, >= 1")->capture_default_str();
   add_typed(g, "--pp-schedule", &o.pp_schedule, parse_pp_schedule, pp_schedule_name(o.pp_schedule),
             "pipeline schedule: " + names);
   g.add_option("--pp-virtual", o.pp_virtual, "model chunks per pipeline rank (interleaved), >= 1")

@@ -36,7 +36,7 @@ LocalDims local_dims(const ModelConfig& c, int rank, int size) {
 
 void add_tensor_parallel_flags(CLI::App& app, TensorParallelOptions& o) {
   CLI::App& g = flag_group(app, "Tensor and sequence parallelism (Playbook §5, §6)");
-  g.add_option("--tp", o.tp, "tensor-parallel ranks, dividing --heads, --ffn and --vocab")
+  g.add_option("--tp", o.tp, "tensor-parallel ranks, >= 1, dividing --heads, --ffn and --vocab")
       ->capture_default_str();
   g.add_flag("--sp", o.sp, "sequence parallelism in the tensor-parallel group (needs --tp > 1)");
 }
