@@ -5,6 +5,7 @@
 // The one idea: attention over the whole sequence is a merge of attention over key blocks
 // (the log-sum-exp weighs each partial result), so a rank can attend to one block while the
 // next is on its way; with the sequence cut zig-zag, every rank does the same causal work.
+// Guide: docs/context-parallel.md (the code in reading order, the reports that show it).
 #include <cmath>
 
 #include "context_parallel.cuh"

@@ -3,6 +3,7 @@
 // The one idea: the sum is needed only before the optimizer step, so it can run during the
 // backward pass: gradients are packed into buckets in the order the backward produces them, and
 // each bucket's all-reduce starts the moment its last gradient is written (§3.2, §3.3).
+// Guide: docs/data-parallel.md (the code in reading order, the reports that show it).
 #include "data_parallel.cuh"
 
 #include <deque>

@@ -15,6 +15,7 @@
 // relative precision for bf16 but range for fp16 and fp8, hence loss scaling for fp16 and
 // per-tile scales for fp8 (quantize_tiles, kernels/fp8_gemm.cu). Values only ever widen exactly
 // back to fp32. The precision policy at the end is what train.cu holds.
+// Guide: docs/mixed-precision.md (the code in reading order, the reports that show it).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>

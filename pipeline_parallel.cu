@@ -10,6 +10,7 @@
 // made by pipeline_schedule and run by one engine (run_schedule, which also runs gradient
 // accumulation: the one-stage table); simulate_pipeline runs the tables of every rank against
 // each other on paper, which is how the tests check them.
+// Guide: docs/pipeline-parallel.md (the code in reading order, the reports that show it).
 #include <algorithm>
 #include <cmath>
 #include <map>

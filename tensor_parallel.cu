@@ -5,6 +5,7 @@
 // all-reduce after the pair in forward, one before it in backward (the conjugate operators
 // f and f*). Sequence parallelism replaces each all-reduce by a reduce-scatter plus an
 // all-gather (same bytes) so the norms and residuals in between run on N/tp tokens only.
+// Guide: docs/tensor-parallel.md (the code in reading order, the reports that show it).
 #include "tensor_parallel.cuh"
 
 #include <algorithm>

@@ -25,6 +25,7 @@
 // shard (2Ψ/N); each rank rounds its updated slice, and the units are all-gathered in bf16.
 // With --grad-acc-dtype bf16 the gradient buffer (stage 1) or shard (stages 2-3) is bf16, and
 // the reduce-scatters carry bf16.
+// Guide: docs/zero.md (the code in reading order, the reports that show it).
 #include <algorithm>
 #include <cmath>
 

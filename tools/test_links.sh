@@ -5,7 +5,8 @@
 #      at most 250 lines;
 #   2. the chapter map (README's "The book, chapter by chapter"): every file a row names exists,
 #      and every function the row names is defined in one of the row's files (a definition or
-#      declaration line, not a call or a comment: see defines below);
+#      declaration line, not a call or a comment: see defines below), and the row's first file
+#      opens with a banner that names the row's guide;
 #   3. every relative Markdown link of README.md, docs/*.md, tests/README.md, bench/README.md and
 #      tools/README.md resolves (from the linking file's folder), and so does its #anchor when it
 #      has one (a heading of the target, slugged as GitHub does for ASCII headings);
@@ -61,11 +62,17 @@ rows=$(awk '
     files = ""; fns = ""
     s = c[3]; while (match(s, /`[^`]+`/)) { files = files " " substr(s, RSTART + 1, RLENGTH - 2); s = substr(s, RSTART + RLENGTH) }
     s = c[4]; while (match(s, /`[^`]+`/)) { fns = fns " " substr(s, RSTART + 1, RLENGTH - 2); s = substr(s, RSTART + RLENGTH) }
-    print NR "\t" files "\t" fns
+    guide = ""; if (match(c[2], /\]\([^)]+\)/)) guide = substr(c[2], RSTART + 2, RLENGTH - 3)
+    print NR "\t" files "\t" fns "\t" guide
   }' README.md)
 [ -n "$rows" ] || fail "README.md: no chapter map found under \"## The book, chapter by chapter\""
-while IFS=$'\t' read -r line files fns; do
+while IFS=$'\t' read -r line files fns guide; do
   [ -n "$files" ] || { fail "README.md:$line: a map row without a file"; continue; }
+  # The row's first file opens with a banner that points to the row's guide.
+  first=${files# }; first=${first%% *}
+  if [ -z "$guide" ]; then fail "README.md:$line: a map row without a guide link"
+  elif [ -f "$first" ] && awk '!/^\/\//{exit} {print}' "$first" | grep -qF -- "$guide"; then pass
+  else fail "README.md:$line: $first's opening comment does not name its guide, $guide"; fi
   [ -n "$fns" ] || fail "README.md:$line: a map row without a function to read first"
   for f in $files; do
     if [ -f "$f" ]; then pass; else fail "README.md:$line: the map names $f, which does not exist"; fi
