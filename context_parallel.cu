@@ -5,6 +5,7 @@
 // The one idea: attention over the whole sequence is a merge of attention over key blocks
 // (the log-sum-exp weighs each partial result), so a rank can attend to one block while the
 // next is on its way; with the sequence cut zig-zag, every rank does the same causal work.
+// Guide: docs/context-parallel.md (the code in reading order, the reports that show it).
 #include <cmath>
 
 #include "context_parallel.cuh"
@@ -53,7 +54,7 @@ const char* cp_comm_name(CpComm c) { return choice_name(kCpComms, c); }
 
 void add_context_parallel_flags(CLI::App& app, ContextParallelOptions& o) {
   CLI::App& g = flag_group(app, "Context parallelism (Playbook §7)");
-  g.add_option("--cp", o.cp, "context-parallel ranks")->capture_default_str();
+  g.add_option("--cp", o.cp, "context-parallel ranks, >= 1")->capture_default_str();
   std::string splits;
   for (const SplitRow& r : kSplits) splits += std::string(splits.empty() ? "" : "|") + r.name;
   add_typed(g, "--cp-balance", &o.cp_balance, parse_cp_balance, cp_balance_name(o.cp_balance),

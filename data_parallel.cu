@@ -3,6 +3,7 @@
 // The one idea: the sum is needed only before the optimizer step, so it can run during the
 // backward pass: gradients are packed into buckets in the order the backward produces them, and
 // each bucket's all-reduce starts the moment its last gradient is written (§3.2, §3.3).
+// Guide: docs/data-parallel.md (the code in reading order, the reports that show it).
 #include "data_parallel.cuh"
 
 #include <deque>
@@ -229,7 +230,7 @@ void add_data_parallel_flags(CLI::App& app, DataParallelOptions& o) {
   std::string modes;
   for (const SyncRow& r : kSyncs) modes += std::string(modes.empty() ? "" : "; ") + r.name + ": " + r.help;
   CLI::App& g = flag_group(app, "Data parallelism (Playbook §3)");
-  g.add_option("--dp", o.dp, "data-parallel ranks")->capture_default_str();
+  g.add_option("--dp", o.dp, "data-parallel ranks, >= 1")->capture_default_str();
   add_typed(g, "--dp-sync", &o.dp_sync, parse_dp_sync, dp_sync_name(o.dp_sync),
             "gradient sync: " + modes);
   g.add_option("--bucket-mb", o.bucket_mb, "gradient bucket size in MiB, > 0")

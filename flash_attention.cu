@@ -9,6 +9,7 @@
 // FlashAttention as the model's attention core. Its CUDA kernels are in kernels/
 // (flash_attention_cuda.cu in fp32, flash_attention_bf16.cu on tensor cores); naive attention,
 // which it is tested against, is kernels/attention_naive.cu.
+// Guide: docs/flash-attention.md (the code in reading order, the reports that show it).
 #include <cblas.h>
 
 #include <algorithm>

@@ -15,6 +15,7 @@
 // relative precision for bf16 but range for fp16 and fp8, hence loss scaling for fp16 and
 // per-tile scales for fp8 (quantize_tiles, kernels/fp8_gemm.cu). Values only ever widen exactly
 // back to fp32. The precision policy at the end is what train.cu holds.
+// Guide: docs/mixed-precision.md (the code in reading order, the reports that show it).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -328,7 +329,7 @@ std::string PrecisionPolicy::describe() const {
 // Flags
 
 void add_precision_flags(CLI::App& app, PrecisionOptions& o) {
-  CLI::App& g = flag_group(app, "Mixed precision and FP8 (Playbook §Mixed precision training)");
+  CLI::App& g = flag_group(app, "Mixed precision and FP8 (Playbook §12.9, §12.10)");
   g.add_option("--dtype", o.dtype,
                "linear layers in fp32|bf16|fp16|fp8, fp32 master weights (auto: fp32 on CPU, bf16 "
                "on CUDA)")

@@ -4,6 +4,7 @@
 // The one idea: backward is the forward read in reverse, and what it needs from the forward
 // (the saved activations) is a choice: keep everything, recompute the attention core
 // (selective), or keep only each block's input and recompute the whole block (full).
+// Guide: docs/first-steps.md (the code in reading order, the reports that show it).
 #include "model.cuh"
 
 #include <algorithm>

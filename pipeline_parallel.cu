@@ -10,6 +10,7 @@
 // made by pipeline_schedule and run by one engine (run_schedule, which also runs gradient
 // accumulation: the one-stage table); simulate_pipeline runs the tables of every rank against
 // each other on paper, which is how the tests check them.
+// Guide: docs/pipeline-parallel.md (the code in reading order, the reports that show it).
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -136,7 +137,7 @@ void add_pipeline_flags(CLI::App& app, PipelineOptions& o) {
   std::string names;
   for (const ScheduleRow& r : kSchedules) names += std::string(names.empty() ? "" : "|") + r.name;
   CLI::App& g = flag_group(app, "Pipeline parallelism (Playbook §8)");
-  g.add_option("--pp", o.pp, "pipeline-parallel stages")->capture_default_str();
+  g.add_option("--pp", o.pp, "pipeline-parallel stages, >= 1")->capture_default_str();
   add_typed(g, "--pp-schedule", &o.pp_schedule, parse_pp_schedule, pp_schedule_name(o.pp_schedule),
             "pipeline schedule: " + names);
   g.add_option("--pp-virtual", o.pp_virtual, "model chunks per pipeline rank (interleaved), >= 1")

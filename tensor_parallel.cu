@@ -5,6 +5,7 @@
 // all-reduce after the pair in forward, one before it in backward (the conjugate operators
 // f and f*). Sequence parallelism replaces each all-reduce by a reduce-scatter plus an
 // all-gather (same bytes) so the norms and residuals in between run on N/tp tokens only.
+// Guide: docs/tensor-parallel.md (the code in reading order, the reports that show it).
 #include "tensor_parallel.cuh"
 
 #include <algorithm>
@@ -36,7 +37,7 @@ LocalDims local_dims(const ModelConfig& c, int rank, int size) {
 
 void add_tensor_parallel_flags(CLI::App& app, TensorParallelOptions& o) {
   CLI::App& g = flag_group(app, "Tensor and sequence parallelism (Playbook §5, §6)");
-  g.add_option("--tp", o.tp, "tensor-parallel ranks, dividing --heads, --ffn and --vocab")
+  g.add_option("--tp", o.tp, "tensor-parallel ranks, >= 1, dividing --heads, --ffn and --vocab")
       ->capture_default_str();
   g.add_flag("--sp", o.sp, "sequence parallelism in the tensor-parallel group (needs --tp > 1)");
 }

@@ -17,7 +17,7 @@
 // reduce-scatter completes; m and v, the shard [S] each. Under mixed precision (--dtype bf16,
 // fp16, fp8) the fp32 master weights are a shard next to m and v and what is gathered is in
 // the compute format (the book's 2Ψ + 4Ψ + 12Ψ/N for ZeRO-1); --grad-acc-dtype bf16 makes the
-// gradient buffer or shard bf16. Experts shard over edp_cp instead (comm.cuh).
+// gradient buffer or shard bf16. Experts shard over edp_cp (comm.cuh). Guide: docs/zero.md.
 #include <algorithm>
 #include <cmath>
 

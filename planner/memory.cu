@@ -2,6 +2,7 @@
 // every byte is one the reports already check against a run: static bytes by §4.1's formula at
 // the rank's parameters, activations by model.cu's per-block formula held as many times as the
 // pipeline's own schedule table keeps micro-batches in flight, walked op by op.
+// Guide: docs/planner.md (the code in reading order, the reports that show it).
 #include <algorithm>
 #include <map>
 #include <set>

@@ -6,6 +6,7 @@
 // nonblocking calls. Here: each collective's bytes, its NCCL call and its MPI call. How the
 // groups' communicators are made is in comm_setup.cu; how a collective in flight is ordered
 // with the compute stream, staged through host memory and waited for, in comm_handle.cu.
+// Guide: docs/collectives.md (the code in reading order, the reports that show it).
 #include <algorithm>
 #include <climits>
 #include <cstring>

@@ -79,14 +79,14 @@ void add_run_flags(CLI::App& app, RunOptions& o) {
   model.add_flag("--tie-embeddings", o.model.tie_embeddings, "share embedding and LM head");
 
   CLI::App& steps = flag_group(app, "First steps: the training step (Playbook §2)");
-  steps.add_option("--steps", o.steps, "total optimizer steps (a resumed run continues to it)")
+  steps.add_option("--steps", o.steps, "total optimizer steps, >= 1 (a resumed run continues to it)")
       ->capture_default_str();
   steps.add_option("--stop-after", o.stop_after,
                    "end this run after N steps (the schedule still spans --steps; resume with "
                    "--load)");
   steps.add_option("--mbs", o.mbs, "micro-batch size (sequences), at most 1048576")
       ->capture_default_str();
-  steps.add_option("--grad-acc", o.grad_acc, "micro-batches per step (Playbook §2.7)")
+  steps.add_option("--grad-acc", o.grad_acc, "micro-batches per step, >= 1 (Playbook §2.7)")
       ->capture_default_str();
   steps.add_option("--lr", o.lr, "peak learning rate, > 0")->capture_default_str();
   steps.add_option("--warmup", o.warmup, "linear warmup steps, >= 0")->capture_default_str();
@@ -106,11 +106,11 @@ void add_io_flags(CLI::App& app, RunOptions& o) {
   data.add_option("--data", o.data, "text file (bytes) or llm.c .bin shard; default: fortunes");
   data.add_flag("--no-shuffle", o.no_shuffle,
                 "read training sequences in file order (default: shuffled each epoch by --seed)");
-  data.add_option("--val-frac", o.val_frac, "held-out fraction of the data")
+  data.add_option("--val-frac", o.val_frac, "held-out fraction of the data, between 0 and 1")
       ->capture_default_str();
-  data.add_option("--val-every", o.val_every, "validate every N steps (0: only at the end)")
+  data.add_option("--val-every", o.val_every, "validate every N steps, >= 0 (0: only at the end)")
       ->capture_default_str();
-  data.add_option("--val-seqs", o.val_seqs, "validation sequences")->capture_default_str();
+  data.add_option("--val-seqs", o.val_seqs, "validation sequences, >= 1")->capture_default_str();
   data.add_option("--score", o.score, "with --load: print the mean loss over FILE and exit");
   data.add_option("--sample", o.sample, "generate N bytes at the end, at most 1048576")
       ->capture_default_str();
