@@ -116,6 +116,38 @@ inline const std::vector<ParityRow> PARITY_ROWS = {
     {"pp 2 x dp 2, zero 1", 4, "--pp 2 --dp 2 --zero 1 --grad-acc 2", "--grad-acc 4"},
     {"pp 2 x dp 2, zero 2, full recompute", 4,
      "--pp 2 --dp 2 --zero 2 --recompute full --grad-acc 2", "--grad-acc 4 --recompute full"},
+    // Expert parallelism (Playbook, EP): 4 experts, top 2, in every block. ep carves its groups
+    // out of dp, so the reference reads dp's global batch; the experts' gradients are summed
+    // over the ranks holding the same experts (edp_cp), the dense ones over dp_cp.
+    {"experts, dp 2 (every expert on every rank)", 2, "--experts 4 --top-k 2 --dp 2",
+     "--experts 4 --top-k 2 --grad-acc 2"},
+    {"ep 2 (dp 2)", 2, "--experts 4 --top-k 2 --dp 2 --ep 2", "--experts 4 --top-k 2 --grad-acc 2"},
+    {"ep 4 (dp 4)", 4, "--experts 4 --top-k 2 --dp 4 --ep 4", "--experts 4 --top-k 2 --grad-acc 4"},
+    {"ep 2, dp 4, grad-acc 2", 4, "--experts 4 --top-k 2 --dp 4 --ep 2 --grad-acc 2",
+     "--experts 4 --top-k 2 --grad-acc 8"},
+    {"ep 2, top 1 of 2 experts", 2, "--experts 2 --top-k 1 --dp 2 --ep 2",
+     "--experts 2 --top-k 1 --grad-acc 2"},
+    {"ep 2, capacity factor 1 (overflow dropped)", 2,
+     "--experts 4 --top-k 2 --dp 2 --ep 2 --capacity-factor 1",
+     "--experts 4 --top-k 2 --grad-acc 2 --capacity-factor 1"},
+    {"ep 2, zero 1", 2, "--experts 4 --top-k 2 --dp 2 --ep 2 --zero 1",
+     "--experts 4 --top-k 2 --grad-acc 2"},
+    {"ep 2, zero 2", 2, "--experts 4 --top-k 2 --dp 2 --ep 2 --zero 2",
+     "--experts 4 --top-k 2 --grad-acc 2"},
+    {"ep 2, zero 3", 2, "--experts 4 --top-k 2 --dp 2 --ep 2 --zero 3",
+     "--experts 4 --top-k 2 --grad-acc 2"},
+    {"ep 2 x tp 2, sp", 4, "--experts 4 --top-k 2 --dp 2 --ep 2 --tp 2 --sp",
+     "--experts 4 --top-k 2 --grad-acc 2"},
+    {"ep 2 x pp 2, 1f1b", 4, "--experts 4 --top-k 2 --dp 2 --ep 2 --pp 2 --grad-acc 2",
+     "--experts 4 --top-k 2 --grad-acc 4"},
+    {"ep 2 x pp 2, zb-h1", 4,
+     "--experts 4 --top-k 2 --dp 2 --ep 2 --pp 2 --pp-schedule zb-h1 --grad-acc 2",
+     "--experts 4 --top-k 2 --grad-acc 4"},
+    {"ep 2 x cp 2", 4, "--experts 4 --top-k 2 --dp 2 --ep 2 --cp 2",
+     "--experts 4 --top-k 2 --grad-acc 2"},
+    {"5D: dp 2 (ep 2) x pp 2 x cp 2 x tp 2, sp, zero 1 (16 ranks)", 16,
+     "--experts 4 --top-k 2 --dp 2 --ep 2 --pp 2 --cp 2 --tp 2 --sp --zero 1 --grad-acc 2",
+     "--experts 4 --top-k 2 --grad-acc 4"},
 };
 
 // Small enough that a run takes about a second on one core; clipping is active (norms ~1).

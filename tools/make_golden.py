@@ -170,6 +170,113 @@ def make_trained(name, d_model, layers, heads, kv_heads, ffn, T, B, steps, seed)
     write_reference(name, d, model, batch, {})
 
 
+MIXTRAL = {"mixtral": dict(experts=4, top_k=2, aux_coef=0.02, seed=3000)}
+
+
+def router_fp64(self, hidden_states):  # transformers' MixtralTopKRouter, its softmax kept in float64
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    logits = torch.nn.functional.linear(hidden_states, self.weight)
+    probs = torch.nn.functional.softmax(logits, dim=-1)
+    top, index = torch.topk(probs, self.top_k, dim=-1)
+    return logits, top / top.sum(dim=-1, keepdim=True), index
+
+
+def aux_loss(router_logits, E, k):
+    """The load-balancing loss as transformers' load_balancing_loss_func computes it (every layer's
+    rows concatenated), in float64: E sum_e (C_e / rows)(S_e / rows)."""
+    counts, sums, rows = torch.zeros(E, dtype=torch.float64), torch.zeros(E, dtype=torch.float64), 0
+    for z in router_logits:
+        p = torch.softmax(z.double(), dim=-1)
+        counts += torch.nn.functional.one_hot(torch.topk(p, k, dim=-1).indices, E).sum(dim=(0, 1))
+        sums += p.sum(dim=0)
+        rows += p.shape[0]
+    return E * (counts / rows * (sums / rows)).sum()
+
+
+def make_mixtral(name, experts, top_k, aux_coef, seed):
+    """A random tiny MixtralForCausalLM (d_model 24, ffn 32 per expert, vocab 32, 2 layers, GQA),
+    saved by save_pretrained. golden.safetensors holds, besides the Llama fixtures' entries (the
+    loss there is the cross-entropy alone): aux (the load-balancing loss of the batch as one
+    micro-batch), aux_transformers (transformers' own, in fp32), and grad.<hub name> of
+    cross-entropy + aux_coef x aux; aux_mb and grad_mb.<hub name> the same with every sequence its
+    own micro-batch (the aux loss the mean of the B sequences' losses), as data parallelism with
+    one sequence per rank computes it. Hub names: the experts' fused gate_up_proj [E, 2F, D] is
+    w1 (its first F rows) and w3, down_proj is w2."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers.models.mixtral import modeling_mixtral as mixtral
+    cfg = MixtralConfig(vocab_size=32, hidden_size=24, intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T,
+                        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                        num_local_experts=experts, num_experts_per_tok=top_k, router_aux_loss_coef=aux_coef,
+                        attn_implementation="sdpa", experts_implementation="eager")
+    g = torch.Generator().manual_seed(seed)
+    model = MixtralForCausalLM(cfg)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif "embed" in pname:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * (2 if "lm_head" in pname else 1) / math.sqrt(p.shape[-1]))
+    d = os.path.join(OUT, name)
+    model.save_pretrained(d, safe_serialization=True)
+    os.remove(os.path.join(d, "generation_config.json"))
+    stream = torch.randint(0, 32, (B * T + 1,), generator=g)
+    batch = torch.stack([stream[b * T: b * T + T + 1] for b in range(B)])
+    write_shard(os.path.join(d, "tokens.bin"), stream.tolist() + torch.randint(0, 32, (B * T + 1,), generator=g).tolist())
+    write_shard(os.path.join(d, "score.bin"), batch.flatten().tolist())
+    with torch.no_grad():
+        aux_tf = model(input_ids=batch[:, :T], output_router_logits=True).aux_loss.float()
+    saved = mixtral.MixtralTopKRouter.forward
+    mixtral.MixtralTopKRouter.forward = router_fp64
+    mixtral.MixtralRMSNorm.forward = rmsnorm_fp64
+    mixtral.MixtralRotaryEmbedding.forward = rope_fp64
+    model = model.double()
+
+    def hub(grads):  # transformers' fused names -> the hub's
+        out = {}
+        for pname, v in grads.items():
+            if pname.endswith("experts.gate_up_proj"):
+                base = pname[: -len("gate_up_proj")]
+                for j in range(experts):
+                    out[f"{base}{j}.w1.weight"] = v[j, : cfg.intermediate_size]
+                    out[f"{base}{j}.w3.weight"] = v[j, cfg.intermediate_size:]
+            elif pname.endswith("experts.down_proj"):
+                base = pname[: -len("down_proj")]
+                for j in range(experts):
+                    out[f"{base}{j}.w2.weight"] = v[j]
+            elif pname.endswith("mlp.gate.weight"):  # v5 names the block "mlp" in memory
+                out[pname.replace("mlp.gate", "block_sparse_moe.gate")] = v
+            else:
+                out[pname] = v
+        return {k.replace(".mlp.experts.", ".block_sparse_moe.experts."): v for k, v in out.items()}
+
+    def run(micro):  # micro: the sequences of each micro-batch
+        model.zero_grad(set_to_none=True)
+        total_ce, total_aux, logits_all = 0, 0, []
+        for seqs in micro:
+            out = model(input_ids=batch[seqs, :T], output_router_logits=True)
+            logits_all.append(out.logits.double().reshape(len(seqs) * T, -1))
+            ce = torch.nn.functional.cross_entropy(logits_all[-1], batch[seqs, 1:].reshape(-1), reduction="sum") / (B * T)
+            aux = aux_loss(out.router_logits, experts, top_k) / len(micro)
+            (ce + aux_coef * aux).backward()
+            total_ce, total_aux = total_ce + ce.detach(), total_aux + aux.detach()
+        grads = hub({pname: p.grad for pname, p in model.named_parameters()})
+        return torch.cat(logits_all), total_ce, total_aux, grads
+
+    logits, loss, aux, grads = run([list(range(B))])
+    _, _, aux_mb, grads_mb = run([[b] for b in range(B)])
+    mixtral.MixtralTopKRouter.forward = saved
+    out = {"batch": batch.float(), "logits": logits, "loss": loss.reshape(1), "aux": aux.reshape(1),
+           "aux_transformers": aux_tf.reshape(1), "aux_mb": aux_mb.reshape(1)}
+    out.update({"grad." + k: v for k, v in grads.items()})
+    out.update({"grad_mb." + k: v for k, v in grads_mb.items()})
+    save_file({k: v.detach().float().contiguous() for k, v in out.items()}, os.path.join(d, "golden.safetensors"),
+              metadata={"transformers": transformers.__version__, "torch": torch.__version__})
+    print(f"{name}: loss {loss.item():.6f}, aux {aux.item():.6f} (transformers {aux_tf.item():.6f}), per-sequence aux {aux_mb.item():.6f}")
+
+
 ORIGINAL = (llama.LlamaRMSNorm.forward, llama.LlamaRotaryEmbedding.forward)
 
 
@@ -200,4 +307,7 @@ if __name__ == "__main__":
     for name, spec in TRAINED_FIXTURES.items():
         if not only or name in only:
             make_trained(name, **spec)
+    for name, spec in MIXTRAL.items():
+        if not only or name in only:
+            make_mixtral(name, **spec)
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
