@@ -334,6 +334,9 @@ struct DenseMlp : FeedForward {
     column_parallel_backward(m.tp, ctx, dx, x, {{d_gate, w.w_gate, g.w_gate}, {d_up, w.w_up, g.w_up}},
                              deferred);
   }
+  int64_t saved_bytes(const ModelConfig& c, int64_t N, int tp, int e) const override {
+    return e * N * 3 * (c.ffn / tp);  // gate, up, act
+  }
 };
 // A mixture of experts (expert_parallel.cu) over the model's ep and tp groups. The expert
 // weights' gradients are computed in the backward itself (not deferred to a zero-bubble W op).
@@ -349,6 +352,9 @@ struct MixtureMlp : FeedForward {
     moe_backward(m.ep, m.tp, m.cfg, ctx, w.moe, g.moe, a.moe, x, dout, dx, carry, loss_scale);
   }
   int carry_numel() const override { return 2 * n_experts; }
+  int64_t saved_bytes(const ModelConfig& c, int64_t N, int tp, int e) const override {
+    return moe_activation_bytes(c, N, tp, e);
+  }
   void finish(const Model& m, const std::vector<float>& carry, int64_t tokens) const override {
     moe_finish_micro_batch(m.ep, m.cfg, carry, tokens);
   }
@@ -598,7 +604,7 @@ int64_t activation_bytes_per_block(const ModelConfig& c, int B, int T, int tp, b
   // k, v, gate, up, act in e bytes (on N tokens, this rank's heads and ffn columns).
   int64_t outside = (2 * 4 + 2 * e) * n * D + 2 * 4 * n;
   int64_t inside = e * N * (2 * L.heads * hd + 2 * L.kv_heads * hd) +
-                   (c.experts > 0 ? moe_activation_bytes(c, N, tp, e) : e * N * 3 * L.ffn);
+                   feed_forward(c)->saved_bytes(c, N, tp, e);
   return outside + inside +
          attention.saved_bytes(B, T, L.heads, mode == Recompute::Selective, e);
 }

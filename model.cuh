@@ -64,6 +64,8 @@ struct FeedForward {
   virtual int carry_numel() const { return 0; }
   // After the last block, on the stage with the head: the carried values complete.
   virtual void finish(const Model&, const std::vector<float>&, int64_t) const {}
+  // Bytes it keeps for the backward on N tokens, e per element (activation_bytes_per_block).
+  virtual int64_t saved_bytes(const ModelConfig& c, int64_t N, int tp, int e) const = 0;
 };
 
 // A pipeline stage (DESIGN 6, "Stage"): the blocks [first_block, last_block), with the
