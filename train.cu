@@ -540,11 +540,13 @@ static void print_reports(Trainer& t) {
                                        t.recompute, attention, e),
             "tp " + std::to_string(o.tp) + (o.sp ? " + sp" : "") + ", recompute " +
                 recompute_name(t.recompute) + ", " + attention.name() + " attention",
-            attention.saved_formula(e), o.sp, e);
+            attention.saved_formula(e), o.sp, e, o.model.experts > 0);
       }
     }
     if (r == Report::Comm) {
-      print_comm_report(comm, n_params, t.steps_run);
+      int64_t expert_params = 0;
+      for (const ModelUnit& u : t.model.units) expert_params += u.experts ? u.numel : 0;
+      print_comm_report(comm, n_params, t.steps_run, expert_params);
       t.sync.print_comm_report(o.grad_acc, t.dp_traffic.total, t.steps_run);
       if (main_rank && o.model.experts > 0 && o.ep > 1) {
         // Each block's forward dispatches and combines once, its backward once more (and full

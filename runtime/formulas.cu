@@ -86,6 +86,10 @@ TpTraffic tp_expected_traffic(const ModelConfig& c, int B, int T, int tp, bool s
   t.all_reduce += ar(4 * N) + ar(8 * N);  // vocab-parallel cross-entropy: max, then two sums
   if (tp > c.kv_heads)  // replicated k and v projections: their gradient parts summed
     t.all_reduce += 2 * L * ar(4 * (int64_t)c.kv_heads * c.head_dim() * c.d_model);
+  // A mixture of experts (expert_parallel.cu): each expert's output is a partial sum over tp,
+  // so the gradient of each of a token's k combine weights is summed over tp in the backward;
+  // dropless, N k of them per block (a capacity drops some).
+  if (c.experts > 0) t.all_reduce += L * ar(4 * N * c.top_k);
   return t;
 }
 

@@ -135,7 +135,7 @@ void print_memory_report(Comm& comm, int zero_stage, int64_t num_params, int64_t
       "the whole model while it evaluates.)\n");
 }
 
-void print_comm_report(Comm& comm, int64_t num_params, int64_t steps) {
+void print_comm_report(Comm& comm, int64_t num_params, int64_t steps, int64_t expert_params) {
   std::vector<Group*> groups = comm.groups();
   const int C = (int)Coll::Count, G = (int)groups.size(), F = 3;  // calls, elements, bytes
   std::vector<int64_t> mine;  // [group][collective][calls, elements, bytes]
@@ -173,11 +173,13 @@ void print_comm_report(Comm& comm, int64_t num_params, int64_t steps) {
              human_bytes((double)lo / steps).c_str(), human_bytes((double)hi / steps).c_str());
     }
   }
-  int N = comm.dp_cp.size;
-  if (N > 1) {
-    double K = 4.0 * num_params;  // fp32 gradients
-    printf("  gradient sync over dp_cp, K = 4 bytes x %lld parameters = %s:\n",
-           (long long)num_params, human_bytes(K).c_str());
+  for (auto [g, params] : {std::pair{&comm.dp_cp, num_params - expert_params},
+                            {&comm.edp_cp, expert_params}}) {
+    const int N = g->size;
+    if (N == 1 || params == 0) continue;
+    double K = 4.0 * params;  // fp32 gradients
+    printf("  gradient sync over %s, K = 4 bytes x %lld parameters = %s:\n", g->name.c_str(),
+           (long long)params, human_bytes(K).c_str());
     printf("    ring all-reduce 2(N-1)K/N = %s per rank per step (naive, bucket: all_reduce; "
            "ring: send_recv)\n",
            human_bytes(2.0 * (N - 1) * K / N).c_str());
@@ -232,18 +234,23 @@ void print_zero_comm_report(const Comm& comm, const ZeroCommReport& r) {
 // Tensor parallelism
 
 void print_activation_report(int64_t measured, int64_t formula, const std::string& run,
-                             const std::string& attention_term, bool sp, int e) {
+                             const std::string& attention_term, bool sp, int e, bool routed) {
   printf("activations per block and micro-batch (--report memory; %s, %s):\n", run.c_str(),
          e == 4 ? "stored in fp32" : "stored in 16 bits, residual stream and statistics fp32");
   printf("  measured %s (%lld B), formula %s (%lld B)%s\n", human_bytes(measured).c_str(),
          (long long)measured, human_bytes(formula).c_str(), (long long)formula,
-         measured == formula ? ", equal" : ", DIFFERENT");
+         measured == formula ? ", equal"
+         : routed            ? ", the routing's (the formula assumes it balanced)"
+                             : ", DIFFERENT");
   printf("  formula: N(%dD + 8)/%s + N(%dD + %d Hkv hd + %dF + %s)/tp bytes, N = mbs x seq: "
          "the book's sbh(34 + 5as/h) for this Llama; norms and residuals (the book's 10) "
          "shrink with tp only under sp (34/t); attention keeps %s per token (the probabilities: "
          "%d Hq T, the 5as/h term; FlashAttention's log-sum-exp: 4 Hq, linear in the sequence)\n",
          8 + 2 * e, sp ? "tp" : "1", 2 * e, 2 * e, 3 * e, attention_term.c_str(),
          attention_term.c_str(), e);
+  if (routed)
+    printf("  a mixture of experts keeps k(2D + 3F/tp) x %d bytes per token in place of 3F/tp x %d:"
+           " each of a token's k rows at its expert (input, output, gate, up, SwiGLU)\n", e, e);
 }
 
 void print_tp_comm_report(const TpTraffic& e, int grad_acc, int tp, bool sp,

@@ -31,9 +31,10 @@ void print_memory_report(Comm& comm, int zero_stage, int64_t num_params, int64_t
                          Precision precision = Precision::FP32, bool bf16_grads = false);
 // Per group and collective, per step: calls and elements counted on rank 0, and the bytes each
 // rank was charged by formula (rank 0, and the range over every rank), next to the ring
-// formulas for the gradient sync of num_params fp32 values (Playbook appendix A0).
+// formulas for the gradient sync of num_params fp32 values (Playbook appendix A0); of them,
+// expert_params (a mixture's experts) are summed over edp_cp instead of dp_cp.
 // Collective: every rank calls it; rank 0 prints.
-void print_comm_report(Comm& comm, int64_t num_params, int64_t steps);
+void print_comm_report(Comm& comm, int64_t num_params, int64_t steps, int64_t expert_params = 0);
 // ZeRO's reduce-scatters and all-gathers per training step (validation and checkpoint gathers
 // excluded), next to the book's 2Ψ(N-1)/N (stages 1-2) or 3Ψ(N-1)/N (stage 3). Rank 0 prints.
 struct ZeroCommReport {
@@ -51,8 +52,11 @@ void print_zero_comm_report(const Comm& comm, const ZeroCommReport& r);
 // (model.cu's activation_bytes_per_block); `run` describes the layout ("tp 2 + sp, recompute
 // none, flash attention"), `attention_term` the attention's bytes per token ("4 Hq").
 // e: bytes per element of what is stored in the compute format (4, or 2 under --dtype).
+// routed: a mixture of experts, whose kept rows are what the routing sent to this rank's
+// experts; the formula counts N k rows, so a rank's own differs unless the routing is balanced.
 void print_activation_report(int64_t measured, int64_t formula, const std::string& run,
-                             const std::string& attention_term, bool sp, int e);
+                             const std::string& attention_term, bool sp, int e,
+                             bool routed = false);
 // Tensor parallelism (Playbook §5, §6): what the tp group sent per training step (measured over
 // the training steps only; `measured` totals over `steps`), next to the count of all-reduces,
 // or all-gathers and reduce-scatters under SP, that the model issues per micro-batch.

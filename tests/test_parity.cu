@@ -463,8 +463,12 @@ TEST_CASE("--report comm: the gradient sync sends 2(N-1)K/N bytes per rank per s
 
 TEST_CASE("tensor parallelism: activations per block and traffic per step match the formulas",
           "[parity]") {
+  // With experts (one process = tp's batch): every token's k rows kept, as balanced routing
+  // would, so one block's saved bytes equal the formula; the combine weights' gradients add an
+  // all-reduce of N k floats per block.
   for (std::string layout : {"--tp 2 --attention naive", "--tp 2 --sp", "--tp 2 --sp --attention naive",
-                             "--tp 4"}) {
+                             "--tp 4", "--tp 2 --sp --experts 4 --top-k 2",
+                             "--tp 2 --experts 2 --top-k 1"}) {
     RunResult r = run_train(COMMON + layout + " --report memory,comm",
                             layout.rfind("--tp 4", 0) == 0 ? 4 : 2);
     INFO(layout << "\n" << r.output);
