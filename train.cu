@@ -643,9 +643,23 @@ int main(int argc, char** argv) {
   Options o;
   add_flags(app, o);
   int code = 0;
+  std::string error;  // this rank's: every rank learns the first (agree_on_launch)
+  bool help = false;
   try {
     app.parse(argc, argv);
     resolve_options(o);
+  } catch (const CLI::CallForHelp&) {
+    help = true;
+  } catch (const CLI::ParseError& e) {
+    error = std::string(e.what()) + "\nRun ./train --help for every flag.";
+  } catch (const UsageError& e) {
+    error = e.what();
+  }
+  try {
+    // Every rank was launched alike (runtime/launch.cuh): the same build, flags and files,
+    // compared before the grid is built, so a mismatched grid never runs.
+    agree_on_launch(error, launch_settings(o), o.comm_timeout);
+    if (help) throw CLI::CallForHelp();
     o.fault.at(FaultWhere::Init, rank, 0);  // before set-up
     // Ranks on one node share its cores (OpenBLAS) and its GPUs (local rank modulo count).
     int local = 0, local_size = 1;
@@ -671,9 +685,6 @@ int main(int argc, char** argv) {
     comm_destroy(comm);
   } catch (const CLI::CallForHelp&) {
     if (rank == 0) std::cout << app.help();
-  } catch (const CLI::ParseError& e) {
-    if (rank == 0) fprintf(stderr, "error: %s\nRun ./train --help for every flag.\n", e.what());
-    code = 2;
   } catch (const UsageError& e) {
     if (rank == 0) fprintf(stderr, "error: %s\n", e.what());
     code = 2;

@@ -340,6 +340,23 @@ void check_paths_apart(const RunOptions& o) {
                          "its own name");
 }
 
+std::vector<std::vector<LaunchSetting>> launch_settings(const RunOptions& o) {
+  std::vector<LaunchSetting> files;
+  if (!o.data.empty()) files.push_back(files_setting("--data " + o.data, {o.data}));
+  if (!o.score.empty()) files.push_back(files_setting("--score " + o.score, {o.score}));
+  if (!o.load.empty()) {
+    std::vector<std::string> read;
+    try {
+      read = checkpoint_input_files(o.load);
+    } catch (const UsageError& e) {  // unreadable here: compared as such
+      read = {o.load + " (" + e.what() + ")"};
+    }
+    files.push_back(files_setting("--load " + o.load, read));
+  }
+  return {{build_setting()}, o.app ? command_line_settings(*o.app) : std::vector<LaunchSetting>{},
+          files};
+}
+
 // ----------------------------------------------------------------------------
 // Before the first allocation
 

@@ -13,6 +13,7 @@
 
 #include "runtime/comm.cuh"
 #include "runtime/core.cuh"
+#include "runtime/launch.cuh"
 #include "runtime/model_config.cuh"
 #include "runtime/observe.cuh"
 
@@ -121,6 +122,9 @@ void resolve_run_options(RunOptions& o, int world);
 // --log-json, --trace) is an input (--data, --score, the files --load reads) or another output,
 // symlinks followed: the same everywhere a path is, before anything is read or written.
 void check_paths_apart(const RunOptions& o);
+// What every rank must agree on (runtime/launch.cuh, agree_on_launch), in stages: the build;
+// every flag as parsed; the input files (--data, --score, what --load reads).
+std::vector<std::vector<LaunchSetting>> launch_settings(const RunOptions& o);
 
 // ---- Before the first allocation ----
 // This rank's share of its device's memory: host RAM over the node's ranks on CPU; on CUDA the
