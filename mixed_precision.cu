@@ -270,12 +270,15 @@ LossScaler make_loss_scaler(Precision p, const std::string& loss_scale, int wind
     throw UsageError("--loss-scale-window " + std::to_string(window) + ": use 1 or more steps");
   s.window = window;
   if (loss_scale == "dynamic") return s;
+  // A fixed scale is a power of two fp16 holds: scaling and unscaling are exact, and a larger
+  // one makes every gradient inf (1e30 skipped every step, never training).
   char* end = nullptr;
-  const float v = strtof(loss_scale.c_str(), &end);
-  if (end == loss_scale.c_str() || *end != '\0' || !std::isfinite(v) || v <= 0.0f)
-    throw UsageError("--loss-scale " + loss_scale +
-                     ": use dynamic or a positive number (1: no scaling)");
-  s.dynamic = false, s.scale = v;
+  const double v = strtod(loss_scale.c_str(), &end);
+  if (end == loss_scale.c_str() || *end != '\0' || !is_power_of_two(v) || v < 0x1p-24 ||
+      v > kMaxFixedLossScale)
+    throw UsageError("--loss-scale " + loss_scale + ": use dynamic, or a fixed scale that is a "
+                     "power of two fp16 holds, 2^-24 to 2^15 = 32768 (1: no scaling; e.g. 1024)");
+  s.dynamic = false, s.scale = (float)v;
   return s;
 }
 
@@ -297,9 +300,29 @@ bool PrecisionPolicy::keep_step(float norm, Group& world) {
   return !skipped_;
 }
 
+// fp16's dynamic scale and its count of good steps: an exact resume needs both.
+std::map<std::string, std::string> PrecisionPolicy::resume_state() const {
+  if (!scaler_.enabled || !scaler_.dynamic) return {};
+  return {{"loss_scale", exact_num(scaler_.scale)},
+          {"loss_scale_good_steps", std::to_string(scaler_.good_steps)}};
+}
+void PrecisionPolicy::resume_from(const std::map<std::string, std::string>& state, int64_t step,
+                                  const std::string& file) {
+  if (!scaler_.enabled || !scaler_.dynamic) return;
+  if (state.count("loss_scale") && state.count("loss_scale_good_steps")) {
+    scaler_.scale = (float)parse_number(state.at("loss_scale"), file + " loss_scale", 1, 0x1p32,
+                                        false, true);  // a power of two, as it halves and doubles
+    scaler_.good_steps = (int)parse_number(state.at("loss_scale_good_steps"),
+                                           file + " loss_scale_good_steps", 0, INT32_MAX, true);
+  } else if (step > 0 && is_main_process()) {
+    printf("note: %s holds no fp16 loss scale (an fp32, bf16 or fixed-scale run's): the "
+           "dynamic scale starts again at %s\n", file.c_str(), exact_num(scaler_.scale).c_str());
+  }
+}
+
 std::string PrecisionPolicy::step_note() const {
   if (!scaler_.enabled) return "";
-  return " | scale " + std::to_string((long long)step_scale_) +
+  return " | scale " + exact_num(step_scale_) +
          (skipped_ ? " (overflow: step skipped)" : "");
 }
 
@@ -320,7 +343,7 @@ std::string PrecisionPolicy::describe() const {
   if (!mixed()) return "fp32";
   return std::string(precision_name(compute_)) + " linear layers, fp32 master weights" +
          (scaler_.enabled ? ", loss scale " + (scaler_.dynamic ? std::string("dynamic")
-                                                               : num(scaler_.scale))
+                                                               : exact_num(scaler_.scale))
                           : "") +
          (grads_ == DType::BF16 ? ", bf16 gradients" : ", fp32 gradients");
 }
@@ -345,7 +368,7 @@ void add_precision_flags(CLI::App& app, PrecisionOptions& o) {
   g.add_option_function<std::string>(
        "--loss-scale",
        [&o](const std::string& v) { o.loss_scale = v, o.loss_scale_given = true; },
-       "fp16: dynamic (start 65536, halve on overflow) or a fixed scale (1: none)")
+       "fp16: dynamic (start 65536, halve on overflow) or a fixed power of two, 2^-24 to 32768")
       ->default_str(o.loss_scale);
   g.add_option_function<int>(
        "--loss-scale-window",

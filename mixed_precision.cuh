@@ -2,6 +2,7 @@
 // training, §FP8 pretraining): rounding from fp32 and the exact way back, and FP8 with one
 // absmax scale per tile (DeepSeek-V3: 1 x 128 activations, 128 x 128 weights).
 #pragma once
+#include <map>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -99,9 +100,11 @@ struct LossScaler {
   // After a step's gradients are known: false when the step must be skipped.
   bool update(bool gradients_finite);
 };
-// --loss-scale dynamic|S and --loss-scale-window N (fp16 only; UsageError otherwise).
+// --loss-scale dynamic|S and --loss-scale-window N (fp16 only; UsageError otherwise). A fixed S
+// is a power of two fp16 holds, 2^-24 to kMaxFixedLossScale.
 LossScaler make_loss_scaler(Precision p, const std::string& loss_scale, int window,
                             bool flags_given);
+constexpr double kMaxFixedLossScale = 32768;  // 2^15: fp16's largest power of two
 
 // ---- Flags (Playbook §Mixed precision training) ----
 namespace CLI {
@@ -134,6 +137,7 @@ class PrecisionPolicy {
   // Playbook §Mixed precision training: fp16 multiplies the loss by the loss scale, so every
   // gradient carries it (1 otherwise); the gradients are divided back before clipping.
   float loss_scale() const { return scaler_.enabled ? scaler_.scale : 1.0f; }
+  bool skips_overflow() const { return scaler_.enabled; }  // fp16: an inf gradient skips the step
   void unscale(const Context& ctx, GradientSync& sync) const;
   // After clipping, with the global norm: false when the step must be skipped (fp16: an inf
   // or NaN on any rank of `world` halves the scale and skips the step on every rank).
@@ -144,6 +148,14 @@ class PrecisionPolicy {
   std::string step_note() const;
   void log_step(const Context& ctx, nlohmann::json& line) const;
   void begin_step() const { reset_rounding_stats(); }
+  // fp16's dynamic loss scale for an exact resume, as optimizer.safetensors' metadata keeps it:
+  // the scale and the good steps toward its next doubling; empty otherwise.
+  std::map<std::string, std::string> resume_state() const;
+  // Takes back what resume_state saved (read from `file`, for the message when a value is bad).
+  // A dynamic fp16 run resumed at step > 0 from a checkpoint without it (fp32, bf16, fixed
+  // scale) starts its scale afresh, and rank 0 says so.
+  void resume_from(const std::map<std::string, std::string>& state, int64_t step,
+                   const std::string& file);
   // After the last step, on rank 0: how many FP8 GEMMs ran natively (CUDA).
   void print_summary(const Context& ctx) const;
   std::string describe() const;  // the configuration table's row: "bf16 linear layers, ..."

@@ -57,6 +57,12 @@ void validate_tensor_parallel(const ModelConfig& c, int tp, bool sp) {
     throw UsageError("--tp " + std::to_string(tp) + " and --kv-heads " +
                      std::to_string(c.kv_heads) + ": one must divide the other (key/value heads "
                      "are split over tp, or replicated when tp exceeds them)");
+  // A flag that changes nothing is refused rather than ignored: the run would be plain tp 1,
+  // and a layout meant to test sequence parallelism would silently test none.
+  if (sp && tp == 1)
+    throw UsageError("--sp with --tp 1: sequence parallelism splits the norms' and residuals' "
+                     "tokens over the tensor-parallel ranks, and one rank has nothing to split; "
+                     "add --tp 2 (or more), or drop --sp");
   if (sp && c.seq % tp)
     throw UsageError("--sp with --seq " + std::to_string(c.seq) + " and --tp " +
                      std::to_string(tp) + ": sequence parallelism splits every sequence's "

@@ -23,7 +23,7 @@ struct LocalDims {
 };
 LocalDims local_dims(const ModelConfig& cfg, int tp_rank, int tp_size);
 // Throws UsageError unless --tp divides heads, ffn and vocab, kv heads and tp divide one
-// another, and (with --sp) --tp divides --seq.
+// another, and (with --sp) --tp is 2 or more and divides --seq.
 void validate_tensor_parallel(const ModelConfig& cfg, int tp, bool sp);
 
 // ---- Flags (Playbook §5, §6) ----

@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <functional>
+#include <map>
 #include <memory>
 #include <thread>
 
@@ -586,16 +587,55 @@ static void print_reports(Trainer& t) {
   }
 }
 
+// The training steps this run takes: [first_step, run_end); --steps 0 takes none.
+static int64_t run_end(const Options& o, int64_t first_step) {
+  if (o.steps == 0) return first_step;
+  return o.stop_after > 0 ? std::min<int64_t>(o.steps, first_step + o.stop_after) : o.steps;
+}
+// Whether a checkpoint is saved after step `step` (counted from 0): the final one, into --save
+// DIR, and every --save-every N steps before it, into DIR/checkpoint-<steps done>.
+static bool saves_after(const Options& o, int64_t first_step, int64_t step) {
+  const int64_t end = run_end(o, first_step);
+  return !o.save.empty() &&
+         (step == end - 1 || (o.save_every > 0 && step >= first_step && step < end - 1 &&
+                              (step + 1) % o.save_every == 0));
+}
+
+// A checkpoint of whole tensors, whatever the layout, with what an exact resume needs beside
+// the optimizer (fp16's loss scale).
+static void save_checkpoint_after(Trainer& t, const std::string& dir, int64_t step) {
+  t.observer.at(FaultWhere::Save, step);
+  all_or_none(t.comm, [&] {
+    t.sync.save(t.ctx, dir, t.model.cfg, step + 1, t.o.save_dtype, t.precision.resume_state());
+  });
+  if (t.comm.grid.world_rank == 0)
+    printf("saved %s (config.json, model.safetensors, optimizer.safetensors)\n", dir.c_str());
+}
+
+// Where this run passes, for --fault (check_fault_fires refuses a fault that never fires).
+static FaultPlaces fault_places(const Options& o, int world, const PrecisionPolicy& precision) {
+  FaultPlaces p;
+  p.world = world;
+  p.trains = o.score.empty();
+  p.first_step = o.first_step, p.end = run_end(o, o.first_step);
+  p.validates = [&o, first = p.first_step, end = p.end](int64_t s) {
+    return s >= first && s < end &&
+           (s + 1 == end || (o.val_every > 0 && (s + 1) % o.val_every == 0));
+  };
+  if (!o.save.empty()) p.saves = [&o](int64_t s) { return saves_after(o, o.first_step, s); };
+  p.precision = precision_name(precision.compute());
+  p.skips_overflow = precision.skips_overflow();
+  p.schedule = "--steps " + std::to_string(o.steps) +
+               (o.stop_after > 0 ? " --stop-after " + std::to_string(o.stop_after) : "") +
+               (o.first_step > 0 ? ", resumed at step " + std::to_string(o.first_step) : "");
+  return p;
+}
+
 // After the last step: the checkpoint, the trace, the reports and the sample.
-static void finish_run(Trainer& t) {
+static void finish_run(Trainer& t, int64_t last_step) {
   const Options& o = t.o;
   bool main_rank = t.comm.grid.world_rank == 0;
-  if (!o.save.empty()) {  // whole tensors, whatever the layout
-    all_or_none(t.comm,
-                [&] { t.sync.save(t.ctx, o.save, t.model.cfg, o.save_dtype); });
-    if (main_rank)
-      printf("saved %s (config.json, model.safetensors, optimizer.safetensors)\n", o.save.c_str());
-  }
+  if (!o.save.empty()) save_checkpoint_after(t, o.save, last_step);
   if (t.observer.trace().enabled) {
     all_or_none(t.comm, [&] { trace_write(t.observer.trace(), o.trace, t.comm.world); });
     if (main_rank)
@@ -619,7 +659,10 @@ static int run(const Options& o, Comm& comm, Context& ctx, PrecisionPolicy preci
   check_vocab(data, c.vocab);
   Model model = model_layout(comm, o);
   std::unique_ptr<GradientSync> sync = make_gradient_sync(comm, model, ctx, o, precision);
-  int64_t first_step = o.load.empty() ? 0 : sync->load(o.load);
+  std::map<std::string, std::string> run_state;  // fp16's loss scale, when the checkpoint has it
+  int64_t first_step = o.load.empty() ? 0 : sync->load(o.load, &run_state);
+  if (!o.load.empty())
+    precision.resume_from(run_state, first_step, o.load + "/optimizer.safetensors");
   if (main_rank) {
     int64_t laid_out = 0;  // the layout's tensors, against the closed form
     for (const NamedTensor& p : model.named_params) laid_out += p.tensor.numel();
@@ -651,16 +694,19 @@ static int run(const Options& o, Comm& comm, Context& ctx, PrecisionPolicy preci
     if (main_rank && !o.log_json.empty()) t.log_json.open("--log-json", o.log_json);
   });
 
-  int64_t end = o.stop_after > 0 ? std::min<int64_t>(o.steps, first_step + o.stop_after) : o.steps;
+  int64_t end = run_end(o, first_step);
   for (int64_t step = first_step; step < end; step++) {
     if (!train_step(t, step)) return 3;
     if (step + 1 == end || (o.val_every > 0 && (step + 1) % o.val_every == 0)) validate(t, step);
     if (t.log_json.is_open()) t.log_json.write_line(t.log_line.dump());
+    if (step + 1 < end && saves_after(o, first_step, step)) {  // --save-every
+      save_checkpoint_after(t, periodic_checkpoint(o.save, step + 1), step);
+      if (main_rank) prune_periodic_checkpoints(o.save, o.keep);
+    }
     fflush(stdout);
   }
   if (main_rank) t.precision.print_summary(ctx);
-  t.observer.at(FaultWhere::Save, end - 1);  // where the checkpoint is saved
-  finish_run(t);
+  finish_run(t, end - 1);
   barrier(comm, comm.world, ctx);  // no rank leaves while rank 0 still writes
   return 0;
 }
@@ -674,9 +720,23 @@ int main(int argc, char** argv) {
   Options o;
   add_flags(app, o);
   int code = 0;
+  std::string error;  // this rank's: every rank learns the first (agree_on_launch)
+  bool help = false;
   try {
     app.parse(argc, argv);
     resolve_options(o);
+  } catch (const CLI::CallForHelp&) {
+    help = true;
+  } catch (const CLI::ParseError& e) {
+    error = std::string(e.what()) + "\nRun ./train --help for every flag.";
+  } catch (const UsageError& e) {
+    error = e.what();
+  }
+  try {
+    // Every rank was launched alike (runtime/launch.cuh): the same build, flags and files,
+    // compared before the grid is built, so a mismatched grid never runs.
+    agree_on_launch(error, launch_settings(o), o.comm_timeout);
+    if (help) throw CLI::CallForHelp();
     o.fault.at(FaultWhere::Init, rank, 0);  // before set-up
     // Ranks on one node share its cores (OpenBLAS) and its GPUs (local rank modulo count).
     int local = 0, local_size = 1;
@@ -691,6 +751,8 @@ int main(int argc, char** argv) {
     // The precision policy (mixed_precision.cuh): refused here, on every rank, before any step.
     PrecisionPolicy precision = make_precision_policy(o, device);
     validate_data_parallel(o, precision.grads());
+    check_fault_fires(o.fault, o.app->get_option("--fault")->as<std::string>(),
+                      fault_places(o, world, precision));
     Comm comm = comm_init(o.dp, o.pp, o.cp, o.tp, o.comm, device, o.comm_timeout, o.ep);
     set_sync_launches(o.sync_launches);
     Context ctx = Context::create(device);
@@ -700,9 +762,6 @@ int main(int argc, char** argv) {
     comm_destroy(comm);
   } catch (const CLI::CallForHelp&) {
     if (rank == 0) std::cout << app.help();
-  } catch (const CLI::ParseError& e) {
-    if (rank == 0) fprintf(stderr, "error: %s\nRun ./train --help for every flag.\n", e.what());
-    code = 2;
   } catch (const UsageError& e) {
     if (rank == 0) fprintf(stderr, "error: %s\n", e.what());
     code = 2;

@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <regex>
 #include <set>
 
 namespace fs = std::filesystem;
@@ -473,10 +474,32 @@ static std::string strip_slashes(std::string dir) {
   while (dir.size() > 1 && dir.back() == '/') dir.pop_back();  // "ckpt/" names "ckpt"
   return dir;
 }
+// "checkpoint-<step>": a periodic checkpoint's name inside DIR (--save-every); its step, or -1.
+static int64_t periodic_step(const std::string& name) {
+  const std::string prefix = "checkpoint-";
+  const std::string digits = name.substr(std::min(name.size(), prefix.size()));
+  if (name.compare(0, prefix.size(), prefix) != 0 || digits.empty() || digits.size() > 15 ||
+      digits.find_first_not_of("0123456789") != std::string::npos)
+    return -1;
+  return std::stoll(digits);
+}
+// A periodic save's temporary inside DIR: "checkpoint-<step>.tmp.<host>.<pid>" (or .old.).
+static bool is_temporary(const std::string& name) {
+  const size_t dot = name.find('.');
+  if (dot == std::string::npos || periodic_step(name.substr(0, dot)) < 0) return false;
+  return name.compare(dot, 5, ".tmp.") == 0 || name.compare(dot, 5, ".old.") == 0;
+}
+// An earlier checkpoint, an empty directory, or one that holds only periodic checkpoints (a
+// run with --save-every stopped before its final save).
 static bool is_checkpoint_or_empty(const std::string& dir) {
   std::error_code ec;
-  return fs::is_directory(dir, ec) &&
-         (fs::is_empty(dir, ec) || fs::exists(dir + "/config.json", ec));
+  if (!fs::is_directory(dir, ec)) return false;
+  if (fs::is_empty(dir, ec) || fs::exists(dir + "/config.json", ec)) return true;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (periodic_step(name) < 0 && !is_temporary(name)) return false;
+  }
+  return !ec;
 }
 static void require_replaceable(const std::string& what, const std::string& target) {
   std::error_code ec;
@@ -518,6 +541,51 @@ static std::vector<NamedTensor> weights_in(DType dtype, const std::vector<NamedT
   return out;
 }
 
+// What a save writes, and what an older checkpoint in DIR held that the new one replaces: a
+// sharded model's index and its shards (save_pretrained removes them likewise).
+static const char* kWritten[] = {"config.json", "model.safetensors", "optimizer.safetensors"};
+static bool replaced_by_save(const std::string& dir, const std::string& name) {
+  for (const char* w : kWritten)
+    if (name == w) return true;
+  if (name == "model.safetensors.index.json") return true;
+  static const std::regex shard("model-[0-9]{5}-of-[0-9]{5}\\.safetensors");
+  if (std::regex_match(name, shard)) return true;
+  std::ifstream in(dir + "/model.safetensors.index.json");
+  json index = json::parse(in, nullptr, false);
+  if (index.is_object() && index.contains("weight_map") && index["weight_map"].is_object())
+    for (const auto& [tensor, file] : index["weight_map"].items())
+      if (file == name) return true;
+  return false;
+}
+
+// Everything else the old DIR holds (the user's tokenizer.json, a folder, the periodic
+// checkpoints) goes into the new one before the swap, as hard links (the same filesystem: the
+// temporary lies next to DIR), copied where links are refused. So the swap stays one atomic
+// step and nothing picoscale did not write is lost.
+static void keep_other_entries(const std::string& old_dir, const std::string& new_dir) {
+  std::error_code ec;
+  if (!fs::is_directory(old_dir, ec)) return;
+  for (const fs::directory_entry& e : fs::directory_iterator(old_dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (replaced_by_save(old_dir, name) || is_temporary(name)) continue;
+    const fs::path to = fs::path(new_dir) / name;
+    std::error_code link_ec;
+    fs::copy(e.path(), to,
+             fs::copy_options::recursive | fs::copy_options::copy_symlinks |
+                 fs::copy_options::create_hard_links,
+             link_ec);
+    if (!link_ec) continue;
+    fs::remove_all(to, ec);
+    std::error_code copy_ec;
+    fs::copy(e.path(), to, fs::copy_options::recursive | fs::copy_options::copy_symlinks,
+             copy_ec);
+    if (copy_ec)
+      throw UsageError(old_dir + ": cannot keep " + name + " in the new checkpoint: " +
+                       copy_ec.message() + "; move it out of the directory, or save elsewhere");
+  }
+  if (ec) throw UsageError(old_dir + ": cannot list: " + ec.message());
+}
+
 void save_checkpoint(const std::string& dir_arg, const ModelConfig& cfg,
                      const std::vector<NamedTensor>& params, const OptimizerState* opt,
                      DType weights_dtype) {
@@ -541,9 +609,12 @@ void save_checkpoint(const std::string& dir_arg, const ModelConfig& cfg,
     });
     write_safetensors(tmp + "/model.safetensors", weights_in(weights_dtype, params),
                       {{"format", "pt"}});
-    if (opt)
-      write_safetensors(tmp + "/optimizer.safetensors", moment_tensors(*opt),
-                        {{"step", std::to_string(opt->step)}});
+    if (opt) {
+      std::map<std::string, std::string> metadata = opt->metadata;
+      metadata["step"] = std::to_string(opt->step);
+      write_safetensors(tmp + "/optimizer.safetensors", moment_tensors(*opt), metadata);
+    }
+    keep_other_entries(target, tmp);
     fsync_dir(tmp);
   } catch (...) {
     fs::remove_all(tmp, ec);
@@ -575,11 +646,80 @@ void save_checkpoint(const std::string& dir_arg, const ModelConfig& cfg,
   remove_stale_temps(target, "old");
 }
 
-// DIR itself; when DIR is missing, the newest whole DIR.old.* that a save killed between its
-// two renames left behind (see save_checkpoint). `note`: rank 0 says which it reads.
+// optimizer.safetensors' step: a non-negative integer that fits int64 (strtoll saturates at
+// 2^63 - 1 silently: ERANGE is checked).
+static int64_t parse_step(const std::map<std::string, std::string>& metadata,
+                          const std::string& path) {
+  auto it = metadata.find("step");
+  const char* text = it == metadata.end() ? "" : it->second.c_str();
+  char* end = nullptr;
+  errno = 0;
+  const long long step = strtoll(text, &end, 10);
+  if (end == text || *end != '\0' || step < 0 || errno == ERANGE || !isdigit((unsigned char)*text))
+    throw UsageError(path + ": metadata has no valid step (a non-negative integer below 2^63), "
+                     "found '" + std::string(text) + "'; a damaged or hand-edited file: save it "
+                     "again, or delete it to start AdamW afresh");
+  return step;
+}
+// The step dir's optimizer.safetensors holds, from its header alone (0 without one).
+static int64_t step_in(const std::string& dir) {
+  const std::string path = dir + "/optimizer.safetensors";
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return 0;
+  const json header = read_header(path).entries;
+  std::map<std::string, std::string> metadata;
+  if (header.contains("__metadata__") && header["__metadata__"].is_object())
+    for (const auto& [key, value] : header["__metadata__"].items())
+      if (value.is_string()) metadata[key] = value.get<std::string>();
+  return parse_step(metadata, path);
+}
+
+std::string periodic_checkpoint(const std::string& dir, int64_t step) {
+  return strip_slashes(dir) + "/checkpoint-" + std::to_string(step);
+}
+// DIR's whole periodic checkpoints (config.json in place), by step.
+static std::map<int64_t, std::string> periodic_checkpoints(const std::string& dir) {
+  std::map<int64_t, std::string> found;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    const int64_t step = periodic_step(e.path().filename().string());
+    if (step >= 0 && fs::exists(e.path() / "config.json", ec)) found[step] = e.path().string();
+  }
+  return found;
+}
+void prune_periodic_checkpoints(const std::string& dir_arg, int keep) {
+  const std::string dir = output_target(strip_slashes(dir_arg));
+  std::map<int64_t, std::string> found = periodic_checkpoints(dir);
+  std::error_code ec;
+  for (auto it = found.begin(); keep > 0 && (int)found.size() > keep; it = found.erase(it))
+    fs::remove_all(it->second, ec);
+  // Temporaries of periodic saves killed at other steps than this run's.
+  std::set<std::string> killed;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (is_temporary(name)) killed.insert(dir + "/" + name.substr(0, name.find('.')));
+  }
+  for (const std::string& base : killed)
+    remove_stale_temps(base, "tmp"), remove_stale_temps(base, "old");
+}
+
+// DIR itself, or its newest periodic checkpoint when that one is further along (a run killed
+// after a checkpoint-<step>, or stopped before its final save); when DIR is missing, the newest
+// whole DIR.old.* that a save killed between its two renames left behind (see
+// save_checkpoint). `note`: rank 0 says which it reads when it is not DIR.
 static std::string checkpoint_to_load(const std::string& dir_arg, bool note) {
   const std::string dir = strip_slashes(dir_arg);
   std::error_code ec;
+  if (fs::is_directory(dir, ec)) {
+    const std::map<int64_t, std::string> periodic = periodic_checkpoints(dir);
+    if (periodic.empty()) return dir;
+    const auto& [step, newest] = *periodic.rbegin();
+    if (fs::exists(dir + "/config.json", ec) && step_in(dir) >= step) return dir;
+    if (note && is_main_process())
+      printf("note: loading %s, the checkpoint of %s furthest along (step %lld)\n",
+             newest.c_str(), dir.c_str(), (long long)step);
+    return newest;
+  }
   if (fs::exists(dir, ec)) return dir;
   const fs::path target = output_target(dir);
   const std::string prefix = target.filename().string() + ".old.";
@@ -692,11 +832,7 @@ bool load_checkpoint(const std::string& dir_arg, const std::vector<NamedTensor>&
   if (with_opt) {
     moments = moment_tensors(*opt);
     moments_plan = inspect_safetensors(opt_path, moments);
-    auto it = moments_plan.metadata.find("step");
-    char* end = nullptr;
-    if (it != moments_plan.metadata.end()) step = strtoll(it->second.c_str(), &end, 10);
-    if (!end || end == it->second.c_str() || *end != '\0' || step < 0)
-      throw UsageError(opt_path + ": metadata has no valid step (a non-negative integer)");
+    step = parse_step(moments_plan.metadata, opt_path);
   } else if (opt && is_main_process()) {
     printf("note: %s has no optimizer.safetensors (weights only, as in a Hugging Face model): "
            "AdamW starts fresh at step 0\n", dir.c_str());
@@ -710,8 +846,42 @@ bool load_checkpoint(const std::string& dir_arg, const std::vector<NamedTensor>&
   if (with_opt) {
     copy_safetensors(moments_plan, moments);
     opt->step = step;
+    opt->metadata = moments_plan.metadata;
   }
   return with_opt;
+}
+
+int64_t checkpoint_step(const std::string& dir) { return step_in(checkpoint_to_load(dir, false)); }
+
+std::vector<std::string> checkpoint_input_files(const std::string& dir_arg) {
+  const std::string dir = checkpoint_to_load(dir_arg, false);
+  std::vector<std::string> files;
+  std::error_code ec;
+  auto add = [&](const std::string& path) {
+    if (fs::exists(path, ec)) files.push_back(path);
+  };
+  add(dir + "/config.json");
+  add(dir + "/model.safetensors");
+  if (!fs::exists(dir + "/model.safetensors", ec)) {
+    const std::string index = dir + "/model.safetensors.index.json";
+    add(index);
+    std::ifstream in(index);
+    json j = json::parse(in, nullptr, false);
+    std::set<std::string> shards;
+    if (j.is_object() && j.contains("weight_map") && j["weight_map"].is_object())
+      for (const auto& [tensor, file] : j["weight_map"].items())
+        if (file.is_string()) shards.insert(file.get<std::string>());
+    for (const std::string& shard : shards) add(dir + "/" + shard);
+  }
+  add(dir + "/optimizer.safetensors");
+  return files;
+}
+
+std::vector<std::string> checkpoint_output_files(const std::string& dir_arg) {
+  const std::string dir = strip_slashes(dir_arg);
+  std::vector<std::string> files;
+  for (const char* name : kWritten) files.push_back(dir + "/" + name);
+  return files;
 }
 
 // ----------------------------------------------------------------------------
@@ -778,6 +948,7 @@ bool load_checkpoint_shards(const FlatParameters& p, Group& tp, const std::strin
     scatter_full_tensors(tensors_of(whole_opt.exp_avg), tensors_of(opt->exp_avg), p.layouts);
     scatter_full_tensors(tensors_of(whole_opt.exp_avg_sq), tensors_of(opt->exp_avg_sq), p.layouts);
     opt->step = whole_opt.step;
+    opt->metadata = whole_opt.metadata;
   }
   return loaded;
 }

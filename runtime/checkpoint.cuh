@@ -33,9 +33,14 @@ ModelConfig config_from_hf(const nlohmann::json& j, const std::string& path);
 // dir/config.json, dir/model.safetensors, dir/optimizer.safetensors (exp_avg, exp_avg_sq per
 // parameter, step in the metadata). After a kill at any moment DIR holds the old checkpoint or
 // the new one (see save_checkpoint in checkpoint.cu); a symlink DIR is followed, not replaced.
+// What else DIR holds (a tokenizer.json, a folder) is kept, as save_pretrained keeps it, but
+// for an older checkpoint's weight shards, which the new model.safetensors replaces.
 struct OptimizerState {
   std::vector<NamedTensor> exp_avg, exp_avg_sq;  // same names and shapes as the parameters
   int64_t step = 0;                              // optimizer steps taken
+  // More of the run's state, for an exact resume (fp16's loss scale): optimizer.safetensors'
+  // metadata beside the step. A load fills it with every key the file holds.
+  std::map<std::string, std::string> metadata;
 };
 // weights_dtype F32 (the master weights) or BF16 (rounded to nearest even; config.json's
 // torch_dtype says which); the optimizer state is always F32.
@@ -47,6 +52,20 @@ DType parse_save_dtype(const std::string& flag);  // --save-dtype fp32|bf16
 // at dir (absent, empty, or an earlier checkpoint; the parent accepts new entries).
 void check_checkpoint_output(const std::string& flag, const std::string& dir);
 ModelConfig read_checkpoint_config(const std::string& dir);
+// The optimizer step a --load of dir resumes at, from optimizer.safetensors' header alone
+// (0 without one). Throws UsageError when the step is not a non-negative integer.
+int64_t checkpoint_step(const std::string& dir);
+// Periodic checkpoints (--save-every): DIR/checkpoint-<step>, Hugging Face Trainer's layout,
+// each a whole checkpoint written atomically; the final save still goes to DIR itself. A --load
+// of DIR reads whichever is furthest along: DIR itself or its newest checkpoint-<step>.
+std::string periodic_checkpoint(const std::string& dir, int64_t step);
+// Removes all but the `keep` newest DIR/checkpoint-<step> (keep 0: none removed). Called once a
+// new one is in place, so a kill at any moment leaves at least the previous one whole.
+void prune_periodic_checkpoints(const std::string& dir, int keep);
+// The files a --load of dir reads (config.json, the weights' files, optimizer.safetensors), and
+// those a --save of dir writes: for comparing the run's inputs with its outputs.
+std::vector<std::string> checkpoint_input_files(const std::string& dir);
+std::vector<std::string> checkpoint_output_files(const std::string& dir);
 // Loads weights (and, when opt is non-null and the file exists, optimizer state and step).
 // Every floating-point value must be finite: the first tensor holding a NaN or inf is named.
 // Returns true when optimizer state was loaded; when opt asks for it and there is none, rank 0

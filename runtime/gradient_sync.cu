@@ -10,6 +10,7 @@
 #include "runtime/checkpoint.cuh"
 #include "runtime/dtype.cuh"
 #include "runtime/ops.cuh"
+#include "runtime/options.cuh"
 
 GradientSync::GradientSync(Comm& comm, FlatParameters& model, const AdamWConfig& hp,
                            float weight_decay)
@@ -146,13 +147,19 @@ std::vector<NamedTensor> GradientSync::whole_named(const Tensor& flat) {
   return gather_stage_tensors(comm_.pp, tensors);
 }
 
+// AdamW's own step count, when it differs from the training steps taken (fp16 skipped some):
+// its bias correction (1 - beta^t) counts only the steps it took.
+static const char* kAdamSteps = "adam_steps";
+
 void GradientSync::save(const Context& ctx, const std::string& dir, const ModelConfig& cfg,
-                        DType weights_dtype) {
+                        int64_t steps_done, DType weights_dtype,
+                        const std::map<std::string, std::string>& run_state) {
   Tensor weights = gather_flat(ctx, Part::Params);
   Tensor m = gather_flat(ctx, Part::ExpAvg), v = gather_flat(ctx, Part::ExpAvgSq);
   if (comm_.dp_cp.rank != 0 && comm_.edp_cp.rank != 0) return;  // the others meet on rank 0
   std::vector<NamedTensor> w = whole_named(weights);
-  OptimizerState state{whole_named(m), whole_named(v), adamw_.steps};
+  OptimizerState state{whole_named(m), whole_named(v), steps_done, run_state};
+  if (adamw_.steps != steps_done) state.metadata[kAdamSteps] = std::to_string(adamw_.steps);
   if (comm_.grid.world_rank == 0) save_checkpoint(dir, cfg, w, &state, weights_dtype);
 }
 
@@ -175,7 +182,7 @@ static Tensor part_of(const FlatParameters& whole, const Tensor& flat, const Fla
   return part;
 }
 
-int64_t GradientSync::load(const std::string& dir) {
+int64_t GradientSync::load(const std::string& dir, std::map<std::string, std::string>* run_state) {
   // Every rank reads the whole checkpoint (its tp shard of every tensor) and keeps its part:
   // its stage's tensors under pipeline parallelism, its dp_cp slice under ZeRO.
   std::unique_ptr<FlatParameters> layout = model_.whole_layout();
@@ -190,5 +197,10 @@ int64_t GradientSync::load(const std::string& dir) {
   load_flat(Part::ExpAvg, part_of(whole, m, model_));
   load_flat(Part::ExpAvgSq, part_of(whole, v, model_));
   adamw_.steps = with_optimizer ? state.step : 0;
-  return adamw_.steps;
+  auto adam = state.metadata.find(kAdamSteps);
+  if (with_optimizer && adam != state.metadata.end())
+    adamw_.steps = (int64_t)parse_number(adam->second, dir + "/optimizer.safetensors " + kAdamSteps,
+                                         0, (double)state.step, true);
+  if (run_state) *run_state = state.metadata;
+  return with_optimizer ? state.step : 0;
 }

@@ -4,6 +4,7 @@
 // Each owns the gradients' sum over dp_cp, the optimizer state and the weights' memory.
 #pragma once
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -64,12 +65,18 @@ class GradientSync {
 
   // ---- checkpoints hold whole tensors, whatever the layout (collective) ----
   // `cfg` goes into config.json.
+  // `steps_done`: the training steps taken, the step a resume starts at (optimizer.safetensors'
+  // "step"); AdamW's own count, lower when fp16 skipped steps, is kept beside it as
+  // "adam_steps". `run_state`: more of the run to resume it exactly (fp16's loss scale), kept
+  // in the same metadata.
   void save(const Context& ctx, const std::string& dir, const ModelConfig& cfg,
-            DType weights_dtype = DType::F32);
+            int64_t steps_done, DType weights_dtype = DType::F32,
+            const std::map<std::string, std::string>& run_state = {});
   void save_gradients(const Context& ctx, const std::string& path, int64_t step);
   // Every rank reads the whole files and keeps its part, so any layout resumes any other.
-  // Returns the optimizer step (0 when the directory has no optimizer state).
-  int64_t load(const std::string& dir);
+  // Returns the training step to resume at (0 when the directory has no optimizer state);
+  // `run_state`, when given, gets optimizer.safetensors' metadata.
+  int64_t load(const std::string& dir, std::map<std::string, std::string>* run_state = nullptr);
 
   // ---- measurements ----
   virtual int zero_stage() const { return 0; }

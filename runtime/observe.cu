@@ -3,6 +3,7 @@
 
 #include <csignal>
 #include <chrono>
+#include <algorithm>
 #include <cmath>
 #include <thread>
 #include <vector>
@@ -60,6 +61,57 @@ Fault parse_fault(const std::string& value) {
     throw fail("unknown place '" + fields[3] + "' (" + places + ")");
   }
   return f;
+}
+
+void check_fault_fires(const Fault& f, const std::string& value, const FaultPlaces& run) {
+  if (f.kind.empty()) return;
+  auto never = [&](const std::string& why) {
+    return UsageError("--fault " + value + " would never fire: " + why +
+                      "; a fault that does not fire tests nothing: pick a rank, step and place "
+                      "this run reaches");
+  };
+  if (f.rank >= run.world)
+    throw never("rank " + std::to_string(f.rank) + " does not exist in a grid of " +
+                std::to_string(run.world) + " ranks");
+  const std::string s = std::to_string(f.step);
+  if (f.kind != "inf" && f.where == FaultWhere::Init) {
+    if (f.step != 0)
+      throw never("init comes once, before set-up, as step 0 (write " + f.kind + ":" +
+                  std::to_string(f.rank) + ":0:init)");
+    return;
+  }
+  if (!run.trains) throw never("--score takes no training step (only init faults fire)");
+  if (f.kind == "inf" && !run.skips_overflow)
+    throw UsageError("--fault " + value + ": inf stands for an fp16 overflow, which fp16's loss "
+                     "scaling meets by skipping the step on every rank; this run is " +
+                     run.precision + ", without loss scaling, where an infinity would reach the "
+                     "weights (or not) depending on the layout: use --dtype fp16");
+  auto steps_run = [&] {
+    if (run.first_step >= run.end)
+      return std::string("this run takes no step (") + run.schedule + ")";
+    return "this run takes steps " + std::to_string(run.first_step) + " to " +
+           std::to_string(run.end - 1) + " (counted from 0, as --fault counts; " + run.schedule +
+           ")";
+  };
+  auto list = [&](const std::function<bool(int64_t)>& at) {
+    std::string steps;
+    int shown = 0;
+    for (int64_t t = std::max<int64_t>(run.first_step - 1, -1); t < run.end && shown < 6; t++)
+      if (t >= 0 && at && at(t)) steps += (shown++ ? ", " : "") + std::to_string(t);
+    return steps.empty() ? std::string("none") : steps + (shown == 6 ? ", ..." : "");
+  };
+  if (f.kind == "inf" || f.where != FaultWhere::Save) {
+    if (f.step < run.first_step || f.step >= run.end) throw never("step " + s + ": " + steps_run());
+  }
+  if (f.kind == "inf") return;
+  if (f.where == FaultWhere::Validation && !(run.validates && run.validates(f.step)))
+    throw never("no validation after step " + s + "; this run validates after steps " +
+                list(run.validates) + " (--val-every, and after the last step)");
+  if (f.where == FaultWhere::Save && !(run.saves && run.saves(f.step)))
+    throw never(list(run.saves) == "none"
+                    ? std::string("this run saves no checkpoint: add --save DIR")
+                    : "no checkpoint is saved after step " + s + "; this run saves after steps " +
+                          list(run.saves) + " (--save-every, and after the last step)");
 }
 
 // ----------------------------------------------------------------------------

@@ -5,6 +5,7 @@
 // (--report memory), and fires --fault where the run asked for it.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "runtime/core.cuh"
@@ -31,6 +32,21 @@ struct Fault {
 };
 // --fault KIND:RANK:STEP[:WHERE] as a Fault; throws UsageError naming --fault.
 Fault parse_fault(const std::string& flag_value);
+// The places a run passes, for check_fault_fires. STEP counts from 0, as --fault does.
+struct FaultPlaces {
+  int world = 1;
+  bool trains = true;                // false: --score, which takes no step
+  int64_t first_step = 0, end = 0;   // the training steps run: [first_step, end)
+  std::function<bool(int64_t)> validates, saves;  // after step s: validation; a checkpoint
+  std::string precision;             // "fp32", ...: what inf meets
+  bool skips_overflow = false;       // fp16 loss scaling: an inf gradient skips the step
+  std::string schedule;              // how the steps were set, for the message ("--steps 3")
+};
+// Throws UsageError naming --fault and why when the fault can never fire in this run (a test
+// relying on it would pass without it): a rank past the grid, a step the run does not take, a
+// place it does not pass at that step (no save, no validation, init at a step other than 0),
+// or inf without fp16's loss scaling to meet it.
+void check_fault_fires(const Fault& f, const std::string& flag_value, const FaultPlaces& run);
 
 // What an operation of a schedule does (pipeline_parallel.cuh's tables): a micro-batch's
 // forward, its backward (or, zero-bubble, only the input-gradient half of it), or the deferred

@@ -6,10 +6,13 @@
 
 #include <climits>
 #include <cmath>
+#include <filesystem>
 #include <tuple>
 
 #include "runtime/checkpoint.cuh"
 #include "runtime/dtype.cuh"
+
+namespace fs = std::filesystem;
 
 CLI::App& flag_group(CLI::App& app, const std::string& chapter) {
   try {
@@ -26,6 +29,27 @@ std::string num(double x) {
   char buf[32];
   snprintf(buf, sizeof buf, "%g", x);
   return buf;
+}
+std::string exact_num(double x) {
+  char buf[40];
+  snprintf(buf, sizeof buf, "%.0f", x);
+  return x >= 1 && x < 1e18 && x == std::floor(x) ? buf : num(x);
+}
+bool is_power_of_two(double x) {
+  int exponent = 0;
+  return std::isfinite(x) && x > 0 && std::frexp(x, &exponent) == 0.5;
+}
+double parse_number(const std::string& text, const std::string& what, double lo, double hi,
+                    bool integer, bool power_of_two) {
+  char* end = nullptr;
+  const double v = strtod(text.c_str(), &end);
+  if (end == text.c_str() || *end != '\0' || !(v >= lo && v <= hi) ||
+      (integer && v != std::floor(v)) || (power_of_two && !is_power_of_two(v)))
+    throw UsageError(what + " '" + text + "': not " +
+                     (power_of_two ? "a power of two" : integer ? "an integer" : "a number") +
+                     " from " + exact_num(lo) + " to " + exact_num(hi) +
+                     " (a damaged or hand-edited file?)");
+  return v;
 }
 void check_range(double value, const std::string& flag, double lo, bool open_lo, double hi,
                  const std::string& fix) {
@@ -79,7 +103,9 @@ void add_run_flags(CLI::App& app, RunOptions& o) {
   model.add_flag("--tie-embeddings", o.model.tie_embeddings, "share embedding and LM head");
 
   CLI::App& steps = flag_group(app, "First steps: the training step (Playbook §2)");
-  steps.add_option("--steps", o.steps, "total optimizer steps, >= 1 (a resumed run continues to it)")
+  steps.add_option("--steps", o.steps,
+                   "total optimizer steps, >= 0 (a resumed run continues to it; 0: no step, only "
+                   "--load and --save, e.g. to convert a checkpoint)")
       ->capture_default_str();
   steps.add_option("--stop-after", o.stop_after,
                    "end this run after N steps (the schedule still spans --steps; resume with "
@@ -119,11 +145,18 @@ void add_io_flags(CLI::App& app, RunOptions& o) {
       ->capture_default_str();
 
   CLI::App& out = flag_group(app, "Checkpoints, logs and reports");
-  out.add_option("--save", o.save, "write a Hugging Face checkpoint to DIR at the end");
+  out.add_option("--save", o.save,
+                 "write a Hugging Face checkpoint to DIR at the end (DIR's other files are kept)");
   add_typed(out, "--save-dtype", &o.save_dtype,
             [](const std::string& v) { return parse_choice("--save-dtype", v, kSaveDtypes); },
             "fp32", "model.safetensors in fp32 (the master weights) or bf16 (optimizer: fp32)");
-  out.add_option("--load", o.load, "start from the checkpoint in DIR (weights, optimizer, step)");
+  out.add_option("--save-every", o.save_every,
+                 "also save every N steps, to DIR/checkpoint-<step> (Hugging Face Trainer's "
+                 "layout; --load DIR resumes from the newest)");
+  out.add_option("--keep", o.keep, "with --save-every: keep the K newest (default: all)");
+  out.add_option("--load", o.load,
+                 "start from the checkpoint in DIR (weights, optimizer, step; the newest "
+                 "DIR/checkpoint-<step> when one is further along)");
   out.add_option("--log-json", o.log_json, "write one JSON object per step to FILE");
   out.add_option("--save-grads", o.save_grads, "write the first step's gradients (safetensors)");
   out.add_option("--trace", o.trace, "write a Chrome trace JSON (Perfetto) to FILE");
@@ -146,8 +179,9 @@ void add_io_flags(CLI::App& app, RunOptions& o) {
                "debugging: synchronise after every CUDA kernel, so a faulting kernel is named "
                "where it faults (slow)");
   add_typed(run, "--fault", &o.fault, parse_fault, "",
-            "test fault handling: KIND:RANK:STEP[:WHERE], KIND crash|hang|error|inf, WHERE "
-            "init|step|forward|backward|clip|optimizer|validation|save (default step)");
+            "test fault handling: KIND:RANK:STEP[:WHERE], KIND crash|hang|error|inf (inf: fp16 "
+            "only), WHERE init|step|forward|backward|clip|optimizer|validation|save (default "
+            "step); a fault this run never reaches is refused");
 }
 
 static void check_model_limits(const RunOptions& o) {
@@ -203,14 +237,40 @@ static void resolve_model(RunOptions& o) {
 void resolve_run_options(RunOptions& o, int world) {
   if (!o.score.empty())  // --score prints a loss and exits: training flags would do nothing
     for (const char* flag :
-         {"--save", "--save-dtype", "--steps", "--stop-after", "--save-grads", "--log-json",
+         {"--save", "--save-dtype", "--save-every", "--keep", "--steps", "--stop-after",
+          "--save-grads", "--log-json",
           "--trace", "--sample", "--data", "--lr", "--min-lr", "--warmup", "--weight-decay",
           "--grad-clip", "--grad-acc", "--val-frac", "--val-every", "--val-seqs", "--no-shuffle"})
       if (o.given(flag))
         throw UsageError(std::string("--score prints a loss and exits: ") + flag +
                          " would be ignored; drop it (train first, then score the checkpoint)");
   resolve_model(o);
-  check_positive(o.steps, "--steps"), check_positive(o.mbs, "--mbs");
+  if (o.steps < 0) throw UsageError("--steps " + std::to_string(o.steps) + ": must be >= 0");
+  if (o.steps == 0 && o.score.empty() && o.save.empty())
+    throw UsageError("--steps 0 trains nothing: it loads (--load DIR) and saves (--save DIR), "
+                     "e.g. a bf16 or sharded checkpoint into one fp32 model.safetensors; add "
+                     "--save DIR");
+  if (o.steps == 0 && !o.save_grads.empty())
+    throw UsageError("--save-grads writes the first step's gradients, and --steps 0 takes no "
+                     "step: drop --save-grads");
+  if (o.save_every < 0) throw UsageError("--save-every must be >= 0 (0: only the final save)");
+  if (o.save_every > 0 && o.save.empty())
+    throw UsageError("--save-every " + std::to_string(o.save_every) +
+                     " saves into --save DIR: add --save DIR");
+  if (o.keep < 0) throw UsageError("--keep must be >= 0 (0: keep every periodic checkpoint)");
+  if (o.given("--keep") && o.save_every == 0)
+    throw UsageError("--keep " + std::to_string(o.keep) +
+                     " keeps the newest periodic checkpoints of --save-every N: add "
+                     "--save-every N");
+  o.first_step = o.load.empty() || !o.score.empty() ? 0 : checkpoint_step(o.load);
+  if (o.steps > 0 && o.first_step >= o.steps)
+    throw UsageError("--load " + o.load + ": its optimizer state is at step " +
+                     std::to_string(o.first_step) + ", " +
+                     (o.first_step == o.steps ? "where" : "past where") + " --steps " +
+                     std::to_string(o.steps) +
+                     " ends: nothing is left to train; raise --steps to train on (the learning "
+                     "rate's schedule spans --steps), or use --steps 0 to load and --save only");
+  check_positive(o.mbs, "--mbs");
   check_positive(o.grad_acc, "--grad-acc"), check_positive(o.val_seqs, "--val-seqs");
   check_at_most(o.mbs, kMaxMbs, "--mbs", "lower --mbs (raise --grad-acc for a larger batch)");
   if ((int64_t)o.mbs * o.model.seq > INT_MAX)
@@ -235,10 +295,78 @@ void resolve_run_options(RunOptions& o, int world) {
     throw UsageError("--score " + o.score + " needs --load DIR: the model to score with");
   check_range(o.comm_timeout, "--comm-timeout", 0, true, kNoMax,
               "must be a number of seconds > 0, e.g. 300");
+  check_paths_apart(o);
   if (!o.fault.kind.empty() && o.fault.rank >= world)
     throw UsageError("--fault " + o.app->get_option("--fault")->as<std::string>() + ": rank " +
                      std::to_string(o.fault.rank) + " does not exist in a grid of " +
                      std::to_string(world) + " ranks");
+}
+
+// Where a path's bytes are: symlinks followed in every component (a missing tail kept), so two
+// spellings of one file compare equal; two existing paths are also the same file when they are
+// hard links of one inode.
+static bool same_file(const std::string& a, const std::string& b) {
+  std::error_code ec;
+  if (fs::exists(a, ec) && fs::exists(b, ec) && fs::equivalent(a, b, ec)) return true;
+  const fs::path ra = fs::weakly_canonical(output_target(a), ec);
+  const fs::path rb = fs::weakly_canonical(output_target(b), ec);
+  return !ra.empty() && ra == rb;
+}
+
+void check_paths_apart(const RunOptions& o) {
+  struct Path {
+    std::string flag, flag_value, path;  // "--load", "ck", "ck/model.safetensors"
+  };
+  std::vector<Path> inputs, outputs;
+  if (!o.data.empty()) inputs.push_back({"--data", o.data, o.data});
+  if (!o.score.empty()) inputs.push_back({"--score", o.score, o.score});
+  if (!o.load.empty())
+    for (const std::string& f : checkpoint_input_files(o.load))
+      inputs.push_back({"--load", o.load, f});
+  if (!o.save.empty()) {
+    outputs.push_back({"--save", o.save, o.save});  // the directory itself
+    for (const std::string& f : checkpoint_output_files(o.save))
+      outputs.push_back({"--save", o.save, f});
+  }
+  for (auto [flag, path] :
+       {std::pair<const char*, const std::string&>{"--save-grads", o.save_grads},
+        {"--log-json", o.log_json},
+        {"--trace", o.trace}})
+    if (!path.empty()) outputs.push_back({flag, path, path});
+  auto named = [](const Path& p) {
+    return p.flag + " " + p.flag_value + (p.path == p.flag_value ? "" : " (" + p.path + ")");
+  };
+  for (const Path& out : outputs)
+    for (const Path& in : inputs)
+      // --save DIR --load DIR resumes in place: every file is read before the first save, and
+      // a save swaps the whole directory at once.
+      if (!(out.flag == "--save" && in.flag == "--load") && same_file(out.path, in.path))
+        throw UsageError(named(out) + " would overwrite " + named(in) +
+                         ", which this run reads: they are the same file; write the output "
+                         "elsewhere");
+  for (size_t i = 0; i < outputs.size(); i++)
+    for (size_t j = i + 1; j < outputs.size(); j++)
+      if (outputs[i].flag != outputs[j].flag && same_file(outputs[i].path, outputs[j].path))
+        throw UsageError(named(outputs[i]) + " and " + named(outputs[j]) +
+                         " are the same file: one would overwrite the other; give each output "
+                         "its own name");
+}
+
+std::vector<std::vector<LaunchSetting>> launch_settings(const RunOptions& o) {
+  std::vector<LaunchSetting> files;
+  if (!o.data.empty()) files.push_back(files_setting("--data " + o.data, {o.data}));
+  if (!o.score.empty()) files.push_back(files_setting("--score " + o.score, {o.score}));
+  if (!o.load.empty()) {
+    std::vector<std::string> read;
+    try {
+      read = checkpoint_input_files(o.load);
+    } catch (const UsageError& e) {  // unreadable here: compared as such
+      read = {o.load + " (" + e.what() + ")"};
+    }
+    files.push_back(files_setting("--load " + o.load, read));
+  }
+  return {{build_setting()}, o.app ? command_line_settings(*o.app) : std::vector<LaunchSetting>{},
+          files};
 }
 
 // ----------------------------------------------------------------------------

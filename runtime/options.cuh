@@ -13,6 +13,7 @@
 
 #include "runtime/comm.cuh"
 #include "runtime/core.cuh"
+#include "runtime/launch.cuh"
 #include "runtime/model_config.cuh"
 #include "runtime/observe.cuh"
 
@@ -63,6 +64,13 @@ void check_range(double value, const std::string& flag, double lo, bool open_lo,
 // came from: the flag, or the checkpoint's config.json key.
 void check_at_most(int64_t value, int64_t max, const std::string& source, const std::string& fix);
 std::string num(double x);  // 0.002, inf, nan: as the user would type it
+std::string exact_num(double x);  // an integer in full (4294967296), else as num (0.125)
+bool is_power_of_two(double x);  // 2^k for some integer k (0.125, 1, 32768)
+// `text` as a number from lo to hi (an integer when `integer`, a power of two when
+// `power_of_two`); UsageError "<what> '<text>': ..." otherwise (a value read back from a file:
+// `what` names the file and the key).
+double parse_number(const std::string& text, const std::string& what, double lo, double hi,
+                    bool integer = false, bool power_of_two = false);
 
 // ---- The run's own flags ----
 enum class Report { Memory, Comm, Bubble, Sync, Balance, Experts };  // --report
@@ -77,7 +85,7 @@ struct RunOptions {
   std::string preset = "tiny";
   ModelConfig model;
   std::vector<std::pair<std::string, int ModelConfig::*>> shape;  // the shape flags given
-  // the optimisation
+  // the optimisation (steps 0: load and save only, no step)
   int steps = 100, stop_after = 0, mbs = 16, grad_acc = 1, warmup = 20;
   float lr = 2e-3f, min_lr = -1.0f, weight_decay = 0.1f, grad_clip = 1.0f;
   uint64_t seed = 1337;
@@ -89,6 +97,8 @@ struct RunOptions {
   // checkpoints, logs, reports
   std::string save, load, log_json, save_grads, trace;
   DType save_dtype = DType::F32;  // --save-dtype: model.safetensors in fp32 or bf16
+  int save_every = 0, keep = 0;   // --save-every N: DIR/checkpoint-<step>; --keep K newest (0: all)
+  int64_t first_step = 0;         // where --load resumes: its optimizer state's step (0: none)
   std::vector<Report> reports;
   // where it runs, and its faults
   std::string device = "auto", comm = "auto";
@@ -107,9 +117,17 @@ void add_shape_flag(CLI::App& group, RunOptions& o, const std::string& flag,
                     int ModelConfig::*field, const std::string& help);
 void add_io_flags(CLI::App& app, RunOptions& o);
 // After the parse: the model config (preset and flags, or the checkpoint's, checked against the
-// flags) and every run flag's range; `world` ranks for --fault. Throws UsageError naming the
+// flags), every run flag's range, the step --load resumes at, and no output that would
+// overwrite an input or another output; `world` ranks for --fault. Throws UsageError naming the
 // flag and the fix.
 void resolve_run_options(RunOptions& o, int world);
+// Throws UsageError naming both flags when an output (--save's files, --save-grads,
+// --log-json, --trace) is an input (--data, --score, the files --load reads) or another output,
+// symlinks followed: the same everywhere a path is, before anything is read or written.
+void check_paths_apart(const RunOptions& o);
+// What every rank must agree on (runtime/launch.cuh, agree_on_launch), in stages: the build;
+// every flag as parsed; the input files (--data, --score, what --load reads).
+std::vector<std::vector<LaunchSetting>> launch_settings(const RunOptions& o);
 
 // ---- Before the first allocation ----
 // This rank's share of its device's memory: host RAM over the node's ranks on CPU; on CUDA the

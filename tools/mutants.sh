@@ -12,6 +12,7 @@
 #      "pp 2, 1f1b" and "cp 2, zigzag, ring"
 #      and the one-process checkpoint resumed under tp 2 + sp and tp 4
 #   5. the bf16 gradients' layouts and ZeRO-1/2 in bf16 against plain data parallelism
+#   6. every report's columns against each other (tests/test_reports.cu, [reports])
 # Usage: tools/mutants.sh [ID ...]   (no IDs: every mutant)
 set -u
 cd "$(dirname "$0")/.."
@@ -189,6 +190,44 @@ mutant data-shard-size runtime/data.cu \
   '  if (count < 0 || size != kShardHeaderBytes + 2 * count)' \
   '  if (count < 0 || size < kShardHeaderBytes + 2 * count)' \
   "llm.c shard: bytes after the promised tokens accepted"
+# Report columns (tests/test_reports.cu): each leaves the run's numbers alone and makes one
+# printed column disagree with the others, which only a test that reads the columns back sees.
+mutant zero-expected-acc runtime/formulas.cu \
+  '  int reduces = stage == 1 ? 1 : grad_acc;' \
+  '  int reduces = 1;' \
+  "ZeRO's expected reduce-scatters: once per step at every stage (ZeRO-2/3 reduce per micro-batch)"
+mutant zero-expected-head runtime/formulas.cu \
+  '    for (int u = 0; u < units - 1; u++)  // the last unit: resident since its forward' \
+  '    for (int u = 0; u < units; u++)  // the last unit: resident since its forward' \
+  "ZeRO-3's expected all-gathers: the head gathered again for its backward"
+mutant zero-report-total runtime/report.cu \
+  '         (long long)(want.reduce_scatter_bytes + want.all_gather_bytes));' \
+  '         (long long)(want.reduce_scatter_bytes + want.reduce_scatter_bytes));' \
+  "ZeRO table: the expected total counts the reduce-scatters twice, the all-gathers never"
+mutant tp-report-acc runtime/report.cu \
+  '           human_bytes(got).c_str(), human_bytes((double)expected * grad_acc).c_str(),' \
+  '           human_bytes(got).c_str(), human_bytes((double)expected).c_str(),' \
+  "tp table: the model's count printed for one micro-batch, not for grad-acc of them"
+mutant memory-book-padded runtime/report.cu \
+  '  StaticMemory book = zero_static_memory(zero_stage, (double)num_params, N, b);' \
+  '  StaticMemory book = zero_static_memory(zero_stage, (double)padded_params, N, b);' \
+  "memory table: the book's row at Ψ' (the padding hidden in it)"
+mutant bubble-book-chunks pipeline_parallel.cu \
+  '          bubble_fraction(s, p, m, V), pipeline_chart(s, p, m, V)};' \
+  '          bubble_fraction(s, p, m, 1), pipeline_chart(s, p, m, V)};' \
+  "bubble table: the book's column ignores interleaving's V chunks"
+mutant dp-report-book runtime/report.cu \
+  '           human_bytes(2.0 * (N - 1) * K / N).c_str());' \
+  '           human_bytes(2.0 * (N - 1) * K / (N - 1)).c_str());' \
+  "comm table: the book's ring all-reduce 2(N-1)K/N printed as 2K"
+mutant comm-all-reduce-bytes runtime/comm.cu \
+  '  count_call(g, Coll::AllReduce, count, 2 * (N - 1) * K / N);' \
+  '  count_call(g, Coll::AllReduce, count, (N - 1) * K / N);' \
+  "comm table: an all-reduce charged as a reduce-scatter's bytes, half the ring's"
+mutant balance-pairs context_parallel.cu \
+  '        if (work) work->blocks++, work->pairs += pairs;' \
+  '        if (work) work->blocks++, work->pairs += (int64_t)mine[qp].length * keys[kp].length;' \
+  "balance table: a block's pairs counted as its whole rectangle, not the causal ones"
 
 # Runs one step of the subset; on failure prints the step and the test files whose checks
 # failed (or "crashed" when there are none: an abort, a timeout).
@@ -213,7 +252,8 @@ subset() {
     step "parity: $row" build/unit_tests "every layout trains like its single-process reference" -c "$row" || return 1
   done
   step "parity: resume under tp" build/unit_tests "a one-process checkpoint resumes under tp 2 + sp and tp 4 like the run it left" || return 1
-  step "bf16 state" build/unit_tests "bf16 gradients: data*,ZeRO-1/2 in bf16*"
+  step "bf16 state" build/unit_tests "bf16 gradients: data*,ZeRO-1/2 in bf16*" || return 1
+  step "report columns" build/unit_tests "[reports]"
 }
 
 WORK=$(mktemp -d /tmp/picoscale-mutants-XXXXXX)

@@ -1,0 +1,156 @@
+// launch.cu: the ranks of a job compare their command lines, builds and input files before the
+// grid is built (launch.cuh). Each setting travels as a 64-bit hash; only the first that differs
+// travels as text, for the message.
+#include "runtime/launch.cuh"
+
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+
+#include "runtime/comm.cuh"
+
+namespace fs = std::filesystem;
+
+// FNV-1a, 64 bits: not cryptographic, only to tell two launches apart.
+static uint64_t fnv1a(const void* data, size_t n, uint64_t h = 14695981039346656037ull) {
+  const unsigned char* p = (const unsigned char*)data;
+  for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+static std::string hex(uint64_t h) {
+  char buf[20];
+  snprintf(buf, sizeof buf, "%016llx", (unsigned long long)h);
+  return buf;
+}
+// The size and checksum of a file's first `limit` bytes, or why it cannot be read.
+static std::string fingerprint(const std::string& path, size_t limit) {
+  FILE* f = fopen(path.c_str(), "rb");
+  if (!f) return "unreadable";
+  std::vector<char> buf(1 << 16);
+  uint64_t h = fnv1a(nullptr, 0), size = 0;
+  size_t n = 0;
+  while (size < limit && (n = fread(buf.data(), 1, std::min(buf.size(), limit - size), f)) > 0)
+    h = fnv1a(buf.data(), n, h), size += n;
+  fseeko(f, 0, SEEK_END);
+  const long long total = (long long)ftello(f);
+  fclose(f);
+  return std::to_string(total) + " bytes, checksum " + hex(h);
+}
+
+// A number in one form (3e-3 and 0.003 are one learning rate); anything else as it is.
+static std::string canonical(const std::string& value) {
+  char* end = nullptr;
+  const double v = strtod(value.c_str(), &end);
+  if (value.empty() || *end != '\0') return value;
+  char buf[40];
+  snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+std::vector<LaunchSetting> command_line_settings(const CLI::App& app) {
+  std::vector<const CLI::App*> groups = {&app};
+  for (const CLI::App* g : app.get_subcommands([](const CLI::App*) { return true; }))
+    groups.push_back(g);
+  std::vector<LaunchSetting> settings;
+  for (const CLI::App* g : groups)
+    for (const CLI::Option* opt : g->get_options()) {
+      if (opt->get_name().empty()) continue;
+      LaunchSetting s{opt->get_name(), "", ""};
+      if (opt->count() && opt->get_type_size() == 0) {  // a switch such as --sp
+        s.value = s.canonical = "given";
+      } else if (opt->count()) {
+        for (const std::string& r : opt->reduced_results()) {
+          s.value += (s.value.empty() ? "" : ",") + r;
+          s.canonical += (s.canonical.empty() ? "" : ",") + canonical(r);
+        }
+      } else if (!opt->get_default_str().empty()) {  // as if given its default
+        s.value = opt->get_default_str() + " (the default)";
+        s.canonical = canonical(opt->get_default_str());
+      } else {
+        s.value = s.canonical = "(not given)";
+      }
+      settings.push_back(s);
+    }
+  return settings;
+}
+
+LaunchSetting build_setting() {
+  std::string v = fingerprint("/proc/self/exe", SIZE_MAX);
+  return {"the build of ./train", v, v};
+}
+
+LaunchSetting files_setting(const std::string& name, const std::vector<std::string>& paths) {
+  std::string v;
+  for (const std::string& p : paths)
+    v += (v.empty() ? "" : "; ") + p + ": " + fingerprint(p, 1 << 16);
+  if (paths.empty()) v = "no files";
+  return {name, v + (paths.empty() ? "" : " (checksums of the first 64 KiB)"), v};
+}
+
+// ----------------------------------------------------------------------------
+// The comparison
+
+static Group world_group(double timeout_s) {
+  Group g;
+  g.name = "world";
+  g.mpi = MPI_COMM_WORLD;
+  g.timeout_s = timeout_s;
+  MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &g.rank));
+  MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &g.size));
+  g.members.assign(g.size, -1);
+  g.members[g.rank] = g.rank;  // the timeout message's rank
+  return g;
+}
+// `text` from group rank `root` to every rank.
+static std::string broadcast(Group& g, std::string text, int root) {
+  int length = (int)text.size();
+  host_wait(g, "agree_on_launch", sizeof length,
+            [&](MPI_Request* r) { return MPI_Ibcast(&length, 1, MPI_INT, root, g.mpi, r); });
+  text.resize(length);
+  host_wait(g, "agree_on_launch", length, [&](MPI_Request* r) {
+    return MPI_Ibcast(text.data(), length, MPI_CHAR, root, g.mpi, r);
+  });
+  return text;
+}
+
+// The first setting of `settings` on which some rank differs from rank 0: every rank throws
+// UsageError naming it. Every rank holds as many settings.
+static void compare(Group& g, const std::vector<LaunchSetting>& settings) {
+  std::vector<uint64_t> mine;
+  for (const LaunchSetting& s : settings)
+    mine.push_back(
+        fnv1a(s.canonical.data(), s.canonical.size(), fnv1a(s.name.data(), s.name.size())));
+  std::vector<uint64_t> all(g.size * mine.size());
+  host_wait(g, "agree_on_launch", mine.size() * sizeof(uint64_t), [&](MPI_Request* r) {
+    return MPI_Iallgather(mine.data(), (int)mine.size(), MPI_UINT64_T, all.data(), (int)mine.size(),
+                          MPI_UINT64_T, g.mpi, r);
+  });
+  for (size_t i = 0; i < mine.size(); i++)
+    for (int r = 1; r < g.size; r++) {
+      if (all[r * mine.size() + i] == all[i]) continue;
+      const std::string name = broadcast(g, settings[i].name, 0);
+      const std::string ours = broadcast(g, settings[i].value, 0);
+      const std::string theirs = broadcast(g, settings[i].value, r);
+      throw UsageError("the ranks were launched differently: " + name + " is " + ours +
+                       " on rank 0 but " + theirs + " on rank " + std::to_string(r) +
+                       "; every rank must run the same build with the same flags and files (an "
+                       "MPMD launch, `mpirun ... : ...`, gave them different ones): launch them "
+                       "alike");
+    }
+}
+
+void agree_on_launch(const std::string& error,
+                     const std::vector<std::vector<LaunchSetting>>& stages, double timeout_s) {
+  Group g = world_group(timeout_s);
+  if (g.size == 1) {
+    if (!error.empty()) throw UsageError(error);
+    return;
+  }
+  // Errors first: the lowest rank with one, as a max of -rank (-size: none).
+  double first = error.empty() ? -g.size : -g.rank;
+  all_reduce_host(g, &first, 1, ReduceOp::Max);
+  if ((int)-first < g.size) throw UsageError(broadcast(g, error, (int)-first));
+  for (const std::vector<LaunchSetting>& stage : stages) compare(g, stage);
+}
