@@ -10,12 +10,11 @@
 //   fp16     5  10    15   65504                 2^-10 = 9.77e-4      1023
 //   e4m3     4   3     7   448 (no infinity)     2^-3                 7
 //   e5m2     5   2    15   57344                 2^-2                 3
-//
 // The idea to take away: every store rounds (to nearest, ties to even), and what is lost is
 // relative precision for bf16 but range for fp16 and fp8, hence loss scaling for fp16 and
 // per-tile scales for fp8 (quantize_tiles, kernels/fp8_gemm.cu). Values only ever widen exactly
-// back to fp32. The precision policy at the end is what train.cu holds.
-// Guide: docs/mixed-precision.md (the code in reading order, the reports that show it).
+// back to fp32. The precision policy at the end is what train.cu holds. Guide:
+// docs/mixed-precision.md.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
