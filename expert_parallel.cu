@@ -9,12 +9,11 @@
 // The one idea: an expert is an MLP that sees only the tokens routed to it, so the experts can
 // live on different ranks as long as the tokens travel to them: data parallelism for every
 // other weight, and the experts sharded over the ep ranks, at the price of two all-to-alls per
-// layer and direction.
-#include "expert_parallel.cuh"
-
+// layer and direction. Guide: docs/expert-parallel.md.
 #include <algorithm>
 #include <cmath>
 
+#include "expert_parallel.cuh"
 #include "mixed_precision.cuh"
 #include "runtime/ops.cuh"
 #include "runtime/options.cuh"
@@ -23,19 +22,22 @@
 // Flags and the experts' placement
 
 void add_expert_flags(CLI::App& app, ExpertOptions& o, RunOptions& run) {
-  CLI::App& g = flag_group(app, "Mixture of experts and expert parallelism (Playbook, EP)");
+  CLI::App& g = flag_group(app, "Mixture of experts and expert parallelism (Playbook §9)");
   add_shape_flag(g, run, "--experts", &ModelConfig::experts,
-                 "a mixture of experts in every block: experts per MLP, each a SwiGLU of --ffn "
-                 "(0: the dense MLP)");
-  add_shape_flag(g, run, "--top-k", &ModelConfig::top_k, "experts per token, 1 to --experts");
+                 "a mixture of experts in every block: experts per MLP, >= 0, each a SwiGLU of "
+                 "--ffn (0: the dense MLP; default: the --model's)");
+  add_shape_flag(g, run, "--top-k", &ModelConfig::top_k,
+                 "experts per token, 1 to --experts (default: the --model's)");
   g.add_option("--aux-loss-coef", run.model.aux_loss_coef,
-               "weight of the load-balancing loss, >= 0 (Mixtral's 0.001)");
+               "weight of the load-balancing loss, >= 0 (default 0.001, Mixtral's; a loaded "
+               "config.json's router_aux_loss_coef)");
   g.add_option("--ep", o.ep,
-               "expert-parallel ranks, carved out of --dp: each holds --experts / --ep experts")
+               "expert-parallel ranks, >= 1, dividing --dp and --experts: each holds --experts / "
+               "--ep experts")
       ->capture_default_str();
   g.add_option("--capacity-factor", o.capacity_factor,
-               "cap each expert at c x tokens x top-k / experts per micro-batch and drop the rest "
-               "(0: dropless)")
+               "cap each expert at c x tokens x top-k / experts per micro-batch, c >= 0, and "
+               "drop the rest (0: dropless)")
       ->capture_default_str();
 }
 
@@ -56,7 +58,8 @@ void validate_expert_parallel(const ModelConfig& c, const ExpertOptions& o, int 
     throw UsageError("--ep " + s(o.ep) + " does not divide the " + s(c.experts) +
                      " experts: each ep rank holds experts / ep of them");
   if (o.capacity_factor > 0 && cp > 1)
-    throw UsageError("--capacity-factor with --cp " + s(cp) + ": a capacity counts the whole "
+    throw UsageError("--capacity-factor with --cp " + s(cp) +
+                     ": a capacity counts the whole "
                      "micro-batch's tokens, which cp splits over its ranks; use one or the other");
 }
 
@@ -101,8 +104,10 @@ Routing route_tokens(const std::vector<float>& logits, int N, int E, int k, int6
     for (int j = 0; j < k; j++)
       for (int t = 0; t < N; t++) {
         size_t i = (size_t)t * k + j;
-        if (taken[r.choice[i]] < capacity) taken[r.choice[i]]++;
-        else r.kept[i] = 0, r.dropped++;
+        if (taken[r.choice[i]] < capacity)
+          taken[r.choice[i]]++;
+        else
+          r.kept[i] = 0, r.dropped++;
       }
   }
   // Dispatch order: by expert, then token.
@@ -206,10 +211,13 @@ static void all_to_all_rows(const ExpertParallel& ep, const Context& ctx, const 
 // Each row's combine weight [K] (the renormalised probability of its token's slot).
 static std::vector<float> row_weights(const Routing& r) {
   std::vector<float> w(r.row_token.size());
-  for (size_t i = 0; i < w.size(); i++) w[i] = r.weight[(size_t)r.row_token[i] * r.k + r.row_slot[i]];
+  for (size_t i = 0; i < w.size(); i++)
+    w[i] = r.weight[(size_t)r.row_token[i] * r.k + r.row_slot[i]];
   return w;
 }
-static int cp_size(const ExpertParallel& ep) { return ep.comm ? ep.comm->cp.size : 1; }
+static int cp_size(const ExpertParallel& ep) {
+  return ep.comm ? ep.comm->cp.size : 1;
+}
 static bool counts_here(const ExpertParallel& ep, const TensorParallel& tp) {
   return tp.rank() == 0 && (!ep.comm || ep.comm->cp.rank == 0);
 }
@@ -237,7 +245,8 @@ static void record(const ExpertParallel& ep, const TensorParallel& tp, const Mod
   }
   for (int e = 0; e < E; e++) s->routed[layer][e] += r.routed[e];
   s->dropped[layer] += r.dropped;
-  std::vector<double> counts(stats.begin(), stats.begin() + E), sums(stats.begin() + E, stats.end());
+  std::vector<double> counts(stats.begin(), stats.begin() + E),
+      sums(stats.begin() + E, stats.end());
   s->layer_aux[layer] += load_balancing_loss(counts, sums, (double)r.tokens * cp_size(ep));
   s->layer_batches[layer]++;
 }
@@ -252,12 +261,12 @@ void moe_forward(const ExpertParallel& ep, const TensorParallel& tp, const Model
   Tensor logits = empty_rows(ctx, N, E);
   linear_forward(ctx, logits, h, w.router);
   int64_t capacity = ep.capacity_factor > 0 ? expert_capacity(ep.capacity_factor, N, E, k) : -1;
-  auto routing = std::make_shared<Routing>(route_tokens(to_host_floats(logits), (int)N, E, k, capacity));
+  auto routing =
+      std::make_shared<Routing>(route_tokens(to_host_floats(logits), (int)N, E, k, capacity));
   const Routing& r = *routing;
   // Dispatch: how many rows each rank's experts receive from each rank, then the rows.
-  std::vector<int64_t> recv = ep.size() > 1
-                                  ? exchange_counts(*ep.comm, ep.comm->ep, r.rows_per_expert)
-                                  : r.rows_per_expert;
+  std::vector<int64_t> recv =
+      ep.size() > 1 ? exchange_counts(*ep.comm, ep.comm->ep, r.rows_per_expert) : r.rows_per_expert;
   auto dispatch = std::make_shared<Dispatch>(make_dispatch(r.rows_per_expert, recv, ep.size()));
   const Dispatch& d = *dispatch;
   const int64_t K = (int64_t)r.row_token.size(), R = (int64_t)d.by_expert.size();
@@ -299,16 +308,16 @@ void moe_forward(const ExpertParallel& ep, const TensorParallel& tp, const Model
 }
 
 void moe_backward(const ExpertParallel& ep, const TensorParallel& tp, const ModelConfig& c,
-                  const Context& ctx, const MoeWeights& w, const MoeWeights& g,
-                  MoeActivations& a, const Tensor& x, const Tensor& dout, const Tensor& dx,
+                  const Context& ctx, const MoeWeights& w, const MoeWeights& g, MoeActivations& a,
+                  const Tensor& x, const Tensor& dout, const Tensor& dx,
                   const std::vector<float>& totals, float loss_scale) {
   const Routing& r = *a.routing;
   const Dispatch& d = *a.dispatch;
   const int E = c.experts, k = c.top_k;
   const int64_t D = c.d_model, N = r.tokens, K = (int64_t)r.row_token.size(), R = a.xe.size(0);
   const int64_t F = a.gate.size(1);
-  Tensor h = region_input(tp, ctx, x);                // [N, D]
-  Tensor dy = tp.sp ? empty_rows(ctx, N, D) : dout;      // [N, D], whole on every tp rank
+  Tensor h = region_input(tp, ctx, x);               // [N, D]
+  Tensor dy = tp.sp ? empty_rows(ctx, N, D) : dout;  // [N, D], whole on every tp rank
   tp_region_exit_backward(tp, ctx, dout, dy);
   Tensor row_ids = device_ints(ctx, r.row_token);
   // Each row's weight: d w = <dy[token], out>, its partial sums added over tp.
@@ -323,7 +332,8 @@ void moe_backward(const ExpertParallel& ep, const TensorParallel& tp, const Mode
   all_to_all_rows(ep, ctx, dy_rows, d.send_peer, arrived, d.recv_peer);
   embedding_forward(ctx, d_y, device_ints(ctx, d.by_expert), arrived);
   // Each expert's SwiGLU backward.
-  Tensor d_act = empty_rows(ctx, R, F), d_gate = empty_rows(ctx, R, F), d_up = empty_rows(ctx, R, F);
+  Tensor d_act = empty_rows(ctx, R, F), d_gate = empty_rows(ctx, R, F),
+         d_up = empty_rows(ctx, R, F);
   Tensor d_xe = empty_rows(ctx, R, D);
   for (int64_t j = 0, at = 0; j < (int64_t)w.experts.size(); at += d.expert_rows[j++])
     if (d.expert_rows[j] > 0)
@@ -353,8 +363,8 @@ void moe_backward(const ExpertParallel& ep, const TensorParallel& tp, const Mode
   if (c.aux_loss_coef > 0 && !totals.empty()) {
     const double tokens = (double)N * cp_size(ep), rows = tokens * c.layers;
     for (int e = 0; e < E; e++)
-      d_prob.push_back((float)(c.aux_loss_coef * (double)loss_scale * tokens * E * totals[e] /
-                               (rows * rows)));
+      d_prob.push_back(
+          (float)(c.aux_loss_coef * (double)loss_scale * tokens * E * totals[e] / (rows * rows)));
   }
   Tensor d_logits = device_floats(ctx, route_backward(r, per_slot, d_prob), {N, E});
   // Every tp rank holds the same router and the same logits' gradient: the input's share is

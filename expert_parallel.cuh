@@ -85,8 +85,8 @@ struct Dispatch {
   int peers = 1, local = 1;
   std::vector<int64_t> send_peer, recv_peer;  // [ep] rows to and from each rank
   std::vector<int64_t> expert_rows;           // [E/ep] rows each local expert computes
-  std::vector<int32_t> by_expert;             // [R] expert-major row i is source-major row by_expert[i]
-  std::vector<int32_t> by_source;             // [R] the inverse
+  std::vector<int32_t> by_expert;  // [R] expert-major row i is source-major row by_expert[i]
+  std::vector<int32_t> by_source;  // [R] the inverse
 };
 Dispatch make_dispatch(const std::vector<int64_t>& send, const std::vector<int64_t>& recv,
                        int peers);
@@ -124,8 +124,8 @@ void moe_forward(const ExpertParallel& ep, const TensorParallel& tp, const Model
 // micro-batch's C_e and S_e over every layer, for the load-balancing loss's gradient, which
 // enters with weight aux_loss_coef x loss_scale x (the micro-batch's tokens).
 void moe_backward(const ExpertParallel& ep, const TensorParallel& tp, const ModelConfig& cfg,
-                  const Context& ctx, const MoeWeights& w, const MoeWeights& g,
-                  MoeActivations& a, const Tensor& x, const Tensor& dout, const Tensor& dx,
+                  const Context& ctx, const MoeWeights& w, const MoeWeights& g, MoeActivations& a,
+                  const Tensor& x, const Tensor& dout, const Tensor& dx,
                   const std::vector<float>& totals, float loss_scale);
 // Once the last layer has run on a micro-batch (its totals complete): its load-balancing loss,
 // recorded in ep.stats. Returns it.

@@ -41,7 +41,8 @@ TEST_CASE("route_tokens: softmax, top k best first, weights renormalised, rows b
   CHECK(r.weight[1] == Approx(e1 / (e2 + e1)).epsilon(1e-6));
   CHECK(r.routed == std::vector<int64_t>{1, 1, 2, 2});
   CHECK(r.dropped == 0);
-  // Dispatch order: expert 0 (token 0), expert 1 (token 1), expert 2 (tokens 0, 2), expert 3 (1, 2).
+  // Dispatch order: expert 0 (token 0), expert 1 (token 1), expert 2 (tokens 0, 2), expert 3 (1,
+  // 2).
   CHECK(r.row_expert == std::vector<int32_t>{0, 1, 2, 2, 3, 3});
   CHECK(r.row_token == std::vector<int32_t>{0, 1, 0, 2, 1, 2});
   CHECK(r.row_slot == std::vector<int32_t>{1, 0, 0, 0, 1, 1});
@@ -186,9 +187,10 @@ TEST_CASE("a mixture of experts matches transformers' Mixtral: logits, losses an
 // (the all-to-alls, the gradient sum over edp_cp), tp and sp (each expert split as the dense
 // MLP is, the router's input gradient added once), the routing counts carried across pipeline
 // stages, cp (counts over the whole sequence), ZeRO-3 gathers of expert units over edp_cp.
-TEST_CASE("./train on the Mixtral fixture under ep, tp, sp, pp, cp and ZeRO gives transformers' "
-          "losses and gradients",
-          "[golden][experts][parity]") {
+TEST_CASE(
+    "./train on the Mixtral fixture under ep, tp, sp, pp, cp and ZeRO gives transformers' "
+    "losses and gradients",
+    "[golden][experts][parity]") {
   struct Layout {
     std::string flags;
     int ranks;
@@ -208,8 +210,9 @@ TEST_CASE("./train on the Mixtral fixture under ep, tp, sp, pp, cp and ZeRO give
   };
   Golden g = read_golden("mixtral");
   std::string tmp = make_temp_dir();
-  const std::string common = "--load " + g.dir + " --data " + g.dir +
-                             "/tokens.bin --val-frac 0.5 --steps 1 --val-every 0 --comm-timeout 60 ";
+  const std::string common =
+      "--load " + g.dir + " --data " + g.dir +
+      "/tokens.bin --val-frac 0.5 --steps 1 --val-every 0 --comm-timeout 60 ";
   for (const Layout& l : layouts) {
     INFO("mixtral, " << l.flags);
     fs::remove_all(tmp + "/run");
@@ -234,9 +237,10 @@ TEST_CASE("./train on the Mixtral fixture under ep, tp, sp, pp, cp and ZeRO give
 // Guards: a save under ep that writes only this rank's experts, or renames or reorders them; a
 // load that puts expert j's weights on the wrong rank. An update of 1e-30 leaves every weight's
 // bits as they were, so the save must hold exactly the fixture's bytes.
-TEST_CASE("a Mixtral checkpoint saved from ep 2 (and ep 2 x pp 2, ZeRO-3) is transformers' own "
-          "bytes, and loads into one process",
-          "[golden][experts][parity]") {
+TEST_CASE(
+    "a Mixtral checkpoint saved from ep 2 (and ep 2 x pp 2, ZeRO-3) is transformers' own "
+    "bytes, and loads into one process",
+    "[golden][experts][parity]") {
   Golden g = read_golden("mixtral");
   std::string tmp = make_temp_dir();
   const std::string common = "--load " + g.dir + " --data " + g.dir +
@@ -321,8 +325,7 @@ TEST_CASE("a capacity no expert reaches trains exactly as dropless; a small one 
 // ---------------------------------------------------------------------------------------------
 // Bad input
 
-TEST_CASE("expert flags that cannot work are refused, naming the flag and the fix",
-          "[experts]") {
+TEST_CASE("expert flags that cannot work are refused, naming the flag and the fix", "[experts]") {
   ModelConfig c = model_preset("tiny");
   ExpertOptions o;
   o.ep = 2;
@@ -348,8 +351,9 @@ TEST_CASE("expert flags that cannot work are refused, naming the flag and the fi
 }
 
 TEST_CASE("./train refuses bad expert flags with exit code 2 on every rank", "[parity][experts]") {
-  const std::string common = "--d-model 32 --layers 2 --heads 4 --kv-heads 2 --ffn 32 --seq 16 "
-                             "--steps 1 --comm-timeout 30 ";
+  const std::string common =
+      "--d-model 32 --layers 2 --heads 4 --kv-heads 2 --ffn 32 --seq 16 "
+      "--steps 1 --comm-timeout 30 ";
   for (auto [flags, ranks, says] :
        {std::tuple{std::string("--dp 2 --ep 2"), 2, std::string("needs a mixture of experts")},
         {"--experts 4 --top-k 2 --dp 2 --ep 4", 2, "does not divide --dp 2"},
