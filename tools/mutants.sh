@@ -13,6 +13,8 @@
 #      and the one-process checkpoint resumed under tp 2 + sp and tp 4
 #   5. the bf16 gradients' layouts and ZeRO-1/2 in bf16 against plain data parallelism
 #   6. every report's columns against each other (tests/test_reports.cu, [reports])
+#   7. the mixture of experts' unit and one-process tests ([experts]), the parity rows "ep 2 (dp 2)"
+#      and "ep 2 x pp 2, 1f1b" (step 3 runs the Mixtral fixture under ep, tp, pp, cp, ZeRO-3)
 # Usage: tools/mutants.sh [ID ...]   (no IDs: every mutant)
 set -u
 cd "$(dirname "$0")/.."
@@ -36,8 +38,8 @@ mutant rope-sign runtime/ops.cu \
   '        v[i + half] = b * c - a * s;' \
   "RoPE: not a rotation"
 mutant ce-max runtime/ops.cu \
-  '    for (int i = 0; i < V; i++) mx = fmaxf(mx, x[i]);' \
-  '    for (int i = 0; i < V; i++) mx = fmaxf(mx, 0.0f);' \
+  '    for (int v = 0; v < V; v++) m = std::max(m, logits[t * V + v]);' \
+  '    for (int v = 0; v < V; v++) m = std::max(m, 0.0f);' \
   "cross-entropy: no max shift"
 mutant vocab-max-sum tensor_parallel.cu \
   '  if (tp.size() > 1) all_reduce(*tp.comm, tp.group(), ctx, row_max.f32(), N, ReduceOp::Max);' \
@@ -83,7 +85,7 @@ mutant swiglu-order model.cu \
   '  swiglu_forward(ctx, a.act, a.gate, a.up);' \
   '  swiglu_forward(ctx, a.act, a.up, a.gate);' \
   "SwiGLU: gate and up swapped in the forward"
-mutant shard-rows tensor_parallel.cu \
+mutant shard-rows runtime/parameters.cu \
   '      float& cell = full[(row0 + r) * full_cols + col0 + c];' \
   '      float& cell = full[(row0 + rows - 1 - r) * full_cols + col0 + c];' \
   "tp shards loaded and saved row-reversed (round trips still pass)"
@@ -96,21 +98,21 @@ mutant config-eps runtime/checkpoint.cu \
   '  cfg.norm_eps = 1e-5f;' \
   "--load ignores rms_norm_eps"
 mutant pp-warmup pipeline_parallel.cu \
-  '    int warmup = std::min(p - rank - 1, m), weights = 0;' \
-  '    int warmup = std::min(p - rank, m), weights = 0;' \
+  '  int warmup = std::min(p - rank - 1, m), weights = 0;' \
+  '  int warmup = std::min(p - rank, m), weights = 0;' \
   "1F1B: one warm-up forward too many (more activations held than p - rank)"
 mutant pp-loss train.cu \
-  '  all_reduce_host(t.comm.pp, &stats.loss_sum, 1, ReduceOp::Sum);  // the last stage holds it' \
+  '  all_reduce_host(t.comm.pp, &loss_sum, 1, ReduceOp::Sum);  // the last stage holds it' \
   '  (void)0;  // the last stage holds it' \
   "pipeline: the loss is not summed over the stages (rank 0 logs 0)"
 mutant cp-owner context_parallel.cu \
   '      attend(held, (r - step + P) % P);' \
   '      attend(held, (r + step) % P);' \
   "ring attention: the block held is attributed to the wrong rank (wrong positions, mask)"
-mutant bf16-ties mixed_precision.cu \
-  '  b = (b + 0x7FFFu + ((b >> 16) & 1)) & 0xFFFF0000u;' \
-  '  b = (b + 0x8000u) & 0xFFFF0000u;' \
-  "bf16 rounding: ties away from zero instead of to even"
+mutant bf16-ties runtime/dtype.cu \
+  '    if (rest > half || (rest == half && (r & 1))) r++;  // ties to even' \
+  '    if (rest >= half) r++;  // ties to even' \
+  "rounding to bf16, fp16 and fp8: ties away from zero instead of to even"
 mutant lp-output mixed_precision.cu \
   '  round_(ctx, y, output_dtype(ctx.precision));' \
   '  (void)y;' \
@@ -144,8 +146,8 @@ mutant bf16-grad-acc runtime/gradient_sync.cu \
   '    zero_(ctx, acc);' \
   "bf16 gradients: a unit's accumulator starts from zero, losing earlier micro-batches"
 mutant zero-bf16-gather zero.cu \
-  '      if (param_shard_.defined()) cast_(ctx, mine, shard_view(Part::Params, iu, U.shard));' \
-  '      if (param_shard_.defined()) (void)mine;' \
+  '    if (param_shard_.defined()) cast_(ctx, slice(model_.params, u), master(u));' \
+  '    if (param_shard_.defined()) (void)0;' \
   "ZeRO-1/2 in bf16: the updated master slice never rounded into the gathered bf16 weights"
 # fp32 accuracy of the attention backward (tests/test_golden.cu's trained fixture): each puts
 # back an error in the softmax row term that a trained model's gradients carry 3-5 times over.
@@ -228,6 +230,47 @@ mutant balance-pairs context_parallel.cu \
   '        if (work) work->blocks++, work->pairs += pairs;' \
   '        if (work) work->blocks++, work->pairs += (int64_t)mine[qp].length * keys[kp].length;' \
   "balance table: a block's pairs counted as its whole rectangle, not the causal ones"
+# Expert parallelism (expert_parallel.cu; tests/test_experts.cu and the Mixtral fixture).
+mutant moe-ties expert_parallel.cu \
+  '        if (best < 0 || p[e] > p[best]) best = e;' \
+  '        if (best < 0 || p[e] >= p[best]) best = e;' \
+  "routing: equal probabilities go to the higher expert index"
+mutant moe-renorm expert_parallel.cu \
+  '    for (int j = 0; j < k; j++) r.weight[(size_t)t * k + j] = (float)(p[chosen[j]] / picked);' \
+  '    for (int j = 0; j < k; j++) r.weight[(size_t)t * k + j] = p[chosen[j]];' \
+  "routing: the top-k weights not renormalised (Switch's, not Mixtral's)"
+mutant moe-capacity expert_parallel.cu \
+  '        if (taken[r.choice[i]] < capacity)' \
+  '        if (taken[r.choice[i]] <= capacity)' \
+  "capacity: each expert keeps one slot more than c x tokens x k / E"
+mutant moe-route-back expert_parallel.cu \
+  '    for (int j = 0; j < k; j++) dp[chosen[j]] += (d_weight[(size_t)t * k + j] - dot) / picked;' \
+  '    for (int j = 0; j < k; j++) dp[chosen[j]] += d_weight[(size_t)t * k + j] / picked;' \
+  "router backward: the renormalisation's shared term left out"
+mutant moe-aux-grad expert_parallel.cu \
+  '          (float)(c.aux_loss_coef * (double)loss_scale * tokens * E * totals[e] / (rows * rows)));' \
+  '          (float)(c.aux_loss_coef * (double)loss_scale * tokens * totals[e] / (rows * rows)));' \
+  "load-balancing loss: its gradient without the factor E"
+mutant moe-dispatch-rows expert_parallel.cu \
+  '      d.expert_rows[j] += recv[s * L + j];' \
+  '      d.expert_rows[j] += send[s * L + j];' \
+  "dispatch: each local expert computes as many rows as this rank sent it, not received"
+mutant moe-tp-weights expert_parallel.cu \
+  '  if (tp.size() > 1 && K > 0)' \
+  '  if (false && K > 0)' \
+  "mixture under tp: the combine weights' gradient left a partial sum"
+mutant moe-router-dx expert_parallel.cu \
+  '  linear_backward(ctx, tp.rank() == 0 ? dh : Tensor(), g.router, d_logits, h, w.router, true);' \
+  '  linear_backward(ctx, dh, g.router, d_logits, h, w.router, true);' \
+  "mixture under tp: the router's input gradient added on every tp rank"
+mutant moe-pp-carry pipeline_parallel.cu \
+  '      if (g == last_chunk) carry = saved[key].carry;  // every layer'"'"'s: this chunk ends the model' \
+  '      (void)0;' \
+  "pipeline: the routing counts of every layer not handed to the last stage's backward"
+mutant moe-edp-group runtime/gradient_sync.cuh \
+  '  Group& group_of(int u) const { return model_.units[u].experts ? comm_.edp_cp : comm_.dp_cp; }' \
+  '  Group& group_of(int u) const { return comm_.dp_cp; }' \
+  "expert parallelism: expert gradients summed over dp_cp (other ranks' experts added in)"
 
 # Runs one step of the subset; on failure prints the step and the test files whose checks
 # failed (or "crashed" when there are none: an abort, a timeout).
@@ -253,7 +296,11 @@ subset() {
   done
   step "parity: resume under tp" build/unit_tests "a one-process checkpoint resumes under tp 2 + sp and tp 4 like the run it left" || return 1
   step "bf16 state" build/unit_tests "bf16 gradients: data*,ZeRO-1/2 in bf16*" || return 1
-  step "report columns" build/unit_tests "[reports]"
+  step "report columns" build/unit_tests "[reports]" || return 1
+  step "experts" build/unit_tests "[experts]~[parity]" || return 1
+  for row in "ep 2 (dp 2)" "ep 2 x pp 2, 1f1b"; do
+    step "parity: $row" build/unit_tests "every layout trains like its single-process reference" -c "$row" || return 1
+  done
 }
 
 WORK=$(mktemp -d /tmp/picoscale-mutants-XXXXXX)
