@@ -5,6 +5,7 @@
 // load-balancing loss and every gradient, in float64), in one process and through ./train under
 // ep, tp, sp, pp, cp and ZeRO; Mixtral checkpoints saved whole from any layout; bad flags.
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <sstream>
@@ -364,5 +365,27 @@ TEST_CASE("./train refuses bad expert flags with exit code 2 on every rank", "[p
     INFO(flags << "\n" << r.output);
     CHECK(r.code == 2);
     CHECK_THAT(r.output, Catch::Contains(says));
+  }
+}
+
+// Guards: an all-to-all or count exchange that waits without bound, or a fault that never
+// reaches the mixture's waits.
+TEST_CASE(
+    "a rank stuck in a mixture's forward or backward ends the job within --comm-timeout, "
+    "naming the expert-parallel wait",
+    "[parity][experts]") {
+  const std::string common =
+      "--d-model 32 --layers 2 --heads 4 --kv-heads 2 --ffn 32 --seq 16 --mbs 2 --steps 3 "
+      "--val-every 0 --experts 4 --top-k 2 --dp 2 --ep 2 --comm-timeout 5 ";
+  for (auto [where, wait] :
+       {std::pair{std::string("forward"), std::string("exchange_counts on ep")},
+        {"backward", "all_to_all on ep"}}) {
+    auto start = std::chrono::steady_clock::now();
+    RunResult r = run_train(common + "--fault hang:1:2:" + where, 2);
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    INFO(where << "\n" << r.output);
+    CHECK(r.code != 0);
+    CHECK_THAT(r.output, Catch::Contains(wait));
+    CHECK(s < 60);  // 5 s of timeout, start-up and the abort
   }
 }
