@@ -8,6 +8,7 @@
 #include <set>
 
 #include "context_parallel.cuh"
+#include "expert_parallel.cuh"
 #include "planner/planner_internal.cuh"
 #include "runtime/dtype.cuh"
 #include "runtime/formulas.cuh"
@@ -52,6 +53,7 @@ std::string Layout::str() const {
        std::to_string(mbs) + " ga " + std::to_string(grad_acc) + " " + precision_name(precision) +
        (bf16_grads ? " (bf16 grads)" : "") + " recompute " + recompute_name(recompute);
   if (attention == AttentionKind::Naive) s += " naive attention";
+  if (ep > 1) s += " ep " + std::to_string(ep);
   return s;
 }
 
@@ -62,6 +64,7 @@ std::string Layout::flags() const {
   if (pp > 1) s += std::string(" --pp-schedule ") + pp_schedule_name(schedule);
   if (virtual_stages > 1) s += " --pp-virtual " + std::to_string(virtual_stages);
   if (zero) s += " --zero " + std::to_string(zero);
+  if (ep > 1) s += " --ep " + std::to_string(ep);
   s += " --mbs " + std::to_string(mbs) + " --grad-acc " + std::to_string(grad_acc);
   s += std::string(" --dtype ") + precision_name(precision);
   if (bf16_grads) s += " --grad-acc-dtype bf16";
@@ -77,7 +80,7 @@ void validate_layout(const ModelConfig& cfg, const Layout& l) {
                             l.tp, l.sp, 0);
   validate_pipeline(cfg.layers, l.pp, l.virtual_stages, l.grad_acc, l.schedule, cfg.tie_embeddings,
                     l.zero);
-  if (l.ep != 1) throw UsageError("--ep: expert parallelism is not planned (dense models only)");
+  validate_expert_parallel(cfg, ExpertOptions{l.ep, 0.0}, l.dp, l.cp);
 }
 
 // ----------------------------------------------------------------------------
@@ -85,15 +88,15 @@ void validate_layout(const ModelConfig& cfg, const Layout& l) {
 
 static StageShape build_stage_shape(const ModelConfig& cfg, const Layout& l, int stage) {
   Comm grid;  // only its tp group's size and rank are read: a layout, not a communicator
-  grid.tp.size = l.tp, grid.tp.rank = 0;
+  grid.tp.size = l.tp, grid.tp.rank = 0, grid.ep.size = l.ep, grid.ep.rank = 0;
   std::vector<Stage> chunks = pipeline_chunks(cfg.layers, l.pp, l.virtual_stages, stage);
-  Model m = build_model_layout(cfg, TensorParallel{&grid, l.sp}, chunks);
+  Model m = build_model_layout(cfg, TensorParallel{&grid, l.sp}, chunks, ExpertParallel{&grid});
   StageShape s;
   for (size_t c = 0; c < m.chunks.size(); c++)
     s.chunks.push_back(
         {m.blocks((int)c), m.chunks[c].embedding, m.chunks[c].head, stage + (int)c * l.pp});
-  for (const ModelUnit& u : m.units) s.unit_numel.push_back(u.numel);
-  s.num_params = m.num_params;
+  for (const ModelUnit& u : m.units) s.unit_numel.push_back(u.numel), s.unit_experts.push_back(u.experts);
+  s.num_params = m.num_params, s.ep = l.ep;
   return s;
 }
 
@@ -101,7 +104,8 @@ const StageShape& stage_shape(const ModelConfig& cfg, const Layout& l, int stage
   static std::map<std::string, StageShape> cache;
   std::string key;
   for (int v : {cfg.vocab, cfg.d_model, cfg.layers, cfg.heads, cfg.kv_heads, cfg.ffn, cfg.seq,
-                (int)cfg.tie_embeddings, l.tp, l.pp, l.virtual_stages, stage})
+                (int)cfg.tie_embeddings, cfg.experts, cfg.top_k, l.tp, l.pp, l.virtual_stages,
+                l.ep, stage})
     key += std::to_string(v) + ",";
   auto it = cache.find(key);
   if (it == cache.end()) {
@@ -303,8 +307,13 @@ MemoryPrediction predict_memory(const ModelConfig& cfg, const Layout& l, const I
     r.stage = stage;
     r.num_params = s.num_params;
     r.padded_params = zero > 0 ? s.padded(N) : s.num_params;
-    StaticMemory st = zero_static_memory(zero, (double)r.padded_params, N, b);
-    r.params = st.params, r.grads = st.grads, r.optimizer = st.optimizer;
+    // The dense units over dp_cp's N ranks, a mixture's experts over edp_cp's N / ep.
+    StaticMemory st = zero_static_memory(
+        zero, (double)(zero > 0 ? s.padded(N, 0) : s.num_params - s.expert_params()), N, b);
+    StaticMemory ex = zero_static_memory(
+        zero, (double)(zero > 0 ? s.padded(N, 1) : s.expert_params()), std::max(1, N / l.ep), b);
+    r.params = st.params + ex.params, r.grads = st.grads + ex.grads;
+    r.optimizer = st.optimizer + ex.optimizer;
     std::vector<ChunkBytes> bytes;
     for (const StageShape::Chunk& c : s.chunks) bytes.push_back(chunk_bytes(cfg, l, impl, c));
     Walk w = walk_schedule(l, impl, stage, bytes);

@@ -99,7 +99,7 @@ struct Implementation {
 
 struct Layout {
   int dp = 1, tp = 1, pp = 1, cp = 1;
-  int ep = 1;  // expert parallelism: not searched (dense models); kept so a layout names it
+  int ep = 1;  // expert parallelism (a mixture's experts over ep of the dp ranks)
   bool sp = false;
   PpSchedule schedule = PpSchedule::OneFOneB;
   int virtual_stages = 1;

@@ -18,10 +18,23 @@ struct StageShape {
   };
   std::vector<Chunk> chunks;
   std::vector<int64_t> unit_numel;
+  std::vector<bool> unit_experts;  // a mixture's experts: sharded over N / ep ranks (edp_cp)
+  int ep = 1;
   int64_t num_params = 0;
-  int64_t padded(int N) const {
+  // Ψ' of the units over ZeRO's groups of N (dp_cp) and N / ep (edp_cp), `experts`: those only
+  // (1), the others (0), or all (-1).
+  int64_t padded(int N, int experts = -1) const {
     int64_t total = 0;
-    for (int64_t n : unit_numel) total += N * ((n + N - 1) / N);
+    for (size_t u = 0; u < unit_numel.size(); u++) {
+      if (experts >= 0 && unit_experts[u] != (experts == 1)) continue;
+      const int64_t n = unit_numel[u], R = unit_experts[u] ? N / ep : N;
+      total += R * ((n + R - 1) / R);
+    }
+    return total;
+  }
+  int64_t expert_params() const {
+    int64_t total = 0;
+    for (size_t u = 0; u < unit_numel.size(); u++) total += unit_experts[u] ? unit_numel[u] : 0;
     return total;
   }
 };

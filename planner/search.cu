@@ -133,7 +133,12 @@ PlanResult plan_layouts(const ModelConfig& cfg, int64_t global_tokens, const Clu
                  grid);
           continue;
         }
-        for (const Layout& l : grid_layouts(grid, sequences / grid.dp, space)) consider(l);
+        // Expert parallelism (Playbook §9): any ep dividing dp and the experts.
+        for (int ep : cfg.experts > 0 ? divisors(grid.dp) : std::vector<int>{1}) {
+          if (cfg.experts % ep) continue;
+          grid.ep = ep;
+          for (const Layout& l : grid_layouts(grid, sequences / grid.dp, space)) consider(l);
+        }
       }
   }
   std::sort(all.begin(), all.end(), [&](const Candidate& a, const Candidate& b) {
@@ -181,7 +186,7 @@ void print_candidate(int rank, const Candidate& c, const Cluster& cl) {
       gib(w.activations).c_str(), w.peak_in_flight, gib(w.workspace).c_str(),
       gib(m.runtime).c_str(), gib(m.total()).c_str(), gib(cl.gpu.memory).c_str());
   std::string comm;
-  for (const char* g : {"tp", "cp", "pp", "dp"}) {
+  for (const char* g : {"tp", "cp", "pp", "ep", "dp"}) {
     auto it = t.exposed.find(g);
     double s = it == t.exposed.end() ? 0 : it->second;
     if (s > 0) comm += std::string(comm.empty() ? "" : ", ") + g + " " + ms(s);

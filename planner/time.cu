@@ -30,8 +30,9 @@ Placement placement(const Layout& l, const Cluster& cl, const std::string& group
   g.dp = l.dp, g.pp = l.pp, g.cp = l.cp, g.tp = l.tp;
   std::vector<int> members;
   const bool d = group == "dp" || group == "dp_cp", p = group == "pp",
-             c = group == "cp" || group == "dp_cp", t = group == "tp";
-  for (int di = 0; di < (d ? l.dp : 1); di++)
+             c = group == "cp" || group == "dp_cp", t = group == "tp", e = group == "ep";
+  // ep: a block of ep consecutive dp ranks (runtime/comm_setup.cu).
+  for (int di = 0; di < (d ? l.dp : e ? l.ep : 1); di++)
     for (int pi = 0; pi < (p ? l.pp : 1); pi++)
       for (int ci = 0; ci < (c ? l.cp : 1); ci++)
         for (int ti = 0; ti < (t ? l.tp : 1); ti++) members.push_back(g.rank_of(di, pi, ci, ti));
@@ -120,7 +121,10 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
   const double attn_peak = l.precision == Precision::FP32 ? gpu.peak_fp32 : gpu.peak_bf16;
   // One block's forward on this rank: its linear layers (2 FLOPs per weight and token) and
   // attention (QK^T and AV over the whole sequence, as the book counts them: 4 h s per token).
-  const double block_weights = D * hd * (2.0 * L.heads + 2.0 * L.kv_heads) + 3.0 * D * L.ffn;
+  // Under a mixture of experts a token meets top_k experts of 3 D F/tp and the router's D E.
+  const double mlp_weights =
+      cfg.experts > 0 ? cfg.top_k * 3.0 * D * L.ffn + D * cfg.experts : 3.0 * D * L.ffn;
+  const double block_weights = D * hd * (2.0 * L.heads + 2.0 * L.kv_heads) + mlp_weights;
   // A GEMM of this step is [N tokens, D] x [D, D/tp or wider]: both its token count and the
   // width each rank keeps decide how close it comes to the achievable rate.
   const double eff =
@@ -155,6 +159,13 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
     cp_fwd = (l.cp - 1) * std::max(0.0, step_fwd - block_attn / l.cp);
     cp_bwd = (l.cp - 1) * std::max(0.0, step_bwd - 2 * block_attn / l.cp);
   }
+  // Expert parallelism (Playbook §9): per block, the forward's dispatch and combine and the
+  // backward's two, each sending N k (ep - 1) / ep rows of D fp32 values to the other ep ranks
+  // (every rank at once: its link's bandwidth), blocking.
+  double ep_fwd = 0;
+  if (l.ep > 1 && cfg.experts > 0)
+    ep_fwd = 2 * collective_time(gpu, placement(l, cl, "ep"), Op::PointToPoint,
+                                 N * cfg.top_k * (l.ep - 1.0) / l.ep * D * 4);
   // Pipeline parallelism (Playbook §8.7): each op receives [n, D] from its neighbour and waits
   // for it (the engine's receives block), so the transfer adds to the op.
   double p2p = 0;
@@ -172,9 +183,9 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
   for (int s : p > 1 ? std::vector<int>{0, p - 1} : std::vector<int>{0})
     shapes.push_back(&stage_shape(cfg, l, s));
   double stage_fwd = 0, stage_bwd = 0, stage_recompute = 0, stage_tp = 0, stage_cp = 0,
-         stage_p2p = 0;
+         stage_p2p = 0, stage_ep = 0;
   for (const StageShape* shape : shapes) {
-    double f = 0, r = 0, tpc = 0, cpc = 0, pc = 0;
+    double f = 0, r = 0, tpc = 0, cpc = 0, pc = 0, epc = 0;
     int blocks = 0;
     for (const StageShape::Chunk& c : shape->chunks) {
       blocks += c.blocks;
@@ -184,6 +195,7 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
         r += c.blocks * block_attn;
       // The vocab-parallel embedding's forward and the head's backward add one collective each.
       tpc += c.blocks * (tp_fwd + tp_bwd) + ((c.embedding ? 1 : 0) + (c.head ? 1 : 0)) * tp_fwd / 2;
+      epc += c.blocks * 2 * ep_fwd;
       cpc += c.blocks * (cp_fwd + cp_bwd);
       pc += (c.global > 0 ? 2 * p2p : 0) + (c.global < p * V - 1 ? 2 * p2p : 0);
     }
@@ -191,9 +203,10 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
       f = (cfg.layers * block_fwd + head_fwd) / p;
       r = r / blocks * cfg.layers / p;
     }
-    if (3 * f + r + tpc + cpc + pc > stage_fwd + stage_bwd + stage_tp + stage_cp + stage_p2p) {
+    if (3 * f + r + tpc + cpc + pc + epc >
+        stage_fwd + stage_bwd + stage_tp + stage_cp + stage_p2p + stage_ep) {
       stage_fwd = f, stage_bwd = 2 * f + r, stage_recompute = r;
-      stage_tp = tpc, stage_cp = cpc, stage_p2p = pc;
+      stage_tp = tpc, stage_cp = cpc, stage_p2p = pc, stage_ep = epc;
     }
   }
   // Per op (a chunk's share): compute plus its exposed tp, cp and pp communication; the
@@ -201,12 +214,12 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
   const double ops = (double)V;
   const bool split =
       p > 1 && splits_backward(pipeline_schedule(l.schedule, p, 0, std::max(m, 2 * p), V));
-  const double comm_op = (stage_tp + stage_cp + stage_p2p) / ops / 2;
+  const double comm_op = (stage_tp + stage_cp + stage_p2p + stage_ep) / ops / 2;
   double t_f = stage_fwd / ops + comm_op, t_b = stage_bwd / ops + comm_op, t_w = 0;
   if (split) t_w = stage_fwd / ops, t_b -= t_w;  // W: the weight-gradient GEMMs, 1 forward
   PipelineTiming timing =
       p > 1 ? pipeline_timing(l.schedule, p, m, V, t_f, t_b, t_w) : PipelineTiming{};
-  const double busy = m * (stage_fwd + stage_bwd + stage_tp + stage_cp + stage_p2p);
+  const double busy = m * (stage_fwd + stage_bwd + stage_tp + stage_cp + stage_p2p + stage_ep);
   const double makespan = p > 1 ? timing.makespan : busy;
 
   StepTime st;
@@ -216,6 +229,7 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
   st.exposed["tp"] = m * stage_tp;
   st.exposed["cp"] = m * stage_cp;
   st.exposed["pp"] = m * stage_p2p;
+  if (l.ep > 1) st.exposed["ep"] = m * stage_ep;
 
   // Data parallelism and ZeRO over dp_cp (Playbook §3, §4; appendix A3): what the backward
   // of the micro-batch that launches the collectives covers is hidden; the rest is exposed.
@@ -223,30 +237,41 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
   const int zero = Nd > 1 ? l.zero : 0;
   double dp_exposed = 0, opt = 0;
   {
-    Placement pl = placement(l, cl, "dp_cp");
+    Placement pl = placement(l, cl, "dp_cp"), pl_experts = pl;
+    pl_experts.size = Nd / l.ep;  // edp_cp: a mixture's experts (its nodes taken as dp_cp's)
     const double grad_bytes = l.bf16_grads ? 2 : 4;
     const double weight_bytes = l.precision == Precision::FP32 ? 4 : 2;
     double worst = 0, worst_opt = 0;
     for (const StageShape* shape : shapes) {
       const StageShape& sh = *shape;
-      double shard = zero > 0 ? (double)sh.padded(Nd) / Nd : (double)sh.num_params;
+      double shard = zero > 0 ? (double)sh.padded(Nd, 0) / Nd + sh.padded(Nd, 1) * l.ep / Nd
+                              : (double)sh.num_params;
       double o = 32 * shard / gpu.hbm_bandwidth;  // AdamW: ~32 bytes read and written per parameter
       double exposed = 0;
       if (Nd > 1) {
         double window = stage_bwd;  // the last micro-batch's backward on this stage
         if (zero == 0) {
           // Buckets of 25 MiB (data_parallel.cu), all-reduced as they fill; the last cannot hide.
-          double bytes = grad_bytes * sh.num_params, bucket = 25.0 * 1024 * 1024;
+          // A mixture's experts in buckets of their own over edp_cp (no sum when it is 1 rank).
+          const double bucket = 25.0 * 1024 * 1024, experts = grad_bytes * sh.expert_params();
+          const double bytes = grad_bytes * sh.num_params - experts;
           int buckets = std::max(1, (int)std::ceil(bytes / bucket));
           double each = collective_time(gpu, pl, Op::AllReduce, bytes / buckets);
-          exposed = std::max(each, buckets * each - window);
+          double total = buckets * each;
+          if (experts > 0 && pl_experts.size > 1) {
+            int n = std::max(1, (int)std::ceil(experts / bucket));
+            total += n * collective_time(gpu, pl_experts, Op::AllReduce, experts / n);
+          }
+          exposed = std::max(each, total - window);
         } else {
           double rs = 0, rs_last = 0, ag = 0;
-          for (int64_t u : sh.unit_numel) {
-            double padded = (double)Nd * ((u + Nd - 1) / Nd);
-            rs_last = collective_time(gpu, pl, Op::Gather, grad_bytes * padded);
+          for (size_t i = 0; i < sh.unit_numel.size(); i++) {
+            const int64_t u = sh.unit_numel[i];
+            const Placement& group = sh.unit_experts[i] ? pl_experts : pl;
+            double padded = (double)group.size * ((u + group.size - 1) / group.size);
+            rs_last = collective_time(gpu, group, Op::Gather, grad_bytes * padded);
             rs += rs_last;
-            ag += collective_time(gpu, pl, Op::Gather, weight_bytes * padded);
+            ag += collective_time(gpu, group, Op::Gather, weight_bytes * padded);
           }
           if (zero == 1) exposed = std::max(rs_last, rs - window);
           if (zero == 2) exposed = m * std::max(rs_last, rs - window);  // every micro-batch

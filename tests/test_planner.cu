@@ -252,6 +252,49 @@ TEST_CASE("the planner's memory per rank equals --report memory's: static bytes 
   }
 }
 
+// The same with a mixture of experts (4 experts, top 2): the experts' weights are E / ep per
+// rank and ZeRO shards them over edp_cp (N / ep ranks), exactly as ./train holds them. A rank's
+// activations hold the rows the routing sent its experts, which the planner takes as balanced
+// (tokens x k / E each): measured, they stay within 10% here.
+TEST_CASE("the planner's memory per rank with a mixture of experts under ep equals --report "
+          "memory's static bytes",
+          "[planner][parity][experts]") {
+  ModelConfig c = model_preset("tiny");
+  c.d_model = 32, c.layers = 4, c.heads = 4, c.kv_heads = 2, c.ffn = 32, c.seq = 16;
+  c.experts = 4, c.top_k = 2;
+  const std::string base = "--d-model 32 --layers 4 --heads 4 --kv-heads 2 --ffn 32 --seq 16 "
+                           "--experts 4 --top-k 2 --warmup 1 --val-every 0 --val-seqs 1 "
+                           "--steps 1 --report memory --comm-timeout 60 ";
+  auto layout = [](int dp, int ep, int zero) {
+    Layout l;
+    l.dp = dp, l.ep = ep, l.zero = zero, l.mbs = 2, l.precision = Precision::FP32;
+    return l;
+  };
+  std::vector<Layout> layouts = {layout(2, 2, 0), layout(2, 2, 1), layout(4, 2, 2),
+                                 layout(2, 1, 3), layout(4, 2, 3)};
+  { Layout l = layout(2, 2, 1); l.tp = 2, l.sp = true; layouts.push_back(l); }
+  Implementation impl;
+  impl.mpi_sends = true;
+  for (const Layout& l : layouts) {
+    validate_layout(c, l);
+    RunResult r = run_train(base + l.flags(), l.world());
+    INFO(l.str() << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    std::map<int, Measured> rows = measured_rows(r.output);
+    REQUIRE((int)rows.size() == l.world());
+    MemoryPrediction p = predict_memory(c, l, impl);
+    for (auto& [rank, m] : rows) {
+      const RankMemory& want = p.stages[0];
+      INFO("rank " << rank << ": predicted activations " << want.activations << " B, measured "
+                   << m.activations << " B");
+      CHECK(m.params == (int64_t)want.params);
+      CHECK(m.grads == (int64_t)want.grads);
+      CHECK(m.optimizer == (int64_t)want.optimizer);
+      CHECK(std::fabs(m.activations - want.activations) <= 0.10 * m.activations);
+    }
+  }
+}
+
 // ----------------------------------------------------------------------------
 // The book's campaign
 

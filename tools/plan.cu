@@ -93,6 +93,7 @@ static Layout parse_layout(const std::string& flags) {
   app.add_option("--mbs", l.mbs), app.add_option("--grad-acc", l.grad_acc);
   app.add_option("--dtype", dtype), app.add_option("--grad-acc-dtype", grads);
   app.add_option("--recompute", recompute), app.add_option("--attention", attention);
+  app.add_option("--ep", l.ep);
   try {
     app.parse(flags, false);
   } catch (const CLI::ParseError& e) {
@@ -111,7 +112,7 @@ int main(int argc, char** argv) {
               schedules = "afab,1f1b,interleaved,zb-h1", dtypes = "";
   std::string campaign_file, json_file, comm_fit, one_layout;
   int nodes = 1, gpus_per_node = 8, top = 5, seq = 0, max_mbs = 64, wire = 4;
-  int layers = 0, d_model = 0, heads = 0, kv_heads = 0, ffn = 0, vocab = 0;
+  int layers = 0, d_model = 0, heads = 0, kv_heads = 0, ffn = 0, vocab = 0, experts = -1, top_k = 0;
   double batch_tokens = 1 << 20, peak = 0, memory_gib = 0, intra = 0, inter = 0, nic = 0,
          efficiency = 0, alpha_us = -1;
   bool no_cp = false, no_sp = false, tie = false, untie = false, campaign_space_flag = false;
@@ -131,6 +132,8 @@ int main(int argc, char** argv) {
   app.add_option("--kv-heads", kv_heads, "override its key/value heads");
   app.add_option("--ffn", ffn, "override its MLP width");
   app.add_option("--vocab", vocab, "override its vocabulary");
+  app.add_option("--experts", experts, "a mixture of experts per block (0: dense); layouts try --ep");
+  app.add_option("--top-k", top_k, "experts per token");
   app.add_flag("--tie-embeddings", tie, "tie the embedding and the LM head");
   app.add_flag("--untie-embeddings", untie, "untie them");
   app.add_option("--seq", seq, "tokens per sequence (default: the model's)");
@@ -212,8 +215,10 @@ int main(int argc, char** argv) {
                                 {kv_heads, &ModelConfig::kv_heads},
                                 {ffn, &ModelConfig::ffn},
                                 {vocab, &ModelConfig::vocab},
-                                {seq, &ModelConfig::seq}})
+                                {seq, &ModelConfig::seq},
+                                {top_k, &ModelConfig::top_k}})
       if (value > 0) cfg.*field = value;
+    if (experts >= 0) cfg.experts = experts;
     if (tie) cfg.tie_embeddings = true;
     if (untie) cfg.tie_embeddings = false;
     validate_model_config(cfg);
