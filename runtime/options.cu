@@ -246,10 +246,10 @@ void resolve_run_options(RunOptions& o, int world) {
                          " would be ignored; drop it (train first, then score the checkpoint)");
   resolve_model(o);
   if (o.steps < 0) throw UsageError("--steps " + std::to_string(o.steps) + ": must be >= 0");
-  if (o.steps == 0 && o.score.empty() && o.save.empty())
+  if (o.steps == 0 && o.score.empty() && o.save.empty() && o.sample == 0)
     throw UsageError("--steps 0 trains nothing: it loads (--load DIR) and saves (--save DIR), "
-                     "e.g. a bf16 or sharded checkpoint into one fp32 model.safetensors; add "
-                     "--save DIR");
+                     "e.g. a bf16 or sharded checkpoint into one fp32 model.safetensors, or "
+                     "samples (--sample N); add --save DIR");
   if (o.steps == 0 && !o.save_grads.empty())
     throw UsageError("--save-grads writes the first step's gradients, and --steps 0 takes no "
                      "step: drop --save-grads");

@@ -45,14 +45,19 @@ commands() {
 }
 
 # The command as the test runs it: steps capped, validation at the end only, the launcher's flags.
+# The cap ($2) grows by CAP with each --load of the file, so a resume continues past the step
+# the run it loads was shortened to; it also reaches a --fault's step.
 shorten() {
-  local cmd=$1
+  local cmd=$1 cap=$2
+  if [[ $cmd =~ --fault\ [a-z]+:[0-9]+:([0-9]+) ]] && [ "${BASH_REMATCH[1]}" -ge "$cap" ]; then
+    cap=$((BASH_REMATCH[1] + 1))
+  fi
   if [[ $cmd == *"./train"* && $cmd != *"--score"* ]]; then
     if [[ $cmd =~ --steps\ ([0-9]+) ]]; then
       local n=${BASH_REMATCH[1]}
-      [ "$n" -gt "$CAP" ] && cmd=${cmd/--steps $n/--steps $CAP}
+      [ "$n" -gt "$cap" ] && cmd=${cmd/--steps $n/--steps $cap}
     else
-      cmd+=" --steps $CAP"
+      cmd+=" --steps $cap"
     fi
     [[ $cmd == *"--val-every"* ]] || cmd+=" --val-every 0"
   fi
@@ -67,6 +72,7 @@ shorten() {
 passed=0 failed=0 skipped=0
 for file in "${files[@]}"; do
   dir=$work/$(echo "$file" | tr '/.' '__')
+  loads=0
   mkdir -p "$dir" && ln -s "$ROOT/train" "$dir/train" && ln -s "$ROOT/plan" "$dir/plan" && ln -s "$ROOT/build" "$dir/build"
   while IFS=$'\t' read -r line cmd; do
     where="$file:$line"
@@ -76,7 +82,8 @@ for file in "${files[@]}"; do
       *" --hostfile "*)
         echo "SKIP: $where (needs several nodes): $cmd"; skipped=$((skipped + 1)); continue ;;
     esac
-    run=$(shorten "$cmd")
+    [[ " $cmd " == *" --load "* ]] && loads=$((loads + 1))
+    run=$(shorten "$cmd" $((CAP * (1 + loads))))
     t0=$(date +%s.%N)
     (cd "$dir" && timeout 300 bash -c "$run") </dev/null >"$dir/out.txt" 2>&1  # mpirun reads stdin
     rc=$?
