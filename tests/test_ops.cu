@@ -299,6 +299,24 @@ TEST_CASE("residual_forward, axpy and scale_ give exact small-integer results", 
 // ----------------------------------------------------------------------------
 // cross-entropy
 
+// A mixture of experts' combine: each row times its weight, and each row's dot product.
+TEST_CASE("scale_rows and row_dots give exact small-integer results, zero rows included",
+          "[ops]") {
+  Tensor x = empty({3, 2}, Mem::Workspace), w = empty({3}, Mem::Workspace);
+  Tensor y = empty({3, 2}, Mem::Workspace), d = empty({3}, Mem::Workspace);
+  std::vector<float> xs = {1, 2, 3, 4, 5, 6}, ws = {2, -1, 0.5f};
+  from_host(x, xs.data()), from_host(w, ws.data());
+  scale_rows(kCpu, y, x, w);
+  CHECK(to_host_floats(y) == std::vector<float>{2, 4, -3, -4, 2.5f, 3});
+  row_dots(kCpu, d, x, y);  // 1*2 + 2*4, 3*-3 + 4*-4, 5*2.5 + 6*3
+  CHECK(to_host_floats(d) == std::vector<float>{10, -25, 30.5f});
+  scale_rows(kCpu, x, x, w);  // in place
+  CHECK(to_host_floats(x) == to_host_floats(y));
+  Tensor none = empty({1, 2}, Mem::Workspace).view(0, {0, 2}), nw = empty({1}, Mem::Workspace);
+  scale_rows(kCpu, none, none, nw.view(0, {0}));  // nothing to do, nothing touched
+  row_dots(kCpu, nw.view(0, {0}), none, none);
+}
+
 TEST_CASE("cross-entropy is -log softmax(logits)[target]", "[ops]") {
   Tensor logits = randn({4, 7}, "logits", 2.0f), targets = ids_tensor({0, 6, 3, 3});
   Tensor losses = empty({4}, Mem::Activations);
@@ -589,6 +607,22 @@ TEST_CASE("CUDA residual, axpy and scale_ match the CPU reference", "[gpu]") {
   scale_(kCpu, out, -1.7f);
   scale_(ctx, g_out, -1.7f);
   check_close(host(ctx, g_out), out, 1e-6f, 1e-6f);  // FMA in axpy: one rounding fewer
+  ctx.destroy();
+}
+
+TEST_CASE("CUDA scale_rows and row_dots match the CPU reference", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  const int K = 37, D = 300;
+  Tensor x = randn({K, D}, "x"), b = randn({K, D}, "b"), w = randn({K}, "w");
+  Tensor y = empty({K, D}, Mem::Activations), d = empty({K}, Mem::Activations);
+  Tensor g_x = gpu(x), g_b = gpu(b), g_w = gpu(w), g_y = gpu(y), g_d = gpu(d);
+  scale_rows(kCpu, y, x, w);
+  scale_rows(ctx, g_y, g_x, g_w);
+  check_close(host(ctx, g_y), y, 0.0f, 0.0f);  // one product each: exact
+  row_dots(kCpu, d, x, b);
+  row_dots(ctx, g_d, g_x, g_b);
+  check_close(host(ctx, g_d), d, 1e-5f, 1e-5f);  // 300-term sums in another order
   ctx.destroy();
 }
 
