@@ -281,21 +281,23 @@ def parse_comm(lines):
                          r"([\d.]+ \w+)", line)
             if m and (human(m.group(2)) or human(m.group(3))):
                 rows.append((f"tp {m.group(1)}, training", human(m.group(2)), human(m.group(3))))
-    # Every group's collectives as measured (validation included); then each gradient sync, the
-    # group's collectives summed (ZeRO's reduce-scatter and all-gather add up to the ring
-    # all-reduce) against the book's 2(N-1)K/N; then the ZeRO and tp tables, training only.
-    out = [(f"{group} {coll}, every call", got, None) for (group, coll), got in table.items()]
-    for group, want in sync.items():
-        got = sum(b for (g, _), b in table.items() if g == group)
-        out.append((f"{group} gradient sync, every call summed", got, want))
+    # Every group's collectives as measured (validation included); then, without ZeRO, each
+    # gradient sync (the group's collectives summed) against the book's ring all-reduce
+    # 2(N-1)K/N; ZeRO's own table replaces it; then the tp table, training only.
+    out = [(f"{group} {coll}, every call", got, None)
+           for (group, coll), got in table.items() if got > 0]
+    if not any(label.startswith("ZeRO") for label, _, _ in rows):
+        for group, want in sync.items():
+            got = sum(b for (g, _), b in table.items() if g == group)
+            out.append((f"{group} gradient sync, every call summed", got, want))
     return out + rows
 
 
 def plot_comm(args):
     rows = parse_comm(read_text(args.report))
     if not rows:
-        sys.exit(f"error: {args.report}: no communication table; save the output of "
-                 "./train ... --report comm to the file")
+        sys.exit(f"error: {args.report}: no communication table (one rank sends nothing); save "
+                 "the output of mpirun -np N ./train ... --report comm to the file")
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.6))
     y = range(len(rows))
     ax.barh([i - 0.2 for i in y], [r[1] / 2**20 for r in rows], 0.4, color="#4c8bd6",
