@@ -328,6 +328,34 @@ TEST_CASE("the book's campaign: the planner's memory within 25% in 20 cells, the
   CHECK(2 * mfu >= ran);
 }
 
+TEST_CASE("./plan --campaign --json writes every cell: the planner's best, and the book's layout "
+          "where it ran", "[planner]") {
+  // The file tools/plots.py draws as a heatmap (model x nodes, coloured by predicted MFU).
+  std::string dir = make_temp_dir();
+  RunResult r = run_plan("--campaign tests/data/book_campaign.csv --json " + dir + "/cells.json");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  std::ifstream f(dir + "/cells.json");
+  nlohmann::json cells = nlohmann::json::parse(f);
+  REQUIRE(cells.size() == 28);
+  int ran = 0, fits = 0;
+  for (const nlohmann::json& c : cells) {
+    INFO(c.dump());
+    ran += !c["book"].is_null(), fits += !c["best"].is_null();
+    if (c["best"].is_null()) continue;
+    const nlohmann::json& b = c["best"];
+    CHECK(b["dp"].get<int>() * b["tp"].get<int>() * b["pp"].get<int>() ==
+          8 * c["nodes"].get<int>());
+    CHECK(b["mfu"].get<double>() > 0);
+    CHECK(b["mfu"].get<double>() < 1);
+  }
+  CHECK(ran == 26);
+  CHECK(fits == 26);  // 80B on 1-2 nodes: nothing fits, and nothing ran in the book
+  CHECK(cells[0]["model"] == "1B");
+  CHECK(cells[0]["nodes"] == 1);
+  CHECK(cells[0]["book"]["mfu"].get<double>() == Approx(0.443));
+}
+
 // ----------------------------------------------------------------------------
 // MFU in the step lines
 

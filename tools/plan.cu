@@ -26,9 +26,11 @@ static std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
-// The campaign table of docs/planner.md: every cell, the book's layout and the planner's view.
-static int campaign(const std::string& path, const GpuProfile& gpu) {
+// The campaign table of docs/planner.md: every cell, the book's layout and the planner's view;
+// with --json, the same cells for tools/plots.py's heatmap.
+static int campaign(const std::string& path, const GpuProfile& gpu, const std::string& json_file) {
   std::vector<CampaignCell> cells = read_campaign(path);
+  nlohmann::json out = nlohmann::json::array();
   printf(
       "| model | nodes | book's best (dp tp pp zero mbs ga) | book MFU | planner MFU | book mem GB "
       "| planner mem GB | planner rank | planner's best | note |\n");
@@ -36,6 +38,33 @@ static int campaign(const std::string& path, const GpuProfile& gpu) {
   int ran = 0, memory_ok = 0, top5 = 0, mfu_ok = 0;
   for (const CampaignCell& c : cells) {
     CampaignVerdict v = judge_campaign_cell(c, gpu);
+    nlohmann::json cell{
+        {"model", c.model}, {"nodes", c.nodes}, {"best", nullptr}, {"book", nullptr}};
+    if (v.best.time.step > 0) {
+      const Layout& l = v.best.layout;
+      cell["best"] = {{"layout", l.str()},
+                      {"dp", l.dp},
+                      {"tp", l.tp},
+                      {"sp", l.sp},
+                      {"pp", l.pp},
+                      {"zero", l.zero},
+                      {"mbs", l.mbs},
+                      {"grad_acc", l.grad_acc},
+                      {"mfu", v.best.time.mfu},
+                      {"memory_gb", v.best.memory.total() / 1e9}};
+    }
+    if (c.ran)
+      cell["book"] = {{"dp", c.dp},
+                      {"tp", c.tp},
+                      {"pp", c.pp},
+                      {"zero", c.zero},
+                      {"mbs", c.mbs},
+                      {"grad_acc", c.grad_acc},
+                      {"mfu", c.mfu},
+                      {"memory_gb", c.memory_gb},
+                      {"predicted_mfu", v.valid ? nlohmann::json(v.book.time.mfu) : nullptr},
+                      {"planner_rank", v.rank}};
+    out.push_back(cell);
     std::string best = v.best.layout.str();
     if (v.best.time.step > 0) {
       char b[160];
@@ -78,6 +107,11 @@ static int campaign(const std::string& path, const GpuProfile& gpu) {
       "\n%d cells ran: memory within 25%% in %d, the book's layout among the planner's five "
       "best in %d, MFU within 10 points in %d\n",
       ran, memory_ok, top5, mfu_ok);
+  if (!json_file.empty()) {
+    std::ofstream f(json_file);
+    if (!f) throw UsageError("--json " + json_file + ": cannot write it");
+    f << out.dump(1) << "\n";
+  }
   return 0;
 }
 
@@ -172,7 +206,8 @@ int main(int argc, char** argv) {
   app.add_option("--top", top, "layouts to print")->capture_default_str();
   app.add_flag("--campaign-space", campaign_space_flag,
                "search what the book's campaign searched, as it did (ranked by MFU; bf16 wire)");
-  app.add_option("--json", json_file, "write the ranked layouts as JSON");
+  app.add_option("--json", json_file,
+                 "write the ranked layouts (with --campaign: every cell) as JSON");
   app.add_option(
       "--campaign", campaign_file,
       "judge the planner against the book's campaign table (tests/data/book_campaign.csv)");
@@ -206,7 +241,7 @@ int main(int argc, char** argv) {
       gpu.intra_alpha = gpu.intra_alpha_gather = gpu.intra_alpha_p2p = gpu.inter_alpha =
           alpha_us * 1e-6;
     if (efficiency > 0) gpu.compute_efficiency = efficiency;
-    if (!campaign_file.empty()) return campaign(campaign_file, gpu);
+    if (!campaign_file.empty()) return campaign(campaign_file, gpu, json_file);
 
     ModelConfig cfg = planner_model(model);
     for (auto [value, field] : {std::pair<int, int ModelConfig::*>{layers, &ModelConfig::layers},
