@@ -691,8 +691,12 @@ void prune_periodic_checkpoints(const std::string& dir_arg, int keep) {
   const std::string dir = output_target(strip_slashes(dir_arg));
   std::map<int64_t, std::string> found = periodic_checkpoints(dir);
   std::error_code ec;
-  for (auto it = found.begin(); keep > 0 && (int)found.size() > keep; it = found.erase(it))
-    fs::remove_all(it->second, ec);
+  // Renamed to a temporary first (one atomic step), then removed: a run killed while it removes
+  // leaves a temporary, which no load reads and the next save clears, never a torn checkpoint.
+  for (auto it = found.begin(); keep > 0 && (int)found.size() > keep; it = found.erase(it)) {
+    const std::string gone = temp_name(it->second, "old");
+    if (rename(it->second.c_str(), gone.c_str()) == 0) fs::remove_all(gone, ec);
+  }
   // Temporaries of periodic saves killed at other steps than this run's.
   std::set<std::string> killed;
   for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
