@@ -157,31 +157,36 @@ std::map<std::string, std::vector<float>> with_prefix(const Golden& g, const std
 // Guards: the router's softmax and top-k, the renormalised weights, each expert's SwiGLU and
 // its Mixtral names (w1 gate, w3 up, w2 down), the combine, the load-balancing loss and its
 // gradient into the router (coefficient from config.json's router_aux_loss_coef).
-TEST_CASE("a mixture of experts matches transformers' Mixtral: logits, losses and every gradient",
+TEST_CASE("a mixture of experts matches transformers' Mixtral: logits, losses and every gradient, "
+          "with flash and naive attention",
           "[golden][experts]") {
   const Context ctx;
   Golden g = read_golden("mixtral");
   REQUIRE(g.cfg.experts == 4);
   REQUIRE(g.cfg.top_k == 2);
   REQUIRE(g.cfg.aux_loss_coef == Approx(0.02));
-  Model model = build_model(g.cfg, Device::CPU, 1);
-  ExpertStats stats;
-  model.ep.stats = &stats;
-  load_checkpoint(g.dir, model.named_params, nullptr);
-  Activations acts;
-  float loss_sum =
-      model_forward(ctx, model, acts, g.ids.data(), g.targets.data(), g.B, g.T, Recompute::None);
-  require_close(to_host_floats(acts.logits), g.ref["logits"], kLogitsTol, "mixtral logits");
-  REQUIRE(loss_sum / (g.B * g.T) == Approx(g.loss()).epsilon(kLossTol));
-  REQUIRE(stats.batches == 1);
-  REQUIRE(stats.aux_sum == Approx(g.ref["aux"][0]).epsilon(kLossTol));
-  // transformers' own (fp32) load-balancing loss is the same number: the formula is theirs.
-  REQUIRE(stats.aux_sum == Approx(g.ref["aux_transformers"][0]).epsilon(1e-6));
-  zero_(model.grads);
-  model_backward(ctx, model, acts, 1.0f / (g.B * g.T), Recompute::None);
-  std::map<std::string, std::vector<float>> grads;
-  for (const NamedTensor& t : model.named_grads) grads[t.name] = to_host_floats(t.tensor);
-  require_grads(grads, with_prefix(g, "grad."), kGradTol, "mixtral gradient");
+  for (AttentionKind attention : {AttentionKind::Flash, AttentionKind::Naive}) {
+    INFO(attention_name(attention) << " attention");
+    Model model = build_model(g.cfg, Device::CPU, 1);
+    model.attention = local_attention(attention);
+    ExpertStats stats;
+    model.ep.stats = &stats;
+    load_checkpoint(g.dir, model.named_params, nullptr);
+    Activations acts;
+    float loss_sum =
+        model_forward(ctx, model, acts, g.ids.data(), g.targets.data(), g.B, g.T, Recompute::None);
+    require_close(to_host_floats(acts.logits), g.ref["logits"], kLogitsTol, "mixtral logits");
+    REQUIRE(loss_sum / (g.B * g.T) == Approx(g.loss()).epsilon(kLossTol));
+    REQUIRE(stats.batches == 1);
+    REQUIRE(stats.aux_sum == Approx(g.ref["aux"][0]).epsilon(kLossTol));
+    // transformers' own (fp32) load-balancing loss is the same number: the formula is theirs.
+    REQUIRE(stats.aux_sum == Approx(g.ref["aux_transformers"][0]).epsilon(1e-6));
+    zero_(model.grads);
+    model_backward(ctx, model, acts, 1.0f / (g.B * g.T), Recompute::None);
+    std::map<std::string, std::vector<float>> grads;
+    for (const NamedTensor& t : model.named_grads) grads[t.name] = to_host_floats(t.tensor);
+    require_grads(grads, with_prefix(g, "grad."), kGradTol, "mixtral gradient");
+  }
 }
 
 // Guards: the sharded paths against the same outside numbers: experts split over ep ranks

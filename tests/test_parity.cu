@@ -429,8 +429,13 @@ TEST_CASE("--trace draws the pipeline schedule: an F and a B span per micro-batc
 // AdamW bound, around the flash reference's gradients (the matrix's own reference runs).
 TEST_CASE("--attention flash trains like --attention naive on every reference of the matrix",
           "[parity]") {
+  // Dense references only: a mixture's routing is discontinuous (a token whose second and third
+  // experts' probabilities lie within the two attentions' ~1e-7 of each other may go to another
+  // expert), so its weights leave the AdamW bound's premise; its parity rows compare layouts at
+  // the same attention, and the Mixtral fixture holds both attentions to transformers' numbers.
   std::set<std::string> references;
-  for (const ParityRow& row : PARITY_ROWS) references.insert(row.reference);
+  for (const ParityRow& row : PARITY_ROWS)
+    if (row.reference.find("--experts") == std::string::npos) references.insert(row.reference);
   std::string dir = make_temp_dir();
   for (const std::string& reference : references) {
     const RunFiles& flash = run_reference(reference);  // flash is the default
