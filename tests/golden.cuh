@@ -3,12 +3,13 @@
 #pragma once
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <filesystem>
 #include <map>
 #include <string>
 #include <vector>
 
-#include "runtime/checkpoint.cuh"
 #include "launch.cuh"
+#include "runtime/checkpoint.cuh"
 
 // gqa_bf16 was saved by transformers in bf16: loaded here it widens exactly, so the float64
 // reference of those bf16 weights holds it to the same tolerances as the fp32 fixtures.
@@ -64,6 +65,30 @@ inline void require_close(const std::vector<float>& got, const std::vector<float
   INFO(what << ": max diff " << worst << ", max |ref| " << scale << ", allowed " << rel * scale);
   REQUIRE(scale > 0);
   REQUIRE(worst <= rel * scale);
+}
+
+// One step of ./train from fixture g with `flags` on `ranks` (0: one process), training on
+// exactly the fixture's batch (--val-frac 0.5, tools/make_golden.py): its step line and its
+// first-step gradients (--save-grads). Requires exit code 0 and one step line.
+struct GoldenStep {
+  nlohmann::json log;
+  std::map<std::string, std::vector<float>> grads;
+};
+inline GoldenStep run_golden_step(const Golden& g, const std::string& flags, int ranks,
+                                  const std::string& tmp) {
+  std::filesystem::remove_all(tmp + "/run");
+  std::filesystem::create_directories(tmp + "/run");
+  RunResult r =
+      run_train("--load " + g.dir + " --data " + g.dir +
+                    "/tokens.bin --val-frac 0.5 --steps 1 --val-every 0 --comm-timeout 60 " +
+                    flags + " --save-grads " + tmp + "/run/grads.safetensors" + " --log-json " +
+                    tmp + "/run/log.jsonl",
+                ranks);
+  INFO(flags << "\n" << r.output);
+  REQUIRE(r.code == 0);
+  auto log = read_json_lines(tmp + "/run/log.jsonl");
+  REQUIRE(log.size() == 1);
+  return {log[0], read_f32_tensors(tmp + "/run/grads.safetensors")};
 }
 
 // Every gradient tensor of `got` against the reference, by name (no tensor missing or extra).

@@ -157,9 +157,10 @@ std::map<std::string, std::vector<float>> with_prefix(const Golden& g, const std
 // Guards: the router's softmax and top-k, the renormalised weights, each expert's SwiGLU and
 // its Mixtral names (w1 gate, w3 up, w2 down), the combine, the load-balancing loss and its
 // gradient into the router (coefficient from config.json's router_aux_loss_coef).
-TEST_CASE("a mixture of experts matches transformers' Mixtral: logits, losses and every gradient, "
-          "with flash and naive attention",
-          "[golden][experts]") {
+TEST_CASE(
+    "a mixture of experts matches transformers' Mixtral: logits, losses and every gradient, "
+    "with flash and naive attention",
+    "[golden][experts]") {
   const Context ctx;
   Golden g = read_golden("mixtral");
   REQUIRE(g.cfg.experts == 4);
@@ -216,25 +217,13 @@ TEST_CASE(
   };
   Golden g = read_golden("mixtral");
   std::string tmp = make_temp_dir();
-  const std::string common =
-      "--load " + g.dir + " --data " + g.dir +
-      "/tokens.bin --val-frac 0.5 --steps 1 --val-every 0 --comm-timeout 60 ";
   for (const Layout& l : layouts) {
     INFO("mixtral, " << l.flags);
-    fs::remove_all(tmp + "/run");
-    fs::create_directories(tmp + "/run");
-    RunResult r = run_train(common + l.flags + " --save-grads " + tmp + "/run/grads.safetensors" +
-                                " --log-json " + tmp + "/run/log.jsonl",
-                            l.ranks);
-    INFO(r.output);
-    REQUIRE(r.code == 0);
-    auto log = read_json_lines(tmp + "/run/log.jsonl");
-    REQUIRE(log.size() == 1);
-    REQUIRE(log[0]["loss"].get<double>() == Approx(g.loss()).epsilon(kLossTol));
+    GoldenStep got = run_golden_step(g, l.flags, l.ranks, tmp);
+    REQUIRE(got.log["loss"].get<double>() == Approx(g.loss()).epsilon(kLossTol));
     const double aux = g.ref[l.per_sequence ? "aux_mb" : "aux"][0];
-    REQUIRE(log[0]["aux_loss"].get<double>() == Approx(aux).epsilon(kLossTol));
-    require_grads(read_f32_tensors(tmp + "/run/grads.safetensors"),
-                  with_prefix(g, l.per_sequence ? "grad_mb." : "grad."), kGradTol,
+    REQUIRE(got.log["aux_loss"].get<double>() == Approx(aux).epsilon(kLossTol));
+    require_grads(got.grads, with_prefix(g, l.per_sequence ? "grad_mb." : "grad."), kGradTol,
                   "mixtral " + l.flags + " gradient");
   }
   fs::remove_all(tmp);

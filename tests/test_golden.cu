@@ -10,10 +10,10 @@
 #include <cmath>
 #include <filesystem>
 
-#include "runtime/checkpoint.cuh"
 #include "golden.cuh"
 #include "launch.cuh"
 #include "model.cuh"
+#include "runtime/checkpoint.cuh"
 #include "runtime/ops.cuh"
 
 namespace fs = std::filesystem;
@@ -252,23 +252,11 @@ TEST_CASE(
   std::string tmp = make_temp_dir();
   for (const std::string& name : kFixtures) {
     Golden g = read_golden(name);
-    // --val-frac 0.5 trains on exactly the batch's stream (tools/make_golden.py).
-    std::string common = "--load " + g.dir + " --data " + g.dir +
-                         "/tokens.bin --val-frac 0.5 --steps 1 --val-every 0 --comm-timeout 60 ";
     for (const Layout& l : layouts) {
       INFO("fixture " << name << ", " << l.flags);
-      fs::remove_all(tmp + "/run");
-      fs::create_directories(tmp + "/run");
-      RunResult r = run_train(common + l.flags + " --save-grads " + tmp + "/run/grads.safetensors" +
-                                  " --log-json " + tmp + "/run/log.jsonl",
-                              l.ranks);
-      INFO(r.output);
-      REQUIRE(r.code == 0);
-      auto log = read_json_lines(tmp + "/run/log.jsonl");
-      REQUIRE(log.size() == 1);
-      REQUIRE(log[0]["loss"].get<double>() == Approx(g.loss()).epsilon(kLossTol));
-      require_grads(read_f32_tensors(tmp + "/run/grads.safetensors"), g.grads(), kGradTol,
-                    name + " " + l.flags + " gradient");
+      GoldenStep got = run_golden_step(g, l.flags, l.ranks, tmp);
+      REQUIRE(got.log["loss"].get<double>() == Approx(g.loss()).epsilon(kLossTol));
+      require_grads(got.grads, g.grads(), kGradTol, name + " " + l.flags + " gradient");
     }
     // --score over the batch's windows of T + 1 tokens, in one process and at tp 4.
     for (auto [flags, ranks] : {std::pair{std::string(""), 0}, {"--tp 4", 4}}) {
@@ -296,7 +284,8 @@ TEST_CASE("a bf16 checkpoint saved by transformers scores here as transformers s
   REQUIRE(g.ref.count("loss_bf16"));
   const double transformers_bf16 = g.ref.at("loss_bf16")[0];
   for (const char* dtype : {"fp32", "bf16"}) {
-    RunResult r = run_train("--load " + g.dir + " --score " + g.dir + "/score.bin --dtype " + dtype);
+    RunResult r =
+        run_train("--load " + g.dir + " --score " + g.dir + "/score.bin --dtype " + dtype);
     INFO("--dtype " << dtype << "\n" << r.output);
     REQUIRE(r.code == 0);
     size_t at = r.output.find("loss: ");

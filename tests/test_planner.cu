@@ -186,6 +186,32 @@ std::map<int, Measured> measured_rows(const std::string& out) {
   }
   return rows;
 }
+// Each layout run by ./train (--report memory) against predict_memory for it: static bytes
+// equal on every rank, activations within `tolerance` of the measured peak.
+void require_memory_predicted(const ModelConfig& c, const std::string& base,
+                              const std::vector<Layout>& layouts, double tolerance) {
+  Implementation impl;
+  impl.mpi_sends = true;  // CPU ranks: the pipeline's sends stay alive until the step ends
+  for (const Layout& l : layouts) {
+    validate_layout(c, l);
+    RunResult r = run_train(base + l.flags(), l.world() > 1 ? l.world() : 0);
+    INFO(l.str() << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    std::map<int, Measured> rows = measured_rows(r.output);
+    REQUIRE((int)rows.size() == l.world());
+    MemoryPrediction p = predict_memory(c, l, impl);
+    for (auto& [rank, m] : rows) {
+      int stage = (rank / (l.cp * l.tp)) % l.pp;
+      const RankMemory& want = p.stages[stage];
+      INFO("rank " << rank << " (stage " << stage << "): predicted activations "
+                   << want.activations << " B, measured " << m.activations << " B");
+      CHECK(m.params == (int64_t)want.params);
+      CHECK(m.grads == (int64_t)want.grads);
+      CHECK(m.optimizer == (int64_t)want.optimizer);
+      CHECK(std::fabs(m.activations - want.activations) <= tolerance * m.activations);
+    }
+  }
+}
 }  // namespace
 
 TEST_CASE("the planner's memory per rank equals --report memory's: static bytes exactly, "
@@ -229,27 +255,7 @@ TEST_CASE("the planner's memory per rank equals --report memory's: static bytes 
   { Layout l = layout(2, 2, 1, 1, 1); l.sp = true; l.precision = Precision::BF16;
     l.bf16_grads = true; layouts.push_back(l); }  // dp x tp + sp, bf16 gradients
   REQUIRE(layouts.size() >= 12);
-  Implementation impl;
-  impl.mpi_sends = true;  // CPU ranks: the pipeline's sends stay alive until the step ends
-  for (const Layout& l : layouts) {
-    validate_layout(c, l);
-    RunResult r = run_train(base + l.flags(), l.world() > 1 ? l.world() : 0);
-    INFO(l.str() << "\n" << r.output);
-    REQUIRE(r.code == 0);
-    std::map<int, Measured> rows = measured_rows(r.output);
-    REQUIRE((int)rows.size() == l.world());
-    MemoryPrediction p = predict_memory(c, l, impl);
-    for (auto& [rank, m] : rows) {
-      int stage = (rank / (l.cp * l.tp)) % l.pp;
-      const RankMemory& want = p.stages[stage];
-      INFO("rank " << rank << " (stage " << stage << "): predicted activations "
-                   << want.activations << " B, measured " << m.activations << " B");
-      CHECK(m.params == (int64_t)want.params);
-      CHECK(m.grads == (int64_t)want.grads);
-      CHECK(m.optimizer == (int64_t)want.optimizer);
-      CHECK(std::fabs(m.activations - want.activations) <= 0.05 * m.activations);
-    }
-  }
+  require_memory_predicted(c, base, layouts, 0.05);
 }
 
 // The same with a mixture of experts (4 experts, top 2): the experts' weights are E / ep per
@@ -273,26 +279,7 @@ TEST_CASE("the planner's memory per rank with a mixture of experts under ep equa
   std::vector<Layout> layouts = {layout(2, 2, 0), layout(2, 2, 1), layout(4, 2, 2),
                                  layout(2, 1, 3), layout(4, 2, 3)};
   { Layout l = layout(2, 2, 1); l.tp = 2, l.sp = true; layouts.push_back(l); }
-  Implementation impl;
-  impl.mpi_sends = true;
-  for (const Layout& l : layouts) {
-    validate_layout(c, l);
-    RunResult r = run_train(base + l.flags(), l.world());
-    INFO(l.str() << "\n" << r.output);
-    REQUIRE(r.code == 0);
-    std::map<int, Measured> rows = measured_rows(r.output);
-    REQUIRE((int)rows.size() == l.world());
-    MemoryPrediction p = predict_memory(c, l, impl);
-    for (auto& [rank, m] : rows) {
-      const RankMemory& want = p.stages[0];
-      INFO("rank " << rank << ": predicted activations " << want.activations << " B, measured "
-                   << m.activations << " B");
-      CHECK(m.params == (int64_t)want.params);
-      CHECK(m.grads == (int64_t)want.grads);
-      CHECK(m.optimizer == (int64_t)want.optimizer);
-      CHECK(std::fabs(m.activations - want.activations) <= 0.10 * m.activations);
-    }
-  }
+  require_memory_predicted(c, base, layouts, 0.10);
 }
 
 // ----------------------------------------------------------------------------

@@ -74,15 +74,10 @@ def write_shard(path, tokens):  # llm.c: 256 int32 header (magic, version, count
         f.write(struct.pack("<256i", *header) + struct.pack(f"<{len(tokens)}H", *tokens))
 
 
-def make(name, heads, kv_heads, tied, theta, eps, seed, bf16=False):
-    cfg = LlamaConfig(vocab_size=32, hidden_size=24, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      max_position_embeddings=T, rope_theta=theta, rms_norm_eps=eps,
-                      tie_word_embeddings=tied, attn_implementation="sdpa")
-    g = torch.Generator().manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
-    # O(1) activations and peaked attention and softmax rows (the default init gives near-uniform
-    # ones, where many bugs cancel): embeddings N(0,1), linears N(0, 1/in), norms 1 + N(0, 0.2^2).
+def init_weights(model, g):
+    """O(1) activations and peaked attention and softmax rows (the default init gives near-uniform
+    ones, where many bugs cancel): embeddings N(0,1), linears (a mixture's experts and router too)
+    N(0, 1/in), the LM head twice that, norms 1 + N(0, 0.2^2)."""
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if "norm" in pname:
@@ -90,7 +85,17 @@ def make(name, heads, kv_heads, tied, theta, eps, seed, bf16=False):
             elif "embed" in pname:
                 p.copy_(torch.randn(p.shape, generator=g))
             else:
-                p.copy_(torch.randn(p.shape, generator=g) * (2 if "lm_head" in pname else 1) / math.sqrt(p.shape[1]))
+                p.copy_(torch.randn(p.shape, generator=g) * (2 if "lm_head" in pname else 1) / math.sqrt(p.shape[-1]))
+
+
+def make(name, heads, kv_heads, tied, theta, eps, seed, bf16=False):
+    cfg = LlamaConfig(vocab_size=32, hidden_size=24, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=T, rope_theta=theta, rms_norm_eps=eps,
+                      tie_word_embeddings=tied, attn_implementation="sdpa")
+    g = torch.Generator().manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    init_weights(model, g)
     d = os.path.join(OUT, name)
     if bf16:
         model = model.to(torch.bfloat16)
@@ -211,14 +216,7 @@ def make_mixtral(name, experts, top_k, aux_coef, seed):
                         attn_implementation="sdpa", experts_implementation="eager")
     g = torch.Generator().manual_seed(seed)
     model = MixtralForCausalLM(cfg)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-            elif "embed" in pname:
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * (2 if "lm_head" in pname else 1) / math.sqrt(p.shape[-1]))
+    init_weights(model, g)
     d = os.path.join(OUT, name)
     model.save_pretrained(d, safe_serialization=True)
     os.remove(os.path.join(d, "generation_config.json"))
