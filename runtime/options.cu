@@ -105,7 +105,7 @@ void add_run_flags(CLI::App& app, RunOptions& o) {
   CLI::App& steps = flag_group(app, "First steps: the training step (Playbook §2)");
   steps.add_option("--steps", o.steps,
                    "total optimizer steps, >= 0 (a resumed run continues to it; 0: no step, only "
-                   "--load and --save, e.g. to convert a checkpoint)")
+                   "--load then --save, e.g. to convert a checkpoint, or --sample)")
       ->capture_default_str();
   steps.add_option("--stop-after", o.stop_after,
                    "end this run after N steps (the schedule still spans --steps; resume with "

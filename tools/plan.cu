@@ -28,6 +28,14 @@ static std::vector<std::string> split(const std::string& s) {
 
 // The campaign table of docs/planner.md: every cell, the book's layout and the planner's view;
 // with --json, the same cells for tools/plots.py's heatmap.
+// --json FILE, as every output is written (runtime/core.cuh): atomically, replacing only a
+// regular file (a device or a directory is refused).
+static void write_json(const std::string& file, const nlohmann::json& out) {
+  check_output_file("--json", file);
+  const std::string text = out.dump(1) + "\n";
+  write_file_atomic(file, [&](FILE* f) { write_all(f, text.data(), text.size(), file); });
+}
+
 static int campaign(const std::string& path, const GpuProfile& gpu, const std::string& json_file) {
   std::vector<CampaignCell> cells = read_campaign(path);
   nlohmann::json out = nlohmann::json::array();
@@ -107,11 +115,7 @@ static int campaign(const std::string& path, const GpuProfile& gpu, const std::s
       "\n%d cells ran: memory within 25%% in %d, the book's layout among the planner's five "
       "best in %d, MFU within 10 points in %d\n",
       ran, memory_ok, top5, mfu_ok);
-  if (!json_file.empty()) {
-    std::ofstream f(json_file);
-    if (!f) throw UsageError("--json " + json_file + ": cannot write it");
-    f << out.dump(1) << "\n";
-  }
+  if (!json_file.empty()) write_json(json_file, out);
   return 0;
 }
 
@@ -323,9 +327,7 @@ int main(int argc, char** argv) {
                          {"workspace", c.memory.worst.workspace},
                          {"runtime", c.memory.runtime}}}});
       }
-      std::ofstream f(json_file);
-      if (!f) throw UsageError("--json " + json_file + ": cannot write it");
-      f << out.dump(1) << "\n";
+      write_json(json_file, out);
     }
   } catch (const CLI::CallForHelp&) {
     std::cout << app.help();
