@@ -359,8 +359,17 @@ def plot_heatmap(args):
 
 
 def save(fig, path, bottom=0.0):  # bottom: the figure's share kept for a legend under the axes
+    # As ./train writes its outputs: through a symlink to its target, replacing only a regular
+    # file, atomically (a temporary renamed over it); a device or a directory is refused.
+    target = os.path.realpath(path)
+    if os.path.exists(target) and not os.path.isfile(target):
+        print(f"error: -o {path}: {target} is not a regular file; outputs only replace regular files: "
+              "name a file", file=sys.stderr)
+        sys.exit(2)
     fig.tight_layout(rect=(0, bottom, 1, 1))
-    fig.savefig(path, dpi=110)
+    tmp = f"{target}.tmp.{os.getpid()}"
+    fig.savefig(tmp, dpi=110, format="png")
+    os.replace(tmp, target)
     plt.close(fig)
     print(f"wrote {path}")
 
