@@ -5,6 +5,7 @@
 // stream waits for; on MPI the op is a nonblocking call on host memory (on CUDA, pinned buffers
 // staged to and from the device), advanced by MPI_Testall. Every wait is bounded by
 // --comm-timeout: a peer that failed ends the job instead of hanging it.
+#include <chrono>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -13,6 +14,30 @@
 #include <vector>
 
 #include "runtime/comm_internal.cuh"
+
+// ============================================================================
+// Waiting
+// ============================================================================
+
+// Ranks that share cores: more node-local ranks, times their threads, than the cores they may
+// run on (comm_init finds out). Polling there would take a core from a rank with work to do, so
+// that every rank waiting at a collective or in a pipeline's bubble would slow those computing.
+static bool g_cores_shared = false;
+void set_cores_shared(bool shared) {
+  g_cores_shared = shared;
+}
+bool cores_shared() {
+  return g_cores_shared;
+}
+void pause_while_waiting(double since) {
+  // Polled for the first millisecond: a collective between running peers, large ones included,
+  // moves only while its ranks are inside MPI, so sleeping from the start slows every one.
+  constexpr double kSpin_s = 1e-3;
+  if (!g_cores_shared || now_seconds() - since < kSpin_s)
+    std::this_thread::yield();
+  else
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+}
 
 // ============================================================================
 // Handle: what it takes to finish one collective

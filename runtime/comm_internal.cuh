@@ -10,6 +10,14 @@
 
 #include "runtime/comm.cuh"
 
+// ---- comm_handle.cu: how a rank waits ----
+// Yields for a few microseconds, then, when the node's ranks share cores (set_cores_shared),
+// sleeps: a rank waiting for a collective or in a pipeline's bubble hands its core to a rank that
+// computes instead of polling on it. With a core per rank it only yields.
+void pause_while_waiting(double since);
+void set_cores_shared(bool shared);
+bool cores_shared();
+
 // ---- comm_setup.cu: NCCL's nonblocking communicators, waited for against a deadline ----
 
 // Prints `message`, aborts the communicators (at most a few seconds), then stops every rank.
@@ -65,7 +73,8 @@ struct Handle::State {
     enqueue_pending = false;
   }
   void wait() {
-    while (!poll()) std::this_thread::yield();
+    const double since = now_seconds();
+    while (!poll()) pause_while_waiting(since);
   }
   // A Handle dropped without wait() still completes here, so its buffers are never left in
   // flight (the communicator must still exist).

@@ -4,13 +4,19 @@
 // comm_destroy takes them down. The one idea: set-up is collective too, so every wait in
 // it (MPI's splits, NCCL's creation, first connections and finalization) is bounded by
 // --comm-timeout like a collective: a rank that never arrives ends the job instead of hanging it.
+#include <sched.h>
+
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <cblas.h>
 
 #include "runtime/comm_internal.cuh"
 
@@ -51,6 +57,30 @@ static MPI_Comm node_comm(const char* purpose, double timeout_s) {
   MPI_Comm node;
   MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
   return node;
+}
+
+// Whether this node's ranks share cores: the threads they compute on (OpenBLAS's on CPU, one
+// host thread per GPU rank) against the cores any of them may run on (the union of their
+// affinity masks). Collective over the world.
+static bool node_shares_cores(Device device, double timeout_s) {
+  MPI_Comm node = node_comm("cores of this node", timeout_s);
+  Group g = setup_group(node, "node", timeout_s);
+  cpu_set_t mine;
+  CPU_ZERO(&mine);
+  if (sched_getaffinity(0, sizeof mine, &mine) != 0) CPU_SET(0, &mine);
+  std::vector<unsigned char> cores((unsigned char*)&mine, (unsigned char*)&mine + sizeof mine);
+  host_wait(g, "union of the node's affinity masks", sizeof mine, [&](MPI_Request* r) {
+    return MPI_Iallreduce(MPI_IN_PLACE, cores.data(), (int)cores.size(), MPI_UNSIGNED_CHAR,
+                          MPI_BOR, node, r);
+  });
+  int threads = device == Device::CPU ? std::max(1, openblas_get_num_threads()) : 1;
+  host_wait(g, "sum of the node's compute threads", sizeof threads, [&](MPI_Request* r) {
+    return MPI_Iallreduce(MPI_IN_PLACE, &threads, 1, MPI_INT, MPI_SUM, node, r);
+  });
+  MPI_CHECK(MPI_Comm_free(&node));
+  cpu_set_t all;
+  memcpy(&all, cores.data(), sizeof all);
+  return threads > CPU_COUNT(&all);
 }
 
 void local_rank(int* rank, int* size, double timeout_s) {
@@ -259,6 +289,7 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
                   timeout_s);
     }
   }
+  set_cores_shared(node_shares_cores(device, timeout_s));
   if (device == Device::CUDA) {
     // Non-blocking: it never waits for the legacy default stream, so communication overlaps
     // compute; events order it with the compute stream where the data requires.
