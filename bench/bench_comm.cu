@@ -102,6 +102,25 @@ static void all_to_all_bandwidth(Comm& comm, const Context& ctx, const char* bac
 // send of send/recv; busbw = algbw x 2(N-1)/N, (N-1)/N, (N-1)/N, 1), then alpha and beta fitted
 // per collective to time = steps x alpha + factor x S / busbw (steps 2(N-1), N-1, N-1, 1; factor
 // the busbw one) by least squares on the relative error; written to `path` for plan --comm-fit.
+// FLOP/s of fp32 GEMMs of 512^3 run back to back for `seconds` of wall time: what this rank
+// got of the machine while the others did the same.
+static double gemm_rate_for(const Context& ctx, double seconds) {
+  const int n = 512;
+  Tensor a = empty({n, n}, Mem::Workspace, ctx.device), b = empty({n, n}, Mem::Workspace, ctx.device);
+  Tensor c = empty({n, n}, Mem::Workspace, ctx.device);
+  init_normal(a, 1, "a", 1.0f), init_normal(b, 1, "b", 1.0f);
+  int done = 0;
+  ctx.synchronize();
+  const double t0 = now_seconds();
+  double t = t0;
+  while (t - t0 < seconds) {
+    gemm(ctx, false, false, n, n, n, 1, a.f32(), n, b.f32(), n, 0, c.f32(), n);
+    ctx.synchronize();
+    done++, t = now_seconds();
+  }
+  return 2.0 * n * n * n * done / (t - t0);
+}
+
 static void fit_collectives(Comm& comm, const Context& ctx, const char* backend,
                             const std::string& path) {
   Group& g = comm.world;
@@ -165,12 +184,14 @@ static void fit_collectives(Comm& comm, const Context& ctx, const char* backend,
     if (root)
       printf("  %s: alpha %.2f us per step, busbw %.3f GB/s\n", k.name, alpha * 1e6, 1e-9 / inverse);
   }
-  // The FLOP rate of one rank alone (the others wait), and of each while every rank computes:
-  // ranks on one machine share its cores, N x busy / alone of them at a time.
+  // The FLOP rate of one rank alone (the others wait, sleeping where ranks share cores), and of
+  // each while every rank computes for the same second: ranks on one machine share its cores,
+  // N x busy / alone of them at a time.
   barrier(comm, g, ctx);
   double alone = root ? device_peak(ctx, Precision::FP32).flops : 0;
   all_reduce_host(g, &alone, 1, ReduceOp::Sum);
-  double busy = device_peak(ctx, Precision::FP32).flops;
+  barrier(comm, g, ctx);
+  double busy = gemm_rate_for(ctx, 1.0);
   all_reduce_host(g, &busy, 1, ReduceOp::Sum);
   busy /= N;
   out["gemm_flops_alone"] = alone, out["gemm_flops_per_rank"] = busy;
