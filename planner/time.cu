@@ -4,6 +4,8 @@
 // tables run on paper.
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <tuple>
 #include <map>
 
 #include "planner/planner_internal.cuh"
@@ -93,6 +95,117 @@ PipelineTiming pipeline_timing(PpSchedule s, int p, int m, int V, double t_f, do
 }
 
 }  // namespace
+
+// CPU ranks over MPI (Implementation::mpi_sends) sharing a machine's cores: one pipeline's
+// ranks run their schedule's tables, each op `work` seconds of one rank alone plus `comm` of
+// its blocking collectives. Two things of the host decide the pace:
+//  * the cores: k ranks computing on `cores` cores' worth go at min(1, cores / k) each; a rank
+//    waiting sleeps (runtime/comm_handle.cu), so a bubble hands its core to the others;
+//  * MPI's progress: a send on host memory moves only while its sender is inside MPI, waiting
+//    for a receive of its own or at the step's end (pipeline_parallel.cu's Exchange), and only
+//    once its receiver waits for it; a send followed by ops that receive nothing is held back.
+// Returns the step's makespan, or infinity if the tables cannot finish this way.
+double host_pipeline_makespan(PpSchedule s, int p, int m, int V, double work_f, double work_b,
+                              double work_w, double comm, double cores) {
+  std::vector<std::vector<PipelineOp>> table(p);
+  for (int r = 0; r < p; r++) table[r] = pipeline_schedule(s, p, r, m, V);
+  const bool zb = splits_backward(table[0]);
+  const int chunks = p * V;
+  // A message is the input of one op: (backward?, global chunk of the op, micro-batch).
+  using Key = std::tuple<bool, int, int>;
+  enum class State { Ready, Computing, Communicating, Waiting, Done };
+  struct Rank {
+    size_t next = 0;
+    State state = State::Ready;
+    double left = 0, since = 0;  // since: when it began waiting
+    Key needs{};
+    std::vector<Key> held;  // sent, not yet delivered
+  };
+  std::vector<Rank> rk(p);
+  auto owner = [&](int g) { return g % p; };
+  double t = 0;
+  bool stalled = false;  // every rank waits, each since this instant
+  for (int events = 0; events < 1000000; events++) {
+    for (bool changed = true; changed;) {
+      changed = false;
+      for (int r = 0; r < p; r++) {
+        Rank& x = rk[r];
+        if (x.state == State::Ready || x.state == State::Waiting) {
+          if (x.next == table[r].size()) {
+            x.state = State::Done;
+            changed = true;
+            continue;
+          }
+          const PipelineOp& op = table[r][x.next];
+          int g = r + op.chunk * p;
+          bool f = op.kind == Phase::Forward, w = op.kind == Phase::Weight;
+          bool receives = f ? g > 0 : !w && g < chunks - 1;
+          if (x.state == State::Ready && receives) {
+            x.state = State::Waiting, x.needs = Key{!f, g, op.micro}, x.since = t, changed = true;
+          } else if (!receives) {
+            x.state = State::Computing, x.left = f ? work_f : w ? work_w : zb ? work_b : work_b + work_w;
+            changed = true;
+          }
+        }
+      }
+      // Deliver what a sender inside MPI holds to a receiver waiting for it. A receive that
+      // finds its message already there returns at once, too soon to move a large send: the
+      // sender must have waited a while, or be done (or no rank could go on otherwise).
+      for (int r = 0; r < p; r++) {
+        const State st = rk[r].state;
+        if (st == State::Computing || st == State::Communicating || st == State::Ready) continue;
+        if (st == State::Waiting && rk[r].since >= t && !stalled) continue;
+        for (size_t i = 0; i < rk[r].held.size(); i++) {
+          const Key& k = rk[r].held[i];
+          Rank& to = rk[owner(std::get<1>(k))];
+          if (to.state != State::Waiting || to.needs != k) continue;
+          const PipelineOp& op = table[owner(std::get<1>(k))][to.next];
+          bool f = op.kind == Phase::Forward;
+          to.state = State::Computing, to.left = f ? work_f : zb ? work_b : work_b + work_w;
+          rk[r].held.erase(rk[r].held.begin() + (long)i--);
+          changed = true;
+        }
+      }
+    }
+    int computing = 0, running = 0, done = 0;
+    double step = std::numeric_limits<double>::infinity();
+    for (const Rank& x : rk) {
+      computing += x.state == State::Computing;
+      running += x.state == State::Computing || x.state == State::Communicating;
+      done += x.state == State::Done;
+    }
+    if (running == 0 && done < p && !stalled) {
+      stalled = true;
+      continue;
+    }
+    stalled = false;
+    const double rate = std::min(1.0, cores / std::max(1, computing));
+    for (const Rank& x : rk) {
+      if (x.state == State::Computing) step = std::min(step, x.left / rate);
+      if (x.state == State::Communicating) step = std::min(step, x.left);
+    }
+    if (!std::isfinite(step)) break;  // nothing runs: done, or stuck
+    t += step;
+    for (int r = 0; r < p; r++) {
+      Rank& x = rk[r];
+      if (x.state != State::Computing && x.state != State::Communicating) continue;
+      x.left -= x.state == State::Computing ? step * rate : step;
+      if (x.left > 1e-12 * (1 + t)) continue;
+      if (x.state == State::Computing && comm > 0) {
+        x.state = State::Communicating, x.left = comm;
+        continue;
+      }
+      const PipelineOp& op = table[r][x.next];
+      int g = r + op.chunk * p;
+      if (op.kind == Phase::Forward && g < chunks - 1) x.held.push_back(Key{false, g + 1, op.micro});
+      if (op.kind == Phase::Backward && g > 0) x.held.push_back(Key{true, g - 1, op.micro});
+      x.next++, x.state = State::Ready;
+    }
+  }
+  for (const Rank& x : rk)
+    if (x.state != State::Done || !x.held.empty()) return std::numeric_limits<double>::infinity();
+  return t;
+}
 
 // The ranks of a layout on one node.
 static int world_ranks_per_node(const Layout& l, const Cluster& cl) {
@@ -217,10 +330,20 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
   const double comm_op = (stage_tp + stage_cp + stage_p2p + stage_ep) / ops / 2;
   double t_f = stage_fwd / ops + comm_op, t_b = stage_bwd / ops + comm_op, t_w = 0;
   if (split) t_w = stage_fwd / ops, t_b -= t_w;  // W: the weight-gradient GEMMs, 1 forward
-  PipelineTiming timing =
-      p > 1 ? pipeline_timing(l.schedule, p, m, V, t_f, t_b, t_w) : PipelineTiming{};
   const double busy = m * (stage_fwd + stage_bwd + stage_tp + stage_cp + stage_p2p + stage_ep);
-  const double makespan = p > 1 ? timing.makespan : busy;
+  double makespan = busy;
+  if (impl.mpi_sends) {
+    // CPU ranks: the node's cores' worth (bench_comm's measure, else a core per rank) shared
+    // evenly by its ranks; a pipeline stage's tp and cp ranks move in step.
+    const double node_ranks = world_ranks_per_node(l, cl);
+    const double cores = (gpu.shared_capacity > 0 ? gpu.shared_capacity : node_ranks) * p / node_ranks;
+    const double work_w = split ? stage_fwd / ops : 0;
+    makespan = host_pipeline_makespan(p > 1 ? l.schedule : PpSchedule::OneFOneB, p, m, V,
+                                      stage_fwd / ops, stage_bwd / ops - work_w, work_w,
+                                      (stage_tp + stage_cp + stage_ep) / ops / 2, cores);
+  } else if (p > 1) {
+    makespan = pipeline_timing(l.schedule, p, m, V, t_f, t_b, t_w).makespan;
+  }
 
   StepTime st;
   st.compute = m * (stage_fwd + stage_bwd);
@@ -249,7 +372,9 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
       double o = 32 * shard / gpu.hbm_bandwidth;  // AdamW: ~32 bytes read and written per parameter
       double exposed = 0;
       if (Nd > 1) {
-        double window = stage_bwd;  // the last micro-batch's backward on this stage
+        // The last micro-batch's backward on this stage; none on CPU ranks, where MPI moves a
+        // nonblocking collective only within MPI calls and the cores are busy computing.
+        double window = impl.mpi_sends ? 0 : stage_bwd;
         if (zero == 0) {
           // Buckets of 25 MiB (data_parallel.cu), all-reduced as they fill; the last cannot hide.
           // A mixture's experts in buckets of their own over edp_cp (no sum when it is 1 rank).
@@ -281,7 +406,7 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
             // backward, the next one prefetched while this one computes; the reduce-scatter
             // after its backward overlaps the next unit's (A3: 1/(2 seq mbs) x peak/bw <= 1).
             double units = (double)sh.unit_numel.size();
-            double f_unit = stage_fwd / units, b_unit = stage_bwd / units;
+            double f_unit = window > 0 ? stage_fwd / units : 0, b_unit = window / units;
             double ag_unit = ag / units, rs_unit = rs / units;
             exposed = m * (ag_unit + units * std::max(0.0, ag_unit - f_unit) +
                            units * std::max(0.0, ag_unit + rs_unit - b_unit));
@@ -294,12 +419,7 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
   }
   st.exposed["dp"] = dp_exposed;
   st.optimizer = opt;
-  // Ranks sharing cores: the node's compute cannot finish before its cores have done every
-  // rank's share, however the schedule lets ranks wait (a waiting rank frees its core).
-  double floor = 0;
-  if (gpu.shared_capacity > 0)
-    floor = st.compute * world_ranks_per_node(l, cl) / gpu.shared_capacity;
-  st.step = std::max(makespan, floor) + dp_exposed + opt;
+  st.step = makespan + dp_exposed + opt;
   const double tokens = (double)l.dp * l.mbs * l.grad_acc * cfg.seq;
   const int world = l.world();
   st.tokens_per_s_per_gpu = tokens / st.step / world;
