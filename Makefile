@@ -29,7 +29,7 @@ TEST_OBJS := $(TEST_SRCS:%.cu=$(BUILD)/%.o)
 MPI_TEST_SRCS := $(wildcard tests/mpi/test_*.cu)
 MPI_TEST_OBJS := $(MPI_TEST_SRCS:%.cu=$(BUILD)/%.o)
 
-.PHONY: all deps run test test-sweep bench gpu-check mutants clean format floor plots
+.PHONY: all deps deps-plots run test test-sweep bench gpu-check mutants clean format floor plots
 all: train plan $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp \
      $(BUILD)/bench_attention $(BUILD)/device_info
 
@@ -89,8 +89,11 @@ DEB_PACKAGES := openmpi-bin libopenmpi-dev libcli11-dev catch2 libopenblas-dev \
                 nlohmann-json3-dev fortunes
 deps:
 	@bash tools/deps.sh $(DEB_PACKAGES)
-# Only for `make plots`: building and testing need no Python.
+# Only for the pictures (`make plots`, and their test in `make test`, skipped without it):
+# building and training need no Python.
 PLOT_PACKAGES := python3-matplotlib
+deps-plots:
+	@bash tools/deps.sh $(PLOT_PACKAGES)
 
 # The main job: train the tiny model on the fortune corpus and print a sample.
 run: deps
@@ -121,8 +124,7 @@ gpu-check:
 # Short runs into plots/ and their pictures (tools/plots.py, Debian's matplotlib): loss curves of
 # four layouts, pipeline schedules, memory and traffic against the formulas, the planner's
 # heatmap of the book's campaign. About a minute on two cores.
-plots: deps
-	@/usr/bin/python3 -c "import matplotlib" 2>/dev/null || bash tools/deps.sh $(PLOT_PACKAGES)
+plots: deps deps-plots
 	@$(MAKE) --no-print-directory -j$$(nproc) train plan
 	@bash tools/make_plots.sh plots
 

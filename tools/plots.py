@@ -6,6 +6,8 @@
 #   memory REPORT.txt -o memory.png                                  --report memory, as text
 #   comm REPORT.txt -o comm.png                                      --report comm, as text
 #   heatmap CAMPAIGN.json -o heatmap.png                             ./plan --campaign --json
+# With --data FILE.json each also writes what its picture draws, read back from the figure's
+# artists (lines, bars, spans, texts, image cells): tests/test_plots.py checks those numbers.
 # The reports exist only as text: save rank 0's output, as make_plots.sh does, of
 #   mpirun -np 4 ./train --dp 2 --tp 2 --zero 1 --mbs 2 --seq 64 --steps 2 --report memory,comm
 # and give the file to memory and comm.
@@ -19,6 +21,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.container import BarContainer  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 # ----------------------------------------------------------------------------
@@ -74,7 +77,7 @@ def plot_loss(args):
     ax.set_title(args.title or "Training loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    save(fig, args.output)
+    save(fig, args)
 
 
 # ----------------------------------------------------------------------------
@@ -167,7 +170,8 @@ def plot_schedule(args):
     for row, rank in enumerate(ranks):
         for kind, micro, chunk, start, width in ops[rank]:
             ax.broken_barh([(start, width)], (row - 0.4, 0.8), facecolor=KIND_COLOR[kind],
-                           edgecolor="black", lw=0.5, hatch="//" if chunk % 2 else None)
+                           edgecolor="black", lw=0.5, hatch="//" if chunk % 2 else None,
+                           label=f"_span rank {rank} {kind}{micro + 1}")
             # The book numbers micro-batches from 1.
             ax.text(start + width / 2, row, str(micro + 1), ha="center", va="center",
                     fontsize=7, clip_on=True)
@@ -184,7 +188,7 @@ def plot_schedule(args):
     fig.legend(handles=handles, loc="lower center", fontsize=8, ncol=len(handles), frameon=False)
     ax.set_title(args.title or f"Pipeline schedule, step {step} (numbers: micro-batch)")
     ax.grid(axis="x", alpha=0.3)
-    save(fig, args.output, bottom=0.35 / fig.get_figheight())
+    save(fig, args, bottom=0.35 / fig.get_figheight())
 
 
 # ----------------------------------------------------------------------------
@@ -248,7 +252,7 @@ def plot_memory(args):
     ax.set_title(args.title or "Memory per category: measured against the formula")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    save(fig, args.output)
+    save(fig, args)
 
 
 def parse_comm(lines):
@@ -311,7 +315,7 @@ def plot_comm(args):
     ax.set_title(args.title or "Communication per step: measured against the formula")
     fig.legend(fontsize=8, loc="lower center", ncol=2, frameon=False)
     ax.grid(axis="x", alpha=0.3)
-    save(fig, args.output, bottom=0.3 / fig.get_figheight())
+    save(fig, args, bottom=0.3 / fig.get_figheight())
 
 
 # ----------------------------------------------------------------------------
@@ -352,26 +356,72 @@ def plot_heatmap(args):
     ax.set_ylabel("model")
     ax.set_title(args.title or "The planner's best layout per cell of the book's campaign "
                  "(its predicted MFU; in brackets the book's measured best)")
-    save(fig, args.output)
+    save(fig, args)
 
 
 # ----------------------------------------------------------------------------
 
 
-def save(fig, path, bottom=0.0):  # bottom: the figure's share kept for a legend under the axes
+def finite(v):  # JSON has no NaN: a cell left empty is null
+    v = float(v)
+    return v if v == v else None
+
+
+def figure_data(fig):
+    """What the figure draws, per axes, read back from its artists (not from our inputs)."""
+    out = []
+    for ax in fig.axes:
+        a = {"title": ax.get_title(), "xlabel": ax.get_xlabel(), "ylabel": ax.get_ylabel(),
+             "xticklabels": [t.get_text() for t in ax.get_xticklabels()],
+             "yticklabels": [t.get_text() for t in ax.get_yticklabels()],
+             "lines": [{"label": ln.get_label(), "x": [finite(v) for v in ln.get_xdata()],
+                        "y": [finite(v) for v in ln.get_ydata()]}
+                       for ln in ax.get_lines()],
+             "bars": [], "spans": [], "images": [],
+             "texts": [{"x": finite(t.get_position()[0]), "y": finite(t.get_position()[1]),
+                        "text": t.get_text()} for t in ax.texts]}
+        for c in ax.containers:
+            if isinstance(c, BarContainer):
+                a["bars"].append({"label": c.get_label(),
+                                  "x": [finite(r.get_x()) for r in c.patches],
+                                  "y": [finite(r.get_y()) for r in c.patches],
+                                  "width": [finite(r.get_width()) for r in c.patches],
+                                  "height": [finite(r.get_height()) for r in c.patches]})
+        for coll in ax.collections:  # broken_barh: one rectangle per span
+            if coll.get_label().startswith("_span"):
+                for path in coll.get_paths():
+                    xs, ys = path.vertices[:, 0], path.vertices[:, 1]
+                    a["spans"].append({"row": coll.get_label()[len("_span "):],
+                                       "start": finite(xs.min()),
+                                       "width": finite(xs.max() - xs.min()),
+                                       "y": finite(ys.min()), "height": finite(ys.max() - ys.min())})
+        for im in ax.images:
+            a["images"].append([[finite(v) for v in row] for row in im.get_array().filled(float("nan"))])
+        out.append(a)
+    return out
+
+
+def write_file(path, flag, write):
     # As ./train writes its outputs: through a symlink to its target, replacing only a regular
     # file, atomically (a temporary renamed over it); a device or a directory is refused.
     target = os.path.realpath(path)
     if os.path.exists(target) and not os.path.isfile(target):
-        print(f"error: -o {path}: {target} is not a regular file; outputs only replace regular files: "
-              "name a file", file=sys.stderr)
+        print(f"error: {flag} {path}: {target} is not a regular file; outputs only replace regular "
+              "files: name a file", file=sys.stderr)
         sys.exit(2)
-    fig.tight_layout(rect=(0, bottom, 1, 1))
     tmp = f"{target}.tmp.{os.getpid()}"
-    fig.savefig(tmp, dpi=110, format="png")
+    write(tmp)
     os.replace(tmp, target)
-    plt.close(fig)
     print(f"wrote {path}")
+
+
+def save(fig, args, bottom=0.0):  # bottom: the figure's share kept for a legend under the axes
+    fig.tight_layout(rect=(0, bottom, 1, 1))
+    write_file(args.output, "-o", lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    if args.data:
+        data = {"command": args.command, "axes": figure_data(fig)}
+        write_file(args.data, "--data", lambda tmp: open(tmp, "w").write(json.dumps(data, indent=1, allow_nan=False)))
+    plt.close(fig)
 
 
 def main():
@@ -400,6 +450,7 @@ def main():
     for p in sub.choices.values():
         p.add_argument("-o", "--output", required=True, help="the PNG to write")
         p.add_argument("--title")
+        p.add_argument("--data", help="also write what the picture draws, as JSON")
     args = parser.parse_args()
     try:
         args.run(args)

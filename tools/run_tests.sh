@@ -74,6 +74,19 @@ for script in floor test_floor test_links test_experiments test_docs; do
   else failed=$((failed + 1)); grep -E "FAIL" "$log"; fi
   rm -f "$log"
 done
+# The pictures of tools/plots.py, made headless from inputs written in the test and from short
+# runs, each checked by what it draws (tests/test_plots.py, ~30 s); they need Debian's
+# python3-matplotlib (`make deps-plots`): without it the case is skipped.
+echo "== plots (tests/test_plots.py)"
+if ! /usr/bin/python3 -c "import matplotlib" 2>/dev/null; then
+  echo "SKIP: tests/test_plots.py (no python3-matplotlib; make deps-plots installs it)"
+  skipped=$((skipped + 1))
+else
+  log=$(mktemp)
+  if /usr/bin/python3 tests/test_plots.py >"$log" 2>&1; then passed=$((passed + 1)); tail -1 "$log"
+  else failed=$((failed + 1)); grep -E "FAILED|Error|error" "$log"; fi
+  rm -f "$log"
+fi
 # The GPU check script itself, without a GPU (one case, ~20 s): dry runs, skips and the table,
 # and the bundle's OpenMPI unpacked next to another OpenMPI.
 log=$(mktemp)
