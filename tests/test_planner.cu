@@ -263,7 +263,7 @@ TEST_CASE("the planner's memory per rank equals --report memory's: static bytes 
 // activations hold the rows the routing sent its experts, which the planner takes as balanced
 // (tokens x k / E each): measured, they stay within 10% here.
 TEST_CASE("the planner's memory per rank with a mixture of experts under ep equals --report "
-          "memory's static bytes",
+          "memory's static bytes; activations within 10%, and 5% when routing is balanced",
           "[planner][parity][experts]") {
   ModelConfig c = model_preset("tiny");
   c.d_model = 32, c.layers = 4, c.heads = 4, c.kv_heads = 2, c.ffn = 32, c.seq = 16;
@@ -280,6 +280,11 @@ TEST_CASE("the planner's memory per rank with a mixture of experts under ep equa
                                  layout(2, 1, 3), layout(4, 2, 3)};
   { Layout l = layout(2, 2, 1); l.tp = 2, l.sp = true; layouts.push_back(l); }
   require_memory_predicted(c, base, layouts, 0.10);
+  // Routing that cannot be unbalanced (every token to both of 2 experts): the activations
+  // within 5%, as the dense layouts' above.
+  c.experts = 2;
+  std::string all = std::regex_replace(base, std::regex("--experts 4"), "--experts 2");
+  require_memory_predicted(c, all, {layout(2, 2, 0), layout(2, 2, 3)}, 0.05);
 }
 
 // ----------------------------------------------------------------------------
