@@ -106,7 +106,8 @@ static void all_to_all_bandwidth(Comm& comm, const Context& ctx, const char* bac
 // got of the machine while the others did the same.
 static double gemm_rate_for(const Context& ctx, double seconds) {
   const int n = 512;
-  Tensor a = empty({n, n}, Mem::Workspace, ctx.device), b = empty({n, n}, Mem::Workspace, ctx.device);
+  Tensor a = empty({n, n}, Mem::Workspace, ctx.device);
+  Tensor b = empty({n, n}, Mem::Workspace, ctx.device);
   Tensor c = empty({n, n}, Mem::Workspace, ctx.device);
   init_normal(a, 1, "a", 1.0f), init_normal(b, 1, "b", 1.0f);
   int done = 0;

@@ -123,6 +123,12 @@ double host_pipeline_makespan(PpSchedule s, int p, int m, int V, double work_f, 
   };
   std::vector<Rank> rk(p);
   auto owner = [&](int g) { return g % p; };
+  auto work = [&](const PipelineOp& op) {
+    return op.kind == Phase::Forward  ? work_f
+           : op.kind == Phase::Weight ? work_w
+           : zb                       ? work_b
+                                      : work_b + work_w;
+  };
   double t = 0;
   bool stalled = false;  // every rank waits, each since this instant
   for (int events = 0; events < 1000000; events++) {
@@ -143,8 +149,7 @@ double host_pipeline_makespan(PpSchedule s, int p, int m, int V, double work_f, 
           if (x.state == State::Ready && receives) {
             x.state = State::Waiting, x.needs = Key{!f, g, op.micro}, x.since = t, changed = true;
           } else if (!receives) {
-            x.state = State::Computing, x.left = f ? work_f : w ? work_w : zb ? work_b : work_b + work_w;
-            changed = true;
+            x.state = State::Computing, x.left = work(op), changed = true;
           }
         }
       }
@@ -159,9 +164,7 @@ double host_pipeline_makespan(PpSchedule s, int p, int m, int V, double work_f, 
           const Key& k = rk[r].held[i];
           Rank& to = rk[owner(std::get<1>(k))];
           if (to.state != State::Waiting || to.needs != k) continue;
-          const PipelineOp& op = table[owner(std::get<1>(k))][to.next];
-          bool f = op.kind == Phase::Forward;
-          to.state = State::Computing, to.left = f ? work_f : zb ? work_b : work_b + work_w;
+          to.state = State::Computing, to.left = work(table[owner(std::get<1>(k))][to.next]);
           rk[r].held.erase(rk[r].held.begin() + (long)i--);
           changed = true;
         }
@@ -191,13 +194,14 @@ double host_pipeline_makespan(PpSchedule s, int p, int m, int V, double work_f, 
       if (x.state != State::Computing && x.state != State::Communicating) continue;
       x.left -= x.state == State::Computing ? step * rate : step;
       if (x.left > 1e-12 * (1 + t)) continue;
-      if (x.state == State::Computing && comm > 0) {
-        x.state = State::Communicating, x.left = comm;
+      const PipelineOp& op = table[r][x.next];
+      if (x.state == State::Computing && comm > 0 && op.kind != Phase::Weight) {
+        x.state = State::Communicating, x.left = comm;  // a W op has no collectives
         continue;
       }
-      const PipelineOp& op = table[r][x.next];
       int g = r + op.chunk * p;
-      if (op.kind == Phase::Forward && g < chunks - 1) x.held.push_back(Key{false, g + 1, op.micro});
+      if (op.kind == Phase::Forward && g < chunks - 1)
+        x.held.push_back(Key{false, g + 1, op.micro});
       if (op.kind == Phase::Backward && g > 0) x.held.push_back(Key{true, g - 1, op.micro});
       x.next++, x.state = State::Ready;
     }
@@ -336,7 +340,8 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
     // CPU ranks: the node's cores' worth (bench_comm's measure, else a core per rank) shared
     // evenly by its ranks; a pipeline stage's tp and cp ranks move in step.
     const double node_ranks = world_ranks_per_node(l, cl);
-    const double cores = (gpu.shared_capacity > 0 ? gpu.shared_capacity : node_ranks) * p / node_ranks;
+    const double node_cores = gpu.shared_capacity > 0 ? gpu.shared_capacity : node_ranks;
+    const double cores = node_cores * p / node_ranks;
     const double work_w = split ? stage_fwd / ops : 0;
     makespan = host_pipeline_makespan(p > 1 ? l.schedule : PpSchedule::OneFOneB, p, m, V,
                                       stage_fwd / ops, stage_bwd / ops - work_w, work_w,
