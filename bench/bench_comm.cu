@@ -97,11 +97,6 @@ static void all_to_all_bandwidth(Comm& comm, const Context& ctx, const char* bac
   }
 }
 
-// Every collective the planner prices, over message sizes, as nccl-tests reports them (algbw =
-// S / time, S the whole buffer: all-reduce's, all-gather's output, reduce-scatter's input, one
-// send of send/recv; busbw = algbw x 2(N-1)/N, (N-1)/N, (N-1)/N, 1), then alpha and beta fitted
-// per collective to time = steps x alpha + factor x S / busbw (steps 2(N-1), N-1, N-1, 1; factor
-// the busbw one) by least squares on the relative error; written to `path` for plan --comm-fit.
 // FLOP/s of fp32 GEMMs of 512^3 run back to back for `seconds` of wall time: what this rank
 // got of the machine while the others did the same.
 static double gemm_rate_for(const Context& ctx, double seconds) {
@@ -122,43 +117,51 @@ static double gemm_rate_for(const Context& ctx, double seconds) {
   return 2.0 * n * n * n * done / (t - t0);
 }
 
-static void fit_collectives(Comm& comm, const Context& ctx, const char* backend,
-                            const std::string& path) {
-  Group& g = comm.world;
+// Every collective the planner prices, over message sizes, as nccl-tests reports them (algbw =
+// S / time, S the whole buffer: all-reduce's, all-gather's output, reduce-scatter's input, one
+// send of send/recv; busbw = algbw x 2(N-1)/N, (N-1)/N, (N-1)/N, 1), then alpha and beta fitted
+// per collective to time = steps x alpha + factor x S / busbw (steps 2(N-1), N-1, N-1, 1; factor
+// the busbw one) by least squares on the relative error; written to `path` for plan --comm-fit.
+static nlohmann::json fit_group(Comm& comm, Group& g, const Context& ctx, const char* backend) {
   const int N = g.size;
-  const bool root = g.rank == 0;
+  int world_rank = 0;
+  MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
+  const bool root = world_rank == 0;
   struct Kind { const char* name; double steps, factor; };
   const Kind kinds[] = {{"all_reduce", 2.0 * (N - 1), 2.0 * (N - 1) / N},
                         {"all_gather", N - 1.0, (N - 1.0) / N},
                         {"reduce_scatter", N - 1.0, (N - 1.0) / N},
                         {"send_recv", 1, 1}};
   if (root) {
-    printf("\ncollectives for the planner, %d ranks, %s, %s (best of 3)\n", N, backend,
-           device_name(ctx.device));
+    printf("\ncollectives for the planner, groups of %d ranks (%s; every group at once), %s, %s "
+           "(best of 3)\n", N, g.name.c_str(), backend, device_name(ctx.device));
     printf("| %-14s | %10s | %10s | %10s | %10s |\n", "collective", "size", "time us", "algbw GB/s",
            "busbw GB/s");
     printf("|----------------|------------|------------|------------|------------|\n");
   }
-  nlohmann::json out{{"ranks", N}, {"backend", backend}, {"device", device_name(ctx.device)}};
+  nlohmann::json out;
   for (const Kind& k : kinds) {
     std::vector<double> sizes, times;
     for (int64_t bytes = 16 << 10; bytes <= (16 << 20); bytes *= 4) {
       int64_t count = bytes / 4 / N * N;  // whole shards
-      Tensor a = empty({count}, Mem::Workspace, ctx.device), b = empty({count}, Mem::Workspace, ctx.device);
+      Tensor a = empty({count}, Mem::Workspace, ctx.device);
+      Tensor b = empty({count}, Mem::Workspace, ctx.device);
       init_normal(a, 1, "bench", 1.0f);
       double best = 1e30;
       for (int rep = 0; rep < 4; rep++) {  // the first is a warm-up
-        barrier(comm, g, ctx);
+        barrier(comm, comm.world, ctx);  // every group starts together
         double t0 = now_seconds();
         std::string n = k.name;
         if (n == "all_reduce") all_reduce(comm, g, ctx, a.f32(), count, ReduceOp::Sum);
         if (n == "all_gather") all_gather(comm, g, ctx, a.f32(), b.f32(), count / N);
-        if (n == "reduce_scatter") reduce_scatter(comm, g, ctx, a.f32(), b.f32(), count / N, ReduceOp::Sum);
+        if (n == "reduce_scatter")
+          reduce_scatter(comm, g, ctx, a.f32(), b.f32(), count / N, ReduceOp::Sum);
         if (n == "send_recv")
-          send_recv(comm, g, ctx, {P2P{true, a.f32(), count, g.next()}, P2P{false, b.f32(), count, g.prev()}});
+          send_recv(comm, g, ctx,
+                    {P2P{true, a.f32(), count, g.next()}, P2P{false, b.f32(), count, g.prev()}});
         ctx.synchronize();
         double t = now_seconds() - t0;
-        all_reduce_host(g, &t, 1, ReduceOp::Max);
+        all_reduce_host(comm.world, &t, 1, ReduceOp::Max);  // the slowest of every group
         if (rep > 0) best = std::min(best, t);
       }
       double S = count * 4.0, algbw = S / best;
@@ -181,9 +184,28 @@ static void fit_collectives(Comm& comm, const Context& ctx, const char* backend,
       for (size_t i = 0; i < sizes.size(); i++)
         inverse = std::max(inverse, (times[i] - k.steps * alpha) / (k.factor * sizes[i]));
     }
-    out["collectives"][k.name] = {{"alpha_s", alpha}, {"busbw_bytes_per_s", 1.0 / inverse}};
+    out[k.name] = {{"alpha_s", alpha}, {"busbw_bytes_per_s", 1.0 / inverse}};
     if (root)
       printf("  %s: alpha %.2f us per step, busbw %.3f GB/s\n", k.name, alpha * 1e6, 1e-9 / inverse);
+  }
+  return out;
+}
+
+// The fit on the world's group and, when the world holds 4 or more ranks in pairs, on groups of 2
+// (a dp x tp 2 grid's tp groups, each pair at once as in training): `collectives` the world's,
+// `groups` each size's, for plan --comm-fit. Then the GEMM rates.
+static void fit_collectives(Comm& comm, const Context& ctx, const char* backend,
+                            const std::string& path) {
+  Group& g = comm.world;
+  const int N = g.size;
+  const bool root = g.rank == 0;
+  nlohmann::json out{{"ranks", N}, {"backend", backend}, {"device", device_name(ctx.device)}};
+  out["collectives"] = fit_group(comm, comm.world, ctx, backend);
+  out["groups"][std::to_string(N)] = out["collectives"];
+  if (N >= 4 && N % 2 == 0) {
+    Comm pairs = comm_init(N / 2, 1, 1, 2, backend, ctx.device, comm.timeout_s);
+    out["groups"]["2"] = fit_group(pairs, pairs.tp, ctx, backend);
+    comm_destroy(pairs);
   }
   // The FLOP rate of one rank alone (the others wait, sleeping where ranks share cores), and of
   // each while every rank computes for the same second: ranks on one machine share its cores,

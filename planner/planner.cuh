@@ -48,6 +48,12 @@ struct GpuProfile {
   // step of each (bench_comm --fit measures them per collective).
   double intra_allreduce_bw = 0, intra_gather_bw = 0, intra_p2p_bw = 0;
   double intra_alpha = 0, intra_alpha_gather = 0, intra_alpha_p2p = 0;
+  // The same, measured per group size (bench_comm --fit's groups of 2 and of every rank): a
+  // group of a size measured takes its own; any other, the fields above.
+  struct Links {
+    double allreduce_bw = 0, gather_bw = 0, p2p_bw = 0, alpha = 0, alpha_gather = 0, alpha_p2p = 0;
+  };
+  std::map<int, Links> intra_by_size;
   // Between nodes: the bus bandwidth of a ring that leaves the node, which degrades with the
   // ranks R in it (1/busbw = 1/B + c R: congestion, not latency, as the book's 256 MB
   // measurement shows), the latency per ring step, and each GPU's own network bandwidth (a

@@ -93,19 +93,30 @@ void apply_comm_fit(GpuProfile& g, const std::string& path) {
   if (!f) throw UsageError("--comm-fit " + path + ": cannot open it (bench_comm --fit writes it)");
   try {
     nlohmann::json j = nlohmann::json::parse(f);
-    auto link = [&](const char* name, double& alpha, double& bw) {
-      const nlohmann::json& c = j.at("collectives").at(name);
-      alpha = c.at("alpha_s").get<double>(), bw = c.at("busbw_bytes_per_s").get<double>();
-      if (!(alpha >= 0) || !(bw > 0)) throw std::invalid_argument(name);
+    auto links = [](const nlohmann::json& collectives) {
+      auto link = [&](const char* name, double& alpha, double& bw) {
+        const nlohmann::json& c = collectives.at(name);
+        alpha = c.at("alpha_s").get<double>(), bw = c.at("busbw_bytes_per_s").get<double>();
+        if (!(alpha >= 0) || !(bw > 0)) throw std::invalid_argument(name);
+      };
+      GpuProfile::Links k;
+      double gather_alpha = 0, gather_bw = 0, scatter_alpha = 0, scatter_bw = 0;
+      link("all_reduce", k.alpha, k.allreduce_bw);
+      link("all_gather", gather_alpha, gather_bw);
+      link("reduce_scatter", scatter_alpha, scatter_bw);
+      link("send_recv", k.alpha_p2p, k.p2p_bw);
+      // One figure for both: the planner prices all-gathers and reduce-scatters alike.
+      k.alpha_gather = (gather_alpha + scatter_alpha) / 2;
+      k.gather_bw = 2 / (1 / gather_bw + 1 / scatter_bw);
+      return k;
     };
-    double gather_alpha = 0, gather_bw = 0, scatter_alpha = 0, scatter_bw = 0;
-    link("all_reduce", g.intra_alpha, g.intra_allreduce_bw);
-    link("all_gather", gather_alpha, gather_bw);
-    link("reduce_scatter", scatter_alpha, scatter_bw);
-    link("send_recv", g.intra_alpha_p2p, g.intra_p2p_bw);
-    // One figure for both: the planner prices all-gathers and reduce-scatters alike.
-    g.intra_alpha_gather = (gather_alpha + scatter_alpha) / 2;
-    g.intra_gather_bw = 2 / (1 / gather_bw + 1 / scatter_bw);
+    GpuProfile::Links k = links(j.at("collectives"));
+    g.intra_alpha = k.alpha, g.intra_allreduce_bw = k.allreduce_bw;
+    g.intra_alpha_gather = k.alpha_gather, g.intra_gather_bw = k.gather_bw;
+    g.intra_alpha_p2p = k.alpha_p2p, g.intra_p2p_bw = k.p2p_bw;
+    if (j.contains("groups"))
+      for (auto& [size, collectives] : j.at("groups").items())
+        g.intra_by_size[std::stoi(size)] = links(collectives);
     g.inter_allreduce_bw = g.intra_allreduce_bw, g.inter_gather_bw = g.intra_gather_bw;
     g.inter_allreduce_per_rank = g.inter_gather_per_rank = 0;
     g.inter_alpha = g.intra_alpha, g.nic_bw = g.intra_p2p_bw;

@@ -51,16 +51,21 @@ Placement placement(const Layout& l, const Cluster& cl, const std::string& group
 // output; reduce-scatter: the input; point-to-point: the message).
 double collective_time(const GpuProfile& gpu, const Placement& pl, Op op, double bytes) {
   const int R = pl.size;
+  GpuProfile::Links k;  // in a node: the group size's own measurement, else the profile's
+  k.allreduce_bw = gpu.intra_allreduce_bw, k.gather_bw = gpu.intra_gather_bw;
+  k.p2p_bw = gpu.intra_p2p_bw, k.alpha = gpu.intra_alpha;
+  k.alpha_gather = gpu.intra_alpha_gather, k.alpha_p2p = gpu.intra_alpha_p2p;
+  if (auto it = gpu.intra_by_size.find(R); it != gpu.intra_by_size.end()) k = it->second;
   if (op == Op::PointToPoint) {
-    double bw = pl.inter ? gpu.nic_bw : gpu.intra_p2p_bw;
-    return (pl.inter ? gpu.inter_alpha : gpu.intra_alpha_p2p) + bytes / bw;
+    double bw = pl.inter ? gpu.nic_bw : k.p2p_bw;
+    return (pl.inter ? gpu.inter_alpha : k.alpha_p2p) + bytes / bw;
   }
   if (R <= 1 || bytes <= 0) return 0;
   const bool ar = op == Op::AllReduce;
   const double steps = (ar ? 2.0 : 1.0) * (R - 1), factor = steps / R;
   if (!pl.inter)
-    return steps * (ar ? gpu.intra_alpha : gpu.intra_alpha_gather) +
-           factor * bytes / (ar ? gpu.intra_allreduce_bw : gpu.intra_gather_bw);
+    return steps * (ar ? k.alpha : k.alpha_gather) +
+           factor * bytes / (ar ? k.allreduce_bw : k.gather_bw);
   // Between nodes: the ring's bandwidth, capped by the network links its members on one node
   // bring, and degraded by the ranks in it.
   double inverse = std::max(1.0 / (ar ? gpu.inter_allreduce_bw : gpu.inter_gather_bw),

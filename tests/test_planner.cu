@@ -423,6 +423,32 @@ TEST_CASE("bench_comm --fit's measured collectives become the profile's links; a
   CHECK(g.intra_p2p_bw == 3e9);
   CHECK(g.peak_fp32 == 2e10);
   CHECK(g.shared_capacity == 2.0);  // 4 ranks at half the rate alone: two at a time
+  // Measured per group size: a group of 2 takes its own links. With no latency, a tp 2 layout's
+  // exposed tp time is bytes over busbw: twice the pairs' bandwidth, half the time.
+  auto with_pairs = [&](double busbw) {
+    std::ofstream f(dir + "/pairs.json");
+    std::string link = R"({"alpha_s": 0, "busbw_bytes_per_s": )" + std::to_string(busbw) + "}";
+    std::string group = R"({"all_reduce": )" + link + R"(, "all_gather": )" + link +
+                        R"(, "reduce_scatter": )" + link + R"(, "send_recv": )" + link + "}";
+    f << R"({"ranks": 4, "collectives": )" << group << R"(, "groups": {"2": )" << group
+      << R"(, "4": )" << group << "}}";
+    f.close();
+    GpuProfile p = gpu_profile("cpu");
+    p.peak_fp32 = 1e10;
+    apply_comm_fit(p, dir + "/pairs.json");
+    p.intra_by_size[4].allreduce_bw = 1e12;  // the world's: not what tp 2 uses
+    return p;
+  };
+  GpuProfile slow = with_pairs(1e9), fast = with_pairs(2e9);
+  CHECK(slow.intra_by_size.at(2).allreduce_bw == 1e9);
+  CHECK(slow.intra_by_size.at(2).gather_bw == Approx(1e9));
+  Layout tp2;
+  tp2.dp = 2, tp2.tp = 2, tp2.precision = Precision::FP32;
+  ModelConfig medium = model_preset("medium");
+  double t_slow = predict_time(medium, tp2, Cluster{1, 4, slow}, Implementation{}).exposed.at("tp");
+  double t_fast = predict_time(medium, tp2, Cluster{1, 4, fast}, Implementation{}).exposed.at("tp");
+  CHECK(t_slow > 0);
+  CHECK(t_slow == Approx(2 * t_fast).epsilon(1e-9));
   { std::ofstream f(dir + "/bad.json"); f << R"({"ranks": 4})"; }
   CHECK_THROWS_WITH(apply_comm_fit(g, dir + "/bad.json"),
                     Catch::StartsWith("--comm-fit " + dir + "/bad.json: not bench_comm --fit's JSON"));
