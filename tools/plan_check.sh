@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `make bench`, the planner against measured runs: 12 layouts of the medium model on 4 CPU
-# ranks (8 sequences per step), each step timed (the median of steps 2-5) and predicted by ./plan with
-# this machine's sgemm rate and the collectives bench_comm --fit measured; then Spearman's rank
-# correlation between the two orders (the target: 0.8 or more) and where they disagree.
+# ranks (8 sequences per step), each timed (the median of steps 2-4 over two rounds, about 18
+# minutes) and predicted by ./plan with this machine's sgemm rate and the collectives
+# bench_comm --fit measured; then Spearman's rank correlation between the two orders (the
+# target: 0.8 or more) and where they disagree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
@@ -23,18 +24,27 @@ layouts=(
   "--cp 4 --mbs 2 --grad-acc 4"
   "--dp 4 --recompute full --mbs 1 --grad-acc 2"
 )
+# Two rounds over the layouts, so that a slow spell of the machine falls on several layouts
+# rather than on one; a layout's step time is the median of steps 2-4 of its two runs.
+rounds=${PLAN_CHECK_ROUNDS:-2}
+times=()
+for round in $(seq "$rounds"); do
+  for i in "${!layouts[@]}"; do
+    ms=$(mpirun --oversubscribe -np 4 ./train --device cpu --model medium ${layouts[$i]} --dtype fp32 \
+           --steps 4 --warmup 1 --val-every 0 --val-seqs 1 2>&1 |
+         awk '/^step +[0-9]+\/4 \| loss/ { n++; if (n > 1) print $(NF - 1) }')
+    times[$i]="${times[$i]:-} $ms"
+  done
+done
+median() { tr ' ' '\n' | { grep . || true; } | sort -g | awk '{ v[NR] = $1 } END {
+  if (NR == 0) print "nan"; else if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 echo
-echo "medium on 4 CPU ranks, 8 sequences per step: step time measured (median of steps 2-5) and predicted"
+echo "medium on 4 CPU ranks, 8 sequences per step: step time measured (median of steps 2-4 over $rounds runs) and predicted"
 printf "| %-72s | %12s | %12s |\n" layout "measured ms" "predicted ms"
 rows=$(mktemp)
-for l in "${layouts[@]}"; do
-  measured=$(mpirun --oversubscribe -np 4 ./train --device cpu --model medium $l --dtype fp32 \
-               --steps 5 --warmup 1 --val-every 0 --val-seqs 1 2>&1 |
-             awk '/^step +[0-9]+\/5 \| loss/ { n++; if (n > 1) ms[++k] = $(NF - 1) }
-                  END { if (k != 4) { print "nan"; exit }
-                        for (i = 1; i <= 4; i++) for (j = i + 1; j <= 4; j++)
-                          if (ms[j] < ms[i]) { t = ms[i]; ms[i] = ms[j]; ms[j] = t }
-                        printf "%.1f", (ms[2] + ms[3]) / 2 }')
+for i in "${!layouts[@]}"; do
+  l=${layouts[$i]}
+  measured=$(echo "${times[$i]:-}" | median)
   predicted=$(./plan --gpu cpu --gpus-per-node 4 --model medium --comm-fit "$fit" \
                 --layout "$l --dtype fp32" | awk '/^predicted step:/ { printf "%.1f", $3 * 1000 }')
   printf "| %-72s | %12s | %12s |\n" "$l" "$measured" "$predicted"
