@@ -26,9 +26,6 @@ static bool g_cores_shared = false;
 void set_cores_shared(bool shared) {
   g_cores_shared = shared;
 }
-bool cores_shared() {
-  return g_cores_shared;
-}
 void pause_while_waiting(double since) {
   // Polled for the first millisecond: a collective between running peers, large ones included,
   // moves only while its ranks are inside MPI, so sleeping from the start slows every one.

@@ -11,12 +11,11 @@
 #include "runtime/comm.cuh"
 
 // ---- comm_handle.cu: how a rank waits ----
-// Yields for a few microseconds, then, when the node's ranks share cores (set_cores_shared),
-// sleeps: a rank waiting for a collective or in a pipeline's bubble hands its core to a rank that
-// computes instead of polling on it. With a core per rank it only yields.
+// Yields for the first millisecond of a wait, then, when the node's ranks share cores
+// (set_cores_shared), sleeps: a rank waiting for a collective or in a pipeline's bubble hands its
+// core to a rank that computes instead of polling on it. With a core per rank it only yields.
 void pause_while_waiting(double since);
 void set_cores_shared(bool shared);
-bool cores_shared();
 
 // ---- comm_setup.cu: NCCL's nonblocking communicators, waited for against a deadline ----
 
