@@ -97,26 +97,6 @@ static void all_to_all_bandwidth(Comm& comm, const Context& ctx, const char* bac
   }
 }
 
-// FLOP/s of fp32 GEMMs of 512^3 run back to back for `seconds` of wall time: what this rank
-// got of the machine while the others did the same.
-static double gemm_rate_for(const Context& ctx, double seconds) {
-  const int n = 512;
-  Tensor a = empty({n, n}, Mem::Workspace, ctx.device);
-  Tensor b = empty({n, n}, Mem::Workspace, ctx.device);
-  Tensor c = empty({n, n}, Mem::Workspace, ctx.device);
-  init_normal(a, 1, "a", 1.0f), init_normal(b, 1, "b", 1.0f);
-  int done = 0;
-  ctx.synchronize();
-  const double t0 = now_seconds();
-  double t = t0;
-  while (t - t0 < seconds) {
-    gemm(ctx, false, false, n, n, n, 1, a.f32(), n, b.f32(), n, 0, c.f32(), n);
-    ctx.synchronize();
-    done++, t = now_seconds();
-  }
-  return 2.0 * n * n * n * done / (t - t0);
-}
-
 // Every collective the planner prices, over message sizes, as nccl-tests reports them (algbw =
 // S / time, S the whole buffer: all-reduce's, all-gather's output, reduce-scatter's input, one
 // send of send/recv; busbw = algbw x 2(N-1)/N, (N-1)/N, (N-1)/N, 1), then alpha and beta fitted
@@ -214,7 +194,7 @@ static void fit_collectives(Comm& comm, const Context& ctx, const char* backend,
   double alone = root ? device_peak(ctx, Precision::FP32).flops : 0;
   all_reduce_host(g, &alone, 1, ReduceOp::Sum);
   barrier(comm, g, ctx);
-  double busy = gemm_rate_for(ctx, 1.0);
+  double busy = gemm_flops_for(ctx, 1.0);
   all_reduce_host(g, &busy, 1, ReduceOp::Sum);
   busy /= N;
   out["gemm_flops_alone"] = alone, out["gemm_flops_per_rank"] = busy;

@@ -46,13 +46,12 @@ struct GpuProfile {
   // Inside a node (NVLink; on CPU, shared memory): bus bandwidth of all-reduce and of
   // all-gather / reduce-scatter (bytes/s), point-to-point bandwidth, and the latency per ring
   // step of each (bench_comm --fit measures them per collective).
-  double intra_allreduce_bw = 0, intra_gather_bw = 0, intra_p2p_bw = 0;
-  double intra_alpha = 0, intra_alpha_gather = 0, intra_alpha_p2p = 0;
-  // The same, measured per group size (bench_comm --fit's groups of 2 and of every rank): a
-  // group of a size measured takes its own; any other, the fields above.
   struct Links {
     double allreduce_bw = 0, gather_bw = 0, p2p_bw = 0, alpha = 0, alpha_gather = 0, alpha_p2p = 0;
   };
+  Links intra;
+  // The same, measured per group size (bench_comm --fit's groups of 2 and of every rank): a
+  // group of a size measured takes its own; any other, `intra`.
   std::map<int, Links> intra_by_size;
   // Between nodes: the bus bandwidth of a ring that leaves the node, which degrades with the
   // ranks R in it (1/busbw = 1/B + c R: congestion, not latency, as the book's 256 MB
@@ -226,6 +225,9 @@ struct DevicePeak {
   std::string how;
 };
 DevicePeak device_peak(const Context& ctx, Precision p);
+// FLOP/s of fp32 GEMMs of 512^3 run back to back for `seconds`: what this rank gets of the
+// machine meanwhile (bench_comm --fit runs it on every rank at once).
+double gemm_flops_for(const Context& ctx, double seconds);
 
 // ----------------------------------------------------------------------------
 // Models and the book's campaign (Playbook §11.4)

@@ -28,8 +28,8 @@ static GpuProfile h100() {
   g.name = "h100";
   g.peak_bf16 = 989e12, g.peak_fp32 = 67e12, g.peak_fp8 = 1979e12;
   g.memory = 80 * kGiB, g.hbm_bandwidth = 3.35e12;
-  g.intra_allreduce_bw = 436e9, g.intra_gather_bw = 250e9, g.intra_p2p_bw = 450e9;
-  g.intra_alpha = g.intra_alpha_gather = g.intra_alpha_p2p = 2e-6;
+  g.intra.allreduce_bw = 436e9, g.intra.gather_bw = 250e9, g.intra.p2p_bw = 450e9;
+  g.intra.alpha = g.intra.alpha_gather = g.intra.alpha_p2p = 2e-6;
   g.inter_allreduce_bw = 408e9, g.inter_gather_bw = 285e9;
   g.inter_allreduce_per_rank = 4.1e-14, g.inter_gather_per_rank = 1.2e-13;
   g.inter_alpha = 5e-6;
@@ -54,7 +54,7 @@ GpuProfile gpu_profile(const std::string& name) {
     g.peak_bf16 = 312e12, g.peak_fp32 = 19.5e12, g.peak_fp8 = 0;
     g.memory = 80 * kGiB, g.hbm_bandwidth = 2.04e12;
     const double nvlink = 300.0 / 450.0;
-    g.intra_allreduce_bw *= nvlink, g.intra_gather_bw *= nvlink, g.intra_p2p_bw = 300e9;
+    g.intra.allreduce_bw *= nvlink, g.intra.gather_bw *= nvlink, g.intra.p2p_bw = 300e9;
     g.nic_bw = 25e9;
     g.inter_allreduce_bw = std::min(g.inter_allreduce_bw, 8 * g.nic_bw);
     g.inter_gather_bw = std::min(g.inter_gather_bw, 8 * g.nic_bw);
@@ -71,8 +71,8 @@ GpuProfile gpu_profile(const std::string& name) {
     g.hbm_bandwidth = 10e9;
     // Shared-memory MPI between processes: a few GB/s and microseconds (bench_comm measures
     // this machine's; plan --comm-fit reads its fit).
-    g.intra_allreduce_bw = g.intra_gather_bw = 4e9, g.intra_p2p_bw = 4e9;
-    g.intra_alpha = g.intra_alpha_gather = g.intra_alpha_p2p = 5e-6;
+    g.intra.allreduce_bw = g.intra.gather_bw = 4e9, g.intra.p2p_bw = 4e9;
+    g.intra.alpha = g.intra.alpha_gather = g.intra.alpha_p2p = 5e-6;
     g.inter_allreduce_bw = g.inter_gather_bw = g.nic_bw = 4e9;
     g.inter_alpha = 5e-6;
     // The rate is one 512^3 sgemm's on this machine: a wide GEMM of the model runs near it.
@@ -110,16 +110,13 @@ void apply_comm_fit(GpuProfile& g, const std::string& path) {
       k.gather_bw = 2 / (1 / gather_bw + 1 / scatter_bw);
       return k;
     };
-    GpuProfile::Links k = links(j.at("collectives"));
-    g.intra_alpha = k.alpha, g.intra_allreduce_bw = k.allreduce_bw;
-    g.intra_alpha_gather = k.alpha_gather, g.intra_gather_bw = k.gather_bw;
-    g.intra_alpha_p2p = k.alpha_p2p, g.intra_p2p_bw = k.p2p_bw;
+    g.intra = links(j.at("collectives"));
     if (j.contains("groups"))
       for (auto& [size, collectives] : j.at("groups").items())
         g.intra_by_size[std::stoi(size)] = links(collectives);
-    g.inter_allreduce_bw = g.intra_allreduce_bw, g.inter_gather_bw = g.intra_gather_bw;
+    g.inter_allreduce_bw = g.intra.allreduce_bw, g.inter_gather_bw = g.intra.gather_bw;
     g.inter_allreduce_per_rank = g.inter_gather_per_rank = 0;
-    g.inter_alpha = g.intra_alpha, g.nic_bw = g.intra_p2p_bw;
+    g.inter_alpha = g.intra.alpha, g.nic_bw = g.intra.p2p_bw;
     g.source += "; collectives measured by bench_comm --fit (" + path + ")";
     if (g.name == "cpu" && j.contains("gemm_flops_alone")) {
       // A rank alone runs at the machine's rate for one rank; together the ranks run
@@ -157,6 +154,36 @@ double mfu_peak(const GpuProfile& g, Precision p) {
 // ----------------------------------------------------------------------------
 // The peak of a running job
 
+namespace {
+// One fp32 GEMM of n^3 on this rank's threads, timed: the measure of a CPU rank's rate.
+struct SquareGemm {
+  const int n = 512;
+  const double flops = 2.0 * n * n * n;
+  Tensor a, b, c;
+  explicit SquareGemm(const Context& ctx)
+      : a(empty({n, n}, Mem::Workspace, ctx.device)),
+        b(empty({n, n}, Mem::Workspace, ctx.device)),
+        c(empty({n, n}, Mem::Workspace, ctx.device)) {
+    init_normal(a, 1, "a", 1.0f), init_normal(b, 1, "b", 1.0f);
+  }
+  double seconds(const Context& ctx) {
+    ctx.synchronize();
+    const double t0 = now_seconds();
+    gemm(ctx, false, false, n, n, n, 1, a.f32(), n, b.f32(), n, 0, c.f32(), n);
+    ctx.synchronize();
+    return now_seconds() - t0;
+  }
+};
+}  // namespace
+
+double gemm_flops_for(const Context& ctx, double seconds) {
+  SquareGemm g(ctx);
+  double spent = 0;
+  int done = 0;
+  while (spent < seconds) spent += g.seconds(ctx), done++;
+  return g.flops * done / spent;
+}
+
 DevicePeak device_peak(const Context& ctx, Precision p) {
   DevicePeak d;
   if (ctx.device == Device::CUDA) {
@@ -176,21 +203,12 @@ DevicePeak device_peak(const Context& ctx, Precision p) {
       }
   }
   // Measured: the best of 3 square GEMMs of 512 (after one warm-up) on this rank's threads.
-  const int n = 512;
-  Tensor a = empty({n, n}, Mem::Workspace, ctx.device),
-         b = empty({n, n}, Mem::Workspace, ctx.device);
-  Tensor c = empty({n, n}, Mem::Workspace, ctx.device);
-  init_normal(a, 1, "a", 1.0f), init_normal(b, 1, "b", 1.0f);
+  SquareGemm g(ctx);
+  g.seconds(ctx);
   double best = 1e30;
-  for (int i = 0; i < 4; i++) {
-    ctx.synchronize();
-    double t0 = now_seconds();
-    gemm(ctx, false, false, n, n, n, 1, a.f32(), n, b.f32(), n, 0, c.f32(), n);
-    ctx.synchronize();
-    if (i > 0) best = std::min(best, now_seconds() - t0);
-  }
-  d.flops = 2.0 * n * n * n / best;
-  d.how = "measured now: fp32 GEMM of " + std::to_string(n) + "^3, best of 3, " +
+  for (int i = 0; i < 3; i++) best = std::min(best, g.seconds(ctx));
+  d.flops = g.flops / best;
+  d.how = "measured now: fp32 GEMM of " + std::to_string(g.n) + "^3, best of 3, " +
           (ctx.device == Device::CPU
                ? "on " + std::to_string(openblas_get_num_threads()) + " OpenBLAS thread(s)"
                : std::string("on this GPU (no profile for its name)"));

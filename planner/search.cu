@@ -216,9 +216,9 @@ void print_plan(const PlanResult& r, const ModelConfig& cfg, int64_t global_toke
       "GB/s less %.2g / %.2g s/B per rank, %.0f GB/s per GPU; alpha %.1f us in a node, %.1f "
       "between\n",
       cl.nodes, cl.nodes > 1 ? "s" : "", cl.gpus_per_node, g.name.c_str(), cl.world(),
-      g.peak_bf16 / 1e12, g.peak_fp32 / 1e12, gib(g.memory).c_str(), g.intra_allreduce_bw / 1e9,
-      g.intra_gather_bw / 1e9, g.inter_allreduce_bw / 1e9, g.inter_gather_bw / 1e9,
-      g.inter_allreduce_per_rank, g.inter_gather_per_rank, g.nic_bw / 1e9, g.intra_alpha * 1e6,
+      g.peak_bf16 / 1e12, g.peak_fp32 / 1e12, gib(g.memory).c_str(), g.intra.allreduce_bw / 1e9,
+      g.intra.gather_bw / 1e9, g.inter_allreduce_bw / 1e9, g.inter_gather_bw / 1e9,
+      g.inter_allreduce_per_rank, g.inter_gather_per_rank, g.nic_bw / 1e9, g.intra.alpha * 1e6,
       g.inter_alpha * 1e6);
   printf("model constants (%s): %.0f%% of peak on large GEMMs, half of that at width %.0f\n",
          g.source.c_str(), 100 * g.compute_efficiency, g.gemm_half_width);

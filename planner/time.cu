@@ -51,11 +51,9 @@ Placement placement(const Layout& l, const Cluster& cl, const std::string& group
 // output; reduce-scatter: the input; point-to-point: the message).
 double collective_time(const GpuProfile& gpu, const Placement& pl, Op op, double bytes) {
   const int R = pl.size;
-  GpuProfile::Links k;  // in a node: the group size's own measurement, else the profile's
-  k.allreduce_bw = gpu.intra_allreduce_bw, k.gather_bw = gpu.intra_gather_bw;
-  k.p2p_bw = gpu.intra_p2p_bw, k.alpha = gpu.intra_alpha;
-  k.alpha_gather = gpu.intra_alpha_gather, k.alpha_p2p = gpu.intra_alpha_p2p;
-  if (auto it = gpu.intra_by_size.find(R); it != gpu.intra_by_size.end()) k = it->second;
+  // In a node: the group size's own measurement, else the profile's.
+  auto measured = gpu.intra_by_size.find(R);
+  const GpuProfile::Links& k = measured != gpu.intra_by_size.end() ? measured->second : gpu.intra;
   if (op == Op::PointToPoint) {
     double bw = pl.inter ? gpu.nic_bw : k.p2p_bw;
     return (pl.inter ? gpu.inter_alpha : k.alpha_p2p) + bytes / bw;

@@ -388,8 +388,8 @@ TEST_CASE("the planner's 1F1B on 4 stages and 8 micro-batches idles 3/11 of the 
   // Playbook §8.4: the idle share (p-1)/(m+p-1). The planner runs the schedule's tables on
   // paper with its predicted op times; with free links nothing else is exposed.
   GpuProfile free_links = gpu_profile("h100");
-  free_links.intra_alpha = free_links.intra_alpha_gather = free_links.intra_alpha_p2p = 0;
-  free_links.intra_allreduce_bw = free_links.intra_gather_bw = free_links.intra_p2p_bw = 1e30;
+  free_links.intra.alpha = free_links.intra.alpha_gather = free_links.intra.alpha_p2p = 0;
+  free_links.intra.allreduce_bw = free_links.intra.gather_bw = free_links.intra.p2p_bw = 1e30;
   Cluster cl{1, 8, free_links};
   Layout l;
   l.dp = 2, l.pp = 4, l.grad_acc = 8, l.mbs = 1, l.schedule = PpSchedule::OneFOneB;
@@ -415,12 +415,12 @@ TEST_CASE("bench_comm --fit's measured collectives become the profile's links; a
   }
   GpuProfile g = gpu_profile("cpu");
   apply_comm_fit(g, dir + "/fit.json");
-  CHECK(g.intra_alpha == 5e-6);
-  CHECK(g.intra_allreduce_bw == 1.5e9);
-  CHECK(g.intra_alpha_gather == Approx(8e-6));
-  CHECK(g.intra_gather_bw == Approx(2 / (1 / 2e9 + 1 / 1e9)));  // the harmonic mean
-  CHECK(g.intra_alpha_p2p == 2e-5);
-  CHECK(g.intra_p2p_bw == 3e9);
+  CHECK(g.intra.alpha == 5e-6);
+  CHECK(g.intra.allreduce_bw == 1.5e9);
+  CHECK(g.intra.alpha_gather == Approx(8e-6));
+  CHECK(g.intra.gather_bw == Approx(2 / (1 / 2e9 + 1 / 1e9)));  // the harmonic mean
+  CHECK(g.intra.alpha_p2p == 2e-5);
+  CHECK(g.intra.p2p_bw == 3e9);
   CHECK(g.peak_fp32 == 2e10);
   CHECK(g.shared_capacity == 2.0);  // 4 ranks at half the rate alone: two at a time
   // Measured per group size: a group of 2 takes its own links. With no latency, a tp 2 layout's

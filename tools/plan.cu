@@ -237,12 +237,12 @@ int main(int argc, char** argv) {
     }
     if (peak > 0) (gpu.name == "cpu" ? gpu.peak_fp32 : gpu.peak_bf16) = peak * 1e12;
     if (memory_gib > 0) gpu.memory = memory_gib * 1024.0 * 1024 * 1024;
-    if (intra > 0) gpu.intra_allreduce_bw = gpu.intra_gather_bw = gpu.intra_p2p_bw = intra * 1e9;
+    if (intra > 0) gpu.intra.allreduce_bw = gpu.intra.gather_bw = gpu.intra.p2p_bw = intra * 1e9;
     if (inter > 0) gpu.inter_allreduce_bw = gpu.inter_gather_bw = inter * 1e9;
     if (nic > 0) gpu.nic_bw = nic * 1e9;
     if (!comm_fit.empty()) apply_comm_fit(gpu, comm_fit);
     if (alpha_us >= 0)
-      gpu.intra_alpha = gpu.intra_alpha_gather = gpu.intra_alpha_p2p = gpu.inter_alpha =
+      gpu.intra.alpha = gpu.intra.alpha_gather = gpu.intra.alpha_p2p = gpu.inter_alpha =
           alpha_us * 1e-6;
     if (efficiency > 0) gpu.compute_efficiency = efficiency;
     if (!campaign_file.empty()) return campaign(campaign_file, gpu, json_file);
