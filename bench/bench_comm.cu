@@ -8,7 +8,8 @@
 // (3) ZeRO-0 to ZeRO-3 steps of the medium model: static and peak memory per rank against the
 // book's formulas, step time, and how much of ZeRO-3's gather time prefetching hides.
 // (4) --fit FILE: all-reduce, all-gather, reduce-scatter and send/recv over message sizes, with
-// alpha and beta fitted per collective, written where ./plan --comm-fit reads them.
+// alpha and beta fitted per collective, and the GEMM rates, written where ./plan --comm-fit
+// reads them; --rates FILE measures that file's GEMM rates again.
 #include <cblas.h>
 #include <nlohmann/json.hpp>
 
@@ -171,14 +172,41 @@ static nlohmann::json fit_group(Comm& comm, Group& g, const Context& ctx, const 
   return out;
 }
 
+// The FLOP rate of one rank alone for 2 seconds (the others wait, sleeping where ranks share
+// cores), and of each while every rank computes for the same 4 seconds: ranks on one machine
+// share its cores, N x busy / alone of them at a time. Seconds rather than a GEMM's best, as a
+// machine whose cores others share too can change speed from one second to the next.
+static void measure_gemm_rates(Comm& comm, const Context& ctx, nlohmann::json& out) {
+  Group& g = comm.world;
+  const int N = g.size;
+  barrier(comm, g, ctx);
+  double alone = g.rank == 0 ? gemm_flops_for(ctx, 2.0) : 0;
+  all_reduce_host(g, &alone, 1, ReduceOp::Sum);
+  barrier(comm, g, ctx);
+  double busy = gemm_flops_for(ctx, 4.0);
+  all_reduce_host(g, &busy, 1, ReduceOp::Sum);
+  busy /= N;
+  out["gemm_flops_alone"] = alone, out["gemm_flops_per_rank"] = busy;
+  if (g.rank == 0)
+    printf("  fp32 GEMM: %.2f GFLOP/s on one rank alone, %.2f per rank with all %d at once "
+           "(%.2f ranks' worth at a time)\n", alone / 1e9, busy / 1e9, N, N * busy / alone);
+}
+
+// Rank 0 writes the fit, atomically, where ./plan --comm-fit reads it.
+static void write_fit(const Group& g, const std::string& path, const nlohmann::json& out) {
+  if (g.rank != 0) return;
+  const std::string text = out.dump(1) + "\n";
+  write_file_atomic(path, [&](FILE* f) { write_all(f, text.data(), text.size(), path); });
+  printf("wrote %s (./plan --gpu cpu --comm-fit %s)\n", path.c_str(), path.c_str());
+}
+
 // The fit on the world's group and, when the world holds 4 or more ranks in pairs, on groups of 2
 // (a dp x tp 2 grid's tp groups, each pair at once as in training): `collectives` the world's,
 // `groups` each size's, for plan --comm-fit. Then the GEMM rates.
 static void fit_collectives(Comm& comm, const Context& ctx, const char* backend,
                             const std::string& path) {
-  Group& g = comm.world;
-  const int N = g.size;
-  const bool root = g.rank == 0;
+  check_output_file("bench_comm --fit", path);  // before the minutes of measuring, on every rank
+  const int N = comm.world.size;
   nlohmann::json out{{"ranks", N}, {"backend", backend}, {"device", device_name(ctx.device)}};
   out["collectives"] = fit_group(comm, comm.world, ctx, backend);
   out["groups"][std::to_string(N)] = out["collectives"];
@@ -187,29 +215,25 @@ static void fit_collectives(Comm& comm, const Context& ctx, const char* backend,
     out["groups"]["2"] = fit_group(pairs, pairs.tp, ctx, backend);
     comm_destroy(pairs);
   }
-  // The FLOP rate of one rank alone (the others wait, sleeping where ranks share cores), and of
-  // each while every rank computes for the same second: ranks on one machine share its cores,
-  // N x busy / alone of them at a time.
-  barrier(comm, g, ctx);
-  double alone = root ? device_peak(ctx, Precision::FP32).flops : 0;
-  all_reduce_host(g, &alone, 1, ReduceOp::Sum);
-  barrier(comm, g, ctx);
-  double busy = gemm_flops_for(ctx, 1.0);
-  all_reduce_host(g, &busy, 1, ReduceOp::Sum);
-  busy /= N;
-  out["gemm_flops_alone"] = alone, out["gemm_flops_per_rank"] = busy;
-  if (root)
-    printf("  fp32 GEMM: %.2f GFLOP/s on one rank alone, %.2f per rank with all %d at once "
-           "(%.2f ranks' worth at a time)\n", alone / 1e9, busy / 1e9, N, N * busy / alone);
-  if (root) {
-    std::ofstream f(path);
-    if (!f) {
-      fprintf(stderr, "bench_comm --fit %s: cannot write it\n", path.c_str());
-      return;
-    }
-    f << out.dump(1) << "\n";
-    printf("wrote %s (./plan --gpu cpu --comm-fit %s)\n", path.c_str(), path.c_str());
+  measure_gemm_rates(comm, ctx, out);
+  write_fit(comm.world, path, out);
+}
+
+// --rates FILE: the GEMM rates of a fit measured again, its collectives kept (the time check
+// of tools/plan_check.sh measures them beside every run, as this machine's speed drifts).
+static void refresh_rates(Comm& comm, const Context& ctx, const std::string& path) {
+  nlohmann::json out;
+  std::ifstream f(path);
+  try {
+    out = nlohmann::json::parse(f);
+    if (out.at("ranks").get<int>() != comm.world.size) throw std::invalid_argument("ranks");
+  } catch (const std::exception&) {
+    throw UsageError("bench_comm --rates " + path + ": not a fit of " +
+                     std::to_string(comm.world.size) + " ranks; write one with --fit " + path);
   }
+  check_output_file("bench_comm --rates", path);
+  measure_gemm_rates(comm, ctx, out);
+  write_fit(comm.world, path, out);
 }
 
 static void dp_step(Comm& comm, Context& ctx) {
@@ -385,19 +409,28 @@ int main(int argc, char** argv) {
     CUDA_CHECK(cudaSetDevice(local % gpus));
     runs.push_back({Device::CUDA, local_size <= gpus ? "nccl" : "mpi"});
   }
-  std::string only = argc > 1 ? argv[1] : "";  // --bandwidth-only, --zero-only, --fit FILE
-  if ((!only.empty() && only != "--bandwidth-only" && only != "--zero-only" && only != "--fit") ||
-      (only == "--fit" && argc < 3)) {
-    fprintf(stderr, "usage: bench_comm [--bandwidth-only | --zero-only | --fit FILE]\n");
+  // --bandwidth-only, --zero-only, --fit FILE, --rates FILE
+  std::string only = argc > 1 ? argv[1] : "";
+  const bool to_file = only == "--fit" || only == "--rates";
+  if ((!only.empty() && only != "--bandwidth-only" && only != "--zero-only" && !to_file) ||
+      (to_file && argc < 3)) {
+    fprintf(stderr, "usage: bench_comm [--bandwidth-only | --zero-only | --fit FILE | --rates FILE]\n");
     MPI_Finalize();
     return 2;
   }
-  if (only == "--fit") runs.resize(1);  // the CPU ranks: what ./plan --gpu cpu prices
+  if (to_file) runs.resize(1);  // the CPU ranks: what ./plan --gpu cpu prices
   for (auto [device, backend] : runs) {
     Comm comm = comm_init(world, 1, 1, 1, backend, device, 600);
     Context ctx = Context::create(device);
-    if (only == "--fit") {
-      fit_collectives(comm, ctx, backend, argv[2]);
+    if (to_file) {
+      try {
+        if (only == "--fit") fit_collectives(comm, ctx, backend, argv[2]);
+        if (only == "--rates") refresh_rates(comm, ctx, argv[2]);
+      } catch (const UsageError& e) {  // every rank reads the same file, so all stop here
+        if (comm.world.rank == 0) fprintf(stderr, "error: %s\n", e.what());
+        MPI_Finalize();
+        return 2;
+      }
       ctx.destroy();
       comm_destroy(comm);
       continue;

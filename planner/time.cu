@@ -105,8 +105,9 @@ PipelineTiming pipeline_timing(PpSchedule s, int p, int m, int V, double t_f, do
 //  * the cores: k ranks computing on `cores` cores' worth go at min(1, cores / k) each; a rank
 //    waiting sleeps (runtime/comm_handle.cu), so a bubble hands its core to the others;
 //  * MPI's progress: a send on host memory moves only while its sender is inside MPI, waiting
-//    for a receive of its own or at the step's end (pipeline_parallel.cu's Exchange), and only
-//    once its receiver waits for it; a send followed by ops that receive nothing is held back.
+//    for a receive of its own (however briefly) or at the step's end (pipeline_parallel.cu's
+//    Exchange), and once its receiver waits for it; a send followed by ops that receive
+//    nothing is held back until its sender next waits.
 // Returns the step's makespan, or infinity if the tables cannot finish this way.
 double host_pipeline_makespan(PpSchedule s, int p, int m, int V, double work_f, double work_b,
                               double work_w, double comm, double cores) {
@@ -120,7 +121,7 @@ double host_pipeline_makespan(PpSchedule s, int p, int m, int V, double work_f, 
   struct Rank {
     size_t next = 0;
     State state = State::Ready;
-    double left = 0, since = 0;  // since: when it began waiting
+    double left = 0;
     Key needs{};
     std::vector<Key> held;  // sent, not yet delivered
   };
@@ -132,59 +133,45 @@ double host_pipeline_makespan(PpSchedule s, int p, int m, int V, double work_f, 
            : zb                       ? work_b
                                       : work_b + work_w;
   };
+  // A rank ready for its next op: done, waiting for the op's input, or computing it.
+  auto start = [&](int r) {
+    Rank& x = rk[r];
+    if (x.next == table[r].size()) {
+      x.state = State::Done;
+      return;
+    }
+    const PipelineOp& op = table[r][x.next];
+    int g = r + op.chunk * p;
+    bool f = op.kind == Phase::Forward, w = op.kind == Phase::Weight;
+    if (f ? g > 0 : !w && g < chunks - 1)
+      x.state = State::Waiting, x.needs = Key{!f, g, op.micro};
+    else
+      x.state = State::Computing, x.left = work(op);
+  };
   double t = 0;
-  bool stalled = false;  // every rank waits, each since this instant
   for (int events = 0; events < 1000000; events++) {
     for (bool changed = true; changed;) {
       changed = false;
-      for (int r = 0; r < p; r++) {
-        Rank& x = rk[r];
-        if (x.state == State::Ready || x.state == State::Waiting) {
-          if (x.next == table[r].size()) {
-            x.state = State::Done;
-            changed = true;
-            continue;
-          }
-          const PipelineOp& op = table[r][x.next];
-          int g = r + op.chunk * p;
-          bool f = op.kind == Phase::Forward, w = op.kind == Phase::Weight;
-          bool receives = f ? g > 0 : !w && g < chunks - 1;
-          if (x.state == State::Ready && receives) {
-            x.state = State::Waiting, x.needs = Key{!f, g, op.micro}, x.since = t, changed = true;
-          } else if (!receives) {
-            x.state = State::Computing, x.left = work(op), changed = true;
-          }
-        }
-      }
-      // Deliver what a sender inside MPI holds to a receiver waiting for it. A receive that
-      // finds its message already there returns at once, too soon to move a large send: the
-      // sender must have waited a while, or be done (or no rank could go on otherwise).
-      for (int r = 0; r < p; r++) {
-        const State st = rk[r].state;
-        if (st == State::Computing || st == State::Communicating || st == State::Ready) continue;
-        if (st == State::Waiting && rk[r].since >= t && !stalled) continue;
+      for (int r = 0; r < p; r++)
+        if (rk[r].state == State::Ready) start(r), changed = true;
+      // Every rank inside MPI now moves what it holds to receivers waiting for it, even if its
+      // own receive is met at once and it leaves MPI in this instant.
+      std::vector<int> in_mpi;
+      for (int r = 0; r < p; r++)
+        if (rk[r].state == State::Waiting || rk[r].state == State::Done) in_mpi.push_back(r);
+      for (int r : in_mpi)
         for (size_t i = 0; i < rk[r].held.size(); i++) {
           const Key& k = rk[r].held[i];
-          Rank& to = rk[owner(std::get<1>(k))];
-          if (to.state != State::Waiting || to.needs != k) continue;
-          to.state = State::Computing, to.left = work(table[owner(std::get<1>(k))][to.next]);
+          const int to = owner(std::get<1>(k));
+          if (rk[to].state != State::Waiting || rk[to].needs != k) continue;
+          rk[to].state = State::Computing, rk[to].left = work(table[to][rk[to].next]);
           rk[r].held.erase(rk[r].held.begin() + (long)i--);
           changed = true;
         }
-      }
     }
-    int computing = 0, running = 0, done = 0;
+    int computing = 0;
     double step = std::numeric_limits<double>::infinity();
-    for (const Rank& x : rk) {
-      computing += x.state == State::Computing;
-      running += x.state == State::Computing || x.state == State::Communicating;
-      done += x.state == State::Done;
-    }
-    if (running == 0 && done < p && !stalled) {
-      stalled = true;
-      continue;
-    }
-    stalled = false;
+    for (const Rank& x : rk) computing += x.state == State::Computing;
     const double rate = std::min(1.0, cores / std::max(1, computing));
     for (const Rank& x : rk) {
       if (x.state == State::Computing) step = std::min(step, x.left / rate);

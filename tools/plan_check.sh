@@ -1,69 +1,99 @@
 #!/usr/bin/env bash
 # `make bench`, the planner against measured runs: 12 layouts of the medium model on 4 CPU
-# ranks (8 sequences per step), each timed (the median of steps 2-4 over two rounds, about 18
-# minutes) and predicted by ./plan with this machine's sgemm rate and the collectives
-# bench_comm --fit measured; then Spearman's rank correlation between the two orders (the
-# target: 0.8 or more) and where they disagree.
+# ranks (8 sequences per step), each run in two rounds and timed (the median of steps 2-4 of
+# its runs), and predicted by ./plan with the collectives bench_comm --fit measured and the
+# GEMM rates bench_comm --rates measures before and after every run (this machine's speed
+# drifts by half within minutes); then Spearman's rank correlation between the two orders
+# (the target: 0.8 or more) and where they disagree. About 25 minutes.
+# PLAN_CHECK_LAYOUTS=FILE: other layouts, one per line (./train's flags; 8 sequences a step).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 export OMPI_MCA_btl_vader_single_copy_mechanism=none OPENBLAS_NUM_THREADS=1
 fit=build/comm_fit_cpu4.json
 mpirun --oversubscribe -np 4 build/bench_comm --fit "$fit" | tail -5
+# Layouts whose step times, as the planner predicts them, spread over 1.7 times the fastest
+# (in two groups, the faster within 20%), so that the measured order says something on a
+# machine whose runs of one layout spread by 10-20%; together they cover ZeRO-1 and -3, tp,
+# sp, the AFAB, 1F1B and interleaved schedules, cp, and full recomputation.
 layouts=(
-  "--dp 4 --mbs 1 --grad-acc 2"
   "--dp 4 --zero 1 --mbs 2 --grad-acc 1"
-  "--dp 4 --zero 3 --mbs 1 --grad-acc 2"
-  "--dp 2 --tp 2 --mbs 2 --grad-acc 2"
-  "--dp 2 --tp 2 --sp --mbs 1 --grad-acc 4"
-  "--tp 4 --mbs 4 --grad-acc 2"
-  "--pp 4 --pp-schedule 1f1b --mbs 1 --grad-acc 8"
-  "--pp 4 --pp-schedule afab --mbs 2 --grad-acc 4"
   "--dp 2 --pp 2 --mbs 1 --grad-acc 4"
+  "--dp 2 --tp 2 --mbs 2 --grad-acc 2"
   "--tp 2 --pp 2 --pp-schedule interleaved --pp-virtual 2 --mbs 2 --grad-acc 4"
+  "--dp 2 --tp 2 --sp --mbs 1 --grad-acc 4"
   "--cp 4 --mbs 2 --grad-acc 4"
+  "--dp 4 --zero 3 --recompute full --mbs 2 --grad-acc 1"
   "--dp 4 --recompute full --mbs 1 --grad-acc 2"
+  "--pp 4 --pp-schedule 1f1b --mbs 1 --grad-acc 8"
+  "--tp 4 --recompute full --mbs 4 --grad-acc 2"
+  "--pp 4 --pp-schedule afab --mbs 2 --grad-acc 4"
+  "--pp 4 --pp-schedule afab --recompute full --mbs 2 --grad-acc 4"
 )
+if [ -n "${PLAN_CHECK_LAYOUTS:-}" ]; then mapfile -t layouts < <(grep . "$PLAN_CHECK_LAYOUTS"); fi
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+predict() {  # layout, fit: the predicted step in ms
+  ./plan --gpu cpu --gpus-per-node 4 --model medium --comm-fit "$2" --layout "$1 --dtype fp32" |
+    awk '/^predicted step:/ { printf "%.1f", $3 * 1000 }'
+}
+probes=0
+probe() {  # the GEMM rates now, in the next probe file
+  cp "$fit" "$work/probe$probes.json"
+  mpirun --oversubscribe -np 4 build/bench_comm --rates "$work/probe$probes.json" >/dev/null
+  probes=$((probes + 1))
+}
 # Two rounds over the layouts, so that a slow spell of the machine falls on several layouts
-# rather than on one; a layout's step time is the median of steps 2-4 of its two runs.
+# rather than on one. A run's prediction: the mean of those with the rates measured just
+# before and just after it.
 rounds=${PLAN_CHECK_ROUNDS:-2}
-times=()
+times=() predictions=()
+probe
 for round in $(seq "$rounds"); do
   for i in "${!layouts[@]}"; do
     ms=$(mpirun --oversubscribe -np 4 ./train --device cpu --model medium ${layouts[$i]} --dtype fp32 \
            --steps 4 --warmup 1 --val-every 0 --val-seqs 1 2>&1 |
          awk '/^step +[0-9]+\/4 \| loss/ { n++; if (n > 1) print $(NF - 1) }')
+    probe
+    before=$(predict "${layouts[$i]}" "$work/probe$((probes - 2)).json")
+    after=$(predict "${layouts[$i]}" "$work/probe$((probes - 1)).json")
     times[$i]="${times[$i]:-} $ms"
+    predictions[$i]="${predictions[$i]:-} $(awk -v a="$before" -v b="$after" 'BEGIN { printf "%.1f", (a + b) / 2 }')"
   done
 done
 median() { tr ' ' '\n' | { grep . || true; } | sort -g | awk '{ v[NR] = $1 } END {
   if (NR == 0) print "nan"; else if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 echo
-echo "medium on 4 CPU ranks, 8 sequences per step: step time measured (median of steps 2-4 over $rounds runs) and predicted"
-printf "| %-72s | %12s | %12s |\n" layout "measured ms" "predicted ms"
+echo "medium on 4 CPU ranks, 8 sequences per step: step time measured (median of steps 2-4 over $rounds runs)"
+echo "and predicted (median over the runs, each with the GEMM rates measured beside it; and with the first fit's only)"
+printf "| %-72s | %11s | %12s | %11s |\n" layout "measured ms" "predicted ms" "first fit ms"
 rows=$(mktemp)
 for i in "${!layouts[@]}"; do
   l=${layouts[$i]}
   measured=$(echo "${times[$i]:-}" | median)
-  predicted=$(./plan --gpu cpu --gpus-per-node 4 --model medium --comm-fit "$fit" \
-                --layout "$l --dtype fp32" | awk '/^predicted step:/ { printf "%.1f", $3 * 1000 }')
-  printf "| %-72s | %12s | %12s |\n" "$l" "$measured" "$predicted"
-  echo "$measured $predicted" >>"$rows"
+  predicted=$(echo "${predictions[$i]:-}" | median)
+  first=$(predict "$l" "$fit")
+  printf "| %-72s | %11s | %12s | %11s |\n" "$l" "$measured" "$predicted" "$first"
+  echo "$measured $predicted $first" >>"$rows"
 done
-# Spearman: 1 - 6 sum d^2 / (n (n^2 - 1)) over the ranks of the two columns (ties: mean rank).
-awk '
-  { m[NR] = $1; p[NR] = $2 }
-  function ranks(v, r,   i, j, less, same) {
-    for (i = 1; i <= NR; i++) { less = 0; same = 0
-      for (j = 1; j <= NR; j++) { if (v[j] < v[i]) less++; else if (v[j] == v[i]) same++ }
-      r[i] = less + (same + 1) / 2 }
-  }
-  END {
-    ranks(m, rm); ranks(p, rp)
-    for (i = 1; i <= NR; i++) d += (rm[i] - rp[i]) ^ 2
-    rho = 1 - 6 * d / (NR * (NR * NR - 1))
-    printf "Spearman rank correlation over %d layouts: %.3f (target 0.8)\n", NR, rho
-    for (i = 1; i <= NR; i++) if ((rm[i] - rp[i]) ^ 2 >= 9)
-      printf "  layout %d: measured rank %.1f, predicted rank %.1f\n", i, rm[i], rp[i]
-  }' "$rows"
+# Spearman: 1 - 6 sum d^2 / (n (n^2 - 1)) over the ranks of two columns (ties: mean rank).
+spearman() {  # column of the prediction, label; prints rho and the layouts 3 or more ranks apart
+  awk -v col="$1" -v label="$2" '
+    { m[NR] = $1; p[NR] = $col }
+    function ranks(v, r,   i, j, less, same) {
+      for (i = 1; i <= NR; i++) { less = 0; same = 0
+        for (j = 1; j <= NR; j++) { if (v[j] < v[i]) less++; else if (v[j] == v[i]) same++ }
+        r[i] = less + (same + 1) / 2 }
+    }
+    END {
+      ranks(m, rm); ranks(p, rp)
+      for (i = 1; i <= NR; i++) d += (rm[i] - rp[i]) ^ 2
+      rho = 1 - 6 * d / (NR * (NR * NR - 1))
+      printf "Spearman rank correlation over %d layouts, %s: %.3f (target 0.8)\n", NR, label, rho
+      for (i = 1; i <= NR; i++) if ((rm[i] - rp[i]) ^ 2 >= 9)
+        printf "  layout %d: measured rank %.1f, predicted rank %.1f\n", i, rm[i], rp[i]
+    }' "$rows"
+}
+spearman 2 "rates measured beside each run"
+spearman 3 "the first fit's rates only"
 rm -f "$rows"
