@@ -2,9 +2,11 @@
 # `make bench`, the planner against measured runs: 12 layouts of the medium model on 4 CPU
 # ranks (8 sequences per step), each run in two rounds and timed (the median of steps 2-4 of
 # its runs), and predicted by ./plan with the collectives bench_comm --fit measured and the
-# GEMM rates bench_comm --rates measures before and after every run (this machine's speed
-# drifts by half within minutes); then Spearman's rank correlation between the two orders
-# (the target: 0.8 or more) and where they disagree. About 25 minutes.
+# mean of the GEMM rates bench_comm --rates measured between the runs (one probe of a few
+# seconds finds this machine anywhere between one and two cores' worth); then Spearman's rank
+# correlation between the two orders (the target: 0.8 or more) and where they disagree, also
+# for predictions from the probes beside each run and from the first fit's alone. About 25
+# minutes; every run's steps and every probe stay in build/plan_check/.
 # PLAN_CHECK_LAYOUTS=FILE: other layouts, one per line (./train's flags; 8 sequences a step).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,8 +33,8 @@ layouts=(
   "--pp 4 --pp-schedule afab --recompute full --mbs 2 --grad-acc 4"
 )
 if [ -n "${PLAN_CHECK_LAYOUTS:-}" ]; then mapfile -t layouts < <(grep . "$PLAN_CHECK_LAYOUTS"); fi
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+work=build/plan_check
+rm -rf "$work" && mkdir -p "$work"
 predict() {  # layout, fit: the predicted step in ms
   ./plan --gpu cpu --gpus-per-node 4 --model medium --comm-fit "$2" --layout "$1 --dtype fp32" |
     awk '/^predicted step:/ { printf "%.1f", $3 * 1000 }'
@@ -44,8 +46,8 @@ probe() {  # the GEMM rates now, in the next probe file
   probes=$((probes + 1))
 }
 # Two rounds over the layouts, so that a slow spell of the machine falls on several layouts
-# rather than on one. A run's prediction: the mean of those with the rates measured just
-# before and just after it.
+# rather than on one; a GEMM probe before the first run and after every run. (Beside a run:
+# the mean of the predictions with the probes just before and just after it.)
 rounds=${PLAN_CHECK_ROUNDS:-2}
 times=() predictions=()
 probe
@@ -58,23 +60,31 @@ for round in $(seq "$rounds"); do
     before=$(predict "${layouts[$i]}" "$work/probe$((probes - 2)).json")
     after=$(predict "${layouts[$i]}" "$work/probe$((probes - 1)).json")
     times[$i]="${times[$i]:-} $ms"
+    echo "$round	$i	$((probes - 2))	$((probes - 1))	$before	$after	$(echo $ms)" >>"$work/runs.tsv"
     predictions[$i]="${predictions[$i]:-} $(awk -v a="$before" -v b="$after" 'BEGIN { printf "%.1f", (a + b) / 2 }')"
   done
 done
 median() { tr ' ' '\n' | { grep . || true; } | sort -g | awk '{ v[NR] = $1 } END {
   if (NR == 0) print "nan"; else if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+# The probes' mean rates, written into a copy of the fit (one key per line, as bench_comm
+# writes it).
+mean_rate() { cat "$work"/probe*.json | awk -v key="\"$1\":" '$1 == key { s += $2; n++ } END { printf "%.6g", s / n }'; }
+sed -E -e "s/(\"gemm_flops_alone\": )[^,]*/\1$(mean_rate gemm_flops_alone)/" \
+       -e "s/(\"gemm_flops_per_rank\": )[^,]*/\1$(mean_rate gemm_flops_per_rank)/" "$fit" >"$work/mean_rates.json"
 echo
-echo "medium on 4 CPU ranks, 8 sequences per step: step time measured (median of steps 2-4 over $rounds runs)"
-echo "and predicted (median over the runs, each with the GEMM rates measured beside it; and with the first fit's only)"
-printf "| %-72s | %11s | %12s | %11s |\n" layout "measured ms" "predicted ms" "first fit ms"
+echo "fp32 GEMM over the $probes probes: $(mean_rate gemm_flops_alone) FLOP/s alone, $(mean_rate gemm_flops_per_rank) per rank with all 4"
+echo "medium on 4 CPU ranks, 8 sequences per step: step time measured (median of steps 2-4 over $rounds runs) and"
+echo "predicted with the probes' mean rates; with the probes beside each run (median over the runs); with the first fit's"
+printf "| %-72s | %11s | %12s | %11s | %11s |\n" layout "measured ms" "predicted ms" "beside runs" "first fit"
 rows=$(mktemp)
 for i in "${!layouts[@]}"; do
   l=${layouts[$i]}
   measured=$(echo "${times[$i]:-}" | median)
-  predicted=$(echo "${predictions[$i]:-}" | median)
+  predicted=$(predict "$l" "$work/mean_rates.json")
+  beside=$(echo "${predictions[$i]:-}" | median)
   first=$(predict "$l" "$fit")
-  printf "| %-72s | %11s | %12s | %11s |\n" "$l" "$measured" "$predicted" "$first"
-  echo "$measured $predicted $first" >>"$rows"
+  printf "| %-72s | %11s | %12s | %11s | %11s |\n" "$l" "$measured" "$predicted" "$beside" "$first"
+  echo "$measured $predicted $beside $first" >>"$rows"
 done
 # Spearman: 1 - 6 sum d^2 / (n (n^2 - 1)) over the ranks of two columns (ties: mean rank).
 spearman() {  # column of the prediction, label; prints rho and the layouts 3 or more ranks apart
@@ -94,6 +104,7 @@ spearman() {  # column of the prediction, label; prints rho and the layouts 3 or
         printf "  layout %d: measured rank %.1f, predicted rank %.1f\n", i, rm[i], rp[i]
     }' "$rows"
 }
-spearman 2 "rates measured beside each run"
-spearman 3 "the first fit's rates only"
+spearman 2 "the probes' mean rates"
+spearman 3 "the probes beside each run"
+spearman 4 "the first fit's rates"
 rm -f "$rows"
