@@ -45,14 +45,17 @@ probe() {  # the GEMM rates now, in the next probe file
   mpirun --oversubscribe -np 4 build/bench_comm --rates "$work/probe$probes.json" >/dev/null
   probes=$((probes + 1))
 }
-# Two rounds over the layouts, so that a slow spell of the machine falls on several layouts
-# rather than on one; a GEMM probe before the first run and after every run. (Beside a run:
-# the mean of the predictions with the probes just before and just after it.)
+# Two rounds over the layouts, the second in reverse order: a slow spell of the machine falls
+# on several layouts rather than on one, and a drift through the check weighs on every layout
+# alike (first and last in turn). A GEMM probe before the first run and after every run.
+# (Beside a run: the mean of the predictions with the probes just before and just after it.)
 rounds=${PLAN_CHECK_ROUNDS:-2}
 times=() predictions=()
 probe
 for round in $(seq "$rounds"); do
-  for i in "${!layouts[@]}"; do
+  order=("${!layouts[@]}")
+  if [ $((round % 2)) -eq 0 ]; then order=($(printf '%s\n' "${order[@]}" | tac)); fi
+  for i in "${order[@]}"; do
     ms=$(mpirun --oversubscribe -np 4 ./train --device cpu --model medium ${layouts[$i]} --dtype fp32 \
            --steps 4 --warmup 1 --val-every 0 --val-seqs 1 2>&1 |
          awk '/^step +[0-9]+\/4 \| loss/ { n++; if (n > 1) print $(NF - 1) }')
