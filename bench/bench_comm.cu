@@ -219,8 +219,8 @@ static void fit_collectives(Comm& comm, const Context& ctx, const char* backend,
   write_fit(comm.world, path, out);
 }
 
-// --rates FILE: the GEMM rates of a fit measured again, its collectives kept (the time check
-// of tools/plan_check.sh measures them beside every run, as this machine's speed drifts).
+// --rates FILE: the GEMM rates of a fit measured again, its collectives kept (tools/plan_check.sh
+// measures them between its runs: a machine shared with other work changes speed by the minute).
 static void refresh_rates(Comm& comm, const Context& ctx, const std::string& path) {
   nlohmann::json out;
   std::ifstream f(path);
@@ -414,7 +414,8 @@ int main(int argc, char** argv) {
   const bool to_file = only == "--fit" || only == "--rates";
   if ((!only.empty() && only != "--bandwidth-only" && only != "--zero-only" && !to_file) ||
       (to_file && argc < 3)) {
-    fprintf(stderr, "usage: bench_comm [--bandwidth-only | --zero-only | --fit FILE | --rates FILE]\n");
+    fprintf(stderr,
+            "usage: bench_comm [--bandwidth-only | --zero-only | --fit FILE | --rates FILE]\n");
     MPI_Finalize();
     return 2;
   }
