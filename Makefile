@@ -102,7 +102,8 @@ run: deps
 
 # Every test; ends with the suite's own last line, "N passed, N failed, N skipped".
 test: deps
-	@$(MAKE) --no-print-directory -j$$(nproc) train plan $(BUILD)/unit_tests $(BUILD)/mpi_tests
+	@$(MAKE) --no-print-directory -j$$(nproc) train plan $(BUILD)/unit_tests $(BUILD)/mpi_tests \
+	  $(BUILD)/bench_comm
 	@bash tools/run_tests.sh
 
 # The parity criteria on 24 layouts drawn at random (seeded; tests/test_parity.cu, [.sweep]):

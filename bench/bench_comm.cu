@@ -9,7 +9,8 @@
 // book's formulas, step time, and how much of ZeRO-3's gather time prefetching hides.
 // (4) --fit FILE: all-reduce, all-gather, reduce-scatter and send/recv over message sizes, with
 // alpha and beta fitted per collective, and the GEMM rates, written where ./plan --comm-fit
-// reads them; --rates FILE measures that file's GEMM rates again.
+// reads them; --rates FILE measures that file's GEMM rates again; --mean OUT FILE... writes
+// the first FILE with the GEMM rates averaged over every FILE.
 #include <cblas.h>
 #include <nlohmann/json.hpp>
 
@@ -219,21 +220,49 @@ static void fit_collectives(Comm& comm, const Context& ctx, const char* backend,
   write_fit(comm.world, path, out);
 }
 
+// A fit bench_comm --fit wrote for `ranks` ranks (0: any), or a usage error that names the flag.
+static nlohmann::json read_fit(const std::string& flag, const std::string& path, int ranks) {
+  std::ifstream f(path);
+  try {
+    nlohmann::json fit = nlohmann::json::parse(f);
+    const int fit_ranks = fit.at("ranks").get<int>();
+    fit.at("gemm_flops_alone").get<double>(), fit.at("gemm_flops_per_rank").get<double>();
+    if (ranks != 0 && fit_ranks != ranks) throw std::invalid_argument("ranks");
+    return fit;
+  } catch (const std::exception&) {
+    throw UsageError(flag + " " + path + ": not a fit of " +
+                     (ranks != 0 ? std::to_string(ranks) + " ranks" : std::string("bench_comm")) +
+                     "; write one with bench_comm --fit " + path);
+  }
+}
+
 // --rates FILE: the GEMM rates of a fit measured again, its collectives kept (tools/plan_check.sh
 // measures them between its runs: a machine shared with other work changes speed by the minute).
 static void refresh_rates(Comm& comm, const Context& ctx, const std::string& path) {
-  nlohmann::json out;
-  std::ifstream f(path);
-  try {
-    out = nlohmann::json::parse(f);
-    if (out.at("ranks").get<int>() != comm.world.size) throw std::invalid_argument("ranks");
-  } catch (const std::exception&) {
-    throw UsageError("bench_comm --rates " + path + ": not a fit of " +
-                     std::to_string(comm.world.size) + " ranks; write one with --fit " + path);
-  }
+  nlohmann::json out = read_fit("bench_comm --rates", path, comm.world.size);
   check_output_file("bench_comm --rates", path);
   measure_gemm_rates(comm, ctx, out);
   write_fit(comm.world, path, out);
+}
+
+// --mean OUT FILE...: the first FILE with its GEMM rates replaced by their mean over every FILE,
+// fits of one rank count (tools/plan_check.sh's probes, for a prediction at the check's mean).
+static void mean_rates(const Group& g, const std::string& out_path,
+                       const std::vector<std::string>& paths) {
+  nlohmann::json out = read_fit("bench_comm --mean", paths[0], 0);
+  const int ranks = out.at("ranks").get<int>();
+  double alone = 0, busy = 0;
+  for (const std::string& path : paths) {
+    nlohmann::json fit = read_fit("bench_comm --mean", path, ranks);
+    alone += fit.at("gemm_flops_alone").get<double>();
+    busy += fit.at("gemm_flops_per_rank").get<double>();
+  }
+  check_output_file("bench_comm --mean", out_path);
+  out["gemm_flops_alone"] = alone / paths.size(), out["gemm_flops_per_rank"] = busy / paths.size();
+  if (g.rank == 0)
+    printf("fp32 GEMM over %zu fits: %.2f GFLOP/s on one rank alone, %.2f per rank with all %d\n",
+           paths.size(), alone / paths.size() / 1e9, busy / paths.size() / 1e9, ranks);
+  write_fit(g, out_path, out);
 }
 
 static void dp_step(Comm& comm, Context& ctx) {
@@ -409,15 +438,29 @@ int main(int argc, char** argv) {
     CUDA_CHECK(cudaSetDevice(local % gpus));
     runs.push_back({Device::CUDA, local_size <= gpus ? "nccl" : "mpi"});
   }
-  // --bandwidth-only, --zero-only, --fit FILE, --rates FILE
+  // --bandwidth-only, --zero-only, --fit FILE, --rates FILE, --mean OUT FILE...
   std::string only = argc > 1 ? argv[1] : "";
   const bool to_file = only == "--fit" || only == "--rates";
-  if ((!only.empty() && only != "--bandwidth-only" && only != "--zero-only" && !to_file) ||
-      (to_file && argc < 3)) {
-    fprintf(stderr,
-            "usage: bench_comm [--bandwidth-only | --zero-only | --fit FILE | --rates FILE]\n");
+  if ((!only.empty() && only != "--bandwidth-only" && only != "--zero-only" && !to_file &&
+       only != "--mean") ||
+      (to_file && argc < 3) || (only == "--mean" && argc < 4)) {
+    fprintf(stderr, "usage: bench_comm [--bandwidth-only | --zero-only | --fit FILE | "
+                    "--rates FILE | --mean OUT FILE...]\n");
     MPI_Finalize();
     return 2;
+  }
+  if (only == "--mean") {  // files only: every rank reads them, rank 0 writes
+    Group world_group;
+    MPI_Comm_rank(MPI_COMM_WORLD, &world_group.rank);
+    try {
+      mean_rates(world_group, argv[2], std::vector<std::string>(argv + 3, argv + argc));
+    } catch (const UsageError& e) {
+      if (world_group.rank == 0) fprintf(stderr, "error: %s\n", e.what());
+      MPI_Finalize();
+      return 2;
+    }
+    MPI_Finalize();
+    return 0;
   }
   if (to_file) runs.resize(1);  // the CPU ranks: what ./plan --gpu cpu prices
   for (auto [device, backend] : runs) {

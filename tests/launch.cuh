@@ -14,19 +14,22 @@ struct RunResult {
   int code;            // exit status; -1 when killed by a signal
   std::string output;  // stdout and stderr
 };
-// Runs `./train <args>` with np ranks (np 0: without mpirun). Adds --device cpu unless given.
-inline RunResult run_train(const std::string& args, int np = 0) {
-  std::string device = args.find("--device") == std::string::npos ? "--device cpu " : "";
-  std::string launcher = np > 0 ? "mpirun --oversubscribe -np " + std::to_string(np) + " " : "";
-  std::string cmd = launcher + "./train " + device + args + " 2>&1";
+// Runs a shell command, stdout and stderr together.
+inline RunResult run_command(const std::string& cmd) {
   RunResult r{-1, ""};
-  FILE* p = popen(cmd.c_str(), "r");
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
   if (!p) return r;
   char buf[4096];
   while (size_t n = fread(buf, 1, sizeof buf, p)) r.output.append(buf, n);
   int status = pclose(p);
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return r;
+}
+// Runs `./train <args>` with np ranks (np 0: without mpirun). Adds --device cpu unless given.
+inline RunResult run_train(const std::string& args, int np = 0) {
+  std::string device = args.find("--device") == std::string::npos ? "--device cpu " : "";
+  std::string launcher = np > 0 ? "mpirun --oversubscribe -np " + std::to_string(np) + " " : "";
+  return run_command(launcher + "./train " + device + args);
 }
 inline std::string make_temp_dir() {
   char tmpl[] = "/tmp/picoscale-test-XXXXXX";

@@ -455,6 +455,60 @@ TEST_CASE("bench_comm --fit's measured collectives become the profile's links; a
   CHECK_THROWS_WITH(apply_comm_fit(g, dir + "/none.json"), Catch::Contains("cannot open it"));
 }
 
+TEST_CASE("bench_comm --mean writes the first fit with the GEMM rates averaged over every fit; a "
+          "fit of another rank count, a missing fit or a directory as output exits 2 and "
+          "leaves the output as it was", "[planner]") {
+  std::string dir = make_temp_dir();
+  auto fit = [&](const std::string& name, int ranks, double alone, double busy, double bw) {
+    std::string link = R"({"alpha_s": 1e-5, "busbw_bytes_per_s": )" + std::to_string(bw) + "}";
+    std::ofstream(dir + "/" + name)
+        << R"({"ranks": )" << ranks << R"(, "collectives": {"all_reduce": )" << link
+        << R"(, "all_gather": )" << link << R"(, "reduce_scatter": )" << link
+        << R"(, "send_recv": )" << link << R"(}, "gemm_flops_alone": )" << alone
+        << R"(, "gemm_flops_per_rank": )" << busy << "}";
+  };
+  fit("a.json", 4, 2.5e10, 1.25e10, 1e9);
+  fit("b.json", 4, 1.75e10, 0.75e10, 2e9);  // other links: not the first fit's, so not kept
+  fit("c.json", 4, 1.5e10, 1.1e10, 3e9);
+  const std::string a = dir + "/a.json", b = dir + "/b.json", c = dir + "/c.json";
+  const std::string out = dir + "/mean.json";
+  RunResult r = run_command("build/bench_comm --mean " + out + " " + a + " " + b + " " + c);
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  nlohmann::json mean = nlohmann::json::parse(read_whole_file(out));
+  // The arithmetic means of the three fits above; 1e-12: the sum's rounding in doubles.
+  CHECK(mean.at("gemm_flops_alone").get<double>() ==
+        Approx((2.5e10 + 1.75e10 + 1.5e10) / 3).epsilon(1e-12));
+  CHECK(mean.at("gemm_flops_per_rank").get<double>() ==
+        Approx((1.25e10 + 0.75e10 + 1.1e10) / 3).epsilon(1e-12));
+  CHECK(mean.at("collectives") == nlohmann::json::parse(read_whole_file(a)).at("collectives"));
+  GpuProfile g = gpu_profile("cpu");
+  apply_comm_fit(g, out);
+  CHECK(g.peak_fp32 == mean.at("gemm_flops_alone").get<double>());
+  CHECK(g.intra.allreduce_bw == 1e9);
+
+  const std::string before = read_whole_file(out);
+  fit("two.json", 2, 1e10, 1e10, 1e9);
+  r = run_command("build/bench_comm --mean " + out + " " + a + " " + dir + "/two.json");
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("bench_comm --mean " + dir + "/two.json: not a fit of 4 "
+                                       "ranks; write one with bench_comm --fit"));
+  r = run_command("build/bench_comm --mean " + out + " " + a + " " + dir + "/none.json");
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("bench_comm --mean " + dir + "/none.json: not a fit"));
+  CHECK(read_whole_file(out) == before);
+  r = run_command("build/bench_comm --mean " + dir + " " + a);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("is a directory"));
+  // --rates measures a fit of as many ranks as run it: a fit of 4 under 2 ranks is refused by
+  // each, before any measuring, and the fit stays.
+  r = run_command("mpirun --oversubscribe -np 2 build/bench_comm --rates " + a);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.output, Catch::Contains("bench_comm --rates " + a + ": not a fit of 2 ranks"));
+  CHECK(r.output.find("fp32 GEMM") == std::string::npos);
+  CHECK(nlohmann::json::parse(read_whole_file(a)).at("gemm_flops_alone").get<double>() == 2.5e10);
+}
+
 TEST_CASE("CPU ranks over MPI: k ranks computing on C cores go at C/k each, and a send moves only "
           "while its sender is inside MPI", "[planner]") {
   // Expected values traced by hand from the two rules (planner/time.cu); F takes 1, B 2.

@@ -379,12 +379,7 @@ TEST_CASE("./train shuffles by default and --no-shuffle reads file order", "[saf
 
 static double run_seconds(const std::string& cmd, RunResult& r) {
   auto t0 = std::chrono::steady_clock::now();
-  r = RunResult{-1, ""};
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) r.output.append(buf, n);
-  int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r = run_command(cmd);
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # `make bench`, the planner against measured runs: 12 layouts of the medium model on 4 CPU
-# ranks (8 sequences per step), each run in two rounds and timed (the median of steps 2-4 of
-# its runs), and predicted by ./plan with the collectives bench_comm --fit measured and the
-# mean of the GEMM rates bench_comm --rates measured between the runs (one probe of a few
-# seconds finds this machine anywhere between one and two cores' worth); then Spearman's rank
-# correlation between the two orders (the target: 0.8 or more) and where they disagree, also
-# for predictions from the probes beside each run and from the first fit's alone. About 25
-# minutes; every run's steps and every probe stay in build/plan_check/.
-# PLAN_CHECK_LAYOUTS=FILE: other layouts, one per line (./train's flags; 8 sequences a step).
+# ranks (8 sequences per step), each run in four rounds and timed (the median of the 8 timed
+# steps, steps 2 and 3 of each run), and predicted by ./plan with the collectives bench_comm
+# --fit measured and the mean of the GEMM rates bench_comm --rates measured between the rounds
+# (one probe of a few seconds finds this machine anywhere between one and two cores' worth);
+# then Spearman's rank correlation between the two orders (the target: 0.8 or more) and where
+# they disagree, also for predictions from the probes beside each round and from the first
+# fit's alone. About 30 minutes; every run's steps and every probe stay in build/plan_check/.
+# PLAN_CHECK_LAYOUTS=FILE: other layouts, one per line (./train's flags; 8 sequences a step);
+# PLAN_CHECK_ROUNDS=N: other than 4 rounds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
@@ -45,40 +46,42 @@ probe() {  # the GEMM rates now, in the next probe file
   mpirun --oversubscribe -np 4 build/bench_comm --rates "$work/probe$probes.json" >/dev/null
   probes=$((probes + 1))
 }
-# Two rounds over the layouts, the second in reverse order: a slow spell of the machine falls
-# on several layouts rather than on one, and a drift through the check weighs on every layout
-# alike (first and last in turn). A GEMM probe before the first run and after every run.
-# (Beside a run: the mean of the predictions with the probes just before and just after it.)
-rounds=${PLAN_CHECK_ROUNDS:-2}
+# Rounds over the layouts in four orders (forward, backward, then both from the middle): a slow
+# spell of the machine falls on several layouts rather than on one, and a drift through the
+# check weighs on every layout alike. Each run is short (2 timed steps after a first): a layout
+# is sampled in 4 spells of the machine rather than 2. A GEMM probe before the first round and
+# after every round (beside a run: the mean of the predictions with the probes around its round).
+rounds=${PLAN_CHECK_ROUNDS:-4}
+n=${#layouts[@]}
 times=() predictions=()
 probe
 for round in $(seq "$rounds"); do
-  order=("${!layouts[@]}")
-  if [ $((round % 2)) -eq 0 ]; then order=($(printf '%s\n' "${order[@]}" | tac)); fi
+  case $((round % 4)) in
+    1) order=($(seq 0 $((n - 1)))) ;;
+    2) order=($(seq $((n - 1)) -1 0)) ;;
+    3) order=($(seq $((n / 2)) $((n - 1))) $(seq 0 $((n / 2 - 1)))) ;;
+    0) order=($(seq $((n / 2 - 1)) -1 0) $(seq $((n - 1)) -1 $((n / 2)))) ;;
+  esac
   for i in "${order[@]}"; do
     ms=$(mpirun --oversubscribe -np 4 ./train --device cpu --model medium ${layouts[$i]} --dtype fp32 \
-           --steps 4 --warmup 1 --val-every 0 --val-seqs 1 2>&1 |
-         awk '/^step +[0-9]+\/4 \| loss/ { n++; if (n > 1) print $(NF - 1) }')
-    probe
+           --steps 3 --warmup 1 --val-every 0 --val-seqs 1 2>&1 |
+         awk '/^step +[0-9]+\/3 \| loss/ { n++; if (n > 1) print $(NF - 1) }')
+    times[$i]="${times[$i]:-} $ms"
+    echo "$round	$i	$((probes - 1))	$probes	$(echo $ms)" >>"$work/runs.tsv"
+  done
+  probe
+  for i in "${order[@]}"; do
     before=$(predict "${layouts[$i]}" "$work/probe$((probes - 2)).json")
     after=$(predict "${layouts[$i]}" "$work/probe$((probes - 1)).json")
-    times[$i]="${times[$i]:-} $ms"
-    echo "$round	$i	$((probes - 2))	$((probes - 1))	$before	$after	$(echo $ms)" >>"$work/runs.tsv"
     predictions[$i]="${predictions[$i]:-} $(awk -v a="$before" -v b="$after" 'BEGIN { printf "%.1f", (a + b) / 2 }')"
   done
 done
 median() { tr ' ' '\n' | { grep . || true; } | sort -g | awk '{ v[NR] = $1 } END {
   if (NR == 0) print "nan"; else if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
-# The probes' mean rates, written into a copy of the fit (one key per line, as bench_comm
-# writes it).
-mean_rate() { cat "$work"/probe*.json | awk -v key="\"$1\":" '$1 == key { s += $2; n++ } END { printf "%.6g", s / n }'; }
-sed -E -e "s/(\"gemm_flops_alone\": )[^,]*/\1$(mean_rate gemm_flops_alone)/" \
-       -e "s/(\"gemm_flops_per_rank\": )[^,]*/\1$(mean_rate gemm_flops_per_rank)/" "$fit" >"$work/mean_rates.json"
-echo
-echo "fp32 GEMM over the $probes probes: $(mean_rate gemm_flops_alone) FLOP/s alone, $(mean_rate gemm_flops_per_rank) per rank with all 4"
-echo "medium on 4 CPU ranks, 8 sequences per step: step time measured (median of steps 2-4 over $rounds runs) and"
-echo "predicted with the probes' mean rates; with the probes beside each run (median over the runs); with the first fit's"
-printf "| %-72s | %11s | %12s | %11s | %11s |\n" layout "measured ms" "predicted ms" "beside runs" "first fit"
+build/bench_comm --mean "$work/mean_rates.json" "$work"/probe*.json | sed -n 1p
+echo "medium on 4 CPU ranks, 8 sequences per step: step time measured (median of steps 2-3 over $rounds runs) and"
+echo "predicted with the probes' mean rates; with the probes beside each round (median over the rounds); with the first fit's"
+printf "| %-72s | %11s | %12s | %11s | %11s |\n" layout "measured ms" "predicted ms" "beside" "first fit"
 rows=$(mktemp)
 for i in "${!layouts[@]}"; do
   l=${layouts[$i]}
@@ -108,6 +111,6 @@ spearman() {  # column of the prediction, label; prints rho and the layouts 3 or
     }' "$rows"
 }
 spearman 2 "the probes' mean rates"
-spearman 3 "the probes beside each run"
+spearman 3 "the probes beside each round"
 spearman 4 "the first fit's rates"
 rm -f "$rows"

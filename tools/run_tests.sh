@@ -38,8 +38,9 @@ run_group() {  # name, Catch2 test spec
   rm -f "$log"
 }
 
-if [ ! -x "$UNIT" ] || [ ! -x ./train ] || [ ! -x ./plan ] || [ ! -x build/mpi_tests ]; then
-  echo "build first: make train plan $UNIT build/mpi_tests"
+if [ ! -x "$UNIT" ] || [ ! -x ./train ] || [ ! -x ./plan ] || [ ! -x build/mpi_tests ] ||
+   [ ! -x build/bench_comm ]; then
+  echo "build first: make train plan $UNIT build/mpi_tests build/bench_comm"
   echo "0 passed, 1 failed"
   exit 1
 fi
