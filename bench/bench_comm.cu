@@ -176,21 +176,24 @@ static nlohmann::json fit_group(Comm& comm, Group& g, const Context& ctx, const 
 // The FLOP rate of one rank alone for 2 seconds (the others wait, sleeping where ranks share
 // cores), and of each while every rank computes for the same 4 seconds: ranks on one machine
 // share its cores, N x busy / alone of them at a time. Seconds rather than a GEMM's best, as a
-// machine whose cores others share too can change speed from one second to the next.
+// machine whose cores others share too can change speed from one second to the next. With all
+// ranks at once as in training, how much slower narrow GEMMs run: the planner's half width.
 static void measure_gemm_rates(Comm& comm, const Context& ctx, nlohmann::json& out) {
   Group& g = comm.world;
   const int N = g.size;
   barrier(comm, g, ctx);
-  double alone = g.rank == 0 ? gemm_flops_for(ctx, 2.0) : 0;
+  double alone = g.rank == 0 ? gemm_rate_for(ctx, 2.0).flops : 0;
   all_reduce_host(g, &alone, 1, ReduceOp::Sum);
   barrier(comm, g, ctx);
-  double busy = gemm_flops_for(ctx, 4.0);
-  all_reduce_host(g, &busy, 1, ReduceOp::Sum);
-  busy /= N;
-  out["gemm_flops_alone"] = alone, out["gemm_flops_per_rank"] = busy;
+  GemmRate rate = gemm_rate_for(ctx, 4.0);
+  double busy[2] = {rate.flops / N, rate.half_width / N};
+  all_reduce_host(g, busy, 2, ReduceOp::Sum);
+  out["gemm_flops_alone"] = alone, out["gemm_flops_per_rank"] = busy[0];
+  out["gemm_half_width"] = busy[1];
   if (g.rank == 0)
     printf("  fp32 GEMM: %.2f GFLOP/s on one rank alone, %.2f per rank with all %d at once "
-           "(%.2f ranks' worth at a time)\n", alone / 1e9, busy / 1e9, N, N * busy / alone);
+           "(%.2f ranks' worth at a time); narrow GEMMs as if at w / (w + %.0f)\n",
+           alone / 1e9, busy[0] / 1e9, N, N * busy[0] / alone, busy[1]);
 }
 
 // Rank 0 writes the fit, atomically, where ./plan --comm-fit reads it.
@@ -251,14 +254,19 @@ static void mean_rates(const Group& g, const std::string& out_path,
                        const std::vector<std::string>& paths) {
   nlohmann::json out = read_fit("bench_comm --mean", paths[0], 0);
   const int ranks = out.at("ranks").get<int>();
-  double alone = 0, busy = 0;
+  // The rates' means, and the half width's over the fits that measured it.
+  double alone = 0, busy = 0, half_width = 0;
+  int widths = 0;
   for (const std::string& path : paths) {
     nlohmann::json fit = read_fit("bench_comm --mean", path, ranks);
     alone += fit.at("gemm_flops_alone").get<double>();
     busy += fit.at("gemm_flops_per_rank").get<double>();
+    if (fit.contains("gemm_half_width"))
+      half_width += fit.at("gemm_half_width").get<double>(), widths++;
   }
   check_output_file("bench_comm --mean", out_path);
   out["gemm_flops_alone"] = alone / paths.size(), out["gemm_flops_per_rank"] = busy / paths.size();
+  if (widths > 0) out["gemm_half_width"] = half_width / widths;
   if (g.rank == 0)
     printf("fp32 GEMM over %zu fits: %.2f GFLOP/s on one rank alone, %.2f per rank with all %d\n",
            paths.size(), alone / paths.size() / 1e9, busy / paths.size() / 1e9, ranks);

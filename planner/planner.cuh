@@ -225,9 +225,17 @@ struct DevicePeak {
   std::string how;
 };
 DevicePeak device_peak(const Context& ctx, Precision p);
-// FLOP/s of fp32 GEMMs of 512^3 run back to back for `seconds`: what this rank gets of the
-// machine meanwhile (bench_comm --fit runs it on every rank at once).
-double gemm_flops_for(const Context& ctx, double seconds);
+// fp32 GEMMs on this rank for `seconds`, 512^3 in turn with as many FLOPs of narrow ones
+// ([128, 512] x [512, 512] and [512, 512] x [512, 128]): `flops`, the FLOP/s of the wide ones,
+// what this rank gets of the machine meanwhile (bench_comm --fit runs it on every rank at
+// once); `half_width`, the gemm_half_width that gives the narrow ones' measured rate.
+struct GemmRate {
+  double flops = 0, half_width = 0;
+};
+GemmRate gemm_rate_for(const Context& ctx, double seconds);
+// The half width h at which GEMMs of width `narrow` run `ratio` times as fast as those of `wide`
+// (planner/time.cu's efficiency w / (w + h)); 0 when they keep up.
+double gemm_half_width_from(double ratio, double narrow, double wide);
 
 // ----------------------------------------------------------------------------
 // Models and the book's campaign (Playbook §11.4)

@@ -127,6 +127,10 @@ void apply_comm_fit(GpuProfile& g, const std::string& path) {
       g.peak_fp32 = alone;
       if (ranks * busy < 0.9 * ranks * alone) g.shared_capacity = ranks * busy / alone;
       g.source += ", its fp32 GEMM rate alone and shared";
+      if (j.contains("gemm_half_width")) {  // narrow GEMMs' rate, measured the same way
+        g.gemm_half_width = j.at("gemm_half_width").get<double>();
+        g.source += " and for narrow GEMMs";
+      }
     }
   } catch (const std::exception& e) {
     throw UsageError("--comm-fit " + path + ": not bench_comm --fit's JSON (" + e.what() + ")");
@@ -155,33 +159,52 @@ double mfu_peak(const GpuProfile& g, Precision p) {
 // The peak of a running job
 
 namespace {
-// One fp32 GEMM of n^3 on this rank's threads, timed: the measure of a CPU rank's rate.
-struct SquareGemm {
-  const int n = 512;
-  const double flops = 2.0 * n * n * n;
+// One fp32 GEMM of [m, k] x [k, n] on this rank's threads, timed: the measure of a CPU rank's
+// rate.
+struct TimedGemm {
+  const int m, k, n;
+  const double flops = 2.0 * m * k * n;
   Tensor a, b, c;
-  explicit SquareGemm(const Context& ctx)
-      : a(empty({n, n}, Mem::Workspace, ctx.device)),
-        b(empty({n, n}, Mem::Workspace, ctx.device)),
-        c(empty({n, n}, Mem::Workspace, ctx.device)) {
+  TimedGemm(const Context& ctx, int m_, int k_, int n_)
+      : m(m_), k(k_), n(n_),
+        a(empty({m, k}, Mem::Workspace, ctx.device)),
+        b(empty({k, n}, Mem::Workspace, ctx.device)),
+        c(empty({m, n}, Mem::Workspace, ctx.device)) {
     init_normal(a, 1, "a", 1.0f), init_normal(b, 1, "b", 1.0f);
   }
   double seconds(const Context& ctx) {
     ctx.synchronize();
     const double t0 = now_seconds();
-    gemm(ctx, false, false, n, n, n, 1, a.f32(), n, b.f32(), n, 0, c.f32(), n);
+    gemm(ctx, false, false, m, n, k, 1, a.f32(), k, b.f32(), n, 0, c.f32(), n);
     ctx.synchronize();
     return now_seconds() - t0;
   }
 };
 }  // namespace
 
-double gemm_flops_for(const Context& ctx, double seconds) {
-  SquareGemm g(ctx);
-  double spent = 0;
-  int done = 0;
-  while (spent < seconds) spent += g.seconds(ctx), done++;
-  return g.flops * done / spent;
+// r = (w / (w + h)) / (W / (W + h)) solved for h; a narrow rate at or under w / W of the wide
+// one is no finite h's.
+double gemm_half_width_from(double r, double w, double W) {
+  if (r >= 1) return 0;
+  return r * W > w ? w * W * (1 - r) / (r * W - w) : 1e9;
+}
+
+// The wide and the narrow GEMMs in turn, so that a machine changing speed weighs on both alike.
+GemmRate gemm_rate_for(const Context& ctx, double seconds) {
+  const int W = 512, w = 128;
+  TimedGemm wide(ctx, W, W, W), narrow_tokens(ctx, w, W, W), narrow_width(ctx, W, W, w);
+  double t_wide = 0, t_narrow = 0;
+  int rounds = 0;
+  while (t_wide + t_narrow < seconds || rounds == 0) {
+    t_wide += wide.seconds(ctx);
+    for (int i = 0; i < W / w / 2; i++)
+      t_narrow += narrow_tokens.seconds(ctx) + narrow_width.seconds(ctx);
+    rounds++;
+  }
+  GemmRate g;
+  g.flops = wide.flops * rounds / t_wide;
+  g.half_width = gemm_half_width_from(t_wide / t_narrow, w, W);  // the same FLOPs each round
+  return g;
 }
 
 DevicePeak device_peak(const Context& ctx, Precision p) {
@@ -203,7 +226,7 @@ DevicePeak device_peak(const Context& ctx, Precision p) {
       }
   }
   // Measured: the best of 3 square GEMMs of 512 (after one warm-up) on this rank's threads.
-  SquareGemm g(ctx);
+  TimedGemm g(ctx, 512, 512, 512);
   g.seconds(ctx);
   double best = 1e30;
   for (int i = 0; i < 3; i++) best = std::min(best, g.seconds(ctx));

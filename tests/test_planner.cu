@@ -411,7 +411,7 @@ TEST_CASE("bench_comm --fit's measured collectives become the profile's links; a
       "all_gather": {"alpha_s": 7e-6, "busbw_bytes_per_s": 2e9},
       "reduce_scatter": {"alpha_s": 9e-6, "busbw_bytes_per_s": 1e9},
       "send_recv": {"alpha_s": 2e-5, "busbw_bytes_per_s": 3e9}},
-      "gemm_flops_alone": 2e10, "gemm_flops_per_rank": 1e10})";
+      "gemm_flops_alone": 2e10, "gemm_flops_per_rank": 1e10, "gemm_half_width": 16})";
   }
   GpuProfile g = gpu_profile("cpu");
   apply_comm_fit(g, dir + "/fit.json");
@@ -423,6 +423,12 @@ TEST_CASE("bench_comm --fit's measured collectives become the profile's links; a
   CHECK(g.intra.p2p_bw == 3e9);
   CHECK(g.peak_fp32 == 2e10);
   CHECK(g.shared_capacity == 2.0);  // 4 ranks at half the rate alone: two at a time
+  CHECK(g.gemm_half_width == 16);
+  // The half width bench_comm derives from narrow GEMMs' rate: the ratio of w / (w + h) at 128
+  // and at 512 for h = 32, written out, gives back 32; narrow GEMMs as fast give 0.
+  CHECK(gemm_half_width_from((128.0 / (128 + 32)) / (512.0 / (512 + 32)), 128, 512) ==
+        Approx(32).epsilon(1e-12));
+  CHECK(gemm_half_width_from(1.02, 128, 512) == 0);
   // Measured per group size: a group of 2 takes its own links. With no latency, a tp 2 layout's
   // exposed tp time is bytes over busbw: twice the pairs' bandwidth, half the time.
   auto with_pairs = [&](double busbw) {
@@ -459,17 +465,18 @@ TEST_CASE("bench_comm --mean writes the first fit with the GEMM rates averaged o
           "fit of another rank count, a missing fit or a directory as output exits 2 and "
           "leaves the output as it was", "[planner]") {
   std::string dir = make_temp_dir();
-  auto fit = [&](const std::string& name, int ranks, double alone, double busy, double bw) {
+  auto fit = [&](const std::string& name, int ranks, double alone, double busy, double bw,
+                 const std::string& more = "") {
     std::string link = R"({"alpha_s": 1e-5, "busbw_bytes_per_s": )" + std::to_string(bw) + "}";
     std::ofstream(dir + "/" + name)
         << R"({"ranks": )" << ranks << R"(, "collectives": {"all_reduce": )" << link
         << R"(, "all_gather": )" << link << R"(, "reduce_scatter": )" << link
         << R"(, "send_recv": )" << link << R"(}, "gemm_flops_alone": )" << alone
-        << R"(, "gemm_flops_per_rank": )" << busy << "}";
+        << R"(, "gemm_flops_per_rank": )" << busy << more << "}";
   };
-  fit("a.json", 4, 2.5e10, 1.25e10, 1e9);
+  fit("a.json", 4, 2.5e10, 1.25e10, 1e9, R"(, "gemm_half_width": 40)");
   fit("b.json", 4, 1.75e10, 0.75e10, 2e9);  // other links: not the first fit's, so not kept
-  fit("c.json", 4, 1.5e10, 1.1e10, 3e9);
+  fit("c.json", 4, 1.5e10, 1.1e10, 3e9, R"(, "gemm_half_width": 10)");
   const std::string a = dir + "/a.json", b = dir + "/b.json", c = dir + "/c.json";
   const std::string out = dir + "/mean.json";
   RunResult r = run_command("build/bench_comm --mean " + out + " " + a + " " + b + " " + c);
@@ -481,10 +488,12 @@ TEST_CASE("bench_comm --mean writes the first fit with the GEMM rates averaged o
         Approx((2.5e10 + 1.75e10 + 1.5e10) / 3).epsilon(1e-12));
   CHECK(mean.at("gemm_flops_per_rank").get<double>() ==
         Approx((1.25e10 + 0.75e10 + 1.1e10) / 3).epsilon(1e-12));
+  CHECK(mean.at("gemm_half_width").get<double>() == 25);  // over the two fits that measured it
   CHECK(mean.at("collectives") == nlohmann::json::parse(read_whole_file(a)).at("collectives"));
   GpuProfile g = gpu_profile("cpu");
   apply_comm_fit(g, out);
   CHECK(g.peak_fp32 == mean.at("gemm_flops_alone").get<double>());
+  CHECK(g.gemm_half_width == 25);
   CHECK(g.intra.allreduce_bw == 1e9);
 
   const std::string before = read_whole_file(out);
