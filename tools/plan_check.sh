@@ -16,8 +16,9 @@ export OMPI_MCA_btl_vader_single_copy_mechanism=none OPENBLAS_NUM_THREADS=1
 fit=build/comm_fit_cpu4.json
 mpirun --oversubscribe -np 4 build/bench_comm --fit "$fit" | tail -5
 # Layouts whose step times, as the planner predicts them, spread over 1.7 times the fastest
-# (in two groups, the faster within 20%), so that the measured order says something on a
-# machine whose runs of one layout spread by 10-20%; together they cover ZeRO-1 and -3, tp,
+# (in two groups; the faster, the six without full recomputation or 4 stages, within 5% of each
+# other at the measured half width, where the machine decides much of their order: its runs of
+# one layout spread by 10-20%); together they cover ZeRO-1 and -3, tp,
 # sp, the AFAB, 1F1B and interleaved schedules, cp, and full recomputation.
 layouts=(
   "--dp 4 --zero 1 --mbs 2 --grad-acc 1"
