@@ -2,9 +2,9 @@
 // weights as its single-process reference. Adding a layout is one row in PARITY_ROWS
 // (parity_rows.cuh).
 #include <catch2/catch.hpp>
-
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <regex>
 #include <set>
@@ -22,13 +22,15 @@ struct RunFiles {
 };
 static RunFiles run_and_read(const std::string& flags, int ranks, const std::string& dir) {
   fs::create_directories(dir);
-  RunResult r = run_train(COMMON + flags + " --log-json " + dir + "/log.jsonl --save-grads " +
-                              dir + "/grads.safetensors --save " + dir + "/ckpt",
+  RunResult r = run_train(COMMON + flags + " --log-json " + dir + "/log.jsonl --save-grads " + dir +
+                              "/grads.safetensors --save " + dir + "/ckpt",
                           ranks);
   INFO(flags << "\n" << r.output);
   REQUIRE(r.code == 0);
-  return {read_json_lines(dir + "/log.jsonl"), read_f32_tensors(dir + "/grads.safetensors"),
-          read_f32_tensors(dir + "/ckpt/model.safetensors"), {}};
+  return {read_json_lines(dir + "/log.jsonl"),
+          read_f32_tensors(dir + "/grads.safetensors"),
+          read_f32_tensors(dir + "/ckpt/model.safetensors"),
+          {}};
 }
 // The single-process reference, one step per run: each run saves the gradient of its first step
 // (--save-grads), and the next resumes from its checkpoint (--load), the schedule spanning all
@@ -82,8 +84,8 @@ static void require_close(const std::map<std::string, std::vector<float>>& a,
       beyond += diff > rel * scale + abs;
     }
     size_t allowed = outliers > 0 ? std::max<size_t>(1, (size_t)(outliers * ref.size())) : 0;
-    INFO(what << " " << name << ": max diff " << worst << ", max |ref| " << scale << ", "
-              << beyond << " of " << ref.size() << " beyond " << rel * scale + abs);
+    INFO(what << " " << name << ": max diff " << worst << ", max |ref| " << scale << ", " << beyond
+              << " of " << ref.size() << " beyond " << rel * scale + abs);
     REQUIRE(beyond <= allowed);
     REQUIRE(worst <= std::max(rel * scale + abs, outlier_abs));
   }
@@ -178,7 +180,7 @@ static WeightCheck require_weights_within_adamw_bound(const RunFiles& got, const
       for (int t = 0; t < k; t++) {
         zero_so_far = zero_so_far && (*g[t])[i] == 0;
         if (zero_so_far) continue;  // m = v = 0: the update is exactly 0 in both runs
-        double v = 0;  // v̂_t
+        double v = 0;               // v̂_t
         for (int s = 0; s <= t; s++) v += b[t][s] * std::pow(c[s] * (*g[s])[i], 2);
         double moved = (1 + U[t]) * delta[t] / (std::sqrt(v) + eps);
         cap |= moved >= 2 * U[t];
@@ -280,13 +282,15 @@ TEST_CASE("a seeded random sweep of layouts trains like the single-process refer
     require_close(got.grads, ref.grads, 1e-5, 1e-9, "gradient");
     WeightCheck w = require_weights_within_adamw_bound(got, ref, layout);
     worst = std::max(worst, w.worst_ratio);
-    printf("%2d. %-95s weights: %.3f of the bound at most, %.2f%% of elements capped\n",
-           done + 1, layout.c_str(), w.worst_ratio, 100 * w.capped);
+    printf("%2d. %-95s weights: %.3f of the bound at most, %.2f%% of elements capped\n", done + 1,
+           layout.c_str(), w.worst_ratio, 100 * w.capped);
     fflush(stdout);
     done++;
   }
-  printf("%d layouts: every loss, gradient norm and first-step gradient within 1e-5, every weight "
-         "within its bound (at most %.3f of it)\n", layouts, worst);
+  printf(
+      "%d layouts: every loss, gradient norm and first-step gradient within 1e-5, every weight "
+      "within its bound (at most %.3f of it)\n",
+      layouts, worst);
   fs::remove_all(dir);
 }
 
@@ -317,9 +321,10 @@ TEST_CASE("a crashed or stuck rank ends the job non-zero, in bounded time", "[pa
 // accumulation and the pipeline). The job must end non-zero after the 3 s timeout plus start-up
 // and two steps (a second or two on one core), and the peer must name the collective it gave
 // up on.
-TEST_CASE("a rank stuck at any place of a step ends the job within --comm-timeout, naming the "
-          "collective",
-          "[parity]") {
+TEST_CASE(
+    "a rank stuck at any place of a step ends the job within --comm-timeout, naming the "
+    "collective",
+    "[parity]") {
   std::string dir = make_temp_dir();
   struct Place {
     std::string where, layout, rank_step;  // --fault hang:<rank_step>:<where>
@@ -379,13 +384,14 @@ TEST_CASE("--trace writes a Chrome trace with compute and communication spans pe
   REQUIRE(r.code == 0);
   nlohmann::json trace = nlohmann::json::parse(read_whole_file(dir + "/trace.json"));
   std::map<std::pair<int, int>, int> spans;  // (rank, track) -> complete events
-  int step_spans = 0;  // "step 2 (3 host syncs)"
+  int step_spans = 0;                        // "step 2 (3 host syncs)"
   for (auto& e : trace["traceEvents"])
     if (e["ph"] == "X") {
       REQUIRE(e["dur"].get<double>() >= 0);
       spans[{e["pid"].get<int>(), e["tid"].get<int>()}]++;
       std::string name = e["name"];
-      if (name.rfind("step ", 0) == 0 && name.find(" host syncs)") != std::string::npos) step_spans++;
+      if (name.rfind("step ", 0) == 0 && name.find(" host syncs)") != std::string::npos)
+        step_spans++;
     }
   REQUIRE(step_spans == 2 * 3);
   for (int rank : {0, 1}) {
@@ -398,8 +404,9 @@ TEST_CASE("--trace writes a Chrome trace with compute and communication spans pe
 // Playbook §8's figures in the trace: under --pp every rank's compute track holds one span per
 // schedule op, F and B of each micro-batch (2 ranks x 4 micro-batches x 2 kinds per step),
 // coloured by kind. Guards against ops missing from the trace or a colour by micro-batch.
-TEST_CASE("--trace draws the pipeline schedule: an F and a B span per micro-batch, coloured by kind",
-          "[parity]") {
+TEST_CASE(
+    "--trace draws the pipeline schedule: an F and a B span per micro-batch, coloured by kind",
+    "[parity]") {
   std::string dir = make_temp_dir();
   RunResult r = run_train(COMMON + "--pp 2 --grad-acc 4 --trace " + dir + "/trace.json", 2);
   INFO(r.output);
@@ -451,8 +458,7 @@ TEST_CASE("--attention flash trains like --attention naive on every reference of
   fs::remove_all(dir);
 }
 
-TEST_CASE("--report comm: the gradient sync sends 2(N-1)K/N bytes per rank per step",
-          "[parity]") {
+TEST_CASE("--report comm: the gradient sync sends 2(N-1)K/N bytes per rank per step", "[parity]") {
   // 4 ranks and K = 4 x 34,976 parameters; ring mode with one bucket: every chunk is
   // K/4 bytes, so the counted send/recv bytes equal the formula exactly.
   RunResult r = run_train(COMMON + "--dp 4 --dp-sync ring --bucket-mb 100 --report comm", 4);
@@ -471,9 +477,9 @@ TEST_CASE("tensor parallelism: activations per block and traffic per step match 
   // With experts (one process = tp's batch): every token's k rows kept, as balanced routing
   // would, so one block's saved bytes equal the formula; the combine weights' gradients add an
   // all-reduce of N k floats per block.
-  for (std::string layout : {"--tp 2 --attention naive", "--tp 2 --sp", "--tp 2 --sp --attention naive",
-                             "--tp 4", "--tp 2 --sp --experts 4 --top-k 2",
-                             "--tp 2 --experts 2 --top-k 1"}) {
+  for (std::string layout :
+       {"--tp 2 --attention naive", "--tp 2 --sp", "--tp 2 --sp --attention naive", "--tp 4",
+        "--tp 2 --sp --experts 4 --top-k 2", "--tp 2 --experts 2 --top-k 1"}) {
     RunResult r = run_train(COMMON + layout + " --report memory,comm",
                             layout.rfind("--tp 4", 0) == 0 ? 4 : 2);
     INFO(layout << "\n" << r.output);
@@ -493,9 +499,10 @@ TEST_CASE("tensor parallelism: activations per block and traffic per step match 
 // against the pattern Megatron's tensor parallelism implies, derived here from the book rather
 // than from the code's own formula (which charges bytes): per micro-batch of n = mbs x seq
 // tokens, width D, L blocks, t = 2 ranks.
-TEST_CASE("tensor parallelism: the tp group's calls and elements per step follow the book's "
-          "pattern",
-          "[parity]") {
+TEST_CASE(
+    "tensor parallelism: the tp group's calls and elements per step follow the book's "
+    "pattern",
+    "[parity]") {
   const int64_t L = 2, D = 32, n = 2 * 16, t = 2, acc = 2;  // COMMON, --grad-acc 2
   for (bool sp : {false, true}) {
     RunResult r = run_train(COMMON + "--tp 2 --grad-acc 2 --report comm" + (sp ? " --sp" : ""), 2);
@@ -590,13 +597,11 @@ TEST_CASE("a checkpoint moves from pp 2 x dp 2 to one process with tp 2 to pp 4"
   std::string dir = make_temp_dir();
   const std::string L4 = " --layers 4 --grad-acc 4";  // 3 steps: one per layout
   RunFiles whole = run_and_read(L4, 0, dir + "/whole");
-  REQUIRE(run_train(COMMON + L4 + " --pp 2 --dp 2 --grad-acc 2 --stop-after 1 --save " + dir +
-                        "/a",
-                    4)
-              .code == 0);
-  RunResult b = run_train(COMMON + L4 + " --tp 2 --load " + dir + "/a --stop-after 1 --save " +
-                              dir + "/b",
-                          2);
+  REQUIRE(
+      run_train(COMMON + L4 + " --pp 2 --dp 2 --grad-acc 2 --stop-after 1 --save " + dir + "/a", 4)
+          .code == 0);
+  RunResult b = run_train(
+      COMMON + L4 + " --tp 2 --load " + dir + "/a --stop-after 1 --save " + dir + "/b", 2);
   INFO(b.output);
   REQUIRE(b.code == 0);
   RunFiles resumed = run_and_read(L4 + " --pp 4 --load " + dir + "/b", 4, dir + "/c");
@@ -621,7 +626,7 @@ TEST_CASE("a one-process checkpoint resumes under tp 2 + sp and tp 4 like the ru
     RunFiles resumed = run_and_read(layout + " --load " + dir + "/half", ranks, dir + "/resumed");
     INFO(layout);
     REQUIRE(resumed.log.size() == 2);  // steps 2 and 3
-    for (int i = 0; i < 2; i++) {  // the parity tolerances, for the same reasons
+    for (int i = 0; i < 2; i++) {      // the parity tolerances, for the same reasons
       REQUIRE(resumed.log[i]["loss"].get<double>() ==
               Approx(whole.log[i + 1]["loss"].get<double>()).epsilon(1e-5));
       REQUIRE(resumed.log[i]["grad_norm"].get<double>() ==
@@ -630,4 +635,40 @@ TEST_CASE("a one-process checkpoint resumes under tp 2 + sp and tp 4 like the ru
     require_close(resumed.weights, whole.weights, 0, 1e-6, "weight", 1e-3, 1e-5);
   }
   fs::remove_all(dir);
+}
+
+// `tools/compare_runs.sh record-parity DIR` (hidden from make test): every row of the matrix and
+// its reference run once, with what each wrote kept under $PARITY_RECORD_DIR/<row>/ (the log
+// without its timings, the first step's gradients, the final checkpoint), so that two trees'
+// recordings can be compared byte for byte.
+TEST_CASE("the parity matrix's runs, recorded for a byte-for-byte comparison", "[.record]") {
+  const char* root = std::getenv("PARITY_RECORD_DIR");
+  if (!root) FAIL("set PARITY_RECORD_DIR to the directory to record into");
+  auto record = [&](const std::string& name, const std::string& flags, int ranks) {
+    std::string dir = std::string(root) + "/" + name;
+    if (fs::exists(dir + "/log.jsonl")) return;  // recorded already (references are shared)
+    fs::create_directories(dir);
+    RunResult r = run_train(COMMON + flags + " --log-json " + dir + "/log.raw --save-grads " + dir +
+                                "/grads.safetensors --save " + dir + "/ckpt",
+                            ranks);
+    INFO(flags << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    std::ofstream log(dir + "/log.jsonl");
+    for (nlohmann::json line : read_json_lines(dir + "/log.raw")) {
+      for (const char* timing : {"tokens_per_s", "tokens_per_s_per_rank", "mfu"})
+        line.erase(timing);
+      log << line.dump() << "\n";
+    }
+    fs::remove(dir + "/log.raw");
+  };
+  auto dir_name = [](std::string s) {
+    for (char& c : s)
+      if (!std::isalnum((unsigned char)c) && c != '-') c = '_';
+    return s;
+  };
+  for (const ParityRow& row : PARITY_ROWS) {
+    record("layout_" + dir_name(row.name), row.layout, row.ranks);
+    record("reference_" + dir_name(row.reference.empty() ? "plain" : row.reference), row.reference,
+           0);
+  }
 }

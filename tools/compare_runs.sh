@@ -9,6 +9,8 @@
 #   bash tools/compare_runs.sh record /tmp/before     # on the old tree (after `make train`)
 #   bash tools/compare_runs.sh record /tmp/after      # on the new tree
 #   bash tools/compare_runs.sh compare /tmp/before /tmp/after
+#   bash tools/compare_runs.sh record-parity /tmp/parity_before   # every parity matrix row and
+#   bash tools/compare_runs.sh compare-parity /tmp/parity_before /tmp/parity_after  # reference
 #
 # About 10 minutes on two cores (the 16-rank run is most of it). `record DIR NAME...` records
 # only the named runs.
@@ -58,6 +60,11 @@ RUNS=(
   "resume_zero1_bf16_dp2|2|--dp 2 --zero 1 --dtype bf16 --grad-acc 2 --load @half_single"
   "resume_tp2_sp_pp2|4|--tp 2 --sp --pp 2 --grad-acc 4 --load @half_single"
   "resume_bf16_dp2|2|--dp 2 --dtype bf16 --grad-acc 2 --load @half_single"
+  # The reports (--report), each as printed, less its measured times (reports.txt).
+  "reports_moe_ep2_pp2|4|--experts 4 --top-k 2 --dp 2 --ep 2 --pp 2 --grad-acc 2 --report memory,comm,bubble,experts,sync"
+  "reports_tp2_sp_zero1|4|--dp 2 --tp 2 --sp --zero 1 --grad-acc 2 --report memory,comm,sync"
+  "reports_cp2_interleaved|4|--cp 2 --pp 2 --pp-schedule interleaved --pp-virtual 2 --grad-acc 4 --report memory,comm,bubble,balance,sync"
+  "reports_bf16_zero3_selective|2|--dtype bf16 --dp 2 --zero 3 --attention naive --recompute selective --report memory,comm,sync"
 )
 COMMON="--device cpu --d-model 64 --layers 4 --heads 4 --kv-heads 2 --ffn 128 --seq 32 --mbs 2"
 COMMON+=" --steps 5 --warmup 2 --val-every 2 --val-seqs 8 --lr 3e-3"
@@ -82,6 +89,12 @@ record_one() {  # dir name ranks flags
     rm "$out/log.raw"
   grep -E "^step .*(loss|scale)" "$out/stdout.txt" |
     sed -E 's/\| +[0-9]+ tok\/s \| +[0-9]+ tok\/s\/rank \| MFU +[0-9.]+% \| +[0-9.]+ ms//' >"$out/steps.txt"
+  if [[ $flags == *--report* ]]; then  # after the last step's lines; measured times dropped
+    awk '/^step /{n=NR} {l[NR]=$0} END{for(i=n+1;i<=NR;i++) print l[i]}' "$out/stdout.txt" |
+      grep -vE '^ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+%|time ms$|^ +[0-9]+ +[0-9.]+ +[0-9]+ +[0-9.]+$' |
+      grep -v '^saved ' |  # and the workspace's peaks, which ZeRO-3's prefetch makes timing-dependent
+      sed -E 's/^(  workspace +).*/\1.../; s/(iB|[0-9] B), [0-9.]+ [KMG]?i?B$/\1, .../' >"$out/reports.txt"
+  fi
   rm "$out/stdout.txt" "$out/stderr.txt"
   echo "  $2: $(wc -l <"$out/log.jsonl") steps recorded"
 }
@@ -118,8 +131,23 @@ case ${1:-} in
     echo "$same runs byte-identical, $differ differ${missing:+, $missing not compared}"
     [ "$differ" -eq 0 ]
     ;;
+  record-parity)
+    # The parity matrix's rows and their references (tests/parity_rows.cuh), run by the hidden
+    # test case of tests/test_parity.cu, which keeps what each wrote.
+    dir=${2:?usage: compare_runs.sh record-parity DIR}
+    [ -x build/unit_tests ] || { echo "build build/unit_tests first"; exit 1; }
+    rm -rf "$dir" && mkdir -p "$dir"
+    [ "$(id -u)" -eq 0 ] && export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    PARITY_RECORD_DIR=$(realpath "$dir") build/unit_tests "[.record]" --use-colour no | tail -3
+    echo "$(ls "$dir" | wc -l) runs recorded"
+    ;;
+  compare-parity)
+    a=${2:?usage: compare_runs.sh compare-parity DIR_A DIR_B} b=${3:?usage: compare_runs.sh compare-parity DIR_A DIR_B}
+    if diff -rq "$a" "$b"; then echo "$(ls "$a" | wc -l) runs byte-identical, 0 differ"
+    else echo "DIFFERS (above)"; exit 1; fi
+    ;;
   *)
-    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
