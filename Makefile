@@ -29,7 +29,7 @@ TEST_OBJS := $(TEST_SRCS:%.cu=$(BUILD)/%.o)
 MPI_TEST_SRCS := $(wildcard tests/mpi/test_*.cu)
 MPI_TEST_OBJS := $(MPI_TEST_SRCS:%.cu=$(BUILD)/%.o)
 
-.PHONY: all deps deps-plots run test test-sweep bench gpu-check mutants clean format floor plots
+.PHONY: all deps deps-plots run test test-sweep bench gpu-check mutants clean format format-check floor plots
 all: train plan $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp \
      $(BUILD)/bench_attention $(BUILD)/device_info
 
@@ -138,9 +138,16 @@ mutants: deps
 floor:
 	@bash tools/floor.sh
 
+# Every C++ and CUDA file of the tree, formatted by the repository's .clang-format; format-check
+# (CI) fails when formatting would change a file, and names it.
+FORMATTED = git ls-files '*.cu' '*.cuh' '*.cpp'
 format:
-	clang-format -i *.cu *.cuh runtime/*.cu runtime/*.cuh kernels/*.cu kernels/*.cuh planner/*.cu \
-	  planner/*.cuh bench/*.cu tests/*.cu tests/mpi/*.cu tools/*.cu
+	$(FORMATTED) | xargs clang-format -i
+
+format-check:
+	@bad=$$($(FORMATTED) | while read -r f; do clang-format --dry-run -Werror "$$f" >/dev/null 2>&1 || \
+	  echo "$$f"; done); if [ -n "$$bad" ]; then echo "not formatted (make format):" $$bad; exit 1; fi; \
+	  echo "format-check: every file formatted by .clang-format"
 
 clean:
 	rm -rf $(BUILD) train plan

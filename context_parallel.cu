@@ -21,7 +21,9 @@ static const std::vector<Choice<CpComm>> kCpComms = {{"ring", CpComm::Ring},
 
 namespace {
 // contiguous: rank r holds [r T/cp, (r+1) T/cp); the last rank does the most causal work.
-std::vector<CpPiece> contiguous(int T, int cp, int r) { return {{r * (T / cp), T / cp}}; }
+std::vector<CpPiece> contiguous(int T, int cp, int r) {
+  return {{r * (T / cp), T / cp}};
+}
 // zig-zag: chunks r and 2cp - 1 - r of 2cp, the same causal work on every rank.
 std::vector<CpPiece> zigzag(int T, int cp, int r) {
   int c = T / (2 * cp);
@@ -48,9 +50,15 @@ CpBalance parse_cp_balance(const std::string& flag) {
   for (const SplitRow& r : kSplits) names.push_back({r.name, r.id});
   return parse_choice("--cp-balance", flag, names);
 }
-CpComm parse_cp_comm(const std::string& flag) { return parse_choice("--cp-comm", flag, kCpComms); }
-const char* cp_balance_name(CpBalance b) { return split(b).name; }
-const char* cp_comm_name(CpComm c) { return choice_name(kCpComms, c); }
+CpComm parse_cp_comm(const std::string& flag) {
+  return parse_choice("--cp-comm", flag, kCpComms);
+}
+const char* cp_balance_name(CpBalance b) {
+  return split(b).name;
+}
+const char* cp_comm_name(CpComm c) {
+  return choice_name(kCpComms, c);
+}
 
 void add_context_parallel_flags(CLI::App& app, ContextParallelOptions& o) {
   CLI::App& g = flag_group(app, "Context parallelism (Playbook §7)");

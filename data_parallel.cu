@@ -4,15 +4,13 @@
 // backward pass: gradients are packed into buckets in the order the backward produces them, and
 // each bucket's all-reduce starts the moment its last gradient is written (§3.2, §3.3).
 // Guide: docs/data-parallel.md (the code in reading order, the reports that show it).
-#include "data_parallel.cuh"
-
 #include <deque>
 #include <type_traits>
 
-#include "runtime/options.cuh"
-
+#include "data_parallel.cuh"
 #include "mixed_precision.cuh"
 #include "runtime/ops.cuh"
+#include "runtime/options.cuh"
 
 // On CUDA, make `waiter`'s stream wait for everything queued so far on `producer`'s stream.
 static void stream_wait(const Context& waiter, const Context& producer) {
@@ -33,8 +31,8 @@ static void stream_wait(const Context& waiter, const Context& producer) {
 // send chunk (r + 1 - s) mod N, receive chunk (r - s) mod N, overwriting. Each rank sends
 // 2 (N-1) chunks: 2 (N-1) K / N bytes, the bandwidth-optimal amount.
 
-void RingAllReduce::start(Comm& comm, Group& group, const Context& ctx, float* buf,
-                          int64_t count, float* scratch) {
+void RingAllReduce::start(Comm& comm, Group& group, const Context& ctx, float* buf, int64_t count,
+                          float* scratch) {
   comm_ = &comm, group_ = &group, buf_ = buf, count_ = count, scratch_ = scratch, step_ = 0;
   if (group.size == 1) return;
   stream_wait(comm.comm_ctx, ctx);  // the gradients come from the compute stream
@@ -48,9 +46,10 @@ void RingAllReduce::post_step() {
   int send_chunk = ((reducing ? r - s : r + 1 - s) % N + N) % N;
   int recv_chunk = ((reducing ? r - s - 1 : r - s) % N + N) % N;
   float* recv_into = reducing ? scratch_ : buf_ + chunk_begin(recv_chunk);
-  pending_ = send_recv_async(*comm_, *group_, comm_->comm_ctx,
-                             {{true, buf_ + chunk_begin(send_chunk), chunk_size(send_chunk), group_->next()},
-                              {false, recv_into, chunk_size(recv_chunk), group_->prev()}});
+  pending_ = send_recv_async(
+      *comm_, *group_, comm_->comm_ctx,
+      {{true, buf_ + chunk_begin(send_chunk), chunk_size(send_chunk), group_->next()},
+       {false, recv_into, chunk_size(recv_chunk), group_->prev()}});
 }
 
 void RingAllReduce::finish_step() {
@@ -170,8 +169,10 @@ class SequentialReducer : public BucketReducer {
       if (!q.started)
         q.algorithm.start(comm_, *q.group, ctx, q.grads.f32(), q.grads.numel(), scratch_.f32());
       q.started = true;
-      if (block) q.algorithm.wait();
-      else if (!q.algorithm.progress()) return;
+      if (block)
+        q.algorithm.wait();
+      else if (!q.algorithm.progress())
+        return;
     }
   }
   Comm& comm_;
@@ -224,11 +225,14 @@ DpSync parse_dp_sync(const std::string& flag) {
   for (const SyncRow& r : kSyncs) names.push_back({r.name, r.id});
   return parse_choice("--dp-sync", flag, names);
 }
-const char* dp_sync_name(DpSync s) { return sync_row(s).name; }
+const char* dp_sync_name(DpSync s) {
+  return sync_row(s).name;
+}
 
 void add_data_parallel_flags(CLI::App& app, DataParallelOptions& o) {
   std::string modes;
-  for (const SyncRow& r : kSyncs) modes += std::string(modes.empty() ? "" : "; ") + r.name + ": " + r.help;
+  for (const SyncRow& r : kSyncs)
+    modes += std::string(modes.empty() ? "" : "; ") + r.name + ": " + r.help;
   CLI::App& g = flag_group(app, "Data parallelism (Playbook §3)");
   g.add_option("--dp", o.dp, "data-parallel ranks, >= 1")->capture_default_str();
   add_typed(g, "--dp-sync", &o.dp_sync, parse_dp_sync, dp_sync_name(o.dp_sync),
@@ -255,9 +259,10 @@ DataParallel::DataParallel(Comm& comm, FlatParameters& model, Context& ctx, DpSy
                            double bucket_mb, bool overlap, const AdamWConfig& hp,
                            float weight_decay, uint64_t seed, const PrecisionPolicy& precision)
     : GradientSync(comm, model, hp, weight_decay),
-      accumulators_(model, [&model](int u) {
-        return model.grads.view(model.units[u].offset, {model.units[u].numel});
-      }),
+      accumulators_(model,
+                    [&model](int u) {
+                      return model.grads.view(model.units[u].offset, {model.units[u].numel});
+                    }),
       ctx_(&ctx) {
   grad_dtype_ = precision.grads();
   PICO_ASSERT(!model.params.defined(), "DataParallel allocates a model from build_model_layout");
@@ -387,4 +392,6 @@ std::vector<GradientSync::Holding> DataParallel::holdings(Part part) const {
   }
   return {whole(moments_.exp_avg_sq)};
 }
-void DataParallel::scale_grads(const Context& ctx, float alpha) { scale_(ctx, model_.grads, alpha); }
+void DataParallel::scale_grads(const Context& ctx, float alpha) {
+  scale_(ctx, model_.grads, alpha);
+}

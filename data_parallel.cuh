@@ -127,6 +127,6 @@ class DataParallel : public GradientSync {
   const Context* ctx_ = nullptr;
   AdamMoments moments_;  // [num_params] each
   std::vector<GradBucket> buckets_;
-  std::vector<int> param_bucket_;  // parameter -> bucket
+  std::vector<int> param_bucket_;                 // parameter -> bucket
   std::vector<std::pair<double, double>> spans_;  // (start, end) of each bucket's last sync
 };

@@ -313,12 +313,14 @@ void attention_lse_merge(const Context& ctx, const Tensor& out, const Tensor& ls
 // The seam: naive attention and FlashAttention as the model's attention core
 // ============================================================================
 
-static const std::vector<Choice<AttentionKind>> kAttentions = {
-    {"naive", AttentionKind::Naive}, {"flash", AttentionKind::Flash}};
+static const std::vector<Choice<AttentionKind>> kAttentions = {{"naive", AttentionKind::Naive},
+                                                               {"flash", AttentionKind::Flash}};
 AttentionKind parse_attention(const std::string& flag) {
   return parse_choice("--attention", flag, kAttentions);
 }
-const char* attention_name(AttentionKind kind) { return choice_name(kAttentions, kind); }
+const char* attention_name(AttentionKind kind) {
+  return choice_name(kAttentions, kind);
+}
 void add_attention_flags(CLI::App& app, AttentionOptions& o) {
   add_typed(flag_group(app, "FlashAttention (Playbook §12.8)"), "--attention", &o.attention,
             parse_attention, attention_name(o.attention),

@@ -39,8 +39,9 @@ void fake_quantize_tiles_(const Context& ctx, const Tensor& x, DType format, int
   const int64_t rows = x.size(0), cols = x.size(1);
   if (rows == 0 || cols == 0) return;
   Tensor q = empty(ctx, x.shape, Mem::Workspace, format);
-  Tensor scales = empty(
-      ctx, {(rows + tile_rows - 1) / tile_rows, (cols + tile_cols - 1) / tile_cols}, Mem::Workspace);
+  Tensor scales =
+      empty(ctx, {(rows + tile_rows - 1) / tile_rows, (cols + tile_cols - 1) / tile_cols},
+            Mem::Workspace);
   quantize_tiles_on(ctx, q, scales, x, tile_rows, tile_cols);
   dequantize_tiles_on(ctx, x, q, scales, tile_rows, tile_cols);
 }
@@ -66,7 +67,6 @@ void widen_to_fp32(const Context& ctx, const std::vector<Tensor*>& kept) {
     *t = wide;
   }
 }
-
 
 Tensor WeightCopies::find(const Tensor& W) const {
   if (W.dtype != DType::F32) return {};
@@ -97,11 +97,13 @@ void refresh_compute_copies(const Context& ctx) {
 
 Tensor compute_weight(const Context& ctx, const Tensor& W) {
   if (ctx.precision == Precision::FP32 && W.dtype == DType::F32) return W;
-  Tensor half = W.dtype != DType::F32 ? W : ctx.weight_copies ? ctx.weight_copies->find(W) : Tensor{};
+  Tensor half = W.dtype != DType::F32 ? W
+                : ctx.weight_copies   ? ctx.weight_copies->find(W)
+                                      : Tensor{};
   Tensor wide = empty(ctx, W.shape, Mem::Workspace);
   cast_(ctx, wide, half.defined() ? half : W);
-  if (!half.defined()) round_(ctx, wide.reshape({W.numel() / W.size(-1), W.size(-1)}),
-                              output_dtype(ctx.precision));
+  if (!half.defined())
+    round_(ctx, wide.reshape({W.numel() / W.size(-1), W.size(-1)}), output_dtype(ctx.precision));
   return wide;
 }
 
@@ -275,7 +277,8 @@ LossScaler make_loss_scaler(Precision p, const std::string& loss_scale, int wind
   const double v = strtod(loss_scale.c_str(), &end);
   if (end == loss_scale.c_str() || *end != '\0' || !is_power_of_two(v) || v < 0x1p-24 ||
       v > kMaxFixedLossScale)
-    throw UsageError("--loss-scale " + loss_scale + ": use dynamic, or a fixed scale that is a "
+    throw UsageError("--loss-scale " + loss_scale +
+                     ": use dynamic, or a fixed scale that is a "
                      "power of two fp16 holds, 2^-24 to 2^15 = 32768 (1: no scaling; e.g. 1024)");
   s.dynamic = false, s.scale = (float)v;
   return s;
@@ -314,15 +317,16 @@ void PrecisionPolicy::resume_from(const std::map<std::string, std::string>& stat
     scaler_.good_steps = (int)parse_number(state.at("loss_scale_good_steps"),
                                            file + " loss_scale_good_steps", 0, INT32_MAX, true);
   } else if (step > 0 && is_main_process()) {
-    printf("note: %s holds no fp16 loss scale (an fp32, bf16 or fixed-scale run's): the "
-           "dynamic scale starts again at %s\n", file.c_str(), exact_num(scaler_.scale).c_str());
+    printf(
+        "note: %s holds no fp16 loss scale (an fp32, bf16 or fixed-scale run's): the "
+        "dynamic scale starts again at %s\n",
+        file.c_str(), exact_num(scaler_.scale).c_str());
   }
 }
 
 std::string PrecisionPolicy::step_note() const {
   if (!scaler_.enabled) return "";
-  return " | scale " + exact_num(step_scale_) +
-         (skipped_ ? " (overflow: step skipped)" : "");
+  return " | scale " + exact_num(step_scale_) + (skipped_ ? " (overflow: step skipped)" : "");
 }
 
 void PrecisionPolicy::log_step(const Context& ctx, nlohmann::json& line) const {
@@ -356,22 +360,21 @@ void add_precision_flags(CLI::App& app, PrecisionOptions& o) {
                "linear layers in fp32|bf16|fp16|fp8, fp32 master weights (auto: fp32 on CPU, bf16 "
                "on CUDA)")
       ->capture_default_str();
-  add_typed(g, "--grad-acc-dtype", &o.grad_acc_dtype,
-            [](const std::string& v) {
-              return parse_choice<DType>("--grad-acc-dtype", v,
-                                         {{"fp32", DType::F32}, {"bf16", DType::BF16}});
-            },
-            "fp32",
-            "gradient buffers in fp32 (20 bytes per parameter with bf16 weights) or bf16 (16; "
-            "with --dtype bf16 or fp8)");
+  add_typed(
+      g, "--grad-acc-dtype", &o.grad_acc_dtype,
+      [](const std::string& v) {
+        return parse_choice<DType>("--grad-acc-dtype", v,
+                                   {{"fp32", DType::F32}, {"bf16", DType::BF16}});
+      },
+      "fp32",
+      "gradient buffers in fp32 (20 bytes per parameter with bf16 weights) or bf16 (16; "
+      "with --dtype bf16 or fp8)");
   g.add_option_function<std::string>(
-       "--loss-scale",
-       [&o](const std::string& v) { o.loss_scale = v, o.loss_scale_given = true; },
+       "--loss-scale", [&o](const std::string& v) { o.loss_scale = v, o.loss_scale_given = true; },
        "fp16: dynamic (start 65536, halve on overflow) or a fixed power of two, 2^-24 to 32768")
       ->default_str(o.loss_scale);
   g.add_option_function<int>(
-       "--loss-scale-window",
-       [&o](int v) { o.loss_scale_window = v, o.loss_scale_given = true; },
+       "--loss-scale-window", [&o](int v) { o.loss_scale_window = v, o.loss_scale_given = true; },
        "fp16: good steps before a dynamic loss scale doubles, >= 1")
       ->default_str(std::to_string(o.loss_scale_window));
 }
@@ -385,16 +388,22 @@ PrecisionPolicy make_precision_policy(const PrecisionOptions& o, Device device) 
     CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
     CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
     if (major * 10 + minor < 89)
-      throw UsageError("--dtype fp8 needs FP8 tensor cores (compute capability 8.9 or later: Ada, "
-                       "Hopper); this GPU is " + std::to_string(major) + "." +
-                       std::to_string(minor) + ": use --dtype bf16, or --device cpu to simulate fp8");
+      throw UsageError(
+          "--dtype fp8 needs FP8 tensor cores (compute capability 8.9 or later: Ada, "
+          "Hopper); this GPU is " +
+          std::to_string(major) + "." + std::to_string(minor) +
+          ": use --dtype bf16, or --device cpu to simulate fp8");
   }
   if (o.grad_acc_dtype == DType::BF16 && p != Precision::BF16 && p != Precision::FP8)
-    throw UsageError("--grad-acc-dtype bf16 keeps gradients in the compute format of --dtype bf16 "
-                     "or fp8; this run is " + std::string(precision_name(p)) +
-                     (p == Precision::FP16 ? " (fp16 gradients would underflow: loss scaling "
-                                             "needs fp32 ones)" : "") +
-                     ": add --dtype bf16, or drop the flag");
-  return PrecisionPolicy(p, o.grad_acc_dtype,
-                         make_loss_scaler(p, o.loss_scale, o.loss_scale_window, o.loss_scale_given));
+    throw UsageError(
+        "--grad-acc-dtype bf16 keeps gradients in the compute format of --dtype bf16 "
+        "or fp8; this run is " +
+        std::string(precision_name(p)) +
+        (p == Precision::FP16 ? " (fp16 gradients would underflow: loss scaling "
+                                "needs fp32 ones)"
+                              : "") +
+        ": add --dtype bf16, or drop the flag");
+  return PrecisionPolicy(
+      p, o.grad_acc_dtype,
+      make_loss_scaler(p, o.loss_scale, o.loss_scale_window, o.loss_scale_given));
 }

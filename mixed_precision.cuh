@@ -3,15 +3,13 @@
 // absmax scale per tile (DeepSeek-V3: 1 x 128 activations, 128 x 128 weights).
 #pragma once
 #include <map>
+#include <nlohmann/json.hpp>
+#include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
-#include <string>
-
+#include "kernels/fp8_gemm.cuh"
 #include "runtime/comm.cuh"
 #include "runtime/core.cuh"
-#include "kernels/fp8_gemm.cuh"
 #include "runtime/dtype.cuh"
 #include "runtime/ops.cuh"
 
@@ -26,7 +24,6 @@
 // E5M2 for the gradients flowing back) and the outputs bf16. Norms, softmax, attention sums,
 // the loss and every reduction stay fp32.
 
-
 // x rounded to the compute format in place, on ctx's stream; nothing under fp32. What the block
 // applies to the values attention reads and writes (RoPE's q and k, attention's output).
 void round_to_compute(const Context& ctx, const Tensor& x);
@@ -40,7 +37,6 @@ void widen_to_fp32(const Context& ctx, const std::vector<Tensor*>& kept);
 // FP8 values a GEMM would read, times their scales. CPU, or a CUDA kernel matching it.
 void fake_quantize_tiles_(const Context& ctx, const Tensor& x, DType format, int tile_rows,
                           int tile_cols);
-
 
 // The linear layer every model GEMM goes through (tensor_parallel.cu's column- and row-parallel
 // layers): under fp32 the GEMMs of ops.cuh, otherwise the low-precision ones below.
@@ -111,7 +107,7 @@ namespace CLI {
 class App;
 }
 struct PrecisionOptions {
-  std::string dtype = "auto";          // --dtype: fp32|bf16|fp16|fp8, auto: fp32 on CPU, bf16 on CUDA
+  std::string dtype = "auto";  // --dtype: fp32|bf16|fp16|fp8, auto: fp32 on CPU, bf16 on CUDA
   DType grad_acc_dtype = DType::F32;   // --grad-acc-dtype: fp32 or bf16 gradient buffers
   std::string loss_scale = "dynamic";  // --loss-scale (fp16)
   int loss_scale_window = 1000;        // --loss-scale-window (fp16)
@@ -130,10 +126,10 @@ class PrecisionPolicy {
   PrecisionPolicy() = default;  // fp32 everywhere
   PrecisionPolicy(Precision compute, DType grads, LossScaler scaler)
       : compute_(compute), grads_(grads), scaler_(scaler) {}
-  Precision compute() const { return compute_; }      // the linear layers (ctx.precision)
-  DType grads() const { return grads_; }              // the gradient buffers: F32 or BF16
+  Precision compute() const { return compute_; }  // the linear layers (ctx.precision)
+  DType grads() const { return grads_; }          // the gradient buffers: F32 or BF16
   DType weight_format() const { return output_dtype(compute_); }  // the weights GEMMs read
-  bool mixed() const { return compute_ != Precision::FP32; }       // fp32 master weights apart
+  bool mixed() const { return compute_ != Precision::FP32; }      // fp32 master weights apart
   // Playbook §Mixed precision training: fp16 multiplies the loss by the loss scale, so every
   // gradient carries it (1 otherwise); the gradients are divided back before clipping.
   float loss_scale() const { return scaler_.enabled ? scaler_.scale : 1.0f; }

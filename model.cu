@@ -5,11 +5,10 @@
 // (the saved activations) is a choice: keep everything, recompute the attention core
 // (selective), or keep only each block's input and recompute the whole block (full).
 // Guide: docs/first-steps.md (the code in reading order, the reports that show it).
-#include "model.cuh"
-
 #include <algorithm>
 
 #include "mixed_precision.cuh"
+#include "model.cuh"
 #include "runtime/ops.cuh"
 #include "runtime/options.cuh"
 
@@ -21,7 +20,9 @@ static const std::vector<Choice<Recompute>> kRecomputes = {
 Recompute parse_recompute(const std::string& flag) {
   return parse_choice("--recompute", flag, kRecomputes);
 }
-const char* recompute_name(Recompute r) { return choice_name(kRecomputes, r); }
+const char* recompute_name(Recompute r) {
+  return choice_name(kRecomputes, r);
+}
 void add_model_flags(CLI::App& app, ModelOptions& o) {
   add_typed(flag_group(app, "First steps: the training step (Playbook §2)"), "--recompute",
             &o.recompute, parse_recompute, recompute_name(o.recompute),
@@ -44,7 +45,9 @@ static void for_each_param(const ModelConfig& c, const std::vector<Stage>& chunk
   auto rows = [&](std::vector<int64_t> whole, int64_t row0, bool writer = true) {
     return TpSlice{whole, row0, 0, writer};
   };
-  auto cols = [&](std::vector<int64_t> whole, int64_t col0) { return TpSlice{whole, 0, col0, true}; };
+  auto cols = [&](std::vector<int64_t> whole, int64_t col0) {
+    return TpSlice{whole, 0, col0, true};
+  };
   TpSlice norm{{D}, 0, 0, L.tp_rank == 0};  // every tp rank holds it; rank 0 saves it
   bool kv_writer = L.tp_rank % L.kv_replicas == 0;
   int unit = 0, local = 0;  // this rank's units and blocks, chunk after chunk
@@ -169,8 +172,8 @@ static void bind_unit(Model& m, int u, const Tensor& base, Weights& w,
   PICO_ASSERT(!base.defined() || base.numel() >= unit.numel,
               unit.name + " needs " + std::to_string(unit.numel) + " elements");
   int index = 0;
-  auto bind = [&](int pu, const std::string&, const std::vector<int64_t>& shape,
-                  const TpSlice&, Tensor& view) {
+  auto bind = [&](int pu, const std::string&, const std::vector<int64_t>& shape, const TpSlice&,
+                  Tensor& view) {
     int i = index++;
     if (pu != u) return;
     view = base.defined() ? base.view(m.offsets[i] - unit.offset, shape) : unbound(shape);
@@ -271,16 +274,15 @@ static void attention_core_forward(const Context& ctx, const Model& m, BlockActi
   round_to_compute(ctx, a.attn);
 }
 // dq (=), dk, dv (=) from d_attn.
-static void attention_core_backward(const Context& ctx, const Model& m, BlockActivations& a,
-                                    int B, int T, const Tensor& d_attn, const Tensor& dq,
-                                    const Tensor& dk, const Tensor& dv) {
+static void attention_core_backward(const Context& ctx, const Model& m, BlockActivations& a, int B,
+                                    int T, const Tensor& d_attn, const Tensor& dq, const Tensor& dk,
+                                    const Tensor& dv) {
   const LocalDims& L = m.tp.local;
   int64_t hd = m.cfg.head_dim();
-  m.attention->backward(ctx, attention_shape(m, B, T), heads(dq, L.heads, hd),
-                        heads(dk, L.kv_heads, hd), heads(dv, L.kv_heads, hd),
-                        heads(d_attn, L.heads, hd), heads(a.attn, L.heads, hd), a.saved,
-                        heads(a.q, L.heads, hd), heads(a.k, L.kv_heads, hd),
-                        heads(a.v, L.kv_heads, hd));
+  m.attention->backward(
+      ctx, attention_shape(m, B, T), heads(dq, L.heads, hd), heads(dk, L.kv_heads, hd),
+      heads(dv, L.kv_heads, hd), heads(d_attn, L.heads, hd), heads(a.attn, L.heads, hd), a.saved,
+      heads(a.q, L.heads, hd), heads(a.k, L.kv_heads, hd), heads(a.v, L.kv_heads, hd));
 }
 
 // Fills every field of `a` (a.x must be set) and writes the block's output into x_out.
@@ -315,9 +317,8 @@ static void block_forward(const Context& ctx, const Model& m, const BlockWeights
 
 // The dense MLP: down(swiglu(gate(x), up(x))), column- then row-parallel (Playbook §5.2).
 struct DenseMlp : FeedForward {
-  void forward(const Context& ctx, const Model& m, int, const BlockWeights& w,
-               BlockActivations& a, const Tensor& x, const Tensor& out,
-               std::vector<float>*) const override {
+  void forward(const Context& ctx, const Model& m, int, const BlockWeights& w, BlockActivations& a,
+               const Tensor& x, const Tensor& out, std::vector<float>*) const override {
     int64_t N = (int64_t)x.size(0) * (m.tp.sp ? m.tp.size() : 1), F = m.tp.local.ffn;
     a.gate = act({N, F}, ctx), a.up = act({N, F}, ctx), a.act = act({N, F}, ctx);
     column_parallel_forward(m.tp, ctx, x, {{a.gate, w.w_gate}, {a.up, w.w_up}});
@@ -331,8 +332,8 @@ struct DenseMlp : FeedForward {
     Tensor d_act = work({N, F}, ctx), d_gate = work({N, F}, ctx), d_up = work({N, F}, ctx);
     row_parallel_backward(m.tp, ctx, d_act, g.w_down, dout, a.act, w.w_down, deferred);
     swiglu_backward(ctx, d_gate, d_up, d_act, a.gate, a.up);
-    column_parallel_backward(m.tp, ctx, dx, x, {{d_gate, w.w_gate, g.w_gate}, {d_up, w.w_up, g.w_up}},
-                             deferred);
+    column_parallel_backward(m.tp, ctx, dx, x,
+                             {{d_gate, w.w_gate, g.w_gate}, {d_up, w.w_up, g.w_up}}, deferred);
   }
   int64_t saved_bytes(const ModelConfig& c, int64_t N, int tp, int e) const override {
     return e * N * 3 * (c.ffn / tp);  // gate, up, act
@@ -392,9 +393,8 @@ static void rebuild_for_backward(const Context& ctx, const Model& m, const Block
 // is stored is bf16-valued already (linear outputs; the norms' and attention's outputs feed only
 // GEMMs, which round them); RoPE's q and k and naive attention's probabilities are rounded here.
 static std::vector<Tensor*> stored_in_compute_format(BlockActivations& a) {
-  return {&a.norm1, &a.q,     &a.k,        &a.v,        &a.saved.probs, &a.attn,
-          &a.norm2, &a.gate,  &a.up,       &a.act,      &a.moe.xe,      &a.moe.gate,
-          &a.moe.up, &a.moe.act, &a.moe.out};
+  return {&a.norm1, &a.q,   &a.k,      &a.v,        &a.saved.probs, &a.attn,    &a.norm2,  &a.gate,
+          &a.up,    &a.act, &a.moe.xe, &a.moe.gate, &a.moe.up,      &a.moe.act, &a.moe.out};
 }
 static void run_hook(const std::function<void(int)>& hook, int unit) {
   if (hook) hook(unit);
@@ -422,7 +422,8 @@ static float head_forward(const Context& ctx, Model& model, Activations& acts,
   acts.targets = device_ints(local_vocab_ids(targets, N, L.vocab0, L.vocab), d);
   acts.losses = act({N}, ctx);
   acts.ce_stats = act({N, 2}, ctx);
-  vocab_parallel_cross_entropy_forward(model.tp, ctx, acts.losses, acts.ce_stats, acts.logits, acts.targets);
+  vocab_parallel_cross_entropy_forward(model.tp, ctx, acts.losses, acts.ce_stats, acts.logits,
+                                       acts.targets);
   return sum(ctx, acts.losses);
 }
 
@@ -434,9 +435,8 @@ static std::vector<int> block_units(const Model& m, int chunk, int l) {
 }
 
 float stage_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
-                    const Tensor& hidden_in, const int32_t* targets, int B, int T,
-                    Recompute mode, const UnitHooks& hooks, int chunk,
-                    const std::vector<float>& carry_in) {
+                    const Tensor& hidden_in, const int32_t* targets, int B, int T, Recompute mode,
+                    const UnitHooks& hooks, int chunk, const std::vector<float>& carry_in) {
   const Stage& stage = model.chunks[chunk];
   const ModelConfig& c = model.cfg;
   const LocalDims& L = model.tp.local;
@@ -456,7 +456,8 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
     acts.ids = device_ints(local_vocab_ids(ids, N, L.vocab0, L.vocab), d);
     x = act({n, D}, ctx);
     run_hook(hooks.before_forward, model.embedding_unit());
-    vocab_parallel_embedding_forward(model.tp, ctx, x, acts.ids, compute_weight(ctx, model.w.embed));
+    vocab_parallel_embedding_forward(model.tp, ctx, x, acts.ids,
+                                     compute_weight(ctx, model.w.embed));
     run_hook(hooks.after_forward, model.embedding_unit());
   }
   PICO_ASSERT(x.defined() && x.numel() == n * D, "stage input " + x.shape_str());
@@ -511,9 +512,9 @@ static void block_backward(const Context& ctx, const Model& m, const BlockWeight
   attention_core_backward(ctx, m, a, B, T, d_attn, dq, dk, dv);
   rope_backward(ctx, dq.reshape({N, L.heads, hd}), positions, c.rope_theta);
   rope_backward(ctx, dk.reshape({N, L.kv_heads, hd}), positions, c.rope_theta);
-  column_parallel_backward(
-      m.tp, ctx, d_norm, a.norm1,
-      {{dq, w.wq, g.wq}, {dk, w.wk, g.wk, true}, {dv, w.wv, g.wv, true}}, deferred);
+  column_parallel_backward(m.tp, ctx, d_norm, a.norm1,
+                           {{dq, w.wq, g.wq}, {dk, w.wk, g.wk, true}, {dv, w.wv, g.wv, true}},
+                           deferred);
   parallel_rmsnorm_backward(m.tp, ctx, dres, g.attn_norm, d_norm, a.x,
                             compute_weight(ctx, w.attn_norm), a.rstd1);
 }
@@ -521,8 +522,9 @@ static void block_backward(const Context& ctx, const Model& m, const BlockWeight
 // Loss -> d(final hidden) [n, D] into dres: cross-entropy, LM head, final norm.
 static void head_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
                           const Tensor& dres, DeferredGrads* deferred) {
-  vocab_parallel_cross_entropy_backward(model.tp, ctx, acts.logits, acts.logits, acts.ce_stats, acts.targets,
-                            loss_scale);  // in place: the logits become their gradient
+  vocab_parallel_cross_entropy_backward(model.tp, ctx, acts.logits, acts.logits, acts.ce_stats,
+                                        acts.targets,
+                                        loss_scale);  // in place: the logits become their gradient
   Tensor d_norm = work(dres.shape, ctx);
   column_parallel_backward(model.tp, ctx, d_norm, acts.normf,
                            {{acts.logits, model.w.lm_head, model.g.lm_head}}, deferred);
@@ -558,8 +560,8 @@ Tensor stage_backward(const Context& ctx, Model& model, Activations& acts, float
     for (auto u = units.rbegin(); u != units.rend(); u++) run_hook(hooks.before_backward, *u);
     widen_to_fp32(ctx, stored_in_compute_format(a));
     rebuild_for_backward(ctx, model, model.w.blocks[b], a, acts.positions, B, T, mode);
-    block_backward(ctx, model, model.w.blocks[b], model.g.blocks[b], a, acts.positions, B, T,
-                   dres, acts.carry, loss_scale, deferred);
+    block_backward(ctx, model, model.w.blocks[b], model.g.blocks[b], a, acts.positions, B, T, dres,
+                   acts.carry, loss_scale, deferred);
     a = BlockActivations{};  // this micro-batch no longer needs block l's activations
     for (auto u = units.rbegin(); u != units.rend(); u++) gradients_ready(*u);
   }
@@ -603,17 +605,17 @@ int64_t activation_bytes_per_block(const ModelConfig& c, int B, int T, int tp, b
   // x and x_mid fp32, norm1 and norm2 in e bytes, 1/rms twice in fp32 (on n tokens); q, attn,
   // k, v, gate, up, act in e bytes (on N tokens, this rank's heads and ffn columns).
   int64_t outside = (2 * 4 + 2 * e) * n * D + 2 * 4 * n;
-  int64_t inside = e * N * (2 * L.heads * hd + 2 * L.kv_heads * hd) +
-                   feed_forward(c)->saved_bytes(c, N, tp, e);
-  return outside + inside +
-         attention.saved_bytes(B, T, L.heads, mode == Recompute::Selective, e);
+  int64_t inside =
+      e * N * (2 * L.heads * hd + 2 * L.kv_heads * hd) + feed_forward(c)->saved_bytes(c, N, tp, e);
+  return outside + inside + attention.saved_bytes(B, T, L.heads, mode == Recompute::Selective, e);
 }
 
 int64_t saved_bytes(const BlockActivations& a) {
   int64_t bytes = 0;
-  for (const Tensor* t : {&a.x, &a.norm1, &a.rstd1, &a.q, &a.k, &a.v, &a.saved.probs,
-                          &a.saved.lse, &a.attn, &a.x_mid, &a.norm2, &a.rstd2, &a.gate, &a.up,
-                          &a.act, &a.moe.xe, &a.moe.gate, &a.moe.up, &a.moe.act, &a.moe.out})
+  for (const Tensor* t :
+       {&a.x,         &a.norm1,  &a.rstd1,    &a.q,      &a.k,       &a.v,      &a.saved.probs,
+        &a.saved.lse, &a.attn,   &a.x_mid,    &a.norm2,  &a.rstd2,   &a.gate,   &a.up,
+        &a.act,       &a.moe.xe, &a.moe.gate, &a.moe.up, &a.moe.act, &a.moe.out})
     if (t->defined()) bytes += t->nbytes();
   return bytes;
 }

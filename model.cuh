@@ -27,17 +27,17 @@ void add_model_flags(CLI::App& app, ModelOptions& o);
 
 // The weights of one block, as views into the flat buffer (the gradients use the same struct).
 struct BlockWeights {
-  Tensor attn_norm;  // [D]
-  Tensor wq;         // [Hq*hd, D]
-  Tensor wk, wv;     // [Hkv*hd, D]
-  Tensor wo;         // [D, Hq*hd]
-  Tensor mlp_norm;   // [D]
+  Tensor attn_norm;     // [D]
+  Tensor wq;            // [Hq*hd, D]
+  Tensor wk, wv;        // [Hkv*hd, D]
+  Tensor wo;            // [D, Hq*hd]
+  Tensor mlp_norm;      // [D]
   Tensor w_gate, w_up;  // [F, D]   the dense MLP
-  Tensor w_down;     // [D, F]
-  MoeWeights moe;    // or a mixture of experts (expert_parallel.cuh): router, this rank's experts
+  Tensor w_down;        // [D, F]
+  MoeWeights moe;  // or a mixture of experts (expert_parallel.cuh): router, this rank's experts
 };
 struct Weights {
-  Tensor embed;       // [V, D]
+  Tensor embed;  // [V, D]
   std::vector<BlockWeights> blocks;
   Tensor final_norm;  // [D]
   Tensor lm_head;     // [V, D] (a view of embed when tied)
@@ -83,7 +83,7 @@ struct Stage {
 struct Model : FlatParameters {
   ModelConfig cfg;
   std::vector<Stage> chunks;  // the parts of the model this rank holds, in order (resolved)
-  TensorParallel tp;     // the tp group and this rank's heads, ffn and vocabulary slice
+  TensorParallel tp;          // the tp group and this rank's heads, ffn and vocabulary slice
   // The attention core (flash_attention.cuh): naive, flash, or ring attention over the cp
   // group; train's --attention and --cp choose (default here: naive, the reference).
   std::shared_ptr<const AttentionCore> attention = local_attention(AttentionKind::Naive);
@@ -132,14 +132,14 @@ Model build_model_layout(const ModelConfig& cfg, const TensorParallel& tp = {},
 // Shapes for N = B*T tokens and n = N/tp under sequence parallelism (else n = N); Hl, KVl and
 // Fl are this rank's heads, kv heads and ffn columns (LocalDims, tensor_parallel.cuh).
 struct BlockActivations {
-  Tensor x;             // [n, D] block input (always kept)
-  Tensor norm1, rstd1;  // [n, D], [n]
-  Tensor q, k, v;       // [N, Hl*hd], [N, KVl*hd] x2 (after RoPE)
+  Tensor x;              // [n, D] block input (always kept)
+  Tensor norm1, rstd1;   // [n, D], [n]
+  Tensor q, k, v;        // [N, Hl*hd], [N, KVl*hd] x2 (after RoPE)
   AttentionSaved saved;  // naive attention's [B, Hl, T, T] probabilities (dropped by selective
                          // recompute), or FlashAttention's [B, Hl, T] log-sum-exp
-  Tensor attn;          // [N, Hl*hd] attention output before wo
-  Tensor x_mid;         // [n, D] after the attention residual
-  Tensor norm2, rstd2;  // [n, D], [n]
+  Tensor attn;           // [N, Hl*hd] attention output before wo
+  Tensor x_mid;          // [n, D] after the attention residual
+  Tensor norm2, rstd2;   // [n, D], [n]
   Tensor gate, up, act;  // [N, Fl] x3 (the dense MLP)
   MoeActivations moe;    // or the mixture's (expert_parallel.cuh)
 };
@@ -153,13 +153,13 @@ int64_t activation_bytes_per_block(const ModelConfig& cfg, int B, int T, int tp,
 int64_t saved_bytes(const BlockActivations& a);
 struct Activations {
   int B = 0, T = 0;
-  Tensor ids, targets, positions;  // [N] int32, N = B*T
+  Tensor ids, targets, positions;        // [N] int32, N = B*T
   std::vector<BlockActivations> blocks;  // this chunk's blocks
-  Tensor x_final;                // [n, D] the last block's output: the stage's output hidden state
-  Tensor normf, rstdf;           // [n, D], [n]
-  Tensor logits;                 // [N, V / tp] this rank's vocabulary slice
-  Tensor losses;                 // [N] per-token cross-entropy
-  Tensor ce_stats;               // [N, 2] row max and sum of exponentials (vocab-parallel)
+  Tensor x_final;       // [n, D] the last block's output: the stage's output hidden state
+  Tensor normf, rstdf;  // [n, D], [n]
+  Tensor logits;        // [N, V / tp] this rank's vocabulary slice
+  Tensor losses;        // [N] per-token cross-entropy
+  Tensor ce_stats;      // [N, 2] row max and sum of exponentials (vocab-parallel)
   // What travels with the hidden state from layer to layer and stage to stage
   // (FeedForward::carry_numel floats): a mixture of experts' routing counts, which its
   // load-balancing loss needs over every layer. Empty for a dense model.
@@ -174,8 +174,8 @@ struct Activations {
 // acts.x_final holds the output for the next stage.
 // `carry_in`: what the previous stage's acts.carry held (empty on the first stage).
 float stage_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
-                    const Tensor& hidden_in, const int32_t* targets, int B, int T,
-                    Recompute mode, const UnitHooks& hooks = {}, int chunk = 0,
+                    const Tensor& hidden_in, const int32_t* targets, int B, int T, Recompute mode,
+                    const UnitHooks& hooks = {}, int chunk = 0,
                     const std::vector<float>& carry_in = {});
 // Accumulates (+=) into the gradient views the gradient of loss_scale * sum(losses) (the head's
 // chunk) or of <d_out, output> (d_out [n, D], other chunks), releasing the activations as it

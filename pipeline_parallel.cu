@@ -58,7 +58,8 @@ Table one_f_one_b(int p, int rank, int m, bool zero_bubble) {
   int warmup = std::min(p - rank - 1, m), weights = 0;
   auto backward = [&](int i) {
     ops.push_back({Phase::Backward, i, 0});
-    for (; zero_bubble && weights <= i - rank; weights++) ops.push_back({Phase::Weight, weights, 0});
+    for (; zero_bubble && weights <= i - rank; weights++)
+      ops.push_back({Phase::Weight, weights, 0});
   };
   for (int i = 0; i < warmup; i++) ops.push_back({Phase::Forward, i, 0});
   for (int i = 0; i < m - warmup; i++) ops.push_back({Phase::Forward, warmup + i, 0}), backward(i);
@@ -122,7 +123,9 @@ PpSchedule parse_pp_schedule(const std::string& flag) {
   }
   throw UsageError("--pp-schedule " + flag + ": expected one of " + names);
 }
-const char* pp_schedule_name(PpSchedule s) { return row(s).name; }
+const char* pp_schedule_name(PpSchedule s) {
+  return row(s).name;
+}
 
 std::vector<PipelineOp> pipeline_schedule(PpSchedule s, int p, int rank, int m, int V) {
   return row(s).table(p, rank, m, V);
@@ -131,7 +134,9 @@ bool splits_backward(const std::vector<PipelineOp>& table) {
   return std::any_of(table.begin(), table.end(),
                      [](const PipelineOp& op) { return op.kind == Phase::Weight; });
 }
-double bubble_fraction(PpSchedule s, int p, int m, int V) { return row(s).bubble(p, m, V); }
+double bubble_fraction(PpSchedule s, int p, int m, int V) {
+  return row(s).bubble(p, m, V);
+}
 
 void add_pipeline_flags(CLI::App& app, PipelineOptions& o) {
   std::string names;
@@ -165,8 +170,9 @@ void validate_pipeline(int layers, int p, int V, int m, PpSchedule s, bool tied,
                      ": every chunk needs a block; lower --pp or --pp-virtual");
   if (p == 1) return;
   if (row(s).groups && m % p)
-    throw UsageError("--pp-schedule " + name + " runs micro-batches in groups of --pp: --grad-acc " +
-                     std::to_string(m) + " must be a multiple of " + pp);
+    throw UsageError("--pp-schedule " + name +
+                     " runs micro-batches in groups of --pp: --grad-acc " + std::to_string(m) +
+                     " must be a multiple of " + pp);
   if (tied)
     throw UsageError("--tie-embeddings with " + pp +
                      ": the embedding lives on the first stage and the head on the last; tied "
@@ -174,7 +180,9 @@ void validate_pipeline(int layers, int p, int V, int m, PpSchedule s, bool tied,
   if (zero_stage == 2 && splits_backward(pipeline_schedule(s, p, 0, m, V)))
     throw UsageError("--zero 2 with --pp-schedule " + name +
                      ": ZeRO-2 reduce-scatters each micro-batch's gradient as soon as it is "
-                     "final, while " + name + " still adds earlier micro-batches' deferred "
+                     "final, while " +
+                     name +
+                     " still adds earlier micro-batches' deferred "
                      "weight gradients; use --zero 1");
   if (zero_stage == 3)
     throw UsageError("--zero 3 with " + pp +
@@ -250,11 +258,17 @@ std::string pipeline_chart(PpSchedule s, int p, int m, int V) {
   return chart;
 }
 
-
 BubblePrediction bubble_prediction(PpSchedule s, int p, int m, int V) {
   PipelineTiming ticks = simulate_pipeline(s, p, m, V, 1.0, 1.0, 1.0);
-  return {pp_schedule_name(s), p, m, V, ticks.busy, ticks.makespan, ticks.peak_in_flight,
-          bubble_fraction(s, p, m, V), pipeline_chart(s, p, m, V)};
+  return {pp_schedule_name(s),
+          p,
+          m,
+          V,
+          ticks.busy,
+          ticks.makespan,
+          ticks.peak_in_flight,
+          bubble_fraction(s, p, m, V),
+          pipeline_chart(s, p, m, V)};
 }
 
 // ----------------------------------------------------------------------------
@@ -337,10 +351,12 @@ double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& 
     std::vector<float> carry;
     if (forward && g > 0) {
       input = exchange.receive(comm.pp, prev, hidden, Mem::Activations);
-      if (carried) carry = to_host_floats(exchange.receive(comm.pp, prev, {carried}, Mem::Workspace));
+      if (carried)
+        carry = to_host_floats(exchange.receive(comm.pp, prev, {carried}, Mem::Workspace));
     } else if (backward && g < last_chunk) {
       input = exchange.receive(comm.pp_grad, next, hidden, Mem::Workspace);
-      if (carried) carry = to_host_floats(exchange.receive(comm.pp_grad, next, {carried}, Mem::Workspace));
+      if (carried)
+        carry = to_host_floats(exchange.receive(comm.pp_grad, next, {carried}, Mem::Workspace));
     } else {
       exchange.flush();
     }
@@ -358,7 +374,8 @@ double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& 
                                 hooks, op.chunk, carry);
       if (!acts.blocks.empty()) block_bytes = saved_bytes(acts.blocks[0]);
       if (g < last_chunk) exchange.send(comm.pp, next, acts.x_final);
-      if (g < last_chunk && carried) exchange.send(comm.pp, next, device_floats(ctx, acts.carry, {carried}));
+      if (g < last_chunk && carried)
+        exchange.send(comm.pp, next, device_floats(ctx, acts.carry, {carried}));
     } else {
       if (g == last_chunk) carry = saved[key].carry;  // every layer's: this chunk ends the model
       Tensor d_in = stage_backward(ctx, model, saved[key], loss_scale, input, mode, hooks, op.chunk,
@@ -389,7 +406,8 @@ float pipeline_forward(const Context& ctx, Comm& comm, Model& model, Activations
     loss = stage_forward(ctx, model, acts, ids, input, targets, B, T, Recompute::None, {}, g / p,
                          carry);
     if (g < last_chunk) exchange.send(comm.pp, comm.pp.next(), acts.x_final);
-    if (g < last_chunk && carried) exchange.send(comm.pp, comm.pp.next(), device_floats(ctx, acts.carry, {carried}));
+    if (g < last_chunk && carried)
+      exchange.send(comm.pp, comm.pp.next(), device_floats(ctx, acts.carry, {carried}));
     exchange.flush();
   }
   exchange.finish();

@@ -18,9 +18,9 @@ namespace CLI {
 class App;
 }
 struct PipelineOptions {
-  int pp = 1;                                   // --pp: stages
+  int pp = 1;                                     // --pp: stages
   PpSchedule pp_schedule = PpSchedule::OneFOneB;  // --pp-schedule
-  int pp_virtual = 1;                           // --pp-virtual: model chunks per rank
+  int pp_virtual = 1;                             // --pp-virtual: model chunks per rank
 };
 void add_pipeline_flags(CLI::App& app, PipelineOptions& o);
 PpSchedule parse_pp_schedule(const std::string& flag);  // afab|1f1b|interleaved|zb-h1

@@ -6,8 +6,6 @@
 // f and f*). Sequence parallelism replaces each all-reduce by a reduce-scatter plus an
 // all-gather (same bytes) so the norms and residuals in between run on N/tp tokens only.
 // Guide: docs/tensor-parallel.md (the code in reading order, the reports that show it).
-#include "tensor_parallel.cuh"
-
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -17,6 +15,7 @@
 #include "runtime/model_config.cuh"
 #include "runtime/ops.cuh"
 #include "runtime/options.cuh"
+#include "tensor_parallel.cuh"
 
 // ----------------------------------------------------------------------------
 // This rank's slice of the model (Playbook §5.3)
@@ -47,7 +46,8 @@ void validate_tensor_parallel(const ModelConfig& c, int tp, bool sp) {
   auto divides = [&](int n, const char* flag) {
     if (n % tp)
       throw UsageError("--tp " + std::to_string(tp) + " does not divide " + flag + " " +
-                       std::to_string(n) + ": tensor parallelism splits it evenly (picoscale "
+                       std::to_string(n) +
+                       ": tensor parallelism splits it evenly (picoscale "
                        "does not pad); pick a --tp that divides it");
   };
   divides(c.heads, "--heads");
@@ -55,17 +55,20 @@ void validate_tensor_parallel(const ModelConfig& c, int tp, bool sp) {
   divides(c.vocab, "--vocab");
   if (c.kv_heads % tp && tp % c.kv_heads)
     throw UsageError("--tp " + std::to_string(tp) + " and --kv-heads " +
-                     std::to_string(c.kv_heads) + ": one must divide the other (key/value heads "
+                     std::to_string(c.kv_heads) +
+                     ": one must divide the other (key/value heads "
                      "are split over tp, or replicated when tp exceeds them)");
   // A flag that changes nothing is refused rather than ignored: the run would be plain tp 1,
   // and a layout meant to test sequence parallelism would silently test none.
   if (sp && tp == 1)
-    throw UsageError("--sp with --tp 1: sequence parallelism splits the norms' and residuals' "
-                     "tokens over the tensor-parallel ranks, and one rank has nothing to split; "
-                     "add --tp 2 (or more), or drop --sp");
+    throw UsageError(
+        "--sp with --tp 1: sequence parallelism splits the norms' and residuals' "
+        "tokens over the tensor-parallel ranks, and one rank has nothing to split; "
+        "add --tp 2 (or more), or drop --sp");
   if (sp && c.seq % tp)
     throw UsageError("--sp with --seq " + std::to_string(c.seq) + " and --tp " +
-                     std::to_string(tp) + ": sequence parallelism splits every sequence's "
+                     std::to_string(tp) +
+                     ": sequence parallelism splits every sequence's "
                      "tokens over tp, so --tp must divide --seq");
 }
 
@@ -85,10 +88,11 @@ void gather_from_sp_region_forward(const TensorParallel& tp, const Context& ctx,
 }
 void gather_from_sp_region_backward(const TensorParallel& tp, const Context& ctx,
                                     const Tensor& dfull, const Tensor& dshard) {
-  reduce_scatter(*tp.comm, tp.group(), ctx, dfull.f32(), dshard.f32(), dshard.numel(), ReduceOp::Sum);
+  reduce_scatter(*tp.comm, tp.group(), ctx, dfull.f32(), dshard.f32(), dshard.numel(),
+                 ReduceOp::Sum);
 }
-void scatter_to_sp_region_forward(const TensorParallel& tp, const Context& ctx,
-                                  const Tensor& full, const Tensor& shard) {
+void scatter_to_sp_region_forward(const TensorParallel& tp, const Context& ctx, const Tensor& full,
+                                  const Tensor& shard) {
   gather_from_sp_region_backward(tp, ctx, full, shard);  // the same reduce-scatter
 }
 void scatter_to_sp_region_backward(const TensorParallel& tp, const Context& ctx,
@@ -167,17 +171,19 @@ static void add_replicated_grad(const TensorParallel& tp, const Context& ctx, co
 
 // Runs `weights` now, or queues it for a zero-bubble schedule's W op.
 static void weight_half(DeferredGrads* deferred, std::function<void()> weights) {
-  if (deferred) deferred->push_back(std::move(weights));
-  else weights();
+  if (deferred)
+    deferred->push_back(std::move(weights));
+  else
+    weights();
 }
 
 void column_parallel_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
                               const Tensor& x, const std::vector<ColumnGrad>& grads,
                               DeferredGrads* deferred) {
   int64_t N = x.size(0) * (tp.sp ? tp.size() : 1), D = x.size(1);
-  Tensor h = region_input(tp, ctx, x);                               // [N, D]
-  Tensor dh = tp.sp ? workspace({N, D}, ctx) : dx;                   // [N, D], partial over tp
-  for (size_t i = 0; i < grads.size(); i++)  // input gradient: sum_i dy_i W_i
+  Tensor h = region_input(tp, ctx, x);              // [N, D]
+  Tensor dh = tp.sp ? workspace({N, D}, ctx) : dx;  // [N, D], partial over tp
+  for (size_t i = 0; i < grads.size(); i++)         // input gradient: sum_i dy_i W_i
     linear_backward(ctx, dh, Tensor(), grads[i].dy, h, grads[i].W, i > 0);
   weight_half(deferred, [tp, &ctx, h, grads] {
     bool replicated = tp.local.kv_replicas > 1;
@@ -212,12 +218,12 @@ void row_parallel_backward(const TensorParallel& tp, const Context& ctx, const T
     copy_(saved, dy);
     dfull = saved;
   }
-  weight_half(deferred, [&ctx, dW, dfull, x, W] { linear_backward(ctx, Tensor(), dW, dfull, x, W); });
+  weight_half(deferred,
+              [&ctx, dW, dfull, x, W] { linear_backward(ctx, Tensor(), dW, dfull, x, W); });
 }
 
-void vocab_parallel_embedding_forward(const TensorParallel& tp, const Context& ctx,
-                                      const Tensor& x, const Tensor& local_ids,
-                                      const Tensor& table) {
+void vocab_parallel_embedding_forward(const TensorParallel& tp, const Context& ctx, const Tensor& x,
+                                      const Tensor& local_ids, const Tensor& table) {
   if (tp.size() == 1) return embedding_forward(ctx, x, local_ids, table);
   Tensor rows = workspace({local_ids.numel(), x.size(1)}, ctx);  // [N, D] partial rows
   embedding_forward(ctx, rows, local_ids, table);
@@ -233,8 +239,8 @@ void vocab_parallel_embedding_backward(const TensorParallel& tp, const Context& 
 }
 
 void parallel_rmsnorm_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
-                               const Tensor& dw, const Tensor& dy, const Tensor& x,
-                               const Tensor& w, const Tensor& rstd) {
+                               const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& w,
+                               const Tensor& rstd) {
   if (!tp.sp) return rmsnorm_backward(ctx, dx, dw, dy, x, w, rstd);
   Tensor part = zeros(ctx, dw.shape, Mem::Workspace);  // this rank's tokens' share
   rmsnorm_backward(ctx, dx, part, dy, x, w, rstd);

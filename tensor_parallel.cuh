@@ -7,9 +7,8 @@
 #include <vector>
 
 #include "runtime/comm.cuh"
-#include "runtime/parameters.cuh"
-
 #include "runtime/model_config.cuh"
+#include "runtime/parameters.cuh"
 
 // The slice of the model one tensor-parallel rank holds (Playbook §5.3): query heads, ffn
 // columns and vocabulary rows split evenly over tp; key/value heads split too, or, when tp
@@ -62,8 +61,8 @@ void gather_from_sp_region_backward(const TensorParallel& tp, const Context& ctx
                                     const Tensor& dfull, const Tensor& dshard);
 // reduce_scatter_to_sequence_parallel_region (g*): forward reduce-scatter [N, D] -> [N/tp, D],
 // backward all-gather [N/tp, D] -> [N, D].
-void scatter_to_sp_region_forward(const TensorParallel& tp, const Context& ctx,
-                                  const Tensor& full, const Tensor& shard);
+void scatter_to_sp_region_forward(const TensorParallel& tp, const Context& ctx, const Tensor& full,
+                                  const Tensor& shard);
 void scatter_to_sp_region_backward(const TensorParallel& tp, const Context& ctx,
                                    const Tensor& dshard, const Tensor& dfull);
 
@@ -122,9 +121,8 @@ void row_parallel_backward(const TensorParallel& tp, const Context& ctx, const T
                            DeferredGrads* deferred = nullptr);
 // VocabParallelEmbedding: each rank looks up the ids of its vocabulary slice (ids from
 // local_vocab_ids: -1 gives a zero row) and the partial rows leave the region into x [n, D].
-void vocab_parallel_embedding_forward(const TensorParallel& tp, const Context& ctx,
-                                      const Tensor& x, const Tensor& local_ids,
-                                      const Tensor& table);
+void vocab_parallel_embedding_forward(const TensorParallel& tp, const Context& ctx, const Tensor& x,
+                                      const Tensor& local_ids, const Tensor& table);
 // dtable [V/tp, D] += the rows of dx [n, D] (all-gathered to [N, D] first under SP).
 void vocab_parallel_embedding_backward(const TensorParallel& tp, const Context& ctx,
                                        const Tensor& dtable, const Tensor& local_ids,
@@ -132,12 +130,13 @@ void vocab_parallel_embedding_backward(const TensorParallel& tp, const Context& 
 // RMSNorm backward on this rank's tokens (dx +=). Under SP each rank saw n of the N tokens, so
 // the weight's gradient is summed over tp before it is added into dw.
 void parallel_rmsnorm_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
-                               const Tensor& dw, const Tensor& dy, const Tensor& x,
-                               const Tensor& w, const Tensor& rstd);
+                               const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& w,
+                               const Tensor& rstd);
 
 // ---- Vocab-parallel embedding and cross-entropy (the vocabulary split in tp ranges) ----
 // Local ids: id - vocab_start for ids this rank holds, -1 (a zero row) for the others.
-std::vector<int32_t> local_vocab_ids(const int32_t* ids, int64_t n, int vocab_start, int local_vocab);
+std::vector<int32_t> local_vocab_ids(const int32_t* ids, int64_t n, int vocab_start,
+                                     int local_vocab);
 // losses[N] = logsumexp over the full vocabulary - target logit, from local logits [N, V/tp]:
 // max, sum of exponentials and target logit are each all-reduced over tp, so no rank ever
 // holds the full logits. stats [N, 2] saves (max, sum) for the backward.

@@ -3,14 +3,14 @@
 // per step: the batch, the schedule of its micro-batches, the sync, clipping, the optimizer
 // step, the log. Around it: validation, checkpoints, --save-grads, --score, --sample, --trace
 // and the reports. Launch like torchrun: `./train` is one rank, `mpirun -np N ./train` N ranks.
-#include <CLI/CLI.hpp>
 #include <cblas.h>
-#include <nlohmann/json.hpp>
 
+#include <CLI/CLI.hpp>
 #include <cmath>
 #include <functional>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "context_parallel.cuh"
@@ -34,9 +34,16 @@
 // The command line: the run's flags (runtime/options.cuh) and each chapter's, each checked
 // next to its code, then what only the composition knows: how they combine.
 
-struct Options : RunOptions, ModelOptions, AttentionOptions, PrecisionOptions,
-                 DataParallelOptions, ZeroOptions, TensorParallelOptions, PipelineOptions,
-                 ContextParallelOptions, ExpertOptions {};
+struct Options : RunOptions,
+                 ModelOptions,
+                 AttentionOptions,
+                 PrecisionOptions,
+                 DataParallelOptions,
+                 ZeroOptions,
+                 TensorParallelOptions,
+                 PipelineOptions,
+                 ContextParallelOptions,
+                 ExpertOptions {};
 
 static void add_flags(CLI::App& app, Options& o) {
   // A flag given twice takes its last value, so a script can append overrides.
@@ -59,8 +66,8 @@ static void resolve_options(Options& o) {
   const int64_t world = (int64_t)o.dp * o.pp * o.cp * o.tp;
   resolve_run_options(o, (int)std::min<int64_t>(world, INT32_MAX));
   check_positive(o.dp, "--dp");
-  validate_context_parallel(o.model.seq, o.cp, o.cp_balance,
-                            o.attention == AttentionKind::Flash, o.tp, o.sp, o.sample);
+  validate_context_parallel(o.model.seq, o.cp, o.cp_balance, o.attention == AttentionKind::Flash,
+                            o.tp, o.sp, o.sample);
   validate_pipeline(o.model.layers, o.pp, o.pp_virtual, o.grad_acc, o.pp_schedule,
                     o.model.tie_embeddings, o.zero);
   validate_tensor_parallel(o.model, o.tp, o.sp);
@@ -89,23 +96,24 @@ static void check_before_start(const Options& o, const Comm& comm,
   double state = 4 * psi;  // --score: the fp32 weights
   if (train) {
     StaticMemory m = zero_static_memory(
-        stage, psi, n, bytes_per_parameter(stage, precision.compute(), precision.grads() == DType::BF16));
+        stage, psi, n,
+        bytes_per_parameter(stage, precision.compute(), precision.grads() == DType::BF16));
     // Mixed precision: the fp32 master weights sit with the optimizer's 12 bytes; ZeRO-1/2
     // hold the whole compute-format weights, ZeRO-3 its shard of them.
     state = m.total();
   }
   const int e = train ? (int)dtype_size(precision.weight_format()) : 4;
-  double acts = (double)c.layers * activation_bytes_per_block(c, o.mbs, c.seq, o.tp, o.sp,
-                                                              o.recompute,
-                                                              *local_attention(o.attention), e) +
-                2.0 * o.mbs * c.seq * (c.vocab / o.tp) * 4;
+  double acts =
+      (double)c.layers * activation_bytes_per_block(c, o.mbs, c.seq, o.tp, o.sp, o.recompute,
+                                                    *local_attention(o.attention), e) +
+      2.0 * o.mbs * c.seq * (c.vocab / o.tp) * 4;
   check_memory_fits(state, acts, comm.device, local_ranks);
   check_outputs(o, comm);
 }
 
 // The table rank 0 prints before the first step.
-static void print_config(const Options& o, const Dataset& data, const Comm& comm,
-                         int64_t n_params, int zero_stage, const PrecisionPolicy& precision) {
+static void print_config(const Options& o, const Dataset& data, const Comm& comm, int64_t n_params,
+                         int zero_stage, const PrecisionPolicy& precision) {
   const ModelConfig& c = o.model;
   auto s = [](auto v) { return std::to_string(v); };
   std::vector<std::pair<std::string, std::string>> rows = {
@@ -127,43 +135,45 @@ static void print_config(const Options& o, const Dataset& data, const Comm& comm
                                             " tokens per rank"});
   if (c.experts > 0)
     rows.push_back({"mixture of experts",
-                    s(c.experts) + " experts of ffn " + s(c.ffn) + ", top " + s(c.top_k) +
-                        ", ep " + s(o.ep) + " (" + s(c.experts / o.ep) + " per rank), " +
+                    s(c.experts) + " experts of ffn " + s(c.ffn) + ", top " + s(c.top_k) + ", ep " +
+                        s(o.ep) + " (" + s(c.experts / o.ep) + " per rank), " +
                         (o.capacity_factor > 0 ? "capacity factor " + num(o.capacity_factor)
                                                : std::string("dropless")) +
                         ", aux loss coef " + num(c.aux_loss_coef)});
   if (o.pp > 1)
-    rows.push_back({"pipeline", std::string(pp_schedule_name(o.pp_schedule)) + ", " +
-                                    s(o.grad_acc) + " micro-batches" +
-                                    (o.pp_virtual > 1 ? ", " + s(o.pp_virtual) + " chunks per rank"
-                                                      : "")});
+    rows.push_back(
+        {"pipeline", std::string(pp_schedule_name(o.pp_schedule)) + ", " + s(o.grad_acc) +
+                         " micro-batches" +
+                         (o.pp_virtual > 1 ? ", " + s(o.pp_virtual) + " chunks per rank" : "")});
   std::string overlap = o.no_overlap ? ", no overlap" : ", overlapped";
-  rows.push_back({"gradient sync",
-                  zero_stage == 0 ? std::string(dp_sync_name(o.dp_sync)) + ", buckets of " +
-                                        num(o.bucket_mb) + " MiB" + overlap
-                                  : "ZeRO-" + s(zero_stage) + ": reduce-scatter per unit" + overlap +
-                                        (zero_stage == 3 && !o.no_overlap ? ", prefetch" : "")});
-  rows.push_back({"dtype", precision.describe() + (precision.mixed() && o.dtype == "auto"
-                                                       ? " (auto on CUDA)" : "")});
+  rows.push_back(
+      {"gradient sync", zero_stage == 0
+                            ? std::string(dp_sync_name(o.dp_sync)) + ", buckets of " +
+                                  num(o.bucket_mb) + " MiB" + overlap
+                            : "ZeRO-" + s(zero_stage) + ": reduce-scatter per unit" + overlap +
+                                  (zero_stage == 3 && !o.no_overlap ? ", prefetch" : "")});
+  rows.push_back({"dtype", precision.describe() +
+                               (precision.mixed() && o.dtype == "auto" ? " (auto on CUDA)" : "")});
   rows.push_back({"attention", std::string(attention_name(o.attention)) +
                                    (o.attention == AttentionKind::Flash
                                         ? " (keeps O and its log-sum-exp: O(T))"
                                         : " (keeps the probabilities: O(T^2))")});
-  rows.push_back({"recompute", o.recompute == Recompute::Selective && o.attention == AttentionKind::Flash
-                                   ? "selective: nothing more to drop, flash keeps no probabilities"
-                                   : recompute_name(o.recompute)});
+  rows.push_back(
+      {"recompute", o.recompute == Recompute::Selective && o.attention == AttentionKind::Flash
+                        ? "selective: nothing more to drop, flash keeps no probabilities"
+                        : recompute_name(o.recompute)});
   rows.push_back({"steps / mbs / grad-acc", s(o.steps) + " / " + s(o.mbs) + " / " + s(o.grad_acc)});
-  rows.push_back({"tokens per step", s((int64_t)o.mbs * o.grad_acc * o.dp * c.seq) +
-                                         " (mbs x grad-acc x dp x seq)"});
+  rows.push_back({"tokens per step",
+                  s((int64_t)o.mbs * o.grad_acc * o.dp * c.seq) + " (mbs x grad-acc x dp x seq)"});
   char lr[96];
-  snprintf(lr, sizeof lr, "%.2e -> %.2e, warmup %d, wd %.3g, clip %.3g", o.lr, o.min_lr,
-           o.warmup, o.weight_decay, o.grad_clip);
+  snprintf(lr, sizeof lr, "%.2e -> %.2e, warmup %d, wd %.3g, clip %.3g", o.lr, o.min_lr, o.warmup,
+           o.weight_decay, o.grad_clip);
   rows.push_back({"lr schedule (cosine)", lr});
   rows.push_back({"seed", s(o.seed)});
   rows.push_back({"data", data.source});
   rows.push_back({"train / val tokens", s(data.train.size()) + " / " + s(data.val.size())});
-  rows.push_back({"data order", o.no_shuffle ? "file order (--no-shuffle)"
-                                             : "shuffled per epoch (--seed)"});
+  rows.push_back(
+      {"data order", o.no_shuffle ? "file order (--no-shuffle)" : "shuffled per epoch (--seed)"});
   print_config_table(rows);
 }
 
@@ -188,8 +198,8 @@ static double loss_sum(const Context& ctx, Comm& comm, Model& model, const Conte
     Activations acts;
     std::vector<int32_t> my_in = select_context_tokens(cp, in.data(), n, seq);
     std::vector<int32_t> my_tgt = select_context_tokens(cp, tgt.data(), n, seq);
-    total += pipeline_forward(ctx, comm, model, acts, my_in.data(), my_tgt.data(), n,
-                              seq / cp.size());
+    total +=
+        pipeline_forward(ctx, comm, model, acts, my_in.data(), my_tgt.data(), n, seq / cp.size());
   }
   return total;
 }
@@ -290,9 +300,8 @@ static std::unique_ptr<GradientSync> make_gradient_sync(Comm& comm, Model& model
   if (stage > 0)
     return std::make_unique<Zero>(comm, model, stage, AdamWConfig{}, o.weight_decay, o.seed,
                                   !o.no_overlap, precision);
-  return std::make_unique<DataParallel>(comm, model, ctx, o.dp_sync, o.bucket_mb,
-                                        !o.no_overlap, AdamWConfig{}, o.weight_decay, o.seed,
-                                        precision);
+  return std::make_unique<DataParallel>(comm, model, ctx, o.dp_sync, o.bucket_mb, !o.no_overlap,
+                                        AdamWConfig{}, o.weight_decay, o.seed, precision);
 }
 
 // Evaluation reads the whole model: ZeRO-3 gathers it for the duration.
@@ -311,10 +320,10 @@ static ContextParallel context_parallel(Comm& comm, const Options& o) {
 // This rank's part of the model (its tp slice, its pipeline stage or chunks) as a layout, with
 // its attention core: ring or all-gather attention over the cp group, or one rank's own.
 static Model model_layout(Comm& comm, const Options& o) {
-  Model model = build_model_layout(
-      o.model, TensorParallel{&comm, o.sp},
-      pipeline_chunks(o.model.layers, o.pp, o.pp_virtual, comm.grid.pp_rank),
-      ExpertParallel{&comm, o.capacity_factor});
+  Model model =
+      build_model_layout(o.model, TensorParallel{&comm, o.sp},
+                         pipeline_chunks(o.model.layers, o.pp, o.pp_virtual, comm.grid.pp_rank),
+                         ExpertParallel{&comm, o.capacity_factor});
   if (o.cp > 1)
     model.attention = std::make_shared<ContextParallelAttention>(context_parallel(comm, o));
   else
@@ -339,8 +348,8 @@ static int score_file(Context& ctx, Comm& comm, const Options& o) {
                        " is outside the vocabulary " + std::to_string(c.vocab));
   double loss = 0;
   with_whole_model(*sync, ctx, [&] {
-    loss = mean_loss(ctx, comm, model, context_parallel(comm, o), tokens, windows, c.seq,
-                     c.seq + 1, o.mbs);
+    loss = mean_loss(ctx, comm, model, context_parallel(comm, o), tokens, windows, c.seq, c.seq + 1,
+                     o.mbs);
   });
   if (comm.grid.world_rank == 0) printf("loss: %.6f\n", loss);
   return 0;
@@ -358,23 +367,23 @@ struct Trainer {
   Recompute recompute;
   LrSchedule schedule;
   PipelineConfig pipeline;
-  int64_t rank_batch, global_batch;  // sequences: mbs x grad_acc on this rank; x dp in the step
-  int first_seq;                     // this dp rank's first sequence of the global batch
+  int64_t rank_batch, global_batch;      // sequences: mbs x grad_acc on this rank; x dp in the step
+  int first_seq;                         // this dp rank's first sequence of the global batch
   std::vector<int32_t> inputs, targets;  // this rank's sequences, whole
-  std::vector<int32_t> my_inputs, my_targets;  // and its share of their tokens (cp)
-  ContextParallel cp;                          // which tokens those are
+  std::vector<int32_t> my_inputs, my_targets;      // and its share of their tokens (cp)
+  ContextParallel cp;                              // which tokens those are
   const ContextParallelAttention* ring = nullptr;  // the model's attention under cp (else null)
-  CpWork attention_work;                   // what ring attention computed (--report balance)
+  CpWork attention_work;  // what ring attention computed (--report balance)
   OutputLines log_json;
   nlohmann::json log_line;  // this step's --log-json line, written once validation has run
-  Observer observer;  // the trace, --fault, and what the schedule measured
+  Observer observer;        // the trace, --fault, and what the schedule measured
   int64_t steps_run = 0;
   uint64_t step_syncs_min = UINT64_MAX, step_syncs_max = 0;  // host synchronisations per step
-  TrafficMeter tp_traffic, dp_traffic;      // what tp and dp_cp sent in training steps
-  PrecisionPolicy precision;                // --dtype: the loss scale, what the log adds
-  ExpertStats experts;                      // what the routers did (--report experts)
-  TrafficMeter ep_traffic;                  // what the ep group sent in training steps
-  DevicePeak peak;  // rank 0: the FLOP rate MFU divides by (planner.cuh)
+  TrafficMeter tp_traffic, dp_traffic;  // what tp and dp_cp sent in training steps
+  PrecisionPolicy precision;            // --dtype: the loss scale, what the log adds
+  ExpertStats experts;                  // what the routers did (--report experts)
+  TrafficMeter ep_traffic;              // what the ep group sent in training steps
+  DevicePeak peak;                      // rank 0: the FLOP rate MFU divides by (planner.cuh)
 };
 
 // One optimizer step (DESIGN 7). Returns false when the loss is not finite.
@@ -453,22 +462,25 @@ static bool train_step(Trainer& t, int64_t step) {
   uint64_t syncs = host_syncs() - syncs0;
   t.step_syncs_min = std::min(t.step_syncs_min, syncs);
   t.step_syncs_max = std::max(t.step_syncs_max, syncs);
-  t.observer.span("step " + std::to_string(step + 1) + " (" + std::to_string(syncs) + " host syncs)",
-              Track::Compute, t0, now_seconds());
+  t.observer.span(
+      "step " + std::to_string(step + 1) + " (" + std::to_string(syncs) + " host syncs)",
+      Track::Compute, t0, now_seconds());
   double dt = now_seconds() - t0;
   if (t.comm.grid.world_rank == 0) {
     double tok_s = t.global_batch * seq / dt, per_rank = tok_s / t.comm.grid.world_size;
     double mfu = book_flops_per_token(o.model) * per_rank / t.peak.flops;  // Playbook §2.6
     char moe[32] = "";
     if (o.model.experts > 0) snprintf(moe, sizeof moe, " | aux %.4f", aux);
-    printf("step %5lld/%d | loss %.4f%s | lr %.2e | norm %.4f | %8.0f tok/s | %7.0f tok/s/rank | "
-           "MFU %5.1f%% | %7.1f ms%s\n",
-           (long long)step + 1, o.steps, loss, moe, lr, norm, tok_s, per_rank, 100 * mfu,
-           dt * 1e3, t.precision.step_note().c_str());
+    printf(
+        "step %5lld/%d | loss %.4f%s | lr %.2e | norm %.4f | %8.0f tok/s | %7.0f tok/s/rank | "
+        "MFU %5.1f%% | %7.1f ms%s\n",
+        (long long)step + 1, o.steps, loss, moe, lr, norm, tok_s, per_rank, 100 * mfu, dt * 1e3,
+        t.precision.step_note().c_str());
     if (t.log_json.is_open()) {
-      nlohmann::json line{{"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm},
-                          {"tokens_per_s", tok_s}, {"tokens_per_s_per_rank", per_rank},
-                          {"mfu", mfu}};
+      nlohmann::json line{
+          {"step", step + 1},  {"loss", loss},          {"lr", lr},
+          {"grad_norm", norm}, {"tokens_per_s", tok_s}, {"tokens_per_s_per_rank", per_rank},
+          {"mfu", mfu}};
       if (o.model.experts > 0) line["aux_loss"] = aux;
       t.precision.log_step(t.ctx, line);
       t.log_line = line;
@@ -513,7 +525,8 @@ static void print_reports(Trainer& t) {
       // The points where the host waits for the device (core.cuh, count_host_sync): each one
       // drains the GPU's queue, so the fewer per step the better.
       std::string range = t.step_syncs_min == t.step_syncs_max
-                              ? "" : " (fewest " + std::to_string(t.step_syncs_min) + ")";
+                              ? ""
+                              : " (fewest " + std::to_string(t.step_syncs_min) + ")";
       printf("host synchronisations per training step: %llu%s\n",
              (unsigned long long)t.step_syncs_max, range.c_str());
     }
@@ -555,8 +568,8 @@ static void print_reports(Trainer& t) {
         const int passes = t.recompute == Recompute::Full ? 3 : 2;
         int64_t blocks = 0, n = (int64_t)o.mbs * o.model.seq / o.cp, steps = t.steps_run;
         for (int c = 0; c < (int)t.model.chunks.size(); c++) blocks += t.model.blocks(c);
-        double uniform = (double)blocks * o.grad_acc * passes *
-                         moe_expected_a2a_bytes(o.model, n, o.ep);
+        double uniform =
+            (double)blocks * o.grad_acc * passes * moe_expected_a2a_bytes(o.model, n, o.ep);
         double routed = passes * 4.0 * o.model.d_model *
                         (t.experts.rows_elsewhere + t.experts.rows_arrived) /
                         (double)std::max<int64_t>(1, steps);
@@ -565,8 +578,7 @@ static void print_reports(Trainer& t) {
       }
       if (main_rank && o.tp > 1)
         print_tp_comm_report(tp_expected_traffic(o.model, o.mbs, o.model.seq, o.tp, o.sp),
-                             o.grad_acc, o.tp, o.sp, t.tp_traffic.total,
-                             t.steps_run);
+                             o.grad_acc, o.tp, o.sp, t.tp_traffic.total, t.steps_run);
     }
     if (r == Report::Experts && o.model.experts > 0)
       print_expert_report(comm,
@@ -579,11 +591,9 @@ static void print_reports(Trainer& t) {
       print_bubble_report(comm, bubble_prediction(o.pp_schedule, o.pp, o.grad_acc, o.pp_virtual),
                           t.observer.schedule());
     if (r == Report::Balance)
-      print_balance_report(comm,
-                           std::string(cp_balance_name(o.cp_balance)) + " split, " +
-                               cp_comm_name(o.cp_comm),
-                           t.attention_work.blocks, t.attention_work.pairs,
-                           t.attention_work.seconds, t.steps_run);
+      print_balance_report(
+          comm, std::string(cp_balance_name(o.cp_balance)) + " split, " + cp_comm_name(o.cp_comm),
+          t.attention_work.blocks, t.attention_work.pairs, t.attention_work.seconds, t.steps_run);
   }
 }
 
@@ -596,9 +606,8 @@ static int64_t run_end(const Options& o, int64_t first_step) {
 // DIR, and every --save-every N steps before it, into DIR/checkpoint-<steps done>.
 static bool saves_after(const Options& o, int64_t first_step, int64_t step) {
   const int64_t end = run_end(o, first_step);
-  return !o.save.empty() &&
-         (step == end - 1 || (o.save_every > 0 && step >= first_step && step < end - 1 &&
-                              (step + 1) % o.save_every == 0));
+  return !o.save.empty() && (step == end - 1 || (o.save_every > 0 && step >= first_step &&
+                                                 step < end - 1 && (step + 1) % o.save_every == 0));
 }
 
 // A checkpoint of whole tensors, whatever the layout, with what an exact resume needs beside
@@ -673,10 +682,18 @@ static int run(const Options& o, Comm& comm, Context& ctx, PrecisionPolicy preci
   // The global batch (DESIGN 5): mbs x grad_acc x dp sequences. dp rank d reads the
   // consecutive sequences [d * mbs * grad_acc, (d + 1) * mbs * grad_acc).
   int64_t rank_batch = (int64_t)o.mbs * o.grad_acc;
-  Trainer t{o, comm, ctx, model, *sync, data, o.recompute,
+  Trainer t{o,
+            comm,
+            ctx,
+            model,
+            *sync,
+            data,
+            o.recompute,
             LrSchedule{o.lr, o.min_lr, o.warmup, o.steps},
-            PipelineConfig{o.pp_schedule, o.pp_virtual}, rank_batch,
-            rank_batch * o.dp, (int)(comm.grid.dp_rank * rank_batch)};
+            PipelineConfig{o.pp_schedule, o.pp_virtual},
+            rank_batch,
+            rank_batch * o.dp,
+            (int)(comm.grid.dp_rank * rank_batch)};
   t.inputs.resize(rank_batch * c.seq), t.targets.resize(rank_batch * c.seq);
   t.cp = context_parallel(comm, o);
   t.ring = dynamic_cast<const ContextParallelAttention*>(model.attention.get());
@@ -684,11 +701,14 @@ static int run(const Options& o, Comm& comm, Context& ctx, PrecisionPolicy preci
   t.precision = precision;
   if (main_rank) {
     t.peak = device_peak(ctx, precision.compute());
-    printf("MFU: the book's 6N + 12 L h s = %.4g FLOPs per token (appendix A2) over %.4g FLOP/s "
-           "per rank (%s)\n", book_flops_per_token(c), t.peak.flops, t.peak.how.c_str());
+    printf(
+        "MFU: the book's 6N + 12 L h s = %.4g FLOPs per token (appendix A2) over %.4g FLOP/s "
+        "per rank (%s)\n",
+        book_flops_per_token(c), t.peak.flops, t.peak.how.c_str());
     if (c.experts > 0)
       printf("MFU: N = %lld parameters a token meets (top %d of %d experts per layer) of %lld\n",
-             (long long)active_parameter_count(c), c.top_k, c.experts, (long long)parameter_count(c));
+             (long long)active_parameter_count(c), c.top_k, c.experts,
+             (long long)parameter_count(c));
   }
   all_or_none(comm, [&] {
     if (main_rank && !o.log_json.empty()) t.log_json.open("--log-json", o.log_json);

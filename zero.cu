@@ -44,10 +44,14 @@ void add_zero_flags(CLI::App& app, ZeroOptions& o) {
 // ----------------------------------------------------------------------------
 // Shards
 
-Zero::Zero(Comm& comm, FlatParameters& model, int stage, const AdamWConfig& hp,
-           float weight_decay, uint64_t seed, bool overlap, const PrecisionPolicy& precision)
-    : GradientSync(comm, model, hp, weight_decay), stage_(stage), shard_grads_(stage >= 2),
-      shard_weights_(stage == 3), overlap_(overlap), weight_format_(precision.weight_format()),
+Zero::Zero(Comm& comm, FlatParameters& model, int stage, const AdamWConfig& hp, float weight_decay,
+           uint64_t seed, bool overlap, const PrecisionPolicy& precision)
+    : GradientSync(comm, model, hp, weight_decay),
+      stage_(stage),
+      shard_grads_(stage >= 2),
+      shard_weights_(stage == 3),
+      overlap_(overlap),
+      weight_format_(precision.weight_format()),
       accumulators_(model, [this](int u) {
         const ShardLayout::Unit& U = layout_.units[u];
         return model_.grads.view(U.padded_offset, {U.numel});
@@ -373,10 +377,17 @@ void Zero::print_comm_report(int grad_acc, const CollStats* measured, int64_t st
   int64_t psi = 0, padded = 0;  // over dp_cp's units (experts travel over edp_cp)
   for (int u = 0; u <= head; u++)
     if (!model_.units[u].experts) psi += unit(u).numel, padded += unit(u).ranks * unit(u).shard;
-  print_zero_comm_report(
-      comm_, {stage_, layout_.ranks, grad_acc, steps, {rs.calls, rs.bytes, ag.calls, ag.bytes},
-              expected_traffic(grad_acc), psi, padded, grad_dtype_, weight_format_,
-              model_.weights_read(head, false).size() > 1});
+  print_zero_comm_report(comm_, {stage_,
+                                 layout_.ranks,
+                                 grad_acc,
+                                 steps,
+                                 {rs.calls, rs.bytes, ag.calls, ag.bytes},
+                                 expected_traffic(grad_acc),
+                                 psi,
+                                 padded,
+                                 grad_dtype_,
+                                 weight_format_,
+                                 model_.weights_read(head, false).size() > 1});
 }
 
 // What one step issues over dp_cp (runtime/formulas.cu, zero_expected_traffic): every unit's

@@ -19,7 +19,6 @@ struct ZeroOptions {
 };
 void add_zero_flags(CLI::App& app, ZeroOptions& o);
 
-
 // One rank's part of ZeRO training as a GradientSync: the shard buffers, the hooks that gather
 // and reduce-scatter around each unit, AdamW on the shard, and its part of whole checkpoints.
 class Zero : public GradientSync {
@@ -86,7 +85,7 @@ class Zero : public GradientSync {
   Tensor whole(const Tensor& padded, int u) const;  // its parameters [numel]
   Tensor slice(const Tensor& padded, int u) const;  // this rank's slice of it [S_u]
   Tensor mine(const Tensor& shard, int u) const;    // unit u's part of a shard buffer [S_u]
-  Tensor master(int u) const;    // what AdamW updates of unit u [S_u], fp32
+  Tensor master(int u) const;                       // what AdamW updates of unit u [S_u], fp32
   Tensor grads_of(int u) const;  // this rank's slice of unit u's gradient [S_u], fp32 or bf16
   void wait(Handle& h, const std::string& name, double start, double& exposed);
   void before_forward(int u);
@@ -104,12 +103,13 @@ class Zero : public GradientSync {
   int stage_;
   bool shard_grads_, shard_weights_;  // stages 2-3, stage 3
   bool overlap_;
-  DType weight_format_;  // of model.params under stages 1-2 (F32 unless mixed precision)
+  DType weight_format_;            // of model.params under stages 1-2 (F32 unless mixed precision)
   Bf16Accumulators accumulators_;  // stage 1 with bf16 gradients
   ShardLayout layout_;
-  Tensor param_shard_, grad_shard_;  // [S] stage 3 (or mixed precision) weights, stages 2-3 gradients
-  Tensor compute_shard_;             // [S] stage 3 under mixed precision: param_shard_ rounded
-  Tensor exp_avg_, exp_avg_sq_;      // [S] Adam m and v
+  Tensor param_shard_,
+      grad_shard_;               // [S] stage 3 (or mixed precision) weights, stages 2-3 gradients
+  Tensor compute_shard_;         // [S] stage 3 under mixed precision: param_shard_ rounded
+  Tensor exp_avg_, exp_avg_sq_;  // [S] Adam m and v
   std::vector<UnitState> units_;
   const Context* ctx_ = nullptr;
 };

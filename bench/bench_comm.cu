@@ -12,20 +12,20 @@
 // reads them; --rates FILE measures that file's GEMM rates again; --mean OUT FILE... writes
 // the first FILE with the GEMM rates averaged over every FILE.
 #include <cblas.h>
-#include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <fstream>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <thread>
 #include <vector>
 
-#include "runtime/comm.cuh"
 #include "data_parallel.cuh"
-#include "planner/planner.cuh"
 #include "model.cuh"
+#include "planner/planner.cuh"
+#include "runtime/comm.cuh"
 #include "runtime/ops.cuh"
 #include "runtime/optimizer.cuh"
 #include "zero.cuh"
@@ -35,8 +35,10 @@ static void bandwidth(Comm& comm, const Context& ctx, const char* backend) {
   int N = g.size;
   bool root = g.rank == 0;
   if (root) {
-    printf("\nall-reduce bandwidth, %d ranks, %s, %s (best of 3)\n", N, backend, device_name(ctx.device));
-    printf("| %10s | %-7s | %10s | %10s | %10s |\n", "size", "impl", "time us", "algbw GB/s", "busbw GB/s");
+    printf("\nall-reduce bandwidth, %d ranks, %s, %s (best of 3)\n", N, backend,
+           device_name(ctx.device));
+    printf("| %10s | %-7s | %10s | %10s | %10s |\n", "size", "impl", "time us", "algbw GB/s",
+           "busbw GB/s");
     printf("|------------|---------|------------|------------|------------|\n");
   }
   for (int64_t bytes = 4 << 10; bytes <= (256 << 20); bytes *= 4) {
@@ -48,8 +50,10 @@ static void bandwidth(Comm& comm, const Context& ctx, const char* backend) {
       for (int rep = 0; rep < 4; rep++) {  // the first is a warm-up
         barrier(comm, g, ctx);
         double t0 = now_seconds();
-        if (impl[0] == 'l') all_reduce(comm, g, ctx, buf.f32(), count, ReduceOp::Sum);
-        else ring_all_reduce(comm, g, ctx, buf.f32(), count);
+        if (impl[0] == 'l')
+          all_reduce(comm, g, ctx, buf.f32(), count, ReduceOp::Sum);
+        else
+          ring_all_reduce(comm, g, ctx, buf.f32(), count);
         ctx.synchronize();
         double t = now_seconds() - t0;
         all_reduce_host(g, &t, 1, ReduceOp::Max);
@@ -109,14 +113,19 @@ static nlohmann::json fit_group(Comm& comm, Group& g, const Context& ctx, const 
   int world_rank = 0;
   MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
   const bool root = world_rank == 0;
-  struct Kind { const char* name; double steps, factor; };
+  struct Kind {
+    const char* name;
+    double steps, factor;
+  };
   const Kind kinds[] = {{"all_reduce", 2.0 * (N - 1), 2.0 * (N - 1) / N},
                         {"all_gather", N - 1.0, (N - 1.0) / N},
                         {"reduce_scatter", N - 1.0, (N - 1.0) / N},
                         {"send_recv", 1, 1}};
   if (root) {
-    printf("\ncollectives for the planner, groups of %d ranks (%s; every group at once), %s, %s "
-           "(best of 3)\n", N, g.name.c_str(), backend, device_name(ctx.device));
+    printf(
+        "\ncollectives for the planner, groups of %d ranks (%s; every group at once), %s, %s "
+        "(best of 3)\n",
+        N, g.name.c_str(), backend, device_name(ctx.device));
     printf("| %-14s | %10s | %10s | %10s | %10s |\n", "collective", "size", "time us", "algbw GB/s",
            "busbw GB/s");
     printf("|----------------|------------|------------|------------|------------|\n");
@@ -131,7 +140,7 @@ static nlohmann::json fit_group(Comm& comm, Group& g, const Context& ctx, const 
       init_normal(a, 1, "bench", 1.0f);
       double best = 1e30;
       for (int rep = 0; rep < 4; rep++) {  // the first is a warm-up
-        barrier(comm, comm.world, ctx);  // every group starts together
+        barrier(comm, comm.world, ctx);    // every group starts together
         double t0 = now_seconds();
         std::string n = k.name;
         if (n == "all_reduce") all_reduce(comm, g, ctx, a.f32(), count, ReduceOp::Sum);
@@ -168,7 +177,8 @@ static nlohmann::json fit_group(Comm& comm, Group& g, const Context& ctx, const 
     }
     out[k.name] = {{"alpha_s", alpha}, {"busbw_bytes_per_s", 1.0 / inverse}};
     if (root)
-      printf("  %s: alpha %.2f us per step, busbw %.3f GB/s\n", k.name, alpha * 1e6, 1e-9 / inverse);
+      printf("  %s: alpha %.2f us per step, busbw %.3f GB/s\n", k.name, alpha * 1e6,
+             1e-9 / inverse);
   }
   return out;
 }
@@ -191,9 +201,10 @@ static void measure_gemm_rates(Comm& comm, const Context& ctx, nlohmann::json& o
   out["gemm_flops_alone"] = alone, out["gemm_flops_per_rank"] = busy[0];
   out["gemm_half_width"] = busy[1];
   if (g.rank == 0)
-    printf("  fp32 GEMM: %.2f GFLOP/s on one rank alone, %.2f per rank with all %d at once "
-           "(%.2f ranks' worth at a time); narrow GEMMs as if at w / (w + %.0f)\n",
-           alone / 1e9, busy[0] / 1e9, N, N * busy[0] / alone, busy[1]);
+    printf(
+        "  fp32 GEMM: %.2f GFLOP/s on one rank alone, %.2f per rank with all %d at once "
+        "(%.2f ranks' worth at a time); narrow GEMMs as if at w / (w + %.0f)\n",
+        alone / 1e9, busy[0] / 1e9, N, N * busy[0] / alone, busy[1]);
 }
 
 // Rank 0 writes the fit, atomically, where ./plan --comm-fit reads it.
@@ -277,17 +288,23 @@ static void dp_step(Comm& comm, Context& ctx) {
   ModelConfig c = model_preset("medium");
   int mbs = 4, T = c.seq, tokens = mbs * T;
   std::vector<int32_t> ids(tokens), targets(tokens);
-  for (int i = 0; i < tokens; i++) ids[i] = (i * 31 + comm.grid.dp_rank) % c.vocab, targets[i] = (i * 17) % c.vocab;
+  for (int i = 0; i < tokens; i++)
+    ids[i] = (i * 31 + comm.grid.dp_rank) % c.vocab, targets[i] = (i * 17) % c.vocab;
   if (comm.grid.world_rank == 0) {
     printf("\ndata-parallel step, medium model, dp %d, mbs %d x seq %d per rank, %s (mean of 3)\n",
            comm.dp_cp.size, mbs, T, device_name(ctx.device));
     printf("| %-18s | %9s | %14s |\n", "gradient sync", "step ms", "exposed comm ms");
     printf("|--------------------|-----------|-----------------|\n");
   }
-  struct Mode { const char* name; DpSync sync; bool overlap; };
+  struct Mode {
+    const char* name;
+    DpSync sync;
+    bool overlap;
+  };
   double exposed_no_overlap = 0, exposed_overlap = 0;
-  for (Mode m : {Mode{"naive", DpSync::Naive, false}, Mode{"bucket, no overlap", DpSync::Bucket, false},
-                 Mode{"bucket", DpSync::Bucket, true}, Mode{"ring", DpSync::Ring, true}}) {
+  for (Mode m :
+       {Mode{"naive", DpSync::Naive, false}, Mode{"bucket, no overlap", DpSync::Bucket, false},
+        Mode{"bucket", DpSync::Bucket, true}, Mode{"ring", DpSync::Ring, true}}) {
     Model model = build_model_layout(c);
     DataParallel dp(comm, model, ctx, m.sync, 25, m.overlap, AdamWConfig{}, 0.1f, 1);
     double step_sum = 0, exposed_sum = 0;
@@ -307,13 +324,16 @@ static void dp_step(Comm& comm, Context& ctx) {
       all_reduce_host(comm.world, &exposed, 1, ReduceOp::Max);
       if (rep > 0) step_sum += step, exposed_sum += exposed;  // the first is a warm-up
     }
-    if (m.sync == DpSync::Bucket) (m.overlap ? exposed_overlap : exposed_no_overlap) = exposed_sum / 3;
+    if (m.sync == DpSync::Bucket)
+      (m.overlap ? exposed_overlap : exposed_no_overlap) = exposed_sum / 3;
     if (comm.grid.world_rank == 0)
       printf("| %-18s | %9.1f | %15.1f |\n", m.name, step_sum / 3 * 1e3, exposed_sum / 3 * 1e3);
   }
   if (comm.grid.world_rank == 0 && exposed_no_overlap > 0)
-    printf("overlap hides %.0f%% of the communication the no-overlap run exposes (target: 50%% or more)\n",
-           100.0 * (1.0 - exposed_overlap / exposed_no_overlap));
+    printf(
+        "overlap hides %.0f%% of the communication the no-overlap run exposes (target: 50%% or "
+        "more)\n",
+        100.0 * (1.0 - exposed_overlap / exposed_no_overlap));
 }
 
 // One configuration of the ZeRO table: a fresh model, 4 steps (the first a warm-up); times are
@@ -337,8 +357,8 @@ static ZeroRun zero_run(Comm& comm, Context& ctx, int stage, bool overlap) {
     if (stage > 0)
       sync.reset(zero = new Zero(comm, model, stage, AdamWConfig{}, 0.1f, 1, overlap));
     else
-      sync = std::make_unique<DataParallel>(comm, model, ctx, DpSync::Bucket, 25, true, AdamWConfig{},
-                                            0.1f, 1);
+      sync = std::make_unique<DataParallel>(comm, model, ctx, DpSync::Bucket, 25, true,
+                                            AdamWConfig{}, 0.1f, 1);
     for (int rep = 0; rep < 4; rep++) {
       barrier(comm, comm.world, ctx);
       double t0 = now_seconds();
@@ -423,12 +443,14 @@ static void zero_steps(Comm& comm, Context& ctx) {
       falls ? "yes" : "NO", runs[0].peak_bytes / 1048576.0, runs[1].peak_bytes / 1048576.0,
       runs[2].peak_bytes / 1048576.0, runs[3].peak_bytes / 1048576.0);
   if (runs[4].exposed_gather_ms > 0) {
-    double hidden = std::round(100.0 * (1.0 - runs[3].exposed_gather_ms / runs[4].exposed_gather_ms));
+    double hidden =
+        std::round(100.0 * (1.0 - runs[3].exposed_gather_ms / runs[4].exposed_gather_ms));
     printf("prefetch hides %.0f%% of ZeRO-3's exposed gather time (target: 50%% or more)%s\n",
-           hidden + 0.0, ctx.device == Device::CPU
-                             ? "; on CPU ranks MPI moves data only inside MPI calls, on the cores "
-                               "that compute, so a prefetched gather waits for the next hook"
-                             : "");
+           hidden + 0.0,
+           ctx.device == Device::CPU
+               ? "; on CPU ranks MPI moves data only inside MPI calls, on the cores "
+                 "that compute, so a prefetched gather waits for the next hook"
+               : "");
   }
 }
 
@@ -452,8 +474,9 @@ int main(int argc, char** argv) {
   if ((!only.empty() && only != "--bandwidth-only" && only != "--zero-only" && !to_file &&
        only != "--mean") ||
       (to_file && argc < 3) || (only == "--mean" && argc < 4)) {
-    fprintf(stderr, "usage: bench_comm [--bandwidth-only | --zero-only | --fit FILE | "
-                    "--rates FILE | --mean OUT FILE...]\n");
+    fprintf(stderr,
+            "usage: bench_comm [--bandwidth-only | --zero-only | --fit FILE | "
+            "--rates FILE | --mean OUT FILE...]\n");
     MPI_Finalize();
     return 2;
   }

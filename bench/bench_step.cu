@@ -18,8 +18,8 @@ struct BenchConfig {
 };
 
 static double flops_per_token(const ModelConfig& c, int T) {
-  double matmul_params = (double)parameter_count(c) - (double)c.vocab * c.d_model *
-                                                          (c.tie_embeddings ? 0 : 1);
+  double matmul_params =
+      (double)parameter_count(c) - (double)c.vocab * c.d_model * (c.tie_embeddings ? 0 : 1);
   return 6.0 * matmul_params + 12.0 * c.layers * T * c.heads * c.head_dim();
 }
 
@@ -42,13 +42,13 @@ static double best_time(const Context& ctx, int reps, F fn) {
 // dW = dy^T x, for every distinct (out, in) shape, weighted by how often the step runs it.
 static double sgemm_rate(const Context& ctx, const ModelConfig& c, int tokens) {
   int hd = c.head_dim();
-  struct Shape { int out, in, count; };
-  std::vector<Shape> shapes = {{c.heads * hd, c.d_model, c.layers},
-                               {c.kv_heads * hd, c.d_model, 2 * c.layers},
-                               {c.d_model, c.heads * hd, c.layers},
-                               {c.ffn, c.d_model, 2 * c.layers},
-                               {c.d_model, c.ffn, c.layers},
-                               {c.vocab, c.d_model, 1}};
+  struct Shape {
+    int out, in, count;
+  };
+  std::vector<Shape> shapes = {
+      {c.heads * hd, c.d_model, c.layers}, {c.kv_heads * hd, c.d_model, 2 * c.layers},
+      {c.d_model, c.heads * hd, c.layers}, {c.ffn, c.d_model, 2 * c.layers},
+      {c.d_model, c.ffn, c.layers},        {c.vocab, c.d_model, 1}};
   double flops = 0, seconds = 0;
   for (const Shape& s : shapes) {
     Tensor x = empty({tokens, s.in}, Mem::Workspace, ctx.device);
@@ -56,9 +56,12 @@ static double sgemm_rate(const Context& ctx, const ModelConfig& c, int tokens) {
     Tensor y = empty({tokens, s.out}, Mem::Workspace, ctx.device);
     init_normal(x, 1, "x", 1.0f), init_normal(w, 1, "w", 1.0f), init_normal(y, 1, "y", 1.0f);
     double t = best_time(ctx, 3, [&] {
-      gemm(ctx, false, true, tokens, s.out, s.in, 1, x.f32(), s.in, w.f32(), s.in, 0, y.f32(), s.out);
-      gemm(ctx, false, false, tokens, s.in, s.out, 1, y.f32(), s.out, w.f32(), s.in, 0, x.f32(), s.in);
-      gemm(ctx, true, false, s.out, s.in, tokens, 1, y.f32(), s.out, x.f32(), s.in, 1, w.f32(), s.in);
+      gemm(ctx, false, true, tokens, s.out, s.in, 1, x.f32(), s.in, w.f32(), s.in, 0, y.f32(),
+           s.out);
+      gemm(ctx, false, false, tokens, s.in, s.out, 1, y.f32(), s.out, w.f32(), s.in, 0, x.f32(),
+           s.in);
+      gemm(ctx, true, false, s.out, s.in, tokens, 1, y.f32(), s.out, x.f32(), s.in, 1, w.f32(),
+           s.in);
     });
     flops += 3 * 2.0 * tokens * s.out * s.in * s.count;
     seconds += t * s.count;
@@ -85,8 +88,8 @@ static void bench(const Context& ctx, const BenchConfig& b) {
   double gflops = flops_per_token(c, T) * tokens / step / 1e9;
   double sgemm = sgemm_rate(ctx, c, tokens);
   printf("| %-7s | %-4s | %10.1fM | %7d | %9.0f | %8.1f | %12.1f | %6.1f%% |\n", b.name,
-         device_name(ctx.device), parameter_count(c) / 1e6, tokens, tokens / step, gflops,
-         sgemm, 100 * gflops / sgemm);
+         device_name(ctx.device), parameter_count(c) / 1e6, tokens, tokens / step, gflops, sgemm,
+         100 * gflops / sgemm);
 }
 
 int main() {
@@ -95,10 +98,12 @@ int main() {
   std::vector<Device> devices = {Device::CPU};
   if (cuda_available()) devices.push_back(Device::CUDA);
   printf("one training step (forward + backward + AdamW), fp32, recompute none\n");
-  printf("| model   | dev  |     params  | tok/step |  tokens/s |  GFLOP/s | sgemm GFLOP/s | "
-         "of sgemm |\n");
-  printf("|---------|------|-------------|----------|-----------|----------|---------------|"
-         "----------|\n");
+  printf(
+      "| model   | dev  |     params  | tok/step |  tokens/s |  GFLOP/s | sgemm GFLOP/s | "
+      "of sgemm |\n");
+  printf(
+      "|---------|------|-------------|----------|-----------|----------|---------------|"
+      "----------|\n");
   for (Device d : devices) {
     Context ctx = Context::create(d);
     for (const BenchConfig& b : configs) bench(ctx, b);

@@ -10,8 +10,8 @@
 #include <thread>
 #include <vector>
 
-#include "runtime/comm.cuh"
 #include "model.cuh"
+#include "runtime/comm.cuh"
 #include "runtime/ops.cuh"
 
 struct Result {
@@ -27,7 +27,9 @@ static Result measure(const Context& ctx, int tp_size, bool sp, int world, Devic
   int mbs = 2, T = c.seq, N = mbs * T;
   std::vector<int32_t> ids(N), targets(N);
   for (int i = 0; i < N; i++) ids[i] = (i * 31) % c.vocab, targets[i] = (i * 17) % c.vocab;
-  Result r{1e30, 0, 0, activation_bytes_per_block(c, mbs, T, tp_size, sp, Recompute::None, *model.attention), 0};
+  Result r{1e30, 0, 0,
+           activation_bytes_per_block(c, mbs, T, tp_size, sp, Recompute::None, *model.attention),
+           0};
   for (int rep = 0; rep < 3; rep++) {  // the first is a warm-up
     barrier(comm, comm.world, ctx);
     int64_t sent = 0;
@@ -70,12 +72,15 @@ int main(int argc, char** argv) {
   for (Device device : devices) {
     Context ctx = Context::create(device);
     if (rank == 0) {
-      printf("\ntensor parallelism, medium model (%d layers), mbs 2 x seq %d, %s, %d ranks "
-             "(fastest of 2 steps)\n", c.layers, c.seq, device_name(device), world);
+      printf(
+          "\ntensor parallelism, medium model (%d layers), mbs 2 x seq %d, %s, %d ranks "
+          "(fastest of 2 steps)\n",
+          c.layers, c.seq, device_name(device), world);
       printf("| %-8s | %8s | %14s | %14s | %10s | %14s | %12s |\n", "layout", "step ms",
              "block measured", "block formula", "peak act.", "vs tp 1 (form.)", "tp bytes");
-      printf("|----------|----------|----------------|----------------|------------|----------"
-             "-------|--------------|\n");
+      printf(
+          "|----------|----------|----------------|----------------|------------|----------"
+          "-------|--------------|\n");
     }
     double peak1 = 0, formula1 = 0;
     bool within = true;
@@ -95,8 +100,10 @@ int main(int argc, char** argv) {
                  human_bytes(r.peak_activations).c_str(), vs, human_bytes(r.tp_bytes).c_str());
       }
     if (rank == 0)
-      printf("target: peak activation memory per rank falls with tp as the formula says, within "
-             "5%%, and sp lowers it further: %s\n", within ? "met" : "NOT met");
+      printf(
+          "target: peak activation memory per rank falls with tp as the formula says, within "
+          "5%%, and sp lowers it further: %s\n",
+          within ? "met" : "NOT met");
     ctx.destroy();
   }
   MPI_Finalize();

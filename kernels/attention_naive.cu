@@ -323,4 +323,6 @@ class NaiveAttention : public AttentionCore {
 };
 }  // namespace
 
-std::shared_ptr<const AttentionCore> naive_attention() { return std::make_shared<NaiveAttention>(); }
+std::shared_ptr<const AttentionCore> naive_attention() {
+  return std::make_shared<NaiveAttention>();
+}

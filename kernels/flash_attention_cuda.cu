@@ -117,8 +117,8 @@ void flash_forward_cuda(const Context& ctx, float* out, float* lse, const float*
   if (a.Tq == 0) return;
   launch_f32_kernel(a.hd, [&](auto max_hd) {
     flash_forward_f32_kernel<decltype(max_hd)::value>
-        <<<query_tile_grid(a, kF32Tile), kF32Tile * kRowThreads, 0, ctx.stream>>>(out, lse, q, k,
-                                                                                  v, a);
+        <<<query_tile_grid(a, kF32Tile), kF32Tile * kRowThreads, 0, ctx.stream>>>(out, lse, q, k, v,
+                                                                                  a);
   });
 }
 
@@ -212,8 +212,8 @@ void flash_backward_cuda(const Context& ctx, float* dq, float* dk, float* dv, co
   if (a.Tk == 0 || a.Tq == 0) return;
   launch_f32_kernel(a.hd, [&](auto max_hd) {
     flash_backward_f32_kernel<decltype(max_hd)::value>
-        <<<key_tile_grid(a, kF32Tile), kF32Tile * kRowThreads, 0, ctx.stream>>>(
-            dq, dk, dv, dout, q, k, v, lse, D, a);
+        <<<key_tile_grid(a, kF32Tile), kF32Tile * kRowThreads, 0, ctx.stream>>>(dq, dk, dv, dout, q,
+                                                                                k, v, lse, D, a);
   });
 }
 
@@ -269,10 +269,10 @@ __global__ void lse_merge_kernel(float* out, float* lse, const float* out2, cons
   }
 }
 
-void lse_merge_cuda(const Context& ctx, float* out, float* lse, const float* out2, const float* lse2,
-                    const AttentionBlock& a) {
+void lse_merge_cuda(const Context& ctx, float* out, float* lse, const float* out2,
+                    const float* lse2, const AttentionBlock& a) {
   if ((int64_t)a.B * a.Hq * a.Tq == 0) return;
-  lse_merge_kernel<<<row_kernel_blocks(a), kRowKernelThreads, 0, ctx.stream>>>(out, lse, out2,
-                                                                              lse2, a);
+  lse_merge_kernel<<<row_kernel_blocks(a), kRowKernelThreads, 0, ctx.stream>>>(out, lse, out2, lse2,
+                                                                               a);
   CUDA_CHECK(cudaGetLastError());
 }

@@ -82,5 +82,5 @@ void flash_backward_cuda(const Context& ctx, float* dq, float* dk, float* dv, co
                          const float* D, const AttentionBlock& a);
 void out_dot_dout_cuda(const Context& ctx, float* D, const float* dout, const float* out,
                        const AttentionBlock& a);
-void lse_merge_cuda(const Context& ctx, float* out, float* lse, const float* out2, const float* lse2,
-                    const AttentionBlock& a);
+void lse_merge_cuda(const Context& ctx, float* out, float* lse, const float* out2,
+                    const float* lse2, const AttentionBlock& a);

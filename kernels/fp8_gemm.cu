@@ -12,11 +12,10 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
-#include <map>
-#include <tuple>
-
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <tuple>
 
 #include "kernels/fp8_gemm.cuh"
 #include "runtime/dtype.cuh"

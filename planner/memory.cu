@@ -95,7 +95,8 @@ static StageShape build_stage_shape(const ModelConfig& cfg, const Layout& l, int
   for (size_t c = 0; c < m.chunks.size(); c++)
     s.chunks.push_back(
         {m.blocks((int)c), m.chunks[c].embedding, m.chunks[c].head, stage + (int)c * l.pp});
-  for (const ModelUnit& u : m.units) s.unit_numel.push_back(u.numel), s.unit_experts.push_back(u.experts);
+  for (const ModelUnit& u : m.units)
+    s.unit_numel.push_back(u.numel), s.unit_experts.push_back(u.experts);
   s.num_params = m.num_params, s.ep = l.ep;
   return s;
 }
@@ -103,9 +104,9 @@ static StageShape build_stage_shape(const ModelConfig& cfg, const Layout& l, int
 const StageShape& stage_shape(const ModelConfig& cfg, const Layout& l, int stage) {
   static std::map<std::string, StageShape> cache;
   std::string key;
-  for (int v : {cfg.vocab, cfg.d_model, cfg.layers, cfg.heads, cfg.kv_heads, cfg.ffn, cfg.seq,
-                (int)cfg.tie_embeddings, cfg.experts, cfg.top_k, l.tp, l.pp, l.virtual_stages,
-                l.ep, stage})
+  for (int v :
+       {cfg.vocab, cfg.d_model, cfg.layers, cfg.heads, cfg.kv_heads, cfg.ffn, cfg.seq,
+        (int)cfg.tie_embeddings, cfg.experts, cfg.top_k, l.tp, l.pp, l.virtual_stages, l.ep, stage})
     key += std::to_string(v) + ",";
   auto it = cache.find(key);
   if (it == cache.end()) {

@@ -166,7 +166,9 @@ struct TimedGemm {
   const double flops = 2.0 * m * k * n;
   Tensor a, b, c;
   TimedGemm(const Context& ctx, int m_, int k_, int n_)
-      : m(m_), k(k_), n(n_),
+      : m(m_),
+        k(k_),
+        n(n_),
         a(empty({m, k}, Mem::Workspace, ctx.device)),
         b(empty({k, n}, Mem::Workspace, ctx.device)),
         c(empty({m, n}, Mem::Workspace, ctx.device)) {

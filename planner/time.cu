@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <tuple>
 #include <map>
+#include <tuple>
 
 #include "planner/planner_internal.cuh"
 #include "runtime/formulas.cuh"
@@ -213,8 +213,8 @@ double StepTime::exposed_total() const {
 }
 
 double book_flops_per_token(const ModelConfig& cfg) {
-  return model_flops_per_token((double)active_parameter_count(cfg), cfg.layers, cfg.heads * cfg.head_dim(),
-                               cfg.seq);
+  return model_flops_per_token((double)active_parameter_count(cfg), cfg.layers,
+                               cfg.heads * cfg.head_dim(), cfg.seq);
 }
 
 StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl,

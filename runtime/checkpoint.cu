@@ -4,10 +4,6 @@
 // write goes to a temporary name, is flushed to disk, then renamed, so a crash leaves the old
 // checkpoint or the new one, never half of one; every load checks the whole file (header,
 // names, dtypes, shapes, sizes) before it touches a single weight.
-#include "runtime/checkpoint.cuh"
-
-#include "runtime/dtype.cuh"
-
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -21,6 +17,9 @@
 #include <functional>
 #include <regex>
 #include <set>
+
+#include "runtime/checkpoint.cuh"
+#include "runtime/dtype.cuh"
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -159,12 +158,11 @@ static SafetensorsPlan inspect_safetensors(const std::string& path,
       }
       continue;
     }
-    const json* off = entry.is_object() && entry.contains("data_offsets") ? &entry["data_offsets"]
-                                                                        : nullptr;
+    const json* off =
+        entry.is_object() && entry.contains("data_offsets") ? &entry["data_offsets"] : nullptr;
     bool ok = off && off->is_array() && off->size() == 2 && (*off)[0].is_number_unsigned() &&
-              (*off)[1].is_number_unsigned() && (*off)[0] <= (*off)[1] &&
-              entry.contains("dtype") && entry["dtype"].is_string() && entry.contains("shape") &&
-              entry["shape"].is_array();
+              (*off)[1].is_number_unsigned() && (*off)[0] <= (*off)[1] && entry.contains("dtype") &&
+              entry["dtype"].is_string() && entry.contains("shape") && entry["shape"].is_array();
     if (ok)
       for (const json& dim : entry["shape"]) ok = ok && dim.is_number_unsigned();
     if (!ok) throw fail("tensor " + name + ": malformed entry " + entry.dump());
@@ -223,9 +221,8 @@ static SafetensorsPlan inspect_safetensors(const std::string& path,
     const auto [begin, end] = ranges[nt.name];
     const uint64_t nbytes = (uint64_t)nt.tensor.numel() * dtype_size(file_dtype);
     if (end - begin != nbytes)
-      throw bad("data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
-                "] hold " + std::to_string(end - begin) + " bytes, expected " +
-                std::to_string(nbytes));
+      throw bad("data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) + "] hold " +
+                std::to_string(end - begin) + " bytes, expected " + std::to_string(nbytes));
     plan.file_offsets.push_back(h.data_start + begin);
     plan.file_dtypes.push_back(file_dtype);
   }
@@ -333,18 +330,28 @@ json hf_config(const ModelConfig& cfg) {
     if (j.value("max_position_embeddings", 0) < cfg.seq) j["max_position_embeddings"] = cfg.seq;
     return j;
   }
-  json j = {{"architectures", json::array({"LlamaForCausalLM"})}, {"model_type", "llama"},
-          {"hidden_size", cfg.d_model}, {"intermediate_size", cfg.ffn},
-          {"num_hidden_layers", cfg.layers}, {"num_attention_heads", cfg.heads},
-          {"num_key_value_heads", cfg.kv_heads}, {"head_dim", cfg.head_dim()},
-          {"vocab_size", cfg.vocab}, {"max_position_embeddings", cfg.seq},
-          {"rms_norm_eps", shortest(cfg.norm_eps)}, {"rope_theta", shortest(cfg.rope_theta)},
-          {"initializer_range", shortest(cfg.init_std)},
-          {"tie_word_embeddings", cfg.tie_embeddings}, {"torch_dtype", "float32"},
-          // Byte tokens have no BOS or EOS: say so rather than let a reader assume Llama's 1, 2.
-          {"bos_token_id", nullptr}, {"eos_token_id", nullptr},
-          {"hidden_act", "silu"}, {"attention_bias", false}, {"mlp_bias", false},
-          {"picoscale_preset", cfg.preset}};
+  json j = {{"architectures", json::array({"LlamaForCausalLM"})},
+            {"model_type", "llama"},
+            {"hidden_size", cfg.d_model},
+            {"intermediate_size", cfg.ffn},
+            {"num_hidden_layers", cfg.layers},
+            {"num_attention_heads", cfg.heads},
+            {"num_key_value_heads", cfg.kv_heads},
+            {"head_dim", cfg.head_dim()},
+            {"vocab_size", cfg.vocab},
+            {"max_position_embeddings", cfg.seq},
+            {"rms_norm_eps", shortest(cfg.norm_eps)},
+            {"rope_theta", shortest(cfg.rope_theta)},
+            {"initializer_range", shortest(cfg.init_std)},
+            {"tie_word_embeddings", cfg.tie_embeddings},
+            {"torch_dtype", "float32"},
+            // Byte tokens have no BOS or EOS: say so rather than let a reader assume Llama's 1, 2.
+            {"bos_token_id", nullptr},
+            {"eos_token_id", nullptr},
+            {"hidden_act", "silu"},
+            {"attention_bias", false},
+            {"mlp_bias", false},
+            {"picoscale_preset", cfg.preset}};
   if (cfg.experts > 0) {  // MixtralForCausalLM: the same Llama with a sparse MoE for its MLP
     j["architectures"] = json::array({"MixtralForCausalLM"});
     j["model_type"] = "mixtral";
@@ -404,7 +411,8 @@ ModelConfig config_from_hf(const json& j, const std::string& path) {
   if (const json* rope = find("rope_parameters", false)) {
     auto type = rope->is_object() ? rope->find("rope_type") : rope->end();
     if (!rope->is_object() || (type != rope->end() && *type != "default"))
-      throw fail("rope_parameters " + rope->dump() + " are not supported (picoscale implements "
+      throw fail("rope_parameters " + rope->dump() +
+                 " are not supported (picoscale implements "
                  "plain RoPE, rope_type default)");
     auto theta = rope->find("rope_theta");
     if (theta != rope->end() && !(theta->is_number() && theta->get<double>() > 0))
@@ -438,10 +446,12 @@ ModelConfig config_from_hf(const json& j, const std::string& path) {
       throw fail("router_aux_loss_coef must be a number >= 0, found " + coef->dump());
     cfg.aux_loss_coef = coef ? coef->get<float>() : 0.001f;
     if (const json* noise = find("router_jitter_noise", false); noise && *noise != 0)
-      throw fail("router_jitter_noise " + noise->dump() + " is not supported (picoscale routes "
+      throw fail("router_jitter_noise " + noise->dump() +
+                 " is not supported (picoscale routes "
                  "without noise)");
     if (const json* w = find("sliding_window", false); w && !(w->is_number() && *w >= cfg.seq))
-      throw fail("sliding_window " + w->dump() + " is not supported (picoscale attends to every "
+      throw fail("sliding_window " + w->dump() +
+                 " is not supported (picoscale attends to every "
                  "earlier token)");
   }
   return cfg;
@@ -504,7 +514,8 @@ static bool is_checkpoint_or_empty(const std::string& dir) {
 static void require_replaceable(const std::string& what, const std::string& target) {
   std::error_code ec;
   if (fs::exists(target, ec) && !is_checkpoint_or_empty(target))
-    throw UsageError(what + ": exists and is not a checkpoint (no config.json); choose another "
+    throw UsageError(what +
+                     ": exists and is not a checkpoint (no config.json); choose another "
                      "directory or remove it");
 }
 static void create_parent(const std::string& what, const std::string& target) {
@@ -577,8 +588,7 @@ static void keep_other_entries(const std::string& old_dir, const std::string& ne
     if (!link_ec) continue;
     fs::remove_all(to, ec);
     std::error_code copy_ec;
-    fs::copy(e.path(), to, fs::copy_options::recursive | fs::copy_options::copy_symlinks,
-             copy_ec);
+    fs::copy(e.path(), to, fs::copy_options::recursive | fs::copy_options::copy_symlinks, copy_ec);
     if (copy_ec)
       throw UsageError(old_dir + ": cannot keep " + name + " in the new checkpoint: " +
                        copy_ec.message() + "; move it out of the directory, or save elsewhere");
@@ -656,8 +666,11 @@ static int64_t parse_step(const std::map<std::string, std::string>& metadata,
   errno = 0;
   const long long step = strtoll(text, &end, 10);
   if (end == text || *end != '\0' || step < 0 || errno == ERANGE || !isdigit((unsigned char)*text))
-    throw UsageError(path + ": metadata has no valid step (a non-negative integer below 2^63), "
-                     "found '" + std::string(text) + "'; a damaged or hand-edited file: save it "
+    throw UsageError(path +
+                     ": metadata has no valid step (a non-negative integer below 2^63), "
+                     "found '" +
+                     std::string(text) +
+                     "'; a damaged or hand-edited file: save it "
                      "again, or delete it to start AdamW afresh");
   return step;
 }
@@ -720,8 +733,8 @@ static std::string checkpoint_to_load(const std::string& dir_arg, bool note) {
     const auto& [step, newest] = *periodic.rbegin();
     if (fs::exists(dir + "/config.json", ec) && step_in(dir) >= step) return dir;
     if (note && is_main_process())
-      printf("note: loading %s, the checkpoint of %s furthest along (step %lld)\n",
-             newest.c_str(), dir.c_str(), (long long)step);
+      printf("note: loading %s, the checkpoint of %s furthest along (step %lld)\n", newest.c_str(),
+             dir.c_str(), (long long)step);
     return newest;
   }
   if (fs::exists(dir, ec)) return dir;
@@ -803,7 +816,8 @@ static std::vector<WeightFile> inspect_weights(const std::string& dir,
   for (const NamedTensor& nt : params) {
     wanted.insert(nt.name);
     auto it = map.find(nt.name);
-    if (it == map.end() || !it->is_string()) throw fail("tensor " + nt.name + ": not in weight_map");
+    if (it == map.end() || !it->is_string())
+      throw fail("tensor " + nt.name + ": not in weight_map");
     by_file[it->get<std::string>()].push_back(nt);
   }
   for (const auto& [name, file] : map.items())
@@ -838,8 +852,10 @@ bool load_checkpoint(const std::string& dir_arg, const std::vector<NamedTensor>&
     moments_plan = inspect_safetensors(opt_path, moments);
     step = parse_step(moments_plan.metadata, opt_path);
   } else if (opt && is_main_process()) {
-    printf("note: %s has no optimizer.safetensors (weights only, as in a Hugging Face model): "
-           "AdamW starts fresh at step 0\n", dir.c_str());
+    printf(
+        "note: %s has no optimizer.safetensors (weights only, as in a Hugging Face model): "
+        "AdamW starts fresh at step 0\n",
+        dir.c_str());
   }
   // Every number finite, the weights' first (a second read of the files, from the page cache
   // mostly: the check must end before any destination changes).
@@ -855,7 +871,9 @@ bool load_checkpoint(const std::string& dir_arg, const std::vector<NamedTensor>&
   return with_opt;
 }
 
-int64_t checkpoint_step(const std::string& dir) { return step_in(checkpoint_to_load(dir, false)); }
+int64_t checkpoint_step(const std::string& dir) {
+  return step_in(checkpoint_to_load(dir, false));
+}
 
 std::vector<std::string> checkpoint_input_files(const std::string& dir_arg) {
   const std::string dir = checkpoint_to_load(dir_arg, false);
@@ -910,7 +928,7 @@ static std::vector<Tensor> gather_full_tensors(Group& tp, const std::vector<Tens
   return full;
 }
 static void scatter_full_tensors(const std::vector<Tensor>& full, const std::vector<Tensor>& shards,
-                          const std::vector<TpSlice>& layouts) {
+                                 const std::vector<TpSlice>& layouts) {
   for (size_t i = 0; i < shards.size(); i++) {
     if (full[i].ptr == shards[i].ptr) continue;
     std::vector<float> host = to_host_floats(full[i]);

@@ -3,10 +3,9 @@
 // rename. Loads validate header, names, shapes, dtypes and sizes, and name what is wrong.
 #pragma once
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "runtime/comm.cuh"
 #include "runtime/model_config.cuh"

@@ -158,8 +158,9 @@ static MPI_Op mpi_op(ReduceOp op, DType t) {
   static MPI_Op ops[2][2] = {{MPI_OP_NULL, MPI_OP_NULL}, {MPI_OP_NULL, MPI_OP_NULL}};
   const int f = t == DType::BF16 ? 0 : 1, m = op == ReduceOp::Max ? 1 : 0;
   if (ops[f][m] == MPI_OP_NULL) {
-    MPI_User_function* fn = f == 0 ? (m ? reduce_16bit<DType::BF16, true> : reduce_16bit<DType::BF16, false>)
-                                   : (m ? reduce_16bit<DType::F16, true> : reduce_16bit<DType::F16, false>);
+    MPI_User_function* fn =
+        f == 0 ? (m ? reduce_16bit<DType::BF16, true> : reduce_16bit<DType::BF16, false>)
+               : (m ? reduce_16bit<DType::F16, true> : reduce_16bit<DType::F16, false>);
     MPI_CHECK(MPI_Op_create(fn, 1, &ops[f][m]));
   }
   return ops[f][m];
@@ -177,8 +178,8 @@ Handle all_reduce_async(Comm& c, Group& g, const Context& ctx, void* buf, DType 
                                    c.comm_ctx.stream));
   } else {
     void* h = mpi_buffer(*s, ctx, buf, K, true, true);
-    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, h, mpi_count(count), mpi_type(dtype),
-                             mpi_op(op, dtype), g.mpi, s->request()));
+    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, h, mpi_count(count), mpi_type(dtype), mpi_op(op, dtype),
+                             g.mpi, s->request()));
     mpi_average(*s, op, (float*)h, count);
   }
   return issued(c, s);
@@ -261,8 +262,8 @@ Handle reduce_async(Comm& c, Group& g, const Context& ctx, const float* send, fl
   if (local(g)) return local_copy(ctx, recv, send, count * kF32);
   auto s = start(c, g, ctx, Coll::Reduce, K);
   if (c.backend == Backend::NCCL) {
-    NCCL_ENQUEUE(*s, ncclReduce(send, recv, count, ncclFloat, nccl_op(op), root, g.nccl,
-                                c.comm_ctx.stream));
+    NCCL_ENQUEUE(
+        *s, ncclReduce(send, recv, count, ncclFloat, nccl_op(op), root, g.nccl, c.comm_ctx.stream));
   } else {
     const void* hs = mpi_input(*s, ctx, send, K, is_root ? recv : nullptr, K);
     float* hr = is_root ? (float*)mpi_buffer(*s, ctx, recv, K, false, true) : nullptr;
@@ -409,10 +410,10 @@ Handle barrier_async(Comm& c, Group& g, const Context& ctx) {
 // counts[p-1]; offsets[N] is the buffer's length. Counts are checked: one per rank, none negative.
 static std::vector<int64_t> segment_offsets(const Group& g, const std::vector<int64_t>& counts,
                                             const char* which) {
-  PICO_ASSERT((int)counts.size() == g.size,
-              std::string("all_to_all_v on ") + g.name + ": " + which + " has " +
-                  std::to_string(counts.size()) + " entries for " + std::to_string(g.size) +
-                  " ranks");
+  PICO_ASSERT((int)counts.size() == g.size, std::string("all_to_all_v on ") + g.name + ": " +
+                                                which + " has " + std::to_string(counts.size()) +
+                                                " entries for " + std::to_string(g.size) +
+                                                " ranks");
   std::vector<int64_t> offsets(g.size + 1, 0);
   for (int p = 0; p < g.size; p++) {
     PICO_ASSERT(counts[p] >= 0, std::string("all_to_all_v: ") + which + "[" + std::to_string(p) +
@@ -550,7 +551,9 @@ static void all_reduce_doubles(Group& g, const char* op_name, double* values, in
     for (int i = 0; i < count; i++) values[i] /= g.size;
 }
 
-void TrafficMeter::open(const Group& g) { std::copy(g.stats, g.stats + (int)Coll::Count, opened); }
+void TrafficMeter::open(const Group& g) {
+  std::copy(g.stats, g.stats + (int)Coll::Count, opened);
+}
 void TrafficMeter::close(const Group& g) {
   for (int c = 0; c < (int)Coll::Count; c++) {
     total[c].calls += g.stats[c].calls - opened[c].calls;
@@ -593,9 +596,8 @@ void agree_on_error(Group& g, const std::function<void()>& fn) {
   int root = (int)-first;
   if (root == g.size) return;
   int length = (int)message.size();
-  host_collective(g, "agree_on_error", sizeof length, [&](MPI_Request* r) {
-    return MPI_Ibcast(&length, 1, MPI_INT, root, g.mpi, r);
-  });
+  host_collective(g, "agree_on_error", sizeof length,
+                  [&](MPI_Request* r) { return MPI_Ibcast(&length, 1, MPI_INT, root, g.mpi, r); });
   message.resize(length);
   host_collective(g, "agree_on_error", length, [&](MPI_Request* r) {
     return MPI_Ibcast(message.data(), length, MPI_CHAR, root, g.mpi, r);
@@ -611,8 +613,12 @@ void trace_write(const Trace& trace, const std::string& path, Group& g) {
   // Chrome trace "complete" events: ph X, ts and dur in microseconds, pid = rank, tid = track.
   std::string mine;
   for (const Trace::Span& s : trace.spans) {
-    nlohmann::json event{{"name", s.name}, {"ph", "X"}, {"pid", g.rank}, {"tid", (int)s.track},
-                         {"ts", (s.start - t0) * 1e6}, {"dur", (s.end - s.start) * 1e6}};
+    nlohmann::json event{{"name", s.name},
+                         {"ph", "X"},
+                         {"pid", g.rank},
+                         {"tid", (int)s.track},
+                         {"ts", (s.start - t0) * 1e6},
+                         {"dur", (s.end - s.start) * 1e6}};
     if (!s.color.empty()) event["cname"] = s.color;
     mine += event.dump() + "\n";
   }
@@ -622,8 +628,8 @@ void trace_write(const Trace& trace, const std::string& path, Group& g) {
     return MPI_Igather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, 0, g.mpi, r);
   });
   for (int r = 1; r < g.size; r++) offsets[r] = offsets[r - 1] + lengths[r - 1];
-  std::string all = g.rank == 0 ? std::string(offsets[g.size - 1] + lengths[g.size - 1], '\0')
-                                : std::string();
+  std::string all =
+      g.rank == 0 ? std::string(offsets[g.size - 1] + lengths[g.size - 1], '\0') : std::string();
   if (g.size == 1) all = mine;
   host_collective(g, "trace_write", length, [&](MPI_Request* r) {
     return MPI_Igatherv(mine.data(), length, MPI_CHAR, all.data(), lengths.data(), offsets.data(),
@@ -632,9 +638,20 @@ void trace_write(const Trace& trace, const std::string& path, Group& g) {
   if (g.rank != 0) return;
   nlohmann::json events = nlohmann::json::array();
   for (int r = 0; r < g.size; r++) {
-    events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", r}, {"args", {{"name", "rank " + std::to_string(r)}}}});
-    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", 0}, {"args", {{"name", "compute"}}}});
-    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", 1}, {"args", {{"name", "communication"}}}});
+    events.push_back({{"name", "process_name"},
+                      {"ph", "M"},
+                      {"pid", r},
+                      {"args", {{"name", "rank " + std::to_string(r)}}}});
+    events.push_back({{"name", "thread_name"},
+                      {"ph", "M"},
+                      {"pid", r},
+                      {"tid", 0},
+                      {"args", {{"name", "compute"}}}});
+    events.push_back({{"name", "thread_name"},
+                      {"ph", "M"},
+                      {"pid", r},
+                      {"tid", 1},
+                      {"args", {{"name", "communication"}}}});
   }
   size_t pos = 0;
   while (pos < all.size()) {

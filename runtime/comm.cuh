@@ -15,7 +15,19 @@
 
 enum class Backend { MPI, NCCL };
 enum class ReduceOp { Sum, Avg, Max };
-enum class Coll { AllReduce, ReduceScatter, AllGather, Broadcast, Reduce, Gather, Scatter, SendRecv, Barrier, AllToAll, Count };
+enum class Coll {
+  AllReduce,
+  ReduceScatter,
+  AllGather,
+  Broadcast,
+  Reduce,
+  Gather,
+  Scatter,
+  SendRecv,
+  Barrier,
+  AllToAll,
+  Count
+};
 const char* coll_name(Coll c);        // "all_reduce", "reduce_scatter", ...
 const char* backend_name(Backend b);  // "mpi", "nccl"
 
@@ -47,11 +59,11 @@ struct Group {
   std::string name;          // "world", "tp", "cp", "pp", "dp", "dp_cp"
   int rank = 0, size = 1;    // this rank's index in the group, and the group's size
   std::vector<int> members;  // world ranks, in group order
-  int next() const { return (rank + 1) % size; }         // ring neighbours (group ranks)
+  int next() const { return (rank + 1) % size; }  // ring neighbours (group ranks)
   int prev() const { return (rank + size - 1) % size; }
   MPI_Comm mpi = MPI_COMM_NULL;
   ncclComm_t nccl = nullptr;  // none on MPI, nor for a group of one under --comm auto
-  double timeout_s = 300;  // --comm-timeout: how long any collective on it may wait
+  double timeout_s = 300;     // --comm-timeout: how long any collective on it may wait
   CollStats stats[(int)Coll::Count];
 };
 
@@ -87,7 +99,7 @@ struct P2P {  // one half of a batched send/recv
   bool send;
   float* buf;
   int64_t count;
-  int peer;               // group rank
+  int peer;                // group rank
   Group* group = nullptr;  // another group of the same ranks than the call's (nullptr: the call's)
 };
 
@@ -114,9 +126,9 @@ struct Comm {
 // an explicit nccl gives every group one, groups of one included, so that one rank on one GPU
 // runs every collective through NCCL. Every wait of the set-up (the splits into groups, the
 // exchange of NCCL ids) and NCCL's creation, first connections and destruction are bounded by
-// `timeout_s` like every collective: a rank that never arrives stops every rank, never hangs. Throws
-// UsageError for a world that is not dp*pp*cp*tp, an unknown backend, or nccl without a GPU per
-// rank. Call after MPI_Init and cudaSetDevice.
+// `timeout_s` like every collective: a rank that never arrives stops every rank, never hangs.
+// Throws UsageError for a world that is not dp*pp*cp*tp, an unknown backend, or nccl without a GPU
+// per rank. Call after MPI_Init and cudaSetDevice.
 Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, Device device,
                double timeout_s, int ep = 1);
 void comm_destroy(Comm& comm);
@@ -134,7 +146,8 @@ Backend backend_for_node(const std::vector<std::string>& bus_ids, std::string* w
 // Collectives on a group. `ctx` is the compute stream the data comes from and goes back to.
 // Sizes are element counts per rank: reduce_scatter sends count * size and receives count;
 // all_gather sends count and receives count * size (rank-major); gather/scatter likewise at root.
-Handle all_reduce_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, ReduceOp op);
+Handle all_reduce_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count,
+                        ReduceOp op);
 // The same three in `dtype` (F32, BF16 or F16; counts in elements, bytes counted at 2 per
 // element for 16-bit ones). 16-bit sums and maxima: each pair widened to fp32, combined, rounded
 // back (NCCL's ncclBfloat16 / ncclHalf; over MPI the bits travel as MPI_UINT16_T and the
@@ -145,12 +158,17 @@ Handle reduce_scatter_async(Comm& c, Group& g, const Context& ctx, const void* s
                             DType dtype, int64_t count, ReduceOp op);
 Handle all_gather_async(Comm& c, Group& g, const Context& ctx, const void* send, void* recv,
                         DType dtype, int64_t count);
-Handle reduce_scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count, ReduceOp op);
-Handle all_gather_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count);
+Handle reduce_scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
+                            int64_t count, ReduceOp op);
+Handle all_gather_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
+                        int64_t count);
 Handle broadcast_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, int root);
-Handle reduce_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count, ReduceOp op, int root);
-Handle gather_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count, int root);
-Handle scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count, int root);
+Handle reduce_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
+                    int64_t count, ReduceOp op, int root);
+Handle gather_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
+                    int64_t count, int root);
+Handle scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
+                     int64_t count, int root);
 Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<P2P>& ops);
 Handle barrier_async(Comm& c, Group& g, const Context& ctx);
 // All-to-all with variable counts (expert parallelism's dispatch and combine): this rank sends
@@ -165,12 +183,17 @@ Handle all_to_all_v_async(Comm& c, Group& g, const Context& ctx, const void* sen
                           const std::vector<int64_t>& recv_counts, DType dtype);
 
 void all_reduce(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, ReduceOp op);
-void reduce_scatter(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count, ReduceOp op);
-void all_gather(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count);
+void reduce_scatter(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
+                    int64_t count, ReduceOp op);
+void all_gather(Comm& c, Group& g, const Context& ctx, const float* send, float* recv,
+                int64_t count);
 void broadcast(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, int root);
-void reduce(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count, ReduceOp op, int root);
-void gather(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count, int root);
-void scatter(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count, int root);
+void reduce(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count,
+            ReduceOp op, int root);
+void gather(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count,
+            int root);
+void scatter(Comm& c, Group& g, const Context& ctx, const float* send, float* recv, int64_t count,
+             int root);
 void send_recv(Comm& c, Group& g, const Context& ctx, const std::vector<P2P>& ops);
 void send(Comm& c, Group& g, const Context& ctx, const float* buf, int64_t count, int peer);
 void recv(Comm& c, Group& g, const Context& ctx, float* buf, int64_t count, int peer);

@@ -155,7 +155,8 @@ std::shared_ptr<Handle::State> start(Comm& c, Group& g, const Context& ctx, Coll
 }
 // Behind NCCL_ENQUEUE: ncclInProgress is remembered for settle(); an error stops every rank.
 void nccl_enqueue(Handle::State& s, ncclResult_t r, const char* call, const char* file, int line) {
-  if (r == ncclInProgress) s.enqueue_pending = true;
+  if (r == ncclInProgress)
+    s.enqueue_pending = true;
   else if (r != ncclSuccess)
     nccl_stop(s.nccl, std::string("[NCCL ERROR] ") + file + ":" + std::to_string(line) + ": " +
                           call + " -> " + ncclGetErrorString(r) + " (" +
@@ -246,6 +247,7 @@ const void* mpi_input(Handle::State& s, const Context& ctx, const void* send, in
                       const void* recv, int64_t recv_bytes) {
   const char *a = (const char*)send, *b = (const char*)recv;
   bool overlap = a && b && a < b + recv_bytes && b < a + send_bytes;
-  if (ctx.device == Device::CUDA || !overlap) return mpi_buffer(s, ctx, send, send_bytes, true, false);
+  if (ctx.device == Device::CUDA || !overlap)
+    return mpi_buffer(s, ctx, send, send_bytes, true, false);
   return s.host.emplace_back(a, a + send_bytes).data();
 }

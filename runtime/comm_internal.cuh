@@ -52,8 +52,8 @@ struct Handle::State {
   std::vector<CopyBack> copy_back;  // host -> device when the op completes
   float* average_buf = nullptr;     // MPI has no average: sum, then scale this host buffer
   int64_t average_count = 0;
-  std::vector<int> mpi_counts;      // all-to-all-v's counts and displacements, read by MPI
-                                    // until the op completes
+  std::vector<int> mpi_counts;  // all-to-all-v's counts and displacements, read by MPI
+                                // until the op completes
   // NCCL backend.
   std::vector<ncclComm_t> nccl;    // the communicators the op runs on (two for some send_recv)
   bool enqueue_pending = false;    // a call answered ncclInProgress: settle() before going on

@@ -4,6 +4,7 @@
 // comm_destroy takes them down. The one idea: set-up is collective too, so every wait in
 // it (MPI's splits, NCCL's creation, first connections and finalization) is bounded by
 // --comm-timeout like a collective: a rank that never arrives ends the job instead of hanging it.
+#include <cblas.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -15,8 +16,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <cblas.h>
 
 #include "runtime/comm_internal.cuh"
 
@@ -70,8 +69,8 @@ static bool node_shares_cores(Device device, double timeout_s) {
   if (sched_getaffinity(0, sizeof mine, &mine) != 0) CPU_SET(0, &mine);
   std::vector<unsigned char> cores((unsigned char*)&mine, (unsigned char*)&mine + sizeof mine);
   host_wait(g, "union of the node's affinity masks", sizeof mine, [&](MPI_Request* r) {
-    return MPI_Iallreduce(MPI_IN_PLACE, cores.data(), (int)cores.size(), MPI_UNSIGNED_CHAR,
-                          MPI_BOR, node, r);
+    return MPI_Iallreduce(MPI_IN_PLACE, cores.data(), (int)cores.size(), MPI_UNSIGNED_CHAR, MPI_BOR,
+                          node, r);
   });
   int threads = device == Device::CPU ? std::max(1, openblas_get_num_threads()) : 1;
   host_wait(g, "sum of the node's compute threads", sizeof threads, [&](MPI_Request* r) {
@@ -165,8 +164,10 @@ static Backend choose_backend(const std::string& flag, Device device, double tim
   });
   if (everywhere) return Backend::NCCL;
   if (flag == "auto") return Backend::MPI;
-  if (device == Device::CPU) why = "the device is cpu";
-  else if (here) why = "another node has ranks without a GPU of their own";
+  if (device == Device::CPU)
+    why = "the device is cpu";
+  else if (here)
+    why = "another node has ranks without a GPU of their own";
   throw UsageError("--comm nccl needs one GPU per rank: " + why +
                    "; use --comm mpi (device buffers are then staged through host memory)");
 }
@@ -202,8 +203,8 @@ static Backend choose_backend(const std::string& flag, Device device, double tim
   fatal_abort();
 }
 std::string nccl_error(const std::string& what, int world_rank, ncclResult_t r, ncclComm_t comm) {
-  return "rank " + std::to_string(world_rank) + ": " + what + " failed in NCCL: " +
-         ncclGetErrorString(r) + " (" + ncclGetLastError(comm) + ")";
+  return "rank " + std::to_string(world_rank) + ": " + what +
+         " failed in NCCL: " + ncclGetErrorString(r) + " (" + ncclGetLastError(comm) + ")";
 }
 // The message of every collective, or NCCL set-up step, that ran past its deadline.
 std::string past_deadline(int world_rank, const std::string& what, double timeout_s) {
@@ -278,15 +279,13 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
       if (g->size == 1 && !groups_of_one) continue;
       ncclUniqueId id;
       if (g->rank == 0) NCCL_CHECK(ncclGetUniqueId(&id));
-      host_wait(*g, "broadcast of the NCCL unique id", sizeof id, [&](MPI_Request* r) {
-        return MPI_Ibcast(&id, sizeof id, MPI_BYTE, 0, g->mpi, r);
-      });
+      host_wait(*g, "broadcast of the NCCL unique id", sizeof id,
+                [&](MPI_Request* r) { return MPI_Ibcast(&id, sizeof id, MPI_BYTE, 0, g->mpi, r); });
       ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
       config.blocking = 0;  // returns at once; nccl_settle waits, bounded by the timeout
       double t0 = now_seconds();
       ncclResult_t r = ncclCommInitRankConfig(&g->nccl, g->size, id, g->rank, &config);
-      nccl_settle({g->nccl}, r, "ncclCommInitRankConfig on " + g->name, world_rank, t0,
-                  timeout_s);
+      nccl_settle({g->nccl}, r, "ncclCommInitRankConfig on " + g->name, world_rank, t0, timeout_s);
     }
   }
   set_cores_shared(node_shares_cores(device, timeout_s));

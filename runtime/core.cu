@@ -1,15 +1,13 @@
 // core.cu: tensors on CPU or CUDA with per-category memory accounting, error handling,
 // the counter-based RNG and timers. The one idea: every byte is counted by category, so the
 // book's memory anatomy (Playbook §2.3) can be read off a run rather than estimated.
-#include "runtime/core.cuh"
-
-#include <atomic>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -18,6 +16,8 @@
 #include <filesystem>
 #include <mutex>
 #include <thread>
+
+#include "runtime/core.cuh"
 
 namespace fs = std::filesystem;
 
@@ -31,17 +31,25 @@ void fatal_abort() {
   abort();
 }
 
-const char* device_name(Device d) { return d == Device::CPU ? "cpu" : "cuda"; }
-static const DType kDTypes[] = {DType::F32, DType::I32, DType::BF16, DType::F16, DType::F8E4M3,
-                                DType::F8E5M2};
+const char* device_name(Device d) {
+  return d == Device::CPU ? "cpu" : "cuda";
+}
+static const DType kDTypes[] = {DType::F32, DType::I32,    DType::BF16,
+                                DType::F16, DType::F8E4M3, DType::F8E5M2};
 const char* dtype_name(DType t) {
   switch (t) {
-    case DType::F32: return "F32";
-    case DType::I32: return "I32";
-    case DType::BF16: return "BF16";
-    case DType::F16: return "F16";
-    case DType::F8E4M3: return "F8_E4M3";
-    case DType::F8E5M2: return "F8_E5M2";
+    case DType::F32:
+      return "F32";
+    case DType::I32:
+      return "I32";
+    case DType::BF16:
+      return "BF16";
+    case DType::F16:
+      return "F16";
+    case DType::F8E4M3:
+      return "F8_E4M3";
+    case DType::F8E5M2:
+      return "F8_E5M2";
   }
   return "?";
 }
@@ -52,9 +60,14 @@ bool dtype_from_name(const std::string& name, DType* out) {
 }
 size_t dtype_size(DType t) {
   switch (t) {
-    case DType::BF16: case DType::F16: return 2;
-    case DType::F8E4M3: case DType::F8E5M2: return 1;
-    default: return 4;
+    case DType::BF16:
+    case DType::F16:
+      return 2;
+    case DType::F8E4M3:
+    case DType::F8E5M2:
+      return 1;
+    default:
+      return 4;
   }
 }
 const char* mem_name(Mem m) {
@@ -83,14 +96,19 @@ static MemoryStats g_stats;  // observation only; see MemoryStats in core.cuh
 static std::mutex g_stats_mutex;
 static std::atomic<uint64_t> g_host_syncs{0};  // observation only; see count_host_sync
 
-void count_host_sync() { g_host_syncs++; }
-uint64_t host_syncs() { return g_host_syncs.load(); }
+void count_host_sync() {
+  g_host_syncs++;
+}
+uint64_t host_syncs() {
+  return g_host_syncs.load();
+}
 
 static void account(Mem m, long long delta) {
   std::lock_guard<std::mutex> lock(g_stats_mutex);
   g_stats.current[(int)m] += delta;
   g_stats.total_current += delta;
-  if (g_stats.current[(int)m] > g_stats.peak[(int)m]) g_stats.peak[(int)m] = g_stats.current[(int)m];
+  if (g_stats.current[(int)m] > g_stats.peak[(int)m])
+    g_stats.peak[(int)m] = g_stats.current[(int)m];
   if (g_stats.total_current > g_stats.total_peak) g_stats.total_peak = g_stats.total_current;
 }
 MemoryStats memory_stats() {
@@ -136,8 +154,10 @@ struct Storage {
       // memory for the next step's activations. Without pools, cudaMalloc/cudaFree: correct,
       // slower, and each free waits for the device.
       pooled = memory_pools_supported();
-      if (pooled) CUDA_CHECK(cudaMallocAsync(&ptr, n, stream));
-      else CUDA_CHECK(cudaMalloc(&ptr, n));
+      if (pooled)
+        CUDA_CHECK(cudaMallocAsync(&ptr, n, stream));
+      else
+        CUDA_CHECK(cudaMalloc(&ptr, n));
     } else {
       ptr = aligned_alloc(64, (n + 63) / 64 * 64);
       PICO_ASSERT(ptr != nullptr, "host allocation of " + std::to_string(n) + " bytes");
@@ -148,9 +168,12 @@ struct Storage {
   ~Storage() {
     // Freed in `stream`'s order: work queued there before this point may still use the
     // buffer. Work on the communication stream must have been waited for by then (comm_handle.cu).
-    if (device == Device::CUDA && pooled) CUDA_CHECK(cudaFreeAsync(ptr, stream));
-    else if (device == Device::CUDA) CUDA_CHECK(cudaFree(ptr));
-    else free(ptr);
+    if (device == Device::CUDA && pooled)
+      CUDA_CHECK(cudaFreeAsync(ptr, stream));
+    else if (device == Device::CUDA)
+      CUDA_CHECK(cudaFree(ptr));
+    else
+      free(ptr);
     account(category, -(long long)bytes);
     if (owner) --*owner;
   }
@@ -183,8 +206,9 @@ Tensor Tensor::view(int64_t offset, std::vector<int64_t> new_shape) const {
   Tensor t = *this;
   t.shape = std::move(new_shape);
   t.ptr = (char*)ptr + offset * (int64_t)dtype_size(dtype);
-  PICO_ASSERT(offset >= 0 && offset + t.numel() <= numel(),
-              "view " + t.shape_str() + " at " + std::to_string(offset) + " outside " + shape_str());
+  PICO_ASSERT(
+      offset >= 0 && offset + t.numel() <= numel(),
+      "view " + t.shape_str() + " at " + std::to_string(offset) + " outside " + shape_str());
   return t;
 }
 std::string Tensor::shape_str() const {
@@ -195,9 +219,8 @@ std::string Tensor::shape_str() const {
 
 // The one allocation path; `stream` is the legacy default stream (0) and `owner` null for the
 // forms without a Context.
-static Tensor empty_on(cudaStream_t stream, std::vector<int64_t> shape, Mem category,
-                       Device device, DType dtype,
-                       std::shared_ptr<std::atomic<int64_t>> owner = nullptr) {
+static Tensor empty_on(cudaStream_t stream, std::vector<int64_t> shape, Mem category, Device device,
+                       DType dtype, std::shared_ptr<std::atomic<int64_t>> owner = nullptr) {
   Tensor t;
   t.shape = std::move(shape);
   t.dtype = dtype;
@@ -207,8 +230,10 @@ static Tensor empty_on(cudaStream_t stream, std::vector<int64_t> shape, Mem cate
   return t;
 }
 static void zero_on(cudaStream_t stream, const Tensor& t) {
-  if (t.device == Device::CUDA) CUDA_CHECK(cudaMemsetAsync(t.ptr, 0, t.nbytes(), stream));
-  else memset(t.ptr, 0, t.nbytes());
+  if (t.device == Device::CUDA)
+    CUDA_CHECK(cudaMemsetAsync(t.ptr, 0, t.nbytes(), stream));
+  else
+    memset(t.ptr, 0, t.nbytes());
 }
 Tensor empty(std::vector<int64_t> shape, Mem category, Device device, DType dtype) {
   return empty_on(0, std::move(shape), category, device, dtype);
@@ -218,7 +243,9 @@ Tensor zeros(std::vector<int64_t> shape, Mem category, Device device, DType dtyp
   zero_(t);
   return t;
 }
-void zero_(const Tensor& t) { zero_on(0, t); }
+void zero_(const Tensor& t) {
+  zero_on(0, t);
+}
 Tensor empty(const Context& ctx, std::vector<int64_t> shape, Mem category, DType dtype) {
   return empty_on(ctx.stream, std::move(shape), category, ctx.device, dtype, ctx.allocations);
 }
@@ -227,7 +254,9 @@ Tensor zeros(const Context& ctx, std::vector<int64_t> shape, Mem category, DType
   zero_(ctx, t);
   return t;
 }
-void zero_(const Context& ctx, const Tensor& t) { zero_on(ctx.stream, t); }
+void zero_(const Context& ctx, const Tensor& t) {
+  zero_on(ctx.stream, t);
+}
 
 Tensor empty_rows(const Context& ctx, int64_t rows, int64_t cols, Mem category) {
   return empty(ctx, {std::max<int64_t>(rows, 1), cols}, category).view(0, {rows, cols});
@@ -284,14 +313,20 @@ static void from_host_bytes(const Tensor& dst, const void* src, DType dtype) {
   host.dtype = dtype;
   copy_(dst, host);
 }
-void from_host(const Tensor& dst, const float* src) { from_host_bytes(dst, src, DType::F32); }
-void from_host(const Tensor& dst, const int32_t* src) { from_host_bytes(dst, src, DType::I32); }
+void from_host(const Tensor& dst, const float* src) {
+  from_host_bytes(dst, src, DType::F32);
+}
+void from_host(const Tensor& dst, const int32_t* src) {
+  from_host_bytes(dst, src, DType::I32);
+}
 
 // ----------------------------------------------------------------------------
 // Context
 
 static bool g_sync_launches = false;  // a debugging switch, read by Context::create only
-void set_sync_launches(bool on) { g_sync_launches = on; }
+void set_sync_launches(bool on) {
+  g_sync_launches = on;
+}
 
 Context Context::create(Device device) {
   Context ctx;

@@ -1,6 +1,11 @@
 // core.cuh: tensors, devices, dtypes, memory accounting, error checks, RNG and timers.
 // Everything else in picoscale is built from these few types (DESIGN section 2).
 #pragma once
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <mpi.h>
+#include <nccl.h>
+
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -11,62 +16,57 @@
 #include <string>
 #include <vector>
 
-#include <cublas_v2.h>
-#include <cuda_runtime.h>
-#include <mpi.h>
-#include <nccl.h>
-
 // ----------------------------------------------------------------------------
 // Error checks: print file:line, the call and the error, then stop every rank.
 
 [[noreturn]] void fatal_abort();  // MPI_Abort when MPI is up (so no rank hangs), else abort()
 
-#define CUDA_CHECK(call)                                                                   \
-  do {                                                                                     \
-    cudaError_t err_ = (call);                                                             \
-    if (err_ != cudaSuccess) {                                                             \
-      fprintf(stderr, "[CUDA ERROR] %s:%d: %s -> %s\n", __FILE__, __LINE__, #call,         \
-              cudaGetErrorString(err_));                                                   \
-      fatal_abort();                                                                       \
-    }                                                                                      \
+#define CUDA_CHECK(call)                                                           \
+  do {                                                                             \
+    cudaError_t err_ = (call);                                                     \
+    if (err_ != cudaSuccess) {                                                     \
+      fprintf(stderr, "[CUDA ERROR] %s:%d: %s -> %s\n", __FILE__, __LINE__, #call, \
+              cudaGetErrorString(err_));                                           \
+      fatal_abort();                                                               \
+    }                                                                              \
   } while (0)
-#define CUBLAS_CHECK(call)                                                                 \
-  do {                                                                                     \
-    cublasStatus_t st_ = (call);                                                           \
-    if (st_ != CUBLAS_STATUS_SUCCESS) {                                                    \
+#define CUBLAS_CHECK(call)                                                                  \
+  do {                                                                                      \
+    cublasStatus_t st_ = (call);                                                            \
+    if (st_ != CUBLAS_STATUS_SUCCESS) {                                                     \
       fprintf(stderr, "[cuBLAS ERROR] %s:%d: %s -> status %d\n", __FILE__, __LINE__, #call, \
-              (int)st_);                                                                   \
-      fatal_abort();                                                                       \
-    }                                                                                      \
+              (int)st_);                                                                    \
+      fatal_abort();                                                                        \
+    }                                                                                       \
   } while (0)
-#define NCCL_CHECK(call)                                                                   \
-  do {                                                                                     \
-    ncclResult_t r_ = (call);                                                              \
-    if (r_ != ncclSuccess) {                                                               \
-      fprintf(stderr, "[NCCL ERROR] %s:%d: %s -> %s\n", __FILE__, __LINE__, #call,         \
-              ncclGetErrorString(r_));                                                     \
-      fatal_abort();                                                                       \
-    }                                                                                      \
+#define NCCL_CHECK(call)                                                           \
+  do {                                                                             \
+    ncclResult_t r_ = (call);                                                      \
+    if (r_ != ncclSuccess) {                                                       \
+      fprintf(stderr, "[NCCL ERROR] %s:%d: %s -> %s\n", __FILE__, __LINE__, #call, \
+              ncclGetErrorString(r_));                                             \
+      fatal_abort();                                                               \
+    }                                                                              \
   } while (0)
-#define MPI_CHECK(call)                                                                    \
-  do {                                                                                     \
-    int rc_ = (call);                                                                      \
-    if (rc_ != MPI_SUCCESS) {                                                              \
-      char msg_[MPI_MAX_ERROR_STRING];                                                     \
-      int len_ = 0;                                                                        \
-      MPI_Error_string(rc_, msg_, &len_);                                                  \
-      fprintf(stderr, "[MPI ERROR] %s:%d: %s -> %s\n", __FILE__, __LINE__, #call, msg_);   \
-      fatal_abort();                                                                       \
-    }                                                                                      \
+#define MPI_CHECK(call)                                                                  \
+  do {                                                                                   \
+    int rc_ = (call);                                                                    \
+    if (rc_ != MPI_SUCCESS) {                                                            \
+      char msg_[MPI_MAX_ERROR_STRING];                                                   \
+      int len_ = 0;                                                                      \
+      MPI_Error_string(rc_, msg_, &len_);                                                \
+      fprintf(stderr, "[MPI ERROR] %s:%d: %s -> %s\n", __FILE__, __LINE__, #call, msg_); \
+      fatal_abort();                                                                     \
+    }                                                                                    \
   } while (0)
 // Internal invariant (a bug in picoscale, not bad input).
-#define PICO_ASSERT(cond, msg)                                                             \
-  do {                                                                                     \
-    if (!(cond)) {                                                                         \
-      fprintf(stderr, "[BUG] %s:%d: %s failed: %s\n", __FILE__, __LINE__, #cond,          \
-              std::string(msg).c_str());                                                   \
-      fatal_abort();                                                                       \
-    }                                                                                      \
+#define PICO_ASSERT(cond, msg)                                                   \
+  do {                                                                           \
+    if (!(cond)) {                                                               \
+      fprintf(stderr, "[BUG] %s:%d: %s failed: %s\n", __FILE__, __LINE__, #cond, \
+              std::string(msg).c_str());                                         \
+      fatal_abort();                                                             \
+    }                                                                            \
   } while (0)
 
 // Bad input from the user (a flag, a file): reported on rank 0, exit code 2 on every rank.
@@ -156,7 +156,7 @@ Tensor zeros(std::vector<int64_t> shape, Mem category, Device device = Device::C
 void zero_(const Tensor& t);
 void copy_(const Tensor& dst, const Tensor& src);  // same numel and dtype, any two devices
 Tensor to_device(const Tensor& t, Device device, Mem category);
-std::vector<float> to_host_floats(const Tensor& t);  // a host synchronisation (counted)
+std::vector<float> to_host_floats(const Tensor& t);   // a host synchronisation (counted)
 void from_host(const Tensor& dst, const float* src);  // numel floats
 void from_host(const Tensor& dst, const int32_t* src);
 
@@ -169,7 +169,7 @@ struct Context {
   Device device = Device::CPU;
   cudaStream_t stream = nullptr;  // compute stream (CUDA only)
   cublasHandle_t cublas = nullptr;
-  bool sync_launches = false;     // debugging: synchronise after every kernel (launch_check)
+  bool sync_launches = false;  // debugging: synchronise after every kernel (launch_check)
   Precision precision = Precision::FP32;  // of the linear layers (mixed_precision.cuh)
   // The weights' copies in the compute format, where GEMMs read them (mixed_precision.cuh);
   // null: every GEMM rounds the fp32 weights itself.
@@ -180,7 +180,7 @@ struct Context {
   std::shared_ptr<std::atomic<int64_t>> allocations = std::make_shared<std::atomic<int64_t>>(0);
   int64_t live_allocations() const { return allocations->load(); }
   static Context create(Device device);
-  void destroy();  // a [BUG] stop while live_allocations() > 0
+  void destroy();            // a [BUG] stop while live_allocations() > 0
   void synchronize() const;  // wait for the compute stream (tests, timers); counted
 };
 Device resolve_device(const std::string& flag);  // "auto" | "cpu" | "cuda"

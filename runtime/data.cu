@@ -3,8 +3,6 @@
 // (step, sequence index in the global batch) alone. A rank asks for its slice of the global
 // batch [first_seq, first_seq + num_seqs), so dp=2 x grad_acc=1 reads exactly the tokens of
 // dp=1 x grad_acc=2, and any layout can be checked against the single-process run.
-#include "runtime/data.cuh"
-
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -12,6 +10,7 @@
 #include <filesystem>
 
 #include "runtime/core.cuh"
+#include "runtime/data.cuh"
 
 namespace fs = std::filesystem;
 
@@ -26,8 +25,7 @@ static const int64_t kShardHeaderBytes = 256 * sizeof(int32_t);
 static std::vector<unsigned char> read_bytes(const std::string& path, const std::string& flag) {
   std::error_code ec;
   if (!fs::exists(path, ec)) throw UsageError(flag + " " + path + ": not found");
-  if (!fs::is_regular_file(path, ec))
-    throw UsageError(flag + " " + path + ": not a regular file");
+  if (!fs::is_regular_file(path, ec)) throw UsageError(flag + " " + path + ": not a regular file");
   FILE* f = fopen(path.c_str(), "rb");
   if (!f) throw UsageError(flag + " " + path + ": cannot open: " + strerror(errno));
   std::vector<unsigned char> bytes(fs::file_size(path, ec));
@@ -78,7 +76,9 @@ static std::vector<int32_t> read_token_file(const std::string& path, const std::
   return std::vector<int32_t>(bytes.begin(), bytes.end());  // one byte = one token (0..255)
 }
 
-std::string default_corpus_dir() { return "/usr/share/games/fortunes"; }
+std::string default_corpus_dir() {
+  return "/usr/share/games/fortunes";
+}
 
 // Every fortune file (names without a '.': skips the *.dat indexes and *.u8 copies), sorted by
 // name so the corpus, and hence every batch, is the same on every machine.
@@ -108,7 +108,9 @@ static std::vector<int32_t> read_default_corpus(std::string& source) {
 // ----------------------------------------------------------------------------
 // Loading and splitting
 
-static int64_t val_size(int64_t n, double val_fraction) { return (int64_t)(n * val_fraction); }
+static int64_t val_size(int64_t n, double val_fraction) {
+  return (int64_t)(n * val_fraction);
+}
 static std::string fmt(double x) {  // 0.1, not 0.100000
   char buf[32];
   snprintf(buf, sizeof buf, "%g", x);
@@ -145,13 +147,12 @@ Dataset load_dataset(const std::string& path, double val_fraction, int seq) {
   const int64_t n = (int64_t)tokens.size(), n_val = val_size(n, val_fraction);
   const int64_t n_train = n - n_val;
   if (n_train < seq + 1 || n_val < seq + 1)
-    throw UsageError("--data " + (path.empty() ? data.source : path) + ": " +
-                     std::to_string(n) + " tokens are too few for --seq " + std::to_string(seq) +
-                     ": need at least " + std::to_string(min_tokens(seq, val_fraction)) +
-                     " so that the train split (" + std::to_string(n_train) +
-                     " now) and the val split (" + std::to_string(n_val) + " now, --val-frac " +
-                     fmt(val_fraction) + ") each hold " + std::to_string(seq + 1) +
-                     "; use a larger file or a smaller --seq");
+    throw UsageError("--data " + (path.empty() ? data.source : path) + ": " + std::to_string(n) +
+                     " tokens are too few for --seq " + std::to_string(seq) + ": need at least " +
+                     std::to_string(min_tokens(seq, val_fraction)) + " so that the train split (" +
+                     std::to_string(n_train) + " now) and the val split (" + std::to_string(n_val) +
+                     " now, --val-frac " + fmt(val_fraction) + ") each hold " +
+                     std::to_string(seq + 1) + "; use a larger file or a smaller --seq");
   data.train.assign(tokens.begin(), tokens.begin() + n_train);
   data.val.assign(tokens.begin() + n_train, tokens.end());
   data.max_token = *std::max_element(tokens.begin(), tokens.end());

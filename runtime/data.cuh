@@ -6,10 +6,10 @@
 #include <vector>
 
 struct Dataset {
-  std::string source;            // file path, or the default corpus' description
-  std::vector<int32_t> train;    // training tokens
-  std::vector<int32_t> val;      // held-out tokens (the last val_fraction of the file)
-  int max_token = 0;             // largest token id present
+  std::string source;          // file path, or the default corpus' description
+  std::vector<int32_t> train;  // training tokens
+  std::vector<int32_t> val;    // held-out tokens (the last val_fraction of the file)
+  int max_token = 0;           // largest token id present
 };
 
 // The default corpus: every fortune file of Debian's `fortunes` packages, concatenated.

@@ -234,7 +234,6 @@ Tensor cast_to(const Context& ctx, const Tensor& t, DType dtype) {
   return out;
 }
 
-
 // ----------------------------------------------------------------------------
 // --dtype
 
@@ -263,7 +262,6 @@ RoundingStats rounding_stats(bool backward) {
 void reset_rounding_stats() {
   g_rounding[0] = g_rounding[1] = RoundingStats{};
 }
-
 
 // bf16 keeps the top 16 bits of an fp32: add half of the dropped part (minus one unless the
 // kept part is odd, so a tie goes to even) and cut. Agrees with encode() everywhere but NaN,

@@ -33,7 +33,6 @@ void cast_(const Context& ctx, const Tensor& dst, const Tensor& src);
 // t in `dtype`: t itself when it already is, else a cast copy (Mem::Workspace, ctx's stream).
 Tensor cast_to(const Context& ctx, const Tensor& t, DType dtype);
 
-
 // --dtype: what the linear layers compute in (Precision, core.cuh; mixed_precision.cuh).
 Precision parse_precision(const std::string& flag);  // fp32|bf16|fp16|fp8, else UsageError
 const char* precision_name(Precision p);             // "fp32", "bf16", ...

@@ -35,8 +35,8 @@ std::string zero_memory_formula(int stage, BytesPerParameter b) {
 //                   per step.
 ZeroTraffic zero_expected_traffic(int stage, int ranks, const std::vector<int64_t>& shards,
                                   const std::vector<std::vector<int>>& reads,
-                                  const std::vector<std::vector<int>>& reads_back,
-                                  int grad_bytes, int weight_bytes, int grad_acc) {
+                                  const std::vector<std::vector<int>>& reads_back, int grad_bytes,
+                                  int weight_bytes, int grad_acc) {
   ZeroTraffic t;
   int64_t per_element = (int64_t)(ranks - 1) * grad_bytes;
   int64_t gathered_element = (int64_t)(ranks - 1) * weight_bytes;

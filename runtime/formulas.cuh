@@ -42,8 +42,8 @@ struct ZeroTraffic {
 // the bytes of a gradient and of a gathered weight element.
 ZeroTraffic zero_expected_traffic(int stage, int ranks, const std::vector<int64_t>& shards,
                                   const std::vector<std::vector<int>>& reads,
-                                  const std::vector<std::vector<int>>& reads_back,
-                                  int grad_bytes, int weight_bytes, int grad_acc);
+                                  const std::vector<std::vector<int>>& reads_back, int grad_bytes,
+                                  int weight_bytes, int grad_acc);
 
 // Tensor parallelism's bytes each rank sends per micro-batch of B sequences of T tokens, for
 // the ring algorithm: all-reduce 2(t-1)/t K, all-gather and reduce-scatter (t-1)/t K of a

@@ -5,10 +5,9 @@
 #include <algorithm>
 #include <cmath>
 
-#include "runtime/gradient_sync.cuh"
-
 #include "runtime/checkpoint.cuh"
 #include "runtime/dtype.cuh"
+#include "runtime/gradient_sync.cuh"
 #include "runtime/ops.cuh"
 #include "runtime/options.cuh"
 
@@ -126,8 +125,10 @@ void GradientSync::load_flat(Part part, const Tensor& whole) {
       }
       if (count == 0) continue;
       Tensor from = whole.view(U.offset + first, {count}), into = mine.view(0, {count});
-      if (into.dtype == DType::F32) copy_(into, from);
-      else cast_(into, to_device(from, into.device, Mem::Workspace));  // rounded once
+      if (into.dtype == DType::F32)
+        copy_(into, from);
+      else
+        cast_(into, to_device(from, into.device, Mem::Workspace));  // rounded once
     }
 }
 

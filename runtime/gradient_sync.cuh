@@ -69,8 +69,8 @@ class GradientSync {
   // "step"); AdamW's own count, lower when fp16 skipped steps, is kept beside it as
   // "adam_steps". `run_state`: more of the run to resume it exactly (fp16's loss scale), kept
   // in the same metadata.
-  void save(const Context& ctx, const std::string& dir, const ModelConfig& cfg,
-            int64_t steps_done, DType weights_dtype = DType::F32,
+  void save(const Context& ctx, const std::string& dir, const ModelConfig& cfg, int64_t steps_done,
+            DType weights_dtype = DType::F32,
             const std::map<std::string, std::string>& run_state = {});
   void save_gradients(const Context& ctx, const std::string& path, int64_t step);
   // Every rank reads the whole files and keeps its part, so any layout resumes any other.
@@ -80,12 +80,12 @@ class GradientSync {
 
   // ---- measurements ----
   virtual int zero_stage() const { return 0; }
-  virtual int64_t padded_params() const { return model_.num_params; }     // Ψ' (ZeRO's padding)
+  virtual int64_t padded_params() const { return model_.num_params; }  // Ψ' (ZeRO's padding)
   // Bytes of fp32 master weights kept apart from the weights the model computes with (mixed
   // precision): a kept copy's master, or ZeRO-1/2's master shard; 0 when the model's own
   // weights are what the optimizer updates.
   virtual int64_t master_bytes() const = 0;
-  virtual void trace_communication(Trace& trace) const = 0;               // this step's collectives
+  virtual void trace_communication(Trace& trace) const = 0;  // this step's collectives
   // Its own collectives next to its formula (rank 0 prints): `measured`, dp_cp's traffic over
   // `steps` training steps.
   virtual void print_comm_report(int, const CollStats*, int64_t) const {}

@@ -1,15 +1,13 @@
 // launch.cu: the ranks of a job compare their command lines, builds and input files before the
 // grid is built (launch.cuh). Each setting travels as a 64-bit hash; only the first that differs
 // travels as text, for the message.
-#include "runtime/launch.cuh"
-
 #include <CLI/CLI.hpp>
-
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 
 #include "runtime/comm.cuh"
+#include "runtime/launch.cuh"
 
 namespace fs = std::filesystem;
 

@@ -1,7 +1,6 @@
 // model_config.cu: the presets, their checks and the closed-form parameter count.
-#include "runtime/model_config.cuh"
-
 #include "runtime/core.cuh"
+#include "runtime/model_config.cuh"
 
 ModelConfig model_preset(const std::string& name) {
   ModelConfig c;
@@ -11,7 +10,7 @@ ModelConfig model_preset(const std::string& name) {
     c.experts = 8, c.top_k = 2, c.ffn = 192;  // expert FLOPs per token, 4x the MLP weights
     return c;
   }
-  if (name == "medium") {        // 25M parameters: the CPU benchmark's config
+  if (name == "medium") {  // 25M parameters: the CPU benchmark's config
     c.d_model = 512, c.layers = 8, c.heads = 8, c.kv_heads = 4, c.ffn = 1536, c.seq = 256;
     return c;
   }
@@ -51,7 +50,8 @@ void validate_model_config(const ModelConfig& c) {
                      std::to_string(c.d_model) + ": pick a head count that divides it");
   if (c.heads % c.kv_heads)
     throw UsageError("--kv-heads " + std::to_string(c.kv_heads) + " does not divide --heads " +
-                     std::to_string(c.heads) + ": grouped-query attention shares each key/value "
+                     std::to_string(c.heads) +
+                     ": grouped-query attention shares each key/value "
                      "head among heads/kv_heads query heads");
   if (c.head_dim() % 2)
     throw UsageError("--d-model / --heads = " + std::to_string(c.head_dim()) +

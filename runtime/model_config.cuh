@@ -8,22 +8,22 @@
 
 struct ModelConfig {
   std::string preset = "tiny";
-  int vocab = 256;     // vocab_size
-  int d_model = 128;   // hidden_size
-  int layers = 4;      // num_hidden_layers
-  int heads = 4;       // num_attention_heads
-  int kv_heads = 2;    // num_key_value_heads
-  int ffn = 384;       // intermediate_size
-  int seq = 128;       // tokens per sequence (max_position_embeddings)
+  int vocab = 256;    // vocab_size
+  int d_model = 128;  // hidden_size
+  int layers = 4;     // num_hidden_layers
+  int heads = 4;      // num_attention_heads
+  int kv_heads = 2;   // num_key_value_heads
+  int ffn = 384;      // intermediate_size
+  int seq = 128;      // tokens per sequence (max_position_embeddings)
   float rope_theta = 10000.0f;
   float norm_eps = 1e-5f;
   bool tie_embeddings = false;
   float init_std = 0.02f;
   // A Mixtral-style mixture of experts in every block's MLP (expert_parallel.cu); 0: dense.
-  int experts = 0;                // num_local_experts
-  int top_k = 2;                  // num_experts_per_tok
-  float aux_loss_coef = 0.001f;   // router_aux_loss_coef: the load-balancing loss's weight
-  std::string loaded_config;  // the config.json --load read ("": none), which --save writes back
+  int experts = 0;               // num_local_experts
+  int top_k = 2;                 // num_experts_per_tok
+  float aux_loss_coef = 0.001f;  // router_aux_loss_coef: the load-balancing loss's weight
+  std::string loaded_config;     // the config.json --load read ("": none), which --save writes back
   int head_dim() const { return d_model / heads; }
 };
 

@@ -1,12 +1,12 @@
 // observe.cu: faults on purpose, and what the engine's operations measured (observe.cuh).
-#include "runtime/observe.cuh"
-
-#include <csignal>
-#include <chrono>
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <thread>
 #include <vector>
+
+#include "runtime/observe.cuh"
 
 const char* fault_where_name(FaultWhere w) {
   const char* names[] = {"init", "step",      "forward",    "backward",
@@ -20,7 +20,8 @@ void Fault::at(FaultWhere here, int world_rank, int64_t now) const {
           (long long)now, fault_where_name(here));
   fflush(stderr);
   if (kind == "crash") raise(SIGKILL);
-  if (kind == "hang") for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+  if (kind == "hang")
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
   PICO_ASSERT(kind != "error", "injected error");
 }
 
@@ -44,7 +45,8 @@ Fault parse_fault(const std::string& value) {
   if (f.kind != "crash" && f.kind != "hang" && f.kind != "error" && f.kind != "inf")
     throw fail("unknown kind '" + f.kind + "' (crash, hang, error or inf)");
   auto integer = [&](const std::string& text, const char* what) {
-    if (text.empty() || text.size() > 12 || text.find_first_not_of("0123456789") != std::string::npos)
+    if (text.empty() || text.size() > 12 ||
+        text.find_first_not_of("0123456789") != std::string::npos)
       throw fail(std::string(what) + " '" + text + "' is not a non-negative integer");
     return std::stoll(text);
   };
@@ -82,9 +84,11 @@ void check_fault_fires(const Fault& f, const std::string& value, const FaultPlac
   }
   if (!run.trains) throw never("--score takes no training step (only init faults fire)");
   if (f.kind == "inf" && !run.skips_overflow)
-    throw UsageError("--fault " + value + ": inf stands for an fp16 overflow, which fp16's loss "
+    throw UsageError("--fault " + value +
+                     ": inf stands for an fp16 overflow, which fp16's loss "
                      "scaling meets by skipping the step on every rank; this run is " +
-                     run.precision + ", without loss scaling, where an infinity would reach the "
+                     run.precision +
+                     ", without loss scaling, where an infinity would reach the "
                      "weights (or not) depending on the layout: use --dtype fp16");
   auto steps_run = [&] {
     if (run.first_step >= run.end)

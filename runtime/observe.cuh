@@ -35,12 +35,12 @@ Fault parse_fault(const std::string& flag_value);
 // The places a run passes, for check_fault_fires. STEP counts from 0, as --fault does.
 struct FaultPlaces {
   int world = 1;
-  bool trains = true;                // false: --score, which takes no step
-  int64_t first_step = 0, end = 0;   // the training steps run: [first_step, end)
+  bool trains = true;                             // false: --score, which takes no step
+  int64_t first_step = 0, end = 0;                // the training steps run: [first_step, end)
   std::function<bool(int64_t)> validates, saves;  // after step s: validation; a checkpoint
-  std::string precision;             // "fp32", ...: what inf meets
-  bool skips_overflow = false;       // fp16 loss scaling: an inf gradient skips the step
-  std::string schedule;              // how the steps were set, for the message ("--steps 3")
+  std::string precision;                          // "fp32", ...: what inf meets
+  bool skips_overflow = false;  // fp16 loss scaling: an inf gradient skips the step
+  std::string schedule;         // how the steps were set, for the message ("--steps 3")
 };
 // Throws UsageError naming --fault and why when the fault can never fire in this run (a test
 // relying on it would pass without it): a rank past the grid, a step the run does not take, a
@@ -57,8 +57,8 @@ enum class Phase { Forward, Backward, Weight };
 struct ScheduleMeasure {
   double busy_s = 0, step_s = 0;  // forward/backward time, and whole schedule time
   int steps = 0;
-  int peak_in_flight = 0;      // most micro-batch chunks' activations held, from the memory held
-  int64_t block_bytes = -1;    // one block's saved activations, measured on the first forward
+  int peak_in_flight = 0;    // most micro-batch chunks' activations held, from the memory held
+  int64_t block_bytes = -1;  // one block's saved activations, measured on the first forward
 };
 
 class Observer {

@@ -2,21 +2,19 @@
 // that must match it, then the function that dispatches on the device (STYLE: CPU reference
 // beside each kernel). The one idea: a transformer is a handful of GEMMs plus cheap
 // elementwise and row-wise ops, and every one of them has a simple backward.
-#include "runtime/ops.cuh"
-
-#include "runtime/dtype.cuh"
-
 #include <cblas.h>
-
-#include <cub/device/device_radix_sort.cuh>
 
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <cub/device/device_radix_sort.cuh>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "runtime/dtype.cuh"
+#include "runtime/ops.cuh"
 
 // ============================================================================
 // matmul
@@ -26,8 +24,7 @@ void gemm(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K, f
           const float* A, int lda, const float* B, int ldb, float beta, float* C, int ldc) {
   if (ctx.device == Device::CPU) {
     cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
-                trans_b ? CblasTrans : CblasNoTrans, M, N, K, alpha, A, lda, B, ldb, beta, C,
-                ldc);
+                trans_b ? CblasTrans : CblasNoTrans, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     return;
   }
   // cuBLAS is column-major. A row-major [M, N] matrix is the column-major [N, M] matrix C^T,
@@ -137,7 +134,8 @@ static __global__ void embedding_backward_kernel(float* table, const float* rows
     if (id < 0 || id >= V || (k > 0 && sorted_ids[k - 1] == id)) continue;  // not a run's head
     float* cell = table + (int64_t)id * D + col;
     float acc = *cell;
-    for (int j = k; j < T && sorted_ids[j] == id; j++) acc += rows[(int64_t)sorted_pos[j] * D + col];
+    for (int j = k; j < T && sorted_ids[j] == id; j++)
+      acc += rows[(int64_t)sorted_pos[j] * D + col];
     *cell = acc;
   }
 }
@@ -177,8 +175,8 @@ void embedding_backward(const Context& ctx, const Tensor& dtable, const Tensor& 
   int32_t *sorted_ids = positions + T, *sorted_pos = sorted_ids + T;
   iota_kernel<<<grid_for(T), kThreads, 0, ctx.stream>>>(positions, T);
   LAUNCH_CHECK(ctx, "iota_kernel");
-  CUDA_CHECK(cub::DeviceRadixSort::SortPairs(work.i32(), scratch, ids.i32(), sorted_ids,
-                                             positions, sorted_pos, T, 0, 32, ctx.stream));
+  CUDA_CHECK(cub::DeviceRadixSort::SortPairs(work.i32(), scratch, ids.i32(), sorted_ids, positions,
+                                             sorted_pos, T, 0, 32, ctx.stream));
   embedding_backward_kernel<<<grid_for((int64_t)T * D), kThreads, 0, ctx.stream>>>(
       dtable.f32(), dout.f32(), sorted_ids, sorted_pos, T, D, V);
   LAUNCH_CHECK(ctx, "embedding_backward_kernel");
@@ -256,7 +254,8 @@ static __global__ void rmsnorm_dw_partial_kernel(float* partials, const float* d
   int first = blockIdx.y * kDwRows, last = min(T, first + kDwRows);
   if (i >= D) return;
   float acc = 0.0f;
-  for (int t = first; t < last; t++) acc += dy[(int64_t)t * D + i] * (x[(int64_t)t * D + i] * rstd[t]);
+  for (int t = first; t < last; t++)
+    acc += dy[(int64_t)t * D + i] * (x[(int64_t)t * D + i] * rstd[t]);
   partials[(int64_t)blockIdx.y * D + i] = acc;  // partials [row blocks, D]
 }
 static __global__ void rmsnorm_dw_sum_kernel(float* dw, const float* partials, int row_blocks,
@@ -365,7 +364,9 @@ void rope_backward(const Context& ctx, const Tensor& dx, const Tensor& positions
 // SwiGLU (Shazeer 2020): the gated MLP activation of Llama
 // ============================================================================
 
-static __host__ __device__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+static __host__ __device__ float sigmoid(float g) {
+  return 1.0f / (1.0f + expf(-g));
+}
 
 // gate, up, out [n]
 static void swiglu_forward_cpu(float* out, const float* gate, const float* up, int64_t n) {
@@ -611,7 +612,7 @@ void cross_entropy_row_sums(const Context& ctx, const Tensor& sums, const Tensor
     return ce_row_sums_cpu(sums.f32(), logits.f32(), row_max.f32(), targets.i32(), N, V);
   if (N == 0) return;
   ce_row_sums_kernel<<<N, kThreads, 0, ctx.stream>>>(sums.f32(), logits.f32(), row_max.f32(),
-                                                      targets.i32(), V);
+                                                     targets.i32(), V);
   LAUNCH_CHECK(ctx, "ce_row_sums_kernel");
 }
 void cross_entropy_finish(const Context& ctx, const Tensor& losses, const Tensor& stats,
@@ -635,14 +636,14 @@ void cross_entropy_backward(const Context& ctx, const Tensor& dlogits, const Ten
     return ce_backward_cpu(dlogits.f32(), logits.f32(), stats.f32(), targets.i32(), N, V, scale);
   if (N == 0) return;
   ce_backward_kernel<<<N, kThreads, 0, ctx.stream>>>(dlogits.f32(), logits.f32(), stats.f32(),
-                                                      targets.i32(), V, scale);
+                                                     targets.i32(), V, scale);
   LAUNCH_CHECK(ctx, "ce_backward_kernel");
 }
 
 void cross_entropy_forward(const Context& ctx, const Tensor& losses, const Tensor& stats,
                            const Tensor& logits, const Tensor& targets) {
-  Tensor row_max = empty(ctx, {logits.size(0)}, Mem::Workspace);   // [N]
-  Tensor sums = empty(ctx, {logits.size(0), 2}, Mem::Workspace);   // [N, 2]
+  Tensor row_max = empty(ctx, {logits.size(0)}, Mem::Workspace);  // [N]
+  Tensor sums = empty(ctx, {logits.size(0), 2}, Mem::Workspace);  // [N, 2]
   cross_entropy_row_max(ctx, row_max, logits);
   cross_entropy_row_sums(ctx, sums, logits, row_max, targets);
   cross_entropy_finish(ctx, losses, stats, row_max, sums);
@@ -748,7 +749,8 @@ static std::vector<float> reduce_each(const Context& ctx, const std::vector<Tens
   std::vector<float> totals(xs.size());
   count_host_sync();  // the results go to the host: on CUDA the host waits for the stream
   if (ctx.device == Device::CPU) {
-    for (size_t i = 0; i < xs.size(); i++) totals[i] = sum_cpu(xs[i].ptr, xs[i].numel(), squares, xs[i].dtype == DType::BF16);
+    for (size_t i = 0; i < xs.size(); i++)
+      totals[i] = sum_cpu(xs[i].ptr, xs[i].numel(), squares, xs[i].dtype == DType::BF16);
     return totals;
   }
   if (xs.empty()) return totals;
@@ -781,8 +783,12 @@ static std::vector<float> reduce_each(const Context& ctx, const std::vector<Tens
 static float reduce(const Context& ctx, const Tensor& x, bool squares) {
   return reduce_each(ctx, {x}, squares)[0];
 }
-float sum(const Context& ctx, const Tensor& x) { return reduce(ctx, x, false); }
-float sum_squares(const Context& ctx, const Tensor& x) { return reduce(ctx, x, true); }
+float sum(const Context& ctx, const Tensor& x) {
+  return reduce(ctx, x, false);
+}
+float sum_squares(const Context& ctx, const Tensor& x) {
+  return reduce(ctx, x, true);
+}
 std::vector<float> sum_squares_each(const Context& ctx, const std::vector<Tensor>& xs) {
   return reduce_each(ctx, xs, true);
 }
@@ -829,7 +835,9 @@ void adamw_update(const Context& ctx, float* p, const float* g, float* m, float*
 // CPU threads
 // ============================================================================
 
-int cpu_workers(int items) { return std::max(1, std::min(openblas_get_num_threads(), items)); }
+int cpu_workers(int items) {
+  return std::max(1, std::min(openblas_get_num_threads(), items));
+}
 
 void run_on_cpu_workers(int items, int workers,
                         const std::function<void(int item, int worker)>& fn) {

@@ -41,8 +41,8 @@ void rope_backward(const Context& ctx, const Tensor& dx, const Tensor& positions
 // gate, up, out [T, F]
 void swiglu_forward(const Context& ctx, const Tensor& out, const Tensor& gate, const Tensor& up);
 // dgate, dup [T, F] (=)
-void swiglu_backward(const Context& ctx, const Tensor& dgate, const Tensor& dup,
-                     const Tensor& dout, const Tensor& gate, const Tensor& up);
+void swiglu_backward(const Context& ctx, const Tensor& dgate, const Tensor& dup, const Tensor& dout,
+                     const Tensor& gate, const Tensor& up);
 
 // ---- residual: out = a + b (backward is the identity into both branches) ----
 void residual_forward(const Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b);
@@ -101,7 +101,8 @@ void adamw_update(const Context& ctx, float* p, const float* g, float* m, float*
 // itself is held to one thread meanwhile: a tile-sized GEMM is too small to split, and
 // splitting it inside each worker would oversubscribe the cores.
 int cpu_workers(int items);  // min(OpenBLAS threads, items), at least 1
-void run_on_cpu_workers(int items, int workers, const std::function<void(int item, int worker)>& fn);
+void run_on_cpu_workers(int items, int workers,
+                        const std::function<void(int item, int worker)>& fn);
 
 // ---- A CPU exponential the compiler vectorises (FlashAttention's CPU tiles) ----
 // exp(x) for x <= 0 (a score minus its row's max or lse), for the CPU tiles: x = n ln2 + r with

@@ -14,16 +14,16 @@ AdamMoments adam_moments(int64_t n, Device device) {
   return {zeros({n}, Mem::Optimizer, device), zeros({n}, Mem::Optimizer, device)};
 }
 
-std::vector<ParamSlice> whole_model_slices(const FlatParameters& model, const AdamMoments& moments) {
+std::vector<ParamSlice> whole_model_slices(const FlatParameters& model,
+                                           const AdamMoments& moments) {
   std::vector<ParamSlice> slices;
   for (int u = 0; u < (int)model.units.size(); u++)
     for (int p = model.units[u].first; p < model.units[u].first + model.units[u].count; p++) {
       const Tensor& t = model.named_params[p].tensor;
       int64_t at = model.offsets[p];
       slices.push_back({model.params.f32() + at, model.grads.view(at, {t.numel()}).ptr,
-                        moments.exp_avg.f32() + at,
-                        moments.exp_avg_sq.f32() + at, t.numel(), u, weight_decays(t),
-                        model.layouts[p].writer, model.grads.dtype});
+                        moments.exp_avg.f32() + at, moments.exp_avg_sq.f32() + at, t.numel(), u,
+                        weight_decays(t), model.layouts[p].writer, model.grads.dtype});
     }
   return slices;
 }

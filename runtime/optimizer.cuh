@@ -2,8 +2,8 @@
 // rule, and the learning-rate schedule. Adam keeps two fp32 moments per parameter: the 8 bytes
 // of the book's 16 bytes per parameter (Playbook §2.4: 4 weights + 4 gradients + 8 optimizer).
 #pragma once
-#include "runtime/parameters.cuh"
 #include "runtime/ops.cuh"
+#include "runtime/parameters.cuh"
 
 // A run of one parameter that this rank updates: `count` contiguous floats of its weights, its
 // gradient and its two Adam moments. Plain data parallelism has one slice per parameter; ZeRO

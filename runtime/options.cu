@@ -1,7 +1,5 @@
 // options.cu: the run's own flags (CLI11), their checks, the checks before the first allocation
 // and the configuration table (options.cuh).
-#include "runtime/options.cuh"
-
 #include <unistd.h>
 
 #include <climits>
@@ -11,6 +9,7 @@
 
 #include "runtime/checkpoint.cuh"
 #include "runtime/dtype.cuh"
+#include "runtime/options.cuh"
 
 namespace fs = std::filesystem;
 
@@ -46,7 +45,9 @@ double parse_number(const std::string& text, const std::string& what, double lo,
   if (end == text.c_str() || *end != '\0' || !(v >= lo && v <= hi) ||
       (integer && v != std::floor(v)) || (power_of_two && !is_power_of_two(v)))
     throw UsageError(what + " '" + text + "': not " +
-                     (power_of_two ? "a power of two" : integer ? "an integer" : "a number") +
+                     (power_of_two ? "a power of two"
+                      : integer    ? "an integer"
+                                   : "a number") +
                      " from " + exact_num(lo) + " to " + exact_num(hi) +
                      " (a damaged or hand-edited file?)");
   return v;
@@ -65,12 +66,9 @@ void check_at_most(int64_t value, int64_t max, const std::string& source, const 
 // ----------------------------------------------------------------------------
 // The run's own flags
 
-static const std::vector<Choice<Report>> kReports = {{"memory", Report::Memory},
-                                                     {"comm", Report::Comm},
-                                                     {"bubble", Report::Bubble},
-                                                     {"sync", Report::Sync},
-                                                     {"balance", Report::Balance},
-                                                     {"experts", Report::Experts}};
+static const std::vector<Choice<Report>> kReports = {
+    {"memory", Report::Memory}, {"comm", Report::Comm},       {"bubble", Report::Bubble},
+    {"sync", Report::Sync},     {"balance", Report::Balance}, {"experts", Report::Experts}};
 static const std::vector<Choice<DType>> kSaveDtypes = {{"fp32", DType::F32}, {"bf16", DType::BF16}};
 
 bool RunOptions::reports_on(Report r) const {
@@ -91,7 +89,8 @@ void add_run_flags(CLI::App& app, RunOptions& o) {
   auto shape = [&](const char* flag, int ModelConfig::*field, const char* help) {
     add_shape_flag(model, o, flag, field, help);
   };
-  shape("--d-model", &ModelConfig::d_model, "hidden size, at most 16777216 (default: the preset's)");
+  shape("--d-model", &ModelConfig::d_model,
+        "hidden size, at most 16777216 (default: the preset's)");
   shape("--layers", &ModelConfig::layers, "transformer blocks, at most 4096");
   shape("--heads", &ModelConfig::heads, "query heads, dividing --d-model");
   shape("--kv-heads", &ModelConfig::kv_heads, "key/value heads, dividing --heads (grouped-query)");
@@ -103,9 +102,10 @@ void add_run_flags(CLI::App& app, RunOptions& o) {
   model.add_flag("--tie-embeddings", o.model.tie_embeddings, "share embedding and LM head");
 
   CLI::App& steps = flag_group(app, "First steps: the training step (Playbook §2)");
-  steps.add_option("--steps", o.steps,
-                   "total optimizer steps, >= 0 (a resumed run continues to it; 0: no step, only "
-                   "--load then --save, e.g. to convert a checkpoint, or --sample)")
+  steps
+      .add_option("--steps", o.steps,
+                  "total optimizer steps, >= 0 (a resumed run continues to it; 0: no step, only "
+                  "--load then --save, e.g. to convert a checkpoint, or --sample)")
       ->capture_default_str();
   steps.add_option("--stop-after", o.stop_after,
                    "end this run after N steps (the schedule still spans --steps; resume with "
@@ -116,15 +116,15 @@ void add_run_flags(CLI::App& app, RunOptions& o) {
       ->capture_default_str();
   steps.add_option("--lr", o.lr, "peak learning rate, > 0")->capture_default_str();
   steps.add_option("--warmup", o.warmup, "linear warmup steps, >= 0")->capture_default_str();
-  steps.add_option("--min-lr", o.min_lr, "final learning rate of the cosine, 0 to --lr "
-                                         "(default: lr/10)");
+  steps.add_option("--min-lr", o.min_lr,
+                   "final learning rate of the cosine, 0 to --lr "
+                   "(default: lr/10)");
   steps.add_option("--weight-decay", o.weight_decay, "AdamW decoupled weight decay, >= 0")
       ->capture_default_str();
   steps.add_option("--grad-clip", o.grad_clip, "clip the global gradient norm (0: off)")
       ->capture_default_str();
   steps.add_option("--seed", o.seed, "seed of initialisation, data order and sampling")
       ->capture_default_str();
-
 }
 
 void add_io_flags(CLI::App& app, RunOptions& o) {
@@ -147,9 +147,10 @@ void add_io_flags(CLI::App& app, RunOptions& o) {
   CLI::App& out = flag_group(app, "Checkpoints, logs and reports");
   out.add_option("--save", o.save,
                  "write a Hugging Face checkpoint to DIR at the end (DIR's other files are kept)");
-  add_typed(out, "--save-dtype", &o.save_dtype,
-            [](const std::string& v) { return parse_choice("--save-dtype", v, kSaveDtypes); },
-            "fp32", "model.safetensors in fp32 (the master weights) or bf16 (optimizer: fp32)");
+  add_typed(
+      out, "--save-dtype", &o.save_dtype,
+      [](const std::string& v) { return parse_choice("--save-dtype", v, kSaveDtypes); }, "fp32",
+      "model.safetensors in fp32 (the master weights) or bf16 (optimizer: fp32)");
   out.add_option("--save-every", o.save_every,
                  "also save every N steps, to DIR/checkpoint-<step> (Hugging Face Trainer's "
                  "layout; --load DIR resumes from the newest)");
@@ -163,7 +164,8 @@ void add_io_flags(CLI::App& app, RunOptions& o) {
   out.add_option_function<std::vector<std::string>>(
          "--report",
          [&o](const std::vector<std::string>& names) {
-           for (const std::string& n : names) o.reports.push_back(parse_choice("--report", n, kReports));
+           for (const std::string& n : names)
+             o.reports.push_back(parse_choice("--report", n, kReports));
          },
          "print reports at the end: memory, comm, bubble, sync, balance, experts (several: "
          "memory,comm)")
@@ -205,8 +207,8 @@ static void resolve_model(RunOptions& o) {
   if (!o.load.empty()) {
     o.model = read_checkpoint_config(o.load);
     auto disagree = [&](const std::string& flag_and_value, const std::string& theirs) {
-      return UsageError(flag_and_value + " disagrees with " + o.load + "/config.json (" +
-                        theirs + "); drop the flag when loading");
+      return UsageError(flag_and_value + " disagrees with " + o.load + "/config.json (" + theirs +
+                        "); drop the flag when loading");
     };
     for (auto [flag, field] : o.shape)
       if (o.given(flag) && flags.*field != o.model.*field && flag != "--seq")
@@ -237,22 +239,25 @@ static void resolve_model(RunOptions& o) {
 void resolve_run_options(RunOptions& o, int world) {
   if (!o.score.empty())  // --score prints a loss and exits: training flags would do nothing
     for (const char* flag :
-         {"--save", "--save-dtype", "--save-every", "--keep", "--steps", "--stop-after",
-          "--save-grads", "--log-json",
-          "--trace", "--sample", "--data", "--lr", "--min-lr", "--warmup", "--weight-decay",
-          "--grad-clip", "--grad-acc", "--val-frac", "--val-every", "--val-seqs", "--no-shuffle"})
+         {"--save",       "--save-dtype", "--save-every", "--keep",      "--steps",
+          "--stop-after", "--save-grads", "--log-json",   "--trace",     "--sample",
+          "--data",       "--lr",         "--min-lr",     "--warmup",    "--weight-decay",
+          "--grad-clip",  "--grad-acc",   "--val-frac",   "--val-every", "--val-seqs",
+          "--no-shuffle"})
       if (o.given(flag))
         throw UsageError(std::string("--score prints a loss and exits: ") + flag +
                          " would be ignored; drop it (train first, then score the checkpoint)");
   resolve_model(o);
   if (o.steps < 0) throw UsageError("--steps " + std::to_string(o.steps) + ": must be >= 0");
   if (o.steps == 0 && o.score.empty() && o.save.empty() && o.sample == 0)
-    throw UsageError("--steps 0 trains nothing: it loads (--load DIR) and saves (--save DIR), "
-                     "e.g. a bf16 or sharded checkpoint into one fp32 model.safetensors, or "
-                     "samples (--sample N); add --save DIR");
+    throw UsageError(
+        "--steps 0 trains nothing: it loads (--load DIR) and saves (--save DIR), "
+        "e.g. a bf16 or sharded checkpoint into one fp32 model.safetensors, or "
+        "samples (--sample N); add --save DIR");
   if (o.steps == 0 && !o.save_grads.empty())
-    throw UsageError("--save-grads writes the first step's gradients, and --steps 0 takes no "
-                     "step: drop --save-grads");
+    throw UsageError(
+        "--save-grads writes the first step's gradients, and --steps 0 takes no "
+        "step: drop --save-grads");
   if (o.save_every < 0) throw UsageError("--save-every must be >= 0 (0: only the final save)");
   if (o.save_every > 0 && o.save.empty())
     throw UsageError("--save-every " + std::to_string(o.save_every) +
@@ -365,7 +370,8 @@ std::vector<std::vector<LaunchSetting>> launch_settings(const RunOptions& o) {
     }
     files.push_back(files_setting("--load " + o.load, read));
   }
-  return {{build_setting()}, o.app ? command_line_settings(*o.app) : std::vector<LaunchSetting>{},
+  return {{build_setting()},
+          o.app ? command_line_settings(*o.app) : std::vector<LaunchSetting>{},
           files};
 }
 
@@ -404,14 +410,16 @@ void check_memory_fits(double state, double acts, Device device, int local_ranks
 void check_outputs(const RunOptions& o, const Comm& comm) {
   if (comm.grid.world_rank != 0) return;  // world rank 0 writes every output
   if (!o.save.empty()) check_checkpoint_output("--save", o.save);
-  for (auto [flag, path] : {std::pair<const char*, const std::string&>{"--save-grads", o.save_grads},
-                            {"--log-json", o.log_json},
-                            {"--trace", o.trace}})
+  for (auto [flag, path] :
+       {std::pair<const char*, const std::string&>{"--save-grads", o.save_grads},
+        {"--log-json", o.log_json},
+        {"--trace", o.trace}})
     if (!path.empty()) check_output_file(flag, path);
 }
 
 void print_config_table(const std::vector<std::pair<std::string, std::string>>& rows) {
-  const char* rule = "+------------------------+----------------------------------------------------+";
+  const char* rule =
+      "+------------------------+----------------------------------------------------+";
   printf("%s\n", rule);
   for (const auto& [k, v] : rows) printf("| %-22s | %-50s |\n", k.c_str(), v.c_str());
   printf("%s\n", rule);

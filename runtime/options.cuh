@@ -6,7 +6,6 @@
 // anything is allocated.
 #pragma once
 #include <CLI/CLI.hpp>
-
 #include <limits>
 #include <string>
 #include <vector>
@@ -63,9 +62,9 @@ void check_range(double value, const std::string& flag, double lo, bool open_lo,
 // Sizes past `max` overflow int arithmetic or fit no machine; `source` names where the value
 // came from: the flag, or the checkpoint's config.json key.
 void check_at_most(int64_t value, int64_t max, const std::string& source, const std::string& fix);
-std::string num(double x);  // 0.002, inf, nan: as the user would type it
+std::string num(double x);        // 0.002, inf, nan: as the user would type it
 std::string exact_num(double x);  // an integer in full (4294967296), else as num (0.125)
-bool is_power_of_two(double x);  // 2^k for some integer k (0.125, 1, 32768)
+bool is_power_of_two(double x);   // 2^k for some integer k (0.125, 1, 32768)
 // `text` as a number from lo to hi (an integer when `integer`, a power of two when
 // `power_of_two`); UsageError "<what> '<text>': ..." otherwise (a value read back from a file:
 // `what` names the file and the key).
@@ -103,8 +102,8 @@ struct RunOptions {
   // where it runs, and its faults
   std::string device = "auto", comm = "auto";
   double comm_timeout = 300;
-  bool sync_launches = false;  // debugging: synchronise after every CUDA kernel
-  Fault fault;                 // --fault; kind empty: none
+  bool sync_launches = false;     // debugging: synchronise after every CUDA kernel
+  Fault fault;                    // --fault; kind empty: none
   const CLI::App* app = nullptr;  // the parsed command line (main's, alive for the whole run)
   bool given(const std::string& flag) const { return app && app->count(flag) > 0; }
   bool reports_on(Report r) const;
@@ -135,8 +134,7 @@ std::vector<std::vector<LaunchSetting>> launch_settings(const RunOptions& o);
 double device_bytes_per_rank(Device device, int local_ranks, std::string& what);
 // UsageError with both numbers when static state and one micro-batch's activations (bytes per
 // rank) do not fit the rank's share of its device.
-void check_memory_fits(double state_bytes, double activation_bytes, Device device,
-                       int local_ranks);
+void check_memory_fits(double state_bytes, double activation_bytes, Device device, int local_ranks);
 // On world rank 0: every output path (--save, --save-grads, --log-json, --trace) can be written.
 void check_outputs(const RunOptions& o, const Comm& comm);
 // The configuration table rank 0 prints before the first step: one row per (name, value).

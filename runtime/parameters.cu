@@ -1,8 +1,8 @@
 // parameters.cu: the flat parameter buffers and their named views (parameters.cuh), and
 // blocks of whole tensors, where tensor-parallel shards come from and go back to.
-#include "runtime/parameters.cuh"
-
 #include <algorithm>
+
+#include "runtime/parameters.cuh"
 
 std::vector<NamedTensor> named_views(const FlatParameters& p, const Tensor& flat) {
   std::vector<NamedTensor> views;
@@ -40,12 +40,15 @@ static void copy_block(const Tensor& shard, float* full, int64_t row0, int64_t c
   for (int64_t r = 0; r < rows; r++)
     for (int64_t c = 0; c < cols; c++) {
       float& cell = full[(row0 + r) * full_cols + col0 + c];
-      if (into_shard) host[r * cols + c] = cell;
-      else cell = host[r * cols + c];
+      if (into_shard)
+        host[r * cols + c] = cell;
+      else
+        cell = host[r * cols + c];
     }
   if (into_shard) from_host(shard, host.data());
 }
-void load_block(const Tensor& shard, const float* full, int64_t row0, int64_t col0, int64_t full_cols) {
+void load_block(const Tensor& shard, const float* full, int64_t row0, int64_t col0,
+                int64_t full_cols) {
   copy_block(shard, const_cast<float*>(full), row0, col0, full_cols, true);
 }
 void store_block(const Tensor& shard, float* full, int64_t row0, int64_t col0, int64_t full_cols) {
@@ -58,8 +61,8 @@ bool TpSlice::whole(const Tensor& shard) const {
   return shard.numel() == n;
 }
 
-ShardLayout make_shard_layout(const FlatParameters& model, int ranks, int rank,
-                              int expert_ranks, int expert_rank) {
+ShardLayout make_shard_layout(const FlatParameters& model, int ranks, int rank, int expert_ranks,
+                              int expert_rank) {
   ShardLayout s;
   s.ranks = ranks, s.rank = rank;
   if (expert_ranks == 0) expert_ranks = ranks, expert_rank = rank;

@@ -91,14 +91,16 @@ void init_normal_block(const Tensor& shard, uint64_t seed, const std::string& na
                        int64_t row0, int64_t col0, int64_t full_cols);
 // Copies the block [row0, row0 + shard rows) x [col0, col0 + shard cols) of a whole host
 // tensor [*, full_cols] into `shard` (any device), and back.
-void load_block(const Tensor& shard, const float* full, int64_t row0, int64_t col0, int64_t full_cols);
+void load_block(const Tensor& shard, const float* full, int64_t row0, int64_t col0,
+                int64_t full_cols);
 void store_block(const Tensor& shard, float* full, int64_t row0, int64_t col0, int64_t full_cols);
 
-// How the flat parameter vector is split over N ranks (ZeRO, zero.cu, and checkpoints). Each unit (embedding, block, head) is
-// split on its own, as FSDP splits each wrapped module's flat parameter, so that ZeRO-3 gathers a
-// block with one all-gather: rank r owns elements [r*S_u, (r+1)*S_u) of unit u, S_u =
-// ceil(numel_u / N); the slice of the last rank(s) runs past the unit's end into zero padding.
-// Expert units (ModelUnit::experts) split over their own group (edp_cp): N and r are theirs.
+// How the flat parameter vector is split over N ranks (ZeRO, zero.cu, and checkpoints). Each unit
+// (embedding, block, head) is split on its own, as FSDP splits each wrapped module's flat
+// parameter, so that ZeRO-3 gathers a block with one all-gather: rank r owns elements [r*S_u,
+// (r+1)*S_u) of unit u, S_u = ceil(numel_u / N); the slice of the last rank(s) runs past the unit's
+// end into zero padding. Expert units (ModelUnit::experts) split over their own group (edp_cp): N
+// and r are theirs.
 struct ShardLayout {
   int ranks = 1, rank = 0;  // the group of the other units (dp_cp)
   struct Unit {

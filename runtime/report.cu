@@ -3,9 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
-#include "runtime/report.cuh"
-
 #include "runtime/dtype.cuh"
+#include "runtime/report.cuh"
 
 void print_memory(int64_t num_params, int zero_stage, int ranks, Precision precision,
                   bool bf16_grads) {
@@ -14,8 +13,8 @@ void print_memory(int64_t num_params, int zero_stage, int ranks, Precision preci
   for (int i = 0; i < (int)Mem::Count; i++)
     printf("  %-12s %12s / %s\n", mem_name((Mem)i), human_bytes(m.peak[i]).c_str(),
            human_bytes(m.current[i]).c_str());
-  size_t stat = m.current[(int)Mem::Params] + m.current[(int)Mem::Grads] +
-                m.current[(int)Mem::Optimizer];
+  size_t stat =
+      m.current[(int)Mem::Params] + m.current[(int)Mem::Grads] + m.current[(int)Mem::Optimizer];
   printf("  static (params + grads + optimizer) = %s = %.2f bytes/parameter ",
          human_bytes(stat).c_str(), (double)stat / num_params);
   // The book's bytes for this run: fp32's 4 + 4 + 8, or mixed precision's 2 + 4 (2) + 12.
@@ -55,9 +54,10 @@ void print_precision_memory(Precision p, int64_t num_params, int64_t master_byte
   if (low) snprintf(master_str, sizeof master_str, "%.2f", master);
   printf("  %-26s %8.2f %10.2f %8s %10.2f %7.2f   %s\n", "this rank, measured", weights, grads,
          master_str, adam, weights + grads + master + adam,
-         !low         ? ""
-         : bf16_grads ? "(--grad-acc-dtype bf16: each unit accumulates in fp32 while its backward runs)"
-                      : "(gradients accumulate in fp32: no bf16 gradient copy)");
+         !low ? ""
+         : bf16_grads
+             ? "(--grad-acc-dtype bf16: each unit accumulates in fp32 while its backward runs)"
+             : "(gradients accumulate in fp32: no bf16 gradient copy)");
 }
 
 // An exact byte count as an integer, a fractional one (a formula at Psi / N) with two decimals.
@@ -87,15 +87,17 @@ void print_memory_report(Comm& comm, int zero_stage, int64_t num_params, int64_t
   StaticMemory book = zero_static_memory(zero_stage, (double)num_params, N, b);
   StaticMemory expected = zero_static_memory(zero_stage, (double)padded_params, N, b);
   if (b.params == 4)
-    printf("memory per rank (--report memory), ZeRO-%d over dp_cp, N = %d: bytes now; fp32, so 4 "
-           "per weight, 4 per gradient, 8 per parameter for Adam's m and v\n",
-           zero_stage, N);
+    printf(
+        "memory per rank (--report memory), ZeRO-%d over dp_cp, N = %d: bytes now; fp32, so 4 "
+        "per weight, 4 per gradient, 8 per parameter for Adam's m and v\n",
+        zero_stage, N);
   else
-    printf("memory per rank (--report memory), ZeRO-%d over dp_cp, N = %d: bytes now; --dtype %s, "
-           "so 2 per weight (%s), %g per gradient, 12 per parameter for the fp32 master weight "
-           "and Adam's m and v\n",
-           zero_stage, N, precision_name(precision), precision == Precision::FP16 ? "fp16" : "bf16",
-           b.grads);
+    printf(
+        "memory per rank (--report memory), ZeRO-%d over dp_cp, N = %d: bytes now; --dtype %s, "
+        "so 2 per weight (%s), %g per gradient, 12 per parameter for the fp32 master weight "
+        "and Adam's m and v\n",
+        zero_stage, N, precision_name(precision), precision == Precision::FP16 ? "fp16" : "bf16",
+        b.grads);
   printf("  Ψ = %lld parameters", (long long)num_params);
   if (zero_stage > 0)
     printf(
@@ -145,18 +147,21 @@ void print_comm_report(Comm& comm, int64_t num_params, int64_t steps, int64_t ex
   int world = comm.grid.world_size;
   std::vector<int64_t> all(world * mine.size());
   host_wait(comm.world, "gather of the comm report", mine.size() * 8, [&](MPI_Request* r) {
-    return MPI_Igather(mine.data(), (int)mine.size(), MPI_INT64_T, all.data(),
-                       (int)mine.size(), MPI_INT64_T, 0, comm.world.mpi, r);
+    return MPI_Igather(mine.data(), (int)mine.size(), MPI_INT64_T, all.data(), (int)mine.size(),
+                       MPI_INT64_T, 0, comm.world.mpi, r);
   });
   if (comm.grid.world_rank != 0) return;
   steps = std::max<int64_t>(1, steps);
-  printf("communication per step (--report comm; averaged over %lld steps, validation and "
-         "checkpoints included):\n", (long long)steps);
-  printf("  counted at each call on rank 0: calls, and elements (floats of its data argument); "
-         "charged by formula: bytes each rank sent (library collectives: the ring algorithm's "
-         "share; send_recv: counted)\n");
-  printf("  %-6s %3s  %-15s %10s %14s %16s %18s\n", "group", "N", "collective", "calls",
-         "elements", "bytes (formula)", "min..max, ranks");
+  printf(
+      "communication per step (--report comm; averaged over %lld steps, validation and "
+      "checkpoints included):\n",
+      (long long)steps);
+  printf(
+      "  counted at each call on rank 0: calls, and elements (floats of its data argument); "
+      "charged by formula: bytes each rank sent (library collectives: the ring algorithm's "
+      "share; send_recv: counted)\n");
+  printf("  %-6s %3s  %-15s %10s %14s %16s %18s\n", "group", "N", "collective", "calls", "elements",
+         "bytes (formula)", "min..max, ranks");
   for (int g = 0; g < G; g++) {
     if (groups[g]->size == 1) continue;
     for (int c = 0; c < C; c++) {
@@ -173,16 +178,17 @@ void print_comm_report(Comm& comm, int64_t num_params, int64_t steps, int64_t ex
              human_bytes((double)lo / steps).c_str(), human_bytes((double)hi / steps).c_str());
     }
   }
-  for (auto [g, params] : {std::pair{&comm.dp_cp, num_params - expert_params},
-                            {&comm.edp_cp, expert_params}}) {
+  for (auto [g, params] :
+       {std::pair{&comm.dp_cp, num_params - expert_params}, {&comm.edp_cp, expert_params}}) {
     const int N = g->size;
     if (N == 1 || params == 0) continue;
     double K = 4.0 * params;  // fp32 gradients
     printf("  gradient sync over %s, K = 4 bytes x %lld parameters = %s:\n", g->name.c_str(),
            (long long)params, human_bytes(K).c_str());
-    printf("    ring all-reduce 2(N-1)K/N = %s per rank per step (naive, bucket: all_reduce; "
-           "ring: send_recv)\n",
-           human_bytes(2.0 * (N - 1) * K / N).c_str());
+    printf(
+        "    ring all-reduce 2(N-1)K/N = %s per rank per step (naive, bucket: all_reduce; "
+        "ring: send_recv)\n",
+        human_bytes(2.0 * (N - 1) * K / N).c_str());
   }
 }
 
@@ -242,37 +248,42 @@ void print_activation_report(int64_t measured, int64_t formula, const std::strin
          measured == formula ? ", equal"
          : routed            ? ", the routing's (the formula assumes it balanced)"
                              : ", DIFFERENT");
-  printf("  formula: N(%dD + 8)/%s + N(%dD + %d Hkv hd + %dF + %s)/tp bytes, N = mbs x seq: "
-         "the book's sbh(34 + 5as/h) for this Llama; norms and residuals (the book's 10) "
-         "shrink with tp only under sp (34/t); attention keeps %s per token (the probabilities: "
-         "%d Hq T, the 5as/h term; FlashAttention's log-sum-exp: 4 Hq, linear in the sequence)\n",
-         8 + 2 * e, sp ? "tp" : "1", 2 * e, 2 * e, 3 * e, attention_term.c_str(),
-         attention_term.c_str(), e);
+  printf(
+      "  formula: N(%dD + 8)/%s + N(%dD + %d Hkv hd + %dF + %s)/tp bytes, N = mbs x seq: "
+      "the book's sbh(34 + 5as/h) for this Llama; norms and residuals (the book's 10) "
+      "shrink with tp only under sp (34/t); attention keeps %s per token (the probabilities: "
+      "%d Hq T, the 5as/h term; FlashAttention's log-sum-exp: 4 Hq, linear in the sequence)\n",
+      8 + 2 * e, sp ? "tp" : "1", 2 * e, 2 * e, 3 * e, attention_term.c_str(),
+      attention_term.c_str(), e);
   if (routed)
-    printf("  a mixture of experts keeps k(2D + 3F/tp) x %d bytes per token in place of 3F/tp x %d:"
-           " each of a token's k rows at its expert (input, output, gate, up, SwiGLU)\n", e, e);
+    printf(
+        "  a mixture of experts keeps k(2D + 3F/tp) x %d bytes per token in place of 3F/tp x %d:"
+        " each of a token's k rows at its expert (input, output, gate, up, SwiGLU)\n",
+        e, e);
 }
 
 void print_tp_comm_report(const TpTraffic& e, int grad_acc, int tp, bool sp,
                           const CollStats* measured, int64_t steps) {
   steps = std::max<int64_t>(1, steps);
-  printf("tensor-parallel traffic per training step (--report comm; tp %d%s, %d micro-batches, "
-         "rank 0; calls and elements counted, bytes charged by the ring formula):\n",
-         tp, sp ? " + sp" : "", grad_acc);
+  printf(
+      "tensor-parallel traffic per training step (--report comm; tp %d%s, %d micro-batches, "
+      "rank 0; calls and elements counted, bytes charged by the ring formula):\n",
+      tp, sp ? " + sp" : "", grad_acc);
   auto row = [&](Coll c, int64_t expected) {
     const CollStats& m = measured[(int)c];
     int64_t got = m.bytes / steps;
-    printf("  %-15s %6.1f calls %12.1f elements, bytes %12s, model's count %12s%s\n",
-           coll_name(c), (double)m.calls / steps, (double)m.elements / steps,
-           human_bytes(got).c_str(), human_bytes((double)expected * grad_acc).c_str(),
+    printf("  %-15s %6.1f calls %12.1f elements, bytes %12s, model's count %12s%s\n", coll_name(c),
+           (double)m.calls / steps, (double)m.elements / steps, human_bytes(got).c_str(),
+           human_bytes((double)expected * grad_acc).c_str(),
            got == expected * grad_acc ? " (equal)" : "");
   };
   row(Coll::AllReduce, e.all_reduce);
   row(Coll::AllGather, e.all_gather);
   row(Coll::ReduceScatter, e.reduce_scatter);
-  printf("  the book: TP sends 4 all-reduces of s·b·h per block (2 forward, 2 backward), TP+SP "
-         "the same bytes as all-gathers and reduce-scatters (AR = RS + AG), plus the backward's "
-         "re-gathers of the norm outputs here (Megatron's choice: activations stay sharded)\n");
+  printf(
+      "  the book: TP sends 4 all-reduces of s·b·h per block (2 forward, 2 backward), TP+SP "
+      "the same bytes as all-gathers and reduce-scatters (AR = RS + AG), plus the backward's "
+      "re-gathers of the norm outputs here (Megatron's choice: activations stay sharded)\n");
 }
 
 void print_bubble_report(Comm& comm, const BubblePrediction& paper,
@@ -285,27 +296,30 @@ void print_bubble_report(Comm& comm, const BubblePrediction& paper,
   });
   if (G.world_rank != 0) return;
   const int p = paper.p, m = paper.m, V = paper.V;
-  printf("pipeline bubble (--report bubble; %s, p = %d stages, m = %d micro-batches, V = %d; "
-         "averaged over %d steps):\n",
-         paper.schedule.c_str(), p, m, V, measured.steps);
+  printf(
+      "pipeline bubble (--report bubble; %s, p = %d stages, m = %d micro-batches, V = %d; "
+      "averaged over %d steps):\n",
+      paper.schedule.c_str(), p, m, V, measured.steps);
   printf("  %5s %9s %9s %13s %12s %11s %19s\n", "stage", "busy ms", "step ms", "idle measured",
          "idle ticks", "book", "in flight measured");
   int steps = std::max(1, measured.steps);
   for (int s = 0; s < p; s++) {
     const double* r = &all[3 * G.rank_of(0, s, 0, 0)];  // dp, cp and tp rank 0 of stage s
-    printf("  %5d %9.2f %9.2f %12.1f%% %11.1f%% %10.1f%% %9d (tables: %d)\n", s,
-           r[0] / steps * 1e3, r[1] / steps * 1e3, 100.0 * (1.0 - r[0] / std::max(r[1], 1e-12)),
+    printf("  %5d %9.2f %9.2f %12.1f%% %11.1f%% %10.1f%% %9d (tables: %d)\n", s, r[0] / steps * 1e3,
+           r[1] / steps * 1e3, 100.0 * (1.0 - r[0] / std::max(r[1], 1e-12)),
            100.0 * (1.0 - paper.busy_ticks[s] / paper.makespan_ticks), 100.0 * paper.book,
            (int)r[2], paper.peak_in_flight[s]);
   }
-  printf("the schedule's tables in ticks of t_f (a backward takes 2, zb-h1's B and W one each; "
-         "F3 forward of micro-batch 3%s, . idle):\n%s",
-         V > 1 ? ", F3.1 of its chunk 1" : "", paper.chart.c_str());
-  printf("  book: idle share (p-1)/(m+p-1) for afab and 1f1b, (p-1)/(Vm+p-1) interleaved, i.e. "
-         "a bubble of (p-1)/m, (p-1)/(Vm), of the ideal time (Playbook §8.3-§8.5); zb-h1 "
-         "(p-1)(t_f+t_b-t_w) of idle, (p-1)/(3m+p-1) with equal costs (§8.6). The ticks "
-         "are exact; measured wall-clock time also counts communication and, on CPU ranks "
-         "sharing cores, time-slicing.\n");
+  printf(
+      "the schedule's tables in ticks of t_f (a backward takes 2, zb-h1's B and W one each; "
+      "F3 forward of micro-batch 3%s, . idle):\n%s",
+      V > 1 ? ", F3.1 of its chunk 1" : "", paper.chart.c_str());
+  printf(
+      "  book: idle share (p-1)/(m+p-1) for afab and 1f1b, (p-1)/(Vm+p-1) interleaved, i.e. "
+      "a bubble of (p-1)/m, (p-1)/(Vm), of the ideal time (Playbook §8.3-§8.5); zb-h1 "
+      "(p-1)(t_f+t_b-t_w) of idle, (p-1)/(3m+p-1) with equal costs (§8.6). The ticks "
+      "are exact; measured wall-clock time also counts communication and, on CPU ranks "
+      "sharing cores, time-slicing.\n");
 }
 
 void print_balance_report(Comm& comm, const std::string& split, int64_t blocks, int64_t pairs,
@@ -318,17 +332,19 @@ void print_balance_report(Comm& comm, const std::string& split, int64_t blocks, 
   });
   if (G.world_rank != 0 || G.cp == 1) return;
   double n = (double)std::max<int64_t>(1, steps);
-  printf("attention work per cp rank and training step (--report balance; %s; pairs "
-         "of one sequence and head, summed over blocks and layers):\n",
-         split.c_str());
+  printf(
+      "attention work per cp rank and training step (--report balance; %s; pairs "
+      "of one sequence and head, summed over blocks and layers):\n",
+      split.c_str());
   printf("  %7s %10s %14s %12s\n", "cp rank", "blocks", "(q, k) pairs", "time ms");
   for (int r = 0; r < G.cp; r++) {
     const double* w = &all[3 * G.rank_of(0, 0, r, 0)];
     printf("  %7d %10.1f %14.0f %12.2f\n", r, w[0] / n, w[1] / n, w[2] / n * 1e3);
   }
-  printf("  book (§7.3): with contiguous chunks rank r attends to r + 1 blocks (1 : 2 : ... : cp), "
-         "so the last rank sets the pace; zig-zag (chunks r and 2cp - 1 - r) gives every rank "
-         "the same pairs\n");
+  printf(
+      "  book (§7.3): with contiguous chunks rank r attends to r + 1 blocks (1 : 2 : ... : cp), "
+      "so the last rank sets the pace; zig-zag (chunks r and 2cp - 1 - r) gives every rank "
+      "the same pairs\n");
 }
 
 // ----------------------------------------------------------------------------
@@ -349,10 +365,12 @@ void print_expert_report(Comm& comm, const std::string& setup, int layers, int e
   all_reduce_host(comm.world, all.data(), (int)all.size(), ReduceOp::Sum);
   if (comm.grid.world_rank != 0) return;
   double n = (double)std::max<int64_t>(1, steps);
-  printf("experts per layer (--report experts; %s): (token, slot) pairs routed to each expert "
-         "per training step, over every data-parallel rank\n", setup.c_str());
-  printf("  %5s %9s %9s %9s %9s %12s %13s\n", "layer", "min", "mean", "max", "max/mean",
-         "dropped", "balance loss");
+  printf(
+      "experts per layer (--report experts; %s): (token, slot) pairs routed to each expert "
+      "per training step, over every data-parallel rank\n",
+      setup.c_str());
+  printf("  %5s %9s %9s %9s %9s %12s %13s\n", "layer", "min", "mean", "max", "max/mean", "dropped",
+         "balance loss");
   for (size_t l = 0; l < L; l++) {
     const double* r = &all[l * E];
     double lo = *std::min_element(r, r + E), hi = *std::max_element(r, r + E), mean = 0;
@@ -362,26 +380,34 @@ void print_expert_report(Comm& comm, const std::string& setup, int layers, int e
            mean > 0 ? hi / mean : 0.0, all[L * E + l] / n, all[L * E + L + l] / batches);
   }
   double batches = std::max(1.0, all[L * E + 3 * L + 1]);
-  printf("  load-balancing loss (transformers' load_balancing_loss_func, every layer's tokens "
-         "together), per micro-batch: %.4f\n", all[L * E + 3 * L] / batches);
-  printf("  book (EP): E sum_e f_e P_e is k (top-k) when every expert gets tokens x k / E rows "
-         "and 1/E of the probability; max/mean 1 is perfect balance\n");
+  printf(
+      "  load-balancing loss (transformers' load_balancing_loss_func, every layer's tokens "
+      "together), per micro-batch: %.4f\n",
+      all[L * E + 3 * L] / batches);
+  printf(
+      "  book (EP): E sum_e f_e P_e is k (top-k) when every expert gets tokens x k / E rows "
+      "and 1/E of the probability; max/mean 1 is perfect balance\n");
 }
 
 void print_expert_comm_report(const CollStats& measured, double uniform_per_step,
                               double routed_per_step, int64_t steps, int passes) {
   double n = (double)std::max<int64_t>(1, steps);
-  printf("expert all-to-all per training step, this rank (--report comm; %d passes per block: "
-         "dispatch and combine each):\n", passes);
+  printf(
+      "expert all-to-all per training step, this rank (--report comm; %d passes per block: "
+      "dispatch and combine each):\n",
+      passes);
   printf("  measured                %12.0f bytes in %.0f calls\n", measured.bytes / n,
          measured.calls / n);
   printf("  the routing measured    %12.0f bytes (every row that left or came back, 4 D bytes)\n",
          routed_per_step);
-  printf("  uniform routing (book)  %12.0f bytes (2 N k (ep - 1) / ep x 4 D per block, "
-         "micro-batch and pass)\n", uniform_per_step);
+  printf(
+      "  uniform routing (book)  %12.0f bytes (2 N k (ep - 1) / ep x 4 D per block, "
+      "micro-batch and pass)\n",
+      uniform_per_step);
 }
 
-void print_expert_memory(int64_t measured_bytes, int64_t formula_bytes, const std::string& formula) {
+void print_expert_memory(int64_t measured_bytes, int64_t formula_bytes,
+                         const std::string& formula) {
   printf("expert weights on this rank: %s (%lld bytes); formula %s = %lld bytes%s\n",
          human_bytes((double)measured_bytes).c_str(), (long long)measured_bytes, formula.c_str(),
          (long long)formula_bytes, measured_bytes == formula_bytes ? ", equal" : ", DIFFERENT");

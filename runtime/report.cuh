@@ -39,12 +39,12 @@ void print_comm_report(Comm& comm, int64_t num_params, int64_t steps, int64_t ex
 // excluded), next to the book's 2Ψ(N-1)/N (stages 1-2) or 3Ψ(N-1)/N (stage 3). Rank 0 prints.
 struct ZeroCommReport {
   int stage = 1, ranks = 1, grad_acc = 1;
-  int64_t steps = 0;             // training steps measured
-  ZeroTraffic measured;          // over those steps
-  ZeroTraffic expected;          // per step (zero_expected_traffic)
-  int64_t psi = 0, padded = 0;   // parameters, and with the shards' padding (Ψ')
+  int64_t steps = 0;                               // training steps measured
+  ZeroTraffic measured;                            // over those steps
+  ZeroTraffic expected;                            // per step (zero_expected_traffic)
+  int64_t psi = 0, padded = 0;                     // parameters, and with the shards' padding (Ψ')
   DType grads = DType::F32, weights = DType::F32;  // reduce-scattered, all-gathered
-  bool tied = false;             // a tied head gathers the embedding again
+  bool tied = false;                               // a tied head gathers the embedding again
 };
 void print_zero_comm_report(const Comm& comm, const ZeroCommReport& r);
 
@@ -70,11 +70,11 @@ void print_tp_comm_report(const TpTraffic& expected, int grad_acc, int tp, bool 
 struct BubblePrediction {
   std::string schedule;
   int p = 1, m = 1, V = 1;
-  std::vector<double> busy_ticks;    // per stage, on paper
+  std::vector<double> busy_ticks;  // per stage, on paper
   double makespan_ticks = 0;
-  std::vector<int> peak_in_flight;   // per stage, on paper
-  double book = 0;                   // the book's idle fraction
-  std::string chart;                 // the tables drawn as the book draws them
+  std::vector<int> peak_in_flight;  // per stage, on paper
+  double book = 0;                  // the book's idle fraction
+  std::string chart;                // the tables drawn as the book draws them
 };
 void print_bubble_report(Comm& comm, const BubblePrediction& paper,
                          const ScheduleMeasure& measured);
@@ -89,14 +89,14 @@ void print_balance_report(Comm& comm, const std::string& split, int64_t blocks, 
 // data-parallel replica: tp ranks route the same tokens, cp ranks sum their counts first), and
 // the rows this rank dispatched.
 struct ExpertStats {
-  std::vector<std::vector<int64_t>> routed;  // [layer][expert] (token, slot) pairs routed to it
-  std::vector<int64_t> dropped;              // [layer] pairs the capacity dropped
-  std::vector<double> layer_aux;             // [layer] the layer's own balance loss, summed
-  std::vector<int64_t> layer_batches;        // [layer] micro-batches counted
-  double aux_sum = 0;                        // the model's load-balancing loss, summed
-  int64_t batches = 0;                       // micro-batches it was summed over
+  std::vector<std::vector<int64_t>> routed;   // [layer][expert] (token, slot) pairs routed to it
+  std::vector<int64_t> dropped;               // [layer] pairs the capacity dropped
+  std::vector<double> layer_aux;              // [layer] the layer's own balance loss, summed
+  std::vector<int64_t> layer_batches;         // [layer] micro-batches counted
+  double aux_sum = 0;                         // the model's load-balancing loss, summed
+  int64_t batches = 0;                        // micro-batches it was summed over
   int64_t rows_sent = 0, rows_elsewhere = 0;  // this rank: dispatched rows, those to another rank
-  int64_t rows_arrived = 0;                  // this rank's experts: rows from another rank
+  int64_t rows_arrived = 0;                   // this rank's experts: rows from another rank
 };
 // Per layer: tokens per expert per step (min, mean, max, max/mean), dropped pairs per step and
 // the layer's balance loss; the model's load-balancing loss per micro-batch. Summed over every

@@ -11,9 +11,8 @@ void set_sync_launches(bool on);  // core.cuh (this file is compiled without CUD
 int main(int argc, char* argv[]) {
   Catch::Session session;
   bool sync_launches = false;
-  session.cli(session.cli() |
-              Catch::clara::Opt(sync_launches)["--sync-launches"](
-                  "synchronise after every CUDA kernel launch (debugging; slow)"));
+  session.cli(session.cli() | Catch::clara::Opt(sync_launches)["--sync-launches"](
+                                  "synchronise after every CUDA kernel launch (debugging; slow)"));
   int rc = session.applyCommandLine(argc, argv);
   if (rc != 0) return rc;
   set_sync_launches(sync_launches);

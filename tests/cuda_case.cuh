@@ -9,7 +9,9 @@
 
 #include "runtime/core.cuh"
 
-inline bool nvidia_smi_lists_a_gpu() { return std::system("nvidia-smi -L >/dev/null 2>&1") == 0; }
+inline bool nvidia_smi_lists_a_gpu() {
+  return std::system("nvidia-smi -L >/dev/null 2>&1") == 0;
+}
 
 // True when CUDA starts on this rank; otherwise a failure or a SKIP as above, and false.
 inline bool cuda_case_ready(bool cuda_started, const std::string& why) {

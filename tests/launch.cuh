@@ -79,6 +79,7 @@ inline std::map<std::string, std::vector<float>> read_f32_tensors(const std::str
 }
 inline int count_occurrences(const std::string& text, const std::string& needle) {
   int n = 0;
-  for (size_t pos = text.find(needle); pos != std::string::npos; pos = text.find(needle, pos + 1)) n++;
+  for (size_t pos = text.find(needle); pos != std::string::npos; pos = text.find(needle, pos + 1))
+    n++;
   return n;
 }

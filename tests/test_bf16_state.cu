@@ -13,10 +13,10 @@
 #include <map>
 #include <sstream>
 
-#include "launch.cuh"
-#include "runtime/ops.cuh"
-#include "parity_rows.cuh"
 #include "cuda_case.cuh"
+#include "launch.cuh"
+#include "parity_rows.cuh"
+#include "runtime/ops.cuh"
 
 namespace fs = std::filesystem;
 
@@ -32,7 +32,6 @@ float round_bf16(float x) {
   return r;
 }
 
-
 }  // namespace
 
 TEST_CASE("bf16 gradients are the fp32-accumulated ones rounded to bf16, in every model split",
@@ -47,7 +46,8 @@ TEST_CASE("bf16 gradients are the fp32-accumulated ones rounded to bf16, in ever
   for (Layout l : {Layout{"", 0}, Layout{"--tp 2 --sp", 2}, Layout{"--pp 2", 2}}) {
     SECTION(std::string("layout ") + (l.ranks ? l.flags : "single process")) {
       Bf16Run fp32 = run_bf16(l.flags, l.ranks, dir + "/fp32");
-      Bf16Run bf16 = run_bf16(std::string(l.flags) + " --grad-acc-dtype bf16", l.ranks, dir + "/bf16");
+      Bf16Run bf16 =
+          run_bf16(std::string(l.flags) + " --grad-acc-dtype bf16", l.ranks, dir + "/bf16");
       REQUIRE(bf16.grads.size() == fp32.grads.size());
       int64_t elements = 0, differ = 0, rounded = 0;
       for (const auto& [name, g] : fp32.grads) {
@@ -89,14 +89,16 @@ TEST_CASE("bf16 gradients: data, pipeline and tensor parallel runs track the sin
       {"dp 2, naive", "--dp 2 --dp-sync naive", 2, "--grad-acc 2"},
       {"dp 2 x tp 2 + sp", "--dp 2 --tp 2 --sp", 4, "--grad-acc 2"},
       {"pp 2, zero-bubble", "--pp 2 --pp-schedule zb-h1 --grad-acc 4", 2, "--grad-acc 4"},
-      {"pp 2 x dp 2, interleaved", "--layers 4 --pp 2 --dp 2 --pp-schedule interleaved --pp-virtual 2 --grad-acc 2",
-       4, "--layers 4 --grad-acc 4"},
+      {"pp 2 x dp 2, interleaved",
+       "--layers 4 --pp 2 --dp 2 --pp-schedule interleaved --pp-virtual 2 --grad-acc 2", 4,
+       "--layers 4 --grad-acc 4"},
       {"dp 2, tied embeddings", "--dp 2 --tie-embeddings", 2, "--grad-acc 2 --tie-embeddings"},
       {"dp 2, zero 1, 2 micro-batches", "--dp 2 --zero 1 --grad-acc 2", 2, "--grad-acc 4"},
-      {"dp 2, zero 2, tied embeddings", "--dp 2 --zero 2 --tie-embeddings", 2, "--grad-acc 2 --tie-embeddings"},
+      {"dp 2, zero 2, tied embeddings", "--dp 2 --zero 2 --tie-embeddings", 2,
+       "--grad-acc 2 --tie-embeddings"},
       {"dp 2, zero 3, 2 micro-batches", "--dp 2 --zero 3 --grad-acc 2", 2, "--grad-acc 4"},
-      {"pp 2 x dp 2, zero 1, zero-bubble", "--pp 2 --dp 2 --zero 1 --pp-schedule zb-h1 --grad-acc 2", 4,
-       "--grad-acc 4"},
+      {"pp 2 x dp 2, zero 1, zero-bubble",
+       "--pp 2 --dp 2 --zero 1 --pp-schedule zb-h1 --grad-acc 2", 4, "--grad-acc 4"},
   };
   std::map<std::string, Bf16Run> refs;
   for (const Row& row : rows) {
@@ -112,7 +114,8 @@ TEST_CASE("bf16 gradients: data, pipeline and tensor parallel runs track the sin
         CHECK(got.log[i]["loss"].get<double>() ==
               Approx(ref.log[i]["loss"].get<double>()).epsilon(std::ldexp(1.0, -10)));
         CHECK(got.log[i]["grad_norm"].get<double>() ==
-              Approx(ref.log[i]["grad_norm"].get<double>()).epsilon(std::ldexp(1.0, i == 0 ? -9 : -7)));
+              Approx(ref.log[i]["grad_norm"].get<double>())
+                  .epsilon(std::ldexp(1.0, i == 0 ? -9 : -7)));
       }
     }
   }
@@ -121,25 +124,30 @@ TEST_CASE("bf16 gradients: data, pipeline and tensor parallel runs track the sin
 
 TEST_CASE("--grad-acc-dtype bf16 halves the gradients' bytes: the book's 16 per parameter",
           "[train]") {
-  const std::string run = "--steps 1 --mbs 2 --seq 32 --val-every 0 --val-seqs 2 --report memory "
-                          "--dtype bf16 --grad-acc-dtype bf16 ";
+  const std::string run =
+      "--steps 1 --mbs 2 --seq 32 --val-every 0 --val-seqs 2 --report memory "
+      "--dtype bf16 --grad-acc-dtype bf16 ";
   RunResult r = run_train(run);
   INFO(r.output);
   REQUIRE(r.code == 0);
   // Measured at allocation: bf16 weights 2, bf16 gradients 2, fp32 master 4, Adam 8.
   CHECK_THAT(r.output,
-             Catch::Contains("this rank, measured            2.00       2.00     4.00       8.00   16.00"));
+             Catch::Contains(
+                 "this rank, measured            2.00       2.00     4.00       8.00   16.00"));
   CHECK_THAT(r.output, Catch::Contains("bf16 gradients"));  // the configuration table says so
   // The memory summary measures 16.00 and names the book's formula for this precision.
-  CHECK_THAT(r.output, Catch::Contains("= 16.00 bytes/parameter (Playbook §2.4, bf16: 2Ψ + 2Ψ + 12Ψ = 16)"));
-  // ZeRO over 2 ranks: the book's 2Ψ + 2Ψ + 12Ψ/N (ZeRO-1), 2Ψ + 2Ψ/N + 12Ψ/N (ZeRO-2), to the byte.
+  CHECK_THAT(r.output,
+             Catch::Contains("= 16.00 bytes/parameter (Playbook §2.4, bf16: 2Ψ + 2Ψ + 12Ψ = 16)"));
+  // ZeRO over 2 ranks: the book's 2Ψ + 2Ψ + 12Ψ/N (ZeRO-1), 2Ψ + 2Ψ/N + 12Ψ/N (ZeRO-2), to the
+  // byte.
   for (const char* z : {"1", "2"}) {
     RunResult zr = run_train(run + "--dp 2 --zero " + z, 2);
     INFO(zr.output);
     REQUIRE(zr.code == 0);
     CHECK_THAT(zr.output, Catch::Contains(std::string("Playbook §4.1: 2Ψ + 2Ψ") +
                                           (z[0] == '1' ? "" : "/N") + " + 12Ψ/N"));
-    CHECK_THAT(zr.output, Catch::Contains("every rank holds exactly the formula's bytes at Ψ': yes"));
+    CHECK_THAT(zr.output,
+               Catch::Contains("every rank holds exactly the formula's bytes at Ψ': yes"));
   }
 }
 
@@ -172,12 +180,14 @@ TEST_CASE("--grad-acc-dtype bf16 where it cannot apply ends with exit code 2 nam
 // a ZeRO run, with its sharded master weights, bf16 all-gathers and (with --grad-acc-dtype
 // bf16) bf16 gradient shards, must end with the very bytes of the plain run, in the
 // checkpoint's master weights and Adam moments (one micro-batch: ZeRO-2/3 round each
-// micro-batch's sum where plain data parallelism rounds the running one). Without clipping: the global norm is summed from shards under ZeRO, in
-// another order, so it differs in its last bits (checked to 2^-20), and a clipped step with it.
-// And a checkpoint of one resumes in the other: the bf16 weights of a resumed ZeRO run are its
-// loaded master slices rounded, as the uninterrupted run's were.
-TEST_CASE("ZeRO-1/2/3 in bf16 (sharded master, bf16 gathers and gradients) end bit for bit where dp does",
-          "[parity]") {
+// micro-batch's sum where plain data parallelism rounds the running one). Without clipping: the
+// global norm is summed from shards under ZeRO, in another order, so it differs in its last bits
+// (checked to 2^-20), and a clipped step with it. And a checkpoint of one resumes in the other: the
+// bf16 weights of a resumed ZeRO run are its loaded master slices rounded, as the uninterrupted
+// run's were.
+TEST_CASE(
+    "ZeRO-1/2/3 in bf16 (sharded master, bf16 gathers and gradients) end bit for bit where dp does",
+    "[parity]") {
   std::string dir = make_temp_dir();
   const std::string flags = COMMON + "--dtype bf16 --dp 2 --grad-clip 0 ";
   auto train = [&](const std::string& extra, const std::string& out) {
@@ -203,9 +213,11 @@ TEST_CASE("ZeRO-1/2/3 in bf16 (sharded master, bf16 gathers and gradients) end b
         // Resumed: one step of the plain run, saved, then ZeRO takes over for the rest.
         RunResult a = run_train(flags + grads + " --stop-after 1 --save " + dir + "/half", 2);
         REQUIRE(a.code == 0);
-        std::vector<nlohmann::json> resumed = train(z + " --load " + dir + "/half", dir + "/resumed");
+        std::vector<nlohmann::json> resumed =
+            train(z + " --load " + dir + "/half", dir + "/resumed");
         REQUIRE(resumed.size() == plain.size() - 1);
-        for (size_t i = 0; i < resumed.size(); i++) CHECK(resumed[i]["loss"] == plain[i + 1]["loss"]);
+        for (size_t i = 0; i < resumed.size(); i++)
+          CHECK(resumed[i]["loss"] == plain[i + 1]["loss"]);
         CHECK(read_whole_file(dir + "/resumed/model.safetensors") ==
               read_whole_file(dir + "/dp/model.safetensors"));
       }
@@ -235,18 +247,21 @@ TEST_CASE("ZeRO in bf16: the book's 2Ψ + 4Ψ + 12Ψ/N, and all-gathers of half 
   struct Stage {
     const char *zero, *formula, *measured;
   };
-  for (const Stage& z : {Stage{"1", "2Ψ + 4Ψ + 12Ψ/N", "2.00       4.00     2.00       4.00   12.00"},
-                         Stage{"2", "2Ψ + 4Ψ/N + 12Ψ/N", "2.00       2.00     2.00       4.00   10.00"},
-                         Stage{"3", "2Ψ/N + 4Ψ/N + 12Ψ/N", "1.00       2.00     2.00       4.00    9.00"}}) {
+  for (const Stage& z :
+       {Stage{"1", "2Ψ + 4Ψ + 12Ψ/N", "2.00       4.00     2.00       4.00   12.00"},
+        Stage{"2", "2Ψ + 4Ψ/N + 12Ψ/N", "2.00       2.00     2.00       4.00   10.00"},
+        Stage{"3", "2Ψ/N + 4Ψ/N + 12Ψ/N", "1.00       2.00     2.00       4.00    9.00"}}) {
     RunResult fp32 = run_train(base + "--zero " + z.zero + " --dtype fp32", 2);
     RunResult bf16 = run_train(base + "--zero " + z.zero + " --dtype bf16", 2);
     INFO("--zero " << z.zero << "\n" << fp32.output << bf16.output);
     REQUIRE(fp32.code == 0);
     REQUIRE(bf16.code == 0);
     CHECK(all_gather_bytes(bf16.output, z.zero) * 2 == all_gather_bytes(fp32.output, z.zero));
-    CHECK_THAT(bf16.output, Catch::Contains(std::string("this rank, measured            ") + z.measured));
+    CHECK_THAT(bf16.output,
+               Catch::Contains(std::string("this rank, measured            ") + z.measured));
     CHECK_THAT(bf16.output, Catch::Contains(std::string("Playbook §4.1: ") + z.formula));
-    CHECK_THAT(bf16.output, Catch::Contains("every rank holds exactly the formula's bytes at Ψ': yes"));
+    CHECK_THAT(bf16.output,
+               Catch::Contains("every rank holds exactly the formula's bytes at Ψ': yes"));
   }
 }
 
@@ -265,18 +280,21 @@ TEST_CASE("activations stored in bf16: 2 bytes less per element of all but the r
   };
   for (const char* attention : {"flash", "naive"}) {
     for (const char* recompute : {"none", "selective", "full"}) {
-      const std::string flags = std::string("--steps 1 --mbs 2 --seq 64 --val-every 0 --val-seqs 2 "
-                                            "--report memory --attention ") +
+      const std::string flags = std::string(
+                                    "--steps 1 --mbs 2 --seq 64 --val-every 0 --val-seqs 2 "
+                                    "--report memory --attention ") +
                                 attention + " --recompute " + recompute;
       RunResult fp32 = run_train(flags), bf16 = run_train(flags + " --dtype bf16");
       INFO(flags << "\n" << fp32.output << bf16.output);
       REQUIRE(fp32.code == 0);
       REQUIRE(bf16.code == 0);
-      int64_t saved = 2 * (2 * N * D)                                   // norm1, norm2
-                      + 2 * N * (2 * Hq * hd + 2 * Hkv * hd + 3 * F);  // q, attn, k, v, gate, up, act
-      if (std::string(attention) == "naive") saved += 2 * mbs * Hq * seq * seq;  // the probabilities
+      int64_t saved = 2 * (2 * N * D)  // norm1, norm2
+                      +
+                      2 * N * (2 * Hq * hd + 2 * Hkv * hd + 3 * F);  // q, attn, k, v, gate, up, act
+      if (std::string(attention) == "naive")
+        saved += 2 * mbs * Hq * seq * seq;  // the probabilities
       if (std::string(recompute) == "selective" && std::string(attention) == "naive")
-        saved -= 2 * mbs * Hq * seq * seq;  // dropped, recomputed: not stored at all
+        saved -= 2 * mbs * Hq * seq * seq;              // dropped, recomputed: not stored at all
       if (std::string(recompute) == "full") saved = 0;  // only the block input, fp32
       CHECK(measured(fp32.output) - measured(bf16.output) == saved);
     }

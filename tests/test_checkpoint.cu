@@ -1,11 +1,10 @@
 // test_checkpoint.cu: safetensors files byte for byte, config.json as Hugging Face reads it, and
 // the promises of DESIGN §9: atomic checkpoint directories, and loads that name what is wrong
 // and never half-overwrite a model.
-#include <catch2/catch.hpp>
-
 #include <stdlib.h>
 
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -16,8 +15,8 @@
 #include <tuple>
 #include <vector>
 
-#include "runtime/checkpoint.cuh"
 #include "cuda_case.cuh"
+#include "runtime/checkpoint.cuh"
 #include "runtime/core.cuh"
 #include "usage_error.cuh"
 
@@ -72,8 +71,10 @@ std::vector<NamedTensor> like(const std::vector<NamedTensor>& src) {
   std::vector<NamedTensor> out;
   for (const NamedTensor& nt : src) {
     Tensor t = empty(nt.tensor.shape, Mem::Params, Device::CPU, nt.tensor.dtype);
-    if (t.dtype == DType::F32) fill_(t, 7.0f);
-    else for (int64_t i = 0; i < t.numel(); i++) t.i32()[i] = 7;
+    if (t.dtype == DType::F32)
+      fill_(t, 7.0f);
+    else
+      for (int64_t i = 0; i < t.numel(); i++) t.i32()[i] = 7;
     out.push_back({nt.name, t});
   }
   return out;
@@ -83,8 +84,7 @@ bool same_bits(const std::vector<NamedTensor>& a, const std::vector<NamedTensor>
   for (size_t i = 0; i < a.size(); i++) {
     Tensor x = to_device(a[i].tensor, Device::CPU, Mem::Workspace);
     Tensor y = to_device(b[i].tensor, Device::CPU, Mem::Workspace);
-    if (a[i].name != b[i].name || x.shape != y.shape ||
-        memcmp(x.ptr, y.ptr, x.nbytes()) != 0)
+    if (a[i].name != b[i].name || x.shape != y.shape || memcmp(x.ptr, y.ptr, x.nbytes()) != 0)
       return false;
   }
   return true;
@@ -245,9 +245,10 @@ TEST_CASE("a refused load leaves every destination tensor as it was", "[checkpoi
 
 // Guards: a NaN or inf in a checkpoint loading silently, then spreading through training (or
 // stopping it steps later with a message that blames the learning rate).
-TEST_CASE("a checkpoint holding NaN or inf is refused at load, naming the file and the first "
-          "such tensor, and nothing is loaded",
-          "[checkpoint]") {
+TEST_CASE(
+    "a checkpoint holding NaN or inf is refused at load, naming the file and the first "
+    "such tensor, and nothing is loaded",
+    "[checkpoint]") {
   TempDir dir;
   const std::string ckpt = dir.file("ckpt");
   const std::vector<NamedTensor> good = checkpoint_tensors(20);
@@ -304,10 +305,10 @@ TEST_CASE("safetensors data_offsets that overlap, leave a gap or run past the en
   std::vector<NamedTensor> dst = {{"a", empty({3, 4}, Mem::Params)},
                                   {"b", empty({5}, Mem::Params)}};
   auto load_with = [&](uint64_t a0, uint64_t b0, uint64_t data) {
-    const std::string header =
-        "{\"a\":{\"dtype\":\"F32\",\"shape\":[3,4],\"data_offsets\":[" + std::to_string(a0) +
-        "," + std::to_string(a0 + 48) + "]},\"b\":{\"dtype\":\"F32\",\"shape\":[5]," +
-        "\"data_offsets\":[" + std::to_string(b0) + "," + std::to_string(b0 + 20) + "]}}";
+    const std::string header = "{\"a\":{\"dtype\":\"F32\",\"shape\":[3,4],\"data_offsets\":[" +
+                               std::to_string(a0) + "," + std::to_string(a0 + 48) +
+                               "]},\"b\":{\"dtype\":\"F32\",\"shape\":[5]," + "\"data_offsets\":[" +
+                               std::to_string(b0) + "," + std::to_string(b0 + 20) + "]}}";
     std::string bytes(8, '\0');
     for (int i = 0; i < 8; i++) bytes[i] = (char)((uint64_t)header.size() >> (8 * i));
     write_bytes(path, bytes + header + std::string(data, '\0'));
@@ -333,8 +334,8 @@ TEST_CASE("config.json holds every LlamaConfig key and reads back the same Model
   for (const char* key :
        {"architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps",
-        "rope_theta", "max_position_embeddings", "tie_word_embeddings", "torch_dtype",
-        "hidden_act", "initializer_range", "attention_bias", "mlp_bias", "picoscale_preset"})
+        "rope_theta", "max_position_embeddings", "tie_word_embeddings", "torch_dtype", "hidden_act",
+        "initializer_range", "attention_bias", "mlp_bias", "picoscale_preset"})
     CHECK(j.contains(key));
   CHECK(j["architectures"] == json::array({"LlamaForCausalLM"}));
   CHECK(j["model_type"] == "llama");
@@ -374,7 +375,9 @@ TEST_CASE("config_from_hf names missing keys, wrong types and what picoscale lac
              Contains("LlamaForCausalLM"));
   CHECK_THAT(error_with([](json& j) { j["tie_word_embeddings"] = 1; }),
              Contains("tie_word_embeddings"));
-  CHECK_THAT(error_with([](json& j) { j["rope_scaling"] = {{"rope_type", "llama3"}}; }),
+  CHECK_THAT(error_with([](json& j) {
+               j["rope_scaling"] = {{"rope_type", "llama3"}};
+             }),
              Contains("rope_scaling is not supported"));
   CHECK_THAT(error_with([](json& j) { j["head_dim"] = 64; }), Contains("head_dim"));
   CHECK_THAT(error_with([](json& j) { j["mlp_bias"] = true; }), Contains("mlp_bias"));
@@ -387,9 +390,10 @@ TEST_CASE("config_from_hf names missing keys, wrong types and what picoscale lac
   CHECK(cfg.preset == "hf");
 }
 
-TEST_CASE("save_checkpoint writes a Hugging Face directory; load_checkpoint restores it, step "
-          "included",
-          "[checkpoint]") {
+TEST_CASE(
+    "save_checkpoint writes a Hugging Face directory; load_checkpoint restores it, step "
+    "included",
+    "[checkpoint]") {
   TempDir dir;
   const std::string ckpt = dir.file("runs/ckpt");  // the parent does not exist yet
   const ModelConfig cfg = custom_config();
@@ -413,7 +417,7 @@ TEST_CASE("save_checkpoint writes a Hugging Face directory; load_checkpoint rest
   CHECK(same_bits(o.exp_avg_sq, opt.exp_avg_sq));
   CHECK(o.step == 42);
   CHECK_FALSE(load_checkpoint(ckpt, like(params), nullptr));  // weights only
-  save_checkpoint(ckpt, cfg, params, nullptr);                 // no optimizer file now
+  save_checkpoint(ckpt, cfg, params, nullptr);                // no optimizer file now
   CHECK_FALSE(fs::exists(ckpt + "/optimizer.safetensors"));
   CHECK_FALSE(load_checkpoint(ckpt, like(params), &o));
 }
@@ -521,9 +525,10 @@ void write_one_tensor(const std::string& path, const std::string& dtype,
 }
 }  // namespace
 
-TEST_CASE("--save-dtype bf16: model.safetensors holds BF16 and loads back as the bf16-rounded "
-          "weights; the optimizer state stays F32",
-          "[checkpoint][precision]") {
+TEST_CASE(
+    "--save-dtype bf16: model.safetensors holds BF16 and loads back as the bf16-rounded "
+    "weights; the optimizer state stays F32",
+    "[checkpoint][precision]") {
   TempDir dir;
   const std::string ckpt = dir.file("ckpt");
   std::vector<NamedTensor> params = checkpoint_tensors(11);
@@ -569,10 +574,10 @@ TEST_CASE("BF16 and F16 safetensors written by hand load into fp32 exactly",
   const float bf16_largest = (2 - std::ldexp(1.0f, -7)) * std::ldexp(1.0f, 127);
   const std::vector<float> bf16_values = {1, -2, 1.5f, std::ldexp(1.0f, -133), bf16_largest, -0.0f};
   const std::vector<uint16_t> fp16 = {0x3C00, 0xC000, 0x7BFF, 0x0001, 0x3555, 0x8000};
-  const std::vector<float> fp16_values = {1, -2, 65504, std::ldexp(1.0f, -24),
-                                          (1 + 341 / 1024.0f) / 4, -0.0f};
-  for (auto [dtype, bits, values] : {std::make_tuple("BF16", bf16, bf16_values),
-                                     std::make_tuple("F16", fp16, fp16_values)}) {
+  const std::vector<float> fp16_values = {
+      1, -2, 65504, std::ldexp(1.0f, -24), (1 + 341 / 1024.0f) / 4, -0.0f};
+  for (auto [dtype, bits, values] :
+       {std::make_tuple("BF16", bf16, bf16_values), std::make_tuple("F16", fp16, fp16_values)}) {
     INFO(dtype);
     const std::string path = dir.file(std::string(dtype) + ".safetensors");
     write_one_tensor(path, dtype, bits);
@@ -599,8 +604,7 @@ TEST_CASE("a BF16 safetensors whose data has fp32's size is refused", "[checkpoi
   TempDir dir;
   const std::string path = dir.file("w.safetensors");
   // Three BF16 values take 6 bytes; data_offsets giving them fp32's 12 are refused.
-  const std::string header =
-      "{\"w\":{\"dtype\":\"BF16\",\"shape\":[3],\"data_offsets\":[0,12]}}";
+  const std::string header = "{\"w\":{\"dtype\":\"BF16\",\"shape\":[3],\"data_offsets\":[0,12]}}";
   std::string bytes(8, '\0');
   for (int b = 0; b < 8; b++) bytes[b] = (char)((uint64_t)header.size() >> (8 * b));
   write_bytes(path, bytes + header + std::string(12, '\0'));

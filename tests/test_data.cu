@@ -1,10 +1,9 @@
 // test_data.cu: datasets, splits and the layout-free batch order (DESIGN §5), and the messages
 // a bad data file gets (DESIGN §9).
-#include <catch2/catch.hpp>
-
 #include <stdlib.h>
 
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -14,8 +13,8 @@
 #include <vector>
 
 #include "runtime/core.cuh"
-#include "usage_error.cuh"
 #include "runtime/data.cuh"
+#include "usage_error.cuh"
 
 namespace fs = std::filesystem;
 using Catch::Matchers::Contains;
@@ -48,7 +47,6 @@ std::vector<int32_t> counting_tokens(int n) {
   for (int i = 0; i < n; i++) tokens[i] = i % 65536;
   return tokens;
 }
-
 
 }  // namespace
 
@@ -112,7 +110,8 @@ TEST_CASE("any slice of the global batch is that slice of the full batch (layout
       const int per = global_batch / pieces;
       for (int p = 0; p < pieces; p++) {
         std::vector<int32_t> in(per * seq), tg(per * seq);
-        fill_train_batch(data, step, global_batch, p * per, per, seq, in.data(), tg.data(), false, 0);
+        fill_train_batch(data, step, global_batch, p * per, per, seq, in.data(), tg.data(), false,
+                         0);
         INFO("step " << step << ", " << pieces << " pieces, piece " << p);
         REQUIRE(std::equal(in.begin(), in.end(), all_in.begin() + p * per * seq));
         REQUIRE(std::equal(tg.begin(), tg.end(), all_tg.begin() + p * per * seq));
@@ -207,8 +206,8 @@ TEST_CASE("check_vocab refuses token ids outside the vocabulary", "[data]") {
   const Dataset data = load_dataset(dir.file("shard.bin"), 0.1, 16);
   CHECK_NOTHROW(check_vocab(data, 1000));
   CHECK_THAT(usage_error_of([&] { check_vocab(data, 999); }),
-             Contains(dir.file("shard.bin")) && Contains("token id 999") &&
-                 Contains("size 999") && Contains("--vocab"));
+             Contains(dir.file("shard.bin")) && Contains("token id 999") && Contains("size 999") &&
+                 Contains("--vocab"));
   CHECK_THROWS_AS(check_vocab(data, 256), UsageError);
 }
 
@@ -281,9 +280,10 @@ std::vector<int64_t> read_starts(const Dataset& d, int seq, int64_t first, int64
 // Guards: an off-by-one in the shuffled window count: (n - 1) / seq windows when the split is
 // n tokens. One too many reads past the split's end exactly when seq divides n (an llm.c shard
 // can be such a split); one too few never reads the last window when seq divides n - 1.
-TEST_CASE("the shuffled order reads every whole window exactly once per epoch, for every split "
-          "length around multiples of --seq",
-          "[data]") {
+TEST_CASE(
+    "the shuffled order reads every whole window exactly once per epoch, for every split "
+    "length around multiples of --seq",
+    "[data]") {
   for (int seq : {1, 4, 7, 16}) {
     for (int64_t windows : {1, 2, 3, 10, 64}) {
       for (int64_t extra : {-1, 0, 1, 2, seq - 1}) {
@@ -323,11 +323,12 @@ TEST_CASE("one window: every sequence of every epoch reads it, shuffled or in fi
 
 // Guards: an order that ignores the epoch (every epoch the same), or a batch that skips or
 // repeats windows across steps of a global batch that does not divide the window count.
-TEST_CASE("two epochs of the shuffled order differ, and a global batch of 3 reads the same "
-          "sequence stream as a global batch of 1",
-          "[data]") {
+TEST_CASE(
+    "two epochs of the shuffled order differ, and a global batch of 3 reads the same "
+    "sequence stream as a global batch of 1",
+    "[data]") {
   const int seq = 8;
-  const Dataset d = split_of(50 * seq + 1);  // 50 windows
+  const Dataset d = split_of(50 * seq + 1);                               // 50 windows
   const std::vector<int64_t> stream = read_starts(d, seq, 0, 102, true);  // two epochs and 2
   CHECK(std::vector<int64_t>(stream.begin(), stream.begin() + 50) !=
         std::vector<int64_t>(stream.begin() + 50, stream.begin() + 100));
@@ -344,9 +345,10 @@ TEST_CASE("two epochs of the shuffled order differ, and a global batch of 3 read
 // Guards: file order wrapping one token late (a read past the split) or early (the last start
 // never read). Starts step seq apart and wrap modulo span = n - seq, the number of starts
 // whose seq + 1 tokens fit; with gcd(seq, span) = 1 every one of them comes up.
-TEST_CASE("file order visits every start that fits and no other, for split lengths around "
-          "multiples of --seq",
-          "[data]") {
+TEST_CASE(
+    "file order visits every start that fits and no other, for split lengths around "
+    "multiples of --seq",
+    "[data]") {
   for (int64_t seq : {4, 5, 16}) {
     for (int64_t n : {seq + 1, 3 * seq, 3 * seq + 1, 8 * seq + 2, 8 * seq + 3}) {
       int64_t fits = 0;  // starts s with s + seq + 1 <= n, by counting
@@ -363,9 +365,10 @@ TEST_CASE("file order visits every start that fits and no other, for split lengt
 }
 
 // Guards: (val - 1) / seq validation windows off by one when seq divides the val split.
-TEST_CASE("the val split holds every whole window and no more, for lengths around multiples of "
-          "--seq",
-          "[data]") {
+TEST_CASE(
+    "the val split holds every whole window and no more, for lengths around multiples of "
+    "--seq",
+    "[data]") {
   for (int seq : {4, 16}) {
     for (int64_t n : {(int64_t)seq + 1, 2 * (int64_t)seq, 2 * (int64_t)seq + 1, 5 * (int64_t)seq,
                       5 * (int64_t)seq + 1}) {
@@ -385,9 +388,10 @@ TEST_CASE("the val split holds every whole window and no more, for lengths aroun
 
 // Guards: the val split rounded up instead of down, or the "need at least N tokens" message
 // naming a count that is not the smallest that loads.
-TEST_CASE("--val-frac: val holds floor(n x frac) tokens, and the smallest file the message asks "
-          "for is the smallest that loads",
-          "[data]") {
+TEST_CASE(
+    "--val-frac: val holds floor(n x frac) tokens, and the smallest file the message asks "
+    "for is the smallest that loads",
+    "[data]") {
   TempDir dir;
   const std::string path = dir.file("count.bin");
   // Fractions a binary double holds exactly, so floor(n x frac) is unambiguous: n x 3/8 is an
@@ -467,9 +471,10 @@ TEST_CASE("a text file and a .bin shard of the same bytes give the same splits a
   }
 }
 
-TEST_CASE("an llm.c shard whose size is not its header's promise is refused, one byte either "
-          "way",
-          "[data]") {
+TEST_CASE(
+    "an llm.c shard whose size is not its header's promise is refused, one byte either "
+    "way",
+    "[data]") {
   TempDir dir;
   const std::string shard = dir.file("s.bin");
   write_token_shard(shard, counting_tokens(500));

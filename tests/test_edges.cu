@@ -3,12 +3,11 @@
 // that would overwrite the run's inputs or each other, a save into a directory that holds the
 // user's files, and faults that cannot fire in the run they are given to. [safety]; runs of
 // ./train are also [train], runs under mpirun [parity].
-#include <catch2/catch.hpp>
-
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <catch2/catch.hpp>
 #include <cstring>
 #include <filesystem>
 #include <fstream>

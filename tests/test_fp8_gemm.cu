@@ -9,11 +9,11 @@
 #include <string>
 #include <vector>
 
-#include "runtime/core.cuh"
 #include "cuda_case.cuh"
 #include "kernels/fp8_gemm.cuh"
 #include "mixed_precision.cuh"
 #include "reference.cuh"
+#include "runtime/core.cuh"
 
 namespace {
 

@@ -4,7 +4,6 @@
 // every rank with exit code 2 and a message naming it, never a bogus grid, an MPI error of no
 // word of ours, or a hang. [parity]: each case is one mpirun of two ranks.
 #include <catch2/catch.hpp>
-
 #include <chrono>
 #include <filesystem>
 #include <fstream>

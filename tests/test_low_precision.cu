@@ -10,11 +10,11 @@
 #include <map>
 #include <vector>
 
-#include "runtime/core.cuh"
 #include "cuda_case.cuh"
 #include "launch.cuh"
 #include "mixed_precision.cuh"
 #include "model.cuh"
+#include "runtime/core.cuh"
 #include "runtime/ops.cuh"
 #include "usage_error.cuh"
 
@@ -448,8 +448,7 @@ TEST_CASE("an overflow in fp16 skips the step on every rank, halves the scale, a
     CHECK(hit_moments[name].bytes == t.bytes);
   }
   const std::string header = read_whole_file(dir + "/hit/optimizer.safetensors").substr(0, 400);
-  CHECK_THAT(header, Catch::Contains("\"step\":\"3\"") &&
-                         Catch::Contains("\"adam_steps\":\"2\"") &&
+  CHECK_THAT(header, Catch::Contains("\"step\":\"3\"") && Catch::Contains("\"adam_steps\":\"2\"") &&
                          Catch::Contains("\"loss_scale\":\"32768\""));
   // Two data-parallel ranks, the infinity on rank 1 only: both skip, then both go on at 2^15.
   auto dp = train_log(run + "--steps 4 --dp 2 --mbs 2 --fault inf:1:1", dir, 2);
@@ -538,9 +537,12 @@ TEST_CASE("--report memory gives the bytes per parameter of each role under each
     std::string row;
   };
   const Case cases[] = {
-      {"--dtype fp32", 0, "this rank, measured            4.00       4.00        -       8.00   16.00"},
-      {"--dtype bf16", 0, "this rank, measured            2.00       4.00     4.00       8.00   18.00"},
-      {"--dtype fp8", 0, "this rank, measured            2.00       4.00     4.00       8.00   18.00"},
+      {"--dtype fp32", 0,
+       "this rank, measured            4.00       4.00        -       8.00   16.00"},
+      {"--dtype bf16", 0,
+       "this rank, measured            2.00       4.00     4.00       8.00   18.00"},
+      {"--dtype fp8", 0,
+       "this rank, measured            2.00       4.00     4.00       8.00   18.00"},
       {"--dtype bf16 --dp 2 --zero 3", 2,
        "this rank, measured            1.00       2.00     2.00       4.00    9.00"},
   };

@@ -3,12 +3,11 @@
 // (sign, exponent bits, mantissa bits, bias), never read back from mixed_precision.cu; the
 // conversions against CUDA's own (cuda_bf16.h, cuda_fp16.h, cuda_fp8.h, on the host and on the
 // GPU); and the error bound of FP8 per-tile scaling.
-#include <catch2/catch.hpp>
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -52,15 +51,21 @@ const Spec& spec(DType t) {
   return kSpecs[0];
 }
 
-float next_up(float x) { return std::nextafter(x, INFINITY); }
+float next_up(float x) {
+  return std::nextafter(x, INFINITY);
+}
 
 // CUDA's host-side conversions: an implementation independent of mixed_precision.cu.
 uint32_t cuda_encode(DType t, float x) {
   switch (t) {
-    case DType::BF16: return __bfloat16_as_ushort(__float2bfloat16_rn(x));
-    case DType::F16: return __half_as_ushort(__float2half_rn(x));
-    case DType::F8E4M3: return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
-    default: return __nv_cvt_float_to_fp8(x, __NV_NOSAT, __NV_E5M2);
+    case DType::BF16:
+      return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+    case DType::F16:
+      return __half_as_ushort(__float2half_rn(x));
+    case DType::F8E4M3:
+      return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+    default:
+      return __nv_cvt_float_to_fp8(x, __NV_NOSAT, __NV_E5M2);
   }
 }
 
@@ -91,10 +96,9 @@ std::vector<float> probe_floats() {
 }  // namespace
 
 TEST_CASE("storage dtypes have their safetensors names and sizes", "[precision]") {
-  const std::pair<DType, const char*> names[] = {{DType::F32, "F32"}, {DType::I32, "I32"},
-                                                 {DType::BF16, "BF16"}, {DType::F16, "F16"},
-                                                 {DType::F8E4M3, "F8_E4M3"},
-                                                 {DType::F8E5M2, "F8_E5M2"}};
+  const std::pair<DType, const char*> names[] = {
+      {DType::F32, "F32"}, {DType::I32, "I32"},        {DType::BF16, "BF16"},
+      {DType::F16, "F16"}, {DType::F8E4M3, "F8_E4M3"}, {DType::F8E5M2, "F8_E5M2"}};
   for (auto [t, name] : names) {
     CHECK(std::string(dtype_name(t)) == name);
     DType back = DType::I32;
@@ -122,8 +126,7 @@ TEST_CASE("machine epsilon: fp32 1.19e-7, fp16 9.77e-4, bf16 7.81e-3", "[precisi
   CHECK(e5m2_to_float(float_to_e5m2(1.0f) + 1) - 1.0f == 0.25f);
 }
 
-TEST_CASE("largest finite values: fp16 65504, bf16 3.39e38, e4m3 448, e5m2 57344",
-          "[precision]") {
+TEST_CASE("largest finite values: fp16 65504, bf16 3.39e38, e4m3 448, e5m2 57344", "[precision]") {
   // (2 - 2^-m) * 2^(2^e - 2 - bias) for IEEE-like formats; e4m3 keeps the all-ones exponent
   // for numbers and gives up one mantissa pattern for NaN: 1.75 * 2^(15 - 7).
   const double fp16 = (2 - std::ldexp(1.0, -10)) * std::ldexp(1.0, 15);
@@ -277,8 +280,10 @@ TEST_CASE("the CUDA cast kernels match the CPU loop bit for bit", "[precision][g
     const int64_t patterns = 1 << s.bits();
     Tensor p = empty({patterns}, Mem::Workspace, Device::CPU, s.dtype);
     for (int64_t i = 0; i < patterns; i++) {
-      if (s.bits() == 16) ((uint16_t*)p.ptr)[i] = (uint16_t)i;
-      else ((uint8_t*)p.ptr)[i] = (uint8_t)i;
+      if (s.bits() == 16)
+        ((uint16_t*)p.ptr)[i] = (uint16_t)i;
+      else
+        ((uint8_t*)p.ptr)[i] = (uint8_t)i;
     }
     Tensor w = empty({patterns}, Mem::Workspace);
     Tensor w_gpu = empty({patterns}, Mem::Workspace, Device::CUDA);
@@ -287,8 +292,10 @@ TEST_CASE("the CUDA cast kernels match the CPU loop bit for bit", "[precision][g
     const std::vector<float> cpu = to_host_floats(w), gpu = to_host_floats(w_gpu);
     for (int64_t i = 0; i < patterns; i++) {
       INFO("pattern " << i);
-      if (std::isnan(cpu[i])) CHECK(std::isnan(gpu[i]));
-      else CHECK(memcmp(&cpu[i], &gpu[i], 4) == 0);
+      if (std::isnan(cpu[i]))
+        CHECK(std::isnan(gpu[i]));
+      else
+        CHECK(memcmp(&cpu[i], &gpu[i], 4) == 0);
     }
   }
 }
@@ -302,14 +309,16 @@ TEST_CASE("the CUDA cast kernels match the CPU loop bit for bit", "[precision][g
 // rounding) is off by at most 2^-23 L, far less. Each fp32 rounding costs 2^-24 relative, and
 // |s q| <= |x| (1 + 2^-m), so |x - d| <= s ulp(y) / 2 + 2^-22 |x|: half an ulp of the fp8 grid,
 // stretched by the tile's scale, plus fp32's share.
-TEST_CASE("FP8 tiles (1 x 128 activations, 128 x 128 weights) are within half an ulp of "
-          "their scale", "[precision]") {
+TEST_CASE(
+    "FP8 tiles (1 x 128 activations, 128 x 128 weights) are within half an ulp of "
+    "their scale",
+    "[precision]") {
   struct Case {
     DType fmt;
     int64_t rows, cols;
     int tile_rows, tile_cols;
   };
-  const Case cases[] = {{DType::F8E4M3, 4, 300, 1, 128},    // activations; a partial tile
+  const Case cases[] = {{DType::F8E4M3, 4, 300, 1, 128},      // activations; a partial tile
                         {DType::F8E4M3, 130, 260, 128, 128},  // weights; partial tiles
                         {DType::F8E5M2, 3, 200, 1, 128}};
   for (const Case& c : cases) {

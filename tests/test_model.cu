@@ -1,7 +1,6 @@
 // The model as a whole: parameter count, static memory, gradients against finite
 // differences, and the recompute modes (Playbook §2.4-§2.6).
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -143,9 +142,10 @@ TEST_CASE("the whole model's gradient matches central finite differences", "[mod
 // weights (std 0.2), and the fp32 round-off of L (~3.5, a few ulps of 2.4e-7 each) over 2h,
 // ~5e-5: hence 1e-4 absolute plus 1% of the derivative (the largest ones are ~1e-1). The
 // largest error seen is 0.3 of that.
-TEST_CASE("the whole model's gradient matches finite differences element by element, in every "
-          "tensor, one embedding row and one head's rows",
-          "[model]") {
+TEST_CASE(
+    "the whole model's gradient matches finite differences element by element, in every "
+    "tensor, one embedding row and one head's rows",
+    "[model]") {
   Context ctx = Context::create(Device::CPU);
   ModelConfig c = small_config();
   const int64_t hd = c.d_model / c.heads, D = c.d_model;
@@ -189,8 +189,8 @@ TEST_CASE("the whole model's gradient matches finite differences element by elem
         // The step actually taken: fp32 rounds orig +- h.
         double numeric = (up - down) / ((double)(orig[k] + h) - (double)(orig[k] - h));
         double error = std::abs(grad[k] - numeric), allowed = 1e-4 + 0.01 * std::abs(numeric);
-        INFO((tied ? "tied, " : "") << name << "[" << k << "] analytic " << grad[k]
-                                    << " numeric " << numeric);
+        INFO((tied ? "tied, " : "")
+             << name << "[" << k << "] analytic " << grad[k] << " numeric " << numeric);
         CHECK(error <= allowed);
       }
     }
@@ -198,8 +198,7 @@ TEST_CASE("the whole model's gradient matches finite differences element by elem
   }
 }
 
-TEST_CASE("recompute modes give identical gradients and keep less activation memory",
-          "[model]") {
+TEST_CASE("recompute modes give identical gradients and keep less activation memory", "[model]") {
   Context ctx = Context::create(Device::CPU);
   ModelConfig c = small_config();
   c.seq = 32;  // long enough that the attention probabilities dominate a block
@@ -234,10 +233,12 @@ TEST_CASE("recompute modes give identical gradients and keep less activation mem
 TEST_CASE("bad model shapes are rejected with the flag named", "[model]") {
   ModelConfig c = model_preset("tiny");
   c.heads = 3;
-  REQUIRE_THROWS_WITH(validate_model_config(c), Catch::Contains("--heads 3 does not divide --d-model 128"));
+  REQUIRE_THROWS_WITH(validate_model_config(c),
+                      Catch::Contains("--heads 3 does not divide --d-model 128"));
   c = model_preset("tiny");
   c.kv_heads = 3;
-  REQUIRE_THROWS_WITH(validate_model_config(c), Catch::Contains("--kv-heads 3 does not divide --heads 4"));
+  REQUIRE_THROWS_WITH(validate_model_config(c),
+                      Catch::Contains("--kv-heads 3 does not divide --heads 4"));
   REQUIRE_THROWS_WITH(model_preset("huge"), Catch::Contains("--model huge"));
 }
 
@@ -324,13 +325,13 @@ TEST_CASE("a block keeps O(T) activations with FlashAttention and O(T^2) with na
       int64_t measured = saved_bytes(acts.blocks[0]);
       INFO(attention_name(attention) << " at T " << T);
       REQUIRE(measured == activation_bytes_per_block(c, 1, T, 1, false, Recompute::None,
-                                                    *local_attention(attention)));
+                                                     *local_attention(attention)));
       REQUIRE((int64_t)(memory_stats().current[(int)Mem::Activations] - before) >= measured);
       // Per token, D 16, Hkv hd 8, F 24, Hq 4: N (16 D + 8) + N (8 D + 8 Hkv hd + 12 F) + lse or
       // probabilities, all in bytes.
       int64_t linear = (int64_t)T * (16 * 16 + 8) + (int64_t)T * (8 * 16 + 8 * 8 + 12 * 24);
       REQUIRE(measured == linear + (attention == AttentionKind::Flash ? 4 * 4 * (int64_t)T
-                                                                  : 4 * 4 * (int64_t)T * T));
+                                                                      : 4 * 4 * (int64_t)T * T));
       bytes[attention].push_back(measured);
     }
   for (size_t i = 1; i < bytes[AttentionKind::Flash].size(); i++) {
@@ -345,7 +346,7 @@ TEST_CASE("a block keeps O(T) activations with FlashAttention and O(T^2) with na
 TEST_CASE("FlashAttention and naive attention give the same loss and gradients", "[model]") {
   Context ctx = Context::create(Device::CPU);
   ModelConfig c = small_config();
-  c.seq = 70;  // not a multiple of the 64-token tile
+  c.seq = 70;                 // not a multiple of the 64-token tile
   for (int kv : {4, 2, 1}) {  // MHA, GQA, MQA
     c.kv_heads = kv;
     int B = 2, T = c.seq;

@@ -38,7 +38,9 @@ Tensor small_ints(std::vector<int64_t> shape, const std::string& name) {
   for (int64_t i = 0; i < t.numel(); i++) t.f32()[i] = std::floor(t.f32()[i]);
   return t;
 }
-Tensor clone(const Tensor& t) { return to_device(t, Device::CPU, Mem::Activations); }
+Tensor clone(const Tensor& t) {
+  return to_device(t, Device::CPU, Mem::Activations);
+}
 
 // L = sum(out * R) in fp32: a scalar whose gradient with respect to out is R.
 float weighted_sum(const Tensor& out, const Tensor& R) {
@@ -300,8 +302,7 @@ TEST_CASE("residual_forward, axpy and scale_ give exact small-integer results", 
 // cross-entropy
 
 // A mixture of experts' combine: each row times its weight, and each row's dot product.
-TEST_CASE("scale_rows and row_dots give exact small-integer results, zero rows included",
-          "[ops]") {
+TEST_CASE("scale_rows and row_dots give exact small-integer results, zero rows included", "[ops]") {
   Tensor x = empty({3, 2}, Mem::Workspace), w = empty({3}, Mem::Workspace);
   Tensor y = empty({3, 2}, Mem::Workspace), d = empty({3}, Mem::Workspace);
   std::vector<float> xs = {1, 2, 3, 4, 5, 6}, ws = {2, -1, 0.5f};
@@ -403,11 +404,11 @@ TEST_CASE("AdamW matches a hand-computed two-step example", "[ops]") {
 TEST_CASE("host synchronisations are counted where the host waits for the device", "[ops]") {
   Tensor x = small_ints({300}, "x");
   uint64_t before = host_syncs();
-  sum(kCpu, x);                // a result on the host
-  sum_squares(kCpu, x);        // another
-  to_host_floats(x);           // a download
-  kCpu.synchronize();          // an explicit wait
-  axpy(kCpu, x, 2.0f, x);      // device-side work: no wait
+  sum(kCpu, x);            // a result on the host
+  sum_squares(kCpu, x);    // another
+  to_host_floats(x);       // a download
+  kCpu.synchronize();      // an explicit wait
+  axpy(kCpu, x, 2.0f, x);  // device-side work: no wait
   zero_(x);
   CHECK(host_syncs() - before == 4);
 }
@@ -453,7 +454,6 @@ std::vector<float> same_twice(const std::function<std::vector<float>()>& run) {
   CHECK(memcmp(first.data(), second.data(), first.size() * sizeof(float)) == 0);
   return first;
 }
-
 
 }  // namespace
 

@@ -3,7 +3,6 @@
 // CPU ranks ([parity]: runs under mpirun), the book's benchmark campaign (§11.4, the table in
 // tests/data/book_campaign.csv), and ./plan's answers to bad input.
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <fstream>
 #include <regex>
@@ -17,8 +16,10 @@ static const double GiB = 1024.0 * 1024 * 1024;
 // ----------------------------------------------------------------------------
 // The book's numbers
 
-TEST_CASE("the book's parameter formula gives 1,068,404,736, 6,969,499,648 and 65,483,718,656 for "
-          "its 1B, 8B and 70B shapes", "[planner]") {
+TEST_CASE(
+    "the book's parameter formula gives 1,068,404,736, 6,969,499,648 and 65,483,718,656 for "
+    "its 1B, 8B and 70B shapes",
+    "[planner]") {
   // Playbook §2.4: N = h v + L (12 h^2 + 13 h) + 2 h with Llama 3's vocabulary of 128,256.
   CHECK(book_parameter_count(2048, 128256, 16) == 1068404736LL);
   CHECK(book_parameter_count(4096, 128256, 32) == 6969499648LL);
@@ -27,8 +28,10 @@ TEST_CASE("the book's parameter formula gives 1,068,404,736, 6,969,499,648 and 6
   CHECK(book_parameter_count(4096, 128256, 32) + 1024 * 4096 == 6973693952LL);
 }
 
-TEST_CASE("the book's activation formula: 97.0 GiB for the 8B shape at 4,096 tokens, 956,301,312 "
-          "bytes for the toy configuration", "[planner]") {
+TEST_CASE(
+    "the book's activation formula: 97.0 GiB for the 8B shape at 4,096 tokens, 956,301,312 "
+    "bytes for the toy configuration",
+    "[planner]") {
   // L s b h (34 + 5 a s / h): Llama 3.1 8B is L 32, h 4096, a 32.
   double b8 = book_activation_bytes(32, 4096, 1, 4096, 32, 1, false, Recompute::None);
   CHECK(b8 / GiB == Approx(97.0).margin(0.005));
@@ -39,12 +42,23 @@ TEST_CASE("the book's activation formula: 97.0 GiB for the 8B shape at 4,096 tok
 
 TEST_CASE("the book's activation tables of §2.5 and §2.6 (GiB, bs 1): none, selective, full",
           "[planner]") {
-  struct Shape { const char* name; int L, h, a; };
-  const Shape shapes[] = {{"1B", 16, 2048, 32}, {"3B", 28, 3072, 24}, {"8B", 32, 4096, 32},
-                          {"70B", 80, 8192, 64}, {"405B", 126, 16384, 128}};
+  struct Shape {
+    const char* name;
+    int L, h, a;
+  };
+  const Shape shapes[] = {{"1B", 16, 2048, 32},
+                          {"3B", 28, 3072, 24},
+                          {"8B", 32, 4096, 32},
+                          {"70B", 80, 8192, 64},
+                          {"405B", 126, 16384, 128}};
   // The book's charts (memusage_activations, memory-recomputation), 1024 to 8192 tokens (16384
   // in the §2.5 table for 8B, 70B and 405B, without recomputation), with the decimals they show.
-  struct Row { const char* model; Recompute mode; int decimals; double gib[5]; };
+  struct Row {
+    const char* model;
+    Recompute mode;
+    int decimals;
+    double gib[5];
+  };
   const Row rows[] = {
       {"1B", Recompute::None, 2, {3.56, 12.13, 44.26, 168.52, 0}},
       {"1B", Recompute::Selective, 2, {1.06, 2.13, 4.26, 8.52, 0}},
@@ -83,8 +97,10 @@ TEST_CASE("the book's activation tables of §2.5 and §2.6 (GiB, bs 1): none, se
   CHECK(checked == 63);
 }
 
-TEST_CASE("the 70B shape with tensor parallelism: 32.5 and 28.75 GiB at tp 8 and 16, 10.625 and "
-          "5.3125 GiB with sequence parallelism", "[planner]") {
+TEST_CASE(
+    "the 70B shape with tensor parallelism: 32.5 and 28.75 GiB at tp 8 and 16, 10.625 and "
+    "5.3125 GiB with sequence parallelism",
+    "[planner]") {
   // Playbook §5.4 and §6.6 (selective recomputation, bs 1): s b h (10 + 24/t) per layer without
   // sp, 34 s b h / t with it; and the charts' 1k and 16k columns.
   auto tp = [](int seq, int t, bool sp) {
@@ -117,8 +133,10 @@ static RunResult run_plan(const std::string& args) {
   return r;
 }
 
-TEST_CASE("the planner offers the book's activation constants and picoscale's Llama's, and says "
-          "which it uses", "[planner]") {
+TEST_CASE(
+    "the planner offers the book's activation constants and picoscale's Llama's, and says "
+    "which it uses",
+    "[planner]") {
   // The book's 34 + 5as/h is a GPT with LayerNorm, GeLU and dropout; picoscale's Llama (RMSNorm,
   // SwiGLU, fp32 residual stream) keeps other tensors: model.cu's formula. Same layout, both.
   ModelConfig c = planner_model("llama-8b");
@@ -128,13 +146,13 @@ TEST_CASE("the planner offers the book's activation constants and picoscale's Ll
   book.activations = ActivationFormula::Book;
   double a = predict_memory(c, l, llama).worst.activations;
   double b = predict_memory(c, l, book).worst.activations;
-  double book_layers = book_activation_bytes(c.layers, c.seq, 1, c.d_model, c.heads, 1, false,
-                                             Recompute::None);
+  double book_layers =
+      book_activation_bytes(c.layers, c.seq, 1, c.d_model, c.heads, 1, false, Recompute::None);
   CHECK(b >= book_layers);  // the book's layers, plus the logits and the stage's boundaries
   CHECK(b - book_layers < 0.05 * b);
   CHECK(std::fabs(a - b) > 0.05 * b);  // the two models keep different tensors
-  RunResult r1 = run_plan("--model llama-8b --nodes 1 --top 1"), r2 =
-      run_plan("--model llama-8b --nodes 1 --top 1 --activations book");
+  RunResult r1 = run_plan("--model llama-8b --nodes 1 --top 1"),
+            r2 = run_plan("--model llama-8b --nodes 1 --top 1 --activations book");
   INFO(r1.output << r2.output);
   REQUIRE(r1.code == 0);
   REQUIRE(r2.code == 0);
@@ -145,8 +163,10 @@ TEST_CASE("the planner offers the book's activation constants and picoscale's Ll
 // ----------------------------------------------------------------------------
 // Bad input
 
-TEST_CASE("./plan says in one line, with exit code 2, when the cluster cannot hold the model or "
-          "no layout reaches the batch", "[planner]") {
+TEST_CASE(
+    "./plan says in one line, with exit code 2, when the cluster cannot hold the model or "
+    "no layout reaches the batch",
+    "[planner]") {
   // 70B on one node of 8 A100: 16 bytes per parameter alone is 1.1 TB.
   RunResult big = run_plan("--model llama-70b --nodes 1 --gpu a100");
   INFO(big.output);
@@ -176,7 +196,8 @@ struct Measured {
 };
 std::map<int, Measured> measured_rows(const std::string& out) {
   std::map<int, Measured> rows;
-  std::regex row("\n  ([0-9]+) +([0-9]+) +([0-9]+) +([0-9]+) +[0-9]+   ([0-9.]+) (B|KiB|MiB|GiB), ");
+  std::regex row(
+      "\n  ([0-9]+) +([0-9]+) +([0-9]+) +([0-9]+) +[0-9]+   ([0-9.]+) (B|KiB|MiB|GiB), ");
   for (std::sregex_iterator it(out.begin(), out.end(), row), end; it != end; ++it) {
     double unit = 1;
     for (std::string u = (*it)[6]; u != "B"; u = u == "GiB" ? "MiB" : u == "MiB" ? "KiB" : "B")
@@ -203,8 +224,8 @@ void require_memory_predicted(const ModelConfig& c, const std::string& base,
     for (auto& [rank, m] : rows) {
       int stage = (rank / (l.cp * l.tp)) % l.pp;
       const RankMemory& want = p.stages[stage];
-      INFO("rank " << rank << " (stage " << stage << "): predicted activations "
-                   << want.activations << " B, measured " << m.activations << " B");
+      INFO("rank " << rank << " (stage " << stage << "): predicted activations " << want.activations
+                   << " B, measured " << m.activations << " B");
       CHECK(m.params == (int64_t)want.params);
       CHECK(m.grads == (int64_t)want.grads);
       CHECK(m.optimizer == (int64_t)want.optimizer);
@@ -214,15 +235,18 @@ void require_memory_predicted(const ModelConfig& c, const std::string& base,
 }
 }  // namespace
 
-TEST_CASE("the planner's memory per rank equals --report memory's: static bytes exactly, "
-          "activations within 5%, over 14 layouts", "[planner][parity]") {
+TEST_CASE(
+    "the planner's memory per rank equals --report memory's: static bytes exactly, "
+    "activations within 5%, over 14 layouts",
+    "[planner][parity]") {
   // A small model, so each run takes a second: 4 blocks of d_model 32, vocab 256, seq 16.
   // --val-seqs 1: the validation at the end holds one sequence, less than training does.
   ModelConfig c = model_preset("tiny");
   c.d_model = 32, c.layers = 4, c.heads = 4, c.kv_heads = 2, c.ffn = 64, c.seq = 16;
-  const std::string base = "--d-model 32 --layers 4 --heads 4 --kv-heads 2 --ffn 64 --seq 16 "
-                           "--warmup 1 --val-every 0 --val-seqs 1 --steps 1 --report memory "
-                           "--comm-timeout 60 ";
+  const std::string base =
+      "--d-model 32 --layers 4 --heads 4 --kv-heads 2 --ffn 64 --seq 16 "
+      "--warmup 1 --val-every 0 --val-seqs 1 --steps 1 --report memory "
+      "--comm-timeout 60 ";
   struct Case {
     Layout l;
   };
@@ -234,26 +258,79 @@ TEST_CASE("the planner's memory per rank equals --report memory's: static bytes 
   };
   std::vector<Layout> layouts;
   layouts.push_back(layout(1, 1, 1, 1, 0));  // one rank
-  { Layout l = layout(2, 1, 1, 1, 1); layouts.push_back(l); }  // ZeRO-1
-  { Layout l = layout(2, 1, 1, 1, 2); l.precision = Precision::BF16; layouts.push_back(l); }
-  { Layout l = layout(3, 1, 1, 1, 3); layouts.push_back(l); }  // ZeRO-3, padded shards
-  { Layout l = layout(1, 2, 1, 1, 0); l.sp = true; layouts.push_back(l); }  // tp + sp
-  { Layout l = layout(1, 2, 1, 1, 0); l.recompute = Recompute::Selective;
-    l.attention = AttentionKind::Naive; layouts.push_back(l); }  // tp, naive attention
-  { Layout l = layout(1, 1, 2, 1, 0); l.schedule = PpSchedule::AFAB; l.grad_acc = 4;
-    layouts.push_back(l); }
-  { Layout l = layout(2, 1, 2, 1, 1); l.grad_acc = 4; layouts.push_back(l); }  // 1F1B + ZeRO-1
-  { Layout l = layout(1, 1, 2, 1, 0); l.schedule = PpSchedule::Interleaved; l.virtual_stages = 2;
-    l.grad_acc = 4; layouts.push_back(l); }
-  { Layout l = layout(1, 1, 2, 1, 0); l.schedule = PpSchedule::ZeroBubbleH1; l.grad_acc = 4;
-    layouts.push_back(l); }
-  { Layout l = layout(1, 1, 1, 2, 0); layouts.push_back(l); }  // context parallelism
-  { Layout l = layout(1, 1, 1, 1, 0); l.precision = Precision::FP8; l.recompute = Recompute::Full;
-    l.mbs = 4; layouts.push_back(l); }
-  { Layout l = layout(1, 1, 2, 1, 0); l.precision = Precision::BF16; l.recompute = Recompute::Full;
-    l.mbs = 4, l.grad_acc = 4; layouts.push_back(l); }
-  { Layout l = layout(2, 2, 1, 1, 1); l.sp = true; l.precision = Precision::BF16;
-    l.bf16_grads = true; layouts.push_back(l); }  // dp x tp + sp, bf16 gradients
+  {
+    Layout l = layout(2, 1, 1, 1, 1);
+    layouts.push_back(l);
+  }  // ZeRO-1
+  {
+    Layout l = layout(2, 1, 1, 1, 2);
+    l.precision = Precision::BF16;
+    layouts.push_back(l);
+  }
+  {
+    Layout l = layout(3, 1, 1, 1, 3);
+    layouts.push_back(l);
+  }  // ZeRO-3, padded shards
+  {
+    Layout l = layout(1, 2, 1, 1, 0);
+    l.sp = true;
+    layouts.push_back(l);
+  }  // tp + sp
+  {
+    Layout l = layout(1, 2, 1, 1, 0);
+    l.recompute = Recompute::Selective;
+    l.attention = AttentionKind::Naive;
+    layouts.push_back(l);
+  }  // tp, naive attention
+  {
+    Layout l = layout(1, 1, 2, 1, 0);
+    l.schedule = PpSchedule::AFAB;
+    l.grad_acc = 4;
+    layouts.push_back(l);
+  }
+  {
+    Layout l = layout(2, 1, 2, 1, 1);
+    l.grad_acc = 4;
+    layouts.push_back(l);
+  }  // 1F1B + ZeRO-1
+  {
+    Layout l = layout(1, 1, 2, 1, 0);
+    l.schedule = PpSchedule::Interleaved;
+    l.virtual_stages = 2;
+    l.grad_acc = 4;
+    layouts.push_back(l);
+  }
+  {
+    Layout l = layout(1, 1, 2, 1, 0);
+    l.schedule = PpSchedule::ZeroBubbleH1;
+    l.grad_acc = 4;
+    layouts.push_back(l);
+  }
+  {
+    Layout l = layout(1, 1, 1, 2, 0);
+    layouts.push_back(l);
+  }  // context parallelism
+  {
+    Layout l = layout(1, 1, 1, 1, 0);
+    l.precision = Precision::FP8;
+    l.recompute = Recompute::Full;
+    l.mbs = 4;
+    layouts.push_back(l);
+  }
+  {
+    Layout l = layout(1, 1, 2, 1, 0);
+    l.precision = Precision::BF16;
+    l.recompute = Recompute::Full;
+    l.mbs = 4, l.grad_acc = 4;
+    layouts.push_back(l);
+  }
+  {
+    Layout l = layout(2, 2, 1, 1, 1);
+    l.sp = true;
+    l.precision = Precision::BF16;
+    l.bf16_grads = true;
+    layouts.push_back(l);
+  }  // dp x tp + sp, bf16 gradients
   REQUIRE(layouts.size() >= 12);
   require_memory_predicted(c, base, layouts, 0.05);
 }
@@ -262,23 +339,29 @@ TEST_CASE("the planner's memory per rank equals --report memory's: static bytes 
 // rank and ZeRO shards them over edp_cp (N / ep ranks), exactly as ./train holds them. A rank's
 // activations hold the rows the routing sent its experts, which the planner takes as balanced
 // (tokens x k / E each): measured, they stay within 10% here.
-TEST_CASE("the planner's memory per rank with a mixture of experts under ep equals --report "
-          "memory's static bytes; activations within 10%, and 5% when routing is balanced",
-          "[planner][parity][experts]") {
+TEST_CASE(
+    "the planner's memory per rank with a mixture of experts under ep equals --report "
+    "memory's static bytes; activations within 10%, and 5% when routing is balanced",
+    "[planner][parity][experts]") {
   ModelConfig c = model_preset("tiny");
   c.d_model = 32, c.layers = 4, c.heads = 4, c.kv_heads = 2, c.ffn = 32, c.seq = 16;
   c.experts = 4, c.top_k = 2;
-  const std::string base = "--d-model 32 --layers 4 --heads 4 --kv-heads 2 --ffn 32 --seq 16 "
-                           "--experts 4 --top-k 2 --warmup 1 --val-every 0 --val-seqs 1 "
-                           "--steps 1 --report memory --comm-timeout 60 ";
+  const std::string base =
+      "--d-model 32 --layers 4 --heads 4 --kv-heads 2 --ffn 32 --seq 16 "
+      "--experts 4 --top-k 2 --warmup 1 --val-every 0 --val-seqs 1 "
+      "--steps 1 --report memory --comm-timeout 60 ";
   auto layout = [](int dp, int ep, int zero) {
     Layout l;
     l.dp = dp, l.ep = ep, l.zero = zero, l.mbs = 2, l.precision = Precision::FP32;
     return l;
   };
-  std::vector<Layout> layouts = {layout(2, 2, 0), layout(2, 2, 1), layout(4, 2, 2),
-                                 layout(2, 1, 3), layout(4, 2, 3)};
-  { Layout l = layout(2, 2, 1); l.tp = 2, l.sp = true; layouts.push_back(l); }
+  std::vector<Layout> layouts = {layout(2, 2, 0), layout(2, 2, 1), layout(4, 2, 2), layout(2, 1, 3),
+                                 layout(4, 2, 3)};
+  {
+    Layout l = layout(2, 2, 1);
+    l.tp = 2, l.sp = true;
+    layouts.push_back(l);
+  }
   require_memory_predicted(c, base, layouts, 0.10);
   // Routing that cannot be unbalanced (every token to both of 2 experts): the activations
   // within 5%, as the dense layouts' above.
@@ -290,8 +373,10 @@ TEST_CASE("the planner's memory per rank with a mixture of experts under ep equa
 // ----------------------------------------------------------------------------
 // The book's campaign
 
-TEST_CASE("the book's campaign: the planner's memory within 25% in 20 cells, the book's layout "
-          "among its five best and its MFU within 10 points in half of them", "[planner]") {
+TEST_CASE(
+    "the book's campaign: the planner's memory within 25% in 20 cells, the book's layout "
+    "among its five best and its MFU within 10 points in half of them",
+    "[planner]") {
   // Playbook §11.4 (tests/data/book_campaign.csv, the book's best configuration per cell of 1B,
   // 3B, 8B and 80B on 1 to 64 nodes of 8 H100). One set of H100 constants for every cell.
   std::vector<CampaignCell> cells = read_campaign("tests/data/book_campaign.csv");
@@ -320,8 +405,10 @@ TEST_CASE("the book's campaign: the planner's memory within 25% in 20 cells, the
   CHECK(2 * mfu >= ran);
 }
 
-TEST_CASE("./plan --campaign --json writes every cell: the planner's best, and the book's layout "
-          "where it ran", "[planner]") {
+TEST_CASE(
+    "./plan --campaign --json writes every cell: the planner's best, and the book's layout "
+    "where it ran",
+    "[planner]") {
   // The file tools/plots.py draws as a heatmap (model x nodes, coloured by predicted MFU).
   std::string dir = make_temp_dir();
   RunResult r = run_plan("--campaign tests/data/book_campaign.csv --json " + dir + "/cells.json");
@@ -351,19 +438,23 @@ TEST_CASE("./plan --campaign --json writes every cell: the planner's best, and t
 // ----------------------------------------------------------------------------
 // MFU in the step lines
 
-TEST_CASE("every step line and --log-json line gives tokens/s per rank and the MFU of the book's "
-          "FLOP count over the printed peak", "[train]") {
+TEST_CASE(
+    "every step line and --log-json line gives tokens/s per rank and the MFU of the book's "
+    "FLOP count over the printed peak",
+    "[train]") {
   std::string dir = make_temp_dir();
-  RunResult r = run_train("--d-model 64 --layers 2 --heads 4 --kv-heads 2 --ffn 128 --seq 32 "
-                          "--mbs 4 --steps 3 --warmup 1 --val-every 0 --val-seqs 1 --log-json " +
-                          dir + "/log.jsonl");
+  RunResult r = run_train(
+      "--d-model 64 --layers 2 --heads 4 --kv-heads 2 --ffn 128 --seq 32 "
+      "--mbs 4 --steps 3 --warmup 1 --val-every 0 --val-seqs 1 --log-json " +
+      dir + "/log.jsonl");
   INFO(r.output);
   REQUIRE(r.code == 0);
   // "MFU: the book's 6N + 12 L h s = F FLOPs per token (appendix A2) over P FLOP/s per rank (how)"
   std::smatch m;
-  REQUIRE(std::regex_search(r.output, m, std::regex("MFU: the book's 6N \\+ 12 L h s = ([0-9.e+]+) "
-                                                    "FLOPs per token .* over ([0-9.e+]+) FLOP/s per "
-                                                    "rank \\(measured now: fp32 GEMM")));
+  REQUIRE(std::regex_search(r.output, m,
+                            std::regex("MFU: the book's 6N \\+ 12 L h s = ([0-9.e+]+) "
+                                       "FLOPs per token .* over ([0-9.e+]+) FLOP/s per "
+                                       "rank \\(measured now: fp32 GEMM")));
   ModelConfig c = model_preset("tiny");
   c.d_model = 64, c.layers = 2, c.heads = 4, c.kv_heads = 2, c.ffn = 128, c.seq = 32;
   const double flops = 6.0 * parameter_count(c) + 12.0 * 2 * 64 * 32;
@@ -383,8 +474,10 @@ TEST_CASE("every step line and --log-json line gives tokens/s per rank and the M
 // ----------------------------------------------------------------------------
 // Step time: the book's bubble, measured bandwidths, one layout on the command line
 
-TEST_CASE("the planner's 1F1B on 4 stages and 8 micro-batches idles 3/11 of the step when "
-          "communication is free", "[planner]") {
+TEST_CASE(
+    "the planner's 1F1B on 4 stages and 8 micro-batches idles 3/11 of the step when "
+    "communication is free",
+    "[planner]") {
   // Playbook §8.4: the idle share (p-1)/(m+p-1). The planner runs the schedule's tables on
   // paper with its predicted op times; with free links nothing else is exposed.
   GpuProfile free_links = gpu_profile("h100");
@@ -401,8 +494,10 @@ TEST_CASE("the planner's 1F1B on 4 stages and 8 micro-batches idles 3/11 of the 
         Approx(3.0 / 11).epsilon(1e-6));
 }
 
-TEST_CASE("bench_comm --fit's measured collectives become the profile's links; a file that is not "
-          "one is named", "[planner]") {
+TEST_CASE(
+    "bench_comm --fit's measured collectives become the profile's links; a file that is not "
+    "one is named",
+    "[planner]") {
   std::string dir = make_temp_dir();
   {
     std::ofstream f(dir + "/fit.json");
@@ -455,15 +550,21 @@ TEST_CASE("bench_comm --fit's measured collectives become the profile's links; a
   double t_fast = predict_time(medium, tp2, Cluster{1, 4, fast}, Implementation{}).exposed.at("tp");
   CHECK(t_slow > 0);
   CHECK(t_slow == Approx(2 * t_fast).epsilon(1e-9));
-  { std::ofstream f(dir + "/bad.json"); f << R"({"ranks": 4})"; }
-  CHECK_THROWS_WITH(apply_comm_fit(g, dir + "/bad.json"),
-                    Catch::StartsWith("--comm-fit " + dir + "/bad.json: not bench_comm --fit's JSON"));
+  {
+    std::ofstream f(dir + "/bad.json");
+    f << R"({"ranks": 4})";
+  }
+  CHECK_THROWS_WITH(
+      apply_comm_fit(g, dir + "/bad.json"),
+      Catch::StartsWith("--comm-fit " + dir + "/bad.json: not bench_comm --fit's JSON"));
   CHECK_THROWS_WITH(apply_comm_fit(g, dir + "/none.json"), Catch::Contains("cannot open it"));
 }
 
-TEST_CASE("bench_comm --mean writes the first fit with the GEMM rates averaged over every fit; a "
-          "fit of another rank count, a missing fit or a directory as output exits 2 and "
-          "leaves the output as it was", "[planner]") {
+TEST_CASE(
+    "bench_comm --mean writes the first fit with the GEMM rates averaged over every fit; a "
+    "fit of another rank count, a missing fit or a directory as output exits 2 and "
+    "leaves the output as it was",
+    "[planner]") {
   std::string dir = make_temp_dir();
   auto fit = [&](const std::string& name, int ranks, double alone, double busy, double bw,
                  const std::string& more = "") {
@@ -500,7 +601,8 @@ TEST_CASE("bench_comm --mean writes the first fit with the GEMM rates averaged o
   fit("two.json", 2, 1e10, 1e10, 1e9);
   r = run_command("build/bench_comm --mean " + out + " " + a + " " + dir + "/two.json");
   CHECK(r.code == 2);
-  CHECK_THAT(r.output, Catch::Contains("bench_comm --mean " + dir + "/two.json: not a fit of 4 "
+  CHECK_THAT(r.output, Catch::Contains("bench_comm --mean " + dir +
+                                       "/two.json: not a fit of 4 "
                                        "ranks; write one with bench_comm --fit"));
   r = run_command("build/bench_comm --mean " + out + " " + a + " " + dir + "/none.json");
   CHECK(r.code == 2);
@@ -518,8 +620,10 @@ TEST_CASE("bench_comm --mean writes the first fit with the GEMM rates averaged o
   CHECK(nlohmann::json::parse(read_whole_file(a)).at("gemm_flops_alone").get<double>() == 2.5e10);
 }
 
-TEST_CASE("CPU ranks over MPI: k ranks computing on C cores go at C/k each, and a send moves only "
-          "while its sender is inside MPI", "[planner]") {
+TEST_CASE(
+    "CPU ranks over MPI: k ranks computing on C cores go at C/k each, and a send moves only "
+    "while its sender is inside MPI",
+    "[planner]") {
   // Expected values traced by hand from the two rules (planner/time.cu); F takes 1, B 2.
   // One stage, 3 micro-batches, a quarter of a core (4 ranks on one core): 3 x 3 / 0.25.
   CHECK(host_pipeline_makespan(PpSchedule::OneFOneB, 1, 3, 1, 1, 2, 0, 0, 0.25) == Approx(36));
@@ -546,10 +650,13 @@ TEST_CASE("CPU ranks over MPI: k ranks computing on C cores go at C/k each, and 
   CHECK(host_pipeline_makespan(PpSchedule::OneFOneB, 2, 3, 1, 1, 2, 0, 0, 2.0) == Approx(13));
 }
 
-TEST_CASE("./plan --layout predicts one layout given as ./train's flags; a layout of another "
-          "size than the cluster is refused in one line", "[planner]") {
-  RunResult one = run_plan("--model llama-8b --nodes 1 --layout \"--dp 2 --tp 2 --pp 2 --mbs 1 "
-                           "--grad-acc 8 --zero 1\"");
+TEST_CASE(
+    "./plan --layout predicts one layout given as ./train's flags; a layout of another "
+    "size than the cluster is refused in one line",
+    "[planner]") {
+  RunResult one = run_plan(
+      "--model llama-8b --nodes 1 --layout \"--dp 2 --tp 2 --pp 2 --mbs 1 "
+      "--grad-acc 8 --zero 1\"");
   INFO(one.output);
   REQUIRE(one.code == 0);
   CHECK_THAT(one.output, Catch::Contains("#1  dp 2 tp 2 pp 2 (1f1b) cp 1 zero 1 mbs 1 ga 8 bf16"));

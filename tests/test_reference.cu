@@ -6,8 +6,8 @@
 #include <cmath>
 #include <vector>
 
-#include "runtime/ops.cuh"
 #include "reference.cuh"
+#include "runtime/ops.cuh"
 
 namespace {
 

@@ -6,7 +6,6 @@
 // --dp-sync and grad-acc, with and without sequence parallelism, every schedule, both context-
 // parallel splits. [reports][parity] (mpirun).
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <regex>
 

@@ -4,12 +4,11 @@
 // --keep) and killed again and again ends bit-identical too, in one process, under pp 2 and
 // under dp 2 ZeRO-2; a kill during a periodic save leaves the previous one loadable. [train];
 // under mpirun [parity].
-#include <catch2/catch.hpp>
-
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <catch2/catch.hpp>
 #include <cstring>
 #include <filesystem>
 #include <fstream>

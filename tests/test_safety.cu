@@ -4,24 +4,23 @@
 // sharded Hugging Face checkpoints load; the shuffled data order; a stuck peer in a host-side
 // collective ends the job within --comm-timeout. [safety]; runs of ./train are also [train],
 // runs under mpirun [parity].
-#include <catch2/catch.hpp>
-
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <regex>
 #include <set>
 
-#include "runtime/checkpoint.cuh"
-#include "runtime/data.cuh"
 #include "launch.cuh"
 #include "model.cuh"
+#include "runtime/checkpoint.cuh"
+#include "runtime/data.cuh"
 #include "usage_error.cuh"
 
 namespace fs = std::filesystem;
@@ -34,7 +33,6 @@ struct TempDir {
   ~TempDir() { fs::remove_all(path); }
   std::string file(const std::string& name) const { return path + "/" + name; }
 };
-
 
 bool is_char_device(const std::string& path) {
   struct stat st;
@@ -66,8 +64,9 @@ std::string host() {
   return name;
 }
 
-const std::string SMALL = "--d-model 32 --layers 1 --heads 2 --kv-heads 1 --ffn 64 --seq 16 "
-                          "--mbs 2 --warmup 1 --val-seqs 2 --val-every 0 ";
+const std::string SMALL =
+    "--d-model 32 --layers 1 --heads 2 --kv-heads 1 --ffn 64 --seq 16 "
+    "--mbs 2 --warmup 1 --val-seqs 2 --val-every 0 ";
 
 void expect_refused(const std::string& args, const std::vector<std::string>& says) {
   RunResult r = run_train(args);
@@ -148,9 +147,10 @@ TEST_CASE("after a kill at any moment of a save the name holds the old or the ne
   CHECK(first_value(ck) == 9);
 }
 
-TEST_CASE("a save interrupted between its two renames is loaded from DIR.old; stale temporaries "
-          "of dead writers go, a live writer's stay",
-          "[safety]") {
+TEST_CASE(
+    "a save interrupted between its two renames is loaded from DIR.old; stale temporaries "
+    "of dead writers go, a live writer's stay",
+    "[safety]") {
   TempDir dir;
   const std::string ck = dir.file("ck");
   // The state a writer killed between "DIR -> DIR.old" and "DIR.tmp -> DIR" leaves on a
@@ -169,15 +169,16 @@ TEST_CASE("a save interrupted between its two renames is loaded from DIR.old; st
   CHECK(fs::exists(live));
 }
 
-TEST_CASE("./train refuses an output it cannot write before the first step, and never replaces "
-          "a device",
-          "[safety][train]") {
+TEST_CASE(
+    "./train refuses an output it cannot write before the first step, and never replaces "
+    "a device",
+    "[safety][train]") {
   TempDir dir;
   const std::string full = dir.file("full");
   fs::create_symlink("/dev/full", full);
   for (const char* flag : {"--save-grads", "--log-json", "--trace"})
-    expect_refused(SMALL + "--steps 2 " + flag + " " + full, {std::string(flag) + " " + full,
-                                                              "character device"});
+    expect_refused(SMALL + "--steps 2 " + flag + " " + full,
+                   {std::string(flag) + " " + full, "character device"});
   expect_refused(SMALL + "--steps 2 --save " + full, {"--save " + full, "not a checkpoint"});
   CHECK(fs::is_symlink(full));
   CHECK(is_char_device("/dev/full"));
@@ -204,8 +205,8 @@ TEST_CASE("bad values are refused with exit code 2, the flag and the fix", "[saf
   expect_refused("--fault crash:x:3", {"--fault crash:x:3", "rank 'x'"});
   expect_refused("--fault explode:0:1", {"unknown kind 'explode'"});
   expect_refused("--fault crash:1:1", {"rank 1 does not exist"});
-  expect_refused("--fault hang:0:1:inside", {"--fault hang:0:1:inside", "unknown place 'inside'",
-                                             "forward, backward"});
+  expect_refused("--fault hang:0:1:inside",
+                 {"--fault hang:0:1:inside", "unknown place 'inside'", "forward, backward"});
   expect_refused("--fault hang:0:1:step:2", {"not three or four fields"});
   expect_refused("--sample 2000000", {"--sample 2000000", "maximum"});
   expect_refused("--load x --score y --steps 5", {"--steps would be ignored"});
@@ -229,9 +230,10 @@ TEST_CASE("a checkpoint's config.json with sizes past the maxima is refused, nam
   }
 }
 
-TEST_CASE("--load says when AdamW starts fresh, and refuses --rope-theta and --tie-embeddings "
-          "that disagree with the checkpoint",
-          "[safety][train]") {
+TEST_CASE(
+    "--load says when AdamW starts fresh, and refuses --rope-theta and --tie-embeddings "
+    "that disagree with the checkpoint",
+    "[safety][train]") {
   TempDir dir;
   REQUIRE(run_train(SMALL + "--steps 1 --save " + dir.file("ck")).code == 0);
   RunResult with_state = run_train(SMALL + "--steps 2 --load " + dir.file("ck"));
@@ -262,9 +264,10 @@ TEST_CASE("config.json states bos_token_id and eos_token_id: null for byte token
   CHECK(j["eos_token_id"].is_null());
 }
 
-TEST_CASE("a sharded Hugging Face checkpoint loads; a missing shard or a tensor listed twice is "
-          "named",
-          "[safety]") {
+TEST_CASE(
+    "a sharded Hugging Face checkpoint loads; a missing shard or a tensor listed twice is "
+    "named",
+    "[safety]") {
   TempDir dir;
   const std::string ck = dir.file("hf");
   fs::create_directory(ck);
@@ -305,9 +308,10 @@ TEST_CASE("a sharded Hugging Face checkpoint loads; a missing shard or a tensor 
 // ----------------------------------------------------------------------------
 // Data order
 
-TEST_CASE("shuffled data: each epoch reads every window once, not in file order, the same for "
-          "any layout; --no-shuffle keeps file order",
-          "[safety][data]") {
+TEST_CASE(
+    "shuffled data: each epoch reads every window once, not in file order, the same for "
+    "any layout; --no-shuffle keeps file order",
+    "[safety][data]") {
   TempDir dir;
   std::vector<int32_t> tokens(2000);
   for (int i = 0; i < 2000; i++) tokens[i] = i % 60000;
@@ -335,7 +339,8 @@ TEST_CASE("shuffled data: each epoch reads every window once, not in file order,
     }
   }
   for (int epoch = 0; epoch < 2; epoch++) {
-    std::vector<int64_t> e(starts.begin() + epoch * windows, starts.begin() + (epoch + 1) * windows);
+    std::vector<int64_t> e(starts.begin() + epoch * windows,
+                           starts.begin() + (epoch + 1) * windows);
     std::vector<int64_t> file_order(windows);
     for (int64_t w = 0; w < windows; w++) file_order[w] = w * seq;
     CHECK(e != file_order);
@@ -383,18 +388,22 @@ static double run_seconds(const std::string& cmd, RunResult& r) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-TEST_CASE("a peer that never joins a host-side collective or an all-to-all ends the job within "
-          "--comm-timeout, naming the collective and the group",
-          "[safety][parity]") {
+TEST_CASE(
+    "a peer that never joins a host-side collective or an all-to-all ends the job within "
+    "--comm-timeout, naming the collective and the group",
+    "[safety][parity]") {
   // tests/mpi/test_safety.cu and test_all_to_all.cu: the hidden cases, a 2 s timeout, rank 1
   // asleep for 60 s.
   for (const char* which : {"all_reduce_host", "agree_on_error", "exchange_counts", "all_to_all"}) {
     RunResult r;
-    double seconds = run_seconds("timeout 90 mpirun --oversubscribe -np 2 build/mpi_tests "
-                                 "'[.stuck-" + std::string(which) + "]'", r);
+    double seconds = run_seconds(
+        "timeout 90 mpirun --oversubscribe -np 2 build/mpi_tests "
+        "'[.stuck-" +
+            std::string(which) + "]'",
+        r);
     INFO(which << "\n" << r.output);
     CHECK(r.code != 0);
-    CHECK(r.code != 124);  // not ended by `timeout`: by the collective's own deadline
+    CHECK(r.code != 124);     // not ended by `timeout`: by the collective's own deadline
     CHECK(seconds < 2 + 20);  // the timeout, plus start-up and MPI_Abort
     CHECK_THAT(r.output, Contains(std::string(which) + " on world") && Contains("--comm-timeout"));
   }
@@ -404,9 +413,10 @@ TEST_CASE("a peer that never joins a host-side collective or an all-to-all ends 
 // groups come after a nonblocking barrier on the world, waited for against --comm-timeout, so a
 // rank that never arrives (here: asleep, --fault hang:1:0:init, before any collective) ends
 // the job instead of leaving its peers in MPI_Comm_split forever.
-TEST_CASE("a rank that never reaches communicator set-up ends the job within --comm-timeout, "
-          "naming the step and the group",
-          "[safety][parity]") {
+TEST_CASE(
+    "a rank that never reaches communicator set-up ends the job within --comm-timeout, "
+    "naming the step and the group",
+    "[safety][parity]") {
   struct Case {
     std::string cmd, waits_on;
   } cases[] = {
@@ -427,7 +437,8 @@ TEST_CASE("a rank that never reaches communicator set-up ends the job within --c
     CHECK(r.code != 0);
     CHECK(r.code != 124);  // not ended by `timeout`: by the set-up's own deadline
     CHECK(seconds < 2 + 20);
-    CHECK_THAT(r.output, Contains("rank 0: " + c.waits_on + ", 0 B did not finish within 2s "
+    CHECK_THAT(r.output, Contains("rank 0: " + c.waits_on +
+                                  ", 0 B did not finish within 2s "
                                   "(--comm-timeout)"));
     if (c.cmd.find("--fault") != std::string::npos)
       CHECK_THAT(r.output, Contains("injected fault 'hang' at step 0, init"));

@@ -1,7 +1,6 @@
 // End-to-end runs of ./train (tag [train]): learning, checkpoints and exact resume, the
 // side outputs, and bad input. Run from the repository root (tools/run_tests.sh does).
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -10,11 +9,11 @@
 #include <regex>
 #include <sstream>
 
-#include "runtime/checkpoint.cuh"
 #include "cuda_case.cuh"
-#include "runtime/data.cuh"
 #include "launch.cuh"
 #include "model.cuh"
+#include "runtime/checkpoint.cuh"
+#include "runtime/data.cuh"
 #include "runtime/ops.cuh"
 
 namespace fs = std::filesystem;
@@ -27,8 +26,9 @@ static double last_number_after(const std::string& text, const std::string& labe
   return v;
 }
 // A small model and batch, so each run takes about a second.
-static const std::string SMALL = "--d-model 64 --layers 2 --heads 4 --kv-heads 2 --ffn 128 "
-                                 "--seq 32 --mbs 4 --warmup 2 --val-seqs 8 ";
+static const std::string SMALL =
+    "--d-model 64 --layers 2 --heads 4 --kv-heads 2 --ffn 128 "
+    "--seq 32 --mbs 4 --warmup 2 --val-seqs 8 ";
 
 TEST_CASE("training tiny brings validation loss well below the unigram entropy", "[train]") {
   RunResult r = run_train("--model tiny --steps 150 --mbs 16 --val-every 0");
@@ -45,10 +45,11 @@ TEST_CASE("training tiny brings validation loss well below the unigram entropy",
 
 TEST_CASE("k steps equal k/2 steps, save, load, k/2 steps, exactly", "[train]") {
   std::string dir = make_temp_dir();
-  REQUIRE(run_train(SMALL + "--steps 6 --log-json " + dir + "/a.jsonl --save " + dir + "/a").code == 0);
+  REQUIRE(run_train(SMALL + "--steps 6 --log-json " + dir + "/a.jsonl --save " + dir + "/a").code ==
+          0);
   REQUIRE(run_train(SMALL + "--steps 6 --stop-after 3 --save " + dir + "/half").code == 0);
   RunResult r = run_train(SMALL + "--steps 6 --load " + dir + "/half --log-json " + dir +
-                    "/b.jsonl --save " + dir + "/b");
+                          "/b.jsonl --save " + dir + "/b");
   INFO(r.output);
   REQUIRE(r.code == 0);
   auto a = read_json_lines(dir + "/a.jsonl"), b = read_json_lines(dir + "/b.jsonl");
@@ -59,8 +60,10 @@ TEST_CASE("k steps equal k/2 steps, save, load, k/2 steps, exactly", "[train]") 
     REQUIRE(b[i]["loss"].get<double>() == a[i + 3]["loss"].get<double>());  // bitwise
     REQUIRE(b[i]["grad_norm"].get<double>() == a[i + 3]["grad_norm"].get<double>());
   }
-  REQUIRE(read_whole_file(dir + "/a/model.safetensors") == read_whole_file(dir + "/b/model.safetensors"));
-  REQUIRE(read_whole_file(dir + "/a/optimizer.safetensors") == read_whole_file(dir + "/b/optimizer.safetensors"));
+  REQUIRE(read_whole_file(dir + "/a/model.safetensors") ==
+          read_whole_file(dir + "/b/model.safetensors"));
+  REQUIRE(read_whole_file(dir + "/a/optimizer.safetensors") ==
+          read_whole_file(dir + "/b/optimizer.safetensors"));
   fs::remove_all(dir);
 }
 
@@ -83,7 +86,8 @@ TEST_CASE("a checkpoint round trip gives identical logits", "[train]") {
   load_checkpoint(dir + "/ck2", m2.named_params, nullptr);
   model_forward(ctx, m2, second, ids.data(), nullptr, 1, c.seq, Recompute::None);
   REQUIRE(to_host_floats(first.logits) == to_host_floats(second.logits));
-  REQUIRE(read_whole_file(dir + "/ck/model.safetensors") == read_whole_file(dir + "/ck2/model.safetensors"));
+  REQUIRE(read_whole_file(dir + "/ck/model.safetensors") ==
+          read_whole_file(dir + "/ck2/model.safetensors"));
 
   // --score prints the mean loss of disjoint windows of seq + 1 tokens: check it by hand.
   std::string text;
@@ -95,7 +99,8 @@ TEST_CASE("a checkpoint round trip gives identical logits", "[train]") {
   double total = 0;
   for (int w = 0; w < 2; w++) {
     std::vector<int32_t> in(c.seq), tgt(c.seq);
-    for (int i = 0; i < c.seq; i++) in[i] = text[w * (c.seq + 1) + i], tgt[i] = text[w * (c.seq + 1) + i + 1];
+    for (int i = 0; i < c.seq; i++)
+      in[i] = text[w * (c.seq + 1) + i], tgt[i] = text[w * (c.seq + 1) + i + 1];
     Activations acts;
     total += model_forward(ctx, m, acts, in.data(), tgt.data(), 1, c.seq, Recompute::None);
   }
@@ -105,8 +110,10 @@ TEST_CASE("a checkpoint round trip gives identical logits", "[train]") {
 
 TEST_CASE("--save-grads writes the first step's unclipped gradients", "[train]") {
   std::string dir = make_temp_dir();
-  RunResult r = run_train(SMALL + "--steps 1 --grad-clip 0.01 --save-grads " + dir + "/g.safetensors "
-                    "--log-json " + dir + "/log.jsonl");
+  RunResult r = run_train(SMALL + "--steps 1 --grad-clip 0.01 --save-grads " + dir +
+                          "/g.safetensors "
+                          "--log-json " +
+                          dir + "/log.jsonl");
   REQUIRE(r.code == 0);
   ModelConfig c = model_preset("tiny");
   c.d_model = 64, c.layers = 2, c.heads = 4, c.kv_heads = 2, c.ffn = 128, c.seq = 32;
@@ -176,7 +183,8 @@ TEST_CASE("bad checkpoints end with a message naming the file and the problem", 
   // A config that disagrees with the tensors: every shape check names the tensor.
   fs::copy(dir + "/ok", dir + "/shape");
   std::string cfg = read_whole_file(dir + "/ok/config.json");
-  cfg = std::regex_replace(cfg, std::regex("\"intermediate_size\": *128"), "\"intermediate_size\": 96");
+  cfg = std::regex_replace(cfg, std::regex("\"intermediate_size\": *128"),
+                           "\"intermediate_size\": 96");
   std::ofstream(dir + "/shape/config.json") << cfg;
   expect_usage_error("--load " + dir + "/shape", "mlp.gate_proj.weight");
   expect_usage_error("--load " + dir + "/missing", dir + "/missing");
@@ -242,8 +250,8 @@ TEST_CASE("--save-dtype bf16 saves the weights rounded to bf16, which --load and
   std::ofstream(dir + "/score.txt") << text;
   double loss[2];
   for (int k = 0; k < 2; k++) {
-    RunResult r = run_train("--load " + dir + (k ? "/bf16" : "/fp32") + " --score " + dir +
-                            "/score.txt");
+    RunResult r =
+        run_train("--load " + dir + (k ? "/bf16" : "/fp32") + " --score " + dir + "/score.txt");
     INFO(r.output);
     REQUIRE(r.code == 0);
     loss[k] = last_number_after(r.output, "loss:");

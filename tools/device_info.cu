@@ -12,7 +12,8 @@
 // Every shared object of this process whose path names a library picoscale depends on.
 static int print_library(struct dl_phdr_info* info, size_t, void*) {
   std::string path = info->dlpi_name ? info->dlpi_name : "";
-  for (const char* name : {"libcudart", "libcublas", "libnccl", "libcuda.", "libmpi", "libopenblas"})
+  for (const char* name :
+       {"libcudart", "libcublas", "libnccl", "libcuda.", "libmpi", "libopenblas"})
     if (path.find(name) != std::string::npos) printf("  %s\n", path.c_str());
   return 0;
 }
@@ -26,8 +27,8 @@ int main() {
   cublasGetProperty(MAJOR_VERSION, &cublas_major);
   cublasGetProperty(MINOR_VERSION, &cublas_minor);
   cublasGetProperty(PATCH_LEVEL, &cublas_patch);
-  printf("cuBLAS %d.%d.%d, NCCL %d.%d.%d\n", cublas_major, cublas_minor, cublas_patch,
-         nccl / 10000, nccl / 100 % 100, nccl % 100);
+  printf("cuBLAS %d.%d.%d, NCCL %d.%d.%d\n", cublas_major, cublas_minor, cublas_patch, nccl / 10000,
+         nccl / 100 % 100, nccl % 100);
   printf("libraries loaded from:\n");
   dl_iterate_phdr(print_library, nullptr);
   return usable ? 0 : 1;

@@ -170,7 +170,8 @@ int main(int argc, char** argv) {
   app.add_option("--kv-heads", kv_heads, "override its key/value heads");
   app.add_option("--ffn", ffn, "override its MLP width");
   app.add_option("--vocab", vocab, "override its vocabulary");
-  app.add_option("--experts", experts, "a mixture of experts per block (0: dense); layouts try --ep");
+  app.add_option("--experts", experts,
+                 "a mixture of experts per block (0: dense); layouts try --ep");
   app.add_option("--top-k", top_k, "experts per token");
   app.add_flag("--tie-embeddings", tie, "tie the embedding and the LM head");
   app.add_flag("--untie-embeddings", untie, "untie them");

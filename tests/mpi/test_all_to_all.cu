@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "gpu_ranks.cuh"
-#include "runtime/dtype.cuh"
 #include "runtime/comm.cuh"
+#include "runtime/dtype.cuh"
 #include "world.cuh"
 
 namespace {

@@ -14,14 +14,13 @@
 #include <thread>
 #include <vector>
 
-#include "runtime/comm.cuh"
 #include "gpu_ranks.cuh"
+#include "runtime/comm.cuh"
 #include "world.cuh"
 
 namespace {
 
 using Catch::Matchers::Contains;
-
 
 const Context kCpu;                // a default Context is the CPU
 constexpr double kTimeout = 60;    // a broken collective stops the run after a minute, never hangs
@@ -128,8 +127,8 @@ struct NcclCase {
     try {
       t = std::make_unique<TestComm>(world_size(), 1, 1, 1, "nccl", Device::CUDA);
     } catch (const UsageError& e) {
-      WARN("SKIP: NCCL needs one GPU per rank, and a node has more ranks than GPUs ("
-           << e.what() << ")");
+      WARN("SKIP: NCCL needs one GPU per rank, and a node has more ranks than GPUs (" << e.what()
+                                                                                      << ")");
     }
   }
   bool ready() const { return t != nullptr; }
@@ -810,7 +809,7 @@ TEST_CASE("NCCL handles: test() polls the event to completion, several ops in fl
     h.push_back(all_reduce_async(c, g, gpu, bufs[k].f32(), (int64_t)x[k].size(), ReduceOp::Sum));
   Handle barrier_handle = barrier_async(c, g, gpu);
   while (!h[1].test()) std::this_thread::yield();  // the host polls; nothing blocks
-  CHECK(h[1].test());  // idempotent once done
+  CHECK(h[1].test());                              // idempotent once done
   barrier_handle.wait();
   h[2].wait();
   h[0].wait();

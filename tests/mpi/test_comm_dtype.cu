@@ -10,10 +10,10 @@
 #include <string>
 #include <vector>
 
-#include "runtime/comm.cuh"
 #include "gpu_ranks.cuh"
-#include "world.cuh"
 #include "mixed_precision.cuh"
+#include "runtime/comm.cuh"
+#include "world.cuh"
 
 namespace {
 
@@ -27,8 +27,12 @@ struct TestComm {
   ~TestComm() { comm_destroy(c); }
 };
 
-uint16_t to_bits(DType t, float x) { return t == DType::BF16 ? float_to_bf16(x) : float_to_fp16(x); }
-float from_bits(DType t, uint16_t b) { return t == DType::BF16 ? bf16_to_float(b) : fp16_to_float(b); }
+uint16_t to_bits(DType t, float x) {
+  return t == DType::BF16 ? float_to_bf16(x) : float_to_fp16(x);
+}
+float from_bits(DType t, uint16_t b) {
+  return t == DType::BF16 ? bf16_to_float(b) : fp16_to_float(b);
+}
 
 // n values of rank `rank` in format t: N(0,1) scaled into fp16's comfortable range, rounded.
 std::vector<uint16_t> values(DType t, int64_t n, int rank) {
@@ -60,15 +64,18 @@ void check_sum(DType t, const std::vector<uint16_t>& got, int64_t first, int N) 
       float x = from_bits(t, values(t, first + i + 1, r)[first + i]);
       exact += x, absum += std::fabs(x), pair += x;
     }
-    if (N == 2) bad += got[i] != to_bits(t, pair);
-    else bad += std::fabs(from_bits(t, got[i]) - exact) > (N - 1) * ulp(t, absum);
+    if (N == 2)
+      bad += got[i] != to_bits(t, pair);
+    else
+      bad += std::fabs(from_bits(t, got[i]) - exact) > (N - 1) * ulp(t, absum);
   }
   CHECK(bad == 0);
 }
 
 }  // namespace
 
-TEST_CASE("bf16 and fp16 all-reduce: the bits summed in fp32 and rounded, on any N", "[mpi][dtype]") {
+TEST_CASE("bf16 and fp16 all-reduce: the bits summed in fp32 and rounded, on any N",
+          "[mpi][dtype]") {
   TestComm tc;
   Comm& c = tc.c;
   const int N = c.dp.size, r = c.dp.rank;

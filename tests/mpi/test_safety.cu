@@ -3,7 +3,6 @@
 // mpirun) leave rank 1 asleep past a 2 s --comm-timeout, in a collective or before the
 // communicators' set-up: the job must end by the wait's own deadline, naming it, never hang.
 #include <catch2/catch.hpp>
-
 #include <chrono>
 #include <string>
 #include <thread>
@@ -43,13 +42,13 @@ TEST_CASE("agree_on_error: every rank throws the lowest failing rank's message, 
   Group& world = h.c.world;
   CHECK_NOTHROW(agree_on_error(world, [] {}));
   int last = world.size - 1;
-  CHECK_THROWS_WITH(agree_on_error(world,
-                                   [&] {
-                                     if (world.rank >= last)
-                                       throw UsageError("rank " + std::to_string(world.rank) +
-                                                        " cannot write");
-                                   }),
-                    "rank " + std::to_string(last) + " cannot write");
+  CHECK_THROWS_WITH(
+      agree_on_error(world,
+                     [&] {
+                       if (world.rank >= last)
+                         throw UsageError("rank " + std::to_string(world.rank) + " cannot write");
+                     }),
+      "rank " + std::to_string(last) + " cannot write");
   CHECK_THROWS_WITH(agree_on_error(world,
                                    [&] {
                                      if (world.rank > 0)

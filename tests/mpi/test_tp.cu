@@ -3,7 +3,6 @@
 // column- and row-parallel linear layers and vocab-parallel cross-entropy against the
 // unsharded op, and weight shards against the slice of the full layout-free initialisation.
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <vector>
 
@@ -124,8 +123,8 @@ TEST_CASE("column-parallel then row-parallel linear equals the unsharded pair", 
   load_block(W1s, w1.data(), f0, 0, D);
   load_block(W2s, w2.data(), 0, f0, F);
   Tensor hs = empty({T, Fl}, Mem::Workspace), ys = empty({T, D}, Mem::Workspace);
-  linear_forward(kCpu, hs, x, W1s);      // after f (identity)
-  linear_forward(kCpu, ys, hs, W2s);     // partial sums
+  linear_forward(kCpu, hs, x, W1s);            // after f (identity)
+  linear_forward(kCpu, ys, hs, W2s);           // partial sums
   tp_region_exit_forward(t.tp, kCpu, ys, ys);  // f*: all-reduce
   // fp32 sums of n partial products in another order: ~1e-6 relative
   require_close(to_host_floats(ys), to_host_floats(y), 1e-5);
@@ -147,8 +146,7 @@ TEST_CASE("column-parallel then row-parallel linear equals the unsharded pair", 
     }
 }
 
-TEST_CASE("vocab-parallel cross-entropy equals the unsharded one, forward and backward",
-          "[mpi]") {
+TEST_CASE("vocab-parallel cross-entropy equals the unsharded one, forward and backward", "[mpi]") {
   TpComm t;
   int r = t.tp.rank(), n = t.tp.size();
   int N = 7, V = 6 * n, Vl = V / n, v0 = r * Vl;
@@ -244,8 +242,7 @@ TEST_CASE("CUDA vocab-parallel cross-entropy matches the CPU reference, forward 
   gpu.destroy();
 }
 
-TEST_CASE("a weight shard is exactly its slice of the full layout-free initialisation",
-          "[mpi]") {
+TEST_CASE("a weight shard is exactly its slice of the full layout-free initialisation", "[mpi]") {
   TpComm t;
   int r = t.tp.rank(), n = t.tp.size();
   int rows = 3 * n, cols = 4 * n;
@@ -255,7 +252,8 @@ TEST_CASE("a weight shard is exactly its slice of the full layout-free initialis
   Tensor by_rows = empty({3, cols}, Mem::Workspace), by_cols = empty({rows, 4}, Mem::Workspace);
   init_normal_block(by_rows, 9, "model.layers.0.mlp.down_proj.weight", 0.02f, 3 * r, 0, cols);
   init_normal_block(by_cols, 9, "model.layers.0.mlp.down_proj.weight", 0.02f, 0, 4 * r, cols);
-  Tensor expect_rows = empty({3, cols}, Mem::Workspace), expect_cols = empty({rows, 4}, Mem::Workspace);
+  Tensor expect_rows = empty({3, cols}, Mem::Workspace),
+         expect_cols = empty({rows, 4}, Mem::Workspace);
   load_block(expect_rows, f.data(), 3 * r, 0, cols);
   load_block(expect_cols, f.data(), 0, 4 * r, cols);
   REQUIRE(to_host_floats(by_rows) == to_host_floats(expect_rows));  // bit for bit
@@ -265,8 +263,8 @@ TEST_CASE("a weight shard is exactly its slice of the full layout-free initialis
 // ----------------------------------------------------------------------------
 // The model under tensor parallelism, against the same model on one rank
 
-#include "runtime/checkpoint.cuh"
 #include "model.cuh"
+#include "runtime/checkpoint.cuh"
 
 namespace {
 // A model every world size 1..8 can split: heads, ffn, vocab and seq are multiples of tp.
@@ -283,8 +281,7 @@ std::vector<float> whole_of(const std::vector<NamedTensor>& whole, const std::st
 }
 }  // namespace
 
-TEST_CASE("each rank's initial shard is exactly its slice of the single-process weight",
-          "[mpi]") {
+TEST_CASE("each rank's initial shard is exactly its slice of the single-process weight", "[mpi]") {
   TpComm t;
   int n = t.tp.size();
   for (int kv : {n, 1}) {  // kv heads split over tp, or replicated on every rank
@@ -313,7 +310,8 @@ TEST_CASE("attention and MLP split over tp (with and without SP) equal the unsha
       ModelConfig c = tp_config(world, kv);
       int B = 2, T = c.seq;
       std::vector<int32_t> ids(B * T), targets(B * T);
-      for (int i = 0; i < B * T; i++) ids[i] = (i * 7 + 3) % c.vocab, targets[i] = (i * 5 + 1) % c.vocab;
+      for (int i = 0; i < B * T; i++)
+        ids[i] = (i * 7 + 3) % c.vocab, targets[i] = (i * 5 + 1) % c.vocab;
       Model whole = build_model(c, Device::CPU, 5), shard = build_model(c, Device::CPU, 5, t.tp);
       Activations a1, a2;
       double l1 = model_forward(kCpu, whole, a1, ids.data(), targets.data(), B, T, Recompute::None);

@@ -101,9 +101,10 @@ TEST_CASE("ZeRO-k allocates the book's bytes at Ψ' = Ψ + padding on every rank
   }
 }
 
-TEST_CASE("after two ZeRO steps every rank holds plain data parallelism's weights, bitwise "
-          "the same for stages 1, 2, 3",
-          "[mpi][zero]") {
+TEST_CASE(
+    "after two ZeRO steps every rank holds plain data parallelism's weights, bitwise "
+    "the same for stages 1, 2, 3",
+    "[mpi][zero]") {
   WorldComm w;
   Model plain = build_model_layout(small_config());
   DataParallel dp(w.c, plain, w.ctx, DpSync::Bucket, 25, true, AdamWConfig{}, 0.1f, 7);
@@ -148,7 +149,8 @@ static float synced_norm(Comm& comm, GradientSync& sync, Model& m, float max_nor
   const Context cpu;
   int B = 2, T = m.cfg.seq;
   std::vector<int32_t> ids(B * T), targets(B * T);
-  for (int i = 0; i < B * T; i++) ids[i] = (i * 7) % m.cfg.vocab, targets[i] = (i * 13 + 1) % m.cfg.vocab;
+  for (int i = 0; i < B * T; i++)
+    ids[i] = (i * 7) % m.cfg.vocab, targets[i] = (i * 13 + 1) % m.cfg.vocab;
   sync.begin_step(cpu);
   UnitHooks hooks = sync.hooks(cpu, true);
   Activations acts;
@@ -161,9 +163,10 @@ static float synced_norm(Comm& comm, GradientSync& sync, Model& m, float max_nor
 // Expected value: the float64 norm of the whole summed gradient, computed here from plain data
 // parallelism's full gradient buffer. Guards against a norm that misses the other ranks' shards
 // (ZeRO), counts padding or a shard twice, or skips the rescale.
-TEST_CASE("the one gradient-norm routine: plain dp and ZeRO-1/2/3 report the float64 norm and "
-          "clip to max_norm",
-          "[mpi][zero]") {
+TEST_CASE(
+    "the one gradient-norm routine: plain dp and ZeRO-1/2/3 report the float64 norm and "
+    "clip to max_norm",
+    "[mpi][zero]") {
   WorldComm w;
   Model m = build_model_layout(small_config());
   DataParallel dp(w.c, m, w.ctx, DpSync::Bucket, 25, true, AdamWConfig{}, 0.1f, 7);
