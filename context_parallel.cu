@@ -11,6 +11,7 @@
 #include "context_parallel.cuh"
 #include "runtime/ops.cuh"
 #include "runtime/options.cuh"
+#include "runtime/report.cuh"
 
 static const std::vector<Choice<CpComm>> kCpComms = {{"ring", CpComm::Ring},
                                                      {"allgather", CpComm::AllGather}};
@@ -311,4 +312,42 @@ void ContextParallelAttention::backward(const Context& ctx, const AttentionShape
                                         const Tensor& v) const {
   context_attention_backward(ctx, cp_, dq, dk, dv, dout, out, saved.lse, q, k, v, s.B,
                              s.T * cp_.size(), s.Hq, s.Hkv, s.hd);
+}
+
+std::unique_ptr<StepMeter> ContextParallelAttention::meter(Comm& comm) const {
+  struct Balance : StepMeter {
+    Balance(Comm& comm, const ContextParallelAttention& ring) : comm(comm), ring(ring) {}
+    void begin(StepPart p, int64_t) override {
+      if (p == StepPart::Schedule) ring.work = &work;  // training steps only, not validation
+    }
+    void end(StepPart p) override {
+      if (p == StepPart::Schedule) ring.work = nullptr;
+      if (p == StepPart::Step) steps++;
+    }
+    void report(Report r) override {
+      if (r != Report::Balance) return;
+      const ContextParallel& cp = ring.layout();
+      print_balance_report(
+          comm, std::string(cp_balance_name(cp.balance)) + " split, " + cp_comm_name(cp.mode),
+          work.blocks, work.pairs, work.seconds, steps);
+    }
+    Comm& comm;
+    const ContextParallelAttention& ring;
+    CpWork work;
+    int64_t steps = 0;
+  };
+  return std::make_unique<Balance>(comm, *this);
+}
+
+std::shared_ptr<const AttentionCore> make_attention(Comm& comm, const ContextParallelOptions& o,
+                                                    AttentionKind local) {
+  if (o.cp == 1) return local_attention(local);
+  return std::make_shared<ContextParallelAttention>(
+      ContextParallel{&comm, o.cp_balance, o.cp_comm});
+}
+
+std::string describe_context_parallel(const ContextParallelOptions& o, int seq) {
+  if (o.cp == 1) return "";
+  return std::string(cp_balance_name(o.cp_balance)) + " split, " + cp_comm_name(o.cp_comm) + ", " +
+         std::to_string(seq / o.cp) + " tokens per rank";
 }

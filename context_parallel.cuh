@@ -21,6 +21,9 @@ struct ContextParallelOptions {
   CpComm cp_comm = CpComm::Ring;             // --cp-comm
 };
 void add_context_parallel_flags(CLI::App& app, ContextParallelOptions& o);
+// The configuration table's row: the split, the communication and each rank's tokens of a
+// sequence of `seq`; empty for cp = 1.
+std::string describe_context_parallel(const ContextParallelOptions& o, int seq);
 CpBalance parse_cp_balance(const std::string& flag);  // zigzag|contiguous
 CpComm parse_cp_comm(const std::string& flag);        // ring|allgather
 const char* cp_balance_name(CpBalance b);
@@ -84,7 +87,9 @@ class ContextParallelAttention : public AttentionCore {
   }
   std::string saved_formula(int) const override { return "4 Hq"; }
   const ContextParallel& layout() const { return cp_; }
-  // Where the forward counts its blocks (--report balance), when set: an observer, not state.
+  // Each rank's work over the training steps' schedules (--report balance).
+  std::unique_ptr<StepMeter> meter(Comm& comm) const override;
+  // Where the forward counts its blocks, while its meter measures: an observer, not state.
   mutable CpWork* work = nullptr;
 
  private:
@@ -107,3 +112,8 @@ void context_attention_backward(const Context& ctx, const ContextParallel& cp, c
                                 const Tensor& out, const Tensor& lse, const Tensor& q,
                                 const Tensor& k, const Tensor& v, int B, int T, int Hq, int Hkv,
                                 int hd);
+
+// The model's attention core (DESIGN 6, "Attention"), chosen once: ring or all-gather attention
+// over the cp group when it has more than one rank, else the rank's own (`local`, --attention).
+std::shared_ptr<const AttentionCore> make_attention(Comm& comm, const ContextParallelOptions& o,
+                                                    AttentionKind local);

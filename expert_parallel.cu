@@ -17,6 +17,7 @@
 #include "mixed_precision.cuh"
 #include "runtime/ops.cuh"
 #include "runtime/options.cuh"
+#include "runtime/report.cuh"
 
 // ----------------------------------------------------------------------------
 // Flags and the experts' placement
@@ -61,6 +62,20 @@ void validate_expert_parallel(const ModelConfig& c, const ExpertOptions& o, int 
     throw UsageError("--capacity-factor with --cp " + s(cp) +
                      ": a capacity counts the whole "
                      "micro-batch's tokens, which cp splits over its ranks; use one or the other");
+}
+
+std::string describe_experts(const ModelConfig& c, const ExpertOptions& o) {
+  if (c.experts == 0) return "";
+  auto s = [](auto v) { return std::to_string(v); };
+  return s(c.experts) + " experts of ffn " + s(c.ffn) + ", top " + s(c.top_k) + ", ep " + s(o.ep) +
+         " (" + s(c.experts / o.ep) + " per rank), " +
+         (o.capacity_factor > 0 ? "capacity factor " + num(o.capacity_factor)
+                                : std::string("dropless")) +
+         ", aux loss coef " + num(c.aux_loss_coef);
+}
+
+EvaluationShare evaluation_share(const Comm& comm) {
+  return {comm.dp.rank / comm.ep.size, comm.dp.size / comm.ep.size, comm.ep.rank == 0};
 }
 
 ExpertRange local_experts(int experts, int rank, int size) {

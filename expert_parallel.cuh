@@ -26,6 +26,8 @@ void add_expert_flags(CLI::App& app, ExpertOptions& o, RunOptions& run);
 // Throws UsageError naming the flag: --ep that does not divide --dp or the experts, --ep or a
 // capacity without experts, a capacity with --cp (capacity counts a whole micro-batch's tokens).
 void validate_expert_parallel(const ModelConfig& cfg, const ExpertOptions& o, int dp, int cp);
+// The configuration table's row: experts, top k, ep, the capacity; empty for a dense model.
+std::string describe_experts(const ModelConfig& cfg, const ExpertOptions& o);
 
 // The ep group (size 1: every expert on every rank, no all-to-all), the capacity, and where
 // training steps record what was routed (null: not recorded, e.g. validation).
@@ -36,6 +38,14 @@ struct ExpertParallel {
   int size() const { return comm ? comm->ep.size : 1; }
   int rank() const { return comm ? comm->ep.rank : 0; }
 };
+// Which share of an evaluation's windows a rank runs: the dp ranks split them, except that the
+// ranks of one ep group hold different experts and dispatch to each other, so they run the same
+// windows (`count` = dp / ep shares), and only the first one's sums count.
+struct EvaluationShare {
+  int index = 0, count = 1;
+  bool counts = true;
+};
+EvaluationShare evaluation_share(const Comm& comm);
 // The experts [first, first + count) of E that ep rank `rank` of `size` holds.
 struct ExpertRange {
   int first = 0, count = 0;

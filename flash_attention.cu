@@ -321,6 +321,15 @@ AttentionKind parse_attention(const std::string& flag) {
 const char* attention_name(AttentionKind kind) {
   return choice_name(kAttentions, kind);
 }
+std::string describe_attention(AttentionKind kind) {
+  switch (kind) {
+    case AttentionKind::Naive:
+      return "naive (keeps the probabilities: O(T^2))";
+    case AttentionKind::Flash:
+      break;
+  }
+  return "flash (keeps O and its log-sum-exp: O(T))";
+}
 void add_attention_flags(CLI::App& app, AttentionOptions& o) {
   add_typed(flag_group(app, "FlashAttention (Playbook §12.8)"), "--attention", &o.attention,
             parse_attention, attention_name(o.attention),

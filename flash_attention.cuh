@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "runtime/core.cuh"
+#include "runtime/meters.cuh"
 
 struct AttentionShape {
   int B;    // sequences
@@ -63,12 +64,17 @@ class AttentionCore {
   virtual int64_t saved_bytes(int64_t B, int64_t T, int64_t heads, bool selective, int e) const = 0;
   // The same per token, as the report writes it next to the book's 5as/h: "4 Hq" or "2 Hq T".
   virtual std::string saved_formula(int e) const = 0;
+  // What it measures of the training steps (runtime/meters.cuh; ring attention: each rank's
+  // work, --report balance); null: nothing.
+  virtual std::unique_ptr<StepMeter> meter(Comm&) const { return nullptr; }
 };
 
 // The attention that runs on one rank's whole sequences: naive or flash (--attention).
 enum class AttentionKind { Naive, Flash };
 AttentionKind parse_attention(const std::string& flag);  // naive|flash, else UsageError
 const char* attention_name(AttentionKind kind);
+// The configuration table's row: the name and what it keeps for the backward.
+std::string describe_attention(AttentionKind kind);
 std::shared_ptr<const AttentionCore> local_attention(AttentionKind kind);
 namespace CLI {
 class App;

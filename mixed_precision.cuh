@@ -4,6 +4,7 @@
 #pragma once
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -11,6 +12,7 @@
 #include "runtime/comm.cuh"
 #include "runtime/core.cuh"
 #include "runtime/dtype.cuh"
+#include "runtime/observe.cuh"
 #include "runtime/ops.cuh"
 
 // ----------------------------------------------------------------------------
@@ -24,6 +26,11 @@
 // E5M2 for the gradients flowing back) and the outputs bf16. Norms, softmax, attention sums,
 // the loss and every reduction stay fp32.
 
+// ---- Rounding in place: the formats emulated on fp32 storage (runtime/dtype.cuh stores them) ----
+// x := x rounded to `format` (BF16 or F16; the values stay in x's F32 storage), on ctx's stream.
+// `backward` says which rounding statistics count it (CPU only; see RoundingStats).
+void round_(const Context& ctx, const Tensor& x, DType format, bool backward = false);
+
 // x rounded to the compute format in place, on ctx's stream; nothing under fp32. What the block
 // applies to the values attention reads and writes (RoPE's q and k, attention's output).
 void round_to_compute(const Context& ctx, const Tensor& x);
@@ -33,10 +40,6 @@ void round_to_compute(const Context& ctx, const Tensor& x);
 // backward reads them (fp32 again, in workspace).
 void store_in_compute_format(const Context& ctx, const std::vector<Tensor*>& kept);
 void widen_to_fp32(const Context& ctx, const std::vector<Tensor*>& kept);
-// x := dequantize(quantize(x)) with one absmax scale per tile (quantize_tiles), in place: the
-// FP8 values a GEMM would read, times their scales. CPU, or a CUDA kernel matching it.
-void fake_quantize_tiles_(const Context& ctx, const Tensor& x, DType format, int tile_rows,
-                          int tile_cols);
 
 // The linear layer every model GEMM goes through (tensor_parallel.cu's column- and row-parallel
 // layers): under fp32 the GEMMs of ops.cuh, otherwise the low-precision ones below.
@@ -107,7 +110,8 @@ namespace CLI {
 class App;
 }
 struct PrecisionOptions {
-  std::string dtype = "auto";  // --dtype: fp32|bf16|fp16|fp8, auto: fp32 on CPU, bf16 on CUDA
+  std::optional<Precision>
+      dtype;  // --dtype: fp32|bf16|fp16|fp8; empty (auto): fp32 on CPU, bf16 on CUDA
   DType grad_acc_dtype = DType::F32;   // --grad-acc-dtype: fp32 or bf16 gradient buffers
   std::string loss_scale = "dynamic";  // --loss-scale (fp16)
   int loss_scale_window = 1000;        // --loss-scale-window (fp16)
@@ -124,8 +128,8 @@ class GradientSync;  // runtime/gradient_sync.cuh
 class PrecisionPolicy {
  public:
   PrecisionPolicy() = default;  // fp32 everywhere
-  PrecisionPolicy(Precision compute, DType grads, LossScaler scaler)
-      : compute_(compute), grads_(grads), scaler_(scaler) {}
+  PrecisionPolicy(Precision compute, DType grads, LossScaler scaler, bool automatic = false)
+      : compute_(compute), grads_(grads), scaler_(scaler), automatic_(automatic) {}
   Precision compute() const { return compute_; }  // the linear layers (ctx.precision)
   DType grads() const { return grads_; }          // the gradient buffers: F32 or BF16
   DType weight_format() const { return output_dtype(compute_); }  // the weights GEMMs read
@@ -152,9 +156,8 @@ class PrecisionPolicy {
   // scale) starts its scale afresh, and rank 0 says so.
   void resume_from(const std::map<std::string, std::string>& state, int64_t step,
                    const std::string& file);
-  // After the last step, on rank 0: how many FP8 GEMMs ran natively (CUDA).
-  void print_summary(const Context& ctx) const;
-  std::string describe() const;  // the configuration table's row: "bf16 linear layers, ..."
+  // The configuration table's row: "bf16 linear layers, ...", and whether --dtype auto chose it.
+  std::string describe() const;
 
  private:
   Precision compute_ = Precision::FP32;
@@ -162,6 +165,7 @@ class PrecisionPolicy {
   LossScaler scaler_;
   float step_scale_ = 1.0f;  // the scale the last step's gradients carried
   bool skipped_ = false;     // whether keep_step skipped it
+  bool automatic_ = false;   // --dtype auto chose the compute format
 };
 // The policy the flags ask for on `device` (auto: fp32 on CPU, bf16 on CUDA). Throws UsageError
 // naming the flags: fp8 on a GPU without FP8 tensor cores, bf16 gradients with fp32 or fp16

@@ -359,6 +359,18 @@ struct MixtureMlp : FeedForward {
   void finish(const Model& m, const std::vector<float>& carry, int64_t tokens) const override {
     moe_finish_micro_batch(m.ep, m.cfg, carry, tokens);
   }
+  // Its routing, all-to-all and load-balancing loss (expert_parallel.cu's meter): each block's
+  // forward dispatches and combines once, its backward once more, and full recomputation's
+  // forward again.
+  std::unique_ptr<StepMeter> meter(Model& m, Comm& comm, const RunShape& run) const override {
+    const int passes = run.recompute == Recompute::Full ? 3 : 2;
+    return expert_meter(
+        comm, m.cfg, m.ep.stats,
+        ExpertSteps{(int64_t)run.mbs * run.seq, run.grad_acc, run.dp, passes, m.blocks_held(),
+                    m.expert_params(), m.ep.capacity_factor,
+                    (double)m.blocks_held() * run.grad_acc * passes *
+                        moe_expected_a2a_bytes(m.cfg, (int64_t)run.mbs * run.seq, m.ep.size())});
+  }
   int n_experts = 0;
 };
 static std::shared_ptr<const FeedForward> feed_forward(const ModelConfig& cfg) {
@@ -434,9 +446,35 @@ static std::vector<int> block_units(const Model& m, int chunk, int l) {
   return units;
 }
 
+// ---- The payload between stages ----
+
+std::vector<std::vector<int64_t>> stage_payload_shapes(const Model& model, int64_t tokens) {
+  std::vector<std::vector<int64_t>> shapes = {{sp_tokens(model.tp, tokens), model.cfg.d_model}};
+  if (model.mlp->carry_numel() > 0) shapes.push_back({model.mlp->carry_numel()});
+  return shapes;
+}
+// The carried values on the device, to travel (Mem::Workspace: alive until sent).
+static StagePayload with_carry(const Context& ctx, const Model& model, Tensor hidden,
+                               const std::vector<float>& carry) {
+  StagePayload out = {std::move(hidden)};
+  const int carried = model.mlp->carry_numel();
+  if (carried > 0) out.push_back(device_floats(ctx, carry, {carried}));
+  return out;
+}
+StagePayload stage_output(const Context& ctx, const Model& model, const Activations& acts) {
+  return with_carry(ctx, model, acts.x_final, acts.carry);
+}
+// The carried values of a payload that arrived, on the host; the payload keeps its hidden state.
+static std::vector<float> take_carry(StagePayload& in) {
+  std::vector<float> carry;
+  if (in.size() > 1) carry = to_host_floats(in[1]);
+  in.resize(std::min<size_t>(in.size(), 1));
+  return carry;
+}
+
 float stage_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
-                    const Tensor& hidden_in, const int32_t* targets, int B, int T, Recompute mode,
-                    const UnitHooks& hooks, int chunk, const std::vector<float>& carry_in) {
+                    StagePayload in, const int32_t* targets, int B, int T, Recompute mode,
+                    const UnitHooks& hooks, int chunk) {
   const Stage& stage = model.chunks[chunk];
   const ModelConfig& c = model.cfg;
   const LocalDims& L = model.tp.local;
@@ -444,13 +482,14 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
   int64_t N = (int64_t)B * T, n = sp_tokens(model.tp, N), D = c.d_model;
   acts = Activations{};
   acts.B = B, acts.T = T;
-  acts.carry = carry_in;
+  acts.carry = take_carry(in);
   acts.carry.resize(model.mlp->carry_numel(), 0.0f);
   // Global positions (RoPE, the causal mask): under context parallelism T is this rank's
   // share of each sequence, whose tokens sit at the positions the cp layout gives them.
   acts.positions = device_ints(model.attention->positions(B, T), d);
 
-  Tensor x = hidden_in;  // [n, D] the residual stream
+  Tensor x = in.empty() ? Tensor() : in[0];  // [n, D] the residual stream
+  in.clear();
   if (stage.embedding) {
     // Vocab-parallel embedding: this rank looks up the ids of its vocabulary slice.
     acts.ids = device_ints(local_vocab_ids(ids, N, L.vocab0, L.vocab), d);
@@ -484,7 +523,7 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
 
 float model_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
                     const int32_t* targets, int B, int T, Recompute mode, const UnitHooks& hooks) {
-  return stage_forward(ctx, model, acts, ids, Tensor(), targets, B, T, mode, hooks);
+  return stage_forward(ctx, model, acts, ids, {}, targets, B, T, mode, hooks);
 }
 
 // ----------------------------------------------------------------------------
@@ -533,11 +572,13 @@ static void head_backward(const Context& ctx, Model& model, Activations& acts, f
                             compute_weight(ctx, model.w.final_norm), acts.rstdf);
 }
 
-Tensor stage_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
-                      const Tensor& d_out, Recompute mode, const UnitHooks& hooks, int chunk,
-                      DeferredGrads* deferred, const std::vector<float>& carry) {
+StagePayload stage_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
+                            StagePayload d_out, Recompute mode, const UnitHooks& hooks, int chunk,
+                            DeferredGrads* deferred) {
   const Stage& stage = model.chunks[chunk];
-  if (!stage.head) acts.carry = carry;  // every layer's, from the stage that holds the head
+  // Every layer's carried values: this chunk's own when it ends the model, else as the chunk
+  // that does sent them back.
+  if (!stage.head) acts.carry = take_carry(d_out);
   // A unit's gradients are final once its weight gradients are: after the W op when deferred.
   auto gradients_ready = [&](int unit) {
     if (!deferred) return run_hook(hooks.after_backward, unit);
@@ -551,7 +592,8 @@ Tensor stage_backward(const Context& ctx, Model& model, Activations& acts, float
     head_backward(ctx, model, acts, loss_scale, dres, deferred);
     gradients_ready(model.head_unit());
   } else {
-    copy_(dres, d_out);
+    copy_(dres, d_out[0]);
+    d_out.clear();
   }
   for (int l = model.blocks(chunk) - 1; l >= 0; l--) {
     BlockActivations& a = acts.blocks[l];
@@ -569,15 +611,17 @@ Tensor stage_backward(const Context& ctx, Model& model, Activations& acts, float
     run_hook(hooks.before_backward, model.embedding_unit());
     vocab_parallel_embedding_backward(model.tp, ctx, model.g.embed, acts.ids, dres);
     gradients_ready(model.embedding_unit());
-    dres = Tensor();
+    acts = Activations{};
+    return {};  // nothing before the first chunk
   }
+  std::vector<float> carry = std::move(acts.carry);
   acts = Activations{};
-  return dres;
+  return with_carry(ctx, model, std::move(dres), carry);
 }
 
 void model_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
                     Recompute mode, const UnitHooks& hooks) {
-  stage_backward(ctx, model, acts, loss_scale, Tensor(), mode, hooks);
+  stage_backward(ctx, model, acts, loss_scale, {}, mode, hooks);
 }
 
 // ----------------------------------------------------------------------------
@@ -608,6 +652,41 @@ int64_t activation_bytes_per_block(const ModelConfig& c, int B, int T, int tp, b
   int64_t inside =
       e * N * (2 * L.heads * hd + 2 * L.kv_heads * hd) + feed_forward(c)->saved_bytes(c, N, tp, e);
   return outside + inside + attention.saved_bytes(B, T, L.heads, mode == Recompute::Selective, e);
+}
+
+void print_activation_report(const Model& m, int B, int T, Recompute mode, int e,
+                             int64_t measured) {
+  ModelConfig local = m.cfg;  // what one rank's activations are made of: its share of T
+  local.seq = T;
+  const AttentionCore& attention = *m.attention;
+  const int tp = m.tp.size();
+  print_activation_report(measured,
+                          activation_bytes_per_block(local, B, T, tp, m.tp.sp, mode, attention, e),
+                          "tp " + std::to_string(tp) + (m.tp.sp ? " + sp" : "") + ", recompute " +
+                              recompute_name(mode) + ", " + attention.name() + " attention",
+                          attention.saved_formula(e), m.tp.sp, e, m.cfg.experts > 0);
+}
+
+std::string describe_recompute(Recompute mode, const AttentionCore& attention) {
+  // Selective recomputation drops the attention's probabilities: an attention that keeps none
+  // (flash: O and its log-sum-exp) has nothing more to drop.
+  const bool drops =
+      attention.saved_bytes(1, 2, 1, true, 4) != attention.saved_bytes(1, 2, 1, false, 4);
+  if (mode == Recompute::Selective && !drops)
+    return "selective: nothing more to drop, " + attention.name() + " keeps no probabilities";
+  return recompute_name(mode);
+}
+
+int Model::blocks_held() const {
+  int held = 0;
+  for (int c = 0; c < (int)chunks.size(); c++) held += blocks(c);
+  return held;
+}
+int64_t Model::expert_params() const {
+  int64_t n = 0;
+  for (const ModelUnit& u : units)
+    if (u.experts) n += u.numel;
+  return n;
 }
 
 int64_t saved_bytes(const BlockActivations& a) {

@@ -10,6 +10,7 @@
 #include "expert_parallel.cuh"
 #include "flash_attention.cuh"
 #include "runtime/core.cuh"
+#include "runtime/meters.cuh"
 #include "runtime/model_config.cuh"
 #include "runtime/parameters.cuh"
 #include "tensor_parallel.cuh"
@@ -44,6 +45,13 @@ struct Weights {
 };
 struct Model;
 struct BlockActivations;
+// What a run's steps are made of, for the meters that predict their traffic: micro-batches of
+// mbs sequences of seq tokens on this rank (seq / cp under context parallelism), grad_acc of
+// them per step on each of dp data-parallel ranks.
+struct RunShape {
+  int mbs = 1, grad_acc = 1, dp = 1, seq = 1;
+  Recompute recompute = Recompute::None;
+};
 // The block's MLP (DESIGN 6, "Feed-forward"): the dense SwiGLU, or a mixture of experts
 // (expert_parallel.cu), chosen by the config when the model is built; the block asks neither.
 struct FeedForward {
@@ -66,6 +74,9 @@ struct FeedForward {
   virtual void finish(const Model&, const std::vector<float>&, int64_t) const {}
   // Bytes it keeps for the backward on N tokens, e per element (activation_bytes_per_block).
   virtual int64_t saved_bytes(const ModelConfig& c, int64_t N, int tp, int e) const = 0;
+  // What it measures of the training steps (a mixture: its routing, its all-to-all, its
+  // load-balancing loss in the step's log), registered with the run's meters; null: nothing.
+  virtual std::unique_ptr<StepMeter> meter(Model&, Comm&, const RunShape&) const { return nullptr; }
 };
 
 // A pipeline stage (DESIGN 6, "Stage"): the blocks [first_block, last_block), with the
@@ -98,6 +109,9 @@ struct Model : FlatParameters {
   // A block is one unit, or two under a mixture of experts: its dense part (attention, norms,
   // the router) and its experts, whose gradients sum over another group (ModelUnit::experts).
   int units_per_block() const { return cfg.experts > 0 ? 2 : 1; }
+  // The blocks this rank holds, over all its chunks; the parameters of its expert units.
+  int blocks_held() const;
+  int64_t expert_params() const;
   // The (first) unit of block l (0-based within chunk c).
   int block_unit(int c, int l) const {
     return chunk_unit0[c] + (chunks[c].embedding ? 1 : 0) + l * units_per_block();
@@ -151,6 +165,12 @@ int64_t activation_bytes_per_block(const ModelConfig& cfg, int B, int T, int tp,
                                    Recompute mode, const AttentionCore& attention, int e = 4);
 // The same, measured: the bytes `a` holds.
 int64_t saved_bytes(const BlockActivations& a);
+// --report memory: one block's saved activations, `measured` on a micro-batch of B sequences
+// of T tokens (this rank's share under cp), next to the formula above. Rank 0 prints.
+void print_activation_report(const Model& model, int B, int T, Recompute mode, int e,
+                             int64_t measured);
+// The configuration table's row for --recompute: what the mode drops with this attention.
+std::string describe_recompute(Recompute mode, const AttentionCore& attention);
 struct Activations {
   int B = 0, T = 0;
   Tensor ids, targets, positions;        // [N] int32, N = B*T
@@ -167,27 +187,33 @@ struct Activations {
 };
 
 // ---- The stage seam (DESIGN 6): what a pipeline schedule runs, one micro-batch at a time ----
+// What one micro-batch hands from a stage to the next: its hidden state [n, D] first, then what
+// its blocks carry besides (FeedForward::carry_numel floats, Activations::carry); and back, the
+// hidden state's gradient first, then the same carried values, complete. The pipeline moves
+// these tensors between stages without reading them.
+using StagePayload = std::vector<Tensor>;
+// The shapes of one micro-batch's payload of `tokens` tokens (the same forward and back).
+std::vector<std::vector<int64_t>> stage_payload_shapes(const Model& model, int64_t tokens);
+// What a chunk's forward hands to the next one: acts.x_final and the carried values.
+StagePayload stage_output(const Context& ctx, const Model& model, const Activations& acts);
 // Forward of B sequences of T tokens through chunk `chunk` of this rank. Input: token ids (host
-// [B*T]) when the chunk holds the embedding, else hidden_in [n, D] from the previous stage.
+// [B*T]) when the chunk holds the embedding, else the previous chunk's payload `in`.
 // Returns, when it holds the head, the sum of per-token losses (fp32 accumulation; with
 // targets == nullptr only the logits are computed, for generation); elsewhere 0, and
 // acts.x_final holds the output for the next stage.
-// `carry_in`: what the previous stage's acts.carry held (empty on the first stage).
 float stage_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
-                    const Tensor& hidden_in, const int32_t* targets, int B, int T, Recompute mode,
-                    const UnitHooks& hooks = {}, int chunk = 0,
-                    const std::vector<float>& carry_in = {});
+                    StagePayload in, const int32_t* targets, int B, int T, Recompute mode,
+                    const UnitHooks& hooks = {}, int chunk = 0);
 // Accumulates (+=) into the gradient views the gradient of loss_scale * sum(losses) (the head's
-// chunk) or of <d_out, output> (d_out [n, D], other chunks), releasing the activations as it
-// goes; units run in backward order. Returns d(input hidden) [n, D], undefined for the chunk
-// that holds the embedding. With `deferred` (zero-bubble pipelines, Playbook §8.6) only the
-// input gradients are computed: the linear layers' weight gradients and the after_backward
-// hooks are queued there, in order, for the schedule's W op. `carry`: the last stage's
-// acts.carry, for a stage without the head (its own holds only the layers up to it).
-Tensor stage_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
-                      const Tensor& d_out, Recompute mode, const UnitHooks& hooks = {},
-                      int chunk = 0, DeferredGrads* deferred = nullptr,
-                      const std::vector<float>& carry = {});
+// chunk) or of <d_out[0], output> (other chunks, `d_out` the next chunk's payload back),
+// releasing the activations as it goes; units run in backward order. Returns the payload for
+// the previous chunk: d(input hidden) [n, D] and the carried values (empty for the chunk that
+// holds the embedding). With `deferred` (zero-bubble pipelines, Playbook §8.6) only the input
+// gradients are computed: the linear layers' weight gradients and the after_backward hooks are
+// queued there, in order, for the schedule's W op.
+StagePayload stage_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
+                            StagePayload d_out, Recompute mode, const UnitHooks& hooks = {},
+                            int chunk = 0, DeferredGrads* deferred = nullptr);
 // The whole model as one stage: ids in, loss (or logits) out; and its backward.
 float model_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
                     const int32_t* targets, int B, int T, Recompute mode,

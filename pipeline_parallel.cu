@@ -302,6 +302,18 @@ class Exchange {
     queued_.clear(), keep_.clear();
     return t;
   }
+  // A micro-batch's payload (model.cuh's StagePayload, the hidden state first), tensor by tensor:
+  // the hidden state in `category` (the forward's input is an activation), the rest workspace.
+  StagePayload receive(Group& g, int peer, const std::vector<std::vector<int64_t>>& shapes,
+                       Mem category) {
+    StagePayload in;
+    for (size_t i = 0; i < shapes.size(); i++)
+      in.push_back(receive(g, peer, shapes[i], i == 0 ? category : Mem::Workspace));
+    return in;
+  }
+  void send(Group& g, int peer, const StagePayload& out) {
+    for (const Tensor& t : out) send(g, peer, t);
+  }
   void flush() {
     if (queued_.empty()) return;
     in_flight_.push_back({send_recv_async(comm_, comm_.pp, ctx_, queued_), keep_});
@@ -330,7 +342,7 @@ double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& 
   int p = comm.pp.size, rank = comm.pp.rank, V = (int)model.chunks.size(), m = batch.micro_batches;
   int last_chunk = p * V - 1, next = comm.pp.next(), prev = comm.pp.prev();
   int64_t tokens = (int64_t)batch.mbs * batch.seq;  // per micro-batch
-  std::vector<int64_t> hidden = {sp_tokens(model.tp, tokens), model.cfg.d_model};  // [n, D]
+  const std::vector<std::vector<int64_t>> payload = stage_payload_shapes(model, tokens);
   // One stage: gradient accumulation, whatever --pp-schedule says.
   std::vector<PipelineOp> table =
       pipeline_schedule(p > 1 ? cfg.schedule : PpSchedule::OneFOneB, p, rank, m, V);
@@ -339,24 +351,16 @@ double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& 
   Exchange exchange(comm, ctx);
   std::map<std::pair<int, int>, Activations> saved;      // (micro-batch, chunk) in flight
   std::map<std::pair<int, int>, DeferredGrads> weights;  // zero-bubble: W ops still to run
-  // What travels with the hidden state besides it (a mixture of experts' routing counts): to
-  // the next stage with the activations, and back, complete, with their gradient.
-  const int carried = model.mlp->carry_numel();
   for (const PipelineOp& op : table) {
     int g = rank + op.chunk * p;
     std::pair<int, int> key{op.micro, op.chunk};
     bool forward = op.kind == Phase::Forward, backward = op.kind == Phase::Backward;
     // Receive what the op needs (with the queued sends), or let the queued sends go.
-    Tensor input;
-    std::vector<float> carry;
+    StagePayload input;
     if (forward && g > 0) {
-      input = exchange.receive(comm.pp, prev, hidden, Mem::Activations);
-      if (carried)
-        carry = to_host_floats(exchange.receive(comm.pp, prev, {carried}, Mem::Workspace));
+      input = exchange.receive(comm.pp, prev, payload, Mem::Activations);
     } else if (backward && g < last_chunk) {
-      input = exchange.receive(comm.pp_grad, next, hidden, Mem::Workspace);
-      if (carried)
-        carry = to_host_floats(exchange.receive(comm.pp_grad, next, {carried}, Mem::Workspace));
+      input = exchange.receive(comm.pp_grad, next, payload, Mem::Workspace);
     } else {
       exchange.flush();
     }
@@ -369,20 +373,16 @@ double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& 
       weights.erase(key);
     } else if (forward) {
       Activations& acts = saved[key];
-      loss_sum += stage_forward(ctx, model, acts, batch.inputs + op.micro * tokens, input,
-                                batch.targets + op.micro * tokens, batch.mbs, batch.seq, mode,
-                                hooks, op.chunk, carry);
+      loss_sum += stage_forward(ctx, model, acts, batch.inputs + op.micro * tokens,
+                                std::move(input), batch.targets + op.micro * tokens, batch.mbs,
+                                batch.seq, mode, hooks, op.chunk);
       if (!acts.blocks.empty()) block_bytes = saved_bytes(acts.blocks[0]);
-      if (g < last_chunk) exchange.send(comm.pp, next, acts.x_final);
-      if (g < last_chunk && carried)
-        exchange.send(comm.pp, next, device_floats(ctx, acts.carry, {carried}));
+      if (g < last_chunk) exchange.send(comm.pp, next, stage_output(ctx, model, acts));
     } else {
-      if (g == last_chunk) carry = saved[key].carry;  // every layer's: this chunk ends the model
-      Tensor d_in = stage_backward(ctx, model, saved[key], loss_scale, input, mode, hooks, op.chunk,
-                                   split ? &weights[key] : nullptr, carry);
+      StagePayload d_in = stage_backward(ctx, model, saved[key], loss_scale, std::move(input), mode,
+                                         hooks, op.chunk, split ? &weights[key] : nullptr);
       saved.erase(key);
       if (g > 0) exchange.send(comm.pp_grad, prev, d_in);
-      if (g > 0 && carried) exchange.send(comm.pp_grad, prev, device_floats(ctx, carry, {carried}));
     }
     observer.after(op.kind, op.micro, op.chunk, V, start, block_bytes);
   }
@@ -393,23 +393,25 @@ double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& 
 float pipeline_forward(const Context& ctx, Comm& comm, Model& model, Activations& acts,
                        const int32_t* ids, const int32_t* targets, int B, int T) {
   int p = comm.pp.size, rank = comm.pp.rank, last_chunk = p * (int)model.chunks.size() - 1;
-  std::vector<int64_t> hidden = {sp_tokens(model.tp, (int64_t)B * T), model.cfg.d_model};
+  const std::vector<std::vector<int64_t>> payload = stage_payload_shapes(model, (int64_t)B * T);
   Exchange exchange(comm, ctx);
   float loss = 0;
-  const int carried = model.mlp->carry_numel();
   for (int g = rank; g <= last_chunk; g += p) {  // this rank's chunks, in order
-    Tensor input;
-    std::vector<float> carry;
-    if (g > 0) input = exchange.receive(comm.pp, comm.pp.prev(), hidden, Mem::Activations);
-    if (g > 0 && carried)
-      carry = to_host_floats(exchange.receive(comm.pp, comm.pp.prev(), {carried}, Mem::Workspace));
-    loss = stage_forward(ctx, model, acts, ids, input, targets, B, T, Recompute::None, {}, g / p,
-                         carry);
-    if (g < last_chunk) exchange.send(comm.pp, comm.pp.next(), acts.x_final);
-    if (g < last_chunk && carried)
-      exchange.send(comm.pp, comm.pp.next(), device_floats(ctx, acts.carry, {carried}));
+    StagePayload input;
+    if (g > 0) input = exchange.receive(comm.pp, comm.pp.prev(), payload, Mem::Activations);
+    loss = stage_forward(ctx, model, acts, ids, std::move(input), targets, B, T, Recompute::None,
+                         {}, g / p);
+    if (g < last_chunk) exchange.send(comm.pp, comm.pp.next(), stage_output(ctx, model, acts));
     exchange.flush();
   }
   exchange.finish();
   return loss;
+}
+
+std::string describe_pipeline(const PipelineOptions& o, int micro_batches) {
+  if (o.pp == 1) return "";
+  std::string row = std::string(pp_schedule_name(o.pp_schedule)) + ", " +
+                    std::to_string(micro_batches) + " micro-batches";
+  if (o.pp_virtual > 1) row += ", " + std::to_string(o.pp_virtual) + " chunks per rank";
+  return row;
 }

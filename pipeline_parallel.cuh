@@ -25,6 +25,8 @@ struct PipelineOptions {
 void add_pipeline_flags(CLI::App& app, PipelineOptions& o);
 PpSchedule parse_pp_schedule(const std::string& flag);  // afab|1f1b|interleaved|zb-h1
 const char* pp_schedule_name(PpSchedule s);
+// The configuration table's row: the schedule, its micro-batches and chunks; empty for pp = 1.
+std::string describe_pipeline(const PipelineOptions& o, int micro_batches);
 
 // ---- Partition (Playbook §8.1) ----
 // L blocks in p x V contiguous chunks, as even as possible: the first L mod pV chunks get one

@@ -15,6 +15,7 @@
 #include "runtime/model_config.cuh"
 #include "runtime/ops.cuh"
 #include "runtime/options.cuh"
+#include "runtime/report.cuh"
 #include "tensor_parallel.cuh"
 
 // ----------------------------------------------------------------------------
@@ -285,4 +286,34 @@ void vocab_parallel_cross_entropy_backward(const TensorParallel&, const Context&
                                            const Tensor& stats, const Tensor& local_targets,
                                            float scale) {
   cross_entropy_backward(ctx, dlogits, logits, stats, local_targets, scale);
+}
+
+// ----------------------------------------------------------------------------
+// What the tp group sent
+
+std::string describe_tensor_parallel(const TensorParallelOptions& o) {
+  return o.sp ? ", sequence parallel" : "";
+}
+
+std::unique_ptr<StepMeter> tensor_parallel_meter(Comm& comm, const ModelConfig& cfg, int mbs,
+                                                 int grad_acc, bool sp) {
+  struct Meter : GroupTraffic {
+    Meter(Comm& comm, TpTraffic expected, int grad_acc, bool sp)
+        : GroupTraffic(comm.tp, {StepPart::Step}),
+          comm(comm),
+          expected(expected),
+          grad_acc(grad_acc),
+          sp(sp) {}
+    void report(Report r) override {
+      if (r == Report::Comm && comm.grid.world_rank == 0)
+        print_tp_comm_report(expected, grad_acc, comm.tp.size, sp, total(), steps());
+    }
+    Comm& comm;
+    TpTraffic expected;
+    int grad_acc;
+    bool sp;
+  };
+  if (comm.tp.size == 1) return nullptr;
+  return std::make_unique<Meter>(comm, tp_expected_traffic(cfg, mbs, cfg.seq, comm.tp.size, sp),
+                                 grad_acc, sp);
 }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "runtime/comm.cuh"
+#include "runtime/meters.cuh"
 #include "runtime/model_config.cuh"
 #include "runtime/parameters.cuh"
 
@@ -34,6 +35,8 @@ struct TensorParallelOptions {
   bool sp = false;  // --sp: sequence parallelism in the tp group
 };
 void add_tensor_parallel_flags(CLI::App& app, TensorParallelOptions& o);
+// The configuration table's note on the grid row: ", sequence parallel" under --sp.
+std::string describe_tensor_parallel(const TensorParallelOptions& o);
 
 // The tp group, whether sequence parallelism is on, and this rank's slice of the model (set by
 // build_model). size 1 turns every operator into the identity and every layer below into a
@@ -148,3 +151,10 @@ void vocab_parallel_cross_entropy_backward(const TensorParallel& tp, const Conte
                                            const Tensor& dlogits, const Tensor& logits,
                                            const Tensor& stats, const Tensor& local_targets,
                                            float scale);
+
+// ---- What the tp group sent (--report comm; runtime/meters.cuh) ----
+// The tp group's traffic over the training steps next to the count of collectives the model
+// issues per micro-batch of mbs sequences of cfg.seq tokens (Playbook §5.3, §6); null for
+// tp = 1.
+std::unique_ptr<StepMeter> tensor_parallel_meter(Comm& comm, const ModelConfig& cfg, int mbs,
+                                                 int grad_acc, bool sp);

@@ -72,7 +72,23 @@ static void resolve_options(Options& o) {
                     o.model.tie_embeddings, o.zero);
   validate_tensor_parallel(o.model, o.tp, o.sp);
   validate_expert_parallel(o.model, o, o.dp, o.cp);
-  if (o.dtype != "auto") parse_precision(o.dtype);
+}
+
+// ZeRO shards over the dp x cp ranks; with one there is nothing to shard, and --zero k is the
+// plain run (make_gradient_sync says so).
+static int zero_stage(const Options& o) {
+  return o.dp * o.cp > 1 ? o.zero : 0;
+}
+
+// The configuration table's row for the gradient sync (make_gradient_sync).
+static std::string describe_gradient_sync(const Options& o, const GradientSync& sync) {
+  const std::string overlap = o.no_overlap ? ", no overlap" : ", overlapped";
+  const int stage = sync.zero_stage();
+  if (stage == 0)
+    return std::string(dp_sync_name(o.dp_sync)) + ", buckets of " + num(o.bucket_mb) + " MiB" +
+           overlap;
+  return "ZeRO-" + std::to_string(stage) + ": reduce-scatter per unit" + overlap +
+         (stage == 3 && !o.no_overlap ? ", prefetch" : "");
 }
 
 // The closed forms, per rank (runtime/formulas.cuh, model.cu): weights, gradients and Adam's
@@ -92,7 +108,7 @@ static void check_before_start(const Options& o, const Comm& comm,
   // Each rank holds its tp shard of every weight, of the experts only its ep rank's.
   const double psi =
       ((double)parameter_count(c) - (double)expert_parameter_count(c) * (o.ep - 1) / o.ep) / o.tp;
-  const int n = o.dp * o.cp, stage = n > 1 ? o.zero : 0;
+  const int n = o.dp * o.cp, stage = zero_stage(o);
   double state = 4 * psi;  // --score: the fp32 weights
   if (train) {
     StaticMemory m = zero_static_memory(
@@ -111,9 +127,10 @@ static void check_before_start(const Options& o, const Comm& comm,
   check_outputs(o, comm);
 }
 
-// The table rank 0 prints before the first step.
+// The table rank 0 prints before the first step: the run's own rows, and each chapter's (a
+// chapter with nothing to say about this run gives an empty row, which is left out).
 static void print_config(const Options& o, const Dataset& data, const Comm& comm, int64_t n_params,
-                         int zero_stage, const PrecisionPolicy& precision) {
+                         const GradientSync& sync, const PrecisionPolicy& precision) {
   const ModelConfig& c = o.model;
   auto s = [](auto v) { return std::to_string(v); };
   std::vector<std::pair<std::string, std::string>> rows = {
@@ -128,43 +145,17 @@ static void print_config(const Options& o, const Dataset& data, const Comm& comm
                                (o.sync_launches ? ", sync after every kernel" : "")},
       {"grid dp x pp x cp x tp", s(o.dp) + " x " + s(o.pp) + " x " + s(o.cp) + " x " + s(o.tp) +
                                      " = " + s(comm.grid.world_size) + " ranks" +
-                                     (o.sp ? ", sequence parallel" : "")}};
-  if (o.cp > 1)
-    rows.push_back({"context parallel", std::string(cp_balance_name(o.cp_balance)) + " split, " +
-                                            cp_comm_name(o.cp_comm) + ", " + s(c.seq / o.cp) +
-                                            " tokens per rank"});
-  if (c.experts > 0)
-    rows.push_back({"mixture of experts",
-                    s(c.experts) + " experts of ffn " + s(c.ffn) + ", top " + s(c.top_k) + ", ep " +
-                        s(o.ep) + " (" + s(c.experts / o.ep) + " per rank), " +
-                        (o.capacity_factor > 0 ? "capacity factor " + num(o.capacity_factor)
-                                               : std::string("dropless")) +
-                        ", aux loss coef " + num(c.aux_loss_coef)});
-  if (o.pp > 1)
-    rows.push_back(
-        {"pipeline", std::string(pp_schedule_name(o.pp_schedule)) + ", " + s(o.grad_acc) +
-                         " micro-batches" +
-                         (o.pp_virtual > 1 ? ", " + s(o.pp_virtual) + " chunks per rank" : "")});
-  std::string overlap = o.no_overlap ? ", no overlap" : ", overlapped";
-  rows.push_back(
-      {"gradient sync", zero_stage == 0
-                            ? std::string(dp_sync_name(o.dp_sync)) + ", buckets of " +
-                                  num(o.bucket_mb) + " MiB" + overlap
-                            : "ZeRO-" + s(zero_stage) + ": reduce-scatter per unit" + overlap +
-                                  (zero_stage == 3 && !o.no_overlap ? ", prefetch" : "")});
-  rows.push_back({"dtype", precision.describe() +
-                               (precision.mixed() && o.dtype == "auto" ? " (auto on CUDA)" : "")});
-  rows.push_back({"attention", std::string(attention_name(o.attention)) +
-                                   (o.attention == AttentionKind::Flash
-                                        ? " (keeps O and its log-sum-exp: O(T))"
-                                        : " (keeps the probabilities: O(T^2))")});
-  rows.push_back(
-      {"recompute", o.recompute == Recompute::Selective && o.attention == AttentionKind::Flash
-                        ? "selective: nothing more to drop, flash keeps no probabilities"
-                        : recompute_name(o.recompute)});
-  rows.push_back({"steps / mbs / grad-acc", s(o.steps) + " / " + s(o.mbs) + " / " + s(o.grad_acc)});
-  rows.push_back({"tokens per step",
-                  s((int64_t)o.mbs * o.grad_acc * o.dp * c.seq) + " (mbs x grad-acc x dp x seq)"});
+                                     describe_tensor_parallel(o)},
+      {"context parallel", describe_context_parallel(o, c.seq)},
+      {"mixture of experts", describe_experts(c, o)},
+      {"pipeline", describe_pipeline(o, o.grad_acc)},
+      {"gradient sync", describe_gradient_sync(o, sync)},
+      {"dtype", precision.describe()},
+      {"attention", describe_attention(o.attention)},
+      {"recompute", describe_recompute(o.recompute, *local_attention(o.attention))},
+      {"steps / mbs / grad-acc", s(o.steps) + " / " + s(o.mbs) + " / " + s(o.grad_acc)},
+      {"tokens per step",
+       s((int64_t)o.mbs * o.grad_acc * o.dp * c.seq) + " (mbs x grad-acc x dp x seq)"}};
   char lr[96];
   snprintf(lr, sizeof lr, "%.2e -> %.2e, warmup %d, wd %.3g, clip %.3g", o.lr, o.min_lr, o.warmup,
            o.weight_decay, o.grad_clip);
@@ -174,6 +165,8 @@ static void print_config(const Options& o, const Dataset& data, const Comm& comm
   rows.push_back({"train / val tokens", s(data.train.size()) + " / " + s(data.val.size())});
   rows.push_back(
       {"data order", o.no_shuffle ? "file order (--no-shuffle)" : "shuffled per epoch (--seed)"});
+  rows.erase(std::remove_if(rows.begin(), rows.end(), [](auto& row) { return row.second.empty(); }),
+             rows.end());
   print_config_table(rows);
 }
 
@@ -206,15 +199,16 @@ static double loss_sum(const Context& ctx, Comm& comm, Model& model, const Conte
 
 // Mean loss over `windows` windows, the windows split evenly over the dp ranks (every rank
 // holds the same weights), each window's tokens over the cp ranks, and the sums added up (over
-// pp too: the last stage holds the loss). The ranks of an ep group hold different experts and
-// dispatch to each other: they run the same windows, and ep rank 0's sum counts.
+// pp too: the last stage holds the loss), each counted once (evaluation_share: a mixture's
+// expert-parallel ranks run the same windows).
 static double mean_loss(const Context& ctx, Comm& comm, Model& model, const ContextParallel& cp,
                         const std::vector<int32_t>& tokens, int64_t windows, int seq,
                         int64_t stride, int mbs) {
-  int share = comm.dp.rank / comm.ep.size, shares = comm.dp.size / comm.ep.size;
-  int64_t first = windows * share / shares, last = windows * (share + 1) / shares;
+  const EvaluationShare share = evaluation_share(comm);
+  int64_t first = windows * share.index / share.count,
+          last = windows * (share.index + 1) / share.count;
   double total = loss_sum(ctx, comm, model, cp, tokens, first, last - first, seq, stride, mbs);
-  if (comm.ep.rank != 0) total = 0;
+  if (!share.counts) total = 0;
   all_reduce_host(comm.dp_cp, &total, 1, ReduceOp::Sum);
   all_reduce_host(comm.pp, &total, 1, ReduceOp::Sum);
   return total / ((double)windows * seq);
@@ -288,17 +282,13 @@ static void all_or_none(Comm& comm, const std::function<void()>& fn) {
 static std::unique_ptr<GradientSync> make_gradient_sync(Comm& comm, Model& model, Context& ctx,
                                                         const Options& o,
                                                         const PrecisionPolicy& precision) {
-  int stage = o.zero;
-  if (stage > 0 && comm.dp_cp.size == 1) {  // nothing to shard: zero 0 is the same run
-    if (comm.grid.world_rank == 0)
-      fprintf(stderr,
-              "warning: --zero %d has no effect with one data-parallel rank (dp x cp = 1): "
-              "nothing to shard; running as --zero 0\n",
-              o.zero);
-    stage = 0;
-  }
-  if (stage > 0)
-    return std::make_unique<Zero>(comm, model, stage, AdamWConfig{}, o.weight_decay, o.seed,
+  if (o.zero > zero_stage(o) && comm.grid.world_rank == 0)
+    fprintf(stderr,
+            "warning: --zero %d has no effect with one data-parallel rank (dp x cp = 1): "
+            "nothing to shard; running as --zero 0\n",
+            o.zero);
+  if (zero_stage(o) > 0)
+    return std::make_unique<Zero>(comm, model, zero_stage(o), AdamWConfig{}, o.weight_decay, o.seed,
                                   !o.no_overlap, precision);
   return std::make_unique<DataParallel>(comm, model, ctx, o.dp_sync, o.bucket_mb, !o.no_overlap,
                                         AdamWConfig{}, o.weight_decay, o.seed, precision);
@@ -324,10 +314,7 @@ static Model model_layout(Comm& comm, const Options& o) {
       build_model_layout(o.model, TensorParallel{&comm, o.sp},
                          pipeline_chunks(o.model.layers, o.pp, o.pp_virtual, comm.grid.pp_rank),
                          ExpertParallel{&comm, o.capacity_factor});
-  if (o.cp > 1)
-    model.attention = std::make_shared<ContextParallelAttention>(context_parallel(comm, o));
-  else
-    model.attention = local_attention(o.attention);
+  model.attention = make_attention(comm, o, o.attention);
   return model;
 }
 
@@ -356,7 +343,7 @@ static int score_file(Context& ctx, Comm& comm, const Options& o) {
 }
 
 // What the loop needs besides the model: the data, this rank's share of each step's batch, the
-// log, and what it measures for the reports.
+// log, and the meters that measure the steps for the reports.
 struct Trainer {
   const Options& o;
   Comm& comm;
@@ -370,122 +357,112 @@ struct Trainer {
   int64_t rank_batch, global_batch;      // sequences: mbs x grad_acc on this rank; x dp in the step
   int first_seq;                         // this dp rank's first sequence of the global batch
   std::vector<int32_t> inputs, targets;  // this rank's sequences, whole
-  std::vector<int32_t> my_inputs, my_targets;      // and its share of their tokens (cp)
-  ContextParallel cp;                              // which tokens those are
-  const ContextParallelAttention* ring = nullptr;  // the model's attention under cp (else null)
-  CpWork attention_work;  // what ring attention computed (--report balance)
+  std::vector<int32_t> my_inputs, my_targets;  // and its share of their tokens (cp)
+  ContextParallel cp;                          // which tokens those are
   OutputLines log_json;
   nlohmann::json log_line;  // this step's --log-json line, written once validation has run
   Observer observer;        // the trace, --fault, and what the schedule measured
+  StepMeters meters;        // what the steps measure for the reports (register_meters)
   int64_t steps_run = 0;
-  uint64_t step_syncs_min = UINT64_MAX, step_syncs_max = 0;  // host synchronisations per step
-  TrafficMeter tp_traffic, dp_traffic;  // what tp and dp_cp sent in training steps
-  PrecisionPolicy precision;            // --dtype: the loss scale, what the log adds
-  ExpertStats experts;                  // what the routers did (--report experts)
-  TrafficMeter ep_traffic;              // what the ep group sent in training steps
-  DevicePeak peak;                      // rank 0: the FLOP rate MFU divides by (planner.cuh)
+  PrecisionPolicy precision;  // --dtype: the loss scale, what the log adds
+  DevicePeak peak;            // rank 0: the FLOP rate MFU divides by (planner.cuh)
 };
+
+// This rank's micro-batches of the step: its dp share of the global batch (DESIGN 5), and of
+// each sequence its cp share of the tokens (Playbook §7).
+static StepBatch local_batch(Trainer& t, int64_t step) {
+  const Options& o = t.o;
+  const int seq = o.model.seq;
+  fill_train_batch(t.data, step, t.global_batch, t.first_seq, (int)t.rank_batch, seq,
+                   t.inputs.data(), t.targets.data(), !o.no_shuffle, o.seed);
+  t.my_inputs = select_context_tokens(t.cp, t.inputs.data(), o.mbs, seq, o.grad_acc);
+  t.my_targets = select_context_tokens(t.cp, t.targets.data(), o.mbs, seq, o.grad_acc);
+  return StepBatch{t.my_inputs.data(), t.my_targets.data(), o.grad_acc, o.mbs, seq / t.cp.size()};
+}
+
+// The step's line on rank 0 (and its --log-json line): loss, what the meters add, lr, norm,
+// throughput, MFU (Playbook §2.6: the book's FLOPs per token over the rank's peak), time.
+static void print_step(Trainer& t, int64_t step, float loss, const StepLog& log, float lr,
+                       float norm, double seconds) {
+  if (t.comm.grid.world_rank != 0) return;
+  const Options& o = t.o;
+  double tok_s = t.global_batch * o.model.seq / seconds, per_rank = tok_s / t.comm.grid.world_size;
+  double mfu = book_flops_per_token(o.model) * per_rank / t.peak.flops;
+  printf(
+      "step %5lld/%d | loss %.4f%s | lr %.2e | norm %.4f | %8.0f tok/s | %7.0f tok/s/rank | "
+      "MFU %5.1f%% | %7.1f ms%s\n",
+      (long long)step + 1, o.steps, loss, log.after_loss.c_str(), lr, norm, tok_s, per_rank,
+      100 * mfu, seconds * 1e3, t.precision.step_note().c_str());
+  if (!t.log_json.is_open()) return;
+  nlohmann::json line{
+      {"step", step + 1},  {"loss", loss},          {"lr", lr},
+      {"grad_norm", norm}, {"tokens_per_s", tok_s}, {"tokens_per_s_per_rank", per_rank},
+      {"mfu", mfu}};
+  line.update(log.fields);
+  t.precision.log_step(t.ctx, line);
+  t.log_line = line;
+}
+
+// The step's loss, the mean over every token of the global batch (DESIGN 5): each rank's sum
+// added over dp_cp and pp (the last stage holds it); and what the meters add to the step's log
+// (a mixture's load-balancing loss, apart from the loss). Rank 0 says when it is not finite.
+static float mean_step_loss(Trainer& t, double loss_sum, int64_t step, StepLog& log) {
+  all_reduce_host(t.comm.dp_cp, &loss_sum, 1, ReduceOp::Sum);
+  all_reduce_host(t.comm.pp, &loss_sum, 1, ReduceOp::Sum);
+  const float loss = (float)(loss_sum / (t.global_batch * t.o.model.seq));
+  t.meters.log(log);
+  if (!std::isfinite(loss) && t.comm.grid.world_rank == 0)
+    fprintf(stderr, "error: loss is %f at step %lld; lower --lr or check the data\n", loss,
+            (long long)step + 1);
+  return loss;
+}
 
 // One optimizer step (DESIGN 7). Returns false when the loss is not finite.
 static bool train_step(Trainer& t, int64_t step) {
   const Options& o = t.o;
-  int seq = o.model.seq;
   t.observer.at(FaultWhere::Step, step);
-  double t0 = now_seconds();
-  uint64_t syncs0 = host_syncs();
-  t.tp_traffic.open(t.comm.tp);
-  fill_train_batch(t.data, step, t.global_batch, t.first_seq, (int)t.rank_batch, seq,
-                   t.inputs.data(), t.targets.data(), !o.no_shuffle, o.seed);
-  t.dp_traffic.open(t.comm.dp_cp);
+  const double t0 = now_seconds();
+  t.meters.begin(StepPart::Step, step);
+  const StepBatch batch = local_batch(t, step);
+  t.meters.begin(StepPart::Gradients, step);
   t.sync.begin_step(t.ctx);
-  // Each micro-batch's gradient is scaled so that the sum over micro-batches and dp ranks is
-  // the gradient of the mean loss over every token of the global batch (DESIGN 5).
-  // Under fp16 the loss is also multiplied by the loss scale, and the gradients divided back
-  // before clipping (Playbook §Mixed precision training).
-  float loss_scale = t.precision.loss_scale() / (float)(t.global_batch * seq);
+  // Each micro-batch's gradient is scaled so that the sum over micro-batches and dp ranks is the
+  // gradient of the mean loss over every token of the global batch (DESIGN 5); under fp16 also
+  // by the loss scale, divided back before clipping (Playbook §Mixed precision training).
+  const float loss_scale = t.precision.loss_scale() / (float)(t.global_batch * o.model.seq);
   t.precision.begin_step();
-  StepBatch batch{t.inputs.data(), t.targets.data(), o.grad_acc, o.mbs, seq};
-  // Playbook §7: each cp rank holds seq / cp tokens of each sequence.
-  t.my_inputs = select_context_tokens(t.cp, t.inputs.data(), o.mbs, seq, o.grad_acc);
-  t.my_targets = select_context_tokens(t.cp, t.targets.data(), o.mbs, seq, o.grad_acc);
-  batch.inputs = t.my_inputs.data(), batch.targets = t.my_targets.data();
-  batch.seq = seq / t.cp.size();
-  if (t.ring) t.ring->work = &t.attention_work;  // training steps only, not validation
-  t.model.ep.stats = &t.experts;
-  const double aux_before = t.experts.aux_sum;
-  t.ep_traffic.open(t.comm.ep);
+  t.meters.begin(StepPart::Schedule, step);
   t.observer.begin_schedule(step, true);
   double loss_sum = run_schedule(t.ctx, t.comm, t.model, t.sync, batch, t.recompute, loss_scale,
                                  t.pipeline, t.observer);
   t.observer.end_schedule();
-  t.ep_traffic.close(t.comm.ep);
-  t.model.ep.stats = nullptr;
-  if (t.ring) t.ring->work = nullptr;
-  double tw = now_seconds();
+  t.meters.end(StepPart::Schedule);
+  const double tw = now_seconds();
   t.sync.finish(t.ctx);
-  t.dp_traffic.close(t.comm.dp_cp);  // --save-grads gathers next: not training traffic
+  t.meters.end(StepPart::Gradients);  // --save-grads gathers next: not training traffic
   t.observer.span("wait for gradients", Track::Compute, tw, now_seconds());
-  all_reduce_host(t.comm.dp_cp, &loss_sum, 1, ReduceOp::Sum);
-  all_reduce_host(t.comm.pp, &loss_sum, 1, ReduceOp::Sum);  // the last stage holds it
-  float loss = (float)(loss_sum / (t.global_batch * seq));
-  // A mixture of experts: its load-balancing loss, per micro-batch, also in the gradients
-  // (times --aux-loss-coef); logged apart from the loss, which stays the language model's.
-  double aux = t.experts.aux_sum - aux_before;
-  if (o.model.experts > 0) {
-    all_reduce_host(t.comm.world, &aux, 1, ReduceOp::Sum);
-    aux /= (double)o.grad_acc * o.dp;
-  }
-  if (!std::isfinite(loss)) {
-    if (t.comm.grid.world_rank == 0)
-      fprintf(stderr, "error: loss is %f at step %lld; lower --lr or check the data\n", loss,
-              (long long)step + 1);
-    return false;
-  }
+  StepLog log;
+  const float loss = mean_step_loss(t, loss_sum, step, log);
+  if (!std::isfinite(loss)) return false;
   if (t.steps_run == 0 && !o.save_grads.empty())  // whole gradients, before clipping
     all_or_none(t.comm, [&] { t.sync.save_gradients(t.ctx, o.save_grads, step); });
-  double to = now_seconds();
+  const double to = now_seconds();
   if (t.observer.injects_inf(step)) t.sync.poison_gradient(t.ctx);
   t.observer.at(FaultWhere::Clip, step);
   t.precision.unscale(t.ctx, t.sync);
-  float norm = t.sync.clip_grad_norm(t.ctx, o.grad_clip);
-  bool take_step = t.precision.keep_step(norm, t.comm.world);
-  float lr = learning_rate(t.schedule, step);
+  const float norm = t.sync.clip_grad_norm(t.ctx, o.grad_clip);
+  const bool take_step = t.precision.keep_step(norm, t.comm.world);
+  const float lr = learning_rate(t.schedule, step);
   t.observer.at(FaultWhere::Optimizer, step);
-  t.dp_traffic.open(t.comm.dp_cp);
+  t.meters.begin(StepPart::Optimizer, step);
   if (take_step) t.sync.step(t.ctx, lr);
-  t.dp_traffic.close(t.comm.dp_cp);
+  t.meters.end(StepPart::Optimizer);
   t.ctx.synchronize();
   t.observer.span("optimizer", Track::Compute, to, now_seconds());
   t.sync.trace_communication(t.observer.trace());
-  t.tp_traffic.close(t.comm.tp);
+  t.meters.end(StepPart::Step);
   t.steps_run++;
-  uint64_t syncs = host_syncs() - syncs0;
-  t.step_syncs_min = std::min(t.step_syncs_min, syncs);
-  t.step_syncs_max = std::max(t.step_syncs_max, syncs);
-  t.observer.span(
-      "step " + std::to_string(step + 1) + " (" + std::to_string(syncs) + " host syncs)",
-      Track::Compute, t0, now_seconds());
-  double dt = now_seconds() - t0;
-  if (t.comm.grid.world_rank == 0) {
-    double tok_s = t.global_batch * seq / dt, per_rank = tok_s / t.comm.grid.world_size;
-    double mfu = book_flops_per_token(o.model) * per_rank / t.peak.flops;  // Playbook §2.6
-    char moe[32] = "";
-    if (o.model.experts > 0) snprintf(moe, sizeof moe, " | aux %.4f", aux);
-    printf(
-        "step %5lld/%d | loss %.4f%s | lr %.2e | norm %.4f | %8.0f tok/s | %7.0f tok/s/rank | "
-        "MFU %5.1f%% | %7.1f ms%s\n",
-        (long long)step + 1, o.steps, loss, moe, lr, norm, tok_s, per_rank, 100 * mfu, dt * 1e3,
-        t.precision.step_note().c_str());
-    if (t.log_json.is_open()) {
-      nlohmann::json line{
-          {"step", step + 1},  {"loss", loss},          {"lr", lr},
-          {"grad_norm", norm}, {"tokens_per_s", tok_s}, {"tokens_per_s_per_rank", per_rank},
-          {"mfu", mfu}};
-      if (o.model.experts > 0) line["aux_loss"] = aux;
-      t.precision.log_step(t.ctx, line);
-      t.log_line = line;
-    }
-  }
+  print_step(t, step, loss, log, lr, norm, now_seconds() - t0);
   return true;
 }
 
@@ -503,98 +480,47 @@ static void validate(Trainer& t, int64_t step) {
   t.log_line["val_loss"] = val;
 }
 
-// The model config with a cp rank's share of each sequence as its length (Playbook §7): what
-// one rank's activations are made of.
-static ModelConfig local_sequences(const Options& o) {
-  ModelConfig c = o.model;
-  c.seq /= o.cp;
-  return c;
-}
-
-// What the run measured next to the book's formulas (--report memory,comm,sync).
-static void print_reports(Trainer& t) {
+// What the steps measure, registered once (runtime/meters.cuh), in the order each report prints
+// its parts: the collectives of every group, the precision's bytes per parameter, the gradient
+// sync's memory and traffic, the feed-forward's (a mixture's routing), the block's activations,
+// tp's traffic, the pipeline's bubble, the attention's (the ring's balance), host syncs.
+static void register_meters(Trainer& t) {
   const Options& o = t.o;
   Comm& comm = t.comm;
-  bool main_rank = comm.grid.world_rank == 0;
-  int64_t n_params = t.model.num_params;  // on this rank: the whole model over tp
-  if (main_rank)
-    print_memory(n_params, t.sync.zero_stage(), comm.dp_cp.size, t.precision.compute(),
-                 t.precision.grads() == DType::BF16);
-  for (Report r : o.reports) {
-    if (r == Report::Sync && main_rank && t.steps_run > 0) {
-      // The points where the host waits for the device (core.cuh, count_host_sync): each one
-      // drains the GPU's queue, so the fewer per step the better.
-      std::string range = t.step_syncs_min == t.step_syncs_max
-                              ? ""
-                              : " (fewest " + std::to_string(t.step_syncs_min) + ")";
-      printf("host synchronisations per training step: %llu%s\n",
-             (unsigned long long)t.step_syncs_max, range.c_str());
-    }
-    if (r == Report::Memory) {
-      if (main_rank)
-        print_precision_memory(t.precision.compute(), n_params, t.sync.master_bytes(),
-                               t.precision.grads() == DType::BF16);
-      print_memory_report(comm, t.sync.zero_stage(), n_params, t.sync.padded_params(),
-                          t.precision.compute(), t.precision.grads() == DType::BF16);
-      if (main_rank && o.model.experts > 0) {  // this rank's experts: E / ep per block
-        int64_t held = 0, blocks = 0;
-        for (const ModelUnit& u : t.model.units) held += u.experts ? u.numel * 4 : 0;
-        for (int c = 0; c < (int)t.model.chunks.size(); c++) blocks += t.model.blocks(c);
-        const int64_t D = o.model.d_model, F = o.model.ffn / o.tp, per = o.model.experts / o.ep;
-        print_expert_memory(held, blocks * per * 3 * D * F * 4,
-                            std::to_string(blocks) + " blocks x " + std::to_string(per) +
-                                " experts (E / ep) x 3 D F / tp x 4");
-      }
-      if (main_rank && t.observer.schedule().block_bytes >= 0) {
-        const int e = (int)dtype_size(t.precision.weight_format());
-        const AttentionCore& attention = *t.model.attention;
-        print_activation_report(
-            t.observer.schedule().block_bytes,
-            activation_bytes_per_block(local_sequences(o), o.mbs, o.model.seq / o.cp, o.tp, o.sp,
-                                       t.recompute, attention, e),
-            "tp " + std::to_string(o.tp) + (o.sp ? " + sp" : "") + ", recompute " +
-                recompute_name(t.recompute) + ", " + attention.name() + " attention",
-            attention.saved_formula(e), o.sp, e, o.model.experts > 0);
-      }
-    }
-    if (r == Report::Comm) {
-      int64_t expert_params = 0;
-      for (const ModelUnit& u : t.model.units) expert_params += u.experts ? u.numel : 0;
-      print_comm_report(comm, n_params, t.steps_run, expert_params);
-      t.sync.print_comm_report(o.grad_acc, t.dp_traffic.total, t.steps_run);
-      if (main_rank && o.model.experts > 0 && o.ep > 1) {
-        // Each block's forward dispatches and combines once, its backward once more (and full
-        // recomputation's forward again); every rank charged for the rows it sends.
-        const int passes = t.recompute == Recompute::Full ? 3 : 2;
-        int64_t blocks = 0, n = (int64_t)o.mbs * o.model.seq / o.cp, steps = t.steps_run;
-        for (int c = 0; c < (int)t.model.chunks.size(); c++) blocks += t.model.blocks(c);
-        double uniform =
-            (double)blocks * o.grad_acc * passes * moe_expected_a2a_bytes(o.model, n, o.ep);
-        double routed = passes * 4.0 * o.model.d_model *
-                        (t.experts.rows_elsewhere + t.experts.rows_arrived) /
-                        (double)std::max<int64_t>(1, steps);
-        print_expert_comm_report(t.ep_traffic.total[(int)Coll::AllToAll], uniform, routed, steps,
-                                 passes);
-      }
-      if (main_rank && o.tp > 1)
-        print_tp_comm_report(tp_expected_traffic(o.model, o.mbs, o.model.seq, o.tp, o.sp),
-                             o.grad_acc, o.tp, o.sp, t.tp_traffic.total, t.steps_run);
-    }
-    if (r == Report::Experts && o.model.experts > 0)
-      print_expert_report(comm,
-                          std::to_string(o.model.experts) + " experts, top " +
-                              std::to_string(o.model.top_k) + ", ep " + std::to_string(o.ep) +
-                              (o.capacity_factor > 0 ? ", capacity factor " + num(o.capacity_factor)
-                                                     : ", dropless"),
-                          o.model.layers, o.model.experts, t.experts, t.steps_run);
-    if (r == Report::Bubble)
-      print_bubble_report(comm, bubble_prediction(o.pp_schedule, o.pp, o.grad_acc, o.pp_virtual),
-                          t.observer.schedule());
-    if (r == Report::Balance)
-      print_balance_report(
-          comm, std::string(cp_balance_name(o.cp_balance)) + " split, " + cp_comm_name(o.cp_comm),
-          t.attention_work.blocks, t.attention_work.pairs, t.attention_work.seconds, t.steps_run);
-  }
+  const bool main_rank = comm.grid.world_rank == 0;
+  const int64_t n_params = t.model.num_params;  // on this rank: the whole model over tp
+  const bool bf16_grads = t.precision.grads() == DType::BF16;
+  t.meters.add(std::make_unique<HostSyncs>(t.observer, main_rank));
+  t.meters.add(Report::Comm, [&t, n_params] {
+    print_comm_report(t.comm, n_params, t.steps_run, t.model.expert_params());
+  });
+  t.meters.add(Report::Memory, [&t, main_rank, n_params, bf16_grads] {
+    if (main_rank)
+      print_precision_memory(t.precision.compute(), n_params, t.sync.master_bytes(), bf16_grads);
+    print_memory_report(t.comm, t.sync.zero_stage(), n_params, t.sync.padded_params(),
+                        t.precision.compute(), bf16_grads);
+  });
+  auto dp_traffic = std::make_unique<GroupTraffic>(
+      comm.dp_cp, std::vector<StepPart>{StepPart::Gradients, StepPart::Optimizer});
+  const GroupTraffic& dp = *dp_traffic;
+  t.meters.add(std::move(dp_traffic));
+  t.meters.add(Report::Comm,
+               [&t, &dp] { t.sync.print_comm_report(t.o.grad_acc, dp.total(), t.steps_run); });
+  t.meters.add(t.model.mlp->meter(
+      t.model, comm, RunShape{o.mbs, o.grad_acc, o.dp, o.model.seq / o.cp, t.recompute}));
+  t.meters.add(Report::Memory, [&t, main_rank] {
+    const int64_t measured = t.observer.schedule().block_bytes;
+    if (main_rank && measured >= 0)
+      print_activation_report(t.model, t.o.mbs, t.o.model.seq / t.o.cp, t.recompute,
+                              (int)dtype_size(t.precision.weight_format()), measured);
+  });
+  t.meters.add(tensor_parallel_meter(comm, o.model, o.mbs, o.grad_acc, o.sp));
+  t.meters.add(Report::Bubble, [&t] {
+    const Options& o = t.o;
+    print_bubble_report(t.comm, bubble_prediction(o.pp_schedule, o.pp, o.grad_acc, o.pp_virtual),
+                        t.observer.schedule());
+  });
+  t.meters.add(t.model.attention->meter(comm));
 }
 
 // The training steps this run takes: [first_step, run_end); --steps 0 takes none.
@@ -650,7 +576,10 @@ static void finish_run(Trainer& t, int64_t last_step) {
     if (main_rank)
       printf("trace: %s (open in https://ui.perfetto.dev or chrome://tracing)\n", o.trace.c_str());
   }
-  print_reports(t);
+  if (t.comm.grid.world_rank == 0)
+    print_memory(t.model.num_params, t.sync.zero_stage(), t.comm.dp_cp.size, t.precision.compute(),
+                 t.precision.grads() == DType::BF16);
+  t.meters.report(o.reports);
   if (o.sample > 0)
     with_whole_model(t.sync, t.ctx, [&] {
       std::string text = generate(t.ctx, t.comm, t.model, o);
@@ -675,7 +604,7 @@ static int run(const Options& o, Comm& comm, Context& ctx, PrecisionPolicy preci
   if (main_rank) {
     int64_t laid_out = 0;  // the layout's tensors, against the closed form
     for (const NamedTensor& p : model.named_params) laid_out += p.tensor.numel();
-    print_config(o, data, comm, laid_out, sync->zero_stage(), precision);
+    print_config(o, data, comm, laid_out, *sync, precision);
     printf("unigram entropy of the training tokens: %.4f nats (a model that ignores context)\n",
            unigram_entropy(data.train, c.vocab));
   }
@@ -696,19 +625,16 @@ static int run(const Options& o, Comm& comm, Context& ctx, PrecisionPolicy preci
             (int)(comm.grid.dp_rank * rank_batch)};
   t.inputs.resize(rank_batch * c.seq), t.targets.resize(rank_batch * c.seq);
   t.cp = context_parallel(comm, o);
-  t.ring = dynamic_cast<const ContextParallelAttention*>(model.attention.get());
   t.observer = Observer(comm.grid.world_rank, o.fault, !o.trace.empty());
   t.precision = precision;
+  register_meters(t);
   if (main_rank) {
     t.peak = device_peak(ctx, precision.compute());
     printf(
         "MFU: the book's 6N + 12 L h s = %.4g FLOPs per token (appendix A2) over %.4g FLOP/s "
         "per rank (%s)\n",
         book_flops_per_token(c), t.peak.flops, t.peak.how.c_str());
-    if (c.experts > 0)
-      printf("MFU: N = %lld parameters a token meets (top %d of %d experts per layer) of %lld\n",
-             (long long)active_parameter_count(c), c.top_k, c.experts,
-             (long long)parameter_count(c));
+    printf("%s", active_parameters_note(c).c_str());
   }
   all_or_none(comm, [&] {
     if (main_rank && !o.log_json.empty()) t.log_json.open("--log-json", o.log_json);
@@ -725,7 +651,7 @@ static int run(const Options& o, Comm& comm, Context& ctx, PrecisionPolicy preci
     }
     fflush(stdout);
   }
-  if (main_rank) t.precision.print_summary(ctx);
+  if (main_rank) print_fp8_gemm_counts(ctx);
   finish_run(t, end - 1);
   barrier(comm, comm.world, ctx);  // no rank leaves while rank 0 still writes
   return 0;

@@ -172,6 +172,19 @@ void dequantize_tiles_on(const Context& ctx, const Tensor& x, const Tensor& q, c
   LAUNCH_CHECK(ctx, "dequantize_tiles_kernel");
 }
 
+void fake_quantize_tiles_(const Context& ctx, const Tensor& x, DType format, int tile_rows,
+                          int tile_cols) {
+  PICO_ASSERT(x.dim() == 2 && x.dtype == DType::F32, "fake_quantize_tiles_ of " + x.shape_str());
+  const int64_t rows = x.size(0), cols = x.size(1);
+  if (rows == 0 || cols == 0) return;
+  Tensor q = empty(ctx, x.shape, Mem::Workspace, format);
+  Tensor scales =
+      empty(ctx, {(rows + tile_rows - 1) / tile_rows, (cols + tile_cols - 1) / tile_cols},
+            Mem::Workspace);
+  quantize_tiles_on(ctx, q, scales, x, tile_rows, tile_cols);
+  dequantize_tiles_on(ctx, x, q, scales, tile_rows, tile_cols);
+}
+
 // ----------------------------------------------------------------------------
 // The block-scaled GEMM (cuBLASLt; cuBLAS docs, "128-element 1D and 128x128 2D block scaling")
 //
@@ -204,6 +217,26 @@ static Fp8GemmCounts g_counts;
 
 Fp8GemmCounts fp8_gemm_counts() {
   return g_counts;
+}
+
+void print_fp8_gemm_counts(const Context& ctx) {
+  if (ctx.precision != Precision::FP8 || ctx.device != Device::CUDA) return;
+  const Fp8GemmCounts n = fp8_gemm_counts();  // forward, dgrad and wgrad GEMMs
+  printf("fp8 GEMMs on rank 0: %llu native (cuBLASLt block-scaled), %llu emulated\n",
+         (unsigned long long)n.native, (unsigned long long)n.emulated);
+}
+
+void require_fp8_tensor_cores() {
+  int dev = 0, major = 0, minor = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  if (major * 10 + minor < 89)
+    throw UsageError(
+        "--dtype fp8 needs FP8 tensor cores (compute capability 8.9 or later: Ada, Hopper); "
+        "this GPU is " +
+        std::to_string(major) + "." + std::to_string(minor) +
+        ": use --dtype bf16, or --device cpu to simulate fp8");
 }
 
 template <class T>

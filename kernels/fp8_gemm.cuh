@@ -26,6 +26,10 @@ void quantize_tiles_on(const Context& ctx, const Tensor& q, const Tensor& scales
 // dequantize_tiles on ctx's device (Playbook §FP8 pretraining), bit for bit as the CPU loop.
 void dequantize_tiles_on(const Context& ctx, const Tensor& x, const Tensor& q, const Tensor& scales,
                          int tile_rows, int tile_cols);
+// x := dequantize(quantize(x)) with one absmax scale per tile (quantize_tiles_on), in place: the
+// FP8 values a GEMM would read, times their scales. CPU, or a CUDA kernel matching it.
+void fake_quantize_tiles_(const Context& ctx, const Tensor& x, DType format, int tile_rows,
+                          int tile_cols);
 
 // One operand of fp8_gemm: n rows of K fp32 values, which fp8_gemm quantizes to `format` in tiles
 // along K: 1 x 128 (activations and gradients) or 128 x 128 (weights). A transposed operand is
@@ -58,3 +62,9 @@ struct Fp8GemmCounts {
   uint64_t native = 0, emulated = 0;
 };
 Fp8GemmCounts fp8_gemm_counts();
+// After the last step: how many FP8 GEMMs ran natively (CUDA under --dtype fp8; prints nothing
+// otherwise).
+void print_fp8_gemm_counts(const Context& ctx);
+// UsageError naming --dtype fp8 unless this GPU has FP8 tensor cores (compute capability 8.9:
+// Ada, Hopper, or later).
+void require_fp8_tensor_cores();

@@ -38,17 +38,3 @@ Precision parse_precision(const std::string& flag);  // fp32|bf16|fp16|fp8, else
 const char* precision_name(Precision p);             // "fp32", "bf16", ...
 // The format linear outputs are stored in: BF16 (bf16, fp8), F16 (fp16) or F32.
 DType output_dtype(Precision p);
-
-// ---- Rounding in place (mixed precision emulates the formats on fp32 storage) ----
-// x := x rounded to `format` (BF16 or F16; the values stay in x's F32 storage), on ctx's stream.
-// `backward` says which rounding statistics count it (CPU only; see RoundingStats).
-void round_(const Context& ctx, const Tensor& x, DType format, bool backward = false);
-// What rounding did to the values stored by the forward and by the backward: how many were
-// nonzero, how many of those became zero (underflow: fp16's 6e-8 floor) and how many became
-// infinite (overflow: past 65504). Counted on CPU ranks only; observation, like MemoryStats.
-struct RoundingStats {
-  uint64_t nonzero = 0, flushed = 0, overflowed = 0;
-  double flushed_share() const { return nonzero ? (double)flushed / nonzero : 0.0; }
-};
-RoundingStats rounding_stats(bool backward);
-void reset_rounding_stats();

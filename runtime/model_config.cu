@@ -73,3 +73,12 @@ int64_t active_parameter_count(const ModelConfig& c) {
   int64_t experts = expert_parameter_count(c);
   return parameter_count(c) - experts + (c.experts > 0 ? experts / c.experts * c.top_k : 0);
 }
+
+std::string active_parameters_note(const ModelConfig& c) {
+  if (c.experts == 0) return "";
+  char line[160];
+  snprintf(line, sizeof line,
+           "MFU: N = %lld parameters a token meets (top %d of %d experts per layer) of %lld\n",
+           (long long)active_parameter_count(c), c.top_k, c.experts, (long long)parameter_count(c));
+  return line;
+}

@@ -38,3 +38,6 @@ int64_t expert_parameter_count(const ModelConfig& cfg);
 // The parameters one token meets: all but the experts, plus top_k of E experts per layer (the N
 // of the book's 6N under a mixture of experts; parameter_count without one).
 int64_t active_parameter_count(const ModelConfig& cfg);
+// The MFU line's note when that differs from the whole count (a mixture of experts): "N = ...
+// parameters a token meets (top k of E experts per layer) of ...", with its newline; else "".
+std::string active_parameters_note(const ModelConfig& cfg);

@@ -155,3 +155,11 @@ void Observer::end_schedule() {
     measure_.peak_in_flight =
         std::max(measure_.peak_in_flight, (int)std::lround((double)peak_ / one_micro_));
 }
+
+static RoundingStats g_rounding[2];  // forward, backward (observation only)
+RoundingStats& rounding_stats(bool backward) {
+  return g_rounding[backward];
+}
+void reset_rounding_stats() {
+  g_rounding[0] = g_rounding[1] = RoundingStats{};
+}

@@ -48,6 +48,17 @@ struct FaultPlaces {
 // or inf without fp16's loss scaling to meet it.
 void check_fault_fires(const Fault& f, const std::string& flag_value, const FaultPlaces& run);
 
+// What rounding did to the values stored by the forward and by the backward: how many were
+// nonzero, how many of those became zero (underflow: fp16's 6e-8 floor) and how many became
+// infinite (overflow: past 65504). Counted on CPU ranks only; observation, like MemoryStats.
+struct RoundingStats {
+  uint64_t nonzero = 0, flushed = 0, overflowed = 0;
+  double flushed_share() const { return nonzero ? (double)flushed / nonzero : 0.0; }
+};
+// (mixed_precision.cu's round_ counts; the precision policy logs the backward's flushed share.)
+RoundingStats& rounding_stats(bool backward);
+void reset_rounding_stats();
+
 // What an operation of a schedule does (pipeline_parallel.cuh's tables): a micro-batch's
 // forward, its backward (or, zero-bubble, only the input-gradient half of it), or the deferred
 // weight-gradient half.

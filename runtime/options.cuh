@@ -13,6 +13,7 @@
 #include "runtime/comm.cuh"
 #include "runtime/core.cuh"
 #include "runtime/launch.cuh"
+#include "runtime/meters.cuh"
 #include "runtime/model_config.cuh"
 #include "runtime/observe.cuh"
 
@@ -72,8 +73,6 @@ double parse_number(const std::string& text, const std::string& what, double lo,
                     bool integer = false, bool power_of_two = false);
 
 // ---- The run's own flags ----
-enum class Report { Memory, Comm, Bubble, Sync, Balance, Experts };  // --report
-
 // The largest values picoscale accepts (sizes past them overflow its int arithmetic or fit no
 // machine); --help states them.
 constexpr int kMaxSeq = 1 << 20, kMaxMbs = 1 << 20, kMaxLayers = 4096, kMaxWidth = 1 << 24;

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "runtime/dtype.cuh"
+#include "runtime/options.cuh"
 #include "runtime/report.cuh"
 
 void print_memory(int64_t num_params, int zero_stage, int ranks, Precision precision,
@@ -411,4 +412,79 @@ void print_expert_memory(int64_t measured_bytes, int64_t formula_bytes,
   printf("expert weights on this rank: %s (%lld bytes); formula %s = %lld bytes%s\n",
          human_bytes((double)measured_bytes).c_str(), (long long)measured_bytes, formula.c_str(),
          (long long)formula_bytes, measured_bytes == formula_bytes ? ", equal" : ", DIFFERENT");
+}
+// ----------------------------------------------------------------------------
+// A mixture's meter: what the training steps routed (--report experts, memory, comm) and the
+// step's load-balancing loss
+
+namespace {
+class ExpertMeter : public StepMeter {
+ public:
+  ExpertMeter(Comm& comm, const ModelConfig& cfg, ExpertStats*& recorded, const ExpertSteps& steps)
+      : comm_(comm),
+        cfg_(cfg),
+        recorded_(recorded),
+        steps_(steps),
+        traffic_(comm.ep, {StepPart::Schedule}) {}
+  void begin(StepPart p, int64_t step) override {
+    traffic_.begin(p, step);
+    if (p != StepPart::Schedule) return;
+    recorded_ = &stats_;  // the training steps' schedules only, not validation's
+    aux_before_ = stats_.aux_sum;
+  }
+  void end(StepPart p) override {
+    if (p == StepPart::Schedule) recorded_ = nullptr;
+    traffic_.end(p);
+  }
+  // The step's load-balancing loss per micro-batch, over every data-parallel rank: logged
+  // apart from the loss, which stays the language model's (its gradient is in the step's).
+  void log(StepLog& log) override {
+    double aux = stats_.aux_sum - aux_before_;
+    all_reduce_host(comm_.world, &aux, 1, ReduceOp::Sum);
+    aux /= (double)steps_.grad_acc * steps_.dp;
+    char text[32];
+    snprintf(text, sizeof text, " | aux %.4f", aux);
+    log.after_loss += text;
+    log.fields["aux_loss"] = aux;
+  }
+  void report(Report r) override {
+    const bool main_rank = comm_.grid.world_rank == 0;
+    const int64_t steps = traffic_.steps(), D = cfg_.d_model, ep = comm_.ep.size;
+    const int64_t per = cfg_.experts / ep, blocks = steps_.blocks;
+    if (r == Report::Memory && main_rank)  // this rank's experts: E / ep per block
+      print_expert_memory(steps_.expert_params * 4,
+                          blocks * per * 3 * D * (cfg_.ffn / comm_.tp.size) * 4,
+                          std::to_string(blocks) + " blocks x " + std::to_string(per) +
+                              " experts (E / ep) x 3 D F / tp x 4");
+    if (r == Report::Comm && main_rank && ep > 1) {  // every rank charged what it sends
+      double routed = steps_.passes * 4.0 * D * (stats_.rows_elsewhere + stats_.rows_arrived) /
+                      (double)std::max<int64_t>(1, steps);
+      print_expert_comm_report(traffic_.total()[(int)Coll::AllToAll], steps_.uniform_a2a, routed,
+                               steps, steps_.passes);
+    }
+    if (r == Report::Experts) {
+      std::string capacity = steps_.capacity_factor > 0
+                                 ? ", capacity factor " + num(steps_.capacity_factor)
+                                 : std::string(", dropless");
+      print_expert_report(comm_,
+                          std::to_string(cfg_.experts) + " experts, top " +
+                              std::to_string(cfg_.top_k) + ", ep " + std::to_string(ep) + capacity,
+                          cfg_.layers, cfg_.experts, stats_, steps);
+    }
+  }
+
+ private:
+  Comm& comm_;
+  const ModelConfig& cfg_;
+  ExpertStats*& recorded_;  // where the layers record (ExpertParallel::stats)
+  ExpertSteps steps_;
+  GroupTraffic traffic_;  // the ep group's all-to-alls in the schedules
+  ExpertStats stats_;
+  double aux_before_ = 0;
+};
+}  // namespace
+
+std::unique_ptr<StepMeter> expert_meter(Comm& comm, const ModelConfig& cfg, ExpertStats*& recorded,
+                                        const ExpertSteps& steps) {
+  return std::make_unique<ExpertMeter>(comm, cfg, recorded, steps);
 }

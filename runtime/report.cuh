@@ -7,6 +7,8 @@
 
 #include "runtime/comm.cuh"
 #include "runtime/formulas.cuh"
+#include "runtime/meters.cuh"
+#include "runtime/model_config.cuh"
 #include "runtime/observe.cuh"
 
 // This rank's peak and current bytes per memory category, and its static bytes per parameter
@@ -111,3 +113,21 @@ void print_expert_comm_report(const CollStats& measured, double uniform_per_step
                               double routed_per_step, int64_t steps, int passes);
 // The expert weights this rank holds, measured, next to L E / ep 3 D F / tp 4 bytes.
 void print_expert_memory(int64_t measured_bytes, int64_t formula_bytes, const std::string& formula);
+// A mixture's meter (meters.cuh): what the training steps' schedules (not validation's) routed,
+// recorded by the layers into the ExpertStats that `recorded` points to while they run: the
+// load-balancing loss per step in the log (" | aux", --log-json aux_loss), and --report memory
+// (the experts this rank holds), comm (the all-to-all next to uniform routing) and experts
+// (routing per layer).
+struct ExpertSteps {
+  int64_t tokens = 0;  // per micro-batch on this rank
+  int grad_acc = 1, dp = 1;
+  int passes = 2;             // all-to-all passes per block: dispatch and combine, forward and back
+  int blocks = 0;             // the blocks this rank holds
+  int64_t expert_params = 0;  // the parameters of its experts
+  double capacity_factor = 0;  // 0: dropless
+  // The all-to-all bytes a step sends with the routing uniform: blocks x micro-batches x passes
+  // x moe_expected_a2a_bytes (expert_parallel.cuh).
+  double uniform_a2a = 0;
+};
+std::unique_ptr<StepMeter> expert_meter(Comm& comm, const ModelConfig& cfg, ExpertStats*& recorded,
+                                        const ExpertSteps& steps);

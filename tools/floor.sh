@@ -112,7 +112,7 @@ fi
 
 # ---- (5) train.cu composes ----
 # A branch on a technique: a condition (if, ?, &&, ||) on one of its flags or kinds.
-technique='\.(experts|zero|cp|tp|sp|pp|ep|pp_virtual|pp_schedule|attention|dtype|capacity_factor|cp_balance|cp_comm|dp_sync|bucket_mb)\b|AttentionKind::|Precision::|DType::(BF16|F16|F8)|\bring\b|zero_stage\(|\.mixed\(|dynamic_cast'
+technique='\.(experts|zero|cp|tp|sp|pp|ep|pp_virtual|pp_schedule|attention|dtype|capacity_factor|cp_balance|cp_comm|dp_sync|bucket_mb)\b|AttentionKind::|Precision::|DType::(BF16|F16|F8)|\bring\b|zero_stage\(|\.mixed\(|dynamic_cast|\bstage\b'
 branches=$(grep -nE '\bif \(|\?|&&|\|\||\bswitch \(' train.cu | grep -E "$technique")
 nb=$(grep -c . <<<"$branches")
 [ -z "$branches" ] && nb=0
@@ -124,9 +124,10 @@ echo "train.cu: $nb branches on a technique (at most 5), train_step ${step:-?} l
 
 # ---- (5) each chapter as a reader follows it ----
 # A guide's "The code, in order" names what a reader opens, in backticks: `file`, or
-# `file:function`. A technique file (the top level's, and its header) is read whole; any other
-# file named only by its functions (model.cu's block, train.cu's step, a runtime header's
-# interface) counts those functions' lines, from the definition to its closing brace.
+# `file:function`. The chapter's own files (data-parallel.md: data_parallel.cu and .cuh) and any
+# file named bare are read whole; another file named only by its functions (model.cu's block,
+# train.cu's step, another chapter's merge, a runtime function) counts those functions' lines,
+# from the definition to its closing brace.
 extent() {  # file name: lines of the definition of `name` (a function, method or struct)
   awk -v name="$2" '
     !on && $0 !~ /^[ \t]/ && $0 !~ /;[ \t]*$/ && $0 !~ /^\/\// &&
@@ -136,14 +137,15 @@ extent() {  # file name: lines of the definition of `name` (a function, method o
     END { if (on && n && $0 !~ /^}/) print n }' "$1" | head -1
 }
 chapter_files_lines() {  # guide: prints "files lines list"
-  local guide=$1 refs f fn total=0 list="" files=0
+  local guide=$1 refs f fn total=0 list="" files=0 own
+  own=$(basename "$guide" .md | tr - _)  # the chapter's own stem
   refs=$(awk '/^## / { on = ($0 ~ /^## The code, in order/) } on' "$guide" |
          grep -oE '`[a-z_/]+\.cuh?(:[A-Za-z_:~]+)?`' | tr -d '`' | sort -u)
   declare -A whole=() part=()
   for r in $refs; do
     f=${r%%:*}
     [ -f "$f" ] || continue
-    if [[ $r != *:* || ( $f != */* && $f != model.cu && $f != train.cu ) ]]; then whole[$f]=1
+    if [[ $r != *:* || ${f%.*} == "$own" ]]; then whole[$f]=1
     else part[$f]+=" ${r#*:}"; fi
   done
   for f in "${!whole[@]}"; do total=$((total + $(wc -l <"$f"))); list+=" $f"; files=$((files + 1)); done

@@ -1,0 +1,65 @@
+// meters.cu: the training step's meters (meters.cuh): the list the composition registers, a
+// group's traffic over parts of the steps, the host synchronisations per step.
+#include <algorithm>
+
+#include "runtime/meters.cuh"
+
+void StepMeters::add(std::unique_ptr<StepMeter> meter) {
+  if (meter) meters_.push_back(std::move(meter));
+}
+void StepMeters::add(Report r, std::function<void()> print) {
+  struct Printer : StepMeter {
+    Report which;
+    std::function<void()> print;
+    void report(Report asked) override {
+      if (asked == which) print();
+    }
+  };
+  auto p = std::make_unique<Printer>();
+  p->which = r, p->print = std::move(print);
+  meters_.push_back(std::move(p));
+}
+void StepMeters::begin(StepPart part, int64_t step) {
+  for (auto& m : meters_) m->begin(part, step);
+}
+void StepMeters::end(StepPart part) {
+  for (auto& m : meters_) m->end(part);
+}
+void StepMeters::log(StepLog& log) {
+  for (auto& m : meters_) m->log(log);
+}
+void StepMeters::report(const std::vector<Report>& asked) {
+  for (Report r : asked)
+    for (auto& m : meters_) m->report(r);
+}
+
+void GroupTraffic::begin(StepPart p, int64_t) {
+  if (std::find(parts_.begin(), parts_.end(), p) != parts_.end()) meter_.open(group_);
+}
+void GroupTraffic::end(StepPart p) {
+  if (std::find(parts_.begin(), parts_.end(), p) != parts_.end()) meter_.close(group_);
+  if (p == StepPart::Step) steps_++;
+}
+
+void HostSyncs::begin(StepPart p, int64_t step) {
+  if (p != StepPart::Step) return;
+  step_ = step;
+  start_ = now_seconds();
+  at_start_ = host_syncs();
+}
+void HostSyncs::end(StepPart p) {
+  if (p != StepPart::Step) return;
+  const uint64_t syncs = host_syncs() - at_start_;
+  fewest_ = std::min(fewest_, syncs);
+  most_ = std::max(most_, syncs);
+  steps_++;
+  observer_.span(
+      "step " + std::to_string(step_ + 1) + " (" + std::to_string(syncs) + " host syncs)",
+      Track::Compute, start_, now_seconds());
+}
+void HostSyncs::report(Report r) {
+  if (r != Report::Sync || !prints_ || steps_ == 0) return;
+  std::string range = fewest_ == most_ ? "" : " (fewest " + std::to_string(fewest_) + ")";
+  printf("host synchronisations per training step: %llu%s\n", (unsigned long long)most_,
+         range.c_str());
+}
