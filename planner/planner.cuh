@@ -200,6 +200,7 @@ struct PlanResult {
   std::vector<Candidate> ranked;  // every layout that fits and reaches the batch, fastest first
   std::map<std::string, int> rejected;                  // why the others lost: reason -> count
   std::map<std::string, std::string> rejected_example;  // reason -> one such layout
+  std::map<std::string, std::string> rejected_as;       // reason -> that layout's own words
   int64_t tried = 0;
   double smallest_memory = 0;  // of every valid layout reaching the batch
   std::string error;           // one line when nothing fits or reaches the batch

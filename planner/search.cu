@@ -8,6 +8,7 @@
 
 #include "planner/planner_internal.cuh"
 #include "runtime/dtype.cuh"
+#include "runtime/formulas.cuh"
 
 // ----------------------------------------------------------------------------
 // The search
@@ -83,8 +84,11 @@ PlanResult plan_layouts(const ModelConfig& cfg, int64_t global_tokens, const Clu
                         const SearchSpace& space, const Implementation& impl) {
   PlanResult r;
   const int world = cl.world();
-  auto reject = [&](const std::string& reason, const Layout& l) {
-    if (r.rejected[reason]++ == 0) r.rejected_example[reason] = l.str();
+  // `reason` groups the cases; `as` says it of the first one, with its own numbers.
+  auto reject = [&](const std::string& reason, const Layout& l, const std::string& as = "") {
+    if (r.rejected[reason]++ > 0) return;
+    r.rejected_example[reason] = l.str();
+    r.rejected_as[reason] = as.empty() ? reason : as;
   };
   if (global_tokens % cfg.seq) {
     r.error = "a global batch of " + std::to_string(global_tokens) + " tokens is not a whole " +
@@ -105,7 +109,8 @@ PlanResult plan_layouts(const ModelConfig& cfg, int64_t global_tokens, const Clu
     try {
       validate_layout(c, l);
     } catch (const UsageError& e) {
-      return reject("invalid: " + rule(e.what()), l);
+      return reject("invalid: " + rule(e.what()), l,
+                    "invalid: " + std::string(e.what()).substr(0, std::string(e.what()).find(':')));
     }
     reachable = true;
     Candidate cand;
@@ -185,6 +190,17 @@ void print_candidate(int rank, const Candidate& c, const Cluster& cl) {
       w.stage, gib(w.params).c_str(), gib(w.grads).c_str(), gib(w.optimizer).c_str(),
       gib(w.activations).c_str(), w.peak_in_flight, gib(w.workspace).c_str(),
       gib(m.runtime).c_str(), gib(m.total()).c_str(), gib(cl.gpu.memory).c_str());
+  // The static part as the book writes it (Playbook §2.4, §4.1, §Mixed precision training):
+  // bytes per parameter by role over ZeRO's shards.
+  const Layout& l = c.layout;
+  const int Nd = l.dp * l.cp, stage = Nd > 1 ? l.zero : 0;
+  const BytesPerParameter b = bytes_per_parameter(stage, l.precision, l.bf16_grads);
+  printf(
+      "    static: %s bytes (Ψ parameters, N = %d): %g + %g + %g = %g per parameter unsharded; the "
+      "book's 16 in fp32 and 16 or 20 in bf16 (2 bf16 gradients, plus 4 to accumulate them in "
+      "fp32); picoscale keeps one gradient buffer, fp32 or bf16 (--grad-acc-dtype)\n",
+      zero_memory_formula(stage, b).c_str(), Nd, b.params, b.grads, b.optimizer,
+      b.params + b.grads + b.optimizer);
   std::string comm;
   for (const char* g : {"tp", "cp", "pp", "ep", "dp"}) {
     auto it = t.exposed.find(g);
@@ -232,8 +248,10 @@ void print_plan(const PlanResult& r, const ModelConfig& cfg, int64_t global_toke
   if (!r.error.empty()) return;
   for (int i = 0; i < top && i < (int)r.ranked.size(); i++) print_candidate(i + 1, r.ranked[i], cl);
   printf("why the others lost:\n");
-  for (auto& [why, count] : r.rejected)
-    printf("  %6d  %s (e.g. %s)\n", count, why.c_str(), r.rejected_example.at(why).c_str());
+  for (auto& [why, count] : r.rejected)  // the first layout's own words, then the layout
+    printf("  %6d  %s%s (e.g. %s)\n", count, r.rejected_as.at(why).c_str(),
+           count > 1 && r.rejected_as.at(why) != why ? ", and the like" : "",
+           r.rejected_example.at(why).c_str());
 }
 
 // ----------------------------------------------------------------------------

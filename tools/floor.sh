@@ -124,8 +124,8 @@ echo "train.cu: $nb branches on a technique (at most 5), train_step ${step:-?} l
 
 # ---- (5) each chapter as a reader follows it ----
 # A guide's "The code, in order" names what a reader opens, in backticks: `file`, or
-# `file:function`. The chapter's own files (data-parallel.md: data_parallel.cu and .cuh) and any
-# file named bare are read whole; another file named only by its functions (model.cu's block,
+# `file:function`. The chapter's own files (data-parallel.md: data_parallel.cu, and its header
+# with it: the interface a reader opens beside it) and any file named bare are read whole; another file named only by its functions (model.cu's block,
 # train.cu's step, another chapter's merge, a runtime function) counts those functions' lines,
 # from the definition to its closing brace.
 extent() {  # file name: lines of the definition of `name` (a function, method or struct)
@@ -148,6 +148,7 @@ chapter_files_lines() {  # guide: prints "files lines list"
     if [[ $r != *:* || ${f%.*} == "$own" ]]; then whole[$f]=1
     else part[$f]+=" ${r#*:}"; fi
   done
+  [ -n "${whole[$own.cu]:-}" ] && [ -f "$own.cuh" ] && whole[$own.cuh]=1
   for f in "${!whole[@]}"; do total=$((total + $(wc -l <"$f"))); list+=" $f"; files=$((files + 1)); done
   for f in "${!part[@]}"; do
     [ -n "${whole[$f]:-}" ] && continue
