@@ -78,30 +78,52 @@ __device__ inline void ldmatrix_x4_trans(uint32_t r[4], const bf16* row) {
 #endif
 }
 
-// Which row each lane addresses, for the three operand shapes the kernels load. s is a
-// row-major bf16 matrix in shared memory with leading dimension ld (elements); lane = 0..31.
-//
+// Which row each lane addresses, for the operand shapes the kernels load: (row, column) of the
+// first element of the 16 bytes lane `lane` points at, in a row-major bf16 matrix s in shared
+// memory. Host and device, so tests/test_tensor_core_layout.cu can check each against the
+// fragment layouts above with ldmatrix emulated on the CPU.
+struct MatrixPosition {
+  int row, col;
+};
 // A operand at (m0, k0) of A stored as s[m][k]: tiles (rows 0-7, cols 0-7), (rows 8-15, 0-7),
 // (rows 0-7, cols 8-15), (rows 8-15, 8-15) are registers a0..a3.
-__device__ inline void load_a_fragment(uint32_t a[4], const bf16* s, int ld, int m0, int k0,
-                                       int lane) {
-  ldmatrix_x4(a, s + (m0 + lane % 16) * ld + k0 + lane / 16 * 8);
+__host__ __device__ inline MatrixPosition a_fragment_row(int m0, int k0, int lane) {
+  return {m0 + lane % 16, k0 + lane / 16 * 8};
 }
-// A operand at (m0, k0) of A stored transposed, as s[k][m] (dS^T kept as [key][query]).
-__device__ inline void load_a_fragment_transposed(uint32_t a[4], const bf16* s, int ld, int m0,
-                                                  int k0, int lane) {
-  ldmatrix_x4_trans(a, s + (k0 + lane % 8 + lane / 16 * 8) * ld + m0 + lane / 8 % 2 * 8);
+// A operand at (m0, k0) of A stored transposed, as s[k][m] (dS^T kept as [key][query]); loaded
+// with .trans.
+__host__ __device__ inline MatrixPosition a_fragment_transposed_row(int m0, int k0, int lane) {
+  return {k0 + lane % 8 + lane / 16 * 8, m0 + lane / 8 % 2 * 8};
 }
 // B operands of two adjacent 8-column tiles, (k0, n0) and (k0, n0 + 8), of B = X^T for X stored
-// as s[n][k] (K in S = Q K^T): b[0..1] for columns n0..n0+7, b[2..3] for n0+8..n0+15.
+// as s[n][k] (K in S = Q K^T): registers b[0..1] for columns n0..n0+7, b[2..3] for n0+8..n0+15.
+__host__ __device__ inline MatrixPosition b_fragments_of_transpose_row(int k0, int n0, int lane) {
+  return {n0 + lane % 8 + lane / 16 * 8, k0 + lane / 8 % 2 * 8};
+}
+// The same two tiles of B stored as s[k][n] (V in O = P V, B of the ladder's C = A B); loaded
+// with .trans.
+__host__ __device__ inline MatrixPosition b_fragments_row(int k0, int n0, int lane) {
+  return {k0 + lane % 8 + lane / 8 % 2 * 8, n0 + lane / 16 * 8};
+}
+
+__device__ inline const bf16* shared_row(const bf16* s, int ld, MatrixPosition p) {
+  return s + p.row * ld + p.col;
+}
+__device__ inline void load_a_fragment(uint32_t a[4], const bf16* s, int ld, int m0, int k0,
+                                       int lane) {
+  ldmatrix_x4(a, shared_row(s, ld, a_fragment_row(m0, k0, lane)));
+}
+__device__ inline void load_a_fragment_transposed(uint32_t a[4], const bf16* s, int ld, int m0,
+                                                  int k0, int lane) {
+  ldmatrix_x4_trans(a, shared_row(s, ld, a_fragment_transposed_row(m0, k0, lane)));
+}
 __device__ inline void load_b_fragments_of_transpose(uint32_t b[4], const bf16* s, int ld, int k0,
                                                      int n0, int lane) {
-  ldmatrix_x4(b, s + (n0 + lane % 8 + lane / 16 * 8) * ld + k0 + lane / 8 % 2 * 8);
+  ldmatrix_x4(b, shared_row(s, ld, b_fragments_of_transpose_row(k0, n0, lane)));
 }
-// The same two tiles of B stored as s[k][n] (V in O = P V, B of the ladder's C = A B).
 __device__ inline void load_b_fragments(uint32_t b[4], const bf16* s, int ld, int k0, int n0,
                                         int lane) {
-  ldmatrix_x4_trans(b, s + (k0 + lane % 8 + lane / 8 % 2 * 8) * ld + n0 + lane / 16 * 8);
+  ldmatrix_x4_trans(b, shared_row(s, ld, b_fragments_row(k0, n0, lane)));
 }
 
 // ============================================================================

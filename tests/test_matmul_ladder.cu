@@ -203,8 +203,9 @@ TEST_CASE("CUDA tensor-core rung matches its CPU mirror within the bound of thei
   gpu.destroy();
 }
 
+// [large]: seconds of inputs and copies; the sanitizer passes of the GPU check leave it out.
 TEST_CASE("CUDA matmul rungs at llama-1b's shapes: 2048 tokens, d_model 2048, ffn 8192",
-          "[matmul][gpu]") {
+          "[matmul][gpu][large]") {
   SKIP_WITHOUT_CUDA();
   Context gpu = Context::create(Device::CUDA);
   // q/k/v/o projections, gate/up, down: [tokens, in] x [in, out].
