@@ -157,10 +157,11 @@ __global__ void matmul_tiled_kernel(float* C, const float* A, const float* B, in
 // on the MIO queue (smsp__pcsamp_warps_issue_stalled_mio_throttle): shared memory, not the
 // arithmetic, is the limit. Coarsened, a thread computes a kCoarsen x kCoarsen block of outputs:
 // per k it reads kCoarsen values of A and kCoarsen of B (one 16-byte load each) and does
-// kCoarsen^2 multiply-adds with them from registers. A block of 256 threads covers a 64 x 64
-// tile of C, stepping k by 8. A is stored transposed in shared memory (As[k][m]) so that a
-// thread's kCoarsen rows of A are adjacent, like its columns of B.
-constexpr int kCoarseTile = 64;  // BM = BN: the block's tile of C
+// kCoarsen^2 multiply-adds with them from registers. A block covers a kCoarseTile x kCoarseTile
+// tile of C with (kCoarseTile / kCoarsen)^2 threads, stepping k by kCoarseK. A is stored
+// transposed in shared memory (As[k][m]) so that a thread's kCoarsen rows of A are adjacent, like
+// its columns of B.
+constexpr int kCoarseTile = 64;  // BM = BN: the block's tile of C (256 threads)
 constexpr int kCoarseK = 8;      // BK: k per step
 constexpr int kCoarsen = 4;      // outputs per thread along each side
 constexpr int kCoarseSide = kCoarseTile / kCoarsen;
