@@ -221,6 +221,66 @@ TEST_CASE("FlashAttention-2's bf16 CPU mirrors match attention by definition wit
     }
 }
 
+namespace {
+Tensor cpu_tensor(const std::vector<float>& x) {
+  Tensor t = empty({(int64_t)x.size()}, Mem::Workspace);
+  if (!x.empty()) from_host(t, x.data());
+  return t;
+}
+std::vector<double> wide(const Tensor& t) {
+  std::vector<float> f = to_host_floats(t);
+  return std::vector<double>(f.begin(), f.end());
+}
+}  // namespace
+
+// The same mirrors against the existing references of the attention chapter, on the same bf16
+// inputs: FlashAttention's fp32 CPU loop (flash_attention.cu) on every block, naive attention
+// (kernels/attention_naive.cu) on the model's own square causal call. Their fp32 errors are
+// ~1e-6 of the magnitudes, so the mirror's bf16 bounds hold against them as against float64.
+TEST_CASE(
+    "FlashAttention-2's bf16 CPU mirrors match the fp32 CPU FlashAttention and naive attention",
+    "[attention][flash]") {
+  Context cpu = Context::create(Device::CPU);
+  for (const AttentionBlock& a : kBlocks) {
+    INFO(describe(a));
+    Inputs in(a, 1.0);
+    const Exact x = attention64(in.q, in.k, in.v, in.dout, a);  // the magnitudes
+    Tensor q = cpu_tensor(in.q), k = cpu_tensor(in.k), v = cpu_tensor(in.v);
+    Tensor dout = cpu_tensor(in.dout), out = empty(q.shape, Mem::Workspace);
+    Tensor lse = empty({(int64_t)x.lse.size()}, Mem::Workspace),
+           D = empty(lse.shape, Mem::Workspace);
+    Tensor dq = zeros(q.shape, Mem::Workspace), dk = zeros(k.shape, Mem::Workspace);
+    Tensor dv = zeros(v.shape, Mem::Workspace);
+    flash_attention_forward(cpu, out, lse, q, k, v, a);
+    attention_out_dot_dout(cpu, D, dout, out, a);
+    flash_attention_backward(cpu, dq, dk, dv, dout, q, k, v, lse, D, a);
+    std::vector<float> m_out(in.q.size()), m_lse(x.lse.size());
+    flash_forward_bf16_cpu(m_out.data(), m_lse.data(), in.q.data(), in.k.data(), in.v.data(), a);
+    require_elementwise("out vs fp32 flash", m_out, wide(out), x.out_mag, nullptr, kMirrorBound,
+                        kMirrorMean);
+    require_lse("lse vs fp32 flash", m_lse, wide(lse), std::ldexp(1.0, -12));
+    // The backward from the fp32 reference's own lse and D, given to both.
+    std::vector<float> m_dq(in.q.size(), 0.0f), m_dk(in.k.size(), 0.0f), m_dv(in.v.size(), 0.0f);
+    const std::vector<float> ref_lse = to_host_floats(lse), ref_D = to_host_floats(D);
+    flash_backward_bf16_cpu(m_dq.data(), m_dk.data(), m_dv.data(), in.dout.data(), in.q.data(),
+                            in.k.data(), in.v.data(), ref_lse.data(), ref_D.data(), a);
+    require_elementwise("dq vs fp32 flash", m_dq, wide(dq), x.dq_mag, &x.dq_cancel, kMirrorBound,
+                        kMirrorMean);
+    require_elementwise("dk vs fp32 flash", m_dk, wide(dk), x.dk_mag, &x.dk_cancel, kMirrorBound,
+                        kMirrorMean);
+    require_elementwise("dv vs fp32 flash", m_dv, wide(dv), x.dv_mag, nullptr, kMirrorBound,
+                        kMirrorMean);
+    if (a.causal && a.Tq == a.Tk && a.q0 == 0 && a.k0 == 0) {  // naive attention's own case
+      const AttentionShape shape{a.B, a.Tq, a.Hq, a.Hkv, a.hd};
+      Tensor naive = empty(q.shape, Mem::Workspace);
+      Tensor probs = empty({a.B, a.Hq, a.Tq, a.Tq}, Mem::Workspace);
+      attention_forward(cpu, naive, probs, q, k, v, shape);
+      require_elementwise("out vs naive", m_out, wide(naive), x.out_mag, nullptr, kMirrorBound,
+                          kMirrorMean);
+    }
+  }
+}
+
 TEST_CASE("the bf16 kernels' tiles fit shared memory: 227 KiB (sm_90) and 163 KiB (sm_80)",
           "[attention][flash]") {
   for (int hd : {16, 32, 64, 128}) {
