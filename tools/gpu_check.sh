@@ -2,7 +2,8 @@
 # gpu_check.sh: one call on a GPU machine (`make gpu-check`), within one command of at most 600 s.
 # Sets up, then runs the steps in the order of what only a GPU can tell: the kernels against
 # their CPU references and CUDA training against the CPU run; the FlashAttention benchmark
-# against PyTorch's SDPA (flash backend); the llama-1b step in fp32, bf16 and fp8; then the rest
+# against PyTorch's SDPA (flash backend); the llama-1b step in fp32, bf16 and fp8; the GPU
+# chapter's matmul ladder against cuBLAS; then the rest
 # (NCCL, the asynchronous passes, compute-sanitizer, data parallelism, training speed, the step and
 # collective benchmarks). Every step appears in the summary table, run or skipped, with why; the
 # table comes LAST, always. A failing or stuck step is recorded (each has a timeout), the next runs.
