@@ -31,7 +31,7 @@ MPI_TEST_OBJS := $(MPI_TEST_SRCS:%.cu=$(BUILD)/%.o)
 
 .PHONY: all deps deps-plots run test test-sweep bench gpu-check mutants clean format format-check floor plots
 all: train plan $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp \
-     $(BUILD)/bench_attention $(BUILD)/device_info
+     $(BUILD)/bench_attention $(BUILD)/bench_matmul $(BUILD)/device_info
 
 # Objects depend on the flags they were built with: a new GPU_ARCH rebuilds them.
 FLAGS_STAMP := $(BUILD)/flags.txt
@@ -78,6 +78,10 @@ $(BUILD)/device_info: $(BUILD)/tools/device_info.o $(LIB_OBJS)
 $(BUILD)/bench_attention: $(BUILD)/bench/bench_attention.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
+# The GPU chapter's matmul ladder against cuBLAS (kernels/matmul_ladder.cu).
+$(BUILD)/bench_matmul: $(BUILD)/bench/bench_matmul.o $(LIB_OBJS)
+	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
+
 $(BUILD)/unit_tests: $(TEST_OBJS) $(BUILD)/tests/catch_main.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
@@ -116,7 +120,7 @@ test-sweep: deps
 
 bench: deps
 	@$(MAKE) --no-print-directory -j$$(nproc) train plan $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp \
-	  $(BUILD)/bench_attention
+	  $(BUILD)/bench_attention $(BUILD)/bench_matmul
 	@bash tools/bench.sh
 
 gpu-check:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make bench`: the single-process step benchmark; collectives, data-parallel and ZeRO steps
 # under mpirun on 2 and 4 ranks; tensor, pipeline and context parallelism; naive against
-# flash attention.
+# flash attention; the GPU chapter's matmul ladder against BLAS (cuBLAS on a GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
@@ -12,6 +12,7 @@ mpirun --oversubscribe -np 4 build/bench_comm --bandwidth-only
 mpirun --oversubscribe -np 4 build/bench_comm --zero-only
 mpirun --oversubscribe -np 4 build/bench_tp
 build/bench_attention
+build/bench_matmul
 
 # Pipeline parallelism on 4 CPU ranks: step time and each stage's idle share, measured (wall
 # clock) and in schedule ticks, next to the book's formula (--report bubble).

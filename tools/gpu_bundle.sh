@@ -4,7 +4,8 @@
 # gpu_bundle/ (git-ignored) what tools/gpu_check.sh needs on a bare GPU machine: one with the
 # NVIDIA driver and CUDA 13 (cuBLAS and NCCL from the toolkit or Python wheels) but no MPI,
 # OpenBLAS or fortune corpus.
-#   bin.tar.gz       train and build/{unit_tests,mpi_tests,bench_step,bench_comm,bench_attention,device_info}
+#   bin.tar.gz       train and build/{unit_tests,mpi_tests,bench_step,bench_comm,bench_attention,
+#                    bench_matmul,device_info}
 #   lib.tar.gz       lib/: every shared library those, orted, orterun, ompi_info and the OpenMPI
 #                    and PMIx plugins load, except the C/C++ runtime and CUDA's own libraries
 #   openmpi.tar.gz   the OpenMPI tree with its paths relative to / (plugins, share/openmpi,
@@ -23,7 +24,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PATH:/usr/local/cuda/bin"
-BINARIES="train build/unit_tests build/mpi_tests build/bench_step build/bench_comm build/bench_attention build/device_info"
+BINARIES="train build/unit_tests build/mpi_tests build/bench_step build/bench_comm build/bench_attention build/bench_matmul build/device_info"
 MPI_DIR=/usr/lib/x86_64-linux-gnu/openmpi
 PMIX_DIR=/usr/lib/x86_64-linux-gnu/pmix2
 MAX_MIB=48  # the carry limit is 64 MiB for everything that travels

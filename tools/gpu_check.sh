@@ -2,7 +2,8 @@
 # gpu_check.sh: one call on a GPU machine (`make gpu-check`), within one command of at most 600 s.
 # Sets up, then runs the steps in the order of what only a GPU can tell: the kernels against
 # their CPU references and CUDA training against the CPU run; the FlashAttention benchmark
-# against PyTorch's SDPA (flash backend); the llama-1b step in fp32, bf16 and fp8; then the rest
+# against PyTorch's SDPA (flash backend); the llama-1b step in fp32, bf16 and fp8; the GPU
+# chapter's matmul ladder against cuBLAS; then the rest
 # (NCCL, the asynchronous passes, compute-sanitizer, data parallelism, training speed, the step and
 # collective benchmarks). Every step appears in the summary table, run or skipped, with why; the
 # table comes LAST, always. A failing or stuck step is recorded (each has a timeout), the next runs.
@@ -72,16 +73,17 @@ PLAN=(
   unit_gpu_sync train_cuda_vs_cpu                         # kernels and CUDA training vs the CPU
   flash_bench flash_torch                                 # FlashAttention against PyTorch's SDPA
   dtype_llama1b                                           # llama-1b in fp32, bf16, fp8: MFU
+  bench_matmul                                            # the GPU chapter's matmul ladder
   mpi_gpu_np1 nccl_timeout unit_gpu unit_gpu_flash memcheck mpi_gpu_np2 dp2_vs_grad_acc2
   train_tiny train_medium bench bench_comm racecheck racecheck_flash racecheck_tp
 )
 # Seconds each step is expected to take on one H100/H200 (estimates, not measurements: the
 # README's table of steps repeats them). With the default budget the plan reaches dtype_llama1b
-# and mpi_gpu_np1 (`--dry-run` prints it); a run whose steps are quicker than these goes further.
+# and bench_matmul (`--dry-run` prints it); a run whose steps are quicker than these goes further.
 declare -A ESTIMATE=(
   [environment]=0 [setup]=15 [setup_build]=300 [device_info]=5 [libraries]=5 [mpi_singleton]=5
   [unit_gpu_sync]=60 [train_cuda_vs_cpu]=60 [flash_bench]=120 [flash_torch]=90
-  [dtype_llama1b]=150 [mpi_gpu_np1]=20 [nccl_timeout]=15 [unit_gpu]=40 [unit_gpu_flash]=40
+  [dtype_llama1b]=150 [bench_matmul]=20 [mpi_gpu_np1]=20 [nccl_timeout]=15 [unit_gpu]=40 [unit_gpu_flash]=40
   [memcheck]=100 [mpi_gpu_np2]=30 [dp2_vs_grad_acc2]=30 [train_tiny]=20 [train_medium]=40
   [bench]=90 [bench_comm]=40 [racecheck]=60 [racecheck_flash]=60 [racecheck_tp]=40
 )
@@ -219,7 +221,7 @@ else
 fi
 
 # ---- setup: unpack the bundle under the work folder (or build here, if this machine can) ----
-BINARIES="train build/unit_tests build/mpi_tests build/bench_step build/bench_comm build/bench_attention build/device_info"
+BINARIES="train build/unit_tests build/mpi_tests build/bench_step build/bench_comm build/bench_attention build/bench_matmul build/device_info"
 ENV_FILE=""
 SETUP_STARTED=0
 if [ -d "$BUNDLE" ]; then
@@ -410,6 +412,29 @@ if run_step dtype_llama1b 240 bash -c "for d in fp32 bf16 fp8; do echo \"== dtyp
 fi
 
 # =============================================================================================
+# 3b. The GPU chapter's matmul ladder (Playbook §12.2-12.5): GFLOP/s of each rung at llama-1b's
+#     gate/up GEMM, its step over the rung before next to the book's, its share of cuBLAS; every
+#     rung's C must agree with cuBLAS's (largest difference over the largest value <= 1e-3: the
+#     order of fp32 sums differs, a wrong kernel is off by O(1)).
+if run_step bench_matmul 120 "$RUN" build/bench_matmul --cuda-only; then
+  ladder=$(awk -F'|' '
+    function trim(x) { gsub(/^ +| +$/, "", x); return x }
+    /^\| / && NF >= 10 && trim($5) ~ /^[0-9]/ && trim($4) !~ /^cuBLAS/ {
+      v = trim($9) ~ /^[0-9]/ ? trim($9) + 0 : 1e9; if (v > worst) worst = v; n++ }  # nan: fail
+    /^\| llama-1b gate\/up / && trim($4) !~ /^cuBLAS/ {
+      r = trim($4) " " trim($5); if (trim($6) != "") r = r " (" trim($6) ", book " trim($7) ")"
+      row = row (row != "" ? "; " : "") r " " trim($8) " of cuBLAS" }
+    END { if (n == 0) { print "none"; exit }
+          printf "gate/up 2048x8192x2048 GFLOP/s: %s|%g", row, worst }' "$LOGS/bench_matmul.log")
+  worst=${ladder##*|}
+  if [ "$STEP_RC" -eq 0 ] && [ "$ladder" != none ] && awk -v w="$worst" 'BEGIN { exit !(w <= 1e-3) }'; then
+    record bench_matmul PASS "$STEP_SECONDS" "${ladder%|*}; worst difference from cuBLAS $worst"
+  else
+    fail bench_matmul "exit $STEP_RC; ${ladder%|*}; worst difference from cuBLAS ${worst:-?} (limit 1e-3)"
+  fi
+fi
+
+# =============================================================================================
 # 4. The rest, as the budget allows.
 
 # ---- collectives and vocab-parallel cross-entropy on device buffers: 1 rank, 2 ranks on one GPU ----
@@ -473,7 +498,7 @@ sanitize() {  # name cap tool binary tests (an MPI binary runs as one process: a
     fail "$name" "exit $STEP_RC; ${summary:-no sanitizer summary}"
   fi
 }
-sanitize memcheck 150 memcheck build/unit_tests "[gpu]~a CUDA training run*"
+sanitize memcheck 150 memcheck build/unit_tests "[gpu]~a CUDA training run*~[large]"
 
 mpi_gpu_step 2
 

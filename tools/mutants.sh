@@ -159,6 +159,20 @@ mutant flash-d-fp32 flash_attention.cu \
   '        for (int d = 0; d < a.hd; d++) dot += (double)dout[off + d] * out[off + d];' \
   '        for (int d = 0; d < a.hd; d++) dot = (float)(dot + dout[off + d] * out[off + d]);' \
   "FlashAttention backward: D = rowsum(dO * O) summed in fp32"
+# The bf16 FlashAttention-2 kernels' CPU mirrors and the matmul ladder's tensor-core mirror (the
+# GPU tests hold the kernels to these, so a wrong mirror would pass a wrong kernel).
+mutant fa2-mirror-mask kernels/flash_attention_bf16.cu \
+  '            if (j0 + c >= seen) continue;' \
+  '            if (j0 + c > seen) continue;' \
+  "FlashAttention-2 forward mirror: each query also sees the key after its last"
+mutant fa2-mirror-d kernels/flash_attention_bf16.cu \
+  '            const float pb = to_bf16_value(p), dsb = to_bf16_value(p * (dp - Di));' \
+  '            const float pb = to_bf16_value(p), dsb = to_bf16_value(p * (dp - 0.99f * Di));' \
+  "FlashAttention-2 backward mirror: dS from a D 1% off"
+mutant ladder-tc-slice kernels/matmul_ladder.cu \
+  '        for (int k = k0; k < k0 + 16 && k < K; k++)' \
+  '        for (int k = k0; k < k0 + 15 && k < K; k++)' \
+  "matmul ladder, tensor-core mirror: one product of every 16 dropped"
 # Data boundaries (runtime/data.cu): each breaks only at a split length, window or epoch edge.
 mutant data-windows runtime/data.cu \
   '  const int64_t span = n_train - seq, windows = (n_train - 1) / seq;' \

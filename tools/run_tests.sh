@@ -67,8 +67,10 @@ run_group "parity matrix and multi-rank runs (CPU, mpirun)" "[parity]"
 # is CI's check of the tree, not a test: an applied experiment may grow a file); the
 # documentation: the chapter map's names and every link (test_links), the change-one-file
 # patches (test_experiments), every fenced ./train and mpirun command of the README and the
-# guides, shortened to 2 steps (test_docs, a couple of minutes).
-for script in test_floor test_links test_experiments test_docs; do
+# guides, shortened to 2 steps (test_docs, a couple of minutes); what ptxas says of every
+# kernel (test_kernel_report: no spills, the tensor-core kernels keep ldmatrix, cp.async and
+# mma; about a minute).
+for script in test_floor test_links test_experiments test_docs test_kernel_report; do
   log=$(mktemp)
   echo "== tools/$script.sh"
   if bash "tools/$script.sh" >"$log" 2>&1; then passed=$((passed + 1)); tail -1 "$log"

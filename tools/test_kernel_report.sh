@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# test_kernel_report.sh: one counted case of `make test` (about a minute on two cores). Runs
+# tools/kernel_report.sh --check on every kernel in kernels/ (sm_80 and sm_90): no kernel spills,
+# the tensor-core kernels still contain ldmatrix, cp.async (FlashAttention-2's) and mma.sync.
+# Then plants one violation at a time in a copy of the table it printed (a spill, a kernel whose
+# ldmatrix or cp.async is gone, a kernel missing for one architecture) and requires --check to
+# name each one. Prints "test_kernel_report: N passed, M failed" last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+T=$(mktemp -d /tmp/test_kernel_report.XXXXXX)
+trap 'rm -rf "$T"' EXIT
+passed=0 failed=0
+check() {  # description, then a command that succeeds when the claim holds
+  local what=$1
+  shift
+  if "$@"; then passed=$((passed + 1)); echo "ok: $what"
+  else failed=$((failed + 1)); echo "FAILED: $what"; fi
+}
+
+bash tools/kernel_report.sh --check --out "$T/table.md" >"$T/report.log" 2>&1
+rc=$?
+check "every kernel compiles, none spills, the tensor-core kernels keep their instructions" \
+  [ "$rc" -eq 0 ]
+[ "$rc" -eq 0 ] || grep -E "VIOLATION|does not compile|error" "$T/report.log" | head -20
+tail -1 "$T/report.log"
+
+if [ -s "$T/table.md" ]; then
+  # plant NAME_PATTERN ARCH COLUMN VALUE: a copy of the table with that cell changed.
+  plant() {
+    awk -F'|' -v OFS='|' -v pat="$1" -v arch="$2" -v c="$3" -v val="$4" '
+      $2 ~ pat && $3 ~ arch && !done { $c = " " val " "; done = 1 } { print }' "$T/table.md" >"$T/planted.md"
+  }
+  caught() {  # the message --check must print, for the planted table
+    ! bash tools/kernel_report.sh --table "$T/planted.md" >"$T/planted.log" 2>&1 &&
+      grep -q "$1" "$T/planted.log"
+  }
+  plant "flash_forward_bf16_kernel<64>" sm_90 5 "8/8"
+  check "a kernel that spills is a violation" caught "VIOLATION: flash_forward_bf16_kernel<64> (sm_90) spills 8/8"
+  plant "flash_backward_bf16_kernel<128>" sm_80 9 0
+  check "the FlashAttention-2 backward without ldmatrix is a violation" \
+    caught "VIOLATION: flash_backward_bf16_kernel<128> (sm_80) has no ldmatrix"
+  plant "flash_forward_bf16_kernel<128>" sm_90 10 0
+  check "the FlashAttention-2 forward without cp.async is a violation" \
+    caught "VIOLATION: flash_forward_bf16_kernel<128> (sm_90) has no cp.async"
+  plant "matmul_tensor_cores_kernel" sm_90 11 0
+  check "the tensor-core rung without mma is a violation" \
+    caught "VIOLATION: matmul_tensor_cores_kernel (sm_90) has no mma"
+  grep -v "matmul_tensor_cores_kernel | sm_80" "$T/table.md" >"$T/planted.md"
+  check "a tensor-core kernel missing for one architecture is a violation" \
+    caught "VIOLATION: no kernel matching matmul_tensor_cores_kernel for sm_80"
+  cp "$T/table.md" "$T/planted.md"
+  check "the table as printed passes" bash tools/kernel_report.sh --table "$T/planted.md"
+fi
+echo "test_kernel_report: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]
