@@ -17,6 +17,7 @@
 #include <deque>
 #include <limits>
 #include <map>
+#include <set>
 #include <tuple>
 
 #include "pipeline_parallel.cuh"
@@ -264,7 +265,8 @@ PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, const Pipeli
     double end = 0;        // with a device each: when its phase ends
     double left = 0;       // on shared cores: what is left of its phase, at full speed
     int in_flight = 0;
-    std::vector<Message> held;  // sent, not yet received
+    std::vector<Message> held;                  // sent, not yet received
+    std::set<std::tuple<Phase, int, int>> ran;  // (kind, micro-batch, chunk) of its ops so far
   };
   std::vector<Rank> rk(p);
   PipelineTiming t;
@@ -279,10 +281,15 @@ PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, const Pipeli
       return;
     }
     const PipelineOp& op = table[r][x.next];
-    if (input(r, op) && !x.arrived) {
+    // A backward also reads what its forward kept, a W what its B left: a table that runs them
+    // in the other order waits forever.
+    const Phase own = op.kind == Phase::Weight ? Phase::Backward : Phase::Forward;
+    const bool kept = op.kind == Phase::Forward || x.ran.count({own, op.micro, op.chunk});
+    if ((input(r, op) && !x.arrived) || !kept) {
       x.state = State::Waiting;
       return;
     }
+    x.ran.insert({op.kind, op.micro, op.chunk});
     x.state = State::Computing;
     x.arrived = false;
     x.end = now + work(op);
