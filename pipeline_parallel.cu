@@ -24,8 +24,8 @@
 #include "runtime/options.cuh"
 
 // ----------------------------------------------------------------------------
-// Schedules as tables (Playbook §8.3-§8.6). A schedule is its table and the book's idle
-// fraction and its placement; what the engine and the paper run need (whether the backward
+// Schedules as tables (Playbook §8.3-§8.6). A schedule is a row: its table, its placement and
+// the book's idle fraction; what the engine and the paper run need (whether the backward
 // splits into B and W) is read off the table. A new schedule is a function and a row.
 
 namespace {
@@ -345,7 +345,8 @@ PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, const Pipeli
       Rank& x = rk[r];
       if (!busy(x)) continue;
       x.left -= step * speed(x);
-      if (host ? x.left > 1e-12 * (1 + now) : x.end > now) continue;
+      const bool ends = host ? x.left <= 1e-12 * (1 + now) : x.end <= now;
+      if (!ends) continue;
       const PipelineOp& op = table[r][x.next];
       if (x.state == State::Computing && cost.comm > 0 && op.kind != Phase::Weight) {
         x.state = State::Communicating;  // a W op has no collectives
@@ -497,9 +498,10 @@ double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& 
   const int carried = model.mlp->carry_numel();
   for (const PipelineOp& op : table) {
     int g = at.chunks[rank][op.chunk];  // its model chunk
-    // The ranks of the model chunks before and after it (where there is one; this rank itself
-    // where both sit on it).
-    const int prev = g > 0 ? at.rank[g - 1] : rank, next = g < last_chunk ? at.rank[g + 1] : rank;
+    // The ranks that hold the model chunks before and after it, where there are such chunks
+    // (this rank itself where two consecutive chunks sit on it: Exchange hands over).
+    const int prev = g > 0 ? at.rank[g - 1] : rank;
+    const int next = g < last_chunk ? at.rank[g + 1] : rank;
     std::pair<int, int> key{op.micro, op.chunk};
     bool forward = op.kind == Phase::Forward, backward = op.kind == Phase::Backward;
     // Receive what the op needs (with the queued sends), or let the queued sends go.
@@ -556,7 +558,8 @@ float pipeline_forward(const Context& ctx, Comm& comm, Model& model, Activations
   const int carried = model.mlp->carry_numel();
   for (int c = 0; c < V; c++) {  // this rank's chunks, in the model's order
     const int g = at.chunks[rank][c];
-    const int prev = g > 0 ? at.rank[g - 1] : rank, next = g < last_chunk ? at.rank[g + 1] : rank;
+    const int prev = g > 0 ? at.rank[g - 1] : rank;
+    const int next = g < last_chunk ? at.rank[g + 1] : rank;
     Tensor input;
     std::vector<float> carry;
     if (g > 0) input = exchange.receive(comm.pp, prev, hidden, Mem::Activations);
