@@ -89,8 +89,8 @@ PipelineTiming pipeline_timing(PpSchedule s, int p, int m, int V, double t_f, do
   auto it = cache.find(key);
   if (it == cache.end()) {
     if (cache.size() > 20000) cache.clear();
-    it =
-        cache.emplace(key, simulate_pipeline(s, p, m, V, PipelineCosts{1.0, key[4], key[5]})).first;
+    const PipelineCosts ticks{1.0, key[4], key[5]};  // a forward takes one tick
+    it = cache.emplace(key, simulate_pipeline(s, p, m, V, ticks)).first;
   }
   PipelineTiming t = it->second;
   t.makespan *= t_f;
