@@ -6,36 +6,27 @@
 // more, smaller chunks per rank (V) shrink that bubble to (p-1)/m, then (p-1)/(Vm), of the work,
 // and 1F1B bounds the activations a stage holds at p micro-batches where AFAB holds m.
 //
-// Each schedule is a table, a list of (forward or backward, micro-batch, chunk) per rank,
-// made by pipeline_schedule and run by one engine (run_schedule, which also runs gradient
-// accumulation: the one-stage table); simulate_pipeline runs the tables of every rank against
-// each other on paper, which is how the tests check them.
+// Each schedule is a row of kSchedules: a table, a list of (forward or backward, micro-batch,
+// chunk) per rank, made by pipeline_schedule, and a placement, which model chunk each rank's
+// chunks are. One engine runs the tables (run_schedule, which also runs gradient accumulation:
+// the one-stage table); simulate_pipeline runs the tables of every rank against each other on
+// paper, which is how the tests, --report bubble and the planner read them.
 // Guide: docs/pipeline-parallel.md (the code in reading order, the reports that show it).
 #include <algorithm>
 #include <cmath>
+#include <deque>
+#include <limits>
 #include <map>
+#include <set>
+#include <tuple>
 
 #include "pipeline_parallel.cuh"
 #include "runtime/options.cuh"
 
 // ----------------------------------------------------------------------------
-// Partition
-
-std::vector<Stage> pipeline_chunks(int layers, int p, int V, int rank) {
-  int chunks = p * V;
-  auto first_block = [&](int c) { return c * (layers / chunks) + std::min(c, layers % chunks); };
-  std::vector<Stage> mine;
-  for (int k = 0; k < V; k++) {
-    int c = rank + k * p;  // Megatron: rank r holds chunks r, r + p, r + 2p, ...
-    mine.push_back(Stage{first_block(c), first_block(c + 1), c == 0, c == chunks - 1});
-  }
-  return mine;
-}
-
-// ----------------------------------------------------------------------------
-// Schedules as tables (Playbook §8.3-§8.6). A schedule is its table and the book's idle
-// fraction; what the engine and the paper run need (whether the backward splits into B and W)
-// is read off the table. A new schedule is a function and a row.
+// Schedules as tables (Playbook §8.3-§8.6). A schedule is a row: its table, its placement and
+// the book's idle fraction; what the engine and the paper run need (whether the backward
+// splits into B and W) is read off the table. A new schedule is a function and a row.
 
 namespace {
 using Table = std::vector<PipelineOp>;
@@ -62,7 +53,10 @@ Table one_f_one_b(int p, int rank, int m, bool zero_bubble) {
       ops.push_back({Phase::Weight, weights, 0});
   };
   for (int i = 0; i < warmup; i++) ops.push_back({Phase::Forward, i, 0});
-  for (int i = 0; i < m - warmup; i++) ops.push_back({Phase::Forward, warmup + i, 0}), backward(i);
+  for (int i = 0; i < m - warmup; i++) {
+    ops.push_back({Phase::Forward, warmup + i, 0});
+    backward(i);
+  }
   for (int i = m - warmup; i < m; i++) backward(i);
   for (; zero_bubble && weights < m; weights++) ops.push_back({Phase::Weight, weights, 0});
   return ops;
@@ -85,27 +79,34 @@ Table interleaved(int p, int rank, int m, int V) {
   return ops;
 }
 
+// A placement: which model chunk rank `rank`'s chunk `local` (0 .. V-1) is. §8.5, Megatron's
+// loop: the model goes round the ranks V times, rank r holding r, r + p, r + 2p, ...
+int loop_placement(int p, int rank, int local) {
+  return local * p + rank;
+}
+
 struct ScheduleRow {
   PpSchedule id;
   const char* name;  // --pp-schedule
   Table (*table)(int p, int rank, int m, int V);
+  int (*placement)(int p, int rank, int local);
   bool chunks;  // runs V >= 2 model chunks per rank
   bool groups;  // runs micro-batches in groups of p (m a multiple of p)
   // The book's idle fraction of a step (the bubble as a share of the step, not of the work).
   double (*bubble)(int p, int m, int V);
 };
 const ScheduleRow kSchedules[] = {
-    {PpSchedule::AFAB, "afab", afab, false, false,
+    {PpSchedule::AFAB, "afab", afab, loop_placement, false, false,
      [](int p, int m, int) { return (p - 1) / (m + p - 1.0); }},
     {PpSchedule::OneFOneB, "1f1b",
-     [](int p, int rank, int m, int) { return one_f_one_b(p, rank, m, false); }, false, false,
-     [](int p, int m, int) { return (p - 1) / (m + p - 1.0); }},
-    {PpSchedule::Interleaved, "interleaved", interleaved, true, true,
+     [](int p, int rank, int m, int) { return one_f_one_b(p, rank, m, false); }, loop_placement,
+     false, false, [](int p, int m, int) { return (p - 1) / (m + p - 1.0); }},
+    {PpSchedule::Interleaved, "interleaved", interleaved, loop_placement, true, true,
      [](int p, int m, int V) { return (p - 1) / ((double)V * m + p - 1); }},
     // t_f = t_b = t_w: the idle (p-1)(t_f + t_b - t_w) of a step of 3m + p - 1 ticks.
     {PpSchedule::ZeroBubbleH1, "zb-h1",
-     [](int p, int rank, int m, int) { return one_f_one_b(p, rank, m, true); }, false, false,
-     [](int p, int m, int) { return (p - 1) / (3.0 * m + p - 1); }},
+     [](int p, int rank, int m, int) { return one_f_one_b(p, rank, m, true); }, loop_placement,
+     false, false, [](int p, int m, int) { return (p - 1) / (3.0 * m + p - 1); }},
 };
 const ScheduleRow& row(PpSchedule s) {
   for (const ScheduleRow& r : kSchedules)
@@ -137,6 +138,37 @@ bool splits_backward(const std::vector<PipelineOp>& table) {
 double bubble_fraction(PpSchedule s, int p, int m, int V) {
   return row(s).bubble(p, m, V);
 }
+
+// ----------------------------------------------------------------------------
+// Placement and partition (Playbook §8.1, §8.5)
+
+StagePlacement stage_placement(PpSchedule s, int p, int V) {
+  StagePlacement at;
+  at.chunks.assign(p, std::vector<int>(V));
+  at.rank.assign(p * V, -1);
+  for (int r = 0; r < p; r++)
+    for (int c = 0; c < V; c++) {
+      const int g = row(s).placement(p, r, c);
+      PICO_ASSERT(g >= 0 && g < p * V && at.rank[g] < 0 && (c == 0 || g > at.chunks[r][c - 1]),
+                  "a placement must give each model chunk to one rank, a rank's in order");
+      at.chunks[r][c] = g;
+      at.rank[g] = r;
+    }
+  return at;
+}
+
+std::vector<Stage> pipeline_chunks(int layers, int p, int V, int rank, PpSchedule s) {
+  const int chunks = p * V;
+  auto first_block = [&](int g) { return g * (layers / chunks) + std::min(g, layers % chunks); };
+  const StagePlacement at = stage_placement(s, p, V);
+  std::vector<Stage> mine;
+  for (int g : at.chunks[rank])
+    mine.push_back(Stage{first_block(g), first_block(g + 1), g == 0, g == chunks - 1});
+  return mine;
+}
+
+// ----------------------------------------------------------------------------
+// Flags
 
 void add_pipeline_flags(CLI::App& app, PipelineOptions& o) {
   std::string names;
@@ -191,48 +223,152 @@ void validate_pipeline(int layers, int p, int V, int m, PpSchedule s, bool tied,
                      "alternatives); use --zero 1 or 2 with --pp");
 }
 
-PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, double t_f, double t_b,
-                                 double t_w) {
-  int chunks = p * V;
+// ----------------------------------------------------------------------------
+// The tables on paper (Playbook §8.2-§8.6)
+
+// Every rank walks its table; time runs from the end of one phase of an op (computing it, then
+// its blocking collectives) to the next. A message waits with its sender until its receiver
+// asks for it (on CPU ranks, until its sender is inside MPI too); one a rank sends itself (two
+// consecutive chunks on it) is there the instant it is asked for: no transfer.
+PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, const PipelineCosts& cost,
+                                 std::optional<HostRanks> host) {
+  const StagePlacement at = stage_placement(s, p, V);
+  const int last = p * V - 1;
   std::vector<std::vector<PipelineOp>> table(p);
   for (int r = 0; r < p; r++) table[r] = pipeline_schedule(s, p, r, m, V);
   const bool zb = splits_backward(table[0]);
-  // Completion times per (global chunk, micro-batch); -1 until done.
-  std::vector<std::vector<double>> fwd(chunks, std::vector<double>(m, -1)), bwd = fwd, wgt = fwd;
-  std::vector<size_t> next(p, 0);
-  std::vector<double> free_at(p, 0);
-  std::vector<int> in_flight(p, 0);
+  // A message: (a gradient?, the model chunk that reads it, micro-batch). A forward reads the
+  // previous chunk's output, a backward the next one's input gradient; a W op what its B left.
+  using Message = std::tuple<bool, int, int>;
+  auto input = [&](int r, const PipelineOp& op) -> std::optional<Message> {
+    const int g = at.chunks[r][op.chunk];
+    if (op.kind == Phase::Forward && g > 0) return Message{false, g, op.micro};
+    if (op.kind == Phase::Backward && g < last) return Message{true, g, op.micro};
+    return std::nullopt;
+  };
+  auto output = [&](int r, const PipelineOp& op) -> std::optional<Message> {
+    const int g = at.chunks[r][op.chunk];
+    if (op.kind == Phase::Forward && g < last) return Message{false, g + 1, op.micro};
+    if (op.kind == Phase::Backward && g > 0) return Message{true, g - 1, op.micro};
+    return std::nullopt;
+  };
+  auto work = [&](const PipelineOp& op) {
+    if (op.kind == Phase::Forward) return cost.forward;
+    if (op.kind == Phase::Weight) return cost.weight;
+    return zb ? cost.backward : cost.backward + cost.weight;
+  };
+  enum class State { Waiting, Computing, Communicating, Done };
+  struct Rank {
+    size_t next = 0;  // its op in the table
+    State state = State::Waiting;
+    bool arrived = false;  // the op's input
+    double end = 0;        // with a device each: when its phase ends
+    double left = 0;       // on shared cores: what is left of its phase, at full speed
+    int in_flight = 0;
+    std::vector<Message> held;                  // sent, not yet received
+    std::set<std::tuple<Phase, int, int>> ran;  // (kind, micro-batch, chunk) of its ops so far
+  };
+  std::vector<Rank> rk(p);
   PipelineTiming t;
-  t.busy.assign(p, 0), t.peak_in_flight.assign(p, 0), t.start.resize(p);
-  for (bool progressed = true; progressed;) {
-    progressed = false;
+  t.busy.assign(p, 0);
+  t.peak_in_flight.assign(p, 0);
+  t.start.resize(p);
+  double now = 0;
+  auto begin = [&](int r) {  // the rank's next op: done, waiting for its input, or computing it
+    Rank& x = rk[r];
+    if (x.next == table[r].size()) {
+      x.state = State::Done;
+      return;
+    }
+    const PipelineOp& op = table[r][x.next];
+    // A backward also reads what its forward kept, a W what its B left: a table that runs them
+    // in the other order waits forever.
+    const Phase own = op.kind == Phase::Weight ? Phase::Backward : Phase::Forward;
+    const bool kept = op.kind == Phase::Forward || x.ran.count({own, op.micro, op.chunk});
+    if ((input(r, op) && !x.arrived) || !kept) {
+      x.state = State::Waiting;
+      return;
+    }
+    x.ran.insert({op.kind, op.micro, op.chunk});
+    x.state = State::Computing;
+    x.arrived = false;
+    x.end = now + work(op);
+    x.left = work(op);
+    t.start[r].push_back(now);
+    t.busy[r] += work(op) + (op.kind == Phase::Weight ? 0.0 : cost.comm);
+    // Activations are held from the forward to the last op that reads them.
+    if (op.kind == Phase::Forward) x.in_flight++;
+    if (op.kind == Phase::Weight || (op.kind == Phase::Backward && !zb)) x.in_flight--;
+    t.peak_in_flight[r] = std::max(t.peak_in_flight[r], x.in_flight);
+  };
+  for (int r = 0; r < p; r++) begin(r);
+  for (;;) {
+    // Messages reach the ranks waiting for them. On CPU ranks a sender moves what it holds
+    // while inside MPI, waiting or done, even if its own receive is met in this instant.
+    std::vector<int> senders;
     for (int r = 0; r < p; r++)
-      for (; next[r] < table[r].size(); next[r]++) {
-        const PipelineOp& op = table[r][next[r]];
-        int g = r + op.chunk * p;
-        bool forward = op.kind == Phase::Forward, weight = op.kind == Phase::Weight;
-        // A forward needs the previous chunk's output; a backward its own forward and the
-        // next chunk's input gradient; a weight gradient its own backward.
-        double ready = forward  ? (g > 0 ? fwd[g - 1][op.micro] : 0.0)
-                       : weight ? bwd[g][op.micro]
-                                : (g < chunks - 1 ? bwd[g + 1][op.micro] : fwd[g][op.micro]);
-        if (ready < 0 || (!forward && fwd[g][op.micro] < 0)) break;
-        double cost = forward ? t_f : weight ? t_w : zb ? t_b : t_b + t_w;
-        double start = std::max(free_at[r], ready);
-        t.start[r].push_back(start);
-        free_at[r] = start + cost;
-        t.busy[r] += cost;
-        (forward ? fwd : weight ? wgt : bwd)[g][op.micro] = free_at[r];
-        // Activations are held from the forward to the last op that reads them.
-        in_flight[r] += forward ? 1 : weight || !zb ? -1 : 0;
-        t.peak_in_flight[r] = std::max(t.peak_in_flight[r], in_flight[r]);
-        progressed = true;
+      if (!host || rk[r].state == State::Waiting || rk[r].state == State::Done)
+        senders.push_back(r);
+    for (int r : senders)
+      for (size_t i = 0; i < rk[r].held.size();) {
+        const Message k = rk[r].held[i];
+        const int to = at.rank[std::get<1>(k)];
+        if (rk[to].state != State::Waiting || input(to, table[to][rk[to].next]) != k) {
+          i++;
+          continue;
+        }
+        rk[r].held.erase(rk[r].held.begin() + (long)i);
+        rk[to].arrived = true;
+        begin(to);
       }
+    // Time moves to the next end of a phase. With a device each, a phase ends at its start
+    // plus its cost. On shared cores the k ranks computing go at min(1, cores / k) each, which
+    // changes whenever one starts or stops: every busy rank does `step` at its speed, and one
+    // with no more than rounding left ends with the others (whether two ranks meet inside MPI
+    // decides when a send moves).
+    int computing = 0;
+    for (const Rank& x : rk) computing += x.state == State::Computing;
+    const double share = host ? std::min(1.0, host->cores / std::max(1, computing)) : 1.0;
+    auto busy = [](const Rank& x) {
+      return x.state == State::Computing || x.state == State::Communicating;
+    };
+    auto speed = [&](const Rank& x) { return x.state == State::Computing ? share : 1.0; };
+    double next_end = std::numeric_limits<double>::infinity(), step = next_end;
+    for (const Rank& x : rk)
+      if (busy(x)) {
+        next_end = std::min(next_end, x.end);
+        step = std::min(step, x.left / speed(x));
+      }
+    if (next_end == std::numeric_limits<double>::infinity()) break;  // all done, or stuck
+    now = host ? now + step : next_end;
+    for (int r = 0; r < p; r++) {
+      Rank& x = rk[r];
+      if (!busy(x)) continue;
+      x.left -= step * speed(x);
+      const bool ends = host ? x.left <= 1e-12 * (1 + now) : x.end <= now;
+      if (!ends) continue;
+      const PipelineOp& op = table[r][x.next];
+      if (x.state == State::Computing && cost.comm > 0 && op.kind != Phase::Weight) {
+        x.state = State::Communicating;  // a W op has no collectives
+        x.end = now + cost.comm;
+        x.left = cost.comm;
+        continue;
+      }
+      if (std::optional<Message> out = output(r, op)) x.held.push_back(*out);
+      x.next++;
+      begin(r);
+    }
   }
   t.complete = true;
-  for (int r = 0; r < p; r++) t.complete = t.complete && next[r] == table[r].size();
-  t.makespan = *std::max_element(free_at.begin(), free_at.end());
+  for (int r = 0; r < p; r++)
+    t.complete = t.complete && rk[r].next == table[r].size() && rk[r].held.empty();
+  t.makespan = now;
   return t;
+}
+
+PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, double t_f, double t_b,
+                                 double t_w) {
+  return simulate_pipeline(s, p, m, V, PipelineCosts{t_f, t_b, t_w});
 }
 
 std::string pipeline_chart(PpSchedule s, int p, int m, int V) {
@@ -280,16 +416,30 @@ BubblePrediction bubble_prediction(PpSchedule s, int p, int m, int V) {
 // communication stream that the other's receive, queued behind its own send, never reaches.
 // On MPI sends are nonblocking and only the receive is waited for (a large send completes only
 // once the peer receives it, which it may do only after this rank's next op). Sends followed by
-// no receive go out on their own; every send is waited for at the end of the step.
+// no receive go out on their own; every send is waited for at the end of the step. Where two
+// consecutive model chunks sit on one rank (a V placement's tip), the tensor is handed over on
+// that rank: no message, and no buffer of its own.
 class Exchange {
  public:
   Exchange(Comm& comm, const Context& ctx) : comm_(comm), ctx_(ctx) {}
   void send(Group& g, int peer, const Tensor& t) {
+    if (peer == g.rank) {
+      handed_[&g].push_back(t);
+      return;
+    }
     queued_.push_back({true, t.f32(), t.numel(), peer, &g});
     keep_.push_back(t);
   }
   // Receives [n, D] from peer of g (issuing the queued sends with it) and waits for it.
   Tensor receive(Group& g, int peer, std::vector<int64_t> shape, Mem category) {
+    if (peer == g.rank) {  // as an op that receives nothing: the queued sends go on their own
+      flush();
+      std::deque<Tensor>& mine = handed_[&g];
+      PICO_ASSERT(!mine.empty(), "a chunk's input asked for on its own rank before it was made");
+      Tensor t = mine.front();
+      mine.pop_front();
+      return t;
+    }
     Tensor t = empty(ctx_, std::move(shape), category);
     P2P recv{false, t.f32(), t.numel(), peer, &g};
     if (comm_.backend != Backend::NCCL) {
@@ -299,7 +449,8 @@ class Exchange {
     }
     queued_.push_back(recv);
     send_recv_async(comm_, comm_.pp, ctx_, queued_).wait();  // orders the compute stream only
-    queued_.clear(), keep_.clear();
+    queued_.clear();
+    keep_.clear();
     return t;
   }
   // A micro-batch's payload (model.cuh's StagePayload, the hidden state first), tensor by tensor:
@@ -317,7 +468,8 @@ class Exchange {
   void flush() {
     if (queued_.empty()) return;
     in_flight_.push_back({send_recv_async(comm_, comm_.pp, ctx_, queued_), keep_});
-    queued_.clear(), keep_.clear();
+    queued_.clear();
+    keep_.clear();
   }
   void finish() {
     flush();
@@ -331,6 +483,7 @@ class Exchange {
   std::vector<P2P> queued_;
   std::vector<Tensor> keep_;  // queued sends' buffers, alive until sent
   std::vector<std::pair<Handle, std::vector<Tensor>>> in_flight_;
+  std::map<const Group*, std::deque<Tensor>> handed_;  // per group: sent to this rank itself
 };
 
 // ----------------------------------------------------------------------------
@@ -340,7 +493,8 @@ double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& 
                     const StepBatch& batch, Recompute mode, float loss_scale,
                     const PipelineConfig& cfg, Observer& observer) {
   int p = comm.pp.size, rank = comm.pp.rank, V = (int)model.chunks.size(), m = batch.micro_batches;
-  int last_chunk = p * V - 1, next = comm.pp.next(), prev = comm.pp.prev();
+  int last_chunk = p * V - 1;
+  const StagePlacement at = stage_placement(cfg.schedule, p, V);
   int64_t tokens = (int64_t)batch.mbs * batch.seq;  // per micro-batch
   const std::vector<std::vector<int64_t>> payload = stage_payload_shapes(model, tokens);
   // One stage: gradient accumulation, whatever --pp-schedule says.
@@ -352,7 +506,11 @@ double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& 
   std::map<std::pair<int, int>, Activations> saved;      // (micro-batch, chunk) in flight
   std::map<std::pair<int, int>, DeferredGrads> weights;  // zero-bubble: W ops still to run
   for (const PipelineOp& op : table) {
-    int g = rank + op.chunk * p;
+    int g = at.chunks[rank][op.chunk];  // its model chunk
+    // The ranks that hold the model chunks before and after it, where there are such chunks
+    // (this rank itself where two consecutive chunks sit on it: Exchange hands over).
+    const int prev = g > 0 ? at.rank[g - 1] : rank;
+    const int next = g < last_chunk ? at.rank[g + 1] : rank;
     std::pair<int, int> key{op.micro, op.chunk};
     bool forward = op.kind == Phase::Forward, backward = op.kind == Phase::Backward;
     // Receive what the op needs (with the queued sends), or let the queued sends go.
@@ -391,17 +549,21 @@ double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& 
 }
 
 float pipeline_forward(const Context& ctx, Comm& comm, Model& model, Activations& acts,
-                       const int32_t* ids, const int32_t* targets, int B, int T) {
-  int p = comm.pp.size, rank = comm.pp.rank, last_chunk = p * (int)model.chunks.size() - 1;
+                       const int32_t* ids, const int32_t* targets, int B, int T, PpSchedule s) {
+  int p = comm.pp.size, rank = comm.pp.rank, V = (int)model.chunks.size(), last_chunk = p * V - 1;
+  const StagePlacement at = stage_placement(s, p, V);
   const std::vector<std::vector<int64_t>> payload = stage_payload_shapes(model, (int64_t)B * T);
   Exchange exchange(comm, ctx);
   float loss = 0;
-  for (int g = rank; g <= last_chunk; g += p) {  // this rank's chunks, in order
+  for (int c = 0; c < V; c++) {  // this rank's chunks, in the model's order
+    const int g = at.chunks[rank][c];
+    const int prev = g > 0 ? at.rank[g - 1] : rank;
+    const int next = g < last_chunk ? at.rank[g + 1] : rank;
     StagePayload input;
-    if (g > 0) input = exchange.receive(comm.pp, comm.pp.prev(), payload, Mem::Activations);
+    if (g > 0) input = exchange.receive(comm.pp, prev, payload, Mem::Activations);
     loss = stage_forward(ctx, model, acts, ids, std::move(input), targets, B, T, Recompute::None,
-                         {}, g / p);
-    if (g < last_chunk) exchange.send(comm.pp, comm.pp.next(), stage_output(ctx, model, acts));
+                         {}, c);
+    if (g < last_chunk) exchange.send(comm.pp, next, stage_output(ctx, model, acts));
     exchange.flush();
   }
   exchange.finish();

@@ -3,6 +3,7 @@
 // and their gradients backward between neighbours; a schedule decides the order of each rank's
 // forwards and backwards, and the bubble is the time a rank waits.
 #pragma once
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,11 +29,24 @@ const char* pp_schedule_name(PpSchedule s);
 // The configuration table's row: the schedule, its micro-batches and chunks; empty for pp = 1.
 std::string describe_pipeline(const PipelineOptions& o, int micro_batches);
 
-// ---- Partition (Playbook §8.1) ----
+// ---- Placement and partition (Playbook §8.1, §8.5) ----
+// Which of the model's p x V chunks (numbered along the model, 0 .. pV - 1) each rank holds: a
+// column of the schedule's row. Every schedule here uses Megatron's loop, rank r holding chunks
+// r, r + p, r + 2p, ...; a V (DeepSeek, ZB-V) would run chunk 1 back up the ranks, rank r
+// holding r and 2p - 1 - r, so that chunks p - 1 and p meet on rank p - 1.
+struct StagePlacement {
+  std::vector<std::vector<int>> chunks;  // per rank: its model chunks, in its local order
+  std::vector<int> rank;                 // per model chunk: the rank that holds it
+  // Whether model chunk g exists and a rank other than r holds it: a message, not a hand-over.
+  bool elsewhere(int g, int r) const { return g >= 0 && g < (int)rank.size() && rank[g] != r; }
+};
+StagePlacement stage_placement(PpSchedule s, int p, int V);
 // L blocks in p x V contiguous chunks, as even as possible: the first L mod pV chunks get one
-// block more. Rank r holds chunks r, r + p, r + 2p, ... (Megatron's interleaving); chunk 0 also
-// holds the embedding, chunk pV - 1 the final norm, LM head and loss.
-std::vector<Stage> pipeline_chunks(int layers, int p, int V, int rank);
+// block more; rank `rank` gets the chunks the placement of `s` gives it (the default: the loop
+// that every schedule here shares). Chunk 0 also holds the embedding, chunk pV - 1 the final
+// norm, LM head and loss.
+std::vector<Stage> pipeline_chunks(int layers, int p, int V, int rank,
+                                   PpSchedule s = PpSchedule::OneFOneB);
 // Throws UsageError naming the flags: layers < p x V, interleaved without m a multiple of p (or
 // V < 2), V > 1 for another schedule, tied embeddings or ZeRO-3 with pp > 1, ZeRO-2 with zb-h1.
 void validate_pipeline(int layers, int p, int V, int micro_batches, PpSchedule s, bool tied,
@@ -44,24 +58,43 @@ struct PipelineOp {
   // weight-gradient half W runs later as its own op (Qi et al., 2023).
   Phase kind;
   int micro;  // micro-batch
-  int chunk;  // this rank's model chunk (0 .. V-1); its global chunk is rank + chunk * p
+  int chunk;  // which of this rank's V chunks (0 .. V-1); stage_placement says which model chunk
 };
 // Rank `rank`'s ops in order, for p stages, m micro-batches and V chunks per rank.
 std::vector<PipelineOp> pipeline_schedule(PpSchedule s, int p, int rank, int m, int V);
 // A table with weight ops (zero-bubble) needs the backward split into B and W.
 bool splits_backward(const std::vector<PipelineOp>& table);
 
-// Every rank's table run against each other with a forward costing t_f, a backward's input
-// gradient t_b and its weight gradient t_w (one op of t_b + t_w unless zero-bubble) and
-// communication free: when each op can start, so the idle time is the bubble the book draws.
+// Every rank's table run against each other on paper: when each op can start, so the idle time
+// is the bubble. Each op costs its PipelineCosts; a message between two ranks costs nothing of
+// itself, and one between consecutive chunks on the same rank is no message at all.
+struct PipelineCosts {
+  // A forward, a backward's input gradient B and its weight gradient W (one op of B + W unless
+  // the table splits them, zero-bubble), in seconds of one rank on its own.
+  double forward = 1, backward = 1, weight = 1;
+  double comm = 0;  // blocking collectives (tp, cp, ep) after each forward and backward
+};
+// Where the ranks run. Without one (the book's figure) each rank has a device of its own and a
+// message leaves as soon as it is sent. CPU ranks over MPI on one machine differ in two ways:
+// the k ranks computing at a time share `cores` cores' worth, at min(1, cores / k) each (a rank
+// waiting sleeps, runtime/comm_handle.cu, and hands its core to the others); and a send on host
+// memory moves only while its sender is inside MPI (waiting for a receive of its own, however
+// briefly, or at the step's end) and its receiver waits for it (Exchange below).
+struct HostRanks {
+  double cores = 1;  // the cores' worth the pipeline's ranks share
+};
 struct PipelineTiming {
   bool complete = false;            // false: some op waits forever (the tables would deadlock)
   double makespan = 0;              // the step, from the first op to the last
-  std::vector<double> busy;         // per rank
+  std::vector<double> busy;         // per rank: the seconds its ops cost
   std::vector<int> peak_in_flight;  // per rank: most (micro-batch, chunk) forwards awaiting
                                     // their backward at once, i.e. activations held
   std::vector<std::vector<double>> start;  // per rank, per op of its table: when it starts
 };
+PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, const PipelineCosts& costs,
+                                 std::optional<HostRanks> host = std::nullopt);
+// The book's figure: a forward costs t_f, a backward t_b + t_w (or B t_b and W t_w), each rank
+// on its own device.
 PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, double t_f, double t_b,
                                  double t_w);
 // The book's figure in text: one row per stage, one column per tick (t_f = t_b = t_w = 1, so a
@@ -92,12 +125,15 @@ struct StepBatch {
 // micro-batch's summed loss into its share of the step's mean (DESIGN 5). Without a pipeline
 // (pp = 1) the table is the one-stage 1F1B table F0 B0 F1 B1 ...: gradient accumulation
 // (Playbook §2.7). Sends wait to go out with the next receive as one grouped call. The observer
-// sees every op (trace, faults, memory). Returns the summed per-token losses of this rank's
-// micro-batches (those of the last stage; 0 elsewhere).
+// sees every op (trace, faults, memory). The model's chunks are those pipeline_chunks gives
+// for cfg.schedule. Returns the summed per-token losses of this rank's micro-batches (those of
+// the chunk that holds the head; 0 elsewhere).
 double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& sync,
                     const StepBatch& batch, Recompute mode, float loss_scale,
                     const PipelineConfig& cfg, Observer& observer);
 // Forward only, through every stage in turn (evaluation, sampling): the summed loss on the rank
-// that holds the head (0 elsewhere); `acts` then holds its logits.
+// that holds the head (0 elsewhere); `acts` then holds its logits. `s`: the schedule whose
+// placement the model was built with (pipeline_chunks).
 float pipeline_forward(const Context& ctx, Comm& comm, Model& model, Activations& acts,
-                       const int32_t* ids, const int32_t* targets, int B, int T);
+                       const int32_t* ids, const int32_t* targets, int B, int T,
+                       PpSchedule s = PpSchedule::OneFOneB);

@@ -177,8 +177,8 @@ static void print_config(const Options& o, const Dataset& data, const Comm& comm
 // window w starts at token w * stride (stride seq: validation; seq + 1: disjoint, --score).
 // Under context parallelism each rank runs its share of every window's tokens.
 static double loss_sum(const Context& ctx, Comm& comm, Model& model, const ContextParallel& cp,
-                       const std::vector<int32_t>& tokens, int64_t first, int64_t count, int seq,
-                       int64_t stride, int mbs) {
+                       PpSchedule schedule, const std::vector<int32_t>& tokens, int64_t first,
+                       int64_t count, int seq, int64_t stride, int mbs) {
   std::vector<int32_t> in((size_t)mbs * seq), tgt((size_t)mbs * seq);
   double total = 0;
   for (int64_t w = first; w < first + count; w += mbs) {
@@ -191,8 +191,8 @@ static double loss_sum(const Context& ctx, Comm& comm, Model& model, const Conte
     Activations acts;
     std::vector<int32_t> my_in = select_context_tokens(cp, in.data(), n, seq);
     std::vector<int32_t> my_tgt = select_context_tokens(cp, tgt.data(), n, seq);
-    total +=
-        pipeline_forward(ctx, comm, model, acts, my_in.data(), my_tgt.data(), n, seq / cp.size());
+    total += pipeline_forward(ctx, comm, model, acts, my_in.data(), my_tgt.data(), n,
+                              seq / cp.size(), schedule);
   }
   return total;
 }
@@ -202,12 +202,13 @@ static double loss_sum(const Context& ctx, Comm& comm, Model& model, const Conte
 // pp too: the last stage holds the loss), each counted once (evaluation_share: a mixture's
 // expert-parallel ranks run the same windows).
 static double mean_loss(const Context& ctx, Comm& comm, Model& model, const ContextParallel& cp,
-                        const std::vector<int32_t>& tokens, int64_t windows, int seq,
-                        int64_t stride, int mbs) {
+                        PpSchedule schedule, const std::vector<int32_t>& tokens, int64_t windows,
+                        int seq, int64_t stride, int mbs) {
   const EvaluationShare share = evaluation_share(comm);
   int64_t first = windows * share.index / share.count,
           last = windows * (share.index + 1) / share.count;
-  double total = loss_sum(ctx, comm, model, cp, tokens, first, last - first, seq, stride, mbs);
+  double total =
+      loss_sum(ctx, comm, model, cp, schedule, tokens, first, last - first, seq, stride, mbs);
   if (!share.counts) total = 0;
   all_reduce_host(comm.dp_cp, &total, 1, ReduceOp::Sum);
   all_reduce_host(comm.pp, &total, 1, ReduceOp::Sum);
@@ -253,7 +254,8 @@ static std::string generate(const Context& ctx, Comm& comm, const Model& sharded
   for (int i = 0; i < o.sample; i++) {
     int T = (int)std::min<size_t>(tokens.size(), model.cfg.seq);
     Activations acts;
-    pipeline_forward(ctx, comm, model, acts, tokens.data() + tokens.size() - T, nullptr, 1, T);
+    pipeline_forward(ctx, comm, model, acts, tokens.data() + tokens.size() - T, nullptr, 1, T,
+                     o.pp_schedule);
     double next = -1;  // drawn where the head is, then shared over pp (max of -1 and it)
     if (model.head_unit() >= 0) {
       int Vl = model.tp.local.vocab;
@@ -310,10 +312,10 @@ static ContextParallel context_parallel(Comm& comm, const Options& o) {
 // This rank's part of the model (its tp slice, its pipeline stage or chunks) as a layout, with
 // its attention core: ring or all-gather attention over the cp group, or one rank's own.
 static Model model_layout(Comm& comm, const Options& o) {
-  Model model =
-      build_model_layout(o.model, TensorParallel{&comm, o.sp},
-                         pipeline_chunks(o.model.layers, o.pp, o.pp_virtual, comm.grid.pp_rank),
-                         ExpertParallel{&comm, o.capacity_factor});
+  Model model = build_model_layout(
+      o.model, TensorParallel{&comm, o.sp},
+      pipeline_chunks(o.model.layers, o.pp, o.pp_virtual, comm.grid.pp_rank, o.pp_schedule),
+      ExpertParallel{&comm, o.capacity_factor});
   model.attention = make_attention(comm, o, o.attention);
   return model;
 }
@@ -335,8 +337,8 @@ static int score_file(Context& ctx, Comm& comm, const Options& o) {
                        " is outside the vocabulary " + std::to_string(c.vocab));
   double loss = 0;
   with_whole_model(*sync, ctx, [&] {
-    loss = mean_loss(ctx, comm, model, context_parallel(comm, o), tokens, windows, c.seq, c.seq + 1,
-                     o.mbs);
+    loss = mean_loss(ctx, comm, model, context_parallel(comm, o), o.pp_schedule, tokens, windows,
+                     c.seq, c.seq + 1, o.mbs);
   });
   if (comm.grid.world_rank == 0) printf("loss: %.6f\n", loss);
   return 0;
@@ -473,7 +475,8 @@ static void validate(Trainer& t, int64_t step) {
   if (windows <= 0) return;
   double val = 0;
   with_whole_model(t.sync, t.ctx, [&] {
-    val = mean_loss(t.ctx, t.comm, t.model, t.cp, t.data.val, windows, c.seq, c.seq, t.o.mbs);
+    val = mean_loss(t.ctx, t.comm, t.model, t.cp, t.o.pp_schedule, t.data.val, windows, c.seq,
+                    c.seq, t.o.mbs);
   });
   if (t.comm.grid.world_rank == 0)
     printf("step %5lld/%d | val loss %.4f\n", (long long)step + 1, t.o.steps, val);

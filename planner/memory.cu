@@ -89,12 +89,16 @@ void validate_layout(const ModelConfig& cfg, const Layout& l) {
 static StageShape build_stage_shape(const ModelConfig& cfg, const Layout& l, int stage) {
   Comm grid;  // only its tp group's size and rank are read: a layout, not a communicator
   grid.tp.size = l.tp, grid.tp.rank = 0, grid.ep.size = l.ep, grid.ep.rank = 0;
-  std::vector<Stage> chunks = pipeline_chunks(cfg.layers, l.pp, l.virtual_stages, stage);
+  std::vector<Stage> chunks =
+      pipeline_chunks(cfg.layers, l.pp, l.virtual_stages, stage, l.schedule);
   Model m = build_model_layout(cfg, TensorParallel{&grid, l.sp}, chunks, ExpertParallel{&grid});
+  const StagePlacement at = stage_placement(l.schedule, l.pp, l.virtual_stages);
   StageShape s;
-  for (size_t c = 0; c < m.chunks.size(); c++)
-    s.chunks.push_back(
-        {m.blocks((int)c), m.chunks[c].embedding, m.chunks[c].head, stage + (int)c * l.pp});
+  for (size_t c = 0; c < m.chunks.size(); c++) {
+    const int g = at.chunks[stage][c];
+    s.chunks.push_back({m.blocks((int)c), m.chunks[c].embedding, m.chunks[c].head,
+                        at.elsewhere(g - 1, stage), at.elsewhere(g + 1, stage)});
+  }
   for (const ModelUnit& u : m.units)
     s.unit_numel.push_back(u.numel), s.unit_experts.push_back(u.experts);
   s.num_params = m.num_params, s.ep = l.ep;
@@ -106,8 +110,10 @@ const StageShape& stage_shape(const ModelConfig& cfg, const Layout& l, int stage
   std::string key;
   for (int v :
        {cfg.vocab, cfg.d_model, cfg.layers, cfg.heads, cfg.kv_heads, cfg.ffn, cfg.seq,
-        (int)cfg.tie_embeddings, cfg.experts, cfg.top_k, l.tp, l.pp, l.virtual_stages, l.ep, stage})
+        (int)cfg.tie_embeddings, cfg.experts, cfg.top_k, l.tp, l.pp, l.virtual_stages, l.ep})
     key += std::to_string(v) + ",";
+  const StagePlacement at = stage_placement(l.schedule, l.pp, l.virtual_stages);
+  for (int g : at.chunks[stage]) key += std::to_string(g) + ",";  // the model chunks it holds
   auto it = cache.find(key);
   if (it == cache.end()) {
     if (cache.size() > 4096) cache.clear();
@@ -216,9 +222,10 @@ struct Walk {
 };
 Walk walk_schedule(const Layout& l, const Implementation& impl, int stage,
                    const std::vector<ChunkBytes>& bytes) {
-  const int p = l.pp, V = l.virtual_stages, last = p * V - 1;
-  std::vector<PipelineOp> table =
-      pipeline_schedule(p > 1 ? l.schedule : PpSchedule::OneFOneB, p, stage, l.grad_acc, V);
+  const int p = l.pp, V = l.virtual_stages;
+  const PpSchedule schedule = p > 1 ? l.schedule : PpSchedule::OneFOneB;
+  std::vector<PipelineOp> table = pipeline_schedule(schedule, p, stage, l.grad_acc, V);
+  const StagePlacement at = stage_placement(schedule, p, V);
   // The engine's sends (pipeline_parallel.cu, Exchange): queued until the next receive, which
   // over NCCL sends them with it and lets them go; otherwise (no receive follows, or MPI) they
   // stay in flight, their buffers alive, until the step ends.
@@ -239,11 +246,12 @@ Walk walk_schedule(const Layout& l, const Implementation& impl, int stage,
     queued.clear();
   };
   for (const PipelineOp& op : table) {
-    const int g = stage + op.chunk * p;
+    const int g = at.chunks[stage][op.chunk];
     const std::pair<int, int> key{op.micro, op.chunk};
     const ChunkBytes& b = bytes[op.chunk];
-    bool receives =
-        (op.kind == Phase::Forward && g > 0) || (op.kind == Phase::Backward && g < last);
+    // Messages from and to other ranks (consecutive chunks on one rank hand over without one).
+    bool receives = (op.kind == Phase::Forward && at.elsewhere(g - 1, stage)) ||
+                    (op.kind == Phase::Backward && at.elsewhere(g + 1, stage));
     if (receives && !impl.mpi_sends)
       release_queued();
     else
@@ -252,7 +260,7 @@ Walk walk_schedule(const Layout& l, const Implementation& impl, int stage,
       held++;
       note(now + b.forward_peak);
       now += b.held;
-      if (g < last) queued.insert(key);
+      if (at.elsewhere(g + 1, stage)) queued.insert(key);
     } else if (op.kind == Phase::Backward) {
       note(now + b.backward_peak);
       now -= b.held;

@@ -163,11 +163,6 @@ struct StepTime {
 StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cluster,
                       const Implementation& impl);
 double book_flops_per_token(const ModelConfig& cfg);
-// CPU ranks over MPI sharing `cores` cores' worth: one pipeline's tables run with each op
-// `work_*` seconds of compute alone plus `comm` of blocking collectives, a send delivered only
-// while its sender waits in MPI (time.cu); the makespan, or infinity if the tables cannot end.
-double host_pipeline_makespan(PpSchedule s, int p, int m, int V, double work_f, double work_b,
-                              double work_w, double comm, double cores);
 
 // ----------------------------------------------------------------------------
 // The search (Playbook §11.1-§11.3: fit in memory, reach the batch, be fast)

@@ -14,7 +14,9 @@ struct StageShape {
   struct Chunk {
     int blocks = 0;
     bool embedding = false, head = false;
-    int global = 0;  // this chunk's index among the pipeline's p x V chunks
+    // Whether its input comes from another rank, and its output goes to one: not at the
+    // model's ends, nor between consecutive chunks on one rank (stage_placement).
+    bool receives = false, sends = false;
   };
   std::vector<Chunk> chunks;
   std::vector<int64_t> unit_numel;

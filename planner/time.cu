@@ -6,7 +6,6 @@
 #include <cmath>
 #include <limits>
 #include <map>
-#include <tuple>
 
 #include "planner/planner_internal.cuh"
 #include "runtime/formulas.cuh"
@@ -78,8 +77,9 @@ double gemm_efficiency(const GpuProfile& gpu, double width) {
   return gpu.compute_efficiency * width / (width + gpu.gemm_half_width);
 }
 
-// simulate_pipeline on ticks: its result depends on the ratios of the op costs only, so
-// layouts with the same (schedule, p, m, V) and ratios share one run.
+// simulate_pipeline (pipeline_parallel.cu) on ticks: with a device per rank its result depends
+// on the ratios of the op costs only, so layouts with the same (schedule, p, m, V) and ratios
+// share one run.
 PipelineTiming pipeline_timing(PpSchedule s, int p, int m, int V, double t_f, double t_b,
                                double t_w) {
   static std::map<std::vector<double>, PipelineTiming> cache;
@@ -89,7 +89,8 @@ PipelineTiming pipeline_timing(PpSchedule s, int p, int m, int V, double t_f, do
   auto it = cache.find(key);
   if (it == cache.end()) {
     if (cache.size() > 20000) cache.clear();
-    it = cache.emplace(key, simulate_pipeline(s, p, m, V, 1.0, key[4], key[5])).first;
+    const PipelineCosts ticks{1.0, key[4], key[5]};  // a forward takes one tick
+    it = cache.emplace(key, simulate_pipeline(s, p, m, V, ticks)).first;
   }
   PipelineTiming t = it->second;
   t.makespan *= t_f;
@@ -98,108 +99,6 @@ PipelineTiming pipeline_timing(PpSchedule s, int p, int m, int V, double t_f, do
 }
 
 }  // namespace
-
-// CPU ranks over MPI (Implementation::mpi_sends) sharing a machine's cores: one pipeline's
-// ranks run their schedule's tables, each op `work` seconds of one rank alone plus `comm` of
-// its blocking collectives. Two things of the host decide the pace:
-//  * the cores: k ranks computing on `cores` cores' worth go at min(1, cores / k) each; a rank
-//    waiting sleeps (runtime/comm_handle.cu), so a bubble hands its core to the others;
-//  * MPI's progress: a send on host memory moves only while its sender is inside MPI, waiting
-//    for a receive of its own (however briefly) or at the step's end (pipeline_parallel.cu's
-//    Exchange), and once its receiver waits for it; a send followed by ops that receive
-//    nothing is held back until its sender next waits.
-// Returns the step's makespan, or infinity if the tables cannot finish this way.
-double host_pipeline_makespan(PpSchedule s, int p, int m, int V, double work_f, double work_b,
-                              double work_w, double comm, double cores) {
-  std::vector<std::vector<PipelineOp>> table(p);
-  for (int r = 0; r < p; r++) table[r] = pipeline_schedule(s, p, r, m, V);
-  const bool zb = splits_backward(table[0]);
-  const int chunks = p * V;
-  // A message is the input of one op: (backward?, global chunk of the op, micro-batch).
-  using Key = std::tuple<bool, int, int>;
-  enum class State { Ready, Computing, Communicating, Waiting, Done };
-  struct Rank {
-    size_t next = 0;
-    State state = State::Ready;
-    double left = 0;
-    Key needs{};
-    std::vector<Key> held;  // sent, not yet delivered
-  };
-  std::vector<Rank> rk(p);
-  auto owner = [&](int g) { return g % p; };
-  auto work = [&](const PipelineOp& op) {
-    return op.kind == Phase::Forward  ? work_f
-           : op.kind == Phase::Weight ? work_w
-           : zb                       ? work_b
-                                      : work_b + work_w;
-  };
-  // A rank ready for its next op: done, waiting for the op's input, or computing it.
-  auto start = [&](int r) {
-    Rank& x = rk[r];
-    if (x.next == table[r].size()) {
-      x.state = State::Done;
-      return;
-    }
-    const PipelineOp& op = table[r][x.next];
-    int g = r + op.chunk * p;
-    bool f = op.kind == Phase::Forward, w = op.kind == Phase::Weight;
-    if (f ? g > 0 : !w && g < chunks - 1)
-      x.state = State::Waiting, x.needs = Key{!f, g, op.micro};
-    else
-      x.state = State::Computing, x.left = work(op);
-  };
-  double t = 0;
-  for (int events = 0; events < 1000000; events++) {
-    for (bool changed = true; changed;) {
-      changed = false;
-      for (int r = 0; r < p; r++)
-        if (rk[r].state == State::Ready) start(r), changed = true;
-      // Every rank inside MPI now moves what it holds to receivers waiting for it, even if its
-      // own receive is met at once and it leaves MPI in this instant.
-      std::vector<int> in_mpi;
-      for (int r = 0; r < p; r++)
-        if (rk[r].state == State::Waiting || rk[r].state == State::Done) in_mpi.push_back(r);
-      for (int r : in_mpi)
-        for (size_t i = 0; i < rk[r].held.size(); i++) {
-          const Key& k = rk[r].held[i];
-          const int to = owner(std::get<1>(k));
-          if (rk[to].state != State::Waiting || rk[to].needs != k) continue;
-          rk[to].state = State::Computing, rk[to].left = work(table[to][rk[to].next]);
-          rk[r].held.erase(rk[r].held.begin() + (long)i--);
-          changed = true;
-        }
-    }
-    int computing = 0;
-    double step = std::numeric_limits<double>::infinity();
-    for (const Rank& x : rk) computing += x.state == State::Computing;
-    const double rate = std::min(1.0, cores / std::max(1, computing));
-    for (const Rank& x : rk) {
-      if (x.state == State::Computing) step = std::min(step, x.left / rate);
-      if (x.state == State::Communicating) step = std::min(step, x.left);
-    }
-    if (!std::isfinite(step)) break;  // nothing runs: done, or stuck
-    t += step;
-    for (int r = 0; r < p; r++) {
-      Rank& x = rk[r];
-      if (x.state != State::Computing && x.state != State::Communicating) continue;
-      x.left -= x.state == State::Computing ? step * rate : step;
-      if (x.left > 1e-12 * (1 + t)) continue;
-      const PipelineOp& op = table[r][x.next];
-      if (x.state == State::Computing && comm > 0 && op.kind != Phase::Weight) {
-        x.state = State::Communicating, x.left = comm;  // a W op has no collectives
-        continue;
-      }
-      int g = r + op.chunk * p;
-      if (op.kind == Phase::Forward && g < chunks - 1)
-        x.held.push_back(Key{false, g + 1, op.micro});
-      if (op.kind == Phase::Backward && g > 0) x.held.push_back(Key{true, g - 1, op.micro});
-      x.next++, x.state = State::Ready;
-    }
-  }
-  for (const Rank& x : rk)
-    if (x.state != State::Done || !x.held.empty()) return std::numeric_limits<double>::infinity();
-  return t;
-}
 
 // The ranks of a layout on one node.
 static int world_ranks_per_node(const Layout& l, const Cluster& cl) {
@@ -304,7 +203,7 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
       tpc += c.blocks * (tp_fwd + tp_bwd) + ((c.embedding ? 1 : 0) + (c.head ? 1 : 0)) * tp_fwd / 2;
       epc += c.blocks * 2 * ep_fwd;
       cpc += c.blocks * (cp_fwd + cp_bwd);
-      pc += (c.global > 0 ? 2 * p2p : 0) + (c.global < p * V - 1 ? 2 * p2p : 0);
+      pc += (c.receives ? 2 * p2p : 0) + (c.sends ? 2 * p2p : 0);
     }
     if (impl.balanced_stages && p > 1) {  // every stage a p-th of the whole model's work
       f = (cfg.layers * block_fwd + head_fwd) / p;
@@ -328,14 +227,16 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
   double makespan = busy;
   if (impl.mpi_sends) {
     // CPU ranks: the node's cores' worth (bench_comm's measure, else a core per rank) shared
-    // evenly by its ranks; a pipeline stage's tp and cp ranks move in step.
+    // evenly by its ranks; a pipeline stage's tp and cp ranks move in step. Each op is its
+    // compute plus blocking collectives, the sends moving only inside MPI (HostRanks).
     const double node_ranks = world_ranks_per_node(l, cl);
     const double node_cores = gpu.shared_capacity > 0 ? gpu.shared_capacity : node_ranks;
-    const double cores = node_cores * p / node_ranks;
     const double work_w = split ? stage_fwd / ops : 0;
-    makespan = host_pipeline_makespan(p > 1 ? l.schedule : PpSchedule::OneFOneB, p, m, V,
-                                      stage_fwd / ops, stage_bwd / ops - work_w, work_w,
-                                      (stage_tp + stage_cp + stage_ep) / ops / 2, cores);
+    const PipelineCosts host_costs{stage_fwd / ops, stage_bwd / ops - work_w, work_w,
+                                   (stage_tp + stage_cp + stage_ep) / ops / 2};
+    PipelineTiming host = simulate_pipeline(p > 1 ? l.schedule : PpSchedule::OneFOneB, p, m, V,
+                                            host_costs, HostRanks{node_cores * p / node_ranks});
+    makespan = host.complete ? host.makespan : std::numeric_limits<double>::infinity();
   } else if (p > 1) {
     makespan = pipeline_timing(l.schedule, p, m, V, t_f, t_b, t_w).makespan;
   }

@@ -43,6 +43,47 @@ TEST_CASE("pipeline chunks cover every block once, sizes within one, Megatron's 
   REQUIRE(pipeline_chunks(5, 2, 1, 1)[0].first_block == 3);
 }
 
+TEST_CASE(
+    "every schedule places Megatron's loop: rank r holds chunks r, r + p, ...; chunk g lives on g "
+    "mod p",
+    "[pipeline]") {
+  // Playbook §8.5 on 4 ranks and 2 chunks each: ranks 0-3 hold model chunks {0, 4}, {1, 5},
+  // {2, 6}, {3, 7}.
+  const std::vector<std::vector<int>> book = {{0, 4}, {1, 5}, {2, 6}, {3, 7}};
+  for (PpSchedule s : {PpSchedule::AFAB, PpSchedule::OneFOneB, PpSchedule::Interleaved,
+                       PpSchedule::ZeroBubbleH1}) {
+    StagePlacement at = stage_placement(s, 4, 2);
+    REQUIRE(at.chunks == book);
+    REQUIRE(at.rank == std::vector<int>{0, 1, 2, 3, 0, 1, 2, 3});
+    // Neighbouring chunks always sit on other ranks: every hand-over is a message.
+    REQUIRE(at.elsewhere(5, 0));
+    REQUIRE(!at.elsewhere(4, 0));  // its own
+    REQUIRE(!at.elsewhere(-1, 0));
+    REQUIRE(!at.elsewhere(8, 3));  // past the last chunk
+  }
+  // The partition follows the placement: 8 blocks in 8 chunks, rank 1 holds blocks 1 and 5.
+  std::vector<Stage> mine = pipeline_chunks(8, 4, 2, 1, PpSchedule::Interleaved);
+  REQUIRE(mine.size() == 2);
+  REQUIRE((mine[0].first_block == 1 && mine[1].first_block == 5 && mine[1].last_block == 6));
+}
+
+TEST_CASE(
+    "two consecutive chunks on one rank hand over without waiting: one rank, two chunks, no idle "
+    "tick",
+    "[pipeline]") {
+  // Interleaved on a single rank (p = 1, V = 2): chunk 0's output is chunk 1's input on the same
+  // rank. Each of the m x V chunk passes costs t_f + t_b + t_w = 3 ticks and nothing waits: 12
+  // ticks for m = 2, on a device and on one core's worth of CPU ranks alike.
+  PipelineTiming device = simulate_pipeline(PpSchedule::Interleaved, 1, 2, 2, 1.0, 1.0, 1.0);
+  REQUIRE(device.complete);
+  REQUIRE(device.makespan == Approx(12));
+  REQUIRE(device.busy[0] == Approx(12));
+  PipelineTiming host = simulate_pipeline(PpSchedule::Interleaved, 1, 2, 2,
+                                          PipelineCosts{1.0, 1.0, 1.0}, HostRanks{1.0});
+  REQUIRE(host.complete);
+  REQUIRE(host.makespan == Approx(12));
+}
+
 // Every (micro-batch, chunk) forwarded and backwarded exactly once on each rank, forward first;
 // under zero-bubble also its weight gradient, once, after its backward.
 static void require_complete_table(PpSchedule s, int p, int m, int V) {

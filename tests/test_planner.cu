@@ -620,34 +620,44 @@ TEST_CASE(
   CHECK(nlohmann::json::parse(read_whole_file(a)).at("gemm_flops_alone").get<double>() == 2.5e10);
 }
 
+// One pipeline's step as CPU ranks over MPI run it (simulate_pipeline's HostRanks): F takes
+// work_f, B work_b (and W work_w), each F and B then `comm` of blocking collectives.
+static double host_makespan(PpSchedule s, int p, int m, int V, double work_f, double work_b,
+                            double work_w, double comm, double cores) {
+  PipelineTiming t =
+      simulate_pipeline(s, p, m, V, PipelineCosts{work_f, work_b, work_w, comm}, HostRanks{cores});
+  return t.complete ? t.makespan : -1;
+}
+
 TEST_CASE(
     "CPU ranks over MPI: k ranks computing on C cores go at C/k each, and a send moves only "
     "while its sender is inside MPI",
     "[planner]") {
-  // Expected values traced by hand from the two rules (planner/time.cu); F takes 1, B 2.
+  // Expected values traced by hand from the two rules (pipeline_parallel.cuh, HostRanks); F
+  // takes 1, B 2.
   // One stage, 3 micro-batches, a quarter of a core (4 ranks on one core): 3 x 3 / 0.25.
-  CHECK(host_pipeline_makespan(PpSchedule::OneFOneB, 1, 3, 1, 1, 2, 0, 0, 0.25) == Approx(36));
+  CHECK(host_makespan(PpSchedule::OneFOneB, 1, 3, 1, 1, 2, 0, 0, 0.25) == Approx(36));
   // A core of its own, and 0.5 of blocking collectives after each of the 6 ops: 9 + 3.
-  CHECK(host_pipeline_makespan(PpSchedule::OneFOneB, 1, 3, 1, 1, 2, 0, 0.5, 1.0) == Approx(12));
+  CHECK(host_makespan(PpSchedule::OneFOneB, 1, 3, 1, 1, 2, 0, 0.5, 1.0) == Approx(12));
   // AFAB, 2 stages, 2 micro-batches, a core each: stage 0 runs F0 and F1 (0-2) before it first
   // waits, so its activations leave at 2; stage 1 runs F0, F1, B0, B1 (2-8), waiting for
   // nothing after F1, so its gradients leave when it is done; stage 0's B0 and B1 run 8-12.
   // Sends that moved at once would give the book's (m + p - 1)(F + B) = 9.
-  CHECK(host_pipeline_makespan(PpSchedule::AFAB, 2, 2, 1, 1, 2, 0, 0, 2.0) == Approx(12));
+  CHECK(host_makespan(PpSchedule::AFAB, 2, 2, 1, 1, 2, 0, 0, 2.0) == Approx(12));
   // AFAB, 3 stages, 2 micro-batches, a core each (a --trace of 4 stages shows stage 1's first
   // activations leaving as it asks for its second input): stage 0 runs F0 F1 (0-2) and waits;
   // stage 1 runs F0 (2-3), asks for F1 at 3 and, inside MPI, hands F0 to stage 2; stage 1 F1
   // (3-4) then waits for B0; stage 2 runs F0 F1 B0 B1 (3-9) and is done; stage 1 B0 (9-11),
   // asks for B1's gradient at 11 (there at once) and B0's leaves: stage 1 B1 (11-13), stage 0
   // B0 (11-13) and B1 (13-15), B1's gradient leaving when stage 1 is done at 13.
-  CHECK(host_pipeline_makespan(PpSchedule::AFAB, 3, 2, 1, 1, 2, 0, 0, 3.0) == Approx(15));
+  CHECK(host_makespan(PpSchedule::AFAB, 3, 2, 1, 1, 2, 0, 0, 3.0) == Approx(15));
   // 1F1B, 2 stages, 3 micro-batches (stage 0: F0 F1 B0 F2 B1 B2; stage 1: F0 B0 F1 B1 F2 B2):
   // stage 1 gets F0 at 2 (stage 0 waits from 2) and runs F0 B0 (2-5); at 5 it asks for F1,
   // which stage 0 hands over at once, and in that instant inside MPI its B0 gradient leaves:
   // stage 1 runs F1 B1 (5-8), stage 0 B0 F2 (5-8); at 8 both wait and swap F2 and B1's
   // gradient; stage 1 runs F2 B2 (8-11) and is done, stage 0 B1 (8-10), then B2 (11-13). The
   // book's: 12.
-  CHECK(host_pipeline_makespan(PpSchedule::OneFOneB, 2, 3, 1, 1, 2, 0, 0, 2.0) == Approx(13));
+  CHECK(host_makespan(PpSchedule::OneFOneB, 2, 3, 1, 1, 2, 0, 0, 2.0) == Approx(13));
 }
 
 TEST_CASE(
