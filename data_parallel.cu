@@ -374,10 +374,11 @@ void DataParallel::trace_communication(Trace& trace) const {
 // Checkpoints: every rank holds everything, whole
 
 std::vector<GradientSync::Holding> DataParallel::holdings(Part part) const {
-  auto whole = [this](const Tensor& flat) {
-    return Holding{false, [this, flat](int u) {
-                     return flat.view(model_.units[u].offset, {model_.units[u].numel});
-                   }};
+  auto whole = [this](const Tensor& flat) -> Holding {
+    return [this, flat](int u) {
+      const ModelUnit& U = model_.units[u];
+      return Piece{flat.view(U.offset, {U.numel}), 0, U.numel};
+    };
   };
   switch (part) {
     case Part::Params:

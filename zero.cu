@@ -44,6 +44,26 @@ void add_zero_flags(CLI::App& app, ZeroOptions& o) {
 // ----------------------------------------------------------------------------
 // Shards
 
+ShardLayout make_shard_layout(const FlatParameters& model, int ranks, int rank, int expert_ranks,
+                              int expert_rank) {
+  ShardLayout s;
+  s.ranks = ranks, s.rank = rank;
+  if (expert_ranks == 0) expert_ranks = ranks, expert_rank = rank;
+  for (const ModelUnit& mu : model.units) {
+    ShardLayout::Unit u;
+    u.ranks = mu.experts ? expert_ranks : ranks, u.rank = mu.experts ? expert_rank : rank;
+    u.offset = mu.offset, u.numel = mu.numel;
+    u.shard = (mu.numel + u.ranks - 1) / u.ranks;
+    u.shard_offset = s.shard_numel;
+    u.padded_offset = s.padded;
+    u.valid = std::clamp(mu.numel - u.first(), (int64_t)0, u.shard);
+    s.shard_numel += u.shard;
+    s.padded += (int64_t)u.ranks * u.shard;
+    s.units.push_back(u);
+  }
+  return s;
+}
+
 Zero::Zero(Comm& comm, FlatParameters& model, int stage, const AdamWConfig& hp, float weight_decay,
            uint64_t seed, bool overlap, const PrecisionPolicy& precision)
     : GradientSync(comm, model, hp, weight_decay),
@@ -81,7 +101,7 @@ Zero::Zero(Comm& comm, FlatParameters& model, int stage, const AdamWConfig& hp, 
     for (int u = 0; u < (int)units_.size(); u++)
       if (unit(u).valid > 0)
         model.init_parameters(seed, mine(param_shard_, u).view(0, {unit(u).valid}),
-                              unit(u).offset + unit(u).rank * unit(u).shard);
+                              unit(u).offset + unit(u).first());
   }
   if (shard_weights_ && mixed) {  // the shard in the format it is gathered in
     compute_shard_ = empty({S}, Mem::Params, d, weight_format_);
@@ -102,7 +122,7 @@ Zero::Zero(Comm& comm, FlatParameters& model, int stage, const AdamWConfig& hp, 
   for (int u = 0; u < (int)units_.size(); u++) {
     const ShardLayout::Unit& U = unit(u);
     const ModelUnit& mu = model.units[u];
-    int64_t lo = U.rank * U.shard, hi = lo + U.valid;  // unit-relative
+    int64_t lo = U.first(), hi = lo + U.valid;  // unit-relative
     for (int p = mu.first; p < mu.first + mu.count; p++) {
       const Tensor& t = model.named_params[p].tensor;
       int64_t begin = model.offsets[p] - U.offset, end = begin + t.numel();
@@ -129,7 +149,7 @@ Tensor Zero::mine(const Tensor& shard, int u) const {
   return shard.view(unit(u).shard_offset, {unit(u).shard});
 }
 Tensor Zero::slice(const Tensor& padded, int u) const {
-  return full(padded, u).view(unit(u).rank * unit(u).shard, {unit(u).shard});
+  return full(padded, u).view(unit(u).first(), {unit(u).shard});
 }
 // What AdamW updates: the fp32 master shard, or (stages 1-2 in fp32) the slice of the weights.
 Tensor Zero::master(int u) const {
@@ -249,7 +269,7 @@ void Zero::reduce_unit(int u) {
   UnitState& s = units_[u];
   s.wire = shard_grads_ ? cast_to(*ctx_, s.grads, grad_dtype_) : full(model_.grads, u);
   s.reduce_start = now_seconds();
-  Tensor mine = s.wire.view(unit(u).rank * unit(u).shard, {unit(u).shard});
+  Tensor mine = s.wire.view(unit(u).first(), {unit(u).shard});
   s.reduce = reduce_scatter_async(comm_, group_of(u), *ctx_, s.wire.ptr, mine.ptr, grad_dtype_,
                                   unit(u).shard, ReduceOp::Sum);
   s.reducing = true;
@@ -262,7 +282,7 @@ void Zero::complete_reduce(int u) {
   wait(s.reduce, "reduce-scatter " + model_.units[u].name, s.reduce_start, exposed_reduce_s);
   s.reducing = false;
   if (shard_grads_) {  // keep the sum of this rank's slice; the unit's full gradient goes
-    accumulate(*ctx_, grads_of(u), s.wire.view(unit(u).rank * unit(u).shard, {unit(u).shard}));
+    accumulate(*ctx_, grads_of(u), s.wire.view(unit(u).first(), {unit(u).shard}));
     model_.bind_unit_grads(u, Tensor());
     s.grads = Tensor();
   }
@@ -345,10 +365,15 @@ void Zero::release_weights() {
   for (size_t u = 0; u < units_.size(); u++) release_unit((int)u);
 }
 
-// What a checkpoint reads and writes: this rank's slices, and the weights stages 1-2 hold whole
-// (in fp32, or in the compute format next to the fp32 master shard).
+// What a checkpoint reads and writes: this rank's slices (the unit's valid elements from its
+// first, over the unit's group), and the weights stages 1-2 hold whole (in fp32, or in the
+// compute format next to the fp32 master shard).
 std::vector<GradientSync::Holding> Zero::holdings(Part part) const {
-  auto sharded = [](std::function<Tensor(int)> f) { return Holding{true, f}; };
+  auto sharded = [this](std::function<Tensor(int)> slice_of) -> Holding {
+    return [this, slice_of](int u) {
+      return Piece{slice_of(u), unit(u).first(), unit(u).valid, &group_of(u)};
+    };
+  };
   switch (part) {
     case Part::Grads:
       return {sharded([this](int u) { return grads_of(u); })};
@@ -362,7 +387,7 @@ std::vector<GradientSync::Holding> Zero::holdings(Part part) const {
   std::vector<Holding> held;
   if (param_shard_.defined()) held.push_back(sharded([this](int u) { return master(u); }));
   if (!shard_weights_)  // the whole weights (after the master: a save reads the first)
-    held.push_back({false, [this](int u) { return whole(model_.params, u); }});
+    held.push_back([this](int u) { return Piece{whole(model_.params, u), 0, unit(u).numel}; });
   if (compute_shard_.defined())
     held.push_back(sharded([this](int u) { return mine(compute_shard_, u); }));
   return held;

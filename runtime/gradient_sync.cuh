@@ -92,15 +92,20 @@ class GradientSync {
 
  protected:
   enum class Part { Params, Grads, ExpAvg, ExpAvgSq };
-  // How this rank holds `part` of the flat state, which is all a checkpoint asks of a gradient
-  // sync: each holding a copy of it, unit by unit, whole (every dp_cp rank the same unit,
-  // [numel]) or sharded as ZeRO shards it (rank r the unit's elements [r S, r S + S) of
-  // S = ceil(numel / dp_cp), zero padding past the end), in its own dtype. A save reads the
-  // first; a load writes them all (the fp32 master weights and their bf16 copy alike).
-  struct Holding {
-    bool sharded;
-    std::function<Tensor(int unit)> unit;
+  // What this rank holds of one unit of the flat state: `tensor`, in its own dtype, whose
+  // elements [0, count) are the unit's elements [first, first + count); any past `count` are
+  // padding, neither saved nor loaded. `split_over`: the group (the unit's, group_of) whose
+  // ranks each hold such a piece, the pieces together covering the unit; nullptr when this
+  // rank holds the unit whole (first 0, count numel), like every rank of the unit's group.
+  struct Piece {
+    Tensor tensor;
+    int64_t first = 0, count = 0;
+    Group* split_over = nullptr;
   };
+  // How this rank holds `part`, which is all a checkpoint asks of a gradient sync: each holding
+  // a copy of it, one piece per unit. A save reads the first; a load writes them all (the fp32
+  // master weights and their bf16 copy alike).
+  using Holding = std::function<Piece(int unit)>;
   virtual std::vector<Holding> holdings(Part part) const = 0;
   virtual void scale_grads(const Context& ctx, float alpha) = 0;
   virtual bool grads_sharded() const = 0;  // each dp_cp rank holds a slice of the gradient
