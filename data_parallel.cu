@@ -183,7 +183,8 @@ class SequentialReducer : public BucketReducer {
 };
 
 template <class Reducer>
-std::unique_ptr<BucketReducer> reducer(Comm& comm, int64_t largest_bucket) {
+std::unique_ptr<BucketReducer> reducer(Comm& comm, const DataParallelOptions&,
+                                       int64_t largest_bucket) {
   if constexpr (std::is_constructible_v<Reducer, Comm&, int64_t>)
     return std::make_unique<Reducer>(comm, largest_bucket);
   else
@@ -196,7 +197,10 @@ struct SyncRow {
   const char* name;
   const char* help;
   bool fp32_only;  // adds fp32 chunks itself (no 16-bit gradients)
-  std::unique_ptr<BucketReducer> (*make)(Comm& comm, int64_t largest_bucket);
+  // The reducer, for buckets of at most largest_bucket floats; `o`: the flags, for a reducer
+  // that has some of its own.
+  std::unique_ptr<BucketReducer> (*make)(Comm& comm, const DataParallelOptions& o,
+                                         int64_t largest_bucket);
 };
 const SyncRow kSyncs[] = {
     {DpSync::Naive, "naive", "one all-reduce per parameter after the backward", false,
@@ -212,8 +216,9 @@ const SyncRow& sync_row(DpSync s) {
   PICO_ASSERT(false, "a --dp-sync value without a row in kSyncs");
   return kSyncs[0];
 }
-std::unique_ptr<BucketReducer> make_reducer(DpSync mode, Comm& comm, int64_t largest_bucket) {
-  return sync_row(mode).make(comm, largest_bucket);
+std::unique_ptr<BucketReducer> make_reducer(const DataParallelOptions& o, Comm& comm,
+                                            int64_t largest_bucket) {
+  return sync_row(o.dp_sync).make(comm, o, largest_bucket);
 }
 }  // namespace
 
@@ -255,9 +260,9 @@ void validate_data_parallel(const DataParallelOptions& o, DType grad_dtype) {
 // ----------------------------------------------------------------------------
 // Buckets
 
-DataParallel::DataParallel(Comm& comm, FlatParameters& model, Context& ctx, DpSync mode,
-                           double bucket_mb, bool overlap, const AdamWConfig& hp,
-                           float weight_decay, uint64_t seed, const PrecisionPolicy& precision)
+DataParallel::DataParallel(Comm& comm, FlatParameters& model, Context& ctx,
+                           const DataParallelOptions& o, const AdamWConfig& hp, float weight_decay,
+                           uint64_t seed, const PrecisionPolicy& precision)
     : GradientSync(comm, model, hp, weight_decay),
       accumulators_(model,
                     [&model](int u) {
@@ -275,8 +280,8 @@ DataParallel::DataParallel(Comm& comm, FlatParameters& model, Context& ctx, DpSy
   // Buckets in backward order: the flat buffer is laid out in forward order, so walking the
   // parameters backwards gives contiguous slices. A bucket closes once it holds bucket_mb
   // (naive: once it holds one parameter), or where the group changes (experts: edp_cp).
-  const bool one_each = make_reducer(mode, comm, 0)->per_parameter();
-  int64_t capacity = one_each ? 1 : std::max<int64_t>(1, (int64_t)(bucket_mb * 1024 * 1024 / 4));
+  const bool one_each = make_reducer(o, comm, 0)->per_parameter();
+  int64_t capacity = one_each ? 1 : std::max<int64_t>(1, (int64_t)(o.bucket_mb * 1024 * 1024 / 4));
   param_bucket_.assign(model.named_params.size(), -1);
   std::vector<Group*> group_of_param(model.named_params.size());
   for (int u = 0; u < (int)model.units.size(); u++)
@@ -296,8 +301,8 @@ DataParallel::DataParallel(Comm& comm, FlatParameters& model, Context& ctx, DpSy
   }
   int64_t largest = 0;
   for (const GradBucket& b : buckets_) largest = std::max(largest, b.count);
-  reducer_ = make_reducer(mode, comm, largest);
-  overlap_ = overlap && reducer_->overlaps();
+  reducer_ = make_reducer(o, comm, largest);
+  overlap_ = !o.no_overlap && reducer_->overlaps();
 }
 
 void DataParallel::begin_step(const Context& ctx) {

@@ -96,10 +96,11 @@ class DataParallel : public GradientSync {
   // Allocates and initialises the weights of `model` (a layout) from `seed`, its gradients (in
   // the policy's gradient dtype: F32 or BF16) and AdamW's moments; under mixed precision the
   // weights' copy in the compute format too, which GEMMs read (registered in ctx), refreshed
-  // after every optimizer step. bucket_mb: bucket capacity in MiB; overlap false launches every
-  // bucket after the backward. Ring mode sums fp32 only.
-  DataParallel(Comm& comm, FlatParameters& model, Context& ctx, DpSync mode, double bucket_mb,
-               bool overlap, const AdamWConfig& hp, float weight_decay, uint64_t seed,
+  // after every optimizer step. From the flags `o`: the reducer (--dp-sync; ring sums fp32
+  // only), the bucket capacity (--bucket-mb) and whether buckets launch during the backward
+  // (--no-overlap: after it). The flags come whole, so that a new one reaches the reducers.
+  DataParallel(Comm& comm, FlatParameters& model, Context& ctx, const DataParallelOptions& o,
+               const AdamWConfig& hp, float weight_decay, uint64_t seed,
                const PrecisionPolicy& precision = {});
   void begin_step(const Context& ctx) override;
   // Only the last micro-batch communicates (Playbook §3.4); its after_backward hook marks a

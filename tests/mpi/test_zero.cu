@@ -107,7 +107,7 @@ TEST_CASE(
     "[mpi][zero]") {
   WorldComm w;
   Model plain = build_model_layout(small_config());
-  DataParallel dp(w.c, plain, w.ctx, DpSync::Bucket, 25, true, AdamWConfig{}, 0.1f, 7);
+  DataParallel dp(w.c, plain, w.ctx, DataParallelOptions{}, AdamWConfig{}, 0.1f, 7);
   Trained want = two_steps(w.c, dp, plain);
   Trained first;
   for (int stage : {1, 2, 3}) {
@@ -169,7 +169,7 @@ TEST_CASE(
     "[mpi][zero]") {
   WorldComm w;
   Model m = build_model_layout(small_config());
-  DataParallel dp(w.c, m, w.ctx, DpSync::Bucket, 25, true, AdamWConfig{}, 0.1f, 7);
+  DataParallel dp(w.c, m, w.ctx, DataParallelOptions{}, AdamWConfig{}, 0.1f, 7);
   float norm = synced_norm(w.c, dp, m, 0.0f);  // max_norm 0: no clipping
   double squares = 0;
   for (float g : to_host_floats(m.grads)) squares += (double)g * g;
