@@ -311,7 +311,7 @@ void DataParallel::begin_step(const Context& ctx) {
   ctx_ = &ctx;
   active_ = comm_.dp_cp.size > 1;
   for (GradBucket& b : buckets_) b.ready = 0, b.launched = false;
-  spans_.clear();
+  comm_spans_.clear();
 }
 
 // Micro-batches before the last only accumulate; a pipeline may run their backwards after the
@@ -356,7 +356,8 @@ double DataParallel::finish(const Context& ctx) {
   for (GradBucket& b : buckets_)
     if (!b.launched) launch(b);
   reducer_->wait(ctx);
-  for (const GradBucket& b : buckets_) spans_.push_back({b.launch_time, now_seconds()});
+  for (const GradBucket& b : buckets_)
+    comm_spans_.push_back({"gradient all-reduce", Track::Comm, b.launch_time, now_seconds()});
   active_ = false;
   return now_seconds() - t0;
 }
@@ -369,10 +370,6 @@ void DataParallel::step(const Context& ctx, float lr) {
 
 int64_t DataParallel::master_bytes() const {
   return compute_copy_.defined() ? (int64_t)model_.params.nbytes() : 0;
-}
-
-void DataParallel::trace_communication(Trace& trace) const {
-  for (auto [start, end] : spans_) trace.add("gradient all-reduce", Track::Comm, start, end);
 }
 
 // ----------------------------------------------------------------------------

@@ -109,7 +109,6 @@ class DataParallel : public GradientSync {
   // Waits for every bucket (launching the ones not yet launched); returns seconds blocked.
   double finish(const Context& ctx) override;
   void step(const Context& ctx, float lr) override;
-  void trace_communication(Trace& trace) const override;
   int64_t master_bytes() const override;
   const std::vector<GradBucket>& buckets() const { return buckets_; }
 
@@ -128,6 +127,5 @@ class DataParallel : public GradientSync {
   const Context* ctx_ = nullptr;
   AdamMoments moments_;  // [num_params] each
   std::vector<GradBucket> buckets_;
-  std::vector<int> param_bucket_;                 // parameter -> bucket
-  std::vector<std::pair<double, double>> spans_;  // (start, end) of each bucket's last sync
+  std::vector<int> param_bucket_;  // parameter -> bucket
 };

@@ -212,16 +212,6 @@ void Zero::after_backward(int u, bool last_micro_batch) {
 // ----------------------------------------------------------------------------
 // Gathers (stage 3) and reduce-scatters, nonblocking
 
-// Waits for a collective launched at `start`: the host time blocked is exposed communication,
-// launch to completion its span in the trace.
-void Zero::wait(Handle& h, const std::string& name, double start, double& exposed) {
-  double t0 = now_seconds();
-  h.wait();  // orders the compute stream after the collective
-  double t1 = now_seconds();
-  exposed += t1 - t0;
-  spans.push_back({name, start, t1});
-}
-
 void Zero::launch_gather(int u) {
   UnitState& s = units_[u];
   if (s.resident || s.gathering) return;
@@ -238,7 +228,7 @@ void Zero::gather_unit(int u) {
   UnitState& s = units_[u];
   if (s.resident) return;
   launch_gather(u);
-  wait(s.gather, "all-gather " + model_.units[u].name, s.gather_start, exposed_gather_s);
+  exposed_gather_s += wait_traced(s.gather, "all-gather " + model_.units[u].name, s.gather_start);
   s.gathering = false, s.resident = true;
   model_.bind_unit_params(u, s.params);
 }
@@ -279,7 +269,8 @@ void Zero::reduce_unit(int u) {
 void Zero::complete_reduce(int u) {
   UnitState& s = units_[u];
   if (!s.reducing) return;
-  wait(s.reduce, "reduce-scatter " + model_.units[u].name, s.reduce_start, exposed_reduce_s);
+  exposed_reduce_s +=
+      wait_traced(s.reduce, "reduce-scatter " + model_.units[u].name, s.reduce_start);
   s.reducing = false;
   if (shard_grads_) {  // keep the sum of this rank's slice; the unit's full gradient goes
     accumulate(*ctx_, grads_of(u), s.wire.view(unit(u).first(), {unit(u).shard}));
@@ -302,7 +293,7 @@ void Zero::progress() {
 
 void Zero::begin_step(const Context& ctx) {
   ctx_ = &ctx;
-  spans.clear();
+  comm_spans_.clear();
   exposed_gather_s = exposed_reduce_s = 0;
   zero_(shard_grads_ ? grad_shard_ : model_.grads);
   pending_scale_ = 1.0f;
@@ -329,8 +320,8 @@ void Zero::step(const Context& ctx, float lr) {
   adamw_.steps++;
   auto finish_gather = [&](int u) {
     if (units_[u].gather.active())
-      wait(units_[u].gather, "all-gather " + model_.units[u].name, units_[u].gather_start,
-           exposed_gather_s);
+      exposed_gather_s += wait_traced(units_[u].gather, "all-gather " + model_.units[u].name,
+                                      units_[u].gather_start);
   };
   size_t k = 0;
   for (int u = 0; u < (int)units_.size(); u++) {
@@ -393,9 +384,6 @@ std::vector<GradientSync::Holding> Zero::holdings(Part part) const {
   return held;
 }
 
-void Zero::trace_communication(Trace& trace) const {
-  for (const Span& span : spans) trace.add(span.name, Track::Comm, span.start, span.end);
-}
 void Zero::print_comm_report(int grad_acc, const CollStats* measured, int64_t steps) const {
   const int head = (int)layout_.units.size() - 1;
   const CollStats &rs = measured[(int)Coll::ReduceScatter], &ag = measured[(int)Coll::AllGather];

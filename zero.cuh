@@ -81,15 +81,10 @@ class Zero : public GradientSync {
     return weight_format_ != DType::F32 ? (int64_t)param_shard_.nbytes() : 0;
   }
   DType weight_format() const { return weight_format_; }
-  void trace_communication(Trace& trace) const override;
   // The ZeRO table (runtime/report.cu): `measured`, dp_cp's traffic over `steps` steps.
   void print_comm_report(int grad_acc, const CollStats* measured, int64_t steps) const override;
-  struct Span {
-    std::string name;
-    double start, end;  // host times, launch to completion observed
-  };
-  std::vector<Span> spans;  // this step's collectives, for --trace
-  // This step's host time blocked on ZeRO's all-gathers and on its reduce-scatters.
+  // This step's host time blocked on ZeRO's all-gathers and on its reduce-scatters (the
+  // collectives' spans go to the trace: trace_communication).
   double exposed_gather_s = 0, exposed_reduce_s = 0;
   ZeroTraffic expected_traffic(int grad_acc) const;  // per step (runtime/formulas.cu)
 
@@ -113,7 +108,6 @@ class Zero : public GradientSync {
   Tensor mine(const Tensor& shard, int u) const;    // unit u's part of a shard buffer [S_u]
   Tensor master(int u) const;                       // what AdamW updates of unit u [S_u], fp32
   Tensor grads_of(int u) const;  // this rank's slice of unit u's gradient [S_u], fp32 or bf16
-  void wait(Handle& h, const std::string& name, double start, double& exposed);
   void before_forward(int u);
   void after_forward(int u);
   void before_backward(int u);

@@ -1,5 +1,6 @@
 // gradient_sync.cu: what every gradient sync shares: the global gradient norm and clipping,
-// and checkpoints of whole tensors (DESIGN 6, "Gradient sync").
+// the spans of its collectives for the trace, and checkpoints of whole tensors (DESIGN 6,
+// "Gradient sync").
 // The one idea: whichever way the replicas are kept in step, clipping and checkpoints see the
 // model as one process would: each weight once, whole.
 #include <algorithm>
@@ -69,6 +70,17 @@ float GradientSync::clip_grad_norm(const Context& ctx, float max_norm) {
   float norm = (float)std::sqrt(squares);
   if (max_norm > 0.0f && norm > max_norm) scale_gradients(ctx, max_norm / norm);
   return norm;
+}
+
+double GradientSync::wait_traced(Handle& h, const std::string& name, double start) {
+  double t0 = now_seconds();
+  h.wait();  // orders the compute stream after the collective
+  double t1 = now_seconds();
+  comm_spans_.push_back({name, Track::Comm, start, t1});
+  return t1 - t0;
+}
+void GradientSync::trace_communication(Trace& trace) const {
+  for (const Trace::Span& s : comm_spans_) trace.add(s.name, s.track, s.start, s.end);
 }
 
 void GradientSync::poison_gradient(const Context& ctx) {

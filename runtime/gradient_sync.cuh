@@ -85,7 +85,9 @@ class GradientSync {
   // precision): a kept copy's master, or ZeRO-1/2's master shard; 0 when the model's own
   // weights are what the optimizer updates.
   virtual int64_t master_bytes() const = 0;
-  virtual void trace_communication(Trace& trace) const = 0;  // this step's collectives
+  // This step's collectives on the trace's communication track (--trace), each from its launch
+  // until its completion was seen.
+  void trace_communication(Trace& trace) const;
   // Its own collectives next to its formula (rank 0 prints): `measured`, dp_cp's traffic over
   // `steps` training steps.
   virtual void print_comm_report(int, const CollStats*, int64_t) const {}
@@ -109,6 +111,9 @@ class GradientSync {
   virtual std::vector<Holding> holdings(Part part) const = 0;
   virtual void scale_grads(const Context& ctx, float alpha) = 0;
   virtual bool grads_sharded() const = 0;  // each dp_cp rank holds a slice of the gradient
+  // Waits for `h`, launched at `start`, and keeps its span for the trace; returns the seconds
+  // the host was blocked on it: communication the step exposes.
+  double wait_traced(Handle& h, const std::string& name, double start);
 
   // The group unit u's gradients are summed over: dp_cp, or edp_cp for expert units (the ranks
   // that hold the same experts; runtime/comm.cuh).
@@ -120,6 +125,7 @@ class GradientSync {
   std::vector<ParamSlice> slices_;  // what this rank's optimizer updates
   DType grad_dtype_ = DType::F32;   // of the gradient buffers (--grad-acc-dtype)
   float pending_scale_ = 1.0f;      // bf16 gradients: the factor not yet applied (reset per step)
+  std::vector<Trace::Span> comm_spans_;  // this step's collectives (cleared by begin_step)
 
  private:
   Tensor gather_flat(const Context& ctx, Part part);
