@@ -44,6 +44,8 @@ void add_zero_flags(CLI::App& app, ZeroOptions& o) {
 // ----------------------------------------------------------------------------
 // Shards
 
+// Unit by unit: S_u = ceil(numel_u / N) elements per rank; rank r's valid ones are the part of
+// [r S_u, (r+1) S_u) inside the unit (none for a last rank past its end); the rest is padding.
 ShardLayout make_shard_layout(const FlatParameters& model, int ranks, int rank, int expert_ranks,
                               int expert_rank) {
   ShardLayout s;
