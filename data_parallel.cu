@@ -183,7 +183,8 @@ class SequentialReducer : public BucketReducer {
 };
 
 template <class Reducer>
-std::unique_ptr<BucketReducer> reducer(Comm& comm, int64_t largest_bucket) {
+std::unique_ptr<BucketReducer> reducer(Comm& comm, const DataParallelOptions&,
+                                       int64_t largest_bucket) {
   if constexpr (std::is_constructible_v<Reducer, Comm&, int64_t>)
     return std::make_unique<Reducer>(comm, largest_bucket);
   else
@@ -196,7 +197,10 @@ struct SyncRow {
   const char* name;
   const char* help;
   bool fp32_only;  // adds fp32 chunks itself (no 16-bit gradients)
-  std::unique_ptr<BucketReducer> (*make)(Comm& comm, int64_t largest_bucket);
+  // The reducer, for buckets of at most largest_bucket floats; `o`: the flags, for a reducer
+  // that has some of its own.
+  std::unique_ptr<BucketReducer> (*make)(Comm& comm, const DataParallelOptions& o,
+                                         int64_t largest_bucket);
 };
 const SyncRow kSyncs[] = {
     {DpSync::Naive, "naive", "one all-reduce per parameter after the backward", false,
@@ -212,8 +216,9 @@ const SyncRow& sync_row(DpSync s) {
   PICO_ASSERT(false, "a --dp-sync value without a row in kSyncs");
   return kSyncs[0];
 }
-std::unique_ptr<BucketReducer> make_reducer(DpSync mode, Comm& comm, int64_t largest_bucket) {
-  return sync_row(mode).make(comm, largest_bucket);
+std::unique_ptr<BucketReducer> make_reducer(const DataParallelOptions& o, Comm& comm,
+                                            int64_t largest_bucket) {
+  return sync_row(o.dp_sync).make(comm, o, largest_bucket);
 }
 }  // namespace
 
@@ -255,9 +260,9 @@ void validate_data_parallel(const DataParallelOptions& o, DType grad_dtype) {
 // ----------------------------------------------------------------------------
 // Buckets
 
-DataParallel::DataParallel(Comm& comm, FlatParameters& model, Context& ctx, DpSync mode,
-                           double bucket_mb, bool overlap, const AdamWConfig& hp,
-                           float weight_decay, uint64_t seed, const PrecisionPolicy& precision)
+DataParallel::DataParallel(Comm& comm, FlatParameters& model, Context& ctx,
+                           const DataParallelOptions& o, const AdamWConfig& hp, float weight_decay,
+                           uint64_t seed, const PrecisionPolicy& precision)
     : GradientSync(comm, model, hp, weight_decay),
       accumulators_(model,
                     [&model](int u) {
@@ -275,8 +280,8 @@ DataParallel::DataParallel(Comm& comm, FlatParameters& model, Context& ctx, DpSy
   // Buckets in backward order: the flat buffer is laid out in forward order, so walking the
   // parameters backwards gives contiguous slices. A bucket closes once it holds bucket_mb
   // (naive: once it holds one parameter), or where the group changes (experts: edp_cp).
-  const bool one_each = make_reducer(mode, comm, 0)->per_parameter();
-  int64_t capacity = one_each ? 1 : std::max<int64_t>(1, (int64_t)(bucket_mb * 1024 * 1024 / 4));
+  const bool one_each = make_reducer(o, comm, 0)->per_parameter();
+  int64_t capacity = one_each ? 1 : std::max<int64_t>(1, (int64_t)(o.bucket_mb * 1024 * 1024 / 4));
   param_bucket_.assign(model.named_params.size(), -1);
   std::vector<Group*> group_of_param(model.named_params.size());
   for (int u = 0; u < (int)model.units.size(); u++)
@@ -296,8 +301,8 @@ DataParallel::DataParallel(Comm& comm, FlatParameters& model, Context& ctx, DpSy
   }
   int64_t largest = 0;
   for (const GradBucket& b : buckets_) largest = std::max(largest, b.count);
-  reducer_ = make_reducer(mode, comm, largest);
-  overlap_ = overlap && reducer_->overlaps();
+  reducer_ = make_reducer(o, comm, largest);
+  overlap_ = !o.no_overlap && reducer_->overlaps();
 }
 
 void DataParallel::begin_step(const Context& ctx) {
@@ -306,7 +311,7 @@ void DataParallel::begin_step(const Context& ctx) {
   ctx_ = &ctx;
   active_ = comm_.dp_cp.size > 1;
   for (GradBucket& b : buckets_) b.ready = 0, b.launched = false;
-  spans_.clear();
+  comm_spans_.clear();
 }
 
 // Micro-batches before the last only accumulate; a pipeline may run their backwards after the
@@ -351,7 +356,8 @@ double DataParallel::finish(const Context& ctx) {
   for (GradBucket& b : buckets_)
     if (!b.launched) launch(b);
   reducer_->wait(ctx);
-  for (const GradBucket& b : buckets_) spans_.push_back({b.launch_time, now_seconds()});
+  for (const GradBucket& b : buckets_)
+    comm_spans_.push_back({"gradient all-reduce", Track::Comm, b.launch_time, now_seconds()});
   active_ = false;
   return now_seconds() - t0;
 }
@@ -366,18 +372,15 @@ int64_t DataParallel::master_bytes() const {
   return compute_copy_.defined() ? (int64_t)model_.params.nbytes() : 0;
 }
 
-void DataParallel::trace_communication(Trace& trace) const {
-  for (auto [start, end] : spans_) trace.add("gradient all-reduce", Track::Comm, start, end);
-}
-
 // ----------------------------------------------------------------------------
 // Checkpoints: every rank holds everything, whole
 
 std::vector<GradientSync::Holding> DataParallel::holdings(Part part) const {
-  auto whole = [this](const Tensor& flat) {
-    return Holding{false, [this, flat](int u) {
-                     return flat.view(model_.units[u].offset, {model_.units[u].numel});
-                   }};
+  auto whole = [this](const Tensor& flat) -> Holding {
+    return [this, flat](int u) {
+      const ModelUnit& U = model_.units[u];
+      return Piece{flat.view(U.offset, {U.numel}), 0, U.numel};
+    };
   };
   switch (part) {
     case Part::Params:

@@ -96,10 +96,11 @@ class DataParallel : public GradientSync {
   // Allocates and initialises the weights of `model` (a layout) from `seed`, its gradients (in
   // the policy's gradient dtype: F32 or BF16) and AdamW's moments; under mixed precision the
   // weights' copy in the compute format too, which GEMMs read (registered in ctx), refreshed
-  // after every optimizer step. bucket_mb: bucket capacity in MiB; overlap false launches every
-  // bucket after the backward. Ring mode sums fp32 only.
-  DataParallel(Comm& comm, FlatParameters& model, Context& ctx, DpSync mode, double bucket_mb,
-               bool overlap, const AdamWConfig& hp, float weight_decay, uint64_t seed,
+  // after every optimizer step. From the flags `o`: the reducer (--dp-sync; ring sums fp32
+  // only), the bucket capacity (--bucket-mb) and whether buckets launch during the backward
+  // (--no-overlap: after it). The flags come whole, so that a new one reaches the reducers.
+  DataParallel(Comm& comm, FlatParameters& model, Context& ctx, const DataParallelOptions& o,
+               const AdamWConfig& hp, float weight_decay, uint64_t seed,
                const PrecisionPolicy& precision = {});
   void begin_step(const Context& ctx) override;
   // Only the last micro-batch communicates (Playbook §3.4); its after_backward hook marks a
@@ -108,7 +109,6 @@ class DataParallel : public GradientSync {
   // Waits for every bucket (launching the ones not yet launched); returns seconds blocked.
   double finish(const Context& ctx) override;
   void step(const Context& ctx, float lr) override;
-  void trace_communication(Trace& trace) const override;
   int64_t master_bytes() const override;
   const std::vector<GradBucket>& buckets() const { return buckets_; }
 
@@ -127,6 +127,5 @@ class DataParallel : public GradientSync {
   const Context* ctx_ = nullptr;
   AdamMoments moments_;  // [num_params] each
   std::vector<GradBucket> buckets_;
-  std::vector<int> param_bucket_;                 // parameter -> bucket
-  std::vector<std::pair<double, double>> spans_;  // (start, end) of each bucket's last sync
+  std::vector<int> param_bucket_;  // parameter -> bucket
 };

@@ -292,8 +292,8 @@ static std::unique_ptr<GradientSync> make_gradient_sync(Comm& comm, Model& model
   if (zero_stage(o) > 0)
     return std::make_unique<Zero>(comm, model, zero_stage(o), AdamWConfig{}, o.weight_decay, o.seed,
                                   !o.no_overlap, precision);
-  return std::make_unique<DataParallel>(comm, model, ctx, o.dp_sync, o.bucket_mb, !o.no_overlap,
-                                        AdamWConfig{}, o.weight_decay, o.seed, precision);
+  return std::make_unique<DataParallel>(comm, model, ctx, o, AdamWConfig{}, o.weight_decay, o.seed,
+                                        precision);
 }
 
 // Evaluation reads the whole model: ZeRO-3 gathers it for the duration.

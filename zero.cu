@@ -44,6 +44,28 @@ void add_zero_flags(CLI::App& app, ZeroOptions& o) {
 // ----------------------------------------------------------------------------
 // Shards
 
+// Unit by unit: S_u = ceil(numel_u / N) elements per rank; rank r's valid ones are the part of
+// [r S_u, (r+1) S_u) inside the unit (none for a last rank past its end); the rest is padding.
+ShardLayout make_shard_layout(const FlatParameters& model, int ranks, int rank, int expert_ranks,
+                              int expert_rank) {
+  ShardLayout s;
+  s.ranks = ranks, s.rank = rank;
+  if (expert_ranks == 0) expert_ranks = ranks, expert_rank = rank;
+  for (const ModelUnit& mu : model.units) {
+    ShardLayout::Unit u;
+    u.ranks = mu.experts ? expert_ranks : ranks, u.rank = mu.experts ? expert_rank : rank;
+    u.offset = mu.offset, u.numel = mu.numel;
+    u.shard = (mu.numel + u.ranks - 1) / u.ranks;
+    u.shard_offset = s.shard_numel;
+    u.padded_offset = s.padded;
+    u.valid = std::clamp(mu.numel - u.first(), (int64_t)0, u.shard);
+    s.shard_numel += u.shard;
+    s.padded += (int64_t)u.ranks * u.shard;
+    s.units.push_back(u);
+  }
+  return s;
+}
+
 Zero::Zero(Comm& comm, FlatParameters& model, int stage, const AdamWConfig& hp, float weight_decay,
            uint64_t seed, bool overlap, const PrecisionPolicy& precision)
     : GradientSync(comm, model, hp, weight_decay),
@@ -81,7 +103,7 @@ Zero::Zero(Comm& comm, FlatParameters& model, int stage, const AdamWConfig& hp, 
     for (int u = 0; u < (int)units_.size(); u++)
       if (unit(u).valid > 0)
         model.init_parameters(seed, mine(param_shard_, u).view(0, {unit(u).valid}),
-                              unit(u).offset + unit(u).rank * unit(u).shard);
+                              unit(u).offset + unit(u).first());
   }
   if (shard_weights_ && mixed) {  // the shard in the format it is gathered in
     compute_shard_ = empty({S}, Mem::Params, d, weight_format_);
@@ -102,7 +124,7 @@ Zero::Zero(Comm& comm, FlatParameters& model, int stage, const AdamWConfig& hp, 
   for (int u = 0; u < (int)units_.size(); u++) {
     const ShardLayout::Unit& U = unit(u);
     const ModelUnit& mu = model.units[u];
-    int64_t lo = U.rank * U.shard, hi = lo + U.valid;  // unit-relative
+    int64_t lo = U.first(), hi = lo + U.valid;  // unit-relative
     for (int p = mu.first; p < mu.first + mu.count; p++) {
       const Tensor& t = model.named_params[p].tensor;
       int64_t begin = model.offsets[p] - U.offset, end = begin + t.numel();
@@ -129,7 +151,7 @@ Tensor Zero::mine(const Tensor& shard, int u) const {
   return shard.view(unit(u).shard_offset, {unit(u).shard});
 }
 Tensor Zero::slice(const Tensor& padded, int u) const {
-  return full(padded, u).view(unit(u).rank * unit(u).shard, {unit(u).shard});
+  return full(padded, u).view(unit(u).first(), {unit(u).shard});
 }
 // What AdamW updates: the fp32 master shard, or (stages 1-2 in fp32) the slice of the weights.
 Tensor Zero::master(int u) const {
@@ -192,16 +214,6 @@ void Zero::after_backward(int u, bool last_micro_batch) {
 // ----------------------------------------------------------------------------
 // Gathers (stage 3) and reduce-scatters, nonblocking
 
-// Waits for a collective launched at `start`: the host time blocked is exposed communication,
-// launch to completion its span in the trace.
-void Zero::wait(Handle& h, const std::string& name, double start, double& exposed) {
-  double t0 = now_seconds();
-  h.wait();  // orders the compute stream after the collective
-  double t1 = now_seconds();
-  exposed += t1 - t0;
-  spans.push_back({name, start, t1});
-}
-
 void Zero::launch_gather(int u) {
   UnitState& s = units_[u];
   if (s.resident || s.gathering) return;
@@ -218,7 +230,7 @@ void Zero::gather_unit(int u) {
   UnitState& s = units_[u];
   if (s.resident) return;
   launch_gather(u);
-  wait(s.gather, "all-gather " + model_.units[u].name, s.gather_start, exposed_gather_s);
+  exposed_gather_s += wait_traced(s.gather, "all-gather " + model_.units[u].name, s.gather_start);
   s.gathering = false, s.resident = true;
   model_.bind_unit_params(u, s.params);
 }
@@ -249,7 +261,7 @@ void Zero::reduce_unit(int u) {
   UnitState& s = units_[u];
   s.wire = shard_grads_ ? cast_to(*ctx_, s.grads, grad_dtype_) : full(model_.grads, u);
   s.reduce_start = now_seconds();
-  Tensor mine = s.wire.view(unit(u).rank * unit(u).shard, {unit(u).shard});
+  Tensor mine = s.wire.view(unit(u).first(), {unit(u).shard});
   s.reduce = reduce_scatter_async(comm_, group_of(u), *ctx_, s.wire.ptr, mine.ptr, grad_dtype_,
                                   unit(u).shard, ReduceOp::Sum);
   s.reducing = true;
@@ -259,10 +271,11 @@ void Zero::reduce_unit(int u) {
 void Zero::complete_reduce(int u) {
   UnitState& s = units_[u];
   if (!s.reducing) return;
-  wait(s.reduce, "reduce-scatter " + model_.units[u].name, s.reduce_start, exposed_reduce_s);
+  exposed_reduce_s +=
+      wait_traced(s.reduce, "reduce-scatter " + model_.units[u].name, s.reduce_start);
   s.reducing = false;
   if (shard_grads_) {  // keep the sum of this rank's slice; the unit's full gradient goes
-    accumulate(*ctx_, grads_of(u), s.wire.view(unit(u).rank * unit(u).shard, {unit(u).shard}));
+    accumulate(*ctx_, grads_of(u), s.wire.view(unit(u).first(), {unit(u).shard}));
     model_.bind_unit_grads(u, Tensor());
     s.grads = Tensor();
   }
@@ -282,7 +295,7 @@ void Zero::progress() {
 
 void Zero::begin_step(const Context& ctx) {
   ctx_ = &ctx;
-  spans.clear();
+  comm_spans_.clear();
   exposed_gather_s = exposed_reduce_s = 0;
   zero_(shard_grads_ ? grad_shard_ : model_.grads);
   pending_scale_ = 1.0f;
@@ -309,8 +322,8 @@ void Zero::step(const Context& ctx, float lr) {
   adamw_.steps++;
   auto finish_gather = [&](int u) {
     if (units_[u].gather.active())
-      wait(units_[u].gather, "all-gather " + model_.units[u].name, units_[u].gather_start,
-           exposed_gather_s);
+      exposed_gather_s += wait_traced(units_[u].gather, "all-gather " + model_.units[u].name,
+                                      units_[u].gather_start);
   };
   size_t k = 0;
   for (int u = 0; u < (int)units_.size(); u++) {
@@ -345,10 +358,15 @@ void Zero::release_weights() {
   for (size_t u = 0; u < units_.size(); u++) release_unit((int)u);
 }
 
-// What a checkpoint reads and writes: this rank's slices, and the weights stages 1-2 hold whole
-// (in fp32, or in the compute format next to the fp32 master shard).
+// What a checkpoint reads and writes: this rank's slices (the unit's valid elements from its
+// first, over the unit's group), and the weights stages 1-2 hold whole (in fp32, or in the
+// compute format next to the fp32 master shard).
 std::vector<GradientSync::Holding> Zero::holdings(Part part) const {
-  auto sharded = [](std::function<Tensor(int)> f) { return Holding{true, f}; };
+  auto sharded = [this](std::function<Tensor(int)> slice_of) -> Holding {
+    return [this, slice_of](int u) {
+      return Piece{slice_of(u), unit(u).first(), unit(u).valid, &group_of(u)};
+    };
+  };
   switch (part) {
     case Part::Grads:
       return {sharded([this](int u) { return grads_of(u); })};
@@ -362,15 +380,12 @@ std::vector<GradientSync::Holding> Zero::holdings(Part part) const {
   std::vector<Holding> held;
   if (param_shard_.defined()) held.push_back(sharded([this](int u) { return master(u); }));
   if (!shard_weights_)  // the whole weights (after the master: a save reads the first)
-    held.push_back({false, [this](int u) { return whole(model_.params, u); }});
+    held.push_back([this](int u) { return Piece{whole(model_.params, u), 0, unit(u).numel}; });
   if (compute_shard_.defined())
     held.push_back(sharded([this](int u) { return mine(compute_shard_, u); }));
   return held;
 }
 
-void Zero::trace_communication(Trace& trace) const {
-  for (const Span& span : spans) trace.add(span.name, Track::Comm, span.start, span.end);
-}
 void Zero::print_comm_report(int grad_acc, const CollStats* measured, int64_t steps) const {
   const int head = (int)layout_.units.size() - 1;
   const CollStats &rs = measured[(int)Coll::ReduceScatter], &ag = measured[(int)Coll::AllGather];

@@ -19,6 +19,32 @@ struct ZeroOptions {
 };
 void add_zero_flags(CLI::App& app, ZeroOptions& o);
 
+// ---- The shards (Playbook §4.2) ----
+// How the flat parameter vector is split over N ranks. Each unit (embedding, block, head) is
+// split on its own, as FSDP splits each wrapped module's flat parameter, so that ZeRO-3 gathers
+// a block with one all-gather: rank r owns elements [r S_u, (r+1) S_u) of unit u, S_u =
+// ceil(numel_u / N); the slice of the last rank(s) runs past the unit's end into zero padding.
+// Expert units (ModelUnit::experts) split over their own group (edp_cp): N and r are theirs.
+struct ShardLayout {
+  int ranks = 1, rank = 0;  // the group of the other units (dp_cp)
+  struct Unit {
+    int ranks = 1, rank = 0;        // N and r of the unit's group
+    int64_t offset = 0, numel = 0;  // the unit's slice of the flat (unpadded) parameter vector
+    int64_t shard = 0;              // S_u: elements per rank, padding included
+    int64_t shard_offset = 0;       // where the unit starts in each rank's shard buffers
+    int64_t padded_offset = 0;      // where it starts in a full padded buffer (N_u S_u each)
+    int64_t valid = 0;              // elements of this rank's shard that are parameters
+    int64_t first() const { return rank * shard; }  // this rank's first element, unit-relative
+  };
+  std::vector<Unit> units;  // the model's units, in order
+  int64_t shard_numel = 0;  // sum of S_u: the size of every shard buffer, on every rank
+  int64_t padded = 0;       // sum of N_u S_u: Psi', Psi plus the padding
+  int64_t padded_numel() const { return padded; }
+};
+// `ranks`, `rank`: dp_cp's; `expert_ranks`, `expert_rank`: edp_cp's (default: the same).
+ShardLayout make_shard_layout(const FlatParameters& model, int ranks, int rank,
+                              int expert_ranks = 0, int expert_rank = 0);
+
 // One rank's part of ZeRO training as a GradientSync: the shard buffers, the hooks that gather
 // and reduce-scatter around each unit, AdamW on the shard, and its part of whole checkpoints.
 class Zero : public GradientSync {
@@ -55,15 +81,10 @@ class Zero : public GradientSync {
     return weight_format_ != DType::F32 ? (int64_t)param_shard_.nbytes() : 0;
   }
   DType weight_format() const { return weight_format_; }
-  void trace_communication(Trace& trace) const override;
   // The ZeRO table (runtime/report.cu): `measured`, dp_cp's traffic over `steps` steps.
   void print_comm_report(int grad_acc, const CollStats* measured, int64_t steps) const override;
-  struct Span {
-    std::string name;
-    double start, end;  // host times, launch to completion observed
-  };
-  std::vector<Span> spans;  // this step's collectives, for --trace
-  // This step's host time blocked on ZeRO's all-gathers and on its reduce-scatters.
+  // This step's host time blocked on ZeRO's all-gathers and on its reduce-scatters (the
+  // collectives' spans go to the trace: trace_communication).
   double exposed_gather_s = 0, exposed_reduce_s = 0;
   ZeroTraffic expected_traffic(int grad_acc) const;  // per step (runtime/formulas.cu)
 
@@ -87,7 +108,6 @@ class Zero : public GradientSync {
   Tensor mine(const Tensor& shard, int u) const;    // unit u's part of a shard buffer [S_u]
   Tensor master(int u) const;                       // what AdamW updates of unit u [S_u], fp32
   Tensor grads_of(int u) const;  // this rank's slice of unit u's gradient [S_u], fp32 or bf16
-  void wait(Handle& h, const std::string& name, double start, double& exposed);
   void before_forward(int u);
   void after_forward(int u);
   void before_backward(int u);

@@ -306,7 +306,9 @@ static void dp_step(Comm& comm, Context& ctx) {
        {Mode{"naive", DpSync::Naive, false}, Mode{"bucket, no overlap", DpSync::Bucket, false},
         Mode{"bucket", DpSync::Bucket, true}, Mode{"ring", DpSync::Ring, true}}) {
     Model model = build_model_layout(c);
-    DataParallel dp(comm, model, ctx, m.sync, 25, m.overlap, AdamWConfig{}, 0.1f, 1);
+    DataParallelOptions o;  // buckets of 25 MiB
+    o.dp_sync = m.sync, o.no_overlap = !m.overlap;
+    DataParallel dp(comm, model, ctx, o, AdamWConfig{}, 0.1f, 1);
     double step_sum = 0, exposed_sum = 0;
     for (int rep = 0; rep < 4; rep++) {
       barrier(comm, comm.world, ctx);
@@ -357,8 +359,8 @@ static ZeroRun zero_run(Comm& comm, Context& ctx, int stage, bool overlap) {
     if (stage > 0)
       sync.reset(zero = new Zero(comm, model, stage, AdamWConfig{}, 0.1f, 1, overlap));
     else
-      sync = std::make_unique<DataParallel>(comm, model, ctx, DpSync::Bucket, 25, true,
-                                            AdamWConfig{}, 0.1f, 1);
+      sync = std::make_unique<DataParallel>(comm, model, ctx, DataParallelOptions{}, AdamWConfig{},
+                                            0.1f, 1);
     for (int rep = 0; rep < 4; rep++) {
       barrier(comm, comm.world, ctx);
       double t0 = now_seconds();

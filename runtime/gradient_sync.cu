@@ -1,5 +1,6 @@
 // gradient_sync.cu: what every gradient sync shares: the global gradient norm and clipping,
-// and checkpoints of whole tensors (DESIGN 6, "Gradient sync").
+// the spans of its collectives for the trace, and checkpoints of whole tensors (DESIGN 6,
+// "Gradient sync").
 // The one idea: whichever way the replicas are kept in step, clipping and checkpoints see the
 // model as one process would: each weight once, whole.
 #include <algorithm>
@@ -71,6 +72,17 @@ float GradientSync::clip_grad_norm(const Context& ctx, float max_norm) {
   return norm;
 }
 
+double GradientSync::wait_traced(Handle& h, const std::string& name, double start) {
+  double t0 = now_seconds();
+  h.wait();  // orders the compute stream after the collective
+  double t1 = now_seconds();
+  comm_spans_.push_back({name, Track::Comm, start, t1});
+  return t1 - t0;
+}
+void GradientSync::trace_communication(Trace& trace) const {
+  for (const Trace::Span& s : comm_spans_) trace.add(s.name, s.track, s.start, s.end);
+}
+
 void GradientSync::poison_gradient(const Context& ctx) {
   PICO_ASSERT(!slices_.empty(), "poison_gradient: this rank updates no parameter");
   const ParamSlice& s = slices_.front();
@@ -98,16 +110,32 @@ Tensor GradientSync::gather_flat(const Context& ctx, Part part) {
   };
   for (size_t u = 0; u < model_.units.size(); u++) {
     const ModelUnit& U = model_.units[u];
-    Group& g = group_of((int)u);
-    Tensor mine = fp32(held.unit((int)u));
-    if (!held.sharded) {  // every rank holds the unit: the root's copy is the whole
-      if (g.rank == 0) copy_(whole.view(U.offset, {U.numel}), mine.view(0, {U.numel}));
+    const Piece piece = held((int)u);
+    Tensor mine = fp32(piece.tensor);
+    if (!piece.split_over) {  // every rank holds the unit: the root's copy is the whole
+      if (group_of((int)u).rank == 0)
+        copy_(whole.view(U.offset, {U.numel}), mine.view(0, {U.numel}));
       continue;
     }
-    const int64_t S = mine.numel();
+    // Split: every rank's range to every rank (host bookkeeping, uncounted), then every rank's
+    // piece to the root in one gather of the largest piece's size, then each put in its place.
+    Group& g = *piece.split_over;
+    std::vector<int64_t> range;
+    for (int r = 0; r < g.size; r++) range.insert(range.end(), {piece.first, piece.count});
+    std::vector<int64_t> ranges = exchange_counts(comm_, g, range);  // rank r's at 2r, 2r + 1
+    int64_t S = 0;
+    for (int r = 0; r < g.size; r++) S = std::max(S, ranges[2 * r + 1]);
+    if (mine.numel() < S) {  // a shorter piece travels zero-padded to the gather's size
+      Tensor padded = zeros({S}, Mem::Workspace, comm_.device);
+      if (piece.count > 0) copy_(padded.view(0, {piece.count}), mine.view(0, {piece.count}));
+      mine = padded;
+    }
     Tensor staging = g.rank == 0 ? empty({g.size * S}, Mem::Workspace, comm_.device) : Tensor();
     gather(comm_, g, ctx, mine.f32(), g.rank == 0 ? staging.f32() : nullptr, S, 0);
-    if (g.rank == 0) copy_(whole.view(U.offset, {U.numel}), staging.view(0, {U.numel}));
+    for (int r = 0; g.rank == 0 && r < g.size; r++) {
+      const int64_t first = ranges[2 * r], count = ranges[2 * r + 1];
+      if (count > 0) copy_(whole.view(U.offset + first, {count}), staging.view(r * S, {count}));
+    }
   }
   return whole;
 }
@@ -116,15 +144,10 @@ Tensor GradientSync::gather_flat(const Context& ctx, Part part) {
 void GradientSync::load_flat(Part part, const Tensor& whole) {
   for (const Holding& held : holdings(part))
     for (size_t u = 0; u < model_.units.size(); u++) {
-      const ModelUnit& U = model_.units[u];
-      Tensor mine = held.unit((int)u);
-      int64_t first = 0, count = U.numel;  // of the unit
-      if (held.sharded) {
-        const int64_t S = mine.numel();
-        first = group_of((int)u).rank * S, count = std::clamp(U.numel - first, (int64_t)0, S);
-      }
-      if (count == 0) continue;
-      Tensor from = whole.view(U.offset + first, {count}), into = mine.view(0, {count});
+      const Piece piece = held((int)u);
+      if (piece.count == 0) continue;
+      Tensor from = whole.view(model_.units[u].offset + piece.first, {piece.count});
+      Tensor into = piece.tensor.view(0, {piece.count});
       if (into.dtype == DType::F32)
         copy_(into, from);
       else

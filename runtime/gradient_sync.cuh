@@ -85,25 +85,35 @@ class GradientSync {
   // precision): a kept copy's master, or ZeRO-1/2's master shard; 0 when the model's own
   // weights are what the optimizer updates.
   virtual int64_t master_bytes() const = 0;
-  virtual void trace_communication(Trace& trace) const = 0;  // this step's collectives
+  // This step's collectives on the trace's communication track (--trace), each from its launch
+  // until its completion was seen.
+  void trace_communication(Trace& trace) const;
   // Its own collectives next to its formula (rank 0 prints): `measured`, dp_cp's traffic over
   // `steps` training steps.
   virtual void print_comm_report(int, const CollStats*, int64_t) const {}
 
  protected:
   enum class Part { Params, Grads, ExpAvg, ExpAvgSq };
-  // How this rank holds `part` of the flat state, which is all a checkpoint asks of a gradient
-  // sync: each holding a copy of it, unit by unit, whole (every dp_cp rank the same unit,
-  // [numel]) or sharded as ZeRO shards it (rank r the unit's elements [r S, r S + S) of
-  // S = ceil(numel / dp_cp), zero padding past the end), in its own dtype. A save reads the
-  // first; a load writes them all (the fp32 master weights and their bf16 copy alike).
-  struct Holding {
-    bool sharded;
-    std::function<Tensor(int unit)> unit;
+  // What this rank holds of one unit of the flat state: `tensor`, in its own dtype, whose
+  // elements [0, count) are the unit's elements [first, first + count); any past `count` are
+  // padding, neither saved nor loaded. `split_over`: the group (the unit's, group_of) whose
+  // ranks each hold such a piece, the pieces together covering the unit; nullptr when this
+  // rank holds the unit whole (first 0, count numel), like every rank of the unit's group.
+  struct Piece {
+    Tensor tensor;
+    int64_t first = 0, count = 0;
+    Group* split_over = nullptr;
   };
+  // How this rank holds `part`, which is all a checkpoint asks of a gradient sync: each holding
+  // a copy of it, one piece per unit. A save reads the first; a load writes them all (the fp32
+  // master weights and their bf16 copy alike).
+  using Holding = std::function<Piece(int unit)>;
   virtual std::vector<Holding> holdings(Part part) const = 0;
   virtual void scale_grads(const Context& ctx, float alpha) = 0;
   virtual bool grads_sharded() const = 0;  // each dp_cp rank holds a slice of the gradient
+  // Waits for `h`, launched at `start`, and keeps its span for the trace; returns the seconds
+  // the host was blocked on it: communication the step exposes.
+  double wait_traced(Handle& h, const std::string& name, double start);
 
   // The group unit u's gradients are summed over: dp_cp, or edp_cp for expert units (the ranks
   // that hold the same experts; runtime/comm.cuh).
@@ -115,6 +125,7 @@ class GradientSync {
   std::vector<ParamSlice> slices_;  // what this rank's optimizer updates
   DType grad_dtype_ = DType::F32;   // of the gradient buffers (--grad-acc-dtype)
   float pending_scale_ = 1.0f;      // bf16 gradients: the factor not yet applied (reset per step)
+  std::vector<Trace::Span> comm_spans_;  // this step's collectives (cleared by begin_step)
 
  private:
   Tensor gather_flat(const Context& ctx, Part part);

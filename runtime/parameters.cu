@@ -1,7 +1,5 @@
 // parameters.cu: the flat parameter buffers and their named views (parameters.cuh), and
 // blocks of whole tensors, where tensor-parallel shards come from and go back to.
-#include <algorithm>
-
 #include "runtime/parameters.cuh"
 
 std::vector<NamedTensor> named_views(const FlatParameters& p, const Tensor& flat) {
@@ -59,24 +57,4 @@ bool TpSlice::whole(const Tensor& shard) const {
   int64_t n = 1;
   for (int64_t s : full_shape) n *= s;
   return shard.numel() == n;
-}
-
-ShardLayout make_shard_layout(const FlatParameters& model, int ranks, int rank, int expert_ranks,
-                              int expert_rank) {
-  ShardLayout s;
-  s.ranks = ranks, s.rank = rank;
-  if (expert_ranks == 0) expert_ranks = ranks, expert_rank = rank;
-  for (const ModelUnit& mu : model.units) {
-    ShardLayout::Unit u;
-    u.ranks = mu.experts ? expert_ranks : ranks, u.rank = mu.experts ? expert_rank : rank;
-    u.offset = mu.offset, u.numel = mu.numel;
-    u.shard = (mu.numel + u.ranks - 1) / u.ranks;
-    u.shard_offset = s.shard_numel;
-    u.padded_offset = s.padded;
-    u.valid = std::clamp(mu.numel - (int64_t)u.rank * u.shard, (int64_t)0, u.shard);
-    s.shard_numel += u.shard;
-    s.padded += (int64_t)u.ranks * u.shard;
-    s.units.push_back(u);
-  }
-  return s;
 }

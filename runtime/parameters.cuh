@@ -94,28 +94,3 @@ void init_normal_block(const Tensor& shard, uint64_t seed, const std::string& na
 void load_block(const Tensor& shard, const float* full, int64_t row0, int64_t col0,
                 int64_t full_cols);
 void store_block(const Tensor& shard, float* full, int64_t row0, int64_t col0, int64_t full_cols);
-
-// How the flat parameter vector is split over N ranks (ZeRO, zero.cu, and checkpoints). Each unit
-// (embedding, block, head) is split on its own, as FSDP splits each wrapped module's flat
-// parameter, so that ZeRO-3 gathers a block with one all-gather: rank r owns elements [r*S_u,
-// (r+1)*S_u) of unit u, S_u = ceil(numel_u / N); the slice of the last rank(s) runs past the unit's
-// end into zero padding. Expert units (ModelUnit::experts) split over their own group (edp_cp): N
-// and r are theirs.
-struct ShardLayout {
-  int ranks = 1, rank = 0;  // the group of the other units (dp_cp)
-  struct Unit {
-    int ranks = 1, rank = 0;        // N and r of the unit's group
-    int64_t offset = 0, numel = 0;  // the unit's slice of the flat (unpadded) parameter vector
-    int64_t shard = 0;              // S_u: elements per rank, padding included
-    int64_t shard_offset = 0;       // where the unit starts in each rank's shard buffers
-    int64_t padded_offset = 0;      // where it starts in a full padded buffer (N_u S_u each)
-    int64_t valid = 0;              // elements of this rank's shard that are parameters
-  };
-  std::vector<Unit> units;  // the model's units, in order
-  int64_t shard_numel = 0;  // sum of S_u: the size of every shard buffer, on every rank
-  int64_t padded = 0;       // sum of N_u S_u: Psi', Psi plus the padding
-  int64_t padded_numel() const { return padded; }
-};
-// `ranks`, `rank`: dp_cp's; `expert_ranks`, `expert_rank`: edp_cp's (default: the same).
-ShardLayout make_shard_layout(const FlatParameters& model, int ranks, int rank,
-                              int expert_ranks = 0, int expert_rank = 0);
