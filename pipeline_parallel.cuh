@@ -65,49 +65,12 @@ std::vector<PipelineOp> pipeline_schedule(PpSchedule s, int p, int rank, int m, 
 // A table with weight ops (zero-bubble) needs the backward split into B and W.
 bool splits_backward(const std::vector<PipelineOp>& table);
 
-// Every rank's table run against each other on paper: when each op can start, so the idle time
-// is the bubble. Each op costs its PipelineCosts; a message between two ranks costs nothing of
-// itself, and one between consecutive chunks on the same rank is no message at all.
-struct PipelineCosts {
-  // A forward, a backward's input gradient B and its weight gradient W (one op of B + W unless
-  // the table splits them, zero-bubble), in seconds of one rank on its own.
-  double forward = 1, backward = 1, weight = 1;
-  double comm = 0;  // blocking collectives (tp, cp, ep) after each forward and backward
-};
-// Where the ranks run. Without one (the book's figure) each rank has a device of its own and a
-// message leaves as soon as it is sent. CPU ranks over MPI on one machine differ in two ways:
-// the k ranks computing at a time share `cores` cores' worth, at min(1, cores / k) each (a rank
-// waiting sleeps, runtime/comm_handle.cu, and hands its core to the others); and a send on host
-// memory moves only while its sender is inside MPI (waiting for a receive of its own, however
-// briefly, or at the step's end) and its receiver waits for it (Exchange below).
-struct HostRanks {
-  double cores = 1;  // the cores' worth the pipeline's ranks share
-};
-struct PipelineTiming {
-  bool complete = false;            // false: some op waits forever (the tables would deadlock)
-  double makespan = 0;              // the step, from the first op to the last
-  std::vector<double> busy;         // per rank: the seconds its ops cost
-  std::vector<int> peak_in_flight;  // per rank: most (micro-batch, chunk) forwards awaiting
-                                    // their backward at once, i.e. activations held
-  std::vector<std::vector<double>> start;  // per rank, per op of its table: when it starts
-};
-PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, const PipelineCosts& costs,
-                                 std::optional<HostRanks> host = std::nullopt);
-// The book's figure: a forward costs t_f, a backward t_b + t_w (or B t_b and W t_w), each rank
-// on its own device.
-PipelineTiming simulate_pipeline(PpSchedule s, int p, int m, int V, double t_f, double t_b,
-                                 double t_w);
-// The book's figure in text: one row per stage, one column per tick (t_f = t_b = t_w = 1, so a
-// whole backward takes 2), each op's micro-batch with F, B or W (and its chunk when V > 1), '.'
-// where the stage idles.
-std::string pipeline_chart(PpSchedule s, int p, int m, int V);
 // The book's idle fraction of a step: (p-1)/(m+p-1) for AFAB and 1F1B, (p-1)/(Vm+p-1)
 // interleaved (the bubble (p-1)/m, resp. (p-1)/(Vm), of the ideal time, as a share of the step);
 // ZB-H1 idles (p-1)(t_f + t_b - t_w), which with t_f = t_b = t_w is (p-1)/(3m+p-1).
 double bubble_fraction(PpSchedule s, int p, int m, int V);
-// What --report bubble prints next to the measured times: the tables on paper, the book's
-// fraction and the chart.
-BubblePrediction bubble_prediction(PpSchedule s, int p, int m, int V);
+// The tables run on paper, their chart and --report bubble's prediction: the one simulator,
+// planner/pipeline_timing.cuh.
 
 // ---- Running a step: the one engine (DESIGN 6, "Schedule") ----
 struct PipelineConfig {

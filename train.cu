@@ -19,6 +19,7 @@
 #include "mixed_precision.cuh"
 #include "model.cuh"
 #include "pipeline_parallel.cuh"
+#include "planner/pipeline_timing.cuh"
 #include "planner/planner.cuh"
 #include "runtime/checkpoint.cuh"
 #include "runtime/comm.cuh"

@@ -7,6 +7,7 @@
 #include <limits>
 #include <map>
 
+#include "planner/pipeline_timing.cuh"
 #include "planner/planner_internal.cuh"
 #include "runtime/formulas.cuh"
 #include "tensor_parallel.cuh"

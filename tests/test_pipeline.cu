@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "pipeline_parallel.cuh"
+#include "planner/pipeline_timing.cuh"
 
 TEST_CASE("pipeline chunks cover every block once, sizes within one, Megatron's assignment",
           "[pipeline]") {

@@ -8,6 +8,7 @@
 #include <regex>
 
 #include "launch.cuh"
+#include "planner/pipeline_timing.cuh"
 #include "planner/planner.cuh"
 #include "runtime/formulas.cuh"
 
