@@ -55,6 +55,6 @@ done
 echo "contiguous chunks load the last rank most (it attends to every earlier block); zig-zag"
 echo "gives every rank the same pairs. On two shared cores the ranks also wait for each other."
 
-# The planner's step-time ranking against measured runs (docs/planner.md).
+# The planner's step-time ranking against measured runs (docs/planner-checks.md).
 echo
 bash tools/plan_check.sh

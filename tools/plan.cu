@@ -2,7 +2,7 @@
 // For a model, a sequence length, a global batch in tokens and a cluster, it tries every
 // layout picoscale can run and prints the fastest few with their memory per GPU, step time and
 // MFU, and why the others lost. `./plan --campaign tests/data/book_campaign.csv` sets the
-// planner against the book's benchmark campaign (docs/planner.md). Bad input (a cluster that
+// planner against the book's benchmark campaign (docs/planner-checks.md). Bad input (a cluster that
 // cannot hold the model, a batch no layout reaches) is one line and exit code 2.
 #include <cblas.h>
 
