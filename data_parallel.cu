@@ -269,6 +269,8 @@ DataParallel::DataParallel(Comm& comm, FlatParameters& model, Context& ctx,
                       return model.grads.view(model.units[u].offset, {model.units[u].numel});
                     }),
       ctx_(&ctx) {
+  description_ = std::string(dp_sync_name(o.dp_sync)) + ", buckets of " + num(o.bucket_mb) +
+                 " MiB" + (o.no_overlap ? ", no overlap" : ", overlapped");
   grad_dtype_ = precision.grads();
   PICO_ASSERT(!model.params.defined(), "DataParallel allocates a model from build_model_layout");
   allocate_flat(model, comm.device, seed, grad_dtype_);
@@ -397,4 +399,8 @@ std::vector<GradientSync::Holding> DataParallel::holdings(Part part) const {
 }
 void DataParallel::scale_grads(const Context& ctx, float alpha) {
   scale_(ctx, model_.grads, alpha);
+}
+
+std::string DataParallel::describe() const {
+  return description_;
 }

@@ -110,6 +110,7 @@ class DataParallel : public GradientSync {
   double finish(const Context& ctx) override;
   void step(const Context& ctx, float lr) override;
   int64_t master_bytes() const override;
+  std::string describe() const override;  // "bucket, buckets of 25 MiB, overlapped"
   const std::vector<GradBucket>& buckets() const { return buckets_; }
 
  protected:
@@ -123,7 +124,8 @@ class DataParallel : public GradientSync {
   std::unique_ptr<BucketReducer> reducer_;
   Bf16Accumulators accumulators_;  // bf16 gradients only
   bool overlap_, active_ = false;
-  Tensor compute_copy_;  // mixed precision: the bf16 / fp16 copy of the weights GEMMs read
+  std::string description_;  // describe()
+  Tensor compute_copy_;      // mixed precision: the bf16 / fp16 copy of the weights GEMMs read
   const Context* ctx_ = nullptr;
   AdamMoments moments_;  // [num_params] each
   std::vector<GradBucket> buckets_;

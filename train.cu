@@ -81,17 +81,6 @@ static int zero_stage(const Options& o) {
   return o.dp * o.cp > 1 ? o.zero : 0;
 }
 
-// The configuration table's row for the gradient sync (make_gradient_sync).
-static std::string describe_gradient_sync(const Options& o, const GradientSync& sync) {
-  const std::string overlap = o.no_overlap ? ", no overlap" : ", overlapped";
-  const int stage = sync.zero_stage();
-  if (stage == 0)
-    return std::string(dp_sync_name(o.dp_sync)) + ", buckets of " + num(o.bucket_mb) + " MiB" +
-           overlap;
-  return "ZeRO-" + std::to_string(stage) + ": reduce-scatter per unit" + overlap +
-         (stage == 3 && !o.no_overlap ? ", prefetch" : "");
-}
-
 // The closed forms, per rank (runtime/formulas.cuh, model.cu): weights, gradients and Adam's
 // m and v over tp and ZeRO's shards, the saved activations of every block of one micro-batch,
 // and the logits with their gradient. Collective (node-local ranks share the device).
@@ -150,7 +139,7 @@ static void print_config(const Options& o, const Dataset& data, const Comm& comm
       {"context parallel", describe_context_parallel(o, c.seq)},
       {"mixture of experts", describe_experts(c, o)},
       {"pipeline", describe_pipeline(o, o.grad_acc)},
-      {"gradient sync", describe_gradient_sync(o, sync)},
+      {"gradient sync", sync.describe()},
       {"dtype", precision.describe()},
       {"attention", describe_attention(o.attention)},
       {"recompute", describe_recompute(o.recompute, *local_attention(o.attention))},

@@ -424,3 +424,9 @@ ZeroTraffic Zero::expected_traffic(int grad_acc) const {
                                (int)dtype_size(grad_dtype_), (int)dtype_size(weight_format_),
                                grad_acc);
 }
+
+std::string Zero::describe() const {
+  return "ZeRO-" + std::to_string(stage_) + ": reduce-scatter per unit" +
+         (overlap_ ? ", overlapped" : ", no overlap") +
+         (stage_ == 3 && overlap_ ? ", prefetch" : "");
+}

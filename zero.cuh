@@ -76,6 +76,7 @@ class Zero : public GradientSync {
 
   // ---- measurements ----
   int zero_stage() const override { return stage_; }
+  std::string describe() const override;  // "ZeRO-3: reduce-scatter per unit, overlapped, ..."
   int64_t padded_params() const override { return layout_.padded_numel(); }
   int64_t master_bytes() const override {
     return weight_format_ != DType::F32 ? (int64_t)param_shard_.nbytes() : 0;

@@ -80,6 +80,7 @@ class GradientSync {
 
   // ---- measurements ----
   virtual int zero_stage() const { return 0; }
+  virtual std::string describe() const = 0;  // the configuration table's row
   virtual int64_t padded_params() const { return model_.num_params; }  // Ψ' (ZeRO's padding)
   // Bytes of fp32 master weights kept apart from the weights the model computes with (mixed
   // precision): a kept copy's master, or ZeRO-1/2's master shard; 0 when the model's own

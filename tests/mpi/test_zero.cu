@@ -220,6 +220,7 @@ class PieceSync : public GradientSync {
   double finish(const Context&) override { return 0; }
   void step(const Context&, float) override {}
   int64_t master_bytes() const override { return 0; }
+  std::string describe() const override { return "pieces"; }
 
  protected:
   std::vector<Holding> holdings(Part part) const override {
