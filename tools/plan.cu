@@ -36,12 +36,16 @@ static void write_json(const std::string& file, const nlohmann::json& out) {
   write_file_atomic(file, [&](FILE* f) { write_all(f, text.data(), text.size(), file); });
 }
 
+constexpr double kBookGB = 1e9;                // the book's explorer's GB
+constexpr double kGiB = 1024.0 * 1024 * 1024;  // the planner's unit
+
 static int campaign(const std::string& path, const GpuProfile& gpu, const std::string& json_file) {
   std::vector<CampaignCell> cells = read_campaign(path);
   nlohmann::json out = nlohmann::json::array();
   printf(
-      "| model | nodes | book's best (dp tp pp zero mbs ga) | book MFU | planner MFU | book mem GB "
-      "| planner mem GB | planner rank | planner's best | note |\n");
+      "| model | nodes | book's best (dp tp pp zero mbs ga) | book MFU | planner MFU | book mem "
+      "GiB "
+      "| planner mem GiB | planner rank | planner's best | note |\n");
   printf("|---|---|---|---|---|---|---|---|---|---|\n");
   int ran = 0, memory_ok = 0, top5 = 0, mfu_ok = 0;
   for (const CampaignCell& c : cells) {
@@ -59,7 +63,7 @@ static int campaign(const std::string& path, const GpuProfile& gpu, const std::s
                       {"mbs", l.mbs},
                       {"grad_acc", l.grad_acc},
                       {"mfu", v.best.time.mfu},
-                      {"memory_gb", v.best.memory.total() / 1e9}};
+                      {"memory_gib", v.best.memory.total() / kGiB}};
     }
     if (c.ran)
       cell["book"] = {{"dp", c.dp},
@@ -69,7 +73,7 @@ static int campaign(const std::string& path, const GpuProfile& gpu, const std::s
                       {"mbs", c.mbs},
                       {"grad_acc", c.grad_acc},
                       {"mfu", c.mfu},
-                      {"memory_gb", c.memory_gb},
+                      {"memory_gib", c.memory_gb * kBookGB / kGiB},
                       {"predicted_mfu", v.valid ? nlohmann::json(v.book.time.mfu) : nullptr},
                       {"planner_rank", v.rank}};
     out.push_back(cell);
@@ -90,8 +94,9 @@ static int campaign(const std::string& path, const GpuProfile& gpu, const std::s
       continue;
     }
     ran++;
-    double mem = v.book.memory.total() / 1e9;
-    bool mem_close = v.valid && std::fabs(mem - c.memory_gb) <= 0.25 * c.memory_gb;
+    // Every memory in GiB, the planner's unit; the book's explorer gives GB (10^9 bytes).
+    const double book_mem = c.memory_gb * kBookGB / kGiB, mem = v.book.memory.total() / kGiB;
+    bool mem_close = v.valid && std::fabs(mem - book_mem) <= 0.25 * book_mem;
     bool mfu_close = v.valid && std::fabs(v.book.time.mfu - c.mfu) <= 0.10;
     bool in_top = v.rank >= 1 && v.rank <= 5;
     memory_ok += mem_close, mfu_ok += mfu_close, top5 += in_top;
@@ -108,7 +113,7 @@ static int campaign(const std::string& path, const GpuProfile& gpu, const std::s
     printf(
         "| %s | %d | %d %d%s %d %d %d %d | %.1f%% | %.1f%% | %.1f | %.1f | %s of %d | %s | %s |\n",
         c.model.c_str(), c.nodes, c.dp, c.tp, v.book.layout.sp ? "+sp" : "", c.pp, c.zero, c.mbs,
-        c.grad_acc, 100 * c.mfu, 100 * v.book.time.mfu, c.memory_gb, mem,
+        c.grad_acc, 100 * c.mfu, 100 * v.book.time.mfu, book_mem, mem,
         v.rank > 0 ? std::to_string(v.rank).c_str() : "-", v.layouts, best.c_str(), note.c_str());
   }
   printf(
