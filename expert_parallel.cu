@@ -266,6 +266,19 @@ static void record(const ExpertParallel& ep, const TensorParallel& tp, const Mod
   s->layer_batches[layer]++;
 }
 
+// The router's logits [N, E] on the host, where the routing is decided. The meta device holds
+// no values: it routes uniformly instead, token t to experts t k, t k + 1, ... (mod E), in that
+// order, so that every expert receives N k / E rows as the uniform routing of the book's
+// formulas assumes (moe_expected_a2a_bytes, moe_activation_bytes).
+static std::vector<float> router_logits_on_host(const Context& ctx, const Tensor& logits, int k) {
+  std::vector<float> host = to_host_floats(logits);
+  if (ctx.device != Device::Meta) return host;
+  const int64_t N = logits.size(0), E = logits.size(1);
+  for (int64_t t = 0; t < N; t++)
+    for (int64_t e = 0; e < E; e++) host[t * E + e] = -(float)((e - t * k % E + E) % E);
+  return host;
+}
+
 void moe_forward(const ExpertParallel& ep, const TensorParallel& tp, const ModelConfig& c,
                  const Context& ctx, const MoeWeights& w, MoeActivations& a, const Tensor& x,
                  const Tensor& out, int layer, std::vector<float>* carry) {
@@ -276,8 +289,8 @@ void moe_forward(const ExpertParallel& ep, const TensorParallel& tp, const Model
   Tensor logits = empty_rows(ctx, N, E);
   linear_forward(ctx, logits, h, w.router);
   int64_t capacity = ep.capacity_factor > 0 ? expert_capacity(ep.capacity_factor, N, E, k) : -1;
-  auto routing =
-      std::make_shared<Routing>(route_tokens(to_host_floats(logits), (int)N, E, k, capacity));
+  auto routing = std::make_shared<Routing>(
+      route_tokens(router_logits_on_host(ctx, logits, k), (int)N, E, k, capacity));
   const Routing& r = *routing;
   // Dispatch: how many rows each rank's experts receive from each rank, then the rows.
   std::vector<int64_t> recv =

@@ -22,6 +22,7 @@
 
 #include "kernels/flash_attention_kernels.cuh"
 #include "mixed_precision.cuh"
+#include "runtime/ledger.cuh"
 #include "runtime/ops.cuh"
 #include "runtime/options.cuh"
 
@@ -136,6 +137,22 @@ static void flash_forward_cpu(float* out, float* lse, const float* q, const floa
   });
 }
 
+// What a block costs (the ledger, runtime/ledger.cuh), whichever kernel runs it: the (query,
+// key) pairs the mask lets through, 4 FLOPs per pair and head dimension forward (S = QK^T,
+// then PV), 10 backward (S again, dP, dV, dQ, dK); q, k, v (and dout) read once, out (dq, dk,
+// dv) written once, as FlashAttention's one pass does.
+int64_t attention_pairs(const AttentionBlock& a) {
+  int64_t pairs = 0;
+  for (int i = 0; i < a.Tq; i++) pairs += visible_keys(a, i, 0, a.Tk);
+  return pairs * a.B * a.Hq;
+}
+OpCost attention_cost(const AttentionBlock& a, bool backward, int element_bytes) {
+  const double pairs = (double)attention_pairs(a), e = element_bytes;
+  const double q = (double)q_numel(a), kv = (double)kv_numel(a), lse = (double)lse_numel(a);
+  if (!backward) return {4 * pairs * a.hd, e * (q + 2 * kv), 4 * q + 4 * lse};
+  return {10 * pairs * a.hd, e * (2 * q + 2 * kv) + 8 * lse, 4 * (q + 2 * kv)};
+}
+
 void flash_attention_forward(const Context& ctx, const Tensor& out, const Tensor& lse,
                              const Tensor& q, const Tensor& k, const Tensor& v,
                              const AttentionBlock& a) {
@@ -145,6 +162,7 @@ void flash_attention_forward(const Context& ctx, const Tensor& out, const Tensor
                     {&q, q_numel(a)},
                     {&k, kv_numel(a)},
                     {&v, kv_numel(a)}});
+  if (count_op(ctx.device, OpKind::Attention, attention_cost(a, false, 4))) return;
   if (ctx.device == Device::CPU)
     return flash_forward_cpu(out.f32(), lse.f32(), q.f32(), k.f32(), v.f32(), a);
   flash_forward_cuda(ctx, out.f32(), lse.f32(), q.f32(), k.f32(), v.f32(), a);
@@ -178,6 +196,9 @@ static void out_dot_dout_cpu(float* D, const float* dout, const float* out,
 void attention_out_dot_dout(const Context& ctx, const Tensor& D, const Tensor& dout,
                             const Tensor& out, const AttentionBlock& a) {
   check_block_args(ctx, a, {{&D, lse_numel(a)}, {&dout, q_numel(a)}, {&out, q_numel(a)}});
+  if (count_op(ctx.device, OpKind::Attention,
+               {2.0 * q_numel(a), 8.0 * q_numel(a), 4.0 * lse_numel(a)}))
+    return;
   if (ctx.device == Device::CPU) return out_dot_dout_cpu(D.f32(), dout.f32(), out.f32(), a);
   out_dot_dout_cuda(ctx, D.f32(), dout.f32(), out.f32(), a);
 }
@@ -274,6 +295,7 @@ void flash_attention_backward(const Context& ctx, const Tensor& dq, const Tensor
                     {&v, kv_numel(a)},
                     {&lse, lse_numel(a)},
                     {&D, lse_numel(a)}});
+  if (count_op(ctx.device, OpKind::Attention, attention_cost(a, true, 4))) return;
   if (ctx.device == Device::CPU)
     return flash_backward_cpu(dq.f32(), dk.f32(), dv.f32(), dout.f32(), q.f32(), k.f32(), v.f32(),
                               lse.f32(), D.f32(), a);
@@ -304,6 +326,10 @@ void attention_lse_merge(const Context& ctx, const Tensor& out, const Tensor& ls
   check_block_args(
       ctx, a,
       {{&out, q_numel(a)}, {&lse, lse_numel(a)}, {&out2, q_numel(a)}, {&lse2, lse_numel(a)}});
+  if (count_op(ctx.device, OpKind::Attention,
+               {3.0 * q_numel(a) + 6.0 * lse_numel(a), 8.0 * (q_numel(a) + lse_numel(a)),
+                4.0 * (q_numel(a) + lse_numel(a))}))
+    return;
   if (ctx.device == Device::CPU)
     return lse_merge_cpu(out.f32(), lse.f32(), out2.f32(), lse2.f32(), a);
   lse_merge_cuda(ctx, out.f32(), lse.f32(), out2.f32(), lse2.f32(), a);
@@ -384,7 +410,7 @@ class FlashAttention : public AttentionCore {
     return {s.B, s.T, s.T, s.Hq, s.Hkv, s.hd, 0, 0, true};
   }
   static bool on_tensor_cores(const Context& ctx, const AttentionShape& s) {
-    return ctx.device == Device::CUDA && output_dtype(ctx.precision) == DType::BF16 &&
+    return gpu_path(ctx.device) && output_dtype(ctx.precision) == DType::BF16 &&
            (s.hd == 16 || s.hd == 32 || s.hd == 64 || s.hd == 128);
   }
   static Tensor in_bf16(const Context& ctx, const Tensor& t) {

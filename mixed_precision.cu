@@ -27,6 +27,7 @@
 #include "kernels/fp8_gemm.cuh"
 #include "mixed_precision.cuh"
 #include "runtime/gradient_sync.cuh"
+#include "runtime/ledger.cuh"
 #include "runtime/ops.cuh"
 #include "runtime/options.cuh"
 
@@ -75,6 +76,7 @@ void round_(const Context& ctx, const Tensor& x, DType format, bool backward) {
   PICO_ASSERT(x.dtype == DType::F32 && (format == DType::BF16 || format == DType::F16),
               std::string("round_ to ") + dtype_name(format));
   const int64_t n = x.numel();
+  if (count_op(ctx.device, OpKind::Cast, {0, 4.0 * n, 4.0 * n})) return;
   if (n == 0) return;
   if (ctx.device == Device::CUDA) {
     round_kernel<<<(unsigned)((n + 255) / 256), 256, 0, ctx.stream>>>(x.f32(), n, format);
@@ -178,7 +180,7 @@ static Tensor gemm_operand(const Context& ctx, const Tensor& t, Operand role,
   // A weight stored in the compute format (ZeRO-1/2), or its kept copy: on CUDA the GEMM reads
   // it as it is.
   Tensor half = role == Operand::Weight ? weight_as_stored(ctx, t) : Tensor{};
-  if (ctx.device == Device::CUDA && ctx.precision != Precision::FP8)  // the tensor cores read it
+  if (gpu_path(ctx.device) && ctx.precision != Precision::FP8)  // the tensor cores read it
     return half.defined() ? half : cast_to(ctx, t, format);
   // fp32 values in a workspace: the copy widened, or t rounded (to bf16 first for an FP8
   // weight, which is quantized from its bf16 copy as in DeepSeek-V3), or FP8 tiles.
@@ -207,6 +209,10 @@ static void operand_gemm(const Context& ctx, bool trans_a, bool trans_b, int M, 
   if (A.dtype == DType::F32)
     return gemm(ctx, trans_a, trans_b, M, N, K, 1.0f, A.f32(), lda, B.f32(), ldb, beta, C.f32(),
                 ldc);
+  const double m = M, n = N, k = K;  // 16-bit operands, fp32 output (read too when accumulated)
+  if (count_op(ctx.device, OpKind::Gemm,
+               {2 * m * n * k, 2 * (m * k + k * n) + (beta != 0.0f ? 4 * m * n : 0.0), 4 * m * n}))
+    return;
   const cudaDataType type = A.dtype == DType::BF16 ? CUDA_R_16BF : CUDA_R_16F;
   const float alpha = 1.0f;
   CUBLAS_CHECK(cublasGemmEx(ctx.cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
@@ -218,7 +224,7 @@ static void operand_gemm(const Context& ctx, bool trans_a, bool trans_b, int M, 
 // FP8 on a GPU: the three GEMMs go to fp8_gemm (real FP8 on Hopper), which declines where it
 // cannot run them; the emulation below then does.
 static bool fp8_on_gpu(const Context& ctx) {
-  return ctx.precision == Precision::FP8 && ctx.device == Device::CUDA;
+  return ctx.precision == Precision::FP8 && gpu_path(ctx.device);
 }
 
 void low_precision_linear_forward(const Context& ctx, const Tensor& y, const Tensor& x,
@@ -342,11 +348,12 @@ void PrecisionPolicy::unscale(const Context& ctx, GradientSync& sync) const {
   if (scaler_.enabled) sync.scale_gradients(ctx, 1.0f / scaler_.scale);
 }
 
-bool PrecisionPolicy::keep_step(float norm, Group& world) {
+bool PrecisionPolicy::keep_step(const Context& ctx, float norm, Group& world) {
   step_scale_ = scaler_.scale;
   skipped_ = false;
   if (!scaler_.enabled) return true;
-  double overflow = std::isfinite(norm) ? 0.0 : 1.0;  // an inf or NaN anywhere: on every rank
+  // An inf or NaN anywhere: on every rank. The meta device holds no values: it never overflows.
+  double overflow = std::isfinite(norm) || ctx.device == Device::Meta ? 0.0 : 1.0;
   all_reduce_host(world, &overflow, 1, ReduceOp::Max);
   skipped_ = !scaler_.update(overflow == 0.0);
   return !skipped_;
@@ -431,7 +438,7 @@ void add_precision_flags(CLI::App& app, PrecisionOptions& o) {
 }
 
 PrecisionPolicy make_precision_policy(const PrecisionOptions& o, Device device) {
-  const Precision automatic = device == Device::CUDA ? Precision::BF16 : Precision::FP32;
+  const Precision automatic = gpu_path(device) ? Precision::BF16 : Precision::FP32;
   const Precision p = o.dtype.value_or(automatic);
   if (p == Precision::FP8 && device == Device::CUDA) require_fp8_tensor_cores();
   if (o.grad_acc_dtype == DType::BF16 && p != Precision::BF16 && p != Precision::FP8)

@@ -141,7 +141,7 @@ class PrecisionPolicy {
   void unscale(const Context& ctx, GradientSync& sync) const;
   // After clipping, with the global norm: false when the step must be skipped (fp16: an inf
   // or NaN on any rank of `world` halves the scale and skips the step on every rank).
-  bool keep_step(float norm, Group& world);
+  bool keep_step(const Context& ctx, float norm, Group& world);
   // What the step's line of the log adds (fp16: " | scale 65536", and the skip), and its
   // --log-json fields: the scale and the skip, and under --dtype on CPU the share of the
   // backward's nonzero values that rounded to zero (rounding_stats).

@@ -9,6 +9,7 @@
 
 #include "mixed_precision.cuh"
 #include "model.cuh"
+#include "runtime/ledger.cuh"
 #include "runtime/ops.cuh"
 #include "runtime/options.cuh"
 
@@ -268,6 +269,7 @@ static void attention_core_forward(const Context& ctx, const Model& m, BlockActi
   int64_t N = (int64_t)B * T, hd = m.cfg.head_dim();
   a.attn = act({N, L.heads * hd}, ctx);
   round_to_compute(ctx, a.q), round_to_compute(ctx, a.k);
+  LedgerScope scope(OpKind::Attention);  // whatever the core runs (the ledger's attention row)
   m.attention->forward(ctx, attention_shape(m, B, T), heads(a.attn, L.heads, hd), a.saved,
                        heads(a.q, L.heads, hd), heads(a.k, L.kv_heads, hd),
                        heads(a.v, L.kv_heads, hd));
@@ -279,6 +281,7 @@ static void attention_core_backward(const Context& ctx, const Model& m, BlockAct
                                     const Tensor& dv) {
   const LocalDims& L = m.tp.local;
   int64_t hd = m.cfg.head_dim();
+  LedgerScope scope(OpKind::Attention);
   m.attention->backward(
       ctx, attention_shape(m, B, T), heads(dq, L.heads, hd), heads(dk, L.kv_heads, hd),
       heads(dv, L.kv_heads, hd), heads(d_attn, L.heads, hd), heads(a.attn, L.heads, hd), a.saved,

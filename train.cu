@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 
 #include "context_parallel.cuh"
@@ -374,20 +375,29 @@ static StepBatch local_batch(Trainer& t, int64_t step) {
 
 // The step's line on rank 0 (and its --log-json line): loss, what the meters add, lr, norm,
 // throughput, MFU (Playbook §2.6: the book's FLOPs per token over the rank's peak), time.
-static void print_step(Trainer& t, int64_t step, float loss, const StepLog& log, float lr,
-                       float norm, double seconds) {
+static void print_step(Trainer& t, int64_t step, std::optional<float> loss, const StepLog& log,
+                       float lr, float norm, double seconds) {
   if (t.comm.grid.world_rank != 0) return;
   const Options& o = t.o;
+  if (!loss) {  // the meta device: nothing computed, the step's cost is the ledger's
+    printf("step %5lld/%d | loss -%s | lr %.2e | norm - | meta: counted, not computed\n",
+           (long long)step + 1, o.steps, log.after_loss.c_str(), lr);
+    if (!t.log_json.is_open()) return;
+    nlohmann::json line{{"step", step + 1}, {"loss", nullptr}, {"lr", lr}, {"grad_norm", nullptr}};
+    line.update(log.fields);
+    t.log_line = line;
+    return;
+  }
   double tok_s = t.global_batch * o.model.seq / seconds, per_rank = tok_s / t.comm.grid.world_size;
   double mfu = book_flops_per_token(o.model) * per_rank / t.peak.flops;
   printf(
       "step %5lld/%d | loss %.4f%s | lr %.2e | norm %.4f | %8.0f tok/s | %7.0f tok/s/rank | "
       "MFU %5.1f%% | %7.1f ms%s\n",
-      (long long)step + 1, o.steps, loss, log.after_loss.c_str(), lr, norm, tok_s, per_rank,
+      (long long)step + 1, o.steps, *loss, log.after_loss.c_str(), lr, norm, tok_s, per_rank,
       100 * mfu, seconds * 1e3, t.precision.step_note().c_str());
   if (!t.log_json.is_open()) return;
   nlohmann::json line{
-      {"step", step + 1},  {"loss", loss},          {"lr", lr},
+      {"step", step + 1},  {"loss", *loss},         {"lr", lr},
       {"grad_norm", norm}, {"tokens_per_s", tok_s}, {"tokens_per_s_per_rank", per_rank},
       {"mfu", mfu}};
   line.update(log.fields);
@@ -398,11 +408,14 @@ static void print_step(Trainer& t, int64_t step, float loss, const StepLog& log,
 // The step's loss, the mean over every token of the global batch (DESIGN 5): each rank's sum
 // added over dp_cp and pp (the last stage holds it); and what the meters add to the step's log
 // (a mixture's load-balancing loss, apart from the loss). Rank 0 says when it is not finite.
-static float mean_step_loss(Trainer& t, double loss_sum, int64_t step, StepLog& log) {
+// Absent on the meta device, which computes nothing.
+static std::optional<float> mean_step_loss(Trainer& t, double loss_sum, int64_t step,
+                                           StepLog& log) {
   all_reduce_host(t.comm.dp_cp, &loss_sum, 1, ReduceOp::Sum);
   all_reduce_host(t.comm.pp, &loss_sum, 1, ReduceOp::Sum);
   const float loss = (float)(loss_sum / (t.global_batch * t.o.model.seq));
   t.meters.log(log);
+  if (t.ctx.device == Device::Meta) return std::nullopt;
   if (!std::isfinite(loss) && t.comm.grid.world_rank == 0)
     fprintf(stderr, "error: loss is %f at step %lld; lower --lr or check the data\n", loss,
             (long long)step + 1);
@@ -434,8 +447,8 @@ static bool train_step(Trainer& t, int64_t step) {
   t.meters.end(StepPart::Gradients);  // --save-grads gathers next: not training traffic
   t.observer.span("wait for gradients", Track::Compute, tw, now_seconds());
   StepLog log;
-  const float loss = mean_step_loss(t, loss_sum, step, log);
-  if (!std::isfinite(loss)) return false;
+  const std::optional<float> loss = mean_step_loss(t, loss_sum, step, log);
+  if (loss && !std::isfinite(*loss)) return false;
   if (t.steps_run == 0 && !o.save_grads.empty())  // whole gradients, before clipping
     all_or_none(t.comm, [&] { t.sync.save_gradients(t.ctx, o.save_grads, step); });
   const double to = now_seconds();
@@ -443,7 +456,7 @@ static bool train_step(Trainer& t, int64_t step) {
   t.observer.at(FaultWhere::Clip, step);
   t.precision.unscale(t.ctx, t.sync);
   const float norm = t.sync.clip_grad_norm(t.ctx, o.grad_clip);
-  const bool take_step = t.precision.keep_step(norm, t.comm.world);
+  const bool take_step = t.precision.keep_step(t.ctx, norm, t.comm.world);
   const float lr = learning_rate(t.schedule, step);
   t.observer.at(FaultWhere::Optimizer, step);
   t.meters.begin(StepPart::Optimizer, step);
@@ -468,9 +481,12 @@ static void validate(Trainer& t, int64_t step) {
     val = mean_loss(t.ctx, t.comm, t.model, t.cp, t.o.pp_schedule, t.data.val, windows, c.seq,
                     c.seq, t.o.mbs);
   });
-  if (t.comm.grid.world_rank == 0)
+  const bool absent = t.ctx.device == Device::Meta;  // the meta device computes nothing
+  if (t.comm.grid.world_rank == 0 && absent)
+    printf("step %5lld/%d | val loss -\n", (long long)step + 1, t.o.steps);
+  else if (t.comm.grid.world_rank == 0)
     printf("step %5lld/%d | val loss %.4f\n", (long long)step + 1, t.o.steps, val);
-  t.log_line["val_loss"] = val;
+  t.log_line["val_loss"] = absent ? nlohmann::json(nullptr) : nlohmann::json(val);
 }
 
 // What the steps measure, registered once (runtime/meters.cuh), in the order each report prints

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "flash_attention.cuh"
+#include "runtime/ledger.cuh"
 #include "runtime/ops.cuh"
 
 // ============================================================================
@@ -70,6 +71,8 @@ __global__ void causal_softmax_forward_kernel(float* probs, const float* scores,
 
 void causal_softmax_forward(const Context& ctx, float* probs, const float* scores, int rows, int T,
                             float scale) {
+  const double n = (double)rows * T * T;  // rows x T scores of T keys
+  if (count_op(ctx.device, OpKind::Attention, {3 * n, 4 * n, 4 * n})) return;
   if (ctx.device == Device::CPU) return causal_softmax_forward_cpu(probs, scores, rows, T, scale);
   int64_t n_rows = (int64_t)rows * T;
   if (n_rows == 0) return;  // a zero-block grid is a launch error, not a no-op
@@ -128,6 +131,8 @@ __global__ void causal_softmax_backward_kernel(float* dscores, const float* dpro
 
 void causal_softmax_backward(const Context& ctx, float* dscores, const float* dprobs,
                              const float* probs, int rows, int T, float scale) {
+  const double n = (double)rows * T * T;
+  if (count_op(ctx.device, OpKind::Attention, {4 * n, 8 * n, 4 * n})) return;
   if (ctx.device == Device::CPU)
     return causal_softmax_backward_cpu(dscores, dprobs, probs, rows, T, scale);
   int64_t n_rows = (int64_t)rows * T;
@@ -166,6 +171,11 @@ static void gemm_batched(const Context& ctx, bool trans_a, bool trans_b, int M, 
                          float alpha, const float* A, int lda, int64_t stride_a, const float* B,
                          int ldb, int64_t stride_b, float beta, float* C, int ldc, int64_t stride_c,
                          int count) {
+  const double m = M, n = N, k = K;  // one cuBLAS call for the batch
+  if (count_op(ctx.device, OpKind::Attention,
+               {2 * m * n * k * count, 4 * count * (m * k + k * n + (beta != 0 ? m * n : 0.0)),
+                4 * count * m * n}))
+    return;
   if (ctx.device == Device::CPU) {
     for (int i = 0; i < count; i++)
       gemm(ctx, trans_a, trans_b, M, N, K, alpha, A + i * stride_a, lda, B + i * stride_b, ldb,

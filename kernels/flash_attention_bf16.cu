@@ -20,6 +20,7 @@
 #include "kernels/flash_attention_kernels.cuh"
 #include "kernels/tensor_core.cuh"
 #include "runtime/dtype.cuh"
+#include "runtime/ledger.cuh"
 #include "runtime/ops.cuh"
 
 // Rows [row0, row0 + ROWS) of head `head` of a [B*T, H, HD] bf16 tensor into dst[ROWS][HD + 8],
@@ -287,6 +288,7 @@ static bool aligned16(const void* p) {
 
 void flash_attention_forward_bf16(const Context& ctx, bf16* out, float* lse, const bf16* q,
                                   const bf16* k, const bf16* v, const AttentionBlock& a) {
+  if (count_op(ctx.device, OpKind::Attention, attention_cost(a, false, 2))) return;
   PICO_ASSERT(ctx.device == Device::CUDA, "flash_attention_forward_bf16 runs on CUDA only");
   if (a.Tq == 0) return;
   PICO_ASSERT(aligned16(q) && aligned16(k) && aligned16(v),
@@ -541,6 +543,7 @@ void flash_backward_bf16_cpu(float* dq, float* dk, float* dv, const float* dout,
 void flash_attention_backward_bf16(const Context& ctx, float* dq, float* dk, float* dv,
                                    const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
                                    const float* lse, const float* D, const AttentionBlock& a) {
+  if (count_op(ctx.device, OpKind::Attention, attention_cost(a, true, 2))) return;
   PICO_ASSERT(ctx.device == Device::CUDA, "flash_attention_backward_bf16 runs on CUDA only");
   if (a.Tk == 0 || a.Tq == 0) return;
   PICO_ASSERT(aligned16(dout) && aligned16(q) && aligned16(k) && aligned16(v),

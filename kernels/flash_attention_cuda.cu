@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "kernels/flash_attention_kernels.cuh"
+#include "runtime/ledger.cuh"
 
 // ----------------------------------------------------------------------------
 // CUDA, fp32 on CUDA cores (the fp32 model's path). One block per (query tile, head, sequence),
@@ -248,6 +249,10 @@ void out_dot_dout_cuda(const Context& ctx, float* D, const float* dout, const fl
 
 void attention_out_dot_dout_bf16(const Context& ctx, float* D, const bf16* dout, const bf16* out,
                                  const AttentionBlock& a) {
+  if (count_op(ctx.device, OpKind::Attention,
+               {2.0 * a.B * a.Tq * a.Hq * a.hd, 4.0 * a.B * a.Tq * a.Hq * a.hd,
+                4.0 * a.B * a.Hq * a.Tq}))
+    return;
   PICO_ASSERT(ctx.device == Device::CUDA, "attention_out_dot_dout_bf16 runs on CUDA only");
   if ((int64_t)a.B * a.Hq * a.Tq == 0) return;
   out_dot_dout_kernel<<<row_kernel_blocks(a), kRowKernelThreads, 0, ctx.stream>>>(D, dout, out, a);

@@ -19,6 +19,7 @@
 
 #include "kernels/fp8_gemm.cuh"
 #include "runtime/dtype.cuh"
+#include "runtime/ledger.cuh"
 
 // ----------------------------------------------------------------------------
 // FP8 per-tile absmax scaling (DeepSeek-V3 §3.3): CPU reference
@@ -154,6 +155,9 @@ static void check_tiles_on_gpu(const Tensor& q, const Tensor& scales, const Tens
 
 void quantize_tiles_on(const Context& ctx, const Tensor& q, const Tensor& scales, const Tensor& x,
                        int tile_rows, int tile_cols) {
+  if (count_op(ctx.device, OpKind::Cast,
+               {0, (double)x.nbytes(), (double)(q.nbytes() + scales.nbytes())}))
+    return;
   if (ctx.device == Device::CPU) return quantize_tiles(q, scales, x, tile_rows, tile_cols);
   check_tiles_on_gpu(q, scales, x, tile_rows, tile_cols);
   launch_quantize(ctx, q, scales.f32(), {scales.size(1), 1}, x.f32(), {x.size(1), 1}, tile_rows,
@@ -162,6 +166,9 @@ void quantize_tiles_on(const Context& ctx, const Tensor& q, const Tensor& scales
 
 void dequantize_tiles_on(const Context& ctx, const Tensor& x, const Tensor& q, const Tensor& scales,
                          int tile_rows, int tile_cols) {
+  if (count_op(ctx.device, OpKind::Cast,
+               {0, (double)(q.nbytes() + scales.nbytes()), (double)x.nbytes()}))
+    return;
   if (ctx.device == Device::CPU) return dequantize_tiles(x, q, scales, tile_rows, tile_cols);
   check_tiles_on_gpu(q, scales, x, tile_rows, tile_cols);
   const int64_t n = x.numel();
@@ -363,11 +370,20 @@ bool fp8_gemm(const Context& ctx, const Tensor& d, const Fp8Operand& a, const Fp
     if (why) *why = shape + reason;
     return false;
   };
-  if (ctx.device != Device::CUDA) return decline("not on a CUDA device");
+  if (!gpu_path(ctx.device)) return decline("not on a CUDA device");
   // cuBLASLt's 1 x 128 scales come in rows of 16 bytes (n a multiple of 4), and FP8 rows of K
   // bytes must start 16-byte aligned; so must d's rows.
   if (rows % 4 || cols % 4 || K % 16 || (uintptr_t)d.ptr % 16 || rows * cols * K == 0)
     return decline("rows and cols must be multiples of 4, K of 16 (none 0), d 16-byte aligned");
+  if (ctx.device == Device::Meta) {  // as on Hopper: both operands quantized, one FP8 GEMM
+    for (const auto& [o, n] : {std::pair{&a, rows}, std::pair{&b, cols}})
+      count_op(ctx.device, OpKind::Cast, {0, 4.0 * n * K, 1.0 * n * K + 4.0 * n * K / 128});
+    count_op(
+        ctx.device, OpKind::Gemm,
+        {2.0 * rows * cols * K, 1.0 * (rows + cols) * K, (beta != 0 ? 8.0 : 4.0) * rows * cols});
+    g_counts.native++;
+    return true;
+  }
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   const auto key = std::make_tuple(device, rows, cols, K, (int)a.format, (int)b.format,

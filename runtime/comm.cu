@@ -81,7 +81,7 @@ static void count_call(Group& g, Coll coll, int64_t elements, int64_t bytes_sent
 
 static void copy_bytes(Device device, cudaStream_t stream, void* dst, const void* src,
                        int64_t bytes) {
-  if (dst == src || bytes == 0) return;
+  if (dst == src || bytes == 0 || device == Device::Meta) return;  // meta: nothing to move
   if (device == Device::CPU)
     memmove(dst, src, bytes);
   else
@@ -171,7 +171,8 @@ Handle all_reduce_async(Comm& c, Group& g, const Context& ctx, void* buf, DType 
   check_wire_dtype(dtype, op);
   const int64_t N = g.size, E = dtype_size(dtype), K = count * E;
   count_call(g, Coll::AllReduce, count, 2 * (N - 1) * K / N);
-  if (local(g)) return Handle();  // the sum, average or max of one buffer is itself
+  if (c.device == Device::Meta) return Handle();  // meta ranks exchange nothing, counted
+  if (local(g)) return Handle();                  // the sum, average or max of one buffer is itself
   auto s = start(c, g, ctx, Coll::AllReduce, K);
   if (c.backend == Backend::NCCL) {
     NCCL_ENQUEUE(*s, ncclAllReduce(buf, buf, count, nccl_type(dtype), nccl_op(op), g.nccl,
@@ -190,6 +191,7 @@ Handle reduce_scatter_async(Comm& c, Group& g, const Context& ctx, const void* s
   check_wire_dtype(dtype, op);
   const int64_t N = g.size, E = dtype_size(dtype), K = count * N * E;
   count_call(g, Coll::ReduceScatter, count * N, (N - 1) * K / N);
+  if (c.device == Device::Meta) return Handle();  // meta ranks exchange nothing, counted
   if (local(g)) return local_copy(ctx, recv, send, count * E);
   auto s = start(c, g, ctx, Coll::ReduceScatter, K);
   if (c.backend == Backend::NCCL) {
@@ -210,6 +212,7 @@ Handle all_gather_async(Comm& c, Group& g, const Context& ctx, const void* send,
   check_wire_dtype(dtype, ReduceOp::Sum);
   const int64_t N = g.size, E = dtype_size(dtype), K = count * N * E;
   count_call(g, Coll::AllGather, count, (N - 1) * K / N);
+  if (c.device == Device::Meta) return Handle();  // meta ranks exchange nothing, counted
   if (local(g)) return local_copy(ctx, recv, send, count * E);
   auto s = start(c, g, ctx, Coll::AllGather, K);
   if (c.backend == Backend::NCCL) {
@@ -242,6 +245,7 @@ Handle broadcast_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_
   int64_t N = g.size, K = count * kF32;
   bool is_root = g.rank == root, chain_end = g.rank == (root + N - 1) % N;
   count_call(g, Coll::Broadcast, count, chain_end ? 0 : K);  // the chain's end passes nothing on
+  if (c.device == Device::Meta) return Handle();             // meta ranks exchange nothing, counted
   if (local(g)) return Handle();
   auto s = start(c, g, ctx, Coll::Broadcast, K);
   if (c.backend == Backend::NCCL) {
@@ -259,6 +263,7 @@ Handle reduce_async(Comm& c, Group& g, const Context& ctx, const float* send, fl
   int64_t K = count * kF32;
   bool is_root = g.rank == root;
   count_call(g, Coll::Reduce, count, is_root ? 0 : K);
+  if (c.device == Device::Meta) return Handle();  // meta ranks exchange nothing, counted
   if (local(g)) return local_copy(ctx, recv, send, count * kF32);
   auto s = start(c, g, ctx, Coll::Reduce, K);
   if (c.backend == Backend::NCCL) {
@@ -282,6 +287,7 @@ Handle gather_async(Comm& c, Group& g, const Context& ctx, const float* send, fl
   int64_t N = g.size, K = count * N * kF32;
   bool is_root = g.rank == root;
   count_call(g, Coll::Gather, count, is_root ? 0 : count * kF32);
+  if (c.device == Device::Meta) return Handle();  // meta ranks exchange nothing, counted
   if (local(g)) return local_copy(ctx, recv, send, count * kF32);
   auto s = start(c, g, ctx, Coll::Gather, K);
   if (c.backend == Backend::NCCL) {
@@ -308,6 +314,7 @@ Handle scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, f
   int64_t N = g.size, K = count * N * kF32;
   bool is_root = g.rank == root;
   count_call(g, Coll::Scatter, count, is_root ? (N - 1) * count * kF32 : 0);
+  if (c.device == Device::Meta) return Handle();  // meta ranks exchange nothing, counted
   if (local(g)) return local_copy(ctx, recv, send, count * kF32);
   auto s = start(c, g, ctx, Coll::Scatter, K);
   if (c.backend == Backend::NCCL) {
@@ -344,6 +351,7 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
   // Each message's bytes on the group it travels on.
   count_call(g, Coll::SendRecv, sent / kF32, sent);
   if (other) count_call(*other, Coll::SendRecv, sent_other / kF32, sent_other);
+  if (c.device == Device::Meta) return Handle();  // meta ranks exchange nothing, counted
   if (local(g)) {  // messages to oneself: the k-th send lands in the k-th receive, as in MPI
     std::vector<const P2P*> sends, recvs;
     for (const P2P& op : ops) (op.send ? sends : recvs).push_back(&op);
@@ -387,6 +395,7 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
 
 Handle barrier_async(Comm& c, Group& g, const Context& ctx) {
   count_call(g, Coll::Barrier, 0, 0);
+  if (c.device == Device::Meta) return Handle();  // meta ranks exchange nothing, counted
   if (local(g)) return Handle();
   auto s = start(c, g, ctx, Coll::Barrier, 0);
   if (c.backend == Backend::NCCL) {
@@ -445,6 +454,7 @@ Handle all_to_all_v_async(Comm& c, Group& g, const Context& ctx, const void* sen
       send_total == 0 || recv_total == 0 || s8 + send_total * E <= r8 || r8 + recv_total * E <= s8,
       "all_to_all_v: the send and receive buffers overlap");
   count_call(g, Coll::AllToAll, send_total, (send_total - send_counts[me]) * E);
+  if (c.device == Device::Meta) return Handle();  // meta ranks exchange nothing, counted
   if (local(g)) return local_copy(ctx, recv, send, send_total * E);
   auto s = start(c, g, ctx, Coll::AllToAll, send_total * E);
   if (c.backend == Backend::NCCL) {
@@ -567,7 +577,7 @@ void all_reduce_host(Group& g, double* values, int count, ReduceOp op) {
 }
 
 // `per` int64s to each peer and `per` from each: the transpose of the group's matrix of counts.
-std::vector<int64_t> exchange_counts(Comm&, Group& g, const std::vector<int64_t>& send_counts) {
+std::vector<int64_t> exchange_counts(Comm& c, Group& g, const std::vector<int64_t>& send_counts) {
   PICO_ASSERT(!send_counts.empty() && (int)send_counts.size() % g.size == 0,
               "exchange_counts on " + g.name + ": " + std::to_string(send_counts.size()) +
                   " counts for " + std::to_string(g.size) + " ranks");
@@ -575,6 +585,14 @@ std::vector<int64_t> exchange_counts(Comm&, Group& g, const std::vector<int64_t>
   for (int64_t n : send_counts)
     PICO_ASSERT(n >= 0, "exchange_counts: a negative count, " + std::to_string(n));
   std::vector<int64_t> recv_counts = send_counts;  // a group of one receives its own
+  if (c.device == Device::Meta) {
+    // Meta ranks exchange nothing: every rank is taken to send what this one sends itself (as
+    // under the uniform routing the meta device assumes, expert_parallel.cu).
+    for (int p = 0; p < g.size; p++)
+      std::copy(send_counts.begin() + g.rank * per, send_counts.begin() + (g.rank + 1) * per,
+                recv_counts.begin() + p * per);
+    return recv_counts;
+  }
   host_collective(g, "exchange_counts", (int64_t)send_counts.size() * sizeof(int64_t),
                   [&](MPI_Request* r) {
                     return MPI_Ialltoall(send_counts.data(), per, MPI_INT64_T, recv_counts.data(),

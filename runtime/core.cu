@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "runtime/core.cuh"
+#include "runtime/ledger.cuh"
 
 namespace fs = std::filesystem;
 
@@ -32,7 +33,15 @@ void fatal_abort() {
 }
 
 const char* device_name(Device d) {
-  return d == Device::CPU ? "cpu" : "cuda";
+  switch (d) {
+    case Device::CPU:
+      return "cpu";
+    case Device::CUDA:
+      return "cuda";
+    case Device::Meta:
+      break;
+  }
+  return "meta";
 }
 static const DType kDTypes[] = {DType::F32, DType::I32,    DType::BF16,
                                 DType::F16, DType::F8E4M3, DType::F8E5M2};
@@ -158,6 +167,11 @@ struct Storage {
         CUDA_CHECK(cudaMallocAsync(&ptr, n, stream));
       else
         CUDA_CHECK(cudaMalloc(&ptr, n));
+    } else if (d == Device::Meta) {
+      // No storage: an address of its own that nothing reads, so that views, offsets and the
+      // weight copies' lookups work as on a device.
+      static std::atomic<uintptr_t> next{uintptr_t(1) << 44};
+      ptr = (void*)next.fetch_add((n + 63) / 64 * 64);
     } else {
       ptr = aligned_alloc(64, (n + 63) / 64 * 64);
       PICO_ASSERT(ptr != nullptr, "host allocation of " + std::to_string(n) + " bytes");
@@ -172,7 +186,7 @@ struct Storage {
       CUDA_CHECK(cudaFreeAsync(ptr, stream));
     else if (device == Device::CUDA)
       CUDA_CHECK(cudaFree(ptr));
-    else
+    else if (device == Device::CPU)
       free(ptr);
     account(category, -(long long)bytes);
     if (owner) --*owner;
@@ -230,6 +244,7 @@ static Tensor empty_on(cudaStream_t stream, std::vector<int64_t> shape, Mem cate
   return t;
 }
 static void zero_on(cudaStream_t stream, const Tensor& t) {
+  if (count_op(t.device, OpKind::Memory, {0, 0, (double)t.nbytes(), 1})) return;
   if (t.device == Device::CUDA)
     CUDA_CHECK(cudaMemsetAsync(t.ptr, 0, t.nbytes(), stream));
   else
@@ -284,6 +299,17 @@ void copy_(const Tensor& dst, const Tensor& src) {
               "copy_ " + src.shape_str() + " into " + dst.shape_str());
   if (dst.device == Device::CPU && src.device == Device::CPU) {
     memmove(dst.ptr, src.ptr, src.nbytes());
+    return;
+  }
+  if (dst.device == Device::Meta || src.device == Device::Meta) {
+    // Nothing moves; a read back to the host is still the wait it would be (and reads zeros:
+    // nothing data-dependent comes back from the meta device).
+    PICO_ASSERT(dst.device != Device::CUDA && src.device != Device::CUDA, "meta and CUDA tensors");
+    if (dst.device == Device::CPU) {
+      count_host_sync();
+      memset(dst.ptr, 0, dst.nbytes());
+    }
+    count_op(Device::Meta, OpKind::Memory, {0, (double)src.nbytes(), (double)dst.nbytes(), 1});
     return;
   }
   cudaMemcpyKind kind = src.device == Device::CPU   ? cudaMemcpyHostToDevice
@@ -384,6 +410,7 @@ void launch_check(const Context& ctx, const char* kernel, const char* file, int 
 }
 Device resolve_device(const std::string& flag) {
   if (flag == "cpu") return Device::CPU;
+  if (flag == "meta") return Device::Meta;
   if (flag == "cuda") {
     std::string why;
     if (!cuda_available(&why))
@@ -399,7 +426,7 @@ Device resolve_device(const std::string& flag) {
               why.c_str());
     return Device::CPU;
   }
-  throw UsageError("--device " + flag + ": expected auto, cpu or cuda");
+  throw UsageError("--device " + flag + ": expected auto, cpu, cuda or meta");
 }
 
 std::string describe_cuda_devices() {
@@ -443,6 +470,7 @@ static void fill_host_then_copy(const Tensor& t, std::vector<float>& host) {
   PICO_ASSERT(t.dtype == DType::F32, "init needs an F32 tensor");
   from_host(t, host.data());
 }
+// Initialisation on the meta device draws nothing (a meta tensor holds no values).
 // out[i] = element offset + i of the full tensor: normal (a = std) or uniform in [a, b).
 // In double, then rounded to float, as the CPU loops below. nvcc would fuse the uniform's
 // multiply and add into one FMA (one rounding instead of two, so other bits than the CPU's):
@@ -469,6 +497,7 @@ static void init_on_device(const Tensor& t, uint64_t key, int64_t offset, bool n
 void init_normal(const Tensor& t, uint64_t seed, const std::string& name, float std,
                  int64_t offset) {
   uint64_t key = rng_key(seed, name);
+  if (t.device == Device::Meta) return;
   if (t.device == Device::CUDA) return init_on_device(t, key, offset, true, std, 0.0f);
   std::vector<float> host(t.numel());
   for (int64_t i = 0; i < t.numel(); i++) host[i] = (float)(std * rng_normal(key, offset + i));
@@ -477,6 +506,7 @@ void init_normal(const Tensor& t, uint64_t seed, const std::string& name, float 
 void init_uniform(const Tensor& t, uint64_t seed, const std::string& name, float lo, float hi,
                   int64_t offset) {
   uint64_t key = rng_key(seed, name);
+  if (t.device == Device::Meta) return;
   if (t.device == Device::CUDA) return init_on_device(t, key, offset, false, lo, hi);
   std::vector<float> host(t.numel());
   for (int64_t i = 0; i < t.numel(); i++)
@@ -484,6 +514,7 @@ void init_uniform(const Tensor& t, uint64_t seed, const std::string& name, float
   fill_host_then_copy(t, host);
 }
 void fill_(const Tensor& t, float value) {
+  if (t.device == Device::Meta) return;
   std::vector<float> host(t.numel(), value);
   fill_host_then_copy(t, host);
 }

@@ -77,7 +77,9 @@ struct UsageError : std::runtime_error {
 // ----------------------------------------------------------------------------
 // Devices, dtypes, memory categories
 
-enum class Device { CPU, CUDA };
+// Meta (as PyTorch's meta tensors): shapes, dtypes and memory accounting without storage; every
+// op counts its cost in the ledger (runtime/ledger.cuh) and computes nothing.
+enum class Device { CPU, CUDA, Meta };
 // F32 and I32 compute; BF16, F16 and the two FP8 formats are storage (mixed_precision.cuh).
 enum class DType { F32, I32, BF16, F16, F8E4M3, F8E5M2 };
 enum class Mem { Params, Grads, Optimizer, Activations, Workspace, Count };
@@ -86,6 +88,11 @@ enum class Mem { Params, Grads, Optimizer, Activations, Workspace, Count };
 enum class Precision { FP32, BF16, FP16, FP8 };
 
 const char* device_name(Device d);
+// Whether code takes the CUDA path's decisions (which operands a GEMM reads in what format, which
+// kernels run): on CUDA, and on the meta device, whose ledger is then the GPU step's.
+inline bool gpu_path(Device d) {
+  return d == Device::CUDA || d == Device::Meta;
+}
 const char* dtype_name(DType t);  // safetensors spelling: "F32", "I32", "BF16", "F16", "F8_E4M3"...
 bool dtype_from_name(const std::string& name, DType* out);  // false for an unknown name
 size_t dtype_size(DType t);
@@ -183,7 +190,7 @@ struct Context {
   void destroy();            // a [BUG] stop while live_allocations() > 0
   void synchronize() const;  // wait for the compute stream (tests, timers); counted
 };
-Device resolve_device(const std::string& flag);  // "auto" | "cpu" | "cuda"
+Device resolve_device(const std::string& flag);  // "auto" | "cpu" | "cuda" | "meta"
 
 // Stream-ordered forms of empty / zeros / zero_ on ctx's compute stream (see above).
 Tensor empty(const Context& ctx, std::vector<int64_t> shape, Mem category,

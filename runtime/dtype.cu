@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "runtime/dtype.cuh"
+#include "runtime/ledger.cuh"
 
 // ----------------------------------------------------------------------------
 // One rounding routine for every format
@@ -201,6 +202,7 @@ void cast_(const Tensor& dst, const Tensor& src) {
   PICO_ASSERT(dst.numel() == src.numel() && dst.device == src.device,
               "cast_ " + src.shape_str() + " into " + dst.shape_str() + " on one device");
   const int64_t n = src.numel();
+  if (count_op(dst.device, OpKind::Cast, {0, (double)src.nbytes(), (double)dst.nbytes()})) return;
   if (dst.device == Device::CPU) return cast_host(dst.ptr, dst.dtype, src.ptr, src.dtype, n);
   check_cast(dst.dtype, src.dtype);
   if (n == 0) return;
@@ -216,6 +218,7 @@ void cast_(const Tensor& dst, const Tensor& src) {
 void cast_(const Context& ctx, const Tensor& dst, const Tensor& src) {
   const int64_t n = src.numel();
   PICO_ASSERT(dst.numel() == n, "cast_ " + src.shape_str() + " into " + dst.shape_str());
+  if (count_op(ctx.device, OpKind::Cast, {0, (double)src.nbytes(), (double)dst.nbytes()})) return;
   if (ctx.device == Device::CPU) return cast_host(dst.ptr, dst.dtype, src.ptr, src.dtype, n);
   if (n == 0) return;
   const unsigned blocks = (unsigned)((n + 255) / 256);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "runtime/dtype.cuh"
+#include "runtime/ledger.cuh"
 #include "runtime/ops.cuh"
 
 // ============================================================================
@@ -22,6 +23,10 @@
 
 void gemm(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha,
           const float* A, int lda, const float* B, int ldb, float beta, float* C, int ldc) {
+  const double m = M, n = N, k = K;  // C is read too when accumulated into
+  if (count_op(ctx.device, OpKind::Gemm,
+               {2 * m * n * k, 4 * (m * k + k * n + (beta != 0.0f ? m * n : 0.0)), 4 * m * n}))
+    return;
   if (ctx.device == Device::CPU) {
     cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
                 trans_b ? CblasTrans : CblasNoTrans, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
@@ -149,6 +154,7 @@ void embedding_forward(const Context& ctx, const Tensor& out, const Tensor& ids,
                        const Tensor& table) {
   check_embedding(ctx, out, ids, table);
   int T = (int)ids.numel(), V = (int)table.size(0), D = (int)table.size(1);
+  if (count_op(ctx.device, OpKind::Elementwise, {0, 4.0 * T * D + 4.0 * T, 4.0 * T * D})) return;
   if (ctx.device == Device::CPU)
     return embedding_cpu(out.f32(), table.f32(), ids.i32(), T, D, V, false);
   if (T == 0) return;
@@ -160,6 +166,11 @@ void embedding_backward(const Context& ctx, const Tensor& dtable, const Tensor& 
                         const Tensor& dout) {
   check_embedding(ctx, dout, ids, dtable);
   int T = (int)ids.numel(), V = (int)dtable.size(0), D = (int)dtable.size(1);
+  // The rows of the table it adds into are read and written; ids sorted first (iota, CUB's
+  // radix sort, the scatter: three launches).
+  if (count_op(ctx.device, OpKind::Elementwise,
+               {(double)T * D, 8.0 * T * D + 16.0 * T, 4.0 * T * D + 12.0 * T, 3}))
+    return;
   if (ctx.device == Device::CPU)
     return embedding_cpu(dout.f32(), dtable.f32(), ids.i32(), T, D, V, true);
   if (T == 0) return;
@@ -273,6 +284,9 @@ void rmsnorm_forward(const Context& ctx, const Tensor& y, const Tensor& rstd, co
   int D = (int)x.size(-1), T = (int)(x.numel() / D);
   PICO_ASSERT(w.numel() == D && y.numel() == x.numel() && rstd.numel() == T,
               "rmsnorm_forward shapes " + x.shape_str());
+  if (count_op(ctx.device, OpKind::Norm,
+               {4.0 * T * D, 4.0 * T * D + 4.0 * D, 4.0 * T * D + 4.0 * T}))
+    return;
   if (ctx.device == Device::CPU)
     return rmsnorm_forward_cpu(y.f32(), rstd.f32(), x.f32(), w.f32(), T, D, eps);
   if (T == 0) return;  // a grid of zero blocks is a launch error, not a no-op
@@ -287,6 +301,10 @@ void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, co
   int D = (int)x.size(-1), T = (int)(x.numel() / D);
   PICO_ASSERT(dx.numel() == x.numel() && dy.numel() == x.numel() && dw.numel() == D,
               "rmsnorm_backward shapes " + x.shape_str());
+  // dx += ...: dx, dy and x read, dx written; dw from partial sums per block of rows.
+  if (count_op(ctx.device, OpKind::Norm,
+               {8.0 * T * D, 12.0 * T * D + 4.0 * T + 8.0 * D, 4.0 * T * D + 4.0 * D, 3}))
+    return;
   if (ctx.device == Device::CPU)
     return rmsnorm_backward_cpu(dx.f32(), dw.f32(), dy.f32(), x.f32(), w.f32(), rstd.f32(), T, D);
   if (T == 0) return;  // no rows: nothing to add (and a zero-block grid would not launch)
@@ -347,6 +365,8 @@ static void rope(const Context& ctx, const Tensor& x, const Tensor& positions, f
   PICO_ASSERT(x.dim() == 3 && x.size(2) % 2 == 0 && positions.numel() == x.size(0),
               "rope expects x [T, H, hd] with even hd and positions [T], got " + x.shape_str());
   int T = (int)x.size(0), H = (int)x.size(1), hd = (int)x.size(2);
+  const double n = (double)T * H * hd;
+  if (count_op(ctx.device, OpKind::Elementwise, {3.0 * n, 4.0 * n + 4.0 * T, 4.0 * n})) return;
   if (ctx.device == Device::CPU) return rope_cpu(x.f32(), positions.i32(), T, H, hd, theta, sign);
   int64_t pairs = (int64_t)T * H * (hd / 2);
   rope_kernel<<<grid_for(pairs), kThreads, 0, ctx.stream>>>(x.f32(), positions.i32(), pairs, H, hd,
@@ -400,6 +420,7 @@ void swiglu_forward(const Context& ctx, const Tensor& out, const Tensor& gate, c
   check_devices(ctx, "swiglu_forward", out, gate, up);
   int64_t n = gate.numel();
   PICO_ASSERT(up.numel() == n && out.numel() == n, "swiglu_forward shapes " + gate.shape_str());
+  if (count_op(ctx.device, OpKind::Elementwise, {6.0 * n, 8.0 * n, 4.0 * n})) return;
   if (ctx.device == Device::CPU) return swiglu_forward_cpu(out.f32(), gate.f32(), up.f32(), n);
   swiglu_forward_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(out.f32(), gate.f32(), up.f32(),
                                                                   n);
@@ -411,6 +432,7 @@ void swiglu_backward(const Context& ctx, const Tensor& dgate, const Tensor& dup,
   int64_t n = gate.numel();
   PICO_ASSERT(up.numel() == n && dout.numel() == n && dgate.numel() == n && dup.numel() == n,
               "swiglu_backward shapes " + gate.shape_str());
+  if (count_op(ctx.device, OpKind::Elementwise, {12.0 * n, 12.0 * n, 8.0 * n})) return;
   if (ctx.device == Device::CPU)
     return swiglu_backward_cpu(dgate.f32(), dup.f32(), dout.f32(), gate.f32(), up.f32(), n);
   swiglu_backward_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(
@@ -441,6 +463,9 @@ static void axpby(const Context& ctx, const Tensor& out, float alpha, const Tens
   PICO_ASSERT(a.numel() == n && (!b || b->numel() == n),
               "elementwise sizes differ: " + out.shape_str() + " vs " + a.shape_str());
   const float* bp = b ? b->f32() : nullptr;
+  if (count_op(ctx.device, OpKind::Elementwise,
+               {(b ? 3.0 : 1.0) * n, (b ? 8.0 : 4.0) * n, 4.0 * n}))
+    return;
   if (ctx.device == Device::CPU) return axpby_cpu(out.f32(), alpha, a.f32(), beta, bp, n);
   axpby_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(out.f32(), alpha, a.f32(), beta, bp, n);
   LAUNCH_CHECK(ctx, "axpby_kernel");
@@ -494,6 +519,9 @@ void scale_rows(const Context& ctx, const Tensor& y, const Tensor& x, const Tens
   int64_t K = w.numel(), D = K > 0 ? x.numel() / K : 0;
   PICO_ASSERT(x.numel() == K * D && y.numel() == x.numel(),
               "scale_rows: " + y.shape_str() + " = " + x.shape_str() + " x " + w.shape_str());
+  if (count_op(ctx.device, OpKind::Elementwise,
+               {(double)K * D, 4.0 * K * D + 4.0 * K, 4.0 * K * D}))
+    return;
   if (ctx.device == Device::CPU) return scale_rows_cpu(y.f32(), x.f32(), w.f32(), K, D);
   if (K * D == 0) return;
   scale_rows_kernel<<<grid_for(K * D), kThreads, 0, ctx.stream>>>(y.f32(), x.f32(), w.f32(), K, D);
@@ -504,6 +532,7 @@ void row_dots(const Context& ctx, const Tensor& out, const Tensor& a, const Tens
   int64_t K = out.numel(), D = K > 0 ? a.numel() / K : 0;
   PICO_ASSERT(a.numel() == K * D && b.numel() == a.numel(),
               "row_dots: " + out.shape_str() + " from " + a.shape_str() + " . " + b.shape_str());
+  if (count_op(ctx.device, OpKind::Elementwise, {2.0 * K * D, 8.0 * K * D, 4.0 * K})) return;
   if (ctx.device == Device::CPU) return row_dots_cpu(out.f32(), a.f32(), b.f32(), K, D);
   if (K == 0) return;
   row_dots_kernel<<<grid_for(K), kThreads, 0, ctx.stream>>>(out.f32(), a.f32(), b.f32(), K, D);
@@ -595,6 +624,7 @@ void cross_entropy_row_max(const Context& ctx, const Tensor& row_max, const Tens
   int64_t N = logits.size(0);
   int V = (int)logits.size(1);
   check_devices(ctx, "cross_entropy_row_max", row_max, logits);
+  if (count_op(ctx.device, OpKind::Loss, {(double)N * V, 4.0 * N * V, 4.0 * N})) return;
   if (ctx.device == Device::CPU) return ce_row_max_cpu(row_max.f32(), logits.f32(), N, V);
   if (N == 0) return;
   ce_row_max_kernel<<<N, kThreads, 0, ctx.stream>>>(row_max.f32(), logits.f32(), V);
@@ -608,6 +638,7 @@ void cross_entropy_row_sums(const Context& ctx, const Tensor& sums, const Tensor
   PICO_ASSERT(targets.numel() == N && sums.numel() == 2 * N,
               "cross_entropy_row_sums: " + std::to_string(targets.numel()) +
                   " targets for logits " + logits.shape_str());
+  if (count_op(ctx.device, OpKind::Loss, {3.0 * N * V, 4.0 * N * V + 8.0 * N, 8.0 * N})) return;
   if (ctx.device == Device::CPU)
     return ce_row_sums_cpu(sums.f32(), logits.f32(), row_max.f32(), targets.i32(), N, V);
   if (N == 0) return;
@@ -619,6 +650,7 @@ void cross_entropy_finish(const Context& ctx, const Tensor& losses, const Tensor
                           const Tensor& row_max, const Tensor& sums) {
   int64_t N = row_max.numel();
   check_devices(ctx, "cross_entropy_finish", losses, stats, row_max, sums);
+  if (count_op(ctx.device, OpKind::Loss, {2.0 * N, 12.0 * N, 12.0 * N})) return;
   if (ctx.device == Device::CPU)
     return ce_finish_cpu(losses.f32(), stats.f32(), row_max.f32(), sums.f32(), N);
   if (N == 0) return;
@@ -632,6 +664,8 @@ void cross_entropy_backward(const Context& ctx, const Tensor& dlogits, const Ten
   int V = (int)logits.size(1);
   check_devices(ctx, "cross_entropy_backward", dlogits, logits, stats, targets);
   PICO_ASSERT(dlogits.numel() == logits.numel(), "cross_entropy_backward " + dlogits.shape_str());
+  if (count_op(ctx.device, OpKind::Loss, {4.0 * N * V, 4.0 * N * V + 12.0 * N, 4.0 * N * V}))
+    return;
   if (ctx.device == Device::CPU)
     return ce_backward_cpu(dlogits.f32(), logits.f32(), stats.f32(), targets.i32(), N, V, scale);
   if (N == 0) return;
@@ -748,6 +782,14 @@ static std::vector<float> reduce_each(const Context& ctx, const std::vector<Tens
   }
   std::vector<float> totals(xs.size());
   count_host_sync();  // the results go to the host: on CUDA the host waits for the stream
+  double elements = 0, bytes = 0;
+  for (const Tensor& x : xs) elements += x.numel(), bytes += x.nbytes();
+  // One kernel over every tensor's blocks, one for the totals; a host copy each way.
+  if (count_op(ctx.device, OpKind::Optimizer,
+               {(squares ? 2.0 : 1.0) * elements, bytes, 4.0 * xs.size(), xs.empty() ? 0 : 2})) {
+    std::fill(totals.begin(), totals.end(), NAN);  // the meta device: no value, absent
+    return totals;
+  }
   if (ctx.device == Device::CPU) {
     for (size_t i = 0; i < xs.size(); i++)
       totals[i] = sum_cpu(xs[i].ptr, xs[i].numel(), squares, xs[i].dtype == DType::BF16);
@@ -825,6 +867,7 @@ void adamw_update(const Context& ctx, float* p, const float* g, float* m, float*
   // Bias corrections once, in double, so both devices divide by the same two floats.
   float bc1 = (float)(1.0 - std::pow((double)cfg.beta1, step));
   float bc2 = (float)(1.0 - std::pow((double)cfg.beta2, step));
+  if (count_op(ctx.device, OpKind::Optimizer, {15.0 * n, 16.0 * n, 12.0 * n})) return;
   if (ctx.device == Device::CPU) return adamw_cpu(p, g, m, v, n, cfg, lr, weight_decay, bc1, bc2);
   adamw_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(p, g, m, v, n, cfg, lr, weight_decay, bc1,
                                                          bc2);

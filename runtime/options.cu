@@ -379,6 +379,10 @@ std::vector<std::vector<LaunchSetting>> launch_settings(const RunOptions& o) {
 // Before the first allocation
 
 double device_bytes_per_rank(Device device, int local_ranks, std::string& what) {
+  if (device == Device::Meta) {  // counted, never allocated: any size fits
+    what = "the meta device (no storage)";
+    return INFINITY;
+  }
   if (device == Device::CUDA) {
     size_t free_bytes = 0, total = 0;
     int gpus = 1;
