@@ -22,7 +22,6 @@
 
 #include "kernels/flash_attention_kernels.cuh"
 #include "mixed_precision.cuh"
-#include "runtime/ledger.cuh"
 #include "runtime/ops.cuh"
 #include "runtime/options.cuh"
 
@@ -38,16 +37,6 @@ static void check_block_args(const Context& ctx, const AttentionBlock& a,
                 "attention tensor " + t->shape_str() + " on " + device_name(t->device) +
                     ", expected " + std::to_string(want) + " floats on " + device_name(ctx.device));
 }
-static int64_t q_numel(const AttentionBlock& a) {
-  return (int64_t)a.B * a.Tq * a.Hq * a.hd;
-}
-static int64_t kv_numel(const AttentionBlock& a) {
-  return (int64_t)a.B * a.Tk * a.Hkv * a.hd;
-}
-static int64_t lse_numel(const AttentionBlock& a) {
-  return (int64_t)a.B * a.Hq * a.Tq;
-}
-
 // ============================================================================
 // FlashAttention forward: out = softmax(q k^T / sqrt(hd)) v and lse, one query tile at a time
 // ============================================================================
@@ -135,22 +124,6 @@ static void flash_forward_cpu(float* out, float* lse, const float* q, const floa
     flash_forward_tile_cpu(out, lse, q, k, v, a, b, h, qt * kCpuTileQ, S, P, V64, acc, m,
                            m + kCpuTileQ);
   });
-}
-
-// What a block costs (the ledger, runtime/ledger.cuh), whichever kernel runs it: the (query,
-// key) pairs the mask lets through, 4 FLOPs per pair and head dimension forward (S = QK^T,
-// then PV), 10 backward (S again, dP, dV, dQ, dK); q, k, v (and dout) read once, out (dq, dk,
-// dv) written once, as FlashAttention's one pass does.
-int64_t attention_pairs(const AttentionBlock& a) {
-  int64_t pairs = 0;
-  for (int i = 0; i < a.Tq; i++) pairs += visible_keys(a, i, 0, a.Tk);
-  return pairs * a.B * a.Hq;
-}
-OpCost attention_cost(const AttentionBlock& a, bool backward, int element_bytes) {
-  const double pairs = (double)attention_pairs(a), e = element_bytes;
-  const double q = (double)q_numel(a), kv = (double)kv_numel(a), lse = (double)lse_numel(a);
-  if (!backward) return {4 * pairs * a.hd, e * (q + 2 * kv), 4 * q + 4 * lse};
-  return {10 * pairs * a.hd, e * (2 * q + 2 * kv) + 8 * lse, 4 * (q + 2 * kv)};
 }
 
 void flash_attention_forward(const Context& ctx, const Tensor& out, const Tensor& lse,

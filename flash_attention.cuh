@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "runtime/core.cuh"
-#include "runtime/ledger.cuh"
 #include "runtime/meters.cuh"
 
 struct AttentionShape {
@@ -127,10 +126,6 @@ struct AttentionBlock {
   int64_t k0 = 0;  // global position of the first key
   bool causal = true;
 };
-// The (query, key) pairs of a block the causal mask lets through, over its sequences and query
-// heads; and what the block costs in the ledger (runtime/ledger.cuh), element_bytes per q, k, v.
-int64_t attention_pairs(const AttentionBlock& a);
-OpCost attention_cost(const AttentionBlock& a, bool backward, int element_bytes);
 // Layouts (token-major, as the model's projections produce them):
 //   q, out, dq, dout [B*Tq, Hq, hd];  k, v, dk, dv [B*Tk, Hkv, hd];  lse, D [B, Hq, Tq] (fp32)
 // lse is the natural log of sum_j exp(q.k_j / sqrt(hd)) over the visible keys.

@@ -27,7 +27,6 @@
 #include "kernels/fp8_gemm.cuh"
 #include "mixed_precision.cuh"
 #include "runtime/gradient_sync.cuh"
-#include "runtime/ledger.cuh"
 #include "runtime/ops.cuh"
 #include "runtime/options.cuh"
 
@@ -201,24 +200,14 @@ static Tensor gemm_operand(const Context& ctx, const Tensor& t, Operand role,
 }
 
 // gemm (ops.cuh) on two operands from gemm_operand: fp32 products and sums. F32 operands go
-// through gemm; bf16 / fp16 ones (CUDA) through cublasGemmEx with fp32 compute, the tensor
-// cores' mixed-precision GEMM, with gemm's row-major to column-major swap.
+// through gemm; bf16 / fp16 ones (CUDA) through gemm_16bit, the tensor cores' mixed-precision
+// GEMM.
 static void operand_gemm(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K,
                          const Tensor& A, int lda, const Tensor& B, int ldb, float beta,
                          const Tensor& C, int ldc) {
-  if (A.dtype == DType::F32)
-    return gemm(ctx, trans_a, trans_b, M, N, K, 1.0f, A.f32(), lda, B.f32(), ldb, beta, C.f32(),
-                ldc);
-  const double m = M, n = N, k = K;  // 16-bit operands, fp32 output (read too when accumulated)
-  if (count_op(ctx.device, OpKind::Gemm,
-               {2 * m * n * k, 2 * (m * k + k * n) + (beta != 0.0f ? 4 * m * n : 0.0), 4 * m * n}))
-    return;
-  const cudaDataType type = A.dtype == DType::BF16 ? CUDA_R_16BF : CUDA_R_16F;
-  const float alpha = 1.0f;
-  CUBLAS_CHECK(cublasGemmEx(ctx.cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
-                            trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha, B.ptr, type, ldb,
-                            A.ptr, type, lda, &beta, C.ptr, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F,
-                            CUBLAS_GEMM_DEFAULT));
+  if (A.dtype != DType::F32)
+    return gemm_16bit(ctx, trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc);
+  gemm(ctx, trans_a, trans_b, M, N, K, 1.0f, A.f32(), lda, B.f32(), ldb, beta, C.f32(), ldc);
 }
 
 // FP8 on a GPU: the three GEMMs go to fp8_gemm (real FP8 on Hopper), which declines where it

@@ -9,7 +9,6 @@
 
 #include "mixed_precision.cuh"
 #include "model.cuh"
-#include "runtime/ledger.cuh"
 #include "runtime/ops.cuh"
 #include "runtime/options.cuh"
 

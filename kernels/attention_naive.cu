@@ -11,7 +11,6 @@
 #include <vector>
 
 #include "flash_attention.cuh"
-#include "runtime/ledger.cuh"
 #include "runtime/ops.cuh"
 
 // ============================================================================

@@ -20,7 +20,6 @@
 #include "kernels/flash_attention_kernels.cuh"
 #include "kernels/tensor_core.cuh"
 #include "runtime/dtype.cuh"
-#include "runtime/ledger.cuh"
 #include "runtime/ops.cuh"
 
 // Rows [row0, row0 + ROWS) of head `head` of a [B*T, H, HD] bf16 tensor into dst[ROWS][HD + 8],

@@ -6,7 +6,6 @@
 #include <type_traits>
 
 #include "kernels/flash_attention_kernels.cuh"
-#include "runtime/ledger.cuh"
 
 // ----------------------------------------------------------------------------
 // CUDA, fp32 on CUDA cores (the fp32 model's path). One block per (query tile, head, sequence),

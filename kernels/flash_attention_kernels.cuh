@@ -15,12 +15,37 @@ using bf16 = __nv_bfloat16;
 __host__ __device__ inline int64_t token_head(int b, int T, int i, int H, int h, int hd) {
   return (((int64_t)b * T + i) * H + h) * hd;
 }
+// Elements of a block's q (out, dq, dout), of its k (v, dk, dv) and of its lse (D).
+inline int64_t q_numel(const AttentionBlock& a) {
+  return (int64_t)a.B * a.Tq * a.Hq * a.hd;
+}
+inline int64_t kv_numel(const AttentionBlock& a) {
+  return (int64_t)a.B * a.Tk * a.Hkv * a.hd;
+}
+inline int64_t lse_numel(const AttentionBlock& a) {
+  return (int64_t)a.B * a.Hq * a.Tq;
+}
 // How many keys of [j0, j0 + n) query i sees: all n without the mask; with it, those at global
 // position k0 + j <= q0 + i, always a prefix of the tile (0 for a tile wholly in the future).
 __host__ __device__ inline int visible_keys(const AttentionBlock& a, int i, int j0, int n) {
   if (!a.causal) return n;
   int64_t seen = a.q0 + i - (a.k0 + j0) + 1;
   return (int)(seen < 0 ? 0 : seen < n ? seen : n);
+}
+// What a block costs (the ledger, runtime/ledger.cuh), whichever kernel runs it: the (query,
+// key) pairs the mask lets through, 4 FLOPs per pair and head dimension forward (S = QK^T,
+// then PV), 10 backward (S again, dP, dV, dQ, dK); q, k, v (and dout) read once, out (dq, dk,
+// dv) written once, as FlashAttention's one pass does.
+inline int64_t attention_pairs(const AttentionBlock& a) {
+  int64_t pairs = 0;
+  for (int i = 0; i < a.Tq; i++) pairs += visible_keys(a, i, 0, a.Tk);
+  return pairs * a.B * a.Hq;
+}
+inline OpCost attention_cost(const AttentionBlock& a, bool backward, int element_bytes) {
+  const double pairs = (double)attention_pairs(a), e = element_bytes;
+  const double q = (double)q_numel(a), kv = (double)kv_numel(a), lse = (double)lse_numel(a);
+  if (!backward) return {4 * pairs * a.hd, e * (q + 2 * kv), 4 * q + 4 * lse};
+  return {10 * pairs * a.hd, e * (2 * q + 2 * kv) + 8 * lse, 4 * (q + 2 * kv)};
 }
 // The first query that sees key j0 (Tq when none does): backward skips the query tiles before it.
 __host__ __device__ inline int first_query_seeing(const AttentionBlock& a, int j0) {

@@ -19,7 +19,6 @@
 
 #include "kernels/fp8_gemm.cuh"
 #include "runtime/dtype.cuh"
-#include "runtime/ledger.cuh"
 
 // ----------------------------------------------------------------------------
 // FP8 per-tile absmax scaling (DeepSeek-V3 §3.3): CPU reference

@@ -257,41 +257,13 @@ void print_plan(const PlanResult& r, const ModelConfig& cfg, int64_t global_toke
 // ----------------------------------------------------------------------------
 // Models
 
+// The planner's models are ./train's presets (runtime/model_config.cu): the two tools speak of
+// the same shapes.
 ModelConfig planner_model(const std::string& name) {
-  auto llama3 = [](ModelConfig c, int d, int layers, int heads, int ffn, bool tied) {
-    c.vocab = 128256, c.d_model = d, c.layers = layers, c.heads = heads, c.kv_heads = 8;
-    c.ffn = ffn, c.tie_embeddings = tied, c.rope_theta = 500000.0f, c.seq = 4096;
-    return c;
-  };
-  ModelConfig c;
-  c.preset = name;
-  if (name == "llama-3b") return llama3(c, 3072, 28, 24, 8192, true);
-  if (name == "llama-8b") return llama3(c, 4096, 32, 32, 14336, false);
-  if (name == "llama-70b") return llama3(c, 8192, 80, 64, 28672, false);
-  if (name.rfind("book-", 0) == 0) {
-    std::map<std::string, std::string> base = {{"book-1b", "llama-1b"},
-                                               {"book-3b", "llama-3b"},
-                                               {"book-8b", "llama-8b"},
-                                               {"book-80b", "llama-70b"}};
-    auto it = base.find(name);
-    if (it != base.end()) {
-      ModelConfig b = planner_model(it->second);
-      b.preset = name, b.kv_heads = b.heads, b.seq = 4096;
-      return b;
-    }
-  }
-  for (const std::string& n : model_preset_names())
-    if (n == name) return model_preset(name);
-  std::string known;
-  for (const std::string& n : planner_model_names()) known += (known.empty() ? "" : ", ") + n;
-  throw UsageError("--model " + name + ": unknown; choose one of " + known);
+  return model_preset(name);
 }
 std::vector<std::string> planner_model_names() {
-  std::vector<std::string> names = model_preset_names();
-  for (const char* n :
-       {"llama-3b", "llama-8b", "llama-70b", "book-1b", "book-3b", "book-8b", "book-80b"})
-    names.push_back(n);
-  return names;
+  return model_preset_names();
 }
 
 // ----------------------------------------------------------------------------

@@ -18,7 +18,6 @@
 #include <thread>
 
 #include "runtime/core.cuh"
-#include "runtime/ledger.cuh"
 
 namespace fs = std::filesystem;
 

@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "runtime/ledger.cuh"
+
 // ----------------------------------------------------------------------------
 // Error checks: print file:line, the call and the error, then stop every rank.
 
@@ -92,6 +94,13 @@ const char* device_name(Device d);
 // kernels run): on CUDA, and on the meta device, whose ledger is then the GPU step's.
 inline bool gpu_path(Device d) {
   return d == Device::CUDA || d == Device::Meta;
+}
+// Counts one op on `device` in the ledger; true when the op must compute nothing (the meta
+// device), so that each op reads `if (count_op(ctx.device, OpKind::X, cost)) return;` before
+// its CPU loop and its kernel.
+inline bool count_op(Device device, OpKind kind, const OpCost& cost) {
+  record_op(kind, cost);
+  return device == Device::Meta;
 }
 const char* dtype_name(DType t);  // safetensors spelling: "F32", "I32", "BF16", "F16", "F8_E4M3"...
 bool dtype_from_name(const std::string& name, DType* out);  // false for an unknown name

@@ -12,7 +12,6 @@
 #include <cstring>
 
 #include "runtime/dtype.cuh"
-#include "runtime/ledger.cuh"
 
 // ----------------------------------------------------------------------------
 // One rounding routine for every format

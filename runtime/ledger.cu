@@ -30,14 +30,13 @@ void reset_ledger() {
   g_ledger = Ledger{};
 }
 
-bool count_op(Device device, OpKind kind, const OpCost& cost) {
+void record_op(OpKind kind, const OpCost& cost) {
   LedgerRow& r = g_ledger.rows[g_scope >= 0 ? g_scope : (int)kind];
   r.calls++;
   r.launches += cost.launches;
   r.flops += cost.flops;
   r.read += cost.read;
   r.written += cost.written;
-  return device == Device::Meta;
 }
 
 LedgerScope::LedgerScope(OpKind kind) : saved_(g_scope) {

@@ -6,8 +6,6 @@
 #pragma once
 #include <cstdint>
 
-#include "runtime/core.cuh"
-
 enum class OpKind {
   Gemm,         // linear layers (cuBLAS)
   Attention,    // the attention core: naive's GEMMs and softmax, or FlashAttention
@@ -38,10 +36,9 @@ struct Ledger {
 Ledger ledger();  // since the process started (or the last reset), this rank
 void reset_ledger();
 
-// Counts one op on `device`; true when the op must compute nothing (the meta device), so that
-// each op reads `if (count_op(ctx.device, OpKind::X, cost)) return;` before its CPU loop and
-// its kernel.
-bool count_op(Device device, OpKind kind, const OpCost& cost);
+// Counts one op (runtime/core.cuh's count_op is the call every op makes: it records, then tells
+// the op whether its device computes at all).
+void record_op(OpKind kind, const OpCost& cost);
 
 // Within a scope, every op counts under `kind` whatever its own (naive attention's GEMMs and
 // softmax are attention; the gradient norm's sums and the optimizer's casts are the optimizer's).

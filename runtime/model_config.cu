@@ -24,12 +24,38 @@ ModelConfig model_preset(const std::string& name) {
     c.ffn = 8192, c.seq = 2048, c.rope_theta = 500000.0f, c.tie_embeddings = true;
     return c;
   }
+  // The book's and the planner's models at their real size (train them on --device meta, or on
+  // a cluster): Llama 3's shapes at seq 4096, and the book's with as many kv heads as heads.
+  auto llama3 = [&](int d, int layers, int heads, int ffn, bool tied) {
+    c.vocab = 128256, c.d_model = d, c.layers = layers, c.heads = heads, c.kv_heads = 8;
+    c.ffn = ffn, c.tie_embeddings = tied, c.rope_theta = 500000.0f, c.seq = 4096;
+    return c;
+  };
+  if (name == "llama-3b") return llama3(3072, 28, 24, 8192, true);
+  if (name == "llama-8b") return llama3(4096, 32, 32, 14336, false);
+  if (name == "llama-70b") return llama3(8192, 80, 64, 28672, false);
+  const std::pair<const char*, const char*> book[] = {{"book-1b", "llama-1b"},
+                                                      {"book-3b", "llama-3b"},
+                                                      {"book-8b", "llama-8b"},
+                                                      {"book-80b", "llama-70b"}};
+  for (const auto& [ours, base] : book)
+    if (name == ours) {
+      ModelConfig b = model_preset(base);
+      b.preset = name, b.kv_heads = b.heads, b.seq = 4096;
+      return b;
+    }
+  if (name == "mixtral-8x7b") {  // Mixtral-8x7B's shape (its rope_theta 1e6), at seq 4096
+    c.vocab = 32000, c.d_model = 4096, c.layers = 32, c.heads = 32, c.kv_heads = 8;
+    c.ffn = 14336, c.experts = 8, c.top_k = 2, c.rope_theta = 1e6f, c.seq = 4096;
+    return c;
+  }
   std::string known;
   for (auto& n : model_preset_names()) known += (known.empty() ? "" : ", ") + n;
   throw UsageError("--model " + name + ": unknown preset; choose one of " + known);
 }
 std::vector<std::string> model_preset_names() {
-  return {"tiny", "tiny-moe", "medium", "smollm-135m", "llama-1b"};
+  return {"tiny",      "tiny-moe", "medium",  "smollm-135m", "llama-1b", "llama-3b",    "llama-8b",
+          "llama-70b", "book-1b",  "book-3b", "book-8b",     "book-80b", "mixtral-8x7b"};
 }
 
 void validate_model_config(const ModelConfig& c) {

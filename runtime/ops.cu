@@ -14,7 +14,6 @@
 #include <vector>
 
 #include "runtime/dtype.cuh"
-#include "runtime/ledger.cuh"
 #include "runtime/ops.cuh"
 
 // ============================================================================
@@ -38,6 +37,24 @@ void gemm(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K, f
   CUBLAS_CHECK(cublasSgemm(ctx.cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
                            trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha, B, ldb, A, lda,
                            &beta, C, ldc));
+}
+
+void gemm_16bit(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K,
+                const Tensor& A, int lda, const Tensor& B, int ldb, float beta, const Tensor& C,
+                int ldc) {
+  PICO_ASSERT(gpu_path(ctx.device) && A.dtype == B.dtype && C.dtype == DType::F32 &&
+                  (A.dtype == DType::BF16 || A.dtype == DType::F16),
+              "gemm_16bit takes bf16 or fp16 operands and an fp32 output on the GPU path");
+  const double m = M, n = N, k = K;  // 2-byte operands, fp32 output (read too when accumulated)
+  if (count_op(ctx.device, OpKind::Gemm,
+               {2 * m * n * k, 2 * (m * k + k * n) + (beta != 0.0f ? 4 * m * n : 0.0), 4 * m * n}))
+    return;
+  const cudaDataType type = A.dtype == DType::BF16 ? CUDA_R_16BF : CUDA_R_16F;
+  const float alpha = 1.0f;  // row-major to column-major as in gemm above
+  CUBLAS_CHECK(cublasGemmEx(ctx.cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                            trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha, B.ptr, type, ldb,
+                            A.ptr, type, lda, &beta, C.ptr, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT));
 }
 
 // ============================================================================

@@ -14,6 +14,11 @@
 // (op(A) is [M,K], op(B) is [K,N]). CPU: cblas_sgemm; CUDA: cublasSgemm.
 void gemm(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha,
           const float* A, int lda, const float* B, int ldb, float beta, float* C, int ldc);
+// The same with bf16 or fp16 A and B (one format) and fp32 C, products and sums in fp32: the
+// tensor cores' mixed-precision GEMM (cublasGemmEx). GPU path only (CUDA, or meta's count).
+void gemm_16bit(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K,
+                const Tensor& A, int lda, const Tensor& B, int ldb, float beta, const Tensor& C,
+                int ldc);
 // ---- embedding ----
 // out[T, D] = table[ids[t], :]; ids [T] int32; id -1 gives a zero row (and no gradient): the
 // ids another rank's vocabulary slice holds under tensor parallelism
