@@ -305,7 +305,7 @@ std::unique_ptr<StepMeter> tensor_parallel_meter(Comm& comm, const ModelConfig& 
           grad_acc(grad_acc),
           sp(sp) {}
     void report(Report r) override {
-      if (r == Report::Comm && comm.grid.world_rank == 0)
+      if (r == Report::Comm && comm.grid.prints())
         print_tp_comm_report(expected, grad_acc, comm.tp.size, sp, total(), steps());
     }
     Comm& comm;

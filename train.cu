@@ -4,6 +4,8 @@
 // step, the log. Around it: validation, checkpoints, --save-grads, --score, --sample, --trace
 // and the reports. Launch like torchrun: `./train` is one rank, `mpirun -np N ./train` N ranks.
 #include <cblas.h>
+#include <fcntl.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <cmath>
@@ -74,6 +76,7 @@ static void resolve_options(Options& o) {
                     o.model.tie_embeddings, o.zero);
   validate_tensor_parallel(o.model, o.tp, o.sp);
   validate_expert_parallel(o.model, o, o.dp, o.cp);
+  if (!o.gpu.empty()) gpu_profile(o.gpu);  // an unknown profile names the known ones
 }
 
 // ZeRO shards over the dp x cp ranks; with one there is nothing to shard, and --zero k is the
@@ -275,7 +278,7 @@ static void all_or_none(Comm& comm, const std::function<void()>& fn) {
 static std::unique_ptr<GradientSync> make_gradient_sync(Comm& comm, Model& model, Context& ctx,
                                                         const Options& o,
                                                         const PrecisionPolicy& precision) {
-  if (o.zero > zero_stage(o) && comm.grid.world_rank == 0)
+  if (o.zero > zero_stage(o) && comm.grid.prints())
     fprintf(stderr,
             "warning: --zero %d has no effect with one data-parallel rank (dp x cp = 1): "
             "nothing to shard; running as --zero 0\n",
@@ -331,7 +334,7 @@ static int score_file(Context& ctx, Comm& comm, const Options& o) {
     loss = mean_loss(ctx, comm, model, context_parallel(comm, o), o.pp_schedule, tokens, windows,
                      c.seq, c.seq + 1, o.mbs);
   });
-  if (comm.grid.world_rank == 0) printf("loss: %.6f\n", loss);
+  if (comm.grid.prints()) printf("loss: %.6f\n", loss);
   return 0;
 }
 
@@ -357,8 +360,9 @@ struct Trainer {
   Observer observer;        // the trace, --fault, and what the schedule measured
   StepMeters meters;        // what the steps measure for the reports (register_meters)
   int64_t steps_run = 0;
-  PrecisionPolicy precision;  // --dtype: the loss scale, what the log adds
-  DevicePeak peak;            // rank 0: the FLOP rate MFU divides by (planner.cuh)
+  PrecisionPolicy precision;                // --dtype: the loss scale, what the log adds
+  DevicePeak peak;                          // rank 0: the FLOP rate MFU divides by (planner.cuh)
+  const RooflineMeter* roofline = nullptr;  // --report roofline, or the meta device's step time
 };
 
 // This rank's micro-batches of the step: its dp share of the global batch (DESIGN 5), and of
@@ -374,34 +378,34 @@ static StepBatch local_batch(Trainer& t, int64_t step) {
 }
 
 // The step's line on rank 0 (and its --log-json line): loss, what the meters add, lr, norm,
-// throughput, MFU (Playbook §2.6: the book's FLOPs per token over the rank's peak), time.
+// throughput, MFU (Playbook §2.6: the book's FLOPs per token over the rank's peak), time. On the
+// meta device loss and norm are absent and the time is the roofline's prediction.
 static void print_step(Trainer& t, int64_t step, std::optional<float> loss, const StepLog& log,
-                       float lr, float norm, double seconds) {
-  if (t.comm.grid.world_rank != 0) return;
+                       float lr, float norm, double measured) {
+  if (!t.comm.grid.prints()) return;
   const Options& o = t.o;
-  if (!loss) {  // the meta device: nothing computed, the step's cost is the ledger's
-    printf("step %5lld/%d | loss -%s | lr %.2e | norm - | meta: counted, not computed\n",
-           (long long)step + 1, o.steps, log.after_loss.c_str(), lr);
-    if (!t.log_json.is_open()) return;
-    nlohmann::json line{{"step", step + 1}, {"loss", nullptr}, {"lr", lr}, {"grad_norm", nullptr}};
-    line.update(log.fields);
-    t.log_line = line;
-    return;
-  }
+  const double seconds = t.roofline ? t.roofline->step_seconds(measured) : measured;
   double tok_s = t.global_batch * o.model.seq / seconds, per_rank = tok_s / t.comm.grid.world_size;
   double mfu = book_flops_per_token(o.model) * per_rank / t.peak.flops;
+  char loss_text[32] = "-", norm_text[32] = "-";
+  if (loss) snprintf(loss_text, sizeof loss_text, "%.4f", *loss);
+  if (loss) snprintf(norm_text, sizeof norm_text, "%.4f", norm);
   printf(
-      "step %5lld/%d | loss %.4f%s | lr %.2e | norm %.4f | %8.0f tok/s | %7.0f tok/s/rank | "
+      "step %5lld/%d | loss %s%s | lr %.2e | norm %s | %8.0f tok/s | %7.0f tok/s/rank | "
       "MFU %5.1f%% | %7.1f ms%s\n",
-      (long long)step + 1, o.steps, *loss, log.after_loss.c_str(), lr, norm, tok_s, per_rank,
-      100 * mfu, seconds * 1e3, t.precision.step_note().c_str());
+      (long long)step + 1, o.steps, loss_text, log.after_loss.c_str(), lr, norm_text, tok_s,
+      per_rank, 100 * mfu, seconds * 1e3,
+      loss ? t.precision.step_note().c_str() : " (meta: predicted, nothing computed)");
   if (!t.log_json.is_open()) return;
-  nlohmann::json line{
-      {"step", step + 1},  {"loss", *loss},         {"lr", lr},
-      {"grad_norm", norm}, {"tokens_per_s", tok_s}, {"tokens_per_s_per_rank", per_rank},
-      {"mfu", mfu}};
+  nlohmann::json line{{"step", step + 1},
+                      {"loss", loss ? nlohmann::json(*loss) : nlohmann::json(nullptr)},
+                      {"lr", lr},
+                      {"grad_norm", loss ? nlohmann::json(norm) : nlohmann::json(nullptr)},
+                      {"tokens_per_s", tok_s},
+                      {"tokens_per_s_per_rank", per_rank},
+                      {"mfu", mfu}};
   line.update(log.fields);
-  t.precision.log_step(t.ctx, line);
+  if (loss) t.precision.log_step(t.ctx, line);
   t.log_line = line;
 }
 
@@ -416,7 +420,7 @@ static std::optional<float> mean_step_loss(Trainer& t, double loss_sum, int64_t 
   const float loss = (float)(loss_sum / (t.global_batch * t.o.model.seq));
   t.meters.log(log);
   if (t.ctx.device == Device::Meta) return std::nullopt;
-  if (!std::isfinite(loss) && t.comm.grid.world_rank == 0)
+  if (!std::isfinite(loss) && t.comm.grid.prints())
     fprintf(stderr, "error: loss is %f at step %lld; lower --lr or check the data\n", loss,
             (long long)step + 1);
   return loss;
@@ -482,11 +486,31 @@ static void validate(Trainer& t, int64_t step) {
                     c.seq, t.o.mbs);
   });
   const bool absent = t.ctx.device == Device::Meta;  // the meta device computes nothing
-  if (t.comm.grid.world_rank == 0 && absent)
+  if (t.comm.grid.prints() && absent)
     printf("step %5lld/%d | val loss -\n", (long long)step + 1, t.o.steps);
-  else if (t.comm.grid.world_rank == 0)
+  else if (t.comm.grid.prints())
     printf("step %5lld/%d | val loss %.4f\n", (long long)step + 1, t.o.steps, val);
   t.log_line["val_loss"] = absent ? nlohmann::json(nullptr) : nlohmann::json(val);
+}
+
+// What --report roofline needs of the run besides the ledger: the model, the batch, this rank's
+// parameters and the bytes of what it stores (the minimum traffic's terms).
+static RooflineRun roofline_run(const Trainer& t) {
+  const Options& o = t.o;
+  const ModelConfig& c = o.model;
+  RooflineRun r;
+  r.model = c, r.precision = t.precision.compute();
+  r.tokens_per_step = t.global_batch * c.seq, r.world = t.comm.grid.world_size;
+  r.grad_acc = o.grad_acc, r.blocks = t.model.blocks_held(), r.params = t.model.num_params;
+  r.weight_bytes = (int)dtype_size(t.precision.weight_format());
+  r.grad_bytes = (int)dtype_size(t.precision.grads()), r.mixed = t.precision.mixed();
+  const int T = c.seq / o.cp;
+  r.activation_bytes =
+      r.blocks * activation_bytes_per_block(c, o.mbs, T, o.tp, o.sp, t.recompute,
+                                            *local_attention(o.attention), r.weight_bytes);
+  const int64_t logits = 2 * (int64_t)o.mbs * T * (c.vocab / o.tp) * 4;  // and their gradient
+  r.logit_bytes = t.model.head_unit() >= 0 ? logits : 0;
+  return r;
 }
 
 // What the steps measure, registered once (runtime/meters.cuh), in the order each report prints
@@ -496,7 +520,7 @@ static void validate(Trainer& t, int64_t step) {
 static void register_meters(Trainer& t) {
   const Options& o = t.o;
   Comm& comm = t.comm;
-  const bool main_rank = comm.grid.world_rank == 0;
+  const bool main_rank = comm.grid.prints();
   const int64_t n_params = t.model.num_params;  // on this rank: the whole model over tp
   const bool bf16_grads = t.precision.grads() == DType::BF16;
   t.meters.add(std::make_unique<HostSyncs>(t.observer, main_rank));
@@ -522,6 +546,9 @@ static void register_meters(Trainer& t) {
     if (main_rank && measured >= 0)
       print_activation_report(t.model, t.o.mbs, t.o.model.seq / t.o.cp, t.recompute,
                               (int)dtype_size(t.precision.weight_format()), measured);
+    if (main_rank && measured >= 0 && t.ctx.device == Device::Meta)  // the book's sizes
+      print_book_memory(t.o.model, t.o.mbs, t.o.model.seq, t.o.tp, t.o.sp, t.recompute,
+                        t.model.blocks_held(), measured);
   });
   t.meters.add(tensor_parallel_meter(comm, o.model, o.mbs, o.grad_acc, o.sp));
   t.meters.add(Report::Bubble, [&t] {
@@ -530,6 +557,13 @@ static void register_meters(Trainer& t) {
                         t.observer.schedule());
   });
   t.meters.add(t.model.attention->meter(comm));
+  // The step priced on a device profile (--gpu): --report roofline, and a meta step's time.
+  if (o.reports_on(Report::Roofline) || t.ctx.device == Device::Meta) {
+    auto roofline =
+        std::make_unique<RooflineMeter>(comm, t.ctx, run_profile(t.ctx, o.gpu), roofline_run(t));
+    t.roofline = roofline.get();
+    t.meters.add(std::move(roofline));
+  }
 }
 
 // The training steps this run takes: [first_step, run_end); --steps 0 takes none.
@@ -552,7 +586,7 @@ static void save_checkpoint_after(Trainer& t, const std::string& dir, int64_t st
   all_or_none(t.comm, [&] {
     t.sync.save(t.ctx, dir, t.model.cfg, step + 1, t.o.save_dtype, t.precision.resume_state());
   });
-  if (t.comm.grid.world_rank == 0)
+  if (t.comm.grid.prints())
     printf("saved %s (config.json, model.safetensors, optimizer.safetensors)\n", dir.c_str());
 }
 
@@ -578,14 +612,14 @@ static FaultPlaces fault_places(const Options& o, int world, const PrecisionPoli
 // After the last step: the checkpoint, the trace, the reports and the sample.
 static void finish_run(Trainer& t, int64_t last_step) {
   const Options& o = t.o;
-  bool main_rank = t.comm.grid.world_rank == 0;
+  bool main_rank = t.comm.grid.prints();
   if (!o.save.empty()) save_checkpoint_after(t, o.save, last_step);
   if (t.observer.trace().enabled) {
     all_or_none(t.comm, [&] { trace_write(t.observer.trace(), o.trace, t.comm.world); });
     if (main_rank)
       printf("trace: %s (open in https://ui.perfetto.dev or chrome://tracing)\n", o.trace.c_str());
   }
-  if (t.comm.grid.world_rank == 0)
+  if (t.comm.grid.prints())
     print_memory(t.model.num_params, t.sync.zero_stage(), t.comm.dp_cp.size, t.precision.compute(),
                  t.precision.grads() == DType::BF16);
   t.meters.report(o.reports);
@@ -601,7 +635,7 @@ static int run(const Options& o, Comm& comm, Context& ctx, PrecisionPolicy preci
   all_or_none(comm, [&] { check_before_start(o, comm, precision); });
   if (!o.score.empty()) return score_file(ctx, comm, o);
   const ModelConfig& c = o.model;
-  bool main_rank = comm.grid.world_rank == 0;
+  bool main_rank = comm.grid.prints();
   Dataset data = load_dataset(o.data, o.val_frac, c.seq);
   check_vocab(data, c.vocab);
   Model model = model_layout(comm, o);
@@ -638,7 +672,7 @@ static int run(const Options& o, Comm& comm, Context& ctx, PrecisionPolicy preci
   t.precision = precision;
   register_meters(t);
   if (main_rank) {
-    t.peak = device_peak(ctx, precision.compute());
+    t.peak = device_peak(ctx, precision.compute(), o.gpu);
     printf(
         "MFU: the book's 6N + 12 L h s = %.4g FLOPs per token (appendix A2) over %.4g FLOP/s "
         "per rank (%s)\n",
@@ -664,6 +698,56 @@ static int run(const Options& o, Comm& comm, Context& ctx, PrecisionPolicy preci
   finish_run(t, end - 1);
   barrier(comm, comm.world, ctx);  // no rank leaves while rank 0 still writes
   return 0;
+}
+
+// This rank's run: on its grid (the world mpirun started, or rank `simulated_rank` of the
+// simulated one), its device and its streams.
+static int run_rank(const Options& o, Device device, const PrecisionPolicy& precision,
+                    int simulated_rank) {
+  Comm comm = comm_init(o.dp, o.pp, o.cp, o.tp, o.comm, device, o.comm_timeout, o.ep,
+                        SimulatedWorld{o.simulate_world, simulated_rank});
+  Context ctx = Context::create(device);
+  ctx.precision = precision.compute();
+  const int code = run(o, comm, ctx, precision);
+  ctx.destroy();
+  comm_destroy(comm);
+  return code;
+}
+
+// --simulate-rank -1: rank (dp 0, stage s, cp 0, tp 0) of every pipeline stage s in turn, quietly
+// (tp, cp and expert-parallel positions hold the same shapes as rank 0 of their stage); a table
+// of each stage's peak memory; then the stage with the most, in full.
+static int run_every_stage(const Options& o, Device device, const PrecisionPolicy& precision) {
+  Grid grid = make_grid(o.dp, o.pp, o.cp, o.tp, o.simulate_world, 0);
+  std::vector<MemoryStats> peaks;
+  for (int s = 0; s < o.pp; s++) {
+    fflush(stdout);
+    const int saved = dup(STDOUT_FILENO), quiet = open("/dev/null", O_WRONLY);
+    dup2(quiet, STDOUT_FILENO);
+    const int code = run_rank(o, device, precision, grid.rank_of(0, s, 0, 0));
+    fflush(stdout);
+    dup2(saved, STDOUT_FILENO);
+    close(saved), close(quiet);
+    if (code != 0) return code;
+    peaks.push_back(memory_stats());
+    memory_reset_peak();
+    reset_ledger();
+  }
+  printf(
+      "every pipeline stage of the simulated world (--simulate-rank -1), peak memory per rank:\n");
+  printf("  %5s %6s %12s %12s %12s %12s %12s %12s\n", "stage", "rank", "params", "grads",
+         "optimizer", "activations", "workspace", "peak total");
+  int worst = 0;
+  for (int s = 0; s < o.pp; s++) {
+    const MemoryStats& m = peaks[s];
+    printf("  %5d %6d", s, grid.rank_of(0, s, 0, 0));
+    for (Mem k : {Mem::Params, Mem::Grads, Mem::Optimizer, Mem::Activations, Mem::Workspace})
+      printf(" %12s", human_bytes((double)m.peak[(int)k]).c_str());
+    printf(" %12s\n", human_bytes((double)m.total_peak).c_str());
+    if (m.total_peak > peaks[worst].total_peak) worst = s;
+  }
+  printf("the stage with the most, in full (rank %d):\n", grid.rank_of(0, worst, 0, 0));
+  return run_rank(o, device, precision, grid.rank_of(0, worst, 0, 0));
 }
 
 int main(int argc, char** argv) {
@@ -708,13 +792,13 @@ int main(int argc, char** argv) {
     validate_data_parallel(o, precision.grads());
     check_fault_fires(o.fault, o.app->get_option("--fault")->as<std::string>(),
                       fault_places(o, world, precision));
-    Comm comm = comm_init(o.dp, o.pp, o.cp, o.tp, o.comm, device, o.comm_timeout, o.ep);
+    if (o.simulate_world > 0 && world > 1)
+      throw UsageError("--simulate-world " + std::to_string(o.simulate_world) +
+                       ": one process stands for the whole world; launch ./train alone, "
+                       "without mpirun");
     set_sync_launches(o.sync_launches);
-    Context ctx = Context::create(device);
-    ctx.precision = precision.compute();
-    code = run(o, comm, ctx, precision);
-    ctx.destroy();
-    comm_destroy(comm);
+    code = o.simulate_rank < 0 ? run_every_stage(o, device, precision)
+                               : run_rank(o, device, precision, o.simulate_rank);
   } catch (const CLI::CallForHelp&) {
     if (rank == 0) std::cout << app.help();
   } catch (const UsageError& e) {

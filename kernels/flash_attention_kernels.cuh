@@ -44,8 +44,10 @@ inline int64_t attention_pairs(const AttentionBlock& a) {
 inline OpCost attention_cost(const AttentionBlock& a, bool backward, int element_bytes) {
   const double pairs = (double)attention_pairs(a), e = element_bytes;
   const double q = (double)q_numel(a), kv = (double)kv_numel(a), lse = (double)lse_numel(a);
-  if (!backward) return {4 * pairs * a.hd, e * (q + 2 * kv), 4 * q + 4 * lse};
-  return {10 * pairs * a.hd, e * (2 * q + 2 * kv) + 8 * lse, 4 * (q + 2 * kv)};
+  // 16-bit operands run on the tensor cores (the FlashAttention-2 kernels), fp32 on CUDA cores.
+  const MathUnit unit = element_bytes == 2 ? MathUnit::Tensor16 : MathUnit::CudaCores;
+  if (!backward) return {4 * pairs * a.hd, e * (q + 2 * kv), 4 * q + 4 * lse, 1, unit};
+  return {10 * pairs * a.hd, e * (2 * q + 2 * kv) + 8 * lse, 4 * (q + 2 * kv), 1, unit};
 }
 // The first query that sees key j0 (Tq when none does): backward skips the query tiles before it.
 __host__ __device__ inline int first_query_seeing(const AttentionBlock& a, int j0) {

@@ -377,9 +377,9 @@ bool fp8_gemm(const Context& ctx, const Tensor& d, const Fp8Operand& a, const Fp
   if (ctx.device == Device::Meta) {  // as on Hopper: both operands quantized, one FP8 GEMM
     for (const auto& [o, n] : {std::pair{&a, rows}, std::pair{&b, cols}})
       count_op(ctx.device, OpKind::Cast, {0, 4.0 * n * K, 1.0 * n * K + 4.0 * n * K / 128});
-    count_op(
-        ctx.device, OpKind::Gemm,
-        {2.0 * rows * cols * K, 1.0 * (rows + cols) * K, (beta != 0 ? 8.0 : 4.0) * rows * cols});
+    count_op(ctx.device, OpKind::Gemm,
+             {2.0 * rows * cols * K, 1.0 * (rows + cols) * K, (beta != 0 ? 8.0 : 4.0) * rows * cols,
+              1, MathUnit::Tensor8, (double)std::min({rows, cols, K})});
     g_counts.native++;
     return true;
   }

@@ -333,3 +333,34 @@ MemoryPrediction predict_memory(const ModelConfig& cfg, const Layout& l, const I
   }
   return mp;
 }
+
+// ----------------------------------------------------------------------------
+// The book's closed forms beside a run (--report memory on the meta device)
+
+void print_book_memory(const ModelConfig& c, int mbs, int seq, int tp, bool sp, Recompute mode,
+                       int blocks, int64_t block_bytes) {
+  const double h = c.d_model, v = c.vocab, L = c.layers;
+  const double book_params = h * v + L * (12 * h * h + 13 * h) + 2 * h;
+  const double book = book_activation_bytes(c.layers, seq, mbs, c.d_model, c.heads, tp, sp, mode);
+  const bool none = mode == Recompute::None;
+  const std::string formula =
+      mode == Recompute::Full ? (sp ? "2 L s b h / t" : "2 L s b h")
+      : sp || tp == 1         ? (none ? "L s b h (34 + 5 a s/h) / t" : "34 L s b h / t")
+                      : (none ? "L s b h (10 + 24/t + 5 a s/(h t))" : "L s b h (10 + 24/t)");
+  printf(
+      "the book's closed forms for this shape (h %d, L %d, a %d, v %d; Playbook §2.4-§2.6, "
+      "§5.3):\n",
+      c.d_model, c.layers, c.heads, c.vocab);
+  printf(
+      "  parameters: the book's GPT, h v + L (12 h^2 + 13 h) + 2 h = %.0f; this Llama (SwiGLU of "
+      "%d, %d kv heads, %s embeddings, no biases) %lld\n",
+      book_params, c.ffn, c.kv_heads, c.tie_embeddings ? "tied" : "untied",
+      (long long)parameter_count(c));
+  printf(
+      "  activations of all %d layers, mbs %d x seq %d, tp %d%s, recompute %s: the book's %s = "
+      "%s; this Llama's, measured on this rank: %s (%d blocks x %s; layers only, without the "
+      "embedding, the logits and the workspace)\n",
+      c.layers, mbs, seq, tp, sp ? " + sp" : "", recompute_name(mode), formula.c_str(),
+      human_bytes(book).c_str(), human_bytes((double)blocks * block_bytes).c_str(), blocks,
+      human_bytes((double)block_bytes).c_str());
+}

@@ -14,6 +14,8 @@
 
 #include "model.cuh"
 #include "pipeline_parallel.cuh"
+#include "runtime/comm.cuh"
+#include "runtime/meters.cuh"
 
 // ----------------------------------------------------------------------------
 // The book's activation formula (Playbook §2.5, §2.6, §5.3, §6; Korthikanti et al. 2022)
@@ -26,6 +28,11 @@
 // constants: model.cu's activation_bytes_per_block.
 double book_activation_bytes(int layers, int64_t seq, int64_t mbs, int64_t hidden, int heads,
                              int tp, bool sp, Recompute mode);
+// --report memory on the meta device: the book's closed forms for the run's shape (its GPT's
+// parameter count, its activations of every layer) beside this Llama's, measured on this rank
+// (`blocks` blocks of `block_bytes` each).
+void print_book_memory(const ModelConfig& c, int mbs, int seq, int tp, bool sp, Recompute mode,
+                       int blocks, int64_t block_bytes);
 // Which of the two the planner uses for a block's activations.
 enum class ActivationFormula { Llama, Book };
 ActivationFormula parse_activation_formula(const std::string& flag);  // llama|book
@@ -63,6 +70,12 @@ struct GpuProfile {
   double compute_efficiency = 0.5;  // achievable fraction of the peak on a large step
   double gemm_half_width = 128;     // a GEMM dimension at which its efficiency halves
   double runtime_bytes = 0;         // the CUDA context, library workspaces, allocator slack
+  // The roofline's constants (--report roofline, runtime/ledger.cuh's Roofline): the fraction of
+  // the peak a wide GEMM reaches, of the peak the attention kernels reach, of the memory
+  // bandwidth a streaming kernel reaches, and the time a kernel launch adds; with their source.
+  double gemm_efficiency = 0.7, attention_efficiency = 0.35, stream_efficiency = 0.9;
+  double launch_s = 3e-6;
+  std::string roofline_source;
   // CPU ranks sharing a machine's cores: how many ranks' worth of compute it runs at once
   // (bench_comm --fit measures it); 0: every rank has its own device.
   double shared_capacity = 0;
@@ -213,14 +226,15 @@ void print_plan(const PlanResult& r, const ModelConfig& cfg, int64_t global_toke
 // ----------------------------------------------------------------------------
 // MFU of a running job (train.cu's step lines)
 
-// The peak a rank's MFU divides by: on CUDA the profile of the GPU's name (H100, H200, A100)
-// for the run's format, else a measured GEMM rate; on CPU the rate of an sgemm measured now with
-// this rank's threads. `how` says which, in words.
+// The peak a rank's MFU divides by: with --gpu, or on the meta device, that profile's
+// (run_profile); on CUDA the profile of the GPU's name (H100, H200, A100) for the run's format,
+// else a measured GEMM rate; on CPU the rate of an sgemm measured now with this rank's threads.
+// `how` says which, in words.
 struct DevicePeak {
   double flops = 0;
   std::string how;
 };
-DevicePeak device_peak(const Context& ctx, Precision p);
+DevicePeak device_peak(const Context& ctx, Precision p, const std::string& profile = "");
 // fp32 GEMMs on this rank for `seconds`, 512^3 in turn with as many FLOPs of narrow ones
 // ([128, 512] x [512, 512] and [512, 512] x [512, 128]): `flops`, the FLOP/s of the wide ones,
 // what this rank gets of the machine meanwhile (bench_comm --fit runs it on every rank at
@@ -232,6 +246,54 @@ GemmRate gemm_rate_for(const Context& ctx, double seconds);
 // The half width h at which GEMMs of width `narrow` run `ratio` times as fast as those of `wide`
 // (planner/time.cu's efficiency w / (w + h)); 0 when they keep up.
 double gemm_half_width_from(double ratio, double narrow, double wide);
+
+// ----------------------------------------------------------------------------
+// The roofline of a run (--report roofline; planner/roofline.cu)
+
+// The profile a run is priced on: --gpu's (empty: h100 on the meta device, the GPU's own on
+// CUDA, this machine's on CPU), with the cpu profile's fp32 rate and memory bandwidth measured
+// now (on this rank's threads).
+GpuProfile run_profile(const Context& ctx, const std::string& flag);
+Roofline roofline_of(const GpuProfile& g);
+
+// What the report needs to know of the run besides the ledger.
+struct RooflineRun {
+  ModelConfig model;
+  Precision precision = Precision::FP32;
+  int64_t tokens_per_step = 0;  // the global batch's tokens
+  int world = 1, grad_acc = 1, blocks = 0;
+  int64_t params = 0;  // Ψ on this rank
+  int weight_bytes = 4, grad_bytes = 4;
+  bool mixed = false;            // fp32 master weights beside a 16-bit compute copy
+  int64_t activation_bytes = 0;  // one micro-batch's saved activations, every block of this rank
+  int64_t logit_bytes = 0;       // one micro-batch's logits and their gradient (the last stage)
+};
+// The training steps' ledger, priced on `gpu` (it sets the ledger's roofline and starts its
+// clock); --report roofline prints it per category, each group's communication, the predicted
+// step and MFU, the minimum traffic; and what the clock measured on CPU and CUDA.
+class RooflineMeter : public StepMeter {
+ public:
+  // Ranks share a node 8 at a time (the book's nodes); on the cpu profile all are one node.
+  RooflineMeter(Comm& comm, const Context& ctx, const GpuProfile& gpu, const RooflineRun& run);
+  void begin(StepPart p, int64_t step) override;
+  void end(StepPart p) override;
+  void report(Report r) override;
+  // The last step's seconds: on the meta device the prediction, elsewhere `measured`.
+  double step_seconds(double measured) const;
+
+ private:
+  double group_seconds(const Group& g, const CollStats* delta) const;
+  Comm& comm_;
+  const Context& ctx_;
+  GpuProfile gpu_;
+  RooflineRun run_;
+  int gpus_per_node_;
+  Ledger at_start_, steps_;
+  std::vector<std::vector<CollStats>> groups_at_start_;
+  std::vector<double> comm_seconds_, comm_bytes_;
+  double last_step_s_ = 0;
+  int64_t steps_run_ = 0;
+};
 
 // ----------------------------------------------------------------------------
 // Models and the book's campaign (Playbook §11.4)

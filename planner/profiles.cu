@@ -8,6 +8,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "flash_attention.cuh"
 #include "planner/planner_internal.cuh"
 #include "runtime/ops.cuh"
 
@@ -37,6 +38,16 @@ static GpuProfile h100() {
   g.compute_efficiency = 0.45, g.gemm_half_width = 128;
   g.runtime_bytes = 2 * kGiB;  // the book: CUDA context and kernels 1-2 GB, plus buffers
   g.source = "H100 SXM datasheet; busbw fitted to the book's §8.1 measurement";
+  // The roofline's constants. A wide bf16 GEMM: about 0.7 of the dense peak in public cuBLAS
+  // figures for H100 SXM (until bench_matmul measures cuBLAS on a lent GPU); attention: 0.35,
+  // FlashAttention-2's utilisation on H100 as the FlashAttention-3 paper states it (Shah et al.
+  // 2024, abstract); a streaming kernel: 0.9 of HBM bandwidth (STREAM-like copies); a launch:
+  // 3 us, the few microseconds of launch latency a kernel too small to hide it costs.
+  g.gemm_efficiency = 0.7, g.attention_efficiency = 0.35, g.stream_efficiency = 0.9;
+  g.launch_s = 3e-6;
+  g.roofline_source =
+      "GEMMs 0.7 of peak (public cuBLAS figures), attention 0.35 (FlashAttention-2 on H100, "
+      "FA3 paper), HBM x 0.9 (STREAM-like), 3 us a launch";
   return g;
 }
 
@@ -59,6 +70,12 @@ GpuProfile gpu_profile(const std::string& name) {
     g.inter_allreduce_bw = std::min(g.inter_allreduce_bw, 8 * g.nic_bw);
     g.inter_gather_bw = std::min(g.inter_gather_bw, 8 * g.nic_bw);
     g.source = "A100 SXM datasheet; busbw scaled from the H100's by NVLink and network bandwidth";
+    // FlashAttention-2 reaches 50-73% of A100's peak (Dao 2023, abstract): 0.6; cuBLAS's wide
+    // bf16 GEMMs about 0.8 of it in public figures.
+    g.gemm_efficiency = 0.8, g.attention_efficiency = 0.6;
+    g.roofline_source =
+        "GEMMs 0.8 of peak (public cuBLAS figures), attention 0.6 (FlashAttention-2 paper: "
+        "50-73%), HBM x 0.9, 3 us a launch";
     return g;
   }
   if (name == "cpu") {  // this machine: one node whose "GPUs" are MPI ranks sharing its cores
@@ -78,6 +95,12 @@ GpuProfile gpu_profile(const std::string& name) {
     // The rate is one 512^3 sgemm's on this machine: a wide GEMM of the model runs near it.
     g.compute_efficiency = 0.95, g.gemm_half_width = 32;
     g.source = "this machine: sgemm measured now, shared-memory MPI defaults";
+    // The roofline's (run_profile measures the rates): the GEMM rate is a wide sgemm's own, so
+    // a wide GEMM reaches all of it; attention and memory are measured too; a call launches no
+    // kernel.
+    g.gemm_efficiency = 1, g.attention_efficiency = 1, g.stream_efficiency = 1;
+    g.launch_s = 0;
+    g.roofline_source = "this machine";
     return g;
   }
   std::string known;
@@ -209,8 +232,18 @@ GemmRate gemm_rate_for(const Context& ctx, double seconds) {
   return g;
 }
 
-DevicePeak device_peak(const Context& ctx, Precision p) {
+DevicePeak device_peak(const Context& ctx, Precision p, const std::string& profile) {
   DevicePeak d;
+  if (ctx.device == Device::Meta || !profile.empty()) {  // priced on a profile, not measured
+    GpuProfile g = run_profile(ctx, profile);
+    d.flops = g.name == "cpu" ? g.peak_fp32 : mfu_peak(g, p);
+    d.how = "the " + g.name + " profile's " +
+            (g.name == "cpu"
+                 ? std::string("fp32 GEMM rate, measured now")
+                 : std::string("dense ") + (p == Precision::FP32 ? "fp32" : "bf16") + " peak") +
+            (profile.empty() ? ", --gpu's default on the meta device" : ", --gpu " + profile);
+    return d;
+  }
   if (ctx.device == Device::CUDA) {
     int dev = 0;
     cudaDeviceProp prop;
@@ -238,4 +271,67 @@ DevicePeak device_peak(const Context& ctx, Precision p) {
                ? "on " + std::to_string(openblas_get_num_threads()) + " OpenBLAS thread(s)"
                : std::string("on this GPU (no profile for its name)"));
   return d;
+}
+
+// ----------------------------------------------------------------------------
+// The profile a run is priced on (--report roofline, a meta run's MFU)
+
+// This rank's memory bandwidth: bytes read and written by copies of 64 MiB, the best of 5.
+static double measured_bandwidth() {
+  const size_t n = size_t(64) << 20;
+  std::vector<char> a(n, 1), b(n, 2);
+  double best = 1e30;
+  for (int i = 0; i < 5; i++) {
+    const double t0 = now_seconds();
+    memcpy(i % 2 ? a.data() : b.data(), i % 2 ? b.data() : a.data(), n);
+    best = std::min(best, now_seconds() - t0);
+  }
+  return 2.0 * n / best;
+}
+
+// The fraction of the fp32 GEMM rate FlashAttention's CPU loop reaches on a causal block of 512
+// tokens, 4 heads of 64 (its FLOPs as the ledger counts them: 4 per visible pair and head
+// dimension), the best of 3.
+static double measured_attention_efficiency(const Context& ctx, double peak) {
+  const AttentionBlock a{1, 512, 512, 4, 4, 64};
+  Tensor q = empty({a.Tq, a.Hq, a.hd}, Mem::Workspace, ctx.device);
+  Tensor out = empty({a.Tq, a.Hq, a.hd}, Mem::Workspace, ctx.device);
+  Tensor lse = empty({a.Hq, a.Tq}, Mem::Workspace, ctx.device);
+  init_normal(q, 1, "q", 1.0f);
+  double best = 1e30;
+  for (int i = 0; i < 3; i++) {
+    const double t0 = now_seconds();
+    flash_attention_forward(ctx, out, lse, q, q, q, a);
+    best = std::min(best, now_seconds() - t0);
+  }
+  const double pairs = a.Tq * (a.Tq + 1) / 2.0 * a.Hq;
+  return std::min(1.0, 4 * pairs * a.hd / best / peak);
+}
+
+GpuProfile run_profile(const Context& ctx, const std::string& flag) {
+  std::string name = flag;
+  if (name.empty() && ctx.device == Device::CPU) name = "cpu";
+  if (name.empty() && ctx.device == Device::CUDA) {
+    int dev = 0;
+    cudaDeviceProp prop;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    for (const char* known : {"H100", "H200", "A100"})
+      if (strstr(prop.name, known)) {
+        name = known;
+        for (char& ch : name) ch = (char)tolower(ch);
+      }
+  }
+  GpuProfile g = gpu_profile(name.empty() ? "h100" : name);  // meta, or a GPU of no profile
+  if (g.name == "cpu") {  // this machine, measured now on this rank's threads (fp32 throughout)
+    Context cpu = Context::create(Device::CPU);
+    g.peak_fp32 = gemm_rate_for(cpu, 0.3).flops;
+    g.hbm_bandwidth = measured_bandwidth();
+    g.attention_efficiency = measured_attention_efficiency(cpu, g.peak_fp32);
+    g.roofline_source =
+        "this machine, measured now: sgemm 512^3, 64 MiB copies, a causal "
+        "FlashAttention block of 512 tokens";
+    cpu.destroy();
+  }
+  return g;
 }

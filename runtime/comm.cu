@@ -74,6 +74,7 @@ Grid make_grid(int dp, int pp, int cp, int tp, int world_size, int world_rank) {
 // send_recv or all-to-all to oneself is a copy.
 constexpr int64_t kF32 = sizeof(float);
 static void count_call(Group& g, Coll coll, int64_t elements, int64_t bytes_sent) {
+  mark_ledger_clock();  // the op before it has ended (--report roofline's measured time)
   g.stats[(int)coll].calls += 1;
   g.stats[(int)coll].elements += elements;
   g.stats[(int)coll].bytes += g.size > 1 ? bytes_sent : 0;
@@ -545,10 +546,30 @@ void host_wait(Group& g, const char* what, int64_t bytes,
   MPI_CHECK(post(s->request()));
   Handle(s).wait();
 }
-// host_wait, except on a group of one, which has nothing to exchange.
+// host_wait, except on a group of one, or of a simulated world, which have nothing to exchange.
 static void host_collective(Group& g, const char* op, int64_t bytes,
                             const std::function<int(MPI_Request*)>& post) {
-  if (g.size > 1) host_wait(g, op, bytes, post);
+  if (g.size > 1 && !g.simulated) host_wait(g, op, bytes, post);
+}
+
+template <class T>
+static std::vector<T> gather_rows(Comm& c, const T* mine, int n, const char* what,
+                                  MPI_Datatype type) {
+  std::vector<T> all((size_t)c.grid.world_size * n, T(0));
+  if (c.world.simulated || c.world.size == 1) {
+    std::copy(mine, mine + n, all.begin() + (size_t)c.grid.world_rank * n);
+    return all;
+  }
+  host_wait(c.world, what, (int64_t)n * sizeof(T), [&](MPI_Request* r) {
+    return MPI_Igather(mine, n, type, all.data(), n, type, 0, c.world.mpi, r);
+  });
+  return all;
+}
+std::vector<int64_t> gather_report(Comm& c, const int64_t* mine, int n, const char* what) {
+  return gather_rows(c, mine, n, what, MPI_INT64_T);
+}
+std::vector<double> gather_report(Comm& c, const double* mine, int n, const char* what) {
+  return gather_rows(c, mine, n, what, MPI_DOUBLE);
 }
 
 static void all_reduce_doubles(Group& g, const char* op_name, double* values, int count,

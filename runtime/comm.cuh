@@ -61,7 +61,8 @@ struct Group {
   std::vector<int> members;  // world ranks, in group order
   int next() const { return (rank + 1) % size; }  // ring neighbours (group ranks)
   int prev() const { return (rank + size - 1) % size; }
-  MPI_Comm mpi = MPI_COMM_NULL;
+  MPI_Comm mpi = MPI_COMM_NULL;  // none in a simulated world: its groups exchange nothing
+  bool simulated = false;
   ncclComm_t nccl = nullptr;  // none on MPI, nor for a group of one under --comm auto
   double timeout_s = 300;     // --comm-timeout: how long any collective on it may wait
   CollStats stats[(int)Coll::Count];
@@ -72,7 +73,13 @@ struct Grid {
   int ep = 1;  // expert parallelism: blocks of ep consecutive dp ranks (it divides dp)
   int world_size = 1, world_rank = 0;
   int dp_rank = 0, pp_rank = 0, cp_rank = 0, tp_rank = 0;
+  // A simulated world (--simulate-world, the meta device): this one process stands for rank
+  // world_rank of world_size ranks that exchange nothing; it prints as rank 0 would.
+  bool simulated = false;
   int ep_rank() const { return dp_rank % ep; }
+  // The rank that prints the run's lines and reports and writes its outputs: world rank 0, or
+  // the one rank a simulated world runs.
+  bool prints() const { return world_rank == 0 || simulated; }
   // The world rank at coordinates (d, p, c, t): ((d * pp + p) * cp + c) * tp + t.
   int rank_of(int d, int p, int c, int t) const { return ((d * pp + p) * cp + c) * tp + t; }
 };
@@ -129,8 +136,14 @@ struct Comm {
 // `timeout_s` like every collective: a rank that never arrives stops every rank, never hangs.
 // Throws UsageError for a world that is not dp*pp*cp*tp, an unknown backend, or nccl without a GPU
 // per rank. Call after MPI_Init and cudaSetDevice.
+// A simulated world (the meta device, --simulate-world): one process runs the code path of world
+// rank `rank` of `world` ranks; its groups have their members but no communicator, and nothing
+// is exchanged (every collective counts its bytes and returns). world 0: the real one.
+struct SimulatedWorld {
+  int world = 0, rank = 0;
+};
 Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, Device device,
-               double timeout_s, int ep = 1);
+               double timeout_s, int ep = 1, const SimulatedWorld& simulate = {});
 void comm_destroy(Comm& comm);
 // Node-local rank and node-local rank count (MPI_COMM_TYPE_SHARED), for choosing a GPU.
 // Collective over the world; a rank that never arrives stops every rank after `timeout_s`
@@ -220,6 +233,15 @@ bool buffers_overlap(const float* a, int64_t na, const float* b, int64_t nb);
 // message naming `what` and the group.
 void host_wait(Group& g, const char* what, int64_t bytes,
                const std::function<int(MPI_Request*)>& post);
+
+// A report's rows: each rank's `n` values gathered to world rank 0, rank-major (world rank r's
+// at r * n), bounded like every collective. In a simulated world only the rank this process
+// stands for has a row (the others stay 0): row_gathered says which rows hold values.
+std::vector<int64_t> gather_report(Comm& c, const int64_t* mine, int n, const char* what);
+std::vector<double> gather_report(Comm& c, const double* mine, int n, const char* what);
+inline bool row_gathered(const Comm& c, int world_rank) {
+  return !c.grid.simulated || world_rank == c.grid.world_rank;
+}
 
 // Host-side scalars (losses, norms, flags): an all-reduce of doubles over MPI, waited for like
 // every collective: past the group's timeout it stops every rank, naming itself and the group.

@@ -96,7 +96,10 @@ bool Handle::test() {
 // On NCCL the host also waits here (polling the event) rather than trusting the GPU to finish:
 // that is what lets a stuck peer end the run after --comm-timeout instead of hanging it.
 void Handle::wait() {
-  if (state_) state_->wait();
+  if (state_) {
+    mark_ledger_clock();  // waiting is no op's time (--report roofline's measured time)
+    state_->wait();
+  }
   state_.reset();
 }
 

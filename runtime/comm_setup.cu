@@ -236,8 +236,61 @@ void nccl_settle(const std::vector<ncclComm_t>& comms, ncclResult_t returned,
 
 // ---- The communicators of a run ----
 
+// Which group of each kind a rank belongs to: (color, key), the ranks sharing a color forming
+// one group ordered by key. A group's color is the world rank of its member with the group's
+// own coordinates at 0: one number per group, shared by exactly the ranks that agree on the
+// other coordinates.
+enum class GroupKind { World, Tp, Cp, Pp, PpGrad, Dp, DpCp, Ep, EdpCp };
+static std::pair<int, int> color_key(const Grid& G, GroupKind k) {
+  const int d = G.dp_rank, p = G.pp_rank, x = G.cp_rank, t = G.tp_rank, ep = G.ep;
+  switch (k) {
+    case GroupKind::World:  // a copy of the world, ours alone
+      return {0, G.world_rank};
+    case GroupKind::Tp:
+      return {G.rank_of(d, p, x, 0), t};
+    case GroupKind::Cp:
+      return {G.rank_of(d, p, 0, t), x};
+    case GroupKind::Pp:
+    case GroupKind::PpGrad:
+      return {G.rank_of(d, 0, x, t), p};
+    case GroupKind::Dp:
+      return {G.rank_of(0, p, x, t), d};
+    case GroupKind::DpCp:  // gradients average here
+      return {G.rank_of(0, p, 0, t), d * G.cp + x};
+    // Expert parallelism's, carved out of dp (runtime/comm.cuh): a block of ep dp ranks, and
+    // the ranks of the same ep rank in every block (and every cp rank).
+    case GroupKind::Ep:
+      return {G.rank_of(d - d % ep, p, x, t), d % ep};
+    case GroupKind::EdpCp:
+      return {G.rank_of(d % ep, p, 0, t), (d / ep) * G.cp + x};
+  }
+  return {0, 0};
+}
+
+// A group of a simulated world: its members worked out from the grid, no communicator.
+static void simulated_group(Group& g, const char* name, const Grid& G, GroupKind k,
+                            double timeout_s) {
+  g.name = name;
+  g.timeout_s = timeout_s;
+  g.simulated = true;
+  const int color = color_key(G, k).first;
+  std::vector<std::pair<int, int>> members;  // (key, world rank)
+  for (int w = 0; w < G.world_size; w++) {
+    Grid other = make_grid(G.dp, G.pp, G.cp, G.tp, G.world_size, w);
+    other.ep = G.ep;
+    const auto [c, kw] = color_key(other, k);
+    if (c == color) members.push_back({kw, w});
+  }
+  std::sort(members.begin(), members.end());
+  g.size = (int)members.size();
+  for (int i = 0; i < g.size; i++) {
+    g.members.push_back(members[i].second);
+    if (members[i].second == G.world_rank) g.rank = i;
+  }
+}
+
 Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, Device device,
-               double timeout_s, int ep) {
+               double timeout_s, int ep, const SimulatedWorld& simulate) {
   int up = 0, world_size = 1, world_rank = 0;
   MPI_Initialized(&up);
   PICO_ASSERT(up, "comm_init needs MPI_Init first");
@@ -246,29 +299,42 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
   if (!(timeout_s > 0))
     throw UsageError("--comm-timeout " + std::to_string(timeout_s) + ": expected seconds > 0");
   Comm c;
+  const bool simulated = simulate.world > 0;
+  if (simulated) {
+    PICO_ASSERT(device == Device::Meta && world_size == 1,
+                "a simulated world runs one process on the meta device");
+    world_size = simulate.world, world_rank = simulate.rank;
+  }
   c.grid = make_grid(dp, pp, cp, tp, world_size, world_rank);  // checked before any allocation
   PICO_ASSERT(ep >= 1 && dp % ep == 0, "--ep " + std::to_string(ep) + " divides --dp");
   c.grid.ep = ep;
-  c.backend = choose_backend(backend_flag, device, timeout_s);
+  c.grid.simulated = simulated;
   c.device = device;
   c.timeout_s = timeout_s;
-
-  // A group's color is the world rank of its member with the group's own coordinates at 0:
-  // one number per group, shared by exactly the ranks that agree on the other coordinates.
-  const Grid& G = c.grid;
-  int d = G.dp_rank, p = G.pp_rank, x = G.cp_rank, t = G.tp_rank;
-  make_group(c.world, "world", 0, world_rank, timeout_s);  // a copy of MPI_COMM_WORLD, ours alone
-  make_group(c.tp, "tp", G.rank_of(d, p, x, 0), t, timeout_s);
-  make_group(c.cp, "cp", G.rank_of(d, p, 0, t), x, timeout_s);
-  make_group(c.pp, "pp", G.rank_of(d, 0, x, t), p, timeout_s);
-  make_group(c.pp_grad, "pp_grad", G.rank_of(d, 0, x, t), p, timeout_s);
-  make_group(c.dp, "dp", G.rank_of(0, p, x, t), d, timeout_s);
-  // Gradients average here.
-  make_group(c.dp_cp, "dp_cp", G.rank_of(0, p, 0, t), d * G.cp + x, timeout_s);
-  // Expert parallelism's, carved out of dp (runtime/comm.cuh): a block of ep dp ranks, and the
-  // ranks of the same ep rank in every block (and every cp rank).
-  make_group(c.ep, "ep", G.rank_of(d - d % ep, p, x, t), d % ep, timeout_s);
-  make_group(c.edp_cp, "edp_cp", G.rank_of(d % ep, p, 0, t), (d / ep) * G.cp + x, timeout_s);
+  struct {
+    Group* group;
+    const char* name;
+    GroupKind kind;
+  } kinds[] = {{&c.world, "world", GroupKind::World},
+               {&c.tp, "tp", GroupKind::Tp},
+               {&c.cp, "cp", GroupKind::Cp},
+               {&c.pp, "pp", GroupKind::Pp},
+               {&c.pp_grad, "pp_grad", GroupKind::PpGrad},
+               {&c.dp, "dp", GroupKind::Dp},
+               {&c.dp_cp, "dp_cp", GroupKind::DpCp},
+               {&c.ep, "ep", GroupKind::Ep},
+               {&c.edp_cp, "edp_cp", GroupKind::EdpCp}};
+  if (simulated) {  // nothing to split, nothing to connect: the meta device exchanges nothing
+    for (auto& k : kinds) simulated_group(*k.group, k.name, c.grid, k.kind, timeout_s);
+    c.backend = Backend::MPI;
+    c.comm_ctx = Context::create(Device::Meta);
+    return c;
+  }
+  c.backend = choose_backend(backend_flag, device, timeout_s);
+  for (auto& k : kinds) {
+    const auto [color, key] = color_key(c.grid, k.kind);
+    make_group(*k.group, k.name, color, key, timeout_s);
+  }
 
   if (c.backend == Backend::NCCL) {
     // The standard bootstrap, one id per group: group rank 0 makes it, MPI shares it. Under
@@ -295,7 +361,7 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
     c.comm_ctx.device = Device::CUDA;
     CUDA_CHECK(cudaStreamCreateWithFlags(&c.comm_ctx.stream, cudaStreamNonBlocking));
   } else {
-    c.comm_ctx = Context::create(Device::CPU);
+    c.comm_ctx = Context::create(device == Device::Meta ? Device::Meta : Device::CPU);
   }
   return c;
 }

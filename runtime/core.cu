@@ -525,6 +525,53 @@ double now_seconds() {
   using namespace std::chrono;
   return duration<double>(steady_clock::now().time_since_epoch()).count();
 }
+
+// ---- The ledger's clock (core.cuh) ----
+// Observation only: it times the ops the ledger counts, it never orders them.
+static struct {
+  bool on = false, cuda = false;
+  cudaStream_t stream = nullptr;
+  int row = -1;  // CPU: the row of the op running since `since` (-1: none)
+  double since = 0;
+  std::vector<std::pair<int, cudaEvent_t>> marks;  // CUDA: (row after it, event), not yet read
+  std::vector<cudaEvent_t> pool;                   // CUDA: events read, to reuse
+} g_clock;
+
+void ledger_clock_tick(int row) {
+  if (!g_clock.on) return;
+  if (!g_clock.cuda) {
+    const double now = now_seconds();
+    if (g_clock.row >= 0) add_measured_time(g_clock.row, now - g_clock.since);
+    g_clock.row = row, g_clock.since = now;
+    return;
+  }
+  cudaEvent_t e;
+  if (g_clock.pool.empty()) {
+    CUDA_CHECK(cudaEventCreate(&e));
+  } else {
+    e = g_clock.pool.back();
+    g_clock.pool.pop_back();
+  }
+  CUDA_CHECK(cudaEventRecord(e, g_clock.stream));
+  g_clock.marks.push_back({row, e});
+}
+void start_ledger_clock(Device device, cudaStream_t stream) {
+  g_clock.on = device != Device::Meta;  // the meta device takes no time to time
+  g_clock.cuda = device == Device::CUDA, g_clock.stream = stream, g_clock.row = -1;
+}
+void mark_ledger_clock() {
+  ledger_clock_tick(-1);
+}
+void settle_ledger_clock() {
+  if (!g_clock.on || !g_clock.cuda || g_clock.marks.size() < 2) return;
+  for (size_t i = 0; i + 1 < g_clock.marks.size(); i++) {
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, g_clock.marks[i].second, g_clock.marks[i + 1].second));
+    if (g_clock.marks[i].first >= 0) add_measured_time(g_clock.marks[i].first, ms * 1e-3);
+    g_clock.pool.push_back(g_clock.marks[i].second);
+  }
+  g_clock.marks.erase(g_clock.marks.begin(), g_clock.marks.end() - 1);  // the last one runs on
+}
 std::string human_bytes(double bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   int u = 0;

@@ -184,14 +184,14 @@ void GradientSync::save(const Context& ctx, const std::string& dir, const ModelC
   std::vector<NamedTensor> w = whole_named(weights);
   OptimizerState state{whole_named(m), whole_named(v), steps_done, run_state};
   if (adamw_.steps != steps_done) state.metadata[kAdamSteps] = std::to_string(adamw_.steps);
-  if (comm_.grid.world_rank == 0) save_checkpoint(dir, cfg, w, &state, weights_dtype);
+  if (comm_.grid.prints()) save_checkpoint(dir, cfg, w, &state, weights_dtype);
 }
 
 void GradientSync::save_gradients(const Context& ctx, const std::string& path, int64_t step) {
   Tensor grads = gather_flat(ctx, Part::Grads);
   if (comm_.dp_cp.rank != 0 && comm_.edp_cp.rank != 0) return;
   std::vector<NamedTensor> whole = whole_named(grads);
-  if (comm_.grid.world_rank == 0) write_safetensors(path, whole, {{"step", std::to_string(step)}});
+  if (comm_.grid.prints()) write_safetensors(path, whole, {{"step", std::to_string(step)}});
 }
 
 // The tensors of `mine` (a rank's part of the model) picked by name out of the flat vector of

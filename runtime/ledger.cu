@@ -1,9 +1,13 @@
 // ledger.cu: the ops' ledger (ledger.cuh). Observation only, like MemoryStats: it counts what
 // is issued, it never steers it.
+#include <algorithm>
+
 #include "runtime/ledger.cuh"
 
 static Ledger g_ledger;
 static thread_local int g_scope = -1;  // the kind ops count under, -1: their own
+static bool g_priced = false;
+static Roofline g_roofline;
 
 const char* op_kind_name(OpKind k) {
   static const char* names[] = {"gemm", "attention", "norm", "elementwise",
@@ -19,6 +23,8 @@ LedgerRow Ledger::total() const {
     t.flops += r.flops;
     t.read += r.read;
     t.written += r.written;
+    t.predicted_s += r.predicted_s;
+    t.measured_s += r.measured_s;
   }
   return t;
 }
@@ -30,13 +36,36 @@ void reset_ledger() {
   g_ledger = Ledger{};
 }
 
-void record_op(OpKind kind, const OpCost& cost) {
-  LedgerRow& r = g_ledger.rows[g_scope >= 0 ? g_scope : (int)kind];
+double Roofline::seconds(OpKind kind, const OpCost& c) const {
+  double efficiency = 1;
+  if (c.narrow > 0)
+    efficiency = gemm_efficiency * c.narrow / (c.narrow + gemm_half_width);
+  else if (kind == OpKind::Attention)
+    efficiency = attention_efficiency;
+  const double rate = peak[(int)c.unit] * efficiency;
+  const double compute = c.flops > 0 ? c.flops / rate : 0;
+  const double memory = (c.read + c.written) / (bandwidth * stream_efficiency);
+  return std::max(compute, memory) + c.launches * launch_s;
+}
+void set_ledger_roofline(const Roofline& r) {
+  g_roofline = r;
+  g_priced = true;
+}
+
+void add_measured_time(int row, double seconds) {
+  g_ledger.rows[row].measured_s += seconds;
+}
+
+int record_op(OpKind kind, const OpCost& cost) {
+  const int row = g_scope >= 0 ? g_scope : (int)kind;
+  LedgerRow& r = g_ledger.rows[row];
   r.calls++;
   r.launches += cost.launches;
   r.flops += cost.flops;
   r.read += cost.read;
   r.written += cost.written;
+  if (g_priced) r.predicted_s += g_roofline.seconds(kind, cost);
+  return row;
 }
 
 LedgerScope::LedgerScope(OpKind kind) : saved_(g_scope) {

@@ -13,7 +13,7 @@
 #include "runtime/comm.cuh"
 #include "runtime/observe.cuh"
 
-enum class Report { Memory, Comm, Bubble, Sync, Balance, Experts };  // --report
+enum class Report { Memory, Comm, Bubble, Sync, Balance, Experts, Roofline };  // --report
 
 // The parts of one training step, each inside the one before it but the last.
 enum class StepPart {

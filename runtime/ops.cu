@@ -24,7 +24,8 @@ void gemm(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K, f
           const float* A, int lda, const float* B, int ldb, float beta, float* C, int ldc) {
   const double m = M, n = N, k = K;  // C is read too when accumulated into
   if (count_op(ctx.device, OpKind::Gemm,
-               {2 * m * n * k, 4 * (m * k + k * n + (beta != 0.0f ? m * n : 0.0)), 4 * m * n}))
+               {2 * m * n * k, 4 * (m * k + k * n + (beta != 0.0f ? m * n : 0.0)), 4 * m * n, 1,
+                MathUnit::CudaCores, std::min({m, n, k})}))
     return;
   if (ctx.device == Device::CPU) {
     cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
@@ -47,7 +48,8 @@ void gemm_16bit(const Context& ctx, bool trans_a, bool trans_b, int M, int N, in
               "gemm_16bit takes bf16 or fp16 operands and an fp32 output on the GPU path");
   const double m = M, n = N, k = K;  // 2-byte operands, fp32 output (read too when accumulated)
   if (count_op(ctx.device, OpKind::Gemm,
-               {2 * m * n * k, 2 * (m * k + k * n) + (beta != 0.0f ? 4 * m * n : 0.0), 4 * m * n}))
+               {2 * m * n * k, 2 * (m * k + k * n) + (beta != 0.0f ? 4 * m * n : 0.0), 4 * m * n, 1,
+                MathUnit::Tensor16, std::min({m, n, k})}))
     return;
   const cudaDataType type = A.dtype == DType::BF16 ? CUDA_R_16BF : CUDA_R_16F;
   const float alpha = 1.0f;  // row-major to column-major as in gemm above

@@ -67,8 +67,9 @@ void check_at_most(int64_t value, int64_t max, const std::string& source, const 
 // The run's own flags
 
 static const std::vector<Choice<Report>> kReports = {
-    {"memory", Report::Memory}, {"comm", Report::Comm},       {"bubble", Report::Bubble},
-    {"sync", Report::Sync},     {"balance", Report::Balance}, {"experts", Report::Experts}};
+    {"memory", Report::Memory},    {"comm", Report::Comm},       {"bubble", Report::Bubble},
+    {"sync", Report::Sync},        {"balance", Report::Balance}, {"experts", Report::Experts},
+    {"roofline", Report::Roofline}};
 static const std::vector<Choice<DType>> kSaveDtypes = {{"fp32", DType::F32}, {"bf16", DType::BF16}};
 
 bool RunOptions::reports_on(Report r) const {
@@ -167,12 +168,25 @@ void add_io_flags(CLI::App& app, RunOptions& o) {
            for (const std::string& n : names)
              o.reports.push_back(parse_choice("--report", n, kReports));
          },
-         "print reports at the end: memory, comm, bubble, sync, balance, experts (several: "
-         "memory,comm)")
+         "print reports at the end: memory, comm, bubble, sync, balance, experts, roofline "
+         "(several: memory,comm)")
       ->delimiter(',');
 
   CLI::App& run = flag_group(app, "Devices, collectives and faults (Playbook appendix A0)");
-  run.add_option("--device", o.device, "auto|cpu|cuda")->capture_default_str();
+  run.add_option("--device", o.device,
+                 "auto|cpu|cuda|meta (meta: the real code path without storage or arithmetic, "
+                 "counted: any model and layout on a laptop)")
+      ->capture_default_str();
+  run.add_option("--simulate-world", o.simulate_world,
+                 "with --device meta: one process runs rank --simulate-rank of a world of N "
+                 "ranks (N = dp x pp x cp x tp), without mpirun");
+  run.add_option("--simulate-rank", o.simulate_rank,
+                 "the rank of --simulate-world to run, 0 to N-1, or -1: every pipeline stage in "
+                 "turn, then the one with the most memory in full")
+      ->capture_default_str();
+  run.add_option("--gpu", o.gpu,
+                 "the device profile --report roofline and a meta run's MFU use: h100, h200, "
+                 "a100 or cpu (default: h100 on meta, the GPU's own on cuda, this CPU on cpu)");
   run.add_option("--comm", o.comm, "collectives backend: auto|nccl|mpi")->capture_default_str();
   run.add_option("--comm-timeout", o.comm_timeout,
                  "seconds a collective may wait before the job is aborted, > 0")
@@ -236,8 +250,41 @@ static void resolve_model(RunOptions& o) {
               "must be a positive number (RoPE's base, 10000 in Llama 2)");
 }
 
+// The meta device holds no values: what would read or write them is refused, naming the flag.
+// A simulated world is the grid's, and its rank one of it.
+static void check_meta_run(const RunOptions& o, int world) {
+  const bool meta = o.device == "meta";
+  if (!meta)
+    for (const char* flag : {"--simulate-world", "--simulate-rank"})
+      if (o.given(flag))
+        throw UsageError(std::string(flag) +
+                         " runs one rank of a world that exchanges nothing: add --device meta");
+  if (!meta) return;
+  for (const char* flag : {"--load", "--save", "--save-every", "--keep", "--save-grads", "--score",
+                           "--sample", "--trace", "--fault"})
+    if (o.given(flag))
+      throw UsageError(std::string("--device meta holds no values and times nothing: ") + flag +
+                       " has nothing to " +
+                       (std::string(flag) == "--load" ? "read into" : "write or act on") +
+                       "; drop it, or run on --device cpu or cuda");
+  if (o.given("--simulate-world") && o.simulate_world != world)
+    throw UsageError("--simulate-world " + std::to_string(o.simulate_world) + ": the grid --dp x " +
+                     "--pp x --cp x --tp has " + std::to_string(world) +
+                     " ranks; give --simulate-world " + std::to_string(world));
+  if (o.given("--simulate-rank") && !o.given("--simulate-world"))
+    throw UsageError("--simulate-rank " + std::to_string(o.simulate_rank) +
+                     " is a rank of --simulate-world N: add --simulate-world " +
+                     std::to_string(world));
+  if (o.simulate_rank < -1 || o.simulate_rank >= std::max(1, o.simulate_world))
+    throw UsageError("--simulate-rank " + std::to_string(o.simulate_rank) +
+                     ": not a rank of --simulate-world " + std::to_string(o.simulate_world) +
+                     "; give 0 to " + std::to_string(std::max(1, o.simulate_world) - 1) +
+                     ", or -1 for every pipeline stage");
+}
+
 void resolve_run_options(RunOptions& o, int world) {
-  if (!o.score.empty())  // --score prints a loss and exits: training flags would do nothing
+  check_meta_run(o, world);  // before anything is read
+  if (!o.score.empty())      // --score prints a loss and exits: training flags would do nothing
     for (const char* flag :
          {"--save",       "--save-dtype", "--save-every", "--keep",      "--steps",
           "--stop-after", "--save-grads", "--log-json",   "--trace",     "--sample",
@@ -412,7 +459,7 @@ void check_memory_fits(double state, double acts, Device device, int local_ranks
 }
 
 void check_outputs(const RunOptions& o, const Comm& comm) {
-  if (comm.grid.world_rank != 0) return;  // world rank 0 writes every output
+  if (!comm.grid.prints()) return;  // world rank 0 writes every output
   if (!o.save.empty()) check_checkpoint_output("--save", o.save);
   for (auto [flag, path] :
        {std::pair<const char*, const std::string&>{"--save-grads", o.save_grads},

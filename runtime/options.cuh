@@ -100,6 +100,10 @@ struct RunOptions {
   std::vector<Report> reports;
   // where it runs, and its faults
   std::string device = "auto", comm = "auto";
+  std::string gpu;  // --gpu: the device profile of the roofline (empty: the device's own)
+  // --simulate-world N --simulate-rank R (meta only): this process runs rank R of N; rank -1
+  // walks the pipeline stages. 0: the world mpirun started.
+  int simulate_world = 0, simulate_rank = 0;
   double comm_timeout = 300;
   bool sync_launches = false;     // debugging: synchronise after every CUDA kernel
   Fault fault;                    // --fault; kind empty: none

@@ -77,12 +77,8 @@ void print_memory_report(Comm& comm, int zero_stage, int64_t num_params, int64_t
       (int64_t)m.current[(int)Mem::Optimizer], (int64_t)m.peak[(int)Mem::Activations],
       (int64_t)m.peak[(int)Mem::Workspace]};
   int world = comm.grid.world_size;
-  std::vector<int64_t> all(world * kFields);
-  host_wait(comm.world, "gather of the memory report", sizeof mine, [&](MPI_Request* r) {
-    return MPI_Igather(mine, kFields, MPI_INT64_T, all.data(), kFields, MPI_INT64_T, 0,
-                       comm.world.mpi, r);
-  });
-  if (comm.grid.world_rank != 0) return;
+  std::vector<int64_t> all = gather_report(comm, mine, kFields, "gather of the memory report");
+  if (!comm.grid.prints()) return;
   int N = comm.dp_cp.size;
   const BytesPerParameter b = bytes_per_parameter(zero_stage, precision, bf16_grads);
   StaticMemory book = zero_static_memory(zero_stage, (double)num_params, N, b);
@@ -110,6 +106,7 @@ void print_memory_report(Comm& comm, int zero_stage, int64_t num_params, int64_t
          "peak activations, workspace");
   bool all_match = true;
   for (int r = 0; r < world; r++) {
+    if (!row_gathered(comm, r)) continue;
     const int64_t* f = &all[r * kFields];
     all_match = all_match && f[0] == expected.params && f[1] == expected.grads &&
                 f[2] == expected.optimizer;
@@ -146,12 +143,9 @@ void print_comm_report(Comm& comm, int64_t num_params, int64_t steps, int64_t ex
     for (int c = 0; c < C; c++)
       mine.insert(mine.end(), {g->stats[c].calls, g->stats[c].elements, g->stats[c].bytes});
   int world = comm.grid.world_size;
-  std::vector<int64_t> all(world * mine.size());
-  host_wait(comm.world, "gather of the comm report", mine.size() * 8, [&](MPI_Request* r) {
-    return MPI_Igather(mine.data(), (int)mine.size(), MPI_INT64_T, all.data(), (int)mine.size(),
-                       MPI_INT64_T, 0, comm.world.mpi, r);
-  });
-  if (comm.grid.world_rank != 0) return;
+  std::vector<int64_t> all =
+      gather_report(comm, mine.data(), (int)mine.size(), "gather of the comm report");
+  if (!comm.grid.prints()) return;
   steps = std::max<int64_t>(1, steps);
   printf(
       "communication per step (--report comm; averaged over %lld steps, validation and "
@@ -168,10 +162,12 @@ void print_comm_report(Comm& comm, int64_t num_params, int64_t steps, int64_t ex
     for (int c = 0; c < C; c++) {
       int64_t lo = INT64_MAX, hi = 0;
       for (int r = 0; r < world; r++) {
+        if (!row_gathered(comm, r)) continue;
         int64_t b = all[r * mine.size() + (g * C + c) * F + 2];
         lo = std::min(lo, b), hi = std::max(hi, b);
       }
-      const int64_t* rank0 = &all[(g * C + c) * F];  // calls, elements, bytes
+      // calls, elements, bytes of the printing rank
+      const int64_t* rank0 = &all[(size_t)comm.grid.world_rank * mine.size() + (g * C + c) * F];
       if (rank0[0] == 0) continue;
       printf("  %-6s %3d  %-15s %10.1f %14.1f %16s %8s..%s\n", groups[g]->name.c_str(),
              groups[g]->size, coll_name((Coll)c), (double)rank0[0] / steps,
@@ -194,7 +190,7 @@ void print_comm_report(Comm& comm, int64_t num_params, int64_t steps, int64_t ex
 }
 
 void print_zero_comm_report(const Comm& comm, const ZeroCommReport& r) {
-  if (comm.grid.world_rank != 0) return;
+  if (!comm.grid.prints()) return;
   const int N = r.ranks, stage = r.stage, grad_acc = r.grad_acc;
   const int64_t steps = std::max<int64_t>(1, r.steps), psi = r.psi;
   const ZeroTraffic &got = r.measured, &want = r.expected;
@@ -291,11 +287,8 @@ void print_bubble_report(Comm& comm, const BubblePrediction& paper,
                          const ScheduleMeasure& measured) {
   const Grid& G = comm.grid;
   double mine[3] = {measured.busy_s, measured.step_s, (double)measured.peak_in_flight};
-  std::vector<double> all(3 * G.world_size);
-  host_wait(comm.world, "gather of a report", sizeof mine, [&](MPI_Request* r) {
-    return MPI_Igather(mine, 3, MPI_DOUBLE, all.data(), 3, MPI_DOUBLE, 0, comm.world.mpi, r);
-  });
-  if (G.world_rank != 0) return;
+  std::vector<double> all = gather_report(comm, mine, 3, "gather of a report");
+  if (!G.prints()) return;
   const int p = paper.p, m = paper.m, V = paper.V;
   printf(
       "pipeline bubble (--report bubble; %s, p = %d stages, m = %d micro-batches, V = %d; "
@@ -305,7 +298,11 @@ void print_bubble_report(Comm& comm, const BubblePrediction& paper,
          "idle ticks", "book", "in flight measured");
   int steps = std::max(1, measured.steps);
   for (int s = 0; s < p; s++) {
-    const double* r = &all[3 * G.rank_of(0, s, 0, 0)];  // dp, cp and tp rank 0 of stage s
+    // dp, cp and tp rank 0 of stage s (a simulated world: the stage this process runs)
+    const int rank =
+        G.simulated ? G.rank_of(G.dp_rank, s, G.cp_rank, G.tp_rank) : G.rank_of(0, s, 0, 0);
+    if (!row_gathered(comm, rank)) continue;
+    const double* r = &all[3 * rank];
     printf("  %5d %9.2f %9.2f %12.1f%% %11.1f%% %10.1f%% %9d (tables: %d)\n", s, r[0] / steps * 1e3,
            r[1] / steps * 1e3, 100.0 * (1.0 - r[0] / std::max(r[1], 1e-12)),
            100.0 * (1.0 - paper.busy_ticks[s] / paper.makespan_ticks), 100.0 * paper.book,
@@ -327,11 +324,8 @@ void print_balance_report(Comm& comm, const std::string& split, int64_t blocks, 
                           double seconds, int64_t steps) {
   const Grid& G = comm.grid;
   double mine[3] = {(double)blocks, (double)pairs, seconds};
-  std::vector<double> all(3 * G.world_size);
-  host_wait(comm.world, "gather of a report", sizeof mine, [&](MPI_Request* r) {
-    return MPI_Igather(mine, 3, MPI_DOUBLE, all.data(), 3, MPI_DOUBLE, 0, comm.world.mpi, r);
-  });
-  if (G.world_rank != 0 || G.cp == 1) return;
+  std::vector<double> all = gather_report(comm, mine, 3, "gather of a report");
+  if (!G.prints() || G.cp == 1) return;
   double n = (double)std::max<int64_t>(1, steps);
   printf(
       "attention work per cp rank and training step (--report balance; %s; pairs "
@@ -339,7 +333,10 @@ void print_balance_report(Comm& comm, const std::string& split, int64_t blocks, 
       split.c_str());
   printf("  %7s %10s %14s %12s\n", "cp rank", "blocks", "(q, k) pairs", "time ms");
   for (int r = 0; r < G.cp; r++) {
-    const double* w = &all[3 * G.rank_of(0, 0, r, 0)];
+    const int rank =
+        G.simulated ? G.rank_of(G.dp_rank, G.pp_rank, r, G.tp_rank) : G.rank_of(0, 0, r, 0);
+    if (!row_gathered(comm, rank)) continue;
+    const double* w = &all[3 * rank];
     printf("  %7d %10.1f %14.0f %12.2f\n", r, w[0] / n, w[1] / n, w[2] / n * 1e3);
   }
   printf(
@@ -364,7 +361,7 @@ void print_expert_report(Comm& comm, const std::string& setup, int layers, int e
   }
   all[L * E + 3 * L] = stats.aux_sum, all[L * E + 3 * L + 1] = (double)stats.batches;
   all_reduce_host(comm.world, all.data(), (int)all.size(), ReduceOp::Sum);
-  if (comm.grid.world_rank != 0) return;
+  if (!comm.grid.prints()) return;
   double n = (double)std::max<int64_t>(1, steps);
   printf(
       "experts per layer (--report experts; %s): (token, slot) pairs routed to each expert "
@@ -448,7 +445,7 @@ class ExpertMeter : public StepMeter {
     log.fields["aux_loss"] = aux;
   }
   void report(Report r) override {
-    const bool main_rank = comm_.grid.world_rank == 0;
+    const bool main_rank = comm_.grid.prints();
     const int64_t steps = traffic_.steps(), D = cfg_.d_model, ep = comm_.ep.size;
     const int64_t per = cfg_.experts / ep, blocks = steps_.blocks;
     if (r == Report::Memory && main_rank)  // this rank's experts: E / ep per block

@@ -1,0 +1,205 @@
+// The meta device (DESIGN 3): the real code path without storage or arithmetic. Its reports are
+// the CPU run's (the memory each rank holds, the traffic of every group), its FLOPs the closed
+// form, one process stands for any rank of a simulated world, and what it cannot do is refused.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "launch.cuh"
+#include "parity_rows.cuh"
+
+namespace {
+
+// What a run printed after its last step line (its val loss): the reports, less the book's
+// closed forms a meta run adds to its memory report.
+std::vector<std::string> report_lines(const std::string& output) {
+  std::vector<std::string> lines;
+  bool book = false;
+  size_t start = 0;
+  for (size_t at = 0; (at = output.find("\nstep ", at)) != std::string::npos; at++)
+    start = output.find('\n', at + 1) + 1;
+  for (size_t at = start; at < output.size();) {
+    size_t end = output.find('\n', at);
+    if (end == std::string::npos) end = output.size();
+    const std::string line = output.substr(at, end - at);
+    at = end + 1;
+    if (line.rfind("the book's closed forms", 0) == 0) book = true;
+    else if (line.rfind("  ", 0) != 0) book = false;
+    if (!book) lines.push_back(line);
+  }
+  return lines;
+}
+
+// "68.24 MiB" in bytes.
+double parse_bytes(const std::string& text) {
+  std::smatch m;
+  static const std::regex amount("([0-9.]+) (B|KiB|MiB|GiB|TiB)");
+  REQUIRE(std::regex_search(text, m, amount));
+  const std::string units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double scale = 1;
+  for (const std::string& u : units) {
+    if (m[2] == u) break;
+    scale *= 1024;
+  }
+  return std::stod(m[1]) * scale;
+}
+
+// Two report lines that must agree: equal, or, for the lines that hold a peak of activations,
+// equal but for it, within 1% (the meta device allocates what the CUDA path would, whose
+// transient buffers may differ from the CPU loops'); workspace peaks are not compared (the CPU
+// loops' per-thread tiles are not the kernels' buffers).
+// `routed`: a mixture's, whose routing decides its all-to-all bytes and the activations kept.
+void require_same_report_line(const std::string& cpu, const std::string& meta,
+                              bool routed = false) {
+  INFO("cpu:  " << cpu << "\nmeta: " << meta);
+  if (cpu == meta) return;
+  if (routed && (cpu.find("all_to_all") != std::string::npos ||
+                 cpu.find("measured") != std::string::npos))
+    return;
+  static const std::regex rank_row(
+      "^  ([0-9]+) +([0-9]+) +([0-9]+) +([0-9]+) +([0-9]+)   ([0-9.]+ [KMGT]?i?B), .*$");
+  static const std::regex summary("^  (activations|workspace) +([0-9.]+ [KMGT]?i?B) / (.*)$");
+  std::smatch a, b;
+  if (std::regex_match(cpu, a, rank_row) && std::regex_match(meta, b, rank_row)) {
+    for (int i = 1; i <= 5; i++) REQUIRE(a[i] == b[i]);  // rank and static bytes: exact
+    if (!routed) REQUIRE(parse_bytes(b[6]) == Approx(parse_bytes(a[6])).epsilon(0.01));
+    return;
+  }
+  if (std::regex_match(cpu, a, summary) && std::regex_match(meta, b, summary)) {
+    REQUIRE(a[1] == b[1]);
+    if (a[1] == "workspace" || routed) return;
+    REQUIRE(parse_bytes(b[2]) == Approx(parse_bytes(a[2])).epsilon(0.01));
+    REQUIRE(a[3] == b[3]);
+    return;
+  }
+  FAIL("the meta run's report line differs from the CPU run's");
+}
+
+const std::string kReports = " --dtype fp32 --steps 2 --report memory,comm";
+
+}  // namespace
+
+// Every layout of the parity matrix, on the same ranks: what --report memory and --report comm
+// print after the steps must be the CPU run's. Under a mixture of experts the routing is
+// data-dependent on CPU and uniform on meta, so the experts' all-to-all bytes and the
+// activations they keep are left out there (the static memory and every other group's traffic
+// are still compared).
+TEST_CASE("the meta device reports every parity layout's memory and traffic as the CPU run does",
+          "[parity]") {
+  for (const ParityRow& row : PARITY_ROWS) {
+    const bool mixture = row.layout.find("--experts") != std::string::npos;
+    RunResult cpu = run_train(COMMON + row.layout + kReports, row.ranks);
+    RunResult meta = run_train(COMMON + row.layout + kReports + " --device meta", row.ranks);
+    INFO(row.name << "\ncpu:\n" << cpu.output << "\nmeta:\n" << meta.output);
+    REQUIRE(cpu.code == 0);
+    REQUIRE(meta.code == 0);
+    REQUIRE_THAT(meta.output, Catch::Contains("loss - |"));  // nothing computed, nothing shown
+    std::vector<std::string> a = report_lines(cpu.output), b = report_lines(meta.output);
+    REQUIRE(a.size() == b.size());
+    for (size_t i = 0; i < a.size(); i++) require_same_report_line(a[i], b[i], mixture);
+  }
+}
+
+// The ledger's FLOPs against the closed form, written out here for the tiny model (one process,
+// fp32): every linear layer costs 2 FLOPs per weight and token forward and 4 backward (input and
+// weight gradients), and full recomputation runs the blocks' forward once more; attention's causal core
+// costs 4 per visible (query, key) pair, head and head dimension forward (QK^T, then PV) and 10
+// backward (S again, dP, dV, dQ, dK), and the backward's rowsum(dO o O) 2 per query element.
+TEST_CASE("a meta step counts the closed form's FLOPs for the GEMMs and the attention", "[train]") {
+  const double D = 64, L = 2, H = 4, KV = 2, F = 128, V = 256, T = 32, B = 2, acc = 2;
+  const double hd = D / H;
+  const double blocks = L * (D * D + 2 * D * KV * hd + D * D + 3 * D * F), head = D * V;
+  const double tokens = B * T * acc, pairs = B * T * (T + 1) / 2 * acc * H * L;
+  for (std::string recompute : {"none", "full"}) {
+    RunResult r = run_train(
+        "--device meta --dtype fp32 --d-model 64 --layers 2 --heads 4 --kv-heads 2 --ffn 128 "
+        "--seq 32 --mbs 2 --grad-acc 2 --steps 2 --val-every 0 --report roofline --recompute " +
+        recompute);
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    std::smatch m;
+    REQUIRE(std::regex_search(r.output, m,
+                              std::regex("GEMMs ([0-9]+), attention ([0-9]+); the book's")));
+    const double forwards = recompute == "full" ? 2 : 1;
+    // Exact: integer counts far below 2^53.
+    // The head is not recomputed: only the blocks run forward again.
+    REQUIRE(std::stod(m[1]) == ((2 * forwards + 4) * blocks + 6 * head) * tokens);
+    // Plus the backward's D = rowsum(dO o O): 2 per query, head and head dimension.
+    REQUIRE(std::stod(m[2]) == (4 * forwards + 10) * pairs * hd + 2 * tokens * H * hd * L);
+  }
+}
+
+// rank 0 of a simulated world of 8 prints rank 0's reports of the 8-rank run (the groups' traffic
+// without the other ranks' min..max), and rank 5 its own memory row.
+TEST_CASE("one process on the meta device stands for any rank of a simulated world", "[parity]") {
+  const std::string layout = COMMON + "--pp 2 --dp 2 --tp 2 --grad-acc 2" + kReports;
+  RunResult cpu = run_train(layout, 8);
+  INFO(cpu.output);
+  REQUIRE(cpu.code == 0);
+  std::vector<std::string> whole = report_lines(cpu.output);
+  for (int rank : {0, 5}) {
+    RunResult sim = run_train(layout + " --device meta --simulate-world 8 --simulate-rank " +
+                              std::to_string(rank));
+    INFO(sim.output);
+    REQUIRE(sim.code == 0);
+    std::vector<std::string> lines = report_lines(sim.output);
+    // Its memory row is the run's row of that rank.
+    std::string mine, theirs;
+    const std::regex row("^  " + std::to_string(rank) + " +[0-9]+ +[0-9]+ .*");
+    for (const std::string& l : lines)
+      if (std::regex_match(l, row)) mine = l;
+    for (const std::string& l : whole)
+      if (std::regex_match(l, row)) theirs = l;
+    REQUIRE(!mine.empty());
+    require_same_report_line(theirs, mine);
+    if (rank != 0) continue;
+    // Rank 0's traffic per group: calls, elements and bytes as the 8-rank run counted them.
+    const std::regex traffic("^  ([a-z_]+) +([0-9]+)  ([a-z_]+) +([0-9.]+) +([0-9.]+) +(.+B) .*");
+    int compared = 0;
+    for (const std::string& l : lines) {
+      std::smatch m;
+      if (!std::regex_match(l, m, traffic)) continue;
+      bool found = false;
+      for (const std::string& w : whole) {
+        std::smatch n;
+        if (std::regex_match(w, n, traffic) && n[1] == m[1] && n[3] == m[3]) {
+          for (int i = 2; i <= 6; i++) REQUIRE(n[i] == m[i]);
+          found = true;
+        }
+      }
+      REQUIRE(found);
+      compared++;
+    }
+    REQUIRE(compared >= 3);  // tp, pp and dp at least
+  }
+}
+
+TEST_CASE("the meta device and a simulated world refuse what they cannot do, with exit code 2",
+          "[train]") {
+  const std::string tiny = "--model tiny --steps 1 ";
+  struct Case {
+    std::string args, says;
+    int ranks;
+  };
+  const Case cases[] = {
+      {"--device meta --save /tmp/picoscale-meta-never", "--save has nothing", 0},
+      {"--device meta --load /tmp/picoscale-meta-never", "--load has nothing", 0},
+      {"--device meta --score /tmp/picoscale-meta-never", "--score has nothing", 0},
+      {"--device meta --sample 10", "--sample has nothing", 0},
+      {"--device cpu --simulate-world 1", "add --device meta", 0},
+      {"--device meta --dp 4 --simulate-world 8", "give --simulate-world 4", 0},
+      {"--device meta --dp 4 --simulate-world 4 --simulate-rank 4", "give 0 to 3", 0},
+      {"--device meta --dp 2 --simulate-rank 1", "add --simulate-world 2", 0},
+      {"--device meta --gpu h900", "--gpu h900: unknown profile", 0},
+      {"--device meta --dp 2 --simulate-world 2", "without mpirun", 2},
+  };
+  for (const Case& c : cases) {
+    RunResult r = run_train(tiny + c.args, c.ranks);
+    INFO(c.args << "\n" << r.output);
+    REQUIRE(r.code == 2);
+    REQUIRE_THAT(r.output, Catch::Contains(c.says));
+    REQUIRE_THAT(r.output, !Catch::Contains("Aborted"));
+  }
+}
