@@ -209,7 +209,8 @@ void validate_pipeline(int layers, int p, int V, int m, PpSchedule s, bool tied,
   if (tied)
     throw UsageError("--tie-embeddings with " + pp +
                      ": the embedding lives on the first stage and the head on the last; tied "
-                     "weights across stages are not supported, drop --tie-embeddings");
+                     "weights across stages are not supported, drop --tie-embeddings (or, for a "
+                     "preset that ties them, add --untie-embeddings)");
   if (zero_stage == 2 && splits_backward(pipeline_schedule(s, p, 0, m, V)))
     throw UsageError("--zero 2 with --pp-schedule " + name +
                      ": ZeRO-2 reduce-scatters each micro-batch's gradient as soon as it is "

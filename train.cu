@@ -734,14 +734,14 @@ static int run_every_stage(const Options& o, Device device, const PrecisionPolic
     reset_ledger();
   }
   printf(
-      "every pipeline stage of the simulated world (--simulate-rank -1), peak memory per rank:\n");
-  printf("  %5s %6s %12s %12s %12s %12s %12s %12s\n", "stage", "rank", "params", "grads",
-         "optimizer", "activations", "workspace", "peak total");
+      "every pipeline stage of the simulated world (--simulate-rank -1), peak memory per rank "
+      "(activations, workspace, and all categories at once):\n");
+  printf("  %5s %6s %12s %12s %12s\n", "stage", "rank", "activations", "workspace", "peak total");
   int worst = 0;
   for (int s = 0; s < o.pp; s++) {
     const MemoryStats& m = peaks[s];
     printf("  %5d %6d", s, grid.rank_of(0, s, 0, 0));
-    for (Mem k : {Mem::Params, Mem::Grads, Mem::Optimizer, Mem::Activations, Mem::Workspace})
+    for (Mem k : {Mem::Activations, Mem::Workspace})
       printf(" %12s", human_bytes((double)m.peak[(int)k]).c_str());
     printf(" %12s\n", human_bytes((double)m.total_peak).c_str());
     if (m.total_peak > peaks[worst].total_peak) worst = s;

@@ -3,7 +3,8 @@
 // bytes read and written, kernel launches; each is priced on a device profile as the larger of
 // its compute time and its memory time plus its launches, and each group's collectives at
 // latency plus bytes over bus bandwidth, as the planner prices them. On the meta device that is
-// the step; on CPU and CUDA the clock measures each category beside the prediction.
+// the step; on CPU and CUDA the clock measures each category beside the prediction. The guide:
+// docs/meta-device.md.
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -116,7 +117,8 @@ void RooflineMeter::end(StepPart p) {
     compute += b.predicted_s - a.predicted_s;
   }
   std::vector<Group*> groups = comm_.groups();
-  if (comm_seconds_.empty()) comm_seconds_.assign(groups.size(), 0), comm_bytes_.assign(groups.size(), 0);
+  if (comm_seconds_.empty())
+    comm_seconds_.assign(groups.size(), 0), comm_bytes_.assign(groups.size(), 0);
   double comm = 0;
   for (size_t i = 0; i < groups.size(); i++) {
     CollStats delta[(int)Coll::Count];
@@ -151,8 +153,8 @@ void RooflineMeter::report(Report r) {
       "it, half that at a width of %g; attention %.2f; memory %.4g GB/s x %.2f; %.1f us a "
       "launch\n",
       roof.peak[0] / 1e12, roof.peak[1] / 1e12, roof.peak[2] / 1e12, roof.gemm_efficiency,
-      roof.gemm_half_width, roof.attention_efficiency, roof.bandwidth / 1e9,
-      roof.stream_efficiency, roof.launch_s * 1e6);
+      roof.gemm_half_width, roof.attention_efficiency, roof.bandwidth / 1e9, roof.stream_efficiency,
+      roof.launch_s * 1e6);
   printf("  %-12s %8s %9s %10s %10s %8s %12s%s\n", "category", "calls", "launches", "GFLOP",
          "GB moved", "FLOP/B", "predicted ms", timed ? "  measured ms" : "");
   double predicted = 0, measured = 0, flops = 0, moved = 0, launches = 0, other_moved = 0;
@@ -199,7 +201,8 @@ void RooflineMeter::report(Report r) {
       "pass, activations written and read once): everything but GEMMs and attention moves "
       "%.2fx it, all ops %.2fx\n",
       least / 1e9, other_moved / n / least, moved / n / least);
-  const LedgerRow &gemm = steps_.rows[(int)OpKind::Gemm], &attn = steps_.rows[(int)OpKind::Attention];
+  const LedgerRow &gemm = steps_.rows[(int)OpKind::Gemm],
+                  &attn = steps_.rows[(int)OpKind::Attention];
   printf(
       "  FLOPs per training step on this rank: GEMMs %.0f, attention %.0f; the book's (6N + 12 L "
       "h s) x tokens: %.0f (6N counts the embedding's lookup as a GEMM, 12 L h s every (query, "

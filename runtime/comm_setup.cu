@@ -324,19 +324,26 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
                {&c.dp_cp, "dp_cp", GroupKind::DpCp},
                {&c.ep, "ep", GroupKind::Ep},
                {&c.edp_cp, "edp_cp", GroupKind::EdpCp}};
+  // The meta device stands for GPUs, one per rank as in the book's clusters: NCCL's semantics
+  // (a pipeline's sends go out with the next receive) unless --comm mpi; it creates no
+  // communicator of either.
+  const bool meta = device == Device::Meta;
+  if (meta && backend_flag != "auto" && backend_flag != "nccl" && backend_flag != "mpi")
+    throw UsageError("--comm " + backend_flag + ": expected auto, nccl or mpi");
   if (simulated) {  // nothing to split, nothing to connect: the meta device exchanges nothing
     for (auto& k : kinds) simulated_group(*k.group, k.name, c.grid, k.kind, timeout_s);
-    c.backend = Backend::MPI;
+    c.backend = backend_flag == "mpi" ? Backend::MPI : Backend::NCCL;
     c.comm_ctx = Context::create(Device::Meta);
     return c;
   }
-  c.backend = choose_backend(backend_flag, device, timeout_s);
+  c.backend = meta ? (backend_flag == "mpi" ? Backend::MPI : Backend::NCCL)
+                   : choose_backend(backend_flag, device, timeout_s);
   for (auto& k : kinds) {
     const auto [color, key] = color_key(c.grid, k.kind);
     make_group(*k.group, k.name, color, key, timeout_s);
   }
 
-  if (c.backend == Backend::NCCL) {
+  if (c.backend == Backend::NCCL && !meta) {
     // The standard bootstrap, one id per group: group rank 0 makes it, MPI shares it. Under
     // --comm auto a group of one needs no communicator (its collectives are local copies); an
     // explicit --comm nccl gives it one, so that one rank on one GPU exercises NCCL.

@@ -101,6 +101,9 @@ void add_run_flags(CLI::App& app, RunOptions& o) {
   model.add_option("--rope-theta", o.model.rope_theta, "RoPE base, > 0");
 
   model.add_flag("--tie-embeddings", o.model.tie_embeddings, "share embedding and LM head");
+  model.add_flag("--untie-embeddings", o.untie_embeddings,
+                 "give the LM head weights of its own when the preset ties them (llama-1b, "
+                 "llama-3b, book-1b, book-3b), as nanotron does across pipeline stages");
 
   CLI::App& steps = flag_group(app, "First steps: the training step (Playbook §2)");
   steps
@@ -241,7 +244,14 @@ static void resolve_model(RunOptions& o) {
     if (o.given("--rope-theta")) o.model.rope_theta = flags.rope_theta;
     if (o.given("--aux-loss-coef")) o.model.aux_loss_coef = flags.aux_loss_coef;
     o.model.tie_embeddings = o.model.tie_embeddings || flags.tie_embeddings;
+    if (o.untie_embeddings) o.model.tie_embeddings = false;
   }
+  if (o.untie_embeddings && o.given("--tie-embeddings"))
+    throw UsageError("--untie-embeddings and --tie-embeddings contradict each other: keep one");
+  if (o.untie_embeddings && !o.load.empty())
+    throw UsageError("--untie-embeddings with --load " + o.load +
+                     ": the checkpoint's config.json decides whether its weights are tied; drop "
+                     "the flag");
   check_model_limits(o);
   validate_model_config(o.model);
   check_range(o.model.aux_loss_coef, "--aux-loss-coef", 0, false, kNoMax,

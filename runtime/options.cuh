@@ -83,6 +83,7 @@ struct RunOptions {
   std::string preset = "tiny";
   ModelConfig model;
   std::vector<std::pair<std::string, int ModelConfig::*>> shape;  // the shape flags given
+  bool untie_embeddings = false;  // --untie-embeddings: a tied preset with a head of its own
   // the optimisation (steps 0: load and save only, no step)
   int steps = 100, stop_after = 0, mbs = 16, grad_acc = 1, warmup = 20;
   float lr = 2e-3f, min_lr = -1.0f, weight_decay = 0.1f, grad_clip = 1.0f;

@@ -25,8 +25,10 @@ std::vector<std::string> report_lines(const std::string& output) {
     if (end == std::string::npos) end = output.size();
     const std::string line = output.substr(at, end - at);
     at = end + 1;
-    if (line.rfind("the book's closed forms", 0) == 0) book = true;
-    else if (line.rfind("  ", 0) != 0) book = false;
+    if (line.rfind("the book's closed forms", 0) == 0)
+      book = true;
+    else if (line.rfind("  ", 0) != 0)
+      book = false;
     if (!book) lines.push_back(line);
   }
   return lines;
@@ -55,8 +57,8 @@ void require_same_report_line(const std::string& cpu, const std::string& meta,
                               bool routed = false) {
   INFO("cpu:  " << cpu << "\nmeta: " << meta);
   if (cpu == meta) return;
-  if (routed && (cpu.find("all_to_all") != std::string::npos ||
-                 cpu.find("measured") != std::string::npos))
+  if (routed &&
+      (cpu.find("all_to_all") != std::string::npos || cpu.find("measured") != std::string::npos))
     return;
   static const std::regex rank_row(
       "^  ([0-9]+) +([0-9]+) +([0-9]+) +([0-9]+) +([0-9]+)   ([0-9.]+ [KMGT]?i?B), .*$");
@@ -91,7 +93,9 @@ TEST_CASE("the meta device reports every parity layout's memory and traffic as t
   for (const ParityRow& row : PARITY_ROWS) {
     const bool mixture = row.layout.find("--experts") != std::string::npos;
     RunResult cpu = run_train(COMMON + row.layout + kReports, row.ranks);
-    RunResult meta = run_train(COMMON + row.layout + kReports + " --device meta", row.ranks);
+    // --comm mpi: the CPU run's backend (a pipeline keeps its sends until the step ends).
+    RunResult meta =
+        run_train(COMMON + row.layout + kReports + " --device meta --comm mpi", row.ranks);
     INFO(row.name << "\ncpu:\n" << cpu.output << "\nmeta:\n" << meta.output);
     REQUIRE(cpu.code == 0);
     REQUIRE(meta.code == 0);
@@ -104,9 +108,9 @@ TEST_CASE("the meta device reports every parity layout's memory and traffic as t
 
 // The ledger's FLOPs against the closed form, written out here for the tiny model (one process,
 // fp32): every linear layer costs 2 FLOPs per weight and token forward and 4 backward (input and
-// weight gradients), and full recomputation runs the blocks' forward once more; attention's causal core
-// costs 4 per visible (query, key) pair, head and head dimension forward (QK^T, then PV) and 10
-// backward (S again, dP, dV, dQ, dK), and the backward's rowsum(dO o O) 2 per query element.
+// weight gradients), and full recomputation runs the blocks' forward once more; attention's causal
+// core costs 4 per visible (query, key) pair, head and head dimension forward (QK^T, then PV) and
+// 10 backward (S again, dP, dV, dQ, dK), and the backward's rowsum(dO o O) 2 per query element.
 TEST_CASE("a meta step counts the closed form's FLOPs for the GEMMs and the attention", "[train]") {
   const double D = 64, L = 2, H = 4, KV = 2, F = 128, V = 256, T = 32, B = 2, acc = 2;
   const double hd = D / H;
@@ -134,7 +138,7 @@ TEST_CASE("a meta step counts the closed form's FLOPs for the GEMMs and the atte
 // rank 0 of a simulated world of 8 prints rank 0's reports of the 8-rank run (the groups' traffic
 // without the other ranks' min..max), and rank 5 its own memory row.
 TEST_CASE("one process on the meta device stands for any rank of a simulated world", "[parity]") {
-  const std::string layout = COMMON + "--pp 2 --dp 2 --tp 2 --grad-acc 2" + kReports;
+  const std::string layout = COMMON + "--pp 2 --dp 2 --tp 2 --grad-acc 2 --comm mpi" + kReports;
   RunResult cpu = run_train(layout, 8);
   INFO(cpu.output);
   REQUIRE(cpu.code == 0);
@@ -201,5 +205,61 @@ TEST_CASE("the meta device and a simulated world refuse what they cannot do, wit
     REQUIRE(r.code == 2);
     REQUIRE_THAT(r.output, Catch::Contains(c.says));
     REQUIRE_THAT(r.output, !Catch::Contains("Aborted"));
+  }
+}
+
+// ./plan --layout's memory per GPU (the worst pipeline stage, from its closed forms and the
+// schedule's tables walked op by op) against the meta run of that stage's rank 0, per category
+// at the planner's printed precision (0.01 GiB): two accounts of one layout, one by formula and
+// one by the code that trains.
+TEST_CASE("the planner's memory per category equals the meta run's, layout by layout", "[train]") {
+  struct Case {
+    std::string model, layout;
+    int ranks;
+  };
+  const Case cases[] = {
+      {"llama-1b --untie-embeddings", "--pp 4 --pp-schedule afab --grad-acc 4 --mbs 1", 4},
+      {"book-8b", "--dp 2 --pp 4 --zero 1 --grad-acc 16 --mbs 1", 8},
+      {"llama-1b", "--tp 4 --recompute selective --mbs 2", 4},
+      {"book-8b", "--pp 2 --pp-schedule interleaved --pp-virtual 2 --grad-acc 8 --mbs 1", 2},
+      {"llama-1b", "--dp 4 --zero 3 --grad-acc 2 --mbs 2", 4},
+      {"llama-1b", "--cp 2 --dp 2 --mbs 1", 4},
+      {"book-8b", "--pp 2 --tp 2 --sp --pp-schedule zb-h1 --grad-acc 8 --mbs 1", 4},
+  };
+  for (const Case& c : cases) {
+    const size_t space = c.model.find(' ');
+    const std::string preset = c.model.substr(0, space);
+    const std::string extra = space == std::string::npos ? "" : c.model.substr(space);
+    RunResult plan = run_command("./plan --model " + preset + extra + " --gpus-per-node " +
+                                 std::to_string(c.ranks) + " --layout '" + c.layout + "'");
+    INFO(c.model << " " << c.layout << "\n" << plan.output);
+    REQUIRE(plan.code == 0);
+    std::smatch p;
+    REQUIRE(std::regex_search(
+        plan.output, p,
+        std::regex("pipeline stage ([0-9]+)\\): params ([0-9.]+) \\+ grads ([0-9.]+) \\+ "
+                   "optimizer ([0-9.]+) \\+ activations ([0-9.]+)")));
+    // Rank 0 of that stage: dp, cp and tp rank 0 (DESIGN 4: [dp][pp][cp][tp], tp fastest).
+    std::smatch dims;
+    int cp = 1, tp = 1;
+    if (std::regex_search(c.layout, dims, std::regex("--cp ([0-9]+)"))) cp = std::stoi(dims[1]);
+    if (std::regex_search(c.layout, dims, std::regex("--tp ([0-9]+)"))) tp = std::stoi(dims[1]);
+    const int rank = std::stoi(p[1]) * cp * tp;
+    RunResult meta =
+        run_train("--model " + c.model + " " + c.layout +
+                  " --device meta --steps 1 --val-every 0 --report memory "
+                  "--simulate-world " +
+                  std::to_string(c.ranks) + " --simulate-rank " + std::to_string(rank));
+    INFO(meta.output);
+    REQUIRE(meta.code == 0);
+    std::smatch m;
+    REQUIRE(std::regex_search(meta.output, m,
+                              std::regex("\n  " + std::to_string(rank) +
+                                         " +([0-9]+) +([0-9]+) +([0-9]+) +[0-9]+ +([0-9.]+ "
+                                         "[KMGT]?i?B),")));
+    const double GiB = 1024.0 * 1024 * 1024;
+    auto printed = [&](double bytes) { return std::round(bytes / GiB * 100) / 100; };
+    for (int i = 1; i <= 3; i++) REQUIRE(printed(std::stod(m[i])) == std::stod(p[i + 1]));
+    REQUIRE(std::abs(parse_bytes(m[4]) / GiB - std::stod(p[5])) <= 0.0051);  // both rounded
   }
 }

@@ -55,6 +55,18 @@ done
 echo "contiguous chunks load the last rank most (it attends to every earlier block); zig-zag"
 echo "gives every rank the same pairs. On two shared cores the ranks also wait for each other."
 
+# The meta device at the book's scale (docs/meta-device.md): one process runs a step of a 70B
+# model's rank at tp 8 x pp 8 (a simulated world of 64), counted, not computed; its wall time and
+# peak resident memory (the target: under a minute and under 1 GiB).
+echo
+echo "meta device: llama-70b, tp 8 + sp x pp 8, grad-acc 16, one step of rank 0 of 64"
+/usr/bin/time -f "| wall %e s | peak resident %M KiB |" ./train --model llama-70b --device meta \
+  --tp 8 --sp --pp 8 --grad-acc 16 --mbs 1 --simulate-world 64 --simulate-rank 0 --steps 1 \
+  --val-every 0 2>&1 | grep -E "^\| wall|^step +1/1 \| loss"
+# The book's campaign through the meta device: each cell's book memory beside the meta run's.
+echo
+bash tools/meta_campaign.sh
+
 # The planner's step-time ranking against measured runs (docs/planner-checks.md).
 echo
 bash tools/plan_check.sh
