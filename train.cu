@@ -720,14 +720,18 @@ static int run_rank(const Options& o, Device device, const PrecisionPolicy& prec
 static int run_every_stage(const Options& o, Device device, const PrecisionPolicy& precision) {
   Grid grid = make_grid(o.dp, o.pp, o.cp, o.tp, o.simulate_world, 0);
   std::vector<MemoryStats> peaks;
+  // Standard output to /dev/null for a scope, and back at its end (an error thrown too).
+  struct Quiet {
+    int saved = dup(STDOUT_FILENO), quiet = open("/dev/null", O_WRONLY);
+    Quiet() { fflush(stdout), dup2(quiet, STDOUT_FILENO); }
+    ~Quiet() { fflush(stdout), dup2(saved, STDOUT_FILENO), close(saved), close(quiet); }
+  };
   for (int s = 0; s < o.pp; s++) {
-    fflush(stdout);
-    const int saved = dup(STDOUT_FILENO), quiet = open("/dev/null", O_WRONLY);
-    dup2(quiet, STDOUT_FILENO);
-    const int code = run_rank(o, device, precision, grid.rank_of(0, s, 0, 0));
-    fflush(stdout);
-    dup2(saved, STDOUT_FILENO);
-    close(saved), close(quiet);
+    int code = 0;
+    {
+      Quiet quiet;
+      code = run_rank(o, device, precision, grid.rank_of(0, s, 0, 0));
+    }
     if (code != 0) return code;
     peaks.push_back(memory_stats());
     memory_reset_peak();

@@ -330,14 +330,15 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
   const bool meta = device == Device::Meta;
   if (meta && backend_flag != "auto" && backend_flag != "nccl" && backend_flag != "mpi")
     throw UsageError("--comm " + backend_flag + ": expected auto, nccl or mpi");
+  if (meta)
+    c.backend = backend_flag == "mpi" ? Backend::MPI : Backend::NCCL;
+  else
+    c.backend = choose_backend(backend_flag, device, timeout_s);
   if (simulated) {  // nothing to split, nothing to connect: the meta device exchanges nothing
     for (auto& k : kinds) simulated_group(*k.group, k.name, c.grid, k.kind, timeout_s);
-    c.backend = backend_flag == "mpi" ? Backend::MPI : Backend::NCCL;
     c.comm_ctx = Context::create(Device::Meta);
     return c;
   }
-  c.backend = meta ? (backend_flag == "mpi" ? Backend::MPI : Backend::NCCL)
-                   : choose_backend(backend_flag, device, timeout_s);
   for (auto& k : kinds) {
     const auto [color, key] = color_key(c.grid, k.kind);
     make_group(*k.group, k.name, color, key, timeout_s);
