@@ -435,7 +435,8 @@ TEST_CASE("./plan --json never overwrites its own --campaign or --comm-fit", "[s
 // ----------------------------------------------------------------------------
 // The suite's own report
 
-// A case that fails on purpose, hidden from every run that does not name its tag: its name and
+// A case that fails on purpose, run by the case after it (hidden, and excluded by name where the
+// suite runs with exclusions only, tools/run_tests.sh and tools/mutants.sh): its name and
 // its section's run past a console's 80 columns, with ": " beyond them, which Catch2's console
 // reporter indents to (at its default width of 80 it asserted `m_width > m_indent` and
 // aborted, so a failing group crashed instead of reporting).
