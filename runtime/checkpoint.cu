@@ -990,7 +990,8 @@ ModelConfig read_checkpoint_config(const std::string& dir_arg) {
   return config_from_hf(j, dir);
 }
 
-void check_checkpoint_weights(const std::string& dir) {
+void check_checkpoint_weights(const std::string& dir_arg) {
+  const std::string dir = checkpoint_to_load(dir_arg, false);
   std::error_code ec;
   const std::string single = dir + "/model.safetensors";
   if (fs::exists(single, ec) || fs::exists(single + ".index.json", ec)) return;

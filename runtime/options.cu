@@ -297,6 +297,8 @@ void resolve_run_options(RunOptions& o, int world) {
       if (o.given(flag))
         throw UsageError(std::string("--score prints a loss and exits: ") + flag +
                          " would be ignored; drop it (train first, then score the checkpoint)");
+  if (!o.score.empty() && o.load.empty())
+    throw UsageError("--score " + o.score + " needs --load DIR: the model to score with");
   // Inputs before anything reads them: regular files (a FIFO would block every rank) that fit.
   if (!o.data.empty()) check_token_file("--data", o.data);
   if (!o.score.empty()) check_token_file("--score", o.score);
@@ -353,8 +355,6 @@ void resolve_run_options(RunOptions& o, int world) {
   check_range(o.grad_clip, "--grad-clip", 0, false, kNoMax,
               "must be a number >= 0 (0 turns clipping off), e.g. 1.0");
   check_range(o.temperature, "--temperature", 0, true, kNoMax, "must be a number > 0");
-  if (!o.score.empty() && o.load.empty())
-    throw UsageError("--score " + o.score + " needs --load DIR: the model to score with");
   check_range(o.comm_timeout, "--comm-timeout", 0, true, kNoMax,
               "must be a number of seconds > 0, e.g. 300");
   check_paths_apart(o);
