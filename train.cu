@@ -811,6 +811,7 @@ int main(int argc, char** argv) {
   }
   fflush(stdout);
   fflush(stderr);
-  MPI_Finalize();
-  return code;
+  // Every rank together, each wait bounded (runtime/launch.cuh); a --fault at "finalize" fires
+  // only in a run that got there.
+  return finish_ranks(code, o.comm_timeout, code == 0 ? &o.fault : nullptr);
 }

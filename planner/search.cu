@@ -9,6 +9,8 @@
 #include "planner/planner_internal.cuh"
 #include "runtime/dtype.cuh"
 #include "runtime/formulas.cuh"
+#include "runtime/inputs.cuh"
+#include "runtime/options.cuh"
 
 // ----------------------------------------------------------------------------
 // The search
@@ -270,6 +272,7 @@ std::vector<std::string> planner_model_names() {
 // The book's campaign
 
 std::vector<CampaignCell> read_campaign(const std::string& path) {
+  check_input_file("--campaign " + path, path);  // a directory read as no rows, a FIFO forever
   FILE* f = fopen(path.c_str(), "r");
   if (!f) throw UsageError("--campaign " + path + ": cannot open it");
   std::vector<CampaignCell> cells;
@@ -284,22 +287,39 @@ std::vector<CampaignCell> read_campaign(const std::string& path) {
     size_t start = 0;
     for (size_t i = 0; i <= s.size(); i++)
       if (i == s.size() || s[i] == ',') fields.push_back(s.substr(start, i - start)), start = i + 1;
+    // Each field whole, in its range: "1e9" is no count of nodes, NaN no MFU.
+    const std::string where = "--campaign " + path + ":" + std::to_string(number);
+    auto count = [&](size_t i, const char* name, double lo, double hi) {
+      return (int)parse_number(fields[i], where + ": " + name, lo, hi, true);
+    };
+    auto real = [&](size_t i, const char* name, double hi) {
+      return parse_number(fields[i], where + ": " + name, 0, hi);
+    };
     CampaignCell c;
     try {
       if (fields.size() < 2) throw std::invalid_argument("too few fields");
-      c.model = fields[0], c.nodes = std::stoi(fields[1]);
+      c.model = fields[0];
       c.ran = fields.size() >= 11 && !fields[2].empty();
-      if (c.ran) {
-        c.dp = std::stoi(fields[2]), c.tp = std::stoi(fields[3]), c.pp = std::stoi(fields[4]);
-        c.zero = std::stoi(fields[5]), c.mbs = std::stoi(fields[6]),
-        c.grad_acc = std::stoi(fields[7]);
-        c.mfu = std::stod(fields[8]) / 100, c.tokens_per_s_per_gpu = std::stod(fields[9]);
-        c.memory_gb = std::stod(fields[10]);
-      }
+      if (!c.ran && fields.size() > 2 && fields.size() != 11)
+        throw std::invalid_argument("a row is model,nodes or all eleven fields");
     } catch (const std::exception&) {
       fclose(f);
-      throw UsageError("--campaign " + path + ":" + std::to_string(number) +
-                       ": expected model,nodes,dp,tp,pp,zero,mbs,ga,mfu_percent,tok_s_gpu,mem_gb");
+      throw UsageError(where + ": expected model,nodes,dp,tp,pp,zero,mbs,ga,mfu_percent," +
+                       "tok_s_gpu,mem_gb");
+    }
+    try {
+      c.nodes = count(1, "nodes", 1, 1 << 17);
+      if (c.ran) {
+        c.dp = count(2, "dp", 1, 1 << 20), c.tp = count(3, "tp", 1, 1 << 20);
+        c.pp = count(4, "pp", 1, 1 << 20), c.zero = count(5, "zero", 0, 3);
+        c.mbs = count(6, "mbs", 1, 1 << 20), c.grad_acc = count(7, "ga", 1, 1 << 20);
+        c.mfu = real(8, "mfu_percent", 100) / 100,
+        c.tokens_per_s_per_gpu = real(9, "tok_s_gpu", 1e12);
+        c.memory_gb = real(10, "mem_gb", 1e6);
+      }
+    } catch (const UsageError&) {
+      fclose(f);
+      throw;
     }
     cells.push_back(c);
   }

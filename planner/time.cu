@@ -200,8 +200,14 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
       if (l.recompute == Recompute::Full) r += c.blocks * block_fwd;
       if (l.recompute == Recompute::Selective && l.attention == AttentionKind::Naive)
         r += c.blocks * block_attn;
-      // The vocab-parallel embedding's forward and the head's backward add one collective each.
-      tpc += c.blocks * (tp_fwd + tp_bwd) + ((c.embedding ? 1 : 0) + (c.head ? 1 : 0)) * tp_fwd / 2;
+      // The vocab-parallel embedding and head (tensor_parallel.cu): without sp the embedding's
+      // forward and the head's backward add an all-reduce each, half a block's forward; under
+      // sp the embedding adds a reduce-scatter (forward) and an all-gather (backward), and the
+      // head, column-parallel, an all-gather (forward), another re-gathering its input and a
+      // reduce-scatter (backward): two and three of the block forward's four.
+      const double embedding_tp = tp_fwd / 2, head_tp = l.sp ? tp_fwd * 3 / 4 : tp_fwd / 2;
+      tpc +=
+          c.blocks * (tp_fwd + tp_bwd) + (c.embedding ? embedding_tp : 0) + (c.head ? head_tp : 0);
       epc += c.blocks * 2 * ep_fwd;
       cpc += c.blocks * (cp_fwd + cp_bwd);
       pc += (c.receives ? 2 * p2p : 0) + (c.sends ? 2 * p2p : 0);

@@ -20,11 +20,68 @@
 
 #include "runtime/checkpoint.cuh"
 #include "runtime/dtype.cuh"
+#include "runtime/inputs.cuh"
 
 namespace fs = std::filesystem;
 using nlohmann::json;
 
 static const uint64_t kMaxHeaderBytes = 100u << 20;  // far above any real header; stops garbage
+
+// ----------------------------------------------------------------------------
+// JSON as a checkpoint holds it (safetensors headers, config.json, a shards' index)
+
+// A checkpoint's JSON nests a few levels; JSON nested hundreds of thousands deep (a damaged or
+// hostile file) would overflow the stack of whatever walks it recursively (printing an entry
+// for a message), so it is refused before it is parsed.
+static const int kMaxJsonDepth = 100;
+static int json_depth(const std::string& text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped)
+        escaped = false;
+      else if (c == '\\')
+        escaped = true;
+      else if (c == '"')
+        in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == ']' || c == '}') {
+      depth--;
+    }
+  }
+  return deepest;
+}
+// `what`: the file as a message names it ("ckpt/config.json").
+static void check_json_depth(const std::string& text, const std::string& what) {
+  const int depth = json_depth(text);
+  if (depth > kMaxJsonDepth)
+    throw UsageError(what + ": JSON nested " + std::to_string(depth) + " levels deep, past the " +
+                     std::to_string(kMaxJsonDepth) +
+                     " any checkpoint needs (a damaged or hand-made file): write it again");
+}
+// A JSON file's text: a regular file (a FIFO is never opened), at most kMaxHeaderBytes, nested
+// no deeper than kMaxJsonDepth. Throws UsageError "<what>: ...".
+static std::string read_json_text(const std::string& path, const std::string& what) {
+  check_input_file(what, path);
+  std::error_code ec;
+  const uint64_t size = fs::file_size(path, ec);
+  if (size > kMaxHeaderBytes)
+    throw UsageError(what + ": " + std::to_string(size) + " bytes, past the " +
+                     std::to_string(kMaxHeaderBytes) + " a JSON file of a checkpoint may hold");
+  std::ifstream in(path, std::ios::binary);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  check_json_depth(text, what);
+  return text;
+}
+// A JSON value as a message shows it: at most 200 characters.
+static std::string shown(const json& value) {
+  std::string text = value.dump();
+  return text.size() <= 200 ? text : text.substr(0, 200) + "...";
+}
 
 // ----------------------------------------------------------------------------
 // Durable writes (write_file_atomic, in core.cu, writes each file)
@@ -111,7 +168,7 @@ struct SafetensorsHeader {
 static SafetensorsHeader read_header(const std::string& path) {
   auto fail = [&](const std::string& what) { return UsageError(path + ": " + what); };
   std::error_code ec;
-  if (!fs::is_regular_file(path, ec)) throw fail("not found");
+  check_input_file(path, path);
   const uint64_t size = fs::file_size(path, ec);
   if (size < 8) throw fail("too small for a safetensors file: " + std::to_string(size) + " bytes");
   FILE* f = fopen(path.c_str(), "rb");
@@ -129,6 +186,7 @@ static SafetensorsHeader read_header(const std::string& path) {
                " but the file has " + std::to_string(size) + " bytes");
   if (!ok) throw fail("read error");
   SafetensorsHeader h{json(), 8 + header_len, size - 8 - header_len};
+  check_json_depth(text, path + ": the header");
   try {
     h.entries = json::parse(text);
   } catch (const json::parse_error& e) {
@@ -165,7 +223,7 @@ static SafetensorsPlan inspect_safetensors(const std::string& path,
               entry["dtype"].is_string() && entry.contains("shape") && entry["shape"].is_array();
     if (ok)
       for (const json& dim : entry["shape"]) ok = ok && dim.is_number_unsigned();
-    if (!ok) throw fail("tensor " + name + ": malformed entry " + entry.dump());
+    if (!ok) throw fail("tensor " + name + ": malformed entry " + shown(entry));
     ranges[name] = {(*off)[0].get<uint64_t>(), (*off)[1].get<uint64_t>()};
     promised = std::max(promised, ranges[name].second);
   }
@@ -274,10 +332,24 @@ static const char* non_finite_name(float x) {
   return x > 0 ? "+inf" : "-inf";
 }
 
-// A checkpoint's floating-point tensors hold finite numbers: a NaN or inf would only spread
-// through training (or stop it steps later, blaming the learning rate). Throws UsageError
-// naming the file, the first tensor (in the model's order) that is not, and the element.
+// Adam's second moment of a parameter: a running mean of squared gradients, never negative.
+static bool is_second_moment(const std::string& name) {
+  const std::string suffix = ".exp_avg_sq";
+  return name.size() > suffix.size() &&
+         name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// A checkpoint's floating-point tensors hold finite numbers, and Adam's second moments none
+// below 0: a NaN or inf would only spread through training, and a negative second moment makes
+// the update's sqrt a NaN at the first step (either stops the run steps later, blaming the
+// learning rate). Throws UsageError naming the file, the first tensor (in the model's order)
+// that breaks either, and the element.
 static void require_finite(const SafetensorsPlan& plan, const std::vector<NamedTensor>& tensors) {
+  auto g = [](float x) {
+    char buf[32];
+    snprintf(buf, sizeof buf, "%g", (double)x);
+    return std::string(buf);
+  };
   std::vector<float> wide;
   read_each_tensor(plan, tensors, [&](size_t i, const char* bytes) {
     const DType dtype = plan.file_dtypes[i];
@@ -296,6 +368,14 @@ static void require_finite(const SafetensorsPlan& plan, const std::vector<NamedT
                          non_finite_name(x[e]) +
                          "; a checkpoint must hold finite numbers (it was saved from a run "
                          "that diverged, or is damaged): load an earlier checkpoint");
+    if (is_second_moment(tensors[i].name))
+      for (int64_t e = 0; e < n; e++)
+        if (x[e] < 0)
+          throw UsageError(plan.path + ": tensor " + tensors[i].name + ": element " +
+                           std::to_string(e) + " of " + std::to_string(n) + " is " + g(x[e]) +
+                           "; Adam's second moment is a running mean of squares and is never "
+                           "negative (a damaged or hand-edited file): load an earlier "
+                           "checkpoint, or remove optimizer.safetensors to start AdamW afresh");
   });
 }
 
@@ -378,15 +458,18 @@ ModelConfig config_from_hf(const json& j, const std::string& path) {
     const json* v = find(key, required);
     if (!v) return fallback;
     if (!v->is_number_integer() || v->get<int64_t>() <= 0 || v->get<int64_t>() > INT_MAX)
-      throw fail(std::string("key ") + key + " must be a positive integer, found " + v->dump());
+      throw fail(std::string("key ") + key + " must be a positive integer, found " + shown(*v));
     return (int)v->get<int64_t>();
   };
+  // A positive number that an fp32 holds as one: 1e300 would become inf, 1e-300 zero.
   auto positive_float = [&](const char* key, bool required, float fallback) {
     const json* v = find(key, required);
     if (!v) return fallback;
-    if (!v->is_number() || !(v->get<double>() > 0))
-      throw fail(std::string("key ") + key + " must be a positive number, found " + v->dump());
-    return v->get<float>();
+    const float x = v->is_number() ? v->get<float>() : 0.0f;
+    if (!v->is_number() || !(v->get<double>() > 0) || !std::isfinite(x) || !(x > 0))
+      throw fail(std::string("key ") + key + " must be a positive number within fp32's range (" +
+                 "1.2e-38 to 3.4e38), found " + shown(*v));
+    return x;
   };
   const json* arch = find("architectures", true);
   auto has = [&](const char* name) {
@@ -394,7 +477,7 @@ ModelConfig config_from_hf(const json& j, const std::string& path) {
   };
   const bool mixtral = has("MixtralForCausalLM");
   if (!has("LlamaForCausalLM") && !mixtral)
-    throw fail("architectures " + arch->dump() +
+    throw fail("architectures " + shown(*arch) +
                " include neither LlamaForCausalLM nor MixtralForCausalLM");
   ModelConfig cfg;
   cfg.d_model = positive_int("hidden_size", true, 0);
@@ -404,20 +487,29 @@ ModelConfig config_from_hf(const json& j, const std::string& path) {
   cfg.vocab = positive_int("vocab_size", true, 0);
   cfg.seq = positive_int("max_position_embeddings", true, 0);
   cfg.norm_eps = positive_float("rms_norm_eps", true, 0);
-  // Optional keys take LlamaConfig's defaults.
+  // RMSNorm's eps guards a mean square against zero: Llama's 1e-5 or 1e-6. One above 1
+  // outweighs the mean square of unit-scale activations, and the model barely moves.
+  if (cfg.norm_eps > 1)
+    throw fail("rms_norm_eps " + shown(j["rms_norm_eps"]) +
+               " is above 1, where it would outweigh the mean square it guards (Llama's is 1e-5 "
+               "or 1e-6): a damaged or mistyped config");
+  // Optional keys take LlamaConfig's defaults (MixtralConfig's rope_theta: 1e6).
   cfg.kv_heads = positive_int("num_key_value_heads", false, cfg.heads);
-  cfg.rope_theta = positive_float("rope_theta", false, 10000.0f);
+  cfg.rope_theta = positive_float("rope_theta", false, mixtral ? 1e6f : 10000.0f);
   // transformers 5 writes {"rope_parameters": {"rope_type": "default", "rope_theta": ...}}.
   if (const json* rope = find("rope_parameters", false)) {
     auto type = rope->is_object() ? rope->find("rope_type") : rope->end();
     if (!rope->is_object() || (type != rope->end() && *type != "default"))
-      throw fail("rope_parameters " + rope->dump() +
+      throw fail("rope_parameters " + shown(*rope) +
                  " are not supported (picoscale implements "
                  "plain RoPE, rope_type default)");
     auto theta = rope->find("rope_theta");
-    if (theta != rope->end() && !(theta->is_number() && theta->get<double>() > 0))
-      throw fail("rope_parameters.rope_theta must be a positive number, found " + theta->dump());
-    if (theta != rope->end()) cfg.rope_theta = theta->get<float>();
+    const float x = theta != rope->end() && theta->is_number() ? theta->get<float>() : 0.0f;
+    if (theta != rope->end() && !(std::isfinite(x) && x > 0))
+      throw fail(
+          "rope_parameters.rope_theta must be a positive number within fp32's range, found " +
+          shown(*theta));
+    if (theta != rope->end()) cfg.rope_theta = x;
   }
   cfg.init_std = positive_float("initializer_range", false, 0.02f);
   if (const json* tie = find("tie_word_embeddings", false)) {
@@ -432,9 +524,17 @@ ModelConfig config_from_hf(const json& j, const std::string& path) {
     throw fail("head_dim differs from hidden_size / num_attention_heads = " +
                std::to_string(cfg.head_dim()) + "; picoscale derives head_dim");
   if (const json* act = find("hidden_act", false); act && *act != "silu")
-    throw fail("hidden_act " + act->dump() + " is not supported (picoscale's MLP is SwiGLU, silu)");
-  if (find("rope_scaling", false))
-    throw fail("rope_scaling is not supported (picoscale implements plain RoPE)");
+    throw fail("hidden_act " + shown(*act) + " is not supported (picoscale's MLP is SwiGLU, silu)");
+  // rope_scaling of rope_type "default" (transformers 4's older spelling: "type") is plain RoPE,
+  // as transformers reads it; any other type scales the angles, which picoscale does not.
+  if (const json* scaling = find("rope_scaling", false)) {
+    const json* type = nullptr;
+    for (const char* key : {"rope_type", "type"})
+      if (!type && scaling->is_object() && scaling->contains(key)) type = &(*scaling)[key];
+    if (!type || *type != "default")
+      throw fail("rope_scaling " + shown(*scaling) +
+                 " is not supported (picoscale implements plain RoPE: rope_type default)");
+  }
   for (const char* bias : {"attention_bias", "mlp_bias"})
     if (const json* b = find(bias, false); b && *b != false)
       throw fail(std::string(bias) + " is not supported (picoscale's linears have no bias)");
@@ -442,17 +542,22 @@ ModelConfig config_from_hf(const json& j, const std::string& path) {
     cfg.experts = positive_int("num_local_experts", true, 0);
     cfg.top_k = positive_int("num_experts_per_tok", false, 2);
     const json* coef = find("router_aux_loss_coef", false);
-    if (coef && !(coef->is_number() && coef->get<double>() >= 0))
-      throw fail("router_aux_loss_coef must be a number >= 0, found " + coef->dump());
+    if (coef &&
+        !(coef->is_number() && coef->get<double>() >= 0 && std::isfinite(coef->get<float>())))
+      throw fail("router_aux_loss_coef must be a number >= 0, found " + shown(*coef));
     cfg.aux_loss_coef = coef ? coef->get<float>() : 0.001f;
+    // MixtralForCausalLM adds the load-balancing loss only when output_router_logits is true
+    // (MixtralConfig's default is false): without it the loss is the cross-entropy alone.
+    const json* router_logits = find("output_router_logits", false);
+    if (router_logits && !router_logits->is_boolean())
+      throw fail("key output_router_logits must be true or false, found " + shown(*router_logits));
+    if (!router_logits || !router_logits->get<bool>()) cfg.aux_loss_coef = 0;
     if (const json* noise = find("router_jitter_noise", false); noise && *noise != 0)
-      throw fail("router_jitter_noise " + noise->dump() +
+      throw fail("router_jitter_noise " + shown(*noise) +
                  " is not supported (picoscale routes "
                  "without noise)");
-    if (const json* w = find("sliding_window", false); w && !(w->is_number() && *w >= cfg.seq))
-      throw fail("sliding_window " + w->dump() +
-                 " is not supported (picoscale attends to every "
-                 "earlier token)");
+    // Compared with the run's --seq once it is known (resolve_run_options).
+    cfg.sliding_window = positive_int("sliding_window", false, 0);
   }
   return cfg;
 }
@@ -535,34 +640,122 @@ void check_checkpoint_output(const std::string& flag, const std::string& dir) {
 DType parse_save_dtype(const std::string& flag) {
   if (flag == "fp32") return DType::F32;
   if (flag == "bf16") return DType::BF16;
-  throw UsageError("--save-dtype " + flag + ": expected fp32 (the master weights) or bf16");
+  if (flag == "fp16") return DType::F16;
+  throw UsageError("--save-dtype " + flag + ": expected fp32 (the master weights), bf16 or fp16");
 }
 
 // The weights as saved: the fp32 tensors themselves, or host copies rounded to BF16.
+// config.json's torch_dtype for the weights as saved.
+static const char* torch_dtype_name(DType weights) {
+  switch (weights) {
+    case DType::BF16:
+      return "bfloat16";
+    case DType::F16:
+      return "float16";
+    default:
+      return "float32";
+  }
+}
+
+// FP16 tops out at 65504: a weight beyond it would be saved as inf (as torch's .half() does), so
+// it is refused, naming the first one.
 static std::vector<NamedTensor> weights_in(DType dtype, const std::vector<NamedTensor>& params) {
   if (dtype == DType::F32) return params;
-  PICO_ASSERT(dtype == DType::BF16, std::string("weights saved as ") + dtype_name(dtype));
+  PICO_ASSERT(dtype == DType::BF16 || dtype == DType::F16,
+              std::string("weights saved as ") + dtype_name(dtype));
   wait_for_device(params);
   std::vector<NamedTensor> out;
   for (const NamedTensor& nt : params) {
     Tensor narrow = empty(nt.tensor.shape, Mem::Workspace, Device::CPU, dtype);
-    cast_(narrow, to_device(nt.tensor, Device::CPU, Mem::Workspace));
+    Tensor wide = to_device(nt.tensor, Device::CPU, Mem::Workspace);
+    cast_(narrow, wide);
+    const uint16_t* bits = (const uint16_t*)narrow.ptr;
+    for (int64_t e = 0; dtype == DType::F16 && e < narrow.numel(); e++)
+      if ((bits[e] & 0x7fff) == 0x7c00) {  // +-inf: every exponent bit set, no mantissa
+        char value[32];
+        snprintf(value, sizeof value, "%g", (double)wide.f32()[e]);
+        throw UsageError("--save-dtype fp16: tensor " + nt.name + ": element " + std::to_string(e) +
+                         " is " + value +
+                         ", beyond fp16's largest value 65504 (it would be saved as inf): save "
+                         "as bf16, which has fp32's range, or fp32");
+      }
     out.push_back({nt.name, narrow});
   }
   return out;
 }
 
+// transformers' split (huggingface_hub's split_torch_state_dict_into_shards, which
+// save_pretrained calls): tensors in the model's order fill a shard until the next one would
+// take it past max_bytes, which starts a new one; a tensor larger than max_bytes gets a shard
+// of its own at once, the shard being filled going on after it. One shard is model.safetensors.
+static std::vector<std::vector<NamedTensor>> shards_of(const std::vector<NamedTensor>& weights,
+                                                       uint64_t max_bytes) {
+  std::vector<std::vector<NamedTensor>> shards;
+  std::vector<NamedTensor> current;
+  uint64_t current_bytes = 0;
+  for (const NamedTensor& nt : weights) {
+    const uint64_t bytes = nt.tensor.nbytes();
+    if (bytes > max_bytes) {
+      shards.push_back({nt});
+      continue;
+    }
+    if (current_bytes + bytes > max_bytes) {
+      shards.push_back(current);
+      current.clear(), current_bytes = 0;
+    }
+    current.push_back(nt), current_bytes += bytes;
+  }
+  if (!current.empty()) shards.push_back(current);
+  return shards;
+}
+// The weights into dir: model.safetensors, or save_pretrained's shards and their index
+// ({"metadata": {"total_size": bytes}, "weight_map": {tensor: file}}, keys sorted, indent 2).
+static void write_weights(const std::string& dir, const std::vector<NamedTensor>& weights,
+                          uint64_t max_shard_bytes) {
+  const std::vector<std::vector<NamedTensor>> shards = shards_of(weights, max_shard_bytes);
+  if (shards.size() <= 1) {
+    write_safetensors(dir + "/model.safetensors", weights, {{"format", "pt"}});
+    return;
+  }
+  json index = {{"metadata", {{"total_size", 0}}}, {"weight_map", json::object()}};
+  uint64_t total = 0;
+  for (size_t k = 0; k < shards.size(); k++) {
+    char name[64];
+    snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, shards.size());
+    write_safetensors(dir + "/" + name, shards[k], {{"format", "pt"}});
+    for (const NamedTensor& nt : shards[k])
+      index["weight_map"][nt.name] = name, total += nt.tensor.nbytes();
+  }
+  index["metadata"]["total_size"] = total;
+  const std::string text = index.dump(2) + "\n";
+  const std::string path = dir + "/model.safetensors.index.json";
+  write_file_atomic(path, [&](FILE* f) { write_all(f, text.data(), text.size(), path); });
+}
+
+// DIR's model.safetensors.index.json parsed, or a discarded value when it is missing, not a
+// regular file (a FIFO is never opened), too large, too deep or not JSON.
+static json index_or_null(const std::string& dir) {
+  try {
+    return json::parse(read_json_text(dir + "/model.safetensors.index.json", dir), nullptr, false);
+  } catch (const UsageError&) {
+    return json::value_t::discarded;
+  }
+}
+
 // What a save writes, and what an older checkpoint in DIR held that the new one replaces: a
 // sharded model's index and its shards (save_pretrained removes them likewise).
 static const char* kWritten[] = {"config.json", "model.safetensors", "optimizer.safetensors"};
-static bool replaced_by_save(const std::string& dir, const std::string& name) {
+// A name a save writes: its three files, or a sharded model's index and shards.
+static bool written_by_save(const std::string& name) {
   for (const char* w : kWritten)
     if (name == w) return true;
   if (name == "model.safetensors.index.json") return true;
   static const std::regex shard("model-[0-9]{5}-of-[0-9]{5}\\.safetensors");
-  if (std::regex_match(name, shard)) return true;
-  std::ifstream in(dir + "/model.safetensors.index.json");
-  json index = json::parse(in, nullptr, false);
+  return std::regex_match(name, shard);
+}
+static bool replaced_by_save(const std::string& dir, const std::string& name) {
+  if (written_by_save(name)) return true;
+  json index = index_or_null(dir);
   if (index.is_object() && index.contains("weight_map") && index["weight_map"].is_object())
     for (const auto& [tensor, file] : index["weight_map"].items())
       if (file == name) return true;
@@ -598,7 +791,7 @@ static void keep_other_entries(const std::string& old_dir, const std::string& ne
 
 void save_checkpoint(const std::string& dir_arg, const ModelConfig& cfg,
                      const std::vector<NamedTensor>& params, const OptimizerState* opt,
-                     DType weights_dtype) {
+                     DType weights_dtype, uint64_t max_shard_bytes) {
   const std::string dir = strip_slashes(dir_arg), target = output_target(dir);
   const std::string tmp = temp_name(target, "tmp");
   require_replaceable(dir, target);
@@ -610,15 +803,14 @@ void save_checkpoint(const std::string& dir_arg, const ModelConfig& cfg,
     json j = hf_config(cfg);
     // The weights' dtype under the key the config uses: transformers 5 writes "dtype", earlier
     // versions (and picoscale's own configs) "torch_dtype".
-    const char* dtype = weights_dtype == DType::BF16 ? "bfloat16" : "float32";
+    const char* dtype = torch_dtype_name(weights_dtype);
     if (j.contains("dtype")) j["dtype"] = dtype;
     if (j.contains("torch_dtype") || !j.contains("dtype")) j["torch_dtype"] = dtype;
     const std::string config = j.dump(2) + "\n";
     write_file_atomic(tmp + "/config.json", [&](FILE* f) {
       write_all(f, config.data(), config.size(), tmp + "/config.json");
     });
-    write_safetensors(tmp + "/model.safetensors", weights_in(weights_dtype, params),
-                      {{"format", "pt"}});
+    write_weights(tmp, weights_in(weights_dtype, params), max_shard_bytes);
     if (opt) {
       std::map<std::string, std::string> metadata = opt->metadata;
       metadata["step"] = std::to_string(opt->step);
@@ -700,9 +892,26 @@ static std::map<int64_t, std::string> periodic_checkpoints(const std::string& di
   }
   return found;
 }
+// Whether DIR/checkpoint-<step> is one a periodic save wrote: only what a save writes in it
+// (no notes, no folder), and its optimizer state at that step.
+static bool written_by_periodic_save(const std::string& path, int64_t step) {
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(path, ec))
+    if (!e.is_regular_file(ec) || e.is_symlink(ec) ||
+        !written_by_save(e.path().filename().string()))
+      return false;
+  try {
+    return !ec && fs::exists(path + "/optimizer.safetensors", ec) && step_in(path) == step;
+  } catch (const UsageError&) {  // a damaged optimizer state: not one picoscale left whole
+    return false;
+  }
+}
+
 void prune_periodic_checkpoints(const std::string& dir_arg, int keep) {
   const std::string dir = output_target(strip_slashes(dir_arg));
-  std::map<int64_t, std::string> found = periodic_checkpoints(dir);
+  std::map<int64_t, std::string> found;
+  for (const auto& [step, path] : periodic_checkpoints(dir))
+    if (written_by_periodic_save(path, step)) found[step] = path;
   std::error_code ec;
   // Renamed to a temporary first (one atomic step), then removed: a run killed while it removes
   // leaves a temporary, which no load reads and the next save clears, never a torn checkpoint.
@@ -728,14 +937,20 @@ static std::string checkpoint_to_load(const std::string& dir_arg, bool note) {
   const std::string dir = strip_slashes(dir_arg);
   std::error_code ec;
   if (fs::is_directory(dir, ec)) {
+    // By the step each one's optimizer state holds: a folder's name could be stale (a
+    // checkpoint-100 left by an earlier run that holds step 3).
     const std::map<int64_t, std::string> periodic = periodic_checkpoints(dir);
     if (periodic.empty()) return dir;
-    const auto& [step, newest] = *periodic.rbegin();
-    if (fs::exists(dir + "/config.json", ec) && step_in(dir) >= step) return dir;
-    if (note && is_main_process())
-      printf("note: loading %s, the checkpoint of %s furthest along (step %lld)\n", newest.c_str(),
-             dir.c_str(), (long long)step);
-    return newest;
+    std::string best = fs::exists(dir + "/config.json", ec) ? dir : "";
+    int64_t best_step = best.empty() ? -1 : step_in(dir);
+    for (const auto& [name_step, path] : periodic) {
+      const int64_t step = step_in(path);
+      if (step > best_step) best = path, best_step = step;
+    }
+    if (best != dir && note && is_main_process())
+      printf("note: loading %s, the checkpoint of %s furthest along (step %lld)\n", best.c_str(),
+             dir.c_str(), (long long)best_step);
+    return best;
   }
   if (fs::exists(dir, ec)) return dir;
   const fs::path target = output_target(dir);
@@ -761,18 +976,35 @@ ModelConfig read_checkpoint_config(const std::string& dir_arg) {
   const std::string dir = checkpoint_to_load(dir_arg, true);
   const std::string path = dir + "/config.json";
   std::error_code ec;
-  if (!fs::is_regular_file(path, ec))
+  if (input_file_problem(path) == "not found")
     throw UsageError("--load " + dir + ": no config.json" +
                      (fs::is_directory(dir, ec) ? " in it" : " (no such directory)") +
                      "; point --load at a directory written by --save or a Hugging Face Llama");
-  std::ifstream in(path);
+  const std::string text = read_json_text(path, "--load " + dir + ": config.json");
   json j;
   try {
-    j = json::parse(in);
+    j = json::parse(text);
   } catch (const json::parse_error& e) {
     throw UsageError("--load " + dir + ": config.json is not valid JSON: " + e.what());
   }
   return config_from_hf(j, dir);
+}
+
+void check_checkpoint_weights(const std::string& dir_arg) {
+  const std::string dir = checkpoint_to_load(dir_arg, false);
+  std::error_code ec;
+  const std::string single = dir + "/model.safetensors";
+  if (fs::exists(single, ec) || fs::exists(single + ".index.json", ec)) return;
+  for (const char* pickle : {"pytorch_model.bin", "pytorch_model.bin.index.json"})
+    if (fs::exists(dir + "/" + pickle, ec))
+      throw UsageError("--load " + dir + ": holds " + pickle +
+                       ", PyTorch's pickle format, which picoscale does not read (unpickling runs "
+                       "code; it reads safetensors only): convert it with transformers, "
+                       "from_pretrained(dir).save_pretrained(out) writes model.safetensors");
+  throw UsageError("--load " + single + ": not found, nor a sharded model's " +
+                   "model.safetensors.index.json" +
+                   (fs::is_directory(dir, ec) ? "" : " (no such directory)") +
+                   "; point --load at a directory written by --save or a Hugging Face Llama");
 }
 
 // The weights' files, each validated against the tensors it must hold: model.safetensors, or
@@ -784,13 +1016,13 @@ struct WeightFile {
 };
 static std::vector<WeightFile> inspect_weights(const std::string& dir,
                                                const std::vector<NamedTensor>& params) {
+  check_checkpoint_weights(dir);
   const std::string single = dir + "/model.safetensors", index = single + ".index.json";
   std::error_code ec;
   if (fs::exists(single, ec) || !fs::exists(index, ec))
     return {{inspect_safetensors(single, params), params}};
   auto fail = [&](const std::string& what) { return UsageError(index + ": " + what); };
-  std::ifstream in(index);
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string text = read_json_text(index, index);
   // JSON keeps the last of two equal keys: catch a tensor listed twice while parsing.
   std::string top, twice;
   std::set<std::string> seen;
@@ -825,7 +1057,7 @@ static std::vector<WeightFile> inspect_weights(const std::string& dir,
   std::vector<WeightFile> files;
   for (const auto& [file, tensors] : by_file) {
     const std::string path = dir + "/" + file;
-    if (file.find('/') != std::string::npos || !fs::is_regular_file(path, ec))
+    if (file.find('/') != std::string::npos || input_file_problem(path) == "not found")
       throw fail("shard " + file + " (holding " + tensors[0].name + "): not found in " + dir);
     const json holds = read_header(path).entries;
     for (const auto& [name, entry] : holds.items())
@@ -887,8 +1119,7 @@ std::vector<std::string> checkpoint_input_files(const std::string& dir_arg) {
   if (!fs::exists(dir + "/model.safetensors", ec)) {
     const std::string index = dir + "/model.safetensors.index.json";
     add(index);
-    std::ifstream in(index);
-    json j = json::parse(in, nullptr, false);
+    json j = index_or_null(dir);
     std::set<std::string> shards;
     if (j.is_object() && j.contains("weight_map") && j["weight_map"].is_object())
       for (const auto& [tensor, file] : j["weight_map"].items())

@@ -41,32 +41,46 @@ struct OptimizerState {
   // metadata beside the step. A load fills it with every key the file holds.
   std::map<std::string, std::string> metadata;
 };
-// weights_dtype F32 (the master weights) or BF16 (rounded to nearest even; config.json's
-// torch_dtype says which); the optimizer state is always F32.
+// weights_dtype F32 (the master weights), BF16 or F16 (rounded to nearest even; config.json's
+// torch_dtype says which; a weight past fp16's range is refused, naming it); the optimizer
+// state is always F32. Weights past max_shard_bytes are saved as transformers' save_pretrained
+// shards them (its default max_shard_size, 5 GB): model-0000k-of-0000n.safetensors, each filled
+// in the model's order until the next tensor would pass the limit (a larger tensor alone), and
+// model.safetensors.index.json naming each tensor's file.
+constexpr uint64_t kMaxShardBytes = 5000000000ull;
 void save_checkpoint(const std::string& dir, const ModelConfig& cfg,
                      const std::vector<NamedTensor>& params, const OptimizerState* opt,
-                     DType weights_dtype = DType::F32);
-DType parse_save_dtype(const std::string& flag);  // --save-dtype fp32|bf16
+                     DType weights_dtype = DType::F32, uint64_t max_shard_bytes = kMaxShardBytes);
+DType parse_save_dtype(const std::string& flag);  // --save-dtype fp32|bf16|fp16
 // Before the first step: throws UsageError "<flag> <dir>: ..." unless a checkpoint can be saved
 // at dir (absent, empty, or an earlier checkpoint; the parent accepts new entries).
 void check_checkpoint_output(const std::string& flag, const std::string& dir);
 ModelConfig read_checkpoint_config(const std::string& dir);
+// Throws UsageError naming dir unless it holds weights picoscale reads (model.safetensors, or
+// model.safetensors.index.json and its shards): PyTorch's pickled pytorch_model.bin is named
+// as unsupported rather than reported as a missing model.safetensors.
+void check_checkpoint_weights(const std::string& dir);
 // The optimizer step a --load of dir resumes at, from optimizer.safetensors' header alone
 // (0 without one). Throws UsageError when the step is not a non-negative integer.
 int64_t checkpoint_step(const std::string& dir);
 // Periodic checkpoints (--save-every): DIR/checkpoint-<step>, Hugging Face Trainer's layout,
 // each a whole checkpoint written atomically; the final save still goes to DIR itself. A --load
-// of DIR reads whichever is furthest along: DIR itself or its newest checkpoint-<step>.
+// of DIR reads whichever is furthest along by the step its optimizer state holds (a folder's
+// name is not trusted): DIR itself on a tie, else its checkpoint-<step> furthest along.
 std::string periodic_checkpoint(const std::string& dir, int64_t step);
-// Removes all but the `keep` newest DIR/checkpoint-<step> (keep 0: none removed). Called once a
-// new one is in place, so a kill at any moment leaves at least the previous one whole.
+// Removes all but the `keep` newest DIR/checkpoint-<step> (keep 0: none removed) of those
+// picoscale wrote: a folder holding only what a save writes, its optimizer state at the step its
+// name says. Anything else under such a name (the user's own checkpoint-1, a folder with notes
+// in it) is neither removed nor counted. Called once a new one is in place, so a kill at any
+// moment leaves at least the previous one whole.
 void prune_periodic_checkpoints(const std::string& dir, int keep);
 // The files a --load of dir reads (config.json, the weights' files, optimizer.safetensors), and
 // those a --save of dir writes: for comparing the run's inputs with its outputs.
 std::vector<std::string> checkpoint_input_files(const std::string& dir);
 std::vector<std::string> checkpoint_output_files(const std::string& dir);
 // Loads weights (and, when opt is non-null and the file exists, optimizer state and step).
-// Every floating-point value must be finite: the first tensor holding a NaN or inf is named.
+// Every floating-point value must be finite, and Adam's second moments (exp_avg_sq, running means
+// of squares) >= 0: the first tensor that breaks either is named, with the element.
 // Returns true when optimizer state was loaded; when opt asks for it and there is none, rank 0
 // says that AdamW starts fresh at step 0.
 bool load_checkpoint(const std::string& dir, const std::vector<NamedTensor>& params,

@@ -11,6 +11,7 @@
 
 #include "runtime/core.cuh"
 #include "runtime/data.cuh"
+#include "runtime/inputs.cuh"
 
 namespace fs = std::filesystem;
 
@@ -21,59 +22,107 @@ static const int64_t kShardHeaderBytes = 256 * sizeof(int32_t);
 // ----------------------------------------------------------------------------
 // Reading files
 
-// `flag` is the command-line flag that named the file, so the message says what to fix.
-static std::vector<unsigned char> read_bytes(const std::string& path, const std::string& flag) {
-  std::error_code ec;
-  if (!fs::exists(path, ec)) throw UsageError(flag + " " + path + ": not found");
-  if (!fs::is_regular_file(path, ec)) throw UsageError(flag + " " + path + ": not a regular file");
-  FILE* f = fopen(path.c_str(), "rb");
-  if (!f) throw UsageError(flag + " " + path + ": cannot open: " + strerror(errno));
-  std::vector<unsigned char> bytes(fs::file_size(path, ec));
-  size_t got = fread(bytes.data(), 1, bytes.size(), f);
-  fclose(f);
-  if (got != bytes.size()) throw UsageError(flag + " " + path + ": read error");
-  return bytes;
+// A file's tokens sit in memory as int32, 4 bytes each, on every rank: the file, read in chunks,
+// never also sits there whole as bytes (which took 5 bytes of memory per byte of text).
+static const size_t kChunkBytes = 1 << 20;
+
+static bool is_shard(const std::string& path) {
+  return path.size() >= 4 && path.compare(path.size() - 4, 4, ".bin") == 0;
 }
 
 static uint32_t read_le32(const unsigned char* p) {
   return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-// llm.c shard: 256 x int32 header (magic, version, token count, unused...), then uint16 tokens.
-static std::vector<int32_t> parse_shard(const std::vector<unsigned char>& bytes,
-                                        const std::string& path) {
-  const int64_t size = (int64_t)bytes.size();
-  if (size < kShardHeaderBytes)
-    throw UsageError(path + ": " + std::to_string(size) + " bytes is too small for an llm.c " +
-                     "token shard (its header alone is 1024 bytes)");
-  int32_t magic = (int32_t)read_le32(&bytes[0]), version = (int32_t)read_le32(&bytes[4]);
-  int64_t count = (int32_t)read_le32(&bytes[8]);
-  if (magic != kShardMagic)
-    throw UsageError(path + ": bad magic " + std::to_string(magic) + ", expected " +
-                     std::to_string(kShardMagic) + " (an llm.c token shard)");
-  if (version != kShardVersion)
-    throw UsageError(path + ": llm.c shard version " + std::to_string(version) +
-                     ", expected 1 (uint16 tokens)");
-  if (count < 0 || size != kShardHeaderBytes + 2 * count)
-    throw UsageError(path + ": header promises " + std::to_string(count) + " tokens (" +
-                     std::to_string(kShardHeaderBytes + 2 * count) + " bytes) but the file has " +
-                     std::to_string(size) + " bytes; truncated or not an llm.c shard");
-  std::vector<int32_t> tokens(count);
-  for (int64_t i = 0; i < count; i++) {
-    const unsigned char* p = &bytes[kShardHeaderBytes + 2 * i];
-    tokens[i] = (int32_t)p[0] | (int32_t)p[1] << 8;  // little-endian uint16
+// The tokens a file of `size` bytes holds (a shard's header is checked when it is read).
+static int64_t tokens_in(const std::string& path, uint64_t size) {
+  if (!is_shard(path)) return (int64_t)size;  // one byte = one token
+  return size > (uint64_t)kShardHeaderBytes ? (int64_t)(size - kShardHeaderBytes) / 2 : 0;
+}
+// What holding `tokens` tokens takes, said for a message.
+static std::string memory_needed(const std::string& what, uint64_t size, int64_t tokens) {
+  return what + ": " + human_bytes((double)size) + " hold " + std::to_string(tokens) + " tokens, " +
+         human_bytes(4.0 * tokens) + " in memory at 4 bytes each (every rank holds them all)";
+}
+
+void check_token_file(const std::string& flag, const std::string& path) {
+  const std::string what = flag + " " + path;
+  check_input_file(what, path);
+  std::error_code ec;
+  const uint64_t size = fs::file_size(path, ec);
+  const int64_t tokens = tokens_in(path, size);
+  const double have = host_memory_bytes();
+  if (4.0 * tokens > have)
+    throw UsageError(memory_needed(what, size, tokens) + ", more than this machine's " +
+                     human_bytes(have) + ": use a smaller file, or a part of it");
+}
+
+// n little-endian uint16 tokens (an llm.c shard's) or n byte tokens, read in chunks into `out`.
+static bool read_tokens_into(FILE* f, std::vector<int32_t>& out, int64_t n, bool uint16) {
+  std::vector<unsigned char> buf(kChunkBytes);
+  const size_t width = uint16 ? 2 : 1;
+  for (int64_t done = 0; done < n;) {
+    const size_t count = (size_t)std::min<int64_t>(n - done, (int64_t)(kChunkBytes / width));
+    if (fread(buf.data(), width, count, f) != count) return false;
+    for (size_t i = 0; i < count; i++)
+      out.push_back(uint16 ? (int32_t)buf[2 * i] | (int32_t)buf[2 * i + 1] << 8 : buf[i]);
+    done += (int64_t)count;
   }
-  return tokens;
+  return true;
 }
 
-static bool is_shard(const std::string& path) {
-  return path.size() >= 4 && path.compare(path.size() - 4, 4, ".bin") == 0;
-}
-
+// `flag` is the command-line flag that named the file, so the message says what to fix.
+// llm.c shard (.bin): 256 x int32 header (magic, version, token count, unused...), then uint16
+// tokens; any other file: bytes as tokens (0..255).
 static std::vector<int32_t> read_token_file(const std::string& path, const std::string& flag) {
-  std::vector<unsigned char> bytes = read_bytes(path, flag);
-  if (is_shard(path)) return parse_shard(bytes, flag + " " + path);
-  return std::vector<int32_t>(bytes.begin(), bytes.end());  // one byte = one token (0..255)
+  const std::string what = flag + " " + path;
+  check_input_file(what, path);
+  std::error_code ec;
+  const int64_t size = (int64_t)fs::file_size(path, ec);
+  const bool shard = is_shard(path);
+  int64_t count = size;
+  FILE* f = fopen(path.c_str(), "rb");
+  if (!f) throw UsageError(what + ": cannot open: " + strerror(errno));
+  if (shard) {
+    if (size < kShardHeaderBytes) {
+      fclose(f);
+      throw UsageError(what + ": " + std::to_string(size) + " bytes is too small for an llm.c " +
+                       "token shard (its header alone is 1024 bytes)");
+    }
+    unsigned char header[kShardHeaderBytes];
+    const bool got = fread(header, 1, sizeof header, f) == sizeof header;
+    int32_t magic = (int32_t)read_le32(&header[0]), version = (int32_t)read_le32(&header[4]);
+    count = (int32_t)read_le32(&header[8]);
+    std::string bad;
+    if (!got)
+      bad = "read error";
+    else if (magic != kShardMagic)
+      bad = "bad magic " + std::to_string(magic) + ", expected " + std::to_string(kShardMagic) +
+            " (an llm.c token shard)";
+    else if (version != kShardVersion)
+      bad = "llm.c shard version " + std::to_string(version) + ", expected 1 (uint16 tokens)";
+    else if (count < 0 || size != kShardHeaderBytes + 2 * count)
+      bad = "header promises " + std::to_string(count) + " tokens (" +
+            std::to_string(kShardHeaderBytes + 2 * count) + " bytes) but the file has " +
+            std::to_string(size) + " bytes; truncated or not an llm.c shard";
+    if (!bad.empty()) {
+      fclose(f);
+      throw UsageError(what + ": " + bad);
+    }
+  }
+  std::vector<int32_t> tokens;
+  bool ok = false;
+  try {
+    tokens.reserve(count);
+    ok = read_tokens_into(f, tokens, count, shard);
+  } catch (const std::bad_alloc&) {
+    fclose(f);
+    throw UsageError(memory_needed(what, size, count) +
+                     ", more than this rank could allocate: use a smaller file, or a part of it");
+  }
+  fclose(f);
+  if (!ok) throw UsageError(what + ": read error");
+  return tokens;
 }
 
 std::string default_corpus_dir() {
@@ -98,7 +147,7 @@ static std::vector<int32_t> read_default_corpus(std::string& source) {
   if (files.empty()) throw UsageError("--data: no fortune files in " + dir + "; pass --data FILE");
   std::vector<int32_t> tokens;
   for (const std::string& f : files) {
-    std::vector<unsigned char> bytes = read_bytes(f, "--data");
+    std::vector<int32_t> bytes = read_token_file(f, "--data");
     tokens.insert(tokens.end(), bytes.begin(), bytes.end());
   }
   source = dir + " (" + std::to_string(files.size()) + " fortune files)";
@@ -153,9 +202,10 @@ Dataset load_dataset(const std::string& path, double val_fraction, int seq) {
                      std::to_string(n_train) + " now) and the val split (" + std::to_string(n_val) +
                      " now, --val-frac " + fmt(val_fraction) + ") each hold " +
                      std::to_string(seq + 1) + "; use a larger file or a smaller --seq");
-  data.train.assign(tokens.begin(), tokens.begin() + n_train);
-  data.val.assign(tokens.begin() + n_train, tokens.end());
   data.max_token = *std::max_element(tokens.begin(), tokens.end());
+  data.val.assign(tokens.begin() + n_train, tokens.end());
+  tokens.resize(n_train);  // the train split in place: no second copy of the file's tokens
+  data.train = std::move(tokens);
   return data;
 }
 

@@ -19,6 +19,10 @@ std::string default_corpus_dir();  // /usr/share/games/fortunes
 // Throws UsageError naming the file and the problem (missing, too small for one sequence of
 // `seq` + 1 tokens in each split, bad header).
 Dataset load_dataset(const std::string& path, double val_fraction, int seq);
+// Before any rank reads it: throws UsageError naming `flag` and the file unless `path` is a
+// regular file whose tokens this machine's memory can hold (4 bytes each, every rank holding all
+// of them): a FIFO would block the read, a 100 GB file would end it in an allocation failure.
+void check_token_file(const std::string& flag, const std::string& path);
 // Throws UsageError when a token id is outside [0, vocab).
 void check_vocab(const Dataset& data, int vocab);
 

@@ -1,12 +1,20 @@
 // launch.cu: the ranks of a job compare their command lines, builds and input files before the
 // grid is built (launch.cuh). Each setting travels as a 64-bit hash; only the first that differs
 // travels as text, for the message.
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <mutex>
+#include <thread>
 
 #include "runtime/comm.cuh"
+#include "runtime/inputs.cuh"
 #include "runtime/launch.cuh"
 
 namespace fs = std::filesystem;
@@ -22,19 +30,12 @@ static std::string hex(uint64_t h) {
   snprintf(buf, sizeof buf, "%016llx", (unsigned long long)h);
   return buf;
 }
-// The size and checksum of a file's first `limit` bytes, or why it cannot be read.
-static std::string fingerprint(const std::string& path, size_t limit) {
-  FILE* f = fopen(path.c_str(), "rb");
-  if (!f) return "unreadable";
-  std::vector<char> buf(1 << 16);
-  uint64_t h = fnv1a(nullptr, 0), size = 0;
-  size_t n = 0;
-  while (size < limit && (n = fread(buf.data(), 1, std::min(buf.size(), limit - size), f)) > 0)
-    h = fnv1a(buf.data(), n, h), size += n;
-  fseeko(f, 0, SEEK_END);
-  const long long total = (long long)ftello(f);
-  fclose(f);
-  return std::to_string(total) + " bytes, checksum " + hex(h);
+// A file as the ranks compare it: its size and the checksum of all its bytes, or what is in its
+// place (a FIFO is never opened: it would block every rank before any check).
+static std::string fingerprint(const std::string& path) {
+  const FileChecksum c = checksum_file(path);
+  if (!c.why.empty()) return c.why;
+  return std::to_string(c.size) + " bytes, checksum " + hex(c.checksum);
 }
 
 // A number in one form (3e-3 and 0.003 are one learning rate); anything else as it is.
@@ -75,16 +76,15 @@ std::vector<LaunchSetting> command_line_settings(const CLI::App& app) {
 }
 
 LaunchSetting build_setting() {
-  std::string v = fingerprint("/proc/self/exe", SIZE_MAX);
+  std::string v = fingerprint("/proc/self/exe");
   return {"the build of ./train", v, v};
 }
 
 LaunchSetting files_setting(const std::string& name, const std::vector<std::string>& paths) {
   std::string v;
-  for (const std::string& p : paths)
-    v += (v.empty() ? "" : "; ") + p + ": " + fingerprint(p, 1 << 16);
+  for (const std::string& p : paths) v += (v.empty() ? "" : "; ") + p + ": " + fingerprint(p);
   if (paths.empty()) v = "no files";
-  return {name, v + (paths.empty() ? "" : " (checksums of the first 64 KiB)"), v};
+  return {name, v + (paths.empty() ? "" : " (checksums of the whole files)"), v};
 }
 
 // ----------------------------------------------------------------------------
@@ -151,4 +151,44 @@ void agree_on_launch(const std::string& error,
   all_reduce_host(g, &first, 1, ReduceOp::Max);
   if ((int)-first < g.size) throw UsageError(broadcast(g, error, (int)-first));
   for (const std::vector<LaunchSetting>& stage : stages) compare(g, stage);
+}
+
+// ----------------------------------------------------------------------------
+// The end
+
+int finish_ranks(int code, double timeout_s, const Fault* fault) {
+  if (!(timeout_s > 0 && std::isfinite(timeout_s))) timeout_s = 300;  // a refused --comm-timeout
+  Group g = world_group(timeout_s);
+  // Every rank here before any finalizes: a rank still at work, or stuck, ends the job by the
+  // deadline as any collective's wait would.
+  if (g.size > 1)
+    host_wait(g, "the end of the job (every rank, before MPI_Finalize)", 0,
+              [&](MPI_Request* r) { return MPI_Ibarrier(g.mpi, r); });
+  // MPI_Finalize itself waits for the peers (Open MPI's closing fence): a peer held inside it
+  // would hold this rank forever, so a watchdog gives it timeout_s and then leaves without it,
+  // with a non-zero status that has mpirun end the rest.
+  std::mutex m;
+  std::condition_variable finalized;
+  bool done = false;
+  const int rank = g.rank, status = code != 0 ? code : 1;
+  std::thread watchdog([&] {
+    std::unique_lock<std::mutex> lock(m);
+    if (finalized.wait_for(lock, std::chrono::duration<double>(timeout_s), [&] { return done; }))
+      return;
+    fprintf(stderr,
+            "rank %d: MPI_Finalize has not returned within --comm-timeout %g s (a rank is held "
+            "in the job's end): leaving without it, exit code %d\n",
+            rank, timeout_s, status);
+    fflush(stderr);
+    _exit(status);
+  });
+  if (fault) fault->at(FaultWhere::Finalize, rank, 0);  // --fault KIND:RANK:0:finalize
+  MPI_Finalize();
+  {
+    std::lock_guard<std::mutex> lock(m);
+    done = true;
+  }
+  finalized.notify_one();
+  watchdog.join();
+  return code;
 }

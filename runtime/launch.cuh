@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "runtime/observe.cuh"
+
 namespace CLI {
 class App;
 }
@@ -24,7 +26,8 @@ std::vector<LaunchSetting> command_line_settings(const CLI::App& app);
 // This binary: its size and a checksum of its bytes (/proc/self/exe).
 LaunchSetting build_setting();
 // Input files as every rank must see them (`name`: "--data x.bin"): each one's size and a
-// checksum of its first 64 KiB (a safetensors or llm.c header, the start of a text).
+// checksum of all its bytes, so files that differ anywhere differ here; a FIFO or a device in a
+// file's place is named, never opened (runtime/inputs.cuh).
 LaunchSetting files_setting(const std::string& name, const std::vector<std::string>& paths);
 
 // Collective over MPI_COMM_WORLD, before communicator set-up; every wait bounded by timeout_s.
@@ -36,3 +39,10 @@ LaunchSetting files_setting(const std::string& name, const std::vector<std::stri
 // differs, rank 0's value and that rank's.
 void agree_on_launch(const std::string& error,
                      const std::vector<std::vector<LaunchSetting>>& stages, double timeout_s);
+
+// The job's end, in place of MPI_Finalize: every rank waits for the others at a barrier bounded
+// by timeout_s (past it, every rank is stopped naming the wait, as any collective's), then
+// finalizes; a rank whose MPI_Finalize has not returned after timeout_s more (a peer held inside
+// it) says so and exits with `code`, or 1 when `code` is 0, so that mpirun ends the others.
+// `fault` (null: none) fires at its place "finalize", inside that bound. Returns `code`.
+int finish_ranks(int code, double timeout_s, const Fault* fault);

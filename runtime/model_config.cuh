@@ -23,7 +23,10 @@ struct ModelConfig {
   int experts = 0;               // num_local_experts
   int top_k = 2;                 // num_experts_per_tok
   float aux_loss_coef = 0.001f;  // router_aux_loss_coef: the load-balancing loss's weight
-  std::string loaded_config;     // the config.json --load read ("": none), which --save writes back
+  // A loaded Mixtral's sliding_window (0: none): tokens attend only that far back, which
+  // picoscale does not implement, so a run whose --seq is longer than it is refused.
+  int sliding_window = 0;
+  std::string loaded_config;  // the config.json --load read ("": none), which --save writes back
   int head_dim() const { return d_model / heads; }
 };
 

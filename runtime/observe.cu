@@ -9,8 +9,8 @@
 #include "runtime/observe.cuh"
 
 const char* fault_where_name(FaultWhere w) {
-  const char* names[] = {"init", "step",      "forward",    "backward",
-                         "clip", "optimizer", "validation", "save"};
+  const char* names[] = {"init",      "step",       "forward", "backward", "clip",
+                         "optimizer", "validation", "save",    "finalize"};
   return names[(int)w];
 }
 
@@ -56,7 +56,7 @@ Fault parse_fault(const std::string& value) {
     throw fail("inf has no place: it is put into the gradient after the step's backward");
   if (fields.size() == 4) {
     std::string places;
-    for (int w = 0; w <= (int)FaultWhere::Save; w++) {
+    for (int w = 0; w <= (int)FaultWhere::Finalize; w++) {
       if (fields[3] == fault_where_name((FaultWhere)w)) return f.where = (FaultWhere)w, f;
       places += std::string(w ? ", " : "") + fault_where_name((FaultWhere)w);
     }
@@ -65,8 +65,8 @@ Fault parse_fault(const std::string& value) {
   return f;
 }
 
-void check_fault_fires(const Fault& f, const std::string& value, const FaultPlaces& run) {
-  if (f.kind.empty()) return;
+// Whether the run passes the fault's place at its step.
+static void check_fault_place(const Fault& f, const std::string& value, const FaultPlaces& run) {
   auto never = [&](const std::string& why) {
     return UsageError("--fault " + value + " would never fire: " + why +
                       "; a fault that does not fire tests nothing: pick a rank, step and place "
@@ -76,13 +76,17 @@ void check_fault_fires(const Fault& f, const std::string& value, const FaultPlac
     throw never("rank " + std::to_string(f.rank) + " does not exist in a grid of " +
                 std::to_string(run.world) + " ranks");
   const std::string s = std::to_string(f.step);
-  if (f.kind != "inf" && f.where == FaultWhere::Init) {
-    if (f.step != 0)
-      throw never("init comes once, before set-up, as step 0 (write " + f.kind + ":" +
-                  std::to_string(f.rank) + ":0:init)");
-    return;
-  }
-  if (!run.trains) throw never("--score takes no training step (only init faults fire)");
+  for (auto [place, when] : {std::pair{FaultWhere::Init, "before set-up"},
+                             std::pair{FaultWhere::Finalize, "at the job's end"}})
+    if (f.kind != "inf" && f.where == place) {
+      if (f.step != 0)
+        throw never(std::string(fault_where_name(place)) + " comes once, " + when +
+                    ", as step 0 (write " + f.kind + ":" + std::to_string(f.rank) +
+                    ":0:" + fault_where_name(place) + ")");
+      return;
+    }
+  if (!run.trains)
+    throw never("--score takes no training step (only init and finalize faults fire)");
   if (f.kind == "inf" && !run.skips_overflow)
     throw UsageError("--fault " + value +
                      ": inf stands for an fp16 overflow, which fp16's loss "
@@ -116,6 +120,21 @@ void check_fault_fires(const Fault& f, const std::string& value, const FaultPlac
                     ? std::string("this run saves no checkpoint: add --save DIR")
                     : "no checkpoint is saved after step " + s + "; this run saves after steps " +
                           list(run.saves) + " (--save-every, and after the last step)");
+}
+
+void check_fault_has_peer(const Fault& f, const std::string& value, int world) {
+  if (f.kind == "hang" && world == 1)
+    throw UsageError("--fault " + value +
+                     ": a hang on a one-rank run has no peer waiting for it, so nothing would "
+                     "end it (the rank would sleep forever); a hang tests that the other ranks "
+                     "end the job by --comm-timeout: launch with mpirun -np 2 or more, or use "
+                     "crash or error");
+}
+
+void check_fault_fires(const Fault& f, const std::string& value, const FaultPlaces& run) {
+  if (f.kind.empty()) return;
+  check_fault_place(f, value, run);
+  check_fault_has_peer(f, value, run.world);
 }
 
 // ----------------------------------------------------------------------------

@@ -13,9 +13,19 @@
 // --fault KIND:RANK:STEP[:WHERE] , for testing that a failed rank never
 // hangs the job: at place WHERE of step STEP, rank RANK kills itself (crash), stops answering
 // (hang) or fails a check (error); kind inf puts an infinity into its gradient instead. The
-// places, in the order a run passes them (Init: before the communicators are set up, step 0
-// only):
-enum class FaultWhere { Init, Step, Forward, Backward, Clip, Optimizer, Validation, Save };
+// places, in the order a run passes them (Init: before the communicators are set up; Finalize:
+// at the job's end, inside MPI_Finalize's bound; both step 0 only):
+enum class FaultWhere {
+  Init,
+  Step,
+  Forward,
+  Backward,
+  Clip,
+  Optimizer,
+  Validation,
+  Save,
+  Finalize
+};
 const char* fault_where_name(FaultWhere w);  // "step", "forward", ...
 struct Fault {
   std::string kind;  // crash | hang | error; empty: no fault
@@ -44,9 +54,13 @@ struct FaultPlaces {
 };
 // Throws UsageError naming --fault and why when the fault can never fire in this run (a test
 // relying on it would pass without it): a rank past the grid, a step the run does not take, a
-// place it does not pass at that step (no save, no validation, init at a step other than 0),
-// or inf without fp16's loss scaling to meet it.
+// place it does not pass at that step (no save, no validation, init or finalize at a step other
+// than 0), inf without fp16's loss scaling to meet it, or a hang on one rank (no peer waits for
+// it, so nothing would end it).
 void check_fault_fires(const Fault& f, const std::string& flag_value, const FaultPlaces& run);
+// The last of those checks alone (a hang on one rank), for a fault at init, which fires before
+// check_fault_fires can run.
+void check_fault_has_peer(const Fault& f, const std::string& flag_value, int world);
 
 // What rounding did to the values stored by the forward and by the backward: how many were
 // nonzero, how many of those became zero (underflow: fp16's 6e-8 floor) and how many became

@@ -8,7 +8,9 @@
 #include <tuple>
 
 #include "runtime/checkpoint.cuh"
+#include "runtime/data.cuh"
 #include "runtime/dtype.cuh"
+#include "runtime/inputs.cuh"
 #include "runtime/options.cuh"
 
 namespace fs = std::filesystem;
@@ -70,7 +72,6 @@ static const std::vector<Choice<Report>> kReports = {
     {"memory", Report::Memory},    {"comm", Report::Comm},       {"bubble", Report::Bubble},
     {"sync", Report::Sync},        {"balance", Report::Balance}, {"experts", Report::Experts},
     {"roofline", Report::Roofline}};
-static const std::vector<Choice<DType>> kSaveDtypes = {{"fp32", DType::F32}, {"bf16", DType::BF16}};
 
 bool RunOptions::reports_on(Report r) const {
   return std::find(reports.begin(), reports.end(), r) != reports.end();
@@ -151,10 +152,8 @@ void add_io_flags(CLI::App& app, RunOptions& o) {
   CLI::App& out = flag_group(app, "Checkpoints, logs and reports");
   out.add_option("--save", o.save,
                  "write a Hugging Face checkpoint to DIR at the end (DIR's other files are kept)");
-  add_typed(
-      out, "--save-dtype", &o.save_dtype,
-      [](const std::string& v) { return parse_choice("--save-dtype", v, kSaveDtypes); }, "fp32",
-      "model.safetensors in fp32 (the master weights) or bf16 (optimizer: fp32)");
+  add_typed(out, "--save-dtype", &o.save_dtype, parse_save_dtype, "fp32",
+            "model.safetensors in fp32 (the master weights), bf16 or fp16 (optimizer: fp32)");
   out.add_option("--save-every", o.save_every,
                  "also save every N steps, to DIR/checkpoint-<step> (Hugging Face Trainer's "
                  "layout; --load DIR resumes from the newest)");
@@ -197,10 +196,11 @@ void add_io_flags(CLI::App& app, RunOptions& o) {
   run.add_flag("--sync-launches", o.sync_launches,
                "debugging: synchronise after every CUDA kernel, so a faulting kernel is named "
                "where it faults (slow)");
-  add_typed(run, "--fault", &o.fault, parse_fault, "",
-            "test fault handling: KIND:RANK:STEP[:WHERE], KIND crash|hang|error|inf (inf: fp16 "
-            "only), WHERE init|step|forward|backward|clip|optimizer|validation|save (default "
-            "step); a fault this run never reaches is refused");
+  add_typed(
+      run, "--fault", &o.fault, parse_fault, "",
+      "test fault handling: KIND:RANK:STEP[:WHERE], KIND crash|hang|error|inf (inf: fp16 "
+      "only), WHERE init|step|forward|backward|clip|optimizer|validation|save|finalize (default "
+      "step); a fault this run never reaches is refused");
 }
 
 static void check_model_limits(const RunOptions& o) {
@@ -217,6 +217,31 @@ static void check_model_limits(const RunOptions& o) {
     check_at_most(value, kMaxWidth, from(flag, key), "use a smaller value");
 }
 
+// --model under --load: the preset (with the shape flags given over it) must be the model the
+// checkpoint's config.json describes, as a shape flag must; --seq aside.
+static void check_preset_agrees(const RunOptions& o, const ModelConfig& flags) {
+  ModelConfig preset = model_preset(o.preset);
+  for (auto [flag, field] : o.shape)
+    if (o.given(flag)) preset.*field = flags.*field;
+  const ModelConfig& loaded = o.model;
+  const std::tuple<const char*, double, double> fields[] = {
+      {"hidden_size", preset.d_model, loaded.d_model},
+      {"num_hidden_layers", preset.layers, loaded.layers},
+      {"num_attention_heads", preset.heads, loaded.heads},
+      {"num_key_value_heads", preset.kv_heads, loaded.kv_heads},
+      {"intermediate_size", preset.ffn, loaded.ffn},
+      {"vocab_size", preset.vocab, loaded.vocab},
+      {"num_local_experts", preset.experts, loaded.experts},
+      {"num_experts_per_tok", preset.experts ? preset.top_k : 0, loaded.experts ? loaded.top_k : 0},
+      {"tie_word_embeddings", preset.tie_embeddings, loaded.tie_embeddings},
+      {"rope_theta", preset.rope_theta, loaded.rope_theta}};
+  for (auto [key, ours, theirs] : fields)
+    if (ours != theirs)
+      throw UsageError("--model " + o.preset + " (" + key + " " + num(ours) + ") disagrees with " +
+                       o.load + "/config.json (" + key + " " + num(theirs) +
+                       "); drop --model when loading: the checkpoint's config.json is the model");
+}
+
 // The model config: the preset with the shape flags over it, or the checkpoint's config.json,
 // which a shape flag may not contradict (but --seq: RoPE has no learned positions).
 static void resolve_model(RunOptions& o) {
@@ -230,7 +255,18 @@ static void resolve_model(RunOptions& o) {
     for (auto [flag, field] : o.shape)
       if (o.given(flag) && flags.*field != o.model.*field && flag != "--seq")
         throw disagree(flag + " " + std::to_string(flags.*field), std::to_string(o.model.*field));
+    if (o.given("--model")) check_preset_agrees(o, flags);
     if (o.given("--seq")) o.model.seq = flags.seq;
+    const int window = o.model.sliding_window;
+    if (window > 0 && window < o.model.seq)
+      throw UsageError("--load " + o.load + ": config.json's sliding_window " +
+                       std::to_string(window) + " is shorter than the run's sequences of " +
+                       std::to_string(o.model.seq) +
+                       (o.given("--seq") ? " (--seq)" : " (max_position_embeddings)") +
+                       ": transformers lets a token attend only to the " + std::to_string(window) +
+                       " before it, which picoscale does not implement (it attends to every "
+                       "earlier token); train with --seq " +
+                       std::to_string(window) + " or less");
     if (o.given("--rope-theta") && flags.rope_theta != o.model.rope_theta)
       throw disagree("--rope-theta " + num(flags.rope_theta),
                      "rope_theta " + num(o.model.rope_theta));
@@ -294,7 +330,21 @@ static void check_meta_run(const RunOptions& o, int world) {
 
 void resolve_run_options(RunOptions& o, int world) {
   check_meta_run(o, world);  // before anything is read
-  if (!o.score.empty())      // --score prints a loss and exits: training flags would do nothing
+  // An empty path is an unset variable in a script, not a choice: --load "" would train from
+  // scratch and --save "" save nothing, each ending with exit code 0.
+  for (auto [flag, path] : {std::pair<const char*, const std::string&>{"--save", o.save},
+                            {"--load", o.load},
+                            {"--log-json", o.log_json},
+                            {"--save-grads", o.save_grads},
+                            {"--trace", o.trace},
+                            {"--data", o.data},
+                            {"--score", o.score}})
+    if (o.given(flag) && path.empty())
+      throw UsageError(std::string(flag) +
+                       " '': an empty path (an unset variable in a script?); give a path, or "
+                       "drop " +
+                       flag);
+  if (!o.score.empty())  // --score prints a loss and exits: training flags would do nothing
     for (const char* flag :
          {"--save",       "--save-dtype", "--save-every", "--keep",      "--steps",
           "--stop-after", "--save-grads", "--log-json",   "--trace",     "--sample",
@@ -304,7 +354,16 @@ void resolve_run_options(RunOptions& o, int world) {
       if (o.given(flag))
         throw UsageError(std::string("--score prints a loss and exits: ") + flag +
                          " would be ignored; drop it (train first, then score the checkpoint)");
+  if (!o.score.empty() && o.load.empty())
+    throw UsageError("--score " + o.score + " needs --load DIR: the model to score with");
+  // Inputs before anything reads them: regular files (a FIFO would block every rank) that fit.
+  if (!o.data.empty()) check_token_file("--data", o.data);
+  if (!o.score.empty()) check_token_file("--score", o.score);
   resolve_model(o);
+  if (!o.load.empty()) {
+    check_checkpoint_weights(o.load);
+    for (const std::string& f : checkpoint_input_files(o.load)) check_input_file("--load " + f, f);
+  }
   if (o.steps < 0) throw UsageError("--steps " + std::to_string(o.steps) + ": must be >= 0");
   if (o.steps == 0 && o.score.empty() && o.save.empty() && o.sample == 0)
     throw UsageError(
@@ -353,8 +412,6 @@ void resolve_run_options(RunOptions& o, int world) {
   check_range(o.grad_clip, "--grad-clip", 0, false, kNoMax,
               "must be a number >= 0 (0 turns clipping off), e.g. 1.0");
   check_range(o.temperature, "--temperature", 0, true, kNoMax, "must be a number > 0");
-  if (!o.score.empty() && o.load.empty())
-    throw UsageError("--score " + o.score + " needs --load DIR: the model to score with");
   check_range(o.comm_timeout, "--comm-timeout", 0, true, kNoMax,
               "must be a number of seconds > 0, e.g. 300");
   check_paths_apart(o);
@@ -362,17 +419,8 @@ void resolve_run_options(RunOptions& o, int world) {
     throw UsageError("--fault " + o.app->get_option("--fault")->as<std::string>() + ": rank " +
                      std::to_string(o.fault.rank) + " does not exist in a grid of " +
                      std::to_string(world) + " ranks");
-}
-
-// Where a path's bytes are: symlinks followed in every component (a missing tail kept), so two
-// spellings of one file compare equal; two existing paths are also the same file when they are
-// hard links of one inode.
-static bool same_file(const std::string& a, const std::string& b) {
-  std::error_code ec;
-  if (fs::exists(a, ec) && fs::exists(b, ec) && fs::equivalent(a, b, ec)) return true;
-  const fs::path ra = fs::weakly_canonical(output_target(a), ec);
-  const fs::path rb = fs::weakly_canonical(output_target(b), ec);
-  return !ra.empty() && ra == rb;
+  if (o.fault.where == FaultWhere::Init)
+    check_fault_has_peer(o.fault, o.app->get_option("--fault")->as<std::string>(), world);
 }
 
 void check_paths_apart(const RunOptions& o) {
@@ -415,9 +463,21 @@ void check_paths_apart(const RunOptions& o) {
 }
 
 std::vector<std::vector<LaunchSetting>> launch_settings(const RunOptions& o) {
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  if (world == 1) return {};  // one rank agrees with itself: no file read for a checksum
   std::vector<LaunchSetting> files;
-  if (!o.data.empty()) files.push_back(files_setting("--data " + o.data, {o.data}));
-  if (!o.score.empty()) files.push_back(files_setting("--score " + o.score, {o.score}));
+  // A token file refused (too large for this machine, say) is compared by its refusal, unread.
+  auto token_file = [&](const std::string& flag, const std::string& path) {
+    try {
+      check_token_file(flag, path);
+    } catch (const UsageError& e) {
+      return LaunchSetting{flag + " " + path, e.what(), e.what()};
+    }
+    return files_setting(flag + " " + path, {path});
+  };
+  if (!o.data.empty()) files.push_back(token_file("--data", o.data));
+  if (!o.score.empty()) files.push_back(token_file("--score", o.score));
   if (!o.load.empty()) {
     std::vector<std::string> read;
     try {

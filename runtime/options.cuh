@@ -129,7 +129,8 @@ void resolve_run_options(RunOptions& o, int world);
 // symlinks followed: the same everywhere a path is, before anything is read or written.
 void check_paths_apart(const RunOptions& o);
 // What every rank must agree on (runtime/launch.cuh, agree_on_launch), in stages: the build;
-// every flag as parsed; the input files (--data, --score, what --load reads).
+// every flag as parsed; the input files (--data, --score, what --load reads). Nothing on one
+// rank.
 std::vector<std::vector<LaunchSetting>> launch_settings(const RunOptions& o);
 
 // ---- Before the first allocation ----

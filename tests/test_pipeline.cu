@@ -166,6 +166,49 @@ TEST_CASE("AFAB holds m micro-batches on every stage, 1F1B p - rank", "[pipeline
     }
 }
 
+// Guards: the interleaved table's warm-up (a rank holding more or fewer chunks' activations
+// than Megatron's schedule, with the same bubble).
+TEST_CASE(
+    "interleaved 1F1B warms up as Megatron does: 2(p - r - 1) + (V - 1)p forwards, and holds "
+    "one more in flight",
+    "[pipeline]") {
+  // Megatron-LM, megatron/core/pipeline_parallel/schedules.py,
+  // forward_backward_pipelining_with_interleaving: of total = m V forward steps, rank r runs
+  //   num_warmup = (p - r - 1) * 2 + (V - 1) * p, at most total (all of them when m == p),
+  // then the steady state's forward before each backward; forward step k is chunk (k mod pV) / p
+  // of micro-batch (k / pV) p + k mod p. So the first backward comes after num_warmup + 1
+  // forwards (after all when num_warmup is total), and that many are held at once at most.
+  int checked = 0;
+  for (int p : {2, 3, 4, 8})
+    for (int V : {2, 3, 4})
+      for (int m : {p, 2 * p, 3 * p, 4 * p})
+        for (int r = 0; r < p; r++) {
+          INFO("p " << p << ", V " << V << ", m " << m << ", rank " << r);
+          const int total = m * V;
+          const int warmup = m == p ? total : std::min(total, (p - r - 1) * 2 + (V - 1) * p);
+          const int before_first_backward = warmup == total ? total : warmup + 1;
+          std::vector<PipelineOp> ops = pipeline_schedule(PpSchedule::Interleaved, p, r, m, V);
+          int forwards = 0, held = 0, most = 0, leading = -1;
+          for (const PipelineOp& op : ops) {
+            if (op.kind == Phase::Forward) {
+              // Megatron's order of forward steps.
+              REQUIRE(op.micro == forwards / (p * V) * p + forwards % p);
+              REQUIRE(op.chunk == forwards % (p * V) / p);
+              forwards++, held++;
+            } else {
+              if (leading < 0) leading = forwards;
+              held--;
+            }
+            most = std::max(most, held);
+          }
+          REQUIRE(forwards == total);
+          REQUIRE(leading == before_first_backward);
+          REQUIRE(most == before_first_backward);
+          checked++;
+        }
+  REQUIRE(checked == 3 * 4 * (2 + 3 + 4 + 8));
+}
+
 TEST_CASE("interleaving V chunks divides the bubble by V: the book's p = 8 grid", "[pipeline]") {
   // Playbook §8.5, pp_bubblesize: (p-1)/(V m) for p = 8. Measured here as idle over busy ticks
   // of every rank (a chunk's forward costs t_f, its backward t_b). Interleaving needs m a

@@ -4,6 +4,7 @@
 // tests/data/book_campaign.csv), and ./plan's answers to bad input.
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <regex>
 
@@ -184,6 +185,76 @@ TEST_CASE(
   RunResult partial = run_plan("--model llama-8b --batch-tokens 1000");
   CHECK(partial.code == 2);
   CHECK(count_occurrences(partial.output, "\n") == 1);
+}
+
+// Guards: flags read as given (a division by --gpus-per-node 0, std::stoi's out_of_range on
+// --zero 2147483648, --layers 2147483647 searched for minutes), values that were silently
+// ignored (a negative or NaN rate) or believed (--efficiency 5: an MFU of 454.7%), campaign
+// rows read partly ("1e9" nodes as 1) and sums that overflowed ("no layout of -8 GPUs").
+TEST_CASE("./plan refuses every bad number with exit code 2 and one line naming the flag",
+          "[planner][safety]") {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--gpu cpu --gpus-per-node 0", "--gpus-per-node 0: must be from 1"},
+      {"--nodes 0", "--nodes 0: must be from 1"},
+      {"--nodes 1000000 --gpus-per-node 8", "past the 1048576 GPUs"},
+      {"--nodes 536870912 --gpus-per-node 8", "--nodes 536870912: must be from 1 to 1048576"},
+      {"--zero 2147483648", "--zero 2147483648: a ZeRO stage is 0, 1, 2 or 3"},
+      {"--zero 0,4", "--zero 4"},
+      {"--zero 1e0", "--zero 1e0"},
+      {"--layers 2147483647", "--layers 2147483647: must be from 1 to 4096"},
+      {"--layers 0", "--layers 0: must be from 1"},
+      {"--layers -3", "--layers -3"},
+      {"--d-model -1", "--d-model -1"},
+      {"--heads 0", "--heads 0"},
+      {"--seq 0", "--seq 0"},
+      {"--vocab 16777217", "--vocab 16777217"},
+      {"--experts -2", "--experts -2"},
+      {"--peak-tflops 0", "--peak-tflops 0"},
+      {"--peak-tflops -5", "--peak-tflops -5"},
+      {"--peak-tflops nan", "--peak-tflops"},
+      {"--memory-gib inf", "--memory-gib"},
+      {"--memory-gib -80", "--memory-gib -80"},
+      {"--efficiency 5", "--efficiency 5: the achievable fraction of the peak"},
+      {"--efficiency 0", "--efficiency 0"},
+      {"--alpha-us -1", "--alpha-us -1"},
+      {"--alpha-us nan", "--alpha-us"},
+      {"--intra-bw 0", "--intra-bw 0"},
+      {"--inter-bw -1", "--inter-bw -1"},
+      {"--nic-bw inf", "--nic-bw"},
+      {"--wire-bytes 3", "--wire-bytes 3"},
+      {"--wire-bytes 0", "--wire-bytes 0"},
+      {"--batch-tokens 0", "--batch-tokens 0"},
+      {"--batch-tokens 1.5", "--batch-tokens 1.5"},
+      {"--max-mbs 0", "--max-mbs 0"},
+      {"--top 0", "--top 0"},
+      {"--nodes 1 --layout \"--dp 8 --mbs 0\"", "--mbs 0: must be >= 1"},
+      {"--nodes 1 --layout \"--dp 8 --grad-acc -1\"", "--grad-acc -1: must be >= 1"},
+      {"--nodes 1 --layout \"--dp 8 --zero 5\"", "--zero 5: a ZeRO stage"},
+  };
+  for (const auto& [flags, says] : cases) {
+    RunResult r = run_plan(flags);
+    INFO(flags << "\n" << r.output);
+    CHECK(r.code == 2);
+    CHECK_THAT(r.output, Catch::StartsWith("error: ") && Catch::Contains(says));
+    CHECK_THAT(r.output, !Catch::Contains("predicted step") && !Catch::Contains("MFU"));
+  }
+  // Campaign rows: each field whole and in its range, named by file, line and field.
+  const std::string dir = make_temp_dir();
+  const std::string header = "model,nodes,dp,tp,pp,zero,mbs,ga,mfu_percent,tok_s_gpu,mem_gb\n";
+  for (auto [row, says] : {std::pair<std::string, std::string>{"8B,0", "nodes '0'"},
+                           {"8B,1e9", "nodes '1e9'"},
+                           {"8B,1,0,1,1,0,1,1,40,7000,60", "dp '0'"},
+                           {"8B,1,8,1,1,7,1,1,40,7000,60", "zero '7'"},
+                           {"8B,1,8,1,1,0,1,1,nan,7000,60", "mfu_percent 'nan'"},
+                           {"8B,1,8,1,1,0,1,1,40,7000", "expected model,nodes"}}) {
+    std::ofstream(dir + "/c.csv") << header << row << "\n";
+    RunResult r = run_plan("--campaign " + dir + "/c.csv");
+    INFO(row << "\n" << r.output);
+    CHECK(r.code == 2);
+    CHECK_THAT(r.output,
+               Catch::Contains("--campaign " + dir + "/c.csv:2") && Catch::Contains(says));
+  }
+  std::filesystem::remove_all(dir);
 }
 
 // ----------------------------------------------------------------------------
@@ -493,6 +564,48 @@ TEST_CASE(
   l.schedule = PpSchedule::AFAB;  // the same idle share, more memory
   CHECK(predict_time(c, l, cl, Implementation{}).bubble / (t.compute + t.bubble) ==
         Approx(3.0 / 11).epsilon(1e-6));
+}
+
+// Guards: the planner's tensor-parallel terms (a block's collectives counted once too often or
+// too rarely, sequence parallelism's extra all-gathers, the embedding's and the head's).
+TEST_CASE(
+    "the planner's exposed tp time is a hand count of the collectives: 4L + 2 all-reduces, or "
+    "10L + 5 all-gathers and reduce-scatters under sp",
+    "[planner]") {
+  // Counted from tensor_parallel.cu's operators (Megatron's f, g and their sp forms), per
+  // micro-batch, each moving one [N, D] activation (N = mbs x seq tokens, D = d_model, 4 bytes):
+  //   without sp, a block: an all-reduce after the attention's and after the MLP's row-parallel
+  //   linear (forward), one before each column-parallel linear's input gradient (backward): 4;
+  //   the vocab-parallel embedding's forward and the head's backward: 1 each.
+  //   with sp, a block's forward: an all-gather into each column-parallel linear and a
+  //   reduce-scatter out of each row-parallel one (4); backward: an all-gather of each row-
+  //   parallel linear's output gradient, another re-gathering each column-parallel linear's
+  //   input (sp keeps only the shard), a reduce-scatter of each one's input gradient (6); the
+  //   embedding: a reduce-scatter forward, an all-gather backward (2); the head, column-
+  //   parallel: an all-gather forward, a re-gather and a reduce-scatter backward (3).
+  // The norm weights' gradients (D values) and the cross-entropy's statistics (N values) are
+  // all-reduced too, a factor D smaller; the planner leaves them out, as this count does.
+  // On 2 ranks without latency, an all-reduce of K bytes takes 2(2-1)/2 K / busbw = K / A and an
+  // all-gather or reduce-scatter (2-1)/2 K / busbw = K / (2G).
+  GpuProfile g = gpu_profile("h100");
+  g.intra.alpha = g.intra.alpha_gather = g.intra.alpha_p2p = 0;
+  const double A = 100e9, G = 150e9;
+  g.intra.allreduce_bw = A, g.intra.gather_bw = G;
+  const ModelConfig c = model_preset("medium");  // D 512, 8 layers, seq 256
+  Layout l;
+  l.tp = 2, l.mbs = 2, l.grad_acc = 3;
+  const double L = c.layers, K = (double)l.mbs * c.seq * c.d_model * 4, m = l.grad_acc;
+  const Cluster cl{1, 8, g};
+  CHECK(predict_time(c, l, cl, Implementation{}).exposed.at("tp") ==
+        Approx(m * (4 * L + 2) * K / A).epsilon(1e-12));
+  l.sp = true;
+  CHECK(predict_time(c, l, cl, Implementation{}).exposed.at("tp") ==
+        Approx(m * (10 * L + 5) * K / (2 * G)).epsilon(1e-12));
+  // Two stages: stage 0 holds 4 blocks and the embedding, stage 1 4 blocks and the head; the
+  // planner reports the stage whose work is larger: stage 1, by the head's GEMM.
+  l.pp = 2, l.grad_acc = 4;
+  CHECK(predict_time(c, l, cl, Implementation{}).exposed.at("tp") ==
+        Approx(4 * (10 * 4 + 3) * K / (2 * G)).epsilon(1e-12));
 }
 
 TEST_CASE(

@@ -51,9 +51,15 @@ def plot(d, name, *args):
         return json.load(f)["axes"]
 
 
-def refuses(name, *args):
-    r = subprocess.run(PLOTS + list(args), capture_output=True, text=True)
-    check(name, r.returncode != 0 and "error:" in r.stderr, r.stdout + r.stderr)
+def refuses(name, *args, says=""):
+    """Bad input ends as ./train's does: exit code 2, one "error:" line, no traceback."""
+    try:
+        r = subprocess.run(PLOTS + list(args), capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        check(name, False, "still running after 60 s (a read that never ends?)")
+        return
+    check(name, r.returncode == 2 and "error:" in r.stderr and "Traceback" not in r.stderr
+          and says in r.stderr, f"exit code {r.returncode}: {r.stdout + r.stderr}")
 
 
 def spans_by_rank(axes):
@@ -211,6 +217,29 @@ ZeRO-1 traffic per training step over dp_cp (N = 2; averaged over 2 steps; valid
             "-o", f"{d}/x.png")
     refuses("a missing file", "loss", f"{d}/none.jsonl", "-o", f"{d}/x.png")
     refuses("a directory as -o", "loss", f"{d}/a.jsonl", "-o", d)
+    # Inputs that are not what the subcommand reads, and outputs over inputs.
+    with open(f"{d}/not_json.json", "w") as f:
+        f.write("step 1 | loss 2.5\n")
+    refuses("a trace that is not JSON", "schedule", f"{d}/not_json.json", "-o", f"{d}/x.png",
+            says="not JSON")
+    refuses("a campaign that is not JSON", "heatmap", f"{d}/not_json.json", "-o", f"{d}/x.png",
+            says="not JSON")
+    with open(f"{d}/events.json", "w") as f:
+        json.dump({"traceEvents": [{"ph": "X"}]}, f)
+    refuses("a trace whose spans have no names", "schedule", f"{d}/events.json", "-o",
+            f"{d}/x.png")
+    log = open(f"{d}/a.jsonl").read()
+    refuses("-o over its input", "loss", f"{d}/a.jsonl", "-o", f"{d}/a.jsonl",
+            says="would overwrite")
+    os.symlink(f"{d}/a.jsonl", f"{d}/a_link.png")
+    refuses("-o over its input through a symlink", "loss", f"{d}/a.jsonl", "-o",
+            f"{d}/a_link.png", says="would overwrite")
+    refuses("--data over its input", "loss", f"{d}/a.jsonl", "-o", f"{d}/y.png", "--data",
+            f"{d}/a.jsonl", says="would overwrite")
+    check("the log is untouched", open(f"{d}/a.jsonl").read() == log)
+    os.mkfifo(f"{d}/fifo.jsonl")  # nothing ever writes it: a read would wait forever
+    refuses("a FIFO as input", "loss", f"{d}/fifo.jsonl", "-o", f"{d}/x.png",
+            says="not a regular file")
 
 
 def train(d, name, ranks, *flags):

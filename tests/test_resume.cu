@@ -191,13 +191,23 @@ TEST_CASE(
   CHECK(r.code == 0);
   CHECK_THAT(r.output, !Contains("loading " + ck + "/checkpoint-"));
   CHECK_THAT(r.output, Contains("step     6/6"));
-  // A newer periodic checkpoint than DIR's own (a later run killed after it): that one.
+  // A periodic checkpoint is as far along as the step inside it, whatever its name says:
+  // checkpoint-4 renamed checkpoint-7 still holds step 4, behind DIR's 5.
   fs::rename(ck + "/checkpoint-4", ck + "/checkpoint-7");
   r = run_train(SMALL + "--steps 9 --load " + ck);
   INFO(r.output);
   CHECK(r.code == 0);
+  CHECK_THAT(r.output, !Contains("loading " + ck + "/checkpoint-"));
+  CHECK_THAT(r.output, Contains("step     6/9"));
+  // A newer one than DIR's own (a later run killed after it): that one.
+  REQUIRE(run_train(SMALL + "--steps 9 --stop-after 7 --save " + dir + "/later").code == 0);
+  fs::remove_all(ck + "/checkpoint-7");
+  fs::rename(dir + "/later", ck + "/checkpoint-7");
+  r = run_train(SMALL + "--steps 9 --load " + ck);
+  INFO(r.output);
+  CHECK(r.code == 0);
   CHECK_THAT(r.output, Contains("loading " + ck + "/checkpoint-7"));
-  CHECK_THAT(r.output, Contains("step     5/9"));  // the step inside it: 4 done
+  CHECK_THAT(r.output, Contains("step     8/9"));  // the step inside it: 7 done
   // Flags that would do nothing are refused.
   r = run_train(SMALL + "--steps 2 --save-every 1");
   CHECK(r.code == 2);

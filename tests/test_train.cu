@@ -259,6 +259,6 @@ TEST_CASE("--save-dtype bf16 saves the weights rounded to bf16, which --load and
   CHECK(std::isfinite(loss[0]));
   CHECK(loss[1] != loss[0]);  // the weights did change
   CHECK(loss[1] == Approx(loss[0]).epsilon(0.01));
-  expect_usage_error("--save-dtype fp16", "--save-dtype fp16");
+  expect_usage_error("--save-dtype fp8", "--save-dtype fp8");
   fs::remove_all(dir);
 }

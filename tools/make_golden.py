@@ -213,6 +213,7 @@ def make_mixtral(name, experts, top_k, aux_coef, seed):
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T,
                         rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
                         num_local_experts=experts, num_experts_per_tok=top_k, router_aux_loss_coef=aux_coef,
+                        output_router_logits=True,  # the loss adds aux_coef x aux, as grad.* hold
                         attn_implementation="sdpa", experts_implementation="eager")
     g = torch.Generator().manual_seed(seed)
     model = MixtralForCausalLM(cfg)

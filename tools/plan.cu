@@ -14,6 +14,8 @@
 
 #include "planner/planner.cuh"
 #include "runtime/dtype.cuh"
+#include "runtime/inputs.cuh"
+#include "runtime/options.cuh"
 
 static std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> out;
@@ -25,6 +27,28 @@ static std::vector<std::string> split(const std::string& s) {
     }
   return out;
 }
+
+// One stage of --zero's list: 0 to 3, written in full ("1", not "1e0" or "2147483648").
+static int zero_stage(const std::string& text) {
+  if (text.size() != 1 || text[0] < '0' || text[0] > '3')
+    throw UsageError("--zero " + text + ": a ZeRO stage is 0, 1, 2 or 3 (a list: --zero 0,1)");
+  return text[0] - '0';
+}
+
+// The command line's numbers, each given one checked against its range before anything uses
+// it: a count 0 or negative, a rate NaN, infinite or absurd, a world past any cluster.
+static void check_int(const CLI::App& app, const char* flag, int64_t value, int64_t lo, int64_t hi,
+                      const std::string& fix) {
+  if (app.count(flag) && (value < lo || value > hi))
+    throw UsageError(std::string(flag) + " " + std::to_string(value) + ": must be from " +
+                     std::to_string(lo) + " to " + std::to_string(hi) + "; " + fix);
+}
+static void check_real(const CLI::App& app, const char* flag, double value, double lo, bool open_lo,
+                       double hi, const std::string& fix) {
+  if (app.count(flag)) check_range(value, flag, lo, open_lo, hi, fix);
+}
+// The largest cluster the planner lays out (its ranks are ints, its search a loop over them).
+constexpr int64_t kMaxWorld = 1 << 20;
 
 // The campaign table of docs/planner.md: every cell, the book's layout and the planner's view;
 // with --json, the same cells for tools/plots.py's heatmap.
@@ -142,6 +166,22 @@ static Layout parse_layout(const std::string& flags) {
   } catch (const CLI::ParseError& e) {
     throw UsageError("--layout \"" + flags + "\": " + e.what());
   }
+  for (auto [flag, value] : {std::pair<const char*, int>{"--dp", l.dp},
+                             {"--tp", l.tp},
+                             {"--pp", l.pp},
+                             {"--cp", l.cp},
+                             {"--ep", l.ep},
+                             {"--pp-virtual", l.virtual_stages},
+                             {"--mbs", l.mbs},
+                             {"--grad-acc", l.grad_acc}})
+    if (value < 1)
+      throw UsageError("--layout \"" + flags + "\": " + flag + " " + std::to_string(value) +
+                       ": must be >= 1");
+  if (l.zero < 0 || l.zero > 3)
+    throw UsageError("--layout \"" + flags + "\": --zero " + std::to_string(l.zero) +
+                     ": a ZeRO stage, 0 to 3");
+  check_at_most(l.mbs, kMaxMbs, "--layout's --mbs",
+                "lower it (raise --grad-acc for a larger batch)");
   l.schedule = parse_pp_schedule(schedule), l.precision = parse_precision(dtype);
   l.bf16_grads = grads == "bf16", l.recompute = parse_recompute(recompute);
   l.attention = parse_attention(attention);
@@ -223,6 +263,54 @@ int main(int argc, char** argv) {
       "judge the planner against the book's campaign table (tests/data/book_campaign.csv)");
   try {
     app.parse(argc, argv);
+    // Shapes: as ./train bounds them (runtime/options.cuh).
+    const std::string shape_fix = "give a positive size (or leave the flag out for the model's)";
+    check_int(app, "--layers", layers, 1, kMaxLayers, shape_fix);
+    for (auto [flag, value] : {std::pair<const char*, int>{"--d-model", d_model},
+                               {"--heads", heads},
+                               {"--kv-heads", kv_heads},
+                               {"--ffn", ffn},
+                               {"--vocab", vocab}})
+      check_int(app, flag, value, 1, kMaxWidth, shape_fix);
+    check_int(app, "--seq", seq, 1, kMaxSeq, shape_fix);
+    check_int(app, "--experts", experts, 0, 1 << 16, "0 for a dense MLP, or the experts per block");
+    check_int(app, "--top-k", top_k, 1, 1 << 16, "the experts each token goes to, e.g. 2");
+    check_int(app, "--nodes", nodes, 1, kMaxWorld, "the cluster's nodes, e.g. 4");
+    check_int(app, "--gpus-per-node", gpus_per_node, 1, kMaxWorld, "e.g. 8");
+    if ((int64_t)nodes * gpus_per_node > kMaxWorld)
+      throw UsageError("--nodes " + std::to_string(nodes) + " x --gpus-per-node " +
+                       std::to_string(gpus_per_node) + " is past the " + std::to_string(kMaxWorld) +
+                       " GPUs the planner lays out: a smaller cluster");
+    check_int(app, "--max-mbs", max_mbs, 1, kMaxMbs, "the largest micro-batch to try, e.g. 64");
+    check_int(app, "--top", top, 1, 1 << 20, "how many layouts to print, e.g. 5");
+    if (app.count("--wire-bytes") && wire != 1 && wire != 2 && wire != 4)
+      throw UsageError("--wire-bytes " + std::to_string(wire) +
+                       ": bytes per activation element on the wire, 4 (fp32, picoscale's), 2 "
+                       "(bf16) or 1 (fp8)");
+    check_real(app, "--batch-tokens", batch_tokens, 1, false, 1e15,
+               "a whole number of tokens per step, e.g. 1048576");
+    // The profile's numbers: each positive and finite (the efficiency a fraction of the peak).
+    check_real(app, "--peak-tflops", peak, 0, true, 1e6, "a positive TFLOP/s, e.g. 989");
+    check_real(app, "--memory-gib", memory_gib, 0, true, 1e6, "a positive GiB per GPU, e.g. 80");
+    check_real(app, "--efficiency", efficiency, 0, true, 1,
+               "the achievable fraction of the peak, above 0 and at most 1, e.g. 0.5");
+    check_real(app, "--alpha-us", alpha_us, 0, false, 1e6,
+               "a latency per ring step in microseconds, >= 0, e.g. 10");
+    for (auto [flag, value] : {std::pair<const char*, double>{"--intra-bw", intra},
+                               {"--inter-bw", inter},
+                               {"--nic-bw", nic}})
+      check_real(app, flag, value, 0, true, 1e6, "a positive bandwidth in GB/s, e.g. 400");
+    // Inputs: regular files (a FIFO would block the read forever), and no output over them.
+    for (auto [flag, path] :
+         {std::pair<const char*, const std::string&>{"--campaign", campaign_file},
+          {"--comm-fit", comm_fit}})
+      if (app.count(flag)) {
+        check_input_file(std::string(flag) + " " + path, path);
+        if (!json_file.empty() && same_file(json_file, path))
+          throw UsageError("--json " + json_file + " would overwrite " + flag + " " + path +
+                           ", which this run reads: they are the same file; write the JSON "
+                           "elsewhere");
+      }
     GpuProfile gpu = gpu_profile(gpu_name);
     if (gpu.name == "cpu") {  // this machine: each rank's share of the cores
       const int cores = std::max(1, (int)std::thread::hardware_concurrency());
@@ -241,16 +329,18 @@ int main(int argc, char** argv) {
                                : "") +
                     ")";
     }
-    if (peak > 0) (gpu.name == "cpu" ? gpu.peak_fp32 : gpu.peak_bf16) = peak * 1e12;
-    if (memory_gib > 0) gpu.memory = memory_gib * 1024.0 * 1024 * 1024;
-    if (intra > 0) gpu.intra.allreduce_bw = gpu.intra.gather_bw = gpu.intra.p2p_bw = intra * 1e9;
-    if (inter > 0) gpu.inter_allreduce_bw = gpu.inter_gather_bw = inter * 1e9;
-    if (nic > 0) gpu.nic_bw = nic * 1e9;
+    if (app.count("--peak-tflops"))
+      (gpu.name == "cpu" ? gpu.peak_fp32 : gpu.peak_bf16) = peak * 1e12;
+    if (app.count("--memory-gib")) gpu.memory = memory_gib * 1024.0 * 1024 * 1024;
+    if (app.count("--intra-bw"))
+      gpu.intra.allreduce_bw = gpu.intra.gather_bw = gpu.intra.p2p_bw = intra * 1e9;
+    if (app.count("--inter-bw")) gpu.inter_allreduce_bw = gpu.inter_gather_bw = inter * 1e9;
+    if (app.count("--nic-bw")) gpu.nic_bw = nic * 1e9;
     if (!comm_fit.empty()) apply_comm_fit(gpu, comm_fit);
-    if (alpha_us >= 0)
+    if (app.count("--alpha-us"))
       gpu.intra.alpha = gpu.intra.alpha_gather = gpu.intra.alpha_p2p = gpu.inter_alpha =
           alpha_us * 1e-6;
-    if (efficiency > 0) gpu.compute_efficiency = efficiency;
+    if (app.count("--efficiency")) gpu.compute_efficiency = efficiency;
     if (!campaign_file.empty()) return campaign(campaign_file, gpu, json_file);
 
     ModelConfig cfg = planner_model(model);
@@ -262,19 +352,18 @@ int main(int argc, char** argv) {
                                 {vocab, &ModelConfig::vocab},
                                 {seq, &ModelConfig::seq},
                                 {top_k, &ModelConfig::top_k}})
-      if (value > 0) cfg.*field = value;
-    if (experts >= 0) cfg.experts = experts;
+      if (value > 0) cfg.*field = value;  // given: checked above to be >= 1
+    if (app.count("--experts")) cfg.experts = experts;
     if (tie) cfg.tie_embeddings = true;
     if (untie) cfg.tie_embeddings = false;
     validate_model_config(cfg);
-    if (nodes < 1 || gpus_per_node < 1)
-      throw UsageError("--nodes and --gpus-per-node must be >= 1");
-    if (batch_tokens < 1 || batch_tokens != std::floor(batch_tokens))
-      throw UsageError("--batch-tokens must be a whole number of tokens >= 1");
+    if (batch_tokens != std::floor(batch_tokens))
+      throw UsageError("--batch-tokens " + num(batch_tokens) +
+                       ": must be a whole number of tokens, e.g. 1048576");
     Cluster cl{nodes, gpus_per_node, gpu};
     SearchSpace space;
     space.zero_stages.clear();
-    for (const std::string& z : split(zero)) space.zero_stages.push_back(std::stoi(z));
+    for (const std::string& z : split(zero)) space.zero_stages.push_back(zero_stage(z));
     space.recompute.clear();
     for (const std::string& r : split(recompute)) space.recompute.push_back(parse_recompute(r));
     space.schedules.clear();

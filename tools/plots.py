@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import stat
 import sys
 
 import matplotlib
@@ -23,6 +24,22 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.container import BarContainer  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
+
+
+def fail(message):
+    """Bad input, as ./train and ./plan end on it: one line on stderr and exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def read_json(path, what):
+    """A whole JSON file, or one line and exit code 2 naming it and what wrote it."""
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            fail(f"{path}: not JSON ({e}); give the file {what} wrote")
+
 
 # ----------------------------------------------------------------------------
 # Loss curves: one line per --log-json file, validation points where the run evaluated.
@@ -38,7 +55,7 @@ def read_jsonl(path):
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
-                sys.exit(f"error: {path}:{n}: not a JSON line ({e}); "
+                fail(f"{path}:{n}: not a JSON line ({e}); "
                          "give the file --log-json wrote")
     return rows
 
@@ -46,7 +63,7 @@ def read_jsonl(path):
 def plot_loss(args):
     labels = args.labels or [os.path.splitext(os.path.basename(p))[0] for p in args.logs]
     if len(labels) != len(args.logs):
-        sys.exit(f"error: --labels names {len(labels)} runs for {len(args.logs)} files")
+        fail(f"--labels names {len(labels)} runs for {len(args.logs)} files")
     fig, ax = plt.subplots(figsize=(8, 4.5))
     styles = ["-", "--", ":", "-."]
     first, gap, val_named = None, 0.0, False
@@ -54,7 +71,7 @@ def plot_loss(args):
         rows = [r for r in read_jsonl(path)
                 if isinstance(r, dict) and "step" in r and "loss" in r]
         if not rows:
-            sys.exit(f"error: {path}: no line with step and loss; give the file --log-json wrote")
+            fail(f"{path}: no line with step and loss; give the file --log-json wrote")
         # Layouts that agree draw on top of each other: vary the dash so each stays visible.
         line, = ax.plot([r["step"] for r in rows], [r["loss"] for r in rows],
                         styles[i % len(styles)], lw=1.5, label=label)
@@ -88,8 +105,7 @@ KIND_COLOR = {"F": "#4c8bd6", "B": "#6cc070", "W": "#f2c14e"}
 
 def read_schedule(path, step):
     """Each rank's operations in one step: [(kind, micro, chunk, start ms, length ms)]."""
-    with open(path) as f:
-        trace = json.load(f)
+    trace = read_json(path, "./train --trace")
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     spans = [e for e in events if e.get("ph") == "X" and e.get("tid", 0) == 0]
     # "step N (...)" spans bound each step on each rank; F3, B3, W3 (with " chunk c" when
@@ -97,10 +113,10 @@ def read_schedule(path, step):
     step_re, op_re = re.compile(r"step (\d+)"), re.compile(r"([FBW])(\d+)(?: chunk (\d+))?$")
     steps = sorted({int(m.group(1)) for e in spans if (m := step_re.match(e["name"]))})
     if not steps:
-        sys.exit(f"error: {path}: no step spans; give the file ./train --trace wrote")
+        fail(f"{path}: no step spans; give the file ./train --trace wrote")
     step = step or steps[-1]
     if step not in steps:
-        sys.exit(f"error: --step {step}: the trace holds steps {steps[0]}..{steps[-1]}")
+        fail(f"--step {step}: the trace holds steps {steps[0]}..{steps[-1]}")
     bounds = {e["pid"]: (e["ts"], e["ts"] + e["dur"]) for e in spans
               if (m := step_re.match(e["name"])) and int(m.group(1)) == step}
     t0 = min(b[0] for b in bounds.values())
@@ -114,7 +130,7 @@ def read_schedule(path, step):
                              (e["ts"] - t0) / 1e3, e["dur"] / 1e3))
         ops[rank] = mine
     if not any(ops.values()):
-        sys.exit(f"error: {path}: step {step} has no F/B/W spans (a run without --pp?)")
+        fail(f"{path}: step {step} has no F/B/W spans (a run without --pp?)")
     return step, ops
 
 
@@ -156,7 +172,7 @@ def in_ticks(ops):
                 next_op[r] += 1
                 progress = True
     if any(next_op[r] < len(ops[r]) for r in ops):
-        sys.exit("error: --ticks: the ranks' operations do not form one pipeline "
+        fail("--ticks: the ranks' operations do not form one pipeline "
                  "(a trace of a run with --dp, --tp or --cp as well as --pp?)")
     return placed
 
@@ -223,7 +239,7 @@ def parse_memory(lines):
 def plot_memory(args):
     ranks, formula, act = parse_memory(read_text(args.report))
     if not ranks or formula is None:
-        sys.exit(f"error: {args.report}: no memory table; save the output of "
+        fail(f"{args.report}: no memory table; save the output of "
                  "./train ... --report memory to the file")
     cats = ["params", "grads", "optimizer"]
     measured = [ranks[0][i] for i in range(3)]
@@ -300,7 +316,7 @@ def parse_comm(lines):
 def plot_comm(args):
     rows = parse_comm(read_text(args.report))
     if not rows:
-        sys.exit(f"error: {args.report}: no communication table (one rank sends nothing); save "
+        fail(f"{args.report}: no communication table (one rank sends nothing); save "
                  "the output of mpirun -np N ./train ... --report comm to the file")
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.6))
     y = range(len(rows))
@@ -323,10 +339,9 @@ def plot_comm(args):
 
 
 def plot_heatmap(args):
-    with open(args.campaign) as f:
-        cells = json.load(f)
+    cells = read_json(args.campaign, "./plan --campaign tests/data/book_campaign.csv --json FILE")
     if not isinstance(cells, list) or not cells or "model" not in cells[0]:
-        sys.exit(f"error: {args.campaign}: not a campaign; give the file "
+        fail(f"{args.campaign}: not a campaign; give the file "
                  "./plan --campaign tests/data/book_campaign.csv --json FILE wrote")
     models = list(dict.fromkeys(c["model"] for c in cells))  # the table's order
     nodes = sorted({c["nodes"] for c in cells})
@@ -406,9 +421,8 @@ def write_file(path, flag, write):
     # file, atomically (a temporary renamed over it); a device or a directory is refused.
     target = os.path.realpath(path)
     if os.path.exists(target) and not os.path.isfile(target):
-        print(f"error: {flag} {path}: {target} is not a regular file; outputs only replace regular "
-              "files: name a file", file=sys.stderr)
-        sys.exit(2)
+        fail(f"{flag} {path}: {target} is not a regular file; outputs only replace regular "
+             "files: name a file")
     tmp = f"{target}.tmp.{os.getpid()}"
     write(tmp)
     os.replace(tmp, target)
@@ -452,10 +466,52 @@ def main():
         p.add_argument("--title")
         p.add_argument("--data", help="also write what the picture draws, as JSON")
     args = parser.parse_args()
+    check_paths(args)
     try:
         args.run(args)
     except FileNotFoundError as e:
-        sys.exit(f"error: {e.filename}: no such file")
+        fail(f"{e.filename}: no such file")
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        # JSON of another shape than the file the subcommand reads (a list for an object, a
+        # span without a name): named, not a traceback.
+        fail(f"{' '.join(inputs_of(args))}: not what {args.command} reads ({type(e).__name__}: "
+             f"{e}); give it the file its help names")
+
+
+def inputs_of(args):
+    """The files a subcommand reads."""
+    return {"loss": lambda: args.logs, "schedule": lambda: [args.trace],
+            "memory": lambda: [args.report], "comm": lambda: [args.report],
+            "heatmap": lambda: [args.campaign]}[args.command]()
+
+
+def check_paths(args):
+    """Every input a regular file (a FIFO would block the read), and no output over an input or
+    over the other output: a picture never replaces the log it was drawn from."""
+    for path in inputs_of(args):
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            fail(f"{path}: no such file")
+        except OSError as e:
+            fail(f"{path}: cannot be read ({e.strerror})")
+        if not stat.S_ISREG(mode):
+            fail(f"{path}: not a regular file (a FIFO, a device or a directory); give the file "
+                 "itself")
+
+    def same(a, b):
+        if os.path.exists(a) and os.path.exists(b):
+            return os.path.samefile(a, b)
+        return os.path.realpath(a) == os.path.realpath(b)
+
+    outputs = [("-o", args.output)] + ([("--data", args.data)] if args.data else [])
+    for flag, out in outputs:
+        for path in inputs_of(args):
+            if same(out, path):
+                fail(f"{flag} {out} would overwrite {path}, which this command reads: they are "
+                     "the same file; write the output elsewhere")
+    if args.data and same(args.output, args.data):
+        fail(f"-o {args.output} and --data {args.data} are the same file: give each its own name")
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ run_mpi() {  # ranks [Catch2 test spec, default: the CPU cases]
   rm -f "$log"
 }
 
-run_group "unit tests (CPU)" "~[gpu]~[train]~[parity]~[sweep]~[record]"
+run_group "unit tests (CPU)" "~[gpu]~[train]~[parity]~[sweep]~[record]~[report_width]"
 run_group "training runs (CPU)" "[train]"
 for np in 2 3 4 8; do run_mpi "$np"; done
 run_group "parity matrix and multi-rank runs (CPU, mpirun)" "[parity]"
