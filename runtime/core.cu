@@ -564,6 +564,9 @@ void mark_ledger_clock() {
 }
 void settle_ledger_clock() {
   if (!g_clock.on || !g_clock.cuda || g_clock.marks.size() < 2) return;
+  // Every event read must have happened: wait for the last (a measurement's wait, only under
+  // --report roofline on CUDA; the step's own synchronisation usually has it done already).
+  CUDA_CHECK(cudaEventSynchronize(g_clock.marks.back().second));
   for (size_t i = 0; i + 1 < g_clock.marks.size(); i++) {
     float ms = 0;
     CUDA_CHECK(cudaEventElapsedTime(&ms, g_clock.marks[i].second, g_clock.marks[i + 1].second));

@@ -106,11 +106,11 @@ inline bool count_op(Device device, OpKind kind, const OpCost& cost) {
 // The ledger's clock: from start_ledger_clock on, the time from one op's start to the next op's
 // (or to a mark) is added to its row's measured_s: on CPU the wall clock (its ops are
 // synchronous); on CUDA events recorded on `stream` between the ops, read by
-// settle_ledger_clock once the stream is synchronised. Time after a mark (a collective, a wait
+// settle_ledger_clock, which waits for the last of them. Time after a mark (a collective, a wait
 // for one) is no op's: it is left out.
 void start_ledger_clock(Device device, cudaStream_t stream);
 void mark_ledger_clock();         // a collective or a wait begins: the op before it has ended
-void settle_ledger_clock();       // CUDA: the events so far into measured_s (after a synchronize)
+void settle_ledger_clock();       // CUDA: the events so far into measured_s (waits for the last)
 const char* dtype_name(DType t);  // safetensors spelling: "F32", "I32", "BF16", "F16", "F8_E4M3"...
 bool dtype_from_name(const std::string& name, DType* out);  // false for an unknown name
 size_t dtype_size(DType t);
