@@ -14,6 +14,7 @@
 
 #include "launch.cuh"
 #include "mixed_precision.cuh"
+#include "refusals.cuh"
 #include "runtime/checkpoint.cuh"
 #include "runtime/options.cuh"
 #include "usage_error.cuh"
@@ -22,24 +23,6 @@ namespace fs = std::filesystem;
 using Catch::Matchers::Contains;
 
 namespace {
-
-struct TempDir {
-  std::string path = make_temp_dir();
-  ~TempDir() { fs::remove_all(path); }
-  std::string file(const std::string& name) const { return path + "/" + name; }
-};
-
-const std::string SMALL =
-    "--d-model 32 --layers 1 --heads 2 --kv-heads 1 --ffn 64 --seq 16 "
-    "--mbs 2 --warmup 1 --val-seqs 2 --val-every 0 ";
-
-void expect_refused(const std::string& args, const std::vector<std::string>& says, int np = 0) {
-  RunResult r = run_train(args, np);
-  INFO(args << "\n" << r.output);
-  CHECK(r.code == 2);
-  for (const std::string& s : says) CHECK_THAT(r.output, Contains(s));
-  CHECK_THAT(r.output, !Contains("step     1/"));  // refused before the first step
-}
 
 // The safetensors file at `path` with its header's __metadata__[key] = value (the header padded
 // again to 8 bytes; the data unchanged: offsets count from the data's start).

@@ -16,6 +16,7 @@
 #include <fstream>
 
 #include "launch.cuh"
+#include "refusals.cuh"
 #include "runtime/checkpoint.cuh"
 #include "runtime/data.cuh"
 #include "usage_error.cuh"
@@ -24,16 +25,6 @@ namespace fs = std::filesystem;
 using Catch::Matchers::Contains;
 
 namespace {
-
-struct TempDir {
-  std::string path = make_temp_dir();
-  ~TempDir() { fs::remove_all(path); }
-  std::string file(const std::string& name) const { return path + "/" + name; }
-};
-
-const std::string SMALL =
-    "--d-model 32 --layers 1 --heads 2 --kv-heads 1 --ffn 64 --seq 16 "
-    "--mbs 2 --warmup 1 --val-seqs 2 --val-every 0 ";
 
 struct Timed {
   RunResult result;
@@ -52,7 +43,8 @@ Timed train(const std::string& args, int np = 0) {
   return bounded(launcher + "./train --device cpu " + args);
 }
 // Refused: exit code 2 within seconds, before the first step, saying each of `says`.
-void expect_refused(const std::string& args, const std::vector<std::string>& says, int np = 0) {
+void expect_refused_in_time(const std::string& args, const std::vector<std::string>& says,
+                            int np = 0) {
   Timed t = train(args, np);
   INFO(args << "\n" << t.result.output);
   CHECK(t.result.code == 2);
@@ -106,11 +98,11 @@ TEST_CASE("a FIFO given as an input is refused within seconds, on one rank and u
   make_fifo(dir.file("fifo.bin"));
   for (int np : {0, 2}) {
     INFO("ranks: " << np);
-    expect_refused(SMALL + "--steps 2 --data " + dir.file("fifo.txt"),
-                   {"--data " + dir.file("fifo.txt"), "FIFO", "not a regular file"}, np);
-    expect_refused(SMALL + "--steps 2 --data " + dir.file("fifo.bin"), {"FIFO"}, np);
-    expect_refused("--load " + ck + " --score " + dir.file("fifo.txt"),
-                   {"--score " + dir.file("fifo.txt"), "FIFO"}, np);
+    expect_refused_in_time(SMALL + "--steps 2 --data " + dir.file("fifo.txt"),
+                           {"--data " + dir.file("fifo.txt"), "FIFO", "not a regular file"}, np);
+    expect_refused_in_time(SMALL + "--steps 2 --data " + dir.file("fifo.bin"), {"FIFO"}, np);
+    expect_refused_in_time("--load " + ck + " --score " + dir.file("fifo.txt"),
+                           {"--score " + dir.file("fifo.txt"), "FIFO"}, np);
   }
   // Each file a --load reads: config.json, the weights (whole or a shard), the optimizer state.
   for (const char* name : {"config.json", "model.safetensors", "optimizer.safetensors"}) {
@@ -119,8 +111,8 @@ TEST_CASE("a FIFO given as an input is refused within seconds, on one rank and u
     fs::copy(ck, copy);
     fs::remove(copy + "/" + name);
     make_fifo(copy + "/" + name);
-    expect_refused(SMALL + "--steps 3 --load " + copy, {copy, name, "FIFO"});
-    expect_refused(SMALL + "--steps 3 --load " + copy, {"FIFO"}, 2);
+    expect_refused_in_time(SMALL + "--steps 3 --load " + copy, {copy, name, "FIFO"});
+    expect_refused_in_time(SMALL + "--steps 3 --load " + copy, {"FIFO"}, 2);
   }
   const std::string sharded = dir.file("sharded");
   fs::copy(ck, sharded);
@@ -130,10 +122,10 @@ TEST_CASE("a FIFO given as an input is refused within seconds, on one rank and u
   for (auto& [name, t] : read_raw_tensors(ck + "/model.safetensors"))
     index["weight_map"][name] = "model-00001-of-00001.safetensors";
   std::ofstream(sharded + "/model.safetensors.index.json") << index.dump();
-  expect_refused(SMALL + "--steps 3 --load " + sharded, {"model-00001-of-00001", "FIFO"});
+  expect_refused_in_time(SMALL + "--steps 3 --load " + sharded, {"model-00001-of-00001", "FIFO"});
   fs::remove(sharded + "/model.safetensors.index.json");
   make_fifo(sharded + "/model.safetensors.index.json");
-  expect_refused(SMALL + "--steps 3 --load " + sharded, {"index.json", "FIFO"});
+  expect_refused_in_time(SMALL + "--steps 3 --load " + sharded, {"index.json", "FIFO"});
 }
 
 TEST_CASE("./plan refuses a FIFO or a directory as --campaign or --comm-fit", "[safety]") {
@@ -154,9 +146,9 @@ TEST_CASE("./plan refuses a FIFO or a directory as --campaign or --comm-fit", "[
 // Waits no timeout bounds: faults and the job's end
 
 TEST_CASE("a hang on a one-rank run is refused: no peer would end it", "[safety][train]") {
-  expect_refused(SMALL + "--steps 3 --fault hang:0:1",
-                 {"--fault hang:0:1", "one-rank", "mpirun -np 2"});
-  expect_refused(SMALL + "--steps 3 --fault hang:0:0:init", {"one-rank"});
+  expect_refused_in_time(SMALL + "--steps 3 --fault hang:0:1",
+                         {"--fault hang:0:1", "one-rank", "mpirun -np 2"});
+  expect_refused_in_time(SMALL + "--steps 3 --fault hang:0:0:init", {"one-rank"});
   // A crash or an error on one rank ends that rank: still a fault one rank can test.
   Timed t = train(SMALL + "--steps 3 --fault error:0:1");
   INFO(t.result.output);
@@ -176,8 +168,8 @@ TEST_CASE("a rank held at the job's end ends the job within --comm-timeout", "[s
   CHECK(t.seconds < 45);        // --comm-timeout 5 per wait, and mpirun's start and end
   CHECK_THAT(t.result.output, Contains("injected fault 'hang' at step 0, finalize"));
   CHECK_THAT(t.result.output, Contains("MPI_Finalize has not returned within --comm-timeout 5 s"));
-  expect_refused(SMALL + "--steps 1 --dp 2 --fault hang:1:1:finalize",
-                 {"finalize comes once, at the job's end, as step 0"}, 2);
+  expect_refused_in_time(SMALL + "--steps 1 --dp 2 --fault hang:1:1:finalize",
+                         {"finalize comes once, at the job's end, as step 0"}, 2);
 }
 
 // ----------------------------------------------------------------------------
@@ -196,7 +188,8 @@ TEST_CASE("JSON nested hundreds of thousands deep in a checkpoint is refused, no
   std::ofstream(ck + "/config.json") << deep;
   CHECK_THAT(usage_error_of([&] { read_checkpoint_config(ck); }),
              Contains(ck + ": config.json") && Contains("nested 300001 levels deep"));
-  expect_refused(SMALL + "--steps 2 --load " + ck, {"config.json", "nested 300001 levels deep"});
+  expect_refused_in_time(SMALL + "--steps 2 --load " + ck,
+                         {"config.json", "nested 300001 levels deep"});
   std::ofstream(ck + "/config.json") << config;
 
   // A safetensors header whose tensor entry holds a deep shape.
@@ -210,7 +203,7 @@ TEST_CASE("JSON nested hundreds of thousands deep in a checkpoint is refused, no
   std::vector<NamedTensor> none;
   CHECK_THAT(usage_error_of([&] { read_safetensors(path, none); }),
              Contains(path) && Contains("nested 300002 levels deep"));
-  expect_refused(SMALL + "--steps 2 --load " + ck, {"model.safetensors", "levels deep"});
+  expect_refused_in_time(SMALL + "--steps 2 --load " + ck, {"model.safetensors", "levels deep"});
   // A checkpoint's JSON as deep as it is meant to be still loads (rope_parameters: 2 levels).
   CHECK_THAT(usage_error_of([&] { read_checkpoint_config(ck); }), !Contains("levels deep"));
 }
@@ -233,10 +226,13 @@ TEST_CASE("a --data or --score file whose tokens exceed memory exits 2 at once, 
   REQUIRE(train(SMALL + "--steps 1 --save " + ck).result.code == 0);
   for (int np : {0, 2}) {
     INFO("ranks: " << np);
-    expect_refused(SMALL + "--steps 2 --data " + huge,
-                   {"--data " + huge, "in memory at 4 bytes each", "more than this machine's"}, np);
-    expect_refused(SMALL + "--steps 2 --data " + shard, {"--data " + shard, "more than"}, np);
-    expect_refused("--load " + ck + " --score " + huge, {"--score " + huge, "more than"}, np);
+    expect_refused_in_time(
+        SMALL + "--steps 2 --data " + huge,
+        {"--data " + huge, "in memory at 4 bytes each", "more than this machine's"}, np);
+    expect_refused_in_time(SMALL + "--steps 2 --data " + shard, {"--data " + shard, "more than"},
+                           np);
+    expect_refused_in_time("--load " + ck + " --score " + huge, {"--score " + huge, "more than"},
+                           np);
   }
   // The check is the machine's memory, not the file's size: a file well within it loads.
   write_text(dir.file("fine.txt"), 200000);
@@ -299,8 +295,8 @@ TEST_CASE("an optimizer state with a negative second moment is refused at load, 
   const std::string opt = ck + "/optimizer.safetensors";
   const std::string name = "model.layers.0.mlp.down_proj.weight.exp_avg_sq";
   poke_float(opt, data_offset(opt, name) + 4 * 5, -0.5f);
-  expect_refused(SMALL + "--steps 3 --load " + ck,
-                 {opt, name, "element 5 of", "is -0.5", "never negative"});
+  expect_refused_in_time(SMALL + "--steps 3 --load " + ck,
+                         {opt, name, "element 5 of", "is -0.5", "never negative"});
   // The first moment may be negative: it is a mean of gradients.
   poke_float(opt, data_offset(opt, name) + 4 * 5, 0.25f);
   poke_float(opt, data_offset(opt, "model.layers.0.mlp.down_proj.weight.exp_avg") + 20, -0.5f);
@@ -364,8 +360,8 @@ TEST_CASE("--load DIR resumes from the checkpoint furthest along by its content,
 TEST_CASE("an empty path given to a flag is refused, naming the flag", "[safety][train]") {
   for (const char* flag :
        {"--save", "--load", "--log-json", "--save-grads", "--trace", "--data", "--score"})
-    expect_refused(SMALL + "--steps 1 " + flag + " ''",
-                   {std::string(flag) + " '': an empty path", "drop " + std::string(flag)});
+    expect_refused_in_time(SMALL + "--steps 1 " + flag + " ''",
+                           {std::string(flag) + " '': an empty path", "drop " + std::string(flag)});
 }
 
 // Guards: --model ignored under --load while each shape flag was checked against config.json.
@@ -374,11 +370,11 @@ TEST_CASE("--model under --load must describe the checkpoint's model, as shape f
   TempDir dir;
   const std::string ck = dir.file("ck");
   REQUIRE(train(SMALL + "--steps 1 --save " + ck).result.code == 0);
-  expect_refused(
+  expect_refused_in_time(
       "--steps 2 --load " + ck + " --model tiny",
       {"--model tiny (hidden_size 128) disagrees with " + ck + "/config.json (hidden_size 32)",
        "drop --model"});
-  expect_refused("--steps 2 --load " + ck + " --model medium", {"--model medium"});
+  expect_refused_in_time("--steps 2 --load " + ck + " --model medium", {"--model medium"});
   // The preset with the shape flags over it is the checkpoint's model: accepted.
   Timed t = train(SMALL + "--model tiny --steps 2 --load " + ck);
   INFO(t.result.output);

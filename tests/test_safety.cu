@@ -19,6 +19,7 @@
 
 #include "launch.cuh"
 #include "model.cuh"
+#include "refusals.cuh"
 #include "runtime/checkpoint.cuh"
 #include "runtime/data.cuh"
 #include "usage_error.cuh"
@@ -27,12 +28,6 @@ namespace fs = std::filesystem;
 using Catch::Matchers::Contains;
 
 namespace {
-
-struct TempDir {
-  std::string path = make_temp_dir();
-  ~TempDir() { fs::remove_all(path); }
-  std::string file(const std::string& name) const { return path + "/" + name; }
-};
 
 bool is_char_device(const std::string& path) {
   struct stat st;
@@ -62,18 +57,6 @@ std::string host() {
   char name[256] = "";
   gethostname(name, sizeof name - 1);
   return name;
-}
-
-const std::string SMALL =
-    "--d-model 32 --layers 1 --heads 2 --kv-heads 1 --ffn 64 --seq 16 "
-    "--mbs 2 --warmup 1 --val-seqs 2 --val-every 0 ";
-
-void expect_refused(const std::string& args, const std::vector<std::string>& says) {
-  RunResult r = run_train(args);
-  INFO(args << "\n" << r.output);
-  CHECK(r.code == 2);
-  for (const std::string& s : says) CHECK_THAT(r.output, Contains(s));
-  CHECK_THAT(r.output, !Contains("step     1/"));  // refused before the first step
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 
 #include "golden.cuh"
 #include "launch.cuh"
+#include "refusals.cuh"
 #include "runtime/checkpoint.cuh"
 #include "usage_error.cuh"
 
@@ -21,24 +22,6 @@ using Catch::Matchers::Contains;
 using nlohmann::json;
 
 namespace {
-
-struct TempDir {
-  std::string path = make_temp_dir();
-  ~TempDir() { fs::remove_all(path); }
-  std::string file(const std::string& name) const { return path + "/" + name; }
-};
-
-const std::string SMALL =
-    "--d-model 32 --layers 1 --heads 2 --kv-heads 1 --ffn 64 --seq 16 "
-    "--mbs 2 --warmup 1 --val-seqs 2 --val-every 0 ";
-
-void expect_refused(const std::string& args, const std::vector<std::string>& says) {
-  RunResult r = run_train(args);
-  INFO(args << "\n" << r.output);
-  CHECK(r.code == 2);
-  for (const std::string& s : says) CHECK_THAT(r.output, Contains(s));
-  CHECK_THAT(r.output, !Contains("step     1/"));
-}
 
 // A small Mixtral's config.json as picoscale writes it, then edited.
 json mixtral_config() {
