@@ -25,8 +25,7 @@ const std::string SMALL =
 
 // `./train <args>` (np ranks) is refused with exit code 2 before its first step, its message
 // naming each of `says`.
-void expect_refused(const std::string& args, const std::vector<std::string>& says,
-                           int np = 0) {
+void expect_refused(const std::string& args, const std::vector<std::string>& says, int np = 0) {
   RunResult r = run_train(args, np);
   INFO(args << "\n" << r.output);
   CHECK(r.code == 2);
