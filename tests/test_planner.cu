@@ -238,7 +238,7 @@ void require_memory_predicted(const ModelConfig& c, const std::string& base,
 
 TEST_CASE(
     "the planner's memory per rank equals --report memory's: static bytes exactly, "
-    "activations within 5%, over 14 layouts",
+    "activations within 5%, over 16 layouts",
     "[planner][parity]") {
   // A small model, so each run takes a second: 4 blocks of d_model 32, vocab 256, seq 16.
   // --val-seqs 1: the validation at the end holds one sequence, less than training does.
@@ -307,6 +307,12 @@ TEST_CASE(
     l.grad_acc = 4;
     layouts.push_back(l);
   }
+  for (PpSchedule s : {PpSchedule::ZeroBubbleV, PpSchedule::DualPipeV}) {
+    Layout l = layout(1, 1, 2, 1, 0);
+    l.schedule = s, l.virtual_stages = 2;
+    l.grad_acc = 4;
+    layouts.push_back(l);
+  }  // the V: 2p chunks in flight, and DualPipeV's 2p + 1
   {
     Layout l = layout(1, 1, 1, 2, 0);
     layouts.push_back(l);
@@ -332,7 +338,7 @@ TEST_CASE(
     l.bf16_grads = true;
     layouts.push_back(l);
   }  // dp x tp + sp, bf16 gradients
-  REQUIRE(layouts.size() >= 12);
+  REQUIRE(layouts.size() == 16);
   require_memory_predicted(c, base, layouts, 0.05);
 }
 
