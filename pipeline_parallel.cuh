@@ -14,7 +14,14 @@
 #include "runtime/observe.cuh"
 #include "runtime/report.cuh"
 
-enum class PpSchedule { AFAB, OneFOneB, Interleaved, ZeroBubbleH1, ZeroBubbleV, DualPipeV };
+enum class PpSchedule {
+  AFAB,          // §8.3: every forward, then every backward (GPipe)
+  OneFOneB,      // §8.4
+  Interleaved,   // §8.5, Megatron's loop of V chunks per rank
+  ZeroBubbleH1,  // §8.6, Qi et al. 2023
+  ZeroBubbleV,   // the zero-bubble paper's V (Qi et al. 2023)
+  DualPipeV,     // DeepSeek-V3's DualPipe cut in half, on the V
+};
 
 // ---- Flags (Playbook §8) ----
 namespace CLI {
