@@ -361,9 +361,9 @@ double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& 
   const StagePlacement at = stage_placement(cfg.schedule, p, V);
   int64_t tokens = (int64_t)batch.mbs * batch.seq;  // per micro-batch
   const std::vector<std::vector<int64_t>> payload = stage_payload_shapes(model, tokens);
-  // One stage: gradient accumulation, whatever --pp-schedule says.
+  // One stage of one chunk: gradient accumulation, whatever --pp-schedule says.
   std::vector<PipelineOp> table =
-      pipeline_schedule(p > 1 ? cfg.schedule : PpSchedule::OneFOneB, p, rank, m, V);
+      pipeline_schedule(p * V > 1 ? cfg.schedule : PpSchedule::OneFOneB, p, rank, m, V);
   const std::set<std::pair<int, int>> apart = weights_apart(table);  // zero-bubble: B and W
   double loss_sum = 0;
   // Sends go out with the next receive, on the pp group's calls (runtime/exchange.cuh).

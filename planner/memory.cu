@@ -224,10 +224,10 @@ struct Walk {
 Walk walk_schedule(const Layout& l, const Implementation& impl, int stage,
                    const std::vector<ChunkBytes>& bytes) {
   const int p = l.pp, V = l.virtual_stages;
-  const PpSchedule schedule = p > 1 ? l.schedule : PpSchedule::OneFOneB;
+  const PpSchedule schedule = p * V > 1 ? l.schedule : PpSchedule::OneFOneB;
   std::vector<PipelineOp> table = pipeline_schedule(schedule, p, stage, l.grad_acc, V);
   const StagePlacement at = stage_placement(schedule, p, V);
-  // The engine's sends (pipeline_parallel.cu, Exchange): queued until the next receive, which
+  // The engine's sends (runtime/exchange.cuh): queued until the next receive, which
   // over NCCL sends them with it and lets them go; otherwise (no receive follows, or MPI) they
   // stay in flight, their buffers alive, until the step ends.
   std::set<std::pair<int, int>> queued, in_flight, done;

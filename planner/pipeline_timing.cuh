@@ -24,7 +24,7 @@ struct PipelineCosts {
 // the k ranks computing at a time share `cores` cores' worth, at min(1, cores / k) each (a rank
 // waiting sleeps, runtime/comm_handle.cu, and hands its core to the others); and a send on host
 // memory moves only while its sender is inside MPI (waiting for a receive of its own, however
-// briefly, or at the step's end) and its receiver waits for it (Exchange below).
+// briefly, or at the step's end) and its receiver waits for it (runtime/exchange.cuh).
 struct HostRanks {
   double cores = 1;  // the cores' worth the pipeline's ranks share
 };

@@ -235,7 +235,7 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
     const double work_w = split ? stage_fwd / ops : 0;
     const PipelineCosts host_costs{stage_fwd / ops, stage_bwd / ops - work_w, work_w,
                                    (stage_tp + stage_cp + stage_ep) / ops / 2};
-    PipelineTiming host = simulate_pipeline(p > 1 ? l.schedule : PpSchedule::OneFOneB, p, m, V,
+    PipelineTiming host = simulate_pipeline(p * V > 1 ? l.schedule : PpSchedule::OneFOneB, p, m, V,
                                             host_costs, HostRanks{node_cores * p / node_ranks});
     makespan = host.complete ? host.makespan : std::numeric_limits<double>::infinity();
   } else if (p > 1) {

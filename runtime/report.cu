@@ -310,8 +310,10 @@ void print_bubble_report(Comm& comm, const BubblePrediction& paper,
   }
   printf(
       "the schedule's tables in ticks of t_f (a backward takes 2, a B and a W split from it one "
-      "each; F3 forward of micro-batch 3%s, &B2 run with the op before it, . idle):\n%s",
-      V > 1 ? ", F3.1 of its chunk 1" : "", paper.chart.c_str());
+      "each; F3 forward of micro-batch 3%s%s, . idle):\n%s",
+      V > 1 ? ", F3.1 of its chunk 1" : "",
+      paper.chart.find('&') != std::string::npos ? ", &B2 run with the op before it (F&B)" : "",
+      paper.chart.c_str());
   printf(
       "  book: idle share %s. The ticks are exact; measured wall-clock time also counts "
       "communication and, on CPU ranks sharing cores, time-slicing.\n",

@@ -372,7 +372,25 @@ TEST_CASE("bad pipeline layouts exit with a message naming the flags", "[pipelin
                Contains("--zero 3"));
   REQUIRE_THAT(message([] { validate_pipeline(8, 2, 1, 4, PpSchedule::ZeroBubbleH1, false, 2); }),
                Contains("--zero 2") && Contains("zb-h1"));
+  // The V runs two chunks per rank, a block each at least; it defers weight gradients too.
+  for (PpSchedule v : {PpSchedule::ZeroBubbleV, PpSchedule::DualPipeV}) {
+    for (int V : {1, 3})
+      REQUIRE_THAT(message([&] { validate_pipeline(8, 2, V, 4, v, false, 0); }),
+                   Contains("--pp-schedule " + std::string(pp_schedule_name(v))) &&
+                       Contains("--pp-virtual 2"));
+    REQUIRE_THAT(message([&] { validate_pipeline(3, 2, 2, 4, v, false, 0); }),
+                 Contains("--layers 3"));
+    REQUIRE_THAT(message([&] { validate_pipeline(8, 2, 2, 4, v, false, 2); }),
+                 Contains("--zero 2") && Contains(pp_schedule_name(v)));
+    REQUIRE(message([&] { validate_pipeline(8, 2, 2, 4, v, false, 1); }) == "no error");
+    REQUIRE(runs_chunks(v, 2));
+    REQUIRE((!runs_chunks(v, 1) && !runs_chunks(v, 4)));
+  }
+  REQUIRE_THAT(message([] { validate_pipeline(8, 2, 3, 4, PpSchedule::OneFOneB, false, 0); }),
+               Contains("--pp-virtual 3") && Contains("interleaved"));
   REQUIRE_THROWS_AS(parse_pp_schedule("gpipe"), UsageError);
+  REQUIRE(parse_pp_schedule("zb-v") == PpSchedule::ZeroBubbleV);
+  REQUIRE(parse_pp_schedule("dualpipev") == PpSchedule::DualPipeV);
   REQUIRE(message([] { validate_pipeline(8, 2, 2, 4, PpSchedule::Interleaved, false, 1); }) ==
           "no error");
 }
