@@ -95,8 +95,8 @@ int v_placement(int p, int rank, int local) {
 }
 
 // ZB-V (Qi et al. 2023): B and W apart on the V, no bubble once the pipeline is full, at 1F1B's
-// memory (2p chunks' activations: p micro-batches of a stage). Built as the paper builds it, on a
-// clock of ticks (t_f = t_b = t_w): each tick, rank r runs the first of these that can run:
+// memory (2p chunks' activations: p micro-batches of a stage). Built, like the paper's, on a clock
+// of ticks (t_f = t_b = t_w), by rules of its own: each tick rank r runs the first that can run:
 // a new micro-batch's forward (chunk 0) while it holds at most 2p - 2 chunks and leads its
 // chunk 1 by fewer than 2(p - r) - 1 micro-batches (the V between them kept full, no fuller);
 // a forward of chunk 1 while it holds fewer than 2p; a B of chunk 0, then of 1; its oldest W.

@@ -33,8 +33,8 @@ struct PipelineOptions {
   int pp_virtual = 1;                             // --pp-virtual: model chunks per rank
 };
 void add_pipeline_flags(CLI::App& app, PipelineOptions& o);
-PpSchedule parse_pp_schedule(
-    const std::string& flag);  // afab|1f1b|interleaved|zb-h1|zb-v|dualpipev
+// --pp-schedule afab|1f1b|interleaved|zb-h1|zb-v|dualpipev
+PpSchedule parse_pp_schedule(const std::string& flag);
 const char* pp_schedule_name(PpSchedule s);
 // The configuration table's row: the schedule, its micro-batches and chunks; empty for pp = 1.
 std::string describe_pipeline(const PipelineOptions& o, int micro_batches);
@@ -59,10 +59,10 @@ std::vector<Stage> pipeline_chunks(int layers, int p, int V, int rank,
 // Throws UsageError naming the flags: layers < p x V, interleaved without m a multiple of p (or
 // V < 2), a V schedule without V = 2, V > 1 for another schedule, tied embeddings or ZeRO-3 with
 // pp > 1, ZeRO-2 with a schedule that defers weight gradients.
-// Whether schedule s runs V model chunks per rank (1; interleaved 2 or more; a V exactly 2).
-bool runs_chunks(PpSchedule s, int V);
 void validate_pipeline(int layers, int p, int V, int micro_batches, PpSchedule s, bool tied,
                        int zero_stage);
+// Whether schedule s runs V model chunks per rank (1; interleaved 2 or more; a V exactly 2).
+bool runs_chunks(PpSchedule s, int V);
 
 // ---- Schedules as tables (Playbook §8.3-§8.6) ----
 struct PipelineOp {
