@@ -149,7 +149,7 @@ Table zero_bubble_v(int p, int rank, int m, int) {
   return ranks[rank].ops;
 }
 
-// DualPipeV (DeepSeek-V3's DualPipe cut in half, as DeepSeek's and torchtitan's DualPipeV), on
+// DualPipeV (DeepSeek-V3's DualPipe cut in half, as DeepSeek's DualPipe repository runs it), on
 // the V in eight phases, `below` = p - 1 - r: (1) 2 below forwards of chunk 0; (2) r + 1 times
 // a forward of chunk 0 and one of chunk 1; (3) below times B, W (filling the wait) and a forward
 // of chunk 1; (4) m - 2p + r + 1 times two F&B pairs, a micro-batch's forward overlapped with

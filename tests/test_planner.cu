@@ -483,7 +483,7 @@ TEST_CASE(
 
 TEST_CASE(
     "the planner's 1F1B on 4 stages and 8 micro-batches idles 3/11 of the step when "
-    "communication is free",
+    "communication is free, ZB-V 3/51 and DualPipeV 6/54",
     "[planner]") {
   // Playbook §8.4: the idle share (p-1)/(m+p-1). The planner runs the schedule's tables on
   // paper with its predicted op times; with free links nothing else is exposed.
@@ -499,6 +499,16 @@ TEST_CASE(
   l.schedule = PpSchedule::AFAB;  // the same idle share, more memory
   CHECK(predict_time(c, l, cl, Implementation{}).bubble / (t.compute + t.bubble) ==
         Approx(3.0 / 11).epsilon(1e-6));
+  // The V, two chunks per rank (a B and a W cost a forward each): ZB-V idles the paper's
+  // (p-1)/(6m+p-1) = 3/51, DualPipeV DeepSeek's 2(p-1) of 6m + 2(p-1) ticks, 6/54.
+  l.virtual_stages = 2;
+  for (auto [s, share] :
+       {std::pair{PpSchedule::ZeroBubbleV, 3.0 / 51}, {PpSchedule::DualPipeV, 6.0 / 54}}) {
+    l.schedule = s;
+    StepTime v = predict_time(c, l, cl, Implementation{});
+    INFO(pp_schedule_name(s));
+    CHECK(v.bubble / (v.compute + v.bubble) == Approx(share).epsilon(1e-6));
+  }
 }
 
 TEST_CASE(
