@@ -338,7 +338,7 @@ void moe_forward(const ExpertParallel& ep, const TensorParallel& tp, const Model
 void moe_backward(const ExpertParallel& ep, const TensorParallel& tp, const ModelConfig& c,
                   const Context& ctx, const MoeWeights& w, const MoeWeights& g, MoeActivations& a,
                   const Tensor& x, const Tensor& dout, const Tensor& dx,
-                  const std::vector<float>& totals, float loss_scale) {
+                  const std::vector<float>& totals, float loss_scale, DeferredGrads* deferred) {
   const Routing& r = *a.routing;
   const Dispatch& d = *a.dispatch;
   const int E = c.experts, k = c.top_k;
@@ -359,13 +359,17 @@ void moe_backward(const ExpertParallel& ep, const TensorParallel& tp, const Mode
   Tensor arrived = empty_rows(ctx, R, D), d_y = empty_rows(ctx, R, D);
   all_to_all_rows(ep, ctx, dy_rows, d.send_peer, arrived, d.recv_peer);
   embedding_forward(ctx, d_y, device_ints(ctx, d.by_expert), arrived);
-  // Each expert's SwiGLU backward.
+  // Each expert's SwiGLU backward. Under a zero-bubble schedule (`deferred`) only the input
+  // gradients now: the experts' and the router's weight gradients wait for the W op, as the
+  // dense layers' do (Playbook §8.6).
+  const bool apart = deferred != nullptr;
+  auto now = [&](const Tensor& dW) { return apart ? Tensor() : dW; };
   Tensor d_act = empty_rows(ctx, R, F), d_gate = empty_rows(ctx, R, F),
          d_up = empty_rows(ctx, R, F);
   Tensor d_xe = empty_rows(ctx, R, D);
   for (int64_t j = 0, at = 0; j < (int64_t)w.experts.size(); at += d.expert_rows[j++])
     if (d.expert_rows[j] > 0)
-      linear_backward(ctx, d_act.view(at * F, {d.expert_rows[j], F}), g.experts[j].w2,
+      linear_backward(ctx, d_act.view(at * F, {d.expert_rows[j], F}), now(g.experts[j].w2),
                       d_y.view(at * D, {d.expert_rows[j], D}),
                       a.act.view(at * F, {d.expert_rows[j], F}), w.experts[j].w2);
   swiglu_backward(ctx, d_gate, d_up, d_act, a.gate, a.up);
@@ -373,8 +377,9 @@ void moe_backward(const ExpertParallel& ep, const TensorParallel& tp, const Mode
     const int64_t n = d.expert_rows[j];
     if (n == 0) continue;
     Tensor xe = a.xe.view(at * D, {n, D}), dxe = d_xe.view(at * D, {n, D});
-    linear_backward(ctx, dxe, g.experts[j].w1, d_gate.view(at * F, {n, F}), xe, w.experts[j].w1);
-    linear_backward(ctx, dxe, g.experts[j].w3, d_up.view(at * F, {n, F}), xe, w.experts[j].w3,
+    linear_backward(ctx, dxe, now(g.experts[j].w1), d_gate.view(at * F, {n, F}), xe,
+                    w.experts[j].w1);
+    linear_backward(ctx, dxe, now(g.experts[j].w3), d_up.view(at * F, {n, F}), xe, w.experts[j].w3,
                     true);
   }
   // Back to the tokens' ranks, and into each token's gradient (partial over tp).
@@ -397,8 +402,24 @@ void moe_backward(const ExpertParallel& ep, const TensorParallel& tp, const Mode
   Tensor d_logits = device_floats(ctx, route_backward(r, per_slot, d_prob), {N, E});
   // Every tp rank holds the same router and the same logits' gradient: the input's share is
   // added once (the region's backward sums dh over tp).
-  linear_backward(ctx, tp.rank() == 0 ? dh : Tensor(), g.router, d_logits, h, w.router, true);
+  linear_backward(ctx, tp.rank() == 0 ? dh : Tensor(), now(g.router), d_logits, h, w.router, true);
   tp_region_enter_backward(tp, ctx, dh, dx);
+  if (apart)  // dW += dy^T x for each expert's w2, w1, w3 on its rows, and the router's
+    weight_half(deferred, "experts' dW",
+                [&ctx, w, g, rows = d.expert_rows, xe = a.xe, act = a.act, d_y, d_gate, d_up, h,
+                 d_logits, F, D] {
+                  for (int64_t j = 0, at = 0; j < (int64_t)w.experts.size(); at += rows[j++]) {
+                    const int64_t n = rows[j];
+                    if (n == 0) continue;
+                    linear_backward(ctx, Tensor(), g.experts[j].w2, d_y.view(at * D, {n, D}),
+                                    act.view(at * F, {n, F}), w.experts[j].w2);
+                    linear_backward(ctx, Tensor(), g.experts[j].w1, d_gate.view(at * F, {n, F}),
+                                    xe.view(at * D, {n, D}), w.experts[j].w1);
+                    linear_backward(ctx, Tensor(), g.experts[j].w3, d_up.view(at * F, {n, F}),
+                                    xe.view(at * D, {n, D}), w.experts[j].w3);
+                  }
+                  linear_backward(ctx, Tensor(), g.router, d_logits, h, w.router);
+                });
   a = MoeActivations{};
 }
 

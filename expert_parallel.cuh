@@ -130,13 +130,15 @@ struct MoeActivations {
 void moe_forward(const ExpertParallel& ep, const TensorParallel& tp, const ModelConfig& cfg,
                  const Context& ctx, const MoeWeights& w, MoeActivations& a, const Tensor& x,
                  const Tensor& out, int layer, std::vector<float>* carry);
-// dx [n, D] (=) and the weights' gradients (+=) from dout [n, D]. `totals` [2E]: the
-// micro-batch's C_e and S_e over every layer, for the load-balancing loss's gradient, which
-// enters with weight aux_loss_coef x loss_scale x (the micro-batch's tokens).
+// dx [n, D] (=) and the weights' gradients (+=; or, the experts' and the router's, queued on
+// `deferred` for a zero-bubble W op) from dout [n, D]. `totals` [2E]: the micro-batch's C_e and
+// S_e over every layer, for the load-balancing loss's gradient, which enters with weight
+// aux_loss_coef x loss_scale x (the micro-batch's tokens).
 void moe_backward(const ExpertParallel& ep, const TensorParallel& tp, const ModelConfig& cfg,
                   const Context& ctx, const MoeWeights& w, const MoeWeights& g, MoeActivations& a,
                   const Tensor& x, const Tensor& dout, const Tensor& dx,
-                  const std::vector<float>& totals, float loss_scale);
+                  const std::vector<float>& totals, float loss_scale,
+                  DeferredGrads* deferred = nullptr);
 // Once the last layer has run on a micro-batch (its totals complete): its load-balancing loss,
 // recorded in ep.stats. Returns it.
 double moe_finish_micro_batch(const ExpertParallel& ep, const ModelConfig& cfg,

@@ -341,8 +341,8 @@ struct DenseMlp : FeedForward {
     return e * N * 3 * (c.ffn / tp);  // gate, up, act
   }
 };
-// A mixture of experts (expert_parallel.cu) over the model's ep and tp groups. The expert
-// weights' gradients are computed in the backward itself (not deferred to a zero-bubble W op).
+// A mixture of experts (expert_parallel.cu) over the model's ep and tp groups; under a
+// zero-bubble schedule its experts' and router's weight gradients wait for the W op too.
 struct MixtureMlp : FeedForward {
   void forward(const Context& ctx, const Model& m, int layer, const BlockWeights& w,
                BlockActivations& a, const Tensor& x, const Tensor& out,
@@ -351,8 +351,10 @@ struct MixtureMlp : FeedForward {
   }
   void backward(const Context& ctx, const Model& m, const BlockWeights& w, const BlockWeights& g,
                 BlockActivations& a, const Tensor& x, const Tensor& dout, const Tensor& dx,
-                const std::vector<float>& carry, float loss_scale, DeferredGrads*) const override {
-    moe_backward(m.ep, m.tp, m.cfg, ctx, w.moe, g.moe, a.moe, x, dout, dx, carry, loss_scale);
+                const std::vector<float>& carry, float loss_scale,
+                DeferredGrads* deferred) const override {
+    moe_backward(m.ep, m.tp, m.cfg, ctx, w.moe, g.moe, a.moe, x, dout, dx, carry, loss_scale,
+                 deferred);
   }
   int carry_numel() const override { return 2 * n_experts; }
   int64_t saved_bytes(const ModelConfig& c, int64_t N, int tp, int e) const override {
@@ -584,7 +586,7 @@ StagePayload stage_backward(const Context& ctx, Model& model, Activations& acts,
   // A unit's gradients are final once its weight gradients are: after the W op when deferred.
   auto gradients_ready = [&](int unit) {
     if (!deferred) return run_hook(hooks.after_backward, unit);
-    deferred->push_back([hook = hooks.after_backward, unit] { run_hook(hook, unit); });
+    deferred->push_back({nullptr, [hook = hooks.after_backward, unit] { run_hook(hook, unit); }});
   };
   int B = acts.B, T = acts.T;
   int64_t n = acts.x_final.size(0), D = model.cfg.d_model;

@@ -4,27 +4,29 @@
 // The one idea: a stage idles until the first micro-batch reaches it and after the last one
 // leaves, (p-1) forward-backward times per step whatever the order; more micro-batches (m) or
 // more, smaller chunks per rank (V) shrink that bubble to (p-1)/m, then (p-1)/(Vm), of the work,
-// and 1F1B bounds the activations a stage holds at p micro-batches where AFAB holds m.
+// and 1F1B bounds the activations a stage holds at p micro-batches where AFAB holds m; weight
+// gradients split from the backward fill the rest (zero bubble), to almost none on a V (ZB-V).
 //
-// Each schedule is a row of kSchedules: a table, a list of (forward or backward, micro-batch,
-// chunk) per rank, made by pipeline_schedule, and a placement, which model chunk each rank's
-// chunks are. One engine runs the tables (run_schedule, which also runs gradient accumulation:
-// the one-stage table); simulate_pipeline runs the tables of every rank against each other on
-// paper (planner/pipeline_timing.cu), which is how the tests, --report bubble and the planner
-// read them.
+// Each schedule is a row of kSchedules: a table (per rank, forward, backward and weight ops, each
+// of a micro-batch and a chunk) and a placement (the loop or the V: which model chunk each rank's
+// chunks are). One engine runs the tables (run_schedule; one stage's is gradient accumulation);
+// simulate_pipeline runs every rank's against the others on paper (planner/pipeline_timing.cu),
+// as the tests, --report bubble and the planner read them.
 // Guide: docs/pipeline-parallel.md (the code in reading order, the reports that show it).
 #include <algorithm>
 #include <cmath>
 #include <deque>
+#include <limits>
 #include <map>
 
 #include "pipeline_parallel.cuh"
+#include "runtime/exchange.cuh"
 #include "runtime/options.cuh"
 
 // ----------------------------------------------------------------------------
 // Schedules as tables (Playbook §8.3-§8.6). A schedule is a row: its table, its placement and
-// the book's idle fraction; what the engine and the paper run need (whether the backward
-// splits into B and W) is read off the table. A new schedule is a function and a row.
+// the book's idle fraction; what the engine and the paper run need (which backwards split into
+// B and W, which ops run as a pair) is read off the table. A new schedule is a function and a row.
 
 namespace {
 using Table = std::vector<PipelineOp>;
@@ -85,29 +87,145 @@ Table interleaved(int p, int rank, int m, int V) {
 int loop_placement(int p, int rank, int local) {
   return local * p + rank;
 }
+// The V (ZB-V, DeepSeek's DualPipeV): chunk 0 down the ranks, chunk 1 back up, rank r holding
+// model chunks r and 2p - 1 - r. Chunks p - 1 and p meet on rank p - 1 (the tip: no message),
+// the embedding and the head on rank 0.
+int v_placement(int p, int rank, int local) {
+  return local == 0 ? rank : 2 * p - 1 - rank;
+}
+
+// ZB-V (Qi et al. 2023): B and W apart on the V, no bubble once the pipeline is full, at 1F1B's
+// memory (2p chunks' activations: p micro-batches of a stage). Built, like the paper's, on a clock
+// of ticks (t_f = t_b = t_w), by rules of its own: each tick rank r runs the first that can run:
+// a new micro-batch's forward (chunk 0) while it holds at most 2p - 2 chunks and leads its
+// chunk 1 by fewer than 2(p - r) - 1 micro-batches (the V between them kept full, no fuller);
+// a forward of chunk 1 while it holds fewer than 2p; a B of chunk 0, then of 1; its oldest W.
+// A rank idles only until micro-batch 0 reaches it, p - 1 ticks: the least any table can.
+Table zero_bubble_v(int p, int rank, int m, int) {
+  // When each (model chunk, micro-batch)'s forward [0] and B [1] end, in ticks.
+  std::vector<std::vector<int>> end[2];
+  end[0] = end[1] = std::vector<std::vector<int>>(2 * p, std::vector<int>(m, 1 << 30));
+  struct Rank {
+    int next[2][2] = {}, held = 0;   // per kind and chunk the next micro-batch; activations held
+    std::deque<PipelineOp> weights;  // W's to run, oldest first
+    Table ops;
+  };
+  std::vector<Rank> ranks(p);
+  for (int tick = 0, left = 6 * m * p; left > 0; tick++) {
+    PICO_ASSERT(tick < 12 * (m + p), "the ZB-V tables stopped making progress");
+    std::vector<std::optional<PipelineOp>> runs(p);
+    for (int r = 0; r < p; r++) {
+      Rank& x = ranks[r];
+      auto ready = [&](Phase kind, int c) {
+        const int g = v_placement(p, r, c), i = x.next[(int)kind][c];
+        if (i == m) return false;
+        if (kind == Phase::Forward) return g == 0 || end[0][g - 1][i] <= tick;
+        return end[0][g][i] <= tick && (g == 2 * p - 1 || end[1][g + 1][i] <= tick);
+      };
+      if (ready(Phase::Forward, 0) && x.held <= 2 * p - 2 &&
+          x.next[0][0] - x.next[0][1] < 2 * (p - r) - 1)
+        runs[r] = PipelineOp{Phase::Forward, 0, 0};
+      else if (ready(Phase::Forward, 1) && x.held < 2 * p)
+        runs[r] = PipelineOp{Phase::Forward, 0, 1};
+      else if (ready(Phase::Backward, 0) || ready(Phase::Backward, 1))
+        runs[r] = PipelineOp{Phase::Backward, 0, ready(Phase::Backward, 0) ? 0 : 1};
+      else if (!x.weights.empty())
+        runs[r] = x.weights.front();
+    }
+    for (int r = 0; r < p; r++) {  // what ran this tick ends with it
+      if (!runs[r]) continue;
+      Rank& x = ranks[r];
+      PipelineOp op = *runs[r];
+      if (op.kind != Phase::Weight) {
+        op.micro = x.next[(int)op.kind][op.chunk]++;
+        end[(int)op.kind][v_placement(p, r, op.chunk)][op.micro] = tick + 1;
+      }
+      if (op.kind == Phase::Forward) x.held++;
+      if (op.kind == Phase::Backward) x.weights.push_back({Phase::Weight, op.micro, op.chunk});
+      if (op.kind == Phase::Weight) x.weights.pop_front(), x.held--;
+      x.ops.push_back(op), left--;
+    }
+  }
+  return ranks[rank].ops;
+}
+
+// DualPipeV (DeepSeek-V3's DualPipe cut in half, as DeepSeek's DualPipe repository runs it), on
+// the V in eight phases, `below` = p - 1 - r: (1) 2 below forwards of chunk 0; (2) r + 1 times
+// a forward of chunk 0 and one of chunk 1; (3) below times B, W (filling the wait) and a forward
+// of chunk 1; (4) m - 2p + r + 1 times two F&B pairs, a micro-batch's forward overlapped with
+// another's whole backward (chunk 0's forward with chunk 1's backward, then the other way; the
+// last rank's first pair apart); (5) below times a backward of chunk 1 and an F&B; (6) r + 1
+// backwards of each chunk, the later half B alone; (7) below times a W and a B of chunk 0; (8)
+// the last W's. With m < 2p: the tables of 2p less the missing micro-batches' ops. A rank holds
+// 2p + 1 chunks at most (DeepSeek's PP + 1), idles (p-1)(F&B + B - 3W) (DeepSeek's, PP/2 = p).
+Table dual_pipe_v(int p, int rank, int m, int) {
+  const int r = rank, below = p - 1 - r, M = std::max(m, 2 * p);
+  Table ops;
+  int forwards[2] = {0, 0}, backwards[2] = {0, 0};
+  std::deque<PipelineOp> weights;  // the W's of the B's run alone, oldest first
+  auto F = [&](int c, bool with_next = false) {
+    ops.push_back({Phase::Forward, forwards[c]++, c, with_next});
+  };
+  auto B = [&](int c, bool w_apart = false) {
+    if (w_apart) weights.push_back({Phase::Weight, backwards[c], c});
+    ops.push_back({Phase::Backward, backwards[c]++, c});
+  };
+  auto W = [&] { ops.push_back(weights.front()), weights.pop_front(); };
+  for (int i = 0; i < 2 * below; i++) F(0);
+  for (int i = 0; i <= r; i++) F(0), F(1);
+  for (int i = 0; i < below; i++) B(1, true), W(), F(1);
+  for (int i = 0; i < M - 2 * p + r + 1; i++) {
+    F(0, i > 0 || r < p - 1), B(1);
+    F(1, true), B(0);
+  }
+  for (int i = 0; i < below; i++) B(1), F(1, true), B(0);
+  for (int i = 0, half = (r + 1) / 2; i <= r; i++)
+    B(1, i > half || (i == half && r % 2)), B(0, i >= half);
+  for (int i = 0; i < below; i++) W(), B(0, true);
+  while (!weights.empty()) W();
+  Table mine;  // without the ops of micro-batches m .. M - 1
+  for (size_t k = 0; k < ops.size(); k++)
+    if (ops[k].micro < m)
+      mine.push_back(ops[k]);
+    else if (k > 0 && ops[k - 1].with_next && ops[k - 1].micro < m)
+      mine.back().with_next = false;  // its partner left out: it runs alone
+  return mine;
+}
 
 struct ScheduleRow {
   PpSchedule id;
   const char* name;  // --pp-schedule
   Table (*table)(int p, int rank, int m, int V);
   int (*placement)(int p, int rank, int local);
-  bool chunks;  // runs V >= 2 model chunks per rank
-  bool groups;  // runs micro-batches in groups of p (m a multiple of p)
+  int fewest_chunks, most_chunks;  // model chunks per rank it runs (--pp-virtual)
+  bool groups;                     // runs micro-batches in groups of p (m a multiple of p)
   // The book's idle fraction of a step (the bubble as a share of the step, not of the work).
   double (*bubble)(int p, int m, int V);
+  const char* formula;  // that fraction in words
 };
+const int kAny = std::numeric_limits<int>::max();
 const ScheduleRow kSchedules[] = {
-    {PpSchedule::AFAB, "afab", afab, loop_placement, false, false,
-     [](int p, int m, int) { return (p - 1) / (m + p - 1.0); }},
+    {PpSchedule::AFAB, "afab", afab, loop_placement, 1, 1, false,
+     [](int p, int m, int) { return (p - 1) / (m + p - 1.0); }, "(p-1)/(m+p-1) (Playbook §8.3)"},
     {PpSchedule::OneFOneB, "1f1b",
-     [](int p, int rank, int m, int) { return one_f_one_b(p, rank, m, false); }, loop_placement,
-     false, false, [](int p, int m, int) { return (p - 1) / (m + p - 1.0); }},
-    {PpSchedule::Interleaved, "interleaved", interleaved, loop_placement, true, true,
-     [](int p, int m, int V) { return (p - 1) / ((double)V * m + p - 1); }},
+     [](int p, int rank, int m, int) { return one_f_one_b(p, rank, m, false); }, loop_placement, 1,
+     1, false, [](int p, int m, int) { return (p - 1) / (m + p - 1.0); },
+     "(p-1)/(m+p-1), a bubble of (p-1)/m of the ideal time (Playbook §8.4)"},
+    {PpSchedule::Interleaved, "interleaved", interleaved, loop_placement, 2, kAny, true,
+     [](int p, int m, int V) { return (p - 1) / ((double)V * m + p - 1); },
+     "(p-1)/(Vm+p-1), a bubble of (p-1)/(Vm) of the ideal time (Playbook §8.5)"},
     // t_f = t_b = t_w: the idle (p-1)(t_f + t_b - t_w) of a step of 3m + p - 1 ticks.
     {PpSchedule::ZeroBubbleH1, "zb-h1",
-     [](int p, int rank, int m, int) { return one_f_one_b(p, rank, m, true); }, loop_placement,
-     false, false, [](int p, int m, int) { return (p - 1) / (3.0 * m + p - 1); }},
+     [](int p, int rank, int m, int) { return one_f_one_b(p, rank, m, true); }, loop_placement, 1,
+     1, false, [](int p, int m, int) { return (p - 1) / (3.0 * m + p - 1); },
+     "(p-1)(t_f+t_b-t_w) of idle, (p-1)/(3m+p-1) with equal costs (Playbook §8.6)"},
+    // Steps of 6m chunk ticks per rank: the ramp idles, (p-1) t_f; dualpipev 2(p-1) (m >= 2p).
+    {PpSchedule::ZeroBubbleV, "zb-v", zero_bubble_v, v_placement, 2, 2, false,
+     [](int p, int m, int) { return (p - 1) / (6.0 * m + p - 1); },
+     "(p-1)/(6m+p-1): no bubble once full (Qi et al.), (p-1) t_f on the way down"},
+    {PpSchedule::DualPipeV, "dualpipev", dual_pipe_v, v_placement, 2, 2, false,
+     [](int p, int m, int) { return (p - 1.0) / (3.0 * m + p - 1); },
+     "(PP/2-1)(F&B+B-3W), PP = 2p (DeepSeek-V3): 2(p-1) ticks of 6m+2(p-1) if m >= 2p"},
 };
 const ScheduleRow& row(PpSchedule s) {
   for (const ScheduleRow& r : kSchedules)
@@ -132,12 +250,20 @@ const char* pp_schedule_name(PpSchedule s) {
 std::vector<PipelineOp> pipeline_schedule(PpSchedule s, int p, int rank, int m, int V) {
   return row(s).table(p, rank, m, V);
 }
-bool splits_backward(const std::vector<PipelineOp>& table) {
-  return std::any_of(table.begin(), table.end(),
-                     [](const PipelineOp& op) { return op.kind == Phase::Weight; });
+std::set<std::pair<int, int>> weights_apart(const std::vector<PipelineOp>& table) {
+  std::set<std::pair<int, int>> apart;
+  for (const PipelineOp& op : table)
+    if (op.kind == Phase::Weight) apart.insert({op.micro, op.chunk});
+  return apart;
+}
+bool runs_chunks(PpSchedule s, int V) {
+  return V >= row(s).fewest_chunks && V <= row(s).most_chunks;
 }
 double bubble_fraction(PpSchedule s, int p, int m, int V) {
   return row(s).bubble(p, m, V);
+}
+std::string bubble_formula(PpSchedule s) {
+  return row(s).formula;
 }
 
 // ----------------------------------------------------------------------------
@@ -178,23 +304,25 @@ void add_pipeline_flags(CLI::App& app, PipelineOptions& o) {
   g.add_option("--pp", o.pp, "pipeline-parallel stages, >= 1")->capture_default_str();
   add_typed(g, "--pp-schedule", &o.pp_schedule, parse_pp_schedule, pp_schedule_name(o.pp_schedule),
             "pipeline schedule: " + names);
-  g.add_option("--pp-virtual", o.pp_virtual, "model chunks per pipeline rank (interleaved), >= 1")
+  g.add_option("--pp-virtual", o.pp_virtual,
+               "model chunks per pipeline rank (interleaved: >= 2; zb-v, dualpipev: 2)")
       ->capture_default_str();
 }
 
 void validate_pipeline(int layers, int p, int V, int m, PpSchedule s, bool tied, int zero_stage) {
   check_positive(p, "--pp");
   std::string pp = "--pp " + std::to_string(p), name = pp_schedule_name(s);
-  const bool chunks = row(s).chunks;
+  const ScheduleRow& sr = row(s);
   if (V < 1) throw UsageError("--pp-virtual " + std::to_string(V) + ": must be >= 1");
-  if (chunks && V < 2)
-    throw UsageError("--pp-schedule " + name +
-                     " needs --pp-virtual 2 or more model chunks per rank (with one chunk it is "
-                     "1f1b)");
-  if (!chunks && V > 1) {
+  if (!runs_chunks(s, V) && sr.fewest_chunks > 1)
+    throw UsageError("--pp-schedule " + name + " needs --pp-virtual " +
+                     (sr.most_chunks == 2 ? "2: two model chunks per rank, in a V"
+                                          : "2 or more model chunks per rank (with one chunk it "
+                                            "is 1f1b)"));
+  if (!runs_chunks(s, V)) {
     std::string chunked;
     for (const ScheduleRow& r : kSchedules)
-      if (r.chunks) chunked += std::string(chunked.empty() ? "" : " or ") + r.name;
+      if (runs_chunks(r.id, V)) chunked += std::string(chunked.empty() ? "" : " or ") + r.name;
     throw UsageError("--pp-virtual " + std::to_string(V) + " needs --pp-schedule " + chunked);
   }
   if (layers < p * V)
@@ -211,98 +339,16 @@ void validate_pipeline(int layers, int p, int V, int m, PpSchedule s, bool tied,
                      ": the embedding lives on the first stage and the head on the last; tied "
                      "weights across stages are not supported, drop --tie-embeddings (or, for a "
                      "preset that ties them, add --untie-embeddings)");
-  if (zero_stage == 2 && splits_backward(pipeline_schedule(s, p, 0, m, V)))
-    throw UsageError("--zero 2 with --pp-schedule " + name +
-                     ": ZeRO-2 reduce-scatters each micro-batch's gradient as soon as it is "
-                     "final, while " +
-                     name +
-                     " still adds earlier micro-batches' deferred "
-                     "weight gradients; use --zero 1");
+  if (zero_stage == 2 && !weights_apart(pipeline_schedule(s, p, 0, m, V)).empty())
+    throw UsageError("--zero 2 with --pp-schedule " + name + ": ZeRO-2 reduce-scatters each " +
+                     "micro-batch's gradient as soon as it is final, while " + name +
+                     " still adds earlier micro-batches' deferred weight gradients; use --zero 1");
   if (zero_stage == 3)
     throw UsageError("--zero 3 with " + pp +
                      ": ZeRO-3 would gather every unit's weights again for each micro-batch in "
                      "flight, which pipelining multiplies (Playbook §10.2: ZeRO-3 and PP are "
                      "alternatives); use --zero 1 or 2 with --pp");
 }
-
-// ----------------------------------------------------------------------------
-// Point-to-point: sends go out with the next receive
-
-// Picotron's send_forward_recv_backward and Megatron's batched p2p. On NCCL a send is queued
-// and issued together with the receive the next op needs, as one grouped call: two neighbours
-// that each send before they receive would otherwise each have a send at the head of their
-// communication stream that the other's receive, queued behind its own send, never reaches.
-// On MPI sends are nonblocking and only the receive is waited for (a large send completes only
-// once the peer receives it, which it may do only after this rank's next op). Sends followed by
-// no receive go out on their own; every send is waited for at the end of the step. Where two
-// consecutive model chunks sit on one rank (a V placement's tip), the tensor is handed over on
-// that rank: no message, and no buffer of its own.
-class Exchange {
- public:
-  Exchange(Comm& comm, const Context& ctx) : comm_(comm), ctx_(ctx) {}
-  void send(Group& g, int peer, const Tensor& t) {
-    if (peer == g.rank) {
-      handed_[&g].push_back(t);
-      return;
-    }
-    queued_.push_back({true, t.f32(), t.numel(), peer, &g});
-    keep_.push_back(t);
-  }
-  // Receives [n, D] from peer of g (issuing the queued sends with it) and waits for it.
-  Tensor receive(Group& g, int peer, std::vector<int64_t> shape, Mem category) {
-    if (peer == g.rank) {  // as an op that receives nothing: the queued sends go on their own
-      flush();
-      std::deque<Tensor>& mine = handed_[&g];
-      PICO_ASSERT(!mine.empty(), "a chunk's input asked for on its own rank before it was made");
-      Tensor t = mine.front();
-      mine.pop_front();
-      return t;
-    }
-    Tensor t = empty(ctx_, std::move(shape), category);
-    P2P recv{false, t.f32(), t.numel(), peer, &g};
-    if (comm_.backend != Backend::NCCL) {
-      flush();
-      send_recv_async(comm_, comm_.pp, ctx_, {recv}).wait();
-      return t;
-    }
-    queued_.push_back(recv);
-    send_recv_async(comm_, comm_.pp, ctx_, queued_).wait();  // orders the compute stream only
-    queued_.clear();
-    keep_.clear();
-    return t;
-  }
-  // A micro-batch's payload (model.cuh's StagePayload, the hidden state first), tensor by tensor:
-  // the hidden state in `category` (the forward's input is an activation), the rest workspace.
-  StagePayload receive(Group& g, int peer, const std::vector<std::vector<int64_t>>& shapes,
-                       Mem category) {
-    StagePayload in;
-    for (size_t i = 0; i < shapes.size(); i++)
-      in.push_back(receive(g, peer, shapes[i], i == 0 ? category : Mem::Workspace));
-    return in;
-  }
-  void send(Group& g, int peer, const StagePayload& out) {
-    for (const Tensor& t : out) send(g, peer, t);
-  }
-  void flush() {
-    if (queued_.empty()) return;
-    in_flight_.push_back({send_recv_async(comm_, comm_.pp, ctx_, queued_), keep_});
-    queued_.clear();
-    keep_.clear();
-  }
-  void finish() {
-    flush();
-    for (auto& [handle, buffers] : in_flight_) handle.wait();
-    in_flight_.clear();
-  }
-
- private:
-  Comm& comm_;
-  const Context& ctx_;
-  std::vector<P2P> queued_;
-  std::vector<Tensor> keep_;  // queued sends' buffers, alive until sent
-  std::vector<std::pair<Handle, std::vector<Tensor>>> in_flight_;
-  std::map<const Group*, std::deque<Tensor>> handed_;  // per group: sent to this rank itself
-};
 
 // ----------------------------------------------------------------------------
 // The engine
@@ -315,50 +361,59 @@ double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& 
   const StagePlacement at = stage_placement(cfg.schedule, p, V);
   int64_t tokens = (int64_t)batch.mbs * batch.seq;  // per micro-batch
   const std::vector<std::vector<int64_t>> payload = stage_payload_shapes(model, tokens);
-  // One stage: gradient accumulation, whatever --pp-schedule says.
+  // One stage of one chunk: gradient accumulation, whatever --pp-schedule says.
   std::vector<PipelineOp> table =
-      pipeline_schedule(p > 1 ? cfg.schedule : PpSchedule::OneFOneB, p, rank, m, V);
-  const bool split = splits_backward(table);  // zero-bubble: B and W apart
+      pipeline_schedule(p * V > 1 ? cfg.schedule : PpSchedule::OneFOneB, p, rank, m, V);
+  const std::set<std::pair<int, int>> apart = weights_apart(table);  // zero-bubble: B and W
   double loss_sum = 0;
-  Exchange exchange(comm, ctx);
+  // Sends go out with the next receive, on the pp group's calls (runtime/exchange.cuh).
+  Exchange exchange(comm, comm.pp, ctx);
   std::map<std::pair<int, int>, Activations> saved;      // (micro-batch, chunk) in flight
   std::map<std::pair<int, int>, DeferredGrads> weights;  // zero-bubble: W ops still to run
-  for (const PipelineOp& op : table) {
+  // A forward receives the previous model chunk's output, a backward the next one's input
+  // gradient (from this rank itself at a V's tip); other ops let the queued sends go.
+  auto receive = [&](const PipelineOp& op) {
+    const int g = at.chunks[rank][op.chunk];
+    if (op.kind == Phase::Forward && g > 0)
+      return exchange.receive(comm.pp, at.rank[g - 1], payload, Mem::Activations);
+    if (op.kind == Phase::Backward && g < last_chunk)
+      return exchange.receive(comm.pp_grad, at.rank[g + 1], payload, Mem::Workspace);
+    exchange.flush();
+    return StagePayload{};
+  };
+  std::deque<StagePayload> inputs;  // received for this op (and, DualPipe's F&B, the next)
+  for (size_t k = 0; k < table.size(); k++) {
+    const PipelineOp& op = table[k];
     int g = at.chunks[rank][op.chunk];  // its model chunk
-    // The ranks that hold the model chunks before and after it, where there are such chunks
-    // (this rank itself where two consecutive chunks sit on it: Exchange hands over).
-    const int prev = g > 0 ? at.rank[g - 1] : rank;
-    const int next = g < last_chunk ? at.rank[g + 1] : rank;
     std::pair<int, int> key{op.micro, op.chunk};
-    bool forward = op.kind == Phase::Forward, backward = op.kind == Phase::Backward;
-    // Receive what the op needs (with the queued sends), or let the queued sends go.
-    StagePayload input;
-    if (forward && g > 0) {
-      input = exchange.receive(comm.pp, prev, payload, Mem::Activations);
-    } else if (backward && g < last_chunk) {
-      input = exchange.receive(comm.pp_grad, next, payload, Mem::Workspace);
-    } else {
-      exchange.flush();
-    }
+    if (k == 0 || !table[k - 1].with_next)
+      for (size_t j = k; j <= k + op.with_next; j++) inputs.push_back(receive(table[j]));
+    StagePayload input = std::move(inputs.front());
+    inputs.pop_front();
     observer.before(op.kind, op.micro);
     UnitHooks hooks = sync.hooks(ctx, op.micro == m - 1);
     double start = now_seconds();
     int64_t block_bytes = -1;
     if (op.kind == Phase::Weight) {  // the deferred weight gradients, then their hooks
-      for (const std::function<void()>& w : weights[key]) w();
+      for (const DeferredGrad& w : weights[key]) {
+        double began = now_seconds();
+        w.run();
+        if (w.what) observer.span(w.what, Track::Compute, began, now_seconds());
+      }
       weights.erase(key);
-    } else if (forward) {
+    } else if (op.kind == Phase::Forward) {
       Activations& acts = saved[key];
       loss_sum += stage_forward(ctx, model, acts, batch.inputs + op.micro * tokens,
                                 std::move(input), batch.targets + op.micro * tokens, batch.mbs,
                                 batch.seq, mode, hooks, op.chunk);
       if (!acts.blocks.empty()) block_bytes = saved_bytes(acts.blocks[0]);
-      if (g < last_chunk) exchange.send(comm.pp, next, stage_output(ctx, model, acts));
+      if (g < last_chunk) exchange.send(comm.pp, at.rank[g + 1], stage_output(ctx, model, acts));
     } else {
-      StagePayload d_in = stage_backward(ctx, model, saved[key], loss_scale, std::move(input), mode,
-                                         hooks, op.chunk, split ? &weights[key] : nullptr);
+      StagePayload d_in =
+          stage_backward(ctx, model, saved[key], loss_scale, std::move(input), mode, hooks,
+                         op.chunk, apart.count(key) ? &weights[key] : nullptr);
       saved.erase(key);
-      if (g > 0) exchange.send(comm.pp_grad, prev, d_in);
+      if (g > 0) exchange.send(comm.pp_grad, at.rank[g - 1], d_in);
     }
     observer.after(op.kind, op.micro, op.chunk, V, start, block_bytes);
   }
@@ -371,17 +426,15 @@ float pipeline_forward(const Context& ctx, Comm& comm, Model& model, Activations
   int p = comm.pp.size, rank = comm.pp.rank, V = (int)model.chunks.size(), last_chunk = p * V - 1;
   const StagePlacement at = stage_placement(s, p, V);
   const std::vector<std::vector<int64_t>> payload = stage_payload_shapes(model, (int64_t)B * T);
-  Exchange exchange(comm, ctx);
+  Exchange exchange(comm, comm.pp, ctx);
   float loss = 0;
   for (int c = 0; c < V; c++) {  // this rank's chunks, in the model's order
     const int g = at.chunks[rank][c];
-    const int prev = g > 0 ? at.rank[g - 1] : rank;
-    const int next = g < last_chunk ? at.rank[g + 1] : rank;
     StagePayload input;
-    if (g > 0) input = exchange.receive(comm.pp, prev, payload, Mem::Activations);
+    if (g > 0) input = exchange.receive(comm.pp, at.rank[g - 1], payload, Mem::Activations);
     loss = stage_forward(ctx, model, acts, ids, std::move(input), targets, B, T, Recompute::None,
                          {}, c);
-    if (g < last_chunk) exchange.send(comm.pp, next, stage_output(ctx, model, acts));
+    if (g < last_chunk) exchange.send(comm.pp, at.rank[g + 1], stage_output(ctx, model, acts));
     exchange.flush();
   }
   exchange.finish();

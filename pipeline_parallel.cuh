@@ -4,7 +4,9 @@
 // forwards and backwards, and the bubble is the time a rank waits.
 #pragma once
 #include <optional>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model.cuh"
@@ -12,7 +14,14 @@
 #include "runtime/observe.cuh"
 #include "runtime/report.cuh"
 
-enum class PpSchedule { AFAB, OneFOneB, Interleaved, ZeroBubbleH1 };
+enum class PpSchedule {
+  AFAB,          // §8.3: every forward, then every backward (GPipe)
+  OneFOneB,      // §8.4
+  Interleaved,   // §8.5, Megatron's loop of V chunks per rank
+  ZeroBubbleH1,  // §8.6, Qi et al. 2023
+  ZeroBubbleV,   // the zero-bubble paper's V (Qi et al. 2023)
+  DualPipeV,     // DeepSeek-V3's DualPipe cut in half, on the V
+};
 
 // ---- Flags (Playbook §8) ----
 namespace CLI {
@@ -24,15 +33,16 @@ struct PipelineOptions {
   int pp_virtual = 1;                             // --pp-virtual: model chunks per rank
 };
 void add_pipeline_flags(CLI::App& app, PipelineOptions& o);
-PpSchedule parse_pp_schedule(const std::string& flag);  // afab|1f1b|interleaved|zb-h1
+// --pp-schedule afab|1f1b|interleaved|zb-h1|zb-v|dualpipev
+PpSchedule parse_pp_schedule(const std::string& flag);
 const char* pp_schedule_name(PpSchedule s);
 // The configuration table's row: the schedule, its micro-batches and chunks; empty for pp = 1.
 std::string describe_pipeline(const PipelineOptions& o, int micro_batches);
 
 // ---- Placement and partition (Playbook §8.1, §8.5) ----
 // Which of the model's p x V chunks (numbered along the model, 0 .. pV - 1) each rank holds: a
-// column of the schedule's row. Every schedule here uses Megatron's loop, rank r holding chunks
-// r, r + p, r + 2p, ...; a V (DeepSeek, ZB-V) would run chunk 1 back up the ranks, rank r
+// column of the schedule's row. Megatron's loop (afab, 1f1b, interleaved, zb-h1): rank r holds
+// chunks r, r + p, r + 2p, ...; the V (zb-v, dualpipev): chunk 1 runs back up the ranks, rank r
 // holding r and 2p - 1 - r, so that chunks p - 1 and p meet on rank p - 1.
 struct StagePlacement {
   std::vector<std::vector<int>> chunks;  // per rank: its model chunks, in its local order
@@ -42,33 +52,45 @@ struct StagePlacement {
 };
 StagePlacement stage_placement(PpSchedule s, int p, int V);
 // L blocks in p x V contiguous chunks, as even as possible: the first L mod pV chunks get one
-// block more; rank `rank` gets the chunks the placement of `s` gives it (the default: the loop
-// that every schedule here shares). Chunk 0 also holds the embedding, chunk pV - 1 the final
-// norm, LM head and loss.
+// block more; rank `rank` gets the chunks the placement of `s` gives it (the default: the
+// loop). Chunk 0 also holds the embedding, chunk pV - 1 the final norm, LM head and loss.
 std::vector<Stage> pipeline_chunks(int layers, int p, int V, int rank,
                                    PpSchedule s = PpSchedule::OneFOneB);
 // Throws UsageError naming the flags: layers < p x V, interleaved without m a multiple of p (or
-// V < 2), V > 1 for another schedule, tied embeddings or ZeRO-3 with pp > 1, ZeRO-2 with zb-h1.
+// V < 2), a V schedule without V = 2, V > 1 for another schedule, tied embeddings or ZeRO-3 with
+// pp > 1, ZeRO-2 with a schedule that defers weight gradients.
 void validate_pipeline(int layers, int p, int V, int micro_batches, PpSchedule s, bool tied,
                        int zero_stage);
+// Whether schedule s runs V model chunks per rank (1; interleaved 2 or more; a V exactly 2).
+bool runs_chunks(PpSchedule s, int V);
 
 // ---- Schedules as tables (Playbook §8.3-§8.6) ----
 struct PipelineOp {
   // Backward: the whole backward, or (zero-bubble) only its input-gradient half, B, whose
-  // weight-gradient half W runs later as its own op (Qi et al., 2023).
+  // weight-gradient half W runs later as its own op (Qi et al., 2023): when the table holds a
+  // W of the same micro-batch and chunk.
   Phase kind;
   int micro;  // micro-batch
   int chunk;  // which of this rank's V chunks (0 .. V-1); stage_placement says which model chunk
+  // DualPipe's F&B (DeepSeek-V3): this op and the next run as one, both inputs received before
+  // either computes, both outputs sent after.
+  bool with_next = false;
 };
 // Rank `rank`'s ops in order, for p stages, m micro-batches and V chunks per rank.
 std::vector<PipelineOp> pipeline_schedule(PpSchedule s, int p, int rank, int m, int V);
-// A table with weight ops (zero-bubble) needs the backward split into B and W.
-bool splits_backward(const std::vector<PipelineOp>& table);
+// The (micro-batch, chunk) pairs whose backward is B alone: the table runs their W apart
+// (zero-bubble; none: every backward whole).
+std::set<std::pair<int, int>> weights_apart(const std::vector<PipelineOp>& table);
 
-// The book's idle fraction of a step: (p-1)/(m+p-1) for AFAB and 1F1B, (p-1)/(Vm+p-1)
-// interleaved (the bubble (p-1)/m, resp. (p-1)/(Vm), of the ideal time, as a share of the step);
-// ZB-H1 idles (p-1)(t_f + t_b - t_w), which with t_f = t_b = t_w is (p-1)/(3m+p-1).
+// The book's (or the paper's) idle fraction of a step: (p-1)/(m+p-1) for AFAB and 1F1B,
+// (p-1)/(Vm+p-1) interleaved (the bubble (p-1)/m, resp. (p-1)/(Vm), of the ideal time, as a
+// share of the step); ZB-H1 idles (p-1)(t_f + t_b - t_w), which with t_f = t_b = t_w is
+// (p-1)/(3m+p-1); ZB-V no bubble past the first micro-batch's way down, (p-1) t_f of a chunk,
+// (p-1)/(6m+p-1); DualPipeV (p-1)(F&B + B - 3W) of chunk ops (DeepSeek-V3, PP = 2p stages),
+// 2(p-1) of 6m + 2(p-1) ticks with equal costs (m >= 2p).
 double bubble_fraction(PpSchedule s, int p, int m, int V);
+// The formula in words, for --report bubble.
+std::string bubble_formula(PpSchedule s);
 // The tables run on paper, their chart and --report bubble's prediction: the one simulator,
 // planner/pipeline_timing.cuh.
 

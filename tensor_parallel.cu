@@ -170,10 +170,9 @@ static void add_replicated_grad(const TensorParallel& tp, const Context& ctx, co
   axpy(ctx, grad, 1.0f, part);
 }
 
-// Runs `weights` now, or queues it for a zero-bubble schedule's W op.
-static void weight_half(DeferredGrads* deferred, std::function<void()> weights) {
+void weight_half(DeferredGrads* deferred, const char* what, std::function<void()> weights) {
   if (deferred)
-    deferred->push_back(std::move(weights));
+    deferred->push_back({what, std::move(weights)});
   else
     weights();
 }
@@ -186,7 +185,7 @@ void column_parallel_backward(const TensorParallel& tp, const Context& ctx, cons
   Tensor dh = tp.sp ? workspace({N, D}, ctx) : dx;  // [N, D], partial over tp
   for (size_t i = 0; i < grads.size(); i++)         // input gradient: sum_i dy_i W_i
     linear_backward(ctx, dh, Tensor(), grads[i].dy, h, grads[i].W, i > 0);
-  weight_half(deferred, [tp, &ctx, h, grads] {
+  weight_half(deferred, "dW", [tp, &ctx, h, grads] {
     bool replicated = tp.local.kv_replicas > 1;
     for (const ColumnGrad& g : grads) {
       // A replicated kv head's part, summed over its copies before it is added.
@@ -219,7 +218,7 @@ void row_parallel_backward(const TensorParallel& tp, const Context& ctx, const T
     copy_(saved, dy);
     dfull = saved;
   }
-  weight_half(deferred,
+  weight_half(deferred, "dW",
               [&ctx, dW, dfull, x, W] { linear_backward(ctx, Tensor(), dW, dfull, x, W); });
 }
 

@@ -90,8 +90,15 @@ int64_t sp_tokens(const TensorParallel& tp, int64_t tokens);
 
 // The weight-gradient halves of a backward pass (dW += dy^T x, and the sums of replicated
 // copies), held back by a zero-bubble pipeline schedule to run later as its W op (Playbook
-// §8.6); run in order. Each captures the tensors it reads.
-using DeferredGrads = std::vector<std::function<void()>>;
+// §8.6); run in order. Each captures the tensors it reads, and says what it computes (the W op
+// shows it in the trace; null for a gradient hook, which computes nothing).
+struct DeferredGrad {
+  const char* what;  // "dW", "experts' dW", or null
+  std::function<void()> run;
+};
+using DeferredGrads = std::vector<DeferredGrad>;
+// Runs `weights` now, or queues it on `deferred` (a zero-bubble schedule's W op) as `what`.
+void weight_half(DeferredGrads* deferred, const char* what, std::function<void()> weights);
 
 // ---- The layers the model is built from (Playbook §5.2-§5.4, §6) ----
 // Shapes: N = B*T tokens; n = N/tp under SP (a rank's contiguous run of tokens), else N.

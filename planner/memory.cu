@@ -193,8 +193,9 @@ ChunkBytes chunk_bytes(const ModelConfig& cfg, const Layout& l, const Implementa
   b.held = positions + ids + c.blocks * kept + x_final + head;
   // The last block's forward: the earlier blocks kept, this one at its peak, its output.
   b.forward_peak = std::max(b.held, positions + ids + (c.blocks - 1) * kept + block_peak + x_final);
-  const bool split = l.pp > 1 && splits_backward(pipeline_schedule(l.schedule, l.pp, 0, 2 * l.pp,
-                                                                   l.virtual_stages));
+  const bool split =
+      l.pp > 1 &&
+      !weights_apart(pipeline_schedule(l.schedule, l.pp, 0, 2 * l.pp, l.virtual_stages)).empty();
   if (l.recompute == Recompute::Full) {
     // The first block's backward rebuilds its activations (fp32) from its input; the head's
     // logits and final norm are gone by then unless a deferred W still reads them.
@@ -223,13 +224,14 @@ struct Walk {
 Walk walk_schedule(const Layout& l, const Implementation& impl, int stage,
                    const std::vector<ChunkBytes>& bytes) {
   const int p = l.pp, V = l.virtual_stages;
-  const PpSchedule schedule = p > 1 ? l.schedule : PpSchedule::OneFOneB;
+  const PpSchedule schedule = p * V > 1 ? l.schedule : PpSchedule::OneFOneB;
   std::vector<PipelineOp> table = pipeline_schedule(schedule, p, stage, l.grad_acc, V);
   const StagePlacement at = stage_placement(schedule, p, V);
-  // The engine's sends (pipeline_parallel.cu, Exchange): queued until the next receive, which
+  // The engine's sends (runtime/exchange.cuh): queued until the next receive, which
   // over NCCL sends them with it and lets them go; otherwise (no receive follows, or MPI) they
   // stay in flight, their buffers alive, until the step ends.
   std::set<std::pair<int, int>> queued, in_flight, done;
+  const std::set<std::pair<int, int>> apart = weights_apart(table);  // B's whose W runs later
   double now = 0;
   int held = 0;
   Walk w;
@@ -267,7 +269,7 @@ Walk walk_schedule(const Layout& l, const Implementation& impl, int stage,
       held--;
       done.insert(key);
       if (queued.count(key) || in_flight.count(key)) now += b.sent;  // its send still reads it
-      now += b.weight_held;
+      if (apart.count(key)) now += b.weight_held;
     } else {
       now -= b.weight_held;
     }

@@ -185,7 +185,7 @@ struct SearchSpace {
   std::vector<Recompute> recompute = {Recompute::None, Recompute::Selective, Recompute::Full};
   std::vector<PpSchedule> schedules = {PpSchedule::AFAB, PpSchedule::OneFOneB,
                                        PpSchedule::Interleaved, PpSchedule::ZeroBubbleH1};
-  std::vector<int> virtual_stages = {2, 4};
+  std::vector<int> virtual_stages = {2, 4};  // chunks per rank to try where a schedule runs several
   std::vector<Precision> precisions = {Precision::BF16};
   bool sp = true;        // try tp with and without sequence parallelism
   bool sp_only = false;  // only with it

@@ -54,11 +54,12 @@ static std::vector<Layout> grid_layouts(const Layout& grid, int64_t per_rank,
   std::vector<std::pair<PpSchedule, int>> schedules = {{PpSchedule::OneFOneB, 1}};
   if (grid.pp > 1) {
     schedules.clear();
-    for (PpSchedule s : space.schedules)
-      if (s == PpSchedule::Interleaved)
-        for (int V : space.virtual_stages) schedules.push_back({s, V});
-      else
-        schedules.push_back({s, 1});
+    for (PpSchedule s : space.schedules) {  // one chunk per rank, or the space's that s runs
+      std::set<int> chunks(space.virtual_stages.begin(), space.virtual_stages.end());
+      chunks.insert(1);
+      for (int V : chunks)
+        if (runs_chunks(s, V)) schedules.push_back({s, V});
+    }
   }
   std::vector<Layout> out;
   for (bool sp : sps)

@@ -226,7 +226,7 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
   // backward splits into B and W halves of its matmuls under zero-bubble tables.
   const double ops = (double)V;
   const bool split =
-      p > 1 && splits_backward(pipeline_schedule(l.schedule, p, 0, std::max(m, 2 * p), V));
+      p > 1 && !weights_apart(pipeline_schedule(l.schedule, p, 0, std::max(m, 2 * p), V)).empty();
   const double comm_op = (stage_tp + stage_cp + stage_p2p + stage_ep) / ops / 2;
   double t_f = stage_fwd / ops + comm_op, t_b = stage_bwd / ops + comm_op, t_w = 0;
   if (split) t_w = stage_fwd / ops, t_b -= t_w;  // W: the weight-gradient GEMMs, 1 forward
@@ -241,7 +241,7 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
     const double work_w = split ? stage_fwd / ops : 0;
     const PipelineCosts host_costs{stage_fwd / ops, stage_bwd / ops - work_w, work_w,
                                    (stage_tp + stage_cp + stage_ep) / ops / 2};
-    PipelineTiming host = simulate_pipeline(p > 1 ? l.schedule : PpSchedule::OneFOneB, p, m, V,
+    PipelineTiming host = simulate_pipeline(p * V > 1 ? l.schedule : PpSchedule::OneFOneB, p, m, V,
                                             host_costs, HostRanks{node_cores * p / node_ranks});
     makespan = host.complete ? host.makespan : std::numeric_limits<double>::infinity();
   } else if (p > 1) {

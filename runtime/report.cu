@@ -309,15 +309,15 @@ void print_bubble_report(Comm& comm, const BubblePrediction& paper,
            (int)r[2], paper.peak_in_flight[s]);
   }
   printf(
-      "the schedule's tables in ticks of t_f (a backward takes 2, zb-h1's B and W one each; "
-      "F3 forward of micro-batch 3%s, . idle):\n%s",
-      V > 1 ? ", F3.1 of its chunk 1" : "", paper.chart.c_str());
+      "the schedule's tables in ticks of t_f (a backward takes 2, a B and a W split from it one "
+      "each; F3 forward of micro-batch 3%s%s, . idle):\n%s",
+      V > 1 ? ", F3.1 of its chunk 1" : "",
+      paper.chart.find('&') != std::string::npos ? ", &B2 run with the op before it (F&B)" : "",
+      paper.chart.c_str());
   printf(
-      "  book: idle share (p-1)/(m+p-1) for afab and 1f1b, (p-1)/(Vm+p-1) interleaved, i.e. "
-      "a bubble of (p-1)/m, (p-1)/(Vm), of the ideal time (Playbook §8.3-§8.5); zb-h1 "
-      "(p-1)(t_f+t_b-t_w) of idle, (p-1)/(3m+p-1) with equal costs (§8.6). The ticks "
-      "are exact; measured wall-clock time also counts communication and, on CPU ranks "
-      "sharing cores, time-slicing.\n");
+      "  book: idle share %s. The ticks are exact; measured wall-clock time also counts "
+      "communication and, on CPU ranks sharing cores, time-slicing.\n",
+      paper.formula.c_str());
 }
 
 void print_balance_report(Comm& comm, const std::string& split, int64_t blocks, int64_t pairs,

@@ -77,6 +77,7 @@ struct BubblePrediction {
   std::vector<int> peak_in_flight;  // per stage, on paper
   double book = 0;                  // the book's idle fraction
   std::string chart;                // the tables drawn as the book draws them
+  std::string formula;              // the book's (or the paper's) idle share, in words
 };
 void print_bubble_report(Comm& comm, const BubblePrediction& paper,
                          const ScheduleMeasure& measured);

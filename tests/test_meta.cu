@@ -225,6 +225,8 @@ TEST_CASE("the planner's memory per category equals the meta run's, layout by la
       {"llama-1b", "--dp 4 --zero 3 --grad-acc 2 --mbs 2", 4},
       {"llama-1b", "--cp 2 --dp 2 --mbs 1", 4},
       {"book-8b", "--pp 2 --tp 2 --sp --pp-schedule zb-h1 --grad-acc 8 --mbs 1", 4},
+      {"book-8b", "--pp 2 --pp-schedule zb-v --pp-virtual 2 --grad-acc 8 --mbs 1", 2},
+      {"book-8b", "--pp 4 --pp-schedule dualpipev --pp-virtual 2 --grad-acc 8 --mbs 1", 4},
   };
   for (const Case& c : cases) {
     const size_t space = c.model.find(' ');

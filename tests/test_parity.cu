@@ -374,6 +374,10 @@ TEST_CASE("bad grids and backends: one message from rank 0, exit code 2", "[pari
   r = run_train("--dp 2 --comm nccl", 2);
   REQUIRE(r.code == 2);
   REQUIRE(count_occurrences(r.output, "--comm nccl needs one GPU per rank") == 1);
+  // A V schedule without its two chunks per rank: the flag and the fix, once.
+  r = run_train("--layers 4 --pp 2 --pp-schedule zb-v", 2);
+  REQUIRE(r.code == 2);
+  REQUIRE(count_occurrences(r.output, "--pp-schedule zb-v needs --pp-virtual 2") == 1);
 }
 
 TEST_CASE("--trace writes a Chrome trace with compute and communication spans per rank",

@@ -2,6 +2,7 @@
 // schedule orders): the partition, every schedule's ops, and the bubble and in-flight
 // micro-batches that running the tables against each other gives, against the book's numbers.
 // The training side (losses, gradients, weights against one process) is in test_parity.cu.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <set>
 #include <tuple>
@@ -69,6 +70,30 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "zb-v and dualpipev place a V: rank r holds chunks r and 2p - 1 - r, the tip's two on rank p - "
+    "1, the embedding and the head on rank 0",
+    "[pipeline]") {
+  // The zero-bubble paper's ZB-V and DeepSeek's DualPipeV on 4 ranks: ranks 0-3 hold model
+  // chunks {0, 7}, {1, 6}, {2, 5}, {3, 4}.
+  const std::vector<std::vector<int>> v = {{0, 7}, {1, 6}, {2, 5}, {3, 4}};
+  for (PpSchedule s : {PpSchedule::ZeroBubbleV, PpSchedule::DualPipeV}) {
+    StagePlacement at = stage_placement(s, 4, 2);
+    REQUIRE(at.chunks == v);
+    REQUIRE(at.rank == std::vector<int>{0, 1, 2, 3, 3, 2, 1, 0});
+    REQUIRE(!at.elsewhere(4, 3));  // the tip: chunk 3's output is chunk 4's input on rank 3
+    REQUIRE(at.elsewhere(5, 3));
+    // 16 blocks in 8 chunks of 2: rank 0 holds blocks 0-1 with the embedding and 14-15 with
+    // the head; rank 3 the middle, blocks 6-9.
+    std::vector<Stage> first = pipeline_chunks(16, 4, 2, 0, s),
+                       tip = pipeline_chunks(16, 4, 2, 3, s);
+    REQUIRE((first[0].first_block == 0 && first[0].last_block == 2 && first[0].embedding));
+    REQUIRE((first[1].first_block == 14 && first[1].last_block == 16 && first[1].head));
+    REQUIRE((tip[0].first_block == 6 && tip[1].first_block == 8 && tip[1].last_block == 10));
+    REQUIRE((!tip[0].embedding && !tip[0].head && !tip[1].embedding && !tip[1].head));
+  }
+}
+
+TEST_CASE(
     "two consecutive chunks on one rank hand over without waiting: one rank, two chunks, no idle "
     "tick",
     "[pipeline]") {
@@ -86,28 +111,40 @@ TEST_CASE(
 }
 
 // Every (micro-batch, chunk) forwarded and backwarded exactly once on each rank, forward first;
-// under zero-bubble also its weight gradient, once, after its backward.
+// under zero-bubble also its weight gradient, once, after its backward (every one under zb-h1
+// and zb-v, some under dualpipev, none otherwise). An F&B pair (dualpipev only) is a forward
+// and a backward of two micro-batches.
 static void require_complete_table(PpSchedule s, int p, int m, int V) {
-  bool zb = s == PpSchedule::ZeroBubbleH1;
+  const bool all_apart = s == PpSchedule::ZeroBubbleH1 || s == PpSchedule::ZeroBubbleV;
+  const bool some_apart = all_apart || s == PpSchedule::DualPipeV;
   for (int r = 0; r < p; r++) {
     std::set<std::pair<int, int>> forwarded, backwarded, weighted;
-    for (const PipelineOp& op : pipeline_schedule(s, p, r, m, V)) {
+    const std::vector<PipelineOp> ops = pipeline_schedule(s, p, r, m, V);
+    for (size_t i = 0; i < ops.size(); i++) {
+      const PipelineOp& op = ops[i];
       std::pair<int, int> key{op.micro, op.chunk};
       REQUIRE((op.micro >= 0 && op.micro < m && op.chunk >= 0 && op.chunk < V));
+      if (op.with_next) {
+        REQUIRE(s == PpSchedule::DualPipeV);
+        REQUIRE(i + 1 < ops.size());
+        REQUIRE((op.kind == Phase::Forward && ops[i + 1].kind == Phase::Backward));
+        REQUIRE(op.micro != ops[i + 1].micro);
+      }
       if (op.kind == Phase::Forward) {
         REQUIRE(forwarded.insert(key).second);
       } else if (op.kind == Phase::Backward) {
         REQUIRE(forwarded.count(key));
         REQUIRE(backwarded.insert(key).second);
       } else {
-        REQUIRE(zb);
+        REQUIRE(some_apart);
         REQUIRE(backwarded.count(key));
         REQUIRE(weighted.insert(key).second);
       }
     }
     REQUIRE((int)forwarded.size() == m * V);
     REQUIRE((int)backwarded.size() == m * V);
-    REQUIRE((int)weighted.size() == (zb ? m * V : 0));
+    if (all_apart) REQUIRE((int)weighted.size() == m * V);
+    if (!some_apart) REQUIRE(weighted.empty());
   }
 }
 
@@ -129,6 +166,53 @@ TEST_CASE("every schedule runs each forward and backward once per stage, and nev
           REQUIRE(simulate_pipeline(PpSchedule::Interleaved, p, m, V, 1.0, 1.0, 1.0).complete);
         }
     }
+}
+
+TEST_CASE(
+    "zb-v and dualpipev pass the simulator for p up to 8 and m from 1 to 4p: every send received, "
+    "in the order sent, no deadlock, on devices and on CPU ranks",
+    "[pipeline]") {
+  // Completing is the proof (the simulator runs an op only once its inputs have arrived); a
+  // receive that would get an earlier message of the same way clears `in_order`. CPU ranks
+  // (HostRanks) move a send only while its sender waits inside MPI: a stricter test of the
+  // order. Other costs change when ops run, not whether they can.
+  for (PpSchedule s : {PpSchedule::ZeroBubbleV, PpSchedule::DualPipeV})
+    for (int p = 1; p <= 8; p++)
+      for (int m = 1; m <= 4 * p; m++) {
+        INFO(pp_schedule_name(s) << ", p " << p << ", m " << m);
+        require_complete_table(s, p, m, 2);
+        PipelineTiming device = simulate_pipeline(s, p, m, 2, 1.0, 1.0, 1.0);
+        REQUIRE(device.in_order);
+        REQUIRE(device.complete);
+        REQUIRE(simulate_pipeline(s, p, m, 2, 2.0, 1.0, 0.5).complete);
+        for (double cores : {1.0, 2.0})
+          REQUIRE(
+              simulate_pipeline(s, p, m, 2, PipelineCosts{1.0, 1.0, 1.0, 0.25}, HostRanks{cores})
+                  .complete);
+      }
+}
+
+TEST_CASE("the simulator catches a message received out of order, and a deadlock", "[pipeline]") {
+  // Not a row's tables: the checks themselves, on tables that break them. AFAB on 2 ranks and 2
+  // micro-batches, F0 F1 B0 B1 on each rank.
+  const StagePlacement at = stage_placement(PpSchedule::AFAB, 2, 1);
+  std::vector<std::vector<PipelineOp>> tables = {pipeline_schedule(PpSchedule::AFAB, 2, 0, 2, 1),
+                                                 pipeline_schedule(PpSchedule::AFAB, 2, 1, 2, 1)};
+  PipelineTiming good = simulate_tables(at, tables, PipelineCosts{});
+  REQUIRE((good.complete && good.in_order));
+  // Rank 1 forwards micro-batch 1 first: its receive would get micro-batch 0's activations.
+  std::vector<std::vector<PipelineOp>> swapped = tables;
+  std::swap(swapped[1][0], swapped[1][1]);
+  PipelineTiming t = simulate_tables(at, swapped, PipelineCosts{});
+  REQUIRE(!t.in_order);
+  REQUIRE(!t.complete);
+  // Rank 1 runs B0 before F0: the backward waits for what its forward keeps, forever.
+  std::vector<std::vector<PipelineOp>> stuck = tables;
+  std::rotate(stuck[1].begin(), stuck[1].begin() + 2, stuck[1].begin() + 3);
+  REQUIRE((stuck[1][0].kind == Phase::Backward && stuck[1][0].micro == 0));
+  PipelineTiming d = simulate_tables(at, stuck, PipelineCosts{});
+  REQUIRE(d.in_order);
+  REQUIRE(!d.complete);
 }
 
 TEST_CASE("1F1B on 4 stages and 8 micro-batches idles 3/11 of the time, as AFAB does",
@@ -260,6 +344,55 @@ TEST_CASE(
   REQUIRE(bubble_fraction(PpSchedule::ZeroBubbleH1, 4, 8, 1) == Approx(3.0 / 27));
 }
 
+TEST_CASE(
+    "ZB-V idles only the first micro-batch's way down, p - 1 of 6m + p - 1 ticks, holding 2p "
+    "chunks: 1F1B's p micro-batches",
+    "[pipeline]") {
+  // Qi et al. 2023 (ZB-V, t_F = t_B = t_W): no bubble once the pipeline is full, at the
+  // activation memory of 1F1B. Per rank a step is 2m chunks x (F + B + W) = 6m ticks; rank p - 1
+  // cannot start before micro-batch 0 has crossed p - 1 chunks, so every rank idles at least
+  // p - 1 ticks (same work, same step): ZB-V idles exactly that. 1F1B's first stage holds p
+  // micro-batches of a stage of L/p blocks; a V rank's 2p chunks of L/2p blocks are as many.
+  for (int p = 2; p <= 8; p++)
+    for (int m = p; m <= 4 * p; m++) {
+      PipelineTiming t = simulate_pipeline(PpSchedule::ZeroBubbleV, p, m, 2, 1.0, 1.0, 1.0);
+      INFO("p " << p << ", m " << m);
+      REQUIRE(t.makespan == Approx(6 * m + p - 1));
+      for (int r = 0; r < p; r++) {
+        REQUIRE(t.makespan - t.busy[r] == Approx(p - 1));
+        REQUIRE(t.peak_in_flight[r] == 2 * p);
+      }
+      REQUIRE(bubble_fraction(PpSchedule::ZeroBubbleV, p, m, 2) ==
+              Approx((p - 1.0) / (6 * m + p - 1)));
+    }
+  // The book's example, p = 4 and m = 8: 3 of 51 ticks (5.9%), where 1F1B idles 27.3% and ZB-H1
+  // 11.1%.
+  REQUIRE(bubble_fraction(PpSchedule::ZeroBubbleV, 4, 8, 2) == Approx(3.0 / 51));
+}
+
+TEST_CASE(
+    "DualPipeV idles DeepSeek's (PP/2-1)(F&B + B - 3W), 2(p-1) ticks with equal costs, holding "
+    "PP + 1 = 2p + 1 chunks",
+    "[pipeline]") {
+  // DeepSeek-V3's table (DualPipe's README, DualPipeV on PP/2 = p devices of PP = 2p stages):
+  // bubble (PP/2-1)(F&B + B - 3W), activations PP + 1 chunks per device, for m >= PP
+  // micro-batches. F = W = 1 tick and a whole backward B = 2: an F&B pair takes 3, so
+  // (p-1)(3 + 2 - 3) = 2(p-1) idle ticks of a step of 6m + 2(p-1).
+  for (int p = 2; p <= 8; p++)
+    for (int m = 2 * p; m <= 4 * p; m++) {
+      PipelineTiming t = simulate_pipeline(PpSchedule::DualPipeV, p, m, 2, 1.0, 1.0, 1.0);
+      INFO("p " << p << ", m " << m);
+      const double F = 1, B = 2, W = 1, FB = F + B;
+      for (int r = 0; r < p; r++) {
+        REQUIRE(t.makespan - t.busy[r] == Approx((p - 1) * (FB + B - 3 * W)));
+        REQUIRE(t.peak_in_flight[r] <= 2 * p + 1);
+      }
+      REQUIRE(*std::max_element(t.peak_in_flight.begin(), t.peak_in_flight.end()) == 2 * p + 1);
+      REQUIRE(1 - t.busy[0] / t.makespan ==
+              Approx(bubble_fraction(PpSchedule::DualPipeV, p, m, 2)));
+    }
+}
+
 TEST_CASE("bad pipeline layouts exit with a message naming the flags", "[pipeline]") {
   auto message = [](auto fn) {
     try {
@@ -282,7 +415,25 @@ TEST_CASE("bad pipeline layouts exit with a message naming the flags", "[pipelin
                Contains("--zero 3"));
   REQUIRE_THAT(message([] { validate_pipeline(8, 2, 1, 4, PpSchedule::ZeroBubbleH1, false, 2); }),
                Contains("--zero 2") && Contains("zb-h1"));
+  // The V runs two chunks per rank, a block each at least; it defers weight gradients too.
+  for (PpSchedule v : {PpSchedule::ZeroBubbleV, PpSchedule::DualPipeV}) {
+    for (int V : {1, 3})
+      REQUIRE_THAT(message([&] { validate_pipeline(8, 2, V, 4, v, false, 0); }),
+                   Contains("--pp-schedule " + std::string(pp_schedule_name(v))) &&
+                       Contains("--pp-virtual 2"));
+    REQUIRE_THAT(message([&] { validate_pipeline(3, 2, 2, 4, v, false, 0); }),
+                 Contains("--layers 3"));
+    REQUIRE_THAT(message([&] { validate_pipeline(8, 2, 2, 4, v, false, 2); }),
+                 Contains("--zero 2") && Contains(pp_schedule_name(v)));
+    REQUIRE(message([&] { validate_pipeline(8, 2, 2, 4, v, false, 1); }) == "no error");
+    REQUIRE(runs_chunks(v, 2));
+    REQUIRE((!runs_chunks(v, 1) && !runs_chunks(v, 4)));
+  }
+  REQUIRE_THAT(message([] { validate_pipeline(8, 2, 3, 4, PpSchedule::OneFOneB, false, 0); }),
+               Contains("--pp-virtual 3") && Contains("interleaved"));
   REQUIRE_THROWS_AS(parse_pp_schedule("gpipe"), UsageError);
+  REQUIRE(parse_pp_schedule("zb-v") == PpSchedule::ZeroBubbleV);
+  REQUIRE(parse_pp_schedule("dualpipev") == PpSchedule::DualPipeV);
   REQUIRE(message([] { validate_pipeline(8, 2, 2, 4, PpSchedule::Interleaved, false, 1); }) ==
           "no error");
 }

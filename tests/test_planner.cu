@@ -309,7 +309,7 @@ void require_memory_predicted(const ModelConfig& c, const std::string& base,
 
 TEST_CASE(
     "the planner's memory per rank equals --report memory's: static bytes exactly, "
-    "activations within 5%, over 14 layouts",
+    "activations within 5%, over 16 layouts",
     "[planner][parity]") {
   // A small model, so each run takes a second: 4 blocks of d_model 32, vocab 256, seq 16.
   // --val-seqs 1: the validation at the end holds one sequence, less than training does.
@@ -378,6 +378,12 @@ TEST_CASE(
     l.grad_acc = 4;
     layouts.push_back(l);
   }
+  for (PpSchedule s : {PpSchedule::ZeroBubbleV, PpSchedule::DualPipeV}) {
+    Layout l = layout(1, 1, 2, 1, 0);
+    l.schedule = s, l.virtual_stages = 2;
+    l.grad_acc = 4;
+    layouts.push_back(l);
+  }  // the V: 2p chunks in flight, and DualPipeV's 2p + 1
   {
     Layout l = layout(1, 1, 1, 2, 0);
     layouts.push_back(l);
@@ -403,7 +409,7 @@ TEST_CASE(
     l.bf16_grads = true;
     layouts.push_back(l);
   }  // dp x tp + sp, bf16 gradients
-  REQUIRE(layouts.size() >= 12);
+  REQUIRE(layouts.size() == 16);
   require_memory_predicted(c, base, layouts, 0.05);
 }
 
@@ -548,7 +554,7 @@ TEST_CASE(
 
 TEST_CASE(
     "the planner's 1F1B on 4 stages and 8 micro-batches idles 3/11 of the step when "
-    "communication is free",
+    "communication is free, ZB-V 3/51 and DualPipeV 6/54",
     "[planner]") {
   // Playbook §8.4: the idle share (p-1)/(m+p-1). The planner runs the schedule's tables on
   // paper with its predicted op times; with free links nothing else is exposed.
@@ -564,6 +570,16 @@ TEST_CASE(
   l.schedule = PpSchedule::AFAB;  // the same idle share, more memory
   CHECK(predict_time(c, l, cl, Implementation{}).bubble / (t.compute + t.bubble) ==
         Approx(3.0 / 11).epsilon(1e-6));
+  // The V, two chunks per rank (a B and a W cost a forward each): ZB-V idles the paper's
+  // (p-1)/(6m+p-1) = 3/51, DualPipeV DeepSeek's 2(p-1) of 6m + 2(p-1) ticks, 6/54.
+  l.virtual_stages = 2;
+  for (auto [s, share] :
+       {std::pair{PpSchedule::ZeroBubbleV, 3.0 / 51}, {PpSchedule::DualPipeV, 6.0 / 54}}) {
+    l.schedule = s;
+    StepTime v = predict_time(c, l, cl, Implementation{});
+    INFO(pp_schedule_name(s));
+    CHECK(v.bubble / (v.compute + v.bubble) == Approx(share).epsilon(1e-6));
+  }
 }
 
 // Guards: the planner's tensor-parallel terms (a block's collectives counted once too often or

@@ -1,0 +1,59 @@
+// exchange.cu: point-to-point messages that go out with the next receive (exchange.cuh).
+#include "runtime/exchange.cuh"
+
+void Exchange::send(Group& g, int peer, const Tensor& t) {
+  if (peer == g.rank) {
+    handed_[&g].push_back(t);
+    return;
+  }
+  queued_.push_back({true, t.f32(), t.numel(), peer, &g});
+  keep_.push_back(t);
+}
+
+Tensor Exchange::receive(Group& g, int peer, std::vector<int64_t> shape, Mem category) {
+  if (peer == g.rank) {  // as an op that receives nothing: the queued sends go on their own
+    flush();
+    std::deque<Tensor>& mine = handed_[&g];
+    PICO_ASSERT(!mine.empty(), "a chunk's input asked for on its own rank before it was made");
+    Tensor t = mine.front();
+    mine.pop_front();
+    return t;
+  }
+  Tensor t = empty(ctx_, std::move(shape), category);
+  P2P recv{false, t.f32(), t.numel(), peer, &g};
+  if (comm_.backend != Backend::NCCL) {
+    flush();
+    send_recv_async(comm_, calls_, ctx_, {recv}).wait();
+    return t;
+  }
+  queued_.push_back(recv);
+  send_recv_async(comm_, calls_, ctx_, queued_).wait();  // orders the compute stream only
+  queued_.clear();
+  keep_.clear();
+  return t;
+}
+
+void Exchange::send(Group& g, int peer, const std::vector<Tensor>& out) {
+  for (const Tensor& t : out) send(g, peer, t);
+}
+
+std::vector<Tensor> Exchange::receive(Group& g, int peer,
+                                      const std::vector<std::vector<int64_t>>& shapes, Mem first) {
+  std::vector<Tensor> in;
+  for (size_t i = 0; i < shapes.size(); i++)
+    in.push_back(receive(g, peer, shapes[i], i == 0 ? first : Mem::Workspace));
+  return in;
+}
+
+void Exchange::flush() {
+  if (queued_.empty()) return;
+  in_flight_.push_back({send_recv_async(comm_, calls_, ctx_, queued_), keep_});
+  queued_.clear();
+  keep_.clear();
+}
+
+void Exchange::finish() {
+  flush();
+  for (auto& [handle, buffers] : in_flight_) handle.wait();
+  in_flight_.clear();
+}
