@@ -279,6 +279,9 @@ DataParallel::DataParallel(Comm& comm, FlatParameters& model, Context& ctx,
   // the optimizer's master copy.
   if (precision.mixed()) compute_copy_ = keep_compute_copy(ctx, model.params);
   slices_ = whole_model_slices(model, moments_);
+  if (compute_copy_.defined())  // AdamW rounds each new weight into it in the same pass
+    for (ParamSlice& s : slices_)
+      s.copy = compute_copy_.view(s.param - model.params.f32(), {s.count});
   // Buckets in backward order: the flat buffer is laid out in forward order, so walking the
   // parameters backwards gives contiguous slices. A bucket closes once it holds bucket_mb
   // (naive: once it holds one parameter), or where the group changes (experts: edp_cp).
@@ -366,8 +369,7 @@ double DataParallel::finish(const Context& ctx) {
 
 void DataParallel::step(const Context& ctx, float lr) {
   adamw_.steps++;
-  for (const ParamSlice& s : slices_) adamw_.update(ctx, s, lr, pending_scale_);
-  if (compute_copy_.defined()) refresh_compute_copies(ctx);  // := the new master weights
+  for (const ParamSlice& s : slices_) adamw_.update(ctx, s, lr, pending_scale_);  // and copies
 }
 
 int64_t DataParallel::master_bytes() const {

@@ -76,7 +76,8 @@ struct WeightCopies {
 // ctx.weight_copies (created if needed), counts `master` as optimizer state from now on, and
 // returns the copy.
 Tensor keep_compute_copy(Context& ctx, const Tensor& master);
-// After the optimizer changed the master weights: every copy := master, rounded.
+// Every copy := its master, rounded (when kept; after each step the optimizer's own pass writes
+// them: adamw_update's copy, runtime/ops.cuh).
 void refresh_compute_copies(const Context& ctx);
 // What an op that is not a GEMM (the embedding lookup, RMSNorm's scale) reads of weight W:
 // under fp32, W itself; otherwise W's values in the compute format, widened to fp32 in a

@@ -3,6 +3,8 @@
 // beside each kernel). The one idea: a transformer is a handful of GEMMs plus cheap
 // elementwise and row-wise ops, and every one of them has a simple backward.
 #include <cblas.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <algorithm>
 #include <cfloat>
@@ -860,36 +862,50 @@ std::vector<float> sum_squares_each(const Context& ctx, const std::vector<Tensor
 
 // p, g, m, v [n]. bc1 = 1 - beta1^step and bc2 = 1 - beta2^step come in from the host.
 // Weight decay is decoupled: it shrinks p directly instead of entering the moments.
+// The compute copy, when there is one, gets the new weight rounded (dtype.cuh's conversions).
 static void adamw_cpu(float* p, const float* g, float* m, float* v, int64_t n, AdamWConfig cfg,
-                      float lr, float wd, float bc1, float bc2) {
+                      float lr, float wd, float bc1, float bc2, uint16_t* copy, bool bf16) {
   for (int64_t i = 0; i < n; i++) {
     m[i] = cfg.beta1 * m[i] + (1.0f - cfg.beta1) * g[i];
     v[i] = cfg.beta2 * v[i] + (1.0f - cfg.beta2) * g[i] * g[i];
     float mhat = m[i] / bc1, vhat = v[i] / bc2;
     p[i] -= lr * (mhat / (sqrtf(vhat) + cfg.eps) + wd * p[i]);
+    if (copy) copy[i] = bf16 ? float_to_bf16(p[i]) : float_to_fp16(p[i]);
   }
 }
 
 static __global__ void adamw_kernel(float* p, const float* g, float* m, float* v, int64_t n,
-                                    AdamWConfig cfg, float lr, float wd, float bc1, float bc2) {
+                                    AdamWConfig cfg, float lr, float wd, float bc1, float bc2,
+                                    uint16_t* copy, bool bf16) {
   GRID_STRIDE_LOOP(i, n) {
     m[i] = cfg.beta1 * m[i] + (1.0f - cfg.beta1) * g[i];
     v[i] = cfg.beta2 * v[i] + (1.0f - cfg.beta2) * g[i] * g[i];
     float mhat = m[i] / bc1, vhat = v[i] / bc2;
     p[i] -= lr * (mhat / (sqrtf(vhat) + cfg.eps) + wd * p[i]);
+    if (copy)  // cast_'s conversions (cvt.rn), so the copy is bit for bit a cast of p
+      copy[i] = bf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(p[i]))
+                     : __half_as_ushort(__float2half_rn(p[i]));
   }
 }
 
 void adamw_update(const Context& ctx, float* p, const float* g, float* m, float* v, int64_t n,
-                  const AdamWConfig& cfg, float lr, float weight_decay, int step) {
+                  const AdamWConfig& cfg, float lr, float weight_decay, int step,
+                  const Tensor& copy) {
   PICO_ASSERT(step >= 1, "adamw_update: step counts from 1, got " + std::to_string(step));
+  PICO_ASSERT(!copy.defined() || ((copy.dtype == DType::BF16 || copy.dtype == DType::F16) &&
+                                  copy.numel() == n && copy.device == ctx.device),
+              "adamw_update: a compute copy is " + std::to_string(n) + " bf16 or fp16 values");
   // Bias corrections once, in double, so both devices divide by the same two floats.
   float bc1 = (float)(1.0 - std::pow((double)cfg.beta1, step));
   float bc2 = (float)(1.0 - std::pow((double)cfg.beta2, step));
-  if (count_op(ctx.device, OpKind::Optimizer, {15.0 * n, 16.0 * n, 12.0 * n})) return;
-  if (ctx.device == Device::CPU) return adamw_cpu(p, g, m, v, n, cfg, lr, weight_decay, bc1, bc2);
+  uint16_t* half = copy.defined() ? (uint16_t*)copy.ptr : nullptr;
+  const bool bf16 = copy.dtype == DType::BF16;
+  if (count_op(ctx.device, OpKind::Optimizer, {15.0 * n, 16.0 * n, (half ? 14.0 : 12.0) * n}))
+    return;
+  if (ctx.device == Device::CPU)
+    return adamw_cpu(p, g, m, v, n, cfg, lr, weight_decay, bc1, bc2, half, bf16);
   adamw_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(p, g, m, v, n, cfg, lr, weight_decay, bc1,
-                                                         bc2);
+                                                         bc2, half, bf16);
   LAUNCH_CHECK(ctx, "adamw_kernel");
 }
 

@@ -39,7 +39,7 @@ void AdamW::update(const Context& ctx, const ParamSlice& s, float lr, float grad
     PICO_ASSERT(grad_scale == 1.0f, "fp32 gradients are scaled in place");
   }
   adamw_update(ctx, s.param, grad.f32(), s.exp_avg, s.exp_avg_sq, s.count, hp, lr,
-               s.decay ? weight_decay : 0.0f, (int)steps);
+               s.decay ? weight_decay : 0.0f, (int)steps, s.copy);
 }
 
 float learning_rate(const LrSchedule& s, int64_t step) {

@@ -18,6 +18,7 @@ struct ParamSlice {
   bool decay = false;    // weight decay applies (weight_decays)
   bool counted = false;  // in the gradient norm: one copy of a weight several tp ranks hold
   DType grad_dtype = DType::F32;
+  Tensor copy;  // mixed precision: the weights' compute copy [count], refreshed by the update
 };
 // Matrices decay; norm weights do not (as in GPT-2, llm.c and Megatron).
 bool weight_decays(const Tensor& param);

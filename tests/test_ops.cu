@@ -401,6 +401,52 @@ TEST_CASE("AdamW matches a hand-computed two-step example", "[ops]") {
   CHECK(p[1] == Approx(1.9602f).epsilon(1e-6));
 }
 
+// bf16 of an fp32 value by its bits, written here: keep the top 16, round the rest to nearest,
+// ties to the even top half (finite values).
+static uint16_t bf16_by_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+TEST_CASE(
+    "AdamW writes the compute copy in its pass: the new weights rounded, nothing else changed",
+    "[ops]") {
+  // Mixed precision's bf16 (fp16) copy of the weights, refreshed by the optimizer's own pass:
+  // p, m and v must be bit for bit those of an update without a copy, and the copy the new p
+  // rounded to nearest (bf16 by its bits; fp16 checked against both neighbours of the result).
+  const int n = 4099;
+  AdamWConfig cfg;
+  for (DType format : {DType::BF16, DType::F16}) {
+    INFO(dtype_name(format));
+    Tensor p = randn({n}, "p"), m = zeros({n}, Mem::Optimizer), v = zeros({n}, Mem::Optimizer);
+    Tensor p2 = randn({n}, "p"), m2 = zeros({n}, Mem::Optimizer), v2 = zeros({n}, Mem::Optimizer);
+    Tensor copy = zeros({n}, Mem::Params, Device::CPU, format);
+    for (int step = 1; step <= 3; step++) {
+      Tensor g = randn({n}, "g" + std::to_string(step));
+      adamw_update(kCpu, p.f32(), g.f32(), m.f32(), v.f32(), n, cfg, 1e-2f, 0.1f, step);
+      adamw_update(kCpu, p2.f32(), g.f32(), m2.f32(), v2.f32(), n, cfg, 1e-2f, 0.1f, step, copy);
+    }
+    REQUIRE(std::memcmp(p.ptr, p2.ptr, 4 * n) == 0);
+    REQUIRE(std::memcmp(m.ptr, m2.ptr, 4 * n) == 0);
+    REQUIRE(std::memcmp(v.ptr, v2.ptr, 4 * n) == 0);
+    const uint16_t* c = (const uint16_t*)copy.ptr;
+    int wrong = 0;
+    for (int i = 0; i < n; i++) {
+      const float x = p.f32()[i];
+      if (format == DType::BF16) {
+        wrong += c[i] != bf16_by_bits(x);
+      } else {  // no fp16 value lies nearer to x than the copy's (|x| < 65504 here)
+        const float at = fp16_to_float(c[i]), below = fp16_to_float((uint16_t)(c[i] - 1)),
+                    above = fp16_to_float((uint16_t)(c[i] + 1));
+        wrong +=
+            std::fabs(x - at) > std::fabs(x - below) || std::fabs(x - at) > std::fabs(x - above);
+      }
+    }
+    CHECK(wrong == 0);
+  }
+}
+
 TEST_CASE("host synchronisations are counted where the host waits for the device", "[ops]") {
   Tensor x = small_ints({300}, "x");
   uint64_t before = host_syncs();
@@ -668,16 +714,25 @@ TEST_CASE("CUDA adamw matches the CPU reference", "[gpu]") {
   const int n = 777;
   Tensor p = randn({n}, "p"), m = zeros({n}, Mem::Optimizer), v = zeros({n}, Mem::Optimizer);
   Tensor g_p = gpu(p), g_m = gpu(m), g_v = gpu(v);
+  Tensor g_copy = zeros({n}, Mem::Params, Device::CUDA, DType::BF16);
   AdamWConfig cfg;
   for (int step = 1; step <= 3; step++) {
     Tensor g = randn({n}, "g" + std::to_string(step)), g_g = gpu(g);
     adamw_update(kCpu, p.f32(), g.f32(), m.f32(), v.f32(), n, cfg, 1e-2f, 0.1f, step);
-    adamw_update(ctx, g_p.f32(), g_g.f32(), g_m.f32(), g_v.f32(), n, cfg, 1e-2f, 0.1f, step);
+    adamw_update(ctx, g_p.f32(), g_g.f32(), g_m.f32(), g_v.f32(), n, cfg, 1e-2f, 0.1f, step,
+                 g_copy);
     ctx.synchronize();  // g_g is freed at the end of the iteration
   }
   check_close(host(ctx, g_m), m, 1e-5f, 1e-7f);
   check_close(host(ctx, g_v), v, 1e-5f, 1e-7f);
   check_close(host(ctx, g_p), p, 1e-5f, 1e-6f);
+  // The bf16 compute copy written in the same kernel: the GPU's new weights rounded, bit for bit.
+  std::vector<float> gp = host(ctx, g_p);
+  Tensor copy = zeros({n}, Mem::Params, Device::CPU, DType::BF16);
+  copy_(copy, g_copy);
+  int wrong = 0;
+  for (int i = 0; i < n; i++) wrong += ((const uint16_t*)copy.ptr)[i] != float_to_bf16(gp[i]);
+  CHECK(wrong == 0);
   ctx.destroy();
 }
 
