@@ -82,17 +82,13 @@ void round_(const Context& ctx, const Tensor& x, DType format, bool backward) {
     return LAUNCH_CHECK(ctx, "round_kernel");
   }
   float* v = x.f32();
-  RoundingStats& stats = rounding_stats(backward);
-  uint64_t nonzero = 0, flushed = 0, overflowed = 0;
+  RoundingStats counted;  // what underflowed and overflowed (runtime/observe.cuh)
   for (int64_t i = 0; i < n; i++) {
-    const float before = v[i];
-    const float after = format == DType::BF16 ? round_bf16(before) : round_fp16(before);
-    nonzero += before != 0.0f;
-    flushed += before != 0.0f && after == 0.0f;
-    overflowed += std::isfinite(before) && std::isinf(after);
+    const float after = format == DType::BF16 ? round_bf16(v[i]) : round_fp16(v[i]);
+    counted.add(v[i], after);
     v[i] = after;
   }
-  stats.nonzero += nonzero, stats.flushed += flushed, stats.overflowed += overflowed;
+  rounding_stats(backward).add(counted);
 }
 
 // ============================================================================
@@ -103,22 +99,9 @@ void round_to_compute(const Context& ctx, const Tensor& x) {
   if (ctx.precision != Precision::FP32) round_(ctx, x, output_dtype(ctx.precision));
 }
 
-void store_in_compute_format(const Context& ctx, const std::vector<Tensor*>& kept) {
-  if (ctx.precision == Precision::FP32) return;
-  for (Tensor* t : kept) {
-    if (!t->defined() || t->dtype != DType::F32) continue;
-    Tensor half = empty(ctx, t->shape, Mem::Activations, output_dtype(ctx.precision));
-    cast_(ctx, half, *t);
-    *t = half;
-  }
-}
-void widen_to_fp32(const Context& ctx, const std::vector<Tensor*>& kept) {
-  for (Tensor* t : kept) {
-    if (!t->defined() || t->dtype == DType::F32) continue;
-    Tensor wide = empty(ctx, t->shape, Mem::Workspace);
-    cast_(ctx, wide, *t);
-    *t = wide;
-  }
+void output_in_compute_format(const Context& ctx, Tensor& x, Mem category) {
+  if (ctx.precision == Precision::FP8) return round_(ctx, x, output_dtype(ctx.precision));
+  to_compute_format(ctx, x, category);
 }
 
 Tensor WeightCopies::find(const Tensor& W) const {
@@ -165,6 +148,11 @@ Tensor compute_weight(const Context& ctx, const Tensor& W) {
   return wide;
 }
 
+Tensor lookup_table(const Context& ctx, const Tensor& W) {
+  Tensor half = ctx.precision == Precision::FP32 ? Tensor{} : weight_as_stored(ctx, W);
+  return half.defined() ? half : compute_weight(ctx, W);
+}
+
 // What a GEMM reads of `t` ([rows, cols]): its values rounded, or FP8 tiles (DeepSeek-V3:
 // 128 x 128 for weights; 1 x 128 for activations and gradients where the GEMM contracts along
 // cols, the forward and the dgrad, and 128 x 1 where it contracts along the tokens, the wgrad),
@@ -176,9 +164,9 @@ enum class Fp8Tiling { AlongCols, AlongTokens, None };
 static Tensor gemm_operand(const Context& ctx, const Tensor& t, Operand role,
                            Fp8Tiling tiling = Fp8Tiling::AlongCols) {
   const DType format = output_dtype(ctx.precision);
-  // A weight stored in the compute format (ZeRO-1/2), or its kept copy: on CUDA the GEMM reads
-  // it as it is.
-  Tensor half = role == Operand::Weight ? weight_as_stored(ctx, t) : Tensor{};
+  // A weight stored in the compute format (ZeRO-1/2), or its kept copy, or an activation
+  // stored so (to_compute_format): on CUDA the GEMM reads it as it is.
+  Tensor half = role == Operand::Weight || t.dtype == format ? weight_as_stored(ctx, t) : Tensor{};
   if (gpu_path(ctx.device) && ctx.precision != Precision::FP8)  // the tensor cores read it
     return half.defined() ? half : cast_to(ctx, t, format);
   // fp32 values in a workspace: the copy widened, or t rounded (to bf16 first for an FP8
@@ -226,8 +214,13 @@ void low_precision_linear_forward(const Context& ctx, const Tensor& y, const Ten
                0.0f))
     return round_(ctx, y, output_dtype(ctx.precision));
   Tensor xq = gemm_operand(ctx, x, Operand::Activation), wq = gemm_operand(ctx, W, Operand::Weight);
-  operand_gemm(ctx, false, true, T, out, in, xq, in, wq, in, 0.0f, y, out);
-  round_(ctx, y, output_dtype(ctx.precision));
+  // A y stored in the compute format (the MLP's gate and up) takes the fp32 sums rounded: by
+  // cuBLAS on their way out when the operands are 16-bit, else from a workspace. Same values.
+  const bool direct = y.dtype == DType::F32 || xq.dtype != DType::F32;
+  Tensor sums = direct ? y : empty(ctx, y.shape, Mem::Workspace);
+  operand_gemm(ctx, false, true, T, out, in, xq, in, wq, in, 0.0f, sums, out);
+  if (y.dtype == DType::F32) return round_(ctx, y, output_dtype(ctx.precision));
+  if (!direct) cast_(ctx, y, sums);
 }
 
 void low_precision_linear_backward(const Context& ctx, const Tensor& dx, const Tensor& dW,
@@ -252,8 +245,10 @@ void low_precision_linear_backward(const Context& ctx, const Tensor& dx, const T
   // contraction, and on Hopper dy^T [out, T] and x^T [in, T] are two 1 x 128 operands.
   if (dW.defined()) {
     if (fp8_on_gpu(ctx) &&
-        fp8_gemm(ctx, dW, {dy.reshape({T, out}), DType::F8E5M2, Fp8Tiles::Row128, true},
-                 {x.reshape({T, in}), DType::F8E4M3, Fp8Tiles::Row128, true}, 1.0f))
+        fp8_gemm(
+            ctx, dW, {dy.reshape({T, out}), DType::F8E5M2, Fp8Tiles::Row128, true},
+            {cast_to(ctx, x, DType::F32).reshape({T, in}), DType::F8E4M3, Fp8Tiles::Row128, true},
+            1.0f))
       return;
     Tensor dy_tokens = ctx.precision == Precision::FP8
                            ? gemm_operand(ctx, dy, Operand::Gradient, Fp8Tiling::AlongTokens)

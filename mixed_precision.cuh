@@ -34,16 +34,17 @@ void round_(const Context& ctx, const Tensor& x, DType format, bool backward = f
 // x rounded to the compute format in place, on ctx's stream; nothing under fp32. What the block
 // applies to the values attention reads and writes (RoPE's q and k, attention's output).
 void round_to_compute(const Context& ctx, const Tensor& x);
-// What a block keeps for its backward is stored in the compute format under --dtype, half the
-// bytes, as a model trained in bf16 keeps it (each fp32 tensor of `kept` replaced by its
-// rounding, Mem::Activations); nothing changes under fp32. widen_to_fp32 undoes it before the
-// backward reads them (fp32 again, in workspace).
-void store_in_compute_format(const Context& ctx, const std::vector<Tensor*>& kept);
-void widen_to_fp32(const Context& ctx, const std::vector<Tensor*>& kept);
+// An output (attention's, as a GEMM's is) in the compute format: stored in it under bf16 and
+// fp16 (runtime/dtype.cuh's to_compute_format), rounded in place under fp8 (bf16 values on the
+// fp32 storage that fp8's GEMMs quantize); nothing under fp32.
+void output_in_compute_format(const Context& ctx, Tensor& x, Mem category);
+// (Where a block's tensors are stored in 16 bits, in the forward and for the backward:
+// runtime/dtype.cuh's to_compute_format, empty_in_compute_format, store_in_compute_format and
+// widen_to_fp32.)
 
 // The linear layer every model GEMM goes through (tensor_parallel.cu's column- and row-parallel
 // layers): under fp32 the GEMMs of ops.cuh, otherwise the low-precision ones below.
-// y[T, out] = x[T, in] @ W[out, in]^T
+// y[T, out] = x[T, in] @ W[out, in]^T; under bf16 and fp16, y may be stored in that format.
 void linear_forward(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& W);
 // dx[T, in] (= or += when accumulate_dx) dy[T, out] @ W ; dW[out, in] += dy^T @ x.
 // dx or dW may be undefined: that half is not computed (no input gradient is needed, or a
@@ -85,6 +86,9 @@ void refresh_compute_copies(const Context& ctx);
 // copy, or W rounded (ZeRO-3's gathered fp32 weights). So every op reads what a model held in
 // bf16 reads (as Megatron's --bf16 models do), and every layout reads the same numbers.
 Tensor compute_weight(const Context& ctx, const Tensor& W);
+// The embedding's table as its lookup reads it: W in the compute format as stored (W itself or
+// its kept copy; the lookup widens only the rows it reads), else compute_weight(W).
+Tensor lookup_table(const Context& ctx, const Tensor& W);
 
 // Dynamic loss scaling for fp16 (Micikevicius et al., "Mixed Precision Training"): the loss,
 // hence every gradient, is multiplied by `scale` so that small gradients stay above fp16's

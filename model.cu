@@ -272,7 +272,7 @@ static void attention_core_forward(const Context& ctx, const Model& m, BlockActi
   m.attention->forward(ctx, attention_shape(m, B, T), heads(a.attn, L.heads, hd), a.saved,
                        heads(a.q, L.heads, hd), heads(a.k, L.kv_heads, hd),
                        heads(a.v, L.kv_heads, hd));
-  round_to_compute(ctx, a.attn);
+  output_in_compute_format(ctx, a.attn, Mem::Activations);  // what the o projection reads
 }
 // dq (=), dk, dv (=) from d_attn.
 static void attention_core_backward(const Context& ctx, const Model& m, BlockActivations& a, int B,
@@ -299,6 +299,7 @@ static void block_forward(const Context& ctx, const Model& m, const BlockWeights
   // Attention: x_mid = x + o(attn(rope(q(n1)), rope(k(n1)), v(n1))), n1 = rmsnorm(x)
   a.norm1 = act({n, D}, ctx), a.rstd1 = act({n}, ctx);
   rmsnorm_forward(ctx, a.norm1, a.rstd1, a.x, compute_weight(ctx, w.attn_norm), c.norm_eps);
+  to_compute_format(ctx, a.norm1, Mem::Activations);  // read by the q, k, v projections only
   a.q = act({N, L.heads * hd}, ctx);
   a.k = act({N, L.kv_heads * hd}, ctx), a.v = act({N, L.kv_heads * hd}, ctx);
   column_parallel_forward(m.tp, ctx, a.norm1, {{a.q, w.wq}, {a.k, w.wk}, {a.v, w.wv}});
@@ -313,6 +314,7 @@ static void block_forward(const Context& ctx, const Model& m, const BlockWeights
   // MLP: x_out = x_mid + mlp(n2), n2 = rmsnorm(x_mid)
   a.norm2 = act({n, D}, ctx), a.rstd2 = act({n}, ctx);
   rmsnorm_forward(ctx, a.norm2, a.rstd2, a.x_mid, compute_weight(ctx, w.mlp_norm), c.norm_eps);
+  to_compute_format(ctx, a.norm2, Mem::Activations);  // the MLP's input
   m.mlp->forward(ctx, m, layer, w, a, a.norm2, out, carry);
   residual_forward(ctx, x_out, a.x_mid, out);
 }
@@ -322,7 +324,11 @@ struct DenseMlp : FeedForward {
   void forward(const Context& ctx, const Model& m, int, const BlockWeights& w, BlockActivations& a,
                const Tensor& x, const Tensor& out, std::vector<float>*) const override {
     int64_t N = (int64_t)x.size(0) * (m.tp.sp ? m.tp.size() : 1), F = m.tp.local.ffn;
-    a.gate = act({N, F}, ctx), a.up = act({N, F}, ctx), a.act = act({N, F}, ctx);
+    // Under bf16 and fp16 the GEMMs write gate and up in that format and SwiGLU reads and
+    // writes it: the [N, F] tensors, the block's largest, are never fp32.
+    a.gate = empty_in_compute_format(ctx, {N, F}, Mem::Activations);
+    a.up = empty_in_compute_format(ctx, {N, F}, Mem::Activations);
+    a.act = empty_in_compute_format(ctx, {N, F}, Mem::Activations);
     column_parallel_forward(m.tp, ctx, x, {{a.gate, w.w_gate}, {a.up, w.w_up}});
     swiglu_forward(ctx, a.act, a.gate, a.up);
     row_parallel_forward(m.tp, ctx, out, a.act, w.w_down);
@@ -347,14 +353,16 @@ struct MixtureMlp : FeedForward {
   void forward(const Context& ctx, const Model& m, int layer, const BlockWeights& w,
                BlockActivations& a, const Tensor& x, const Tensor& out,
                std::vector<float>* carry) const override {
-    moe_forward(m.ep, m.tp, m.cfg, ctx, w.moe, a.moe, x, out, layer, carry);
+    // The router and the dispatch read the input in fp32.
+    moe_forward(m.ep, m.tp, m.cfg, ctx, w.moe, a.moe, cast_to(ctx, x, DType::F32), out, layer,
+                carry);
   }
   void backward(const Context& ctx, const Model& m, const BlockWeights& w, const BlockWeights& g,
                 BlockActivations& a, const Tensor& x, const Tensor& dout, const Tensor& dx,
                 const std::vector<float>& carry, float loss_scale,
                 DeferredGrads* deferred) const override {
-    moe_backward(m.ep, m.tp, m.cfg, ctx, w.moe, g.moe, a.moe, x, dout, dx, carry, loss_scale,
-                 deferred);
+    moe_backward(m.ep, m.tp, m.cfg, ctx, w.moe, g.moe, a.moe, cast_to(ctx, x, DType::F32), dout, dx,
+                 carry, loss_scale, deferred);
   }
   int carry_numel() const override { return 2 * n_experts; }
   int64_t saved_bytes(const ModelConfig& c, int64_t N, int tp, int e) const override {
@@ -411,6 +419,13 @@ static void rebuild_for_backward(const Context& ctx, const Model& m, const Block
 static std::vector<Tensor*> stored_in_compute_format(BlockActivations& a) {
   return {&a.norm1, &a.q,   &a.k,      &a.v,        &a.saved.probs, &a.attn,    &a.norm2,  &a.gate,
           &a.up,    &a.act, &a.moe.xe, &a.moe.gate, &a.moe.up,      &a.moe.act, &a.moe.out};
+}
+// What the backward reads beyond the linear layers' GEMMs and SwiGLU (attention, RoPE, the
+// experts' dispatch), widened back to fp32 before it. The norms' outputs and the dense MLP's
+// tensors stay in the compute format: GEMMs and SwiGLU read them as they are.
+static std::vector<Tensor*> read_beyond_gemms(BlockActivations& a) {
+  return {&a.q,      &a.k,        &a.v,      &a.saved.probs, &a.attn,
+          &a.moe.xe, &a.moe.gate, &a.moe.up, &a.moe.act,     &a.moe.out};
 }
 static void run_hook(const std::function<void(int)>& hook, int unit) {
   if (hook) hook(unit);
@@ -499,8 +514,7 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
     acts.ids = device_ints(local_vocab_ids(ids, N, L.vocab0, L.vocab), d);
     x = act({n, D}, ctx);
     run_hook(hooks.before_forward, model.embedding_unit());
-    vocab_parallel_embedding_forward(model.tp, ctx, x, acts.ids,
-                                     compute_weight(ctx, model.w.embed));
+    vocab_parallel_embedding_forward(model.tp, ctx, x, acts.ids, lookup_table(ctx, model.w.embed));
     run_hook(hooks.after_forward, model.embedding_unit());
   }
   PICO_ASSERT(x.defined() && x.numel() == n * D, "stage input " + x.shape_str());
@@ -604,8 +618,8 @@ StagePayload stage_backward(const Context& ctx, Model& model, Activations& acts,
     int b = model.chunk_block0[chunk] + l;
     std::vector<int> units = block_units(model, chunk, l);  // in backward order: experts first
     for (auto u = units.rbegin(); u != units.rend(); u++) run_hook(hooks.before_backward, *u);
-    widen_to_fp32(ctx, stored_in_compute_format(a));
     rebuild_for_backward(ctx, model, model.w.blocks[b], a, acts.positions, B, T, mode);
+    widen_to_fp32(ctx, read_beyond_gemms(a));
     block_backward(ctx, model, model.w.blocks[b], model.g.blocks[b], a, acts.positions, B, T, dres,
                    acts.carry, loss_scale, deferred);
     a = BlockActivations{};  // this micro-batch no longer needs block l's activations

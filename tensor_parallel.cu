@@ -143,13 +143,14 @@ static Tensor workspace(std::vector<int64_t> shape, const Context& ctx) {  // on
 static Tensor region_input(const TensorParallel& tp, const Context& ctx, const Tensor& x) {
   if (!tp.sp) return x;
   Tensor full = workspace({x.size(0) * tp.size(), x.size(1)}, ctx);
-  tp_region_enter_forward(tp, ctx, x, full);
+  tp_region_enter_forward(tp, ctx, cast_to(ctx, x, DType::F32), full);  // gathered in fp32
   return full;
 }
 
 void column_parallel_forward(const TensorParallel& tp, const Context& ctx, const Tensor& x,
                              const std::vector<ColumnOutput>& outputs) {
-  Tensor h = region_input(tp, ctx, x);  // [N, D]
+  Tensor h = region_input(tp, ctx, x);        // [N, D]
+  to_compute_format(ctx, h, Mem::Workspace);  // once, for every GEMM that reads it
   for (const ColumnOutput& o : outputs) linear_forward(ctx, o.y, h, o.W);
 }
 
@@ -182,6 +183,7 @@ void column_parallel_backward(const TensorParallel& tp, const Context& ctx, cons
                               DeferredGrads* deferred) {
   int64_t N = x.size(0) * (tp.sp ? tp.size() : 1), D = x.size(1);
   Tensor h = region_input(tp, ctx, x);              // [N, D]
+  to_compute_format(ctx, h, Mem::Workspace);        // once, for every weight gradient
   Tensor dh = tp.sp ? workspace({N, D}, ctx) : dx;  // [N, D], partial over tp
   for (size_t i = 0; i < grads.size(); i++)         // input gradient: sum_i dy_i W_i
     linear_backward(ctx, dh, Tensor(), grads[i].dy, h, grads[i].W, i > 0);

@@ -161,25 +161,35 @@ ChunkBytes chunk_bytes(const ModelConfig& cfg, const Layout& l, const Implementa
     fresh = (double)activation_bytes_per_block(local, l.mbs, T, l.tp, l.sp, Recompute::None,
                                                *attention, 4);
   }
-  // The block's own peak: fresh, or while its tensors are rounded to the compute format one by
-  // one (store_in_compute_format: the 16-bit copy exists next to the fp32 one), in
-  // stored_in_compute_format's order. Full recomputation keeps only the (fp32) input.
-  double block_peak = fresh;
-  if (impl.activations == ActivationFormula::Llama && e < 4 && l.recompute != Recompute::Full) {
+  // The block's own peak. Under bf16 and fp16 the linear layers' inputs (the norms' and
+  // attention's outputs) go to the compute format as soon as they are made (model.cu's
+  // to_compute_format), so each fp32 copy lives only until then, and the dense MLP's gate, up
+  // and SwiGLU output are made in it; the peak is the block's end, or the moment norm2's fp32
+  // output sits next to its copy if the MLP's tensors are smaller. The other tensors are rounded
+  // at the block's end one by one (store_in_compute_format: the 16-bit copy next to the fp32
+  // one), in stored_in_compute_format's order. Full recomputation keeps only the (fp32) input.
+  // Under fp8 everything waits for the block's end.
+  const bool llama = impl.activations == ActivationFormula::Llama;
+  const bool early = llama && (l.precision == Precision::BF16 || l.precision == Precision::FP16);
+  const double mlp = early && !cfg.experts ? N * L.ffn : 0;  // a mixture keeps its experts' own
+  const double early_elements = early ? 2 * n * D + N * L.heads * hd + 3 * mlp : 0;
+  const double made = fresh - (4 - e) * early_elements;  // everything, right after the forward
+  double block_peak = early ? std::max(made, made - 3 * e * mlp + 4 * n * D) : fresh;
+  if (llama && e < 4 && l.recompute != Recompute::Full) {
     const double probs =
         fresh - (double)activation_bytes_per_block(local, l.mbs, T, l.tp, l.sp,
                                                    Recompute::Selective, *attention, 4);
-    double now = fresh - (l.recompute == Recompute::Selective ? probs : 0);
-    std::vector<double> order = {n * D,
+    double now = made - (l.recompute == Recompute::Selective ? probs : 0);
+    std::vector<double> order = {early ? 0 : n * D,
                                  N * L.heads * hd,
                                  N * L.kv_heads * hd,
                                  N * L.kv_heads * hd,
                                  l.recompute == Recompute::None ? probs / 4 : 0,
-                                 N * L.heads * hd,
-                                 n * D,
-                                 N * L.ffn,
-                                 N * L.ffn,
-                                 N * L.ffn};
+                                 early ? 0 : N * L.heads * hd,
+                                 early ? 0 : n * D,
+                                 N * L.ffn - mlp,
+                                 N * L.ffn - mlp,
+                                 N * L.ffn - mlp};
     for (double elements : order) {
       block_peak = std::max(block_peak, now + e * elements);
       now -= (4 - e) * elements;
@@ -200,17 +210,18 @@ ChunkBytes chunk_bytes(const ModelConfig& cfg, const Layout& l, const Implementa
     // The first block's backward rebuilds its activations (fp32) from its input; the head's
     // logits and final norm are gone by then unless a deferred W still reads them.
     double freed = c.head && !split ? normf + logits : 0;
-    b.backward_peak = std::max(0.0, fresh - 4 * n * D - freed);
+    b.backward_peak = std::max(0.0, block_peak - 4 * n * D - freed);
   }
   if (split) {
     // The W op's inputs: the linear layers' inputs (norm1 and norm2 only without sp: with sp
-    // the layers read gathered copies, which are workspace), held in fp32 where they are
-    // activations (fp32 runs and full recomputation; in 16-bit runs the backward reads widened
-    // workspace copies); the head's final-norm output and the logits' gradient (in place).
+    // the layers read gathered copies, which are workspace). In fp32 where they are fp32
+    // activations (fp32 runs; fp8's full recomputation). Otherwise the norms' and SwiGLU's
+    // outputs are held as stored, in the compute format (the backward widens attention's output
+    // into workspace). And the head's final-norm output and the logits' gradient (in place).
     double block_inputs = (l.sp ? 0 : 2 * 4 * N * D) + 4 * N * L.heads * hd + 4 * N * L.ffn;
-    bool fp32_inputs = e == 4 || l.recompute == Recompute::Full;
-    b.weight_held =
-        (fp32_inputs ? c.blocks * block_inputs : 0) + (c.head ? (l.sp ? 0 : normf) + logits : 0);
+    bool fp32_inputs = e == 4 || (l.recompute == Recompute::Full && !early);
+    if (!fp32_inputs) block_inputs = e * ((l.sp ? 0 : 2 * N * D) + N * L.ffn);
+    b.weight_held = c.blocks * block_inputs + (c.head ? (l.sp ? 0 : normf) + logits : 0);
   }
   return b;
 }

@@ -229,9 +229,9 @@ void cast_(const Context& ctx, const Tensor& dst, const Tensor& src) {
   LAUNCH_CHECK(ctx, "cast kernel");
 }
 
-Tensor cast_to(const Context& ctx, const Tensor& t, DType dtype) {
+Tensor cast_to(const Context& ctx, const Tensor& t, DType dtype, Mem category) {
   if (t.dtype == dtype) return t;
-  Tensor out = empty(ctx, t.shape, Mem::Workspace, dtype);
+  Tensor out = empty(ctx, t.shape, category, dtype);
   cast_(ctx, out, t);
   return out;
 }
@@ -252,4 +252,23 @@ const char* precision_name(Precision p) {
 }
 DType output_dtype(Precision p) {
   return p == Precision::FP32 ? DType::F32 : p == Precision::FP16 ? DType::F16 : DType::BF16;
+}
+DType activation_dtype(Precision p) {
+  return p == Precision::FP8 ? DType::F32 : output_dtype(p);
+}
+
+void to_compute_format(const Context& ctx, Tensor& x, Mem category) {
+  x = cast_to(ctx, x, activation_dtype(ctx.precision), category);
+}
+Tensor empty_in_compute_format(const Context& ctx, std::vector<int64_t> shape, Mem category) {
+  return empty(ctx, std::move(shape), category, activation_dtype(ctx.precision));
+}
+void store_in_compute_format(const Context& ctx, const std::vector<Tensor*>& kept) {
+  if (ctx.precision == Precision::FP32) return;
+  for (Tensor* t : kept)
+    if (t->defined()) *t = cast_to(ctx, *t, output_dtype(ctx.precision), Mem::Activations);
+}
+void widen_to_fp32(const Context& ctx, const std::vector<Tensor*>& kept) {
+  for (Tensor* t : kept)
+    if (t->defined()) *t = cast_to(ctx, *t, DType::F32, Mem::Workspace);
 }

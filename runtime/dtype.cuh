@@ -31,10 +31,30 @@ void cast_(const Tensor& dst, const Tensor& src);
 // The same on ctx's stream (training: bf16 gradients widened for the optimizer, weight copies).
 void cast_(const Context& ctx, const Tensor& dst, const Tensor& src);
 // t in `dtype`: t itself when it already is, else a cast copy (Mem::Workspace, ctx's stream).
-Tensor cast_to(const Context& ctx, const Tensor& t, DType dtype);
+Tensor cast_to(const Context& ctx, const Tensor& t, DType dtype, Mem category = Mem::Workspace);
 
 // --dtype: what the linear layers compute in (Precision, core.cuh; mixed_precision.cuh).
 Precision parse_precision(const std::string& flag);  // fp32|bf16|fp16|fp8, else UsageError
 const char* precision_name(Precision p);             // "fp32", "bf16", ...
 // The format linear outputs are stored in: BF16 (bf16, fp8), F16 (fp16) or F32.
 DType output_dtype(Precision p);
+// What the linear layers' inputs and outputs are stored in between ops (mixed_precision.cuh's
+// compute format): bf16 or fp16 under those; fp32 under fp32, and under fp8, whose GEMMs
+// quantize fp32 values themselves.
+DType activation_dtype(Precision p);
+
+// ---- Where a block's tensors are stored under ctx.precision (mixed_precision.cuh) ----
+// What only the linear layers read (the norms' outputs, attention's) rounded into the compute
+// format once, under bf16 and fp16: x is replaced by a tensor of activation_dtype (of
+// `category`), which every GEMM then reads as it is, forward and backward, rather than each
+// casting x again; the block keeps it so and never widens it. Nothing under fp32 and fp8.
+void to_compute_format(const Context& ctx, Tensor& x, Mem category);
+// A new tensor that the linear layers write or read and the ops beside them read and write in
+// activation_dtype (the MLP's gate, up and SwiGLU output), on ctx's stream.
+Tensor empty_in_compute_format(const Context& ctx, std::vector<int64_t> shape, Mem category);
+// What a block keeps for its backward is stored in the compute format under --dtype, half the
+// bytes, as a model trained in bf16 keeps it (each fp32 tensor of `kept` replaced by its
+// rounding, Mem::Activations); nothing changes under fp32. widen_to_fp32 undoes it before the
+// backward reads them (fp32 again, in workspace).
+void store_in_compute_format(const Context& ctx, const std::vector<Tensor*>& kept);
+void widen_to_fp32(const Context& ctx, const std::vector<Tensor*>& kept);

@@ -4,6 +4,7 @@
 // the activation memory the schedule holds (--report bubble), the first block's saved bytes
 // (--report memory), and fires --fault where the run asked for it.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -68,6 +69,14 @@ void check_fault_has_peer(const Fault& f, const std::string& flag_value, int wor
 struct RoundingStats {
   uint64_t nonzero = 0, flushed = 0, overflowed = 0;
   double flushed_share() const { return nonzero ? (double)flushed / nonzero : 0.0; }
+  void add(float before, float after) {  // one value rounded
+    nonzero += before != 0.0f;
+    flushed += before != 0.0f && after == 0.0f;
+    overflowed += std::isfinite(before) && std::isinf(after);
+  }
+  void add(const RoundingStats& o) {
+    nonzero += o.nonzero, flushed += o.flushed, overflowed += o.overflowed;
+  }
 };
 // (mixed_precision.cu's round_ counts; the precision policy logs the backward's flushed share.)
 RoundingStats& rounding_stats(bool backward);

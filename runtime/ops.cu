@@ -45,19 +45,23 @@ void gemm(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K, f
 void gemm_16bit(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K,
                 const Tensor& A, int lda, const Tensor& B, int ldb, float beta, const Tensor& C,
                 int ldc) {
-  PICO_ASSERT(gpu_path(ctx.device) && A.dtype == B.dtype && C.dtype == DType::F32 &&
-                  (A.dtype == DType::BF16 || A.dtype == DType::F16),
-              "gemm_16bit takes bf16 or fp16 operands and an fp32 output on the GPU path");
-  const double m = M, n = N, k = K;  // 2-byte operands, fp32 output (read too when accumulated)
+  PICO_ASSERT(gpu_path(ctx.device) && A.dtype == B.dtype &&
+                  (A.dtype == DType::BF16 || A.dtype == DType::F16) &&
+                  (C.dtype == DType::F32 || (C.dtype == A.dtype && beta == 0.0f)),
+              "gemm_16bit takes bf16 or fp16 operands and an fp32 output (or, not accumulated, "
+              "one in the operands' format) on the GPU path");
+  const double m = M, n = N, k = K;  // 2-byte operands; the output read too when accumulated
+  const double c = (double)dtype_size(C.dtype);
   if (count_op(ctx.device, OpKind::Gemm,
-               {2 * m * n * k, 2 * (m * k + k * n) + (beta != 0.0f ? 4 * m * n : 0.0), 4 * m * n, 1,
+               {2 * m * n * k, 2 * (m * k + k * n) + (beta != 0.0f ? c * m * n : 0.0), c * m * n, 1,
                 MathUnit::Tensor16, std::min({m, n, k})}))
     return;
   const cudaDataType type = A.dtype == DType::BF16 ? CUDA_R_16BF : CUDA_R_16F;
+  const cudaDataType c_type = C.dtype == DType::F32 ? CUDA_R_32F : type;  // fp32 sums, rounded
   const float alpha = 1.0f;  // row-major to column-major as in gemm above
   CUBLAS_CHECK(cublasGemmEx(ctx.cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
                             trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha, B.ptr, type, ldb,
-                            A.ptr, type, lda, &beta, C.ptr, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F,
+                            A.ptr, type, lda, &beta, C.ptr, c_type, ldc, CUBLAS_COMPUTE_32F,
                             CUBLAS_GEMM_DEFAULT));
 }
 
@@ -114,8 +118,8 @@ static __device__ float block_reduce(float v, bool take_max) {
 // ============================================================================
 
 // rows[T, D] = table[ids[t]] (gather), or table[ids[t]] += rows[t] (scatter); table [V, D]
-static void embedding_cpu(float* rows, float* table, const int32_t* ids, int T, int D, int V,
-                          bool scatter) {
+static void embedding_cpu(float* rows, void* table, DType dtype, const int32_t* ids, int T, int D,
+                          int V, bool scatter) {
   for (int t = 0; t < T; t++) {
     PICO_ASSERT(ids[t] >= -1 && ids[t] < V, "token id " + std::to_string(ids[t]) +
                                                 " outside the vocabulary of " + std::to_string(V));
@@ -124,22 +128,33 @@ static void embedding_cpu(float* rows, float* table, const int32_t* ids, int T, 
       if (!scatter) std::fill(row, row + D, 0.0f);
       continue;
     }
-    float* entry = table + (int64_t)ids[t] * D;
-    if (scatter)
-      for (int i = 0; i < D; i++) entry[i] += row[i];
-    else
-      for (int i = 0; i < D; i++) row[i] = entry[i];
+    char* entry = (char*)table + (int64_t)ids[t] * D * dtype_size(dtype);
+    if (!scatter) {
+      cast_host(row, DType::F32, entry, dtype, D);  // a copy when the table is fp32
+      continue;
+    }
+    for (int i = 0; i < D; i++) ((float*)entry)[i] += row[i];
   }
 }
 
 // Forward: one thread per output element copies its cell of the table.
-static __global__ void embedding_forward_kernel(float* rows, const float* table, const int32_t* ids,
+static __device__ float widen(float x) {
+  return x;
+}
+static __device__ float widen(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+static __device__ float widen(__half x) {
+  return __half2float(x);
+}
+template <typename E>
+static __global__ void embedding_forward_kernel(float* rows, const E* table, const int32_t* ids,
                                                 int64_t n, int D, int V) {
   GRID_STRIDE_LOOP(i, n) {
     int id = ids[i / D];
     // -1: another rank's vocabulary (a zero row); anything else out of range is a bug: no
     // assert on the GPU, a NaN loss instead.
-    rows[i] = id >= 0 && id < V ? table[(int64_t)id * D + i % D] : (id == -1 ? 0.0f : NAN);
+    rows[i] = id >= 0 && id < V ? widen(table[(int64_t)id * D + i % D]) : (id == -1 ? 0.0f : NAN);
   }
 }
 
@@ -175,12 +190,24 @@ void embedding_forward(const Context& ctx, const Tensor& out, const Tensor& ids,
                        const Tensor& table) {
   check_embedding(ctx, out, ids, table);
   int T = (int)ids.numel(), V = (int)table.size(0), D = (int)table.size(1);
-  if (count_op(ctx.device, OpKind::Elementwise, {0, 4.0 * T * D + 4.0 * T, 4.0 * T * D})) return;
+  PICO_ASSERT(table.dtype == DType::F32 || table.dtype == DType::BF16 || table.dtype == DType::F16,
+              std::string("an embedding table in ") + dtype_name(table.dtype));
+  const double row_bytes = (double)D * dtype_size(table.dtype);
+  if (count_op(ctx.device, OpKind::Elementwise, {0, T * row_bytes + 4.0 * T, 4.0 * T * D})) return;
   if (ctx.device == Device::CPU)
-    return embedding_cpu(out.f32(), table.f32(), ids.i32(), T, D, V, false);
+    return embedding_cpu(out.f32(), table.ptr, table.dtype, ids.i32(), T, D, V, false);
   if (T == 0) return;
-  embedding_forward_kernel<<<grid_for((int64_t)T * D), kThreads, 0, ctx.stream>>>(
-      out.f32(), table.f32(), ids.i32(), (int64_t)T * D, D, V);
+  const unsigned grid = grid_for((int64_t)T * D);
+  const int64_t n = (int64_t)T * D;
+  if (table.dtype == DType::BF16)
+    embedding_forward_kernel<<<grid, kThreads, 0, ctx.stream>>>(
+        out.f32(), (const __nv_bfloat16*)table.ptr, ids.i32(), n, D, V);
+  else if (table.dtype == DType::F16)
+    embedding_forward_kernel<<<grid, kThreads, 0, ctx.stream>>>(out.f32(), (const __half*)table.ptr,
+                                                                ids.i32(), n, D, V);
+  else
+    embedding_forward_kernel<<<grid, kThreads, 0, ctx.stream>>>(out.f32(), table.f32(), ids.i32(),
+                                                                n, D, V);
   LAUNCH_CHECK(ctx, "embedding_forward_kernel");
 }
 void embedding_backward(const Context& ctx, const Tensor& dtable, const Tensor& ids,
@@ -193,7 +220,7 @@ void embedding_backward(const Context& ctx, const Tensor& dtable, const Tensor& 
                {(double)T * D, 8.0 * T * D + 16.0 * T, 4.0 * T * D + 12.0 * T, 3}))
     return;
   if (ctx.device == Device::CPU)
-    return embedding_cpu(dout.f32(), dtable.f32(), ids.i32(), T, D, V, true);
+    return embedding_cpu(dout.f32(), dtable.f32(), DType::F32, ids.i32(), T, D, V, true);
   if (T == 0) return;
   // Workspace: CUB's scratch (rounded to 256 bytes, so what follows stays aligned), then [3, T]
   // int32: positions 0..T-1, the ids sorted, the positions in that order.
@@ -424,27 +451,67 @@ static void swiglu_backward_cpu(float* dgate, float* dup, const float* dout, con
   }
 }
 
-static __global__ void swiglu_forward_kernel(float* out, const float* gate, const float* up,
-                                             int64_t n) {
-  GRID_STRIDE_LOOP(i, n) out[i] = gate[i] * sigmoid(gate[i]) * up[i];
+static __device__ void store(float* at, float x) {
+  *at = x;
 }
-static __global__ void swiglu_backward_kernel(float* dgate, float* dup, const float* dout,
-                                              const float* gate, const float* up, int64_t n) {
+static __device__ void store(__nv_bfloat16* at, float x) {
+  *at = __float2bfloat16_rn(x);
+}
+static __device__ void store(__half* at, float x) {
+  *at = __float2half_rn(x);
+}
+
+template <typename E>  // float, or the 16-bit format the tensors are stored in
+static __global__ void swiglu_forward_kernel(E* out, const E* gate, const E* up, int64_t n) {
   GRID_STRIDE_LOOP(i, n) {
-    float g = gate[i], u = up[i], d = dout[i], sig = sigmoid(g);
+    const float g = widen(gate[i]);
+    store(out + i, g * sigmoid(g) * widen(up[i]));
+  }
+}
+template <typename E>
+static __global__ void swiglu_backward_kernel(float* dgate, float* dup, const float* dout,
+                                              const E* gate, const E* up, int64_t n) {
+  GRID_STRIDE_LOOP(i, n) {
+    float g = widen(gate[i]), u = widen(up[i]), d = dout[i], sig = sigmoid(g);
     dgate[i] = d * u * sig * (1.0f + g * (1.0f - sig));
     dup[i] = d * g * sig;
   }
+}
+
+static bool float_storage(DType t) {
+  return t == DType::F32 || t == DType::BF16 || t == DType::F16;
+}
+// A 16-bit tensor's values in fp32 on the host (exact), for the CPU loops.
+static std::vector<float> widened(const Tensor& t) {
+  std::vector<float> v(t.numel());
+  cast_host(v.data(), DType::F32, t.ptr, t.dtype, t.numel());
+  return v;
 }
 
 void swiglu_forward(const Context& ctx, const Tensor& out, const Tensor& gate, const Tensor& up) {
   check_devices(ctx, "swiglu_forward", out, gate, up);
   int64_t n = gate.numel();
   PICO_ASSERT(up.numel() == n && out.numel() == n, "swiglu_forward shapes " + gate.shape_str());
-  if (count_op(ctx.device, OpKind::Elementwise, {6.0 * n, 8.0 * n, 4.0 * n})) return;
-  if (ctx.device == Device::CPU) return swiglu_forward_cpu(out.f32(), gate.f32(), up.f32(), n);
-  swiglu_forward_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(out.f32(), gate.f32(), up.f32(),
-                                                                  n);
+  const DType t = gate.dtype;
+  PICO_ASSERT(float_storage(t) && up.dtype == t && out.dtype == t,
+              std::string("swiglu_forward in ") + dtype_name(t) + ", one storage dtype for all");
+  const double e = (double)dtype_size(t);
+  if (count_op(ctx.device, OpKind::Elementwise, {6.0 * n, 2 * e * n, e * n})) return;
+  if (ctx.device == Device::CPU) {
+    if (t == DType::F32) return swiglu_forward_cpu(out.f32(), gate.f32(), up.f32(), n);
+    std::vector<float> g = widened(gate), u = widened(up), o(n);
+    swiglu_forward_cpu(o.data(), g.data(), u.data(), n);
+    return cast_host(out.ptr, t, o.data(), DType::F32, n);  // rounded once
+  }
+  if (t == DType::BF16)
+    swiglu_forward_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(
+        (__nv_bfloat16*)out.ptr, (const __nv_bfloat16*)gate.ptr, (const __nv_bfloat16*)up.ptr, n);
+  else if (t == DType::F16)
+    swiglu_forward_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(
+        (__half*)out.ptr, (const __half*)gate.ptr, (const __half*)up.ptr, n);
+  else
+    swiglu_forward_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(out.f32(), gate.f32(), up.f32(),
+                                                                    n);
   LAUNCH_CHECK(ctx, "swiglu_forward_kernel");
 }
 void swiglu_backward(const Context& ctx, const Tensor& dgate, const Tensor& dup, const Tensor& dout,
@@ -453,11 +520,27 @@ void swiglu_backward(const Context& ctx, const Tensor& dgate, const Tensor& dup,
   int64_t n = gate.numel();
   PICO_ASSERT(up.numel() == n && dout.numel() == n && dgate.numel() == n && dup.numel() == n,
               "swiglu_backward shapes " + gate.shape_str());
-  if (count_op(ctx.device, OpKind::Elementwise, {12.0 * n, 12.0 * n, 8.0 * n})) return;
-  if (ctx.device == Device::CPU)
-    return swiglu_backward_cpu(dgate.f32(), dup.f32(), dout.f32(), gate.f32(), up.f32(), n);
-  swiglu_backward_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(
-      dgate.f32(), dup.f32(), dout.f32(), gate.f32(), up.f32(), n);
+  const DType t = gate.dtype;
+  PICO_ASSERT(float_storage(t) && up.dtype == t,
+              std::string("swiglu_backward reads gate and up in one dtype, not ") + dtype_name(t));
+  const double e = (double)dtype_size(t);
+  if (count_op(ctx.device, OpKind::Elementwise, {12.0 * n, (4 + 2 * e) * n, 8.0 * n})) return;
+  if (ctx.device == Device::CPU) {
+    if (t == DType::F32)
+      return swiglu_backward_cpu(dgate.f32(), dup.f32(), dout.f32(), gate.f32(), up.f32(), n);
+    std::vector<float> g = widened(gate), u = widened(up);
+    return swiglu_backward_cpu(dgate.f32(), dup.f32(), dout.f32(), g.data(), u.data(), n);
+  }
+  if (t == DType::BF16)
+    swiglu_backward_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(
+        dgate.f32(), dup.f32(), dout.f32(), (const __nv_bfloat16*)gate.ptr,
+        (const __nv_bfloat16*)up.ptr, n);
+  else if (t == DType::F16)
+    swiglu_backward_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(
+        dgate.f32(), dup.f32(), dout.f32(), (const __half*)gate.ptr, (const __half*)up.ptr, n);
+  else
+    swiglu_backward_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(
+        dgate.f32(), dup.f32(), dout.f32(), gate.f32(), up.f32(), n);
   LAUNCH_CHECK(ctx, "swiglu_backward_kernel");
 }
 

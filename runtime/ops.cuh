@@ -15,13 +15,15 @@
 void gemm(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha,
           const float* A, int lda, const float* B, int ldb, float beta, float* C, int ldc);
 // The same with bf16 or fp16 A and B (one format) and fp32 C, products and sums in fp32: the
-// tensor cores' mixed-precision GEMM (cublasGemmEx). GPU path only (CUDA, or meta's count).
+// tensor cores' mixed-precision GEMM (cublasGemmEx). C may be in A's format when beta is 0: the
+// fp32 sums rounded once on their way out. GPU path only (CUDA, or meta's count).
 void gemm_16bit(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K,
                 const Tensor& A, int lda, const Tensor& B, int ldb, float beta, const Tensor& C,
                 int ldc);
 // ---- embedding ----
 // out[T, D] = table[ids[t], :]; ids [T] int32; id -1 gives a zero row (and no gradient): the
-// ids another rank's vocabulary slice holds under tensor parallelism
+// ids another rank's vocabulary slice holds under tensor parallelism. The forward's table may be
+// bf16 or fp16 (mixed precision's copy): the rows it reads are widened, exactly.
 void embedding_forward(const Context& ctx, const Tensor& out, const Tensor& ids,
                        const Tensor& table);
 // dtable[V, D] += scatter of dout[T, D] by ids
@@ -43,9 +45,10 @@ void rope_forward(const Context& ctx, const Tensor& x, const Tensor& positions, 
 void rope_backward(const Context& ctx, const Tensor& dx, const Tensor& positions, float theta);
 
 // ---- SwiGLU: out = silu(gate) * up ----
-// gate, up, out [T, F]
+// gate, up, out [T, F], all three fp32, or all three bf16 or fp16 (mixed precision's compute
+// format: read widened, the same fp32 arithmetic, the output rounded once)
 void swiglu_forward(const Context& ctx, const Tensor& out, const Tensor& gate, const Tensor& up);
-// dgate, dup [T, F] (=)
+// dgate, dup [T, F] (=), fp32; gate and up as the forward read them
 void swiglu_backward(const Context& ctx, const Tensor& dgate, const Tensor& dup, const Tensor& dout,
                      const Tensor& gate, const Tensor& up);
 

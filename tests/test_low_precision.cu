@@ -41,6 +41,17 @@ Tensor filled(std::vector<int64_t> shape, uint64_t seed, float scale) {
   return t;
 }
 
+std::vector<float> widened(const Tensor& t) {  // any storage dtype, exactly
+  Tensor w = empty(t.shape, Mem::Workspace);
+  cast_(w, t);
+  return to_host_floats(w);
+}
+Tensor copy_of(const Tensor& t) {
+  Tensor c = empty(t.shape, Mem::Workspace);
+  copy_(c, t);
+  return c;
+}
+
 // A float64 sum, and the sum of its terms' magnitudes (what fp32's rounding error scales with).
 struct Sum64 {
   double sum = 0, abs = 0;
@@ -308,6 +319,80 @@ TEST_CASE("the kept bf16 weights give the GEMMs exactly what rounding the fp32 w
   }
 }
 
+// An input the linear layers read several times (the norms' outputs; SwiGLU's) is rounded into
+// the compute format once and kept so: every GEMM must read exactly the values it read when it
+// rounded the fp32 input itself, and the kept tensor must hold the format's own rounding of each
+// value (as_bf16 / as_fp16 above) at half the bytes. Under fp32 and fp8 nothing changes (fp8's
+// GEMMs quantize fp32 values themselves). An output (attention's) is stored so too, and under
+// fp8 rounded to bf16 in place.
+TEST_CASE("an input kept in the compute format gives the linear layers what rounding it gives",
+          "[precision]") {
+  for (Precision p : {Precision::FP32, Precision::BF16, Precision::FP16, Precision::FP8}) {
+    INFO(precision_name(p));
+    Context ctx = Context::create(Device::CPU);
+    ctx.precision = p;
+    const int T = 12, in = 40, out = 24;
+    Tensor x = filled({T, in}, 31, 3.0f), W = filled({out, in}, 32, 0.2f),
+           dy = filled({T, out}, 33, 0.05f);
+    Tensor kept = copy_of(x);
+    const MemoryStats before = memory_stats();
+    to_compute_format(ctx, kept, Mem::Activations);
+    const bool sixteen = p == Precision::BF16 || p == Precision::FP16;
+    CHECK(kept.dtype == (sixteen ? output_dtype(p) : DType::F32));
+    if (sixteen) {
+      CHECK(memory_stats().current[(int)Mem::Activations] - before.current[(int)Mem::Activations] ==
+            (size_t)(2 * T * in));
+      std::vector<float> values = widened(kept);
+      for (int64_t i = 0; i < x.numel(); i++) REQUIRE(values[i] == stored(p, x.f32()[i]));
+    }
+    Tensor y = empty({T, out}, Mem::Workspace), y_kept = empty({T, out}, Mem::Workspace);
+    Tensor dW = zeros({out, in}, Mem::Workspace), dW_kept = zeros({out, in}, Mem::Workspace);
+    linear_forward(ctx, y, x, W);
+    linear_forward(ctx, y_kept, kept, W);
+    linear_backward(ctx, Tensor(), dW, dy, x, W);
+    linear_backward(ctx, Tensor(), dW_kept, dy, kept, W);
+    CHECK(to_host_floats(y_kept) == to_host_floats(y));  // bit for bit
+    CHECK(to_host_floats(dW_kept) == to_host_floats(dW));
+    // An output made in the compute format (the MLP's gate and up) holds the same values.
+    Tensor y16 = empty(ctx, {T, out}, Mem::Activations, activation_dtype(p));
+    CHECK(y16.dtype == (sixteen ? output_dtype(p) : DType::F32));
+    linear_forward(ctx, y16, kept, W);
+    CHECK(widened(y16) == to_host_floats(y));
+
+    Tensor o = copy_of(x);
+    output_in_compute_format(ctx, o, Mem::Activations);
+    CHECK(o.dtype == (sixteen ? output_dtype(p) : DType::F32));
+    std::vector<float> values = widened(o);
+    for (int64_t i = 0; i < x.numel(); i++)
+      REQUIRE(values[i] == (p == Precision::FP32 ? x.f32()[i] : stored(p, x.f32()[i])));
+  }
+}
+
+// The embedding looks its rows up in the weights' 16-bit copy, widening only those rows: the
+// same values a lookup in the whole widened table gives (the format's rounding, as_bf16 /
+// as_fp16), and id -1 a zero row.
+TEST_CASE("the embedding reads a bf16 or fp16 table: each row the format's values", "[precision]") {
+  for (Precision p : {Precision::BF16, Precision::FP16}) {
+    INFO(precision_name(p));
+    Context ctx = Context::create(Device::CPU);
+    const int V = 9, D = 7;
+    Tensor table = filled({V, D}, 41, 2.0f);
+    Tensor half = empty({V, D}, Mem::Params, Device::CPU, output_dtype(p));
+    cast_(ctx, half, table);
+    Tensor ids = empty({4}, Mem::Activations, Device::CPU, DType::I32);
+    const int32_t id_values[] = {3, -1, 8, 3};
+    from_host(ids, id_values);
+    Tensor rows = empty({4, D}, Mem::Activations);
+    embedding_forward(ctx, rows, ids, half);
+    for (int t = 0; t < 4; t++)
+      for (int i = 0; i < D; i++) {
+        const float want =
+            id_values[t] < 0 ? 0.0f : stored(p, table.f32()[(int64_t)id_values[t] * D + i]);
+        REQUIRE(rows.f32()[t * D + i] == want);
+      }
+  }
+}
+
 // The CUDA round and FP8 tile kernels against the CPU loops, bit for bit.
 TEST_CASE("the CUDA round and FP8 tile kernels match the CPU", "[precision][gpu]") {
   SKIP_WITHOUT_CUDA();
@@ -514,6 +599,19 @@ TEST_CASE("the CUDA low-precision linear layers match the CPU emulation", "[prec
         INFO("element " << i << ": cpu " << c << ", gpu " << g[i]);
         REQUIRE(std::fabs(g[i] - c) <= ulp);
       }
+    }
+    if (p != Precision::FP8) {  // y written by cuBLAS in the compute format: the same values
+      Tensor gy16 = empty(gpu, {T, out}, Mem::Workspace, activation_dtype(p));
+      REQUIRE(gy16.dtype == output_dtype(p));
+      linear_forward(gpu, gy16, gx, gW);
+      gpu.synchronize();
+      std::vector<float> g16 = widened(to_device(gy16, Device::CPU, Mem::Workspace)),
+                         g32 = to_host_floats(gy);
+      // cuBLAS may sum in another order for another output type: the two roundings of nearly
+      // the same fp32 sum are the same value or neighbours (one unit of the format's last place).
+      const float unit = p == Precision::BF16 ? 0x1p-7f : 0x1p-10f;
+      for (size_t i = 0; i < g16.size(); i++)
+        REQUIRE(std::fabs(g16[i] - g32[i]) <= unit * std::fabs(g32[i]) + 1e-30f);
     }
     std::vector<float> g = to_host_floats(gdW);
     double scale = 0;

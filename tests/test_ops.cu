@@ -282,6 +282,34 @@ TEST_CASE("swiglu is silu(gate) * up and its backward matches central difference
   check_gradient(up, dup, loss, 1e-2f, 1e-3f);
 }
 
+// Mixed precision keeps gate, up and SwiGLU's output in bf16 or fp16: the op must give, bit for
+// bit, what its fp32 form (tested above) gives on the widened inputs, rounded once into the
+// format (cast_, whose rounding test_mixed_precision.cu holds to CUDA's); the backward exactly
+// the fp32 backward on the widened inputs.
+TEST_CASE("swiglu on bf16 or fp16 tensors is the fp32 swiglu of their values, rounded once",
+          "[ops]") {
+  for (DType half : {DType::BF16, DType::F16}) {
+    INFO(dtype_name(half));
+    const int n = 64;
+    Tensor gate = randn({n}, "gate", 3.0f), up = randn({n}, "up"), dout = randn({n}, "dout");
+    Tensor g16 = empty({n}, Mem::Activations, Device::CPU, half), u16 = clone(g16),
+           out16 = clone(g16);
+    cast_(kCpu, g16, gate), cast_(kCpu, u16, up);
+    cast_(kCpu, gate, g16), cast_(kCpu, up, u16);  // the fp32 inputs: the formats' values
+    Tensor out = empty({n}, Mem::Activations), want16 = clone(g16);
+    swiglu_forward(kCpu, out, gate, up);
+    swiglu_forward(kCpu, out16, g16, u16);
+    cast_(kCpu, want16, out);
+    CHECK(memcmp(out16.ptr, want16.ptr, out16.nbytes()) == 0);
+    Tensor dgate = empty({n}, Mem::Activations), dup = clone(dgate);
+    Tensor dgate16 = clone(dgate), dup16 = clone(dgate);
+    swiglu_backward(kCpu, dgate, dup, dout, gate, up);
+    swiglu_backward(kCpu, dgate16, dup16, dout, g16, u16);
+    CHECK(memcmp(dgate16.ptr, dgate.ptr, dgate.nbytes()) == 0);
+    CHECK(memcmp(dup16.ptr, dup.ptr, dup.nbytes()) == 0);
+  }
+}
+
 // ----------------------------------------------------------------------------
 // residual, axpy, scale_
 
@@ -532,6 +560,14 @@ TEST_CASE("CUDA embedding matches the CPU reference; its backward bit for bit", 
   embedding_forward(kCpu, out, ids, table);
   embedding_forward(ctx, g_out, g_ids, g_table);
   check_close(host(ctx, g_out), out, 0.0f, 0.0f);  // a copy: exact
+  for (DType half : {DType::BF16, DType::F16}) {   // mixed precision's copy: rows widened, exactly
+    INFO(dtype_name(half));
+    Tensor h_table = empty({V, D}, Mem::Params, Device::CPU, half);
+    cast_(kCpu, h_table, table);
+    embedding_forward(kCpu, out, ids, h_table);
+    embedding_forward(ctx, g_out, g_ids, to_device(h_table, Device::CUDA, Mem::Params));
+    check_close(host(ctx, g_out), out, 0.0f, 0.0f);
+  }
   embedding_backward(kCpu, dtable, ids, dout);
   embedding_backward(ctx, g_table, g_ids, g_dout);
   // The GPU adds each entry's rows in position order, as the CPU loop does: exact.
@@ -637,6 +673,28 @@ TEST_CASE("CUDA swiglu matches the CPU reference", "[gpu]") {
   swiglu_backward(ctx, g_dgate, g_dup, g_dout, g_gate, g_up);
   check_close(host(ctx, g_dgate), dgate, 1e-5f, 1e-6f);
   check_close(host(ctx, g_dup), dup, 1e-5f, 1e-6f);
+  for (DType half : {DType::BF16, DType::F16}) {  // mixed precision's gate, up and output
+    INFO(dtype_name(half));
+    Tensor g16 = empty({n}, Mem::Activations, Device::CPU, half), u16 = clone(g16),
+           out16 = clone(g16);
+    cast_(kCpu, g16, gate), cast_(kCpu, u16, up);
+    swiglu_forward(kCpu, out16, g16, u16);
+    swiglu_backward(kCpu, dgate, dup, dout, g16, u16);
+    Tensor gg16 = to_device(g16, Device::CUDA, Mem::Activations);
+    Tensor gu16 = to_device(u16, Device::CUDA, Mem::Activations);
+    Tensor gout16 = to_device(out16, Device::CUDA, Mem::Activations);
+    swiglu_forward(ctx, gout16, gg16, gu16);
+    swiglu_backward(ctx, g_dgate, g_dup, g_dout, gg16, gu16);
+    // The fp32 values within 2 ulp (expf) round to the CPU's 16-bit value or its neighbour: one
+    // unit of the format's last place (2^-8 of the value for bf16, 2^-11 for fp16).
+    ctx.synchronize();
+    Tensor wide = empty({n}, Mem::Workspace), g_wide = clone(wide);
+    cast_(wide, out16);
+    cast_(g_wide, to_device(gout16, Device::CPU, Mem::Workspace));
+    check_close(to_host_floats(g_wide), wide, half == DType::BF16 ? 8e-3f : 1e-3f, 1e-6f);
+    check_close(host(ctx, g_dgate), dgate, 1e-5f, 1e-6f);
+    check_close(host(ctx, g_dup), dup, 1e-5f, 1e-6f);
+  }
   ctx.destroy();
 }
 
