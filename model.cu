@@ -431,9 +431,9 @@ static void run_hook(const std::function<void(int)>& hook, int unit) {
   if (hook) hook(unit);
 }
 
-static Tensor device_ints(const std::vector<int32_t>& v, Device d) {
-  Tensor t = empty({(int64_t)v.size()}, Mem::Activations, d, DType::I32);
-  from_host(t, v.data());
+static Tensor device_ints(const std::vector<int32_t>& v, const Context& ctx) {
+  Tensor t = empty({(int64_t)v.size()}, Mem::Activations, ctx.device, DType::I32);
+  from_host(ctx, t, v.data());  // on ctx's stream, no host wait
   return t;
 }
 
@@ -442,7 +442,6 @@ static Tensor device_ints(const std::vector<int32_t>& v, Device d) {
 static float head_forward(const Context& ctx, Model& model, Activations& acts,
                           const int32_t* targets) {
   const LocalDims& L = model.tp.local;
-  Device d = ctx.device;
   int64_t N = (int64_t)acts.B * acts.T, n = acts.x_final.size(0), D = model.cfg.d_model;
   acts.normf = act({n, D}, ctx), acts.rstdf = act({n}, ctx);
   rmsnorm_forward(ctx, acts.normf, acts.rstdf, acts.x_final,
@@ -450,7 +449,7 @@ static float head_forward(const Context& ctx, Model& model, Activations& acts,
   acts.logits = act({N, L.vocab}, ctx);
   column_parallel_forward(model.tp, ctx, acts.normf, {{acts.logits, model.w.lm_head}});
   if (!targets) return 0.0f;
-  acts.targets = device_ints(local_vocab_ids(targets, N, L.vocab0, L.vocab), d);
+  acts.targets = device_ints(local_vocab_ids(targets, N, L.vocab0, L.vocab), ctx);
   acts.losses = act({N}, ctx);
   acts.ce_stats = act({N, 2}, ctx);
   vocab_parallel_cross_entropy_forward(model.tp, ctx, acts.losses, acts.ce_stats, acts.logits,
@@ -497,7 +496,6 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
   const Stage& stage = model.chunks[chunk];
   const ModelConfig& c = model.cfg;
   const LocalDims& L = model.tp.local;
-  Device d = ctx.device;
   int64_t N = (int64_t)B * T, n = sp_tokens(model.tp, N), D = c.d_model;
   acts = Activations{};
   acts.B = B, acts.T = T;
@@ -505,13 +503,13 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
   acts.carry.resize(model.mlp->carry_numel(), 0.0f);
   // Global positions (RoPE, the causal mask): under context parallelism T is this rank's
   // share of each sequence, whose tokens sit at the positions the cp layout gives them.
-  acts.positions = device_ints(model.attention->positions(B, T), d);
+  acts.positions = device_ints(model.attention->positions(B, T), ctx);
 
   Tensor x = in.empty() ? Tensor() : in[0];  // [n, D] the residual stream
   in.clear();
   if (stage.embedding) {
     // Vocab-parallel embedding: this rank looks up the ids of its vocabulary slice.
-    acts.ids = device_ints(local_vocab_ids(ids, N, L.vocab0, L.vocab), d);
+    acts.ids = device_ints(local_vocab_ids(ids, N, L.vocab0, L.vocab), ctx);
     x = act({n, D}, ctx);
     run_hook(hooks.before_forward, model.embedding_unit());
     vocab_parallel_embedding_forward(model.tp, ctx, x, acts.ids, lookup_table(ctx, model.w.embed));

@@ -280,13 +280,13 @@ Tensor device_floats(const Context& ctx, const std::vector<float>& v, std::vecto
   for (int64_t s : shape) n *= s;
   PICO_ASSERT(n == (int64_t)v.size(), "device_floats: shape");
   Tensor t = empty(ctx, {std::max<int64_t>(n, 1)}, Mem::Workspace).view(0, shape);
-  if (n > 0) from_host(t, v.data());
+  if (n > 0) from_host(ctx, t, v.data());
   return t;
 }
 Tensor device_ints(const Context& ctx, const std::vector<int32_t>& v) {
   const int64_t n = (int64_t)v.size();
   Tensor t = empty(ctx, {std::max<int64_t>(n, 1)}, Mem::Workspace, DType::I32).view(0, {n});
-  if (n > 0) from_host(t, v.data());
+  if (n > 0) from_host(ctx, t, v.data());
   return t;
 }
 
@@ -345,6 +345,52 @@ void from_host(const Tensor& dst, const int32_t* src) {
   from_host_bytes(dst, src, DType::I32);
 }
 
+// A ring of pinned buffers, each with the event of the copy it last sent. A micro-batch sends
+// three (positions, ids, targets), a mixture a few per layer, and the host is never more than
+// a micro-batch ahead (it reads each loss back): a buffer's last copy has long arrived when its
+// turn comes again. Each holds 64 KiB at least and doubles when it must grow (cudaFreeHost
+// waits for the device), so it grows only in the first steps.
+struct PinnedStaging {
+  struct Buffer {
+    void* host = nullptr;
+    size_t bytes = 0;
+    cudaEvent_t sent = nullptr;
+  };
+  std::vector<Buffer> ring = std::vector<Buffer>(32);
+  size_t next = 0;
+  ~PinnedStaging() {  // (errors ignored: the process may be ending)
+    for (Buffer& b : ring) {
+      if (b.sent) {
+        cudaEventSynchronize(b.sent);
+        cudaEventDestroy(b.sent);
+      }
+      if (b.host) cudaFreeHost(b.host);
+    }
+  }
+};
+
+void from_host(const Context& ctx, const Tensor& dst, const void* src) {
+  if (ctx.device != Device::CUDA) return from_host_bytes(dst, src, dst.dtype);
+  PICO_ASSERT(dst.device == Device::CUDA && ctx.staging, "from_host(ctx) into a CUDA tensor");
+  const size_t bytes = dst.nbytes();
+  PinnedStaging& staging = *ctx.staging;
+  PinnedStaging::Buffer& b = staging.ring[staging.next++ % staging.ring.size()];
+  if (b.sent && cudaEventQuery(b.sent) == cudaErrorNotReady) {  // its last copy is on its way
+    (void)cudaGetLastError();  // "not ready" is an answer, not an error to report later
+    count_host_sync();
+    CUDA_CHECK(cudaEventSynchronize(b.sent));
+  }
+  if (b.bytes < bytes) {
+    if (b.host) CUDA_CHECK(cudaFreeHost(b.host));
+    b.bytes = std::max<size_t>({bytes, 2 * b.bytes, 64 << 10});
+    CUDA_CHECK(cudaMallocHost(&b.host, b.bytes));
+  }
+  if (!b.sent) CUDA_CHECK(cudaEventCreateWithFlags(&b.sent, cudaEventDisableTiming));
+  memcpy(b.host, src, bytes);
+  CUDA_CHECK(cudaMemcpyAsync(dst.ptr, b.host, bytes, cudaMemcpyHostToDevice, ctx.stream));
+  CUDA_CHECK(cudaEventRecord(b.sent, ctx.stream));
+}
+
 // ----------------------------------------------------------------------------
 // Context
 
@@ -376,12 +422,14 @@ Context Context::create(Device device) {
     CUBLAS_CHECK(cublasSetStream(ctx.cublas, ctx.stream));
     // fp32 training stays fp32: no TF32 tensor-core shortcut, so GPU matches the CPU reference.
     CUBLAS_CHECK(cublasSetMathMode(ctx.cublas, CUBLAS_DEFAULT_MATH));
+    ctx.staging = std::make_shared<PinnedStaging>();
   }
   ctx.sync_launches = g_sync_launches;
   return ctx;
 }
 void Context::destroy() {
   weight_copies.reset();  // allocated on this stream: freed before it goes
+  staging.reset();        // its copies ran on this stream
   // Any other buffer still alive would be freed later, on a destroyed stream: a bug on every
   // device, stopped here where it is made rather than at some later free.
   const int64_t alive = live_allocations();

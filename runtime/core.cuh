@@ -184,11 +184,19 @@ Tensor to_device(const Tensor& t, Device device, Mem category);
 std::vector<float> to_host_floats(const Tensor& t);   // a host synchronisation (counted)
 void from_host(const Tensor& dst, const float* src);  // numel floats
 void from_host(const Tensor& dst, const int32_t* src);
+struct Context;
+// The same on ctx's stream, for what a step sends up (token ids, targets, positions, a
+// mixture's routing): on CUDA through a pinned buffer and cudaMemcpyAsync, because a
+// cudaMemcpy from pageable memory first waits for the device, a host synchronisation in every
+// micro-batch. The source may be reused at once. A pinned buffer is used again once the copy it
+// last sent has arrived; a wait for one that has not is counted (count_host_sync).
+void from_host(const Context& ctx, const Tensor& dst, const void* src);
 
 // ----------------------------------------------------------------------------
 // Context: what every op needs to run on its device; passed explicitly, never global.
 
-struct WeightCopies;  // mixed_precision.cuh
+struct WeightCopies;   // mixed_precision.cuh
+struct PinnedStaging;  // core.cu: the pinned buffers of from_host(ctx, ...)
 
 struct Context {
   Device device = Device::CPU;
@@ -199,6 +207,7 @@ struct Context {
   // The weights' copies in the compute format, where GEMMs read them (mixed_precision.cuh);
   // null: every GEMM rounds the fp32 weights itself.
   std::shared_ptr<WeightCopies> weight_copies;
+  std::shared_ptr<PinnedStaging> staging;  // CUDA: what from_host(ctx, ...) sends up through
   // Buffers from the stream-ordered empty / zeros below made on this context (or a copy of
   // it: copies share the count) and still alive. destroy() requires none: on CUDA such a buffer
   // would later be freed on a destroyed stream. Counted on the CPU too, so CPU tests catch it.

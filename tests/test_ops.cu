@@ -1,5 +1,6 @@
 // test_ops.cu: every op of ops.cu on the CPU against a direct formula or central finite
 // differences ([ops]), and every CUDA kernel against its CPU reference ([gpu]).
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
@@ -484,7 +485,11 @@ TEST_CASE("host synchronisations are counted where the host waits for the device
   kCpu.synchronize();      // an explicit wait
   axpy(kCpu, x, 2.0f, x);  // device-side work: no wait
   zero_(x);
+  const int32_t ids[3] = {7, -1, 255};
+  Tensor up = empty({3}, Mem::Workspace, Device::CPU, DType::I32);
+  from_host(kCpu, up, ids);  // a step's inputs going up: no wait
   CHECK(host_syncs() - before == 4);
+  CHECK(memcmp(up.ptr, ids, sizeof(ids)) == 0);
 }
 
 // ----------------------------------------------------------------------------
@@ -530,6 +535,40 @@ std::vector<float> same_twice(const std::function<std::vector<float>()>& run) {
 }
 
 }  // namespace
+
+// A step's token ids, targets and positions go up through a ring of 32 pinned buffers on the
+// compute stream: 32 copies make no host wait; the 33rd reuses the first buffer, whose copy has
+// arrived (after the synchronise), so it makes none either; every tensor holds what was sent
+// although each source was overwritten right after its call.
+TEST_CASE("CUDA: the step's inputs go up through pinned buffers without a host wait", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  {
+    const int n = 1000, copies = 33;
+    std::vector<Tensor> sent;
+    std::vector<int32_t> source(n);
+    const uint64_t before = host_syncs();
+    for (int c = 0; c < copies; c++) {
+      if (c == 32) {
+        ctx.synchronize();  // counted: one
+        CHECK(host_syncs() - before == 1);
+      }
+      for (int i = 0; i < n; i++) source[i] = c * 100000 + i;
+      sent.push_back(empty(ctx, {n}, Mem::Workspace, DType::I32));
+      from_host(ctx, sent.back(), source.data());
+      std::fill(source.begin(), source.end(), -1);  // the caller may reuse it at once
+    }
+    CHECK(host_syncs() - before == 1);
+    ctx.synchronize();
+    for (int c = 0; c < copies; c++) {
+      Tensor back = to_device(sent[c], Device::CPU, Mem::Workspace);
+      int wrong = 0;
+      for (int i = 0; i < n; i++) wrong += back.i32()[i] != c * 100000 + i;
+      CHECK(wrong == 0);
+    }
+  }
+  ctx.destroy();
+}
 
 TEST_CASE("CUDA gemm matches the CPU reference", "[gpu]") {
   SKIP_WITHOUT_CUDA();

@@ -393,12 +393,12 @@ fi
 # 3. The same llama-1b step in fp32, bf16 and fp8: tokens/s and MFU (Playbook §Mixed precision)
 # MFU = tokens/s x (6N + 12 L h s) FLOPs per token (the book's count) over the GPU's dense peak
 # for the format (H100/H200 SXM: fp32 67, bf16 989, fp8 1979 TFLOP/s); the bf16 target is 50%.
-# The bf16 run also prints --report roofline: the step the meta device predicts for this GPU's
+# The bf16 run also prints --report roofline and sync: the step the meta device predicts for this GPU's
 # profile (docs/meta-device.md) beside the time CUDA events measured per category; and a bf16 run
 # at 16,384 tokens per optimizer step (--grad-acc 8), where the optimizer's fixed pass over 1.24 B
 # parameters weighs as in training.
 if run_step dtype_llama1b 240 bash -c "for d in fp32 bf16 fp8 bf16-ga8; do echo \"== dtype \$d\"; extra=''; \
-    [ \$d = bf16 ] && extra='--report roofline'; [ \$d = bf16-ga8 ] && extra='--grad-acc 8 --report roofline'; \
+    [ \$d = bf16 ] && extra='--report roofline,sync'; [ \$d = bf16-ga8 ] && extra='--grad-acc 8 --report roofline'; \
     $RUN ./train --device cuda --model llama-1b --dtype \${d%-ga8} --mbs 1 --steps 4 --warmup 1 --val-every 0 \
     --val-seqs 1 \$extra $DATA || exit 1; done"; then
   mfu=$(awk '
@@ -407,6 +407,7 @@ if run_step dtype_llama1b 240 bash -c "for d in fp32 bf16 fp8 bf16-ga8; do echo 
     /^step .* tok\/s/ { split($0, f, "|"); split(f[5], t, " "); tok[d] = t[1] }
     /^fp8 GEMMs on rank 0:/ { fp8 = $6 " native, " $10 " emulated" }
     /^  predicted step/ { split($0, p, "MFU "); split(p[2], q, "%"); predicted[d] = q[1] }
+    /^host synchronisations per training step:/ { syncs = $NF }
     END {
       peak["fp32"] = 67e12; peak["bf16"] = 989e12; peak["fp8"] = 1979e12; peak["bf16-ga8"] = 989e12
       flops = 6 * n + 12 * 16 * 2048 * 2048  # llama-1b: L 16, h 2048, s 2048
@@ -416,6 +417,7 @@ if run_step dtype_llama1b 240 bash -c "for d in fp32 bf16 fp8 bf16-ga8; do echo 
         printf "; "
       }
       if (fp8 != "") printf "fp8 GEMMs %s; ", fp8
+      if (syncs != "") printf "bf16 host syncs per step %s (a CPU run counts 3); ", syncs
     }' "$LOGS/dtype_llama1b.log")
   if [ "$STEP_RC" -eq 0 ] && [ -n "$mfu" ]; then
     record dtype_llama1b PASS "$STEP_SECONDS" "$mfu (bf16 target 50%)"
