@@ -359,6 +359,7 @@ void moe_backward(const ExpertParallel& ep, const TensorParallel& tp, const Mode
   Tensor arrived = empty_rows(ctx, R, D), d_y = empty_rows(ctx, R, D);
   all_to_all_rows(ep, ctx, dy_rows, d.send_peer, arrived, d.recv_peer);
   embedding_forward(ctx, d_y, device_ints(ctx, d.by_expert), arrived);
+  d_y = gradient_operand(ctx, d_y);  // as the input's and the weights' GEMMs read it
   // Each expert's SwiGLU backward. Under a zero-bubble schedule (`deferred`) only the input
   // gradients now: the experts' and the router's weight gradients wait for the W op, as the
   // dense layers' do (Playbook §8.6).
@@ -373,6 +374,8 @@ void moe_backward(const ExpertParallel& ep, const TensorParallel& tp, const Mode
                       d_y.view(at * D, {d.expert_rows[j], D}),
                       a.act.view(at * F, {d.expert_rows[j], F}), w.experts[j].w2);
   swiglu_backward(ctx, d_gate, d_up, d_act, a.gate, a.up);
+  d_gate = gradient_operand(ctx, d_gate);
+  d_up = gradient_operand(ctx, d_up);
   for (int64_t j = 0, at = 0; j < (int64_t)w.experts.size(); at += d.expert_rows[j++]) {
     const int64_t n = d.expert_rows[j];
     if (n == 0) continue;
@@ -399,7 +402,8 @@ void moe_backward(const ExpertParallel& ep, const TensorParallel& tp, const Mode
       d_prob.push_back(
           (float)(c.aux_loss_coef * (double)loss_scale * tokens * E * totals[e] / (rows * rows)));
   }
-  Tensor d_logits = device_floats(ctx, route_backward(r, per_slot, d_prob), {N, E});
+  Tensor d_logits =
+      gradient_operand(ctx, device_floats(ctx, route_backward(r, per_slot, d_prob), {N, E}));
   // Every tp rank holds the same router and the same logits' gradient: the input's share is
   // added once (the region's backward sums dh over tp).
   linear_backward(ctx, tp.rank() == 0 ? dh : Tensor(), now(g.router), d_logits, h, w.router, true);

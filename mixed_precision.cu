@@ -104,6 +104,15 @@ void output_in_compute_format(const Context& ctx, Tensor& x, Mem category) {
   to_compute_format(ctx, x, category);
 }
 
+Tensor gradient_operand(const Context& ctx, const Tensor& dy) {
+  if (ctx.precision == Precision::FP32 || ctx.precision == Precision::FP8) return dy;
+  const DType format = output_dtype(ctx.precision);
+  if (dy.dtype == format) return dy;
+  Tensor stored = empty(ctx, dy.shape, Mem::Workspace, format);
+  cast_gradient_(ctx, stored, dy);
+  return stored;
+}
+
 Tensor WeightCopies::find(const Tensor& W) const {
   if (W.dtype != DType::F32) return {};
   for (const Copy& c : copies) {
@@ -230,15 +239,22 @@ void low_precision_linear_backward(const Context& ctx, const Tensor& dx, const T
   Tensor dyq = gemm_operand(ctx, dy, Operand::Gradient);
   if (dx.defined()) {  // dx[T, in] = dy[T, out] @ W[out, in], stored rounded
     const float beta = accumulate_dx ? 1.0f : 0.0f;
+    PICO_ASSERT(dx.dtype == DType::F32 || !accumulate_dx,
+                "an input gradient stored in 16 bits is written, never summed into");
     if (!fp8_on_gpu(ctx) ||
         !fp8_gemm(ctx, dx.reshape({T, in}), {dy.reshape({T, out}), DType::F8E5M2, Fp8Tiles::Row128},
                   {gemm_operand(ctx, W, Operand::Weight, Fp8Tiling::None), DType::F8E4M3,
                    Fp8Tiles::Block128, true},
                   beta)) {
       Tensor wq = gemm_operand(ctx, W, Operand::Weight);
-      operand_gemm(ctx, false, false, T, in, out, dyq, out, wq, in, beta, dx, in);
+      // A dx stored in the compute format (SwiGLU's output gradient) takes the sums rounded, as
+      // a y does in the forward; on the CPU from a workspace, counted.
+      const bool direct = dx.dtype == DType::F32 || dyq.dtype != DType::F32;
+      Tensor sums = direct ? dx : empty(ctx, dx.shape, Mem::Workspace);
+      operand_gemm(ctx, false, false, T, in, out, dyq, out, wq, in, beta, sums, in);
+      if (!direct) cast_gradient_(ctx, dx, sums);
     }
-    round_(ctx, dx, output_dtype(ctx.precision), true);
+    if (dx.dtype == DType::F32) round_(ctx, dx, output_dtype(ctx.precision), true);
   }
   // dW[out, in] += dy^T @ x, summed into the fp32 accumulator. It contracts along the tokens, so
   // under FP8 x and dy are tiled 128 tokens x 1 (DeepSeek-V3): each scale applies along the

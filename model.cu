@@ -337,7 +337,11 @@ struct DenseMlp : FeedForward {
                 BlockActivations& a, const Tensor& x, const Tensor& dout, const Tensor& dx,
                 const std::vector<float>&, float, DeferredGrads* deferred) const override {
     int64_t N = a.gate.size(0), F = m.tp.local.ffn;
-    Tensor d_act = work({N, F}, ctx), d_gate = work({N, F}, ctx), d_up = work({N, F}, ctx);
+    // Under bf16 and fp16 the three gradients too are stored in that format: each is read by
+    // GEMMs or SwiGLU only, which round it once as they write it.
+    Tensor d_act = empty_in_compute_format(ctx, {N, F}, Mem::Workspace);
+    Tensor d_gate = empty_in_compute_format(ctx, {N, F}, Mem::Workspace);
+    Tensor d_up = empty_in_compute_format(ctx, {N, F}, Mem::Workspace);
     row_parallel_backward(m.tp, ctx, d_act, g.w_down, dout, a.act, w.w_down, deferred);
     swiglu_backward(ctx, d_gate, d_up, d_act, a.gate, a.up);
     column_parallel_backward(m.tp, ctx, dx, x,

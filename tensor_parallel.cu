@@ -185,9 +185,11 @@ void column_parallel_backward(const TensorParallel& tp, const Context& ctx, cons
   Tensor h = region_input(tp, ctx, x);              // [N, D]
   to_compute_format(ctx, h, Mem::Workspace);        // once, for every weight gradient
   Tensor dh = tp.sp ? workspace({N, D}, ctx) : dx;  // [N, D], partial over tp
-  for (size_t i = 0; i < grads.size(); i++)         // input gradient: sum_i dy_i W_i
-    linear_backward(ctx, dh, Tensor(), grads[i].dy, h, grads[i].W, i > 0);
-  weight_half(deferred, "dW", [tp, &ctx, h, grads] {
+  std::vector<ColumnGrad> read = grads;             // each dy as both its GEMMs read it
+  for (ColumnGrad& g : read) g.dy = gradient_operand(ctx, g.dy);
+  for (size_t i = 0; i < read.size(); i++)  // input gradient: sum_i dy_i W_i
+    linear_backward(ctx, dh, Tensor(), read[i].dy, h, read[i].W, i > 0);
+  weight_half(deferred, "dW", [tp, &ctx, h, grads = std::move(read)] {
     bool replicated = tp.local.kv_replicas > 1;
     for (const ColumnGrad& g : grads) {
       // A replicated kv head's part, summed over its copies before it is added.
@@ -214,8 +216,9 @@ void row_parallel_backward(const TensorParallel& tp, const Context& ctx, const T
                            DeferredGrads* deferred) {
   Tensor dfull = tp.sp ? workspace({x.size(0), dy.size(1)}, ctx) : dy;  // [N, D]
   tp_region_exit_backward(tp, ctx, dy, dfull);  // identity, or all-gather under SP
+  dfull = gradient_operand(ctx, dfull);         // as both GEMMs read it
   linear_backward(ctx, dx, Tensor(), dfull, x, W);
-  if (deferred && !tp.sp) {  // dy is the caller's residual gradient, which changes: keep a copy
+  if (deferred && !tp.sp && dfull.dtype == dy.dtype) {  // still dy, which the caller changes
     Tensor saved = workspace(dy.shape, ctx);
     copy_(saved, dy);
     dfull = saved;

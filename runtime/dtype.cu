@@ -10,8 +10,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "runtime/dtype.cuh"
+#include "runtime/observe.cuh"
 
 // ----------------------------------------------------------------------------
 // One rounding routine for every format
@@ -234,6 +236,24 @@ Tensor cast_to(const Context& ctx, const Tensor& t, DType dtype, Mem category) {
   Tensor out = empty(ctx, t.shape, category, dtype);
   cast_(ctx, out, t);
   return out;
+}
+
+void cast_gradient_host(void* dst, DType dst_dtype, const float* src, int64_t n) {
+  cast_host(dst, dst_dtype, src, DType::F32, n);
+  std::vector<float> stored((size_t)n);
+  cast_host(stored.data(), DType::F32, dst, dst_dtype, n);
+  RoundingStats counted;
+  for (int64_t i = 0; i < n; i++) counted.add(src[i], stored[i]);
+  rounding_stats(true).add(counted);
+}
+
+void cast_gradient_(const Context& ctx, const Tensor& dst, const Tensor& src) {
+  if (ctx.device != Device::CPU || src.dtype != DType::F32 || dst.dtype == DType::F32)
+    return cast_(ctx, dst, src);
+  PICO_ASSERT(dst.numel() == src.numel(),
+              "cast_gradient_ " + src.shape_str() + " into " + dst.shape_str());
+  count_op(ctx.device, OpKind::Cast, {0, (double)src.nbytes(), (double)dst.nbytes()});
+  cast_gradient_host(dst.ptr, dst.dtype, src.f32(), src.numel());
 }
 
 // ----------------------------------------------------------------------------

@@ -32,6 +32,12 @@ void cast_(const Tensor& dst, const Tensor& src);
 void cast_(const Context& ctx, const Tensor& dst, const Tensor& src);
 // t in `dtype`: t itself when it already is, else a cast copy (Mem::Workspace, ctx's stream).
 Tensor cast_to(const Context& ctx, const Tensor& t, DType dtype, Mem category = Mem::Workspace);
+// A gradient of the backward cast from fp32 into a narrower dst (as cast_), each value rounded
+// once; on the CPU what the rounding flushed to zero or overflowed is counted in the backward's
+// rounding statistics (observe.cuh's RoundingStats, mixed precision's grad_underflow), as
+// mixed_precision.cuh's round_ counts it. The host loop: n fp32 values into dst's dtype.
+void cast_gradient_(const Context& ctx, const Tensor& dst, const Tensor& src);
+void cast_gradient_host(void* dst, DType dst_dtype, const float* src, int64_t n);
 
 // --dtype: what the linear layers compute in (Precision, core.cuh; mixed_precision.cuh).
 Precision parse_precision(const std::string& flag);  // fp32|bf16|fp16|fp8, else UsageError

@@ -468,14 +468,27 @@ static __global__ void swiglu_forward_kernel(E* out, const E* gate, const E* up,
     store(out + i, g * sigmoid(g) * widen(up[i]));
   }
 }
-template <typename E>
-static __global__ void swiglu_backward_kernel(float* dgate, float* dup, const float* dout,
-                                              const E* gate, const E* up, int64_t n) {
+// G: the gradients' storage, fp32 or the tensors' own 16-bit format (rounded once on store).
+template <typename E, typename G>
+static __global__ void swiglu_backward_kernel(G* dgate, G* dup, const G* dout, const E* gate,
+                                              const E* up, int64_t n) {
   GRID_STRIDE_LOOP(i, n) {
-    float g = widen(gate[i]), u = widen(up[i]), d = dout[i], sig = sigmoid(g);
-    dgate[i] = d * u * sig * (1.0f + g * (1.0f - sig));
-    dup[i] = d * g * sig;
+    float g = widen(gate[i]), u = widen(up[i]), d = widen(dout[i]), sig = sigmoid(g);
+    store(dgate + i, d * u * sig * (1.0f + g * (1.0f - sig)));
+    store(dup + i, d * g * sig);
   }
+}
+template <typename E>
+static void launch_swiglu_backward(const Context& ctx, const Tensor& dgate, const Tensor& dup,
+                                   const Tensor& dout, const Tensor& gate, const Tensor& up) {
+  const int64_t n = gate.numel();
+  const E *g = (const E*)gate.ptr, *u = (const E*)up.ptr;
+  if (dout.dtype == DType::F32)
+    swiglu_backward_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(dgate.f32(), dup.f32(),
+                                                                     dout.f32(), g, u, n);
+  else
+    swiglu_backward_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>((E*)dgate.ptr, (E*)dup.ptr,
+                                                                     (const E*)dout.ptr, g, u, n);
 }
 
 static bool float_storage(DType t) {
@@ -520,27 +533,30 @@ void swiglu_backward(const Context& ctx, const Tensor& dgate, const Tensor& dup,
   int64_t n = gate.numel();
   PICO_ASSERT(up.numel() == n && dout.numel() == n && dgate.numel() == n && dup.numel() == n,
               "swiglu_backward shapes " + gate.shape_str());
-  const DType t = gate.dtype;
+  const DType t = gate.dtype, gt = dout.dtype;
   PICO_ASSERT(float_storage(t) && up.dtype == t,
               std::string("swiglu_backward reads gate and up in one dtype, not ") + dtype_name(t));
-  const double e = (double)dtype_size(t);
-  if (count_op(ctx.device, OpKind::Elementwise, {12.0 * n, (4 + 2 * e) * n, 8.0 * n})) return;
+  PICO_ASSERT((gt == DType::F32 || gt == t) && dgate.dtype == gt && dup.dtype == gt,
+              "swiglu_backward's gradients: all three fp32, or all three in gate's dtype");
+  const double e = (double)dtype_size(t), ge = (double)dtype_size(gt);
+  if (count_op(ctx.device, OpKind::Elementwise, {12.0 * n, (ge + 2 * e) * n, 2 * ge * n})) return;
   if (ctx.device == Device::CPU) {
     if (t == DType::F32)
       return swiglu_backward_cpu(dgate.f32(), dup.f32(), dout.f32(), gate.f32(), up.f32(), n);
     std::vector<float> g = widened(gate), u = widened(up);
-    return swiglu_backward_cpu(dgate.f32(), dup.f32(), dout.f32(), g.data(), u.data(), n);
+    if (gt == DType::F32)
+      return swiglu_backward_cpu(dgate.f32(), dup.f32(), dout.f32(), g.data(), u.data(), n);
+    std::vector<float> dg(n), du(n);
+    swiglu_backward_cpu(dg.data(), du.data(), widened(dout).data(), g.data(), u.data(), n);
+    cast_gradient_host(dgate.ptr, t, dg.data(), n);  // rounded once, counted
+    return cast_gradient_host(dup.ptr, t, du.data(), n);
   }
   if (t == DType::BF16)
-    swiglu_backward_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(
-        dgate.f32(), dup.f32(), dout.f32(), (const __nv_bfloat16*)gate.ptr,
-        (const __nv_bfloat16*)up.ptr, n);
+    launch_swiglu_backward<__nv_bfloat16>(ctx, dgate, dup, dout, gate, up);
   else if (t == DType::F16)
-    swiglu_backward_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(
-        dgate.f32(), dup.f32(), dout.f32(), (const __half*)gate.ptr, (const __half*)up.ptr, n);
+    launch_swiglu_backward<__half>(ctx, dgate, dup, dout, gate, up);
   else
-    swiglu_backward_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(
-        dgate.f32(), dup.f32(), dout.f32(), gate.f32(), up.f32(), n);
+    launch_swiglu_backward<float>(ctx, dgate, dup, dout, gate, up);
   LAUNCH_CHECK(ctx, "swiglu_backward_kernel");
 }
 

@@ -48,7 +48,8 @@ void rope_backward(const Context& ctx, const Tensor& dx, const Tensor& positions
 // gate, up, out [T, F], all three fp32, or all three bf16 or fp16 (mixed precision's compute
 // format: read widened, the same fp32 arithmetic, the output rounded once)
 void swiglu_forward(const Context& ctx, const Tensor& out, const Tensor& gate, const Tensor& up);
-// dgate, dup [T, F] (=), fp32; gate and up as the forward read them
+// dgate, dup [T, F] (=) from dout [T, F]: the three fp32, or the three in gate's 16-bit format
+// (a gradient only GEMMs read next: rounded once); gate and up as the forward read them
 void swiglu_backward(const Context& ctx, const Tensor& dgate, const Tensor& dup, const Tensor& dout,
                      const Tensor& gate, const Tensor& up);
 

@@ -180,6 +180,51 @@ TEST_CASE("bf16 and fp16 linear layers: operands rounded, fp32 sums, outputs rou
   }
 }
 
+// Guards against: a gradient rounded and counted once per GEMM that reads it (the input's and,
+// under a zero-bubble schedule later, the weights'), which weighs it twice in grad_underflow;
+// an input gradient stored in 16 bits that is not the fp32 one rounded.
+TEST_CASE("a linear layer's output gradient is rounded once for both GEMMs, and counted once",
+          "[precision]") {
+  for (Precision p : {Precision::BF16, Precision::FP16}) {
+    INFO(precision_name(p));
+    Context ctx = Context::create(Device::CPU);
+    ctx.precision = p;
+    const int T = 6, in = 40, out = 5;
+    Tensor x = filled({T, in}, 31, 1.0f), W = filled({out, in}, 32, 0.5f);
+    Tensor dy = filled({T, out}, 33, 0.25f);
+    dy.f32()[0] = 1e-45f;  // rounds to zero in both formats
+    uint64_t dy_nonzero = 0;
+    for (int64_t i = 0; i < dy.numel(); i++) dy_nonzero += dy.f32()[i] != 0;
+    // One call, both halves: dy rounded once inside it, then dx rounded.
+    Tensor dx_ref = empty({T, in}, Mem::Workspace), dW_ref = zeros({out, in}, Mem::Workspace);
+    reset_rounding_stats();
+    linear_backward(ctx, dx_ref, dW_ref, dy, x, W);
+    const RoundingStats both = rounding_stats(true);
+    // The halves apart on the gradient as gradient_operand stores it.
+    reset_rounding_stats();
+    Tensor dyq = gradient_operand(ctx, dy);
+    CHECK(dyq.dtype == output_dtype(p));
+    CHECK(rounding_stats(true).nonzero == dy_nonzero);
+    CHECK(rounding_stats(true).flushed == 1);
+    Tensor dx = empty({T, in}, Mem::Workspace), dW = zeros({out, in}, Mem::Workspace);
+    linear_backward(ctx, dx, Tensor(), dyq, x, W);
+    linear_backward(ctx, Tensor(), dW, dyq, x, W);
+    CHECK(memcmp(dx.ptr, dx_ref.ptr, dx.nbytes()) == 0);
+    CHECK(memcmp(dW.ptr, dW_ref.ptr, dW.nbytes()) == 0);
+    CHECK(rounding_stats(true).nonzero == both.nonzero);
+    CHECK(rounding_stats(true).flushed == both.flushed);
+    // dx stored in the format: the fp32 path's values, its rounding counted as dx's was.
+    Tensor dx16 = empty({T, in}, Mem::Workspace, Device::CPU, output_dtype(p));
+    Tensor want = empty({T, in}, Mem::Workspace, Device::CPU, output_dtype(p));
+    cast_(ctx, want, dx_ref);
+    reset_rounding_stats();
+    linear_backward(ctx, dx16, Tensor(), dyq, x, W);
+    CHECK(memcmp(dx16.ptr, want.ptr, dx16.nbytes()) == 0);
+    CHECK(rounding_stats(true).nonzero == both.nonzero - dy_nonzero);
+    CHECK(rounding_stats(true).flushed == both.flushed - 1);
+  }
+}
+
 // Guards against: E4M3 used for the gradient (E5M2's range is what gradients need), tiles of
 // the wrong shape (the weight gradient reusing the forward's 1 x 128 tiles, whose scales run
 // across its contraction), outputs not rounded to bf16.
@@ -609,6 +654,16 @@ TEST_CASE("the CUDA low-precision linear layers match the CPU emulation", "[prec
                          g32 = to_host_floats(gy);
       // cuBLAS may sum in another order for another output type: the two roundings of nearly
       // the same fp32 sum are the same value or neighbours (one unit of the format's last place).
+      const float unit = p == Precision::BF16 ? 0x1p-7f : 0x1p-10f;
+      for (size_t i = 0; i < g16.size(); i++)
+        REQUIRE(std::fabs(g16[i] - g32[i]) <= unit * std::fabs(g32[i]) + 1e-30f);
+    }
+    if (p != Precision::FP8) {  // dx written by cuBLAS in the compute format, as y above
+      Tensor gdx16 = empty(gpu, {T, in}, Mem::Workspace, activation_dtype(p));
+      linear_backward(gpu, gdx16, Tensor(), gradient_operand(gpu, gdy), gx, gW);
+      gpu.synchronize();
+      std::vector<float> g16 = widened(to_device(gdx16, Device::CPU, Mem::Workspace)),
+                         g32 = to_host_floats(gdx);
       const float unit = p == Precision::BF16 ? 0x1p-7f : 0x1p-10f;
       for (size_t i = 0; i < g16.size(); i++)
         REQUIRE(std::fabs(g16[i] - g32[i]) <= unit * std::fabs(g32[i]) + 1e-30f);

@@ -10,6 +10,7 @@
 
 #include "cuda_case.cuh"
 #include "mixed_precision.cuh"
+#include "runtime/observe.cuh"
 #include "runtime/ops.cuh"
 
 namespace {
@@ -308,6 +309,21 @@ TEST_CASE("swiglu on bf16 or fp16 tensors is the fp32 swiglu of their values, ro
     swiglu_backward(kCpu, dgate16, dup16, dout, g16, u16);
     CHECK(memcmp(dgate16.ptr, dgate.ptr, dgate.nbytes()) == 0);
     CHECK(memcmp(dup16.ptr, dup.ptr, dup.nbytes()) == 0);
+    // The gradients in the format too (the dense MLP's backward under bf16 and fp16): the fp32
+    // backward on the widened dout, each gradient rounded once, its rounding counted.
+    Tensor dout16 = clone(g16), dg16 = clone(g16), du16 = clone(g16);
+    cast_(kCpu, dout16, dout);
+    cast_(kCpu, dout, dout16);
+    swiglu_backward(kCpu, dgate, dup, dout, gate, up);
+    Tensor want_dg = clone(g16), want_du = clone(g16);
+    cast_(kCpu, want_dg, dgate), cast_(kCpu, want_du, dup);
+    reset_rounding_stats();
+    swiglu_backward(kCpu, dg16, du16, dout16, g16, u16);
+    CHECK(memcmp(dg16.ptr, want_dg.ptr, dg16.nbytes()) == 0);
+    CHECK(memcmp(du16.ptr, want_du.ptr, du16.nbytes()) == 0);
+    uint64_t nonzero = 0;
+    for (int i = 0; i < n; i++) nonzero += (dgate.f32()[i] != 0) + (dup.f32()[i] != 0);
+    CHECK(rounding_stats(true).nonzero == nonzero);  // both outputs, each value once
   }
 }
 
@@ -733,6 +749,20 @@ TEST_CASE("CUDA swiglu matches the CPU reference", "[gpu]") {
     check_close(to_host_floats(g_wide), wide, half == DType::BF16 ? 8e-3f : 1e-3f, 1e-6f);
     check_close(host(ctx, g_dgate), dgate, 1e-5f, 1e-6f);
     check_close(host(ctx, g_dup), dup, 1e-5f, 1e-6f);
+    // The gradients stored in the format: the GPU's fp32 values (within 1e-5 of the CPU's)
+    // rounded once, so the CPU's 16-bit value or a neighbour, as for the forward above.
+    Tensor dout16 = clone(g16), dg16 = clone(g16), du16 = clone(g16);
+    cast_(kCpu, dout16, dout);
+    swiglu_backward(kCpu, dg16, du16, dout16, g16, u16);
+    Tensor gdout16 = to_device(dout16, Device::CUDA, Mem::Workspace);
+    Tensor gdg16 = to_device(dg16, Device::CUDA, Mem::Workspace), gdu16 = clone(gdg16);
+    swiglu_backward(ctx, gdg16, gdu16, gdout16, gg16, gu16);
+    ctx.synchronize();
+    for (auto [c16, g16_] : {std::pair{&dg16, &gdg16}, {&du16, &gdu16}}) {
+      cast_(wide, *c16);
+      cast_(g_wide, to_device(*g16_, Device::CPU, Mem::Workspace));
+      check_close(to_host_floats(g_wide), wide, half == DType::BF16 ? 8e-3f : 1e-3f, 1e-6f);
+    }
   }
   ctx.destroy();
 }
