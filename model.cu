@@ -450,7 +450,10 @@ static float head_forward(const Context& ctx, Model& model, Activations& acts,
   acts.normf = act({n, D}, ctx), acts.rstdf = act({n}, ctx);
   rmsnorm_forward(ctx, acts.normf, acts.rstdf, acts.x_final,
                   compute_weight(ctx, model.w.final_norm), model.cfg.norm_eps);
-  acts.logits = act({N, L.vocab}, ctx);
+  // Under bf16 and fp16 the head's GEMM writes the logits in that format (the cross-entropy
+  // reads them widened and writes their gradient in place, rounded once: the head's GEMMs read
+  // nothing finer).
+  acts.logits = empty_in_compute_format(ctx, {N, L.vocab}, Mem::Activations);
   column_parallel_forward(model.tp, ctx, acts.normf, {{acts.logits, model.w.lm_head}});
   if (!targets) return 0.0f;
   acts.targets = device_ints(local_vocab_ids(targets, N, L.vocab0, L.vocab), ctx);

@@ -223,7 +223,8 @@ static double unigram_entropy(const std::vector<int32_t>& tokens, int vocab) {
 static int sample_token(const Context& ctx, Comm& comm, const Tensor& logits_row, int V,
                         double uniform, float temperature) {
   Tensor all = empty({V}, Mem::Workspace, ctx.device);
-  all_gather(comm, comm.tp, ctx, logits_row.f32(), all.f32(), logits_row.numel());
+  Tensor row = cast_to(ctx, logits_row, DType::F32);  // (16 bits under bf16 and fp16)
+  all_gather(comm, comm.tp, ctx, row.f32(), all.f32(), row.numel());
   std::vector<float> logits = to_host_floats(all);
   float mx = *std::max_element(logits.begin(), logits.end());
   double z = 0;

@@ -196,7 +196,7 @@ ChunkBytes chunk_bytes(const ModelConfig& cfg, const Layout& l, const Implementa
     }
   }
   const double positions = 4 * N, ids = c.embedding ? 4 * N : 0, x_final = 4 * n * D;
-  const double normf = 4 * n * D, logits = 4 * N * L.vocab;
+  const double normf = 4 * n * D, logits = (early ? e : 4) * N * L.vocab;  // (model.cu's head)
   const double head = c.head ? normf + 4 * n + logits + 4 * N + 4 * N + 8 * N : 0;
   ChunkBytes b;
   b.sent = x_final;

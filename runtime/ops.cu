@@ -13,6 +13,7 @@
 #include <cub/device/device_radix_sort.cuh>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "runtime/dtype.cuh"
@@ -701,24 +702,27 @@ static void ce_backward_cpu(float* dlogits, const float* logits, const float* st
     }
 }
 
-// One block per row: a block reduction over the row.
-static __global__ void ce_row_max_kernel(float* row_max, const float* logits, int V) {
-  const float* row = logits + (int64_t)blockIdx.x * V;
+// One block per row: a block reduction over the row. E: the logits' storage (fp32, or the
+// compute format mixed precision's LM head writes them in), read widened.
+template <typename E>
+static __global__ void ce_row_max_kernel(float* row_max, const E* logits, int V) {
+  const E* row = logits + (int64_t)blockIdx.x * V;
   float m = -FLT_MAX;
-  for (int v = threadIdx.x; v < V; v += blockDim.x) m = fmaxf(m, row[v]);
+  for (int v = threadIdx.x; v < V; v += blockDim.x) m = fmaxf(m, widen(row[v]));
   m = block_reduce(m, true);
   if (threadIdx.x == 0) row_max[blockIdx.x] = m;
 }
-static __global__ void ce_row_sums_kernel(float* sums, const float* logits, const float* row_max,
+template <typename E>
+static __global__ void ce_row_sums_kernel(float* sums, const E* logits, const float* row_max,
                                           const int32_t* targets, int V) {
-  const float* row = logits + (int64_t)blockIdx.x * V;
+  const E* row = logits + (int64_t)blockIdx.x * V;
   float s = 0;
-  for (int v = threadIdx.x; v < V; v += blockDim.x) s += expf(row[v] - row_max[blockIdx.x]);
+  for (int v = threadIdx.x; v < V; v += blockDim.x) s += expf(widen(row[v]) - row_max[blockIdx.x]);
   s = block_reduce(s, false);
   if (threadIdx.x == 0) {
     int target = targets[blockIdx.x];  // no assert on the GPU: past V reads a wrong logit
     sums[2 * blockIdx.x] = s;
-    sums[2 * blockIdx.x + 1] = target >= 0 && target < V ? row[target] : 0.0f;
+    sums[2 * blockIdx.x + 1] = target >= 0 && target < V ? widen(row[target]) : 0.0f;
   }
 }
 // A thread per token: the losses stay on the device until the caller sums them.
@@ -730,13 +734,31 @@ static __global__ void ce_finish_kernel(float* losses, float* stats, const float
     stats[2 * t] = row_max[t], stats[2 * t + 1] = sums[2 * t];
   }
 }
-static __global__ void ce_backward_kernel(float* dlogits, const float* logits, const float* stats,
+// The gradient in the logits' storage: a 16-bit one is rounded once as it is stored (the LM
+// head's GEMMs read nothing finer).
+template <typename E>
+static __global__ void ce_backward_kernel(E* dlogits, const E* logits, const float* stats,
                                           const int32_t* targets, int V, float scale) {
   int64_t t = blockIdx.x;
   for (int v = threadIdx.x; v < V; v += blockDim.x) {
-    float p = expf(logits[t * V + v] - stats[2 * t]) / stats[2 * t + 1];
-    dlogits[t * V + v] = scale * (p - (v == targets[t] ? 1.0f : 0.0f));
+    float p = expf(widen(logits[t * V + v]) - stats[2 * t]) / stats[2 * t + 1];
+    store(dlogits + t * V + v, scale * (p - (v == targets[t] ? 1.0f : 0.0f)));
   }
+}
+
+// Calls f with a null pointer of the element type `t` is stored in: float, bf16 or fp16.
+template <typename F>
+static void with_element(DType t, F&& f) {
+  if (t == DType::BF16) return f((__nv_bfloat16*)nullptr);
+  if (t == DType::F16) return f((__half*)nullptr);
+  PICO_ASSERT(t == DType::F32, std::string("logits in ") + dtype_name(t));
+  f((float*)nullptr);
+}
+// The logits as fp32 values for the CPU loops: themselves, or a 16-bit tensor widened (exact).
+static const float* logits_f32(const Tensor& logits, std::vector<float>& wide) {
+  if (logits.dtype == DType::F32) return logits.f32();
+  wide = widened(logits);
+  return wide.data();
 }
 
 // N == 0 launches nothing (a zero-block grid is an error).
@@ -744,10 +766,16 @@ void cross_entropy_row_max(const Context& ctx, const Tensor& row_max, const Tens
   int64_t N = logits.size(0);
   int V = (int)logits.size(1);
   check_devices(ctx, "cross_entropy_row_max", row_max, logits);
-  if (count_op(ctx.device, OpKind::Loss, {(double)N * V, 4.0 * N * V, 4.0 * N})) return;
-  if (ctx.device == Device::CPU) return ce_row_max_cpu(row_max.f32(), logits.f32(), N, V);
+  const double e = (double)dtype_size(logits.dtype);
+  if (count_op(ctx.device, OpKind::Loss, {(double)N * V, e * N * V, 4.0 * N})) return;
+  std::vector<float> wide;
+  if (ctx.device == Device::CPU)
+    return ce_row_max_cpu(row_max.f32(), logits_f32(logits, wide), N, V);
   if (N == 0) return;
-  ce_row_max_kernel<<<N, kThreads, 0, ctx.stream>>>(row_max.f32(), logits.f32(), V);
+  with_element(logits.dtype, [&](auto* type) {
+    using E = std::remove_pointer_t<decltype(type)>;
+    ce_row_max_kernel<<<N, kThreads, 0, ctx.stream>>>(row_max.f32(), (const E*)logits.ptr, V);
+  });
   LAUNCH_CHECK(ctx, "ce_row_max_kernel");
 }
 void cross_entropy_row_sums(const Context& ctx, const Tensor& sums, const Tensor& logits,
@@ -758,12 +786,18 @@ void cross_entropy_row_sums(const Context& ctx, const Tensor& sums, const Tensor
   PICO_ASSERT(targets.numel() == N && sums.numel() == 2 * N,
               "cross_entropy_row_sums: " + std::to_string(targets.numel()) +
                   " targets for logits " + logits.shape_str());
-  if (count_op(ctx.device, OpKind::Loss, {3.0 * N * V, 4.0 * N * V + 8.0 * N, 8.0 * N})) return;
+  const double e = (double)dtype_size(logits.dtype);
+  if (count_op(ctx.device, OpKind::Loss, {3.0 * N * V, e * N * V + 8.0 * N, 8.0 * N})) return;
+  std::vector<float> wide;
   if (ctx.device == Device::CPU)
-    return ce_row_sums_cpu(sums.f32(), logits.f32(), row_max.f32(), targets.i32(), N, V);
+    return ce_row_sums_cpu(sums.f32(), logits_f32(logits, wide), row_max.f32(), targets.i32(), N,
+                           V);
   if (N == 0) return;
-  ce_row_sums_kernel<<<N, kThreads, 0, ctx.stream>>>(sums.f32(), logits.f32(), row_max.f32(),
-                                                     targets.i32(), V);
+  with_element(logits.dtype, [&](auto* type) {
+    using E = std::remove_pointer_t<decltype(type)>;
+    ce_row_sums_kernel<<<N, kThreads, 0, ctx.stream>>>(sums.f32(), (const E*)logits.ptr,
+                                                       row_max.f32(), targets.i32(), V);
+  });
   LAUNCH_CHECK(ctx, "ce_row_sums_kernel");
 }
 void cross_entropy_finish(const Context& ctx, const Tensor& losses, const Tensor& stats,
@@ -783,14 +817,23 @@ void cross_entropy_backward(const Context& ctx, const Tensor& dlogits, const Ten
   int64_t N = logits.size(0);
   int V = (int)logits.size(1);
   check_devices(ctx, "cross_entropy_backward", dlogits, logits, stats, targets);
-  PICO_ASSERT(dlogits.numel() == logits.numel(), "cross_entropy_backward " + dlogits.shape_str());
-  if (count_op(ctx.device, OpKind::Loss, {4.0 * N * V, 4.0 * N * V + 12.0 * N, 4.0 * N * V}))
-    return;
-  if (ctx.device == Device::CPU)
-    return ce_backward_cpu(dlogits.f32(), logits.f32(), stats.f32(), targets.i32(), N, V, scale);
+  PICO_ASSERT(dlogits.numel() == logits.numel() && dlogits.dtype == logits.dtype,
+              "cross_entropy_backward " + dlogits.shape_str() + " in the logits' dtype");
+  const double e = (double)dtype_size(logits.dtype);
+  if (count_op(ctx.device, OpKind::Loss, {4.0 * N * V, e * N * V + 12.0 * N, e * N * V})) return;
+  if (ctx.device == Device::CPU) {
+    if (logits.dtype == DType::F32)
+      return ce_backward_cpu(dlogits.f32(), logits.f32(), stats.f32(), targets.i32(), N, V, scale);
+    std::vector<float> wide = widened(logits);
+    ce_backward_cpu(wide.data(), wide.data(), stats.f32(), targets.i32(), N, V, scale);
+    return cast_gradient_host(dlogits.ptr, dlogits.dtype, wide.data(), N * V);  // counted
+  }
   if (N == 0) return;
-  ce_backward_kernel<<<N, kThreads, 0, ctx.stream>>>(dlogits.f32(), logits.f32(), stats.f32(),
-                                                     targets.i32(), V, scale);
+  with_element(logits.dtype, [&](auto* type) {
+    using E = std::remove_pointer_t<decltype(type)>;
+    ce_backward_kernel<<<N, kThreads, 0, ctx.stream>>>((E*)dlogits.ptr, (const E*)logits.ptr,
+                                                       stats.f32(), targets.i32(), V, scale);
+  });
   LAUNCH_CHECK(ctx, "ce_backward_kernel");
 }
 

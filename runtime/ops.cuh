@@ -67,7 +67,8 @@ void scale_rows(const Context& ctx, const Tensor& y, const Tensor& x, const Tens
 void row_dots(const Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b);
 
 // ---- cross-entropy, fp32 accumulation, in passes a split vocabulary can reduce between ----
-// logits [N, V]; targets [N] int32, -1 for a target another rank's vocabulary slice holds.
+// logits [N, V] fp32, or bf16 / fp16 (mixed precision's LM head writes them so: read widened,
+// the same fp32 arithmetic); targets [N] int32, -1 for a target another rank's slice holds.
 // row_max [N] (=) the row maxima; sums [N, 2] (=) (sum of exp(logit - max), target logit or 0);
 // losses [N] (=) log(sum) + max - target logit, stats [N, 2] (=) (max, sum) for the backward.
 void cross_entropy_row_max(const Context& ctx, const Tensor& row_max, const Tensor& logits);
@@ -75,7 +76,9 @@ void cross_entropy_row_sums(const Context& ctx, const Tensor& sums, const Tensor
                             const Tensor& row_max, const Tensor& targets);
 void cross_entropy_finish(const Context& ctx, const Tensor& losses, const Tensor& stats,
                           const Tensor& row_max, const Tensor& sums);
-// dlogits [N, V] = scale * (softmax - onehot(target)) from the forward's stats; may alias logits.
+// dlogits [N, V] = scale * (softmax - onehot(target)) from the forward's stats, in the logits'
+// dtype (a 16-bit gradient rounded once as it is stored, counted as cast_gradient_ counts); may
+// alias logits.
 void cross_entropy_backward(const Context& ctx, const Tensor& dlogits, const Tensor& logits,
                             const Tensor& stats, const Tensor& targets, float scale);
 // The three passes on one rank (the vocabulary whole).

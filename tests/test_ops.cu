@@ -411,6 +411,39 @@ TEST_CASE("cross_entropy_backward matches central differences, also in place", "
   }
 }
 
+// Mixed precision's LM head writes the logits in bf16 or fp16: the loss must be, bit for bit,
+// the fp32 loss of their values, and the gradient the fp32 gradient rounded once into the
+// format (in place, as the model runs it), its rounding counted in the backward's statistics.
+TEST_CASE("cross-entropy on bf16 or fp16 logits is the fp32 one on their values, rounded once",
+          "[ops]") {
+  const int T = 5, V = 300;
+  std::vector<int32_t> target_values(T);
+  for (int t = 0; t < T; t++) target_values[t] = (t * 97) % V;
+  Tensor targets = ids_tensor(target_values);
+  for (DType half : {DType::BF16, DType::F16}) {
+    INFO(dtype_name(half));
+    Tensor logits = randn({T, V}, "logits", 4.0f);
+    Tensor l16 = empty({T, V}, Mem::Activations, Device::CPU, half);
+    cast_(kCpu, l16, logits);
+    cast_(kCpu, logits, l16);  // the fp32 logits: the format's values
+    Tensor losses = empty({T}, Mem::Activations), losses16 = clone(losses);
+    Tensor stats = empty({T, 2}, Mem::Workspace), stats16 = clone(stats);
+    cross_entropy_forward(kCpu, losses, stats, logits, targets);
+    cross_entropy_forward(kCpu, losses16, stats16, l16, targets);
+    CHECK(memcmp(losses16.ptr, losses.ptr, losses.nbytes()) == 0);
+    CHECK(memcmp(stats16.ptr, stats.ptr, stats.nbytes()) == 0);
+    Tensor dlogits = empty({T, V}, Mem::Workspace), want = clone(l16);
+    cross_entropy_backward(kCpu, dlogits, logits, stats, targets, 1.0f / T);
+    cast_(kCpu, want, dlogits);
+    reset_rounding_stats();
+    cross_entropy_backward(kCpu, l16, l16, stats16, targets, 1.0f / T);  // in place
+    CHECK(memcmp(l16.ptr, want.ptr, l16.nbytes()) == 0);
+    uint64_t nonzero = 0;
+    for (int64_t i = 0; i < dlogits.numel(); i++) nonzero += dlogits.f32()[i] != 0;
+    CHECK(rounding_stats(true).nonzero == nonzero);
+  }
+}
+
 // ----------------------------------------------------------------------------
 // reductions, AdamW, clipping
 
@@ -815,6 +848,27 @@ TEST_CASE("CUDA cross-entropy matches the CPU reference", "[gpu]") {
   cross_entropy_backward(kCpu, dlogits, logits, targets, 1.0f / T);
   cross_entropy_backward(ctx, g_logits, g_logits, g_targets, 1.0f / T);  // in place
   check_close(host(ctx, g_logits), dlogits, 1e-4f, 1e-8f);
+  for (DType half : {DType::BF16, DType::F16}) {  // mixed precision's logits, and gradient
+    INFO(dtype_name(half));
+    Tensor l16 = empty({T, V}, Mem::Activations, Device::CPU, half);
+    cast_(kCpu, l16, logits);
+    Tensor stats = empty({T, 2}, Mem::Workspace);
+    cross_entropy_forward(kCpu, losses, stats, l16, targets);
+    Tensor g_l16 = to_device(l16, Device::CUDA, Mem::Activations);
+    Tensor g_stats = gpu(stats);
+    cross_entropy_forward(ctx, g_losses, g_stats, g_l16, g_targets);
+    check_close(host(ctx, g_losses), losses, 1e-5f, 1e-5f);  // as above
+    cross_entropy_backward(kCpu, l16, l16, stats, targets, 1.0f / T);
+    cross_entropy_backward(ctx, g_l16, g_l16, g_stats, g_targets, 1.0f / T);
+    ctx.synchronize();
+    // The fp32 values within 1e-4 of each other, each rounded once: the same 16-bit value or
+    // a neighbour, one unit of the format's last place (2^-8 of the value for bf16, 2^-11 for
+    // fp16), plus fp16's subnormal spacing near zero.
+    Tensor wide = empty({T, V}, Mem::Workspace), g_wide = clone(wide);
+    cast_(wide, l16);
+    cast_(g_wide, to_device(g_l16, Device::CPU, Mem::Workspace));
+    check_close(to_host_floats(g_wide), wide, half == DType::BF16 ? 8e-3f : 1e-3f, 1e-7f);
+  }
   ctx.destroy();
 }
 
