@@ -297,9 +297,9 @@ static void block_forward(const Context& ctx, const Model& m, const BlockWeights
   const LocalDims& L = m.tp.local;
   int64_t N = (int64_t)B * T, n = sp_tokens(m.tp, N), D = c.d_model, hd = c.head_dim();
   // Attention: x_mid = x + o(attn(rope(q(n1)), rope(k(n1)), v(n1))), n1 = rmsnorm(x)
-  a.norm1 = act({n, D}, ctx), a.rstd1 = act({n}, ctx);
+  // The norms' outputs are read by linear layers only: written in the compute format.
+  a.norm1 = empty_in_compute_format(ctx, {n, D}, Mem::Activations), a.rstd1 = act({n}, ctx);
   rmsnorm_forward(ctx, a.norm1, a.rstd1, a.x, compute_weight(ctx, w.attn_norm), c.norm_eps);
-  to_compute_format(ctx, a.norm1, Mem::Activations);  // read by the q, k, v projections only
   a.q = act({N, L.heads * hd}, ctx);
   a.k = act({N, L.kv_heads * hd}, ctx), a.v = act({N, L.kv_heads * hd}, ctx);
   column_parallel_forward(m.tp, ctx, a.norm1, {{a.q, w.wq}, {a.k, w.wk}, {a.v, w.wv}});
@@ -312,9 +312,8 @@ static void block_forward(const Context& ctx, const Model& m, const BlockWeights
   residual_forward(ctx, a.x_mid, a.x, out);
 
   // MLP: x_out = x_mid + mlp(n2), n2 = rmsnorm(x_mid)
-  a.norm2 = act({n, D}, ctx), a.rstd2 = act({n}, ctx);
+  a.norm2 = empty_in_compute_format(ctx, {n, D}, Mem::Activations), a.rstd2 = act({n}, ctx);
   rmsnorm_forward(ctx, a.norm2, a.rstd2, a.x_mid, compute_weight(ctx, w.mlp_norm), c.norm_eps);
-  to_compute_format(ctx, a.norm2, Mem::Activations);  // the MLP's input
   m.mlp->forward(ctx, m, layer, w, a, a.norm2, out, carry);
   residual_forward(ctx, x_out, a.x_mid, out);
 }
@@ -447,12 +446,12 @@ static float head_forward(const Context& ctx, Model& model, Activations& acts,
                           const int32_t* targets) {
   const LocalDims& L = model.tp.local;
   int64_t N = (int64_t)acts.B * acts.T, n = acts.x_final.size(0), D = model.cfg.d_model;
-  acts.normf = act({n, D}, ctx), acts.rstdf = act({n}, ctx);
+  acts.normf = empty_in_compute_format(ctx, {n, D}, Mem::Activations), acts.rstdf = act({n}, ctx);
   rmsnorm_forward(ctx, acts.normf, acts.rstdf, acts.x_final,
                   compute_weight(ctx, model.w.final_norm), model.cfg.norm_eps);
-  // Under bf16 and fp16 the head's GEMM writes the logits in that format (the cross-entropy
-  // reads them widened and writes their gradient in place, rounded once: the head's GEMMs read
-  // nothing finer).
+  // Under bf16 and fp16 the final norm's output (as the blocks' norms') and the logits are in
+  // that format: the cross-entropy reads the logits widened and writes their gradient in place,
+  // rounded once (the head's GEMMs read nothing finer).
   acts.logits = empty_in_compute_format(ctx, {N, L.vocab}, Mem::Activations);
   column_parallel_forward(model.tp, ctx, acts.normf, {{acts.logits, model.w.lm_head}});
   if (!targets) return 0.0f;

@@ -161,20 +161,19 @@ ChunkBytes chunk_bytes(const ModelConfig& cfg, const Layout& l, const Implementa
     fresh = (double)activation_bytes_per_block(local, l.mbs, T, l.tp, l.sp, Recompute::None,
                                                *attention, 4);
   }
-  // The block's own peak. Under bf16 and fp16 the linear layers' inputs (the norms' and
-  // attention's outputs) go to the compute format as soon as they are made (model.cu's
-  // to_compute_format), so each fp32 copy lives only until then, and the dense MLP's gate, up
-  // and SwiGLU output are made in it; the peak is the block's end, or the moment norm2's fp32
-  // output sits next to its copy if the MLP's tensors are smaller. The other tensors are rounded
-  // at the block's end one by one (store_in_compute_format: the 16-bit copy next to the fp32
-  // one), in stored_in_compute_format's order. Full recomputation keeps only the (fp32) input.
-  // Under fp8 everything waits for the block's end.
+  // The block's own peak. Under bf16 and fp16 the linear layers' inputs are made in the compute
+  // format (the norms write it; attention's output goes to it as soon as it is made, model.cu's
+  // output_in_compute_format, so its fp32 copy lives only until then), and so are the dense
+  // MLP's gate, up and SwiGLU output; the peak is then the block's end. The other tensors are
+  // rounded at the block's end one by one (store_in_compute_format: the 16-bit copy next to the
+  // fp32 one), in stored_in_compute_format's order. Full recomputation keeps only the (fp32)
+  // input. Under fp8 everything waits for the block's end.
   const bool llama = impl.activations == ActivationFormula::Llama;
   const bool early = llama && (l.precision == Precision::BF16 || l.precision == Precision::FP16);
   const double mlp = early && !cfg.experts ? N * L.ffn : 0;  // a mixture keeps its experts' own
   const double early_elements = early ? 2 * n * D + N * L.heads * hd + 3 * mlp : 0;
   const double made = fresh - (4 - e) * early_elements;  // everything, right after the forward
-  double block_peak = early ? std::max(made, made - 3 * e * mlp + 4 * n * D) : fresh;
+  double block_peak = early ? made : fresh;
   if (llama && e < 4 && l.recompute != Recompute::Full) {
     const double probs =
         fresh - (double)activation_bytes_per_block(local, l.mbs, T, l.tp, l.sp,
@@ -196,7 +195,7 @@ ChunkBytes chunk_bytes(const ModelConfig& cfg, const Layout& l, const Implementa
     }
   }
   const double positions = 4 * N, ids = c.embedding ? 4 * N : 0, x_final = 4 * n * D;
-  const double normf = 4 * n * D, logits = (early ? e : 4) * N * L.vocab;  // (model.cu's head)
+  const double normf = (early ? e : 4) * n * D, logits = (early ? e : 4) * N * L.vocab;
   const double head = c.head ? normf + 4 * n + logits + 4 * N + 4 * N + 8 * N : 0;
   ChunkBytes b;
   b.sent = x_final;

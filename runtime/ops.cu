@@ -115,6 +115,50 @@ static __device__ float block_reduce(float v, bool take_max) {
 }
 
 // ============================================================================
+// Storage formats: the kernels read fp32, bf16 or fp16 values widened to fp32, compute in fp32
+// and store each result rounded once (round to nearest even: CUDA's own conversions, which
+// runtime/dtype.cu's host loops match bit for bit)
+// ============================================================================
+
+static __device__ float widen(float x) {
+  return x;
+}
+static __device__ float widen(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+static __device__ float widen(__half x) {
+  return __half2float(x);
+}
+static __device__ void store(float* at, float x) {
+  *at = x;
+}
+static __device__ void store(__nv_bfloat16* at, float x) {
+  *at = __float2bfloat16_rn(x);
+}
+static __device__ void store(__half* at, float x) {
+  *at = __float2half_rn(x);
+}
+
+static bool float_storage(DType t) {
+  return t == DType::F32 || t == DType::BF16 || t == DType::F16;
+}
+// A 16-bit tensor's values in fp32 on the host (exact), for the CPU loops.
+static std::vector<float> widened(const Tensor& t) {
+  std::vector<float> v(t.numel());
+  cast_host(v.data(), DType::F32, t.ptr, t.dtype, t.numel());
+  return v;
+}
+
+// Calls f with a null pointer of the element type `t` is stored in: float, bf16 or fp16.
+template <typename F>
+static void with_element(DType t, F&& f) {
+  if (t == DType::BF16) return f((__nv_bfloat16*)nullptr);
+  if (t == DType::F16) return f((__half*)nullptr);
+  PICO_ASSERT(t == DType::F32, std::string("an op on a tensor of ") + dtype_name(t));
+  f((float*)nullptr);
+}
+
+// ============================================================================
 // embedding: a row gather forward, a scatter-add backward
 // ============================================================================
 
@@ -138,16 +182,6 @@ static void embedding_cpu(float* rows, void* table, DType dtype, const int32_t* 
   }
 }
 
-// Forward: one thread per output element copies its cell of the table.
-static __device__ float widen(float x) {
-  return x;
-}
-static __device__ float widen(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-static __device__ float widen(__half x) {
-  return __half2float(x);
-}
 template <typename E>
 static __global__ void embedding_forward_kernel(float* rows, const E* table, const int32_t* ids,
                                                 int64_t n, int D, int V) {
@@ -280,8 +314,10 @@ static void rmsnorm_backward_cpu(float* dx, float* dw, const float* dy, const fl
   for (int i = 0; i < D; i++) dw[i] += (float)column[i];
 }
 
-// One block per row: the block reduces the row's sum of squares, then every thread scales.
-static __global__ void rmsnorm_forward_kernel(float* y, float* rstd, const float* x, const float* w,
+// One block per row: the block reduces the row's sum of squares, then every thread scales. Y:
+// fp32, or the compute format mixed precision's linear layers read (each value rounded once).
+template <typename Y>
+static __global__ void rmsnorm_forward_kernel(Y* y, float* rstd, const float* x, const float* w,
                                               int D, float eps) {
   const float* xr = x + (int64_t)blockIdx.x * D;  // [D]
   float ss = 0.0f;
@@ -289,7 +325,7 @@ static __global__ void rmsnorm_forward_kernel(float* y, float* rstd, const float
   float r = 1.0f / sqrtf(block_reduce(ss, false) / D + eps);
   if (threadIdx.x == 0) rstd[blockIdx.x] = r;
   for (int i = threadIdx.x; i < D; i += blockDim.x)
-    y[(int64_t)blockIdx.x * D + i] = xr[i] * r * w[i];
+    store(y + (int64_t)blockIdx.x * D + i, xr[i] * r * w[i]);
 }
 static __global__ void rmsnorm_backward_dx_kernel(float* dx, const float* dy, const float* x,
                                                   const float* w, const float* rstd, int D) {
@@ -333,14 +369,26 @@ void rmsnorm_forward(const Context& ctx, const Tensor& y, const Tensor& rstd, co
   int D = (int)x.size(-1), T = (int)(x.numel() / D);
   PICO_ASSERT(w.numel() == D && y.numel() == x.numel() && rstd.numel() == T,
               "rmsnorm_forward shapes " + x.shape_str());
+  PICO_ASSERT(
+      x.dtype == DType::F32 && float_storage(y.dtype),
+      std::string("rmsnorm_forward: x fp32, y fp32, bf16 or fp16, not ") + dtype_name(y.dtype));
+  const double ey = (double)dtype_size(y.dtype);
   if (count_op(ctx.device, OpKind::Norm,
-               {4.0 * T * D, 4.0 * T * D + 4.0 * D, 4.0 * T * D + 4.0 * T}))
+               {4.0 * T * D, 4.0 * T * D + 4.0 * D, ey * T * D + 4.0 * T}))
     return;
-  if (ctx.device == Device::CPU)
-    return rmsnorm_forward_cpu(y.f32(), rstd.f32(), x.f32(), w.f32(), T, D, eps);
+  if (ctx.device == Device::CPU) {
+    if (y.dtype == DType::F32)
+      return rmsnorm_forward_cpu(y.f32(), rstd.f32(), x.f32(), w.f32(), T, D, eps);
+    std::vector<float> wide((size_t)T * D);
+    rmsnorm_forward_cpu(wide.data(), rstd.f32(), x.f32(), w.f32(), T, D, eps);
+    return cast_host(y.ptr, y.dtype, wide.data(), DType::F32, (int64_t)T * D);  // rounded once
+  }
   if (T == 0) return;  // a grid of zero blocks is a launch error, not a no-op
-  rmsnorm_forward_kernel<<<T, kThreads, 0, ctx.stream>>>(y.f32(), rstd.f32(), x.f32(), w.f32(), D,
-                                                         eps);
+  with_element(y.dtype, [&](auto* type) {
+    using Y = std::remove_pointer_t<decltype(type)>;
+    rmsnorm_forward_kernel<<<T, kThreads, 0, ctx.stream>>>((Y*)y.ptr, rstd.f32(), x.f32(), w.f32(),
+                                                           D, eps);
+  });
   LAUNCH_CHECK(ctx, "rmsnorm_forward_kernel");
 }
 
@@ -452,16 +500,6 @@ static void swiglu_backward_cpu(float* dgate, float* dup, const float* dout, con
   }
 }
 
-static __device__ void store(float* at, float x) {
-  *at = x;
-}
-static __device__ void store(__nv_bfloat16* at, float x) {
-  *at = __float2bfloat16_rn(x);
-}
-static __device__ void store(__half* at, float x) {
-  *at = __float2half_rn(x);
-}
-
 template <typename E>  // float, or the 16-bit format the tensors are stored in
 static __global__ void swiglu_forward_kernel(E* out, const E* gate, const E* up, int64_t n) {
   GRID_STRIDE_LOOP(i, n) {
@@ -490,16 +528,6 @@ static void launch_swiglu_backward(const Context& ctx, const Tensor& dgate, cons
   else
     swiglu_backward_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>((E*)dgate.ptr, (E*)dup.ptr,
                                                                      (const E*)dout.ptr, g, u, n);
-}
-
-static bool float_storage(DType t) {
-  return t == DType::F32 || t == DType::BF16 || t == DType::F16;
-}
-// A 16-bit tensor's values in fp32 on the host (exact), for the CPU loops.
-static std::vector<float> widened(const Tensor& t) {
-  std::vector<float> v(t.numel());
-  cast_host(v.data(), DType::F32, t.ptr, t.dtype, t.numel());
-  return v;
 }
 
 void swiglu_forward(const Context& ctx, const Tensor& out, const Tensor& gate, const Tensor& up) {
@@ -746,14 +774,6 @@ static __global__ void ce_backward_kernel(E* dlogits, const E* logits, const flo
   }
 }
 
-// Calls f with a null pointer of the element type `t` is stored in: float, bf16 or fp16.
-template <typename F>
-static void with_element(DType t, F&& f) {
-  if (t == DType::BF16) return f((__nv_bfloat16*)nullptr);
-  if (t == DType::F16) return f((__half*)nullptr);
-  PICO_ASSERT(t == DType::F32, std::string("logits in ") + dtype_name(t));
-  f((float*)nullptr);
-}
 // The logits as fp32 values for the CPU loops: themselves, or a 16-bit tensor widened (exact).
 static const float* logits_f32(const Tensor& logits, std::vector<float>& wide) {
   if (logits.dtype == DType::F32) return logits.f32();

@@ -199,6 +199,24 @@ TEST_CASE("rmsnorm with w = 1 and eps = 0 leaves every row with unit RMS", "[ops
   }
 }
 
+// Mixed precision's norms write their output in the compute format the linear layers read:
+// bit for bit the fp32 output rounded once, the same rstd.
+TEST_CASE("rmsnorm with a bf16 or fp16 output is the fp32 one rounded once", "[ops]") {
+  const int T = 6, D = 50;
+  Tensor x = randn({T, D}, "x", 2.0f), w = randn({D}, "w");
+  Tensor y = empty({T, D}, Mem::Activations), rstd = empty({T}, Mem::Activations);
+  rmsnorm_forward(kCpu, y, rstd, x, w, 1e-5f);
+  for (DType half : {DType::BF16, DType::F16}) {
+    INFO(dtype_name(half));
+    Tensor y16 = empty({T, D}, Mem::Activations, Device::CPU, half), want = clone(y16);
+    Tensor rstd16 = clone(rstd);
+    rmsnorm_forward(kCpu, y16, rstd16, x, w, 1e-5f);
+    cast_(kCpu, want, y);
+    CHECK(memcmp(y16.ptr, want.ptr, y16.nbytes()) == 0);
+    CHECK(memcmp(rstd16.ptr, rstd.ptr, rstd.nbytes()) == 0);
+  }
+}
+
 TEST_CASE("rmsnorm_backward matches central differences and accumulates", "[ops]") {
   const int T = 3, D = 8;
   Tensor x = randn({T, D}, "x"), w = randn({D}, "w"), R = randn({T, D}, "R");
@@ -701,6 +719,20 @@ TEST_CASE("CUDA rmsnorm matches the CPU reference", "[gpu]") {
   rmsnorm_backward(ctx, g_dx, g_dw, g_dy, g_x, g_w, g_rstd);
   check_close(host(ctx, g_dx), dx, 1e-4f, 1e-5f);
   check_close(host(ctx, g_dw), dw, 1e-4f, 1e-4f);  // 37-term column sums, same order (but FMA)
+  for (DType half : {DType::BF16, DType::F16}) {   // the output in mixed precision's format
+    INFO(dtype_name(half));
+    Tensor y16 = empty({T, D}, Mem::Activations, Device::CPU, half);
+    rmsnorm_forward(kCpu, y16, rstd, x, w, 1e-5f);
+    Tensor g_y16 = to_device(y16, Device::CUDA, Mem::Activations);
+    rmsnorm_forward(ctx, g_y16, g_rstd, g_x, g_w, 1e-5f);
+    ctx.synchronize();
+    // fp32 values within 1e-5 of each other, each rounded once: the CPU's 16-bit value or its
+    // neighbour (one unit of the format's last place: 2^-8 of the value for bf16, 2^-11 fp16).
+    Tensor wide = empty({T, D}, Mem::Workspace), g_wide = clone(wide);
+    cast_(wide, y16);
+    cast_(g_wide, to_device(g_y16, Device::CPU, Mem::Workspace));
+    check_close(to_host_floats(g_wide), wide, half == DType::BF16 ? 8e-3f : 1e-3f, 1e-6f);
+  }
   ctx.destroy();
 }
 
