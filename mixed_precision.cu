@@ -104,15 +104,6 @@ void output_in_compute_format(const Context& ctx, Tensor& x, Mem category) {
   to_compute_format(ctx, x, category);
 }
 
-Tensor gradient_operand(const Context& ctx, const Tensor& dy) {
-  if (ctx.precision == Precision::FP32 || ctx.precision == Precision::FP8) return dy;
-  const DType format = output_dtype(ctx.precision);
-  if (dy.dtype == format) return dy;
-  Tensor stored = empty(ctx, dy.shape, Mem::Workspace, format);
-  cast_gradient_(ctx, stored, dy);
-  return stored;
-}
-
 Tensor WeightCopies::find(const Tensor& W) const {
   if (W.dtype != DType::F32) return {};
   for (const Copy& c : copies) {

@@ -38,14 +38,9 @@ void round_to_compute(const Context& ctx, const Tensor& x);
 // fp16 (runtime/dtype.cuh's to_compute_format), rounded in place under fp8 (bf16 values on the
 // fp32 storage that fp8's GEMMs quantize); nothing under fp32.
 void output_in_compute_format(const Context& ctx, Tensor& x, Mem category);
-// A linear layer's output gradient as both of its GEMMs read it (the input gradient's and the
-// weight gradient's, which a zero-bubble schedule runs later): rounded into the compute format
-// once and stored in it under bf16 and fp16, counted once in the backward's rounding
-// statistics; dy itself under fp32 and fp8 (whose GEMMs quantize it themselves).
-Tensor gradient_operand(const Context& ctx, const Tensor& dy);
 // (Where a block's tensors are stored in 16 bits, in the forward and for the backward:
-// runtime/dtype.cuh's to_compute_format, empty_in_compute_format, store_in_compute_format and
-// widen_to_fp32.)
+// runtime/dtype.cuh's to_compute_format, empty_in_compute_format, store_in_compute_format,
+// widen_to_fp32, and gradient_operand for the gradients the linear layers read.)
 
 // The linear layer every model GEMM goes through (tensor_parallel.cu's column- and row-parallel
 // layers): under fp32 the GEMMs of ops.cuh, otherwise the low-precision ones below.

@@ -283,6 +283,13 @@ void to_compute_format(const Context& ctx, Tensor& x, Mem category) {
 Tensor empty_in_compute_format(const Context& ctx, std::vector<int64_t> shape, Mem category) {
   return empty(ctx, std::move(shape), category, activation_dtype(ctx.precision));
 }
+Tensor gradient_operand(const Context& ctx, const Tensor& dy) {
+  const DType format = activation_dtype(ctx.precision);
+  if (dy.dtype == format) return dy;
+  Tensor stored = empty(ctx, dy.shape, Mem::Workspace, format);
+  cast_gradient_(ctx, stored, dy);
+  return stored;
+}
 void store_in_compute_format(const Context& ctx, const std::vector<Tensor*>& kept) {
   if (ctx.precision == Precision::FP32) return;
   for (Tensor* t : kept)

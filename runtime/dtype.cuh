@@ -62,5 +62,10 @@ Tensor empty_in_compute_format(const Context& ctx, std::vector<int64_t> shape, M
 // bytes, as a model trained in bf16 keeps it (each fp32 tensor of `kept` replaced by its
 // rounding, Mem::Activations); nothing changes under fp32. widen_to_fp32 undoes it before the
 // backward reads them (fp32 again, in workspace).
+// A linear layer's output gradient as both of its GEMMs read it (the input gradient's and the
+// weight gradient's, which a zero-bubble schedule runs later): rounded into the compute format
+// once and stored in it under bf16 and fp16, counted once in the backward's rounding
+// statistics (cast_gradient_); dy itself under fp32 and fp8 (whose GEMMs quantize it).
+Tensor gradient_operand(const Context& ctx, const Tensor& dy);
 void store_in_compute_format(const Context& ctx, const std::vector<Tensor*>& kept);
 void widen_to_fp32(const Context& ctx, const std::vector<Tensor*>& kept);
