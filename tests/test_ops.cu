@@ -820,7 +820,8 @@ TEST_CASE("CUDA swiglu matches the CPU reference", "[gpu]") {
     cast_(kCpu, dout16, dout);
     swiglu_backward(kCpu, dg16, du16, dout16, g16, u16);
     Tensor gdout16 = to_device(dout16, Device::CUDA, Mem::Workspace);
-    Tensor gdg16 = to_device(dg16, Device::CUDA, Mem::Workspace), gdu16 = clone(gdg16);
+    Tensor gdg16 = to_device(dg16, Device::CUDA, Mem::Workspace);
+    Tensor gdu16 = to_device(du16, Device::CUDA, Mem::Workspace);
     swiglu_backward(ctx, gdg16, gdu16, gdout16, gg16, gu16);
     ctx.synchronize();
     for (auto [c16, g16_] : {std::pair{&dg16, &gdg16}, {&du16, &gdu16}}) {
