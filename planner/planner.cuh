@@ -289,6 +289,7 @@ class RooflineMeter : public StepMeter {
   RooflineRun run_;
   int gpus_per_node_;
   Ledger at_start_, steps_;
+  double first_measured_[(int)OpKind::Count] = {};  // the first step's measured seconds per row
   std::vector<std::vector<CollStats>> groups_at_start_;
   std::vector<double> comm_seconds_, comm_bytes_;
   double last_step_s_ = 0;

@@ -114,6 +114,7 @@ void RooflineMeter::end(StepPart p) {
     s.calls += b.calls - a.calls, s.launches += b.launches - a.launches;
     s.flops += b.flops - a.flops, s.read += b.read - a.read, s.written += b.written - a.written;
     s.predicted_s += b.predicted_s - a.predicted_s, s.measured_s += b.measured_s - a.measured_s;
+    if (steps_run_ == 0) first_measured_[k] = b.measured_s - a.measured_s;
     compute += b.predicted_s - a.predicted_s;
   }
   std::vector<Group*> groups = comm_.groups();
@@ -143,6 +144,14 @@ void RooflineMeter::report(Report r) {
   const double n = (double)std::max<int64_t>(1, steps_run_);
   const Roofline roof = roofline_of(gpu_);
   const bool timed = ctx_.device != Device::Meta;
+  // The measured column leaves the first step out when there are others: it pays once for what
+  // the steps after it reuse (loading each kernel at its first launch, cuBLAS's first calls,
+  // the memory pool's growth).
+  const bool skip_first = steps_run_ > 1;
+  const double timed_steps = skip_first ? n - 1 : n;
+  auto measured_of = [&](int k) {
+    return (steps_.rows[k].measured_s - (skip_first ? first_measured_[k] : 0.0)) / timed_steps;
+  };
   printf(
       "roofline (--report roofline; the %s profile: %s; rank %d, per training step, averaged "
       "over %lld):\n",
@@ -165,9 +174,9 @@ void RooflineMeter::report(Report r) {
     printf("  %-12s %8.0f %9.0f %10.3f %10.4f %8.1f %12.3f", op_kind_name((OpKind)k), s.calls / n,
            s.launches / n, s.flops / n / 1e9, bytes / n / 1e9, bytes > 0 ? s.flops / bytes : 0.0,
            s.predicted_s / n * 1e3);
-    if (timed) printf("  %11.3f", s.measured_s / n * 1e3);
+    if (timed) printf("  %11.3f", measured_of(k) * 1e3);
     printf("\n");
-    predicted += s.predicted_s, measured += s.measured_s, flops += s.flops, moved += bytes;
+    predicted += s.predicted_s, measured += measured_of(k), flops += s.flops, moved += bytes;
     launches += (double)s.launches;
     if (k != (int)OpKind::Gemm && k != (int)OpKind::Attention) other_moved += bytes;
   }
@@ -182,7 +191,7 @@ void RooflineMeter::report(Report r) {
   }
   printf("  %-12s %8s %9.0f %10.3f %10.4f %8.1f %12.3f", "total ops", "", launches / n,
          flops / n / 1e9, moved / n / 1e9, moved > 0 ? flops / moved : 0.0, predicted / n * 1e3);
-  if (timed) printf("  %11.3f", measured / n * 1e3);
+  if (timed) printf("  %11.3f", measured * 1e3);
   printf("\n");
   const double step = (predicted + comm) / n, hidden = std::max(predicted, comm) / n;
   const double tokens = (double)run_.tokens_per_step / run_.world;  // this rank's share
@@ -211,12 +220,21 @@ void RooflineMeter::report(Report r) {
       gemm.flops / n, attn.flops / n, book_flops_per_token(run_.model) * tokens);
   printf("  launches per micro-batch: %.0f (%d blocks on this rank)\n",
          launches / n / run_.grad_acc, run_.blocks);
-  if (timed)
+  if (timed) {
+    double first = 0;
+    for (double f : first_measured_) first += f;
     printf(
-        "  measured: each op's time from its start to the next op's or collective's (%s); "
-        "communication and waits are not in it\n",
-        ctx_.device == Device::CUDA ? "CUDA events on the compute stream" : "the wall clock");
-  else
+        "  measured: each op's time from its start to the next op's or collective's (%s), "
+        "averaged over %s; communication and waits are not in it\n",
+        ctx_.device == Device::CUDA ? "CUDA events on the compute stream" : "the wall clock",
+        skip_first ? "the steps after the first" : "the one step");
+    if (skip_first)
+      printf("  the first step's ops measured %.3f ms (%s)\n", first * 1e3,
+             ctx_.device == Device::CUDA
+                 ? "each kernel loaded at its first launch, cuBLAS's first calls, the memory "
+                   "pool growing"
+                 : "memory touched for the first time, caches cold");
+  } else
     printf(
         "  the meta device computes nothing: every time above is the profile's; a mixture's "
         "routing is taken as uniform\n");

@@ -393,13 +393,16 @@ fi
 # 3. The same llama-1b step in fp32, bf16 and fp8: tokens/s and MFU (Playbook §Mixed precision)
 # MFU = tokens/s x (6N + 12 L h s) FLOPs per token (the book's count) over the GPU's dense peak
 # for the format (H100/H200 SXM: fp32 67, bf16 989, fp8 1979 TFLOP/s); the bf16 target is 50%.
-# The bf16 run also prints --report roofline and sync: the step the meta device predicts for this GPU's
-# profile (docs/meta-device.md) beside the time CUDA events measured per category; and a bf16 run
-# at 16,384 tokens per optimizer step (--grad-acc 8), where the optimizer's fixed pass over 1.24 B
-# parameters weighs as in training.
-if run_step dtype_llama1b 240 bash -c "for d in fp32 bf16 fp8 bf16-ga8; do echo \"== dtype \$d\"; extra=''; \
-    [ \$d = bf16 ] && extra='--report roofline,sync'; [ \$d = bf16-ga8 ] && extra='--grad-acc 8 --report roofline'; \
-    $RUN ./train --device cuda --model llama-1b --dtype \${d%-ga8} --mbs 1 --steps 4 --warmup 1 --val-every 0 \
+# Every 16-bit and 8-bit run also prints --report roofline (the bf16 one sync too): the step the
+# meta device predicts for this GPU's profile (docs/meta-device.md) beside the time CUDA events
+# measured per category after the first step. Two bf16 runs at 16,384 tokens per optimizer step,
+# where the optimizer's fixed pass over 1.24 B parameters weighs as in training: --mbs 1
+# --grad-acc 8, and --mbs 4 --grad-acc 2 (GEMMs of 8,192 rows, nearer cuBLAS's best).
+if run_step dtype_llama1b 240 bash -c "for d in fp32 bf16 fp8 bf16-ga8 bf16-mbs4; do echo \"== dtype \$d\"; \
+    case \$d in fp32) extra='--mbs 1' ;; bf16) extra='--mbs 1 --report roofline,sync' ;; \
+      fp8) extra='--mbs 1 --report roofline' ;; bf16-ga8) extra='--mbs 1 --grad-acc 8 --report roofline' ;; \
+      bf16-mbs4) extra='--mbs 4 --grad-acc 2 --report roofline' ;; esac; \
+    $RUN ./train --device cuda --model llama-1b --dtype \${d%%-*} --steps 4 --warmup 1 --val-every 0 \
     --val-seqs 1 \$extra $DATA || exit 1; done"; then
   mfu=$(awk '
     /^== dtype/ { d = $3 }
@@ -409,10 +412,11 @@ if run_step dtype_llama1b 240 bash -c "for d in fp32 bf16 fp8 bf16-ga8; do echo 
     /^  predicted step/ { split($0, p, "MFU "); split(p[2], q, "%"); predicted[d] = q[1] }
     /^host synchronisations per training step:/ { syncs = $NF }
     END {
-      peak["fp32"] = 67e12; peak["bf16"] = 989e12; peak["fp8"] = 1979e12; peak["bf16-ga8"] = 989e12
+      peak["fp32"] = 67e12; peak["bf16"] = 989e12; peak["fp8"] = 1979e12
       flops = 6 * n + 12 * 16 * 2048 * 2048  # llama-1b: L 16, h 2048, s 2048
       for (d in tok) {
-        printf "%s %.0f tok/s MFU %.1f%%", d, tok[d], 100 * tok[d] * flops / peak[d]
+        split(d, format, "-")
+        printf "%s %.0f tok/s MFU %.1f%%", d, tok[d], 100 * tok[d] * flops / peak[format[1]]
         if (d in predicted) printf " (predicted %s%%)", predicted[d]
         printf "; "
       }
