@@ -420,6 +420,15 @@ Context Context::create(Device device) {
     CUDA_CHECK(cudaStreamCreateWithFlags(&ctx.stream, cudaStreamDefault));
     CUBLAS_CHECK(cublasCreate(&ctx.cublas));
     CUBLAS_CHECK(cublasSetStream(ctx.cublas, ctx.stream));
+    // cuBLAS's workspace, where its split-K and stream-K GEMMs keep partial sums: NVIDIA's
+    // recommended 32 MiB on Hopper, 4 MiB before it (the cuBLAS guide, cublasSetWorkspace; what
+    // PyTorch sets), reserved once here so that no GEMM allocates.
+    int dev = 0, major = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    const size_t workspace = (major >= 9 ? 32u : 4u) << 20;
+    CUDA_CHECK(cudaMalloc(&ctx.cublas_workspace, workspace));
+    CUBLAS_CHECK(cublasSetWorkspace(ctx.cublas, ctx.cublas_workspace, workspace));
     // fp32 training stays fp32: no TF32 tensor-core shortcut, so GPU matches the CPU reference.
     CUBLAS_CHECK(cublasSetMathMode(ctx.cublas, CUBLAS_DEFAULT_MATH));
     ctx.staging = std::make_shared<PinnedStaging>();
@@ -437,6 +446,7 @@ void Context::destroy() {
                               " allocations made on this context are still alive; let their "
                               "tensors go out of scope before Context::destroy");
   if (cublas) cublasDestroy(cublas);
+  if (cublas_workspace) cudaFree(cublas_workspace);  // (waits for the GEMMs that used it)
   if (stream) cudaStreamDestroy(stream);
   cublas = nullptr;
   stream = nullptr;

@@ -202,7 +202,8 @@ struct Context {
   Device device = Device::CPU;
   cudaStream_t stream = nullptr;  // compute stream (CUDA only)
   cublasHandle_t cublas = nullptr;
-  bool sync_launches = false;  // debugging: synchronise after every kernel (launch_check)
+  void* cublas_workspace = nullptr;  // CUDA: cuBLAS's workspace, set once on the handle
+  bool sync_launches = false;        // debugging: synchronise after every kernel (launch_check)
   Precision precision = Precision::FP32;  // of the linear layers (mixed_precision.cuh)
   // The weights' copies in the compute format, where GEMMs read them (mixed_precision.cuh);
   // null: every GEMM rounds the fp32 weights itself.
