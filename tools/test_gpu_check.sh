@@ -114,6 +114,35 @@ check "neither run wrote into the checkout" [ "$(git status --porcelain 2>/dev/n
 ls -d /tmp/picoscale-gpu-check.* 2>/dev/null | sort >"$T/tmp_after"
 check "neither run made a folder of its own in /tmp (--work was given)" cmp -s "$T/tmp_before" "$T/tmp_after"
 
+# ---- 4b. each unit_tests filter of the plan selects the cases it means ----
+# Catch2 reads "[a]~b*~[c]" otherwise than "[a]~[c]~b*" (the first once selected 2 of 32 cases
+# for memcheck): each filter's selection must equal the one made here from simple listings.
+if [ -x build/unit_tests ]; then
+  # (Catch2 exits with the number of cases it listed)
+  names() { { build/unit_tests "$@" --list-test-names-only 2>/dev/null || true; } | grep -v '^$' | sort; }
+  names "[gpu]" >"$T/gpu_all"
+  names "[large]" >"$T/large"
+  names "[flash]" >"$T/flash"
+  grep -v '^a CUDA training run' "$T/gpu_all" >"$T/gpu_kernels"
+  filter_of() {  # the words between unit_tests and --use-colour, but --sync-launches
+    sed -n "s/^-- $1 (dry run.*build\/unit_tests \(.*\) --use-colour.*/\1/p" "$T/plan.log" |
+      head -1 | sed 's/ --sync-launches$//'
+  }
+  selects() {  # step, expected names file
+    local f
+    f=$(filter_of "$1")
+    [ -n "$f" ] && [ -s "$2" ] && names "$f" | cmp -s - "$2"
+  }
+  comm -23 "$T/gpu_kernels" "$T/large" >"$T/want_memcheck"
+  comm -23 "$T/gpu_kernels" "$T/flash" >"$T/want_unit_gpu"
+  comm -12 "$T/gpu_all" "$T/flash" >"$T/want_flash"
+  check "unit_gpu_sync's filter selects every [gpu] case but the training run" selects unit_gpu_sync "$T/gpu_kernels"
+  check "unit_gpu's filter selects those but the [flash] ones" selects unit_gpu "$T/want_unit_gpu"
+  check "unit_gpu_flash's filter selects the [flash][gpu] cases" selects unit_gpu_flash "$T/want_flash"
+  check "memcheck's filter selects every [gpu] case but the training run and the [large] ones" \
+    selects memcheck "$T/want_memcheck"
+fi
+
 # ---- 5. what counts as a skipped test ----
 # Catch2 prints WARN("SKIP: why") as "<file>:<line>: " and "warning:", then the message indented
 # by two spaces (wrapped at 79 columns, each piece indented alike).
