@@ -89,9 +89,9 @@ struct Strides {
 
 // One block per tile: its absmax, its scale absmax / largest, and each element as
 // fp8(x / scale), with the CPU's fp32 operations (so bytes and scales agree bit for bit; a max is
-// exact in any order). x [rows, cols] is read through x_at, so a transposed view costs no copy;
-// q is row-major [rows, cols]; tile (i, j)'s scale goes to scales[i * s_at.row + j * s_at.col]:
-// our [tiles down, tiles across] layout, or the one cuBLASLt reads.
+// exact in any order). x [rows, cols] is read through x_at (transposed operands take the kernel
+// below); q is row-major [rows, cols]; tile (i, j)'s scale goes to scales[i * s_at.row + j *
+// s_at.col]: our [tiles down, tiles across] layout, or the one cuBLASLt reads.
 __global__ void quantize_tiles_kernel(uint8_t* q, float* scales, Strides s_at, const float* x,
                                       Strides x_at, int64_t rows, int64_t cols, int tile_rows,
                                       int tile_cols, DType format, float largest) {
@@ -142,6 +142,75 @@ static void launch_quantize(const Context& ctx, const Tensor& q, float* scales, 
   LAUNCH_CHECK(ctx, "quantize_tiles_kernel");
 }
 
+// The transposed operands (the dgrad's W^T, the wgrad's dy^T and x^T): q [n, K] holds the
+// tiles of x^T for x [K, n] row-major. Read through the generic kernel's strides, a warp's 32
+// loads of one tile row lie n floats apart: 32 memory transactions for 32 values. Here a block
+// takes x's rows [c0, c0 + 128) (q's columns, one tile along K) and columns [r0, r0 + 128) (q's
+// rows) and stages them 32 columns at a time in shared memory, each warp load 32 consecutive
+// floats (one transaction); each warp then writes rows of q from it, 32 consecutive bytes per
+// store. The fp32 operations are the generic kernel's, so the bytes and scales are the same.
+constexpr int kPanel = 32;  // q rows staged at a time
+__global__ void quantize_transposed_kernel(uint8_t* q, float* scales, Strides s_at, const float* x,
+                                           int64_t n, int64_t K, int tile_rows, DType format,
+                                           float largest) {
+  __shared__ float panel[128][kPanel + 1];  // [x row][q row]; +1: no bank conflict either way
+  __shared__ float partial[8];
+  const int64_t c0 = (int64_t)blockIdx.x * 128, r0 = (int64_t)blockIdx.y * 128;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;  // 8 warps
+  auto at = [&](int64_t c, int64_t r) { return c < K && r < n ? x[c * n + r] : 0.0f; };
+  auto warp_max = [](float m) {
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    return m;
+  };
+  const __nv_fp8_interpretation_t fmt = format == DType::F8E4M3 ? __NV_E4M3 : __NV_E5M2;
+  const __nv_saturation_t sat = format == DType::F8E4M3 ? __NV_SATFINITE : __NV_NOSAT;
+  float tile_scale = 1.0f;
+  if (tile_rows == 128) {  // one scale for the whole 128 x 128 tile: its absmax, in x's order
+    float m = 0.0f;
+    for (int e = threadIdx.x; e < 128 * 128; e += blockDim.x)
+      m = fmaxf(m, fabsf(at(c0 + e / 128, r0 + e % 128)));
+    m = warp_max(m);
+    if (lane == 0) partial[warp] = m;
+    __syncthreads();
+    m = 0.0f;
+    for (int w = 0; w < (int)blockDim.x / 32; w++) m = fmaxf(m, partial[w]);
+    tile_scale = m > 0.0f ? m / largest : 1.0f;  // an all-zero tile keeps scale 1
+    if (threadIdx.x == 0) scales[blockIdx.y * s_at.row + blockIdx.x * s_at.col] = tile_scale;
+  }
+  for (int p = 0; p < 128; p += kPanel) {
+    __syncthreads();  // the panel before is written out
+    for (int i = warp; i < 128; i += blockDim.x / 32) panel[i][lane] = at(c0 + i, r0 + p + lane);
+    __syncthreads();
+    for (int j = warp; j < kPanel; j += blockDim.x / 32) {  // q row r0 + p + j, for the warp
+      const int64_t r = r0 + p + j;
+      float s = tile_scale;
+      if (tile_rows == 1) {  // the row's own 1 x 128 tile: lane holds columns lane + 32 k
+        float m = 0.0f;
+        for (int k = 0; k < 4; k++) m = fmaxf(m, fabsf(panel[lane + 32 * k][j]));
+        m = warp_max(m);
+        s = m > 0.0f ? m / largest : 1.0f;
+        if (lane == 0 && r < n) scales[r * s_at.row + blockIdx.x * s_at.col] = s;
+      }
+      if (r >= n) continue;  // (the same r for the whole warp)
+      for (int k = 0; k < 4; k++) {
+        const int64_t c = c0 + lane + 32 * k;
+        if (c < K) q[r * K + c] = __nv_cvt_float_to_fp8(panel[lane + 32 * k][j] / s, sat, fmt);
+      }
+    }
+  }
+}
+
+// q [n, K] and its scales (at s_at) from x [K, n], tiles tile_rows x 128 of x^T.
+static void launch_quantize_transposed(const Context& ctx, const Tensor& q, float* scales,
+                                       Strides s_at, const float* x, int tile_rows) {
+  const int64_t n = q.size(0), K = q.size(1);
+  if (n == 0 || K == 0) return;
+  const dim3 grid((unsigned)((K + 127) / 128), (unsigned)((n + 127) / 128));
+  quantize_transposed_kernel<<<grid, 256, 0, ctx.stream>>>((uint8_t*)q.ptr, scales, s_at, x, n, K,
+                                                           tile_rows, q.dtype, max_finite(q.dtype));
+  LAUNCH_CHECK(ctx, "quantize_transposed_kernel");
+}
+
 static void check_tiles_on_gpu(const Tensor& q, const Tensor& scales, const Tensor& x,
                                int tile_rows, int tile_cols) {
   PICO_ASSERT(x.dim() == 2 && x.dtype == DType::F32 && scales.dtype == DType::F32 &&
@@ -176,6 +245,30 @@ void dequantize_tiles_on(const Context& ctx, const Tensor& x, const Tensor& q, c
       x.f32(), (const uint8_t*)q.ptr, scales.f32(), x.size(0), x.size(1), tile_rows, tile_cols,
       q.dtype);
   LAUNCH_CHECK(ctx, "dequantize_tiles_kernel");
+}
+
+void quantize_tiles_transposed_on(const Context& ctx, const Tensor& q, const Tensor& scales,
+                                  const Tensor& x, int tile_rows) {
+  PICO_ASSERT(x.dim() == 2 && (tile_rows == 1 || tile_rows == 128),
+              "quantize_tiles_transposed_on: x " + x.shape_str() + ", tiles " +
+                  std::to_string(tile_rows) + " x 128");
+  const int64_t K = x.size(0), n = x.size(1);
+  if (count_op(ctx.device, OpKind::Cast,
+               {0, (double)x.nbytes(), (double)(q.nbytes() + scales.nbytes())}))
+    return;
+  if (ctx.device == Device::CPU) {
+    Tensor xt = empty({n, K}, Mem::Workspace);
+    for (int64_t r = 0; r < n; r++)
+      for (int64_t c = 0; c < K; c++) xt.f32()[r * K + c] = x.f32()[c * n + r];
+    return quantize_tiles(q, scales, xt, tile_rows, 128);
+  }
+  const std::vector<int64_t> want = {(n + tile_rows - 1) / tile_rows, (K + 127) / 128};
+  PICO_ASSERT(x.dtype == DType::F32 && (q.dtype == DType::F8E4M3 || q.dtype == DType::F8E5M2) &&
+                  q.shape == std::vector<int64_t>({n, K}) && scales.dtype == DType::F32 &&
+                  scales.shape == want,
+              "quantize_tiles_transposed_on: q " + q.shape_str() + ", scales " +
+                  scales.shape_str() + " for x^T, x " + x.shape_str());
+  launch_quantize_transposed(ctx, q, scales.f32(), {scales.size(1), 1}, x.f32(), tile_rows);
 }
 
 void fake_quantize_tiles_(const Context& ctx, const Tensor& x, DType format, int tile_rows,
@@ -335,14 +428,32 @@ static Fp8Bytes fp8_buffers(const Context& ctx, const Fp8Operand& o, int64_t n, 
   return {q, empty(ctx, {k_blocks, n}, Mem::Workspace), {1, n}};  // [K/128, n]
 }
 
+// What the ledger counts for one FP8 GEMM, on the meta device and on CUDA alike: each operand
+// quantized (4 bytes read, 1 written and its scales), then the GEMM on the 8-bit tensor cores.
+static OpCost quantize_cost(int64_t n, int64_t K) {
+  return {0, 4.0 * n * K, 1.0 * n * K + 4.0 * n * K / 128};
+}
+static OpCost gemm_cost(int64_t rows, int64_t cols, int64_t K, float beta) {
+  return {2.0 * rows * cols * K,
+          1.0 * (rows + cols) * K,
+          (beta != 0 ? 8.0 : 4.0) * rows * cols,
+          1,
+          MathUnit::Tensor8,
+          (double)std::min({rows, cols, K})};
+}
+
 // The operand's tiles along K, read in place: [n, K], or [K, n] transposed. A transposed
 // operand's tiles are the tiles of what it was given, transposed: the same absmax, scale and
 // bytes (W^T's 128 x 128 tiles are W's; the wgrad's 1 x 128 tiles of x^T are 128 x 1 tiles of x).
 static void quantize_operand(const Context& ctx, const Fp8Bytes& bytes, const Fp8Operand& o) {
   const int64_t n = bytes.q.size(0), K = bytes.q.size(1);
-  launch_quantize(ctx, bytes.q, bytes.scales.f32(), bytes.scales_at, o.values.f32(),
-                  o.transposed ? Strides{1, n} : Strides{K, 1},
-                  o.tiles == Fp8Tiles::Block128 ? 128 : 1, 128);
+  const int tile_rows = o.tiles == Fp8Tiles::Block128 ? 128 : 1;
+  count_op(ctx.device, OpKind::Cast, quantize_cost(n, K));
+  if (o.transposed)
+    return launch_quantize_transposed(ctx, bytes.q, bytes.scales.f32(), bytes.scales_at,
+                                      o.values.f32(), tile_rows);
+  launch_quantize(ctx, bytes.q, bytes.scales.f32(), bytes.scales_at, o.values.f32(), {K, 1},
+                  tile_rows, 128);
 }
 
 bool fp8_gemm(const Context& ctx, const Tensor& d, const Fp8Operand& a, const Fp8Operand& b,
@@ -375,11 +486,9 @@ bool fp8_gemm(const Context& ctx, const Tensor& d, const Fp8Operand& a, const Fp
   if (rows % 4 || cols % 4 || K % 16 || (uintptr_t)d.ptr % 16 || rows * cols * K == 0)
     return decline("rows and cols must be multiples of 4, K of 16 (none 0), d 16-byte aligned");
   if (ctx.device == Device::Meta) {  // as on Hopper: both operands quantized, one FP8 GEMM
-    for (const auto& [o, n] : {std::pair{&a, rows}, std::pair{&b, cols}})
-      count_op(ctx.device, OpKind::Cast, {0, 4.0 * n * K, 1.0 * n * K + 4.0 * n * K / 128});
-    count_op(ctx.device, OpKind::Gemm,
-             {2.0 * rows * cols * K, 1.0 * (rows + cols) * K, (beta != 0 ? 8.0 : 4.0) * rows * cols,
-              1, MathUnit::Tensor8, (double)std::min({rows, cols, K})});
+    count_op(ctx.device, OpKind::Cast, quantize_cost(rows, K));
+    count_op(ctx.device, OpKind::Cast, quantize_cost(cols, K));
+    count_op(ctx.device, OpKind::Gemm, gemm_cost(rows, cols, K, beta));
     g_counts.native++;
     return true;
   }
@@ -402,6 +511,9 @@ bool fp8_gemm(const Context& ctx, const Tensor& d, const Fp8Operand& a, const Fp
   if (plan.workspace > 0)
     workspace = empty(ctx, {(int64_t)(plan.workspace + 3) / 4}, Mem::Workspace);
   const float alpha = 1.0f;
+  // Counted before the launch, so that the ledger's clock gives the GEMM its own time (a
+  // refusal below, once per shape at most, leaves this count beside the emulation's).
+  count_op(ctx.device, OpKind::Gemm, gemm_cost(rows, cols, K, beta));
   const cublasStatus_t st = cublasLtMatmul((cublasLtHandle_t)ctx.cublas, g.op, &alpha, bq.q.ptr,
                                            g.a, aq.q.ptr, g.b, &beta, d.ptr, g.d, d.ptr, g.d,
                                            &plan.algo, workspace.ptr, plan.workspace, ctx.stream);

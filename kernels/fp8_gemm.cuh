@@ -26,6 +26,12 @@ void quantize_tiles_on(const Context& ctx, const Tensor& q, const Tensor& scales
 // dequantize_tiles on ctx's device (Playbook §FP8 pretraining), bit for bit as the CPU loop.
 void dequantize_tiles_on(const Context& ctx, const Tensor& x, const Tensor& q, const Tensor& scales,
                          int tile_rows, int tile_cols);
+// quantize_tiles_on of x^T, for x [K, n] read in place: q [n, K], scales [ceil(n / tile_rows),
+// ceil(K / 128)], tiles tile_rows (1 or 128) x 128 of x^T: the transposed operands of the dgrad
+// and the wgrad. The CPU loop on the transpose, or a CUDA kernel staging x through shared
+// memory, bit for bit the same.
+void quantize_tiles_transposed_on(const Context& ctx, const Tensor& q, const Tensor& scales,
+                                  const Tensor& x, int tile_rows);
 // x := dequantize(quantize(x)) with one absmax scale per tile (quantize_tiles_on), in place: the
 // FP8 values a GEMM would read, times their scales. CPU, or a CUDA kernel matching it.
 void fake_quantize_tiles_(const Context& ctx, const Tensor& x, DType format, int tile_rows,

@@ -122,6 +122,41 @@ TEST_CASE("the CUDA FP8 tile quantization gives the CPU's bytes and scales bit f
   gpu.destroy();
 }
 
+// The transposed operands (dgrad's W^T, wgrad's dy^T and x^T) go through their own kernel,
+// which stages x in shared memory. Guards: a panel or tile edge off by one (K and n not
+// multiples of 128 or 32), a row scale taken from the wrong column, x read untransposed.
+TEST_CASE("the CUDA FP8 quantization of a transposed operand gives the CPU's bytes and scales",
+          "[precision][gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context gpu = Context::create(Device::CUDA);
+  const int64_t K = 300, n = 200;  // x [K, n]; q [n, K] holds x^T's tiles
+  Tensor x = tiled_values(K, n, "fp8 transposed", 3.0f);
+  x.f32()[10 * n + 3] = 1e4f, x.f32()[11 * n + 4] = 1e-30f;
+  for (int64_t c = 256; c < K; c++)  // x^T's rows 128.. and columns 256..: all-zero tiles
+    for (int64_t r = 128; r < n; r++) x.f32()[c * n + r] = 0.0f;
+  Tensor xt = empty({n, K}, Mem::Workspace);
+  for (int64_t r = 0; r < n; r++)
+    for (int64_t c = 0; c < K; c++) xt.f32()[r * K + c] = x.f32()[c * n + r];
+  Tensor gx = to_device(x, Device::CUDA, Mem::Workspace);
+  for (DType format : {DType::F8E4M3, DType::F8E5M2})
+    for (int tile_rows : {1, 128}) {
+      INFO(dtype_name(format) << ", tiles " << tile_rows << " x 128 of x^T");
+      const std::vector<int64_t> scales_shape = {(n + tile_rows - 1) / tile_rows, (K + 127) / 128};
+      Tensor q = empty({n, K}, Mem::Workspace, Device::CPU, format);
+      Tensor s = empty(scales_shape, Mem::Workspace);
+      quantize_tiles(q, s, xt, tile_rows, 128);
+      Tensor gq = empty(gpu, {n, K}, Mem::Workspace, format);
+      Tensor gs = empty(gpu, scales_shape, Mem::Workspace);
+      quantize_tiles_transposed_on(gpu, gq, gs, gx, tile_rows);
+      gpu.synchronize();
+      Tensor hq = to_device(gq, Device::CPU, Mem::Workspace);
+      std::vector<float> hs = to_host_floats(gs);
+      REQUIRE(memcmp(hq.ptr, q.ptr, q.nbytes()) == 0);
+      REQUIRE(memcmp(hs.data(), s.ptr, s.nbytes()) == 0);
+    }
+  gpu.destroy();
+}
+
 // Guards: scales in the wrong layout (ours instead of cuBLASLt's, transposed, unpadded), a
 // transposed operand's tiles not transposed with it, the wgrad's operands given 128 x 128 scales,
 // beta ignored, a partial K block mis-scaled.
