@@ -28,6 +28,7 @@ TEST_SRCS := $(wildcard tests/test_*.cu)
 TEST_OBJS := $(TEST_SRCS:%.cu=$(BUILD)/%.o)
 MPI_TEST_SRCS := $(wildcard tests/mpi/test_*.cu)
 MPI_TEST_OBJS := $(MPI_TEST_SRCS:%.cu=$(BUILD)/%.o)
+NVTX_RECORD := $(BUILD)/tests/libnvtx_record.so
 
 .PHONY: all deps deps-plots run test test-sweep bench gpu-check mutants clean format format-check floor plots
 all: train plan $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp \
@@ -82,8 +83,14 @@ $(BUILD)/bench_attention: $(BUILD)/bench/bench_attention.o $(LIB_OBJS)
 $(BUILD)/bench_matmul: $(BUILD)/bench/bench_matmul.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
-$(BUILD)/unit_tests: $(TEST_OBJS) $(BUILD)/tests/catch_main.o $(LIB_OBJS)
+# (The tests' NVTX tool, tests/nvtx_record.cpp, comes with them: ./train loads it when a test
+# names it, as it would a profiler. NVTX's headers come with CUDA's.)
+$(BUILD)/unit_tests: $(TEST_OBJS) $(BUILD)/tests/catch_main.o $(LIB_OBJS) | $(NVTX_RECORD)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
+
+$(NVTX_RECORD): tests/nvtx_record.cpp
+	@mkdir -p $(dir $@)
+	$(CXX) -std=c++17 -O1 -shared -fPIC -I$(dir $(NVCC))../include $< -o $@
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
 

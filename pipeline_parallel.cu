@@ -390,15 +390,15 @@ double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& 
       for (size_t j = k; j <= k + op.with_next; j++) inputs.push_back(receive(table[j]));
     StagePayload input = std::move(inputs.front());
     inputs.pop_front();
-    observer.before(op.kind, op.micro);
+    observer.before(op.kind, op.micro, op.chunk, V);
     UnitHooks hooks = sync.hooks(ctx, op.micro == m - 1);
     double start = now_seconds();
     int64_t block_bytes = -1;
     if (op.kind == Phase::Weight) {  // the deferred weight gradients, then their hooks
       for (const DeferredGrad& w : weights[key]) {
-        double began = now_seconds();
+        const double began = w.what ? observer.begin_span(w.what) : 0.0;
         w.run();
-        if (w.what) observer.span(w.what, Track::Compute, began, now_seconds());
+        if (w.what) observer.end_span(w.what, Track::Compute, began);
       }
       weights.erase(key);
     } else if (op.kind == Phase::Forward) {

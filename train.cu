@@ -447,16 +447,16 @@ static bool train_step(Trainer& t, int64_t step) {
                                  t.pipeline, t.observer);
   t.observer.end_schedule();
   t.meters.end(StepPart::Schedule);
-  const double tw = now_seconds();
+  const double tw = t.observer.begin_span("wait for gradients");
   t.sync.finish(t.ctx);
   t.meters.end(StepPart::Gradients);  // --save-grads gathers next: not training traffic
-  t.observer.span("wait for gradients", Track::Compute, tw, now_seconds());
+  t.observer.end_span("wait for gradients", Track::Compute, tw);
   StepLog log;
   const std::optional<float> loss = mean_step_loss(t, loss_sum, step, log);
   if (loss && !std::isfinite(*loss)) return false;
   if (t.steps_run == 0 && !o.save_grads.empty())  // whole gradients, before clipping
     all_or_none(t.comm, [&] { t.sync.save_gradients(t.ctx, o.save_grads, step); });
-  const double to = now_seconds();
+  const double to = t.observer.begin_span("optimizer");
   if (t.observer.injects_inf(step)) t.sync.poison_gradient(t.ctx);
   t.observer.at(FaultWhere::Clip, step);
   t.precision.unscale(t.ctx, t.sync);
@@ -468,7 +468,7 @@ static bool train_step(Trainer& t, int64_t step) {
   if (take_step) t.sync.step(t.ctx, lr);
   t.meters.end(StepPart::Optimizer);
   t.ctx.synchronize();
-  t.observer.span("optimizer", Track::Compute, to, now_seconds());
+  t.observer.end_span("optimizer", Track::Compute, to);
   t.sync.trace_communication(t.observer.trace());
   t.meters.end(StepPart::Step);
   t.steps_run++;

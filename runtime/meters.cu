@@ -44,7 +44,7 @@ void GroupTraffic::end(StepPart p) {
 void HostSyncs::begin(StepPart p, int64_t step) {
   if (p != StepPart::Step) return;
   step_ = step;
-  start_ = now_seconds();
+  start_ = observer_.begin_span("step " + std::to_string(step + 1));
   at_start_ = host_syncs();
 }
 void HostSyncs::end(StepPart p) {
@@ -53,9 +53,9 @@ void HostSyncs::end(StepPart p) {
   fewest_ = std::min(fewest_, syncs);
   most_ = std::max(most_, syncs);
   steps_++;
-  observer_.span(
+  observer_.end_span(
       "step " + std::to_string(step_ + 1) + " (" + std::to_string(syncs) + " host syncs)",
-      Track::Compute, start_, now_seconds());
+      Track::Compute, start_);
 }
 void HostSyncs::report(Report r) {
   if (r != Report::Sync || !prints_ || steps_ == 0) return;

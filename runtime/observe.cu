@@ -1,4 +1,6 @@
 // observe.cu: faults on purpose, and what the engine's operations measured (observe.cuh).
+#include <nvtx3/nvToolsExt.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -146,21 +148,35 @@ void Observer::begin_schedule(int64_t step, bool measured) {
   acts_base_ = memory_stats().current[(int)Mem::Activations], one_micro_ = 0, peak_ = 0;
 }
 
-void Observer::before(Phase phase, int) const {
-  if (measured_) at(phase == Phase::Forward ? FaultWhere::Forward : FaultWhere::Backward, step_);
+void range_push(const std::string& name) {
+  nvtxRangePushA(name.c_str());
+}
+void range_pop() {
+  nvtxRangePop();
+}
+
+// "F3", "B3 chunk 1": a schedule op's span and range.
+static std::string op_name(Phase phase, int micro, int chunk, int chunks) {
+  const char* kind[] = {"F", "B", "W"};
+  return kind[(int)phase] + std::to_string(micro) +
+         (chunks > 1 ? " chunk " + std::to_string(chunk) : "");
+}
+
+void Observer::before(Phase phase, int micro, int chunk, int chunks) const {
+  if (!measured_) return;
+  at(phase == Phase::Forward ? FaultWhere::Forward : FaultWhere::Backward, step_);
+  range_push(op_name(phase, micro, chunk, chunks));
 }
 
 void Observer::after(Phase phase, int micro, int chunk, int chunks, double start,
                      int64_t block_bytes) {
   if (!measured_) return;
+  range_pop();
   double end = now_seconds();
   busy_ += end - start;
   // Coloured by kind, as the book draws its schedules (Chrome trace colour names).
-  const char* kind[] = {"F", "B", "W"};
   const char* color[] = {"thread_state_running", "thread_state_iowait", "yellow"};
-  trace_.add(kind[(int)phase] + std::to_string(micro) +
-                 (chunks > 1 ? " chunk " + std::to_string(chunk) : ""),
-             Track::Compute, start, end, color[(int)phase]);
+  trace_.add(op_name(phase, micro, chunk, chunks), Track::Compute, start, end, color[(int)phase]);
   if (measure_.block_bytes < 0 && block_bytes >= 0) measure_.block_bytes = block_bytes;
   size_t held = memory_stats().current[(int)Mem::Activations] - acts_base_;
   if (one_micro_ == 0 && phase == Phase::Forward) one_micro_ = held;  // one chunk's activations

@@ -95,6 +95,13 @@ struct ScheduleMeasure {
   int64_t block_bytes = -1;  // one block's saved activations, measured on the first forward
 };
 
+// Nsight Systems' view of the trace (NVTX ranges, as llm.c and Megatron-Core mark their steps):
+// every compute span of --trace is also an NVTX range of its name, pushed when its work begins
+// and popped when it ends, so a profile of a training run shows the same timeline. NVTX is
+// header-only and costs a branch when no profiler is attached.
+void range_push(const std::string& name);
+void range_pop();
+
 class Observer {
  public:
   Observer() = default;
@@ -107,7 +114,8 @@ class Observer {
   // ---- around one step's schedule, and each of its operations ----
   // `measured`: a training step (validation and generation schedules are not measured).
   void begin_schedule(int64_t step, bool measured);
-  void before(Phase phase, int micro) const;  // --fault at the forward / backward
+  // Before the operation: --fault at the forward / backward, and its range.
+  void before(Phase phase, int micro, int chunk, int chunks) const;
   // After the operation: its span (chunk shown when the rank holds several), the busy time and
   // the activation memory held; `block_bytes`, one block's saved activations after a forward.
   void after(Phase phase, int micro, int chunk, int chunks, double start, int64_t block_bytes);
@@ -115,8 +123,15 @@ class Observer {
   const ScheduleMeasure& schedule() const { return measure_; }
   // ---- the trace (--trace) ----
   Trace& trace() { return trace_; }
-  void span(const std::string& name, Track track, double start, double end) {
-    trace_.add(name, track, start, end);
+  // A span whose work begins now: its range is pushed and the time returned; end_span pops the
+  // range and records the span (its name may say more than the range's, e.g. what it counted).
+  double begin_span(const std::string& name) const {
+    range_push(name);
+    return now_seconds();
+  }
+  void end_span(const std::string& name, Track track, double start) {
+    range_pop();
+    trace_.add(name, track, start, now_seconds());
   }
 
  private:

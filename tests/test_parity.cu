@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <regex>
 #include <set>
+#include <sstream>
 
 #include "launch.cuh"
 #include "parity_rows.cuh"
@@ -429,6 +430,50 @@ TEST_CASE(
   for (int rank : {0, 1})
     for (const char* color : {"thread_state_running", "thread_state_iowait"})
       REQUIRE(ops[{rank, color}] == 3 * 4);  // 3 steps x 4 micro-batches
+  fs::remove_all(dir);
+}
+
+// Nsight Systems sees --trace's timeline: a recording NVTX tool (tests/nvtx_record.cpp), loaded
+// as a profiler is, logs ./train's ranges. Each compute span of the trace is one range of its
+// name (a step's range is "step N", its span adds the host syncs it counted), closed in the order
+// the trace records the spans, every push popped. Guards against a span without its range, a
+// range never popped or popped twice, and names that differ from the trace's.
+TEST_CASE("every compute span of --trace is an NVTX range of its name, pushed and popped",
+          "[parity]") {
+  std::string dir = make_temp_dir();
+  RunResult r = run_command(
+      "NVTX_INJECTION64_PATH=build/tests/libnvtx_record.so "
+      "PICOSCALE_NVTX_LOG=" +
+      dir + "/nvtx.log ./train --device cpu " + COMMON + "--pp 1 --grad-acc 2 --trace " + dir +
+      "/trace.json");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  std::vector<std::string> open, closed;  // the ranges, in the order they were popped
+  std::istringstream log(read_whole_file(dir + "/nvtx.log"));
+  for (std::string line; std::getline(log, line);) {
+    if (line.rfind("push ", 0) == 0) {
+      open.push_back(line.substr(5));
+    } else {
+      REQUIRE(line == "pop");
+      REQUIRE(!open.empty());
+      closed.push_back(open.back());
+      open.pop_back();
+    }
+  }
+  CHECK(open.empty());
+  std::vector<std::string> spans;  // the compute track's spans, in the trace's order
+  nlohmann::json trace = nlohmann::json::parse(read_whole_file(dir + "/trace.json"));
+  for (auto& e : trace["traceEvents"])
+    if (e["ph"] == "X" && e["tid"] == 0) spans.push_back(e["name"]);
+  REQUIRE(spans.size() == 3 * 7);  // the step, F0, B0, F1, B1, the wait, the optimizer
+  REQUIRE(closed.size() == spans.size());
+  for (size_t i = 0; i < spans.size(); i++) {
+    INFO("span " << i << ": " << spans[i] << ", range " << closed[i]);
+    if (closed[i].rfind("step ", 0) == 0)
+      CHECK(spans[i].rfind(closed[i] + " (", 0) == 0);
+    else
+      CHECK(spans[i] == closed[i]);
+  }
   fs::remove_all(dir);
 }
 
