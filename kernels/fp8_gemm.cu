@@ -434,12 +434,13 @@ static OpCost quantize_cost(int64_t n, int64_t K) {
   return {0, 4.0 * n * K, 1.0 * n * K + 4.0 * n * K / 128};
 }
 static OpCost gemm_cost(int64_t rows, int64_t cols, int64_t K, float beta) {
-  return {2.0 * rows * cols * K,
-          1.0 * (rows + cols) * K,
-          (beta != 0 ? 8.0 : 4.0) * rows * cols,
-          1,
-          MathUnit::Tensor8,
-          (double)std::min({rows, cols, K})};
+  OpCost c{2.0 * rows * cols * K, 1.0 * (rows + cols) * K, (beta != 0 ? 8.0 : 4.0) * rows * cols};
+  c.unit = MathUnit::Tensor8;
+  c.narrow = (double)std::min({rows, cols, K});
+  c.m = rows;
+  c.n = cols;
+  c.k = K;
+  return c;
 }
 
 // The operand's tiles along K, read in place: [n, K], or [K, n] transposed. A transposed

@@ -283,13 +283,15 @@ class RooflineMeter : public StepMeter {
 
  private:
   double group_seconds(const Group& g, const CollStats* delta) const;
+  void print_gemm_shapes(const Roofline& roof, double n, bool timed, double timed_steps) const;
   Comm& comm_;
   const Context& ctx_;
   GpuProfile gpu_;
   RooflineRun run_;
   int gpus_per_node_;
   Ledger at_start_, steps_;
-  double first_measured_[(int)OpKind::Count] = {};  // the first step's measured seconds per row
+  double first_measured_[(int)OpKind::Count] = {};    // the first step's measured seconds per row
+  std::map<GemmShape, double> first_shape_measured_;  // and per GEMM shape
   std::vector<std::vector<CollStats>> groups_at_start_;
   std::vector<double> comm_seconds_, comm_bytes_;
   double last_step_s_ = 0;

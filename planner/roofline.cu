@@ -102,6 +102,17 @@ double RooflineMeter::group_seconds(const Group& g, const CollStats* delta) cons
   return seconds;
 }
 
+// sum += b - a: what one row counted between two readings of the ledger.
+static void add_difference(LedgerRow& sum, const LedgerRow& a, const LedgerRow& b) {
+  sum.calls += b.calls - a.calls;
+  sum.launches += b.launches - a.launches;
+  sum.flops += b.flops - a.flops;
+  sum.read += b.read - a.read;
+  sum.written += b.written - a.written;
+  sum.predicted_s += b.predicted_s - a.predicted_s;
+  sum.measured_s += b.measured_s - a.measured_s;
+}
+
 void RooflineMeter::end(StepPart p) {
   if (p != StepPart::Step) return;
   mark_ledger_clock();
@@ -110,12 +121,15 @@ void RooflineMeter::end(StepPart p) {
   double compute = 0;
   for (int k = 0; k < (int)OpKind::Count; k++) {
     const LedgerRow &a = at_start_.rows[k], &b = now.rows[k];
-    LedgerRow& s = steps_.rows[k];
-    s.calls += b.calls - a.calls, s.launches += b.launches - a.launches;
-    s.flops += b.flops - a.flops, s.read += b.read - a.read, s.written += b.written - a.written;
-    s.predicted_s += b.predicted_s - a.predicted_s, s.measured_s += b.measured_s - a.measured_s;
+    add_difference(steps_.rows[k], a, b);
     if (steps_run_ == 0) first_measured_[k] = b.measured_s - a.measured_s;
     compute += b.predicted_s - a.predicted_s;
+  }
+  for (const auto& [shape, b] : now.gemm_shapes) {
+    const auto before = at_start_.gemm_shapes.find(shape);
+    const LedgerRow a = before != at_start_.gemm_shapes.end() ? before->second : LedgerRow{};
+    add_difference(steps_.gemm_shapes[shape], a, b);
+    if (steps_run_ == 0) first_shape_measured_[shape] = b.measured_s - a.measured_s;
   }
   std::vector<Group*> groups = comm_.groups();
   if (comm_seconds_.empty())
@@ -137,6 +151,40 @@ void RooflineMeter::end(StepPart p) {
 
 double RooflineMeter::step_seconds(double measured) const {
   return ctx_.device == Device::Meta ? last_step_s_ : measured;
+}
+
+// The GEMMs by shape, the longest predicted first: where the GEMM row's time goes, and on a
+// real run how much of the peak each shape reached (the profile assumes one fraction for all).
+void RooflineMeter::print_gemm_shapes(const Roofline& roof, double n, bool timed,
+                                      double timed_steps) const {
+  if (steps_.gemm_shapes.empty()) return;
+  std::vector<std::pair<GemmShape, LedgerRow>> shapes(steps_.gemm_shapes.begin(),
+                                                      steps_.gemm_shapes.end());
+  std::sort(shapes.begin(), shapes.end(), [](const auto& a, const auto& b) {
+    return a.second.predicted_s > b.second.predicted_s;
+  });
+  const char* unit_name[] = {"fp32", "16-bit", "8-bit"};
+  printf(
+      "  GEMMs by shape (C [M, N] = A [M, K] B [K, N]; a linear layer's forward, input gradient "
+      "and weight gradient are three; per training step):\n");
+  printf("  %8s %8s %8s %7s %7s %10s %12s %8s%s\n", "M", "N", "K", "unit", "calls", "GFLOP",
+         "predicted ms", "of peak", timed ? "  measured ms  of peak" : "");
+  for (const auto& [shape, s] : shapes) {
+    const auto& [m, cols, k, unit] = shape;
+    const double peak = roof.peak[(int)unit], flops = s.flops / n, predicted = s.predicted_s / n;
+    printf("  %8lld %8lld %8lld %7s %7.0f %10.3f %12.3f %7.1f%%", (long long)m, (long long)cols,
+           (long long)k, unit_name[(int)unit], s.calls / n, flops / 1e9, predicted * 1e3,
+           predicted > 0 ? 100 * flops / (predicted * peak) : 0.0);
+    if (timed) {
+      const auto first = first_shape_measured_.find(shape);
+      const double skipped =
+          timed_steps < n && first != first_shape_measured_.end() ? first->second : 0.0;
+      const double measured = (s.measured_s - skipped) / timed_steps;
+      printf("  %11.3f %7.1f%%", measured * 1e3,
+             measured > 0 ? 100 * flops / (measured * peak) : 0.0);
+    }
+    printf("\n");
+  }
 }
 
 void RooflineMeter::report(Report r) {
@@ -220,6 +268,7 @@ void RooflineMeter::report(Report r) {
       gemm.flops / n, attn.flops / n, book_flops_per_token(run_.model) * tokens);
   printf("  launches per micro-batch: %.0f (%d blocks on this rank)\n",
          launches / n / run_.grad_acc, run_.blocks);
+  print_gemm_shapes(roof, n, timed, timed_steps);
   if (timed) {
     double first = 0;
     for (double f : first_measured_) first += f;

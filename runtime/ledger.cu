@@ -1,6 +1,7 @@
 // ledger.cu: the ops' ledger (ledger.cuh). Observation only, like MemoryStats: it counts what
 // is issued, it never steers it.
 #include <algorithm>
+#include <vector>
 
 #include "runtime/ledger.cuh"
 
@@ -36,6 +37,11 @@ void reset_ledger() {
   g_ledger = Ledger{};
 }
 
+// The clock's rows past OpKind::Count: GEMM shapes, numbered as first seen (for the life of the
+// process, so a number stays valid across reset_ledger).
+static std::map<GemmShape, int> g_shape_rows;
+static std::vector<GemmShape> g_shapes;
+
 double Roofline::seconds(OpKind kind, const OpCost& c) const {
   double efficiency = 1;
   if (c.narrow > 0)
@@ -53,19 +59,31 @@ void set_ledger_roofline(const Roofline& r) {
 }
 
 void add_measured_time(int row, double seconds) {
+  if (row >= (int)OpKind::Count) {
+    g_ledger.gemm_shapes[g_shapes[row - (int)OpKind::Count]].measured_s += seconds;
+    row = (int)OpKind::Gemm;
+  }
   g_ledger.rows[row].measured_s += seconds;
 }
 
 int record_op(OpKind kind, const OpCost& cost) {
   const int row = g_scope >= 0 ? g_scope : (int)kind;
-  LedgerRow& r = g_ledger.rows[row];
-  r.calls++;
-  r.launches += cost.launches;
-  r.flops += cost.flops;
-  r.read += cost.read;
-  r.written += cost.written;
-  if (g_priced) r.predicted_s += g_roofline.seconds(kind, cost);
-  return row;
+  const double predicted = g_priced ? g_roofline.seconds(kind, cost) : 0.0;
+  auto add = [&](LedgerRow& r) {
+    r.calls++;
+    r.launches += cost.launches;
+    r.flops += cost.flops;
+    r.read += cost.read;
+    r.written += cost.written;
+    r.predicted_s += predicted;
+  };
+  add(g_ledger.rows[row]);
+  if (row != (int)OpKind::Gemm || cost.m == 0) return row;
+  const GemmShape shape{cost.m, cost.n, cost.k, cost.unit};
+  add(g_ledger.gemm_shapes[shape]);
+  auto [at, fresh] = g_shape_rows.emplace(shape, (int)g_shapes.size());
+  if (fresh) g_shapes.push_back(shape);
+  return (int)OpKind::Count + at->second;
 }
 
 LedgerScope::LedgerScope(OpKind kind) : saved_(g_scope) {

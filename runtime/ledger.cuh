@@ -6,6 +6,8 @@
 // roofline, each op is also priced as it is counted; given a clock, the time it took is kept.
 #pragma once
 #include <cstdint>
+#include <map>
+#include <tuple>
 
 enum class OpKind {
   Gemm,         // linear layers (cuBLAS)
@@ -31,7 +33,8 @@ struct OpCost {
   double flops = 0, read = 0, written = 0;
   int launches = 1;
   MathUnit unit = MathUnit::CudaCores;
-  double narrow = 0;  // min(M, N, K) of a GEMM; 0 for any other op
+  double narrow = 0;            // min(M, N, K) of a GEMM; 0 for any other op
+  int64_t m = 0, n = 0, k = 0;  // a GEMM's shape (C [m, n], k products a value): its own row
 };
 struct LedgerRow {
   int64_t calls = 0, launches = 0;
@@ -39,8 +42,13 @@ struct LedgerRow {
   double predicted_s = 0;  // priced on the roofline set (set_ledger_roofline)
   double measured_s = 0;   // timed by the clock (core.cuh, start_ledger_clock)
 };
+// A GEMM's shape and the unit it runs on: the GEMMs counted as such have a row per shape too
+// (--report roofline's breakdown; a linear layer's forward, input gradient and weight gradient
+// are three shapes).
+using GemmShape = std::tuple<int64_t, int64_t, int64_t, MathUnit>;  // M, N, K, unit
 struct Ledger {
   LedgerRow rows[(int)OpKind::Count];
+  std::map<GemmShape, LedgerRow> gemm_shapes;
   LedgerRow total() const;
 };
 Ledger ledger();  // since the process started (or the last reset), this rank
@@ -48,7 +56,7 @@ void reset_ledger();
 
 // Counts one op (runtime/core.cuh's count_op is the call every op makes: it records, then tells
 // the op whether its device computes at all).
-int record_op(OpKind kind, const OpCost& cost);  // the row it counted in
+int record_op(OpKind kind, const OpCost& cost);  // the row it counted in, for the clock
 
 // Within a scope, every op counts under `kind` whatever its own (naive attention's GEMMs and
 // softmax are attention; the gradient norm's sums and the optimizer's casts are the optimizer's).
@@ -79,5 +87,6 @@ struct Roofline {
 // From now on every op recorded is also priced on `r` (its row's predicted_s).
 void set_ledger_roofline(const Roofline& r);
 
-// The time the clock (runtime/core.cuh, start_ledger_clock) measured for a row.
+// The time the clock (runtime/core.cuh, start_ledger_clock) measured for a row (as record_op
+// returned it: a GEMM's shape row adds to its shape and to the GEMM row).
 void add_measured_time(int row, double seconds);

@@ -28,7 +28,7 @@ void gemm(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K, f
   const double m = M, n = N, k = K;  // C is read too when accumulated into
   if (count_op(ctx.device, OpKind::Gemm,
                {2 * m * n * k, 4 * (m * k + k * n + (beta != 0.0f ? m * n : 0.0)), 4 * m * n, 1,
-                MathUnit::CudaCores, std::min({m, n, k})}))
+                MathUnit::CudaCores, std::min({m, n, k}), M, N, K}))
     return;
   if (ctx.device == Device::CPU) {
     cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
@@ -55,7 +55,7 @@ void gemm_16bit(const Context& ctx, bool trans_a, bool trans_b, int M, int N, in
   const double c = (double)dtype_size(C.dtype);
   if (count_op(ctx.device, OpKind::Gemm,
                {2 * m * n * k, 2 * (m * k + k * n) + (beta != 0.0f ? c * m * n : 0.0), c * m * n, 1,
-                MathUnit::Tensor16, std::min({m, n, k})}))
+                MathUnit::Tensor16, std::min({m, n, k}), M, N, K}))
     return;
   const cudaDataType type = A.dtype == DType::BF16 ? CUDA_R_16BF : CUDA_R_16F;
   const cudaDataType c_type = C.dtype == DType::F32 ? CUDA_R_32F : type;  // fp32 sums, rounded

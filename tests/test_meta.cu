@@ -3,8 +3,10 @@
 // form, one process stands for any rank of a simulated world, and what it cannot do is refused.
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <map>
 #include <regex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "launch.cuh"
@@ -133,6 +135,55 @@ TEST_CASE("a meta step counts the closed form's FLOPs for the GEMMs and the atte
     // Plus the backward's D = rowsum(dO o O): 2 per query, head and head dimension.
     REQUIRE(std::stod(m[2]) == (4 * forwards + 10) * pairs * hd + 2 * tokens * H * hd * L);
   }
+}
+
+// --report roofline's GEMMs by shape: each linear layer y = x W^T (W [out, in], N tokens) is three
+// GEMMs, the forward C [N, out] (K = in), the input gradient C [N, in] (K = out) and the weight
+// gradient C [out, in] (K = N); equal shapes share a row. The closed form's list, from the
+// model's dimensions, against the report's rows: shapes, units and calls per step. Guards against
+// a GEMM counted without its shape, a shape given as (N, M) or with the wrong K, or a recomputed
+// forward missing from the count.
+TEST_CASE("the roofline lists each linear layer's three GEMMs by shape, as the closed form does",
+          "[train]") {
+  const int64_t D = 64, L = 2, hd = 16, KV = 2 * hd, F = 128, V = 256, N = 2 * 32, acc = 2;
+  struct Linear {
+    int64_t out, in, per_step;  // calls per step of its forward (per layer: L, the head: 1)
+  };
+  for (std::string recompute : {"none", "full"})
+    for (std::string dtype : {"fp32", "bf16"}) {
+      INFO("--recompute " << recompute << " --dtype " << dtype);
+      const int64_t forwards = recompute == "full" ? 2 : 1;
+      std::map<std::tuple<int64_t, int64_t, int64_t>, int64_t> want;  // (M, N, K) -> calls
+      const Linear linears[] = {{D, D, L}, {KV, D, L}, {KV, D, L}, {D, D, L},
+                                {F, D, L}, {F, D, L},  {D, F, L},  {V, D, 1}};
+      for (const Linear& l : linears) {
+        const int64_t blocks_forwards = l.out == V ? 1 : forwards;  // the head is not recomputed
+        want[{N, l.out, l.in}] += l.per_step * acc * blocks_forwards;
+        want[{N, l.in, l.out}] += l.per_step * acc;
+        want[{l.out, l.in, N}] += l.per_step * acc;
+      }
+      RunResult r =
+          run_train("--device meta --dtype " + dtype +
+                    " --d-model 64 --layers 2 --heads 4 --kv-heads 2 --ffn 128 --seq 32 --mbs 2 "
+                    "--grad-acc 2 --steps 2 --val-every 0 --report roofline --recompute " +
+                    recompute);
+      INFO(r.output);
+      REQUIRE(r.code == 0);
+      std::map<std::tuple<int64_t, int64_t, int64_t>, int64_t> got;
+      const std::regex row(" +([0-9]+) +([0-9]+) +([0-9]+) +(fp32|16-bit|8-bit) +([0-9]+) .*");
+      const std::string unit = dtype == "fp32" ? "fp32" : "16-bit";
+      bool in_table = false;
+      for (const std::string& line : report_lines(r.output)) {
+        std::smatch m;
+        if (line.find("GEMMs by shape") != std::string::npos) {
+          in_table = true;
+        } else if (in_table && std::regex_match(line, m, row)) {
+          CHECK(m[4] == unit);
+          got[{std::stoll(m[1]), std::stoll(m[2]), std::stoll(m[3])}] += std::stoll(m[5]);
+        }
+      }
+      CHECK(got == want);
+    }
 }
 
 // rank 0 of a simulated world of 8 prints rank 0's reports of the 8-rank run (the groups' traffic
