@@ -412,6 +412,11 @@ if run_step dtype_llama1b 240 bash -c "for d in fp32 bf16 fp8 bf16-ga8 bf16-mbs4
     /^fp8 GEMMs on rank 0:/ { fp8 = $6 " native, " $10 " emulated" }
     /^  predicted step/ { split($0, p, "MFU "); split(p[2], q, "%"); predicted[d] = q[1] }
     /^host synchronisations per training step:/ { syncs = $NF }
+    # the roofline report: GEMMs by shape, measured (M N K unit calls GFLOP ms share ms share)
+    d == "bf16" && /^ +[0-9]+ +[0-9]+ +[0-9]+ +16-bit / && NF == 10 {
+      share = $10; sub(/%/, "", share); shape = $1 "x" $2 "x" $3
+      if (lo == "" || share + 0 < lo + 0) { lo = share; lo_shape = shape }
+      if (hi == "" || share + 0 > hi + 0) { hi = share; hi_shape = shape } }
     END {
       peak["fp32"] = 67e12; peak["bf16"] = 989e12; peak["fp8"] = 1979e12
       flops = 6 * n + 12 * 16 * 2048 * 2048  # llama-1b: L 16, h 2048, s 2048
@@ -423,6 +428,7 @@ if run_step dtype_llama1b 240 bash -c "for d in fp32 bf16 fp8 bf16-ga8 bf16-mbs4
       }
       if (fp8 != "") printf "fp8 GEMMs %s; ", fp8
       if (syncs != "") printf "bf16 host syncs per step %s (a CPU run counts 3); ", syncs
+      if (lo != "") printf "bf16 GEMM shapes at %s%% (%s) to %s%% (%s) of the peak; ", lo, lo_shape, hi, hi_shape
     }' "$LOGS/dtype_llama1b.log")
   if [ "$STEP_RC" -eq 0 ] && [ -n "$mfu" ]; then
     record dtype_llama1b PASS "$STEP_SECONDS" "$mfu (bf16 target 50%)"
