@@ -131,11 +131,46 @@ __global__ void dequantize_tiles_kernel(float* x, const uint8_t* q, const float*
   x[n] = value * scales[r / tile_rows * tiles_across + c / tile_cols];
 }
 
+// The 1 x 128 tiles of a row-major x (the activations' and gradients' tiles): a warp per tile,
+// four values a lane, each warp load 32 consecutive floats, where the kernel above gives a block
+// of 256 threads to 128 values. The same fp32 operations, so the same bytes and scales.
+constexpr int kTilesPerBlock = 8;  // warps
+__global__ void quantize_rows_kernel(uint8_t* q, float* scales, Strides s_at, const float* x,
+                                     int64_t rows, int64_t cols, DType format, float largest) {
+  const int64_t tiles_across = (cols + 127) / 128;
+  const int64_t tile = (int64_t)blockIdx.x * kTilesPerBlock + threadIdx.x / 32;
+  if (tile >= rows * tiles_across) return;  // (the whole warp)
+  const int lane = threadIdx.x % 32;
+  const int64_t i = tile / tiles_across, j = tile % tiles_across;
+  float v[4], m = 0.0f;
+  for (int e = 0; e < 4; e++) {
+    const int64_t c = j * 128 + lane + 32 * e;
+    v[e] = c < cols ? x[i * cols + c] : 0.0f;
+    m = fmaxf(m, fabsf(v[e]));
+  }
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  const float s = m > 0.0f ? m / largest : 1.0f;  // an all-zero tile keeps scale 1
+  if (lane == 0) scales[i * s_at.row + j * s_at.col] = s;
+  const __nv_fp8_interpretation_t fmt = format == DType::F8E4M3 ? __NV_E4M3 : __NV_E5M2;
+  const __nv_saturation_t sat = format == DType::F8E4M3 ? __NV_SATFINITE : __NV_NOSAT;
+  for (int e = 0; e < 4; e++) {
+    const int64_t c = j * 128 + lane + 32 * e;
+    if (c < cols) q[i * cols + c] = __nv_cvt_float_to_fp8(v[e] / s, sat, fmt);
+  }
+}
+
 static void launch_quantize(const Context& ctx, const Tensor& q, float* scales, Strides s_at,
                             const float* x, Strides x_at, int tile_rows, int tile_cols) {
   const int64_t rows = q.size(0), cols = q.size(1);
   const int64_t tiles = ((rows + tile_rows - 1) / tile_rows) * ((cols + tile_cols - 1) / tile_cols);
   if (tiles == 0) return;
+  if (tile_rows == 1 && tile_cols == 128 && x_at.row == cols && x_at.col == 1) {
+    quantize_rows_kernel<<<(unsigned)((tiles + kTilesPerBlock - 1) / kTilesPerBlock),
+                           32 * kTilesPerBlock, 0, ctx.stream>>>(
+        (uint8_t*)q.ptr, scales, s_at, x, rows, cols, q.dtype, max_finite(q.dtype));
+    LAUNCH_CHECK(ctx, "quantize_rows_kernel");
+    return;
+  }
   quantize_tiles_kernel<<<(unsigned)tiles, 256, 0, ctx.stream>>>(
       (uint8_t*)q.ptr, scales, s_at, x, x_at, rows, cols, tile_rows, tile_cols, q.dtype,
       max_finite(q.dtype));
