@@ -162,6 +162,25 @@ catch_step() {  # name cap command...: a Catch2 binary; a SKIP (no CUDA seen) is
     fail "$name" "$CASES_TEXT, exit $STEP_RC, $SKIPS SKIP lines${FIRST_SKIP:+ (first: $FIRST_SKIP)}"
   fi
 }
+# catch_each NAME CAP FILTER ARGS...: every case of unit_tests that FILTER selects in a process of
+# its own (tools/catch_each.sh), so that a case that aborts (a [BUG] check, a fault) stops only
+# itself: the first GPU run lost 8 cases to one abort.
+catch_each() {
+  local name=$1 cap=$2 filter=$3 cases failed failing
+  shift 3
+  run_step "$name" "$cap" bash "$ROOT/tools/catch_each.sh" "$RUN" build/unit_tests "$filter" "$@" \
+    --use-colour no || return
+  cases=$(grep -c '^=== case ' "$LOGS/$name.log")
+  failed=$(grep -c '^=== exit [1-9]' "$LOGS/$name.log")
+  SKIPS=$(grep -c -- "$SKIP_LINE" "$LOGS/$name.log")
+  failing=$(awk '/^=== case / { c = substr($0, 10) }
+    /^=== exit [1-9]/ { printf "%s%s", (n++ ? "; " : ""), c }' "$LOGS/$name.log" | cut -c1-300)
+  if [ "$STEP_RC" -eq 0 ] && [ "$cases" -gt 0 ] && [ "$failed" -eq 0 ] && [ "$SKIPS" -eq 0 ]; then
+    record "$name" PASS "$STEP_SECONDS" "$cases cases, each in a process of its own, all passed"
+  else
+    fail "$name" "$cases cases, $failed failed${failing:+ ($failing)}, $SKIPS SKIP lines, exit $STEP_RC"
+  fi
+}
 # "step N/M | loss L | ... | T tok/s | ..." lines of ./train: first and last loss, median tok/s
 # of the steps after the first (which pays for warm-up).
 train_stats() {
@@ -352,8 +371,7 @@ fi
 # =============================================================================================
 # 1. What only a GPU can tell, first: every kernel against its CPU reference, synchronising after
 #    each launch (a fault names its kernel), then CUDA training against the CPU run.
-catch_step unit_gpu_sync 180 "$RUN" build/unit_tests "[gpu]~a CUDA training run*" \
-  --sync-launches --use-colour no
+catch_each unit_gpu_sync 180 "[gpu]~a CUDA training run*" --sync-launches
 catch_step train_cuda_vs_cpu 150 "$RUN" build/unit_tests "a CUDA training run*" --use-colour no
 
 # =============================================================================================

@@ -143,6 +143,29 @@ if [ -x build/unit_tests ]; then
     selects memcheck "$T/want_memcheck"
 fi
 
+# ---- 4c. catch_each.sh: each case in a process of its own ----
+cat >"$T/fake_catch.sh" <<'FAKE'
+#!/usr/bin/env bash
+if [ "${2:-}" = "--list-test-names-only" ]; then printf 'one, with a comma\ntwo [bracketed]\n\nthree\n'; exit 3; fi
+echo "filter: $1"
+[ "$1" = 'two \[bracketed\]' ] && exit 1
+exit 0
+FAKE
+chmod +x "$T/fake_catch.sh"
+bash tools/catch_each.sh env "$T/fake_catch.sh" "[gpu]" >"$T/each_fake.log" 2>&1
+check "catch_each runs each listed case alone, its name escaped, and reports each exit" \
+  bash -c "[ \"\$(grep -c '^=== case ' '$T/each_fake.log')\" = 3 ] &&
+           grep -qx 'filter: one\\\\, with a comma' '$T/each_fake.log' &&
+           [ \"\$(grep '^=== exit' '$T/each_fake.log' | tr '\n' ' ')\" = '=== exit 0 === exit 1 === exit 0 ' ]"
+if [ -x build/unit_tests ]; then
+  bash tools/catch_each.sh env build/unit_tests "[gpu]~a CUDA training run*" --use-colour no \
+    >"$T/each.log" 2>&1
+  each_cases=$(grep -c '^=== case ' "$T/each.log")
+  check "catch_each's run of every [gpu] case selects exactly one case each time ($each_cases cases)" \
+    bash -c "[ '$each_cases' -gt 0 ] &&
+             [ \"\$(grep -cE 'in 1 test case\)|test cases: +1 \|' '$T/each.log')\" = '$each_cases' ]"
+fi
+
 # ---- 5. what counts as a skipped test ----
 # Catch2 prints WARN("SKIP: why") as "<file>:<line>: " and "warning:", then the message indented
 # by two spaces (wrapped at 79 columns, each piece indented alike).
