@@ -72,6 +72,19 @@ $(BUILD)/bench_comm: $(BUILD)/bench/bench_comm.o $(LIB_OBJS)
 $(BUILD)/bench_tp: $(BUILD)/bench/bench_tp.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
 
+# The GPU chapter's change-one-file experiment as a reader applies it (docs/experiments/
+# coarsen-8x8.patch on a copy of kernels/matmul_ladder.cu), linked beside the ladder's own
+# benchmark: the GPU check times both (tools/gpu_bundle.sh builds it; `make` does not).
+COARSEN8 := $(BUILD)/experiments/coarsen-8x8
+$(COARSEN8)/matmul_ladder.cu: kernels/matmul_ladder.cu docs/experiments/coarsen-8x8.patch
+	@mkdir -p $(dir $@)
+	cp kernels/matmul_ladder.cu $@ && patch --quiet $@ docs/experiments/coarsen-8x8.patch
+$(COARSEN8)/matmul_ladder.o: $(COARSEN8)/matmul_ladder.cu $(FLAGS_STAMP)
+	$(NVCC) $(NVFLAGS) -c $< -o $@
+$(BUILD)/bench_matmul_coarsen8x8: $(BUILD)/bench/bench_matmul.o $(COARSEN8)/matmul_ladder.o \
+                                  $(filter-out $(BUILD)/kernels/matmul_ladder.o,$(LIB_OBJS))
+	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)
+
 # What the machine is (driver, runtime, devices, libraries): the GPU check's first step.
 $(BUILD)/device_info: $(BUILD)/tools/device_info.o $(LIB_OBJS)
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(LDFLAGS)

@@ -5,7 +5,8 @@
 # NVIDIA driver and CUDA 13 (cuBLAS and NCCL from the toolkit or Python wheels) but no MPI,
 # OpenBLAS or fortune corpus.
 #   bin.tar.gz       train and build/{unit_tests,mpi_tests,bench_step,bench_comm,bench_attention,
-#                    bench_matmul,device_info}
+#                    bench_matmul,bench_matmul_coarsen8x8 (docs/experiments/coarsen-8x8.patch
+#                    applied),device_info}
 #   lib.tar.gz       lib/: every shared library those, orted, orterun, ompi_info and the OpenMPI
 #                    and PMIx plugins load, except the C/C++ runtime and CUDA's own libraries
 #   openmpi.tar.gz   the OpenMPI tree with its paths relative to / (plugins, share/openmpi,
@@ -24,7 +25,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PATH:/usr/local/cuda/bin"
-BINARIES="train build/unit_tests build/mpi_tests build/bench_step build/bench_comm build/bench_attention build/bench_matmul build/device_info"
+BINARIES="train build/unit_tests build/mpi_tests build/bench_step build/bench_comm build/bench_attention build/bench_matmul build/bench_matmul_coarsen8x8 build/device_info"
 MPI_DIR=/usr/lib/x86_64-linux-gnu/openmpi
 PMIX_DIR=/usr/lib/x86_64-linux-gnu/pmix2
 MAX_MIB=48  # the carry limit is 64 MiB for everything that travels

@@ -74,6 +74,7 @@ PLAN=(
   flash_bench flash_torch                                 # FlashAttention against PyTorch's SDPA
   dtype_llama1b                                           # llama-1b in fp32, bf16, fp8: MFU
   bench_matmul                                            # the GPU chapter's matmul ladder
+  bench_matmul_8x8                                        # its change-one-file experiment
   mpi_gpu_np1 nccl_timeout unit_gpu unit_gpu_flash memcheck mpi_gpu_np2 dp2_vs_grad_acc2
   train_tiny train_medium bench bench_comm racecheck racecheck_flash racecheck_tp
 )
@@ -84,7 +85,7 @@ PLAN=(
 declare -A ESTIMATE=(
   [environment]=0 [setup]=15 [setup_build]=300 [device_info]=5 [libraries]=5 [mpi_singleton]=5
   [unit_gpu_sync]=60 [train_cuda_vs_cpu]=10 [flash_bench]=30 [flash_torch]=30
-  [dtype_llama1b]=40 [bench_matmul]=10 [mpi_gpu_np1]=15 [nccl_timeout]=30 [unit_gpu]=40 [unit_gpu_flash]=15
+  [dtype_llama1b]=40 [bench_matmul]=10 [bench_matmul_8x8]=10 [mpi_gpu_np1]=15 [nccl_timeout]=30 [unit_gpu]=40 [unit_gpu_flash]=15
   [memcheck]=80 [mpi_gpu_np2]=10 [dp2_vs_grad_acc2]=10 [train_tiny]=5 [train_medium]=5
   [bench]=45 [bench_comm]=35 [racecheck]=10 [racecheck_flash]=60 [racecheck_tp]=10
 )
@@ -241,7 +242,7 @@ else
 fi
 
 # ---- setup: unpack the bundle under the work folder (or build here, if this machine can) ----
-BINARIES="train build/unit_tests build/mpi_tests build/bench_step build/bench_comm build/bench_attention build/bench_matmul build/device_info"
+BINARIES="train build/unit_tests build/mpi_tests build/bench_step build/bench_comm build/bench_attention build/bench_matmul build/bench_matmul_coarsen8x8 build/device_info"
 ENV_FILE=""
 SETUP_STARTED=0
 if [ -d "$BUNDLE" ]; then
@@ -473,6 +474,27 @@ if run_step bench_matmul 120 "$RUN" build/bench_matmul --cuda-only; then
     record bench_matmul PASS "$STEP_SECONDS" "${ladder%|*}; worst difference from cuBLAS $worst"
   else
     fail bench_matmul "exit $STEP_RC; ${ladder%|*}; worst difference from cuBLAS ${worst:-?} (limit 1e-3)"
+  fi
+fi
+
+# 3c. The chapter's change-one-file experiment (docs/experiments/coarsen-8x8.patch, built by
+#     gpu_bundle.sh as build/bench_matmul_coarsen8x8): 8 x 8 outputs a thread against the
+#     ladder's 4 x 4, at llama-1b's gate/up GEMM; its C must still agree with cuBLAS's.
+coarsened_at_gate_up() {  # log: the coarsened rung's GFLOP/s at the gate/up shape
+  awk -F'|' '/^\| llama-1b gate\/up / && $4 ~ /coarsened/ { gsub(/ /, "", $5); print $5 }' "$1"
+}
+if [ "$DRY_RUN" = 0 ] && [ -z "$NO_RUN" ] && [ ! -x "$RUNDIR/build/bench_matmul_coarsen8x8" ]; then
+  record bench_matmul_8x8 SKIP 0 "no build/bench_matmul_coarsen8x8 in the bundle (an older gpu_bundle.sh)"
+elif run_step bench_matmul_8x8 120 "$RUN" build/bench_matmul_coarsen8x8 --cuda-only; then
+  eight=$(coarsened_at_gate_up "$LOGS/bench_matmul_8x8.log")
+  four=$(coarsened_at_gate_up "$LOGS/bench_matmul.log" 2>/dev/null)
+  worst=$(awk -F'|' '/^\| / && NF >= 10 && $5 ~ /[0-9]/ && $4 !~ /cuBLAS/ {
+      v = $9; gsub(/ /, "", v); v = (v ~ /^[0-9]/) ? v + 0 : 1e9; if (v > w) w = v } END { print w + 0 }' \
+    "$LOGS/bench_matmul_8x8.log")
+  if [ "$STEP_RC" -eq 0 ] && [ -n "$eight" ] && awk -v w="$worst" 'BEGIN { exit !(w <= 1e-3) }'; then
+    record bench_matmul_8x8 PASS "$STEP_SECONDS" "gate/up coarsened 8 x 8: $eight GFLOP/s against 4 x 4's ${four:-?}; worst difference from cuBLAS $worst"
+  else
+    fail bench_matmul_8x8 "exit $STEP_RC; 8 x 8 ${eight:-no row}; worst difference from cuBLAS ${worst:-?} (limit 1e-3)"
   fi
 fi
 

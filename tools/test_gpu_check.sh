@@ -45,7 +45,7 @@ NO_BUNDLE=$T/no_bundle
 # Every step, in the order the check must run them: what only a GPU can tell first.
 SETUP_STEPS="environment setup device_info libraries mpi_singleton"
 FIRST_STEPS="unit_gpu_sync train_cuda_vs_cpu flash_bench flash_torch dtype_llama1b bench_matmul"
-REST_STEPS="mpi_gpu_np1 nccl_timeout unit_gpu unit_gpu_flash memcheck mpi_gpu_np2 dp2_vs_grad_acc2
+REST_STEPS="bench_matmul_8x8 mpi_gpu_np1 nccl_timeout unit_gpu unit_gpu_flash memcheck mpi_gpu_np2 dp2_vs_grad_acc2
             train_tiny train_medium bench bench_comm racecheck racecheck_flash racecheck_tp"
 table_steps() { grep -E '^\| [a-z_0-9]+ \| (PASS|FAIL|SKIP) \|' "$1" | cut -d'|' -f2 | tr -d ' '; }
 # The table lists exactly the steps above, each once, in that order.
@@ -83,7 +83,7 @@ check "the default budget fits one 600 s command with 30 s to spare" \
   bash -c "[ -n '$budget' ] && [ '$budget' -le 570 ] && [ '$budget' -ge 300 ]"
 check "the plan's estimates fit in the budget, 10 s kept for the table" \
   bash -c "[ '$planned' -gt 0 ] && [ \$(( $planned + 10 )) -le '${budget:-0}' ] &&
-           grep -q '^plan: [0-9]* of 25 steps would run, estimates ${planned}s + 10s reserve' '$T/plan.log'"
+           grep -q '^plan: [0-9]* of 26 steps would run, estimates ${planned}s + 10s reserve' '$T/plan.log'"
 for step in $FIRST_STEPS; do
   check "the default plan runs $step" grep -q "^| $step | SKIP | 0 | dry run: would run" "$T/plan.log"
 done
