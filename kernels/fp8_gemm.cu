@@ -87,6 +87,18 @@ struct Strides {
   int64_t row, col;
 };
 
+// The quantize kernels' shared pieces: a warp's largest value (every lane gets it), and one
+// value in FP8 as the CPU loop stores it (e4m3 saturates at 448, satfinite; e5m2 cannot reach
+// its overflow, see quantize_tiles).
+__device__ inline float warp_max(float m) {
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  return m;
+}
+__device__ inline uint8_t to_fp8(float y, DType format) {
+  return format == DType::F8E4M3 ? __nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3)
+                                 : __nv_cvt_float_to_fp8(y, __NV_NOSAT, __NV_E5M2);
+}
+
 // One block per tile: its absmax, its scale absmax / largest, and each element as
 // fp8(x / scale), with the CPU's fp32 operations (so bytes and scales agree bit for bit; a max is
 // exact in any order). x [rows, cols] is read through x_at (transposed operands take the kernel
@@ -103,19 +115,16 @@ __global__ void quantize_tiles_kernel(uint8_t* q, float* scales, Strides s_at, c
   float m = 0.0f;
   for (int64_t k = threadIdx.x; k < tr * tc; k += blockDim.x)
     m = fmaxf(m, fabsf(x[(r0 + k / tc) * x_at.row + (c0 + k % tc) * x_at.col]));
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  m = warp_max(m);
   if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = m;
   __syncthreads();
   m = 0.0f;
   for (int w = 0; w < (int)blockDim.x / 32; w++) m = fmaxf(m, partial[w]);
   const float s = m > 0.0f ? m / largest : 1.0f;  // an all-zero tile keeps scale 1
   if (threadIdx.x == 0) scales[i * s_at.row + j * s_at.col] = s;
-  // e4m3 saturates at 448 (satfinite); e5m2 cannot reach its overflow (see quantize_tiles).
-  const __nv_fp8_interpretation_t fmt = format == DType::F8E4M3 ? __NV_E4M3 : __NV_E5M2;
-  const __nv_saturation_t sat = format == DType::F8E4M3 ? __NV_SATFINITE : __NV_NOSAT;
   for (int64_t k = threadIdx.x; k < tr * tc; k += blockDim.x) {
     const int64_t r = r0 + k / tc, c = c0 + k % tc;
-    q[r * cols + c] = __nv_cvt_float_to_fp8(x[r * x_at.row + c * x_at.col] / s, sat, fmt);
+    q[r * cols + c] = to_fp8(x[r * x_at.row + c * x_at.col] / s, format);
   }
 }
 
@@ -148,14 +157,12 @@ __global__ void quantize_rows_kernel(uint8_t* q, float* scales, Strides s_at, co
     v[e] = c < cols ? x[i * cols + c] : 0.0f;
     m = fmaxf(m, fabsf(v[e]));
   }
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  m = warp_max(m);
   const float s = m > 0.0f ? m / largest : 1.0f;  // an all-zero tile keeps scale 1
   if (lane == 0) scales[i * s_at.row + j * s_at.col] = s;
-  const __nv_fp8_interpretation_t fmt = format == DType::F8E4M3 ? __NV_E4M3 : __NV_E5M2;
-  const __nv_saturation_t sat = format == DType::F8E4M3 ? __NV_SATFINITE : __NV_NOSAT;
   for (int e = 0; e < 4; e++) {
     const int64_t c = j * 128 + lane + 32 * e;
-    if (c < cols) q[i * cols + c] = __nv_cvt_float_to_fp8(v[e] / s, sat, fmt);
+    if (c < cols) q[i * cols + c] = to_fp8(v[e] / s, format);
   }
 }
 
@@ -193,12 +200,6 @@ __global__ void quantize_transposed_kernel(uint8_t* q, float* scales, Strides s_
   const int64_t c0 = (int64_t)blockIdx.x * 128, r0 = (int64_t)blockIdx.y * 128;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;  // 8 warps
   auto at = [&](int64_t c, int64_t r) { return c < K && r < n ? x[c * n + r] : 0.0f; };
-  auto warp_max = [](float m) {
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    return m;
-  };
-  const __nv_fp8_interpretation_t fmt = format == DType::F8E4M3 ? __NV_E4M3 : __NV_E5M2;
-  const __nv_saturation_t sat = format == DType::F8E4M3 ? __NV_SATFINITE : __NV_NOSAT;
   float tile_scale = 1.0f;
   if (tile_rows == 128) {  // one scale for the whole 128 x 128 tile: its absmax, in x's order
     float m = 0.0f;
@@ -229,7 +230,7 @@ __global__ void quantize_transposed_kernel(uint8_t* q, float* scales, Strides s_
       if (r >= n) continue;  // (the same r for the whole warp)
       for (int k = 0; k < 4; k++) {
         const int64_t c = c0 + lane + 32 * k;
-        if (c < K) q[r * K + c] = __nv_cvt_float_to_fp8(panel[lane + 32 * k][j] / s, sat, fmt);
+        if (c < K) q[r * K + c] = to_fp8(panel[lane + 32 * k][j] / s, format);
       }
     }
   }

@@ -289,9 +289,7 @@ class RooflineMeter : public StepMeter {
   GpuProfile gpu_;
   RooflineRun run_;
   int gpus_per_node_;
-  Ledger at_start_, steps_;
-  double first_measured_[(int)OpKind::Count] = {};    // the first step's measured seconds per row
-  std::map<GemmShape, double> first_shape_measured_;  // and per GEMM shape
+  Ledger at_start_, steps_, first_;  // first_: what the first step alone counted
   std::vector<std::vector<CollStats>> groups_at_start_;
   std::vector<double> comm_seconds_, comm_bytes_;
   double last_step_s_ = 0;

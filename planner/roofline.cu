@@ -122,14 +122,14 @@ void RooflineMeter::end(StepPart p) {
   for (int k = 0; k < (int)OpKind::Count; k++) {
     const LedgerRow &a = at_start_.rows[k], &b = now.rows[k];
     add_difference(steps_.rows[k], a, b);
-    if (steps_run_ == 0) first_measured_[k] = b.measured_s - a.measured_s;
+    if (steps_run_ == 0) add_difference(first_.rows[k], a, b);
     compute += b.predicted_s - a.predicted_s;
   }
   for (const auto& [shape, b] : now.gemm_shapes) {
     const auto before = at_start_.gemm_shapes.find(shape);
     const LedgerRow a = before != at_start_.gemm_shapes.end() ? before->second : LedgerRow{};
     add_difference(steps_.gemm_shapes[shape], a, b);
-    if (steps_run_ == 0) first_shape_measured_[shape] = b.measured_s - a.measured_s;
+    if (steps_run_ == 0) add_difference(first_.gemm_shapes[shape], a, b);
   }
   std::vector<Group*> groups = comm_.groups();
   if (comm_seconds_.empty())
@@ -176,9 +176,9 @@ void RooflineMeter::print_gemm_shapes(const Roofline& roof, double n, bool timed
            (long long)k, unit_name[(int)unit], s.calls / n, flops / 1e9, predicted * 1e3,
            predicted > 0 ? 100 * flops / (predicted * peak) : 0.0);
     if (timed) {
-      const auto first = first_shape_measured_.find(shape);
+      const auto first = first_.gemm_shapes.find(shape);
       const double skipped =
-          timed_steps < n && first != first_shape_measured_.end() ? first->second : 0.0;
+          timed_steps < n && first != first_.gemm_shapes.end() ? first->second.measured_s : 0.0;
       const double measured = (s.measured_s - skipped) / timed_steps;
       printf("  %11.3f %7.1f%%", measured * 1e3,
              measured > 0 ? 100 * flops / (measured * peak) : 0.0);
@@ -198,7 +198,8 @@ void RooflineMeter::report(Report r) {
   const bool skip_first = steps_run_ > 1;
   const double timed_steps = skip_first ? n - 1 : n;
   auto measured_of = [&](int k) {
-    return (steps_.rows[k].measured_s - (skip_first ? first_measured_[k] : 0.0)) / timed_steps;
+    return (steps_.rows[k].measured_s - (skip_first ? first_.rows[k].measured_s : 0.0)) /
+           timed_steps;
   };
   printf(
       "roofline (--report roofline; the %s profile: %s; rank %d, per training step, averaged "
@@ -270,8 +271,7 @@ void RooflineMeter::report(Report r) {
          launches / n / run_.grad_acc, run_.blocks);
   print_gemm_shapes(roof, n, timed, timed_steps);
   if (timed) {
-    double first = 0;
-    for (double f : first_measured_) first += f;
+    const double first = first_.total().measured_s;
     printf(
         "  measured: each op's time from its start to the next op's or collective's (%s), "
         "averaged over %s; communication and waits are not in it\n",
