@@ -346,6 +346,14 @@ MemoryPrediction predict_memory(const ModelConfig& cfg, const Layout& l, const I
   return mp;
 }
 
+void add_headroom(MemoryPrediction& m, const GpuProfile& gpu) {
+  auto slack = [&](const RankMemory& r) { return gpu.allocator_slack * r.activations; };
+  for (const RankMemory& r : m.stages)
+    if (r.total() + slack(r) > m.worst.total() + slack(m.worst)) m.worst = r;
+  m.runtime = gpu.runtime_bytes;
+  m.slack = slack(m.worst);
+}
+
 // ----------------------------------------------------------------------------
 // The book's closed forms beside a run (--report memory on the meta device)
 

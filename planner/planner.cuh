@@ -69,7 +69,10 @@ struct GpuProfile {
   double inter_alpha = 0, nic_bw = 0;
   double compute_efficiency = 0.5;  // achievable fraction of the peak on a large step
   double gemm_half_width = 128;     // a GEMM dimension at which its efficiency halves
-  double runtime_bytes = 0;         // the CUDA context, library workspaces, allocator slack
+  double runtime_bytes = 0;         // the CUDA context and kernels, library workspaces
+  // What a caching allocator keeps reserved beyond the peak it has handed out, as a fraction of
+  // the activation peak (the tensors that come and go in every size); 0 where none caches.
+  double allocator_slack = 0;
   // The roofline's constants (--report roofline, runtime/ledger.cuh's Roofline): the fraction of
   // the peak a wide GEMM reaches, of the peak the attention kernels reach, of the memory
   // bandwidth a streaming kernel reaches, and the time a kernel launch adds; with their source.
@@ -152,9 +155,13 @@ struct MemoryPrediction {
   std::vector<RankMemory> stages;  // one per pipeline rank (every dp, cp, tp rank alike)
   RankMemory worst;                // the stage with the largest total
   double runtime = 0;              // the profile's runtime bytes, per GPU
-  double total() const { return worst.total() + runtime; }
+  double slack = 0;                // the allocator's reserve: allocator_slack x the activations
+  double total() const { return worst.total() + runtime + slack; }
 };
 // `stages`: the pipeline ranks to predict (empty: every one).
+// What a GPU holds beyond the tensors: the profile's runtime bytes and its allocator's slack on
+// the worst stage's activations (the headroom a layout needs to fit).
+void add_headroom(MemoryPrediction& m, const GpuProfile& gpu);
 MemoryPrediction predict_memory(const ModelConfig& cfg, const Layout& l, const Implementation& impl,
                                 std::vector<int> stages = {});
 

@@ -120,7 +120,7 @@ PlanResult plan_layouts(const ModelConfig& cfg, int64_t global_tokens, const Clu
     cand.layout = l;
     cand.memory =
         predict_memory(c, l, impl, l.pp > 1 ? std::vector<int>{0, l.pp - 1} : std::vector<int>{0});
-    cand.memory.runtime = cl.gpu.runtime_bytes;
+    add_headroom(cand.memory, cl.gpu);
     r.smallest_memory = std::min(r.smallest_memory, cand.memory.total());
     if (cand.memory.total() > cl.gpu.memory)
       return reject("does not fit in " + human_bytes(cl.gpu.memory), l);
@@ -188,11 +188,12 @@ void print_candidate(int rank, const Candidate& c, const Cluster& cl) {
   printf("#%d  %s\n", rank, c.layout.str().c_str());
   printf(
       "    memory per GPU (GiB, pipeline stage %d): params %s + grads %s + optimizer %s + "
-      "activations %s (%d micro-batch chunks in flight) + workspace ~%s + runtime %s = %s "
+      "activations %s (%d micro-batch chunks in flight) + workspace ~%s + runtime %s%s = %s "
       "of %s\n",
       w.stage, gib(w.params).c_str(), gib(w.grads).c_str(), gib(w.optimizer).c_str(),
       gib(w.activations).c_str(), w.peak_in_flight, gib(w.workspace).c_str(),
-      gib(m.runtime).c_str(), gib(m.total()).c_str(), gib(cl.gpu.memory).c_str());
+      gib(m.runtime).c_str(), m.slack > 0 ? (" + allocator ~" + gib(m.slack)).c_str() : "",
+      gib(m.total()).c_str(), gib(cl.gpu.memory).c_str());
   // The static part as the book writes it (Playbook §2.4, §4.1, §Mixed precision training):
   // bytes per parameter by role over ZeRO's shards.
   const Layout& l = c.layout;
@@ -394,7 +395,7 @@ CampaignVerdict judge_campaign_cell(const CampaignCell& cell, const GpuProfile& 
   v.book.layout = l;
   v.book.memory =
       predict_memory(c, l, impl, l.pp > 1 ? std::vector<int>{0, l.pp - 1} : std::vector<int>{0});
-  v.book.memory.runtime = gpu.runtime_bytes;
+  add_headroom(v.book.memory, gpu);
   v.book.time = predict_time(c, l, cl, impl);
   v.fits = v.book.memory.total() <= gpu.memory;
   return v;

@@ -452,11 +452,14 @@ TEST_CASE(
 // The book's campaign
 
 TEST_CASE(
-    "the book's campaign: the planner's memory within 25% in 20 cells, the book's layout "
-    "among its five best and its MFU within 10 points in half of them",
+    "the book's campaign: every layout that ran fits with the planner's headroom, its memory "
+    "within 15% in 22 cells, the book's layout among its five best and its MFU within 10 "
+    "points in half of them",
     "[planner]") {
   // Playbook §11.4 (tests/data/book_campaign.csv, the book's best configuration per cell of 1B,
-  // 3B, 8B and 80B on 1 to 64 nodes of 8 H100). One set of H100 constants for every cell.
+  // 3B, 8B and 80B on 1 to 64 nodes of 8 H100). One set of H100 constants for every cell. The
+  // headroom's allocator_slack is the median of these cells' own gaps (planner/profiles.cu), so
+  // the memory check holds the spread around it, not its level: 15% in 22 of 26 (24 measured).
   std::vector<CampaignCell> cells = read_campaign("tests/data/book_campaign.csv");
   REQUIRE(cells.size() == 28);
   GpuProfile h100 = gpu_profile("h100");
@@ -470,17 +473,57 @@ TEST_CASE(
     }
     ran++;
     REQUIRE(v.valid);
+    CHECK(v.fits);  // the book ran it: the headroom must not refuse it
     double gb = v.book.memory.total() / 1e9;
-    memory += std::fabs(gb - cell.memory_gb) <= 0.25 * cell.memory_gb;
+    memory += std::fabs(gb - cell.memory_gb) <= 0.15 * cell.memory_gb;
     top5 += v.rank >= 1 && v.rank <= 5;
     mfu += std::fabs(v.book.time.mfu - cell.mfu) <= 0.10;
   }
   INFO(ran << " cells ran: memory within 25% in " << memory << ", top five in " << top5
            << ", MFU within 10 points in " << mfu);
   CHECK(ran == 26);
-  CHECK(memory >= 20);
+  CHECK(memory >= 22);
   CHECK(2 * top5 >= ran);
   CHECK(2 * mfu >= ran);
+}
+
+TEST_CASE(
+    "a layout fits only with the headroom: the runtime bytes and the allocator's slack on the "
+    "worst stage's activations",
+    "[planner]") {
+  const GpuProfile h100 = gpu_profile("h100");
+  // Stage 1 holds more tensors (21 GB against 20), stage 0 more activations (10 GB against 0):
+  // with a third of its activations reserved, stage 0 is the one that needs the most.
+  RankMemory a, b;
+  a.stage = 0, a.params = 10e9, a.activations = 10e9;
+  b.stage = 1, b.params = 21e9;
+  MemoryPrediction m;
+  m.stages = {a, b}, m.worst = b;
+  add_headroom(m, h100);
+  CHECK(m.worst.stage == 0);
+  CHECK(m.slack == Approx(0.34 * 10e9).epsilon(1e-12));
+  CHECK(m.total() == Approx(20e9 + 2.0 * (1 << 30) + 0.34 * 10e9).epsilon(1e-12));
+  MemoryPrediction on_cpu;
+  on_cpu.stages = {a};
+  add_headroom(on_cpu, gpu_profile("cpu"));  // CPU ranks: no caching allocator, no context
+  CHECK(on_cpu.total() == 20e9);
+
+  // The book's large models on few nodes (§11.4): without the headroom the planner's best
+  // layouts for 8B on 4 and 8 nodes and 80B on 4 nodes filled 98% of the GPU; with it, their
+  // tensors and runtime leave the slack free (at most 90% of 80 GiB: measured 68-83%).
+  for (auto [model, nodes] :
+       std::vector<std::pair<const char*, int>>{{"book-8b", 4}, {"book-8b", 8}, {"book-80b", 4}}) {
+    SearchSpace space;
+    space.precisions = {Precision::BF16};
+    PlanResult r = plan_layouts(model_preset(model), 1 << 20, Cluster{nodes, 8, h100}, space,
+                                Implementation{});
+    INFO(model << " on " << nodes << " nodes");
+    REQUIRE(!r.ranked.empty());
+    const MemoryPrediction& best = r.ranked[0].memory;
+    CHECK(best.slack > 0);
+    CHECK(best.total() <= h100.memory);
+    CHECK(best.total() - best.slack <= 0.90 * h100.memory);
+  }
 }
 
 TEST_CASE(

@@ -388,7 +388,7 @@ int main(int argc, char** argv) {
       Candidate c;
       c.layout = l;
       c.memory = predict_memory(cfg, l, impl);
-      c.memory.runtime = gpu.runtime_bytes;
+      add_headroom(c.memory, gpu);
       c.time = predict_time(cfg, l, cl, impl);
       print_candidate(1, c, cl);
       printf("predicted step: %.6f s\n", c.time.step);
@@ -420,7 +420,8 @@ int main(int argc, char** argv) {
                          {"optimizer", c.memory.worst.optimizer},
                          {"activations", c.memory.worst.activations},
                          {"workspace", c.memory.worst.workspace},
-                         {"runtime", c.memory.runtime}}}});
+                         {"runtime", c.memory.runtime},
+                         {"allocator_slack", c.memory.slack}}}});
       }
       write_json(json_file, out);
     }
