@@ -67,9 +67,8 @@ struct GpuProfile {
   double inter_allreduce_bw = 0, inter_gather_bw = 0;
   double inter_allreduce_per_rank = 0, inter_gather_per_rank = 0;  // c, seconds per byte per rank
   double inter_alpha = 0, nic_bw = 0;
-  double compute_efficiency = 0.5;  // achievable fraction of the peak on a large step
-  double gemm_half_width = 128;     // a GEMM dimension at which its efficiency halves
-  double runtime_bytes = 0;         // the CUDA context and kernels, library workspaces
+  double gemm_half_width = 128;  // a GEMM dimension at which its efficiency halves
+  double runtime_bytes = 0;      // the CUDA context and kernels, library workspaces
   // What a caching allocator keeps reserved beyond the peak it has handed out, as a fraction of
   // the activation peak (the tensors that come and go in every size); 0 where none caches.
   double allocator_slack = 0;
@@ -172,7 +171,7 @@ struct StepTime {
   double compute = 0;    // the slowest stage's forwards and backwards (recomputation included)
   double recompute = 0;  // of which recomputation
   double bubble = 0;     // the pipeline's idle time on that stage
-  double optimizer = 0;  // AdamW on this rank's shard (memory-bound)
+  double optimizer = 0;  // once a step on this rank's shard: gradients zeroed, norm, AdamW
   std::map<std::string, double> exposed;  // per group (tp, cp, pp, dp): communication not hidden
   double step = 0;
   double tokens_per_s_per_gpu = 0, mfu = 0;

@@ -45,3 +45,20 @@ const StageShape& stage_shape(const ModelConfig& cfg, const Layout& l, int stage
 
 // MFU's peak: the format's, fp8 counted against bf16 (its attention and the rest run in bf16).
 double mfu_peak(const GpuProfile& g, Precision p);
+
+// One micro-batch on a rank of layout `l`, priced on `gpu`'s roofline from the ledger of the
+// model's own forward and backward on the meta device (compute.cu), in seconds.
+struct MicroBatchCost {
+  double block_fwd = 0, block_bwd = 0;         // one block (backward: recomputation and W in it)
+  double block_gemm = 0, block_attention = 0;  // of block_fwd: its GEMMs, its attention core
+  double block_weights = 0;                    // of block_bwd: the deferred W (under `split`)
+  double block_recompute = 0;                  // of block_bwd: what recomputation adds
+  double rest_fwd = 0, rest_bwd = 0;  // the embedding, final norm, head and loss, forward, backward
+  double rest_weights = 0;            // of rest_bwd: the deferred W (under `split`)
+  // Once a step, over parameters held whole (unsharded): the gradients zeroed, their norm and
+  // AdamW, for one block's and for the rest's (the embedding and, untied, the head).
+  double block_step = 0, rest_step = 0;
+};
+// `split`: a zero-bubble table, whose backward leaves the weight gradients to a W op.
+const MicroBatchCost& micro_batch_cost(const ModelConfig& cfg, const Layout& l,
+                                       const GpuProfile& gpu, bool split);

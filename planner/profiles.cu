@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "flash_attention.cuh"
@@ -22,8 +23,7 @@
 // of 5 us per ring step, 1/busbw = 1/B + c R + alpha R / S over R = 8 x nodes ranks fits
 // all-reduce with B = 408 GB/s and c = 4.1e-14 s/B, all-gather and reduce-scatter with B = 285
 // GB/s and c = 1.2e-13 s/B (least squares on relative error over 2..64 nodes; within 30% of
-// every point but 4 and 8 nodes' all-reduce). compute_efficiency: the fraction of the bf16 peak
-// a large step sustains (GEMMs, FlashAttention and the memory-bound rest together).
+// every point but 4 and 8 nodes' all-reduce).
 static GpuProfile h100() {
   GpuProfile g;
   g.name = "h100";
@@ -35,7 +35,7 @@ static GpuProfile h100() {
   g.inter_allreduce_per_rank = 4.1e-14, g.inter_gather_per_rank = 1.2e-13;
   g.inter_alpha = 5e-6;
   g.nic_bw = 50e9;
-  g.compute_efficiency = 0.45, g.gemm_half_width = 128;
+  g.gemm_half_width = 128;
   g.runtime_bytes = 2 * kGiB;  // the book: CUDA context and kernels 1-2 GB, plus buffers
   // What the book's campaign measured beyond what picoscale allocates (NCCL's buffers, the
   // caching allocator's reserve, the framework's own buffers), over the activation peak, whose
@@ -43,16 +43,19 @@ static GpuProfile h100() {
   // book's campaign through the real code"). A fit to the book's measurement, not a datasheet.
   g.allocator_slack = 0.34;
   g.source = "H100 SXM datasheet; busbw fitted to the book's §8.1 measurement";
-  // The roofline's constants. A wide bf16 GEMM: about 0.7 of the dense peak in public cuBLAS
-  // figures for H100 SXM (until bench_matmul measures cuBLAS on a lent GPU); attention: 0.35,
-  // FlashAttention-2's utilisation on H100 as the FlashAttention-3 paper states it (Shah et al.
-  // 2024, abstract); a streaming kernel: 0.9 of HBM bandwidth (STREAM-like copies); a launch:
-  // 3 us, the few microseconds of launch latency a kernel too small to hide it costs.
-  g.gemm_efficiency = 0.7, g.attention_efficiency = 0.35, g.stream_efficiency = 0.9;
+  // The roofline's constants (the planner's compute too: compute.cu). A bf16 GEMM: 0.6 of the
+  // dense peak, half that at a width of 128: cuBLAS on the GPU check's H200 (the H100's tensor
+  // cores) reached 0.46, 0.55 and 0.70 at llama-1b's three GEMM shapes, all 2,048 at their
+  // narrowest (tools/README.md), a mean of 0.57 = 0.6 x 2048 / (2048 + 128); public figures
+  // for wider GEMMs say 0.7. Attention: 0.35, FlashAttention-2's utilisation on H100 as the
+  // FlashAttention-3 paper states it (Shah et al. 2024, abstract); a streaming kernel: 0.9 of HBM
+  // bandwidth (STREAM-like copies); a launch: 3 us, the few microseconds of launch latency a
+  // kernel too small to hide it costs.
+  g.gemm_efficiency = 0.6, g.attention_efficiency = 0.35, g.stream_efficiency = 0.9;
   g.launch_s = 3e-6;
   g.roofline_source =
-      "GEMMs 0.7 of peak (public cuBLAS figures), attention 0.35 (FlashAttention-2 on H100, "
-      "FA3 paper), HBM x 0.9 (STREAM-like), 3 us a launch";
+      "GEMMs 0.6 of peak (cuBLAS measured on an H200 at llama-1b's shapes), attention 0.35 "
+      "(FlashAttention-2 on H100, FA3 paper), HBM x 0.9 (STREAM-like), 3 us a launch";
   return g;
 }
 
@@ -98,7 +101,7 @@ GpuProfile gpu_profile(const std::string& name) {
     g.inter_allreduce_bw = g.inter_gather_bw = g.nic_bw = 4e9;
     g.inter_alpha = 5e-6;
     // The rate is one 512^3 sgemm's on this machine: a wide GEMM of the model runs near it.
-    g.compute_efficiency = 0.95, g.gemm_half_width = 32;
+    g.gemm_half_width = 32;
     g.source = "this machine: sgemm measured now, shared-memory MPI defaults";
     // The roofline's (run_profile measures the rates): the GEMM rate is a wide sgemm's own, so
     // a wide GEMM reaches all of it; attention and memory are measured too; a call launches no
@@ -313,6 +316,35 @@ static double measured_attention_efficiency(const Context& ctx, double peak) {
   return std::min(1.0, 4 * pairs * a.hd / best / peak);
 }
 
+// The fraction of that bandwidth our own memory-bound CPU loops reach, whose arithmetic (an
+// exponential, a square root) a copy does not have: a residual add, SwiGLU's forward and AdamW
+// over 16 Mi elements, their bytes over their times (the best of 3 each).
+static double measured_stream_efficiency(const Context& ctx, double bandwidth) {
+  const int64_t n = int64_t(16) << 20;
+  std::vector<Tensor> t;
+  for (int i = 0; i < 4; i++) {
+    t.push_back(empty({n / 1024, 1024}, Mem::Workspace, ctx.device));
+    init_normal(t.back(), 1, "t" + std::to_string(i), 1.0f);
+  }
+  scale_(ctx, t[3], 0.0f);  // AdamW's v: a square root of it follows
+  auto best = [&](const std::function<void()>& op) {
+    double s = 1e30;
+    for (int i = 0; i < 3; i++) {
+      const double t0 = now_seconds();
+      op();
+      s = std::min(s, now_seconds() - t0);
+    }
+    return s;
+  };
+  const double seconds = best([&] { residual_forward(ctx, t[2], t[0], t[1]); }) +
+                         best([&] { swiglu_forward(ctx, t[2], t[0], t[1]); }) + best([&] {
+                           adamw_update(ctx, t[0].f32(), t[1].f32(), t[2].f32(), t[3].f32(), n,
+                                        AdamWConfig{}, 1e-3f, 0.1f, 1);
+                         });
+  const double bytes = 4.0 * n * (3 + 3 + 7);  // read 2 write 1; the same; read 4 write 3
+  return std::min(1.0, bytes / seconds / bandwidth);
+}
+
 GpuProfile run_profile(const Context& ctx, const std::string& flag) {
   std::string name = flag;
   if (name.empty() && ctx.device == Device::CPU) name = "cpu";
@@ -333,9 +365,10 @@ GpuProfile run_profile(const Context& ctx, const std::string& flag) {
     g.peak_fp32 = gemm_rate_for(cpu, 0.3).flops;
     g.hbm_bandwidth = measured_bandwidth();
     g.attention_efficiency = measured_attention_efficiency(cpu, g.peak_fp32);
+    g.stream_efficiency = measured_stream_efficiency(cpu, g.hbm_bandwidth);
     g.roofline_source =
-        "this machine, measured now: sgemm 512^3, 64 MiB copies, a causal "
-        "FlashAttention block of 512 tokens";
+        "this machine, measured now: sgemm 512^3, 64 MiB copies, our add, SwiGLU and AdamW "
+        "loops, a causal FlashAttention block of 512 tokens";
     cpu.destroy();
   }
   return g;

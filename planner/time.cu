@@ -72,21 +72,13 @@ double collective_time(const GpuProfile& gpu, const Placement& pl, Op op, double
   return steps * gpu.inter_alpha + factor * bytes * inverse;
 }
 
-// The efficiency of a GEMM along a dimension of `width`: it saturates the device only when wide
-// (gemm_half_width: the width at which it reaches half of the achievable rate).
-double gemm_efficiency(const GpuProfile& gpu, double width) {
-  return gpu.compute_efficiency * width / (width + gpu.gemm_half_width);
-}
-
 // simulate_pipeline (pipeline_parallel.cu) on ticks: with a device per rank its result depends
 // on the ratios of the op costs only, so layouts with the same (schedule, p, m, V) and ratios
 // share one run.
 PipelineTiming pipeline_timing(PpSchedule s, int p, int m, int V, double t_f, double t_b,
                                double t_w) {
   static std::map<std::vector<double>, PipelineTiming> cache;
-  auto round2 = [](double x) { return std::round(x * 100) / 100; };
-  std::vector<double> key = {(double)s, (double)p,         (double)m,
-                             (double)V, round2(t_b / t_f), round2(t_w / t_f)};
+  std::vector<double> key = {(double)s, (double)p, (double)m, (double)V, t_b / t_f, t_w / t_f};
   auto it = cache.find(key);
   if (it == cache.end()) {
     if (cache.size() > 20000) cache.clear();
@@ -124,22 +116,15 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
   const int m = l.grad_acc, p = l.pp, V = l.virtual_stages;
   const double T = (double)cfg.seq / l.cp, N = l.mbs * T, n = l.sp ? N / l.tp : N;
   const double D = cfg.d_model, hd = cfg.head_dim(), wire = impl.activation_wire_bytes;
-  const double gemm_peak = peak_flops(gpu, l.precision);
-  const double attn_peak = l.precision == Precision::FP32 ? gpu.peak_fp32 : gpu.peak_bf16;
-  // One block's forward on this rank: its linear layers (2 FLOPs per weight and token) and
-  // attention (QK^T and AV over the whole sequence, as the book counts them: 4 h s per token).
-  // Under a mixture of experts a token meets top_k experts of 3 D F/tp and the router's D E.
-  const double mlp_weights =
-      cfg.experts > 0 ? cfg.top_k * 3.0 * D * L.ffn + D * cfg.experts : 3.0 * D * L.ffn;
-  const double block_weights = D * hd * (2.0 * L.heads + 2.0 * L.kv_heads) + mlp_weights;
-  // A GEMM of this step is [N tokens, D] x [D, D/tp or wider]: both its token count and the
-  // width each rank keeps decide how close it comes to the achievable rate.
-  const double eff =
-      gemm_efficiency(gpu, N) * gemm_efficiency(gpu, D / l.tp) / gpu.compute_efficiency;
-  const double block_gemm = 2 * N * block_weights / (gemm_peak * eff);
-  const double block_attn = 4 * N * (L.heads * hd) * cfg.seq / (attn_peak * eff);
-  const double head_fwd = 2 * N * D * L.vocab / (gemm_peak * eff);
-  const double block_fwd = block_gemm + block_attn;
+  // Zero-bubble tables run a backward's weight gradients as an op of their own (W).
+  const bool split =
+      p > 1 && !weights_apart(pipeline_schedule(l.schedule, p, 0, std::max(m, 2 * p), V)).empty();
+  // One block's forward and backward, and the rest (embedding, head, loss), on this rank: the
+  // ledger of the model's own ops on the meta device, priced on the profile's roofline
+  // (compute.cu), as --report roofline prices a run.
+  const MicroBatchCost& cost = micro_batch_cost(cfg, l, gpu, split);
+  const double block_gemm = cost.block_gemm, block_attn = cost.block_attention;
+  const double block_fwd = cost.block_fwd, block_bwd = cost.block_bwd;
 
   // Tensor parallelism: every collective on the critical path (Playbook §5.3; picoscale's are
   // blocking). Per block, forward: 2 all-reduces of [N, D], or under sp 2 all-gathers and 2
@@ -189,17 +174,17 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
   std::vector<const StageShape*> shapes;
   for (int s : p > 1 ? std::vector<int>{0, p - 1} : std::vector<int>{0})
     shapes.push_back(&stage_shape(cfg, l, s));
-  double stage_fwd = 0, stage_bwd = 0, stage_recompute = 0, stage_tp = 0, stage_cp = 0,
-         stage_p2p = 0, stage_ep = 0;
+  double stage_fwd = 0, stage_bwd = 0, stage_weights = 0, stage_recompute = 0, stage_tp = 0,
+         stage_cp = 0, stage_p2p = 0, stage_ep = 0;
   for (const StageShape* shape : shapes) {
-    double f = 0, r = 0, tpc = 0, cpc = 0, pc = 0, epc = 0;
+    double f = 0, b = 0, w = 0, r = 0, tpc = 0, cpc = 0, pc = 0, epc = 0;
     int blocks = 0;
     for (const StageShape::Chunk& c : shape->chunks) {
       blocks += c.blocks;
-      f += c.blocks * block_fwd + (c.head ? head_fwd : 0);
-      if (l.recompute == Recompute::Full) r += c.blocks * block_fwd;
-      if (l.recompute == Recompute::Selective && l.attention == AttentionKind::Naive)
-        r += c.blocks * block_attn;
+      f += c.blocks * block_fwd + (c.head ? cost.rest_fwd : 0);
+      b += c.blocks * block_bwd + (c.head ? cost.rest_bwd : 0);
+      w += c.blocks * cost.block_weights + (c.head ? cost.rest_weights : 0);
+      r += c.blocks * cost.block_recompute;
       // The vocab-parallel embedding and head (tensor_parallel.cu): without sp the embedding's
       // forward and the head's backward add an all-reduce each, half a block's forward; under
       // sp the embedding adds a reduce-scatter (forward) and an all-gather (backward), and the
@@ -213,23 +198,23 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
       pc += (c.receives ? 2 * p2p : 0) + (c.sends ? 2 * p2p : 0);
     }
     if (impl.balanced_stages && p > 1) {  // every stage a p-th of the whole model's work
-      f = (cfg.layers * block_fwd + head_fwd) / p;
+      f = (cfg.layers * block_fwd + cost.rest_fwd) / p;
+      b = (cfg.layers * block_bwd + cost.rest_bwd) / p;
+      w = (cfg.layers * cost.block_weights + cost.rest_weights) / p;
       r = r / blocks * cfg.layers / p;
     }
-    if (3 * f + r + tpc + cpc + pc + epc >
+    if (f + b + tpc + cpc + pc + epc >
         stage_fwd + stage_bwd + stage_tp + stage_cp + stage_p2p + stage_ep) {
-      stage_fwd = f, stage_bwd = 2 * f + r, stage_recompute = r;
+      stage_fwd = f, stage_bwd = b, stage_weights = w, stage_recompute = r;
       stage_tp = tpc, stage_cp = cpc, stage_p2p = pc, stage_ep = epc;
     }
   }
   // Per op (a chunk's share): compute plus its exposed tp, cp and pp communication; the
-  // backward splits into B and W halves of its matmuls under zero-bubble tables.
+  // backward splits into B and W under zero-bubble tables (W: the deferred weight gradients).
   const double ops = (double)V;
-  const bool split =
-      p > 1 && !weights_apart(pipeline_schedule(l.schedule, p, 0, std::max(m, 2 * p), V)).empty();
   const double comm_op = (stage_tp + stage_cp + stage_p2p + stage_ep) / ops / 2;
   double t_f = stage_fwd / ops + comm_op, t_b = stage_bwd / ops + comm_op, t_w = 0;
-  if (split) t_w = stage_fwd / ops, t_b -= t_w;  // W: the weight-gradient GEMMs, 1 forward
+  if (split) t_w = stage_weights / ops, t_b -= t_w;
   const double busy = m * (stage_fwd + stage_bwd + stage_tp + stage_cp + stage_p2p + stage_ep);
   double makespan = busy;
   if (impl.mpi_sends) {
@@ -238,7 +223,7 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
     // compute plus blocking collectives, the sends moving only inside MPI (HostRanks).
     const double node_ranks = world_ranks_per_node(l, cl);
     const double node_cores = gpu.shared_capacity > 0 ? gpu.shared_capacity : node_ranks;
-    const double work_w = split ? stage_fwd / ops : 0;
+    const double work_w = split ? stage_weights / ops : 0;
     const PipelineCosts host_costs{stage_fwd / ops, stage_bwd / ops - work_w, work_w,
                                    (stage_tp + stage_cp + stage_ep) / ops / 2};
     PipelineTiming host = simulate_pipeline(p * V > 1 ? l.schedule : PpSchedule::OneFOneB, p, m, V,
@@ -272,7 +257,17 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
       const StageShape& sh = *shape;
       double shard = zero > 0 ? (double)sh.padded(Nd, 0) / Nd + sh.padded(Nd, 1) * l.ep / Nd
                               : (double)sh.num_params;
-      double o = 32 * shard / gpu.hbm_bandwidth;  // AdamW: ~32 bytes read and written per parameter
+      // Once a step: the gradients zeroed, their norm and AdamW on this rank's share (ZeRO's
+      // shard), the ledger's for the stage's blocks and its embedding or head (the probe's rest
+      // holds one such matrix when tied, two when not).
+      int blocks = 0, matrices = 0;
+      for (const StageShape::Chunk& c : sh.chunks) {
+        blocks += c.blocks;
+        matrices += c.embedding + (c.head && !(c.embedding && cfg.tie_embeddings));
+      }
+      const double whole =
+          blocks * cost.block_step + cost.rest_step * matrices / (cfg.tie_embeddings ? 1.0 : 2.0);
+      double o = whole;
       double exposed = 0;
       if (Nd > 1) {
         // The last micro-batch's backward on this stage; none on CPU ranks, where MPI moves a

@@ -128,6 +128,12 @@ void memory_reset_peak() {
   for (int i = 0; i < (int)Mem::Count; i++) g_stats.peak[i] = g_stats.current[i];
   g_stats.total_peak = g_stats.total_current;
 }
+void memory_restore_peak(const MemoryStats& before) {
+  std::lock_guard<std::mutex> lock(g_stats_mutex);
+  for (int i = 0; i < (int)Mem::Count; i++)
+    g_stats.peak[i] = std::max(before.peak[i], g_stats.current[i]);
+  g_stats.total_peak = std::max(before.total_peak, g_stats.total_current);
+}
 
 // Stream-ordered pools (cudaMallocAsync) are optional: some drivers, MIG slices and
 // virtualised GPUs report cudaDevAttrMemoryPoolsSupported = 0. Asked once per device.

@@ -128,6 +128,9 @@ struct MemoryStats {
 };
 MemoryStats memory_stats();
 void memory_reset_peak();  // peak := current, per category and in total
+// peak := `before`'s where it is higher than now (after a count apart that freed all it took,
+// such as the planner's meta runs of a layout, the peaks are as they were).
+void memory_restore_peak(const MemoryStats& before);
 struct Tensor;
 // From now on the buffer of `t` counts under `category` (the fp32 weights become "master
 // weights", optimizer state, once mixed precision keeps a half-precision copy of them).

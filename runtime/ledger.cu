@@ -58,6 +58,19 @@ void set_ledger_roofline(const Roofline& r) {
   g_priced = true;
 }
 
+LedgerApart::LedgerApart(const Roofline& r)
+    : saved_(g_ledger), roofline_(g_roofline), priced_(g_priced), scope_(g_scope) {
+  g_ledger = Ledger{};
+  g_scope = -1;
+  set_ledger_roofline(r);
+}
+LedgerApart::~LedgerApart() {
+  g_ledger = saved_;
+  g_roofline = roofline_;
+  g_priced = priced_;
+  g_scope = scope_;
+}
+
 void add_measured_time(int row, double seconds) {
   if (row >= (int)OpKind::Count) {
     g_ledger.gemm_shapes[g_shapes[row - (int)OpKind::Count]].measured_s += seconds;

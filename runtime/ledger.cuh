@@ -87,6 +87,23 @@ struct Roofline {
 // From now on every op recorded is also priced on `r` (its row's predicted_s).
 void set_ledger_roofline(const Roofline& r);
 
+// Counts apart: while it lives, ops count into a ledger of their own, priced on `r`; when it
+// ends, the process's ledger and roofline are as they were (the planner prices a layout's ops
+// so, whatever the run around it counts).
+class LedgerApart {
+ public:
+  explicit LedgerApart(const Roofline& r);
+  ~LedgerApart();
+  LedgerApart(const LedgerApart&) = delete;
+  LedgerApart& operator=(const LedgerApart&) = delete;
+
+ private:
+  Ledger saved_;
+  Roofline roofline_;
+  bool priced_;
+  int scope_;
+};
+
 // The time the clock (runtime/core.cuh, start_ledger_clock) measured for a row (as record_op
 // returned it: a GEMM's shape row adds to its shape and to the GEMM row).
 void add_measured_time(int row, double seconds);

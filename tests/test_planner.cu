@@ -487,6 +487,59 @@ TEST_CASE(
   CHECK(2 * mfu >= ran);
 }
 
+// The planner's step time and the roofline are one model: the planner runs the model's own
+// forward and backward on the meta device and prices their ledger as --report roofline prices a
+// run, so for a layout of one pipeline stage its compute plus its optimizer equal the meta run's
+// predicted ops (its communication is the planner's alpha-beta model, apart).
+TEST_CASE(
+    "the planner's compute and optimizer are the meta run's roofline, priced from the same "
+    "ledger",
+    "[planner][meta]") {
+  const GpuProfile h100 = gpu_profile("h100");
+  struct Row {
+    const char* model;
+    const char* flags;
+    Layout l;
+  };
+  auto layout = [](int dp, int tp, int cp, int zero, int mbs, int ga, Recompute r) {
+    Layout l;
+    l.dp = dp, l.tp = tp, l.cp = cp, l.zero = zero, l.mbs = mbs, l.grad_acc = ga;
+    l.recompute = r, l.sp = false;
+    return l;
+  };
+  const Recompute none = Recompute::None, full = Recompute::Full, sel = Recompute::Selective;
+  std::vector<Row> rows = {
+      {"llama-1b", "--mbs 1", layout(1, 1, 1, 0, 1, 1, none)},
+      {"llama-1b", "--tp 2 --sp --mbs 2 --grad-acc 2", layout(1, 2, 1, 0, 2, 2, none)},
+      {"llama-1b", "--cp 2 --mbs 1 --recompute full", layout(1, 1, 2, 0, 1, 1, full)},
+      {"llama-1b", "--dp 2 --zero 1 --mbs 1", layout(2, 1, 1, 1, 1, 1, none)},
+      {"llama-1b", "--dp 2 --zero 3 --mbs 1 --recompute selective", layout(2, 1, 1, 3, 1, 1, sel)},
+      {"llama-1b", "--dp 4 --zero 2 --mbs 1 --grad-acc 2", layout(4, 1, 1, 2, 1, 2, none)},
+      {"llama-1b", "--tp 2 --mbs 1 --attention naive --recompute selective",
+       layout(1, 2, 1, 0, 1, 1, sel)},
+      {"tiny-moe", "--dp 2 --ep 2 --mbs 2", layout(2, 1, 1, 0, 2, 1, none)}};
+  rows[1].l.sp = true;
+  rows[6].l.attention = AttentionKind::Naive;
+  rows[7].l.ep = 2;
+  for (const Row& row : rows) {
+    const std::string flags = std::string(row.flags) + " --dtype bf16";
+    RunResult meta = run_train(std::string("--model ") + row.model +
+                               " --device meta --steps 1 --val-every 0 --report roofline "
+                               "--gpu h100 --simulate-world " +
+                               std::to_string(row.l.world()) + " " + flags);
+    INFO(row.model << " " << flags << "\n" << meta.output);
+    REQUIRE(meta.code == 0);
+    std::smatch m;
+    REQUIRE(std::regex_search(
+        meta.output, m, std::regex("total ops +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +([0-9.]+)")));
+    const double meta_ms = std::stod(m[1]);
+    const StepTime t = predict_time(planner_model(row.model), row.l,
+                                    Cluster{1, row.l.world(), h100}, Implementation{});
+    // The report prints milliseconds to 3 decimals: equal within that rounding and 1e-5.
+    CHECK((t.compute + t.optimizer) * 1e3 == Approx(meta_ms).epsilon(1e-5).margin(1e-3));
+  }
+}
+
 TEST_CASE(
     "a layout fits only with the headroom: the runtime bytes and the allocator's slack on the "
     "worst stage's activations",
@@ -597,10 +650,12 @@ TEST_CASE(
 
 TEST_CASE(
     "the planner's 1F1B on 4 stages and 8 micro-batches idles 3/11 of the step when "
-    "communication is free, ZB-V 3/51 and DualPipeV 6/54",
+    "communication is free; ZB-V and DualPipeV idle less",
     "[planner]") {
-  // Playbook §8.4: the idle share (p-1)/(m+p-1). The planner runs the schedule's tables on
-  // paper with its predicted op times; with free links nothing else is exposed.
+  // Playbook §8.4: the idle share (p-1)/(m+p-1), whatever a forward and a backward cost, when
+  // every stage costs the same (the first stage's embedding and the last one's head aside: the
+  // 8B model's 8 blocks per stage make them a small share). The planner runs the schedule's
+  // tables on paper with its predicted op times; with free links nothing else is exposed.
   GpuProfile free_links = gpu_profile("h100");
   free_links.intra.alpha = free_links.intra.alpha_gather = free_links.intra.alpha_p2p = 0;
   free_links.intra.allreduce_bw = free_links.intra.gather_bw = free_links.intra.p2p_bw = 1e30;
@@ -608,20 +663,24 @@ TEST_CASE(
   Layout l;
   l.dp = 2, l.pp = 4, l.grad_acc = 8, l.mbs = 1, l.schedule = PpSchedule::OneFOneB;
   ModelConfig c = planner_model("llama-8b");
+  // The head's chunk (its vocabulary of 128,256) costs the last stage a few percent more than
+  // the others, which idle that much longer: 3/11 within 1%.
   StepTime t = predict_time(c, l, cl, Implementation{});
-  CHECK(t.bubble / (t.compute + t.bubble) == Approx(3.0 / 11).epsilon(1e-6));
+  CHECK(t.bubble / (t.compute + t.bubble) == Approx(3.0 / 11).epsilon(0.01));
   l.schedule = PpSchedule::AFAB;  // the same idle share, more memory
   CHECK(predict_time(c, l, cl, Implementation{}).bubble / (t.compute + t.bubble) ==
-        Approx(3.0 / 11).epsilon(1e-6));
-  // The V, two chunks per rank (a B and a W cost a forward each): ZB-V idles the paper's
-  // (p-1)/(6m+p-1) = 3/51, DualPipeV DeepSeek's 2(p-1) of 6m + 2(p-1) ticks, 6/54.
+        Approx(3.0 / 11).epsilon(0.01));
+  // The V, two chunks per rank: the papers' 3/51 (ZB-V) and 6/54 (DualPipeV) hold when F, B
+  // and W cost the same (tests/test_pipeline.cu); with the ledger's costs, unequal, they idle
+  // more than that (measured 0.091 and 0.134), and still less than 1F1B's 3/11.
   l.virtual_stages = 2;
   for (auto [s, share] :
        {std::pair{PpSchedule::ZeroBubbleV, 3.0 / 51}, {PpSchedule::DualPipeV, 6.0 / 54}}) {
     l.schedule = s;
     StepTime v = predict_time(c, l, cl, Implementation{});
     INFO(pp_schedule_name(s));
-    CHECK(v.bubble / (v.compute + v.bubble) == Approx(share).epsilon(1e-6));
+    CHECK(v.bubble / (v.compute + v.bubble) >= share);
+    CHECK(v.bubble / (v.compute + v.bubble) < 3.0 / 11);
   }
 }
 

@@ -233,7 +233,8 @@ int main(int argc, char** argv) {
   app.add_option("--inter-bw", inter, "override its between-node bus bandwidth, GB/s");
   app.add_option("--nic-bw", nic, "override each GPU's network bandwidth, GB/s");
   app.add_option("--alpha-us", alpha_us, "override every collective's latency per ring step, us");
-  app.add_option("--efficiency", efficiency, "override the achievable fraction of the peak");
+  app.add_option("--efficiency", efficiency,
+                 "override the fraction of the peak a wide GEMM reaches (the roofline's)");
   app.add_option("--comm-fit", comm_fit,
                  "the collectives' alpha and busbw bench_comm --fit measured");
   app.add_option("--layout", one_layout,
@@ -317,6 +318,8 @@ int main(int argc, char** argv) {
       const int threads = std::max(1, cores / gpus_per_node);
       openblas_set_num_threads(threads);
       Context ctx = Context::create(Device::CPU);
+      // The roofline's rates a rank reaches on its threads: memory, streaming loops, attention.
+      gpu = run_profile(ctx, "cpu");
       DevicePeak d = device_peak(ctx, Precision::FP32);
       ctx.destroy();
       // More ranks than cores: they take turns, each at its share of the measured rate.
@@ -340,7 +343,7 @@ int main(int argc, char** argv) {
     if (app.count("--alpha-us"))
       gpu.intra.alpha = gpu.intra.alpha_gather = gpu.intra.alpha_p2p = gpu.inter_alpha =
           alpha_us * 1e-6;
-    if (app.count("--efficiency")) gpu.compute_efficiency = efficiency;
+    if (app.count("--efficiency")) gpu.gemm_efficiency = efficiency;
     if (!campaign_file.empty()) return campaign(campaign_file, gpu, json_file);
 
     ModelConfig cfg = planner_model(model);
