@@ -94,7 +94,7 @@ Zero::Zero(Comm& comm, FlatParameters& model, int stage, const AdamWConfig& hp, 
     for (int u = 0; u < (int)units_.size(); u++) {
       model.bind_unit_params(u, full(model.params, u));
       Tensor init = mixed ? empty({unit(u).numel}, Mem::Workspace, d) : whole(model.params, u);
-      model.init_parameters(seed, init, unit(u).offset);
+      model.init_values(seed, init, unit(u).offset);
       if (mixed) cast_(whole(model.params, u), init);  // the initial values, rounded
     }
   }
@@ -102,8 +102,8 @@ Zero::Zero(Comm& comm, FlatParameters& model, int stage, const AdamWConfig& hp, 
     param_shard_ = zeros({S}, mixed ? Mem::Optimizer : Mem::Params, d);
     for (int u = 0; u < (int)units_.size(); u++)
       if (unit(u).valid > 0)
-        model.init_parameters(seed, mine(param_shard_, u).view(0, {unit(u).valid}),
-                              unit(u).offset + unit(u).first());
+        model.init_values(seed, mine(param_shard_, u).view(0, {unit(u).valid}),
+                          unit(u).offset + unit(u).first());
   }
   if (shard_weights_ && mixed) {  // the shard in the format it is gathered in
     compute_shard_ = empty({S}, Mem::Params, d, weight_format_);

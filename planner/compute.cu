@@ -14,10 +14,10 @@
 #include "expert_parallel.cuh"
 #include "mixed_precision.cuh"
 #include "model.cuh"
-#include "zero.cuh"
 #include "planner/planner_internal.cuh"
 #include "runtime/ledger.cuh"
 #include "tensor_parallel.cuh"
+#include "zero.cuh"
 
 namespace {
 
@@ -51,8 +51,8 @@ Ledger since(const Ledger& before) {
 }
 
 // The gradient sync ./train runs for `l`: ZeRO-k over dp_cp, or plain data parallelism.
-std::unique_ptr<GradientSync> gradient_sync(Comm& comm, Model& model, Context& ctx,
-                                            const Layout& l, const PrecisionPolicy& precision) {
+std::unique_ptr<GradientSync> gradient_sync(Comm& comm, Model& model, Context& ctx, const Layout& l,
+                                            const PrecisionPolicy& precision) {
   if (l.zero > 0 && l.dp * l.cp > 1)
     return std::make_unique<Zero>(comm, model, l.zero, AdamWConfig{}, 0.1f, 1, true, precision);
   return std::make_unique<DataParallel>(comm, model, ctx, DataParallelOptions{}, AdamWConfig{},
@@ -109,18 +109,38 @@ Pass run_pass(ModelConfig cfg, const Layout& l, int blocks, Recompute mode, bool
 
 }  // namespace
 
-const MicroBatchCost& micro_batch_cost(const ModelConfig& cfg, const Layout& l,
+const MicroBatchCost& micro_batch_cost(const ModelConfig& cfg, const Layout& layout,
                                        const GpuProfile& gpu, bool split) {
   const Roofline roof = roofline_of(gpu);
+  // The dp ranks change a rank's ops only through ZeRO's shards (and the ep ranks among them).
+  Layout l = layout;
+  if (!(l.zero > 0 && l.dp * l.cp > 1)) l.dp = cfg.experts > 0 ? l.ep : 1;
   // Everything the ops of one micro-batch depend on; a search asks for few of them many times.
   using Key = std::tuple<std::vector<double>, std::vector<int>>;
   static std::map<Key, MicroBatchCost> remembered;
   Key key{{roof.peak[0], roof.peak[1], roof.peak[2], roof.gemm_efficiency, roof.gemm_half_width,
            roof.attention_efficiency, roof.bandwidth, roof.stream_efficiency, roof.launch_s},
-          {cfg.d_model, cfg.heads, cfg.kv_heads, cfg.ffn, cfg.vocab, cfg.seq, cfg.experts,
-           cfg.top_k, cfg.tie_embeddings, l.dp, l.zero, l.tp, l.sp, l.cp,
-           cfg.experts > 0 ? l.ep : 1, l.mbs,
-           (int)l.precision, l.bf16_grads, (int)l.recompute, (int)l.attention, split}};
+          {cfg.d_model,
+           cfg.heads,
+           cfg.kv_heads,
+           cfg.ffn,
+           cfg.vocab,
+           cfg.seq,
+           cfg.experts,
+           cfg.top_k,
+           cfg.tie_embeddings,
+           l.dp,
+           l.zero,
+           l.tp,
+           l.sp,
+           l.cp,
+           cfg.experts > 0 ? l.ep : 1,
+           l.mbs,
+           (int)l.precision,
+           l.bf16_grads,
+           (int)l.recompute,
+           (int)l.attention,
+           split}};
   auto found = remembered.find(key);
   if (found != remembered.end()) return found->second;
 
@@ -144,9 +164,8 @@ const MicroBatchCost& micro_batch_cost(const ModelConfig& cfg, const Layout& l,
     if (l.recompute != Recompute::None) {  // what recomputation adds to a block's backward
       const Pass a = run_pass(cfg, l, 1, Recompute::None, split);
       const Pass b = run_pass(cfg, l, 2, Recompute::None, split);
-      c.block_recompute =
-          c.block_bwd - (seconds(b.backward) + seconds(b.weights) - seconds(a.backward) -
-                         seconds(a.weights));
+      c.block_recompute = c.block_bwd - (seconds(b.backward) + seconds(b.weights) -
+                                         seconds(a.backward) - seconds(a.weights));
     }
   }
   memory_restore_peak(memory);

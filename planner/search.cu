@@ -241,11 +241,10 @@ void print_plan(const PlanResult& r, const ModelConfig& cfg, int64_t global_toke
       g.inter_allreduce_per_rank, g.inter_gather_per_rank, g.nic_bw / 1e9, g.intra.alpha * 1e6,
       g.inter_alpha * 1e6);
   printf(
-      "compute: the ledger of the model's own ops on the meta device, priced on the roofline "
-      "(%s): GEMMs %.0f%% of peak, half of that at width %.0f; attention %.0f%%; memory x %.2f; "
-      "%.1f us a launch\n",
-      g.roofline_source.c_str(), 100 * g.gemm_efficiency, g.gemm_half_width,
-      100 * g.attention_efficiency, g.stream_efficiency, g.launch_s * 1e6);
+      "compute: the model's own ops on the meta device, priced on the %s roofline (GEMMs %.0f%% "
+      "of peak, half of that at width %.0f; attention %.0f%%; memory x %.2f; %.1f us a launch)\n",
+      g.name.c_str(), 100 * g.gemm_efficiency, g.gemm_half_width, 100 * g.attention_efficiency,
+      g.stream_efficiency, g.launch_s * 1e6);
   printf("activations: %s\n",
          impl.activations == ActivationFormula::Llama
              ? "picoscale's Llama (model.cu: RMSNorm, SwiGLU, grouped-query heads, fp32 residual "

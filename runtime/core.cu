@@ -559,8 +559,8 @@ static void init_on_device(const Tensor& t, uint64_t key, int64_t offset, bool n
 }
 void init_normal(const Tensor& t, uint64_t seed, const std::string& name, float std,
                  int64_t offset) {
-  uint64_t key = rng_key(seed, name);
   if (t.device == Device::Meta) return;
+  uint64_t key = rng_key(seed, name);
   if (t.device == Device::CUDA) return init_on_device(t, key, offset, true, std, 0.0f);
   std::vector<float> host(t.numel());
   for (int64_t i = 0; i < t.numel(); i++) host[i] = (float)(std * rng_normal(key, offset + i));
@@ -568,8 +568,8 @@ void init_normal(const Tensor& t, uint64_t seed, const std::string& name, float 
 }
 void init_uniform(const Tensor& t, uint64_t seed, const std::string& name, float lo, float hi,
                   int64_t offset) {
-  uint64_t key = rng_key(seed, name);
   if (t.device == Device::Meta) return;
+  uint64_t key = rng_key(seed, name);
   if (t.device == Device::CUDA) return init_on_device(t, key, offset, false, lo, hi);
   std::vector<float> host(t.numel());
   for (int64_t i = 0; i < t.numel(); i++)

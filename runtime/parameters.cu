@@ -19,7 +19,7 @@ void allocate_flat(FlatParameters& p, Device device, uint64_t seed, DType grad_d
     p.bind_unit_params(u, p.params.view(unit.offset, {unit.numel}));
     if (grad_dtype == DType::F32) p.bind_unit_grads(u, p.grads.view(unit.offset, {unit.numel}));
   }
-  p.init_parameters(seed, p.params, 0);
+  p.init_values(seed, p.params, 0);
 }
 
 // ----------------------------------------------------------------------------

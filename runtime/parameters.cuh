@@ -66,6 +66,10 @@ struct FlatParameters {
   virtual void bind_unit_grads(int u, const Tensor& base) = 0;
   // out[k] := flat element first + k of the initial parameters: any slice, layout-free.
   virtual void init_parameters(uint64_t seed, const Tensor& out, int64_t first) const = 0;
+  // The same, where there are values to draw: nothing on the meta device.
+  void init_values(uint64_t seed, const Tensor& out, int64_t first) const {
+    if (out.device != Device::Meta) init_parameters(seed, out, first);
+  }
   // Units whose weights unit u reads in its forward (backward: false) or backward, and whose
   // gradients its backward writes: its own, and what a tied LM head shares with the embedding.
   virtual std::vector<int> weights_read(int u, bool backward) const = 0;
