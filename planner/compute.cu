@@ -5,6 +5,7 @@
 // difference is a block's, the rest is the embedding's, the final norm's, the head's and the
 // loss's. So the planner's step time and the roofline are one model: the same ops, the same
 // prices. Communication is the planner's own (time.cu): a simulated rank exchanges nothing.
+// The guide: docs/planner.md ("How it predicts").
 #include <map>
 #include <memory>
 #include <tuple>
