@@ -255,8 +255,6 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
     double worst = 0, worst_opt = 0;
     for (const StageShape* shape : shapes) {
       const StageShape& sh = *shape;
-      double shard = zero > 0 ? (double)sh.padded(Nd, 0) / Nd + sh.padded(Nd, 1) * l.ep / Nd
-                              : (double)sh.num_params;
       // Once a step: the gradients zeroed, their norm and AdamW on this rank's share (ZeRO's
       // shard), the ledger's for the stage's blocks and its embedding or head (the probe's rest
       // holds one such matrix when tied, two when not).
@@ -265,9 +263,8 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
         blocks += c.blocks;
         matrices += c.embedding + (c.head && !(c.embedding && cfg.tie_embeddings));
       }
-      const double whole =
+      const double o =
           blocks * cost.block_step + cost.rest_step * matrices / (cfg.tie_embeddings ? 1.0 : 2.0);
-      double o = whole;
       double exposed = 0;
       if (Nd > 1) {
         // The last micro-batch's backward on this stage; none on CPU ranks, where MPI moves a
