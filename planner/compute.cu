@@ -38,17 +38,11 @@ double seconds(const Ledger& l, OpKind kind) {
   return l.rows[(int)kind].predicted_s;
 }
 
-// What the ledger counted since `before`.
-Ledger since(const Ledger& before) {
-  Ledger now = ledger(), d;
-  for (int k = 0; k < (int)OpKind::Count; k++) {
-    const LedgerRow &a = now.rows[k], &b = before.rows[k];
-    LedgerRow& r = d.rows[k];
-    r.calls = a.calls - b.calls, r.launches = a.launches - b.launches;
-    r.flops = a.flops - b.flops, r.read = a.read - b.read, r.written = a.written - b.written;
-    r.predicted_s = a.predicted_s - b.predicted_s;
-  }
-  return d;
+// Adds to `into` what the ledger counted since `before`.
+void count_since(Ledger& into, const Ledger& before) {
+  const Ledger now = ledger();
+  for (int k = 0; k < (int)OpKind::Count; k++)
+    add_difference(into.rows[k], before.rows[k], now.rows[k]);
 }
 
 // The gradient sync ./train runs for `l`: ZeRO-k over dp_cp, or plain data parallelism.
@@ -80,28 +74,25 @@ Pass run_pass(ModelConfig cfg, const Layout& l, int blocks, Recompute mode, bool
     GradientSync& sync = *owned;
     Ledger at = ledger();
     sync.begin_step(ctx);
-    pass.step = since(at);
+    count_since(pass.step, at);
     const int T = cfg.seq / l.cp;
     std::vector<int32_t> ids((size_t)l.mbs * T, 0);
     Activations acts;
     UnitHooks hooks = sync.hooks(ctx, false);  // not the last micro-batch: nothing to send
     at = ledger();
     stage_forward(ctx, model, acts, ids.data(), {}, ids.data(), l.mbs, T, mode, hooks);
-    pass.forward = since(at);
+    count_since(pass.forward, at);
     at = ledger();
     DeferredGrads deferred;
     stage_backward(ctx, model, acts, 1.0f, {}, mode, hooks, 0, split ? &deferred : nullptr);
-    pass.backward = since(at);
+    count_since(pass.backward, at);
     at = ledger();
     for (const DeferredGrad& w : deferred) w.run();
-    pass.weights = since(at);
+    count_since(pass.weights, at);
     at = ledger();
     sync.clip_grad_norm(ctx, 1.0f);
     sync.step(ctx, 1e-3f);
-    const Ledger optimizer = since(at);
-    for (int k = 0; k < (int)OpKind::Count; k++) {
-      pass.step.rows[k].predicted_s += optimizer.rows[k].predicted_s;
-    }
+    count_since(pass.step, at);
   }
   ctx.destroy();
   comm_destroy(comm);

@@ -43,6 +43,18 @@ struct StageShape {
 // Remembered: a search asks for the same few stages many times (memory.cu).
 const StageShape& stage_shape(const ModelConfig& cfg, const Layout& l, int stage);
 
+// sum += b - a, row by row: what the ledger counted between two of its readings (roofline.cu's
+// steps, compute.cu's passes).
+inline void add_difference(LedgerRow& sum, const LedgerRow& a, const LedgerRow& b) {
+  sum.calls += b.calls - a.calls;
+  sum.launches += b.launches - a.launches;
+  sum.flops += b.flops - a.flops;
+  sum.read += b.read - a.read;
+  sum.written += b.written - a.written;
+  sum.predicted_s += b.predicted_s - a.predicted_s;
+  sum.measured_s += b.measured_s - a.measured_s;
+}
+
 // MFU's peak: the format's, fp8 counted against bf16 (its attention and the rest run in bf16).
 double mfu_peak(const GpuProfile& g, Precision p);
 

@@ -103,16 +103,6 @@ double RooflineMeter::group_seconds(const Group& g, const CollStats* delta) cons
 }
 
 // sum += b - a: what one row counted between two readings of the ledger.
-static void add_difference(LedgerRow& sum, const LedgerRow& a, const LedgerRow& b) {
-  sum.calls += b.calls - a.calls;
-  sum.launches += b.launches - a.launches;
-  sum.flops += b.flops - a.flops;
-  sum.read += b.read - a.read;
-  sum.written += b.written - a.written;
-  sum.predicted_s += b.predicted_s - a.predicted_s;
-  sum.measured_s += b.measured_s - a.measured_s;
-}
-
 void RooflineMeter::end(StepPart p) {
   if (p != StepPart::Step) return;
   mark_ledger_clock();
