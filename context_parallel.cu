@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "context_parallel.cuh"
+#include "runtime/dtype.cuh"
 #include "runtime/ops.cuh"
 #include "runtime/options.cuh"
 #include "runtime/report.cuh"
@@ -301,8 +302,11 @@ void ContextParallelAttention::forward(const Context& ctx, const AttentionShape&
                                        const Tensor& out, AttentionSaved& saved, const Tensor& q,
                                        const Tensor& k, const Tensor& v) const {
   saved.lse = empty(ctx, {s.B, s.Hq, s.T}, Mem::Activations);
-  context_attention_forward(ctx, cp_, out, saved.lse, q, k, v, s.B, s.T * cp_.size(), s.Hq, s.Hkv,
-                            s.hd, work);
+  Tensor o = attention_output_fp32(ctx, out);  // the ring merges in fp32 (flash_attention.cuh)
+  context_attention_forward(ctx, cp_, o, saved.lse, cast_to(ctx, q, DType::F32),
+                            cast_to(ctx, k, DType::F32), cast_to(ctx, v, DType::F32), s.B,
+                            s.T * cp_.size(), s.Hq, s.Hkv, s.hd, work);
+  attention_store_output(ctx, out, o);
 }
 
 void ContextParallelAttention::backward(const Context& ctx, const AttentionShape& s,
@@ -310,7 +314,9 @@ void ContextParallelAttention::backward(const Context& ctx, const AttentionShape
                                         const Tensor& dout, const Tensor& out,
                                         AttentionSaved& saved, const Tensor& q, const Tensor& k,
                                         const Tensor& v) const {
-  context_attention_backward(ctx, cp_, dq, dk, dv, dout, out, saved.lse, q, k, v, s.B,
+  context_attention_backward(ctx, cp_, dq, dk, dv, cast_to(ctx, dout, DType::F32),
+                             cast_to(ctx, out, DType::F32), saved.lse, cast_to(ctx, q, DType::F32),
+                             cast_to(ctx, k, DType::F32), cast_to(ctx, v, DType::F32), s.B,
                              s.T * cp_.size(), s.Hq, s.Hkv, s.hd);
 }
 

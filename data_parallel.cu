@@ -369,7 +369,7 @@ double DataParallel::finish(const Context& ctx) {
 
 void DataParallel::step(const Context& ctx, float lr) {
   adamw_.steps++;
-  for (const ParamSlice& s : slices_) adamw_.update(ctx, s, lr, pending_scale_);  // and copies
+  adamw_.update(ctx, slices_.data(), slices_.size(), lr, pending_scale_);  // and the copies
 }
 
 int64_t DataParallel::master_bytes() const {

@@ -349,11 +349,17 @@ class FlashAttention : public AttentionCore {
                const Tensor& v) const override {
     saved.lse = empty(ctx, {s.B, s.Hq, s.T}, Mem::Activations);
     const AttentionBlock a = whole_block(s);
-    if (!on_tensor_cores(ctx, s)) return flash_attention_forward(ctx, out, saved.lse, q, k, v, a);
-    Tensor o = empty(ctx, out.shape, Mem::Workspace, DType::BF16);
+    if (!on_tensor_cores(ctx, s)) {
+      Tensor o = attention_output_fp32(ctx, out);
+      flash_attention_forward(ctx, o, saved.lse, cast_to(ctx, q, DType::F32),
+                              cast_to(ctx, k, DType::F32), cast_to(ctx, v, DType::F32), a);
+      return attention_store_output(ctx, out, o);
+    }
+    // The kernels read and write bf16: out itself when it is stored so.
+    Tensor o = out.dtype == DType::BF16 ? out : empty(ctx, out.shape, Mem::Workspace, DType::BF16);
     flash_attention_forward_bf16(ctx, bf16_ptr(o), saved.lse.f32(), bf16_ptr(in_bf16(ctx, q)),
                                  bf16_ptr(in_bf16(ctx, k)), bf16_ptr(in_bf16(ctx, v)), a);
-    cast_(ctx, out, o);
+    attention_store_output(ctx, out, o);
   }
   // D = rowsum(dO * O) once, then dq, dk, dv (+=) from zero.
   void backward(const Context& ctx, const AttentionShape& s, const Tensor& dq, const Tensor& dk,
@@ -362,9 +368,12 @@ class FlashAttention : public AttentionCore {
     const AttentionBlock a = whole_block(s);
     Tensor D = empty(ctx, {s.B, s.Hq, s.T}, Mem::Workspace);
     if (!on_tensor_cores(ctx, s)) {
-      attention_out_dot_dout(ctx, D, dout, out, a);
+      Tensor d_out = cast_to(ctx, dout, DType::F32);
+      attention_out_dot_dout(ctx, D, d_out, cast_to(ctx, out, DType::F32), a);
       zero_(ctx, dq), zero_(ctx, dk), zero_(ctx, dv);
-      return flash_attention_backward(ctx, dq, dk, dv, dout, q, k, v, saved.lse, D, a);
+      return flash_attention_backward(ctx, dq, dk, dv, d_out, cast_to(ctx, q, DType::F32),
+                                      cast_to(ctx, k, DType::F32), cast_to(ctx, v, DType::F32),
+                                      saved.lse, D, a);
     }
     Tensor d_out = in_bf16(ctx, dout);
     attention_out_dot_dout_bf16(ctx, D.f32(), bf16_ptr(d_out), bf16_ptr(in_bf16(ctx, out)), a);
@@ -386,13 +395,18 @@ class FlashAttention : public AttentionCore {
     return gpu_path(ctx.device) && output_dtype(ctx.precision) == DType::BF16 &&
            (s.hd == 16 || s.hd == 32 || s.hd == 64 || s.hd == 128);
   }
-  static Tensor in_bf16(const Context& ctx, const Tensor& t) {
-    Tensor h = empty(ctx, t.shape, Mem::Workspace, DType::BF16);
-    cast_(ctx, h, t);
-    return h;
+  static Tensor in_bf16(const Context& ctx, const Tensor& t) {  // t itself when stored so
+    return cast_to(ctx, t, DType::BF16, Mem::Workspace);
   }
   static __nv_bfloat16* bf16_ptr(const Tensor& t) { return (__nv_bfloat16*)t.ptr; }
 };
+
+Tensor attention_output_fp32(const Context& ctx, const Tensor& out) {
+  return out.dtype == DType::F32 ? out : empty(ctx, out.shape, Mem::Workspace);
+}
+void attention_store_output(const Context& ctx, const Tensor& out, const Tensor& written) {
+  if (written.ptr != out.ptr) cast_(ctx, out, written);
+}
 
 std::shared_ptr<const AttentionCore> local_attention(AttentionKind kind) {
   switch (kind) {

@@ -69,6 +69,14 @@ class AttentionCore {
   virtual std::unique_ptr<StepMeter> meter(Comm&) const { return nullptr; }
 };
 
+// Under --dtype bf16 and fp16 the block hands its core q, k and v (and in the backward out and
+// dout) in the compute format they are stored in, and an out in that format to write; dq, dk
+// and dv are fp32. A core that computes in fp32 reads its inputs widened (cast_to F32: exact,
+// the tensor itself when fp32) and writes out through attention_output_fp32, an fp32
+// workspace that attention_store_output rounds into out once.
+Tensor attention_output_fp32(const Context& ctx, const Tensor& out);
+void attention_store_output(const Context& ctx, const Tensor& out, const Tensor& written);
+
 // The attention that runs on one rank's whole sequences: naive or flash (--attention).
 enum class AttentionKind { Naive, Flash };
 AttentionKind parse_attention(const std::string& flag);  // naive|flash, else UsageError

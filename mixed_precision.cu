@@ -96,7 +96,8 @@ void round_(const Context& ctx, const Tensor& x, DType format, bool backward) {
 // ============================================================================
 
 void round_to_compute(const Context& ctx, const Tensor& x) {
-  if (ctx.precision != Precision::FP32) round_(ctx, x, output_dtype(ctx.precision));
+  if (ctx.precision != Precision::FP32 && x.dtype == DType::F32)
+    round_(ctx, x, output_dtype(ctx.precision));
 }
 
 void output_in_compute_format(const Context& ctx, Tensor& x, Mem category) {
@@ -148,7 +149,7 @@ Tensor compute_weight(const Context& ctx, const Tensor& W) {
   return wide;
 }
 
-Tensor lookup_table(const Context& ctx, const Tensor& W) {
+Tensor stored_weight(const Context& ctx, const Tensor& W) {
   Tensor half = ctx.precision == Precision::FP32 ? Tensor{} : weight_as_stored(ctx, W);
   return half.defined() ? half : compute_weight(ctx, W);
 }
@@ -228,20 +229,20 @@ void low_precision_linear_backward(const Context& ctx, const Tensor& dx, const T
                                    bool accumulate_dx) {
   const int T = (int)x.size(0), in = (int)x.size(-1), out = (int)W.size(0);
   Tensor dyq = gemm_operand(ctx, dy, Operand::Gradient);
-  if (dx.defined()) {  // dx[T, in] = dy[T, out] @ W[out, in], stored rounded
+  if (dx.defined()) {  // dx[T, in] (+)= dy[T, out] @ W[out, in], stored rounded
     const float beta = accumulate_dx ? 1.0f : 0.0f;
-    PICO_ASSERT(dx.dtype == DType::F32 || !accumulate_dx,
-                "an input gradient stored in 16 bits is written, never summed into");
     if (!fp8_on_gpu(ctx) ||
         !fp8_gemm(ctx, dx.reshape({T, in}), {dy.reshape({T, out}), DType::F8E5M2, Fp8Tiles::Row128},
                   {gemm_operand(ctx, W, Operand::Weight, Fp8Tiling::None), DType::F8E4M3,
                    Fp8Tiles::Block128, true},
                   beta)) {
       Tensor wq = gemm_operand(ctx, W, Operand::Weight);
-      // A dx stored in the compute format (SwiGLU's output gradient) takes the sums rounded, as
-      // a y does in the forward; on the CPU from a workspace, counted.
+      // A dx stored in the compute format (SwiGLU's output gradient, a norm's) takes the sums
+      // rounded, as a y does in the forward (added in fp32 to what it held when accumulated);
+      // on the CPU from a workspace, counted.
       const bool direct = dx.dtype == DType::F32 || dyq.dtype != DType::F32;
       Tensor sums = direct ? dx : empty(ctx, dx.shape, Mem::Workspace);
+      if (!direct && accumulate_dx) cast_(ctx, sums, dx);
       operand_gemm(ctx, false, false, T, in, out, dyq, out, wq, in, beta, sums, in);
       if (!direct) cast_gradient_(ctx, dx, sums);
     }

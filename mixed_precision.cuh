@@ -31,8 +31,9 @@
 // `backward` says which rounding statistics count it (CPU only; see RoundingStats).
 void round_(const Context& ctx, const Tensor& x, DType format, bool backward = false);
 
-// x rounded to the compute format in place, on ctx's stream; nothing under fp32. What the block
-// applies to the values attention reads and writes (RoPE's q and k, attention's output).
+// x rounded to the compute format in place, on ctx's stream; nothing under fp32, nor for an x
+// stored in that format already. What the block applies to RoPE's q and k under fp8 (bf16
+// values on fp32 storage); under bf16 and fp16 they are stored so.
 void round_to_compute(const Context& ctx, const Tensor& x);
 // An output (attention's, as a GEMM's is) in the compute format: stored in it under bf16 and
 // fp16 (runtime/dtype.cuh's to_compute_format), rounded in place under fp8 (bf16 values on the
@@ -86,9 +87,10 @@ void refresh_compute_copies(const Context& ctx);
 // copy, or W rounded (ZeRO-3's gathered fp32 weights). So every op reads what a model held in
 // bf16 reads (as Megatron's --bf16 models do), and every layout reads the same numbers.
 Tensor compute_weight(const Context& ctx, const Tensor& W);
-// The embedding's table as its lookup reads it: W in the compute format as stored (W itself or
-// its kept copy; the lookup widens only the rows it reads), else compute_weight(W).
-Tensor lookup_table(const Context& ctx, const Tensor& W);
+// A weight as an op that widens what it reads takes it (the embedding's lookup, RMSNorm): W in
+// the compute format as stored (W itself or its kept copy), else compute_weight(W). The same
+// values, without a widened copy.
+Tensor stored_weight(const Context& ctx, const Tensor& W);
 
 // Dynamic loss scaling for fp16 (Micikevicius et al., "Mixed Precision Training"): the loss,
 // hence every gradient, is multiplied by `scale` so that small gradients stay above fp16's

@@ -253,8 +253,10 @@ static Tensor work(std::vector<int64_t> shape, const Context& c) {
 
 // The attention core (DESIGN 6, "Attention"): the model's one AttentionCore, naive, flash or
 // ring (flash_attention.cuh), chosen when the model was built. Under mixed precision attention
-// reads q, k and v in the compute format and stores its output in it (v, a linear output,
-// already is; RoPE's q and k are rounded here), as a model trained in bf16 does.
+// reads q, k and v in the compute format and writes its output in it, as a model trained in
+// bf16 does: under bf16 and fp16 they are stored so from the GEMMs that make them through RoPE
+// (rounded once as each writes them), and its output is; under fp8 (fp32 storage) RoPE's q and
+// k and the output are rounded here.
 static AttentionShape attention_shape(const Model& m, int B, int T) {
   return {B, T, m.tp.local.heads, m.tp.local.kv_heads, m.cfg.head_dim()};
 }
@@ -266,7 +268,7 @@ static void attention_core_forward(const Context& ctx, const Model& m, BlockActi
                                    int T) {
   const LocalDims& L = m.tp.local;
   int64_t N = (int64_t)B * T, hd = m.cfg.head_dim();
-  a.attn = act({N, L.heads * hd}, ctx);
+  a.attn = empty_in_compute_format(ctx, {N, L.heads * hd}, Mem::Activations);
   round_to_compute(ctx, a.q), round_to_compute(ctx, a.k);
   LedgerScope scope(OpKind::Attention);  // whatever the core runs (the ledger's attention row)
   m.attention->forward(ctx, attention_shape(m, B, T), heads(a.attn, L.heads, hd), a.saved,
@@ -299,29 +301,30 @@ static void block_forward(const Context& ctx, const Model& m, const BlockWeights
   // Attention: x_mid = x + o(attn(rope(q(n1)), rope(k(n1)), v(n1))), n1 = rmsnorm(x)
   // The norms' outputs are read by linear layers only: written in the compute format.
   a.norm1 = empty_in_compute_format(ctx, {n, D}, Mem::Activations), a.rstd1 = act({n}, ctx);
-  rmsnorm_forward(ctx, a.norm1, a.rstd1, a.x, compute_weight(ctx, w.attn_norm), c.norm_eps);
-  a.q = act({N, L.heads * hd}, ctx);
-  a.k = act({N, L.kv_heads * hd}, ctx), a.v = act({N, L.kv_heads * hd}, ctx);
+  rmsnorm_forward(ctx, a.norm1, a.rstd1, a.x, stored_weight(ctx, w.attn_norm), c.norm_eps);
+  a.q = empty_in_compute_format(ctx, {N, L.heads * hd}, Mem::Activations);
+  a.k = empty_in_compute_format(ctx, {N, L.kv_heads * hd}, Mem::Activations);
+  a.v = empty_in_compute_format(ctx, {N, L.kv_heads * hd}, Mem::Activations);
   column_parallel_forward(m.tp, ctx, a.norm1, {{a.q, w.wq}, {a.k, w.wk}, {a.v, w.wv}});
   rope_forward(ctx, a.q.reshape({N, L.heads, hd}), positions, c.rope_theta);
   rope_forward(ctx, a.k.reshape({N, L.kv_heads, hd}), positions, c.rope_theta);
   attention_core_forward(ctx, m, a, B, T);
-  Tensor out = work({n, D}, ctx);
+  Tensor out = tp_region_output(m.tp, ctx, n, D);
   row_parallel_forward(m.tp, ctx, out, a.attn, w.wo);
   a.x_mid = act({n, D}, ctx);
   residual_forward(ctx, a.x_mid, a.x, out);
+  out = Tensor();  // the MLP writes an output of its own
 
   // MLP: x_out = x_mid + mlp(n2), n2 = rmsnorm(x_mid)
   a.norm2 = empty_in_compute_format(ctx, {n, D}, Mem::Activations), a.rstd2 = act({n}, ctx);
-  rmsnorm_forward(ctx, a.norm2, a.rstd2, a.x_mid, compute_weight(ctx, w.mlp_norm), c.norm_eps);
-  m.mlp->forward(ctx, m, layer, w, a, a.norm2, out, carry);
-  residual_forward(ctx, x_out, a.x_mid, out);
+  rmsnorm_forward(ctx, a.norm2, a.rstd2, a.x_mid, stored_weight(ctx, w.mlp_norm), c.norm_eps);
+  residual_forward(ctx, x_out, a.x_mid, m.mlp->forward(ctx, m, layer, w, a, a.norm2, carry));
 }
 
 // The dense MLP: down(swiglu(gate(x), up(x))), column- then row-parallel (Playbook §5.2).
 struct DenseMlp : FeedForward {
-  void forward(const Context& ctx, const Model& m, int, const BlockWeights& w, BlockActivations& a,
-               const Tensor& x, const Tensor& out, std::vector<float>*) const override {
+  Tensor forward(const Context& ctx, const Model& m, int, const BlockWeights& w,
+                 BlockActivations& a, const Tensor& x, std::vector<float>*) const override {
     int64_t N = (int64_t)x.size(0) * (m.tp.sp ? m.tp.size() : 1), F = m.tp.local.ffn;
     // Under bf16 and fp16 the GEMMs write gate and up in that format and SwiGLU reads and
     // writes it: the [N, F] tensors, the block's largest, are never fp32.
@@ -330,12 +333,15 @@ struct DenseMlp : FeedForward {
     a.act = empty_in_compute_format(ctx, {N, F}, Mem::Activations);
     column_parallel_forward(m.tp, ctx, x, {{a.gate, w.w_gate}, {a.up, w.w_up}});
     swiglu_forward(ctx, a.act, a.gate, a.up);
+    Tensor out = tp_region_output(m.tp, ctx, x.size(0), x.size(1));
     row_parallel_forward(m.tp, ctx, out, a.act, w.w_down);
+    return out;
   }
-  void backward(const Context& ctx, const Model& m, const BlockWeights& w, const BlockWeights& g,
-                BlockActivations& a, const Tensor& x, const Tensor& dout, const Tensor& dx,
-                const std::vector<float>&, float, DeferredGrads* deferred) const override {
+  Tensor backward(const Context& ctx, const Model& m, const BlockWeights& w, const BlockWeights& g,
+                  BlockActivations& a, const Tensor& x, const Tensor& dout,
+                  const std::vector<float>&, float, DeferredGrads* deferred) const override {
     int64_t N = a.gate.size(0), F = m.tp.local.ffn;
+    Tensor dx = tp_region_output(m.tp, ctx, x.size(0), x.size(1));
     // Under bf16 and fp16 the three gradients too are stored in that format: each is read by
     // GEMMs or SwiGLU only, which round it once as they write it.
     Tensor d_act = empty_in_compute_format(ctx, {N, F}, Mem::Workspace);
@@ -345,6 +351,7 @@ struct DenseMlp : FeedForward {
     swiglu_backward(ctx, d_gate, d_up, d_act, a.gate, a.up);
     column_parallel_backward(m.tp, ctx, dx, x,
                              {{d_gate, w.w_gate, g.w_gate}, {d_up, w.w_up, g.w_up}}, deferred);
+    return dx;
   }
   int64_t saved_bytes(const ModelConfig& c, int64_t N, int tp, int e) const override {
     return e * N * 3 * (c.ffn / tp);  // gate, up, act
@@ -353,19 +360,22 @@ struct DenseMlp : FeedForward {
 // A mixture of experts (expert_parallel.cu) over the model's ep and tp groups; under a
 // zero-bubble schedule its experts' and router's weight gradients wait for the W op too.
 struct MixtureMlp : FeedForward {
-  void forward(const Context& ctx, const Model& m, int layer, const BlockWeights& w,
-               BlockActivations& a, const Tensor& x, const Tensor& out,
-               std::vector<float>* carry) const override {
-    // The router and the dispatch read the input in fp32.
+  Tensor forward(const Context& ctx, const Model& m, int layer, const BlockWeights& w,
+                 BlockActivations& a, const Tensor& x, std::vector<float>* carry) const override {
+    // The router and the dispatch read the input in fp32, and the combine writes fp32.
+    Tensor out = work(x.shape, ctx);
     moe_forward(m.ep, m.tp, m.cfg, ctx, w.moe, a.moe, cast_to(ctx, x, DType::F32), out, layer,
                 carry);
+    return out;
   }
-  void backward(const Context& ctx, const Model& m, const BlockWeights& w, const BlockWeights& g,
-                BlockActivations& a, const Tensor& x, const Tensor& dout, const Tensor& dx,
-                const std::vector<float>& carry, float loss_scale,
-                DeferredGrads* deferred) const override {
+  Tensor backward(const Context& ctx, const Model& m, const BlockWeights& w, const BlockWeights& g,
+                  BlockActivations& a, const Tensor& x, const Tensor& dout,
+                  const std::vector<float>& carry, float loss_scale,
+                  DeferredGrads* deferred) const override {
+    Tensor dx = work(x.shape, ctx);  // fp32, as the combine's backward writes it
     moe_backward(m.ep, m.tp, m.cfg, ctx, w.moe, g.moe, a.moe, cast_to(ctx, x, DType::F32), dout, dx,
                  carry, loss_scale, deferred);
+    return dx;
   }
   int carry_numel() const override { return 2 * n_experts; }
   int64_t saved_bytes(const ModelConfig& c, int64_t N, int tp, int e) const override {
@@ -416,19 +426,19 @@ static void rebuild_for_backward(const Context& ctx, const Model& m, const Block
 // Mixed precision (Playbook §Mixed precision training): what a block keeps for its backward is
 // stored in the compute format, half the bytes, as a model trained in bf16 keeps it. Kept fp32:
 // the residual stream (x, x_mid: Megatron's --fp32-residual-connection, which the forward here
-// always is) and the statistics (RMSNorm's 1/rms, FlashAttention's log-sum-exp). Most of what
-// is stored is bf16-valued already (linear outputs; the norms' and attention's outputs feed only
-// GEMMs, which round them); RoPE's q and k and naive attention's probabilities are rounded here.
+// always is) and the statistics (RMSNorm's 1/rms, FlashAttention's log-sum-exp). Under bf16 and
+// fp16 most of it is stored so as it is made (the norms', the linear layers', RoPE's and
+// attention's outputs); naive attention's probabilities and the experts' tensors are rounded
+// here, and under fp8 (fp32 storage, bf16 values) everything is.
 static std::vector<Tensor*> stored_in_compute_format(BlockActivations& a) {
   return {&a.norm1, &a.q,   &a.k,      &a.v,        &a.saved.probs, &a.attn,    &a.norm2,  &a.gate,
           &a.up,    &a.act, &a.moe.xe, &a.moe.gate, &a.moe.up,      &a.moe.act, &a.moe.out};
 }
-// What the backward reads beyond the linear layers' GEMMs and SwiGLU (attention, RoPE, the
-// experts' dispatch), widened back to fp32 before it. The norms' outputs and the dense MLP's
-// tensors stay in the compute format: GEMMs and SwiGLU read them as they are.
+// What the backward reads in fp32 beyond the linear layers, SwiGLU and attention (naive
+// attention's probabilities, the experts' dispatch), widened back before it. The rest stays in
+// the compute format: GEMMs, SwiGLU and the attention core read it as it is.
 static std::vector<Tensor*> read_beyond_gemms(BlockActivations& a) {
-  return {&a.q,      &a.k,        &a.v,      &a.saved.probs, &a.attn,
-          &a.moe.xe, &a.moe.gate, &a.moe.up, &a.moe.act,     &a.moe.out};
+  return {&a.saved.probs, &a.moe.xe, &a.moe.gate, &a.moe.up, &a.moe.act, &a.moe.out};
 }
 static void run_hook(const std::function<void(int)>& hook, int unit) {
   if (hook) hook(unit);
@@ -447,8 +457,8 @@ static float head_forward(const Context& ctx, Model& model, Activations& acts,
   const LocalDims& L = model.tp.local;
   int64_t N = (int64_t)acts.B * acts.T, n = acts.x_final.size(0), D = model.cfg.d_model;
   acts.normf = empty_in_compute_format(ctx, {n, D}, Mem::Activations), acts.rstdf = act({n}, ctx);
-  rmsnorm_forward(ctx, acts.normf, acts.rstdf, acts.x_final,
-                  compute_weight(ctx, model.w.final_norm), model.cfg.norm_eps);
+  rmsnorm_forward(ctx, acts.normf, acts.rstdf, acts.x_final, stored_weight(ctx, model.w.final_norm),
+                  model.cfg.norm_eps);
   // Under bf16 and fp16 the final norm's output (as the blocks' norms') and the logits are in
   // that format: the cross-entropy reads the logits widened and writes their gradient in place,
   // rounded once (the head's GEMMs read nothing finer).
@@ -518,7 +528,7 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
     acts.ids = device_ints(local_vocab_ids(ids, N, L.vocab0, L.vocab), ctx);
     x = act({n, D}, ctx);
     run_hook(hooks.before_forward, model.embedding_unit());
-    vocab_parallel_embedding_forward(model.tp, ctx, x, acts.ids, lookup_table(ctx, model.w.embed));
+    vocab_parallel_embedding_forward(model.tp, ctx, x, acts.ids, stored_weight(ctx, model.w.embed));
     run_hook(hooks.after_forward, model.embedding_unit());
   }
   PICO_ASSERT(x.defined() && x.numel() == n * D, "stage input " + x.shape_str());
@@ -551,6 +561,17 @@ float model_forward(const Context& ctx, Model& model, Activations& acts, const i
 // ----------------------------------------------------------------------------
 // Backward
 
+// RoPE's backward on dx [N, heads * hd], its result in the format the linear layers' GEMMs read
+// the gradient in (runtime/dtype.cuh's gradient_operand: rounded once, counted; fp32 under fp32
+// and fp8, where the GEMMs round it themselves).
+static Tensor rope_backward_for_gemms(const Context& ctx, const Tensor& dx, int64_t heads,
+                                      int64_t hd, const Tensor& positions, float theta) {
+  Tensor into = empty_in_compute_format(ctx, dx.shape, Mem::Workspace);
+  const std::vector<int64_t> rotated = {dx.size(0), heads, hd};
+  rope_backward(ctx, dx.reshape(rotated), positions, theta, into.reshape(rotated));
+  return into;
+}
+
 // dres [n, D] holds d(block output) on entry and d(block input) on exit. The forward read
 // bottom to top: MLP first, then attention.
 static void block_backward(const Context& ctx, const Model& m, const BlockWeights& w,
@@ -560,24 +581,29 @@ static void block_backward(const Context& ctx, const Model& m, const BlockWeight
   const ModelConfig& c = m.cfg;
   const LocalDims& L = m.tp.local;
   int64_t N = (int64_t)B * T, n = sp_tokens(m.tp, N), D = c.d_model, hd = c.head_dim();
-  Tensor d_norm = work({n, D}, ctx);  // [n, D] gradient of a norm's output
-  // MLP
-  m.mlp->backward(ctx, m, w, g, a, a.norm2, dres, d_norm, carry, loss_scale, deferred);
+  // MLP; d_norm [n, D] the gradient of a norm's output
+  Tensor d_norm = m.mlp->backward(ctx, m, w, g, a, a.norm2, dres, carry, loss_scale, deferred);
   parallel_rmsnorm_backward(m.tp, ctx, dres, g.mlp_norm, d_norm, a.x_mid,
-                            compute_weight(ctx, w.mlp_norm), a.rstd2);
+                            stored_weight(ctx, w.mlp_norm), a.rstd2);
+  d_norm = Tensor();
 
   // Attention
-  Tensor d_attn = work({N, L.heads * hd}, ctx), dq = work({N, L.heads * hd}, ctx);
+  // The o projection writes attention's output gradient in the compute format, which attention
+  // reads (rounded once, as a linear layer's input gradient is); dq, dk, dv are fp32, and RoPE's
+  // backward writes dq and dk in the format the projections' GEMMs read.
+  Tensor d_attn = empty_in_compute_format(ctx, {N, L.heads * hd}, Mem::Workspace);
+  Tensor dq = work({N, L.heads * hd}, ctx);
   Tensor dk = work({N, L.kv_heads * hd}, ctx), dv = work({N, L.kv_heads * hd}, ctx);
   row_parallel_backward(m.tp, ctx, d_attn, g.wo, dres, a.attn, w.wo, deferred);
   attention_core_backward(ctx, m, a, B, T, d_attn, dq, dk, dv);
-  rope_backward(ctx, dq.reshape({N, L.heads, hd}), positions, c.rope_theta);
-  rope_backward(ctx, dk.reshape({N, L.kv_heads, hd}), positions, c.rope_theta);
+  dq = rope_backward_for_gemms(ctx, dq, L.heads, hd, positions, c.rope_theta);
+  dk = rope_backward_for_gemms(ctx, dk, L.kv_heads, hd, positions, c.rope_theta);
+  d_norm = tp_region_output(m.tp, ctx, n, D);
   column_parallel_backward(m.tp, ctx, d_norm, a.norm1,
                            {{dq, w.wq, g.wq}, {dk, w.wk, g.wk, true}, {dv, w.wv, g.wv, true}},
                            deferred);
   parallel_rmsnorm_backward(m.tp, ctx, dres, g.attn_norm, d_norm, a.x,
-                            compute_weight(ctx, w.attn_norm), a.rstd1);
+                            stored_weight(ctx, w.attn_norm), a.rstd1);
 }
 
 // Loss -> d(final hidden) [n, D] into dres: cross-entropy, LM head, final norm.
@@ -586,12 +612,12 @@ static void head_backward(const Context& ctx, Model& model, Activations& acts, f
   vocab_parallel_cross_entropy_backward(model.tp, ctx, acts.logits, acts.logits, acts.ce_stats,
                                         acts.targets,
                                         loss_scale);  // in place: the logits become their gradient
-  Tensor d_norm = work(dres.shape, ctx);
+  Tensor d_norm = tp_region_output(model.tp, ctx, dres.size(0), dres.size(1));
   column_parallel_backward(model.tp, ctx, d_norm, acts.normf,
                            {{acts.logits, model.w.lm_head, model.g.lm_head}}, deferred);
   acts.logits = acts.normf = Tensor();
   parallel_rmsnorm_backward(model.tp, ctx, dres, model.g.final_norm, d_norm, acts.x_final,
-                            compute_weight(ctx, model.w.final_norm), acts.rstdf);
+                            stored_weight(ctx, model.w.final_norm), acts.rstdf);
 }
 
 StagePayload stage_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,

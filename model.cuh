@@ -56,18 +56,19 @@ struct RunShape {
 // (expert_parallel.cu), chosen by the config when the model is built; the block asks neither.
 struct FeedForward {
   virtual ~FeedForward() = default;
-  // out [n, D] (=) from x [n, D], the post-attention norm's output, keeping what the backward
-  // needs in `a`. `carry`: what the micro-batch carries from layer to layer and stage to stage
+  // Its output [n, D] (a workspace the residual add reads: fp32, or in the compute format) from
+  // x [n, D], the post-attention norm's output, keeping what the backward needs in `a`.
+  // `carry`: what the micro-batch carries from layer to layer and stage to stage
   // (Activations::carry), added to; null when the block is recomputed.
-  virtual void forward(const Context& ctx, const Model& m, int layer, const BlockWeights& w,
-                       BlockActivations& a, const Tensor& x, const Tensor& out,
-                       std::vector<float>* carry) const = 0;
-  // dx [n, D] (=) and the weights' gradients (+=; or queued on `deferred`) from dout [n, D];
-  // `carry` as the last layer left it; `loss_scale` the one the loss's gradient starts from.
-  virtual void backward(const Context& ctx, const Model& m, const BlockWeights& w,
-                        const BlockWeights& g, BlockActivations& a, const Tensor& x,
-                        const Tensor& dout, const Tensor& dx, const std::vector<float>& carry,
-                        float loss_scale, DeferredGrads* deferred) const = 0;
+  virtual Tensor forward(const Context& ctx, const Model& m, int layer, const BlockWeights& w,
+                         BlockActivations& a, const Tensor& x, std::vector<float>* carry) const = 0;
+  // dx [n, D] (returned, a workspace as the output is) and the weights' gradients (+=; or
+  // queued on `deferred`) from dout [n, D]; `carry` as the last layer left it; `loss_scale` the
+  // one the loss's gradient starts from.
+  virtual Tensor backward(const Context& ctx, const Model& m, const BlockWeights& w,
+                          const BlockWeights& g, BlockActivations& a, const Tensor& x,
+                          const Tensor& dout, const std::vector<float>& carry, float loss_scale,
+                          DeferredGrads* deferred) const = 0;
   // Floats that travel with the hidden state between pipeline stages (0: none).
   virtual int carry_numel() const { return 0; }
   // After the last block, on the stage with the head: the carried values complete.

@@ -211,6 +211,11 @@ void row_parallel_forward(const TensorParallel& tp, const Context& ctx, const Te
   tp_region_exit_forward(tp, ctx, partial, y);  // all-reduce, or reduce-scatter under SP
 }
 
+Tensor tp_region_output(const TensorParallel& tp, const Context& ctx, int64_t n, int64_t D) {
+  if (tp.size() > 1 || tp.sp) return workspace({n, D}, ctx);
+  return empty_in_compute_format(ctx, {n, D}, Mem::Workspace);
+}
+
 void row_parallel_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
                            const Tensor& dW, const Tensor& dy, const Tensor& x, const Tensor& W,
                            DeferredGrads* deferred) {

@@ -125,6 +125,11 @@ void column_parallel_backward(const TensorParallel& tp, const Context& ctx, cons
 // y [N/tp, D]).
 void row_parallel_forward(const TensorParallel& tp, const Context& ctx, const Tensor& y,
                           const Tensor& x, const Tensor& W);
+// A [n, D] workspace for what leaves the tensor-parallel region: a row-parallel layer's output,
+// a column-parallel layer's input gradient. fp32 where the tp ranks' partial sums are reduced
+// into it (the reduction sums fp32); else in the compute format: one rank's GEMM writes it
+// rounded on its way out, and what reads it (the residual add, the norm's backward) widens.
+Tensor tp_region_output(const TensorParallel& tp, const Context& ctx, int64_t n, int64_t D);
 // dx [N, cols/tp] = (f* or g* backward)(dy) W ; dW += that^T x (now, or queued on `deferred`).
 void row_parallel_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
                            const Tensor& dW, const Tensor& dy, const Tensor& x, const Tensor& W,

@@ -524,7 +524,7 @@ static void register_meters(Trainer& t) {
   const bool main_rank = comm.grid.prints();
   const int64_t n_params = t.model.num_params;  // on this rank: the whole model over tp
   const bool bf16_grads = t.precision.grads() == DType::BF16;
-  t.meters.add(std::make_unique<HostSyncs>(t.observer, main_rank));
+  t.meters.add(std::make_unique<HostSyncs>(t.observer, main_rank, t.ctx.device != Device::CPU));
   t.meters.add(Report::Comm, [&t, n_params] {
     print_comm_report(t.comm, n_params, t.steps_run, t.model.expert_params());
   });

@@ -327,8 +327,9 @@ void Zero::step(const Context& ctx, float lr) {
   };
   size_t k = 0;
   for (int u = 0; u < (int)units_.size(); u++) {
-    for (; k < slices_.size() && slices_[k].unit == u; k++)
-      adamw_.update(ctx, slices_[k], lr, pending_scale_);
+    const size_t first = k;
+    while (k < slices_.size() && slices_[k].unit == u) k++;
+    adamw_.update(ctx, slices_.data() + first, k - first, lr, pending_scale_);
     if (compute_shard_.defined())  // stage 3: the updated slice, rounded, for the next gathers
       cast_(ctx, mine(compute_shard_, u), master(u));
     if (shard_weights_) continue;

@@ -83,7 +83,7 @@ static void bench(const Context& ctx, const BenchConfig& b) {
     model_forward(ctx, model, acts, ids.data(), targets.data(), b.mbs, T, Recompute::None);
     model_backward(ctx, model, acts, 1.0f / tokens, Recompute::None);
     adamw.steps++;
-    for (const ParamSlice& slice : slices) adamw.update(ctx, slice, 1e-4f);
+    adamw.update(ctx, slices.data(), slices.size(), 1e-4f);
   });
   double gflops = flops_per_token(c, T) * tokens / step / 1e9;
   double sgemm = sgemm_rate(ctx, c, tokens);

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "flash_attention.cuh"
+#include "runtime/dtype.cuh"
 #include "runtime/ops.cuh"
 
 // ============================================================================
@@ -313,17 +314,23 @@ class NaiveAttention : public AttentionCore {
                AttentionSaved& saved, const Tensor& q, const Tensor& k,
                const Tensor& v) const override {
     saved.probs = kept(ctx, {s.B, s.Hq, s.T, s.T});
-    attention_forward(ctx, out, saved.probs, q, k, v, s);
+    Tensor o = attention_output_fp32(ctx, out);  // fp32 values throughout (flash_attention.cuh)
+    attention_forward(ctx, o, saved.probs, cast_to(ctx, q, DType::F32), cast_to(ctx, k, DType::F32),
+                      cast_to(ctx, v, DType::F32), s);
+    attention_store_output(ctx, out, o);
   }
   void backward(const Context& ctx, const AttentionShape& s, const Tensor& dq, const Tensor& dk,
                 const Tensor& dv, const Tensor& dout, const Tensor&, AttentionSaved& saved,
-                const Tensor& q, const Tensor& k, const Tensor& v) const override {
+                const Tensor& q16, const Tensor& k16, const Tensor& v16) const override {
+    Tensor q = cast_to(ctx, q16, DType::F32), k = cast_to(ctx, k16, DType::F32),
+           v = cast_to(ctx, v16, DType::F32);
     if (!saved.probs.defined()) {  // selective recompute: dq serves as the rebuilt output's space
       saved.probs = kept(ctx, {s.B, s.Hq, s.T, s.T});
       attention_forward(ctx, dq, saved.probs, q, k, v, s);
     }
     Tensor d_probs = empty(ctx, {s.B, s.Hq, s.T, s.T}, Mem::Workspace);
-    attention_backward(ctx, dq, dk, dv, dout, q, k, v, saved.probs, d_probs, s);
+    attention_backward(ctx, dq, dk, dv, cast_to(ctx, dout, DType::F32), q, k, v, saved.probs,
+                       d_probs, s);
   }
   int64_t saved_bytes(int64_t B, int64_t T, int64_t heads, bool selective, int e) const override {
     return selective ? 0 : e * B * heads * T * T;

@@ -161,17 +161,17 @@ ChunkBytes chunk_bytes(const ModelConfig& cfg, const Layout& l, const Implementa
     fresh = (double)activation_bytes_per_block(local, l.mbs, T, l.tp, l.sp, Recompute::None,
                                                *attention, 4);
   }
-  // The block's own peak. Under bf16 and fp16 the linear layers' inputs are made in the compute
-  // format (the norms write it; attention's output goes to it as soon as it is made, model.cu's
-  // output_in_compute_format, so its fp32 copy lives only until then), and so are the dense
-  // MLP's gate, up and SwiGLU output; the peak is then the block's end. The other tensors are
-  // rounded at the block's end one by one (store_in_compute_format: the 16-bit copy next to the
-  // fp32 one), in stored_in_compute_format's order. Full recomputation keeps only the (fp32)
+  // The block's own peak. Under bf16 and fp16 the linear layers' inputs and outputs are made in
+  // the compute format (the norms, q, k and v through RoPE, attention's output), and so are the
+  // dense MLP's gate, up and SwiGLU output; the peak is then the block's end. The other tensors
+  // are rounded at the block's end one by one (store_in_compute_format: the 16-bit copy next to
+  // the fp32 one), in stored_in_compute_format's order. Full recomputation keeps only the (fp32)
   // input. Under fp8 everything waits for the block's end.
   const bool llama = impl.activations == ActivationFormula::Llama;
   const bool early = llama && (l.precision == Precision::BF16 || l.precision == Precision::FP16);
   const double mlp = early && !cfg.experts ? N * L.ffn : 0;  // a mixture keeps its experts' own
-  const double early_elements = early ? 2 * n * D + N * L.heads * hd + 3 * mlp : 0;
+  const double early_elements =
+      early ? 2 * n * D + 2 * N * L.heads * hd + 2 * N * L.kv_heads * hd + 3 * mlp : 0;
   const double made = fresh - (4 - e) * early_elements;  // everything, right after the forward
   double block_peak = early ? made : fresh;
   if (llama && e < 4 && l.recompute != Recompute::Full) {
@@ -180,9 +180,9 @@ ChunkBytes chunk_bytes(const ModelConfig& cfg, const Layout& l, const Implementa
                                                    Recompute::Selective, *attention, 4);
     double now = made - (l.recompute == Recompute::Selective ? probs : 0);
     std::vector<double> order = {early ? 0 : n * D,
-                                 N * L.heads * hd,
-                                 N * L.kv_heads * hd,
-                                 N * L.kv_heads * hd,
+                                 early ? 0 : N * L.heads * hd,
+                                 early ? 0 : N * L.kv_heads * hd,
+                                 early ? 0 : N * L.kv_heads * hd,
                                  l.recompute == Recompute::None ? probs / 4 : 0,
                                  early ? 0 : N * L.heads * hd,
                                  early ? 0 : n * D,
@@ -214,12 +214,12 @@ ChunkBytes chunk_bytes(const ModelConfig& cfg, const Layout& l, const Implementa
   if (split) {
     // The W op's inputs: the linear layers' inputs (norm1 and norm2 only without sp: with sp
     // the layers read gathered copies, which are workspace). In fp32 where they are fp32
-    // activations (fp32 runs; fp8's full recomputation). Otherwise the norms' and SwiGLU's
-    // outputs are held as stored, in the compute format (the backward widens attention's output
-    // into workspace). And the head's final-norm output and the logits' gradient (in place).
+    // activations (fp32 runs; fp8's full recomputation). Otherwise the norms', attention's and
+    // SwiGLU's outputs are held as stored, in the compute format. And the head's final-norm
+    // output and the logits' gradient (in place).
     double block_inputs = (l.sp ? 0 : 2 * 4 * N * D) + 4 * N * L.heads * hd + 4 * N * L.ffn;
     bool fp32_inputs = e == 4 || (l.recompute == Recompute::Full && !early);
-    if (!fp32_inputs) block_inputs = e * ((l.sp ? 0 : 2 * N * D) + N * L.ffn);
+    if (!fp32_inputs) block_inputs = e * ((l.sp ? 0 : 2 * N * D) + N * L.heads * hd + N * L.ffn);
     b.weight_held = c.blocks * block_inputs + (c.head ? (l.sp ? 0 : normf) + logits : 0);
   }
   return b;

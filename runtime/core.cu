@@ -14,8 +14,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <mutex>
 #include <thread>
+#include <tuple>
 
 #include "runtime/core.cuh"
 
@@ -149,52 +151,134 @@ static bool memory_pools_supported() {
   return cached[dev] != 0;
 }
 
+// ----------------------------------------------------------------------------
+// The arena (as PyTorch's caching allocator): a device buffer freed on a stream is kept, under
+// its size rounded up to 512 bytes, for the next allocation of that size on that stream, which
+// reuses it in the stream's order (whatever was queued before the free runs before anything
+// queued after the reuse, as with cudaFreeAsync and cudaMallocAsync on one stream). Only a
+// miss calls the device's allocator; a step allocates the same sizes in the same order as the
+// step before, so from the second on the hot path makes no allocator call (allocator_calls;
+// counted on meta as CUDA would make them). MemoryStats still counts live tensors only.
+// A failed allocation first gives back every buffer held free, then tries again; a Context
+// gives back its stream's buffers before the stream goes (release_arena).
+namespace {
+constexpr size_t kArenaGrain = 512;
+struct ArenaKey {
+  Device device;
+  cudaStream_t stream;
+  size_t bytes;
+  bool operator<(const ArenaKey& o) const {
+    return std::tie(device, stream, bytes) < std::tie(o.device, o.stream, o.bytes);
+  }
+};
+struct Arena {
+  std::mutex mutex;
+  std::map<ArenaKey, std::vector<void*>> free;
+  std::atomic<uint64_t> calls{0};
+};
+// Never destroyed: buffers still held at exit go with the process, after CUDA's own teardown.
+Arena& arena() {
+  static Arena* a = new Arena;
+  return *a;
+}
+void* arena_take(const ArenaKey& key) {
+  std::lock_guard<std::mutex> lock(arena().mutex);
+  auto it = arena().free.find(key);
+  if (it == arena().free.end() || it->second.empty()) return nullptr;
+  void* ptr = it->second.back();
+  it->second.pop_back();
+  return ptr;
+}
+void arena_give(const ArenaKey& key, void* ptr) {
+  std::lock_guard<std::mutex> lock(arena().mutex);
+  arena().free[key].push_back(ptr);
+}
+void device_free(const ArenaKey& key, void* ptr) {
+  if (key.device != Device::CUDA) return;  // meta addresses are only numbers
+  if (memory_pools_supported())
+    CUDA_CHECK(cudaFreeAsync(ptr, key.stream));
+  else
+    CUDA_CHECK(cudaFree(ptr));
+}
+// Gives back the buffers held free for `stream` (all streams when `all`) to the device.
+void release_held(bool all, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(arena().mutex);
+  for (auto it = arena().free.begin(); it != arena().free.end();) {
+    if (!all && it->first.stream != stream) {
+      ++it;
+      continue;
+    }
+    for (void* ptr : it->second) device_free(it->first, ptr);
+    it = arena().free.erase(it);
+  }
+}
+// A miss: a new buffer from the device's allocator (stream-ordered where pools exist: a free
+// does not stall the whole GPU as cudaFree does), or a meta address of its own.
+void* device_allocate(const ArenaKey& key) {
+  arena().calls++;
+  if (key.device == Device::Meta) {
+    static std::atomic<uintptr_t> next{uintptr_t(1) << 44};
+    return (void*)next.fetch_add(key.bytes);
+  }
+  void* ptr = nullptr;
+  const bool pooled = memory_pools_supported();
+  cudaError_t err =
+      pooled ? cudaMallocAsync(&ptr, key.bytes, key.stream) : cudaMalloc(&ptr, key.bytes);
+  if (err == cudaErrorMemoryAllocation) {  // the buffers held free, back; then once more
+    (void)cudaGetLastError();
+    release_held(true, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    err = pooled ? cudaMallocAsync(&ptr, key.bytes, key.stream) : cudaMalloc(&ptr, key.bytes);
+  }
+  CUDA_CHECK(err);
+  return ptr;
+}
+}  // namespace
+
+uint64_t allocator_calls() {
+  return arena().calls.load();
+}
+void release_arena(cudaStream_t stream) {
+  release_held(false, stream);
+}
+
 struct Storage {
   void* ptr = nullptr;
   size_t bytes = 0;
   Device device;
   Mem category;
   cudaStream_t stream = nullptr;  // CUDA: allocated, and freed, in this stream's order
-  bool pooled = false;            // cudaMallocAsync (else cudaMalloc)
   // The live count of the Context this was allocated on (Context::allocations); null for the
   // forms without a Context. Shared, so it outlives a Context destroyed too early.
   std::shared_ptr<std::atomic<int64_t>> owner;
   Storage(size_t n, Device d, Mem m, cudaStream_t s, std::shared_ptr<std::atomic<int64_t>> o)
       : bytes(n), device(d), category(m), stream(s), owner(std::move(o)) {
     if (n == 0) n = 1;  // keep a valid pointer for empty tensors
-    if (d == Device::CUDA) {
-      // Stream-ordered allocation: a free does not stall the whole GPU as cudaFree does (which
-      // would wait for in-flight communication and undo the overlap), and the pool keeps freed
-      // memory for the next step's activations. Without pools, cudaMalloc/cudaFree: correct,
-      // slower, and each free waits for the device.
-      pooled = memory_pools_supported();
-      if (pooled)
-        CUDA_CHECK(cudaMallocAsync(&ptr, n, stream));
-      else
-        CUDA_CHECK(cudaMalloc(&ptr, n));
-    } else if (d == Device::Meta) {
-      // No storage: an address of its own that nothing reads, so that views, offsets and the
-      // weight copies' lookups work as on a device.
-      static std::atomic<uintptr_t> next{uintptr_t(1) << 44};
-      ptr = (void*)next.fetch_add((n + 63) / 64 * 64);
-    } else {
+    if (d == Device::CPU) {
       ptr = aligned_alloc(64, (n + 63) / 64 * 64);
       PICO_ASSERT(ptr != nullptr, "host allocation of " + std::to_string(n) + " bytes");
+    } else {  // CUDA and meta: from the arena
+      const ArenaKey key = arena_key();
+      ptr = arena_take(key);
+      if (!ptr) ptr = device_allocate(key);
     }
     account(category, (long long)bytes);
     if (owner) ++*owner;
   }
   ~Storage() {
-    // Freed in `stream`'s order: work queued there before this point may still use the
-    // buffer. Work on the communication stream must have been waited for by then (comm_handle.cu).
-    if (device == Device::CUDA && pooled)
-      CUDA_CHECK(cudaFreeAsync(ptr, stream));
-    else if (device == Device::CUDA)
-      CUDA_CHECK(cudaFree(ptr));
-    else if (device == Device::CPU)
+    // Kept for the next allocation of its size on `stream`, in that stream's order: work queued
+    // there before this point may still use the buffer. Work on the communication stream must
+    // have been waited for by then (comm_handle.cu).
+    if (device == Device::CPU)
       free(ptr);
+    else
+      arena_give(arena_key(), ptr);
     account(category, -(long long)bytes);
     if (owner) --*owner;
+  }
+  ArenaKey arena_key() const {
+    return {device, stream,
+            (std::max<size_t>(bytes, 1) + kArenaGrain - 1) / kArenaGrain * kArenaGrain};
   }
 };
 
@@ -453,7 +537,10 @@ void Context::destroy() {
                               "tensors go out of scope before Context::destroy");
   if (cublas) cublasDestroy(cublas);
   if (cublas_workspace) cudaFree(cublas_workspace);  // (waits for the GEMMs that used it)
-  if (stream) cudaStreamDestroy(stream);
+  if (stream) {
+    release_arena(stream);  // what the arena holds for it goes back before the stream goes
+    cudaStreamDestroy(stream);
+  }
   cublas = nullptr;
   stream = nullptr;
 }

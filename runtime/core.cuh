@@ -142,6 +142,13 @@ void recount(const Tensor& t, Mem category);
 // Observation only, like MemoryStats.
 void count_host_sync();
 uint64_t host_syncs();  // since the process started
+// Calls to the device's allocator (cudaMallocAsync; on meta, as CUDA would make them) since the
+// process started: the misses of the arena that device buffers come from (core.cu), which
+// keeps a freed buffer for the next allocation of its size on its stream. Observation only.
+uint64_t allocator_calls();
+// Gives the buffers the arena holds free for `stream` back to the device (before the stream is
+// destroyed; Context::destroy does it).
+void release_arena(cudaStream_t stream);
 
 // ----------------------------------------------------------------------------
 // Tensor: a typed, shaped view of a buffer on one device. Copies share the buffer.

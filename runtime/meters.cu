@@ -46,12 +46,18 @@ void HostSyncs::begin(StepPart p, int64_t step) {
   step_ = step;
   start_ = observer_.begin_span("step " + std::to_string(step + 1));
   at_start_ = host_syncs();
+  allocations_at_start_ = allocator_calls();
 }
 void HostSyncs::end(StepPart p) {
   if (p != StepPart::Step) return;
   const uint64_t syncs = host_syncs() - at_start_;
   fewest_ = std::min(fewest_, syncs);
   most_ = std::max(most_, syncs);
+  const uint64_t allocations = allocator_calls() - allocations_at_start_;
+  if (steps_ == 0)
+    first_allocations_ = allocations;
+  else
+    most_allocations_ = std::max(most_allocations_, allocations);
   steps_++;
   observer_.end_span(
       "step " + std::to_string(step_ + 1) + " (" + std::to_string(syncs) + " host syncs)",
@@ -62,4 +68,9 @@ void HostSyncs::report(Report r) {
   std::string range = fewest_ == most_ ? "" : " (fewest " + std::to_string(fewest_) + ")";
   printf("host synchronisations per training step: %llu%s\n", (unsigned long long)most_,
          range.c_str());
+  if (device_buffers_ && steps_ > 1)
+    printf(
+        "device allocator calls: %llu in the first training step, %llu per step after it (the "
+        "arena reuses the first step's buffers)\n",
+        (unsigned long long)first_allocations_, (unsigned long long)most_allocations_);
 }

@@ -77,7 +77,9 @@ class GroupTraffic : public StepMeter {
 // GPU's queue, so the fewer the better (--report sync); and each step's span in the trace.
 class HostSyncs : public StepMeter {
  public:
-  HostSyncs(Observer& observer, bool prints) : observer_(observer), prints_(prints) {}
+  // device_buffers: CUDA and meta, whose buffers come from the arena (CPU ones do not).
+  HostSyncs(Observer& observer, bool prints, bool device_buffers)
+      : observer_(observer), prints_(prints), device_buffers_(device_buffers) {}
   void begin(StepPart p, int64_t step) override;
   void end(StepPart p) override;
   void report(Report r) override;
@@ -85,7 +87,11 @@ class HostSyncs : public StepMeter {
  private:
   Observer& observer_;
   bool prints_;  // rank 0
+  bool device_buffers_;
   int64_t steps_ = 0, step_ = 0;
   double start_ = 0;
   uint64_t at_start_ = 0, fewest_ = UINT64_MAX, most_ = 0;
+  // The device allocator's calls (core.cuh's allocator_calls), most in a step after the first
+  // (which fills the arena).
+  uint64_t allocations_at_start_ = 0, first_allocations_ = 0, most_allocations_ = 0;
 };

@@ -46,11 +46,12 @@ void gemm(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K, f
 void gemm_16bit(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K,
                 const Tensor& A, int lda, const Tensor& B, int ldb, float beta, const Tensor& C,
                 int ldc) {
-  PICO_ASSERT(gpu_path(ctx.device) && A.dtype == B.dtype &&
-                  (A.dtype == DType::BF16 || A.dtype == DType::F16) &&
-                  (C.dtype == DType::F32 || (C.dtype == A.dtype && beta == 0.0f)),
-              "gemm_16bit takes bf16 or fp16 operands and an fp32 output (or, not accumulated, "
-              "one in the operands' format) on the GPU path");
+  PICO_ASSERT(
+      gpu_path(ctx.device) && A.dtype == B.dtype &&
+          (A.dtype == DType::BF16 || A.dtype == DType::F16) &&
+          (C.dtype == DType::F32 || C.dtype == A.dtype),
+      "gemm_16bit takes bf16 or fp16 operands and an fp32 output or one in the operands' "
+      "format (sums in fp32, C added in fp32 when beta is 1, rounded once) on the GPU path");
   const double m = M, n = N, k = K;  // 2-byte operands; the output read too when accumulated
   const double c = (double)dtype_size(C.dtype);
   if (count_op(ctx.device, OpKind::Gemm,
@@ -315,26 +316,30 @@ static void rmsnorm_backward_cpu(float* dx, float* dw, const float* dy, const fl
 }
 
 // One block per row: the block reduces the row's sum of squares, then every thread scales. Y:
-// fp32, or the compute format mixed precision's linear layers read (each value rounded once).
-template <typename Y>
-static __global__ void rmsnorm_forward_kernel(Y* y, float* rstd, const float* x, const float* w,
-                                              int D, float eps) {
+// fp32, or the compute format mixed precision's linear layers read (each value rounded once);
+// W: the weight as it is stored, fp32 or its compute copy (read widened).
+template <typename Y, typename W>
+static __global__ void rmsnorm_forward_kernel(Y* y, float* rstd, const float* x, const W* w, int D,
+                                              float eps) {
   const float* xr = x + (int64_t)blockIdx.x * D;  // [D]
   float ss = 0.0f;
   for (int i = threadIdx.x; i < D; i += blockDim.x) ss += xr[i] * xr[i];
   float r = 1.0f / sqrtf(block_reduce(ss, false) / D + eps);
   if (threadIdx.x == 0) rstd[blockIdx.x] = r;
   for (int i = threadIdx.x; i < D; i += blockDim.x)
-    store(y + (int64_t)blockIdx.x * D + i, xr[i] * r * w[i]);
+    store(y + (int64_t)blockIdx.x * D + i, xr[i] * r * widen(w[i]));
 }
-static __global__ void rmsnorm_backward_dx_kernel(float* dx, const float* dy, const float* x,
-                                                  const float* w, const float* rstd, int D) {
+// G: dy's storage (fp32, or the compute format the linear layers wrote it in); W: w's.
+template <typename G, typename W>
+static __global__ void rmsnorm_backward_dx_kernel(float* dx, const G* dy, const float* x,
+                                                  const W* w, const float* rstd, int D) {
   int64_t row = (int64_t)blockIdx.x * D;
   float r = rstd[blockIdx.x], dot = 0.0f;
-  for (int i = threadIdx.x; i < D; i += blockDim.x) dot += dy[row + i] * w[i] * (x[row + i] * r);
+  for (int i = threadIdx.x; i < D; i += blockDim.x)
+    dot += widen(dy[row + i]) * widen(w[i]) * (x[row + i] * r);
   dot = block_reduce(dot, false) / D;
   for (int i = threadIdx.x; i < D; i += blockDim.x)
-    dx[row + i] += r * (dy[row + i] * w[i] - x[row + i] * r * dot);
+    dx[row + i] += r * (widen(dy[row + i]) * widen(w[i]) - x[row + i] * r * dot);
 }
 // dw is a column sum over all T rows. One thread per column walking all T rows would leave the
 // GPU idle (D threads) and take T steps; atomics would make the sum's order depend on
@@ -344,14 +349,15 @@ static __global__ void rmsnorm_backward_dx_kernel(float* dx, const float* dy, co
 // loop's (chunks, then their sum), hence a tolerance against the CPU, but it never differs
 // between two GPU runs.
 constexpr int kDwRows = 32;
-static __global__ void rmsnorm_dw_partial_kernel(float* partials, const float* dy, const float* x,
+template <typename G>
+static __global__ void rmsnorm_dw_partial_kernel(float* partials, const G* dy, const float* x,
                                                  const float* rstd, int T, int D) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;  // column
   int first = blockIdx.y * kDwRows, last = min(T, first + kDwRows);
   if (i >= D) return;
   float acc = 0.0f;
   for (int t = first; t < last; t++)
-    acc += dy[(int64_t)t * D + i] * (x[(int64_t)t * D + i] * rstd[t]);
+    acc += widen(dy[(int64_t)t * D + i]) * (x[(int64_t)t * D + i] * rstd[t]);
   partials[(int64_t)blockIdx.y * D + i] = acc;  // partials [row blocks, D]
 }
 static __global__ void rmsnorm_dw_sum_kernel(float* dw, const float* partials, int row_blocks,
@@ -372,22 +378,26 @@ void rmsnorm_forward(const Context& ctx, const Tensor& y, const Tensor& rstd, co
   PICO_ASSERT(
       x.dtype == DType::F32 && float_storage(y.dtype),
       std::string("rmsnorm_forward: x fp32, y fp32, bf16 or fp16, not ") + dtype_name(y.dtype));
-  const double ey = (double)dtype_size(y.dtype);
-  if (count_op(ctx.device, OpKind::Norm,
-               {4.0 * T * D, 4.0 * T * D + 4.0 * D, ey * T * D + 4.0 * T}))
+  PICO_ASSERT(float_storage(w.dtype), std::string("rmsnorm weight in ") + dtype_name(w.dtype));
+  const double ey = (double)dtype_size(y.dtype), ew = (double)dtype_size(w.dtype);
+  if (count_op(ctx.device, OpKind::Norm, {4.0 * T * D, 4.0 * T * D + ew * D, ey * T * D + 4.0 * T}))
     return;
   if (ctx.device == Device::CPU) {
+    const std::vector<float> wv = widened(w);  // exact
     if (y.dtype == DType::F32)
-      return rmsnorm_forward_cpu(y.f32(), rstd.f32(), x.f32(), w.f32(), T, D, eps);
+      return rmsnorm_forward_cpu(y.f32(), rstd.f32(), x.f32(), wv.data(), T, D, eps);
     std::vector<float> wide((size_t)T * D);
-    rmsnorm_forward_cpu(wide.data(), rstd.f32(), x.f32(), w.f32(), T, D, eps);
+    rmsnorm_forward_cpu(wide.data(), rstd.f32(), x.f32(), wv.data(), T, D, eps);
     return cast_host(y.ptr, y.dtype, wide.data(), DType::F32, (int64_t)T * D);  // rounded once
   }
   if (T == 0) return;  // a grid of zero blocks is a launch error, not a no-op
   with_element(y.dtype, [&](auto* type) {
     using Y = std::remove_pointer_t<decltype(type)>;
-    rmsnorm_forward_kernel<<<T, kThreads, 0, ctx.stream>>>((Y*)y.ptr, rstd.f32(), x.f32(), w.f32(),
-                                                           D, eps);
+    with_element(w.dtype, [&](auto* weight) {
+      using W = std::remove_pointer_t<decltype(weight)>;
+      rmsnorm_forward_kernel<<<T, kThreads, 0, ctx.stream>>>((Y*)y.ptr, rstd.f32(), x.f32(),
+                                                             (const W*)w.ptr, D, eps);
+    });
   });
   LAUNCH_CHECK(ctx, "rmsnorm_forward_kernel");
 }
@@ -398,22 +408,39 @@ void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, co
   int D = (int)x.size(-1), T = (int)(x.numel() / D);
   PICO_ASSERT(dx.numel() == x.numel() && dy.numel() == x.numel() && dw.numel() == D,
               "rmsnorm_backward shapes " + x.shape_str());
+  PICO_ASSERT(float_storage(w.dtype) && float_storage(dy.dtype),
+              std::string("rmsnorm_backward: w in ") + dtype_name(w.dtype) + ", dy in " +
+                  dtype_name(dy.dtype));
   // dx += ...: dx, dy and x read, dx written; dw from partial sums per block of rows.
-  if (count_op(ctx.device, OpKind::Norm,
-               {8.0 * T * D, 12.0 * T * D + 4.0 * T + 8.0 * D, 4.0 * T * D + 4.0 * D, 3}))
+  const double ew = (double)dtype_size(w.dtype), eg = (double)dtype_size(dy.dtype);
+  if (count_op(
+          ctx.device, OpKind::Norm,
+          {8.0 * T * D, (8.0 + eg) * T * D + 4.0 * T + (4.0 + ew) * D, 4.0 * T * D + 4.0 * D, 3}))
     return;
-  if (ctx.device == Device::CPU)
-    return rmsnorm_backward_cpu(dx.f32(), dw.f32(), dy.f32(), x.f32(), w.f32(), rstd.f32(), T, D);
+  if (ctx.device == Device::CPU) {
+    const std::vector<float> dyv = widened(dy);  // exact
+    return rmsnorm_backward_cpu(dx.f32(), dw.f32(), dyv.data(), x.f32(), widened(w).data(),
+                                rstd.f32(), T, D);
+  }
   if (T == 0) return;  // no rows: nothing to add (and a zero-block grid would not launch)
-  rmsnorm_backward_dx_kernel<<<T, kThreads, 0, ctx.stream>>>(dx.f32(), dy.f32(), x.f32(), w.f32(),
-                                                             rstd.f32(), D);
+  with_element(dy.dtype, [&](auto* grad) {
+    using G = std::remove_pointer_t<decltype(grad)>;
+    with_element(w.dtype, [&](auto* weight) {
+      using W = std::remove_pointer_t<decltype(weight)>;
+      rmsnorm_backward_dx_kernel<<<T, kThreads, 0, ctx.stream>>>(
+          dx.f32(), (const G*)dy.ptr, x.f32(), (const W*)w.ptr, rstd.f32(), D);
+    });
+  });
   LAUNCH_CHECK(ctx, "rmsnorm_backward_dx_kernel");
   int row_blocks = (T + kDwRows - 1) / kDwRows;
   PICO_ASSERT(row_blocks <= 65535, "rmsnorm_backward: " + std::to_string(T) + " rows");
   Tensor partials = empty(ctx, {row_blocks, D}, Mem::Workspace);  // [T / kDwRows, D]
   dim3 grid((D + kThreads - 1) / kThreads, row_blocks);
-  rmsnorm_dw_partial_kernel<<<grid, kThreads, 0, ctx.stream>>>(partials.f32(), dy.f32(), x.f32(),
-                                                               rstd.f32(), T, D);
+  with_element(dy.dtype, [&](auto* grad) {
+    using G = std::remove_pointer_t<decltype(grad)>;
+    rmsnorm_dw_partial_kernel<<<grid, kThreads, 0, ctx.stream>>>(partials.f32(), (const G*)dy.ptr,
+                                                                 x.f32(), rstd.f32(), T, D);
+  });
   LAUNCH_CHECK(ctx, "rmsnorm_dw_partial_kernel");
   rmsnorm_dw_sum_kernel<<<grid_for(D), kThreads, 0, ctx.stream>>>(dw.f32(), partials.f32(),
                                                                   row_blocks, D);
@@ -440,41 +467,68 @@ static void rope_cpu(float* x, const int32_t* pos, int T, int H, int hd, float t
       }
 }
 
-// One thread per rotated pair.
-static __global__ void rope_kernel(float* x, const int32_t* pos, int64_t pairs, int H, int hd,
-                                   float theta, float sign) {
+// One thread per rotated pair; x read in fp32 or the 16-bit format it is stored in, the result
+// written into out (x itself, or a 16-bit tensor), each value rounded once as it is stored.
+template <typename I, typename O>
+static __global__ void rope_kernel(O* out, const I* x, const int32_t* pos, int64_t pairs, int H,
+                                   int hd, float theta, float sign) {
   int half = hd / 2;
   GRID_STRIDE_LOOP(p, pairs) {
     int i = (int)(p % half);
     int64_t head = p / half;  // t * H + h
     float angle = (float)pos[head / H] * (1.0f / powf(theta, (2.0f * i) / hd));
     float c = cosf(angle), s = sign * sinf(angle);
-    float* v = x + head * hd;  // [hd]
-    float a = v[i], b = v[i + half];
-    v[i] = a * c - b * s;
-    v[i + half] = b * c + a * s;
+    const I* v = x + head * hd;  // [hd]
+    O* o = out + head * hd;
+    float a = widen(v[i]), b = widen(v[i + half]);
+    store(o + i, a * c - b * s);
+    store(o + i + half, b * c + a * s);
   }
 }
 
-static void rope(const Context& ctx, const Tensor& x, const Tensor& positions, float theta,
-                 float sign) {
-  check_devices(ctx, "rope", x, positions);
+// out (x itself, or a 16-bit tensor x's rotation is rounded into) from x; `gradient` says the
+// rounding counts among the backward's (RoundingStats).
+static void rope(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& positions,
+                 float theta, float sign, bool gradient) {
+  check_devices(ctx, "rope", out, x, positions);
   PICO_ASSERT(x.dim() == 3 && x.size(2) % 2 == 0 && positions.numel() == x.size(0),
               "rope expects x [T, H, hd] with even hd and positions [T], got " + x.shape_str());
+  const bool in_place = out.ptr == x.ptr;
+  PICO_ASSERT(
+      float_storage(x.dtype) && out.numel() == x.numel() &&
+          (in_place ? out.dtype == x.dtype : x.dtype == DType::F32 && float_storage(out.dtype)),
+      std::string("rope from ") + dtype_name(x.dtype) + " into " + dtype_name(out.dtype));
   int T = (int)x.size(0), H = (int)x.size(1), hd = (int)x.size(2);
   const double n = (double)T * H * hd;
-  if (count_op(ctx.device, OpKind::Elementwise, {3.0 * n, 4.0 * n + 4.0 * T, 4.0 * n})) return;
-  if (ctx.device == Device::CPU) return rope_cpu(x.f32(), positions.i32(), T, H, hd, theta, sign);
+  if (count_op(ctx.device, OpKind::Elementwise,
+               {3.0 * n, dtype_size(x.dtype) * n + 4.0 * T, dtype_size(out.dtype) * n}))
+    return;
+  if (ctx.device == Device::CPU) {
+    if (x.dtype == DType::F32 && in_place)
+      return rope_cpu(x.f32(), positions.i32(), T, H, hd, theta, sign);
+    std::vector<float> v = widened(x);
+    rope_cpu(v.data(), positions.i32(), T, H, hd, theta, sign);
+    if (gradient && out.dtype != DType::F32)
+      return cast_gradient_host(out.ptr, out.dtype, v.data(), out.numel());   // counted
+    return cast_host(out.ptr, out.dtype, v.data(), DType::F32, out.numel());  // rounded once
+  }
   int64_t pairs = (int64_t)T * H * (hd / 2);
-  rope_kernel<<<grid_for(pairs), kThreads, 0, ctx.stream>>>(x.f32(), positions.i32(), pairs, H, hd,
-                                                            theta, sign);
+  with_element(x.dtype, [&](auto* in_type) {
+    using I = std::remove_pointer_t<decltype(in_type)>;
+    with_element(out.dtype, [&](auto* out_type) {
+      using O = std::remove_pointer_t<decltype(out_type)>;
+      rope_kernel<<<grid_for(pairs), kThreads, 0, ctx.stream>>>(
+          (O*)out.ptr, (const I*)x.ptr, positions.i32(), pairs, H, hd, theta, sign);
+    });
+  });
   LAUNCH_CHECK(ctx, "rope_kernel");
 }
 void rope_forward(const Context& ctx, const Tensor& x, const Tensor& positions, float theta) {
-  rope(ctx, x, positions, theta, 1.0f);
+  rope(ctx, x, x, positions, theta, 1.0f, false);
 }
-void rope_backward(const Context& ctx, const Tensor& dx, const Tensor& positions, float theta) {
-  rope(ctx, dx, positions, theta, -1.0f);
+void rope_backward(const Context& ctx, const Tensor& dx, const Tensor& positions, float theta,
+                   const Tensor& into) {
+  rope(ctx, into.defined() ? into : dx, dx, positions, theta, -1.0f, true);
 }
 
 // ============================================================================
@@ -599,9 +653,11 @@ static void axpby_cpu(float* out, float alpha, const float* a, float beta, const
   for (int64_t i = 0; i < n; i++) out[i] = alpha * a[i] + (b ? beta * b[i] : 0.0f);
 }
 
-static __global__ void axpby_kernel(float* out, float alpha, const float* a, float beta,
-                                    const float* b, int64_t n) {
-  GRID_STRIDE_LOOP(i, n) out[i] = alpha * a[i] + (b ? beta * b[i] : 0.0f);
+// B: b's storage, fp32 or a 16-bit format read widened (a layer's output in the compute format).
+template <typename B>
+static __global__ void axpby_kernel(float* out, float alpha, const float* a, float beta, const B* b,
+                                    int64_t n) {
+  GRID_STRIDE_LOOP(i, n) out[i] = alpha * a[i] + (b ? beta * widen(b[i]) : 0.0f);
 }
 
 static void axpby(const Context& ctx, const Tensor& out, float alpha, const Tensor& a, float beta,
@@ -611,12 +667,22 @@ static void axpby(const Context& ctx, const Tensor& out, float alpha, const Tens
   int64_t n = out.numel();
   PICO_ASSERT(a.numel() == n && (!b || b->numel() == n),
               "elementwise sizes differ: " + out.shape_str() + " vs " + a.shape_str());
-  const float* bp = b ? b->f32() : nullptr;
-  if (count_op(ctx.device, OpKind::Elementwise,
-               {(b ? 3.0 : 1.0) * n, (b ? 8.0 : 4.0) * n, 4.0 * n}))
+  const DType tb = b ? b->dtype : DType::F32;
+  PICO_ASSERT(out.dtype == DType::F32 && a.dtype == DType::F32 && float_storage(tb),
+              "residual/axpy/scale_: fp32 out and a, b fp32 or 16-bit");
+  const double eb = b ? (double)dtype_size(tb) : 0.0;
+  if (count_op(ctx.device, OpKind::Elementwise, {(b ? 3.0 : 1.0) * n, (4.0 + eb) * n, 4.0 * n}))
     return;
-  if (ctx.device == Device::CPU) return axpby_cpu(out.f32(), alpha, a.f32(), beta, bp, n);
-  axpby_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(out.f32(), alpha, a.f32(), beta, bp, n);
+  if (ctx.device == Device::CPU) {
+    if (tb == DType::F32)
+      return axpby_cpu(out.f32(), alpha, a.f32(), beta, b ? b->f32() : nullptr, n);
+    return axpby_cpu(out.f32(), alpha, a.f32(), beta, widened(*b).data(), n);  // exact
+  }
+  with_element(tb, [&](auto* type) {
+    using B = std::remove_pointer_t<decltype(type)>;
+    axpby_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(out.f32(), alpha, a.f32(), beta,
+                                                           b ? (const B*)b->ptr : nullptr, n);
+  });
   LAUNCH_CHECK(ctx, "axpby_kernel");
 }
 void residual_forward(const Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b) {
@@ -1069,6 +1135,80 @@ void adamw_update(const Context& ctx, float* p, const float* g, float* m, float*
   adamw_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(p, g, m, v, n, cfg, lr, weight_decay, bc1,
                                                          bc2, half, bf16);
   LAUNCH_CHECK(ctx, "adamw_kernel");
+}
+
+// Many slices in one launch (the multi-tensor AdamW of apex, PyTorch's foreach / fused AdamW
+// and llm.c): one kernel over every slice's blocks, numbered slice by slice, each block finding
+// its slice by binary search, as sum_many_kernel does. A step then launches one kernel where it
+// launched one per parameter, and each element's arithmetic is adamw_kernel's.
+struct AdamWItem {
+  float* p;
+  const float* g;
+  float *m, *v;
+  int64_t n;
+  float wd;
+  uint16_t* copy;
+  int64_t first_block;
+};
+static __global__ void adamw_many_kernel(const AdamWItem* items, int count, AdamWConfig cfg,
+                                         float lr, float bc1, float bc2, bool bf16) {
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) / 2;
+    if (items[mid].first_block <= (int64_t)blockIdx.x)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const AdamWItem it = items[lo];
+  int64_t block = blockIdx.x - it.first_block, blocks = grid_for_device(it.n);
+  for (int64_t i = block * blockDim.x + threadIdx.x; i < it.n; i += blocks * blockDim.x) {
+    float* p = it.p;
+    it.m[i] = cfg.beta1 * it.m[i] + (1.0f - cfg.beta1) * it.g[i];
+    it.v[i] = cfg.beta2 * it.v[i] + (1.0f - cfg.beta2) * it.g[i] * it.g[i];
+    float mhat = it.m[i] / bc1, vhat = it.v[i] / bc2;
+    p[i] -= lr * (mhat / (sqrtf(vhat) + cfg.eps) + it.wd * p[i]);
+    if (it.copy)
+      it.copy[i] = bf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(p[i]))
+                        : __half_as_ushort(__float2half_rn(p[i]));
+  }
+}
+
+void adamw_update_many(const Context& ctx, const std::vector<AdamWSlice>& slices,
+                       const AdamWConfig& cfg, float lr, int step, DType copy_dtype) {
+  PICO_ASSERT(step >= 1, "adamw_update_many: step counts from 1, got " + std::to_string(step));
+  PICO_ASSERT(copy_dtype == DType::BF16 || copy_dtype == DType::F16,
+              "adamw_update_many: compute copies are bf16 or fp16");
+  float bc1 = (float)(1.0 - std::pow((double)cfg.beta1, step));
+  float bc2 = (float)(1.0 - std::pow((double)cfg.beta2, step));
+  const bool bf16 = copy_dtype == DType::BF16;
+  double n = 0, copied = 0;
+  for (const AdamWSlice& s : slices) n += s.n, copied += s.copy ? s.n : 0;
+  if (count_op(ctx.device, OpKind::Optimizer,
+               {15.0 * n, 16.0 * n, 12.0 * n + 2.0 * copied, slices.empty() ? 0 : 1}))
+    return;
+  if (ctx.device == Device::CPU) {
+    for (const AdamWSlice& s : slices)
+      adamw_cpu(s.p, s.g, s.m, s.v, s.n, cfg, lr, s.weight_decay, bc1, bc2, s.copy, bf16);
+    return;
+  }
+  if (slices.empty()) return;
+  std::vector<AdamWItem> items(slices.size());
+  int64_t blocks = 0;
+  for (size_t j = 0; j < slices.size(); j++) {
+    const AdamWSlice& s = slices[j];
+    items[j] = {s.p, s.g, s.m, s.v, s.n, s.weight_decay, s.copy, blocks};
+    blocks += grid_for(s.n);
+  }
+  PICO_ASSERT(blocks <= INT32_MAX && slices.size() <= INT32_MAX, "adamw: too many slices at once");
+  Tensor buffer =
+      empty(ctx, {(int64_t)(items.size() * sizeof(AdamWItem) / sizeof(float))}, Mem::Workspace);
+  // From pageable memory: the call returns once the host data is staged, so `items` may go.
+  CUDA_CHECK(cudaMemcpyAsync(buffer.ptr, items.data(), items.size() * sizeof(AdamWItem),
+                             cudaMemcpyHostToDevice, ctx.stream));
+  adamw_many_kernel<<<(unsigned)blocks, kThreads, 0, ctx.stream>>>(
+      (const AdamWItem*)buffer.ptr, (int)items.size(), cfg, lr, bc1, bc2, bf16);
+  LAUNCH_CHECK(ctx, "adamw_many_kernel");
 }
 
 // ============================================================================

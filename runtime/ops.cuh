@@ -31,18 +31,23 @@ void embedding_backward(const Context& ctx, const Tensor& dtable, const Tensor& 
                         const Tensor& dout);
 
 // ---- RMSNorm: y = x / sqrt(mean(x^2) + eps) * w ----
-// x, y [T, D]; w [D]; rstd [T] saved for backward
+// x, y [T, D]; w [D] (fp32, or a bf16 / fp16 compute copy read widened); rstd [T] saved for
+// backward
 void rmsnorm_forward(const Context& ctx, const Tensor& y, const Tensor& rstd, const Tensor& x,
                      const Tensor& w, float eps);
-// dx[T, D] += ..., dw[D] += ...
+// dx[T, D] += ..., dw[D] += ... (dy fp32, or bf16 / fp16 as the linear layers wrote it)
 void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, const Tensor& dy,
                       const Tensor& x, const Tensor& w, const Tensor& rstd);
 
 // ---- RoPE, HF rotate_half convention: pairs (i, i + hd/2), angle pos * theta^(-2i/hd) ----
-// x [T, H, hd] rotated in place; positions [T] int32
+// x [T, H, hd] rotated in place (fp32, or bf16 / fp16 read widened and each value rounded once
+// as it is written back); positions [T] int32
 void rope_forward(const Context& ctx, const Tensor& x, const Tensor& positions, float theta);
-// dx [T, H, hd] in place: the inverse rotation (rotation matrices are orthogonal)
-void rope_backward(const Context& ctx, const Tensor& dx, const Tensor& positions, float theta);
+// dx [T, H, hd] in place: the inverse rotation (rotation matrices are orthogonal). With `into`
+// (an fp32 dx and a [T, H, hd] fp32, bf16 or fp16 tensor): the result written into it instead
+// (rounded once: the linear layers' input, a gradient whose rounding is counted), dx unchanged.
+void rope_backward(const Context& ctx, const Tensor& dx, const Tensor& positions, float theta,
+                   const Tensor& into = {});
 
 // ---- SwiGLU: out = silu(gate) * up ----
 // gate, up, out [T, F], all three fp32, or all three bf16 or fp16 (mixed precision's compute
@@ -54,6 +59,7 @@ void swiglu_backward(const Context& ctx, const Tensor& dgate, const Tensor& dup,
                      const Tensor& gate, const Tensor& up);
 
 // ---- residual: out = a + b (backward is the identity into both branches) ----
+// out and a fp32 (the residual stream); b fp32, or a layer's output in bf16 / fp16 read widened
 void residual_forward(const Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b);
 // y += alpha * x (same numel); the accumulate used by residual backward and gradient sums
 void axpy(const Context& ctx, const Tensor& y, float alpha, const Tensor& x);
@@ -109,6 +115,20 @@ struct AdamWConfig {
 void adamw_update(const Context& ctx, float* p, const float* g, float* m, float* v, int64_t n,
                   const AdamWConfig& cfg, float lr, float weight_decay, int step,
                   const Tensor& copy = {});
+
+// The same update on many slices (each n contiguous elements of p, g, m, v; a weight decay of
+// its own; a compute copy in copy_dtype or none) in one launch on CUDA, slice after slice on
+// the CPU: every element's arithmetic is adamw_update's.
+struct AdamWSlice {
+  float* p;
+  const float* g;
+  float *m, *v;
+  int64_t n;
+  float weight_decay;
+  uint16_t* copy;  // [n] the new p rounded into it, or null
+};
+void adamw_update_many(const Context& ctx, const std::vector<AdamWSlice>& slices,
+                       const AdamWConfig& cfg, float lr, int step, DType copy_dtype = DType::BF16);
 
 // ---- CPU threads (FlashAttention's CPU tiles) ----
 // Work split into independent items runs on as many threads as OpenBLAS may use, worker w

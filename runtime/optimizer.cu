@@ -42,6 +42,25 @@ void AdamW::update(const Context& ctx, const ParamSlice& s, float lr, float grad
                s.decay ? weight_decay : 0.0f, (int)steps, s.copy);
 }
 
+void AdamW::update(const Context& ctx, const ParamSlice* slices, size_t count, float lr,
+                   float grad_scale) const {
+  std::vector<AdamWSlice> fused;
+  DType copy_dtype = DType::BF16;
+  for (size_t i = 0; i < count; i++) {
+    const ParamSlice& s = slices[i];
+    if (s.grad_dtype != DType::F32) {  // widened one at a time (above)
+      update(ctx, s, lr, grad_scale);
+      continue;
+    }
+    PICO_ASSERT(grad_scale == 1.0f, "fp32 gradients are scaled in place");
+    if (s.copy.defined()) copy_dtype = s.copy.dtype;
+    fused.push_back({s.param, (const float*)s.grad, s.exp_avg, s.exp_avg_sq, s.count,
+                     s.decay ? weight_decay : 0.0f,
+                     s.copy.defined() ? (uint16_t*)s.copy.ptr : nullptr});
+  }
+  if (!fused.empty()) adamw_update_many(ctx, fused, hp, lr, (int)steps, copy_dtype);
+}
+
 float learning_rate(const LrSchedule& s, int64_t step) {
   if (step < s.warmup) return s.max_lr * (float)(step + 1) / (float)s.warmup;
   double progress = (double)(step - s.warmup) / std::max(1, s.total - s.warmup);

@@ -40,6 +40,10 @@ struct AdamW {
   // A bf16 gradient is widened into fp32 first (and multiplied by grad_scale, a factor kept
   // aside for it: clipping); an fp32 one is read as it is (grad_scale must be 1).
   void update(const Context& ctx, const ParamSlice& s, float lr, float grad_scale = 1.0f) const;
+  // The same on `count` slices: those with fp32 gradients in one launch (adamw_update_many),
+  // the same arithmetic.
+  void update(const Context& ctx, const ParamSlice* slices, size_t count, float lr,
+              float grad_scale = 1.0f) const;
 };
 
 struct LrSchedule {

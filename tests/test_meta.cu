@@ -137,6 +137,32 @@ TEST_CASE("a meta step counts the closed form's FLOPs for the GEMMs and the atte
   }
 }
 
+// The arena (runtime/core.cu): device buffers freed on a stream are reused by the next
+// allocation of their size there, so a step after the first calls the device's allocator
+// nowhere (as PyTorch's caching allocator gives). Counted on meta as CUDA would call it: a
+// dense and a mixture model, bf16 and fp32, recomputation, a pipeline rank of a simulated world.
+// The first step's count shows the counter counts.
+TEST_CASE("after the first step, a step makes no device allocator call", "[train]") {
+  const std::string model =
+      "--device meta --model llama-1b --layers 2 --seq 256 --steps 3 "
+      "--val-every 0 --report sync ";
+  for (const std::string& flags :
+       {std::string("--dtype bf16"), std::string("--dtype fp32 --recompute full --grad-acc 2"),
+        std::string("--dtype bf16 --experts 4 --top-k 2 --grad-acc 2"),
+        std::string("--dtype bf16 --pp 2 --grad-acc 4 --untie-embeddings --simulate-world 2 "
+                    "--simulate-rank 1")}) {
+    RunResult r = run_train(model + flags);
+    INFO(flags << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    std::smatch m;
+    REQUIRE(std::regex_search(
+        r.output, m,
+        std::regex("device allocator calls: ([0-9]+) in the first training step, ([0-9]+) per")));
+    CHECK(std::stoll(m[1]) > 10);  // activations, workspaces: the arena fills
+    CHECK(std::stoll(m[2]) == 0);
+  }
+}
+
 // --report roofline's GEMMs by shape: each linear layer y = x W^T (W [out, in], N tokens) is three
 // GEMMs, the forward C [N, out] (K = in), the input gradient C [N, in] (K = out) and the weight
 // gradient C [out, in] (K = N); equal shapes share a row. The closed form's list, from the

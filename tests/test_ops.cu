@@ -217,6 +217,30 @@ TEST_CASE("rmsnorm with a bf16 or fp16 output is the fp32 one rounded once", "[o
   }
 }
 
+TEST_CASE("rmsnorm reads a bf16 or fp16 weight as its fp32 values, bit for bit", "[ops]") {
+  // Mixed precision's norms read the weights' compute copy as it is stored (stored_weight):
+  // the same numbers as the widened copy they read before, forward and backward.
+  const int T = 5, D = 40;
+  Tensor x = randn({T, D}, "x", 2.0f), w = randn({D}, "w"), dy = randn({T, D}, "dy");
+  for (DType half : {DType::BF16, DType::F16}) {
+    INFO(dtype_name(half));
+    Tensor w16 = empty({D}, Mem::Params, Device::CPU, half);
+    cast_(kCpu, w16, w);
+    cast_(kCpu, w, w16);  // the fp32 weight: the format's values
+    Tensor y = empty({T, D}, Mem::Activations, Device::CPU, half), y2 = clone(y);
+    Tensor rstd = empty({T}, Mem::Activations), rstd2 = clone(rstd);
+    rmsnorm_forward(kCpu, y, rstd, x, w, 1e-5f);
+    rmsnorm_forward(kCpu, y2, rstd2, x, w16, 1e-5f);
+    CHECK(memcmp(y.ptr, y2.ptr, y.nbytes()) == 0);
+    CHECK(memcmp(rstd.ptr, rstd2.ptr, rstd.nbytes()) == 0);
+    Tensor dx = randn({T, D}, "dx0"), dw = randn({D}, "dw0"), dx2 = clone(dx), dw2 = clone(dw);
+    rmsnorm_backward(kCpu, dx, dw, dy, x, w, rstd);
+    rmsnorm_backward(kCpu, dx2, dw2, dy, x, w16, rstd);
+    CHECK(memcmp(dx.ptr, dx2.ptr, dx.nbytes()) == 0);
+    CHECK(memcmp(dw.ptr, dw2.ptr, dw.nbytes()) == 0);
+  }
+}
+
 TEST_CASE("rmsnorm_backward matches central differences and accumulates", "[ops]") {
   const int T = 3, D = 8;
   Tensor x = randn({T, D}, "x"), w = randn({D}, "w"), R = randn({T, D}, "R");
@@ -278,6 +302,43 @@ TEST_CASE("rope_backward matches central differences", "[ops]") {
     return weighted_sum(y, R);
   };
   check_gradient(x, dx, loss, 1e-2f, 1e-3f);  // linear in x: roundoff only
+}
+
+TEST_CASE("rope on bf16 or fp16 tensors is the fp32 rope of their values, rounded once", "[ops]") {
+  // Under --dtype bf16 and fp16 q and k stay in the format through RoPE: the same values as
+  // rotating in fp32 and rounding after, which is what the block did before.
+  for (DType half : {DType::BF16, DType::F16}) {
+    INFO(dtype_name(half));
+    const int T = 5, H = 3, hd = 16;
+    Tensor x = randn({T, H, hd}, "x", 2.0f), positions = ids_tensor({0, 1, 7, 300, 4095});
+    Tensor x16 = empty({T, H, hd}, Mem::Activations, Device::CPU, half);
+    cast_(kCpu, x16, x);
+    cast_(kCpu, x, x16);  // the fp32 input: the format's values
+    for (bool forward : {true, false}) {
+      INFO((forward ? "forward" : "backward"));
+      Tensor want16 = clone(x16);
+      if (forward)
+        rope_forward(kCpu, x, positions, 10000.0f), rope_forward(kCpu, x16, positions, 10000.0f);
+      else
+        rope_backward(kCpu, x, positions, 10000.0f), rope_backward(kCpu, x16, positions, 10000.0f);
+      cast_(kCpu, want16, x);
+      CHECK(memcmp(x16.ptr, want16.ptr, x16.nbytes()) == 0);
+      cast_(kCpu, x, x16);
+    }
+    // The backward from an fp32 gradient into the format (what the q and k projections read):
+    // the fp32 rotation rounded once, dx unchanged, the rounding counted as a gradient's.
+    Tensor dx = randn({T, H, hd}, "dx"), kept = clone(dx), into = clone(x16), want = clone(x16);
+    Tensor rotated = clone(dx);
+    rope_backward(kCpu, rotated, positions, 10000.0f);
+    cast_(kCpu, want, rotated);
+    reset_rounding_stats();
+    rope_backward(kCpu, dx, positions, 10000.0f, into);
+    CHECK(memcmp(into.ptr, want.ptr, into.nbytes()) == 0);
+    CHECK(memcmp(dx.ptr, kept.ptr, dx.nbytes()) == 0);
+    uint64_t nonzero = 0;
+    for (int i = 0; i < T * H * hd; i++) nonzero += rotated.f32()[i] != 0;
+    CHECK(rounding_stats(true).nonzero == nonzero);
+  }
 }
 
 // ----------------------------------------------------------------------------
@@ -365,6 +426,23 @@ TEST_CASE("residual_forward, axpy and scale_ give exact small-integer results", 
 // cross-entropy
 
 // A mixture of experts' combine: each row times its weight, and each row's dot product.
+TEST_CASE("residual_forward reads a bf16 or fp16 branch as its fp32 values, bit for bit", "[ops]") {
+  // On one tp rank the o and down projections write their output in the compute format, and
+  // the residual add widens it: the same sums as from the fp32 copy of those values.
+  const int n = 333;
+  Tensor a = randn({n}, "a", 3.0f), b = randn({n}, "b");
+  for (DType half : {DType::BF16, DType::F16}) {
+    INFO(dtype_name(half));
+    Tensor b16 = empty({n}, Mem::Activations, Device::CPU, half);
+    cast_(kCpu, b16, b);
+    cast_(kCpu, b, b16);
+    Tensor out = empty({n}, Mem::Activations), out16 = clone(out);
+    residual_forward(kCpu, out, a, b);
+    residual_forward(kCpu, out16, a, b16);
+    CHECK(memcmp(out.ptr, out16.ptr, out.nbytes()) == 0);
+  }
+}
+
 TEST_CASE("scale_rows and row_dots give exact small-integer results, zero rows included", "[ops]") {
   Tensor x = empty({3, 2}, Mem::Workspace), w = empty({3}, Mem::Workspace);
   Tensor y = empty({3, 2}, Mem::Workspace), d = empty({3}, Mem::Workspace);
@@ -541,6 +619,42 @@ TEST_CASE(
     }
     CHECK(wrong == 0);
   }
+}
+
+TEST_CASE("adamw_update_many: every slice as adamw_update alone, bit for bit, in one launch",
+          "[ops]") {
+  // Slices of different lengths (one empty), with and without weight decay and a compute copy,
+  // at offsets of one buffer as the flat parameters have them.
+  AdamWConfig cfg;
+  const std::vector<int64_t> lengths = {1, 257, 0, 4099, 33};
+  int64_t total = 0;
+  for (int64_t n : lengths) total += n;
+  Tensor p = randn({total}, "p"), m = zeros({total}, Mem::Optimizer), v = clone(m);
+  Tensor p2 = clone(p), m2 = clone(m), v2 = clone(m);
+  Tensor copy = zeros({total}, Mem::Params, Device::CPU, DType::BF16), copy2 = clone(copy);
+  reset_ledger();
+  for (int step = 1; step <= 3; step++) {
+    Tensor g = randn({total}, "g" + std::to_string(step));
+    std::vector<AdamWSlice> slices;
+    int64_t at = 0;
+    for (size_t j = 0; j < lengths.size(); j++) {
+      const int64_t n = lengths[j];
+      const float wd = j % 2 ? 0.1f : 0.0f;
+      Tensor c = j == 3 ? Tensor() : copy.view(at, {n});
+      adamw_update(kCpu, p.f32() + at, g.f32() + at, m.f32() + at, v.f32() + at, n, cfg, 1e-2f, wd,
+                   step, c);
+      slices.push_back({p2.f32() + at, g.f32() + at, m2.f32() + at, v2.f32() + at, n, wd,
+                        j == 3 ? nullptr : (uint16_t*)copy2.view(at, {n}).ptr});
+      at += n;
+    }
+    const int64_t launches = ledger().rows[(int)OpKind::Optimizer].launches;
+    adamw_update_many(kCpu, slices, cfg, 1e-2f, step);
+    CHECK(ledger().rows[(int)OpKind::Optimizer].launches == launches + 1);  // one kernel
+  }
+  CHECK(memcmp(p.ptr, p2.ptr, p.nbytes()) == 0);
+  CHECK(memcmp(m.ptr, m2.ptr, m.nbytes()) == 0);
+  CHECK(memcmp(v.ptr, v2.ptr, v.nbytes()) == 0);
+  CHECK(memcmp(copy.ptr, copy2.ptr, copy.nbytes()) == 0);
 }
 
 TEST_CASE("host synchronisations are counted where the host waits for the device", "[ops]") {
@@ -732,6 +846,21 @@ TEST_CASE("CUDA rmsnorm matches the CPU reference", "[gpu]") {
     cast_(wide, y16);
     cast_(g_wide, to_device(g_y16, Device::CPU, Mem::Workspace));
     check_close(to_host_floats(g_wide), wide, half == DType::BF16 ? 8e-3f : 1e-3f, 1e-6f);
+    // The weight's compute copy read as it is stored: the fp32 path's tolerances above, against
+    // the CPU on the same (widened) values.
+    Tensor w16 = empty({D}, Mem::Params, Device::CPU, half), w_wide = clone(w);
+    cast_(kCpu, w16, w), cast_(kCpu, w_wide, w16);
+    Tensor g_w16 = to_device(w16, Device::CUDA, Mem::Params);
+    Tensor y_w = empty({T, D}, Mem::Activations), rstd_w = clone(rstd);
+    Tensor dx_w = randn({T, D}, "dx1"), dw_w = randn({D}, "dw1");
+    Tensor g_y_w = gpu(y_w), g_dx_w = gpu(dx_w), g_dw_w = gpu(dw_w);
+    rmsnorm_forward(kCpu, y_w, rstd_w, x, w_wide, 1e-5f);
+    rmsnorm_forward(ctx, g_y_w, g_rstd, g_x, g_w16, 1e-5f);
+    check_close(host(ctx, g_y_w), y_w, 1e-5f, 1e-5f);
+    rmsnorm_backward(kCpu, dx_w, dw_w, dy, x, w_wide, rstd_w);
+    rmsnorm_backward(ctx, g_dx_w, g_dw_w, g_dy, g_x, g_w16, g_rstd);
+    check_close(host(ctx, g_dx_w), dx_w, 1e-4f, 1e-5f);
+    check_close(host(ctx, g_dw_w), dw_w, 1e-4f, 1e-4f);
   }
   ctx.destroy();
 }
@@ -775,6 +904,42 @@ TEST_CASE("CUDA rope matches the CPU reference", "[gpu]") {
   rope_backward(kCpu, x, positions, 10000.0f);
   rope_backward(ctx, g_x, g_positions, 10000.0f);
   check_close(host(ctx, g_x), x, 1e-5f, 4e-4f);  // two rotations' worth
+  ctx.destroy();
+}
+
+TEST_CASE("CUDA rope on bf16 and fp16 matches the CPU's, within one unit of the last place",
+          "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  const int T = 33, H = 3, hd = 64;
+  std::vector<int32_t> pos(T);
+  for (int t = 0; t < T; t++) pos[t] = 3 * t;
+  Tensor positions = ids_tensor(pos), g_positions = gpu(positions);
+  for (DType half : {DType::BF16, DType::F16}) {
+    INFO(dtype_name(half));
+    Tensor x = randn({T, H, hd}, "x"), x16 = empty({T, H, hd}, Mem::Activations, Device::CPU, half);
+    cast_(kCpu, x16, x);
+    Tensor g16 = empty({T, H, hd}, Mem::Activations, Device::CUDA, half);
+    copy_(g16, x16);
+    rope_forward(kCpu, x16, positions, 10000.0f);
+    rope_forward(ctx, g16, g_positions, 10000.0f);
+    Tensor back = clone(x16), want = empty({T, H, hd}, Mem::Activations);
+    copy_(back, g16);
+    Tensor got = clone(want);
+    cast_(kCpu, got, back), cast_(kCpu, want, x16);
+    // The fp32 rotations differ by a few ulp (the test above); rounded to the format, a value
+    // near a rounding boundary may land one unit apart: 2^-7 (bf16) of |x| < 4, plus that.
+    check_close(to_host_floats(got), want, 8e-3f, 2e-4f);
+    // The backward from fp32 into the format (RoPE's dq and dk for the projections' GEMMs).
+    Tensor dx = randn({T, H, hd}, "dx"), into = clone(x16), g_into = gpu(into), g_dx = gpu(dx);
+    rope_backward(kCpu, dx, positions, 10000.0f, into);
+    rope_backward(ctx, g_dx, g_positions, 10000.0f, g_into);
+    ctx.synchronize();
+    Tensor back_into = clone(into);
+    copy_(back_into, g_into);
+    cast_(kCpu, got, back_into), cast_(kCpu, want, into);
+    check_close(to_host_floats(got), want, 8e-3f, 2e-4f);  // as above
+  }
   ctx.destroy();
 }
 
@@ -846,6 +1011,13 @@ TEST_CASE("CUDA residual, axpy and scale_ match the CPU reference", "[gpu]") {
   scale_(kCpu, out, -1.7f);
   scale_(ctx, g_out, -1.7f);
   check_close(host(ctx, g_out), out, 1e-6f, 1e-6f);  // FMA in axpy: one rounding fewer
+  // A bf16 branch (a projection's output on one tp rank), read widened: one fp32 add, exact.
+  Tensor b16 = empty({n}, Mem::Activations, Device::CPU, DType::BF16);
+  cast_(kCpu, b16, b);
+  Tensor g_b16 = to_device(b16, Device::CUDA, Mem::Activations);
+  residual_forward(kCpu, out, a, b16);
+  residual_forward(ctx, g_out, g_a, g_b16);
+  check_close(host(ctx, g_out), out, 0.0f, 0.0f);
   ctx.destroy();
 }
 
@@ -946,6 +1118,47 @@ TEST_CASE("CUDA adamw matches the CPU reference", "[gpu]") {
   copy_(copy, g_copy);
   int wrong = 0;
   for (int i = 0; i < n; i++) wrong += ((const uint16_t*)copy.ptr)[i] != float_to_bf16(gp[i]);
+  CHECK(wrong == 0);
+  ctx.destroy();
+}
+
+TEST_CASE("CUDA adamw_update_many matches the CPU's, its bf16 copies bit for bit", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  AdamWConfig cfg;
+  const std::vector<int64_t> lengths = {1, 70000, 0, 4099, 33};  // 70000: many blocks
+  int64_t total = 0;
+  for (int64_t n : lengths) total += n;
+  Tensor p = randn({total}, "p"), m = zeros({total}, Mem::Optimizer), v = clone(m);
+  Tensor g_p = gpu(p), g_m = gpu(m), g_v = gpu(v);
+  Tensor copy = zeros({total}, Mem::Params, Device::CPU, DType::BF16);
+  Tensor g_copy = zeros({total}, Mem::Params, Device::CUDA, DType::BF16);
+  for (int step = 1; step <= 3; step++) {
+    Tensor g = randn({total}, "g" + std::to_string(step)), g_g = gpu(g);
+    std::vector<AdamWSlice> cpu, cuda;
+    int64_t at = 0;
+    for (size_t j = 0; j < lengths.size(); j++) {
+      const float wd = j % 2 ? 0.1f : 0.0f;
+      cpu.push_back({p.f32() + at, g.f32() + at, m.f32() + at, v.f32() + at, lengths[j], wd,
+                     (uint16_t*)copy.view(at, {lengths[j]}).ptr});
+      cuda.push_back({g_p.f32() + at, g_g.f32() + at, g_m.f32() + at, g_v.f32() + at, lengths[j],
+                      wd, (uint16_t*)g_copy.view(at, {lengths[j]}).ptr});
+      at += lengths[j];
+    }
+    adamw_update_many(kCpu, cpu, cfg, 1e-2f, step);
+    adamw_update_many(ctx, cuda, cfg, 1e-2f, step);
+    ctx.synchronize();  // g_g is freed at the end of the iteration
+  }
+  // As the single-slice test: fp32 arithmetic in another order of contraction (FMA) at most.
+  check_close(host(ctx, g_m), m, 1e-5f, 1e-7f);
+  check_close(host(ctx, g_v), v, 1e-5f, 1e-7f);
+  check_close(host(ctx, g_p), p, 1e-5f, 1e-6f);
+  std::vector<float> gp = host(ctx, g_p);
+  Tensor back = zeros({total}, Mem::Params, Device::CPU, DType::BF16);
+  copy_(back, g_copy);
+  int wrong = 0;
+  for (int64_t i = 0; i < total; i++)
+    wrong += ((const uint16_t*)back.ptr)[i] != float_to_bf16(gp[i]);
   CHECK(wrong == 0);
   ctx.destroy();
 }
