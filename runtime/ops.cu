@@ -987,9 +987,11 @@ struct SumItem {
   bool bf16;
   int64_t first_block;  // the first of this tensor's blocks; blocks are numbered tensor by tensor
 };
-static __global__ void sum_many_kernel(float* partials, const SumItem* items, int count,
-                                       bool squares) {
-  int lo = 0, hi = count - 1;  // the item whose blocks hold this one: binary search
+// Of `count` items whose blocks are numbered item by item (each knows its first_block), the one
+// that holds this block: a binary search.
+template <typename Item>
+static __device__ int item_of_block(const Item* items, int count) {
+  int lo = 0, hi = count - 1;
   while (lo < hi) {
     int mid = (lo + hi + 1) / 2;
     if (items[mid].first_block <= (int64_t)blockIdx.x)
@@ -997,7 +999,11 @@ static __global__ void sum_many_kernel(float* partials, const SumItem* items, in
     else
       hi = mid - 1;
   }
-  const SumItem item = items[lo];
+  return lo;
+}
+static __global__ void sum_many_kernel(float* partials, const SumItem* items, int count,
+                                       bool squares) {
+  const SumItem item = items[item_of_block(items, count)];
   int64_t block = blockIdx.x - item.first_block, blocks = grid_for_device(item.n);
   float acc = 0.0f;
   for (int64_t i = block * blockDim.x + threadIdx.x; i < item.n; i += blocks * blockDim.x) {
@@ -1102,18 +1108,21 @@ static void adamw_cpu(float* p, const float* g, float* m, float* v, int64_t n, A
   }
 }
 
+static __device__ void adamw_element(int64_t i, float* p, const float* g, float* m, float* v,
+                                     const AdamWConfig& cfg, float lr, float wd, float bc1,
+                                     float bc2, uint16_t* copy, bool bf16) {
+  m[i] = cfg.beta1 * m[i] + (1.0f - cfg.beta1) * g[i];
+  v[i] = cfg.beta2 * v[i] + (1.0f - cfg.beta2) * g[i] * g[i];
+  float mhat = m[i] / bc1, vhat = v[i] / bc2;
+  p[i] -= lr * (mhat / (sqrtf(vhat) + cfg.eps) + wd * p[i]);
+  if (copy)  // cast_'s conversions (cvt.rn), so the copy is bit for bit a cast of p
+    copy[i] = bf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(p[i]))
+                   : __half_as_ushort(__float2half_rn(p[i]));
+}
 static __global__ void adamw_kernel(float* p, const float* g, float* m, float* v, int64_t n,
                                     AdamWConfig cfg, float lr, float wd, float bc1, float bc2,
                                     uint16_t* copy, bool bf16) {
-  GRID_STRIDE_LOOP(i, n) {
-    m[i] = cfg.beta1 * m[i] + (1.0f - cfg.beta1) * g[i];
-    v[i] = cfg.beta2 * v[i] + (1.0f - cfg.beta2) * g[i] * g[i];
-    float mhat = m[i] / bc1, vhat = v[i] / bc2;
-    p[i] -= lr * (mhat / (sqrtf(vhat) + cfg.eps) + wd * p[i]);
-    if (copy)  // cast_'s conversions (cvt.rn), so the copy is bit for bit a cast of p
-      copy[i] = bf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(p[i]))
-                     : __half_as_ushort(__float2half_rn(p[i]));
-  }
+  GRID_STRIDE_LOOP(i, n) adamw_element(i, p, g, m, v, cfg, lr, wd, bc1, bc2, copy, bf16);
 }
 
 void adamw_update(const Context& ctx, float* p, const float* g, float* m, float* v, int64_t n,
@@ -1152,26 +1161,10 @@ struct AdamWItem {
 };
 static __global__ void adamw_many_kernel(const AdamWItem* items, int count, AdamWConfig cfg,
                                          float lr, float bc1, float bc2, bool bf16) {
-  int lo = 0, hi = count - 1;
-  while (lo < hi) {
-    int mid = (lo + hi + 1) / 2;
-    if (items[mid].first_block <= (int64_t)blockIdx.x)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  const AdamWItem it = items[lo];
+  const AdamWItem it = items[item_of_block(items, count)];
   int64_t block = blockIdx.x - it.first_block, blocks = grid_for_device(it.n);
-  for (int64_t i = block * blockDim.x + threadIdx.x; i < it.n; i += blocks * blockDim.x) {
-    float* p = it.p;
-    it.m[i] = cfg.beta1 * it.m[i] + (1.0f - cfg.beta1) * it.g[i];
-    it.v[i] = cfg.beta2 * it.v[i] + (1.0f - cfg.beta2) * it.g[i] * it.g[i];
-    float mhat = it.m[i] / bc1, vhat = it.v[i] / bc2;
-    p[i] -= lr * (mhat / (sqrtf(vhat) + cfg.eps) + it.wd * p[i]);
-    if (it.copy)
-      it.copy[i] = bf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(p[i]))
-                        : __half_as_ushort(__float2half_rn(p[i]));
-  }
+  for (int64_t i = block * blockDim.x + threadIdx.x; i < it.n; i += blocks * blockDim.x)
+    adamw_element(i, it.p, it.g, it.m, it.v, cfg, lr, it.wd, bc1, bc2, it.copy, bf16);
 }
 
 void adamw_update_many(const Context& ctx, const std::vector<AdamWSlice>& slices,
