@@ -562,11 +562,11 @@ float model_forward(const Context& ctx, Model& model, Activations& acts, const i
 // Backward
 
 // RoPE's backward on dx [N, heads * hd], its result in the format the linear layers' GEMMs read
-// the gradient in (runtime/dtype.cuh's gradient_operand: rounded once, counted; fp32 under fp32
-// and fp8, where the GEMMs round it themselves).
+// the gradient in (runtime/dtype.cuh's gradient_storage: rounded once, counted; under fp32 and
+// fp8 dx itself, rotated in place, which the GEMMs round themselves).
 static Tensor rope_backward_for_gemms(const Context& ctx, const Tensor& dx, int64_t heads,
                                       int64_t hd, const Tensor& positions, float theta) {
-  Tensor into = empty_in_compute_format(ctx, dx.shape, Mem::Workspace);
+  Tensor into = gradient_storage(ctx, dx);
   const std::vector<int64_t> rotated = {dx.size(0), heads, hd};
   rope_backward(ctx, dx.reshape(rotated), positions, theta, into.reshape(rotated));
   return into;

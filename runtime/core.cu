@@ -227,6 +227,7 @@ void* device_allocate(const ArenaKey& key) {
   if (err == cudaErrorMemoryAllocation) {  // the buffers held free, back; then once more
     (void)cudaGetLastError();
     release_held(true, nullptr);
+    count_host_sync();  // the frees complete before the retry
     CUDA_CHECK(cudaDeviceSynchronize());
     err = pooled ? cudaMallocAsync(&ptr, key.bytes, key.stream) : cudaMalloc(&ptr, key.bytes);
   }

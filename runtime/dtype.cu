@@ -283,11 +283,13 @@ void to_compute_format(const Context& ctx, Tensor& x, Mem category) {
 Tensor empty_in_compute_format(const Context& ctx, std::vector<int64_t> shape, Mem category) {
   return empty(ctx, std::move(shape), category, activation_dtype(ctx.precision));
 }
-Tensor gradient_operand(const Context& ctx, const Tensor& dy) {
+Tensor gradient_storage(const Context& ctx, const Tensor& dy) {
   const DType format = activation_dtype(ctx.precision);
-  if (dy.dtype == format) return dy;
-  Tensor stored = empty(ctx, dy.shape, Mem::Workspace, format);
-  cast_gradient_(ctx, stored, dy);
+  return dy.dtype == format ? dy : empty(ctx, dy.shape, Mem::Workspace, format);
+}
+Tensor gradient_operand(const Context& ctx, const Tensor& dy) {
+  Tensor stored = gradient_storage(ctx, dy);
+  if (stored.ptr != dy.ptr) cast_gradient_(ctx, stored, dy);
   return stored;
 }
 void store_in_compute_format(const Context& ctx, const std::vector<Tensor*>& kept) {

@@ -67,5 +67,8 @@ Tensor empty_in_compute_format(const Context& ctx, std::vector<int64_t> shape, M
 // once and stored in it under bf16 and fp16, counted once in the backward's rounding
 // statistics (cast_gradient_); dy itself under fp32 and fp8 (whose GEMMs quantize it).
 Tensor gradient_operand(const Context& ctx, const Tensor& dy);
+// Where such a gradient is written by an op that rounds it itself (RoPE's backward): dy itself
+// when it is in that format already (fp32 and fp8 runs), else an empty workspace in it.
+Tensor gradient_storage(const Context& ctx, const Tensor& dy);
 void store_in_compute_format(const Context& ctx, const std::vector<Tensor*>& kept);
 void widen_to_fp32(const Context& ctx, const std::vector<Tensor*>& kept);

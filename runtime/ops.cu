@@ -149,6 +149,12 @@ static std::vector<float> widened(const Tensor& t) {
   cast_host(v.data(), DType::F32, t.ptr, t.dtype, t.numel());
   return v;
 }
+// The same without a copy where t is fp32 already: t's own values, else widened into `wide`.
+static const float* host_floats(const Tensor& t, std::vector<float>& wide) {
+  if (t.dtype == DType::F32) return t.f32();
+  wide = widened(t);
+  return wide.data();
+}
 
 // Calls f with a null pointer of the element type `t` is stored in: float, bf16 or fp16.
 template <typename F>
@@ -383,11 +389,12 @@ void rmsnorm_forward(const Context& ctx, const Tensor& y, const Tensor& rstd, co
   if (count_op(ctx.device, OpKind::Norm, {4.0 * T * D, 4.0 * T * D + ew * D, ey * T * D + 4.0 * T}))
     return;
   if (ctx.device == Device::CPU) {
-    const std::vector<float> wv = widened(w);  // exact
+    std::vector<float> w_wide;
+    const float* wv = host_floats(w, w_wide);
     if (y.dtype == DType::F32)
-      return rmsnorm_forward_cpu(y.f32(), rstd.f32(), x.f32(), wv.data(), T, D, eps);
+      return rmsnorm_forward_cpu(y.f32(), rstd.f32(), x.f32(), wv, T, D, eps);
     std::vector<float> wide((size_t)T * D);
-    rmsnorm_forward_cpu(wide.data(), rstd.f32(), x.f32(), wv.data(), T, D, eps);
+    rmsnorm_forward_cpu(wide.data(), rstd.f32(), x.f32(), wv, T, D, eps);
     return cast_host(y.ptr, y.dtype, wide.data(), DType::F32, (int64_t)T * D);  // rounded once
   }
   if (T == 0) return;  // a grid of zero blocks is a launch error, not a no-op
@@ -418,9 +425,9 @@ void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, co
           {8.0 * T * D, (8.0 + eg) * T * D + 4.0 * T + (4.0 + ew) * D, 4.0 * T * D + 4.0 * D, 3}))
     return;
   if (ctx.device == Device::CPU) {
-    const std::vector<float> dyv = widened(dy);  // exact
-    return rmsnorm_backward_cpu(dx.f32(), dw.f32(), dyv.data(), x.f32(), widened(w).data(),
-                                rstd.f32(), T, D);
+    std::vector<float> dy_wide, w_wide;
+    return rmsnorm_backward_cpu(dx.f32(), dw.f32(), host_floats(dy, dy_wide), x.f32(),
+                                host_floats(w, w_wide), rstd.f32(), T, D);
   }
   if (T == 0) return;  // no rows: nothing to add (and a zero-block grid would not launch)
   with_element(dy.dtype, [&](auto* grad) {
@@ -674,9 +681,8 @@ static void axpby(const Context& ctx, const Tensor& out, float alpha, const Tens
   if (count_op(ctx.device, OpKind::Elementwise, {(b ? 3.0 : 1.0) * n, (4.0 + eb) * n, 4.0 * n}))
     return;
   if (ctx.device == Device::CPU) {
-    if (tb == DType::F32)
-      return axpby_cpu(out.f32(), alpha, a.f32(), beta, b ? b->f32() : nullptr, n);
-    return axpby_cpu(out.f32(), alpha, a.f32(), beta, widened(*b).data(), n);  // exact
+    std::vector<float> b_wide;
+    return axpby_cpu(out.f32(), alpha, a.f32(), beta, b ? host_floats(*b, b_wide) : nullptr, n);
   }
   with_element(tb, [&](auto* type) {
     using B = std::remove_pointer_t<decltype(type)>;
@@ -1125,16 +1131,19 @@ static __global__ void adamw_kernel(float* p, const float* g, float* m, float* v
   GRID_STRIDE_LOOP(i, n) adamw_element(i, p, g, m, v, cfg, lr, wd, bc1, bc2, copy, bf16);
 }
 
+// 1 - beta^step, once, in double, so both devices divide by the same float (step counts from 1).
+static float bias_correction(float beta, int step) {
+  PICO_ASSERT(step >= 1, "adamw: step counts from 1, got " + std::to_string(step));
+  return (float)(1.0 - std::pow((double)beta, step));
+}
+
 void adamw_update(const Context& ctx, float* p, const float* g, float* m, float* v, int64_t n,
                   const AdamWConfig& cfg, float lr, float weight_decay, int step,
                   const Tensor& copy) {
-  PICO_ASSERT(step >= 1, "adamw_update: step counts from 1, got " + std::to_string(step));
   PICO_ASSERT(!copy.defined() || ((copy.dtype == DType::BF16 || copy.dtype == DType::F16) &&
                                   copy.numel() == n && copy.device == ctx.device),
               "adamw_update: a compute copy is " + std::to_string(n) + " bf16 or fp16 values");
-  // Bias corrections once, in double, so both devices divide by the same two floats.
-  float bc1 = (float)(1.0 - std::pow((double)cfg.beta1, step));
-  float bc2 = (float)(1.0 - std::pow((double)cfg.beta2, step));
+  const float bc1 = bias_correction(cfg.beta1, step), bc2 = bias_correction(cfg.beta2, step);
   uint16_t* half = copy.defined() ? (uint16_t*)copy.ptr : nullptr;
   const bool bf16 = copy.dtype == DType::BF16;
   if (count_op(ctx.device, OpKind::Optimizer, {15.0 * n, 16.0 * n, (half ? 14.0 : 12.0) * n}))
@@ -1169,14 +1178,15 @@ static __global__ void adamw_many_kernel(const AdamWItem* items, int count, Adam
 
 void adamw_update_many(const Context& ctx, const std::vector<AdamWSlice>& slices,
                        const AdamWConfig& cfg, float lr, int step, DType copy_dtype) {
-  PICO_ASSERT(step >= 1, "adamw_update_many: step counts from 1, got " + std::to_string(step));
   PICO_ASSERT(copy_dtype == DType::BF16 || copy_dtype == DType::F16,
               "adamw_update_many: compute copies are bf16 or fp16");
-  float bc1 = (float)(1.0 - std::pow((double)cfg.beta1, step));
-  float bc2 = (float)(1.0 - std::pow((double)cfg.beta2, step));
+  const float bc1 = bias_correction(cfg.beta1, step), bc2 = bias_correction(cfg.beta2, step);
   const bool bf16 = copy_dtype == DType::BF16;
   double n = 0, copied = 0;
-  for (const AdamWSlice& s : slices) n += s.n, copied += s.copy ? s.n : 0;
+  for (const AdamWSlice& s : slices) {
+    n += s.n;
+    if (s.copy) copied += s.n;
+  }
   if (count_op(ctx.device, OpKind::Optimizer,
                {15.0 * n, 16.0 * n, 12.0 * n + 2.0 * copied, slices.empty() ? 0 : 1}))
     return;

@@ -45,7 +45,8 @@ void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, co
 void rope_forward(const Context& ctx, const Tensor& x, const Tensor& positions, float theta);
 // dx [T, H, hd] in place: the inverse rotation (rotation matrices are orthogonal). With `into`
 // (an fp32 dx and a [T, H, hd] fp32, bf16 or fp16 tensor): the result written into it instead
-// (rounded once: the linear layers' input, a gradient whose rounding is counted), dx unchanged.
+// (rounded once: the linear layers' input, a gradient whose rounding is counted), dx unchanged
+// unless `into` is dx itself.
 void rope_backward(const Context& ctx, const Tensor& dx, const Tensor& positions, float theta,
                    const Tensor& into = {});
 

@@ -1094,6 +1094,23 @@ TEST_CASE("CUDA sum and sum_squares match the CPU reference", "[gpu]") {
   ctx.destroy();
 }
 
+// The GPU's AdamW state against the CPU's: fp32 arithmetic in another order of contraction
+// (FMA) at most; and the bf16 compute copy written in the same kernel, the GPU's new weights
+// rounded, bit for bit.
+void check_adamw_on_gpu(const Context& ctx, const Tensor& g_p, const Tensor& g_m, const Tensor& g_v,
+                        const Tensor& g_copy, const Tensor& p, const Tensor& m, const Tensor& v) {
+  check_close(host(ctx, g_m), m, 1e-5f, 1e-7f);
+  check_close(host(ctx, g_v), v, 1e-5f, 1e-7f);
+  check_close(host(ctx, g_p), p, 1e-5f, 1e-6f);
+  std::vector<float> gp = host(ctx, g_p);
+  Tensor copy = zeros(g_copy.shape, Mem::Params, Device::CPU, DType::BF16);
+  copy_(copy, g_copy);
+  int64_t wrong = 0;
+  for (size_t i = 0; i < gp.size(); i++)
+    wrong += ((const uint16_t*)copy.ptr)[i] != float_to_bf16(gp[i]);
+  CHECK(wrong == 0);
+}
+
 TEST_CASE("CUDA adamw matches the CPU reference", "[gpu]") {
   SKIP_WITHOUT_CUDA();
   Context ctx = Context::create(Device::CUDA);
@@ -1109,16 +1126,7 @@ TEST_CASE("CUDA adamw matches the CPU reference", "[gpu]") {
                  g_copy);
     ctx.synchronize();  // g_g is freed at the end of the iteration
   }
-  check_close(host(ctx, g_m), m, 1e-5f, 1e-7f);
-  check_close(host(ctx, g_v), v, 1e-5f, 1e-7f);
-  check_close(host(ctx, g_p), p, 1e-5f, 1e-6f);
-  // The bf16 compute copy written in the same kernel: the GPU's new weights rounded, bit for bit.
-  std::vector<float> gp = host(ctx, g_p);
-  Tensor copy = zeros({n}, Mem::Params, Device::CPU, DType::BF16);
-  copy_(copy, g_copy);
-  int wrong = 0;
-  for (int i = 0; i < n; i++) wrong += ((const uint16_t*)copy.ptr)[i] != float_to_bf16(gp[i]);
-  CHECK(wrong == 0);
+  check_adamw_on_gpu(ctx, g_p, g_m, g_v, g_copy, p, m, v);
   ctx.destroy();
 }
 
@@ -1149,17 +1157,7 @@ TEST_CASE("CUDA adamw_update_many matches the CPU's, its bf16 copies bit for bit
     adamw_update_many(ctx, cuda, cfg, 1e-2f, step);
     ctx.synchronize();  // g_g is freed at the end of the iteration
   }
-  // As the single-slice test: fp32 arithmetic in another order of contraction (FMA) at most.
-  check_close(host(ctx, g_m), m, 1e-5f, 1e-7f);
-  check_close(host(ctx, g_v), v, 1e-5f, 1e-7f);
-  check_close(host(ctx, g_p), p, 1e-5f, 1e-6f);
-  std::vector<float> gp = host(ctx, g_p);
-  Tensor back = zeros({total}, Mem::Params, Device::CPU, DType::BF16);
-  copy_(back, g_copy);
-  int wrong = 0;
-  for (int64_t i = 0; i < total; i++)
-    wrong += ((const uint16_t*)back.ptr)[i] != float_to_bf16(gp[i]);
-  CHECK(wrong == 0);
+  check_adamw_on_gpu(ctx, g_p, g_m, g_v, g_copy, p, m, v);
   ctx.destroy();
 }
 
