@@ -376,8 +376,8 @@ class FlashAttention : public AttentionCore {
                                       saved.lse, D, a);
     }
     Tensor d_out = in_bf16(ctx, dout);
-    attention_out_dot_dout_bf16(ctx, D.f32(), bf16_ptr(d_out), bf16_ptr(in_bf16(ctx, out)), a);
-    zero_(ctx, dq), zero_(ctx, dk), zero_(ctx, dv);
+    attention_out_dot_dout_bf16(ctx, D.f32(), bf16_ptr(d_out), bf16_ptr(in_bf16(ctx, out)), a,
+                                dq.f32(), dk.f32(), dv.f32());  // and dq, dk, dv = 0
     flash_attention_backward_bf16(ctx, dq.f32(), dk.f32(), dv.f32(), bf16_ptr(d_out),
                                   bf16_ptr(in_bf16(ctx, q)), bf16_ptr(in_bf16(ctx, k)),
                                   bf16_ptr(in_bf16(ctx, v)), saved.lse.f32(), D.f32(), a);

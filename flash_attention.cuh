@@ -165,17 +165,16 @@ void attention_lse_merge(const Context& ctx, const Tensor& out, const Tensor& ls
                          const Tensor& out2, const Tensor& lse2, const AttentionBlock& a);
 
 // ---- bf16 on tensor cores (mma.sync m16n8k16, fp32 accumulation; sm_80 and newer) ----
-// In kernels/flash_attention_bf16.cu, but for attention_out_dot_dout_bf16 (one kernel with the
-// fp32 version). CUDA only, raw device pointers in the layouts above; hd in {16, 32, 64, 128}.
-// local_attention's flash runs them under --dtype bf16 (and fp8) on a GPU; the benchmark and the
-// GPU tests call them directly.
-// out (=) bf16, lse (=) fp32.
+// In kernels/flash_attention_bf16.cu. CUDA only, raw device pointers in the layouts above; hd in
+// {16, 32, 64, 128}. local_attention's flash runs them under --dtype bf16 (and fp8) on a GPU; the
+// benchmark and the GPU tests call them directly. out (=) bf16, lse (=) fp32.
 void flash_attention_forward_bf16(const Context& ctx, __nv_bfloat16* out, float* lse,
                                   const __nv_bfloat16* q, const __nv_bfloat16* k,
                                   const __nv_bfloat16* v, const AttentionBlock& a);
-// D (=) fp32 from bf16 dout and out.
+// D (=) fp32 from bf16 dout and out; given dq, dk and dv, also set to zero for the backward.
 void attention_out_dot_dout_bf16(const Context& ctx, float* D, const __nv_bfloat16* dout,
-                                 const __nv_bfloat16* out, const AttentionBlock& a);
+                                 const __nv_bfloat16* out, const AttentionBlock& a,
+                                 float* dq = nullptr, float* dk = nullptr, float* dv = nullptr);
 // dq, dk, dv (+=) in fp32, as flash_attention_backward.
 void flash_attention_backward_bf16(const Context& ctx, float* dq, float* dk, float* dv,
                                    const __nv_bfloat16* dout, const __nv_bfloat16* q,

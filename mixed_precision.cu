@@ -132,9 +132,7 @@ void refresh_compute_copies(const Context& ctx) {
   for (const WeightCopies::Copy& c : ctx.weight_copies->copies) cast_(ctx, c.half, c.master);
 }
 
-// W in the compute format as it is stored: W itself (ZeRO-1/2 keep only that), its kept copy,
-// or none (ZeRO-3's gathered fp32 weights).
-static Tensor weight_as_stored(const Context& ctx, const Tensor& W) {
+Tensor weight_as_stored(const Context& ctx, const Tensor& W) {
   if (W.dtype != DType::F32) return W;
   return ctx.weight_copies ? ctx.weight_copies->find(W) : Tensor{};
 }

@@ -87,6 +87,9 @@ void refresh_compute_copies(const Context& ctx);
 // copy, or W rounded (ZeRO-3's gathered fp32 weights). So every op reads what a model held in
 // bf16 reads (as Megatron's --bf16 models do), and every layout reads the same numbers.
 Tensor compute_weight(const Context& ctx, const Tensor& W);
+// W in the compute format as it is stored: W itself (ZeRO-1/2 keep only that), its kept copy,
+// or undefined (ZeRO-3's gathered fp32 weights): what a GEMM on the GPU path reads as it is.
+Tensor weight_as_stored(const Context& ctx, const Tensor& W);
 // A weight as an op that widens what it reads takes it (the embedding's lookup, RMSNorm): W in
 // the compute format as stored (W itself or its kept copy), else compute_weight(W). The same
 // values, without a widened copy.

@@ -6,6 +6,8 @@
 // (selective), or keep only each block's input and recompute the whole block (full).
 // Guide: docs/first-steps.md (the code in reading order, the reports that show it).
 #include <algorithm>
+#include <functional>
+#include <numeric>
 
 #include "mixed_precision.cuh"
 #include "model.cuh"
@@ -250,6 +252,27 @@ static Tensor act(std::vector<int64_t> shape, const Context& c) {
 static Tensor work(std::vector<int64_t> shape, const Context& c) {
   return empty(c, shape, Mem::Workspace);
 }
+// Tensors of the given shapes one after another in `whole` (views; the buffer lives while any
+// of them does): the q, k and v projections' outputs and gradients, the MLP's gate and up, which
+// their GEMMs then write and read as one strided batch where neighbours have one shape
+// (tensor_parallel.cu, mixed_precision.cuh's linear_forward_many).
+using Shape = std::vector<int64_t>;
+static int64_t total(const std::vector<Shape>& shapes) {
+  int64_t n = 0;
+  for (const Shape& s : shapes)
+    n += std::accumulate(s.begin(), s.end(), (int64_t)1, std::multiplies<int64_t>());
+  return n;
+}
+static std::vector<Tensor> packed(const Tensor& whole, const std::vector<Shape>& shapes) {
+  PICO_ASSERT(whole.numel() == total(shapes), "packed: the shapes fill " + whole.shape_str());
+  std::vector<Tensor> parts;
+  int64_t at = 0;
+  for (const Shape& s : shapes) {
+    parts.push_back(whole.view(at, s));
+    at += total({s});
+  }
+  return parts;
+}
 
 // The attention core (DESIGN 6, "Attention"): the model's one AttentionCore, naive, flash or
 // ring (flash_attention.cuh), chosen when the model was built. Under mixed precision attention
@@ -289,36 +312,58 @@ static void attention_core_backward(const Context& ctx, const Model& m, BlockAct
       heads(a.q, L.heads, hd), heads(a.k, L.kv_heads, hd), heads(a.v, L.kv_heads, hd));
 }
 
-// Fills every field of `a` (a.x must be set) and writes the block's output into x_out.
+// The residual stream between blocks: x, plus `branch` when it is still a sum to take (the last
+// block's MLP output), which the next op that reads the stream adds as it reads it: the next
+// block's first norm or the final norm, in one pass with the norm (as Megatron's and Apex's
+// fused add + norm), or a plain add where the stream leaves the stage.
+struct Residual {
+  Tensor x, branch;
+};
+// The stream whole (returned: x itself, or the new sum in fp32) and its RMSNorm y, rstd.
+static Tensor residual_then_norm(const Context& ctx, const Residual& stream, const Tensor& y,
+                                 const Tensor& rstd, const Tensor& w, float eps) {
+  if (!stream.branch.defined()) {
+    rmsnorm_forward(ctx, y, rstd, stream.x, w, eps);
+    return stream.x;
+  }
+  Tensor sum = act(stream.x.shape, ctx);
+  residual_rmsnorm_forward(ctx, sum, y, rstd, stream.x, stream.branch, w, eps);
+  return sum;
+}
+
+// Fills every field of `a` from the block's input `stream` and leaves its output there.
 // x, x_mid, norms: [n, D] (n = N/tp under SP, else N); q, k, v, attn, gate, up, act: [N, local].
 // The book's figure, top to bottom; the column- and row-parallel linears are tensor_parallel.cu's.
 static void block_forward(const Context& ctx, const Model& m, const BlockWeights& w,
                           BlockActivations& a, const Tensor& positions, int B, int T,
-                          const Tensor& x_out, int layer, std::vector<float>* carry) {
+                          Residual& stream, int layer, std::vector<float>* carry) {
   const ModelConfig& c = m.cfg;
   const LocalDims& L = m.tp.local;
   int64_t N = (int64_t)B * T, n = sp_tokens(m.tp, N), D = c.d_model, hd = c.head_dim();
-  // Attention: x_mid = x + o(attn(rope(q(n1)), rope(k(n1)), v(n1))), n1 = rmsnorm(x)
+  // Attention: x_mid = x + o(attn(rope(q(n1)), rope(k(n1)), v(n1))), n1 = rmsnorm(x), where x
+  // is the last block's output, its residual add taken here with the norm in one pass.
   // The norms' outputs are read by linear layers only: written in the compute format.
   a.norm1 = empty_in_compute_format(ctx, {n, D}, Mem::Activations), a.rstd1 = act({n}, ctx);
-  rmsnorm_forward(ctx, a.norm1, a.rstd1, a.x, stored_weight(ctx, w.attn_norm), c.norm_eps);
-  a.q = empty_in_compute_format(ctx, {N, L.heads * hd}, Mem::Activations);
-  a.k = empty_in_compute_format(ctx, {N, L.kv_heads * hd}, Mem::Activations);
-  a.v = empty_in_compute_format(ctx, {N, L.kv_heads * hd}, Mem::Activations);
+  a.x = residual_then_norm(ctx, stream, a.norm1, a.rstd1, stored_weight(ctx, w.attn_norm),
+                           c.norm_eps);
+  const std::vector<Shape> qkv = {{N, L.heads * hd}, {N, L.kv_heads * hd}, {N, L.kv_heads * hd}};
+  std::vector<Tensor> made =
+      packed(empty_in_compute_format(ctx, {total(qkv)}, Mem::Activations), qkv);
+  a.q = made[0], a.k = made[1], a.v = made[2];
   column_parallel_forward(m.tp, ctx, a.norm1, {{a.q, w.wq}, {a.k, w.wk}, {a.v, w.wv}});
-  rope_forward(ctx, a.q.reshape({N, L.heads, hd}), positions, c.rope_theta);
-  rope_forward(ctx, a.k.reshape({N, L.kv_heads, hd}), positions, c.rope_theta);
+  rope_forward(ctx, a.q.reshape({N, L.heads, hd}), a.k.reshape({N, L.kv_heads, hd}), positions,
+               c.rope_theta);
   attention_core_forward(ctx, m, a, B, T);
   Tensor out = tp_region_output(m.tp, ctx, n, D);
   row_parallel_forward(m.tp, ctx, out, a.attn, w.wo);
+  // MLP: x_out = x_mid + mlp(n2), n2 = rmsnorm(x_mid), the add and the norm in one pass
   a.x_mid = act({n, D}, ctx);
-  residual_forward(ctx, a.x_mid, a.x, out);
-  out = Tensor();  // the MLP writes an output of its own
-
-  // MLP: x_out = x_mid + mlp(n2), n2 = rmsnorm(x_mid)
   a.norm2 = empty_in_compute_format(ctx, {n, D}, Mem::Activations), a.rstd2 = act({n}, ctx);
-  rmsnorm_forward(ctx, a.norm2, a.rstd2, a.x_mid, stored_weight(ctx, w.mlp_norm), c.norm_eps);
-  residual_forward(ctx, x_out, a.x_mid, m.mlp->forward(ctx, m, layer, w, a, a.norm2, carry));
+  residual_rmsnorm_forward(ctx, a.x_mid, a.norm2, a.rstd2, a.x, out, stored_weight(ctx, w.mlp_norm),
+                           c.norm_eps);
+  out = Tensor();  // the MLP writes an output of its own
+  stream = {a.x_mid,
+            m.mlp->forward(ctx, m, layer, w, a, a.norm2, carry)};  // added by what reads it
 }
 
 // The dense MLP: down(swiglu(gate(x), up(x))), column- then row-parallel (Playbook §5.2).
@@ -328,8 +373,9 @@ struct DenseMlp : FeedForward {
     int64_t N = (int64_t)x.size(0) * (m.tp.sp ? m.tp.size() : 1), F = m.tp.local.ffn;
     // Under bf16 and fp16 the GEMMs write gate and up in that format and SwiGLU reads and
     // writes it: the [N, F] tensors, the block's largest, are never fp32.
-    a.gate = empty_in_compute_format(ctx, {N, F}, Mem::Activations);
-    a.up = empty_in_compute_format(ctx, {N, F}, Mem::Activations);
+    std::vector<Tensor> gate_up =
+        packed(empty_in_compute_format(ctx, {2 * N * F}, Mem::Activations), {{N, F}, {N, F}});
+    a.gate = gate_up[0], a.up = gate_up[1];
     a.act = empty_in_compute_format(ctx, {N, F}, Mem::Activations);
     column_parallel_forward(m.tp, ctx, x, {{a.gate, w.w_gate}, {a.up, w.w_up}});
     swiglu_forward(ctx, a.act, a.gate, a.up);
@@ -338,16 +384,17 @@ struct DenseMlp : FeedForward {
     return out;
   }
   Tensor backward(const Context& ctx, const Model& m, const BlockWeights& w, const BlockWeights& g,
-                  BlockActivations& a, const Tensor& x, const Tensor& dout,
+                  BlockActivations& a, const Tensor& x, const ResidualGradient& dout,
                   const std::vector<float>&, float, DeferredGrads* deferred) const override {
     int64_t N = a.gate.size(0), F = m.tp.local.ffn;
     Tensor dx = tp_region_output(m.tp, ctx, x.size(0), x.size(1));
     // Under bf16 and fp16 the three gradients too are stored in that format: each is read by
     // GEMMs or SwiGLU only, which round it once as they write it.
     Tensor d_act = empty_in_compute_format(ctx, {N, F}, Mem::Workspace);
-    Tensor d_gate = empty_in_compute_format(ctx, {N, F}, Mem::Workspace);
-    Tensor d_up = empty_in_compute_format(ctx, {N, F}, Mem::Workspace);
-    row_parallel_backward(m.tp, ctx, d_act, g.w_down, dout, a.act, w.w_down, deferred);
+    std::vector<Tensor> d_gate_up =
+        packed(empty_in_compute_format(ctx, {2 * N * F}, Mem::Workspace), {{N, F}, {N, F}});
+    Tensor d_gate = d_gate_up[0], d_up = d_gate_up[1];
+    row_parallel_backward(m.tp, ctx, d_act, g.w_down, dout.for_gemms(), a.act, w.w_down, deferred);
     swiglu_backward(ctx, d_gate, d_up, d_act, a.gate, a.up);
     column_parallel_backward(m.tp, ctx, dx, x,
                              {{d_gate, w.w_gate, g.w_gate}, {d_up, w.w_up, g.w_up}}, deferred);
@@ -369,12 +416,12 @@ struct MixtureMlp : FeedForward {
     return out;
   }
   Tensor backward(const Context& ctx, const Model& m, const BlockWeights& w, const BlockWeights& g,
-                  BlockActivations& a, const Tensor& x, const Tensor& dout,
+                  BlockActivations& a, const Tensor& x, const ResidualGradient& dout,
                   const std::vector<float>& carry, float loss_scale,
                   DeferredGrads* deferred) const override {
     Tensor dx = work(x.shape, ctx);  // fp32, as the combine's backward writes it
-    moe_backward(m.ep, m.tp, m.cfg, ctx, w.moe, g.moe, a.moe, cast_to(ctx, x, DType::F32), dout, dx,
-                 carry, loss_scale, deferred);
+    moe_backward(m.ep, m.tp, m.cfg, ctx, w.moe, g.moe, a.moe, cast_to(ctx, x, DType::F32), dout.sum,
+                 dx, carry, loss_scale, deferred);
     return dx;
   }
   int carry_numel() const override { return 2 * n_experts; }
@@ -418,8 +465,8 @@ static void rebuild_for_backward(const Context& ctx, const Model& m, const Block
                                  BlockActivations& a, const Tensor& positions, int B, int T,
                                  Recompute mode) {
   if (mode == Recompute::Full) {  // the whole block from its input
-    Tensor x_out = work({a.x.size(0), m.cfg.d_model}, ctx);
-    block_forward(ctx, m, w, a, positions, B, T, x_out, -1, nullptr);
+    Residual stream{a.x, Tensor()};
+    block_forward(ctx, m, w, a, positions, B, T, stream, -1, nullptr);
   }
 }
 
@@ -452,13 +499,13 @@ static Tensor device_ints(const std::vector<int32_t>& v, const Context& ctx) {
 
 // Final RMSNorm, the column-parallel LM head (this rank's vocabulary slice) and, with targets,
 // the (vocab-parallel) cross-entropy. Returns the sum of per-token losses.
-static float head_forward(const Context& ctx, Model& model, Activations& acts,
+static float head_forward(const Context& ctx, Model& model, Activations& acts, Residual& stream,
                           const int32_t* targets) {
   const LocalDims& L = model.tp.local;
-  int64_t N = (int64_t)acts.B * acts.T, n = acts.x_final.size(0), D = model.cfg.d_model;
+  int64_t N = (int64_t)acts.B * acts.T, n = stream.x.size(0), D = model.cfg.d_model;
   acts.normf = empty_in_compute_format(ctx, {n, D}, Mem::Activations), acts.rstdf = act({n}, ctx);
-  rmsnorm_forward(ctx, acts.normf, acts.rstdf, acts.x_final, stored_weight(ctx, model.w.final_norm),
-                  model.cfg.norm_eps);
+  acts.x_final = residual_then_norm(ctx, stream, acts.normf, acts.rstdf,
+                                    stored_weight(ctx, model.w.final_norm), model.cfg.norm_eps);
   // Under bf16 and fp16 the final norm's output (as the blocks' norms') and the logits are in
   // that format: the cross-entropy reads the logits widened and writes their gradient in place,
   // rounded once (the head's GEMMs read nothing finer).
@@ -532,23 +579,29 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
     run_hook(hooks.after_forward, model.embedding_unit());
   }
   PICO_ASSERT(x.defined() && x.numel() == n * D, "stage input " + x.shape_str());
+  Residual stream{x, Tensor()};
+  x = Tensor();
   acts.blocks.resize(model.blocks(chunk));
   for (int l = 0; l < model.blocks(chunk); l++) {
     BlockActivations& a = acts.blocks[l];
-    a.x = x;
-    x = act({n, D}, ctx);
     for (int u : block_units(model, chunk, l)) run_hook(hooks.before_forward, u);
     block_forward(ctx, model, model.w.blocks[model.chunk_block0[chunk] + l], a, acts.positions, B,
-                  T, x, stage.first_block + l, &acts.carry);
+                  T, stream, stage.first_block + l, &acts.carry);
     for (int u : block_units(model, chunk, l)) run_hook(hooks.after_forward, u);
     drop_for_recompute(model, a, mode);
     store_in_compute_format(ctx, stored_in_compute_format(a));
   }
-  acts.x_final = x;
-  if (!stage.head) return 0.0f;
+  if (!stage.head) {  // the stream leaves whole, for the next stage
+    acts.x_final = stream.x;
+    if (stream.branch.defined()) {
+      acts.x_final = act({n, D}, ctx);
+      residual_forward(ctx, acts.x_final, stream.x, stream.branch);
+    }
+    return 0.0f;
+  }
   model.mlp->finish(model, acts.carry, N);
   run_hook(hooks.before_forward, model.head_unit());
-  float loss = head_forward(ctx, model, acts, targets);
+  float loss = head_forward(ctx, model, acts, stream, targets);
   run_hook(hooks.after_forward, model.head_unit());
   return loss;
 }
@@ -561,63 +614,84 @@ float model_forward(const Context& ctx, Model& model, Activations& acts, const i
 // ----------------------------------------------------------------------------
 // Backward
 
-// RoPE's backward on dx [N, heads * hd], its result in the format the linear layers' GEMMs read
-// the gradient in (runtime/dtype.cuh's gradient_storage: rounded once, counted; under fp32 and
-// fp8 dx itself, rotated in place, which the GEMMs round themselves).
-static Tensor rope_backward_for_gemms(const Context& ctx, const Tensor& dx, int64_t heads,
-                                      int64_t hd, const Tensor& positions, float theta) {
-  Tensor into = gradient_storage(ctx, dx);
-  const std::vector<int64_t> rotated = {dx.size(0), heads, hd};
-  rope_backward(ctx, dx.reshape(rotated), positions, theta, into.reshape(rotated));
+// RoPE's backward on dq [N, Hq * hd] and dk [N, Hk * hd], packed with dv in `d_qkv` (shapes
+// `qkv`), each result in the format the linear layers' GEMMs read the gradient in
+// (runtime/dtype.cuh's gradient_storage: rounded once, counted; under fp32 and fp8 dq and dk
+// themselves, rotated in place, which the GEMMs round themselves), and dv rounded into that
+// format too: one launch for the three, returned packed as they came.
+static std::vector<Tensor> rope_backward_for_gemms(const Context& ctx, const Tensor& d_qkv,
+                                                   const std::vector<Shape>& qkv, int64_t hd,
+                                                   const Tensor& positions, float theta) {
+  std::vector<Tensor> d = packed(d_qkv, qkv), into = packed(gradient_storage(ctx, d_qkv), qkv);
+  auto heads = [hd](const Tensor& t) { return t.reshape({t.size(0), t.size(1) / hd, hd}); };
+  rope_backward(ctx, heads(d[0]), heads(d[1]), positions, theta, heads(into[0]), heads(into[1]),
+                heads(d[2]), heads(into[2]));
   return into;
 }
 
-// dres [n, D] holds d(block output) on entry and d(block input) on exit. The forward read
-// bottom to top: MLP first, then attention.
+// Where the linear layers after a norm's backward read the residual gradient rounded to their
+// 16-bit format (ResidualGradient), a buffer for the norm's backward to write it into; else
+// undefined.
+static Tensor rounded_residual_gradient(const Context& ctx, const Model& m, const Tensor& sum) {
+  if (m.tp.sp) return Tensor();  // the row-parallel backward gathers the fp32 sum first
+  Tensor rounded = gradient_storage(ctx, sum);
+  return rounded.ptr == sum.ptr ? Tensor() : rounded;
+}
+
+// dres [n, D] holds d(block output) on entry and d(block input) on exit (rounded too when
+// `round_for_next`: the next block's MLP reads it). The forward read bottom to top: MLP first,
+// then attention.
 static void block_backward(const Context& ctx, const Model& m, const BlockWeights& w,
                            const BlockWeights& g, BlockActivations& a, const Tensor& positions,
-                           int B, int T, const Tensor& dres, const std::vector<float>& carry,
-                           float loss_scale, DeferredGrads* deferred) {
+                           int B, int T, ResidualGradient& dres, bool round_for_next,
+                           const std::vector<float>& carry, float loss_scale,
+                           DeferredGrads* deferred) {
   const ModelConfig& c = m.cfg;
   const LocalDims& L = m.tp.local;
   int64_t N = (int64_t)B * T, n = sp_tokens(m.tp, N), D = c.d_model, hd = c.head_dim();
   // MLP; d_norm [n, D] the gradient of a norm's output
   Tensor d_norm = m.mlp->backward(ctx, m, w, g, a, a.norm2, dres, carry, loss_scale, deferred);
-  parallel_rmsnorm_backward(m.tp, ctx, dres, g.mlp_norm, d_norm, a.x_mid,
-                            stored_weight(ctx, w.mlp_norm), a.rstd2);
+  dres.rounded = rounded_residual_gradient(ctx, m, dres.sum);  // the o projection reads it
+  parallel_rmsnorm_backward(m.tp, ctx, dres.sum, g.mlp_norm, d_norm, a.x_mid,
+                            stored_weight(ctx, w.mlp_norm), a.rstd2, dres.rounded);
   d_norm = Tensor();
 
   // Attention
   // The o projection writes attention's output gradient in the compute format, which attention
   // reads (rounded once, as a linear layer's input gradient is); dq, dk, dv are fp32, and RoPE's
-  // backward writes dq and dk in the format the projections' GEMMs read.
+  // backward writes the three in the format the projections' GEMMs read.
   Tensor d_attn = empty_in_compute_format(ctx, {N, L.heads * hd}, Mem::Workspace);
-  Tensor dq = work({N, L.heads * hd}, ctx);
-  Tensor dk = work({N, L.kv_heads * hd}, ctx), dv = work({N, L.kv_heads * hd}, ctx);
-  row_parallel_backward(m.tp, ctx, d_attn, g.wo, dres, a.attn, w.wo, deferred);
+  const std::vector<Shape> qkv = {{N, L.heads * hd}, {N, L.kv_heads * hd}, {N, L.kv_heads * hd}};
+  Tensor d_qkv = work({total(qkv)}, ctx);
+  std::vector<Tensor> d = packed(d_qkv, qkv);
+  Tensor dq = d[0], dk = d[1], dv = d[2];
+  row_parallel_backward(m.tp, ctx, d_attn, g.wo, dres.for_gemms(), a.attn, w.wo, deferred);
   attention_core_backward(ctx, m, a, B, T, d_attn, dq, dk, dv);
-  dq = rope_backward_for_gemms(ctx, dq, L.heads, hd, positions, c.rope_theta);
-  dk = rope_backward_for_gemms(ctx, dk, L.kv_heads, hd, positions, c.rope_theta);
+  d = rope_backward_for_gemms(ctx, d_qkv, qkv, hd, positions, c.rope_theta);
+  dq = d[0], dk = d[1], dv = d[2];
   d_norm = tp_region_output(m.tp, ctx, n, D);
   column_parallel_backward(m.tp, ctx, d_norm, a.norm1,
                            {{dq, w.wq, g.wq}, {dk, w.wk, g.wk, true}, {dv, w.wv, g.wv, true}},
                            deferred);
-  parallel_rmsnorm_backward(m.tp, ctx, dres, g.attn_norm, d_norm, a.x,
-                            stored_weight(ctx, w.attn_norm), a.rstd1);
+  dres.rounded = round_for_next ? rounded_residual_gradient(ctx, m, dres.sum) : Tensor();
+  parallel_rmsnorm_backward(m.tp, ctx, dres.sum, g.attn_norm, d_norm, a.x,
+                            stored_weight(ctx, w.attn_norm), a.rstd1, dres.rounded);
 }
 
-// Loss -> d(final hidden) [n, D] into dres: cross-entropy, LM head, final norm.
+// Loss -> d(final hidden) [n, D] into dres (rounded too when `round_for_next`): cross-entropy,
+// LM head, final norm.
 static void head_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
-                          const Tensor& dres, DeferredGrads* deferred) {
+                          ResidualGradient& dres, bool round_for_next, DeferredGrads* deferred) {
   vocab_parallel_cross_entropy_backward(model.tp, ctx, acts.logits, acts.logits, acts.ce_stats,
                                         acts.targets,
                                         loss_scale);  // in place: the logits become their gradient
-  Tensor d_norm = tp_region_output(model.tp, ctx, dres.size(0), dres.size(1));
+  Tensor d_norm = tp_region_output(model.tp, ctx, dres.sum.size(0), dres.sum.size(1));
   column_parallel_backward(model.tp, ctx, d_norm, acts.normf,
                            {{acts.logits, model.w.lm_head, model.g.lm_head}}, deferred);
   acts.logits = acts.normf = Tensor();
-  parallel_rmsnorm_backward(model.tp, ctx, dres, model.g.final_norm, d_norm, acts.x_final,
-                            stored_weight(ctx, model.w.final_norm), acts.rstdf);
+  if (round_for_next) dres.rounded = rounded_residual_gradient(ctx, model, dres.sum);
+  parallel_rmsnorm_backward(model.tp, ctx, dres.sum, model.g.final_norm, d_norm, acts.x_final,
+                            stored_weight(ctx, model.w.final_norm), acts.rstdf, dres.rounded);
 }
 
 StagePayload stage_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
@@ -634,13 +708,13 @@ StagePayload stage_backward(const Context& ctx, Model& model, Activations& acts,
   };
   int B = acts.B, T = acts.T;
   int64_t n = acts.x_final.size(0), D = model.cfg.d_model;
-  Tensor dres = zeros(ctx, {n, D}, Mem::Workspace);  // [n, D] gradient of the residual stream
+  ResidualGradient dres{zeros(ctx, {n, D}, Mem::Workspace), Tensor()};  // [n, D]
   if (stage.head) {
     run_hook(hooks.before_backward, model.head_unit());
-    head_backward(ctx, model, acts, loss_scale, dres, deferred);
+    head_backward(ctx, model, acts, loss_scale, dres, model.blocks(chunk) > 0, deferred);
     gradients_ready(model.head_unit());
   } else {
-    copy_(dres, d_out[0]);
+    copy_(dres.sum, d_out[0]);
     d_out.clear();
   }
   for (int l = model.blocks(chunk) - 1; l >= 0; l--) {
@@ -651,20 +725,20 @@ StagePayload stage_backward(const Context& ctx, Model& model, Activations& acts,
     rebuild_for_backward(ctx, model, model.w.blocks[b], a, acts.positions, B, T, mode);
     widen_to_fp32(ctx, read_beyond_gemms(a));
     block_backward(ctx, model, model.w.blocks[b], model.g.blocks[b], a, acts.positions, B, T, dres,
-                   acts.carry, loss_scale, deferred);
+                   l > 0, acts.carry, loss_scale, deferred);
     a = BlockActivations{};  // this micro-batch no longer needs block l's activations
     for (auto u = units.rbegin(); u != units.rend(); u++) gradients_ready(*u);
   }
   if (stage.embedding) {
     run_hook(hooks.before_backward, model.embedding_unit());
-    vocab_parallel_embedding_backward(model.tp, ctx, model.g.embed, acts.ids, dres);
+    vocab_parallel_embedding_backward(model.tp, ctx, model.g.embed, acts.ids, dres.sum);
     gradients_ready(model.embedding_unit());
     acts = Activations{};
     return {};  // nothing before the first chunk
   }
   std::vector<float> carry = std::move(acts.carry);
   acts = Activations{};
-  return with_carry(ctx, model, std::move(dres), carry);
+  return with_carry(ctx, model, std::move(dres.sum), carry);
 }
 
 void model_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,

@@ -54,6 +54,15 @@ struct RunShape {
 };
 // The block's MLP (DESIGN 6, "Feed-forward"): the dense SwiGLU, or a mixture of experts
 // (expert_parallel.cu), chosen by the config when the model is built; the block asks neither.
+// The residual stream's gradient [n, D]: `sum` in fp32, which the norms' backwards add into;
+// `rounded`, where the linear layers that read it next take it in a 16-bit format and no
+// sequence-parallel gather comes first, its copy in that format, written by the norm's backward
+// that finished the sum (undefined otherwise: the GEMMs round `sum` themselves, as they did).
+struct ResidualGradient {
+  Tensor sum, rounded;
+  const Tensor& for_gemms() const { return rounded.defined() ? rounded : sum; }
+};
+
 struct FeedForward {
   virtual ~FeedForward() = default;
   // Its output [n, D] (a workspace the residual add reads: fp32, or in the compute format) from
@@ -63,12 +72,12 @@ struct FeedForward {
   virtual Tensor forward(const Context& ctx, const Model& m, int layer, const BlockWeights& w,
                          BlockActivations& a, const Tensor& x, std::vector<float>* carry) const = 0;
   // dx [n, D] (returned, a workspace as the output is) and the weights' gradients (+=; or
-  // queued on `deferred`) from dout [n, D]; `carry` as the last layer left it; `loss_scale` the
-  // one the loss's gradient starts from.
+  // queued on `deferred`) from dout [n, D] (read as its GEMMs take it, or in fp32); `carry` as
+  // the last layer left it; `loss_scale` the one the loss's gradient starts from.
   virtual Tensor backward(const Context& ctx, const Model& m, const BlockWeights& w,
                           const BlockWeights& g, BlockActivations& a, const Tensor& x,
-                          const Tensor& dout, const std::vector<float>& carry, float loss_scale,
-                          DeferredGrads* deferred) const = 0;
+                          const ResidualGradient& dout, const std::vector<float>& carry,
+                          float loss_scale, DeferredGrads* deferred) const = 0;
   // Floats that travel with the hidden state between pipeline stages (0: none).
   virtual int carry_numel() const { return 0; }
   // After the last block, on the stage with the head: the carried values complete.

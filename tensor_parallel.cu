@@ -147,11 +147,85 @@ static Tensor region_input(const TensorParallel& tp, const Context& ctx, const T
   return full;
 }
 
+// ---- The same linear on one input for several weights of one shape ----
+
+// The distance in elements from each tensor to the next when they are evenly spaced in memory,
+// without overlapping, of one shape and format; 0 otherwise.
+static int64_t even_stride(const std::vector<Tensor>& ts) {
+  const int64_t bytes = (int64_t)ts[0].nbytes(), elem = (int64_t)dtype_size(ts[0].dtype);
+  const int64_t gap = (const char*)ts[1].ptr - (const char*)ts[0].ptr;
+  if (gap < bytes || gap % elem) return 0;
+  for (size_t i = 1; i < ts.size(); i++)
+    if (ts[i].shape != ts[0].shape || ts[i].dtype != ts[0].dtype ||
+        (const char*)ts[i].ptr - (const char*)ts[i - 1].ptr != gap)
+      return 0;
+  return gap / elem;
+}
+
+void linear_forward_many(const Context& ctx, const std::vector<Tensor>& ys, const Tensor& x,
+                         const std::vector<Tensor>& Ws) {
+  PICO_ASSERT(ys.size() == Ws.size() && !ys.empty(), "linear_forward_many: a y per W");
+  auto each = [&] {
+    for (size_t i = 0; i < ys.size(); i++) linear_forward(ctx, ys[i], x, Ws[i]);
+  };
+  if (ys.size() < 2 || ctx.precision == Precision::FP8) return each();
+  const int T = (int)x.size(0), in = (int)x.size(-1), out = (int)Ws[0].size(0);
+  // The weights as the GEMM reads them: fp32 under fp32, else their stored 16-bit copies (GPU
+  // path); x already in the GEMM's format; outputs it writes directly, in that format.
+  std::vector<Tensor> read = Ws;
+  if (ctx.precision != Precision::FP32) {
+    const DType format = output_dtype(ctx.precision);
+    if (!gpu_path(ctx.device) || x.dtype != format || ys[0].dtype != format) return each();
+    for (Tensor& W : read)
+      if (!(W = weight_as_stored(ctx, W)).defined()) return each();
+  } else if (x.dtype != DType::F32 || ys[0].dtype != DType::F32) {
+    return each();
+  }
+  const int64_t stride_w = even_stride(read), stride_y = even_stride(ys);
+  if (!stride_w || !stride_y || read[0].numel() != (int64_t)out * in ||
+      ys[0].numel() != (int64_t)T * out)
+    return each();
+  gemm_strided_batched(ctx, false, true, T, out, in, x, in, 0, read[0], in, stride_w, 0.0f, ys[0],
+                       out, stride_y, (int)ys.size());
+}
+
+void linear_weight_grads_many(const Context& ctx, const std::vector<Tensor>& dWs,
+                              const std::vector<Tensor>& dys, const Tensor& x,
+                              const std::vector<Tensor>& Ws) {
+  PICO_ASSERT(dWs.size() == dys.size() && dys.size() == Ws.size() && !dys.empty(),
+              "linear_weight_grads_many: a dW and a dy per W");
+  auto each = [&] {
+    for (size_t i = 0; i < dys.size(); i++)
+      linear_backward(ctx, Tensor(), dWs[i], dys[i], x, Ws[i]);
+  };
+  if (dys.size() < 2 || ctx.precision == Precision::FP8) return each();
+  const int T = (int)x.size(0), in = (int)x.size(-1), out = (int)Ws[0].size(0);
+  // dy and x as the GEMM reads them (fp32, or on the GPU path in the compute format already);
+  // the fp32 accumulators summed into.
+  const DType format = ctx.precision == Precision::FP32 ? DType::F32 : output_dtype(ctx.precision);
+  if ((format != DType::F32 && !gpu_path(ctx.device)) || x.dtype != format ||
+      dys[0].dtype != format || dWs[0].dtype != DType::F32)
+    return each();
+  const int64_t stride_dy = even_stride(dys), stride_dw = even_stride(dWs);
+  if (!stride_dy || !stride_dw || dys[0].numel() != (int64_t)T * out ||
+      dWs[0].numel() != (int64_t)out * in)
+    return each();
+  gemm_strided_batched(ctx, true, false, out, in, T, dys[0], out, stride_dy, x, in, 0, 1.0f, dWs[0],
+                       in, stride_dw, (int)dys.size());
+}
+
 void column_parallel_forward(const TensorParallel& tp, const Context& ctx, const Tensor& x,
                              const std::vector<ColumnOutput>& outputs) {
   Tensor h = region_input(tp, ctx, x);        // [N, D]
   to_compute_format(ctx, h, Mem::Workspace);  // once, for every GEMM that reads it
-  for (const ColumnOutput& o : outputs) linear_forward(ctx, o.y, h, o.W);
+  // Neighbours of one shape in one call (k and v; gate and up): one batched GEMM where they sit
+  // evenly spaced in memory (mixed_precision.cuh).
+  for (size_t i = 0, j; i < outputs.size(); i = j) {
+    std::vector<Tensor> ys = {outputs[i].y}, Ws = {outputs[i].W};
+    for (j = i + 1; j < outputs.size() && outputs[j].W.shape == Ws[0].shape; j++)
+      ys.push_back(outputs[j].y), Ws.push_back(outputs[j].W);
+    linear_forward_many(ctx, ys, h, Ws);
+  }
 }
 
 // A gradient that several tp ranks hold a copy of, each copy having seen part of the data (a
@@ -191,14 +265,24 @@ void column_parallel_backward(const TensorParallel& tp, const Context& ctx, cons
     linear_backward(ctx, dh, Tensor(), read[i].dy, h, read[i].W, i > 0);
   weight_half(deferred, "dW", [tp, &ctx, h, grads = std::move(read)] {
     bool replicated = tp.local.kv_replicas > 1;
-    for (const ColumnGrad& g : grads) {
-      // A replicated kv head's part, summed over its copies before it is added.
-      Tensor part =
-          g.kv_replicated && replicated ? zeros(ctx, g.dW.shape, Mem::Workspace) : Tensor();
-      linear_backward(ctx, Tensor(), part.defined() ? part : g.dW, g.dy, h, g.W);
-      if (part.defined())
+    for (size_t i = 0, j; i < grads.size(); i = j) {
+      const ColumnGrad& g = grads[i];
+      j = i + 1;
+      if (g.kv_replicated && replicated) {
+        // A replicated kv head's part, summed over its copies before it is added.
+        Tensor part = zeros(ctx, g.dW.shape, Mem::Workspace);
+        linear_backward(ctx, Tensor(), part, g.dy, h, g.W);
         add_replicated_grad(tp, ctx, g.dW, part, tp.local.kv_head0,
                             tp.size() / tp.local.kv_replicas);
+        continue;
+      }
+      // Neighbours of one shape in one call, as in the forward.
+      std::vector<Tensor> dWs = {g.dW}, dys = {g.dy}, Ws = {g.W};
+      for (; j < grads.size() && grads[j].W.shape == g.W.shape &&
+             !(grads[j].kv_replicated && replicated);
+           j++)
+        dWs.push_back(grads[j].dW), dys.push_back(grads[j].dy), Ws.push_back(grads[j].W);
+      linear_weight_grads_many(ctx, dWs, dys, h, Ws);
     }
   });
   tp_region_enter_backward(tp, ctx, dh, dx);  // all-reduce, or reduce-scatter under SP
@@ -223,7 +307,9 @@ void row_parallel_backward(const TensorParallel& tp, const Context& ctx, const T
   tp_region_exit_backward(tp, ctx, dy, dfull);  // identity, or all-gather under SP
   dfull = gradient_operand(ctx, dfull);         // as both GEMMs read it
   linear_backward(ctx, dx, Tensor(), dfull, x, W);
-  if (deferred && !tp.sp && dfull.dtype == dy.dtype) {  // still dy, which the caller changes
+  // Still dy, which the caller changes when it is the fp32 residual gradient (a 16-bit dy is a
+  // rounded copy it keeps as is).
+  if (deferred && !tp.sp && dfull.dtype == dy.dtype && dy.dtype == DType::F32) {
     Tensor saved = workspace(dy.shape, ctx);
     copy_(saved, dy);
     dfull = saved;
@@ -250,10 +336,10 @@ void vocab_parallel_embedding_backward(const TensorParallel& tp, const Context& 
 
 void parallel_rmsnorm_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
                                const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& w,
-                               const Tensor& rstd) {
-  if (!tp.sp) return rmsnorm_backward(ctx, dx, dw, dy, x, w, rstd);
+                               const Tensor& rstd, const Tensor& dx_rounded) {
+  if (!tp.sp) return rmsnorm_backward(ctx, dx, dw, dy, x, w, rstd, dx_rounded);
   Tensor part = zeros(ctx, dw.shape, Mem::Workspace);  // this rank's tokens' share
-  rmsnorm_backward(ctx, dx, part, dy, x, w, rstd);
+  rmsnorm_backward(ctx, dx, part, dy, x, w, rstd, dx_rounded);
   add_replicated_grad(tp, ctx, dw, part, 0, 1);
 }
 

@@ -110,6 +110,18 @@ struct ColumnOutput {
 };
 void column_parallel_forward(const TensorParallel& tp, const Context& ctx, const Tensor& x,
                              const std::vector<ColumnOutput>& outputs);
+// Its GEMMs (and the backward's weight gradients): the same linear on one input x for neighbours
+// of one shape (the k and v projections; the MLP's gate and up), y_i = x @ W_i^T and
+// dW_i += dy_i^T @ x. Where the weights as the GEMM reads them (fp32, or their kept 16-bit
+// copies on the GPU path) and the outputs (or the gradients and their accumulators) each sit
+// evenly spaced in memory, one strided-batched GEMM (runtime/ops.cuh) runs them all: the same
+// values, one launch. Otherwise one linear_forward (or linear_backward) each; always so under
+// fp8, whose GEMMs quantize each weight on its own.
+void linear_forward_many(const Context& ctx, const std::vector<Tensor>& ys, const Tensor& x,
+                         const std::vector<Tensor>& Ws);
+void linear_weight_grads_many(const Context& ctx, const std::vector<Tensor>& dWs,
+                              const std::vector<Tensor>& dys, const Tensor& x,
+                              const std::vector<Tensor>& Ws);
 // Backward: dx [n, D] = (f or g backward)(sum_i dy_i W_i), and dW_i += dy_i^T x (now, or
 // queued on `deferred`). A weight with kv_replicated set holds one kv head that several ranks
 // share: its gradient is summed over those copies (each served only its own query heads).
@@ -142,11 +154,12 @@ void vocab_parallel_embedding_forward(const TensorParallel& tp, const Context& c
 void vocab_parallel_embedding_backward(const TensorParallel& tp, const Context& ctx,
                                        const Tensor& dtable, const Tensor& local_ids,
                                        const Tensor& dx);
-// RMSNorm backward on this rank's tokens (dx +=). Under SP each rank saw n of the N tokens, so
-// the weight's gradient is summed over tp before it is added into dw.
+// RMSNorm backward on this rank's tokens (dx +=; and dx rounded into dx_rounded when given,
+// ops.cuh). Under SP each rank saw n of the N tokens, so the weight's gradient is summed over tp
+// before it is added into dw.
 void parallel_rmsnorm_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
                                const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& w,
-                               const Tensor& rstd);
+                               const Tensor& rstd, const Tensor& dx_rounded = Tensor());
 
 // ---- Vocab-parallel embedding and cross-entropy (the vocabulary split in tp ranges) ----
 // Local ids: id - vocab_start for ids this rank holds, -1 (a zero row) for the others.

@@ -138,7 +138,8 @@ static void cuda_table() {
         flash_attention_forward_bf16(ctx, bf(ob), lse.f32(), bf(qb), bf(kb), bf(vb), a);
       });
       double bf_bwd = time_best(ctx, [&] {
-        attention_out_dot_dout_bf16(ctx, D.f32(), bf(dob), bf(ob), a);
+        attention_out_dot_dout_bf16(ctx, D.f32(), bf(dob), bf(ob), a, dq.f32(), dk.f32(),
+                                    dv.f32());  // as the step runs it
         flash_attention_backward_bf16(ctx, dq.f32(), dk.f32(), dv.f32(), bf(dob), bf(qb), bf(kb),
                                       bf(vb), lse.f32(), D.f32(), a);
       });

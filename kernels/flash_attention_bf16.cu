@@ -558,6 +558,49 @@ void flash_attention_backward_bf16(const Context& ctx, float* dq, float* dk, flo
 }
 
 // ============================================================================
+// D = rowsum(dO * O) for the backward, and its sums cleared
+// ============================================================================
+
+// A warp per (sequence, query, head) row: its lanes read the row's consecutive bf16 values
+// (coalesced), fp32 products summed across the warp by shuffles. Given dq, then the same launch
+// sets dq, dk and dv to zero for the backward's sums (one kernel where four would run).
+__global__ void out_dot_dout_bf16_kernel(float* D, const bf16* dout, const bf16* out,
+                                         AttentionBlock a, float* dq, float* dk, float* dv,
+                                         int64_t q_elems, int64_t kv_elems) {
+  const int lane = threadIdx.x % 32;
+  const int64_t thread = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int64_t threads = (int64_t)gridDim.x * blockDim.x, rows = (int64_t)a.B * a.Tq * a.Hq;
+  for (int64_t r = thread / 32; r < rows; r += threads / 32) {
+    float dot = 0.0f;
+    for (int d = lane; d < a.hd; d += 32)
+      dot += __bfloat162float(dout[r * a.hd + d]) * __bfloat162float(out[r * a.hd + d]);
+    for (int offset = 16; offset > 0; offset >>= 1)
+      dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+    const int h = (int)(r % a.Hq), i = (int)(r / a.Hq % a.Tq), b = (int)(r / a.Hq / a.Tq);
+    if (lane == 0) D[((int64_t)b * a.Hq + h) * a.Tq + i] = dot;
+  }
+  if (!dq) return;
+  for (int64_t e = thread; e < q_elems; e += threads) dq[e] = 0.0f;
+  for (int64_t e = thread; e < kv_elems; e += threads) dk[e] = 0.0f, dv[e] = 0.0f;
+}
+
+void attention_out_dot_dout_bf16(const Context& ctx, float* D, const bf16* dout, const bf16* out,
+                                 const AttentionBlock& a, float* dq, float* dk, float* dv) {
+  PICO_ASSERT(!dq == !dk && !dk == !dv, "attention_out_dot_dout_bf16 clears dq, dk, dv or none");
+  const double q = (double)q_numel(a), cleared = dq ? 4.0 * (q + 2.0 * kv_numel(a)) : 0.0;
+  if (count_op(ctx.device, OpKind::Attention,
+               {2.0 * q, 4.0 * q, 4.0 * (double)lse_numel(a) + cleared}))
+    return;
+  PICO_ASSERT(ctx.device == Device::CUDA, "attention_out_dot_dout_bf16 runs on CUDA only");
+  const int64_t work = std::max<int64_t>(32 * lse_numel(a), dq ? kv_numel(a) : 0);
+  if (work == 0) return;
+  const int blocks = (int)std::min<int64_t>((work + 255) / 256, 4096);
+  out_dot_dout_bf16_kernel<<<blocks, 256, 0, ctx.stream>>>(D, dout, out, a, dq, dk, dv, q_numel(a),
+                                                           kv_numel(a));
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// ============================================================================
 // fp32 -> bf16
 // ============================================================================
 

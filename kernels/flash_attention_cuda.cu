@@ -220,15 +220,16 @@ void flash_backward_cuda(const Context& ctx, float* dq, float* dk, float* dv, co
 // ----------------------------------------------------------------------------
 // D = rowsum(dO * O) and the log-sum-exp merge: one thread per (sequence, query, head) row
 
-// One thread per (sequence, query, head) row, fp32 sums whatever the input type.
-template <class T>
-__global__ void out_dot_dout_kernel(float* D, const T* dout, const T* out, AttentionBlock a) {
+// One thread per (sequence, query, head) row (the bf16 version, a warp a row, is
+// flash_attention_bf16.cu's).
+__global__ void out_dot_dout_kernel(float* D, const float* dout, const float* out,
+                                    AttentionBlock a) {
   const int64_t rows = (int64_t)a.B * a.Tq * a.Hq;
   for (int64_t r = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; r < rows;
        r += (int64_t)gridDim.x * blockDim.x) {
     const int h = (int)(r % a.Hq), i = (int)(r / a.Hq % a.Tq), b = (int)(r / a.Hq / a.Tq);
     float dot = 0.0f;
-    for (int d = 0; d < a.hd; d++) dot += (float)dout[r * a.hd + d] * (float)out[r * a.hd + d];
+    for (int d = 0; d < a.hd; d++) dot += dout[r * a.hd + d] * out[r * a.hd + d];
     D[((int64_t)b * a.Hq + h) * a.Tq + i] = dot;
   }
 }
@@ -241,18 +242,6 @@ static int row_kernel_blocks(const AttentionBlock& a) {
 
 void out_dot_dout_cuda(const Context& ctx, float* D, const float* dout, const float* out,
                        const AttentionBlock& a) {
-  if ((int64_t)a.B * a.Hq * a.Tq == 0) return;
-  out_dot_dout_kernel<<<row_kernel_blocks(a), kRowKernelThreads, 0, ctx.stream>>>(D, dout, out, a);
-  CUDA_CHECK(cudaGetLastError());
-}
-
-void attention_out_dot_dout_bf16(const Context& ctx, float* D, const bf16* dout, const bf16* out,
-                                 const AttentionBlock& a) {
-  if (count_op(ctx.device, OpKind::Attention,
-               {2.0 * a.B * a.Tq * a.Hq * a.hd, 4.0 * a.B * a.Tq * a.Hq * a.hd,
-                4.0 * a.B * a.Hq * a.Tq}))
-    return;
-  PICO_ASSERT(ctx.device == Device::CUDA, "attention_out_dot_dout_bf16 runs on CUDA only");
   if ((int64_t)a.B * a.Hq * a.Tq == 0) return;
   out_dot_dout_kernel<<<row_kernel_blocks(a), kRowKernelThreads, 0, ctx.stream>>>(D, dout, out, a);
   CUDA_CHECK(cudaGetLastError());

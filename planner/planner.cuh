@@ -339,3 +339,14 @@ struct CampaignVerdict {
   int layouts = 0;  // distinct (dp, tp, pp, zero, mbs, ga) that fit
 };
 CampaignVerdict judge_campaign_cell(const CampaignCell& cell, const GpuProfile& gpu);
+// How the planner's MFU for the book's own layouts follows the book's measured MFU over the
+// cells that ran: Spearman's rank correlation (tied values share their mean rank), the median of
+// predicted minus measured, and the cells predicted at or above their measurement.
+struct CampaignAgreement {
+  int cells = 0, at_or_above = 0;
+  double spearman = 0, median_gap = 0;
+};
+CampaignAgreement campaign_mfu_agreement(const std::vector<CampaignVerdict>& verdicts);
+// Spearman's rank correlation of two equally long series (2 or more values; 0 when one is
+// constant).
+double spearman(const std::vector<double>& a, const std::vector<double>& b);

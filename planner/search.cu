@@ -403,3 +403,49 @@ CampaignVerdict judge_campaign_cell(const CampaignCell& cell, const GpuProfile& 
   v.fits = v.book.memory.total() <= gpu.memory;
   return v;
 }
+
+// Ranks from 1, ties sharing their mean rank.
+static std::vector<double> ranks(const std::vector<double>& v) {
+  std::vector<size_t> order(v.size());
+  for (size_t i = 0; i < v.size(); i++) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return v[a] < v[b]; });
+  std::vector<double> r(v.size());
+  for (size_t i = 0; i < order.size();) {
+    size_t j = i;
+    while (j + 1 < order.size() && v[order[j + 1]] == v[order[i]]) j++;
+    for (size_t t = i; t <= j; t++) r[order[t]] = (i + j) / 2.0 + 1;
+    i = j + 1;
+  }
+  return r;
+}
+
+double spearman(const std::vector<double>& a, const std::vector<double>& b) {
+  PICO_ASSERT(a.size() == b.size() && a.size() >= 2, "spearman: two series of one length, >= 2");
+  // Pearson's correlation of the ranks (exact with ties, unlike 1 - 6 sum d^2 / (n (n^2 - 1))).
+  std::vector<double> ra = ranks(a), rb = ranks(b);
+  const double mean = (a.size() + 1) / 2.0;
+  double sab = 0, saa = 0, sbb = 0;
+  for (size_t i = 0; i < a.size(); i++) {
+    sab += (ra[i] - mean) * (rb[i] - mean);
+    saa += (ra[i] - mean) * (ra[i] - mean), sbb += (rb[i] - mean) * (rb[i] - mean);
+  }
+  return saa > 0 && sbb > 0 ? sab / std::sqrt(saa * sbb) : 0.0;
+}
+
+CampaignAgreement campaign_mfu_agreement(const std::vector<CampaignVerdict>& verdicts) {
+  CampaignAgreement g;
+  std::vector<double> measured, predicted, gaps;
+  for (const CampaignVerdict& v : verdicts) {
+    if (!v.cell.ran || !v.valid) continue;
+    measured.push_back(v.cell.mfu), predicted.push_back(v.book.time.mfu);
+    gaps.push_back(v.book.time.mfu - v.cell.mfu);
+    g.at_or_above += v.book.time.mfu >= v.cell.mfu;
+  }
+  g.cells = (int)gaps.size();
+  if (g.cells < 2) return g;
+  g.spearman = spearman(measured, predicted);
+  std::sort(gaps.begin(), gaps.end());
+  const size_t n = gaps.size();
+  g.median_gap = n % 2 ? gaps[n / 2] : (gaps[n / 2 - 1] + gaps[n / 2]) / 2;
+  return g;
+}

@@ -93,7 +93,9 @@ int record_op(OpKind kind, const OpCost& cost) {
   add(g_ledger.rows[row]);
   if (row != (int)OpKind::Gemm || cost.m == 0) return row;
   const GemmShape shape{cost.m, cost.n, cost.k, cost.unit};
-  add(g_ledger.gemm_shapes[shape]);
+  LedgerRow& by_shape = g_ledger.gemm_shapes[shape];
+  add(by_shape);
+  by_shape.calls += cost.gemms - 1;  // a strided batch: each of its GEMMs
   auto [at, fresh] = g_shape_rows.emplace(shape, (int)g_shapes.size());
   if (fresh) g_shapes.push_back(shape);
   return (int)OpKind::Count + at->second;

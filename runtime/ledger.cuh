@@ -35,6 +35,7 @@ struct OpCost {
   MathUnit unit = MathUnit::CudaCores;
   double narrow = 0;            // min(M, N, K) of a GEMM; 0 for any other op
   int64_t m = 0, n = 0, k = 0;  // a GEMM's shape (C [m, n], k products a value): its own row
+  int gemms = 1;                // GEMMs of that shape the op runs (a strided batch: its count)
 };
 struct LedgerRow {
   int64_t calls = 0, launches = 0;

@@ -67,6 +67,50 @@ void gemm_16bit(const Context& ctx, bool trans_a, bool trans_b, int M, int N, in
                             CUBLAS_GEMM_DEFAULT));
 }
 
+void gemm_strided_batched(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K,
+                          const Tensor& A, int lda, int64_t stride_a, const Tensor& B, int ldb,
+                          int64_t stride_b, float beta, const Tensor& C, int ldc, int64_t stride_c,
+                          int count) {
+  const bool wide = A.dtype == DType::F32;
+  PICO_ASSERT(count >= 1 && A.dtype == B.dtype &&
+                  (wide ? C.dtype == DType::F32 : gpu_path(ctx.device)) &&
+                  (wide || A.dtype == DType::BF16 || A.dtype == DType::F16) &&
+                  (C.dtype == DType::F32 || C.dtype == A.dtype) && stride_c >= (int64_t)M * N,
+              "gemm_strided_batched: fp32 operands, or bf16 / fp16 ones on the GPU path, and "
+              "outputs that do not overlap");
+  // One call for the batch; an operand with stride 0 (shared) is read once.
+  const double m = M, n = N, k = K, e = (double)dtype_size(A.dtype), c = dtype_size(C.dtype);
+  const double reads_a = stride_a ? count : 1, reads_b = stride_b ? count : 1;
+  if (count_op(ctx.device, OpKind::Gemm,
+               {2 * m * n * k * count,
+                e * (reads_a * m * k + reads_b * k * n) + (beta != 0.0f ? c * count * m * n : 0.0),
+                c * count * m * n, 1, wide ? MathUnit::CudaCores : MathUnit::Tensor16,
+                std::min({m, n, k}), M, N, K, count}))
+    return;
+  if (ctx.device == Device::CPU) {  // one gemm each, in order: the values of `count` calls
+    for (int i = 0; i < count; i++)
+      cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+                  trans_b ? CblasTrans : CblasNoTrans, M, N, K, 1.0f, A.f32() + i * stride_a, lda,
+                  B.f32() + i * stride_b, ldb, beta, C.f32() + i * stride_c, ldc);
+    return;
+  }
+  const float alpha = 1.0f;  // row-major to column-major as in gemm
+  const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  if (wide) {  // as gemm's cublasSgemm, batched
+    CUBLAS_CHECK(cublasSgemmStridedBatched(ctx.cublas, op_b, op_a, N, M, K, &alpha, B.f32(), ldb,
+                                           stride_b, A.f32(), lda, stride_a, &beta, C.f32(), ldc,
+                                           stride_c, count));
+    return;
+  }
+  const cudaDataType type = A.dtype == DType::BF16 ? CUDA_R_16BF : CUDA_R_16F;
+  const cudaDataType c_type = C.dtype == DType::F32 ? CUDA_R_32F : type;  // as gemm_16bit's
+  CUBLAS_CHECK(cublasGemmStridedBatchedEx(ctx.cublas, op_b, op_a, N, M, K, &alpha, B.ptr, type, ldb,
+                                          stride_b, A.ptr, type, lda, stride_a, &beta, C.ptr,
+                                          c_type, ldc, stride_c, count, CUBLAS_COMPUTE_32F,
+                                          CUBLAS_GEMM_DEFAULT));
+}
+
 // ============================================================================
 // launch configuration and block reductions
 // ============================================================================
@@ -299,6 +343,20 @@ static void rmsnorm_forward_cpu(float* y, float* rstd, const float* x, const flo
     for (int i = 0; i < D; i++) y[(int64_t)t * D + i] = xr[i] * r * w[i];
   }
 }
+// rmsnorm_forward's CPU path: fp32 sums, y rounded once into its format.
+static void rmsnorm_forward_host(const Tensor& y, const Tensor& rstd, const Tensor& x,
+                                 const Tensor& w, float eps) {
+  int D = (int)x.size(-1), T = (int)(x.numel() / D);
+  std::vector<float> w_wide;
+  const float* wv = host_floats(w, w_wide);
+  if (y.dtype == DType::F32)
+    return rmsnorm_forward_cpu(y.f32(), rstd.f32(), x.f32(), wv, T, D, eps);
+  std::vector<float> wide((size_t)T * D);
+  rmsnorm_forward_cpu(wide.data(), rstd.f32(), x.f32(), wv, T, D, eps);
+  cast_host(y.ptr, y.dtype, wide.data(), DType::F32, (int64_t)T * D);  // rounded once
+}
+static void axpby_cpu(float* out, float alpha, const float* a, float beta, const float* b,
+                      int64_t n);  // the residual add's loop (below, with its kernel)
 // With xhat = x * rstd and g = dy * w: dx += rstd * (g - xhat * mean(g * xhat)), the second
 // term being the gradient through rstd; dw += sum_t dy * xhat. dw's column sums run over every
 // row of the micro-batch (hundreds to thousands): in double, so their error does not grow with
@@ -335,36 +393,59 @@ static __global__ void rmsnorm_forward_kernel(Y* y, float* rstd, const float* x,
   for (int i = threadIdx.x; i < D; i += blockDim.x)
     store(y + (int64_t)blockIdx.x * D + i, xr[i] * r * widen(w[i]));
 }
-// G: dy's storage (fp32, or the compute format the linear layers wrote it in); W: w's.
-template <typename G, typename W>
-static __global__ void rmsnorm_backward_dx_kernel(float* dx, const G* dy, const float* x,
-                                                  const W* w, const float* rstd, int D) {
-  int64_t row = (int64_t)blockIdx.x * D;
-  float r = rstd[blockIdx.x], dot = 0.0f;
+// The residual add and the next norm in one pass (as Megatron's and Apex's fused add + norm):
+// sum = a + b written, its row's sum of squares reduced, y = sum * rstd * w written. Each thread
+// reads back only the sums it wrote itself (no barrier needed; the row is still in cache). The
+// arithmetic is residual_forward's, then rmsnorm_forward's, value for value.
+template <typename B, typename Y, typename W>
+static __global__ void residual_rmsnorm_kernel(float* sum, Y* y, float* rstd, const float* a,
+                                               const B* b, const W* w, int D, float eps) {
+  const int64_t row = (int64_t)blockIdx.x * D;
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    const float v = 1.0f * a[row + i] + 1.0f * widen(b[row + i]);
+    sum[row + i] = v;
+    ss += v * v;
+  }
+  float r = 1.0f / sqrtf(block_reduce(ss, false) / D + eps);
+  if (threadIdx.x == 0) rstd[blockIdx.x] = r;
   for (int i = threadIdx.x; i < D; i += blockDim.x)
-    dot += widen(dy[row + i]) * widen(w[i]) * (x[row + i] * r);
-  dot = block_reduce(dot, false) / D;
-  for (int i = threadIdx.x; i < D; i += blockDim.x)
-    dx[row + i] += r * (widen(dy[row + i]) * widen(w[i]) - x[row + i] * r * dot);
+    store(y + row + i, sum[row + i] * r * widen(w[i]));
 }
 // dw is a column sum over all T rows. One thread per column walking all T rows would leave the
 // GPU idle (D threads) and take T steps; atomics would make the sum's order depend on
 // scheduling. So two stages, both deterministic: stage 1 gives each block of kDwRows rows its
-// own partial row (a 2-D grid: column blocks x row blocks, a thread per column of its block),
-// stage 2 adds the partials of each column in row-block order. The order differs from the CPU
-// loop's (chunks, then their sum), hence a tolerance against the CPU, but it never differs
-// between two GPU runs.
+// own partial row, stage 2 adds the partials of each column in row-block order. The order
+// differs from the CPU loop's (chunks, then their sum), hence a tolerance against the CPU, but
+// it never differs between two GPU runs.
+//
+// Stage 1 is also dx's kernel, so dy and x are read once: a block walks its kDwRows rows in turn,
+// reduces each row's dot product, adds to dx, and adds the row's dy * xhat into its partial row
+// (in global memory, each column by the one thread that owns it: no barrier, and the row stays
+// in cache). G: dy's storage (fp32, or the compute format the linear layers wrote it in); W: w's;
+// R: the storage of dx's rounded copy (none when `rounded` is null).
 constexpr int kDwRows = 32;
-template <typename G>
-static __global__ void rmsnorm_dw_partial_kernel(float* partials, const G* dy, const float* x,
-                                                 const float* rstd, int T, int D) {
-  int i = blockIdx.x * blockDim.x + threadIdx.x;  // column
-  int first = blockIdx.y * kDwRows, last = min(T, first + kDwRows);
-  if (i >= D) return;
-  float acc = 0.0f;
-  for (int t = first; t < last; t++)
-    acc += widen(dy[(int64_t)t * D + i]) * (x[(int64_t)t * D + i] * rstd[t]);
-  partials[(int64_t)blockIdx.y * D + i] = acc;  // partials [row blocks, D]
+template <typename G, typename W, typename R>
+static __global__ void rmsnorm_backward_kernel(float* dx, R* rounded, float* partials, const G* dy,
+                                               const float* x, const W* w, const float* rstd, int T,
+                                               int D) {
+  float* column = partials + (int64_t)blockIdx.x * D;  // [D] this block's part of dw
+  for (int i = threadIdx.x; i < D; i += blockDim.x) column[i] = 0.0f;
+  const int first = blockIdx.x * kDwRows, last = min(T, first + kDwRows);
+  for (int t = first; t < last; t++) {
+    const int64_t row = (int64_t)t * D;
+    float r = rstd[t], dot = 0.0f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x)
+      dot += widen(dy[row + i]) * widen(w[i]) * (x[row + i] * r);
+    dot = block_reduce(dot, false) / D;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      const float g = widen(dy[row + i]), xhat = x[row + i] * r;
+      const float v = dx[row + i] + r * (g * widen(w[i]) - xhat * dot);
+      dx[row + i] = v;
+      if (rounded) store(rounded + row + i, v);
+      column[i] += g * xhat;
+    }
+  }
 }
 static __global__ void rmsnorm_dw_sum_kernel(float* dw, const float* partials, int row_blocks,
                                              int D) {
@@ -388,15 +469,7 @@ void rmsnorm_forward(const Context& ctx, const Tensor& y, const Tensor& rstd, co
   const double ey = (double)dtype_size(y.dtype), ew = (double)dtype_size(w.dtype);
   if (count_op(ctx.device, OpKind::Norm, {4.0 * T * D, 4.0 * T * D + ew * D, ey * T * D + 4.0 * T}))
     return;
-  if (ctx.device == Device::CPU) {
-    std::vector<float> w_wide;
-    const float* wv = host_floats(w, w_wide);
-    if (y.dtype == DType::F32)
-      return rmsnorm_forward_cpu(y.f32(), rstd.f32(), x.f32(), wv, T, D, eps);
-    std::vector<float> wide((size_t)T * D);
-    rmsnorm_forward_cpu(wide.data(), rstd.f32(), x.f32(), wv, T, D, eps);
-    return cast_host(y.ptr, y.dtype, wide.data(), DType::F32, (int64_t)T * D);  // rounded once
-  }
+  if (ctx.device == Device::CPU) return rmsnorm_forward_host(y, rstd, x, w, eps);
   if (T == 0) return;  // a grid of zero blocks is a launch error, not a no-op
   with_element(y.dtype, [&](auto* type) {
     using Y = std::remove_pointer_t<decltype(type)>;
@@ -409,46 +482,92 @@ void rmsnorm_forward(const Context& ctx, const Tensor& y, const Tensor& rstd, co
   LAUNCH_CHECK(ctx, "rmsnorm_forward_kernel");
 }
 
+void residual_rmsnorm_forward(const Context& ctx, const Tensor& sum, const Tensor& y,
+                              const Tensor& rstd, const Tensor& a, const Tensor& b, const Tensor& w,
+                              float eps) {
+  check_devices(ctx, "residual_rmsnorm_forward", sum, y, rstd, a, b, w);
+  int D = (int)a.size(-1), T = (int)(a.numel() / D);
+  PICO_ASSERT(w.numel() == D && sum.numel() == a.numel() && b.numel() == a.numel() &&
+                  y.numel() == a.numel() && rstd.numel() == T,
+              "residual_rmsnorm_forward shapes " + a.shape_str());
+  PICO_ASSERT(sum.dtype == DType::F32 && a.dtype == DType::F32 && float_storage(b.dtype) &&
+                  float_storage(y.dtype) && float_storage(w.dtype),
+              "residual_rmsnorm_forward: sum and a fp32; b, y and w fp32 or 16-bit");
+  // a and b read, the sum and y written (the sum's read back is the thread's own, in cache).
+  const double eb = dtype_size(b.dtype), ey = dtype_size(y.dtype), ew = dtype_size(w.dtype);
+  if (count_op(ctx.device, OpKind::Norm,
+               {5.0 * T * D, (4.0 + eb) * T * D + ew * D, (4.0 + ey) * T * D + 4.0 * T}))
+    return;
+  if (ctx.device == Device::CPU) {  // the two passes the kernel fuses, one after the other
+    std::vector<float> b_wide;
+    axpby_cpu(sum.f32(), 1.0f, a.f32(), 1.0f, host_floats(b, b_wide), sum.numel());
+    return rmsnorm_forward_host(y, rstd, sum, w, eps);
+  }
+  if (T == 0) return;
+  with_element(b.dtype, [&](auto* branch) {
+    using B = std::remove_pointer_t<decltype(branch)>;
+    with_element(y.dtype, [&](auto* out) {
+      using Y = std::remove_pointer_t<decltype(out)>;
+      with_element(w.dtype, [&](auto* weight) {
+        using W = std::remove_pointer_t<decltype(weight)>;
+        residual_rmsnorm_kernel<<<T, kThreads, 0, ctx.stream>>>(
+            sum.f32(), (Y*)y.ptr, rstd.f32(), a.f32(), (const B*)b.ptr, (const W*)w.ptr, D, eps);
+      });
+    });
+  });
+  LAUNCH_CHECK(ctx, "residual_rmsnorm_kernel");
+}
+
 void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, const Tensor& dy,
-                      const Tensor& x, const Tensor& w, const Tensor& rstd) {
+                      const Tensor& x, const Tensor& w, const Tensor& rstd,
+                      const Tensor& dx_rounded) {
   check_devices(ctx, "rmsnorm_backward", dx, dw, dy, x, w, rstd);
+  if (dx_rounded.defined()) check_devices(ctx, "rmsnorm_backward", dx_rounded);
   int D = (int)x.size(-1), T = (int)(x.numel() / D);
   PICO_ASSERT(dx.numel() == x.numel() && dy.numel() == x.numel() && dw.numel() == D,
               "rmsnorm_backward shapes " + x.shape_str());
   PICO_ASSERT(float_storage(w.dtype) && float_storage(dy.dtype),
               std::string("rmsnorm_backward: w in ") + dtype_name(w.dtype) + ", dy in " +
                   dtype_name(dy.dtype));
-  // dx += ...: dx, dy and x read, dx written; dw from partial sums per block of rows.
+  PICO_ASSERT(
+      !dx_rounded.defined() || (dx_rounded.numel() == dx.numel() &&
+                                float_storage(dx_rounded.dtype) && dx_rounded.ptr != dx.ptr),
+      "rmsnorm_backward: dx's rounded copy is a tensor of its own, of dx's size");
+  // dx += ...: dx, dy and x read once, dx written (and its copy); dw from partial sums per block
+  // of rows, the partials written by the same kernel and summed by a second.
   const double ew = (double)dtype_size(w.dtype), eg = (double)dtype_size(dy.dtype);
-  if (count_op(
-          ctx.device, OpKind::Norm,
-          {8.0 * T * D, (8.0 + eg) * T * D + 4.0 * T + (4.0 + ew) * D, 4.0 * T * D + 4.0 * D, 3}))
+  const double er = dx_rounded.defined() ? (double)dtype_size(dx_rounded.dtype) : 0.0;
+  const int row_blocks = (T + kDwRows - 1) / kDwRows;
+  const double partial_bytes = 4.0 * row_blocks * D;
+  if (count_op(ctx.device, OpKind::Norm,
+               {8.0 * T * D, (8.0 + eg) * T * D + 4.0 * T + ew * D + 4.0 * D + partial_bytes,
+                (4.0 + er) * T * D + 4.0 * D + partial_bytes, 2}))
     return;
   if (ctx.device == Device::CPU) {
     std::vector<float> dy_wide, w_wide;
-    return rmsnorm_backward_cpu(dx.f32(), dw.f32(), host_floats(dy, dy_wide), x.f32(),
-                                host_floats(w, w_wide), rstd.f32(), T, D);
+    rmsnorm_backward_cpu(dx.f32(), dw.f32(), host_floats(dy, dy_wide), x.f32(),
+                         host_floats(w, w_wide), rstd.f32(), T, D);
+    if (dx_rounded.defined())  // a gradient's rounding: counted as one
+      cast_gradient_host(dx_rounded.ptr, dx_rounded.dtype, dx.f32(), dx.numel());
+    return;
   }
   if (T == 0) return;  // no rows: nothing to add (and a zero-block grid would not launch)
+  PICO_ASSERT(row_blocks <= 65535, "rmsnorm_backward: " + std::to_string(T) + " rows");
+  Tensor partials = empty(ctx, {row_blocks, D}, Mem::Workspace);  // [T / kDwRows, D]
+  const DType rounded_dtype = dx_rounded.defined() ? dx_rounded.dtype : DType::F32;
   with_element(dy.dtype, [&](auto* grad) {
     using G = std::remove_pointer_t<decltype(grad)>;
     with_element(w.dtype, [&](auto* weight) {
       using W = std::remove_pointer_t<decltype(weight)>;
-      rmsnorm_backward_dx_kernel<<<T, kThreads, 0, ctx.stream>>>(
-          dx.f32(), (const G*)dy.ptr, x.f32(), (const W*)w.ptr, rstd.f32(), D);
+      with_element(rounded_dtype, [&](auto* copy) {
+        using R = std::remove_pointer_t<decltype(copy)>;
+        rmsnorm_backward_kernel<<<row_blocks, kThreads, 0, ctx.stream>>>(
+            dx.f32(), (R*)dx_rounded.ptr, partials.f32(), (const G*)dy.ptr, x.f32(),
+            (const W*)w.ptr, rstd.f32(), T, D);
+      });
     });
   });
-  LAUNCH_CHECK(ctx, "rmsnorm_backward_dx_kernel");
-  int row_blocks = (T + kDwRows - 1) / kDwRows;
-  PICO_ASSERT(row_blocks <= 65535, "rmsnorm_backward: " + std::to_string(T) + " rows");
-  Tensor partials = empty(ctx, {row_blocks, D}, Mem::Workspace);  // [T / kDwRows, D]
-  dim3 grid((D + kThreads - 1) / kThreads, row_blocks);
-  with_element(dy.dtype, [&](auto* grad) {
-    using G = std::remove_pointer_t<decltype(grad)>;
-    rmsnorm_dw_partial_kernel<<<grid, kThreads, 0, ctx.stream>>>(partials.f32(), (const G*)dy.ptr,
-                                                                 x.f32(), rstd.f32(), T, D);
-  });
-  LAUNCH_CHECK(ctx, "rmsnorm_dw_partial_kernel");
+  LAUNCH_CHECK(ctx, "rmsnorm_backward_kernel");
   rmsnorm_dw_sum_kernel<<<grid_for(D), kThreads, 0, ctx.stream>>>(dw.f32(), partials.f32(),
                                                                   row_blocks, D);
   LAUNCH_CHECK(ctx, "rmsnorm_dw_sum_kernel");
@@ -475,67 +594,138 @@ static void rope_cpu(float* x, const int32_t* pos, int T, int H, int hd, float t
 }
 
 // One thread per rotated pair; x read in fp32 or the 16-bit format it is stored in, the result
-// written into out (x itself, or a 16-bit tensor), each value rounded once as it is stored.
+// written into out (x itself, or a 16-bit tensor), each value rounded once as it is stored. Up
+// to three tensors of the same formats and positions in one launch (q and k; and in the backward
+// v's gradient, rounded but not rotated): the pairs of the first, then the second's, then the
+// third's.
 template <typename I, typename O>
-static __global__ void rope_kernel(O* out, const I* x, const int32_t* pos, int64_t pairs, int H,
-                                   int hd, float theta, float sign) {
-  int half = hd / 2;
+struct RopeOperand {
+  O* out;
+  const I* x;
+  int H;        // heads
+  bool rotate;  // false: copied (rounded into out's format)
+};
+template <typename I, typename O>
+struct RopeOperands {
+  RopeOperand<I, O> op[3];
+  int count;
+};
+template <typename I, typename O>
+static __global__ void rope_kernel(RopeOperands<I, O> ops, const int32_t* pos, int T, int hd,
+                                   float theta, float sign) {
+  const int half = hd / 2;
+  const RopeOperand<I, O>&a = ops.op[0], &b = ops.op[1], &c = ops.op[2];
+  const int64_t pairs_a = (int64_t)T * a.H * half,
+                pairs_b = ops.count > 1 ? (int64_t)T * b.H * half : 0;
+  const int64_t pairs = pairs_a + pairs_b + (ops.count > 2 ? (int64_t)T * c.H * half : 0);
   GRID_STRIDE_LOOP(p, pairs) {
-    int i = (int)(p % half);
-    int64_t head = p / half;  // t * H + h
-    float angle = (float)pos[head / H] * (1.0f / powf(theta, (2.0f * i) / hd));
-    float c = cosf(angle), s = sign * sinf(angle);
+    // The pair's operand and its index there, by selects (an indexed parameter array would sit
+    // in local memory).
+    const bool in_a = p < pairs_a, in_b = !in_a && p < pairs_a + pairs_b;
+    const int64_t q = in_a ? p : in_b ? p - pairs_a : p - pairs_a - pairs_b;
+    O* out = in_a ? a.out : in_b ? b.out : c.out;
+    const I* x = in_a ? a.x : in_b ? b.x : c.x;
+    const int H = in_a ? a.H : in_b ? b.H : c.H;
+    const bool rotate = in_a ? a.rotate : in_b ? b.rotate : c.rotate;
+    int i = (int)(q % half);
+    int64_t head = q / half;     // t * H + h
     const I* v = x + head * hd;  // [hd]
     O* o = out + head * hd;
-    float a = widen(v[i]), b = widen(v[i + half]);
-    store(o + i, a * c - b * s);
-    store(o + i + half, b * c + a * s);
+    float va = widen(v[i]), vb = widen(v[i + half]);
+    if (!rotate) {
+      store(o + i, va), store(o + i + half, vb);
+      continue;
+    }
+    float angle = (float)pos[head / H] * (1.0f / powf(theta, (2.0f * i) / hd));
+    float cs = cosf(angle), sn = sign * sinf(angle);
+    store(o + i, va * cs - vb * sn);
+    store(o + i + half, vb * cs + va * sn);
   }
 }
 
-// out (x itself, or a 16-bit tensor x's rotation is rounded into) from x; `gradient` says the
-// rounding counts among the backward's (RoundingStats).
-static void rope(const Context& ctx, const Tensor& out, const Tensor& x, const Tensor& positions,
+// out (x itself, or a 16-bit tensor x's rotation is rounded into) from x, for each part given
+// (one to three, in one launch); `gradient` says the rounding counts among the backward's
+// (RoundingStats).
+struct RopePart {
+  Tensor out, x;
+  bool rotate = true;  // false: x rounded into out as it is
+};
+static void rope(const Context& ctx, const std::vector<RopePart>& parts, const Tensor& positions,
                  float theta, float sign, bool gradient) {
-  check_devices(ctx, "rope", out, x, positions);
-  PICO_ASSERT(x.dim() == 3 && x.size(2) % 2 == 0 && positions.numel() == x.size(0),
-              "rope expects x [T, H, hd] with even hd and positions [T], got " + x.shape_str());
-  const bool in_place = out.ptr == x.ptr;
-  PICO_ASSERT(
-      float_storage(x.dtype) && out.numel() == x.numel() &&
-          (in_place ? out.dtype == x.dtype : x.dtype == DType::F32 && float_storage(out.dtype)),
-      std::string("rope from ") + dtype_name(x.dtype) + " into " + dtype_name(out.dtype));
-  int T = (int)x.size(0), H = (int)x.size(1), hd = (int)x.size(2);
-  const double n = (double)T * H * hd;
-  if (count_op(ctx.device, OpKind::Elementwise,
-               {3.0 * n, dtype_size(x.dtype) * n + 4.0 * T, dtype_size(out.dtype) * n}))
-    return;
-  if (ctx.device == Device::CPU) {
-    if (x.dtype == DType::F32 && in_place)
-      return rope_cpu(x.f32(), positions.i32(), T, H, hd, theta, sign);
-    std::vector<float> v = widened(x);
-    rope_cpu(v.data(), positions.i32(), T, H, hd, theta, sign);
-    if (gradient && out.dtype != DType::F32)
-      return cast_gradient_host(out.ptr, out.dtype, v.data(), out.numel());   // counted
-    return cast_host(out.ptr, out.dtype, v.data(), DType::F32, out.numel());  // rounded once
+  PICO_ASSERT(parts.size() >= 1 && parts.size() <= 3, "rope takes one to three tensors");
+  int T = 0, hd = 0;
+  double read = 4.0 * positions.numel(), written = 0, flops = 0;
+  for (const RopePart& part : parts) {
+    const Tensor &out = part.out, &x = part.x;
+    check_devices(ctx, "rope", out, x, positions);
+    PICO_ASSERT(x.dim() == 3 && x.size(2) % 2 == 0 && positions.numel() == x.size(0),
+                "rope expects x [T, H, hd] with even hd and positions [T], got " + x.shape_str());
+    const bool in_place = out.ptr == x.ptr;
+    PICO_ASSERT(
+        float_storage(x.dtype) && out.numel() == x.numel() &&
+            (in_place ? out.dtype == x.dtype : x.dtype == DType::F32 && float_storage(out.dtype)),
+        std::string("rope from ") + dtype_name(x.dtype) + " into " + dtype_name(out.dtype));
+    PICO_ASSERT(
+        &part == &parts[0] || (x.size(0) == T && x.size(2) == hd && x.dtype == parts[0].x.dtype &&
+                               out.dtype == parts[0].out.dtype),
+        "rope's tensors differ in tokens, head size or formats");
+    PICO_ASSERT(part.rotate || !in_place, "rope: a tensor neither rotated nor rounded");
+    T = (int)x.size(0), hd = (int)x.size(2);
+    flops += part.rotate ? 3.0 * x.numel() : 0.0;
+    read += dtype_size(x.dtype) * (double)x.numel();
+    written += dtype_size(out.dtype) * (double)out.numel();
   }
-  int64_t pairs = (int64_t)T * H * (hd / 2);
-  with_element(x.dtype, [&](auto* in_type) {
+  if (count_op(ctx.device, OpKind::Elementwise, {flops, read, written})) return;
+  if (ctx.device == Device::CPU) {
+    for (const RopePart& part : parts) {
+      const Tensor &out = part.out, &x = part.x;
+      const int H = (int)x.size(1);
+      if (x.dtype == DType::F32 && out.ptr == x.ptr) {
+        rope_cpu(x.f32(), positions.i32(), T, H, hd, theta, sign);
+        continue;
+      }
+      std::vector<float> v = widened(x);
+      if (part.rotate) rope_cpu(v.data(), positions.i32(), T, H, hd, theta, sign);
+      if (gradient && out.dtype != DType::F32)
+        cast_gradient_host(out.ptr, out.dtype, v.data(), out.numel());  // counted
+      else
+        cast_host(out.ptr, out.dtype, v.data(), DType::F32, out.numel());  // rounded once
+    }
+    return;
+  }
+  int64_t pairs = 0;
+  for (const RopePart& part : parts) pairs += part.x.numel() / 2;
+  with_element(parts[0].x.dtype, [&](auto* in_type) {
     using I = std::remove_pointer_t<decltype(in_type)>;
-    with_element(out.dtype, [&](auto* out_type) {
+    with_element(parts[0].out.dtype, [&](auto* out_type) {
       using O = std::remove_pointer_t<decltype(out_type)>;
-      rope_kernel<<<grid_for(pairs), kThreads, 0, ctx.stream>>>(
-          (O*)out.ptr, (const I*)x.ptr, positions.i32(), pairs, H, hd, theta, sign);
+      RopeOperands<I, O> ops{};
+      for (const RopePart& part : parts)
+        ops.op[ops.count++] = {(O*)part.out.ptr, (const I*)part.x.ptr, (int)part.x.size(1),
+                               part.rotate};
+      rope_kernel<<<grid_for(pairs), kThreads, 0, ctx.stream>>>(ops, positions.i32(), T, hd, theta,
+                                                                sign);
     });
   });
   LAUNCH_CHECK(ctx, "rope_kernel");
 }
 void rope_forward(const Context& ctx, const Tensor& x, const Tensor& positions, float theta) {
-  rope(ctx, x, x, positions, theta, 1.0f, false);
+  rope(ctx, {{x, x}}, positions, theta, 1.0f, false);
+}
+void rope_forward(const Context& ctx, const Tensor& q, const Tensor& k, const Tensor& positions,
+                  float theta) {
+  rope(ctx, {{q, q}, {k, k}}, positions, theta, 1.0f, false);
 }
 void rope_backward(const Context& ctx, const Tensor& dx, const Tensor& positions, float theta,
                    const Tensor& into) {
-  rope(ctx, into.defined() ? into : dx, dx, positions, theta, -1.0f, true);
+  rope(ctx, {{into.defined() ? into : dx, dx}}, positions, theta, -1.0f, true);
+}
+void rope_backward(const Context& ctx, const Tensor& dq, const Tensor& dk, const Tensor& positions,
+                   float theta, const Tensor& into_q, const Tensor& into_k, const Tensor& dv,
+                   const Tensor& into_v) {
+  std::vector<RopePart> parts = {{into_q, dq}, {into_k, dk}};
+  if (dv.defined() && into_v.ptr != dv.ptr) parts.push_back({into_v, dv, false});
+  rope(ctx, parts, positions, theta, -1.0f, true);
 }
 
 // ============================================================================

@@ -20,6 +20,15 @@ void gemm(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K, f
 void gemm_16bit(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K,
                 const Tensor& A, int lda, const Tensor& B, int ldb, float beta, const Tensor& C,
                 int ldc);
+// `count` GEMMs of one shape, operand i of X at X + i * stride_x elements (stride 0: one operand
+// that all of them read), alpha 1: one strided-batched cuBLAS call (cublasGemmStridedBatchedEx,
+// fp32 sums), counted as one launch. fp32 A, B and C on any device (CPU: one cblas_sgemm each,
+// in order, the values of `count` gemm calls); bf16 or fp16 A and B as gemm_16bit's, on the GPU
+// path. The C_i must not overlap: cuBLAS may run them concurrently.
+void gemm_strided_batched(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K,
+                          const Tensor& A, int lda, int64_t stride_a, const Tensor& B, int ldb,
+                          int64_t stride_b, float beta, const Tensor& C, int ldc, int64_t stride_c,
+                          int count);
 // ---- embedding ----
 // out[T, D] = table[ids[t], :]; ids [T] int32; id -1 gives a zero row (and no gradient): the
 // ids another rank's vocabulary slice holds under tensor parallelism. The forward's table may be
@@ -35,9 +44,17 @@ void embedding_backward(const Context& ctx, const Tensor& dtable, const Tensor& 
 // backward
 void rmsnorm_forward(const Context& ctx, const Tensor& y, const Tensor& rstd, const Tensor& x,
                      const Tensor& w, float eps);
-// dx[T, D] += ..., dw[D] += ... (dy fp32, or bf16 / fp16 as the linear layers wrote it)
+// sum = a + b (residual_forward), then y, rstd = rmsnorm(sum) (rmsnorm_forward): one kernel on
+// CUDA, the same values; a, sum fp32, b as residual_forward's.
+void residual_rmsnorm_forward(const Context& ctx, const Tensor& sum, const Tensor& y,
+                              const Tensor& rstd, const Tensor& a, const Tensor& b, const Tensor& w,
+                              float eps);
+// dx[T, D] += ..., dw[D] += ... (dy fp32, or bf16 / fp16 as the linear layers wrote it). With
+// `dx_rounded` (a [T, D] fp32, bf16 or fp16 tensor): dx's new value also written into it,
+// rounded once (a gradient's rounding, counted), for the GEMMs that read dx next.
 void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, const Tensor& dy,
-                      const Tensor& x, const Tensor& w, const Tensor& rstd);
+                      const Tensor& x, const Tensor& w, const Tensor& rstd,
+                      const Tensor& dx_rounded = Tensor());
 
 // ---- RoPE, HF rotate_half convention: pairs (i, i + hd/2), angle pos * theta^(-2i/hd) ----
 // x [T, H, hd] rotated in place (fp32, or bf16 / fp16 read widened and each value rounded once
@@ -49,6 +66,16 @@ void rope_forward(const Context& ctx, const Tensor& x, const Tensor& positions, 
 // unless `into` is dx itself.
 void rope_backward(const Context& ctx, const Tensor& dx, const Tensor& positions, float theta,
                    const Tensor& into = {});
+// The same for q [T, Hq, hd] and k [T, Hk, hd] (the same formats) in one launch: the forward in
+// place, the backward into into_q and into_k (each dq or dk itself, or its 16-bit buffer). Given
+// dv [T, Hk, hd] and a 16-bit into_v, the backward also rounds dv into it in the same launch
+// (not rotated; counted as a gradient's rounding): the three gradients the q, k and v
+// projections read, in the format they read them.
+void rope_forward(const Context& ctx, const Tensor& q, const Tensor& k, const Tensor& positions,
+                  float theta);
+void rope_backward(const Context& ctx, const Tensor& dq, const Tensor& dk, const Tensor& positions,
+                   float theta, const Tensor& into_q, const Tensor& into_k,
+                   const Tensor& dv = Tensor(), const Tensor& into_v = Tensor());
 
 // ---- SwiGLU: out = silu(gate) * up ----
 // gate, up, out [T, F], all three fp32, or all three bf16 or fp16 (mixed precision's compute

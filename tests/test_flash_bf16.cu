@@ -326,12 +326,14 @@ void require_kernels_match_mirrors(const Context& gpu, const AttentionBlock& a, 
   Tensor out = empty(q.shape, Mem::Workspace, Device::CUDA, DType::BF16);
   Tensor lse = empty({(int64_t)x.lse.size()}, Mem::Workspace, Device::CUDA);
   Tensor D = empty(lse.shape, Mem::Workspace, Device::CUDA);
-  Tensor dq = zeros({(int64_t)in.q.size()}, Mem::Workspace, Device::CUDA);
-  Tensor dk = zeros({(int64_t)in.k.size()}, Mem::Workspace, Device::CUDA);
-  Tensor dv = zeros({(int64_t)in.v.size()}, Mem::Workspace, Device::CUDA);
+  // dq, dk, dv start as garbage: the D kernel clears them for the backward's sums.
+  auto garbage = [](size_t n) {
+    return to_device(cpu_tensor(std::vector<float>(n, 1e30f)), Device::CUDA, Mem::Workspace);
+  };
+  Tensor dq = garbage(in.q.size()), dk = garbage(in.k.size()), dv = garbage(in.v.size());
   __nv_bfloat16* out_p = reinterpret_cast<__nv_bfloat16*>(out.ptr);
   flash_attention_forward_bf16(gpu, out_p, lse.f32(), bf(q), bf(k), bf(v), a);
-  attention_out_dot_dout_bf16(gpu, D.f32(), bf(dout), out_p, a);
+  attention_out_dot_dout_bf16(gpu, D.f32(), bf(dout), out_p, a, dq.f32(), dk.f32(), dv.f32());
   flash_attention_backward_bf16(gpu, dq.f32(), dk.f32(), dv.f32(), bf(dout), bf(q), bf(k), bf(v),
                                 lse.f32(), D.f32(), a);
   gpu.synchronize();

@@ -16,6 +16,7 @@
 #include "model.cuh"
 #include "runtime/core.cuh"
 #include "runtime/ops.cuh"
+#include "tensor_parallel.cuh"
 #include "usage_error.cuh"
 
 namespace fs = std::filesystem;
@@ -435,6 +436,118 @@ TEST_CASE("the embedding reads a bf16 or fp16 table: each row the format's value
             id_values[t] < 0 ? 0.0f : stored(p, table.f32()[(int64_t)id_values[t] * D + i]);
         REQUIRE(rows.f32()[t * D + i] == want);
       }
+  }
+}
+
+// Linear layers of one shape on one input (k and v; gate and up) with their weights and outputs
+// side by side in memory run as one strided-batched GEMM: on the CPU one cblas call each inside
+// it, so the values must be those of a linear each, bit for bit (the reference: linear_forward
+// and linear_backward called one by one), and the ledger shows one launch where the CUDA path
+// makes one cuBLAS call. Guards against a wrong stride or operand (the values), and a batch that
+// never forms (the launches).
+TEST_CASE("linear layers side by side: one batched GEMM, the values of one linear each",
+          "[precision]") {
+  Context ctx = Context::create(Device::CPU);
+  const int64_t T = 9, in = 24, out = 16, count = 3;
+  Tensor x = filled({T, in}, 5, 1.0f), W = filled({count * out * in}, 6, 0.5f);
+  Tensor dy = filled({count * T * out}, 7, 1.0f), y = empty({count * T * out}, Mem::Workspace);
+  Tensor dW = filled({count * out * in}, 8, 0.1f), dW_ref = copy_of(dW);
+  std::vector<Tensor> Ws, ys, dys, dWs, dWs_ref;
+  for (int64_t i = 0; i < count; i++) {
+    Ws.push_back(W.view(i * out * in, {out, in})), ys.push_back(y.view(i * T * out, {T, out}));
+    dys.push_back(dy.view(i * T * out, {T, out})), dWs.push_back(dW.view(i * out * in, {out, in}));
+    dWs_ref.push_back(dW_ref.view(i * out * in, {out, in}));
+  }
+  reset_ledger();
+  linear_forward_many(ctx, ys, x, Ws);
+  linear_weight_grads_many(ctx, dWs, dys, x, Ws);
+  CHECK(ledger().rows[(int)OpKind::Gemm].launches == 2);  // one forward, one weight gradient
+  CHECK(ledger().gemm_shapes.at({T, out, in, MathUnit::CudaCores}).calls == count);
+  for (int64_t i = 0; i < count; i++) {
+    Tensor want = empty({T, out}, Mem::Workspace);
+    linear_forward(ctx, want, x, Ws[i]);
+    linear_backward(ctx, Tensor(), dWs_ref[i], dys[i], x, Ws[i]);
+    CHECK(memcmp(want.ptr, ys[i].ptr, want.nbytes()) == 0);
+  }
+  CHECK(memcmp(dW.ptr, dW_ref.ptr, dW.nbytes()) == 0);
+  // Overlapping outputs cannot be a batch: one linear each, the same values.
+  Tensor y2 = empty({T * out + out}, Mem::Workspace);
+  reset_ledger();
+  linear_forward_many(ctx, {y2.view(0, {T, out}), y2.view(out, {T, out})}, x, {Ws[0], Ws[1]});
+  CHECK(ledger().rows[(int)OpKind::Gemm].launches == 2);
+  Tensor want = empty({T, out}, Mem::Workspace);
+  linear_forward(ctx, want, x, Ws[1]);
+  CHECK(memcmp(want.ptr, y2.f32() + out, want.nbytes()) == 0);
+}
+
+// On the GPU path (counted on meta) under bf16 the batch reads the weights' kept 16-bit copies;
+// under fp8, whose GEMMs quantize each weight on its own, there is no batch.
+TEST_CASE("linear layers side by side batch on the GPU path under bf16, not under fp8",
+          "[precision]") {
+  for (Precision p : {Precision::BF16, Precision::FP8}) {
+    INFO(precision_name(p));
+    Context ctx = Context::create(Device::Meta);
+    ctx.precision = p;
+    const int64_t T = 64, in = 32, out = 16;
+    Tensor master = empty({2 * out * in}, Mem::Params, Device::Meta);
+    keep_compute_copy(ctx, master);
+    const DType format = activation_dtype(p);
+    Tensor x = empty({T, in}, Mem::Workspace, Device::Meta, format);
+    Tensor y = empty({2 * T * out}, Mem::Workspace, Device::Meta, format);
+    reset_ledger();
+    linear_forward_many(ctx, {y.view(0, {T, out}), y.view(T * out, {T, out})}, x,
+                        {master.view(0, {out, in}), master.view(out * in, {out, in})});
+    CHECK(ledger().rows[(int)OpKind::Gemm].launches == (p == Precision::BF16 ? 1 : 2));
+    ctx.destroy();
+  }
+}
+
+// The batch on the GPU (cublasGemmStridedBatchedEx / cublasSgemmStridedBatched) against one
+// linear each there: the same sums, which cuBLAS may order differently in a batched kernel, so
+// each bf16 output within one unit of its last place (2^-7 of its value, plus a few fp32
+// roundings of the 64-term sums near zero) and each fp32 weight gradient within 1e-5 relative
+// (128-term sums, fp32) of the other's.
+TEST_CASE("CUDA linear layers side by side: the batched GEMM equals one linear each",
+          "[precision][gpu]") {
+  SKIP_WITHOUT_CUDA();
+  for (Precision p : {Precision::FP32, Precision::BF16}) {
+    INFO(precision_name(p));
+    Context ctx = Context::create(Device::CUDA);
+    ctx.precision = p;
+    const int64_t T = 128, in = 64, out = 32;
+    auto gpu = [](const Tensor& t) { return to_device(t, Device::CUDA, Mem::Workspace); };
+    Tensor master = to_device(filled({2 * out * in}, 21, 0.5f), Device::CUDA, Mem::Params);
+    if (p != Precision::FP32) keep_compute_copy(ctx, master);
+    const DType format = activation_dtype(p);
+    Tensor x = empty({T, in}, Mem::Workspace, Device::CUDA, format);
+    Tensor dy = empty({2 * T * out}, Mem::Workspace, Device::CUDA, format);
+    cast_(ctx, x, gpu(filled({T, in}, 22, 1.0f))),
+        cast_(ctx, dy, gpu(filled({2 * T * out}, 23, 1.0f)));
+    Tensor y = empty({2 * T * out}, Mem::Workspace, Device::CUDA, format);
+    Tensor dW = gpu(filled({2 * out * in}, 24, 0.1f)),
+           dW_ref = gpu(filled({2 * out * in}, 24, 0.1f));
+    std::vector<Tensor> Ws, ys, dys, dWs;
+    for (int64_t i = 0; i < 2; i++) {
+      Ws.push_back(master.view(i * out * in, {out, in}));
+      ys.push_back(y.view(i * T * out, {T, out})), dys.push_back(dy.view(i * T * out, {T, out}));
+      dWs.push_back(dW.view(i * out * in, {out, in}));
+    }
+    linear_forward_many(ctx, ys, x, Ws);
+    linear_weight_grads_many(ctx, dWs, dys, x, Ws);
+    for (int64_t i = 0; i < 2; i++) {
+      Tensor want = empty({T, out}, Mem::Workspace, Device::CUDA, format);
+      linear_forward(ctx, want, x, Ws[i]);
+      linear_backward(ctx, Tensor(), dW_ref.view(i * out * in, {out, in}), dys[i], x, Ws[i]);
+      ctx.synchronize();
+      std::vector<float> got = widened(to_device(ys[i], Device::CPU, Mem::Workspace));
+      std::vector<float> ref = widened(to_device(want, Device::CPU, Mem::Workspace));
+      for (size_t e = 0; e < got.size(); e++)
+        REQUIRE(std::fabs(got[e] - ref[e]) <= std::ldexp(std::fabs(ref[e]), -7) + 1e-5f);
+    }
+    std::vector<float> got = to_host_floats(dW), ref = to_host_floats(dW_ref);
+    for (size_t e = 0; e < got.size(); e++)
+      REQUIRE(got[e] == Approx(ref[e]).epsilon(1e-5).margin(1e-5));
+    ctx.destroy();
   }
 }
 

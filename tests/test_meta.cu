@@ -163,6 +163,32 @@ TEST_CASE("after the first step, a step makes no device allocator call", "[train
   }
 }
 
+// The kernels a llama block launches per micro-batch on the CUDA path under bf16, counted on
+// meta as the difference between 4 and 2 blocks, against the list of what the step runs (the
+// GPU step's budget: at most 30 a block). Forward: the attention norm (fused with the last
+// block's residual add), q and the batched k, v GEMMs, RoPE on q and k, attention, o, the
+// residual add fused with the MLP's norm, the batched gate, up GEMMs, SwiGLU, down: 10.
+// Backward: down's two GEMMs, SwiGLU, the batched gate, up weight gradients and their two input
+// gradients, the MLP norm (two kernels: dx with the partial column sums, then their sum), o's
+// two GEMMs, D = rowsum(dO o O) clearing dq, dk, dv, attention, RoPE on dq and dk rounding dv,
+// q's and the batched k, v weight gradients, three input gradients, the attention norm (two):
+// 20. A fusion undone, or an op added, shows here.
+TEST_CASE("a llama block launches 30 kernels per micro-batch under bf16", "[train]") {
+  auto launches = [](int layers) {
+    RunResult r = run_train(
+        "--device meta --model llama-1b --dtype bf16 --seq 256 --steps 1 --val-every 0 "
+        "--report roofline --layers " +
+        std::to_string(layers));
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    std::smatch m;
+    REQUIRE(std::regex_search(r.output, m, std::regex("launches per micro-batch: ([0-9]+)")));
+    return std::stoll(m[1]);
+  };
+  const int64_t forward = 10, backward = 20;
+  CHECK((launches(4) - launches(2)) / 2 == forward + backward);
+}
+
 // --report roofline's GEMMs by shape: each linear layer y = x W^T (W [out, in], N tokens) is three
 // GEMMs, the forward C [N, out] (K = in), the input gradient C [N, in] (K = out) and the weight
 // gradient C [out, in] (K = N); equal shapes share a row. The closed form's list, from the

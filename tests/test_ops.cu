@@ -43,6 +43,10 @@ Tensor small_ints(std::vector<int64_t> shape, const std::string& name) {
 Tensor clone(const Tensor& t) {
   return to_device(t, Device::CPU, Mem::Activations);
 }
+// Two CPU tensors hold the same bytes (bit for bit; NaN payloads included).
+bool same_bytes(const Tensor& a, const Tensor& b) {
+  return a.nbytes() == b.nbytes() && memcmp(a.ptr, b.ptr, a.nbytes()) == 0;
+}
 
 // L = sum(out * R) in fp32: a scalar whose gradient with respect to out is R.
 float weighted_sum(const Tensor& out, const Tensor& R) {
@@ -265,6 +269,62 @@ TEST_CASE("rmsnorm_backward matches central differences and accumulates", "[ops]
   for (int i = 0; i < D; i++) CHECK(dw.f32()[i] == Approx(2.0f * first_dw.f32()[i]).epsilon(1e-6));
 }
 
+// The residual add and the next norm, fused: the values of the two ops run one after the other
+// (the reference), in every format the block uses, as one op on the ledger.
+TEST_CASE("residual_rmsnorm_forward equals residual_forward then rmsnorm_forward, bit for bit",
+          "[ops]") {
+  const int T = 7, D = 90;
+  Tensor a = randn({T, D}, "a", 2.0f), b = randn({T, D}, "b"), w = randn({D}, "w");
+  for (DType format : {DType::F32, DType::BF16, DType::F16}) {
+    INFO(dtype_name(format));
+    Tensor b_f = empty({T, D}, Mem::Activations, Device::CPU, format);
+    Tensor w_f = empty({D}, Mem::Params, Device::CPU, format);
+    cast_(kCpu, b_f, b), cast_(kCpu, w_f, w);
+    Tensor sum = empty({T, D}, Mem::Activations), want_sum = clone(sum);
+    Tensor y = empty({T, D}, Mem::Activations, Device::CPU, format), want_y = clone(y);
+    Tensor rstd = empty({T}, Mem::Activations), want_rstd = clone(rstd);
+    residual_forward(kCpu, want_sum, a, b_f);
+    rmsnorm_forward(kCpu, want_y, want_rstd, want_sum, w_f, 1e-5f);
+    reset_ledger();
+    residual_rmsnorm_forward(kCpu, sum, y, rstd, a, b_f, w_f, 1e-5f);
+    CHECK(ledger().rows[(int)OpKind::Norm].calls == 1);
+    CHECK(ledger().rows[(int)OpKind::Norm].launches == 1);
+    CHECK(ledger().rows[(int)OpKind::Elementwise].calls == 0);
+    CHECK(same_bytes(sum, want_sum));
+    CHECK(same_bytes(y, want_y));
+    CHECK(same_bytes(rstd, want_rstd));
+  }
+}
+
+// The norm's backward also writes the residual gradient rounded for the GEMMs that read it next
+// (a [T, D] bf16 or fp16 copy): dx's new value rounded once (cast_'s rounding, the reference),
+// counted among the backward's roundings as the GEMMs' own rounding was; dx and dw as without it.
+TEST_CASE("rmsnorm_backward's rounded copy of dx is dx rounded once, and counted", "[ops]") {
+  const int T = 6, D = 70;
+  Tensor x = randn({T, D}, "x", 2.0f), w = randn({D}, "w"), dy = randn({T, D}, "dy");
+  Tensor y = empty({T, D}, Mem::Activations), rstd = empty({T}, Mem::Activations);
+  rmsnorm_forward(kCpu, y, rstd, x, w, 1e-5f);
+  for (DType half : {DType::BF16, DType::F16}) {
+    INFO(dtype_name(half));
+    Tensor dx = randn({T, D}, "dx0", 1e-3f), dw = randn({D}, "dw0");
+    Tensor dx2 = clone(dx), dw2 = clone(dw);
+    Tensor rounded = empty({T, D}, Mem::Workspace, Device::CPU, half), want = clone(rounded);
+    rmsnorm_backward(kCpu, dx, dw, dy, x, w, rstd);
+    reset_rounding_stats();
+    reset_ledger();
+    rmsnorm_backward(kCpu, dx2, dw2, dy, x, w, rstd, rounded);
+    CHECK(ledger().rows[(int)OpKind::Norm].calls == 1);
+    CHECK(ledger().rows[(int)OpKind::Cast].calls == 0);
+    CHECK(same_bytes(dx, dx2));
+    CHECK(same_bytes(dw, dw2));
+    cast_(kCpu, want, dx);
+    CHECK(same_bytes(rounded, want));
+    int64_t nonzero = 0;
+    for (int i = 0; i < T * D; i++) nonzero += dx.f32()[i] != 0.0f;
+    CHECK(rounding_stats(true).nonzero == (uint64_t)nonzero);
+  }
+}
+
 // ----------------------------------------------------------------------------
 // RoPE
 
@@ -290,6 +350,48 @@ TEST_CASE("rope rotates pairs (i, i + hd/2) by pos * theta^(-2i/hd), and its bac
 
   rope_backward(kCpu, rotated, positions, theta);  // rotations are orthogonal: back to x
   for (int i = 0; i < T * H * hd; i++) CHECK(rotated.f32()[i] == Approx(x.f32()[i]).margin(1e-6));
+}
+
+// q and k in one call (one launch on CUDA): the values of two calls, forward in place and
+// backward into 16-bit buffers (with v's gradient rounded alongside), one op on the ledger.
+TEST_CASE("rope on q and k in one call equals a call each, bit for bit", "[ops]") {
+  const int T = 9, Hq = 4, Hk = 2, hd = 16;
+  std::vector<int32_t> pos(T);
+  for (int t = 0; t < T; t++) pos[t] = 5 * t + 1;
+  Tensor positions = ids_tensor(pos);
+  for (DType format : {DType::F32, DType::BF16}) {
+    INFO(dtype_name(format));
+    Tensor q = empty({T, Hq, hd}, Mem::Activations, Device::CPU, format);
+    Tensor k = empty({T, Hk, hd}, Mem::Activations, Device::CPU, format);
+    cast_(kCpu, q, randn({T, Hq, hd}, "q")), cast_(kCpu, k, randn({T, Hk, hd}, "k"));
+    Tensor q1 = clone(q), k1 = clone(k);
+    rope_forward(kCpu, q1, positions, 10000.0f), rope_forward(kCpu, k1, positions, 10000.0f);
+    reset_ledger();
+    rope_forward(kCpu, q, k, positions, 10000.0f);
+    CHECK(ledger().rows[(int)OpKind::Elementwise].calls == 1);
+    CHECK(same_bytes(q, q1));
+    CHECK(same_bytes(k, k1));
+    // The backward from fp32 gradients into the format (in place under fp32).
+    Tensor dq = randn({T, Hq, hd}, "dq"), dk = randn({T, Hk, hd}, "dk");
+    Tensor dq1 = clone(dq), dk1 = clone(dk);
+    Tensor into_q = format == DType::F32 ? dq : clone(q),
+           into_k = format == DType::F32 ? dk : clone(k);
+    Tensor into_q1 = format == DType::F32 ? dq1 : clone(q),
+           into_k1 = format == DType::F32 ? dk1 : clone(k);
+    rope_backward(kCpu, dq1, positions, 10000.0f, into_q1);
+    rope_backward(kCpu, dk1, positions, 10000.0f, into_k1);
+    // v's gradient rides along (rounded, not rotated) when it is rounded at all.
+    Tensor dv = randn({T, Hk, hd}, "dv"), into_v = format == DType::F32 ? dv : clone(k);
+    Tensor want_v = clone(into_v);
+    if (format != DType::F32) cast_(kCpu, want_v, dv);
+    reset_ledger();
+    rope_backward(kCpu, dq, dk, positions, 10000.0f, into_q, into_k, dv, into_v);
+    CHECK(ledger().rows[(int)OpKind::Elementwise].calls == 1);
+    CHECK(ledger().rows[(int)OpKind::Cast].calls == 0);
+    CHECK(same_bytes(into_q, into_q1));
+    CHECK(same_bytes(into_k, into_k1));
+    CHECK(same_bytes(into_v, want_v));
+  }
 }
 
 TEST_CASE("rope_backward matches central differences", "[ops]") {
@@ -884,6 +986,101 @@ TEST_CASE("CUDA rmsnorm weight gradient over many row blocks: deterministic, clo
   // 1000-term column sums of N(0,1)-sized terms (|sum| ~ 30) in chunks of 32 instead of one
   // line: fp32 rounding of ~1000 additions, about 1e-5 of the terms' scale.
   check_close(got, dw, 1e-4f, 1e-3f);
+  ctx.destroy();
+}
+
+// The fused kernels against the unfused CUDA ops they replace (the same arithmetic in the same
+// order: bit for bit) and the CPU reference (the tolerances of the unfused ops' tests above).
+TEST_CASE("CUDA residual_rmsnorm_forward equals the residual add then the norm", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  const int T = 37, D = 300;
+  Tensor a = randn({T, D}, "a", 2.0f), b = randn({T, D}, "b"), w = randn({D}, "w");
+  for (DType format : {DType::F32, DType::BF16}) {
+    INFO(dtype_name(format));
+    Tensor b_f = empty({T, D}, Mem::Activations, Device::CPU, format);
+    Tensor w_f = empty({D}, Mem::Params, Device::CPU, format);
+    cast_(kCpu, b_f, b), cast_(kCpu, w_f, w);
+    Tensor g_a = gpu(a), g_b = to_device(b_f, Device::CUDA, Mem::Activations);
+    Tensor g_w = to_device(w_f, Device::CUDA, Mem::Params);
+    auto outputs = [&] {
+      return std::vector<Tensor>{empty({T, D}, Mem::Activations, Device::CUDA),
+                                 empty({T, D}, Mem::Activations, Device::CUDA, format),
+                                 empty({T}, Mem::Activations, Device::CUDA)};
+    };
+    std::vector<Tensor> fused = outputs(), apart = outputs();
+    residual_rmsnorm_forward(ctx, fused[0], fused[1], fused[2], g_a, g_b, g_w, 1e-5f);
+    residual_forward(ctx, apart[0], g_a, g_b);
+    rmsnorm_forward(ctx, apart[1], apart[2], apart[0], g_w, 1e-5f);
+    ctx.synchronize();
+    for (int i = 0; i < 3; i++) {
+      Tensor got = to_device(fused[i], Device::CPU, Mem::Workspace);
+      Tensor want = to_device(apart[i], Device::CPU, Mem::Workspace);
+      CHECK(memcmp(got.ptr, want.ptr, got.nbytes()) == 0);
+    }
+    Tensor sum = empty({T, D}, Mem::Activations), rstd = empty({T}, Mem::Activations);
+    Tensor y = empty({T, D}, Mem::Activations, Device::CPU, format);
+    residual_rmsnorm_forward(kCpu, sum, y, rstd, a, b_f, w_f, 1e-5f);
+    check_close(host(ctx, fused[0]), sum, 0.0f, 0.0f);  // one fp32 addition, exact both sides
+    check_close(host(ctx, fused[2]), rstd, 1e-5f, 0.0f);
+  }
+  ctx.destroy();
+}
+
+TEST_CASE("CUDA rmsnorm_backward's rounded copy is its dx rounded once", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  const int T = 70, D = 300;  // three row blocks of the column sum, the last partial
+  Tensor x = randn({T, D}, "x"), w = randn({D}, "w"), dy = randn({T, D}, "dy");
+  Tensor y = empty({T, D}, Mem::Activations), rstd = empty({T}, Mem::Activations);
+  rmsnorm_forward(kCpu, y, rstd, x, w, 1e-5f);
+  Tensor g_x = gpu(x), g_w = gpu(w), g_dy = gpu(dy), g_rstd = gpu(rstd);
+  Tensor g_dx = gpu(randn({T, D}, "dx0")), g_dw = gpu(randn({D}, "dw0"));
+  Tensor g_dx2 = gpu(randn({T, D}, "dx0")), g_dw2 = gpu(randn({D}, "dw0"));
+  Tensor rounded = empty({T, D}, Mem::Workspace, Device::CUDA, DType::BF16);
+  Tensor want = empty({T, D}, Mem::Workspace, Device::CUDA, DType::BF16);
+  rmsnorm_backward(ctx, g_dx, g_dw, g_dy, g_x, g_w, g_rstd);
+  rmsnorm_backward(ctx, g_dx2, g_dw2, g_dy, g_x, g_w, g_rstd, rounded);
+  cast_(ctx, want, g_dx);
+  ctx.synchronize();
+  check_close(host(ctx, g_dx2), to_device(g_dx, Device::CPU, Mem::Workspace), 0.0f, 0.0f);
+  check_close(host(ctx, g_dw2), to_device(g_dw, Device::CPU, Mem::Workspace), 0.0f, 0.0f);
+  Tensor got16 = to_device(rounded, Device::CPU, Mem::Workspace);
+  Tensor want16 = to_device(want, Device::CPU, Mem::Workspace);
+  CHECK(memcmp(got16.ptr, want16.ptr, got16.nbytes()) == 0);
+  ctx.destroy();
+}
+
+TEST_CASE("CUDA rope on q and k (and dv rounded) in one launch equals a launch each", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  const int T = 33, Hq = 4, Hk = 2, hd = 64;
+  std::vector<int32_t> pos(T);
+  for (int t = 0; t < T; t++) pos[t] = 3 * t;
+  Tensor g_positions = gpu(ids_tensor(pos));
+  Tensor q = gpu(randn({T, Hq, hd}, "q")), k = gpu(randn({T, Hk, hd}, "k"));
+  Tensor q1 = gpu(randn({T, Hq, hd}, "q")), k1 = gpu(randn({T, Hk, hd}, "k"));
+  rope_forward(ctx, q, k, g_positions, 10000.0f);
+  rope_forward(ctx, q1, g_positions, 10000.0f), rope_forward(ctx, k1, g_positions, 10000.0f);
+  Tensor into_q = empty({T, Hq, hd}, Mem::Workspace, Device::CUDA, DType::BF16);
+  Tensor into_k = empty({T, Hk, hd}, Mem::Workspace, Device::CUDA, DType::BF16);
+  Tensor into_q1 = empty({T, Hq, hd}, Mem::Workspace, Device::CUDA, DType::BF16);
+  Tensor into_k1 = empty({T, Hk, hd}, Mem::Workspace, Device::CUDA, DType::BF16);
+  Tensor dv = gpu(randn({T, Hk, hd}, "dv"));
+  Tensor into_v = empty({T, Hk, hd}, Mem::Workspace, Device::CUDA, DType::BF16);
+  Tensor into_v1 = empty({T, Hk, hd}, Mem::Workspace, Device::CUDA, DType::BF16);
+  rope_backward(ctx, q, k, g_positions, 10000.0f, into_q, into_k, dv, into_v);
+  rope_backward(ctx, q1, g_positions, 10000.0f, into_q1);
+  rope_backward(ctx, k1, g_positions, 10000.0f, into_k1);
+  cast_(ctx, into_v1, dv);  // v's gradient: rounded, not rotated
+  ctx.synchronize();
+  const std::vector<std::pair<Tensor, Tensor>> pairs = {
+      {q, q1}, {k, k1}, {into_q, into_q1}, {into_k, into_k1}, {into_v, into_v1}};
+  for (const auto& [got, want] : pairs) {
+    Tensor g = to_device(got, Device::CPU, Mem::Workspace);
+    Tensor w = to_device(want, Device::CPU, Mem::Workspace);
+    CHECK(memcmp(g.ptr, w.ptr, g.nbytes()) == 0);
+  }
   ctx.destroy();
 }
 

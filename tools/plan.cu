@@ -72,8 +72,10 @@ static int campaign(const std::string& path, const GpuProfile& gpu, const std::s
       "| planner mem GiB | planner rank | planner's best | note |\n");
   printf("|---|---|---|---|---|---|---|---|---|---|\n");
   int ran = 0, memory_ok = 0, top5 = 0, mfu_ok = 0;
+  std::vector<CampaignVerdict> verdicts;
   for (const CampaignCell& c : cells) {
     CampaignVerdict v = judge_campaign_cell(c, gpu);
+    verdicts.push_back(v);
     nlohmann::json cell{
         {"model", c.model}, {"nodes", c.nodes}, {"best", nullptr}, {"book", nullptr}};
     if (v.best.time.step > 0) {
@@ -140,10 +142,12 @@ static int campaign(const std::string& path, const GpuProfile& gpu, const std::s
         c.grad_acc, 100 * c.mfu, 100 * v.book.time.mfu, book_mem, mem,
         v.rank > 0 ? std::to_string(v.rank).c_str() : "-", v.layouts, best.c_str(), note.c_str());
   }
+  const CampaignAgreement agree = campaign_mfu_agreement(verdicts);
   printf(
       "\n%d cells ran: memory within 25%% in %d, the book's layout among the planner's five "
-      "best in %d, MFU within 10 points in %d\n",
-      ran, memory_ok, top5, mfu_ok);
+      "best in %d, MFU within 10 points in %d; the planner's MFU against the book's: Spearman "
+      "%.2f, median %+.1f points, at or above it in %d\n",
+      ran, memory_ok, top5, mfu_ok, agree.spearman, 100 * agree.median_gap, agree.at_or_above);
   if (!json_file.empty()) write_json(json_file, out);
   return 0;
 }
