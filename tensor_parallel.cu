@@ -363,10 +363,13 @@ std::vector<int32_t> local_vocab_ids(const int32_t* ids, int64_t n, int vocab_st
 //   2. sum of exp(logit - max) and the target's logit (0 when another rank holds the target)
 //      -> all-reduce sum
 //   3. loss = log(sum) + max - target logit
+// On one tp rank the vocabulary is whole: ops.cuh's cross_entropy_forward (one fused kernel on
+// the GPU path).
 
 void vocab_parallel_cross_entropy_forward(const TensorParallel& tp, const Context& ctx,
                                           const Tensor& losses, const Tensor& stats,
                                           const Tensor& logits, const Tensor& local_targets) {
+  if (tp.size() == 1) return cross_entropy_forward(ctx, losses, stats, logits, local_targets);
   int64_t N = logits.size(0);
   Tensor row_max = workspace({N}, ctx), sums = workspace({N, 2}, ctx);  // [N], [N, 2]
   cross_entropy_row_max(ctx, row_max, logits);

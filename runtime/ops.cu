@@ -1024,6 +1024,32 @@ static __global__ void ce_finish_kernel(float* losses, float* stats, const float
     stats[2 * t] = row_max[t], stats[2 * t + 1] = sums[2 * t];
   }
 }
+// The three passes in one, on the GPU path where the vocabulary is whole (as llm.c's and
+// Liger's fused cross-entropy): one read of the logits. Each thread keeps the online softmax's
+// running maximum and its sum of exp(x - max), rescaled when the maximum grows (FlashAttention's
+// rule, here along the vocabulary); the block takes the row's maximum M, then the sum of each
+// thread's sum rescaled to M. The same loss and statistics as the passes, summed in another
+// order.
+template <typename E>
+static __global__ void ce_forward_fused_kernel(float* losses, float* stats, const E* logits,
+                                               const int32_t* targets, int V) {
+  const E* row = logits + (int64_t)blockIdx.x * V;
+  float m = -FLT_MAX, s = 0.0f;
+  for (int v = threadIdx.x; v < V; v += blockDim.x) {
+    const float x = widen(row[v]);
+    if (x > m)
+      s = s * expf(m - x) + 1.0f, m = x;
+    else
+      s += expf(x - m);
+  }
+  const float M = block_reduce(m, true), S = block_reduce(s * expf(m - M), false);
+  if (threadIdx.x == 0) {
+    const int target = targets[blockIdx.x];  // as ce_row_sums_kernel: no assert on the GPU
+    const float t = target >= 0 && target < V ? widen(row[target]) : 0.0f;
+    losses[blockIdx.x] = logf(S) + M - t;
+    stats[2 * blockIdx.x] = M, stats[2 * blockIdx.x + 1] = S;
+  }
+}
 // The gradient in the logits' storage: a 16-bit one is rounded once as it is stored (the LM
 // head's GEMMs read nothing finer).
 template <typename E>
@@ -1121,6 +1147,25 @@ void cross_entropy_backward(const Context& ctx, const Tensor& dlogits, const Ten
 
 void cross_entropy_forward(const Context& ctx, const Tensor& losses, const Tensor& stats,
                            const Tensor& logits, const Tensor& targets) {
+  if (gpu_path(ctx.device)) {  // the fused kernel: one launch, one read of the logits
+    const int64_t N = logits.size(0);
+    const int V = (int)logits.size(1);
+    check_devices(ctx, "cross_entropy_forward", losses, stats, logits, targets);
+    PICO_ASSERT(targets.numel() == N && losses.numel() == N && stats.numel() == 2 * N,
+                "cross_entropy_forward: " + std::to_string(targets.numel()) +
+                    " targets for logits " + logits.shape_str());
+    const double e = (double)dtype_size(logits.dtype);
+    if (count_op(ctx.device, OpKind::Loss, {4.0 * N * V, e * N * V + 4.0 * N, 12.0 * N})) return;
+    if (N == 0) return;
+    with_element(logits.dtype, [&](auto* type) {
+      using E = std::remove_pointer_t<decltype(type)>;
+      ce_forward_fused_kernel<<<N, kThreads, 0, ctx.stream>>>(
+          losses.f32(), stats.f32(), (const E*)logits.ptr, targets.i32(), V);
+    });
+    LAUNCH_CHECK(ctx, "ce_forward_fused_kernel");
+    return;
+  }
+  // The CPU: the passes one after another (their loops are the reference the kernels meet).
   Tensor row_max = empty(ctx, {logits.size(0)}, Mem::Workspace);  // [N]
   Tensor sums = empty(ctx, {logits.size(0), 2}, Mem::Workspace);  // [N, 2]
   cross_entropy_row_max(ctx, row_max, logits);

@@ -115,7 +115,9 @@ void cross_entropy_finish(const Context& ctx, const Tensor& losses, const Tensor
 // alias logits.
 void cross_entropy_backward(const Context& ctx, const Tensor& dlogits, const Tensor& logits,
                             const Tensor& stats, const Tensor& targets, float scale);
-// The three passes on one rank (the vocabulary whole).
+// The three passes on one rank (the vocabulary whole); on the GPU path one fused kernel (the
+// online softmax along the vocabulary: one read of the logits, the same values summed in
+// another order), counted as one op.
 void cross_entropy_forward(const Context& ctx, const Tensor& losses, const Tensor& stats,
                            const Tensor& logits, const Tensor& targets);
 // The same without the stats (tests): losses[T] = logsumexp(logits[t]) - logits[t, targets[t]];
