@@ -14,6 +14,7 @@
 #include <cmath>
 
 #include "expert_parallel.cuh"
+#include "kernels/router.cuh"
 #include "mixed_precision.cuh"
 #include "runtime/ops.cuh"
 #include "runtime/options.cuh"
@@ -148,21 +149,10 @@ std::vector<float> route_backward(const Routing& r, const std::vector<float>& d_
                                   const std::vector<float>& d_prob) {
   const int N = r.tokens, E = r.experts, k = r.k;
   std::vector<float> dz((size_t)N * E);
-  std::vector<double> dp(E);
-  for (int t = 0; t < N; t++) {
-    const float* p = &r.probs[(size_t)t * E];
-    const int32_t* chosen = &r.choice[(size_t)t * k];
-    double picked = 0, dot = 0;
-    for (int j = 0; j < k; j++) {
-      picked += p[chosen[j]];
-      dot += (double)d_weight[(size_t)t * k + j] * r.weight[(size_t)t * k + j];
-    }
-    for (int e = 0; e < E; e++) dp[e] = d_prob.empty() ? 0.0 : d_prob[e];
-    for (int j = 0; j < k; j++) dp[chosen[j]] += (d_weight[(size_t)t * k + j] - dot) / picked;
-    double through = 0;
-    for (int e = 0; e < E; e++) through += dp[e] * p[e];
-    for (int e = 0; e < E; e++) dz[(size_t)t * E + e] = (float)(p[e] * (dp[e] - through));
-  }
+  for (int t = 0; t < N; t++)  // kernels/router.cuh: the arithmetic, shared with the GPU
+    route_backward_token(&dz[(size_t)t * E], &r.probs[(size_t)t * E], &r.choice[(size_t)t * k],
+                         &r.weight[(size_t)t * k], &d_weight[(size_t)t * k], nullptr,
+                         d_prob.empty() ? nullptr : d_prob.data(), E, k);
   return dz;
 }
 
@@ -393,17 +383,26 @@ void moe_backward(const ExpertParallel& ep, const TensorParallel& tp, const Mode
   embedding_backward(ctx, dh, row_ids, d_rows);
   // The router: the weights' gradient through top-k's renormalisation and the softmax, plus
   // the load-balancing loss's: coef x loss_scale x tokens x E C_e / rows^2 per probability
-  // (C_e over every layer of the micro-batch, rows = layers x tokens).
-  std::vector<float> dw = to_host_floats(d_weight), per_slot((size_t)N * k, 0.0f), d_prob;
-  for (int64_t i = 0; i < K; i++) per_slot[(size_t)r.row_token[i] * k + r.row_slot[i]] = dw[i];
+  // (C_e over every layer of the micro-batch, rows = layers x tokens). On the device, from the
+  // routing uploaded (kernels/router.cuh): nothing comes back to the host.
+  std::vector<float> floats(r.probs), d_prob;
+  floats.insert(floats.end(), r.weight.begin(), r.weight.end());
   if (c.aux_loss_coef > 0 && !totals.empty()) {
     const double tokens = (double)N * cp_size(ep), rows = tokens * c.layers;
     for (int e = 0; e < E; e++)
       d_prob.push_back(
           (float)(c.aux_loss_coef * (double)loss_scale * tokens * E * totals[e] / (rows * rows)));
   }
-  Tensor d_logits =
-      gradient_operand(ctx, device_floats(ctx, route_backward(r, per_slot, d_prob), {N, E}));
+  floats.insert(floats.end(), d_prob.begin(), d_prob.end());
+  std::vector<int32_t> ints(r.choice);  // then each (token, slot)'s dispatch row, -1 dropped
+  ints.resize(2 * (size_t)N * k, -1);
+  for (int64_t i = 0; i < K; i++) ints[(size_t)(N + r.row_token[i]) * k + r.row_slot[i]] = (int)i;
+  Tensor values = device_floats(ctx, floats, {(int64_t)floats.size()});
+  Tensor ids = device_ints(ctx, ints), d_logits = empty_rows(ctx, N, E);
+  route_backward_on(ctx, d_logits, values.view(0, {N, E}), ids.view(0, {N, k}),
+                    values.view(N * E, {N, k}), ids.view(N * k, {N, k}), d_weight,
+                    values.view(N * (E + k), {(int64_t)d_prob.size()}));
+  d_logits = gradient_operand(ctx, d_logits);
   // Every tp rank holds the same router and the same logits' gradient: the input's share is
   // added once (the region's backward sums dh over tp).
   linear_backward(ctx, tp.rank() == 0 ? dh : Tensor(), now(g.router), d_logits, h, w.router, true);

@@ -75,7 +75,8 @@ void gemm_strided_batched(const Context& ctx, bool trans_a, bool trans_b, int M,
   PICO_ASSERT(count >= 1 && A.dtype == B.dtype &&
                   (wide ? C.dtype == DType::F32 : gpu_path(ctx.device)) &&
                   (wide || A.dtype == DType::BF16 || A.dtype == DType::F16) &&
-                  (C.dtype == DType::F32 || C.dtype == A.dtype) && stride_c >= (int64_t)M * N,
+                  (C.dtype == DType::F32 || C.dtype == A.dtype) && ldc >= N &&
+                  (count == 1 || stride_c >= (int64_t)(M - 1) * ldc + N),
               "gemm_strided_batched: fp32 operands, or bf16 / fp16 ones on the GPU path, and "
               "outputs that do not overlap");
   // One call for the batch; an operand with stride 0 (shared) is read once.
@@ -552,7 +553,6 @@ void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, co
     return;
   }
   if (T == 0) return;  // no rows: nothing to add (and a zero-block grid would not launch)
-  PICO_ASSERT(row_blocks <= 65535, "rmsnorm_backward: " + std::to_string(T) + " rows");
   Tensor partials = empty(ctx, {row_blocks, D}, Mem::Workspace);  // [T / kDwRows, D]
   const DType rounded_dtype = dx_rounded.defined() ? dx_rounded.dtype : DType::F32;
   with_element(dy.dtype, [&](auto* grad) {

@@ -10,8 +10,10 @@
 #include <filesystem>
 #include <sstream>
 
+#include "cuda_case.cuh"
 #include "expert_parallel.cuh"
 #include "golden.cuh"
+#include "kernels/router.cuh"
 #include "launch.cuh"
 #include "model.cuh"
 #include "runtime/checkpoint.cuh"
@@ -111,6 +113,76 @@ TEST_CASE("route_backward matches central finite differences of the weights and 
 }
 
 // The load-balancing loss against Switch Transformer's closed forms: E x sum_e f_e P_e.
+// The router's backward as the training step runs it (kernels/router.cuh): the gradient of each
+// kept (token, slot) pair's weight arrives per dispatch row, dropped pairs have none. Its
+// reference: route_backward with the slots' gradients laid out per token by the test (0 where
+// dropped), the function the finite differences above hold.
+struct RouterCase {
+  int N, E, k;
+  Routing r;
+  std::vector<float> d_rows, d_prob, want;
+  std::vector<int32_t> slot_row;
+  RouterCase(int n, int e, int kk, int64_t capacity) : N(n), E(e), k(kk) {
+    std::vector<float> logits(N * E);
+    for (int i = 0; i < N * E; i++) logits[i] = (float)std::sin(0.37 * i * i + 0.1) * 2.0f;
+    r = route_tokens(logits, N, E, k, capacity);
+    std::vector<float> per_slot(N * k, 0.0f);
+    slot_row.assign(N * k, -1);
+    for (size_t i = 0; i < r.row_token.size(); i++) {
+      d_rows.push_back((float)std::cos(1.3 * i) - 0.2f);
+      per_slot[r.row_token[i] * k + r.row_slot[i]] = d_rows[i];
+      slot_row[r.row_token[i] * k + r.row_slot[i]] = (int32_t)i;
+    }
+    for (int i = 0; i < E; i++) d_prob.push_back(0.05f * (float)(i % 3) - 0.04f);
+    want = route_backward(r, per_slot, d_prob);
+  }
+  std::vector<float> run(const Context& ctx) const {
+    Device dev = ctx.device;
+    auto on = [&](const Tensor& t) { return to_device(t, dev, Mem::Workspace); };
+    Tensor probs = on(floats({N, E}, r.probs)), weight = on(floats({N, k}, r.weight));
+    Tensor choice = on(ints({N, k}, r.choice)), rows = on(ints({N, k}, slot_row));
+    Tensor d_w = on(floats({(int64_t)d_rows.size()}, d_rows));
+    Tensor dp = on(floats({E}, d_prob)), dz = empty({N, E}, Mem::Workspace, dev);
+    route_backward_on(ctx, dz, probs, choice, weight, rows, d_w, dp);
+    return to_host_floats(dz);
+  }
+  static Tensor floats(std::vector<int64_t> shape, const std::vector<float>& v) {
+    Tensor t = empty(shape, Mem::Workspace);
+    std::copy(v.begin(), v.end(), t.f32());
+    return t;
+  }
+  static Tensor ints(std::vector<int64_t> shape, const std::vector<int32_t>& v) {
+    Tensor t = empty(shape, Mem::Workspace, Device::CPU, DType::I32);
+    std::copy(v.begin(), v.end(), t.i32());
+    return t;
+  }
+};
+
+// Guards: the dispatch rows' gradients reach their (token, slot), a dropped slot's is 0, every
+// expert's probability gets the loss's term. Exact: the same double arithmetic in the same order.
+TEST_CASE("route_backward_on: the dispatch rows' weight gradients into the router's logits",
+          "[experts]") {
+  RouterCase c(7, 4, 2, 3);  // capacity 3 of the 14 pairs: some dropped
+  REQUIRE(c.r.dropped > 0);
+  CHECK(c.run(Context::create(Device::CPU)) == c.want);
+}
+
+// Guards: the kernel's indexing past one block (300 tokens, 128 threads a block) and with drops.
+// Within 2 ulp of fp32: the double sums are the CPU's, except where the GPU fuses a multiply and
+// an add (a rounding of ~1e-16), which can move the result's float rounding by one ulp.
+TEST_CASE("CUDA route_backward_on matches the CPU loop", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  RouterCase c(300, 8, 2, 70);
+  REQUIRE(c.r.dropped > 0);
+  std::vector<float> got = c.run(ctx);
+  for (size_t i = 0; i < got.size(); i++) {
+    INFO("entry " << i);
+    CHECK(std::fabs(got[i] - c.want[i]) <= 2.4e-7f * std::fabs(c.want[i]) + 1e-12f);
+  }
+  ctx.destroy();
+}
+
 TEST_CASE("load_balancing_loss: balanced routing gives k, one expert taking all gives E x k",
           "[experts]") {
   // 8 rows, 4 experts, k 2: balanced counts 4 each, mean probabilities 1/4: 4 x 4 x (4/8)(2/8).

@@ -140,17 +140,24 @@ TEST_CASE("a training step waits for the device grad_acc + 2 times", "[train]") 
   // each micro-batch's loss comes to the host, the gradient norm reads its 21 per-tensor sums of
   // squares in one trip, and the step ends with one stream synchronise. A new wait in the hot
   // path changes this number. Tensor parallelism adds none: the vocab-parallel cross-entropy
-  // finishes on the device (2 ranks, --tp 2).
-  for (int tp : {1, 2})
-    for (int grad_acc : {1, 3}) {
-      RunResult r = run_train(SMALL + "--steps 2 --val-every 0 --report sync --grad-acc " +
-                                  std::to_string(grad_acc) + " --tp " + std::to_string(tp),
-                              tp > 1 ? tp : 0);
-      INFO("tp " << tp << "\n" << r.output);
-      REQUIRE(r.code == 0);
-      CHECK(last_number_after(r.output, "host synchronisations per training step:") ==
-            grad_acc + 1 + 1);
-    }
+  // finishes on the device (2 ranks, --tp 2). A mixture adds one per layer and micro-batch: the
+  // router's logits come to the host, where the routing (and so the all-to-all's sizes) is
+  // decided; its backward runs on the device (expert parallelism exchanges the counts over MPI,
+  // on the host already).
+  for (int experts : {0, 4})
+    for (int tp : {1, 2})
+      for (int grad_acc : {1, 3}) {
+        const std::string mixture = experts ? "--experts 4 --top-k 2 " : "";
+        RunResult r =
+            run_train(SMALL + mixture + "--steps 2 --val-every 0 --report sync " + "--grad-acc " +
+                          std::to_string(grad_acc) + " --tp " + std::to_string(tp),
+                      tp > 1 ? tp : 0);
+        INFO("experts " << experts << ", tp " << tp << "\n" << r.output);
+        REQUIRE(r.code == 0);
+        const int layers = 2;
+        CHECK(last_number_after(r.output, "host synchronisations per training step:") ==
+              grad_acc + 1 + 1 + (experts ? layers * grad_acc : 0));
+      }
 }
 
 TEST_CASE("bad flags and data end with a clear message and exit code 2", "[train]") {
