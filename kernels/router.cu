@@ -5,8 +5,8 @@
 
 __global__ static void route_backward_kernel(float* dz, const float* probs, const int32_t* choice,
                                              const float* weight, const int32_t* slot_row,
-                                             const float* d_weight, const float* d_prob,
-                                             int64_t N, int E, int k) {
+                                             const float* d_weight, const float* d_prob, int64_t N,
+                                             int E, int k) {
   const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= N) return;
   route_backward_token(dz + t * E, probs + t * E, choice + t * k, weight + t * k, d_weight,
@@ -26,15 +26,14 @@ void route_backward_on(const Context& ctx, const Tensor& d_logits, const Tensor&
   // Per token: the k slots twice and each expert's pass over them twice (E k), its E
   // probabilities read and E gradients written.
   const double read = 4.0 * (N * E + 3.0 * N * k + d_prob.numel()), written = 4.0 * N * E;
-  if (count_op(ctx.device, OpKind::Elementwise, {(4.0 * k + 4.0 * E * k + 4.0 * E) * N, read,
-                                                 written}))
+  if (count_op(ctx.device, OpKind::Elementwise,
+               {(4.0 * k + 4.0 * E * k + 4.0 * E) * N, read, written}))
     return;
   const float* dp = d_prob.numel() ? d_prob.f32() : nullptr;
   if (ctx.device == Device::CPU) {
     for (int64_t t = 0; t < N; t++)
       route_backward_token(d_logits.f32() + t * E, probs.f32() + t * E, choice.i32() + t * k,
-                           weight.f32() + t * k, d_weight.f32(), slot_row.i32() + t * k, dp, E,
-                           k);
+                           weight.f32() + t * k, d_weight.f32(), slot_row.i32() + t * k, dp, E, k);
     return;
   }
   if (N == 0) return;

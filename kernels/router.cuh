@@ -22,8 +22,7 @@ __host__ __device__ inline float slot_weight_gradient(const float* d_weight,
 }
 __host__ __device__ inline void route_backward_token(float* dz, const float* p,
                                                      const int32_t* chosen, const float* weight,
-                                                     const float* d_weight,
-                                                     const int32_t* slot_row,
+                                                     const float* d_weight, const int32_t* slot_row,
                                                      const float* d_prob, int E, int k) {
   double picked = 0, dot = 0;
   for (int j = 0; j < k; j++) {

@@ -176,8 +176,8 @@ Handle all_reduce_async(Comm& c, Group& g, const Context& ctx, void* buf, DType 
   if (local(g)) return Handle();                  // the sum, average or max of one buffer is itself
   auto s = start(c, g, ctx, Coll::AllReduce, K);
   if (c.backend == Backend::NCCL) {
-    NCCL_ENQUEUE(*s, ncclAllReduce(buf, buf, count, nccl_type(dtype), nccl_op(op), g.nccl,
-                                   c.comm_ctx.stream));
+    NCCL_ENQUEUE(
+        *s, ncclAllReduce(buf, buf, count, nccl_type(dtype), nccl_op(op), g.nccl, stream_of(c, g)));
   } else {
     void* h = mpi_buffer(*s, ctx, buf, K, true, true);
     MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, h, mpi_count(count), mpi_type(dtype), mpi_op(op, dtype),
@@ -197,7 +197,7 @@ Handle reduce_scatter_async(Comm& c, Group& g, const Context& ctx, const void* s
   auto s = start(c, g, ctx, Coll::ReduceScatter, K);
   if (c.backend == Backend::NCCL) {
     NCCL_ENQUEUE(*s, ncclReduceScatter(send, recv, count, nccl_type(dtype), nccl_op(op), g.nccl,
-                                       c.comm_ctx.stream));
+                                       stream_of(c, g)));
   } else {
     const void* hs = mpi_input(*s, ctx, send, K, recv, count * E);
     void* hr = mpi_buffer(*s, ctx, recv, count * E, false, true);
@@ -217,7 +217,7 @@ Handle all_gather_async(Comm& c, Group& g, const Context& ctx, const void* send,
   if (local(g)) return local_copy(ctx, recv, send, count * E);
   auto s = start(c, g, ctx, Coll::AllGather, K);
   if (c.backend == Backend::NCCL) {
-    NCCL_ENQUEUE(*s, ncclAllGather(send, recv, count, nccl_type(dtype), g.nccl, c.comm_ctx.stream));
+    NCCL_ENQUEUE(*s, ncclAllGather(send, recv, count, nccl_type(dtype), g.nccl, stream_of(c, g)));
   } else {
     const void* hs = mpi_input(*s, ctx, send, count * E, recv, K);
     void* hr = mpi_buffer(*s, ctx, recv, K, false, true);
@@ -250,7 +250,7 @@ Handle broadcast_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_
   if (local(g)) return Handle();
   auto s = start(c, g, ctx, Coll::Broadcast, K);
   if (c.backend == Backend::NCCL) {
-    NCCL_ENQUEUE(*s, ncclBroadcast(buf, buf, count, ncclFloat, root, g.nccl, c.comm_ctx.stream));
+    NCCL_ENQUEUE(*s, ncclBroadcast(buf, buf, count, ncclFloat, root, g.nccl, stream_of(c, g)));
   } else {
     float* h = (float*)mpi_buffer(*s, ctx, buf, K, is_root, !is_root);
     MPI_CHECK(MPI_Ibcast(h, mpi_count(count), MPI_FLOAT, root, g.mpi, s->request()));
@@ -269,7 +269,7 @@ Handle reduce_async(Comm& c, Group& g, const Context& ctx, const float* send, fl
   auto s = start(c, g, ctx, Coll::Reduce, K);
   if (c.backend == Backend::NCCL) {
     NCCL_ENQUEUE(
-        *s, ncclReduce(send, recv, count, ncclFloat, nccl_op(op), root, g.nccl, c.comm_ctx.stream));
+        *s, ncclReduce(send, recv, count, ncclFloat, nccl_op(op), root, g.nccl, stream_of(c, g)));
   } else {
     const void* hs = mpi_input(*s, ctx, send, K, is_root ? recv : nullptr, K);
     float* hr = is_root ? (float*)mpi_buffer(*s, ctx, recv, K, false, true) : nullptr;
@@ -292,7 +292,7 @@ Handle gather_async(Comm& c, Group& g, const Context& ctx, const float* send, fl
   if (local(g)) return local_copy(ctx, recv, send, count * kF32);
   auto s = start(c, g, ctx, Coll::Gather, K);
   if (c.backend == Backend::NCCL) {
-    cudaStream_t st = c.comm_ctx.stream;
+    cudaStream_t st = stream_of(c, g);
     if (is_root) copy_floats(Device::CUDA, st, recv + root * count, send, count);
     NCCL_CHECK(ncclGroupStart());
     for (int r = 0; r < N; r++)
@@ -319,7 +319,7 @@ Handle scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, f
   if (local(g)) return local_copy(ctx, recv, send, count * kF32);
   auto s = start(c, g, ctx, Coll::Scatter, K);
   if (c.backend == Backend::NCCL) {
-    cudaStream_t st = c.comm_ctx.stream;
+    cudaStream_t st = stream_of(c, g);
     if (is_root) copy_floats(Device::CUDA, st, recv, send + root * count, count);
     NCCL_CHECK(ncclGroupStart());
     for (int r = 0; r < N; r++)
@@ -368,7 +368,7 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
     // One NCCL group: a stage that sends forward and receives backward cannot deadlock.
     // A grouped call on nonblocking communicators: ncclGroupEnd may answer ncclInProgress, and
     // then every communicator of the group must be waited for.
-    cudaStream_t st = c.comm_ctx.stream;
+    cudaStream_t st = stream_of(c, g);
     if (other) s->nccl.push_back(other->nccl);
     NCCL_CHECK(ncclGroupStart());
     for (const P2P& op : ops) {
@@ -401,7 +401,7 @@ Handle barrier_async(Comm& c, Group& g, const Context& ctx) {
   auto s = start(c, g, ctx, Coll::Barrier, 0);
   if (c.backend == Backend::NCCL) {
     // NCCL has no barrier: an all-reduce of one float completes only once every rank has joined.
-    cudaStream_t st = c.comm_ctx.stream;
+    cudaStream_t st = stream_of(c, g);
     float* one = nullptr;
     CUDA_CHECK(cudaMallocAsync((void**)&one, sizeof(float), st));
     CUDA_CHECK(cudaMemsetAsync(one, 0, sizeof(float), st));
@@ -459,7 +459,7 @@ Handle all_to_all_v_async(Comm& c, Group& g, const Context& ctx, const void* sen
   if (local(g)) return local_copy(ctx, recv, send, send_total * E);
   auto s = start(c, g, ctx, Coll::AllToAll, send_total * E);
   if (c.backend == Backend::NCCL) {
-    cudaStream_t st = c.comm_ctx.stream;
+    cudaStream_t st = stream_of(c, g);
     copy_bytes(Device::CUDA, st, r8 + recv_at[me] * E, s8 + send_at[me] * E, send_counts[me] * E);
     NCCL_CHECK(ncclGroupStart());
     for (int p = 0; p < N; p++) {

@@ -148,7 +148,7 @@ std::shared_ptr<Handle::State> start(Comm& c, Group& g, const Context& ctx, Coll
     cudaEvent_t ready;
     CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventRecord(ready, ctx.stream));
-    CUDA_CHECK(cudaStreamWaitEvent(c.comm_ctx.stream, ready, 0));
+    CUDA_CHECK(cudaStreamWaitEvent(stream_of(c, g), ready, 0));
     CUDA_CHECK(cudaEventDestroy(ready));  // safe: the wait is already queued
   } else if (ctx.device == Device::CUDA && coll == Coll::Barrier) {
     wait_for_stream(*s, ctx.stream);  // a barrier also means: this rank's work so far is done
@@ -171,7 +171,7 @@ Handle issued(Comm& c, std::shared_ptr<Handle::State> s) {
   if (c.backend == Backend::NCCL) {
     s->settle();
     CUDA_CHECK(cudaEventCreateWithFlags(&s->finished, cudaEventDisableTiming));
-    CUDA_CHECK(cudaEventRecord(s->finished, c.comm_ctx.stream));
+    CUDA_CHECK(cudaEventRecord(s->finished, stream_of(c, *s->group)));
   }
   return Handle(std::move(s));
 }

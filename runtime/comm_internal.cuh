@@ -10,6 +10,11 @@
 
 #include "runtime/comm.cuh"
 
+// The stream a group's NCCL ops go on: its own, or the communication stream.
+inline cudaStream_t stream_of(const Comm& c, const Group& g) {
+  return g.stream ? g.stream : c.comm_ctx.stream;
+}
+
 // ---- comm_handle.cu: how a rank waits ----
 // Yields for the first millisecond of a wait, then, when the node's ranks share cores
 // (set_cores_shared), sleeps: a rank waiting for a collective or in a pipeline's bubble hands its

@@ -371,6 +371,10 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
     // compute; events order it with the compute stream where the data requires.
     c.comm_ctx.device = Device::CUDA;
     CUDA_CHECK(cudaStreamCreateWithFlags(&c.comm_ctx.stream, cudaStreamNonBlocking));
+    for (Group* g : c.groups())  // each communicator's ops on a stream of their own
+      if (g->nccl && g != &c.pp_grad)
+        CUDA_CHECK(cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking));
+    c.pp_grad.stream = c.pp.stream;
   } else {
     c.comm_ctx = Context::create(device == Device::Meta ? Device::Meta : Device::CPU);
   }
@@ -391,6 +395,10 @@ void comm_destroy(Comm& c) {
     }
     if (g->mpi != MPI_COMM_NULL) MPI_CHECK(MPI_Comm_free(&g->mpi));
     g->nccl = nullptr;
+  }
+  for (Group* g : c.groups()) {  // every communicator finalized: their streams are idle
+    if (g->stream && g != &c.pp_grad) CUDA_CHECK(cudaStreamDestroy(g->stream));
+    g->stream = nullptr;
   }
   c.comm_ctx.destroy();
 }
