@@ -164,27 +164,15 @@ static float* score_slice(const Tensor& x, int b, int h, const AttentionShape& s
   return x.f32() + ((int64_t)b * s.Hq + h) * s.T * s.T;
 }
 
-// `count` GEMMs C_i = alpha op(A_i) op(B_i) + beta C_i, X_i = X + i * stride_x (row-major, as
-// gemm). CPU: one gemm each, in order; CUDA: one strided-batched call (the operands swapped
-// for column-major as in gemm). The C_i must not overlap: cuBLAS may run them concurrently.
+// `count` GEMMs C_i = op(A_i) op(B_i) + beta C_i, X_i = X + i * stride_x (row-major, as gemm):
+// ops.cuh's gemm_strided_batched on these raw slices (one cuBLAS call; on the CPU one gemm each).
 static void gemm_batched(const Context& ctx, bool trans_a, bool trans_b, int M, int N, int K,
-                         float alpha, const float* A, int lda, int64_t stride_a, const float* B,
-                         int ldb, int64_t stride_b, float beta, float* C, int ldc, int64_t stride_c,
+                         const float* A, int lda, int64_t stride_a, const float* B, int ldb,
+                         int64_t stride_b, float beta, float* C, int ldc, int64_t stride_c,
                          int count) {
-  const double m = M, n = N, k = K;  // one cuBLAS call for the batch
-  if (count_op(ctx.device, OpKind::Attention,
-               {2 * m * n * k * count, 4 * count * (m * k + k * n + (beta != 0 ? m * n : 0.0)),
-                4 * count * m * n}))
-    return;
-  if (ctx.device == Device::CPU) {
-    for (int i = 0; i < count; i++)
-      gemm(ctx, trans_a, trans_b, M, N, K, alpha, A + i * stride_a, lda, B + i * stride_b, ldb,
-           beta, C + i * stride_c, ldc);
-    return;
-  }
-  CUBLAS_CHECK(cublasSgemmStridedBatched(
-      ctx.cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K,
-      &alpha, B, ldb, stride_b, A, lda, stride_a, &beta, C, ldc, stride_c, count));
+  auto at = [&](const float* p) { return Tensor{nullptr, (void*)p, {1}, DType::F32, ctx.device}; };
+  gemm_strided_batched(ctx, trans_a, trans_b, M, N, K, at(A), lda, stride_a, at(B), ldb, stride_b,
+                       beta, at(C), ldc, stride_c, count);
 }
 
 // One batch of naive attention's GEMMs: `count` sequences b, b+1, ... of head h, or `count`
@@ -238,14 +226,14 @@ void attention_forward(const Context& ctx, const Tensor& out, const Tensor& prob
   // S[T, T] = Q_h[T, hd] K_g[T, hd]^T, unscaled: the softmax applies 1/sqrt(hd).
   std::vector<HeadBatch> batches = head_batches(s, false);
   for (const HeadBatch& hb : batches)
-    gemm_batched(ctx, false, true, T, T, hd, 1.0f, head_slice(q, hb.b, hb.h, s.Hq, s), qw,
-                 hb.q_stride(s), head_slice(k, hb.b, hb.h / group, s.Hkv, s), kvw, hb.kv_stride(s),
-                 0.0f, score_slice(probs, hb.b, hb.h, s), T, hb.score_stride(s), hb.count);
+    gemm_batched(ctx, false, true, T, T, hd, head_slice(q, hb.b, hb.h, s.Hq, s), qw, hb.q_stride(s),
+                 head_slice(k, hb.b, hb.h / group, s.Hkv, s), kvw, hb.kv_stride(s), 0.0f,
+                 score_slice(probs, hb.b, hb.h, s), T, hb.score_stride(s), hb.count);
   // In place: the scores become the probabilities saved for backward.
   causal_softmax_forward(ctx, probs.f32(), probs.f32(), s.B * s.Hq, T, 1.0f / sqrtf((float)hd));
   // O_h[T, hd] = P[T, T] V_g[T, hd], written straight into its columns of out.
   for (const HeadBatch& hb : batches)
-    gemm_batched(ctx, false, false, T, hd, T, 1.0f, score_slice(probs, hb.b, hb.h, s), T,
+    gemm_batched(ctx, false, false, T, hd, T, score_slice(probs, hb.b, hb.h, s), T,
                  hb.score_stride(s), head_slice(v, hb.b, hb.h / group, s.Hkv, s), kvw,
                  hb.kv_stride(s), 0.0f, head_slice(out, hb.b, hb.h, s.Hq, s), qw, hb.q_stride(s),
                  hb.count);
@@ -272,12 +260,12 @@ void attention_backward(const Context& ctx, const Tensor& dq, const Tensor& dk, 
   std::vector<HeadBatch> batches = head_batches(s, false), per_head = head_batches(s, true);
   // dP[T, T] = dO_h V_g^T
   for (const HeadBatch& hb : batches)
-    gemm_batched(ctx, false, true, T, T, hd, 1.0f, head_slice(dout, hb.b, hb.h, s.Hq, s), qw,
+    gemm_batched(ctx, false, true, T, T, hd, head_slice(dout, hb.b, hb.h, s.Hq, s), qw,
                  hb.q_stride(s), head_slice(v, hb.b, hb.h / group, s.Hkv, s), kvw, hb.kv_stride(s),
                  0.0f, score_slice(scratch, hb.b, hb.h, s), T, hb.score_stride(s), hb.count);
   // dV_g[T, hd] (+)= P^T dO_h
   for (const HeadBatch& hb : per_head)
-    gemm_batched(ctx, true, false, T, hd, T, 1.0f, score_slice(probs, hb.b, hb.h, s), T,
+    gemm_batched(ctx, true, false, T, hd, T, score_slice(probs, hb.b, hb.h, s), T,
                  hb.score_stride(s), head_slice(dout, hb.b, hb.h, s.Hq, s), qw, hb.q_stride(s),
                  group_beta(hb.h), head_slice(dv, hb.b, hb.h / group, s.Hkv, s), kvw,
                  hb.kv_stride(s), hb.count);
@@ -286,13 +274,13 @@ void attention_backward(const Context& ctx, const Tensor& dq, const Tensor& dk, 
                           1.0f / sqrtf((float)hd));
   // dQ_h[T, hd] = dS K_g
   for (const HeadBatch& hb : batches)
-    gemm_batched(ctx, false, false, T, hd, T, 1.0f, score_slice(scratch, hb.b, hb.h, s), T,
+    gemm_batched(ctx, false, false, T, hd, T, score_slice(scratch, hb.b, hb.h, s), T,
                  hb.score_stride(s), head_slice(k, hb.b, hb.h / group, s.Hkv, s), kvw,
                  hb.kv_stride(s), 0.0f, head_slice(dq, hb.b, hb.h, s.Hq, s), qw, hb.q_stride(s),
                  hb.count);
   // dK_g[T, hd] (+)= dS^T Q_h
   for (const HeadBatch& hb : per_head)
-    gemm_batched(ctx, true, false, T, hd, T, 1.0f, score_slice(scratch, hb.b, hb.h, s), T,
+    gemm_batched(ctx, true, false, T, hd, T, score_slice(scratch, hb.b, hb.h, s), T,
                  hb.score_stride(s), head_slice(q, hb.b, hb.h, s.Hq, s), qw, hb.q_stride(s),
                  group_beta(hb.h), head_slice(dk, hb.b, hb.h / group, s.Hkv, s), kvw,
                  hb.kv_stride(s), hb.count);

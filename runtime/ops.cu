@@ -76,7 +76,8 @@ void gemm_strided_batched(const Context& ctx, bool trans_a, bool trans_b, int M,
                   (wide ? C.dtype == DType::F32 : gpu_path(ctx.device)) &&
                   (wide || A.dtype == DType::BF16 || A.dtype == DType::F16) &&
                   (C.dtype == DType::F32 || C.dtype == A.dtype) && ldc >= N &&
-                  (count == 1 || stride_c >= (int64_t)(M - 1) * ldc + N),
+                  (count == 1 || stride_c >= (int64_t)(M - 1) * ldc + N ||
+                   (stride_c >= N && (int64_t)(count - 1) * stride_c + N <= ldc)),
               "gemm_strided_batched: fp32 operands, or bf16 / fp16 ones on the GPU path, and "
               "outputs that do not overlap");
   // One call for the batch; an operand with stride 0 (shared) is read once.
