@@ -129,6 +129,7 @@ void memory_reset_peak() {
   std::lock_guard<std::mutex> lock(g_stats_mutex);
   for (int i = 0; i < (int)Mem::Count; i++) g_stats.peak[i] = g_stats.current[i];
   g_stats.total_peak = g_stats.total_current;
+  arena_reset_peak();  // the device memory reserved: its peak from now on too
 }
 void memory_restore_peak(const MemoryStats& before) {
   std::lock_guard<std::mutex> lock(g_stats_mutex);
@@ -175,6 +176,11 @@ struct Arena {
   std::mutex mutex;
   std::map<ArenaKey, std::vector<void*>> free;
   std::atomic<uint64_t> calls{0};
+  ArenaBytes reserved;           // under `mutex`
+  void reserve(int64_t bytes) {  // + from the allocator, - given back
+    reserved.now += bytes;
+    reserved.peak = std::max(reserved.peak, reserved.now);
+  }
 };
 // Never destroyed: buffers still held at exit go with the process, after CUDA's own teardown.
 Arena& arena() {
@@ -208,7 +214,10 @@ void release_held(bool all, cudaStream_t stream) {
       ++it;
       continue;
     }
-    for (void* ptr : it->second) device_free(it->first, ptr);
+    for (void* ptr : it->second) {
+      device_free(it->first, ptr);
+      arena().reserve(-(int64_t)it->first.bytes);
+    }
     it = arena().free.erase(it);
   }
 }
@@ -216,6 +225,10 @@ void release_held(bool all, cudaStream_t stream) {
 // does not stall the whole GPU as cudaFree does), or a meta address of its own.
 void* device_allocate(const ArenaKey& key) {
   arena().calls++;
+  {
+    std::lock_guard<std::mutex> lock(arena().mutex);
+    arena().reserve((int64_t)key.bytes);
+  }
   if (key.device == Device::Meta) {
     static std::atomic<uintptr_t> next{uintptr_t(1) << 44};
     return (void*)next.fetch_add(key.bytes);
@@ -238,6 +251,14 @@ void* device_allocate(const ArenaKey& key) {
 
 uint64_t allocator_calls() {
   return arena().calls.load();
+}
+ArenaBytes arena_reserved() {
+  std::lock_guard<std::mutex> lock(arena().mutex);
+  return arena().reserved;
+}
+void arena_reset_peak() {
+  std::lock_guard<std::mutex> lock(arena().mutex);
+  arena().reserved.peak = arena().reserved.now;
 }
 void release_arena(cudaStream_t stream) {
   release_held(false, stream);

@@ -146,6 +146,15 @@ uint64_t host_syncs();  // since the process started
 // process started: the misses of the arena that device buffers come from (core.cu), which
 // keeps a freed buffer for the next allocation of its size on its stream. Observation only.
 uint64_t allocator_calls();
+// The arena's device memory (CUDA and meta): the buffers taken from the device's allocator and
+// not given back, live or held free for reuse, now and at the peak; PyTorch's memory_reserved
+// beside MemoryStats' allocated. Rounded up to 512 bytes a buffer, a buffer of each size held
+// per stream.
+struct ArenaBytes {
+  int64_t now = 0, peak = 0;
+};
+ArenaBytes arena_reserved();
+void arena_reset_peak();  // peak := now
 // Gives the buffers the arena holds free for `stream` back to the device (before the stream is
 // destroyed; Context::destroy does it).
 void release_arena(cudaStream_t stream);

@@ -14,6 +14,14 @@ void print_memory(int64_t num_params, int zero_stage, int ranks, Precision preci
   for (int i = 0; i < (int)Mem::Count; i++)
     printf("  %-12s %12s / %s\n", mem_name((Mem)i), human_bytes(m.peak[i]).c_str(),
            human_bytes(m.current[i]).c_str());
+  // CUDA and meta: what the arena took from the device, live or held free for reuse.
+  const ArenaBytes reserved = arena_reserved();
+  if (reserved.peak > 0)
+    printf(
+        "  reserved     %12s / %s (the device's buffers, live or held for reuse by size, as "
+        "PyTorch's memory_reserved; the categories' peak together: %s)\n",
+        human_bytes(reserved.peak).c_str(), human_bytes(reserved.now).c_str(),
+        human_bytes(m.total_peak).c_str());
   size_t stat =
       m.current[(int)Mem::Params] + m.current[(int)Mem::Grads] + m.current[(int)Mem::Optimizer];
   printf("  static (params + grads + optimizer) = %s = %.2f bytes/parameter ",

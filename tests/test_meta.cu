@@ -31,7 +31,8 @@ std::vector<std::string> report_lines(const std::string& output) {
       book = true;
     else if (line.rfind("  ", 0) != 0)
       book = false;
-    if (!book) lines.push_back(line);
+    // The device arena's reserved bytes: meta and CUDA only (the CPU allocates from the host).
+    if (!book && line.rfind("  reserved ", 0) != 0) lines.push_back(line);
   }
   return lines;
 }
