@@ -735,6 +735,7 @@ static int run_every_stage(const Options& o, Device device, const PrecisionPolic
     }
     if (code != 0) return code;
     peaks.push_back(memory_stats());
+    release_arena(nullptr);  // the stage's buffers held for reuse go: the next starts empty
     memory_reset_peak();
     reset_ledger();
   }

@@ -18,8 +18,9 @@ void print_memory(int64_t num_params, int zero_stage, int ranks, Precision preci
   const ArenaBytes reserved = arena_reserved();
   if (reserved.peak > 0)
     printf(
-        "  reserved     %12s / %s (the device's buffers, live or held for reuse by size, as "
-        "PyTorch's memory_reserved; the categories' peak together: %s)\n",
+        "  reserved     %12s / %s (the device's buffers, live or held for reuse by size, given "
+        "back if an allocation fails, as PyTorch's memory_reserved; the categories' peak "
+        "together: %s)\n",
         human_bytes(reserved.peak).c_str(), human_bytes(reserved.now).c_str(),
         human_bytes(m.total_peak).c_str());
   size_t stat =

@@ -6,7 +6,8 @@
 # (--simulate-rank -1), bf16, seq 4096, tensor parallelism with sequence parallelism, no
 # recomputation, as the campaign ran; a tied preset is untied across stages, as nanotron does.
 # Prints per cell the book's measured memory per GPU, the meta run's peak (its stage with the
-# most), both in GB (10^9 bytes, the book's unit), and what the book measured beyond it.
+# most), both in GB (10^9 bytes, the book's unit), what the book measured beyond it, and what
+# that stage's arena reserved at its peak (live buffers and those held for reuse).
 #   bash tools/meta_campaign.sh [CSV]    # about a minute on two cores
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,8 +15,8 @@ csv=${1:-tests/data/book_campaign.csv}
 [ -x ./train ] || { echo "build ./train first (make train)"; exit 1; }
 [ -f "$csv" ] || { echo "error: $csv: no such file"; exit 2; }
 
-printf "%-5s %5s  %-34s %9s %9s %9s\n" model nodes "layout (book's best)" "book GB" "meta GB" \
-  "book-meta"
+printf "%-5s %5s  %-34s %9s %9s %9s %9s\n" model nodes "layout (book's best)" "book GB" "meta GB" \
+  "book-meta" "reserved"
 grep -v '^#' "$csv" | tail -n +2 | while IFS=, read -r model nodes dp tp pp zero mbs ga mfu tok mem; do
   [ -n "$dp" ] || continue  # nothing ran in this cell
   preset=book-$(echo "$model" | tr 'A-Z' 'a-z')
@@ -34,7 +35,10 @@ grep -v '^#' "$csv" | tail -n +2 | while IFS=, read -r model nodes dp tp pp zero
   peak=$(echo "$out" | awk '/^every pipeline stage/ { on = 1; next } on && /^ +[0-9]+ +[0-9]+ / {
       v = $(NF - 1); u = $NF; s = u == "GiB" ? 2^30 : u == "MiB" ? 2^20 : u == "KiB" ? 2^10 : 1
       if (v * s > best) best = v * s } /^the stage with the most/ { on = 0 } END { printf "%.1f", best / 1e9 }')
+  # That stage's arena, reserved at its peak: its buffers live or held for reuse (core.cuh).
+  reserved=$(echo "$out" | awk '/^  reserved / { v = $2; u = $3
+      s = u == "GiB" ? 2^30 : u == "MiB" ? 2^20 : u == "KiB" ? 2^10 : 1; printf "%.1f", v * s / 1e9 }')
   layout="dp $dp tp $tp pp $pp zero $zero mbs $mbs ga $ga"
-  printf "%-5s %5s  %-34s %9s %9s %9.1f\n" "$model" "$nodes" "$layout" "$mem" "$peak" \
-    "$(echo "$mem - $peak" | bc -l)"
+  printf "%-5s %5s  %-34s %9s %9s %9.1f %9s\n" "$model" "$nodes" "$layout" "$mem" "$peak" \
+    "$(echo "$mem - $peak" | bc -l)" "$reserved"
 done
