@@ -8,8 +8,9 @@
 // (3) ZeRO-0 to ZeRO-3 steps of the medium model: static and peak memory per rank against the
 // book's formulas, step time, and how much of ZeRO-3's gather time prefetching hides.
 // (4) --fit FILE: all-reduce, all-gather, reduce-scatter and send/recv over message sizes, with
-// alpha and beta fitted per collective, and the GEMM rates, written where ./plan --comm-fit
-// reads them; --rates FILE measures that file's GEMM rates again; --mean OUT FILE... writes
+// alpha and beta fitted per collective, and the GEMM rates (and one rank's memory bandwidth,
+// our loops' share of it and attention's of the GEMM rate), written where ./plan --comm-fit
+// reads them; --rates FILE measures that file's rates again; --mean OUT FILE... writes
 // the first FILE with the GEMM rates averaged over every FILE.
 #include <cblas.h>
 
@@ -193,18 +194,27 @@ static void measure_gemm_rates(Comm& comm, const Context& ctx, nlohmann::json& o
   const int N = g.size;
   barrier(comm, g, ctx);
   double alone = g.rank == 0 ? gemm_rate_for(ctx, 2.0).flops : 0;
-  all_reduce_host(g, &alone, 1, ReduceOp::Sum);
+  // Rank 0 alone still: the memory-bound loops' and attention's rates (./plan prices the
+  // ledger's norms, elementwise ops, optimizer and attention on them, as --report roofline does).
+  CpuRates rates = g.rank == 0 ? measure_cpu_rates(ctx, alone) : CpuRates{};
+  double each[4] = {alone, rates.bandwidth, rates.stream_efficiency, rates.attention_efficiency};
+  all_reduce_host(g, each, 4, ReduceOp::Sum);
+  alone = each[0];
   barrier(comm, g, ctx);
   GemmRate rate = gemm_rate_for(ctx, 4.0);
   double busy[2] = {rate.flops / N, rate.half_width / N};
   all_reduce_host(g, busy, 2, ReduceOp::Sum);
   out["gemm_flops_alone"] = alone, out["gemm_flops_per_rank"] = busy[0];
   out["gemm_half_width"] = busy[1];
+  out["memory_bandwidth"] = each[1], out["stream_efficiency"] = each[2];
+  out["attention_efficiency"] = each[3];
   if (g.rank == 0)
     printf(
         "  fp32 GEMM: %.2f GFLOP/s on one rank alone, %.2f per rank with all %d at once "
-        "(%.2f ranks' worth at a time); narrow GEMMs as if at w / (w + %.0f)\n",
-        alone / 1e9, busy[0] / 1e9, N, N * busy[0] / alone, busy[1]);
+        "(%.2f ranks' worth at a time); narrow GEMMs as if at w / (w + %.0f); memory %.2f GB/s "
+        "x %.2f for our loops; attention %.2f of the GEMM rate\n",
+        alone / 1e9, busy[0] / 1e9, N, N * busy[0] / alone, busy[1], each[1] / 1e9, each[2],
+        each[3]);
 }
 
 // Rank 0 writes the fit, atomically, where ./plan --comm-fit reads it.
@@ -268,16 +278,25 @@ static void mean_rates(const Group& g, const std::string& out_path,
   // The rates' means, and the half width's over the fits that measured it.
   double alone = 0, busy = 0, half_width = 0;
   int widths = 0;
+  // And the memory and attention rates' over the fits that measured them.
+  const char* others[] = {"memory_bandwidth", "stream_efficiency", "attention_efficiency"};
+  double other[3] = {};
+  int measured = 0;
   for (const std::string& path : paths) {
     nlohmann::json fit = read_fit("bench_comm --mean", path, ranks);
     alone += fit.at("gemm_flops_alone").get<double>();
     busy += fit.at("gemm_flops_per_rank").get<double>();
     if (fit.contains("gemm_half_width"))
       half_width += fit.at("gemm_half_width").get<double>(), widths++;
+    if (fit.contains(others[0])) {
+      for (int i = 0; i < 3; i++) other[i] += fit.at(others[i]).get<double>();
+      measured++;
+    }
   }
   check_output_file("bench_comm --mean", out_path);
   out["gemm_flops_alone"] = alone / paths.size(), out["gemm_flops_per_rank"] = busy / paths.size();
   if (widths > 0) out["gemm_half_width"] = half_width / widths;
+  for (int i = 0; i < 3 && measured > 0; i++) out[others[i]] = other[i] / measured;
   if (g.rank == 0)
     printf("fp32 GEMM over %zu fits: %.2f GFLOP/s on one rank alone, %.2f per rank with all %d\n",
            paths.size(), alone / paths.size() / 1e9, busy / paths.size() / 1e9, ranks);

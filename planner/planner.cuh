@@ -249,6 +249,14 @@ struct GemmRate {
   double flops = 0, half_width = 0;
 };
 GemmRate gemm_rate_for(const Context& ctx, double seconds);
+// The cpu profile's other rates, measured on this rank as --report roofline measures them: the
+// memory bandwidth (64 MiB copies), the fraction of it our memory-bound loops reach (a residual
+// add, SwiGLU, AdamW), and the fraction of `peak` (fp32 GEMM FLOP/s) FlashAttention's loop
+// reaches. bench_comm --fit writes them beside the GEMM rates, for ./plan --comm-fit.
+struct CpuRates {
+  double bandwidth = 0, stream_efficiency = 0, attention_efficiency = 0;
+};
+CpuRates measure_cpu_rates(const Context& ctx, double peak);
 // The half width h at which GEMMs of width `narrow` run `ratio` times as fast as those of `wide`
 // (planner/time.cu's efficiency w / (w + h)); 0 when they keep up.
 double gemm_half_width_from(double ratio, double narrow, double wide);

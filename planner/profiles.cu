@@ -162,6 +162,13 @@ void apply_comm_fit(GpuProfile& g, const std::string& path) {
         g.gemm_half_width = j.at("gemm_half_width").get<double>();
         g.source += " and for narrow GEMMs";
       }
+      if (j.contains("memory_bandwidth")) {  // the memory-bound ops' and attention's, alone
+        g.hbm_bandwidth = j.at("memory_bandwidth").get<double>();
+        g.stream_efficiency = j.at("stream_efficiency").get<double>();
+        g.attention_efficiency = j.at("attention_efficiency").get<double>();
+        g.source +=
+            ", its memory bandwidth, our loops' share of it and attention's of the GEMM rate";
+      }
     }
   } catch (const std::exception& e) {
     throw UsageError("--comm-fit " + path + ": not bench_comm --fit's JSON (" + e.what() + ")");
@@ -345,6 +352,14 @@ static double measured_stream_efficiency(const Context& ctx, double bandwidth) {
   return std::min(1.0, bytes / seconds / bandwidth);
 }
 
+CpuRates measure_cpu_rates(const Context& ctx, double peak) {
+  CpuRates r;
+  r.bandwidth = measured_bandwidth();
+  r.stream_efficiency = measured_stream_efficiency(ctx, r.bandwidth);
+  r.attention_efficiency = measured_attention_efficiency(ctx, peak);
+  return r;
+}
+
 GpuProfile run_profile(const Context& ctx, const std::string& flag) {
   std::string name = flag;
   if (name.empty() && ctx.device == Device::CPU) name = "cpu";
@@ -363,9 +378,10 @@ GpuProfile run_profile(const Context& ctx, const std::string& flag) {
   if (g.name == "cpu") {  // this machine, measured now on this rank's threads (fp32 throughout)
     Context cpu = Context::create(Device::CPU);
     g.peak_fp32 = gemm_rate_for(cpu, 0.3).flops;
-    g.hbm_bandwidth = measured_bandwidth();
-    g.attention_efficiency = measured_attention_efficiency(cpu, g.peak_fp32);
-    g.stream_efficiency = measured_stream_efficiency(cpu, g.hbm_bandwidth);
+    const CpuRates rates = measure_cpu_rates(cpu, g.peak_fp32);
+    g.hbm_bandwidth = rates.bandwidth;
+    g.attention_efficiency = rates.attention_efficiency;
+    g.stream_efficiency = rates.stream_efficiency;
     g.roofline_source =
         "this machine, measured now: sgemm 512^3, 64 MiB copies, our add, SwiGLU and AdamW "
         "loops, a causal FlashAttention block of 512 tokens";
