@@ -217,12 +217,15 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
   if (split) t_w = stage_weights / ops, t_b -= t_w;
   const double busy = m * (stage_fwd + stage_bwd + stage_tp + stage_cp + stage_p2p + stage_ep);
   double makespan = busy;
+  // CPU ranks: the node's cores' worth (bench_comm's measure, else a core per rank) shared
+  // evenly by its ranks; the optimizer's pass, which every rank runs at once, at that share too.
+  double host_share = 1;
   if (impl.mpi_sends) {
-    // CPU ranks: the node's cores' worth (bench_comm's measure, else a core per rank) shared
-    // evenly by its ranks; a pipeline stage's tp and cp ranks move in step. Each op is its
-    // compute plus blocking collectives, the sends moving only inside MPI (HostRanks).
+    // A pipeline stage's tp and cp ranks move in step. Each op is its compute plus blocking
+    // collectives, the sends moving only inside MPI (HostRanks).
     const double node_ranks = world_ranks_per_node(l, cl);
     const double node_cores = gpu.shared_capacity > 0 ? gpu.shared_capacity : node_ranks;
+    host_share = std::max(1.0, node_ranks / node_cores);
     const double work_w = split ? stage_weights / ops : 0;
     const PipelineCosts host_costs{stage_fwd / ops, stage_bwd / ops - work_w, work_w,
                                    (stage_tp + stage_cp + stage_ep) / ops / 2};
@@ -313,8 +316,8 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
     dp_exposed = worst, opt = worst_opt;
   }
   st.exposed["dp"] = dp_exposed;
-  st.optimizer = opt;
-  st.step = makespan + dp_exposed + opt;
+  st.optimizer = opt * host_share;
+  st.step = makespan + dp_exposed + st.optimizer;
   const double tokens = (double)l.dp * l.mbs * l.grad_acc * cfg.seq;
   const int world = l.world();
   st.tokens_per_s_per_gpu = tokens / st.step / world;

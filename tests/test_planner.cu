@@ -567,6 +567,26 @@ TEST_CASE(
   }
 }
 
+// Guards the CPU ranks' optimizer: every rank runs its pass at once, so on a node whose ranks
+// share its cores it takes ranks / cores times its time alone, as their compute does (the
+// optimizer's time alone is the ledger's, the same for both machines). Exact: one product.
+TEST_CASE("CPU ranks that share the cores run the optimizer's pass at their share", "[planner]") {
+  GpuProfile cpu = gpu_profile("cpu");
+  cpu.peak_fp32 = 1e11;  // a measured rate, as device_peak gives
+  Layout l;
+  l.dp = 4, l.mbs = 1, l.grad_acc = 1;
+  Implementation impl;
+  impl.mpi_sends = true;
+  const StepTime alone = predict_time(planner_model("medium"), l, Cluster{1, 4, cpu}, impl);
+  cpu.shared_capacity = 1.6;  // 4 ranks on 1.6 cores' worth: 2.5 x
+  const StepTime shared = predict_time(planner_model("medium"), l, Cluster{1, 4, cpu}, impl);
+  REQUIRE(alone.optimizer > 0);
+  CHECK(shared.optimizer == Approx(2.5 * alone.optimizer).epsilon(1e-12));
+  impl.mpi_sends = false;  // GPUs: a device each, nothing shared
+  CHECK(predict_time(planner_model("medium"), l, Cluster{1, 4, cpu}, impl).optimizer ==
+        Approx(alone.optimizer).epsilon(1e-12));
+}
+
 TEST_CASE(
     "a layout fits only with the headroom: the runtime bytes and the allocator's slack on the "
     "worst stage's activations",
