@@ -391,6 +391,7 @@ std::string PrecisionPolicy::describe() const {
   if (scaler_.enabled)
     row += ", loss scale " + (scaler_.dynamic ? std::string("dynamic") : exact_num(scaler_.scale));
   row += grads_ == DType::BF16 ? ", bf16 gradients" : ", fp32 gradients";
+  if (residual_ != DType::F32) row += ", " + residual_choice_name(residual_) + " residual stream";
   if (automatic_) row += " (auto on CUDA)";
   return row;
 }
@@ -408,15 +409,14 @@ void add_precision_flags(CLI::App& app, PrecisionOptions& o) {
       "auto",
       "linear layers in fp32|bf16|fp16|fp8, fp32 master weights (auto: fp32 on CPU, bf16 on "
       "CUDA)");
-  add_typed(
-      g, "--grad-acc-dtype", &o.grad_acc_dtype,
-      [](const std::string& v) {
-        return parse_choice<DType>("--grad-acc-dtype", v,
-                                   {{"fp32", DType::F32}, {"bf16", DType::BF16}});
-      },
-      "fp32",
-      "gradient buffers in fp32 (20 bytes per parameter with bf16 weights) or bf16 (16; "
-      "with --dtype bf16 or fp8)");
+  add_choice<DType>(g, "--grad-acc-dtype", &o.grad_acc_dtype,
+                    {{"fp32", DType::F32}, {"bf16", DType::BF16}},
+                    "gradient buffers in fp32 (20 bytes per parameter with bf16 weights) or bf16 "
+                    "(16; with --dtype bf16 or fp8)");
+  add_choice<DType>(g, "--residual-dtype", &o.residual_dtype, residual_choices(),
+                    "the residual stream between blocks and its gradient in fp32 (Megatron's "
+                    "--fp32-residual-connection) or in the 16-bit format of --dtype bf16|fp16 "
+                    "(Megatron's default: half the norms' traffic)");
   g.add_option_function<std::string>(
        "--loss-scale", [&o](const std::string& v) { o.loss_scale = v, o.loss_scale_given = true; },
        "fp16: dynamic (start 65536, halve on overflow) or a fixed power of two, 2^-24 to 32768")
@@ -442,5 +442,5 @@ PrecisionPolicy make_precision_policy(const PrecisionOptions& o, Device device) 
         ": add --dtype bf16, or drop the flag");
   return PrecisionPolicy(p, o.grad_acc_dtype,
                          make_loss_scaler(p, o.loss_scale, o.loss_scale_window, o.loss_scale_given),
-                         !o.dtype.has_value());
+                         !o.dtype.has_value(), residual_format(o.residual_dtype, p));
 }

@@ -123,6 +123,7 @@ struct PrecisionOptions {
   std::optional<Precision>
       dtype;  // --dtype: fp32|bf16|fp16|fp8; empty (auto): fp32 on CPU, bf16 on CUDA
   DType grad_acc_dtype = DType::F32;   // --grad-acc-dtype: fp32 or bf16 gradient buffers
+  DType residual_dtype = DType::F32;   // --residual-dtype: the residual stream's storage
   std::string loss_scale = "dynamic";  // --loss-scale (fp16)
   int loss_scale_window = 1000;        // --loss-scale-window (fp16)
   bool loss_scale_given = false;       // either given: refused outside fp16
@@ -138,10 +139,16 @@ class GradientSync;  // runtime/gradient_sync.cuh
 class PrecisionPolicy {
  public:
   PrecisionPolicy() = default;  // fp32 everywhere
-  PrecisionPolicy(Precision compute, DType grads, LossScaler scaler, bool automatic = false)
-      : compute_(compute), grads_(grads), scaler_(scaler), automatic_(automatic) {}
+  PrecisionPolicy(Precision compute, DType grads, LossScaler scaler, bool automatic = false,
+                  DType residual = DType::F32)
+      : compute_(compute),
+        grads_(grads),
+        residual_(residual),
+        scaler_(scaler),
+        automatic_(automatic) {}
   Precision compute() const { return compute_; }  // the linear layers (ctx.precision)
   DType grads() const { return grads_; }          // the gradient buffers: F32 or BF16
+  DType residual() const { return residual_; }    // the residual stream (ctx.residual)
   DType weight_format() const { return output_dtype(compute_); }  // the weights GEMMs read
   bool mixed() const { return compute_ != Precision::FP32; }      // fp32 master weights apart
   // Playbook §Mixed precision training: fp16 multiplies the loss by the loss scale, so every
@@ -172,6 +179,7 @@ class PrecisionPolicy {
  private:
   Precision compute_ = Precision::FP32;
   DType grads_ = DType::F32;
+  DType residual_ = DType::F32;
   LossScaler scaler_;
   float step_scale_ = 1.0f;  // the scale the last step's gradients carried
   bool skipped_ = false;     // whether keep_step skipped it

@@ -319,14 +319,14 @@ static void attention_core_backward(const Context& ctx, const Model& m, BlockAct
 struct Residual {
   Tensor x, branch;
 };
-// The stream whole (returned: x itself, or the new sum in fp32) and its RMSNorm y, rstd.
+// The stream whole (returned: x itself, or the new sum in ctx.residual) and its RMSNorm y, rstd.
 static Tensor residual_then_norm(const Context& ctx, const Residual& stream, const Tensor& y,
                                  const Tensor& rstd, const Tensor& w, float eps) {
   if (!stream.branch.defined()) {
     rmsnorm_forward(ctx, y, rstd, stream.x, w, eps);
     return stream.x;
   }
-  Tensor sum = act(stream.x.shape, ctx);
+  Tensor sum = empty_residual(ctx, stream.x.shape, Mem::Activations);
   residual_rmsnorm_forward(ctx, sum, y, rstd, stream.x, stream.branch, w, eps);
   return sum;
 }
@@ -357,7 +357,7 @@ static void block_forward(const Context& ctx, const Model& m, const BlockWeights
   Tensor out = tp_region_output(m.tp, ctx, n, D);
   row_parallel_forward(m.tp, ctx, out, a.attn, w.wo);
   // MLP: x_out = x_mid + mlp(n2), n2 = rmsnorm(x_mid), the add and the norm in one pass
-  a.x_mid = act({n, D}, ctx);
+  a.x_mid = empty_residual(ctx, {n, D}, Mem::Activations);
   a.norm2 = empty_in_compute_format(ctx, {n, D}, Mem::Activations), a.rstd2 = act({n}, ctx);
   residual_rmsnorm_forward(ctx, a.x_mid, a.norm2, a.rstd2, a.x, out, stored_weight(ctx, w.mlp_norm),
                            c.norm_eps);
@@ -420,8 +420,8 @@ struct MixtureMlp : FeedForward {
                   const std::vector<float>& carry, float loss_scale,
                   DeferredGrads* deferred) const override {
     Tensor dx = work(x.shape, ctx);  // fp32, as the combine's backward writes it
-    moe_backward(m.ep, m.tp, m.cfg, ctx, w.moe, g.moe, a.moe, cast_to(ctx, x, DType::F32), dout.sum,
-                 dx, carry, loss_scale, deferred);
+    moe_backward(m.ep, m.tp, m.cfg, ctx, w.moe, g.moe, a.moe, cast_to(ctx, x, DType::F32),
+                 cast_to(ctx, dout.sum, DType::F32), dx, carry, loss_scale, deferred);
     return dx;
   }
   int carry_numel() const override { return 2 * n_experts; }
@@ -472,8 +472,9 @@ static void rebuild_for_backward(const Context& ctx, const Model& m, const Block
 
 // Mixed precision (Playbook §Mixed precision training): what a block keeps for its backward is
 // stored in the compute format, half the bytes, as a model trained in bf16 keeps it. Kept fp32:
-// the residual stream (x, x_mid: Megatron's --fp32-residual-connection, which the forward here
-// always is) and the statistics (RMSNorm's 1/rms, FlashAttention's log-sum-exp). Under bf16 and
+// the statistics (RMSNorm's 1/rms, FlashAttention's log-sum-exp), and the residual stream (x,
+// x_mid) unless --residual-dtype stores it in 16 bits (Megatron's --fp32-residual-connection is
+// the default here, the reverse of Megatron's; empty_residual). Under bf16 and
 // fp16 most of it is stored so as it is made (the norms', the linear layers', RoPE's and
 // attention's outputs); naive attention's probabilities and the experts' tensors are rounded
 // here, and under fp8 (fp32 storage, bf16 values) everything is.
@@ -534,10 +535,11 @@ std::vector<std::vector<int64_t>> stage_payload_shapes(const Model& model, int64
   if (model.mlp->carry_numel() > 0) shapes.push_back({model.mlp->carry_numel()});
   return shapes;
 }
-// The carried values on the device, to travel (Mem::Workspace: alive until sent).
+// The carried values on the device, to travel (Mem::Workspace: alive until sent); the hidden
+// state (or its gradient) in fp32, which the stage-to-stage messages carry.
 static StagePayload with_carry(const Context& ctx, const Model& model, Tensor hidden,
                                const std::vector<float>& carry) {
-  StagePayload out = {std::move(hidden)};
+  StagePayload out = {cast_to(ctx, hidden, DType::F32)};
   const int carried = model.mlp->carry_numel();
   if (carried > 0) out.push_back(device_floats(ctx, carry, {carried}));
   return out;
@@ -568,12 +570,13 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
   // share of each sequence, whose tokens sit at the positions the cp layout gives them.
   acts.positions = device_ints(model.attention->positions(B, T), ctx);
 
-  Tensor x = in.empty() ? Tensor() : in[0];  // [n, D] the residual stream
+  // [n, D] the residual stream: it travels between stages in fp32 (exact for a 16-bit stream)
+  Tensor x = in.empty() ? Tensor() : cast_to(ctx, in[0], ctx.residual, Mem::Activations);
   in.clear();
   if (stage.embedding) {
     // Vocab-parallel embedding: this rank looks up the ids of its vocabulary slice.
     acts.ids = device_ints(local_vocab_ids(ids, N, L.vocab0, L.vocab), ctx);
-    x = act({n, D}, ctx);
+    x = empty_residual(ctx, {n, D}, Mem::Activations);
     run_hook(hooks.before_forward, model.embedding_unit());
     vocab_parallel_embedding_forward(model.tp, ctx, x, acts.ids, stored_weight(ctx, model.w.embed));
     run_hook(hooks.after_forward, model.embedding_unit());
@@ -594,7 +597,7 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
   if (!stage.head) {  // the stream leaves whole, for the next stage
     acts.x_final = stream.x;
     if (stream.branch.defined()) {
-      acts.x_final = act({n, D}, ctx);
+      acts.x_final = empty_residual(ctx, {n, D}, Mem::Activations);
       residual_forward(ctx, acts.x_final, stream.x, stream.branch);
     }
     return 0.0f;
@@ -708,13 +711,16 @@ StagePayload stage_backward(const Context& ctx, Model& model, Activations& acts,
   };
   int B = acts.B, T = acts.T;
   int64_t n = acts.x_final.size(0), D = model.cfg.d_model;
-  ResidualGradient dres{zeros(ctx, {n, D}, Mem::Workspace), Tensor()};  // [n, D]
+  ResidualGradient dres{zeros(ctx, {n, D}, Mem::Workspace, ctx.residual), Tensor()};  // [n, D]
   if (stage.head) {
     run_hook(hooks.before_backward, model.head_unit());
     head_backward(ctx, model, acts, loss_scale, dres, model.blocks(chunk) > 0, deferred);
     gradients_ready(model.head_unit());
   } else {
-    copy_(dres.sum, d_out[0]);
+    if (d_out[0].dtype == dres.sum.dtype)
+      copy_(dres.sum, d_out[0]);
+    else
+      cast_(ctx, dres.sum, d_out[0]);  // sent in fp32: exact
     d_out.clear();
   }
   for (int l = model.blocks(chunk) - 1; l >= 0; l--) {
@@ -764,29 +770,29 @@ void model_backward(const Context& ctx, Model& model, Activations& acts, float l
 // FlashAttention never keeps the probabilities, only the log-sum-exp [B, Hq/t, T]: its term is
 // 4 Hq / t bytes per token instead of 4 Hq T / t, so a block's activations grow as T, not T^2.
 int64_t activation_bytes_per_block(const ModelConfig& c, int B, int T, int tp, bool sp,
-                                   Recompute mode, const AttentionCore& attention, int e) {
+                                   Recompute mode, const AttentionCore& attention, int e, int er) {
   LocalDims L = local_dims(c, 0, tp);
   int64_t N = (int64_t)B * T, n = sp ? N / tp : N, D = c.d_model, hd = c.head_dim();
-  if (mode == Recompute::Full) return 4 * n * D;
-  // x and x_mid fp32, norm1 and norm2 in e bytes, 1/rms twice in fp32 (on n tokens); q, attn,
-  // k, v, gate, up, act in e bytes (on N tokens, this rank's heads and ffn columns).
-  int64_t outside = (2 * 4 + 2 * e) * n * D + 2 * 4 * n;
+  if (mode == Recompute::Full) return er * n * D;
+  // x and x_mid in er bytes, norm1 and norm2 in e bytes, 1/rms twice in fp32 (on n tokens); q,
+  // attn, k, v, gate, up, act in e bytes (on N tokens, this rank's heads and ffn columns).
+  int64_t outside = (2 * er + 2 * e) * n * D + 2 * 4 * n;
   int64_t inside =
       e * N * (2 * L.heads * hd + 2 * L.kv_heads * hd) + feed_forward(c)->saved_bytes(c, N, tp, e);
   return outside + inside + attention.saved_bytes(B, T, L.heads, mode == Recompute::Selective, e);
 }
 
-void print_activation_report(const Model& m, int B, int T, Recompute mode, int e,
+void print_activation_report(const Model& m, int B, int T, Recompute mode, int e, int er,
                              int64_t measured) {
   ModelConfig local = m.cfg;  // what one rank's activations are made of: its share of T
   local.seq = T;
   const AttentionCore& attention = *m.attention;
   const int tp = m.tp.size();
-  print_activation_report(measured,
-                          activation_bytes_per_block(local, B, T, tp, m.tp.sp, mode, attention, e),
-                          "tp " + std::to_string(tp) + (m.tp.sp ? " + sp" : "") + ", recompute " +
-                              recompute_name(mode) + ", " + attention.name() + " attention",
-                          attention.saved_formula(e), m.tp.sp, e, m.cfg.experts > 0);
+  print_activation_report(
+      measured, activation_bytes_per_block(local, B, T, tp, m.tp.sp, mode, attention, e, er),
+      "tp " + std::to_string(tp) + (m.tp.sp ? " + sp" : "") + ", recompute " +
+          recompute_name(mode) + ", " + attention.name() + " attention",
+      attention.saved_formula(e), m.tp.sp, e, er, m.cfg.experts > 0);
 }
 
 std::string describe_recompute(Recompute mode, const AttentionCore& attention) {

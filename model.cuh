@@ -170,14 +170,15 @@ struct BlockActivations {
 // Bytes of one block's saved activations for B sequences of T tokens, by the formula derived
 // in model.cu (the RMSNorm, SwiGLU, GQA analog of the book's sbh(34 + 5as/h)). e: the bytes of
 // an element of what is stored in the compute format (4 in fp32, 2 under --dtype bf16, fp16 or
-// fp8); the residual stream and the statistics are fp32 always.
+// fp8); er: of the residual stream (4, or 2 under --residual-dtype); the statistics are fp32.
 int64_t activation_bytes_per_block(const ModelConfig& cfg, int B, int T, int tp, bool sp,
-                                   Recompute mode, const AttentionCore& attention, int e = 4);
+                                   Recompute mode, const AttentionCore& attention, int e = 4,
+                                   int er = 4);
 // The same, measured: the bytes `a` holds.
 int64_t saved_bytes(const BlockActivations& a);
 // --report memory: one block's saved activations, `measured` on a micro-batch of B sequences
 // of T tokens (this rank's share under cp), next to the formula above. Rank 0 prints.
-void print_activation_report(const Model& model, int B, int T, Recompute mode, int e,
+void print_activation_report(const Model& model, int B, int T, Recompute mode, int e, int er,
                              int64_t measured);
 // The configuration table's row for --recompute: what the mode drops with this attention.
 std::string describe_recompute(Recompute mode, const AttentionCore& attention);

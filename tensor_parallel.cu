@@ -304,13 +304,14 @@ void row_parallel_backward(const TensorParallel& tp, const Context& ctx, const T
                            const Tensor& dW, const Tensor& dy, const Tensor& x, const Tensor& W,
                            DeferredGrads* deferred) {
   Tensor dfull = tp.sp ? workspace({x.size(0), dy.size(1)}, ctx) : dy;  // [N, D]
-  tp_region_exit_backward(tp, ctx, dy, dfull);  // identity, or all-gather under SP
-  dfull = gradient_operand(ctx, dfull);         // as both GEMMs read it
+  // identity, or all-gather under SP (in fp32, as the collectives move it)
+  tp_region_exit_backward(tp, ctx, tp.sp ? cast_to(ctx, dy, DType::F32) : dy, dfull);
+  dfull = gradient_operand(ctx, dfull);  // as both GEMMs read it
   linear_backward(ctx, dx, Tensor(), dfull, x, W);
-  // Still dy, which the caller changes when it is the fp32 residual gradient (a 16-bit dy is a
-  // rounded copy it keeps as is).
-  if (deferred && !tp.sp && dfull.dtype == dy.dtype && dy.dtype == DType::F32) {
-    Tensor saved = workspace(dy.shape, ctx);
+  // Still dy, which the caller changes when it is the residual gradient itself (in the
+  // stream's format; a 16-bit dy beside an fp32 stream is a rounded copy it keeps as is).
+  if (deferred && !tp.sp && dfull.ptr == dy.ptr && dy.dtype == ctx.residual) {
+    Tensor saved = empty(ctx, dy.shape, Mem::Workspace, dy.dtype);
     copy_(saved, dy);
     dfull = saved;
   }
@@ -318,17 +319,25 @@ void row_parallel_backward(const TensorParallel& tp, const Context& ctx, const T
               [&ctx, dW, dfull, x, W] { linear_backward(ctx, Tensor(), dW, dfull, x, W); });
 }
 
+// A 16-bit residual stream (--residual-dtype) is looked up, summed over the slices and
+// scattered in fp32 and rounded once at the end: exact, each row being one slice's table row.
 void vocab_parallel_embedding_forward(const TensorParallel& tp, const Context& ctx, const Tensor& x,
                                       const Tensor& local_ids, const Tensor& table) {
-  if (tp.size() == 1) return embedding_forward(ctx, x, local_ids, table);
-  Tensor rows = workspace({local_ids.numel(), x.size(1)}, ctx);  // [N, D] partial rows
-  embedding_forward(ctx, rows, local_ids, table);
-  tp_region_exit_forward(tp, ctx, rows, x);  // sum over the slices (reduce-scatter under SP)
+  const Tensor out = x.dtype == DType::F32 ? x : workspace(x.shape, ctx);
+  if (tp.size() == 1) {
+    embedding_forward(ctx, out, local_ids, table);
+  } else {
+    Tensor rows = workspace({local_ids.numel(), x.size(1)}, ctx);  // [N, D] partial rows
+    embedding_forward(ctx, rows, local_ids, table);
+    tp_region_exit_forward(tp, ctx, rows, out);  // sum over the slices (reduce-scatter under SP)
+  }
+  if (out.ptr != x.ptr) cast_(ctx, x, out);
 }
 
 void vocab_parallel_embedding_backward(const TensorParallel& tp, const Context& ctx,
                                        const Tensor& dtable, const Tensor& local_ids,
-                                       const Tensor& dx) {
+                                       const Tensor& dx_stream) {
+  const Tensor dx = cast_to(ctx, dx_stream, DType::F32);  // the collectives and the scatter: fp32
   Tensor dfull = tp.sp ? workspace({local_ids.numel(), dx.size(1)}, ctx) : dx;
   tp_region_exit_backward(tp, ctx, dx, dfull);
   embedding_backward(ctx, dtable, local_ids, dfull);  // reads no weights, only ids

@@ -508,7 +508,8 @@ static RooflineRun roofline_run(const Trainer& t) {
   const int T = c.seq / o.cp;
   r.activation_bytes =
       r.blocks * activation_bytes_per_block(c, o.mbs, T, o.tp, o.sp, t.recompute,
-                                            *local_attention(o.attention), r.weight_bytes);
+                                            *local_attention(o.attention), r.weight_bytes,
+                                            (int)dtype_size(t.precision.residual()));
   const int64_t logits = 2 * (int64_t)o.mbs * T * (c.vocab / o.tp) * 4;  // and their gradient
   r.logit_bytes = t.model.head_unit() >= 0 ? logits : 0;
   return r;
@@ -546,7 +547,8 @@ static void register_meters(Trainer& t) {
     const int64_t measured = t.observer.schedule().block_bytes;
     if (main_rank && measured >= 0)
       print_activation_report(t.model, t.o.mbs, t.o.model.seq / t.o.cp, t.recompute,
-                              (int)dtype_size(t.precision.weight_format()), measured);
+                              (int)dtype_size(t.precision.weight_format()),
+                              (int)dtype_size(t.precision.residual()), measured);
     if (main_rank && measured >= 0 && t.ctx.device == Device::Meta)  // the book's sizes
       print_book_memory(t.o.model, t.o.mbs, t.o.model.seq, t.o.tp, t.o.sp, t.recompute,
                         t.model.blocks_held(), measured);
@@ -708,7 +710,7 @@ static int run_rank(const Options& o, Device device, const PrecisionPolicy& prec
   Comm comm = comm_init(o.dp, o.pp, o.cp, o.tp, o.comm, device, o.comm_timeout, o.ep,
                         SimulatedWorld{o.simulate_world, simulated_rank});
   Context ctx = Context::create(device);
-  ctx.precision = precision.compute();
+  ctx.precision = precision.compute(), ctx.residual = precision.residual();
   const int code = run(o, comm, ctx, precision);
   ctx.destroy();
   comm_destroy(comm);

@@ -224,6 +224,9 @@ struct Context {
   void* cublas_workspace = nullptr;  // CUDA: cuBLAS's workspace, set once on the handle
   bool sync_launches = false;        // debugging: synchronise after every kernel (launch_check)
   Precision precision = Precision::FP32;  // of the linear layers (mixed_precision.cuh)
+  // The residual stream between blocks and its gradient: F32, or the compute format's 16 bits
+  // (--residual-dtype; runtime/dtype.cuh's empty_residual).
+  DType residual = DType::F32;
   // The weights' copies in the compute format, where GEMMs read them (mixed_precision.cuh);
   // null: every GEMM rounds the fp32 weights itself.
   std::shared_ptr<WeightCopies> weight_copies;

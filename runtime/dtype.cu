@@ -283,6 +283,9 @@ void to_compute_format(const Context& ctx, Tensor& x, Mem category) {
 Tensor empty_in_compute_format(const Context& ctx, std::vector<int64_t> shape, Mem category) {
   return empty(ctx, std::move(shape), category, activation_dtype(ctx.precision));
 }
+Tensor empty_residual(const Context& ctx, std::vector<int64_t> shape, Mem category) {
+  return empty(ctx, std::move(shape), category, ctx.residual);
+}
 Tensor gradient_storage(const Context& ctx, const Tensor& dy) {
   const DType format = activation_dtype(ctx.precision);
   return dy.dtype == format ? dy : empty(ctx, dy.shape, Mem::Workspace, format);

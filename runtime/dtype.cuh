@@ -58,6 +58,10 @@ void to_compute_format(const Context& ctx, Tensor& x, Mem category);
 // A new tensor that the linear layers write or read and the ops beside them read and write in
 // activation_dtype (the MLP's gate, up and SwiGLU output), on ctx's stream.
 Tensor empty_in_compute_format(const Context& ctx, std::vector<int64_t> shape, Mem category);
+// A new tensor of the residual stream (a block's input and output, or their gradient) in
+// ctx.residual: fp32, or under --residual-dtype the compute format, as a model held in bf16
+// keeps it (the norms read it widened and add in fp32; each sum is rounded once as stored).
+Tensor empty_residual(const Context& ctx, std::vector<int64_t> shape, Mem category);
 // What a block keeps for its backward is stored in the compute format under --dtype, half the
 // bytes, as a model trained in bf16 keeps it (each fp32 tensor of `kept` replaced by its
 // rounding, Mem::Activations); nothing changes under fp32. widen_to_fp32 undoes it before the

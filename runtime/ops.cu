@@ -210,6 +210,23 @@ static void with_element(DType t, F&& f) {
   PICO_ASSERT(t == DType::F32, std::string("an op on a tensor of ") + dtype_name(t));
   f((float*)nullptr);
 }
+// The same for an operand beside a tensor of element S (the residual stream): any of the three
+// when S is float; float or S itself when S is 16-bit (bf16 and fp16 never meet in one op),
+// which keeps the kernels compiled for a 16-bit stream to those pairs.
+template <typename S, typename F>
+static void with_element_beside(DType t, F&& f) {
+  if constexpr (std::is_same_v<S, float>) {
+    with_element(t, f);
+  } else {
+    if (t == DType::F32) return f((float*)nullptr);
+    with_element(t, [&](auto* e) {
+      if constexpr (std::is_same_v<std::remove_pointer_t<decltype(e)>, S>)
+        f(e);
+      else
+        PICO_ASSERT(false, std::string("bf16 and fp16 in one op: ") + dtype_name(t));
+    });
+  }
+}
 
 // ============================================================================
 // embedding: a row gather forward, a scatter-add backward
@@ -349,12 +366,11 @@ static void rmsnorm_forward_cpu(float* y, float* rstd, const float* x, const flo
 static void rmsnorm_forward_host(const Tensor& y, const Tensor& rstd, const Tensor& x,
                                  const Tensor& w, float eps) {
   int D = (int)x.size(-1), T = (int)(x.numel() / D);
-  std::vector<float> w_wide;
-  const float* wv = host_floats(w, w_wide);
-  if (y.dtype == DType::F32)
-    return rmsnorm_forward_cpu(y.f32(), rstd.f32(), x.f32(), wv, T, D, eps);
+  std::vector<float> w_wide, x_wide;
+  const float *wv = host_floats(w, w_wide), *xv = host_floats(x, x_wide);
+  if (y.dtype == DType::F32) return rmsnorm_forward_cpu(y.f32(), rstd.f32(), xv, wv, T, D, eps);
   std::vector<float> wide((size_t)T * D);
-  rmsnorm_forward_cpu(wide.data(), rstd.f32(), x.f32(), wv, T, D, eps);
+  rmsnorm_forward_cpu(wide.data(), rstd.f32(), xv, wv, T, D, eps);
   cast_host(y.ptr, y.dtype, wide.data(), DType::F32, (int64_t)T * D);  // rounded once
 }
 static void axpby_cpu(float* out, float alpha, const float* a, float beta, const float* b,
@@ -383,36 +399,38 @@ static void rmsnorm_backward_cpu(float* dx, float* dw, const float* dy, const fl
 
 // One block per row: the block reduces the row's sum of squares, then every thread scales. Y:
 // fp32, or the compute format mixed precision's linear layers read (each value rounded once);
-// W: the weight as it is stored, fp32 or its compute copy (read widened).
-template <typename Y, typename W>
-static __global__ void rmsnorm_forward_kernel(Y* y, float* rstd, const float* x, const W* w, int D,
+// W: the weight as it is stored, fp32 or its compute copy (read widened); X: the stream's
+// storage (fp32, or 16-bit under --residual-dtype), read widened.
+template <typename X, typename Y, typename W>
+static __global__ void rmsnorm_forward_kernel(Y* y, float* rstd, const X* x, const W* w, int D,
                                               float eps) {
-  const float* xr = x + (int64_t)blockIdx.x * D;  // [D]
+  const X* xr = x + (int64_t)blockIdx.x * D;  // [D]
   float ss = 0.0f;
-  for (int i = threadIdx.x; i < D; i += blockDim.x) ss += xr[i] * xr[i];
+  for (int i = threadIdx.x; i < D; i += blockDim.x) ss += widen(xr[i]) * widen(xr[i]);
   float r = 1.0f / sqrtf(block_reduce(ss, false) / D + eps);
   if (threadIdx.x == 0) rstd[blockIdx.x] = r;
   for (int i = threadIdx.x; i < D; i += blockDim.x)
-    store(y + (int64_t)blockIdx.x * D + i, xr[i] * r * widen(w[i]));
+    store(y + (int64_t)blockIdx.x * D + i, widen(xr[i]) * r * widen(w[i]));
 }
 // The residual add and the next norm in one pass (as Megatron's and Apex's fused add + norm):
 // sum = a + b written, its row's sum of squares reduced, y = sum * rstd * w written. Each thread
 // reads back only the sums it wrote itself (no barrier needed; the row is still in cache). The
-// arithmetic is residual_forward's, then rmsnorm_forward's, value for value.
-template <typename B, typename Y, typename W>
-static __global__ void residual_rmsnorm_kernel(float* sum, Y* y, float* rstd, const float* a,
-                                               const B* b, const W* w, int D, float eps) {
+// arithmetic is residual_forward's, then rmsnorm_forward's, value for value. S: the stream's
+// storage (sum and a): a 16-bit sum is rounded as it is stored, and the norm reads it so.
+template <typename S, typename B, typename Y, typename W>
+static __global__ void residual_rmsnorm_kernel(S* sum, Y* y, float* rstd, const S* a, const B* b,
+                                               const W* w, int D, float eps) {
   const int64_t row = (int64_t)blockIdx.x * D;
   float ss = 0.0f;
   for (int i = threadIdx.x; i < D; i += blockDim.x) {
-    const float v = 1.0f * a[row + i] + 1.0f * widen(b[row + i]);
-    sum[row + i] = v;
+    store(sum + row + i, 1.0f * widen(a[row + i]) + 1.0f * widen(b[row + i]));
+    const float v = widen(sum[row + i]);
     ss += v * v;
   }
   float r = 1.0f / sqrtf(block_reduce(ss, false) / D + eps);
   if (threadIdx.x == 0) rstd[blockIdx.x] = r;
   for (int i = threadIdx.x; i < D; i += blockDim.x)
-    store(y + row + i, sum[row + i] * r * widen(w[i]));
+    store(y + row + i, widen(sum[row + i]) * r * widen(w[i]));
 }
 // dw is a column sum over all T rows. One thread per column walking all T rows would leave the
 // GPU idle (D threads) and take T steps; atomics would make the sum's order depend on
@@ -425,11 +443,12 @@ static __global__ void residual_rmsnorm_kernel(float* sum, Y* y, float* rstd, co
 // reduces each row's dot product, adds to dx, and adds the row's dy * xhat into its partial row
 // (in global memory, each column by the one thread that owns it: no barrier, and the row stays
 // in cache). G: dy's storage (fp32, or the compute format the linear layers wrote it in); W: w's;
-// R: the storage of dx's rounded copy (none when `rounded` is null).
+// R: the storage of dx's rounded copy (none when `rounded` is null); X: the stream's and its
+// gradient's (x and dx: fp32, or 16-bit under --residual-dtype, dx rounded as it is stored).
 constexpr int kDwRows = 32;
-template <typename G, typename W, typename R>
-static __global__ void rmsnorm_backward_kernel(float* dx, R* rounded, float* partials, const G* dy,
-                                               const float* x, const W* w, const float* rstd, int T,
+template <typename X, typename G, typename W, typename R>
+static __global__ void rmsnorm_backward_kernel(X* dx, R* rounded, float* partials, const G* dy,
+                                               const X* x, const W* w, const float* rstd, int T,
                                                int D) {
   float* column = partials + (int64_t)blockIdx.x * D;  // [D] this block's part of dw
   for (int i = threadIdx.x; i < D; i += blockDim.x) column[i] = 0.0f;
@@ -438,12 +457,12 @@ static __global__ void rmsnorm_backward_kernel(float* dx, R* rounded, float* par
     const int64_t row = (int64_t)t * D;
     float r = rstd[t], dot = 0.0f;
     for (int i = threadIdx.x; i < D; i += blockDim.x)
-      dot += widen(dy[row + i]) * widen(w[i]) * (x[row + i] * r);
+      dot += widen(dy[row + i]) * widen(w[i]) * (widen(x[row + i]) * r);
     dot = block_reduce(dot, false) / D;
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
-      const float g = widen(dy[row + i]), xhat = x[row + i] * r;
-      const float v = dx[row + i] + r * (g * widen(w[i]) - xhat * dot);
-      dx[row + i] = v;
+      const float g = widen(dy[row + i]), xhat = widen(x[row + i]) * r;
+      const float v = widen(dx[row + i]) + r * (g * widen(w[i]) - xhat * dot);
+      store(dx + row + i, v);
       if (rounded) store(rounded + row + i, v);
       column[i] += g * xhat;
     }
@@ -464,21 +483,24 @@ void rmsnorm_forward(const Context& ctx, const Tensor& y, const Tensor& rstd, co
   int D = (int)x.size(-1), T = (int)(x.numel() / D);
   PICO_ASSERT(w.numel() == D && y.numel() == x.numel() && rstd.numel() == T,
               "rmsnorm_forward shapes " + x.shape_str());
-  PICO_ASSERT(
-      x.dtype == DType::F32 && float_storage(y.dtype),
-      std::string("rmsnorm_forward: x fp32, y fp32, bf16 or fp16, not ") + dtype_name(y.dtype));
+  PICO_ASSERT(float_storage(x.dtype) && float_storage(y.dtype),
+              std::string("rmsnorm_forward: x and y fp32, bf16 or fp16, not ") +
+                  dtype_name(x.dtype) + " and " + dtype_name(y.dtype));
   PICO_ASSERT(float_storage(w.dtype), std::string("rmsnorm weight in ") + dtype_name(w.dtype));
-  const double ey = (double)dtype_size(y.dtype), ew = (double)dtype_size(w.dtype);
-  if (count_op(ctx.device, OpKind::Norm, {4.0 * T * D, 4.0 * T * D + ew * D, ey * T * D + 4.0 * T}))
+  const double ex = dtype_size(x.dtype), ey = dtype_size(y.dtype), ew = dtype_size(w.dtype);
+  if (count_op(ctx.device, OpKind::Norm, {4.0 * T * D, ex * T * D + ew * D, ey * T * D + 4.0 * T}))
     return;
   if (ctx.device == Device::CPU) return rmsnorm_forward_host(y, rstd, x, w, eps);
   if (T == 0) return;  // a grid of zero blocks is a launch error, not a no-op
-  with_element(y.dtype, [&](auto* type) {
-    using Y = std::remove_pointer_t<decltype(type)>;
-    with_element(w.dtype, [&](auto* weight) {
-      using W = std::remove_pointer_t<decltype(weight)>;
-      rmsnorm_forward_kernel<<<T, kThreads, 0, ctx.stream>>>((Y*)y.ptr, rstd.f32(), x.f32(),
-                                                             (const W*)w.ptr, D, eps);
+  with_element(x.dtype, [&](auto* stream) {
+    using X = std::remove_pointer_t<decltype(stream)>;
+    with_element_beside<X>(y.dtype, [&](auto* type) {
+      using Y = std::remove_pointer_t<decltype(type)>;
+      with_element_beside<X>(w.dtype, [&](auto* weight) {
+        using W = std::remove_pointer_t<decltype(weight)>;
+        rmsnorm_forward_kernel<<<T, kThreads, 0, ctx.stream>>>(
+            (Y*)y.ptr, rstd.f32(), (const X*)x.ptr, (const W*)w.ptr, D, eps);
+      });
     });
   });
   LAUNCH_CHECK(ctx, "rmsnorm_forward_kernel");
@@ -492,28 +514,40 @@ void residual_rmsnorm_forward(const Context& ctx, const Tensor& sum, const Tenso
   PICO_ASSERT(w.numel() == D && sum.numel() == a.numel() && b.numel() == a.numel() &&
                   y.numel() == a.numel() && rstd.numel() == T,
               "residual_rmsnorm_forward shapes " + a.shape_str());
-  PICO_ASSERT(sum.dtype == DType::F32 && a.dtype == DType::F32 && float_storage(b.dtype) &&
+  PICO_ASSERT(sum.dtype == a.dtype && float_storage(a.dtype) && float_storage(b.dtype) &&
                   float_storage(y.dtype) && float_storage(w.dtype),
-              "residual_rmsnorm_forward: sum and a fp32; b, y and w fp32 or 16-bit");
+              "residual_rmsnorm_forward: sum and a of one format; each fp32 or 16-bit");
   // a and b read, the sum and y written (the sum's read back is the thread's own, in cache).
-  const double eb = dtype_size(b.dtype), ey = dtype_size(y.dtype), ew = dtype_size(w.dtype);
+  const double es = dtype_size(a.dtype), eb = dtype_size(b.dtype), ey = dtype_size(y.dtype),
+               ew = dtype_size(w.dtype);
   if (count_op(ctx.device, OpKind::Norm,
-               {5.0 * T * D, (4.0 + eb) * T * D + ew * D, (4.0 + ey) * T * D + 4.0 * T}))
+               {5.0 * T * D, (es + eb) * T * D + ew * D, (es + ey) * T * D + 4.0 * T}))
     return;
   if (ctx.device == Device::CPU) {  // the two passes the kernel fuses, one after the other
-    std::vector<float> b_wide;
-    axpby_cpu(sum.f32(), 1.0f, a.f32(), 1.0f, host_floats(b, b_wide), sum.numel());
+    std::vector<float> a_wide, b_wide;
+    const float *av = host_floats(a, a_wide), *bv = host_floats(b, b_wide);
+    if (sum.dtype == DType::F32) {
+      axpby_cpu(sum.f32(), 1.0f, av, 1.0f, bv, sum.numel());
+    } else {  // the sum rounded once, as stored
+      std::vector<float> wide(sum.numel());
+      axpby_cpu(wide.data(), 1.0f, av, 1.0f, bv, sum.numel());
+      cast_host(sum.ptr, sum.dtype, wide.data(), DType::F32, sum.numel());
+    }
     return rmsnorm_forward_host(y, rstd, sum, w, eps);
   }
   if (T == 0) return;
-  with_element(b.dtype, [&](auto* branch) {
-    using B = std::remove_pointer_t<decltype(branch)>;
-    with_element(y.dtype, [&](auto* out) {
-      using Y = std::remove_pointer_t<decltype(out)>;
-      with_element(w.dtype, [&](auto* weight) {
-        using W = std::remove_pointer_t<decltype(weight)>;
-        residual_rmsnorm_kernel<<<T, kThreads, 0, ctx.stream>>>(
-            sum.f32(), (Y*)y.ptr, rstd.f32(), a.f32(), (const B*)b.ptr, (const W*)w.ptr, D, eps);
+  with_element(a.dtype, [&](auto* stream) {
+    using S = std::remove_pointer_t<decltype(stream)>;
+    with_element_beside<S>(b.dtype, [&](auto* branch) {
+      using B = std::remove_pointer_t<decltype(branch)>;
+      with_element_beside<S>(y.dtype, [&](auto* out) {
+        using Y = std::remove_pointer_t<decltype(out)>;
+        with_element_beside<S>(w.dtype, [&](auto* weight) {
+          using W = std::remove_pointer_t<decltype(weight)>;
+          residual_rmsnorm_kernel<<<T, kThreads, 0, ctx.stream>>>(
+              (S*)sum.ptr, (Y*)y.ptr, rstd.f32(), (const S*)a.ptr, (const B*)b.ptr, (const W*)w.ptr,
+              D, eps);
+        });
       });
     });
   });
@@ -535,20 +569,32 @@ void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, co
       !dx_rounded.defined() || (dx_rounded.numel() == dx.numel() &&
                                 float_storage(dx_rounded.dtype) && dx_rounded.ptr != dx.ptr),
       "rmsnorm_backward: dx's rounded copy is a tensor of its own, of dx's size");
+  // The stream and its gradient in one format: fp32 (a rounded copy of dx may be asked for), or
+  // 16-bit under --residual-dtype (dx itself is what the linear layers read).
+  PICO_ASSERT(dx.dtype == x.dtype && float_storage(x.dtype) &&
+                  (x.dtype == DType::F32 || !dx_rounded.defined()),
+              std::string("rmsnorm_backward: dx and x of one format, not ") + dtype_name(dx.dtype) +
+                  " and " + dtype_name(x.dtype));
   // dx += ...: dx, dy and x read once, dx written (and its copy); dw from partial sums per block
   // of rows, the partials written by the same kernel and summed by a second.
   const double ew = (double)dtype_size(w.dtype), eg = (double)dtype_size(dy.dtype);
   const double er = dx_rounded.defined() ? (double)dtype_size(dx_rounded.dtype) : 0.0;
+  const double ex = (double)dtype_size(x.dtype);
   const int row_blocks = (T + kDwRows - 1) / kDwRows;
   const double partial_bytes = 4.0 * row_blocks * D;
   if (count_op(ctx.device, OpKind::Norm,
-               {8.0 * T * D, (8.0 + eg) * T * D + 4.0 * T + ew * D + 4.0 * D + partial_bytes,
-                (4.0 + er) * T * D + 4.0 * D + partial_bytes, 2}))
+               {8.0 * T * D, (2 * ex + eg) * T * D + 4.0 * T + ew * D + 4.0 * D + partial_bytes,
+                (ex + er) * T * D + 4.0 * D + partial_bytes, 2}))
     return;
   if (ctx.device == Device::CPU) {
-    std::vector<float> dy_wide, w_wide;
-    rmsnorm_backward_cpu(dx.f32(), dw.f32(), host_floats(dy, dy_wide), x.f32(),
+    std::vector<float> dy_wide, w_wide, x_wide, dx_wide;
+    const bool wide_dx = dx.dtype != DType::F32;
+    if (wide_dx) dx_wide = widened(dx);
+    float* dxv = wide_dx ? dx_wide.data() : dx.f32();
+    rmsnorm_backward_cpu(dxv, dw.f32(), host_floats(dy, dy_wide), host_floats(x, x_wide),
                          host_floats(w, w_wide), rstd.f32(), T, D);
+    if (wide_dx)  // the sum rounded once as stored: a gradient's rounding, counted as one
+      cast_gradient_host(dx.ptr, dx.dtype, dxv, dx.numel());
     if (dx_rounded.defined())  // a gradient's rounding: counted as one
       cast_gradient_host(dx_rounded.ptr, dx_rounded.dtype, dx.f32(), dx.numel());
     return;
@@ -556,15 +602,20 @@ void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, co
   if (T == 0) return;  // no rows: nothing to add (and a zero-block grid would not launch)
   Tensor partials = empty(ctx, {row_blocks, D}, Mem::Workspace);  // [T / kDwRows, D]
   const DType rounded_dtype = dx_rounded.defined() ? dx_rounded.dtype : DType::F32;
-  with_element(dy.dtype, [&](auto* grad) {
-    using G = std::remove_pointer_t<decltype(grad)>;
-    with_element(w.dtype, [&](auto* weight) {
-      using W = std::remove_pointer_t<decltype(weight)>;
-      with_element(rounded_dtype, [&](auto* copy) {
-        using R = std::remove_pointer_t<decltype(copy)>;
-        rmsnorm_backward_kernel<<<row_blocks, kThreads, 0, ctx.stream>>>(
-            dx.f32(), (R*)dx_rounded.ptr, partials.f32(), (const G*)dy.ptr, x.f32(),
-            (const W*)w.ptr, rstd.f32(), T, D);
+  with_element(x.dtype, [&](auto* stream) {
+    using X = std::remove_pointer_t<decltype(stream)>;
+    with_element_beside<X>(dy.dtype, [&](auto* grad) {
+      using G = std::remove_pointer_t<decltype(grad)>;
+      with_element_beside<X>(w.dtype, [&](auto* weight) {
+        using W = std::remove_pointer_t<decltype(weight)>;
+        // A 16-bit stream has no rounded copy (float: a null pointer never written through).
+        with_element_beside<X>(
+            std::is_same_v<X, float> ? rounded_dtype : DType::F32, [&](auto* copy) {
+              using R = std::remove_pointer_t<decltype(copy)>;
+              rmsnorm_backward_kernel<<<row_blocks, kThreads, 0, ctx.stream>>>(
+                  (X*)dx.ptr, (R*)dx_rounded.ptr, partials.f32(), (const G*)dy.ptr, (const X*)x.ptr,
+                  (const W*)w.ptr, rstd.f32(), T, D);
+            });
       });
     });
   });
@@ -851,11 +902,12 @@ static void axpby_cpu(float* out, float alpha, const float* a, float beta, const
   for (int64_t i = 0; i < n; i++) out[i] = alpha * a[i] + (b ? beta * b[i] : 0.0f);
 }
 
-// B: b's storage, fp32 or a 16-bit format read widened (a layer's output in the compute format).
-template <typename B>
-static __global__ void axpby_kernel(float* out, float alpha, const float* a, float beta, const B* b,
+// B: b's storage, fp32 or a 16-bit format read widened (a layer's output in the compute format);
+// O: out's and a's (fp32, or a 16-bit residual stream: each value rounded once as stored).
+template <typename O, typename B>
+static __global__ void axpby_kernel(O* out, float alpha, const O* a, float beta, const B* b,
                                     int64_t n) {
-  GRID_STRIDE_LOOP(i, n) out[i] = alpha * a[i] + (b ? beta * widen(b[i]) : 0.0f);
+  GRID_STRIDE_LOOP(i, n) store(out + i, alpha * widen(a[i]) + (b ? beta * widen(b[i]) : 0.0f));
 }
 
 static void axpby(const Context& ctx, const Tensor& out, float alpha, const Tensor& a, float beta,
@@ -866,19 +918,26 @@ static void axpby(const Context& ctx, const Tensor& out, float alpha, const Tens
   PICO_ASSERT(a.numel() == n && (!b || b->numel() == n),
               "elementwise sizes differ: " + out.shape_str() + " vs " + a.shape_str());
   const DType tb = b ? b->dtype : DType::F32;
-  PICO_ASSERT(out.dtype == DType::F32 && a.dtype == DType::F32 && float_storage(tb),
-              "residual/axpy/scale_: fp32 out and a, b fp32 or 16-bit");
-  const double eb = b ? (double)dtype_size(tb) : 0.0;
-  if (count_op(ctx.device, OpKind::Elementwise, {(b ? 3.0 : 1.0) * n, (4.0 + eb) * n, 4.0 * n}))
+  PICO_ASSERT(out.dtype == a.dtype && float_storage(a.dtype) && float_storage(tb),
+              "residual/axpy/scale_: out and a of one format, each fp32 or 16-bit");
+  const double eb = b ? (double)dtype_size(tb) : 0.0, eo = (double)dtype_size(out.dtype);
+  if (count_op(ctx.device, OpKind::Elementwise, {(b ? 3.0 : 1.0) * n, (eo + eb) * n, eo * n}))
     return;
   if (ctx.device == Device::CPU) {
-    std::vector<float> b_wide;
-    return axpby_cpu(out.f32(), alpha, a.f32(), beta, b ? host_floats(*b, b_wide) : nullptr, n);
+    std::vector<float> b_wide, a_wide;
+    const float* bv = b ? host_floats(*b, b_wide) : nullptr;
+    if (out.dtype == DType::F32) return axpby_cpu(out.f32(), alpha, a.f32(), beta, bv, n);
+    std::vector<float> wide(n);  // a 16-bit stream: the sum rounded once as stored
+    axpby_cpu(wide.data(), alpha, host_floats(a, a_wide), beta, bv, n);
+    return cast_host(out.ptr, out.dtype, wide.data(), DType::F32, n);
   }
-  with_element(tb, [&](auto* type) {
-    using B = std::remove_pointer_t<decltype(type)>;
-    axpby_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(out.f32(), alpha, a.f32(), beta,
-                                                           b ? (const B*)b->ptr : nullptr, n);
+  with_element(out.dtype, [&](auto* stream) {
+    using O = std::remove_pointer_t<decltype(stream)>;
+    with_element_beside<O>(tb, [&](auto* type) {
+      using B = std::remove_pointer_t<decltype(type)>;
+      axpby_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(
+          (O*)out.ptr, alpha, (const O*)a.ptr, beta, b ? (const B*)b->ptr : nullptr, n);
+    });
   });
   LAUNCH_CHECK(ctx, "axpby_kernel");
 }

@@ -15,6 +15,19 @@
 
 namespace fs = std::filesystem;
 
+std::vector<Choice<DType>> residual_choices() {
+  return {{"fp32", DType::F32}, {"bf16", DType::BF16}, {"fp16", DType::F16}};
+}
+std::string residual_choice_name(DType format) {
+  return choice_name(residual_choices(), format);
+}
+DType residual_format(DType requested, Precision p) {
+  if (requested == DType::F32 || requested == activation_dtype(p)) return requested;
+  const std::string name = residual_choice_name(requested);
+  throw UsageError("--residual-dtype " + name +
+                   " keeps the residual stream in the compute format of --dtype " + name +
+                   "; this run is " + precision_name(p) + ": add that --dtype, or drop the flag");
+}
 CLI::App& flag_group(CLI::App& app, const std::string& chapter) {
   try {
     return *app.get_option_group(chapter);  // a second chapter file's flags join the group

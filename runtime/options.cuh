@@ -52,6 +52,22 @@ CLI::Option* add_typed(CLI::App& group, const std::string& flag, T* target, Pars
           flag, [target, parse](const std::string& v) { *target = parse(v); }, help)
       ->default_str(shown);
 }
+// A flag whose value is one of `table`'s names (parse_choice), *target's name shown as its
+// default.
+template <class T>
+CLI::Option* add_choice(CLI::App& group, const std::string& flag, T* target,
+                        std::vector<Choice<T>> table, const std::string& help) {
+  const std::string shown = choice_name(table, *target);
+  return add_typed(
+      group, flag, target,
+      [flag, table](const std::string& v) { return parse_choice(flag, v, table); }, shown, help);
+}
+// --residual-dtype's names (fp32, bf16, fp16), the name of one, and the format a run whose
+// linear layers compute in `p` keeps the stream in: fp32, or p's 16-bit compute format (a
+// UsageError names the flag and the --dtype it needs otherwise).
+std::vector<Choice<DType>> residual_choices();
+std::string residual_choice_name(DType format);
+DType residual_format(DType requested, Precision p);
 // A --help group: the book's chapter the flags belong to.
 CLI::App& flag_group(CLI::App& app, const std::string& chapter);
 

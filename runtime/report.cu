@@ -246,9 +246,12 @@ void print_zero_comm_report(const Comm& comm, const ZeroCommReport& r) {
 // Tensor parallelism
 
 void print_activation_report(int64_t measured, int64_t formula, const std::string& run,
-                             const std::string& attention_term, bool sp, int e, bool routed) {
+                             const std::string& attention_term, bool sp, int e, int er,
+                             bool routed) {
   printf("activations per block and micro-batch (--report memory; %s, %s):\n", run.c_str(),
-         e == 4 ? "stored in fp32" : "stored in 16 bits, residual stream and statistics fp32");
+         e == 4    ? "stored in fp32"
+         : er == 4 ? "stored in 16 bits, residual stream and statistics fp32"
+                   : "stored in 16 bits with the residual stream, statistics fp32");
   printf("  measured %s (%lld B), formula %s (%lld B)%s\n", human_bytes(measured).c_str(),
          (long long)measured, human_bytes(formula).c_str(), (long long)formula,
          measured == formula ? ", equal"
@@ -259,7 +262,7 @@ void print_activation_report(int64_t measured, int64_t formula, const std::strin
       "the book's sbh(34 + 5as/h) for this Llama; norms and residuals (the book's 10) "
       "shrink with tp only under sp (34/t); attention keeps %s per token (the probabilities: "
       "%d Hq T, the 5as/h term; FlashAttention's log-sum-exp: 4 Hq, linear in the sequence)\n",
-      8 + 2 * e, sp ? "tp" : "1", 2 * e, 2 * e, 3 * e, attention_term.c_str(),
+      2 * er + 2 * e, sp ? "tp" : "1", 2 * e, 2 * e, 3 * e, attention_term.c_str(),
       attention_term.c_str(), e);
   if (routed)
     printf(

@@ -85,6 +85,19 @@ TEST_CASE("./train refuses --loss-scale 1e30 and --sp without tensor parallelism
   expect_refused(SMALL + "--steps 2 --sp", {"--sp with --tp 1", "add --tp 2"});
 }
 
+// --residual-dtype keeps the stream in the compute format of --dtype: a format the run's
+// linear layers do not use (fp32 runs, bf16 beside fp16) is refused, not quietly converted.
+TEST_CASE("./train refuses a --residual-dtype that is not the compute format of --dtype",
+          "[safety][train]") {
+  expect_refused(SMALL + "--steps 2 --dtype fp32 --residual-dtype bf16",
+                 {"--residual-dtype bf16", "this run is fp32", "add that --dtype"});
+  expect_refused(SMALL + "--steps 2 --dtype bf16 --residual-dtype fp16",
+                 {"--residual-dtype fp16", "this run is bf16"});
+  expect_refused(SMALL + "--steps 2 --dtype fp8 --residual-dtype bf16",
+                 {"--residual-dtype bf16", "this run is fp8"});
+  expect_refused(SMALL + "--steps 2 --residual-dtype fp64", {"--residual-dtype fp64"});
+}
+
 TEST_CASE("an optimizer state whose step is not an int64, or at or past --steps, is refused",
           "[safety][train]") {
   TempDir dir;

@@ -325,6 +325,74 @@ TEST_CASE("rmsnorm_backward's rounded copy of dx is dx rounded once, and counted
   }
 }
 
+// --residual-dtype bf16|fp16: the stream between blocks (and its gradient) stored in 16 bits.
+// Each op reads it widened and computes in fp32 as on an fp32 stream (the reference: the fp32
+// op on the widened values), and a sum it stores is that fp32 value rounded once (cast_); on
+// the ledger, the stream's bytes are 2 per element.
+TEST_CASE("a 16-bit residual stream: the norms and adds read it widened, each sum rounded once",
+          "[ops]") {
+  const int T = 6, D = 70;
+  Tensor a = randn({T, D}, "a", 2.0f), b = randn({T, D}, "b"), w = randn({D}, "w");
+  Tensor dy = randn({T, D}, "dy"), dx0 = randn({T, D}, "dx0", 1e-2f);
+  for (DType half : {DType::BF16, DType::F16}) {
+    INFO(dtype_name(half));
+    auto in_half = [&](const Tensor& t) {
+      Tensor h = empty(t.shape, Mem::Activations, Device::CPU, half);
+      cast_(kCpu, h, t);
+      return h;
+    };
+    auto widened = [&](const Tensor& h) {
+      Tensor f = empty(h.shape, Mem::Workspace);
+      cast_(kCpu, f, h);
+      return f;
+    };
+    const Tensor a16 = in_half(a), a_wide = widened(a16);
+    // The residual add then the norm, fused: the sum rounded once, the norm of what is stored.
+    Tensor sum16 = empty({T, D}, Mem::Activations, Device::CPU, half), want_sum = clone(sum16);
+    Tensor y = empty({T, D}, Mem::Activations, Device::CPU, half), want_y = clone(y);
+    Tensor rstd = empty({T}, Mem::Activations), want_rstd = clone(rstd);
+    Tensor sum32 = empty({T, D}, Mem::Workspace);
+    residual_forward(kCpu, sum32, a_wide, b);
+    cast_(kCpu, want_sum, sum32);
+    rmsnorm_forward(kCpu, want_y, want_rstd, widened(want_sum), w, 1e-5f);
+    reset_ledger();
+    residual_rmsnorm_forward(kCpu, sum16, y, rstd, a16, b, w, 1e-5f);
+    const double e = 2, read = (e + 4) * T * D + 4.0 * D, written = (e + e) * T * D + 4.0 * T;
+    CHECK(ledger().rows[(int)OpKind::Norm].read == read);
+    CHECK(ledger().rows[(int)OpKind::Norm].written == written);
+    CHECK(same_bytes(sum16, want_sum));
+    CHECK(same_bytes(y, want_y));
+    CHECK(same_bytes(rstd, want_rstd));
+    // The norm alone (a stage's first block, the final norm without a pending branch).
+    Tensor y2 = clone(y), rstd2 = clone(rstd);
+    rmsnorm_forward(kCpu, y2, rstd2, sum16, w, 1e-5f);
+    CHECK(same_bytes(y2, want_y));
+    CHECK(same_bytes(rstd2, want_rstd));
+    // The stage's last add: out = a + b, rounded once.
+    Tensor out16 = clone(sum16);
+    residual_forward(kCpu, out16, a16, b);
+    CHECK(same_bytes(out16, want_sum));
+    // The backward: dx += ... on the widened gradient, rounded once as stored and counted among
+    // the backward's roundings; dw as on the widened stream, bit for bit.
+    Tensor dx16 = in_half(dx0), dx_wide = widened(dx16), dw = zeros({D}, Mem::Grads);
+    Tensor want_dw = clone(dw), want_dx = clone(dx16);
+    rmsnorm_backward(kCpu, dx_wide, want_dw, dy, widened(sum16), w, rstd);
+    cast_(kCpu, want_dx, dx_wide);
+    reset_rounding_stats();
+    reset_ledger();
+    rmsnorm_backward(kCpu, dx16, dw, dy, sum16, w, rstd);
+    CHECK(same_bytes(dx16, want_dx));
+    CHECK(same_bytes(dw, want_dw));
+    int64_t nonzero = 0;
+    for (int i = 0; i < T * D; i++) nonzero += dx_wide.f32()[i] != 0.0f;
+    CHECK(rounding_stats(true).nonzero == (uint64_t)nonzero);
+    const double partials = 4.0 * ((T + 31) / 32) * D;  // one row block of the column sums
+    CHECK(ledger().rows[(int)OpKind::Norm].read ==
+          (2 * e + 4) * T * D + 4.0 * T + 4.0 * D + 4.0 * D + partials);
+    CHECK(ledger().rows[(int)OpKind::Norm].written == e * T * D + 4.0 * D + partials);
+  }
+}
+
 // ----------------------------------------------------------------------------
 // RoPE
 
@@ -1048,6 +1116,65 @@ TEST_CASE("CUDA residual_rmsnorm_forward equals the residual add then the norm",
     residual_rmsnorm_forward(kCpu, sum, y, rstd, a, b_f, w_f, 1e-5f);
     check_close(host(ctx, fused[0]), sum, 0.0f, 0.0f);  // one fp32 addition, exact both sides
     check_close(host(ctx, fused[2]), rstd, 1e-5f, 0.0f);
+  }
+  ctx.destroy();
+}
+
+// The 16-bit residual stream's kernels against the CPU loops: a sum is one fp32 addition then
+// one rounding on both sides (bit for bit); the norm's outputs and the gradient differ only by
+// the order of the row's reductions (rstd and the backward's dot: 1e-5 relative in fp32), which
+// can move a 16-bit value across a rounding boundary: one unit of its last place (2^-7 for bf16,
+// 2^-10 for fp16, relative) at most.
+TEST_CASE("CUDA norms and adds on a 16-bit residual stream match the CPU's", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  const int T = 70, D = 300;  // three row blocks of the weight gradient's column sums
+  Tensor a = randn({T, D}, "a", 2.0f), b = randn({T, D}, "b"), w = randn({D}, "w");
+  Tensor dy = randn({T, D}, "dy"), dx0 = randn({T, D}, "dx0", 1e-2f);
+  for (DType half : {DType::BF16, DType::F16}) {
+    INFO(dtype_name(half));
+    const float ulp = half == DType::BF16 ? std::ldexp(1.0f, -7) : std::ldexp(1.0f, -10);
+    auto in_half = [&](const Tensor& t, Device d) {
+      Tensor h = empty(t.shape, Mem::Activations, Device::CPU, half);
+      cast_(kCpu, h, t);
+      return d == Device::CPU ? h : to_device(h, Device::CUDA, Mem::Activations);
+    };
+    auto wide_on_host = [&](const Tensor& t) {
+      Tensor h = to_device(t, Device::CPU, Mem::Workspace), f = empty(t.shape, Mem::Workspace);
+      cast_(kCpu, f, h);
+      return f;
+    };
+    Tensor a16 = in_half(a, Device::CPU), g_a16 = in_half(a, Device::CUDA), g_b = gpu(b);
+    Tensor g_w = gpu(w);
+    Tensor sum16 = empty({T, D}, Mem::Activations, Device::CPU, half), y = clone(sum16);
+    Tensor rstd = empty({T}, Mem::Activations);
+    residual_rmsnorm_forward(kCpu, sum16, y, rstd, a16, b, w, 1e-5f);
+    Tensor g_sum = empty({T, D}, Mem::Activations, Device::CUDA, half);
+    Tensor g_y = empty({T, D}, Mem::Activations, Device::CUDA, half);
+    Tensor g_rstd = empty({T}, Mem::Activations, Device::CUDA);
+    Tensor g_out = empty({T, D}, Mem::Activations, Device::CUDA, half);
+    residual_rmsnorm_forward(ctx, g_sum, g_y, g_rstd, g_a16, g_b, g_w, 1e-5f);
+    residual_forward(ctx, g_out, g_a16, g_b);
+    ctx.synchronize();
+    Tensor got_sum = to_device(g_sum, Device::CPU, Mem::Workspace);
+    Tensor got_out = to_device(g_out, Device::CPU, Mem::Workspace);
+    CHECK(memcmp(got_sum.ptr, sum16.ptr, sum16.nbytes()) == 0);
+    CHECK(memcmp(got_out.ptr, sum16.ptr, sum16.nbytes()) == 0);
+    check_close(host(ctx, g_rstd), rstd, 1e-5f, 0.0f);
+    check_close(to_host_floats(wide_on_host(g_y)), wide_on_host(y), ulp, 1e-6f);
+    // The norm alone on the stored stream.
+    Tensor g_y2 = empty({T, D}, Mem::Activations, Device::CUDA, half);
+    rmsnorm_forward(ctx, g_y2, g_rstd, g_sum, g_w, 1e-5f);
+    check_close(to_host_floats(wide_on_host(g_y2)), wide_on_host(y), ulp, 1e-6f);
+    // The backward into a 16-bit dx, with a bf16 dy as the linear layers write it.
+    Tensor dx16 = in_half(dx0, Device::CPU), g_dx16 = in_half(dx0, Device::CUDA);
+    Tensor dw = zeros({D}, Mem::Grads), g_dw = gpu(dw), g_dy = gpu(dy), g_rstd_cpu = gpu(rstd);
+    rmsnorm_backward(kCpu, dx16, dw, dy, sum16, w, rstd);
+    rmsnorm_backward(ctx, g_dx16, g_dw, g_dy, g_sum, g_w, g_rstd_cpu);
+    // dx: within a unit of the last place of the larger of itself and the step it took (2e-2
+    // absolute covers a value that is the sum of two of opposite signs)
+    check_close(to_host_floats(wide_on_host(g_dx16)), wide_on_host(dx16), ulp, 2e-2f * ulp);
+    check_close(host(ctx, g_dw), dw, 1e-4f, 1e-5f);  // column sums of 70 rows, orders differ
   }
   ctx.destroy();
 }
