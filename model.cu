@@ -530,16 +530,16 @@ static std::vector<int> block_units(const Model& m, int chunk, int l) {
 
 // ---- The payload between stages ----
 
-std::vector<std::vector<int64_t>> stage_payload_shapes(const Model& model, int64_t tokens) {
-  std::vector<std::vector<int64_t>> shapes = {{sp_tokens(model.tp, tokens), model.cfg.d_model}};
-  if (model.mlp->carry_numel() > 0) shapes.push_back({model.mlp->carry_numel()});
-  return shapes;
+std::vector<TensorSpec> stage_payload(const Context& ctx, const Model& model, int64_t tokens) {
+  std::vector<TensorSpec> specs = {
+      {{sp_tokens(model.tp, tokens), model.cfg.d_model}, ctx.residual}};
+  if (model.mlp->carry_numel() > 0) specs.push_back({{model.mlp->carry_numel()}});
+  return specs;
 }
-// The carried values on the device, to travel (Mem::Workspace: alive until sent); the hidden
-// state (or its gradient) in fp32, which the stage-to-stage messages carry.
+// The carried values on the device, to travel (Mem::Workspace: alive until sent).
 static StagePayload with_carry(const Context& ctx, const Model& model, Tensor hidden,
                                const std::vector<float>& carry) {
-  StagePayload out = {cast_to(ctx, hidden, DType::F32)};
+  StagePayload out = {std::move(hidden)};
   const int carried = model.mlp->carry_numel();
   if (carried > 0) out.push_back(device_floats(ctx, carry, {carried}));
   return out;
@@ -570,8 +570,7 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
   // share of each sequence, whose tokens sit at the positions the cp layout gives them.
   acts.positions = device_ints(model.attention->positions(B, T), ctx);
 
-  // [n, D] the residual stream: it travels between stages in fp32 (exact for a 16-bit stream)
-  Tensor x = in.empty() ? Tensor() : cast_to(ctx, in[0], ctx.residual, Mem::Activations);
+  Tensor x = in.empty() ? Tensor() : in[0];  // [n, D] the residual stream
   in.clear();
   if (stage.embedding) {
     // Vocab-parallel embedding: this rank looks up the ids of its vocabulary slice.
@@ -717,10 +716,7 @@ StagePayload stage_backward(const Context& ctx, Model& model, Activations& acts,
     head_backward(ctx, model, acts, loss_scale, dres, model.blocks(chunk) > 0, deferred);
     gradients_ready(model.head_unit());
   } else {
-    if (d_out[0].dtype == dres.sum.dtype)
-      copy_(dres.sum, d_out[0]);
-    else
-      cast_(ctx, dres.sum, d_out[0]);  // sent in fp32: exact
+    copy_(dres.sum, d_out[0]);
     d_out.clear();
   }
   for (int l = model.blocks(chunk) - 1; l >= 0; l--) {

@@ -203,8 +203,9 @@ struct Activations {
 // hidden state's gradient first, then the same carried values, complete. The pipeline moves
 // these tensors between stages without reading them.
 using StagePayload = std::vector<Tensor>;
-// The shapes of one micro-batch's payload of `tokens` tokens (the same forward and back).
-std::vector<std::vector<int64_t>> stage_payload_shapes(const Model& model, int64_t tokens);
+// What one micro-batch's payload of `tokens` tokens holds (the same forward and back): the hidden
+// state in the residual stream's format (ctx.residual), then the carried floats.
+std::vector<TensorSpec> stage_payload(const Context& ctx, const Model& model, int64_t tokens);
 // What a chunk's forward hands to the next one: acts.x_final and the carried values.
 StagePayload stage_output(const Context& ctx, const Model& model, const Activations& acts);
 // Forward of B sequences of T tokens through chunk `chunk` of this rank. Input: token ids (host

@@ -360,7 +360,7 @@ double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& 
   int last_chunk = p * V - 1;
   const StagePlacement at = stage_placement(cfg.schedule, p, V);
   int64_t tokens = (int64_t)batch.mbs * batch.seq;  // per micro-batch
-  const std::vector<std::vector<int64_t>> payload = stage_payload_shapes(model, tokens);
+  const std::vector<TensorSpec> payload = stage_payload(ctx, model, tokens);
   // One stage of one chunk: gradient accumulation, whatever --pp-schedule says.
   std::vector<PipelineOp> table =
       pipeline_schedule(p * V > 1 ? cfg.schedule : PpSchedule::OneFOneB, p, rank, m, V);
@@ -425,7 +425,7 @@ float pipeline_forward(const Context& ctx, Comm& comm, Model& model, Activations
                        const int32_t* ids, const int32_t* targets, int B, int T, PpSchedule s) {
   int p = comm.pp.size, rank = comm.pp.rank, V = (int)model.chunks.size(), last_chunk = p * V - 1;
   const StagePlacement at = stage_placement(s, p, V);
-  const std::vector<std::vector<int64_t>> payload = stage_payload_shapes(model, (int64_t)B * T);
+  const std::vector<TensorSpec> payload = stage_payload(ctx, model, (int64_t)B * T);
   Exchange exchange(comm, comm.pp, ctx);
   float loss = 0;
   for (int c = 0; c < V; c++) {  // this rank's chunks, in the model's order

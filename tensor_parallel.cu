@@ -84,8 +84,11 @@ void reduce_from_tp_region_forward(const TensorParallel& tp, const Context& ctx,
 }
 void gather_from_sp_region_forward(const TensorParallel& tp, const Context& ctx,
                                    const Tensor& shard, const Tensor& full) {
-  PICO_ASSERT(full.numel() == shard.numel() * tp.size(), "sp all-gather shapes");
-  all_gather(*tp.comm, tp.group(), ctx, shard.f32(), full.f32(), shard.numel());
+  PICO_ASSERT(full.numel() == shard.numel() * tp.size() && full.dtype == shard.dtype,
+              "sp all-gather shapes");
+  // in the tensors' format (a 16-bit residual gradient gathered as it is: a move, exact)
+  all_gather_async(*tp.comm, tp.group(), ctx, shard.ptr, full.ptr, shard.dtype, shard.numel())
+      .wait();
 }
 void gather_from_sp_region_backward(const TensorParallel& tp, const Context& ctx,
                                     const Tensor& dfull, const Tensor& dshard) {
@@ -303,10 +306,10 @@ Tensor tp_region_output(const TensorParallel& tp, const Context& ctx, int64_t n,
 void row_parallel_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
                            const Tensor& dW, const Tensor& dy, const Tensor& x, const Tensor& W,
                            DeferredGrads* deferred) {
-  Tensor dfull = tp.sp ? workspace({x.size(0), dy.size(1)}, ctx) : dy;  // [N, D]
-  // identity, or all-gather under SP (in fp32, as the collectives move it)
-  tp_region_exit_backward(tp, ctx, tp.sp ? cast_to(ctx, dy, DType::F32) : dy, dfull);
-  dfull = gradient_operand(ctx, dfull);  // as both GEMMs read it
+  Tensor dfull =
+      tp.sp ? empty(ctx, {x.size(0), dy.size(1)}, Mem::Workspace, dy.dtype) : dy;  // [N, D]
+  tp_region_exit_backward(tp, ctx, dy, dfull);  // identity, or all-gather under SP
+  dfull = gradient_operand(ctx, dfull);         // as both GEMMs read it
   linear_backward(ctx, dx, Tensor(), dfull, x, W);
   // Still dy, which the caller changes when it is the residual gradient itself (in the
   // stream's format; a 16-bit dy beside an fp32 stream is a rounded copy it keeps as is).

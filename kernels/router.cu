@@ -2,6 +2,7 @@
 // weight gradients (kernels/router.cuh). The CPU loop and the kernel call the same per-token
 // function.
 #include "kernels/router.cuh"
+#include "runtime/ops.cuh"
 
 __global__ static void route_backward_kernel(float* dz, const float* probs, const int32_t* choice,
                                              const float* weight, const int32_t* slot_row,
@@ -21,8 +22,7 @@ void route_backward_on(const Context& ctx, const Tensor& d_logits, const Tensor&
   PICO_ASSERT(d_logits.numel() == N * E && choice.numel() == N * k && weight.numel() == N * k &&
                   slot_row.numel() == N * k && (d_prob.numel() == 0 || d_prob.numel() == E),
               "route_backward_on: shapes");
-  for (const Tensor* t : {&d_logits, &probs, &choice, &weight, &slot_row, &d_weight})
-    PICO_ASSERT(t->device == ctx.device, "route_backward_on: a tensor on another device");
+  check_devices(ctx, "route_backward_on", d_logits, probs, choice, weight, slot_row, d_weight);
   // Per token: the k slots twice and each expert's pass over them twice (E k), its E
   // probabilities read and E gradients written.
   const double read = 4.0 * (N * E + 3.0 * N * k + d_prob.numel()), written = 4.0 * N * E;

@@ -337,29 +337,34 @@ Handle scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, f
 }
 
 Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<P2P>& ops) {
-  int64_t sent = 0, total = 0;
+  int64_t sent = 0, total = 0, elements = 0;
   Group* other = nullptr;  // the one other group of the same ranks some ops travel on
-  int64_t sent_other = 0;
+  int64_t sent_other = 0, elements_other = 0;
   for (const P2P& op : ops) {
     Group& og = op.group ? *op.group : g;
     PICO_ASSERT(op.peer >= 0 && op.peer < og.size && og.size == g.size &&
                     (&og == &g || !other || &og == other),
                 "send_recv peer " + std::to_string(op.peer) + " in " + og.name);
+    check_wire_dtype(op.dtype, ReduceOp::Sum);
     if (&og != &g) other = &og;
-    total += op.count * kF32;
-    if (op.send) (&og == &g ? sent : sent_other) += op.count * kF32;
+    const int64_t bytes = op.count * (int64_t)dtype_size(op.dtype);
+    total += bytes;
+    if (op.send) (&og == &g ? sent : sent_other) += bytes;
+    if (op.send) (&og == &g ? elements : elements_other) += op.count;
   }
-  // Each message's bytes on the group it travels on.
-  count_call(g, Coll::SendRecv, sent / kF32, sent);
-  if (other) count_call(*other, Coll::SendRecv, sent_other / kF32, sent_other);
+  // Each message's elements and bytes on the group it travels on.
+  count_call(g, Coll::SendRecv, elements, sent);
+  if (other) count_call(*other, Coll::SendRecv, elements_other, sent_other);
   if (c.device == Device::Meta) return Handle();  // meta ranks exchange nothing, counted
   if (local(g)) {  // messages to oneself: the k-th send lands in the k-th receive, as in MPI
     std::vector<const P2P*> sends, recvs;
     for (const P2P& op : ops) (op.send ? sends : recvs).push_back(&op);
     PICO_ASSERT(sends.size() == recvs.size(), "send_recv to oneself needs a receive per send");
     for (size_t k = 0; k < sends.size(); k++) {
-      PICO_ASSERT(sends[k]->count == recvs[k]->count, "send_recv to oneself: counts differ");
-      copy_floats(ctx.device, ctx.stream, recvs[k]->buf, sends[k]->buf, sends[k]->count);
+      PICO_ASSERT(sends[k]->count == recvs[k]->count && sends[k]->dtype == recvs[k]->dtype,
+                  "send_recv to oneself: counts or formats differ");
+      copy_bytes(ctx.device, ctx.stream, recvs[k]->buf, sends[k]->buf,
+                 sends[k]->count * (int64_t)dtype_size(sends[k]->dtype));
     }
     return Handle();
   }
@@ -374,21 +379,22 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
     for (const P2P& op : ops) {
       ncclComm_t nc = op.group ? op.group->nccl : g.nccl;  // one group may span communicators
       if (op.send)
-        NCCL_ENQUEUE(*s, ncclSend(op.buf, op.count, ncclFloat, op.peer, nc, st));
+        NCCL_ENQUEUE(*s, ncclSend(op.buf, op.count, nccl_type(op.dtype), op.peer, nc, st));
       else
-        NCCL_ENQUEUE(*s, ncclRecv(op.buf, op.count, ncclFloat, op.peer, nc, st));
+        NCCL_ENQUEUE(*s, ncclRecv(op.buf, op.count, nccl_type(op.dtype), op.peer, nc, st));
     }
     NCCL_ENQUEUE(*s, ncclGroupEnd());
   } else {
     const int kTag = 0;  // MPI keeps the messages between two ranks in order: one tag is enough
     for (const P2P& op : ops) {
-      void* h = mpi_buffer(*s, ctx, op.buf, op.count * kF32, op.send, !op.send);
+      void* h =
+          mpi_buffer(*s, ctx, op.buf, op.count * (int64_t)dtype_size(op.dtype), op.send, !op.send);
       int n = mpi_count(op.count);
       MPI_Comm mc = op.group ? op.group->mpi : g.mpi;
       if (op.send)
-        MPI_CHECK(MPI_Isend(h, n, MPI_FLOAT, op.peer, kTag, mc, s->request()));
+        MPI_CHECK(MPI_Isend(h, n, mpi_type(op.dtype), op.peer, kTag, mc, s->request()));
       else
-        MPI_CHECK(MPI_Irecv(h, n, MPI_FLOAT, op.peer, kTag, mc, s->request()));
+        MPI_CHECK(MPI_Irecv(h, n, mpi_type(op.dtype), op.peer, kTag, mc, s->request()));
     }
   }
   return issued(c, s);

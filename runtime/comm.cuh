@@ -109,10 +109,11 @@ class Handle {
 
 struct P2P {  // one half of a batched send/recv
   bool send;
-  float* buf;
-  int64_t count;
+  void* buf;
+  int64_t count;           // elements of `dtype`
   int peer;                // group rank
   Group* group = nullptr;  // another group of the same ranks than the call's (nullptr: the call's)
+  DType dtype = DType::F32;  // F32, BF16 or F16: moved, never combined
 };
 
 struct Comm {

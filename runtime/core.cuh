@@ -183,6 +183,11 @@ struct Tensor {
   Tensor reshape(std::vector<int64_t> new_shape) const { return view(0, new_shape); }
   std::string shape_str() const;  // "[4, 128, 64]"
 };
+// A tensor still to be made: its shape and format (what a message will bring).
+struct TensorSpec {
+  std::vector<int64_t> shape;
+  DType dtype = DType::F32;
+};
 
 // Allocation, zeroing and copies. On CUDA the forms without a Context run on the legacy
 // default stream: setup, checkpoints, tests, and every copy (copy_, from_host, fill_ have no

@@ -6,11 +6,11 @@ void Exchange::send(Group& g, int peer, const Tensor& t) {
     handed_[&g].push_back(t);
     return;
   }
-  queued_.push_back({true, t.f32(), t.numel(), peer, &g});
+  queued_.push_back({true, t.ptr, t.numel(), peer, &g, t.dtype});
   keep_.push_back(t);
 }
 
-Tensor Exchange::receive(Group& g, int peer, std::vector<int64_t> shape, Mem category) {
+Tensor Exchange::receive(Group& g, int peer, const TensorSpec& spec, Mem category) {
   if (peer == g.rank) {  // as an op that receives nothing: the queued sends go on their own
     flush();
     std::deque<Tensor>& mine = handed_[&g];
@@ -19,8 +19,8 @@ Tensor Exchange::receive(Group& g, int peer, std::vector<int64_t> shape, Mem cat
     mine.pop_front();
     return t;
   }
-  Tensor t = empty(ctx_, std::move(shape), category);
-  P2P recv{false, t.f32(), t.numel(), peer, &g};
+  Tensor t = empty(ctx_, spec.shape, category, spec.dtype);
+  P2P recv{false, t.ptr, t.numel(), peer, &g, t.dtype};
   if (comm_.backend != Backend::NCCL) {
     flush();
     send_recv_async(comm_, calls_, ctx_, {recv}).wait();
@@ -37,11 +37,11 @@ void Exchange::send(Group& g, int peer, const std::vector<Tensor>& out) {
   for (const Tensor& t : out) send(g, peer, t);
 }
 
-std::vector<Tensor> Exchange::receive(Group& g, int peer,
-                                      const std::vector<std::vector<int64_t>>& shapes, Mem first) {
+std::vector<Tensor> Exchange::receive(Group& g, int peer, const std::vector<TensorSpec>& specs,
+                                      Mem first) {
   std::vector<Tensor> in;
-  for (size_t i = 0; i < shapes.size(); i++)
-    in.push_back(receive(g, peer, shapes[i], i == 0 ? first : Mem::Workspace));
+  for (size_t i = 0; i < specs.size(); i++)
+    in.push_back(receive(g, peer, specs[i], i == 0 ? first : Mem::Workspace));
   return in;
 }
 

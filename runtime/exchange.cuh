@@ -23,12 +23,11 @@ class Exchange {
   // `calls`: the group the grouped calls run on; every message's group holds the same ranks.
   Exchange(Comm& comm, Group& calls, const Context& ctx) : comm_(comm), calls_(calls), ctx_(ctx) {}
   void send(Group& g, int peer, const Tensor& t);
-  // Receives a tensor of `shape` from peer of g (issuing the queued sends with it) and waits.
-  Tensor receive(Group& g, int peer, std::vector<int64_t> shape, Mem category);
+  // Receives a tensor of `spec` from peer of g (issuing the queued sends with it) and waits.
+  Tensor receive(Group& g, int peer, const TensorSpec& spec, Mem category);
   // Several tensors (a pipeline stage's payload, the first one in `first`, the rest workspace).
   void send(Group& g, int peer, const std::vector<Tensor>& out);
-  std::vector<Tensor> receive(Group& g, int peer, const std::vector<std::vector<int64_t>>& shapes,
-                              Mem first);
+  std::vector<Tensor> receive(Group& g, int peer, const std::vector<TensorSpec>& specs, Mem first);
   void flush();   // the queued sends go out on their own
   void finish();  // ... and every send is waited for
 

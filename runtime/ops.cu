@@ -132,15 +132,6 @@ static unsigned grid_for(int64_t n) {
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); \
        i += (int64_t)gridDim.x * blockDim.x)
 
-// Every tensor an op touches lives on the context's device (undefined tensors are skipped).
-template <typename... Ts>
-static void check_devices(const Context& ctx, const char* op, const Ts&... ts) {
-  for (const Tensor* t : {&ts...})
-    PICO_ASSERT(!t->defined() || t->device == ctx.device,
-                std::string(op) + ": a tensor is on " + device_name(t->device) +
-                    " but the context is on " + device_name(ctx.device));
-}
-
 // Sum (or max) of v over a warp with register shuffles; every lane gets the result.
 static __device__ float warp_reduce(float v, bool take_max) {
   for (int offset = 16; offset > 0; offset >>= 1) {

@@ -9,6 +9,16 @@
 
 #include "runtime/core.cuh"
 
+// Every tensor an op touches lives on the context's device (undefined tensors are skipped):
+// an op's first check, here and in kernels/.
+template <typename... Ts>
+void check_devices(const Context& ctx, const char* op, const Ts&... ts) {
+  for (const Tensor* t : {&ts...})
+    PICO_ASSERT(!t->defined() || t->device == ctx.device,
+                std::string(op) + ": a tensor is on " + device_name(t->device) +
+                    " but the context is on " + device_name(ctx.device));
+}
+
 // ---- matmul (Playbook §2.1: every linear layer is a GEMM) ----
 // C[M,N] = alpha * op(A) @ op(B) + beta * C, all row-major with leading dimensions
 // (op(A) is [M,K], op(B) is [K,N]). CPU: cblas_sgemm; CUDA: cublasSgemm.

@@ -37,6 +37,16 @@ std::vector<std::string> report_lines(const std::string& output) {
   return lines;
 }
 
+// The number a meta run of `args` prints in `pattern`'s one group (the run must succeed).
+double printed(const std::string& args, const std::string& pattern) {
+  RunResult r = run_train("--device meta " + args);
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  std::smatch m;
+  REQUIRE(std::regex_search(r.output, m, std::regex(pattern)));
+  return std::stod(m[1]);
+}
+
 // "68.24 MiB" in bytes.
 double parse_bytes(const std::string& text) {
   std::smatch m;
@@ -198,17 +208,12 @@ TEST_CASE("a llama block launches 30 kernels per micro-batch under bf16", "[trai
 TEST_CASE("a bf16 residual stream moves 24 N D fewer bytes per block through the norms",
           "[train]") {
   auto norm_gb = [](int layers, const std::string& residual) {
-    RunResult r = run_train(
-        "--device meta --model llama-1b --dtype bf16 --seq 256 --mbs 2 --steps 1 "
-        "--val-every 0 --report roofline --residual-dtype " +
-        residual + " --layers " + std::to_string(layers));
-    INFO(r.output);
-    REQUIRE(r.code == 0);
-    std::smatch m;
-    // category calls launches GFLOP "GB moved" ...
-    REQUIRE(std::regex_search(r.output, m,
-                              std::regex("\\n  norm +[0-9]+ +[0-9]+ +[0-9.]+ +([0-9.]+)")));
-    return std::stod(m[1]);
+    return printed(
+        "--model llama-1b --dtype bf16 --seq 256 --mbs 2 --steps 1 --val-every 0 "
+        "--report roofline --residual-dtype " +
+            residual + " --layers " + std::to_string(layers),
+        // category calls launches GFLOP "GB moved" ...
+        "\\n  norm +[0-9]+ +[0-9]+ +[0-9.]+ +([0-9.]+)");
   };
   const double N = 2 * 256, D = 2048, blocks = 2;
   const double saved =
@@ -217,19 +222,29 @@ TEST_CASE("a bf16 residual stream moves 24 N D fewer bytes per block through the
   CHECK(saved == Approx(blocks * 24 * N * D / 1e9).margin(2e-4));
 }
 
+// And between pipeline stages the hidden state travels in the stream's format: rank 0 of pp 2
+// sends each micro-batch's [seq, D] forward (4 training micro-batches and one validation
+// sequence of 2,048 tokens), 2 bytes an element with the bf16 stream, 4 with the fp32 one.
+TEST_CASE("a bf16 residual stream halves the pipeline's messages", "[train]") {
+  auto pp_mib = [](const std::string& residual) {
+    return printed(
+        "--model llama-1b --untie-embeddings --dtype bf16 --pp 2 --grad-acc 4 --mbs 1 "
+        "--simulate-world 2 --steps 1 --val-seqs 1 --report comm --residual-dtype " +
+            residual,
+        "\\n  pp +2 +send_recv +[0-9.]+ +[0-9.]+ +([0-9.]+) MiB");
+  };
+  const double sent = 5.0 * 2048 * 2048;  // elements: five micro-batches of [2048, 2048]
+  CHECK(pp_mib("fp32") == Approx(4 * sent / (1 << 20)));
+  CHECK(pp_mib("bf16") == Approx(2 * sent / (1 << 20)));
+}
+
 // The target of the GPU step (docs/meta-device.md): llama-1b in bf16 on the h100 profile, at the
 // GPU check's target batch (131,072 tokens a step) with the residual stream in bf16, is
 // predicted at 50% MFU or more. An op added to the step, or a fusion undone, shows here.
 TEST_CASE("the meta device predicts llama-1b's bf16 step at 50% MFU or more", "[train]") {
-  RunResult r = run_train(
-      "--device meta --model llama-1b --dtype bf16 --residual-dtype bf16 --mbs 8 --grad-acc 8 "
-      "--gpu h100 --steps 1 --val-seqs 1 --report roofline");
-  INFO(r.output);
-  REQUIRE(r.code == 0);
-  std::smatch m;
-  REQUIRE(std::regex_search(r.output, m,
-                            std::regex("predicted step [0-9.]+ ms [^,]*, MFU ([0-9.]+)%")));
-  CHECK(std::stod(m[1]) >= 50.0);
+  CHECK(printed("--model llama-1b --dtype bf16 --residual-dtype bf16 --mbs 8 --grad-acc 8 --gpu "
+                "h100 --steps 1 --val-seqs 1 --report roofline",
+                "predicted step [0-9.]+ ms [^,]*, MFU ([0-9.]+)%") >= 50.0);
 }
 
 // --report roofline's GEMMs by shape: each linear layer y = x W^T (W [out, in], N tokens) is three

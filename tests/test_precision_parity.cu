@@ -69,8 +69,8 @@ TEST_CASE("every layout in bf16 trains like the single-process bf16 run", "[pari
 // --residual-dtype bf16 (Megatron's default: the stream between blocks and its gradient in
 // bf16, rounded at every add): one row of each kind of layout the stream crosses differently,
 // against the single-process run with the same flag, at the matrix's bounds above. The stream
-// crosses a stage boundary in fp32 (exact), and the tp collectives of the embedding and of
-// sequence parallelism in fp32 too; a layout that rounded it twice, or summed a rank's share
+// crosses a stage boundary and sequence parallelism's gathers in bf16 (moved, exact), the
+// embedding's tp collectives in fp32; a layout that rounded it twice, or summed a rank's share
 // twice, would move the loss by far more than 2^-10.
 TEST_CASE("every kind of layout with a bf16 residual stream trains like one process", "[parity]") {
   const std::vector<std::string> rows = {

@@ -208,7 +208,8 @@ TEST_CASE("a CUDA training run matches the CPU run of the same seed", "[gpu]") {
     for (int i = 0; text.tellp() < 65536; i++)
       text << "Sentence " << i << " says " << (i * 7919) % 1000 << " is not " << i % 13 << ".\n";
   }
-  for (const char* dtype : {"fp32", "bf16"}) {
+  // bf16 twice: with the residual stream in fp32 (the default) and in bf16 (--residual-dtype).
+  for (const char* dtype : {"fp32", "bf16", "bf16 --residual-dtype bf16"}) {
     std::string args = SMALL + "--steps 5 --data " + data + " --dtype " + dtype;
     REQUIRE(run_train(args + " --device cpu --log-json " + dir + "/cpu.jsonl").code == 0);
     RunResult r = run_train(args + " --device cuda --log-json " + dir + "/cuda.jsonl");
