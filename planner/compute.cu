@@ -63,7 +63,7 @@ Pass run_pass(ModelConfig cfg, const Layout& l, int blocks, Recompute mode, bool
   Comm comm = comm_init(l.dp, 1, l.cp, l.tp, "nccl", Device::Meta, 60.0, ep,
                         SimulatedWorld{l.dp * l.cp * l.tp, 0});
   Context ctx = Context::create(Device::Meta);
-  ctx.precision = l.precision;
+  ctx.precision = l.precision, ctx.residual = l.residual;
   Pass pass;
   {
     const PrecisionPolicy precision(l.precision, l.bf16_grads ? DType::BF16 : DType::F32,
@@ -130,6 +130,7 @@ const MicroBatchCost& micro_batch_cost(const ModelConfig& cfg, const Layout& lay
            l.mbs,
            (int)l.precision,
            l.bf16_grads,
+           (int)l.residual,
            (int)l.recompute,
            (int)l.attention,
            split}};

@@ -12,6 +12,7 @@
 #include "planner/planner_internal.cuh"
 #include "runtime/dtype.cuh"
 #include "runtime/formulas.cuh"
+#include "runtime/options.cuh"
 #include "runtime/parameters.cuh"
 #include "tensor_parallel.cuh"
 
@@ -51,7 +52,9 @@ std::string Layout::str() const {
          (virtual_stages > 1 ? " V " + std::to_string(virtual_stages) : "") + ")";
   s += " cp " + std::to_string(cp) + " zero " + std::to_string(zero) + " mbs " +
        std::to_string(mbs) + " ga " + std::to_string(grad_acc) + " " + precision_name(precision) +
-       (bf16_grads ? " (bf16 grads)" : "") + " recompute " + recompute_name(recompute);
+       (bf16_grads ? " (bf16 grads)" : "") +
+       (residual != DType::F32 ? " (" + residual_choice_name(residual) + " residual)" : "") +
+       " recompute " + recompute_name(recompute);
   if (attention == AttentionKind::Naive) s += " naive attention";
   if (ep > 1) s += " ep " + std::to_string(ep);
   return s;
@@ -68,6 +71,7 @@ std::string Layout::flags() const {
   s += " --mbs " + std::to_string(mbs) + " --grad-acc " + std::to_string(grad_acc);
   s += std::string(" --dtype ") + precision_name(precision);
   if (bf16_grads) s += " --grad-acc-dtype bf16";
+  if (residual != DType::F32) s += " --residual-dtype " + residual_choice_name(residual);
   if (recompute != Recompute::None) s += std::string(" --recompute ") + recompute_name(recompute);
   s += std::string(" --attention ") + attention_name(attention);
   return s;
@@ -147,7 +151,7 @@ ChunkBytes chunk_bytes(const ModelConfig& cfg, const Layout& l, const Implementa
   const LocalDims L = local_dims(cfg, 0, l.tp);
   const double N = (double)l.mbs * T, n = l.sp ? N / l.tp : N, D = cfg.d_model;
   const double hd = cfg.head_dim();
-  const int e = l.precision == Precision::FP32 ? 4 : 2;
+  const int e = l.precision == Precision::FP32 ? 4 : 2, er = (int)dtype_size(l.residual);
   std::shared_ptr<const AttentionCore> attention = attention_core(l);
   // One block: what it keeps, and everything in fp32 right after its forward (before the
   // recompute policy drops and the compute format shrinks what it keeps).
@@ -156,8 +160,8 @@ ChunkBytes chunk_bytes(const ModelConfig& cfg, const Layout& l, const Implementa
     kept = fresh =
         book_activation_bytes(1, T, l.mbs, cfg.d_model, cfg.heads, l.tp, l.sp, l.recompute);
   } else {
-    kept =
-        (double)activation_bytes_per_block(local, l.mbs, T, l.tp, l.sp, l.recompute, *attention, e);
+    kept = (double)activation_bytes_per_block(local, l.mbs, T, l.tp, l.sp, l.recompute, *attention,
+                                              e, er);
     fresh = (double)activation_bytes_per_block(local, l.mbs, T, l.tp, l.sp, Recompute::None,
                                                *attention, 4);
   }
@@ -165,13 +169,15 @@ ChunkBytes chunk_bytes(const ModelConfig& cfg, const Layout& l, const Implementa
   // the compute format (the norms, q, k and v through RoPE, attention's output), and so are the
   // dense MLP's gate, up and SwiGLU output; the peak is then the block's end. The other tensors
   // are rounded at the block's end one by one (store_in_compute_format: the 16-bit copy next to
-  // the fp32 one), in stored_in_compute_format's order. Full recomputation keeps only the (fp32)
-  // input. Under fp8 everything waits for the block's end.
+  // the fp32 one), in stored_in_compute_format's order. Full recomputation keeps only the input
+  // (fp32, or 16-bit with the stream). Under fp8 everything waits for the block's end. A 16-bit
+  // residual stream (x, x_mid) is made so too.
   const bool llama = impl.activations == ActivationFormula::Llama;
   const bool early = llama && (l.precision == Precision::BF16 || l.precision == Precision::FP16);
   const double mlp = early && !cfg.experts ? N * L.ffn : 0;  // a mixture keeps its experts' own
-  const double early_elements =
-      early ? 2 * n * D + 2 * N * L.heads * hd + 2 * N * L.kv_heads * hd + 3 * mlp : 0;
+  const double early_elements = early ? 2 * n * D + 2 * N * L.heads * hd + 2 * N * L.kv_heads * hd +
+                                            3 * mlp + (er < 4 ? 2 * n * D : 0)
+                                      : 0;
   const double made = fresh - (4 - e) * early_elements;  // everything, right after the forward
   double block_peak = early ? made : fresh;
   if (llama && e < 4 && l.recompute != Recompute::Full) {
@@ -194,7 +200,7 @@ ChunkBytes chunk_bytes(const ModelConfig& cfg, const Layout& l, const Implementa
       now -= (4 - e) * elements;
     }
   }
-  const double positions = 4 * N, ids = c.embedding ? 4 * N : 0, x_final = 4 * n * D;
+  const double positions = 4 * N, ids = c.embedding ? 4 * N : 0, x_final = er * n * D;
   const double normf = (early ? e : 4) * n * D, logits = (early ? e : 4) * N * L.vocab;
   const double head = c.head ? normf + 4 * n + logits + 4 * N + 4 * N + 8 * N : 0;
   ChunkBytes b;
@@ -209,7 +215,7 @@ ChunkBytes chunk_bytes(const ModelConfig& cfg, const Layout& l, const Implementa
     // The first block's backward rebuilds its activations (fp32) from its input; the head's
     // logits and final norm are gone by then unless a deferred W still reads them.
     double freed = c.head && !split ? normf + logits : 0;
-    b.backward_peak = std::max(0.0, block_peak - 4 * n * D - freed);
+    b.backward_peak = std::max(0.0, block_peak - er * n * D - freed);
   }
   if (split) {
     // The W op's inputs: the linear layers' inputs (norm1 and norm2 only without sp: with sp
@@ -309,7 +315,7 @@ double workspace_bytes(const ModelConfig& cfg, const Layout& l, const StageShape
   const int wb = l.precision == Precision::FP32 ? 4 : 2;
   if (l.zero >= 2) units += 4.0 * largest;       // the unit in backward's full gradient
   if (l.zero == 3) units += 2.0 * wb * largest;  // the unit in use and the next one, gathered
-  return std::max(block, head) + units + (l.pp > 1 ? 4 * n * D : 0);
+  return std::max(block, head) + units + (l.pp > 1 ? dtype_size(l.residual) * n * D : 0);
 }
 
 }  // namespace

@@ -100,7 +100,8 @@ struct Cluster {
 
 // How the framework moves activations: picoscale keeps the residual stream in fp32, so tensor,
 // context and pipeline parallelism send 4-byte activations (and their gradients); a framework
-// whose activations are bf16 (nanotron, the book's campaign) sends 2.
+// whose activations are bf16 (nanotron, the book's campaign) sends 2, as picoscale's pipeline
+// does for a layout with --residual-dtype bf16 (Layout::residual).
 struct Implementation {
   int activation_wire_bytes = 4;
   // Tensor parallelism's collectives overlapped with the GEMMs around them (asynchronous
@@ -128,6 +129,7 @@ struct Layout {
   int mbs = 1, grad_acc = 1;
   Precision precision = Precision::BF16;
   bool bf16_grads = false;
+  DType residual = DType::F32;  // the residual stream's format (--residual-dtype)
   AttentionKind attention = AttentionKind::Flash;
   int world() const { return dp * tp * pp * cp; }
   std::string str() const;    // "dp 4 tp 2 pp 2 (1f1b) cp 1 zero 1 mbs 2 ga 8 bf16 recompute none"

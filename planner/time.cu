@@ -159,9 +159,12 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
     ep_fwd = 2 * collective_time(gpu, placement(l, cl, "ep"), Op::PointToPoint,
                                  N * cfg.top_k * (l.ep - 1.0) / l.ep * D * 4);
   // Pipeline parallelism (Playbook §8.7): each op receives [n, D] from its neighbour and waits
-  // for it (the engine's receives block), so the transfer adds to the op.
+  // for it (the engine's receives block), so the transfer adds to the op; in the residual
+  // stream's format (2 bytes under --residual-dtype).
   double p2p = 0;
-  if (p > 1) p2p = collective_time(gpu, placement(l, cl, "pp"), Op::PointToPoint, n * D * wire);
+  const double stream_wire = std::min(wire, (double)dtype_size(l.residual));
+  if (p > 1)
+    p2p = collective_time(gpu, placement(l, cl, "pp"), Op::PointToPoint, n * D * stream_wire);
 
   // Appendix A3: an overlapped tp collective hides behind the GEMMs of its block.
   if (impl.tp_overlap) {

@@ -388,6 +388,16 @@ TEST_CASE("the planner's memory per category equals the meta run's, layout by la
       {"book-8b", "--pp 2 --tp 2 --sp --pp-schedule zb-h1 --grad-acc 8 --mbs 1", 4},
       {"book-8b", "--pp 2 --pp-schedule zb-v --pp-virtual 2 --grad-acc 8 --mbs 1", 2},
       {"book-8b", "--pp 4 --pp-schedule dualpipev --pp-virtual 2 --grad-acc 8 --mbs 1", 4},
+      // The residual stream in bf16: the blocks keep x and x_mid in 2 bytes, stages send it so.
+      {"llama-1b --untie-embeddings",
+       "--pp 4 --pp-schedule afab --grad-acc 4 --mbs 1 --residual-dtype bf16", 4},
+      {"llama-1b", "--tp 4 --recompute selective --mbs 2 --residual-dtype bf16", 4},
+      {"llama-1b", "--dp 4 --zero 3 --grad-acc 2 --mbs 2 --residual-dtype bf16", 4},
+      {"book-8b",
+       "--pp 4 --pp-schedule dualpipev --pp-virtual 2 --grad-acc 8 --mbs 1 --residual-dtype bf16",
+       4},
+      {"book-8b",
+       "--pp 2 --tp 2 --sp --pp-schedule zb-h1 --grad-acc 8 --mbs 1 --residual-dtype bf16", 4},
   };
   for (const Case& c : cases) {
     const size_t space = c.model.find(' ');

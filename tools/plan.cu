@@ -157,12 +157,13 @@ static Layout parse_layout(const std::string& flags) {
   CLI::App app{"layout"};
   Layout l;
   std::string schedule = "1f1b", dtype = "bf16", grads = "fp32", recompute = "none",
-              attention = "flash";
+              attention = "flash", residual = "fp32";
   app.add_option("--dp", l.dp), app.add_option("--tp", l.tp), app.add_option("--pp", l.pp);
   app.add_option("--cp", l.cp), app.add_flag("--sp", l.sp), app.add_option("--zero", l.zero);
   app.add_option("--pp-schedule", schedule), app.add_option("--pp-virtual", l.virtual_stages);
   app.add_option("--mbs", l.mbs), app.add_option("--grad-acc", l.grad_acc);
   app.add_option("--dtype", dtype), app.add_option("--grad-acc-dtype", grads);
+  app.add_option("--residual-dtype", residual);
   app.add_option("--recompute", recompute), app.add_option("--attention", attention);
   app.add_option("--ep", l.ep);
   try {
@@ -189,6 +190,8 @@ static Layout parse_layout(const std::string& flags) {
   l.schedule = parse_pp_schedule(schedule), l.precision = parse_precision(dtype);
   l.bf16_grads = grads == "bf16", l.recompute = parse_recompute(recompute);
   l.attention = parse_attention(attention);
+  l.residual =
+      residual_format(parse_choice("--residual-dtype", residual, residual_choices()), l.precision);
   return l;
 }
 
