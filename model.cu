@@ -507,6 +507,7 @@ static float head_forward(const Context& ctx, Model& model, Activations& acts, R
   acts.normf = empty_in_compute_format(ctx, {n, D}, Mem::Activations), acts.rstdf = act({n}, ctx);
   acts.x_final = residual_then_norm(ctx, stream, acts.normf, acts.rstdf,
                                     stored_weight(ctx, model.w.final_norm), model.cfg.norm_eps);
+  stream = Residual{};  // the last block's x_mid, unless it keeps it, goes before the logits come
   // Under bf16 and fp16 the final norm's output (as the blocks' norms') and the logits are in
   // that format: the cross-entropy reads the logits widened and writes their gradient in place,
   // rounded once (the head's GEMMs read nothing finer).

@@ -208,6 +208,9 @@ using StagePayload = std::vector<Tensor>;
 std::vector<TensorSpec> stage_payload(const Context& ctx, const Model& model, int64_t tokens);
 // What a chunk's forward hands to the next one: acts.x_final and the carried values.
 StagePayload stage_output(const Context& ctx, const Model& model, const Activations& acts);
+// A forward that no backward follows (evaluation, sampling) keeps what full recomputation keeps,
+// each block's input, not the activations a backward would read.
+constexpr Recompute kForwardOnly = Recompute::Full;
 // Forward of B sequences of T tokens through chunk `chunk` of this rank. Input: token ids (host
 // [B*T]) when the chunk holds the embedding, else the previous chunk's payload `in`.
 // Returns, when it holds the head, the sum of per-token losses (fp32 accumulation; with

@@ -432,10 +432,8 @@ float pipeline_forward(const Context& ctx, Comm& comm, Model& model, Activations
     const int g = at.chunks[rank][c];
     StagePayload input;
     if (g > 0) input = exchange.receive(comm.pp, at.rank[g - 1], payload, Mem::Activations);
-    // No backward follows: each block keeps only its input (what full recomputation keeps),
-    // not the activations a backward would read.
-    loss = stage_forward(ctx, model, acts, ids, std::move(input), targets, B, T, Recompute::Full,
-                         {}, c);
+    loss =
+        stage_forward(ctx, model, acts, ids, std::move(input), targets, B, T, kForwardOnly, {}, c);
     if (g < last_chunk) exchange.send(comm.pp, at.rank[g + 1], stage_output(ctx, model, acts));
     exchange.flush();
   }

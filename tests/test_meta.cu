@@ -388,6 +388,10 @@ TEST_CASE("the planner's memory per category equals the meta run's, layout by la
       {"book-8b", "--pp 2 --tp 2 --sp --pp-schedule zb-h1 --grad-acc 8 --mbs 1", 4},
       {"book-8b", "--pp 2 --pp-schedule zb-v --pp-virtual 2 --grad-acc 8 --mbs 1", 2},
       {"book-8b", "--pp 4 --pp-schedule dualpipev --pp-virtual 2 --grad-acc 8 --mbs 1", 4},
+      // Full recomputation: each block's input kept, one block rebuilt at a time.
+      {"llama-1b", "--dp 4 --zero 3 --recompute full --grad-acc 2 --mbs 2", 4},
+      {"llama-1b --untie-embeddings",
+       "--pp 4 --pp-schedule afab --recompute full --grad-acc 4 --mbs 1 --residual-dtype bf16", 4},
       // The residual stream in bf16: the blocks keep x and x_mid in 2 bytes, stages send it so.
       {"llama-1b --untie-embeddings",
        "--pp 4 --pp-schedule afab --grad-acc 4 --mbs 1 --residual-dtype bf16", 4},
