@@ -192,6 +192,16 @@ static const float* host_floats(const Tensor& t, std::vector<float>& wide) {
   wide = widened(t);
   return wide.data();
 }
+// Where a CPU loop writes t's values in fp32: t's own floats, or `wide` (sized here) when t is
+// 16-bit, which store_rounded then rounds into t, each value once.
+static float* host_output(const Tensor& t, std::vector<float>& wide) {
+  if (t.dtype == DType::F32) return t.f32();
+  wide.resize(t.numel());
+  return wide.data();
+}
+static void store_rounded(const Tensor& t, const std::vector<float>& wide) {
+  if (t.dtype != DType::F32) cast_host(t.ptr, t.dtype, wide.data(), DType::F32, t.numel());
+}
 
 // Calls f with a null pointer of the element type `t` is stored in: float, bf16 or fp16.
 template <typename F>
@@ -357,12 +367,10 @@ static void rmsnorm_forward_cpu(float* y, float* rstd, const float* x, const flo
 static void rmsnorm_forward_host(const Tensor& y, const Tensor& rstd, const Tensor& x,
                                  const Tensor& w, float eps) {
   int D = (int)x.size(-1), T = (int)(x.numel() / D);
-  std::vector<float> w_wide, x_wide;
+  std::vector<float> w_wide, x_wide, y_wide;
   const float *wv = host_floats(w, w_wide), *xv = host_floats(x, x_wide);
-  if (y.dtype == DType::F32) return rmsnorm_forward_cpu(y.f32(), rstd.f32(), xv, wv, T, D, eps);
-  std::vector<float> wide((size_t)T * D);
-  rmsnorm_forward_cpu(wide.data(), rstd.f32(), xv, wv, T, D, eps);
-  cast_host(y.ptr, y.dtype, wide.data(), DType::F32, (int64_t)T * D);  // rounded once
+  rmsnorm_forward_cpu(host_output(y, y_wide), rstd.f32(), xv, wv, T, D, eps);
+  store_rounded(y, y_wide);
 }
 static void axpby_cpu(float* out, float alpha, const float* a, float beta, const float* b,
                       int64_t n);  // the residual add's loop (below, with its kernel)
@@ -515,15 +523,10 @@ void residual_rmsnorm_forward(const Context& ctx, const Tensor& sum, const Tenso
                {5.0 * T * D, (es + eb) * T * D + ew * D, (es + ey) * T * D + 4.0 * T}))
     return;
   if (ctx.device == Device::CPU) {  // the two passes the kernel fuses, one after the other
-    std::vector<float> a_wide, b_wide;
+    std::vector<float> a_wide, b_wide, sum_wide;
     const float *av = host_floats(a, a_wide), *bv = host_floats(b, b_wide);
-    if (sum.dtype == DType::F32) {
-      axpby_cpu(sum.f32(), 1.0f, av, 1.0f, bv, sum.numel());
-    } else {  // the sum rounded once, as stored
-      std::vector<float> wide(sum.numel());
-      axpby_cpu(wide.data(), 1.0f, av, 1.0f, bv, sum.numel());
-      cast_host(sum.ptr, sum.dtype, wide.data(), DType::F32, sum.numel());
-    }
+    axpby_cpu(host_output(sum, sum_wide), 1.0f, av, 1.0f, bv, sum.numel());
+    store_rounded(sum, sum_wide);  // the norm reads the sum as stored
     return rmsnorm_forward_host(y, rstd, sum, w, eps);
   }
   if (T == 0) return;
@@ -915,12 +918,10 @@ static void axpby(const Context& ctx, const Tensor& out, float alpha, const Tens
   if (count_op(ctx.device, OpKind::Elementwise, {(b ? 3.0 : 1.0) * n, (eo + eb) * n, eo * n}))
     return;
   if (ctx.device == Device::CPU) {
-    std::vector<float> b_wide, a_wide;
+    std::vector<float> b_wide, a_wide, out_wide;
     const float* bv = b ? host_floats(*b, b_wide) : nullptr;
-    if (out.dtype == DType::F32) return axpby_cpu(out.f32(), alpha, a.f32(), beta, bv, n);
-    std::vector<float> wide(n);  // a 16-bit stream: the sum rounded once as stored
-    axpby_cpu(wide.data(), alpha, host_floats(a, a_wide), beta, bv, n);
-    return cast_host(out.ptr, out.dtype, wide.data(), DType::F32, n);
+    axpby_cpu(host_output(out, out_wide), alpha, host_floats(a, a_wide), beta, bv, n);
+    return store_rounded(out, out_wide);
   }
   with_element(out.dtype, [&](auto* stream) {
     using O = std::remove_pointer_t<decltype(stream)>;
