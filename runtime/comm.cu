@@ -180,8 +180,10 @@ Handle all_reduce_async(Comm& c, Group& g, const Context& ctx, void* buf, DType 
         *s, ncclAllReduce(buf, buf, count, nccl_type(dtype), nccl_op(op), g.nccl, stream_of(c, g)));
   } else {
     void* h = mpi_buffer(*s, ctx, buf, K, true, true);
-    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, h, mpi_count(count), mpi_type(dtype), mpi_op(op, dtype),
-                             g.mpi, s->request()));
+    mpi_post(s, [=, comm = g.mpi](MPI_Request* r) {
+      return MPI_Iallreduce(MPI_IN_PLACE, h, mpi_count(count), mpi_type(dtype), mpi_op(op, dtype),
+                            comm, r);
+    });
     mpi_average(*s, op, (float*)h, count);
   }
   return issued(c, s);
@@ -201,8 +203,10 @@ Handle reduce_scatter_async(Comm& c, Group& g, const Context& ctx, const void* s
   } else {
     const void* hs = mpi_input(*s, ctx, send, K, recv, count * E);
     void* hr = mpi_buffer(*s, ctx, recv, count * E, false, true);
-    MPI_CHECK(MPI_Ireduce_scatter_block(hs, hr, mpi_count(count), mpi_type(dtype),
-                                        mpi_op(op, dtype), g.mpi, s->request()));
+    mpi_post(s, [=, comm = g.mpi](MPI_Request* r) {
+      return MPI_Ireduce_scatter_block(hs, hr, mpi_count(count), mpi_type(dtype), mpi_op(op, dtype),
+                                       comm, r);
+    });
     mpi_average(*s, op, (float*)hr, count);
   }
   return issued(c, s);
@@ -221,8 +225,10 @@ Handle all_gather_async(Comm& c, Group& g, const Context& ctx, const void* send,
   } else {
     const void* hs = mpi_input(*s, ctx, send, count * E, recv, K);
     void* hr = mpi_buffer(*s, ctx, recv, K, false, true);
-    MPI_CHECK(MPI_Iallgather(hs, mpi_count(count), mpi_type(dtype), hr, mpi_count(count),
-                             mpi_type(dtype), g.mpi, s->request()));
+    mpi_post(s, [=, comm = g.mpi](MPI_Request* r) {
+      return MPI_Iallgather(hs, mpi_count(count), mpi_type(dtype), hr, mpi_count(count),
+                            mpi_type(dtype), comm, r);
+    });
   }
   return issued(c, s);
 }
@@ -253,7 +259,9 @@ Handle broadcast_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_
     NCCL_ENQUEUE(*s, ncclBroadcast(buf, buf, count, ncclFloat, root, g.nccl, stream_of(c, g)));
   } else {
     float* h = (float*)mpi_buffer(*s, ctx, buf, K, is_root, !is_root);
-    MPI_CHECK(MPI_Ibcast(h, mpi_count(count), MPI_FLOAT, root, g.mpi, s->request()));
+    mpi_post(s, [=, comm = g.mpi](MPI_Request* r) {
+      return MPI_Ibcast(h, mpi_count(count), MPI_FLOAT, root, comm, r);
+    });
   }
   return issued(c, s);
 }
@@ -273,8 +281,9 @@ Handle reduce_async(Comm& c, Group& g, const Context& ctx, const float* send, fl
   } else {
     const void* hs = mpi_input(*s, ctx, send, K, is_root ? recv : nullptr, K);
     float* hr = is_root ? (float*)mpi_buffer(*s, ctx, recv, K, false, true) : nullptr;
-    MPI_CHECK(
-        MPI_Ireduce(hs, hr, mpi_count(count), MPI_FLOAT, mpi_op(op), root, g.mpi, s->request()));
+    mpi_post(s, [=, comm = g.mpi](MPI_Request* r) {
+      return MPI_Ireduce(hs, hr, mpi_count(count), MPI_FLOAT, mpi_op(op), root, comm, r);
+    });
     if (is_root) mpi_average(*s, op, hr, count);
   }
   return issued(c, s);
@@ -303,8 +312,10 @@ Handle gather_async(Comm& c, Group& g, const Context& ctx, const float* send, fl
   } else {
     const void* hs = mpi_input(*s, ctx, send, count * kF32, is_root ? recv : nullptr, K);
     void* hr = is_root ? mpi_buffer(*s, ctx, recv, K, false, true) : nullptr;
-    MPI_CHECK(MPI_Igather(hs, mpi_count(count), MPI_FLOAT, hr, mpi_count(count), MPI_FLOAT, root,
-                          g.mpi, s->request()));
+    mpi_post(s, [=, comm = g.mpi](MPI_Request* r) {
+      return MPI_Igather(hs, mpi_count(count), MPI_FLOAT, hr, mpi_count(count), MPI_FLOAT, root,
+                         comm, r);
+    });
   }
   return issued(c, s);
 }
@@ -330,8 +341,10 @@ Handle scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, f
   } else {
     const void* hs = is_root ? mpi_input(*s, ctx, send, K, recv, count * kF32) : nullptr;
     void* hr = mpi_buffer(*s, ctx, recv, count * kF32, false, true);
-    MPI_CHECK(MPI_Iscatter(hs, mpi_count(count), MPI_FLOAT, hr, mpi_count(count), MPI_FLOAT, root,
-                           g.mpi, s->request()));
+    mpi_post(s, [=, comm = g.mpi](MPI_Request* r) {
+      return MPI_Iscatter(hs, mpi_count(count), MPI_FLOAT, hr, mpi_count(count), MPI_FLOAT, root,
+                          comm, r);
+    });
   }
   return issued(c, s);
 }
@@ -385,7 +398,8 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
     }
     NCCL_ENQUEUE(*s, ncclGroupEnd());
   } else {
-    const int kTag = 0;  // MPI keeps the messages between two ranks in order: one tag is enough
+    s->lockstep = false;  // a pipeline's neighbour may still be computing what it sends
+    const int kTag = 0;   // MPI keeps the messages between two ranks in order: one tag is enough
     for (const P2P& op : ops) {
       void* h =
           mpi_buffer(*s, ctx, op.buf, op.count * (int64_t)dtype_size(op.dtype), op.send, !op.send);
@@ -415,7 +429,7 @@ Handle barrier_async(Comm& c, Group& g, const Context& ctx) {
     s->settle();  // the all-reduce on the stream before the free behind it
     CUDA_CHECK(cudaFreeAsync(one, st));
   } else {
-    MPI_CHECK(MPI_Ibarrier(g.mpi, s->request()));
+    mpi_post(s, [=, comm = g.mpi](MPI_Request* r) { return MPI_Ibarrier(comm, r); });
   }
   return issued(c, s);
 }
@@ -490,8 +504,9 @@ Handle all_to_all_v_async(Comm& c, Group& g, const Context& ctx, const void* sen
       rd[p] = (int)recv_at[p];
     const void* hs = send_total ? mpi_buffer(*s, ctx, send, send_total * E, true, false) : nullptr;
     void* hr = recv_total ? mpi_buffer(*s, ctx, recv, recv_total * E, false, true) : nullptr;
-    MPI_CHECK(MPI_Ialltoallv(hs, sc, sd, mpi_type(dtype), hr, rc, rd, mpi_type(dtype), g.mpi,
-                             s->request()));
+    mpi_post(s, [=, comm = g.mpi](MPI_Request* r) {
+      return MPI_Ialltoallv(hs, sc, sd, mpi_type(dtype), hr, rc, rd, mpi_type(dtype), comm, r);
+    });
   }
   return issued(c, s);
 }
@@ -549,7 +564,7 @@ void all_to_all_v(Comm& c, Group& g, const Context& ctx, const void* send,
 void host_wait(Group& g, const char* what, int64_t bytes,
                const std::function<int(MPI_Request*)>& post) {
   auto s = new_state(g, what, bytes);
-  MPI_CHECK(post(s->request()));
+  mpi_post(s, post);
   Handle(s).wait();
 }
 // host_wait, except on a group of one, or of a simulated world, which have nothing to exchange.

@@ -3,6 +3,7 @@
 // (Handle::State), and the steps every collective takes to start, issue and stage its data.
 #pragma once
 #include <deque>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -16,10 +17,10 @@ inline cudaStream_t stream_of(const Comm& c, const Group& g) {
 }
 
 // ---- comm_handle.cu: how a rank waits ----
-// Yields for the first millisecond of a wait, then, when the node's ranks share cores
-// (set_cores_shared), sleeps: a rank waiting for a collective or in a pipeline's bubble hands its
-// core to a rank that computes instead of polling on it. With a core per rank it only yields.
-void pause_while_waiting(double since);
+// Yields for the first `spin_s` seconds of a wait, then, when the node's ranks share cores
+// (set_cores_shared), sleeps: a rank waiting in a pipeline's bubble hands its core to a rank that
+// computes instead of polling on it. With a core per rank it only yields.
+void pause_while_waiting(double since, double spin_s);
 void set_cores_shared(bool shared);
 
 // ---- comm_setup.cu: NCCL's nonblocking communicators, waited for against a deadline ----
@@ -45,8 +46,14 @@ struct Handle::State {
   int world_rank = 0;
   double start = 0, timeout_s = 0;
   bool done = false;
-  // MPI backend.
+  // MPI backend. A collective starts once the ones this rank started before it on the same
+  // communicator have finished (mpi_post); until then `post` holds the call that starts it.
   std::vector<MPI_Request> requests;
+  std::function<int(MPI_Request*)> post;
+  bool queued = false;  // in its communicator's queue: not started, or started and not done
+  // Every rank of the group takes part at once (a collective, not a send_recv): its peers are
+  // at the same op, and it moves only while they are all inside MPI.
+  bool lockstep = true;
   std::deque<std::vector<char>> host;  // host copies of aliased inputs (CPU)
   std::vector<void*> pinned;  // staging buffers of device data (CUDA), given back at the end
   struct CopyBack {
@@ -76,10 +83,7 @@ struct Handle::State {
                 timeout_s);
     enqueue_pending = false;
   }
-  void wait() {
-    const double since = now_seconds();
-    while (!poll()) pause_while_waiting(since);
-  }
+  void wait();
   // A Handle dropped without wait() still completes here, so its buffers are never left in
   // flight (the communicator must still exist).
   ~State() {
@@ -96,6 +100,9 @@ std::shared_ptr<Handle::State> new_state(Group& g, const std::string& op, int64_
 std::shared_ptr<Handle::State> start(Comm& c, Group& g, const Context& ctx, Coll coll,
                                      int64_t buffer_bytes);
 Handle issued(Comm& c, std::shared_ptr<Handle::State> s);
+// Starts an MPI collective (`post` with the request to fill) now, or, while an earlier one of
+// this rank on the group's communicator is still in flight, as soon as that one has finished.
+void mpi_post(const std::shared_ptr<Handle::State>& s, std::function<int(MPI_Request*)> post);
 // An NCCL call that enqueues (part of) an op on a nonblocking communicator: ncclInProgress is
 // accepted and remembered, for issued() (or an explicit settle()) to wait for; an error stops.
 #define NCCL_ENQUEUE(state, call) nccl_enqueue(state, (call), #call, __FILE__, __LINE__)

@@ -423,6 +423,31 @@ TEST_CASE("different collectives in flight together each equal their blocking ve
   CHECK(p2p_a == p2p_b);
 }
 
+TEST_CASE("a group's collectives run one at a time in the order issued, and any wait moves them",
+          "[mpi]") {
+  TestComm t(world_size(), 1, 1, 1);
+  Comm& c = t.c;
+  Group& g = c.dp;
+  std::vector<std::vector<float>> async, blocking;
+  for (int k = 0; k < 4; k++)
+    async.push_back(normal(1000 + 70000 * k, on_rank("q" + std::to_string(k))));
+  blocking = async;
+  std::vector<Handle> h;
+  for (auto& v : async)
+    h.push_back(all_reduce_async(c, g, kCpu, v.data(), (int64_t)v.size(), ReduceOp::Sum));
+  // Waiting for a send_recv (never queued) moves the queued all-reduces too; then a host
+  // all-reduce, issued last, finishes only after every one before it: each is done at once.
+  std::vector<float> ring_in = normal(kM, on_rank("ring")), ring_out(kM);
+  send_recv(c, g, kCpu,
+            {{true, ring_in.data(), kM, g.next()}, {false, ring_out.data(), kM, g.prev()}});
+  double one = 1;
+  all_reduce_host(g, &one, 1, ReduceOp::Sum);
+  CHECK(one == g.size);
+  for (Handle& handle : h) CHECK(handle.test());
+  for (auto& v : blocking) all_reduce(c, g, kCpu, v.data(), (int64_t)v.size(), ReduceOp::Sum);
+  CHECK(async == blocking);
+}
+
 TEST_CASE("a Handle dropped without wait() still completes its collective", "[mpi]") {
   TestComm t(world_size(), 1, 1, 1);
   Comm& c = t.c;
