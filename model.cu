@@ -394,7 +394,8 @@ struct DenseMlp : FeedForward {
     std::vector<Tensor> d_gate_up =
         packed(empty_in_compute_format(ctx, {2 * N * F}, Mem::Workspace), {{N, F}, {N, F}});
     Tensor d_gate = d_gate_up[0], d_up = d_gate_up[1];
-    row_parallel_backward(m.tp, ctx, d_act, g.w_down, dout.for_gemms(), a.act, w.w_down, deferred);
+    row_parallel_backward(m.tp, ctx, d_act, g.w_down, dout.for_gemms(), dout.gemms_read_sum(),
+                          a.act, w.w_down, deferred);
     swiglu_backward(ctx, d_gate, d_up, d_act, a.gate, a.up);
     column_parallel_backward(m.tp, ctx, dx, x,
                              {{d_gate, w.w_gate, g.w_gate}, {d_up, w.w_up, g.w_up}}, deferred);
@@ -668,7 +669,8 @@ static void block_backward(const Context& ctx, const Model& m, const BlockWeight
   Tensor d_qkv = work({total(qkv)}, ctx);
   std::vector<Tensor> d = packed(d_qkv, qkv);
   Tensor dq = d[0], dk = d[1], dv = d[2];
-  row_parallel_backward(m.tp, ctx, d_attn, g.wo, dres.for_gemms(), a.attn, w.wo, deferred);
+  row_parallel_backward(m.tp, ctx, d_attn, g.wo, dres.for_gemms(), dres.gemms_read_sum(), a.attn,
+                        w.wo, deferred);
   attention_core_backward(ctx, m, a, B, T, d_attn, dq, dk, dv);
   d = rope_backward_for_gemms(ctx, d_qkv, qkv, hd, positions, c.rope_theta);
   dq = d[0], dk = d[1], dv = d[2];

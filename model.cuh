@@ -61,6 +61,7 @@ struct RunShape {
 struct ResidualGradient {
   Tensor sum, rounded;
   const Tensor& for_gemms() const { return rounded.defined() ? rounded : sum; }
+  bool gemms_read_sum() const { return !rounded.defined(); }  // which later adds change
 };
 
 struct FeedForward {

@@ -304,16 +304,14 @@ Tensor tp_region_output(const TensorParallel& tp, const Context& ctx, int64_t n,
 }
 
 void row_parallel_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
-                           const Tensor& dW, const Tensor& dy, const Tensor& x, const Tensor& W,
-                           DeferredGrads* deferred) {
+                           const Tensor& dW, const Tensor& dy, bool dy_changes, const Tensor& x,
+                           const Tensor& W, DeferredGrads* deferred) {
   Tensor dfull =
       tp.sp ? empty(ctx, {x.size(0), dy.size(1)}, Mem::Workspace, dy.dtype) : dy;  // [N, D]
   tp_region_exit_backward(tp, ctx, dy, dfull);  // identity, or all-gather under SP
   dfull = gradient_operand(ctx, dfull);         // as both GEMMs read it
   linear_backward(ctx, dx, Tensor(), dfull, x, W);
-  // Still dy, which the caller changes when it is the residual gradient itself (in the
-  // stream's format; a 16-bit dy beside an fp32 stream is a rounded copy it keeps as is).
-  if (deferred && !tp.sp && dfull.ptr == dy.ptr && dy.dtype == ctx.residual) {
+  if (deferred && dy_changes && dfull.ptr == dy.ptr) {  // not a gathered or widened copy
     Tensor saved = empty(ctx, dy.shape, Mem::Workspace, dy.dtype);
     copy_(saved, dy);
     dfull = saved;

@@ -143,9 +143,11 @@ void row_parallel_forward(const TensorParallel& tp, const Context& ctx, const Te
 // rounded on its way out, and what reads it (the residual add, the norm's backward) widens.
 Tensor tp_region_output(const TensorParallel& tp, const Context& ctx, int64_t n, int64_t D);
 // dx [N, cols/tp] = (f* or g* backward)(dy) W ; dW += that^T x (now, or queued on `deferred`).
+// `dy_changes`: dy is the residual stream's gradient itself, which the caller adds into once
+// this returns, so a queued dW must read a copy.
 void row_parallel_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
-                           const Tensor& dW, const Tensor& dy, const Tensor& x, const Tensor& W,
-                           DeferredGrads* deferred = nullptr);
+                           const Tensor& dW, const Tensor& dy, bool dy_changes, const Tensor& x,
+                           const Tensor& W, DeferredGrads* deferred = nullptr);
 // VocabParallelEmbedding: each rank looks up the ids of its vocabulary slice (ids from
 // local_vocab_ids: -1 gives a zero row) and the partial rows leave the region into x [n, D].
 void vocab_parallel_embedding_forward(const TensorParallel& tp, const Context& ctx, const Tensor& x,
