@@ -195,6 +195,9 @@ struct SearchSpace {
                                        PpSchedule::Interleaved, PpSchedule::ZeroBubbleH1};
   std::vector<int> virtual_stages = {2, 4};  // chunks per rank to try where a schedule runs several
   std::vector<Precision> precisions = {Precision::BF16};
+  // Residual stream formats to try (--residual-dtype): each that is fp32 or a layout's own
+  // compute format (./train refuses the others).
+  std::vector<DType> residuals = {DType::F32};
   bool sp = true;        // try tp with and without sequence parallelism
   bool sp_only = false;  // only with it
   bool cp = true;        // try context parallelism

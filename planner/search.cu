@@ -44,8 +44,8 @@ static std::string rule(const std::string& why) {
 }
 
 // The layouts of one grid (dp, tp, pp, cp) the space allows: with and without sp, every
-// schedule, ZeRO stage, recompute mode and format, every micro-batch size that divides a dp
-// rank's `per_rank` sequences (grad-acc the rest).
+// schedule, ZeRO stage, recompute mode, format and residual stream format, every micro-batch size
+// that divides a dp rank's `per_rank` sequences (grad-acc the rest).
 static std::vector<Layout> grid_layouts(const Layout& grid, int64_t per_rank,
                                         const SearchSpace& space) {
   std::vector<bool> sps = {false};
@@ -70,13 +70,16 @@ static std::vector<Layout> grid_layouts(const Layout& grid, int64_t per_rank,
           // FlashAttention keeps no probabilities: selective recomputation has nothing to drop.
           if (rec == Recompute::Selective && grid.attention == AttentionKind::Flash) continue;
           for (Precision prec : space.precisions)
-            for (int mbs : divisors((int)std::min<int64_t>(per_rank, space.max_mbs))) {
-              if (per_rank % mbs) continue;
-              Layout l = grid;
-              l.sp = sp, l.schedule = schedule, l.virtual_stages = V, l.zero = zero;
-              l.recompute = rec, l.precision = prec, l.mbs = mbs;
-              l.grad_acc = (int)(per_rank / mbs);
-              out.push_back(l);
+            for (DType residual : space.residuals) {
+              if (residual != DType::F32 && residual != activation_dtype(prec)) continue;
+              for (int mbs : divisors((int)std::min<int64_t>(per_rank, space.max_mbs))) {
+                if (per_rank % mbs) continue;
+                Layout l = grid;
+                l.sp = sp, l.schedule = schedule, l.virtual_stages = V, l.zero = zero;
+                l.recompute = rec, l.precision = prec, l.residual = residual, l.mbs = mbs;
+                l.grad_acc = (int)(per_rank / mbs);
+                out.push_back(l);
+              }
             }
         }
       }

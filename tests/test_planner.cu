@@ -230,6 +230,8 @@ TEST_CASE("./plan refuses every bad number with exit code 2 and one line naming 
       {"--nodes 1 --layout \"--dp 8 --mbs 0\"", "--mbs 0: must be >= 1"},
       {"--nodes 1 --layout \"--dp 8 --grad-acc -1\"", "--grad-acc -1: must be >= 1"},
       {"--nodes 1 --layout \"--dp 8 --zero 5\"", "--zero 5: a ZeRO stage"},
+      {"--dtype fp32 --residual-dtype fp32,bf16", "--residual-dtype bf16 keeps the residual"},
+      {"--residual-dtype fp8", "--residual-dtype"},
   };
   for (const auto& [flags, says] : cases) {
     RunResult r = run_plan(flags);
@@ -624,6 +626,38 @@ TEST_CASE(
     CHECK(best.total() <= h100.memory);
     CHECK(best.total() - best.slack <= 0.90 * h100.memory);
   }
+}
+
+TEST_CASE(
+    "the search tries the residual stream in the compute format when asked, and finds it "
+    "lighter and faster than its fp32 twin",
+    "[planner]") {
+  SearchSpace space;
+  space.precisions = {Precision::BF16};
+  space.residuals = {DType::F32, DType::BF16};
+  space.zero_stages = {0, 1};
+  space.recompute = {Recompute::None};
+  const ModelConfig cfg = model_preset("llama-1b");
+  PlanResult r =
+      plan_layouts(cfg, 1 << 20, Cluster{1, 8, gpu_profile("h100")}, space, Implementation{});
+  REQUIRE(!r.ranked.empty());
+  int twins = 0;
+  for (const Candidate& c : r.ranked) {
+    if (c.layout.residual != DType::BF16) continue;
+    Layout fp32 = c.layout;
+    fp32.residual = DType::F32;
+    for (const Candidate& t : r.ranked) {
+      if (t.layout.str() != fp32.str()) continue;
+      INFO(c.layout.str());
+      twins++;
+      // The stream's tensors (x, x_mid and their gradients) at 2 bytes instead of 4: less
+      // activation memory, fewer bytes moved by the norms and the adds.
+      CHECK(c.memory.worst.activations < t.memory.worst.activations);
+      CHECK(c.time.step < t.time.step);
+    }
+  }
+  CHECK(twins > 0);
+  CHECK(r.ranked[0].layout.residual == DType::BF16);  // the best of them all keeps it in bf16
 }
 
 TEST_CASE(

@@ -199,7 +199,7 @@ int main(int argc, char** argv) {
   CLI::App app{"plan: the best layouts for a model on a cluster (Playbook §11)"};
   std::string model = "llama-8b", gpu_name = "h100", activations = "llama";
   std::string zero = "0,1,2,3", recompute = "none,selective,full",
-              schedules = "afab,1f1b,interleaved,zb-h1", dtypes = "";
+              schedules = "afab,1f1b,interleaved,zb-h1", dtypes = "", residuals = "fp32";
   std::string campaign_file, json_file, comm_fit, one_layout;
   int nodes = 1, gpus_per_node = 8, top = 5, seq = 0, max_mbs = 64, wire = 4;
   int layers = 0, d_model = 0, heads = 0, kv_heads = 0, ffn = 0, vocab = 0, experts = -1, top_k = 0;
@@ -251,6 +251,9 @@ int main(int argc, char** argv) {
   app.add_option("--recompute", recompute, "recompute modes to try")->capture_default_str();
   app.add_option("--schedules", schedules, "pipeline schedules to try")->capture_default_str();
   app.add_option("--dtype", dtypes, "formats to try (default: bf16 on GPUs, fp32 on cpu)");
+  app.add_option("--residual-dtype", residuals,
+                 "residual stream formats to try: fp32, and bf16 or fp16 with that --dtype")
+      ->capture_default_str();
   app.add_option("--max-mbs", max_mbs, "largest micro-batch to try")->capture_default_str();
   app.add_flag("--no-cp", no_cp, "do not try context parallelism");
   app.add_flag("--no-sp", no_sp, "do not try sequence parallelism");
@@ -381,6 +384,16 @@ int main(int argc, char** argv) {
     space.precisions.clear();
     if (dtypes.empty()) dtypes = gpu.name == "cpu" ? "fp32" : "bf16";
     for (const std::string& d : split(dtypes)) space.precisions.push_back(parse_precision(d));
+    space.residuals.clear();
+    for (const std::string& r : split(residuals))
+      space.residuals.push_back(parse_choice("--residual-dtype", r, residual_choices()));
+    for (DType r : space.residuals)
+      if (r != DType::F32 && std::none_of(space.precisions.begin(), space.precisions.end(),
+                                          [r](Precision p) { return activation_dtype(p) == r; }))
+        throw UsageError("--residual-dtype " + residual_choice_name(r) +
+                         " keeps the residual stream in the compute format of --dtype " +
+                         residual_choice_name(r) + ", which --dtype " + dtypes +
+                         " does not try: add it to --dtype, or drop it here");
     space.cp = !no_cp, space.sp = !no_sp, space.max_mbs = max_mbs;
     Implementation impl;
     impl.activations = parse_activation_formula(activations);
