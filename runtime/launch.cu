@@ -171,9 +171,13 @@ int finish_ranks(int code, double timeout_s, const Fault* fault) {
   std::condition_variable finalized;
   bool done = false;
   const int rank = g.rank, status = code != 0 ? code : 1;
+  // Rank 0 leaves first, the others a second later: mpirun ends them as rank 0 exits, whereas
+  // ranks leaving at the same instant can leave mpirun itself hung or crashed in its teardown
+  // (measured here: about 1 job in 10 with every rank leaving at once; open-mpi/ompi#3380).
+  const double bound_s = timeout_s + (rank == 0 ? 0 : 1);
   std::thread watchdog([&] {
     std::unique_lock<std::mutex> lock(m);
-    if (finalized.wait_for(lock, std::chrono::duration<double>(timeout_s), [&] { return done; }))
+    if (finalized.wait_for(lock, std::chrono::duration<double>(bound_s), [&] { return done; }))
       return;
     fprintf(stderr,
             "rank %d: MPI_Finalize has not returned within --comm-timeout %g s (a rank is held "

@@ -30,10 +30,11 @@ struct Timed {
   RunResult result;
   double seconds;
 };
-// A shell command under `timeout 90` (exit 124 when it ran past it), timed.
+// A shell command under `timeout 90` (exit 124 when it ran past it; 137 when it ignored the TERM
+// for 10 s more, as a hung mpirun does), timed.
 Timed bounded(const std::string& command) {
   auto t0 = std::chrono::steady_clock::now();
-  RunResult r = run_command("timeout 90 " + command);
+  RunResult r = run_command("timeout -k 10 90 " + command);
   return {r, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()};
 }
 // ./train (np ranks under mpirun; 0: one process), bounded.

@@ -27,7 +27,7 @@ struct Launch {
 // mpirun with one rank running `a` and one running `b` (each: [-wdir DIR] PROGRAM FLAGS).
 Launch mpmd(const std::string& a, const std::string& b) {
   const std::string cmd =
-      "timeout 120 mpirun --oversubscribe -np 1 " + a + " : -np 1 " + b + " 2>&1";
+      "timeout -k 10 120 mpirun --oversubscribe -np 1 " + a + " : -np 1 " + b + " 2>&1";
   auto t0 = std::chrono::steady_clock::now();
   Launch l{{-1, ""}, 0};
   FILE* p = popen(cmd.c_str(), "r");

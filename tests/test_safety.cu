@@ -380,7 +380,7 @@ TEST_CASE(
   for (const char* which : {"all_reduce_host", "agree_on_error", "exchange_counts", "all_to_all"}) {
     RunResult r;
     double seconds = run_seconds(
-        "timeout 90 mpirun --oversubscribe -np 2 build/mpi_tests "
+        "timeout -k 10 90 mpirun --oversubscribe -np 2 build/mpi_tests "
         "'[.stuck-" +
             std::string(which) + "]'",
         r);
@@ -415,7 +415,7 @@ TEST_CASE(
   };
   for (const Case& c : cases) {
     RunResult r;
-    double seconds = run_seconds("timeout 60 " + c.cmd, r);
+    double seconds = run_seconds("timeout -k 10 60 " + c.cmd, r);
     INFO(c.cmd << "\n" << r.output);
     CHECK(r.code != 0);
     CHECK(r.code != 124);  // not ended by `timeout`: by the set-up's own deadline
