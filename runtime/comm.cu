@@ -114,6 +114,8 @@ static ncclRedOp_t nccl_op(ReduceOp op) {
 static MPI_Op mpi_op(ReduceOp op) {
   return op == ReduceOp::Max ? MPI_MAX : MPI_SUM;
 }
+// Called where an op is issued, outside the call mpi_post may defer: a count past int fails in
+// the call that asked for it.
 static int mpi_count(int64_t n) {
   PICO_ASSERT(n <= INT_MAX, "MPI counts are int: " + std::to_string(n) + " elements");
   return (int)n;
@@ -180,9 +182,9 @@ Handle all_reduce_async(Comm& c, Group& g, const Context& ctx, void* buf, DType 
         *s, ncclAllReduce(buf, buf, count, nccl_type(dtype), nccl_op(op), g.nccl, stream_of(c, g)));
   } else {
     void* h = mpi_buffer(*s, ctx, buf, K, true, true);
+    const int n = mpi_count(count);
     mpi_post(s, [=, comm = g.mpi](MPI_Request* r) {
-      return MPI_Iallreduce(MPI_IN_PLACE, h, mpi_count(count), mpi_type(dtype), mpi_op(op, dtype),
-                            comm, r);
+      return MPI_Iallreduce(MPI_IN_PLACE, h, n, mpi_type(dtype), mpi_op(op, dtype), comm, r);
     });
     mpi_average(*s, op, (float*)h, count);
   }
@@ -203,9 +205,9 @@ Handle reduce_scatter_async(Comm& c, Group& g, const Context& ctx, const void* s
   } else {
     const void* hs = mpi_input(*s, ctx, send, K, recv, count * E);
     void* hr = mpi_buffer(*s, ctx, recv, count * E, false, true);
+    const int n = mpi_count(count);
     mpi_post(s, [=, comm = g.mpi](MPI_Request* r) {
-      return MPI_Ireduce_scatter_block(hs, hr, mpi_count(count), mpi_type(dtype), mpi_op(op, dtype),
-                                       comm, r);
+      return MPI_Ireduce_scatter_block(hs, hr, n, mpi_type(dtype), mpi_op(op, dtype), comm, r);
     });
     mpi_average(*s, op, (float*)hr, count);
   }
@@ -225,9 +227,9 @@ Handle all_gather_async(Comm& c, Group& g, const Context& ctx, const void* send,
   } else {
     const void* hs = mpi_input(*s, ctx, send, count * E, recv, K);
     void* hr = mpi_buffer(*s, ctx, recv, K, false, true);
+    const int n = mpi_count(count);
     mpi_post(s, [=, comm = g.mpi](MPI_Request* r) {
-      return MPI_Iallgather(hs, mpi_count(count), mpi_type(dtype), hr, mpi_count(count),
-                            mpi_type(dtype), comm, r);
+      return MPI_Iallgather(hs, n, mpi_type(dtype), hr, n, mpi_type(dtype), comm, r);
     });
   }
   return issued(c, s);
@@ -259,8 +261,9 @@ Handle broadcast_async(Comm& c, Group& g, const Context& ctx, float* buf, int64_
     NCCL_ENQUEUE(*s, ncclBroadcast(buf, buf, count, ncclFloat, root, g.nccl, stream_of(c, g)));
   } else {
     float* h = (float*)mpi_buffer(*s, ctx, buf, K, is_root, !is_root);
+    const int n = mpi_count(count);
     mpi_post(s, [=, comm = g.mpi](MPI_Request* r) {
-      return MPI_Ibcast(h, mpi_count(count), MPI_FLOAT, root, comm, r);
+      return MPI_Ibcast(h, n, MPI_FLOAT, root, comm, r);
     });
   }
   return issued(c, s);
@@ -281,8 +284,9 @@ Handle reduce_async(Comm& c, Group& g, const Context& ctx, const float* send, fl
   } else {
     const void* hs = mpi_input(*s, ctx, send, K, is_root ? recv : nullptr, K);
     float* hr = is_root ? (float*)mpi_buffer(*s, ctx, recv, K, false, true) : nullptr;
+    const int n = mpi_count(count);
     mpi_post(s, [=, comm = g.mpi](MPI_Request* r) {
-      return MPI_Ireduce(hs, hr, mpi_count(count), MPI_FLOAT, mpi_op(op), root, comm, r);
+      return MPI_Ireduce(hs, hr, n, MPI_FLOAT, mpi_op(op), root, comm, r);
     });
     if (is_root) mpi_average(*s, op, hr, count);
   }
@@ -312,9 +316,9 @@ Handle gather_async(Comm& c, Group& g, const Context& ctx, const float* send, fl
   } else {
     const void* hs = mpi_input(*s, ctx, send, count * kF32, is_root ? recv : nullptr, K);
     void* hr = is_root ? mpi_buffer(*s, ctx, recv, K, false, true) : nullptr;
+    const int n = mpi_count(count);
     mpi_post(s, [=, comm = g.mpi](MPI_Request* r) {
-      return MPI_Igather(hs, mpi_count(count), MPI_FLOAT, hr, mpi_count(count), MPI_FLOAT, root,
-                         comm, r);
+      return MPI_Igather(hs, n, MPI_FLOAT, hr, n, MPI_FLOAT, root, comm, r);
     });
   }
   return issued(c, s);
@@ -341,9 +345,9 @@ Handle scatter_async(Comm& c, Group& g, const Context& ctx, const float* send, f
   } else {
     const void* hs = is_root ? mpi_input(*s, ctx, send, K, recv, count * kF32) : nullptr;
     void* hr = mpi_buffer(*s, ctx, recv, count * kF32, false, true);
+    const int n = mpi_count(count);
     mpi_post(s, [=, comm = g.mpi](MPI_Request* r) {
-      return MPI_Iscatter(hs, mpi_count(count), MPI_FLOAT, hr, mpi_count(count), MPI_FLOAT, root,
-                          comm, r);
+      return MPI_Iscatter(hs, n, MPI_FLOAT, hr, n, MPI_FLOAT, root, comm, r);
     });
   }
   return issued(c, s);

@@ -7,6 +7,7 @@
 // --comm-timeout: a peer that failed ends the job instead of hanging it.
 #include <chrono>
 #include <deque>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -43,7 +44,7 @@ void pause_while_waiting(double since, double spin_s) {
 constexpr double kSpinPointToPoint_s = 1e-3;
 void Handle::State::wait() {
   const double since = now_seconds();
-  const double spin_s = lockstep ? timeout_s : kSpinPointToPoint_s;
+  const double spin_s = lockstep ? std::numeric_limits<double>::infinity() : kSpinPointToPoint_s;
   while (!poll()) pause_while_waiting(since, spin_s);
 }
 

@@ -371,17 +371,29 @@ TEST_CASE("ReduceOp::Avg is the sum over the group divided by its size, Max the 
 // Nonblocking: several collectives in flight
 // ============================================================================
 
+// `count` buffers of N(0,1) values that differ per rank, of first + k * step elements.
+std::vector<std::vector<float>> per_rank_data(int count, int64_t first, int64_t step,
+                                              const std::string& name) {
+  std::vector<std::vector<float>> v;
+  for (int k = 0; k < count; k++)
+    v.push_back(normal(first + step * k, on_rank(name + std::to_string(k))));
+  return v;
+}
+// A sum all-reduce of each buffer on `g`, all started before any is waited for.
+std::vector<Handle> all_reduces_in_flight(Comm& c, Group& g,
+                                          std::vector<std::vector<float>>& bufs) {
+  std::vector<Handle> h;
+  for (auto& v : bufs)
+    h.push_back(all_reduce_async(c, g, kCpu, v.data(), (int64_t)v.size(), ReduceOp::Sum));
+  return h;
+}
+
 TEST_CASE("three all-reduces in flight at once, waited in reverse order, equal blocking ones",
           "[mpi]") {
   TestComm t(world_size(), 1, 1, 1);
   Comm& c = t.c;
-  std::vector<std::vector<float>> async, blocking;
-  for (int k = 0; k < 3; k++)
-    async.push_back(normal(100 + 333 * k, on_rank("x" + std::to_string(k))));
-  blocking = async;
-  std::vector<Handle> h;
-  for (auto& v : async)
-    h.push_back(all_reduce_async(c, c.dp, kCpu, v.data(), (int64_t)v.size(), ReduceOp::Sum));
+  std::vector<std::vector<float>> async = per_rank_data(3, 100, 333, "x"), blocking = async;
+  std::vector<Handle> h = all_reduces_in_flight(c, c.dp, async);
   h[2].wait();
   while (!h[1].test()) {
   }
@@ -428,13 +440,8 @@ TEST_CASE("a group's collectives run one at a time in the order issued, and any 
   TestComm t(world_size(), 1, 1, 1);
   Comm& c = t.c;
   Group& g = c.dp;
-  std::vector<std::vector<float>> async, blocking;
-  for (int k = 0; k < 4; k++)
-    async.push_back(normal(1000 + 70000 * k, on_rank("q" + std::to_string(k))));
-  blocking = async;
-  std::vector<Handle> h;
-  for (auto& v : async)
-    h.push_back(all_reduce_async(c, g, kCpu, v.data(), (int64_t)v.size(), ReduceOp::Sum));
+  std::vector<std::vector<float>> async = per_rank_data(4, 1000, 70000, "q"), blocking = async;
+  std::vector<Handle> h = all_reduces_in_flight(c, g, async);
   // Waiting for a send_recv (never queued) moves the queued all-reduces too; then a host
   // all-reduce, issued last, finishes only after every one before it: each is done at once.
   std::vector<float> ring_in = normal(kM, on_rank("ring")), ring_out(kM);
