@@ -43,14 +43,34 @@ static std::string rule(const std::string& why) {
   return out;
 }
 
+// Each layout of `in` once per value of `values` that `allowed` lets it take, set by `set`; the
+// layouts in order, each one's values in theirs.
+template <class T, class Set, class Allowed>
+static std::vector<Layout> each(const std::vector<Layout>& in, const std::vector<T>& values,
+                                Set set, Allowed allowed) {
+  std::vector<Layout> out;
+  for (const Layout& l : in)
+    for (const T& v : values) {
+      if (!allowed(l, v)) continue;
+      Layout x = l;
+      set(x, v);
+      out.push_back(x);
+    }
+  return out;
+}
+
 // The layouts of one grid (dp, tp, pp, cp) the space allows: with and without sp, every
 // schedule, ZeRO stage, recompute mode, format and residual stream format, every micro-batch size
 // that divides a dp rank's `per_rank` sequences (grad-acc the rest).
 static std::vector<Layout> grid_layouts(const Layout& grid, int64_t per_rank,
                                         const SearchSpace& space) {
+  auto any = [](const Layout&, const auto&) { return true; };
   std::vector<bool> sps = {false};
   if (grid.tp > 1 && space.sp)
     sps = space.sp_only ? std::vector<bool>{true} : std::vector<bool>{false, true};
+  std::vector<Layout> out = each(
+      {grid}, sps, [](Layout& l, bool sp) { l.sp = sp; }, any);
+
   std::vector<std::pair<PpSchedule, int>> schedules = {{PpSchedule::OneFOneB, 1}};
   if (grid.pp > 1) {
     schedules.clear();
@@ -61,29 +81,41 @@ static std::vector<Layout> grid_layouts(const Layout& grid, int64_t per_rank,
         if (runs_chunks(s, V)) schedules.push_back({s, V});
     }
   }
-  std::vector<Layout> out;
-  for (bool sp : sps)
-    for (auto [schedule, V] : schedules)
-      for (int zero : space.zero_stages) {
-        if (zero > 0 && grid.dp * grid.cp == 1) continue;  // nothing to shard: the zero 0 layout
-        for (Recompute rec : space.recompute) {
-          // FlashAttention keeps no probabilities: selective recomputation has nothing to drop.
-          if (rec == Recompute::Selective && grid.attention == AttentionKind::Flash) continue;
-          for (Precision prec : space.precisions)
-            for (DType residual : space.residuals) {
-              if (residual != DType::F32 && residual != activation_dtype(prec)) continue;
-              for (int mbs : divisors((int)std::min<int64_t>(per_rank, space.max_mbs))) {
-                if (per_rank % mbs) continue;
-                Layout l = grid;
-                l.sp = sp, l.schedule = schedule, l.virtual_stages = V, l.zero = zero;
-                l.recompute = rec, l.precision = prec, l.residual = residual, l.mbs = mbs;
-                l.grad_acc = (int)(per_rank / mbs);
-                out.push_back(l);
-              }
-            }
-        }
-      }
-  return out;
+  out = each(
+      out, schedules,
+      [](Layout& l, auto s) {
+        l.schedule = s.first;
+        l.virtual_stages = s.second;
+      },
+      any);
+
+  // ZeRO shards over dp x cp: with neither there is nothing to shard (the zero 0 layout).
+  out = each(
+      out, space.zero_stages, [](Layout& l, int zero) { l.zero = zero; },
+      [](const Layout& l, int zero) { return zero == 0 || l.dp * l.cp > 1; });
+  // FlashAttention keeps no probabilities: selective recomputation has nothing to drop.
+  out = each(
+      out, space.recompute, [](Layout& l, Recompute r) { l.recompute = r; },
+      [](const Layout& l, Recompute r) {
+        return r != Recompute::Selective || l.attention != AttentionKind::Flash;
+      });
+  out = each(
+      out, space.precisions, [](Layout& l, Precision p) { l.precision = p; }, any);
+  // A residual stream in fp32, or in the format the activations are stored in.
+  out = each(
+      out, space.residuals, [](Layout& l, DType r) { l.residual = r; },
+      [](const Layout& l, DType r) {
+        return r == DType::F32 || r == activation_dtype(l.precision);
+      });
+
+  std::vector<int> mbs = divisors((int)std::min<int64_t>(per_rank, space.max_mbs));
+  return each(
+      out, mbs,
+      [&](Layout& l, int m) {
+        l.mbs = m;
+        l.grad_acc = (int)(per_rank / m);
+      },
+      [&](const Layout&, int m) { return per_rank % m == 0; });
 }
 
 PlanResult plan_layouts(const ModelConfig& cfg, int64_t global_tokens, const Cluster& cl,

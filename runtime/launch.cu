@@ -180,9 +180,9 @@ int finish_ranks(int code, double timeout_s, const Fault* fault) {
     if (finalized.wait_for(lock, std::chrono::duration<double>(bound_s), [&] { return done; }))
       return;
     fprintf(stderr,
-            "rank %d: MPI_Finalize has not returned within --comm-timeout %g s (a rank is held "
-            "in the job's end): leaving without it, exit code %d\n",
-            rank, timeout_s, status);
+            "rank %d: MPI_Finalize has not returned within --comm-timeout %g s%s (a rank is "
+            "held in the job's end): leaving without it, exit code %d\n",
+            rank, timeout_s, rank == 0 ? "" : " and the second left to rank 0 to go first", status);
     fflush(stderr);
     _exit(status);
   });
