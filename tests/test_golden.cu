@@ -30,6 +30,25 @@ constexpr double kLogitsTol = 5e-6, kGradTol = 1e-5;
 // The mean loss: a sum of 24 fp32 terms of up to ~16 nats each: ~1e-6 relative.
 constexpr double kLossTol = 1e-5;
 
+// One forward and backward of fixture `g` in one process, with `attention`: its logits, mean
+// loss and every gradient against transformers' float64 ones.
+void check_against_golden(const Context& ctx, const Golden& g, AttentionKind attention,
+                          const std::string& what) {
+  Model model = build_model(g.cfg, Device::CPU, 1);
+  model.attention = local_attention(attention);
+  load_checkpoint(g.dir, model.named_params, nullptr);
+  Activations acts;
+  float loss_sum =
+      model_forward(ctx, model, acts, g.ids.data(), g.targets.data(), g.B, g.T, Recompute::None);
+  require_close(to_host_floats(acts.logits), g.ref.at("logits"), kLogitsTol, what + " logits");
+  REQUIRE(loss_sum / (g.B * g.T) == Approx(g.loss()).epsilon(kLossTol));
+  zero_(model.grads);
+  model_backward(ctx, model, acts, 1.0f / (g.B * g.T), Recompute::None);
+  std::map<std::string, std::vector<float>> grads;
+  for (const NamedTensor& t : model.named_grads) grads[t.name] = to_host_floats(t.tensor);
+  require_grads(grads, g.grads(), kGradTol, what + " gradient");
+}
+
 }  // namespace
 
 // Guards: RoPE convention, angle or theta (rotate_half vs interleaved pairs, a wrong exponent);
@@ -39,19 +58,7 @@ TEST_CASE("the model matches transformers: logits, loss and every gradient", "[g
   const Context ctx;
   for (const std::string& name : kFixtures) {
     INFO("fixture " << name);
-    Golden g = read_golden(name);
-    Model model = build_model(g.cfg, Device::CPU, 1);
-    load_checkpoint(g.dir, model.named_params, nullptr);
-    Activations acts;
-    float loss_sum =
-        model_forward(ctx, model, acts, g.ids.data(), g.targets.data(), g.B, g.T, Recompute::None);
-    require_close(to_host_floats(acts.logits), g.ref["logits"], kLogitsTol, name + " logits");
-    REQUIRE(loss_sum / (g.B * g.T) == Approx(g.loss()).epsilon(kLossTol));
-    zero_(model.grads);
-    model_backward(ctx, model, acts, 1.0f / (g.B * g.T), Recompute::None);
-    std::map<std::string, std::vector<float>> grads;
-    for (const NamedTensor& t : model.named_grads) grads[t.name] = to_host_floats(t.tensor);
-    require_grads(grads, g.grads(), kGradTol, name + " gradient");
+    check_against_golden(ctx, read_golden(name), AttentionKind::Naive, name);
   }
 }
 
@@ -76,19 +83,7 @@ TEST_CASE(
   for (AttentionKind attention : {AttentionKind::Flash, AttentionKind::Naive}) {
     const std::string what = std::string("trained, ") + attention_name(attention);
     INFO(what);
-    Model model = build_model(g.cfg, Device::CPU, 1);
-    model.attention = local_attention(attention);
-    load_checkpoint(g.dir, model.named_params, nullptr);
-    Activations acts;
-    float loss_sum =
-        model_forward(ctx, model, acts, g.ids.data(), g.targets.data(), g.B, g.T, Recompute::None);
-    require_close(to_host_floats(acts.logits), g.ref["logits"], kLogitsTol, what + " logits");
-    REQUIRE(loss_sum / (g.B * g.T) == Approx(g.loss()).epsilon(kLossTol));
-    zero_(model.grads);
-    model_backward(ctx, model, acts, 1.0f / (g.B * g.T), Recompute::None);
-    std::map<std::string, std::vector<float>> grads;
-    for (const NamedTensor& t : model.named_grads) grads[t.name] = to_host_floats(t.tensor);
-    require_grads(grads, g.grads(), kGradTol, what + " gradient");
+    check_against_golden(ctx, g, attention, what);
   }
 }
 

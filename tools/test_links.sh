@@ -86,8 +86,10 @@ done <<<"$rows"
 
 # ---- 3. links ----
 slug() { echo "$1" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9 _-]//g; s/ /-/g'; }
-has_anchor() {  # file anchor
-  grep -E '^#{1,6} ' "$1" | sed -E 's/^#+ +//' | while read -r h; do slug "$h"; done | grep -qxF -- "$2"
+has_anchor() {  # file anchor (grep reads every heading: -q would stop early, and pipefail
+  # would then count the writer's broken pipe as a missing anchor)
+  grep -E '^#{1,6} ' "$1" | sed -E 's/^#+ +//' | while read -r h; do slug "$h"; done |
+    grep -xF -- "$2" >/dev/null
 }
 for doc in "${docs[@]}"; do
   [ -f "$doc" ] || { fail "$doc is missing"; continue; }
