@@ -82,10 +82,10 @@ class ContextParallelAttention : public AttentionCore {
   void backward(const Context& ctx, const AttentionShape& s, const Tensor& dq, const Tensor& dk,
                 const Tensor& dv, const Tensor& dout, const Tensor& out, AttentionSaved& saved,
                 const Tensor& q, const Tensor& k, const Tensor& v) const override;
-  int64_t saved_bytes(int64_t B, int64_t T, int64_t heads, bool, int) const override {
+  int64_t saved_bytes(int64_t B, int64_t T, int64_t heads, bool, int, bool) const override {
     return 4 * B * heads * T;  // the merged log-sum-exp, fp32
   }
-  std::string saved_formula(int) const override { return "4 Hq"; }
+  std::string saved_formula(int, bool) const override { return "4 Hq"; }
   const ContextParallel& layout() const { return cp_; }
   // Each rank's work over the training steps' schedules (--report balance).
   std::unique_ptr<StepMeter> meter(Comm& comm) const override;

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/attention_naive.cuh"
 #include "kernels/flash_attention_kernels.cuh"
 #include "mixed_precision.cuh"
 #include "runtime/ops.cuh"
@@ -329,6 +330,13 @@ std::string describe_attention(AttentionKind kind) {
   }
   return "flash (keeps O and its log-sum-exp: O(T))";
 }
+void validate_attention_dropout(float dropout, AttentionKind kind) {
+  if (dropout > 0 && kind == AttentionKind::Flash)
+    throw UsageError("--dropout " + num(dropout) +
+                     " with --attention flash: dropout on attention's probabilities is naive "
+                     "attention's (FlashAttention never forms them); use --attention naive, or "
+                     "--dropout 0");
+}
 void add_attention_flags(CLI::App& app, AttentionOptions& o) {
   add_typed(flag_group(app, "FlashAttention (Playbook §12.8)"), "--attention", &o.attention,
             parse_attention, attention_name(o.attention),
@@ -382,10 +390,10 @@ class FlashAttention : public AttentionCore {
                                   bf16_ptr(in_bf16(ctx, q)), bf16_ptr(in_bf16(ctx, k)),
                                   bf16_ptr(in_bf16(ctx, v)), saved.lse.f32(), D.f32(), a);
   }
-  int64_t saved_bytes(int64_t B, int64_t T, int64_t heads, bool, int) const override {
+  int64_t saved_bytes(int64_t B, int64_t T, int64_t heads, bool, int, bool) const override {
     return 4 * B * heads * T;  // the lse, fp32
   }
-  std::string saved_formula(int) const override { return "4 Hq"; }
+  std::string saved_formula(int, bool) const override { return "4 Hq"; }
 
  private:
   static AttentionBlock whole_block(const AttentionShape& s) {

@@ -16,13 +16,22 @@
 
 #include "runtime/core.cuh"
 #include "runtime/meters.cuh"
+#include "runtime/ops.cuh"
 
+// Dropout on the probabilities (the book's GPT, Playbook §2.5; naive attention only): where it
+// is in the run, and the tokens' sequences and positions its masks are keyed by.
+struct AttentionDropout {
+  DropoutSite site;
+  Tensor sequences, positions;  // [B*T] int32 each
+  int head0 = 0;                // this rank's first query head (tensor parallelism)
+};
 struct AttentionShape {
-  int B;    // sequences
-  int T;    // tokens per sequence
-  int Hq;   // query heads
-  int Hkv;  // key/value heads (divides Hq)
-  int hd;   // head dimension
+  int B;                                      // sequences
+  int T;                                      // tokens per sequence
+  int Hq;                                     // query heads
+  int Hkv;                                    // key/value heads (divides Hq)
+  int hd;                                     // head dimension
+  const AttentionDropout* dropout = nullptr;  // none: no dropout (evaluation, or p 0)
 };
 
 // ============================================================================
@@ -35,6 +44,7 @@ struct AttentionShape {
 struct AttentionSaved {
   Tensor probs;  // [B, Hq, T, T] naive attention's probabilities (compute format under --dtype)
   Tensor lse;    // [B, Hq, T] FlashAttention's log-sum-exp per query and head (fp32 always)
+  Tensor mask, dropped;  // under dropout: [B, Hq, T, T] its U8 mask and the probabilities it left
 };
 
 class AttentionCore {
@@ -58,12 +68,16 @@ class AttentionCore {
                         AttentionSaved& saved, const Tensor& q, const Tensor& k,
                         const Tensor& v) const = 0;
   // Selective recomputation (Playbook §2.6) drops what the backward rebuilds: the probabilities.
-  virtual void drop_recomputable(AttentionSaved& saved) const { saved.probs = Tensor(); }
+  virtual void drop_recomputable(AttentionSaved& saved) const {
+    saved.probs = saved.mask = saved.dropped = Tensor();
+  }
   // Bytes `saved` holds for B sequences of T tokens and `heads` query heads, e bytes per
-  // element stored in the compute format (model.cu's activation formula adds them).
-  virtual int64_t saved_bytes(int64_t B, int64_t T, int64_t heads, bool selective, int e) const = 0;
+  // element stored in the compute format, with dropout on the probabilities or not (model.cu's
+  // activation formula adds them).
+  virtual int64_t saved_bytes(int64_t B, int64_t T, int64_t heads, bool selective, int e,
+                              bool dropout) const = 0;
   // The same per token, as the report writes it next to the book's 5as/h: "4 Hq" or "2 Hq T".
-  virtual std::string saved_formula(int e) const = 0;
+  virtual std::string saved_formula(int e, bool dropout) const = 0;
   // What it measures of the training steps (runtime/meters.cuh; ring attention: each rank's
   // work, --report balance); null: nothing.
   virtual std::unique_ptr<StepMeter> meter(Comm&) const { return nullptr; }
@@ -91,31 +105,11 @@ struct AttentionOptions {
   AttentionKind attention = AttentionKind::Flash;  // --attention
 };
 void add_attention_flags(CLI::App& app, AttentionOptions& o);
+// --dropout on attention's probabilities is naive attention's (FlashAttention never forms them;
+// nor does a cp group's ring, which runs FlashAttention's blocks): refused with flash.
+void validate_attention_dropout(float dropout, AttentionKind kind);
 
-// ============================================================================
-// Naive attention (kernels/attention_naive.cu)
-// ============================================================================
-
-// q [B*T, Hq, hd], k and v [B*T, Hkv, hd] -> out [B*T, Hq, hd];
-// probs [B, Hq, T, T] receives the softmax probabilities (zero above the diagonal).
-void attention_forward(const Context& ctx, const Tensor& out, const Tensor& probs, const Tensor& q,
-                       const Tensor& k, const Tensor& v, const AttentionShape& s);
-// dq [B*T, Hq, hd] (=), dk and dv [B*T, Hkv, hd] (=), from dout [B*T, Hq, hd] and the saved
-// probs. `scratch` is a [B, Hq, T, T] workspace.
-void attention_backward(const Context& ctx, const Tensor& dq, const Tensor& dk, const Tensor& dv,
-                        const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const Tensor& probs, const Tensor& scratch, const AttentionShape& s);
-
-// The softmax pieces, CPU reference and CUDA kernel each (exposed for tests):
-// probs[r, i, j] = causal softmax over j <= i of scale * scores[r, i, j]; rows r = B*Hq.
-void causal_softmax_forward(const Context& ctx, float* probs, const float* scores, int rows, int T,
-                            float scale);
-// dscores[r,i,j] = scale * probs * (dprobs - sum_j' probs * dprobs); may alias dprobs.
-void causal_softmax_backward(const Context& ctx, float* dscores, const float* dprobs,
-                             const float* probs, int rows, int T, float scale);
-// Naive attention as the model's attention core: keeps the probabilities, which selective
-// recomputation drops and the backward rebuilds (local_attention(AttentionKind::Naive)).
-std::shared_ptr<const AttentionCore> naive_attention();
+// Naive attention, the reference: kernels/attention_naive.cuh.
 
 // ============================================================================
 // FlashAttention (Playbook §12.8), shaped for ring attention (Playbook §7.2)

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <functional>
 #include <numeric>
+#include <optional>
 
 #include "mixed_precision.cuh"
 #include "model.cuh"
@@ -50,7 +51,8 @@ static void for_each_param(const ModelConfig& c, const std::vector<Stage>& chunk
   auto cols = [&](std::vector<int64_t> whole, int64_t col0) {
     return TpSlice{whole, 0, col0, true};
   };
-  TpSlice norm{{D}, 0, 0, L.tp_rank == 0};  // every tp rank holds it; rank 0 saves it
+  TpSlice norm{{D}, 0, 0, L.tp_rank == 0};                // every tp rank holds it; rank 0 saves it
+  const bool layer_norm = c.norm == NormKind::LayerNorm;  // a bias beside each norm's weight
   bool kv_writer = L.tp_rank % L.kv_replicas == 0;
   int unit = 0, local = 0;  // this rank's units and blocks, chunk after chunk
   for (const Stage& stage : chunks) {
@@ -60,6 +62,7 @@ static void for_each_param(const ModelConfig& c, const std::vector<Stage>& chunk
       std::string p = "model.layers." + std::to_string(l) + ".";
       BlockWeights& b = w.blocks[local++];
       fn(unit, p + "input_layernorm.weight", {D}, norm, b.attn_norm);
+      if (layer_norm) fn(unit, p + "input_layernorm.bias", {D}, norm, b.attn_norm_bias);
       fn(unit, p + "self_attn.q_proj.weight", {L.heads * hd, D},
          rows({c.heads * hd, D}, L.head0 * hd), b.wq);
       fn(unit, p + "self_attn.k_proj.weight", {L.kv_heads * hd, D},
@@ -69,6 +72,12 @@ static void for_each_param(const ModelConfig& c, const std::vector<Stage>& chunk
       fn(unit, p + "self_attn.o_proj.weight", {D, L.heads * hd},
          cols({D, c.heads * hd}, L.head0 * hd), b.wo);
       fn(unit, p + "post_attention_layernorm.weight", {D}, norm, b.mlp_norm);
+      if (layer_norm) fn(unit, p + "post_attention_layernorm.bias", {D}, norm, b.mlp_norm_bias);
+      if (c.mlp == MlpKind::GeLU) {  // the book's GPT: up (to 4h), GeLU, down
+        fn(unit, p + "mlp.up_proj.weight", {L.ffn, D}, rows({F, D}, L.ffn0), b.w_up);
+        fn(unit, p + "mlp.down_proj.weight", {D, L.ffn}, cols({D, F}, L.ffn0), b.w_down);
+        continue;
+      }
       if (c.experts == 0) {
         fn(unit, p + "mlp.gate_proj.weight", {L.ffn, D}, rows({F, D}, L.ffn0), b.w_gate);
         fn(unit, p + "mlp.up_proj.weight", {L.ffn, D}, rows({F, D}, L.ffn0), b.w_up);
@@ -91,6 +100,7 @@ static void for_each_param(const ModelConfig& c, const std::vector<Stage>& chunk
     }
     if (!stage.head) continue;
     fn(unit, "model.norm.weight", {D}, norm, w.final_norm);
+    if (layer_norm) fn(unit, "model.norm.bias", {D}, norm, w.final_norm_bias);
     if (!c.tie_embeddings)  // HF omits lm_head.weight when tied
       fn(unit, "lm_head.weight", {L.vocab, D}, rows({V, D}, L.vocab0), w.lm_head);
     unit++;
@@ -104,6 +114,7 @@ static Tensor unbound(const std::vector<int64_t>& shape) {
 }
 
 static std::shared_ptr<const FeedForward> feed_forward(const ModelConfig& cfg);
+static std::shared_ptr<const Normalization> normalization(const ModelConfig& cfg);
 
 Model build_model_layout(const ModelConfig& cfg, const TensorParallel& tp,
                          std::vector<Stage> chunks, const ExpertParallel& ep) {
@@ -137,6 +148,7 @@ Model build_model_layout(const ModelConfig& cfg, const TensorParallel& tp,
   m.tp.local = local_dims(cfg, tp.rank(), tp.size());
   m.ep = ep;
   m.mlp = feed_forward(cfg);
+  m.norm = normalization(cfg);
   m.w.blocks.resize(blocks);
   m.g.blocks.resize(blocks);
   const ExpertRange mine = local_experts(cfg.experts, ep.rank(), ep.size());
@@ -216,8 +228,9 @@ void Model::init_parameters(uint64_t seed, const Tensor& out, int64_t first) con
     int64_t begin = std::max(first, m.offsets[i]),
             end = std::min(last, m.offsets[i] + p.tensor.numel());
     if (begin >= end) continue;
-    if (p.tensor.dim() == 1) {  // norm weights start at 1
-      fill_(out.view(begin - first, {end - begin}), 1.0f);
+    if (p.tensor.dim() == 1) {  // norm weights start at 1, LayerNorm's biases at 0
+      const bool bias = p.name.size() > 5 && p.name.compare(p.name.size() - 5, 5, ".bias") == 0;
+      fill_(out.view(begin - first, {end - begin}), bias ? 0.0f : 1.0f);
       continue;
     }
     // Element k of this shard is element (row0 + k / cols) * full_cols + col0 + k % cols of the
@@ -238,6 +251,7 @@ void Model::init_parameters(uint64_t seed, const Tensor& out, int64_t first) con
 Model build_model(const ModelConfig& cfg, Device device, uint64_t seed, const TensorParallel& tp,
                   std::vector<Stage> chunks, const ExpertParallel& ep) {
   Model m = build_model_layout(cfg, tp, std::move(chunks), ep);
+  m.seed = seed;
   allocate_flat(m, device, seed);
   return m;
 }
@@ -280,34 +294,35 @@ static std::vector<Tensor> packed(const Tensor& whole, const std::vector<Shape>&
 // bf16 does: under bf16 and fp16 they are stored so from the GEMMs that make them through RoPE
 // (rounded once as each writes them), and its output is; under fp8 (fp32 storage) RoPE's q and
 // k and the output are rounded here.
-static AttentionShape attention_shape(const Model& m, int B, int T) {
-  return {B, T, m.tp.local.heads, m.tp.local.kv_heads, m.cfg.head_dim()};
+static AttentionShape attention_shape(const Model& m, int B, int T,
+                                      const AttentionDropout* dropout) {
+  return {B, T, m.tp.local.heads, m.tp.local.kv_heads, m.cfg.head_dim(), dropout};
 }
 static Tensor heads(const Tensor& t, int64_t H, int64_t hd) {  // [N, H*hd] -> [N, H, hd]
   return t.reshape({t.size(0), H, hd});
 }
 
 static void attention_core_forward(const Context& ctx, const Model& m, BlockActivations& a, int B,
-                                   int T) {
+                                   int T, const AttentionDropout* dropout) {
   const LocalDims& L = m.tp.local;
   int64_t N = (int64_t)B * T, hd = m.cfg.head_dim();
   a.attn = empty_in_compute_format(ctx, {N, L.heads * hd}, Mem::Activations);
   round_to_compute(ctx, a.q), round_to_compute(ctx, a.k);
   LedgerScope scope(OpKind::Attention);  // whatever the core runs (the ledger's attention row)
-  m.attention->forward(ctx, attention_shape(m, B, T), heads(a.attn, L.heads, hd), a.saved,
+  m.attention->forward(ctx, attention_shape(m, B, T, dropout), heads(a.attn, L.heads, hd), a.saved,
                        heads(a.q, L.heads, hd), heads(a.k, L.kv_heads, hd),
                        heads(a.v, L.kv_heads, hd));
   output_in_compute_format(ctx, a.attn, Mem::Activations);  // what the o projection reads
 }
 // dq (=), dk, dv (=) from d_attn.
 static void attention_core_backward(const Context& ctx, const Model& m, BlockActivations& a, int B,
-                                    int T, const Tensor& d_attn, const Tensor& dq, const Tensor& dk,
-                                    const Tensor& dv) {
+                                    int T, const AttentionDropout* dropout, const Tensor& d_attn,
+                                    const Tensor& dq, const Tensor& dk, const Tensor& dv) {
   const LocalDims& L = m.tp.local;
   int64_t hd = m.cfg.head_dim();
   LedgerScope scope(OpKind::Attention);
   m.attention->backward(
-      ctx, attention_shape(m, B, T), heads(dq, L.heads, hd), heads(dk, L.kv_heads, hd),
+      ctx, attention_shape(m, B, T, dropout), heads(dq, L.heads, hd), heads(dk, L.kv_heads, hd),
       heads(dv, L.kv_heads, hd), heads(d_attn, L.heads, hd), heads(a.attn, L.heads, hd), a.saved,
       heads(a.q, L.heads, hd), heads(a.k, L.kv_heads, hd), heads(a.v, L.kv_heads, hd));
 }
@@ -319,33 +334,68 @@ static void attention_core_backward(const Context& ctx, const Model& m, BlockAct
 struct Residual {
   Tensor x, branch;
 };
-// The stream whole (returned: x itself, or the new sum in ctx.residual) and its RMSNorm y, rstd.
-static Tensor residual_then_norm(const Context& ctx, const Residual& stream, const Tensor& y,
-                                 const Tensor& rstd, const Tensor& w, float eps) {
-  if (!stream.branch.defined()) {
-    rmsnorm_forward(ctx, y, rstd, stream.x, w, eps);
-    return stream.x;
-  }
-  Tensor sum = empty_residual(ctx, stream.x.shape, Mem::Activations);
-  residual_rmsnorm_forward(ctx, sum, y, rstd, stream.x, stream.branch, w, eps);
+// A norm's weight (and bias) as the kernels read them (mixed_precision.cuh's stored_weight).
+static NormWeights norm_weights(const Context& ctx, const Tensor& w, const Tensor& b) {
+  return {stored_weight(ctx, w), b.defined() ? stored_weight(ctx, b) : Tensor()};
+}
+// The stream whole (returned: x itself, or the new sum in ctx.residual) and its norm y, stats.
+static Tensor residual_then_norm(const Context& ctx, const Model& m, const Residual& stream,
+                                 const Tensor& y, const Tensor& stats, const NormWeights& w) {
+  const Tensor sum =
+      stream.branch.defined() ? empty_residual(ctx, stream.x.shape, Mem::Activations) : stream.x;
+  m.norm->forward(ctx, y, stats, stream.x, stream.branch, sum, w, m.cfg.norm_eps);
   return sum;
+}
+
+// Dropout (the book's GPT, Playbook §2.5): where a block's masks are drawn from, or nothing
+// when it drops nothing (`sequences` undefined: evaluation, or --dropout 0).
+struct BlockDropout {
+  const Model& m;
+  int layer;
+  const Tensor &sequences, &positions;
+  bool on() const { return sequences.defined(); }
+  DropoutSite site(int which) const { return {m.seed, layer, which, m.cfg.dropout}; }
+  // On attention's probabilities (site 0), or null.
+  std::optional<AttentionDropout> attention() const {
+    if (!on()) return std::nullopt;
+    return AttentionDropout{site(0), sequences, positions, m.tp.local.head0};
+  }
+  // On a branch's output [n, D] before its residual add, in place (site 1 attention's, 2 the
+  // MLP's), its mask kept in `mask`. Under SP the rows are this rank's share of the tokens.
+  void branch(const Context& ctx, Tensor& mask, const Tensor& out, int which) const {
+    if (!on()) return;
+    mask = empty(ctx, out.shape, Mem::Activations, DType::U8);
+    const int64_t row0 = m.tp.sp ? (int64_t)m.tp.rank() * out.size(0) : 0;
+    dropout_forward(ctx, out, mask, out, site(which), sequences, positions, row0);
+  }
+};
+// The gradient into a branch whose output dropout masked (`mask` defined): dres's sum masked
+// and scaled as the output was, a tensor of its own; dres itself otherwise.
+static ResidualGradient through_dropout(const Context& ctx, const Model& m,
+                                        const ResidualGradient& dres, const Tensor& mask) {
+  if (!mask.defined()) return dres;
+  Tensor d = empty(ctx, dres.sum.shape, Mem::Workspace, dres.sum.dtype);
+  dropout_backward(ctx, d, dres.sum, mask, m.cfg.dropout);
+  return ResidualGradient{d, Tensor()};
 }
 
 // Fills every field of `a` from the block's input `stream` and leaves its output there.
 // x, x_mid, norms: [n, D] (n = N/tp under SP, else N); q, k, v, attn, gate, up, act: [N, local].
 // The book's figure, top to bottom; the column- and row-parallel linears are tensor_parallel.cu's.
 static void block_forward(const Context& ctx, const Model& m, const BlockWeights& w,
-                          BlockActivations& a, const Tensor& positions, int B, int T,
-                          Residual& stream, int layer, std::vector<float>* carry) {
+                          BlockActivations& a, const Tensor& positions, const Tensor& sequences,
+                          int B, int T, Residual& stream, int layer, std::vector<float>* carry) {
   const ModelConfig& c = m.cfg;
   const LocalDims& L = m.tp.local;
   int64_t N = (int64_t)B * T, n = sp_tokens(m.tp, N), D = c.d_model, hd = c.head_dim();
-  // Attention: x_mid = x + o(attn(rope(q(n1)), rope(k(n1)), v(n1))), n1 = rmsnorm(x), where x
+  const BlockDropout drop{m, layer, sequences, positions};
+  // Attention: x_mid = x + o(attn(rope(q(n1)), rope(k(n1)), v(n1))), n1 = norm(x), where x
   // is the last block's output, its residual add taken here with the norm in one pass.
   // The norms' outputs are read by linear layers only: written in the compute format.
-  a.norm1 = empty_in_compute_format(ctx, {n, D}, Mem::Activations), a.rstd1 = act({n}, ctx);
-  a.x = residual_then_norm(ctx, stream, a.norm1, a.rstd1, stored_weight(ctx, w.attn_norm),
-                           c.norm_eps);
+  a.norm1 = empty_in_compute_format(ctx, {n, D}, Mem::Activations);
+  a.rstd1 = act(m.norm->stats_shape(n), ctx);
+  a.x = residual_then_norm(ctx, m, stream, a.norm1, a.rstd1,
+                           norm_weights(ctx, w.attn_norm, w.attn_norm_bias));
   const std::vector<Shape> qkv = {{N, L.heads * hd}, {N, L.kv_heads * hd}, {N, L.kv_heads * hd}};
   std::vector<Tensor> made =
       packed(empty_in_compute_format(ctx, {total(qkv)}, Mem::Activations), qkv);
@@ -353,17 +403,21 @@ static void block_forward(const Context& ctx, const Model& m, const BlockWeights
   column_parallel_forward(m.tp, ctx, a.norm1, {{a.q, w.wq}, {a.k, w.wk}, {a.v, w.wv}});
   rope_forward(ctx, a.q.reshape({N, L.heads, hd}), a.k.reshape({N, L.kv_heads, hd}), positions,
                c.rope_theta);
-  attention_core_forward(ctx, m, a, B, T);
+  const std::optional<AttentionDropout> attention_dropout = drop.attention();
+  attention_core_forward(ctx, m, a, B, T, attention_dropout ? &*attention_dropout : nullptr);
   Tensor out = tp_region_output(m.tp, ctx, n, D);
   row_parallel_forward(m.tp, ctx, out, a.attn, w.wo);
-  // MLP: x_out = x_mid + mlp(n2), n2 = rmsnorm(x_mid), the add and the norm in one pass
+  drop.branch(ctx, a.drop1, out, 1);
+  // MLP: x_out = x_mid + mlp(n2), n2 = norm(x_mid), the add and the norm in one pass
   a.x_mid = empty_residual(ctx, {n, D}, Mem::Activations);
-  a.norm2 = empty_in_compute_format(ctx, {n, D}, Mem::Activations), a.rstd2 = act({n}, ctx);
-  residual_rmsnorm_forward(ctx, a.x_mid, a.norm2, a.rstd2, a.x, out, stored_weight(ctx, w.mlp_norm),
-                           c.norm_eps);
+  a.norm2 = empty_in_compute_format(ctx, {n, D}, Mem::Activations);
+  a.rstd2 = act(m.norm->stats_shape(n), ctx);
+  m.norm->forward(ctx, a.norm2, a.rstd2, a.x, out, a.x_mid,
+                  norm_weights(ctx, w.mlp_norm, w.mlp_norm_bias), c.norm_eps);
   out = Tensor();  // the MLP writes an output of its own
-  stream = {a.x_mid,
-            m.mlp->forward(ctx, m, layer, w, a, a.norm2, carry)};  // added by what reads it
+  Tensor mlp_out = m.mlp->forward(ctx, m, layer, w, a, a.norm2, carry);
+  drop.branch(ctx, a.drop2, mlp_out, 2);
+  stream = {a.x_mid, mlp_out};  // added by what reads it
 }
 
 // The dense MLP: down(swiglu(gate(x), up(x))), column- then row-parallel (Playbook §5.2).
@@ -403,6 +457,36 @@ struct DenseMlp : FeedForward {
   }
   int64_t saved_bytes(const ModelConfig& c, int64_t N, int tp, int e) const override {
     return e * N * 3 * (c.ffn / tp);  // gate, up, act
+  }
+};
+// The book's GPT's MLP: down(gelu(up(x))), up to 4h, column- then row-parallel as the dense one.
+struct GeluMlp : FeedForward {
+  Tensor forward(const Context& ctx, const Model& m, int, const BlockWeights& w,
+                 BlockActivations& a, const Tensor& x, std::vector<float>*) const override {
+    int64_t N = (int64_t)x.size(0) * (m.tp.sp ? m.tp.size() : 1), F = m.tp.local.ffn;
+    a.up = empty_in_compute_format(ctx, {N, F}, Mem::Activations);   // GeLU's input
+    a.act = empty_in_compute_format(ctx, {N, F}, Mem::Activations);  // the down projection's
+    column_parallel_forward(m.tp, ctx, x, {{a.up, w.w_up}});
+    gelu_forward(ctx, a.act, a.up);
+    Tensor out = tp_region_output(m.tp, ctx, x.size(0), x.size(1));
+    row_parallel_forward(m.tp, ctx, out, a.act, w.w_down);
+    return out;
+  }
+  Tensor backward(const Context& ctx, const Model& m, const BlockWeights& w, const BlockWeights& g,
+                  BlockActivations& a, const Tensor& x, const ResidualGradient& dout,
+                  const std::vector<float>&, float, DeferredGrads* deferred) const override {
+    int64_t N = a.up.size(0), F = m.tp.local.ffn;
+    Tensor dx = tp_region_output(m.tp, ctx, x.size(0), x.size(1));
+    Tensor d_act = empty_in_compute_format(ctx, {N, F}, Mem::Workspace);
+    Tensor d_up = empty_in_compute_format(ctx, {N, F}, Mem::Workspace);
+    row_parallel_backward(m.tp, ctx, d_act, g.w_down, dout.for_gemms(), dout.gemms_read_sum(),
+                          a.act, w.w_down, deferred);
+    gelu_backward(ctx, d_up, d_act, a.up);
+    column_parallel_backward(m.tp, ctx, dx, x, {{d_up, w.w_up, g.w_up}}, deferred);
+    return dx;
+  }
+  int64_t saved_bytes(const ModelConfig& c, int64_t N, int tp, int e) const override {
+    return e * N * 2 * (c.ffn / tp);  // GeLU's input and output (the book's 8 + 8 sbh at 4h)
   }
 };
 // A mixture of experts (expert_parallel.cu) over the model's ep and tp groups; under a
@@ -447,10 +531,47 @@ struct MixtureMlp : FeedForward {
   int n_experts = 0;
 };
 static std::shared_ptr<const FeedForward> feed_forward(const ModelConfig& cfg) {
+  if (cfg.mlp == MlpKind::GeLU) return std::make_shared<GeluMlp>();
   if (cfg.experts == 0) return std::make_shared<DenseMlp>();
   auto moe = std::make_shared<MixtureMlp>();
   moe->n_experts = cfg.experts;
   return moe;
+}
+
+// The norms (DESIGN 6, "Norm"). RMSNorm: its kernels fuse the residual add (runtime/ops.cuh).
+struct RmsNorm : Normalization {
+  std::vector<int64_t> stats_shape(int64_t n) const override { return {n}; }  // 1/rms
+  void forward(const Context& ctx, const Tensor& y, const Tensor& stats, const Tensor& x,
+               const Tensor& branch, const Tensor& sum, const NormWeights& w,
+               float eps) const override {
+    if (!branch.defined()) return rmsnorm_forward(ctx, y, stats, x, w.weight, eps);
+    residual_rmsnorm_forward(ctx, sum, y, stats, x, branch, w.weight, eps);
+  }
+  void backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
+                const NormWeights& g, const Tensor& dy, const Tensor& x, const NormWeights& w,
+                const Tensor& stats, const Tensor& dx_rounded) const override {
+    parallel_rmsnorm_backward(tp, ctx, dx, g.weight, dy, x, w.weight, stats, dx_rounded);
+  }
+};
+// LayerNorm with a bias (the book's GPT): the residual add, then the norm.
+struct LayerNorm : Normalization {
+  std::vector<int64_t> stats_shape(int64_t n) const override { return {n, 2}; }  // mean, 1/std
+  void forward(const Context& ctx, const Tensor& y, const Tensor& stats, const Tensor& x,
+               const Tensor& branch, const Tensor& sum, const NormWeights& w,
+               float eps) const override {
+    if (branch.defined()) residual_forward(ctx, sum, x, branch);
+    layernorm_forward(ctx, y, stats, branch.defined() ? sum : x, w.weight, w.bias, eps);
+  }
+  void backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
+                const NormWeights& g, const Tensor& dy, const Tensor& x, const NormWeights& w,
+                const Tensor& stats, const Tensor& dx_rounded) const override {
+    parallel_layernorm_backward(tp, ctx, dx, g.weight, g.bias, dy, x, w.weight, stats);
+    if (dx_rounded.defined()) cast_(ctx, dx_rounded, dx);
+  }
+};
+static std::shared_ptr<const Normalization> normalization(const ModelConfig& cfg) {
+  if (cfg.norm == NormKind::LayerNorm) return std::make_shared<LayerNorm>();
+  return std::make_shared<RmsNorm>();
 }
 
 // What each recompute mode keeps after the forward (Playbook §2.6). The one place a new policy
@@ -463,11 +584,11 @@ static void drop_for_recompute(const Model& m, BlockActivations& a, Recompute mo
 // Before a block's backward, once what was kept is fp32 again: what was dropped, rebuilt.
 // (Selective recomputation's probabilities are rebuilt by the attention's own backward.)
 static void rebuild_for_backward(const Context& ctx, const Model& m, const BlockWeights& w,
-                                 BlockActivations& a, const Tensor& positions, int B, int T,
-                                 Recompute mode) {
-  if (mode == Recompute::Full) {  // the whole block from its input
+                                 BlockActivations& a, const Tensor& positions,
+                                 const Tensor& sequences, int B, int T, int layer, Recompute mode) {
+  if (mode == Recompute::Full) {  // the whole block from its input (dropout's masks drawn again)
     Residual stream{a.x, Tensor()};
-    block_forward(ctx, m, w, a, positions, B, T, stream, -1, nullptr);
+    block_forward(ctx, m, w, a, positions, sequences, B, T, stream, layer, nullptr);
   }
 }
 
@@ -480,14 +601,16 @@ static void rebuild_for_backward(const Context& ctx, const Model& m, const Block
 // attention's outputs); naive attention's probabilities and the experts' tensors are rounded
 // here, and under fp8 (fp32 storage, bf16 values) everything is.
 static std::vector<Tensor*> stored_in_compute_format(BlockActivations& a) {
-  return {&a.norm1, &a.q,   &a.k,      &a.v,        &a.saved.probs, &a.attn,    &a.norm2,  &a.gate,
-          &a.up,    &a.act, &a.moe.xe, &a.moe.gate, &a.moe.up,      &a.moe.act, &a.moe.out};
+  return {&a.norm1,    &a.q,      &a.k,       &a.v,      &a.saved.probs, &a.saved.dropped,
+          &a.attn,     &a.norm2,  &a.gate,    &a.up,     &a.act,         &a.moe.xe,
+          &a.moe.gate, &a.moe.up, &a.moe.act, &a.moe.out};
 }
 // What the backward reads in fp32 beyond the linear layers, SwiGLU and attention (naive
 // attention's probabilities, the experts' dispatch), widened back before it. The rest stays in
 // the compute format: GEMMs, SwiGLU and the attention core read it as it is.
 static std::vector<Tensor*> read_beyond_gemms(BlockActivations& a) {
-  return {&a.saved.probs, &a.moe.xe, &a.moe.gate, &a.moe.up, &a.moe.act, &a.moe.out};
+  return {&a.saved.probs, &a.saved.dropped, &a.moe.xe, &a.moe.gate,
+          &a.moe.up,      &a.moe.act,       &a.moe.out};
 }
 static void run_hook(const std::function<void(int)>& hook, int unit) {
   if (hook) hook(unit);
@@ -505,9 +628,10 @@ static float head_forward(const Context& ctx, Model& model, Activations& acts, R
                           const int32_t* targets) {
   const LocalDims& L = model.tp.local;
   int64_t N = (int64_t)acts.B * acts.T, n = stream.x.size(0), D = model.cfg.d_model;
-  acts.normf = empty_in_compute_format(ctx, {n, D}, Mem::Activations), acts.rstdf = act({n}, ctx);
-  acts.x_final = residual_then_norm(ctx, stream, acts.normf, acts.rstdf,
-                                    stored_weight(ctx, model.w.final_norm), model.cfg.norm_eps);
+  acts.normf = empty_in_compute_format(ctx, {n, D}, Mem::Activations);
+  acts.rstdf = act(model.norm->stats_shape(n), ctx);
+  acts.x_final = residual_then_norm(ctx, model, stream, acts.normf, acts.rstdf,
+                                    norm_weights(ctx, model.w.final_norm, model.w.final_norm_bias));
   stream = Residual{};  // the last block's x_mid, unless it keeps it, goes before the logits come
   // Under bf16 and fp16 the final norm's output (as the blocks' norms') and the logits are in
   // that format: the cross-entropy reads the logits widened and writes their gradient in place,
@@ -559,7 +683,7 @@ static std::vector<float> take_carry(StagePayload& in) {
 
 float stage_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
                     StagePayload in, const int32_t* targets, int B, int T, Recompute mode,
-                    const UnitHooks& hooks, int chunk) {
+                    const UnitHooks& hooks, int chunk, int64_t sequence0) {
   const Stage& stage = model.chunks[chunk];
   const ModelConfig& c = model.cfg;
   const LocalDims& L = model.tp.local;
@@ -571,6 +695,12 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
   // Global positions (RoPE, the causal mask): under context parallelism T is this rank's
   // share of each sequence, whose tokens sit at the positions the cp layout gives them.
   acts.positions = device_ints(model.attention->positions(B, T), ctx);
+  // Dropout draws its masks from each token's sequence, numbered in the run (training only).
+  if (sequence0 >= 0 && c.dropout > 0) {
+    std::vector<int32_t> sequences((size_t)N);
+    for (int64_t i = 0; i < N; i++) sequences[i] = (int32_t)(uint32_t)(sequence0 + i / T);
+    acts.sequences = device_ints(sequences, ctx);
+  }
 
   Tensor x = in.empty() ? Tensor() : in[0];  // [n, D] the residual stream
   in.clear();
@@ -589,8 +719,8 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
   for (int l = 0; l < model.blocks(chunk); l++) {
     BlockActivations& a = acts.blocks[l];
     for (int u : block_units(model, chunk, l)) run_hook(hooks.before_forward, u);
-    block_forward(ctx, model, model.w.blocks[model.chunk_block0[chunk] + l], a, acts.positions, B,
-                  T, stream, stage.first_block + l, &acts.carry);
+    block_forward(ctx, model, model.w.blocks[model.chunk_block0[chunk] + l], a, acts.positions,
+                  acts.sequences, B, T, stream, stage.first_block + l, &acts.carry);
     for (int u : block_units(model, chunk, l)) run_hook(hooks.after_forward, u);
     drop_for_recompute(model, a, mode);
     store_in_compute_format(ctx, stored_in_compute_format(a));
@@ -611,8 +741,9 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
 }
 
 float model_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
-                    const int32_t* targets, int B, int T, Recompute mode, const UnitHooks& hooks) {
-  return stage_forward(ctx, model, acts, ids, {}, targets, B, T, mode, hooks);
+                    const int32_t* targets, int B, int T, Recompute mode, const UnitHooks& hooks,
+                    int64_t sequence0) {
+  return stage_forward(ctx, model, acts, ids, {}, targets, B, T, mode, hooks, 0, sequence0);
 }
 
 // ----------------------------------------------------------------------------
@@ -647,17 +778,19 @@ static Tensor rounded_residual_gradient(const Context& ctx, const Model& m, cons
 // then attention.
 static void block_backward(const Context& ctx, const Model& m, const BlockWeights& w,
                            const BlockWeights& g, BlockActivations& a, const Tensor& positions,
-                           int B, int T, ResidualGradient& dres, bool round_for_next,
-                           const std::vector<float>& carry, float loss_scale,
+                           const Tensor& sequences, int B, int T, int layer, ResidualGradient& dres,
+                           bool round_for_next, const std::vector<float>& carry, float loss_scale,
                            DeferredGrads* deferred) {
   const ModelConfig& c = m.cfg;
   const LocalDims& L = m.tp.local;
   int64_t N = (int64_t)B * T, n = sp_tokens(m.tp, N), D = c.d_model, hd = c.head_dim();
+  const BlockDropout drop{m, layer, sequences, positions};
   // MLP; d_norm [n, D] the gradient of a norm's output
-  Tensor d_norm = m.mlp->backward(ctx, m, w, g, a, a.norm2, dres, carry, loss_scale, deferred);
+  Tensor d_norm = m.mlp->backward(ctx, m, w, g, a, a.norm2, through_dropout(ctx, m, dres, a.drop2),
+                                  carry, loss_scale, deferred);
   dres.rounded = rounded_residual_gradient(ctx, m, dres.sum);  // the o projection reads it
-  parallel_rmsnorm_backward(m.tp, ctx, dres.sum, g.mlp_norm, d_norm, a.x_mid,
-                            stored_weight(ctx, w.mlp_norm), a.rstd2, dres.rounded);
+  m.norm->backward(m.tp, ctx, dres.sum, {g.mlp_norm, g.mlp_norm_bias}, d_norm, a.x_mid,
+                   norm_weights(ctx, w.mlp_norm, w.mlp_norm_bias), a.rstd2, dres.rounded);
   d_norm = Tensor();
 
   // Attention
@@ -669,9 +802,12 @@ static void block_backward(const Context& ctx, const Model& m, const BlockWeight
   Tensor d_qkv = work({total(qkv)}, ctx);
   std::vector<Tensor> d = packed(d_qkv, qkv);
   Tensor dq = d[0], dk = d[1], dv = d[2];
-  row_parallel_backward(m.tp, ctx, d_attn, g.wo, dres.for_gemms(), dres.gemms_read_sum(), a.attn,
+  const ResidualGradient d_out = through_dropout(ctx, m, dres, a.drop1);
+  row_parallel_backward(m.tp, ctx, d_attn, g.wo, d_out.for_gemms(), d_out.gemms_read_sum(), a.attn,
                         w.wo, deferred);
-  attention_core_backward(ctx, m, a, B, T, d_attn, dq, dk, dv);
+  const std::optional<AttentionDropout> attention_dropout = drop.attention();
+  attention_core_backward(ctx, m, a, B, T, attention_dropout ? &*attention_dropout : nullptr,
+                          d_attn, dq, dk, dv);
   d = rope_backward_for_gemms(ctx, d_qkv, qkv, hd, positions, c.rope_theta);
   dq = d[0], dk = d[1], dv = d[2];
   d_norm = tp_region_output(m.tp, ctx, n, D);
@@ -679,8 +815,8 @@ static void block_backward(const Context& ctx, const Model& m, const BlockWeight
                            {{dq, w.wq, g.wq}, {dk, w.wk, g.wk, true}, {dv, w.wv, g.wv, true}},
                            deferred);
   dres.rounded = round_for_next ? rounded_residual_gradient(ctx, m, dres.sum) : Tensor();
-  parallel_rmsnorm_backward(m.tp, ctx, dres.sum, g.attn_norm, d_norm, a.x,
-                            stored_weight(ctx, w.attn_norm), a.rstd1, dres.rounded);
+  m.norm->backward(m.tp, ctx, dres.sum, {g.attn_norm, g.attn_norm_bias}, d_norm, a.x,
+                   norm_weights(ctx, w.attn_norm, w.attn_norm_bias), a.rstd1, dres.rounded);
 }
 
 // Loss -> d(final hidden) [n, D] into dres (rounded too when `round_for_next`): cross-entropy,
@@ -695,8 +831,9 @@ static void head_backward(const Context& ctx, Model& model, Activations& acts, f
                            {{acts.logits, model.w.lm_head, model.g.lm_head}}, deferred);
   acts.logits = acts.normf = Tensor();
   if (round_for_next) dres.rounded = rounded_residual_gradient(ctx, model, dres.sum);
-  parallel_rmsnorm_backward(model.tp, ctx, dres.sum, model.g.final_norm, d_norm, acts.x_final,
-                            stored_weight(ctx, model.w.final_norm), acts.rstdf, dres.rounded);
+  model.norm->backward(
+      model.tp, ctx, dres.sum, {model.g.final_norm, model.g.final_norm_bias}, d_norm, acts.x_final,
+      norm_weights(ctx, model.w.final_norm, model.w.final_norm_bias), acts.rstdf, dres.rounded);
 }
 
 StagePayload stage_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
@@ -727,10 +864,12 @@ StagePayload stage_backward(const Context& ctx, Model& model, Activations& acts,
     int b = model.chunk_block0[chunk] + l;
     std::vector<int> units = block_units(model, chunk, l);  // in backward order: experts first
     for (auto u = units.rbegin(); u != units.rend(); u++) run_hook(hooks.before_backward, *u);
-    rebuild_for_backward(ctx, model, model.w.blocks[b], a, acts.positions, B, T, mode);
+    const int layer = stage.first_block + l;
+    rebuild_for_backward(ctx, model, model.w.blocks[b], a, acts.positions, acts.sequences, B, T,
+                         layer, mode);
     widen_to_fp32(ctx, read_beyond_gemms(a));
-    block_backward(ctx, model, model.w.blocks[b], model.g.blocks[b], a, acts.positions, B, T, dres,
-                   l > 0, acts.carry, loss_scale, deferred);
+    block_backward(ctx, model, model.w.blocks[b], model.g.blocks[b], a, acts.positions,
+                   acts.sequences, B, T, layer, dres, l > 0, acts.carry, loss_scale, deferred);
     a = BlockActivations{};  // this micro-batch no longer needs block l's activations
     for (auto u = units.rbegin(); u != units.rend(); u++) gradients_ready(*u);
   }
@@ -773,12 +912,16 @@ int64_t activation_bytes_per_block(const ModelConfig& c, int B, int T, int tp, b
   LocalDims L = local_dims(c, 0, tp);
   int64_t N = (int64_t)B * T, n = sp ? N / tp : N, D = c.d_model, hd = c.head_dim();
   if (mode == Recompute::Full) return er * n * D;
-  // x and x_mid in er bytes, norm1 and norm2 in e bytes, 1/rms twice in fp32 (on n tokens); q,
-  // attn, k, v, gate, up, act in e bytes (on N tokens, this rank's heads and ffn columns).
-  int64_t outside = (2 * er + 2 * e) * n * D + 2 * 4 * n;
+  // x and x_mid in er bytes, norm1 and norm2 in e bytes, each norm's statistics in fp32 (1/rms,
+  // or LayerNorm's mean and 1/std) and dropout's two masks in bytes (on n tokens); q, attn, k,
+  // v, the MLP's in e bytes (on N tokens, this rank's heads and ffn columns).
+  const int64_t stats = c.norm == NormKind::LayerNorm ? 8 : 4;
+  const bool dropout = c.dropout > 0;
+  int64_t outside = (2 * er + 2 * e) * n * D + 2 * stats * n + (dropout ? 2 * n * D : 0);
   int64_t inside =
       e * N * (2 * L.heads * hd + 2 * L.kv_heads * hd) + feed_forward(c)->saved_bytes(c, N, tp, e);
-  return outside + inside + attention.saved_bytes(B, T, L.heads, mode == Recompute::Selective, e);
+  return outside + inside +
+         attention.saved_bytes(B, T, L.heads, mode == Recompute::Selective, e, dropout);
 }
 
 void print_activation_report(const Model& m, int B, int T, Recompute mode, int e, int er,
@@ -787,18 +930,30 @@ void print_activation_report(const Model& m, int B, int T, Recompute mode, int e
   local.seq = T;
   const AttentionCore& attention = *m.attention;
   const int tp = m.tp.size();
+  // The formula's terms as activation_bytes_per_block counts them (its comment): the block's
+  // residuals and norms' outputs, their statistics (LayerNorm's mean and 1/std: 16 bytes for
+  // two) and dropout's two masks; q, attn, k, v and the MLP's (SwiGLU 3F, GeLU 2F); attention's.
+  const bool dropout = m.cfg.dropout > 0, gelu = m.cfg.mlp == MlpKind::GeLU;
+  ActivationTerms terms;
+  terms.outside = std::to_string(2 * er + 2 * e + (dropout ? 2 : 0)) + "D + " +
+                  (m.cfg.norm == NormKind::LayerNorm ? "16" : "8");
+  terms.inside = std::to_string(2 * e) + "D + " + std::to_string(2 * e) + " Hkv hd + " +
+                 std::to_string((gelu ? 2 : 3) * e) + "F";
+  terms.attention = attention.saved_formula(e, dropout);
+  terms.block = m.cfg.gpt_block() ? "the GPT block" : "this Llama";
+  terms.dropout = dropout && attention.saved_bytes(1, 2, 1, false, 1, true) > 0;
   print_activation_report(
       measured, activation_bytes_per_block(local, B, T, tp, m.tp.sp, mode, attention, e, er),
       "tp " + std::to_string(tp) + (m.tp.sp ? " + sp" : "") + ", recompute " +
           recompute_name(mode) + ", " + attention.name() + " attention",
-      attention.saved_formula(e), m.tp.sp, e, er, m.cfg.experts > 0);
+      terms, m.tp.sp, e, er, m.cfg.experts > 0);
 }
 
 std::string describe_recompute(Recompute mode, const AttentionCore& attention) {
   // Selective recomputation drops the attention's probabilities: an attention that keeps none
   // (flash: O and its log-sum-exp) has nothing more to drop.
-  const bool drops =
-      attention.saved_bytes(1, 2, 1, true, 4) != attention.saved_bytes(1, 2, 1, false, 4);
+  const bool drops = attention.saved_bytes(1, 2, 1, true, 4, false) !=
+                     attention.saved_bytes(1, 2, 1, false, 4, false);
   if (mode == Recompute::Selective && !drops)
     return "selective: nothing more to drop, " + attention.name() + " keeps no probabilities";
   return recompute_name(mode);
@@ -819,9 +974,11 @@ int64_t Model::expert_params() const {
 int64_t saved_bytes(const BlockActivations& a) {
   int64_t bytes = 0;
   for (const Tensor* t :
-       {&a.x,         &a.norm1,  &a.rstd1,    &a.q,      &a.k,       &a.v,      &a.saved.probs,
-        &a.saved.lse, &a.attn,   &a.x_mid,    &a.norm2,  &a.rstd2,   &a.gate,   &a.up,
-        &a.act,       &a.moe.xe, &a.moe.gate, &a.moe.up, &a.moe.act, &a.moe.out})
+       {&a.x,        &a.norm1,       &a.rstd1,     &a.q,          &a.k,
+        &a.v,        &a.saved.probs, &a.saved.lse, &a.saved.mask, &a.saved.dropped,
+        &a.attn,     &a.drop1,       &a.x_mid,     &a.norm2,      &a.rstd2,
+        &a.gate,     &a.up,          &a.act,       &a.drop2,      &a.moe.xe,
+        &a.moe.gate, &a.moe.up,      &a.moe.act,   &a.moe.out})
     if (t->defined()) bytes += t->nbytes();
   return bytes;
 }

@@ -28,20 +28,20 @@ void add_model_flags(CLI::App& app, ModelOptions& o);
 
 // The weights of one block, as views into the flat buffer (the gradients use the same struct).
 struct BlockWeights {
-  Tensor attn_norm;     // [D]
-  Tensor wq;            // [Hq*hd, D]
-  Tensor wk, wv;        // [Hkv*hd, D]
-  Tensor wo;            // [D, Hq*hd]
-  Tensor mlp_norm;      // [D]
-  Tensor w_gate, w_up;  // [F, D]   the dense MLP
-  Tensor w_down;        // [D, F]
+  Tensor attn_norm, attn_norm_bias;  // [D] (the bias: LayerNorm's only)
+  Tensor wq;                         // [Hq*hd, D]
+  Tensor wk, wv;                     // [Hkv*hd, D]
+  Tensor wo;                         // [D, Hq*hd]
+  Tensor mlp_norm, mlp_norm_bias;    // [D]
+  Tensor w_gate, w_up;               // [F, D]   the dense MLP (GeLU's: up alone)
+  Tensor w_down;                     // [D, F]
   MoeWeights moe;  // or a mixture of experts (expert_parallel.cuh): router, this rank's experts
 };
 struct Weights {
   Tensor embed;  // [V, D]
   std::vector<BlockWeights> blocks;
-  Tensor final_norm;  // [D]
-  Tensor lm_head;     // [V, D] (a view of embed when tied)
+  Tensor final_norm, final_norm_bias;  // [D]
+  Tensor lm_head;                      // [V, D] (a view of embed when tied)
 };
 struct Model;
 struct BlockActivations;
@@ -62,6 +62,29 @@ struct ResidualGradient {
   Tensor sum, rounded;
   const Tensor& for_gemms() const { return rounded.defined() ? rounded : sum; }
   bool gemms_read_sum() const { return !rounded.defined(); }  // which later adds change
+};
+
+// The block's norms (DESIGN 6, "Norm"): RMSNorm (the Llama), or LayerNorm with a bias (the
+// book's GPT), chosen by the config when the model is built; the block asks neither.
+struct NormWeights {
+  Tensor weight, bias;  // [D] each (the bias: LayerNorm's only)
+};
+struct Normalization {
+  virtual ~Normalization() = default;
+  // What the backward reads of n tokens besides the input: [n] 1/rms, or [n, 2] mean and 1/std.
+  virtual std::vector<int64_t> stats_shape(int64_t n) const = 0;
+  // y = norm(x); with `branch`, y = norm(sum) of sum = x + branch, which it writes (one pass where
+  // a kernel fuses the residual add and the norm).
+  virtual void forward(const Context& ctx, const Tensor& y, const Tensor& stats, const Tensor& x,
+                       const Tensor& branch, const Tensor& sum, const NormWeights& w,
+                       float eps) const = 0;
+  // dx += the gradient of <dy, norm(x)>, g's weight (and bias) += theirs, summed over the tp
+  // group under sequence parallelism; `dx_rounded` (when defined): dx's new value rounded into
+  // it, for the linear layers that read it next (rmsnorm_backward).
+  virtual void backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
+                        const NormWeights& g, const Tensor& dy, const Tensor& x,
+                        const NormWeights& w, const Tensor& stats,
+                        const Tensor& dx_rounded) const = 0;
 };
 
 struct FeedForward {
@@ -112,7 +135,9 @@ struct Model : FlatParameters {
   // The MLP: dense, or a mixture of experts over the ep group (ep: which experts are here).
   ExpertParallel ep;
   std::shared_ptr<const FeedForward> mlp;
-  Weights w, g;                                // views into params and grads
+  std::shared_ptr<const Normalization> norm;  // RMSNorm or LayerNorm
+  uint64_t seed = 0;                          // the run's --seed: dropout's masks are drawn from it
+  Weights w, g;                               // views into params and grads
   std::vector<int> chunk_unit0, chunk_block0;  // per chunk: its first unit and first block in w
   int blocks(int chunk) const { return chunks[chunk].last_block - chunks[chunk].first_block; }
   int embedding_unit() const { return chunks.front().embedding ? 0 : -1; }  // -1: not here
@@ -158,14 +183,15 @@ Model build_model_layout(const ModelConfig& cfg, const TensorParallel& tp = {},
 // Fl are this rank's heads, kv heads and ffn columns (LocalDims, tensor_parallel.cuh).
 struct BlockActivations {
   Tensor x;              // [n, D] block input (always kept)
-  Tensor norm1, rstd1;   // [n, D], [n]
+  Tensor norm1, rstd1;   // [n, D], and the norm's statistics (Normalization::stats_shape)
   Tensor q, k, v;        // [N, Hl*hd], [N, KVl*hd] x2 (after RoPE)
   AttentionSaved saved;  // naive attention's [B, Hl, T, T] probabilities (dropped by selective
                          // recompute), or FlashAttention's [B, Hl, T] log-sum-exp
   Tensor attn;           // [N, Hl*hd] attention output before wo
   Tensor x_mid;          // [n, D] after the attention residual
-  Tensor norm2, rstd2;   // [n, D], [n]
-  Tensor gate, up, act;  // [N, Fl] x3 (the dense MLP)
+  Tensor norm2, rstd2;   // [n, D], and its statistics
+  Tensor gate, up, act;  // [N, Fl] x3 (the dense MLP; GeLU's: up, its input, and act)
+  Tensor drop1, drop2;   // [n, D] U8: dropout's masks on the attention's and the MLP's outputs
   MoeActivations moe;    // or the mixture's (expert_parallel.cuh)
 };
 // Bytes of one block's saved activations for B sequences of T tokens, by the formula derived
@@ -185,7 +211,10 @@ void print_activation_report(const Model& model, int B, int T, Recompute mode, i
 std::string describe_recompute(Recompute mode, const AttentionCore& attention);
 struct Activations {
   int B = 0, T = 0;
-  Tensor ids, targets, positions;        // [N] int32, N = B*T
+  Tensor ids, targets, positions;  // [N] int32, N = B*T
+  // [N] int32: each token's sequence, numbered in the run (dropout's masks are drawn from it);
+  // undefined when nothing is dropped (evaluation, sampling, or --dropout 0).
+  Tensor sequences;
   std::vector<BlockActivations> blocks;  // this chunk's blocks
   Tensor x_final;       // [n, D] the last block's output: the stage's output hidden state
   Tensor normf, rstdf;  // [n, D], [n]
@@ -217,9 +246,11 @@ constexpr Recompute kForwardOnly = Recompute::Full;
 // Returns, when it holds the head, the sum of per-token losses (fp32 accumulation; with
 // targets == nullptr only the logits are computed, for generation); elsewhere 0, and
 // acts.x_final holds the output for the next stage.
+// `sequence0`: the number in the run of the micro-batch's first sequence (train's data order,
+// runtime/data.cuh), from which dropout draws its masks; -1: a forward that drops nothing.
 float stage_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
                     StagePayload in, const int32_t* targets, int B, int T, Recompute mode,
-                    const UnitHooks& hooks = {}, int chunk = 0);
+                    const UnitHooks& hooks = {}, int chunk = 0, int64_t sequence0 = -1);
 // Accumulates (+=) into the gradient views the gradient of loss_scale * sum(losses) (the head's
 // chunk) or of <d_out[0], output> (other chunks, `d_out` the next chunk's payload back),
 // releasing the activations as it goes; units run in backward order. Returns the payload for
@@ -233,6 +264,6 @@ StagePayload stage_backward(const Context& ctx, Model& model, Activations& acts,
 // The whole model as one stage: ids in, loss (or logits) out; and its backward.
 float model_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
                     const int32_t* targets, int B, int T, Recompute mode,
-                    const UnitHooks& hooks = {});
+                    const UnitHooks& hooks = {}, int64_t sequence0 = -1);
 void model_backward(const Context& ctx, Model& model, Activations& acts, float loss_scale,
                     Recompute mode, const UnitHooks& hooks = {});

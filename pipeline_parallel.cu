@@ -405,7 +405,7 @@ double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& 
       Activations& acts = saved[key];
       loss_sum += stage_forward(ctx, model, acts, batch.inputs + op.micro * tokens,
                                 std::move(input), batch.targets + op.micro * tokens, batch.mbs,
-                                batch.seq, mode, hooks, op.chunk);
+                                batch.seq, mode, hooks, op.chunk, batch.sequence(op.micro));
       if (!acts.blocks.empty()) block_bytes = saved_bytes(acts.blocks[0]);
       if (g < last_chunk) exchange.send(comm.pp, at.rank[g + 1], stage_output(ctx, model, acts));
     } else {

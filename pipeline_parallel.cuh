@@ -104,6 +104,12 @@ struct StepBatch {
   const int32_t* inputs;   // host [micro_batches * mbs * seq]
   const int32_t* targets;  // host [micro_batches * mbs * seq]
   int micro_batches, mbs, seq;
+  // The number in the run of the first of these sequences (the data order's, runtime/data.cuh),
+  // which dropout draws its masks from; -1: none is dropped.
+  int64_t sequence0 = -1;
+  int64_t sequence(int micro) const {
+    return sequence0 < 0 ? -1 : sequence0 + (int64_t)micro * mbs;
+  }
 };
 // Runs every micro-batch of a step through this rank's chunks in the schedule's order:
 // receive, forward or backward, send, with the gradient sync's hooks; loss_scale turns each

@@ -75,6 +75,7 @@ static void resolve_options(Options& o) {
   validate_pipeline(o.model.layers, o.pp, o.pp_virtual, o.grad_acc, o.pp_schedule,
                     o.model.tie_embeddings, o.zero);
   validate_tensor_parallel(o.model, o.tp, o.sp);
+  validate_attention_dropout(o.model.dropout, o.attention);
   validate_expert_parallel(o.model, o, o.dp, o.cp);
   if (!o.gpu.empty()) gpu_profile(o.gpu);  // an unknown profile names the known ones
 }
@@ -312,6 +313,7 @@ static Model model_layout(Comm& comm, const Options& o) {
       pipeline_chunks(o.model.layers, o.pp, o.pp_virtual, comm.grid.pp_rank, o.pp_schedule),
       ExpertParallel{&comm, o.capacity_factor});
   model.attention = make_attention(comm, o, o.attention);
+  model.seed = o.seed;  // dropout's masks
   return model;
 }
 
@@ -375,7 +377,9 @@ static StepBatch local_batch(Trainer& t, int64_t step) {
                    t.inputs.data(), t.targets.data(), !o.no_shuffle, o.seed);
   t.my_inputs = select_context_tokens(t.cp, t.inputs.data(), o.mbs, seq, o.grad_acc);
   t.my_targets = select_context_tokens(t.cp, t.targets.data(), o.mbs, seq, o.grad_acc);
-  return StepBatch{t.my_inputs.data(), t.my_targets.data(), o.grad_acc, o.mbs, seq / t.cp.size()};
+  return StepBatch{t.my_inputs.data(), t.my_targets.data(),
+                   o.grad_acc,         o.mbs,
+                   seq / t.cp.size(),  step * t.global_batch + t.first_seq};
 }
 
 // The step's line on rank 0 (and its --log-json line): loss, what the meters add, lr, norm,

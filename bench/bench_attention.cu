@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "flash_attention.cuh"
+#include "kernels/attention_naive.cuh"
 
 // Best time of fn over repetitions after a warm-up, stopping after ~0.5 s (or 10 runs).
 static double time_best(const Context& ctx, const std::function<void()>& fn) {

@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "flash_attention.cuh"
+#include "kernels/attention_naive.cuh"
 #include "runtime/dtype.cuh"
 #include "runtime/ops.cuh"
 
@@ -219,29 +219,41 @@ static void check_attention_args(const Context& ctx, const AttentionShape& s,
   }
 }
 
-void attention_forward(const Context& ctx, const Tensor& out, const Tensor& probs, const Tensor& q,
-                       const Tensor& k, const Tensor& v, const AttentionShape& s) {
+void attention_probs(const Context& ctx, const Tensor& probs, const Tensor& q, const Tensor& k,
+                     const AttentionShape& s) {
   int qw = s.Hq * s.hd, kvw = s.Hkv * s.hd, group = s.Hq / s.Hkv, T = s.T, hd = s.hd;
-  check_attention_args(ctx, s, {{&out, qw}, {&q, qw}, {&k, kvw}, {&v, kvw}, {&probs, 0}});
+  check_attention_args(ctx, s, {{&q, qw}, {&k, kvw}, {&probs, 0}});
   // S[T, T] = Q_h[T, hd] K_g[T, hd]^T, unscaled: the softmax applies 1/sqrt(hd).
-  std::vector<HeadBatch> batches = head_batches(s, false);
-  for (const HeadBatch& hb : batches)
+  for (const HeadBatch& hb : head_batches(s, false))
     gemm_batched(ctx, false, true, T, T, hd, head_slice(q, hb.b, hb.h, s.Hq, s), qw, hb.q_stride(s),
                  head_slice(k, hb.b, hb.h / group, s.Hkv, s), kvw, hb.kv_stride(s), 0.0f,
                  score_slice(probs, hb.b, hb.h, s), T, hb.score_stride(s), hb.count);
   // In place: the scores become the probabilities saved for backward.
   causal_softmax_forward(ctx, probs.f32(), probs.f32(), s.B * s.Hq, T, 1.0f / sqrtf((float)hd));
+}
+
+void attention_output(const Context& ctx, const Tensor& out, const Tensor& probs, const Tensor& v,
+                      const AttentionShape& s) {
+  int qw = s.Hq * s.hd, kvw = s.Hkv * s.hd, group = s.Hq / s.Hkv, T = s.T, hd = s.hd;
+  check_attention_args(ctx, s, {{&out, qw}, {&v, kvw}, {&probs, 0}});
   // O_h[T, hd] = P[T, T] V_g[T, hd], written straight into its columns of out.
-  for (const HeadBatch& hb : batches)
+  for (const HeadBatch& hb : head_batches(s, false))
     gemm_batched(ctx, false, false, T, hd, T, score_slice(probs, hb.b, hb.h, s), T,
                  hb.score_stride(s), head_slice(v, hb.b, hb.h / group, s.Hkv, s), kvw,
                  hb.kv_stride(s), 0.0f, head_slice(out, hb.b, hb.h, s.Hq, s), qw, hb.q_stride(s),
                  hb.count);
 }
 
+void attention_forward(const Context& ctx, const Tensor& out, const Tensor& probs, const Tensor& q,
+                       const Tensor& k, const Tensor& v, const AttentionShape& s) {
+  attention_probs(ctx, probs, q, k, s);
+  attention_output(ctx, out, probs, v, s);
+}
+
 void attention_backward(const Context& ctx, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                         const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const Tensor& probs, const Tensor& scratch, const AttentionShape& s) {
+                        const Tensor& probs, const Tensor& scratch, const AttentionShape& s,
+                        const Tensor& dropped, const Tensor& mask, float p) {
   int qw = s.Hq * s.hd, kvw = s.Hkv * s.hd, group = s.Hq / s.Hkv, T = s.T, hd = s.hd;
   check_attention_args(ctx, s,
                        {{&dq, qw},
@@ -253,6 +265,7 @@ void attention_backward(const Context& ctx, const Tensor& dq, const Tensor& dk, 
                         {&v, kvw},
                         {&probs, 0},
                         {&scratch, 0}});
+  const Tensor& read = dropped.defined() ? dropped : probs;  // what the output GEMM read
   // The heads of a group share one K_g, V_g, so their gradients sum: the first head of the
   // group writes (beta 0), the rest add (beta 1), one head after the other (per-head batches).
   // No memset needed, and none to order.
@@ -265,10 +278,12 @@ void attention_backward(const Context& ctx, const Tensor& dq, const Tensor& dk, 
                  0.0f, score_slice(scratch, hb.b, hb.h, s), T, hb.score_stride(s), hb.count);
   // dV_g[T, hd] (+)= P^T dO_h
   for (const HeadBatch& hb : per_head)
-    gemm_batched(ctx, true, false, T, hd, T, score_slice(probs, hb.b, hb.h, s), T,
+    gemm_batched(ctx, true, false, T, hd, T, score_slice(read, hb.b, hb.h, s), T,
                  hb.score_stride(s), head_slice(dout, hb.b, hb.h, s.Hq, s), qw, hb.q_stride(s),
                  group_beta(hb.h), head_slice(dv, hb.b, hb.h / group, s.Hkv, s), kvw,
                  hb.kv_stride(s), hb.count);
+  // Under dropout that was the gradient of what it left: dP = d(dropped) * mask / (1 - p).
+  if (dropped.defined()) dropout_backward(ctx, scratch, scratch, mask, p);
   // dS = scale * P * (dP - rowsum(P * dP)), in place over dP; zero above the diagonal.
   causal_softmax_backward(ctx, scratch.f32(), scratch.f32(), probs.f32(), s.B * s.Hq, T,
                           1.0f / sqrtf((float)hd));
@@ -301,10 +316,10 @@ class NaiveAttention : public AttentionCore {
   void forward(const Context& ctx, const AttentionShape& s, const Tensor& out,
                AttentionSaved& saved, const Tensor& q, const Tensor& k,
                const Tensor& v) const override {
-    saved.probs = kept(ctx, {s.B, s.Hq, s.T, s.T});
     Tensor o = attention_output_fp32(ctx, out);  // fp32 values throughout (flash_attention.cuh)
-    attention_forward(ctx, o, saved.probs, cast_to(ctx, q, DType::F32), cast_to(ctx, k, DType::F32),
-                      cast_to(ctx, v, DType::F32), s);
+    keep_probs(ctx, s, saved, cast_to(ctx, q, DType::F32), cast_to(ctx, k, DType::F32));
+    attention_output(ctx, o, s.dropout ? saved.dropped : saved.probs, cast_to(ctx, v, DType::F32),
+                     s);
     attention_store_output(ctx, out, o);
   }
   void backward(const Context& ctx, const AttentionShape& s, const Tensor& dq, const Tensor& dk,
@@ -312,18 +327,34 @@ class NaiveAttention : public AttentionCore {
                 const Tensor& q16, const Tensor& k16, const Tensor& v16) const override {
     Tensor q = cast_to(ctx, q16, DType::F32), k = cast_to(ctx, k16, DType::F32),
            v = cast_to(ctx, v16, DType::F32);
-    if (!saved.probs.defined()) {  // selective recompute: dq serves as the rebuilt output's space
-      saved.probs = kept(ctx, {s.B, s.Hq, s.T, s.T});
-      attention_forward(ctx, dq, saved.probs, q, k, v, s);
-    }
+    // Selective recompute: the probabilities again, and dropout's mask drawn again (the same).
+    if (!saved.probs.defined()) keep_probs(ctx, s, saved, q, k);
     Tensor d_probs = empty(ctx, {s.B, s.Hq, s.T, s.T}, Mem::Workspace);
     attention_backward(ctx, dq, dk, dv, cast_to(ctx, dout, DType::F32), q, k, v, saved.probs,
-                       d_probs, s);
+                       d_probs, s, saved.dropped, saved.mask, s.dropout ? s.dropout->site.p : 0.0f);
   }
-  int64_t saved_bytes(int64_t B, int64_t T, int64_t heads, bool selective, int e) const override {
-    return selective ? 0 : e * B * heads * T * T;
+  // Per score: the probability (e bytes), and under dropout its mask (1) and what it left (e).
+  int64_t saved_bytes(int64_t B, int64_t T, int64_t heads, bool selective, int e,
+                      bool dropout) const override {
+    return selective ? 0 : (dropout ? 2 * e + 1 : e) * B * heads * T * T;
   }
-  std::string saved_formula(int e) const override { return std::to_string(e) + " Hq T"; }
+  std::string saved_formula(int e, bool dropout) const override {
+    return std::to_string(dropout ? 2 * e + 1 : e) + " Hq T";
+  }
+
+ private:
+  // saved's probabilities from q and k, and under dropout its mask and what it leaves of them.
+  static void keep_probs(const Context& ctx, const AttentionShape& s, AttentionSaved& saved,
+                         const Tensor& q, const Tensor& k) {
+    saved.probs = kept(ctx, {s.B, s.Hq, s.T, s.T});
+    attention_probs(ctx, saved.probs, q, k, s);
+    if (!s.dropout) return;
+    saved.mask = empty(ctx, {s.B, s.Hq, s.T, s.T}, Mem::Activations, DType::U8);
+    saved.dropped = kept(ctx, {s.B, s.Hq, s.T, s.T});
+    const AttentionDropout& d = *s.dropout;
+    dropout_attention_forward(ctx, saved.dropped, saved.mask, saved.probs, d.site, d.sequences,
+                              d.positions, d.head0);
+  }
 };
 }  // namespace
 

@@ -85,6 +85,7 @@ void validate_layout(const ModelConfig& cfg, const Layout& l) {
   validate_pipeline(cfg.layers, l.pp, l.virtual_stages, l.grad_acc, l.schedule, cfg.tie_embeddings,
                     l.zero);
   validate_expert_parallel(cfg, ExpertOptions{l.ep, 0.0}, l.dp, l.cp);
+  validate_attention_dropout(cfg.dropout, l.attention);
 }
 
 // ----------------------------------------------------------------------------
@@ -377,16 +378,22 @@ void print_book_memory(const ModelConfig& c, int mbs, int seq, int tp, bool sp, 
       "the book's closed forms for this shape (h %d, L %d, a %d, v %d; Playbook §2.4-§2.6, "
       "§5.3):\n",
       c.d_model, c.layers, c.heads, c.vocab);
+  // What this model is beside the book's GPT: the Llama, or the GPT block without linear biases.
+  const bool gpt = c.gpt_block();
+  char dropout[32] = "";
+  if (c.dropout > 0) snprintf(dropout, sizeof dropout, ", dropout %g", c.dropout);
   printf(
-      "  parameters: the book's GPT, h v + L (12 h^2 + 13 h) + 2 h = %.0f; this Llama (SwiGLU of "
-      "%d, %d kv heads, %s embeddings, no biases) %lld\n",
-      book_params, c.ffn, c.kv_heads, c.tie_embeddings ? "tied" : "untied",
-      (long long)parameter_count(c));
+      "  parameters: the book's GPT, h v + L (12 h^2 + 13 h) + 2 h = %.0f; this %s (%s of %d, %s, "
+      "%d kv heads, %s embeddings, no linear biases%s) %lld\n",
+      book_params, gpt ? "GPT" : "Llama", c.mlp == MlpKind::GeLU ? "GeLU" : "SwiGLU", c.ffn,
+      c.norm == NormKind::LayerNorm ? "LayerNorm" : "RMSNorm", c.kv_heads,
+      c.tie_embeddings ? "tied" : "untied", dropout, (long long)parameter_count(c));
   printf(
       "  activations of all %d layers, mbs %d x seq %d, tp %d%s, recompute %s: the book's %s = "
-      "%s; this Llama's, measured on this rank: %s (%d blocks x %s; layers only, without the "
+      "%s; this %s's, measured on this rank: %s (%d blocks x %s; layers only, without the "
       "embedding, the logits and the workspace)\n",
       c.layers, mbs, seq, tp, sp ? " + sp" : "", recompute_name(mode), formula.c_str(),
-      human_bytes(book).c_str(), human_bytes((double)blocks * block_bytes).c_str(), blocks,
+      human_bytes(book).c_str(), gpt ? "GPT" : "Llama",
+      human_bytes((double)blocks * block_bytes).c_str(), blocks,
       human_bytes((double)block_bytes).c_str());
 }

@@ -169,6 +169,8 @@ PlanResult plan_layouts(const ModelConfig& cfg, int64_t global_tokens, const Clu
         if (!space.cp && cp > 1) continue;
         Layout grid;
         grid.dp = world / tp / pp / cp, grid.tp = tp, grid.pp = pp, grid.cp = cp;
+        // Dropout masks naive attention's probabilities (the book's GPT block): its layouts'.
+        if (cfg.dropout > 0) grid.attention = AttentionKind::Naive;
         if (sequences % grid.dp) {  // §11.2: dp ranks take whole sequences
           r.tried++;
           reject("batch not reachable (" + std::to_string(sequences) +
@@ -281,11 +283,14 @@ void print_plan(const PlanResult& r, const ModelConfig& cfg, int64_t global_toke
       g.name.c_str(), 100 * g.gemm_efficiency, g.gemm_half_width, 100 * g.attention_efficiency,
       g.stream_efficiency, g.launch_s * 1e6);
   printf("activations: %s\n",
-         impl.activations == ActivationFormula::Llama
-             ? "picoscale's Llama (model.cu: RMSNorm, SwiGLU, grouped-query heads, fp32 residual "
-               "stream; --activations book for the book's 34 sbh + 5 a s^2 b)"
-             : "the book's 34 sbh + 5 a s^2 b (LayerNorm, GeLU, dropout, 16-bit; "
-               "--activations llama for picoscale's own)");
+         impl.activations != ActivationFormula::Llama
+             ? "the book's 34 sbh + 5 a s^2 b (LayerNorm, GeLU, dropout, 16-bit; "
+               "--activations llama for picoscale's own)"
+         : cfg.gpt_block()
+             ? "picoscale's GPT block (model.cu: LayerNorm, GeLU, dropout, the residual stream "
+               "as the layout keeps it; --activations book for the book's formula alone)"
+             : "picoscale's Llama (model.cu: RMSNorm, SwiGLU, grouped-query heads, fp32 residual "
+               "stream; --activations book for the book's 34 sbh + 5 a s^2 b)");
   printf("searched %lld layouts\n", (long long)r.tried);
   if (!r.error.empty()) return;
   for (int i = 0; i < top && i < (int)r.ranked.size(); i++) print_candidate(i + 1, r.ranked[i], cl);

@@ -400,6 +400,9 @@ static double shortest(float x) {
   return strtod(buf, nullptr);
 }
 
+// The architecture config.json names for the book's GPT block (ModelConfig::gpt_block).
+static const char* kGptArchitecture = "PicoscaleGptForCausalLM";
+
 json hf_config(const ModelConfig& cfg) {
   if (!cfg.loaded_config.empty()) {
     // A loaded config.json is written back as it was: its token ids, transformers' own keys,
@@ -432,6 +435,15 @@ json hf_config(const ModelConfig& cfg) {
             {"attention_bias", false},
             {"mlp_bias", false},
             {"picoscale_preset", cfg.preset}};
+  if (cfg.gpt_block() || cfg.dropout > 0) {
+    // The book's GPT block (LayerNorm, GeLU, dropout) has no transformers class: the same files
+    // under picoscale's own architecture, which only picoscale loads.
+    j["architectures"] = json::array({kGptArchitecture});
+    j["model_type"] = "picoscale-gpt";
+    j["norm_type"] = cfg.norm == NormKind::LayerNorm ? "layernorm" : "rmsnorm";
+    j["hidden_act"] = cfg.mlp == MlpKind::GeLU ? "gelu_pytorch_tanh" : "silu";
+    j["hidden_dropout"] = j["attention_dropout"] = shortest(cfg.dropout);
+  }
   if (cfg.experts > 0) {  // MixtralForCausalLM: the same Llama with a sparse MoE for its MLP
     j["architectures"] = json::array({"MixtralForCausalLM"});
     j["model_type"] = "mixtral";
@@ -475,10 +487,10 @@ ModelConfig config_from_hf(const json& j, const std::string& path) {
   auto has = [&](const char* name) {
     return arch->is_array() && std::find(arch->begin(), arch->end(), name) != arch->end();
   };
-  const bool mixtral = has("MixtralForCausalLM");
-  if (!has("LlamaForCausalLM") && !mixtral)
-    throw fail("architectures " + shown(*arch) +
-               " include neither LlamaForCausalLM nor MixtralForCausalLM");
+  const bool mixtral = has("MixtralForCausalLM"), gpt = has(kGptArchitecture);
+  if (!has("LlamaForCausalLM") && !mixtral && !gpt)
+    throw fail("architectures " + shown(*arch) + " include neither LlamaForCausalLM, " +
+               "MixtralForCausalLM nor " + kGptArchitecture);
   ModelConfig cfg;
   cfg.d_model = positive_int("hidden_size", true, 0);
   cfg.ffn = positive_int("intermediate_size", true, 0);
@@ -523,8 +535,23 @@ ModelConfig config_from_hf(const json& j, const std::string& path) {
   if (positive_int("head_dim", false, cfg.d_model / cfg.heads) != cfg.head_dim())
     throw fail("head_dim differs from hidden_size / num_attention_heads = " +
                std::to_string(cfg.head_dim()) + "; picoscale derives head_dim");
-  if (const json* act = find("hidden_act", false); act && *act != "silu")
+  if (gpt) {  // the book's GPT block, as hf_config writes it
+    const json* norm = find("norm_type", true);
+    const json* act = find("hidden_act", true);
+    const json* dropout = find("hidden_dropout", false);
+    if (*norm != "layernorm" && *norm != "rmsnorm")
+      throw fail("norm_type " + shown(*norm) + ": layernorm or rmsnorm");
+    if (*act != "gelu_pytorch_tanh" && *act != "silu")
+      throw fail("hidden_act " + shown(*act) + ": gelu_pytorch_tanh or silu");
+    if (dropout &&
+        !(dropout->is_number() && dropout->get<double>() >= 0 && dropout->get<double>() < 1))
+      throw fail("hidden_dropout " + shown(*dropout) + ": a probability from 0 to below 1");
+    cfg.norm = *norm == "layernorm" ? NormKind::LayerNorm : NormKind::RMSNorm;
+    cfg.mlp = *act == "gelu_pytorch_tanh" ? MlpKind::GeLU : MlpKind::SwiGLU;
+    cfg.dropout = dropout ? dropout->get<float>() : 0.0f;
+  } else if (const json* act = find("hidden_act", false); act && *act != "silu") {
     throw fail("hidden_act " + shown(*act) + " is not supported (picoscale's MLP is SwiGLU, silu)");
+  }
   // rope_scaling of rope_type "default" (transformers 4's older spelling: "type") is plain RoPE,
   // as transformers reads it; any other type scales the angles, which picoscale does not.
   if (const json* scaling = find("rope_scaling", false)) {

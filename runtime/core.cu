@@ -60,6 +60,8 @@ const char* dtype_name(DType t) {
       return "F8_E4M3";
     case DType::F8E5M2:
       return "F8_E5M2";
+    case DType::U8:
+      return "U8";
   }
   return "?";
 }
@@ -75,6 +77,7 @@ size_t dtype_size(DType t) {
       return 2;
     case DType::F8E4M3:
     case DType::F8E5M2:
+    case DType::U8:
       return 1;
     default:
       return 4;
@@ -326,6 +329,10 @@ float* Tensor::f32() const {
 int32_t* Tensor::i32() const {
   PICO_ASSERT(dtype == DType::I32, "tensor is not I32");
   return (int32_t*)ptr;
+}
+uint8_t* Tensor::u8() const {
+  PICO_ASSERT(dtype == DType::U8, "tensor is not U8");
+  return (uint8_t*)ptr;
 }
 Tensor Tensor::view(int64_t offset, std::vector<int64_t> new_shape) const {
   Tensor t = *this;

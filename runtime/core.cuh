@@ -83,7 +83,7 @@ struct UsageError : std::runtime_error {
 // op counts its cost in the ledger (runtime/ledger.cuh) and computes nothing.
 enum class Device { CPU, CUDA, Meta };
 // F32 and I32 compute; BF16, F16 and the two FP8 formats are storage (mixed_precision.cuh).
-enum class DType { F32, I32, BF16, F16, F8E4M3, F8E5M2 };
+enum class DType { F32, I32, BF16, F16, F8E4M3, F8E5M2, U8 };  // U8: masks (dropout)
 enum class Mem { Params, Grads, Optimizer, Activations, Workspace, Count };
 // What the linear layers compute in (--dtype; mixed_precision.cuh): their inputs rounded to
 // bf16 or fp16 (or FP8 tiles), products summed in fp32, outputs rounded; everything else fp32.
@@ -178,6 +178,7 @@ struct Tensor {
   bool defined() const { return ptr != nullptr; }
   float* f32() const;    // checks dtype
   int32_t* i32() const;  // checks dtype
+  uint8_t* u8() const;   // checks dtype
   // A view of `shape` starting `offset` elements in; shares (and keeps alive) the buffer.
   Tensor view(int64_t offset, std::vector<int64_t> new_shape) const;
   Tensor reshape(std::vector<int64_t> new_shape) const { return view(0, new_shape); }

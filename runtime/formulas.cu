@@ -74,10 +74,12 @@ TpTraffic tp_expected_traffic(const ModelConfig& c, int B, int T, int tp, bool s
     // per block: forward 2 all-gathers (enter) + 2 reduce-scatters (exit); backward 2 all-gathers
     // (exit), 2 more re-gathering the norm outputs, 2 reduce-scatters (enter). Embedding: a
     // reduce-scatter forward, an all-gather backward; head: an all-gather forward and one
-    // backward, a reduce-scatter backward. Norm weight gradients: 2L + 1 all-reduces of D.
+    // backward, a reduce-scatter backward. Norm weight gradients: 2L + 1 all-reduces of D (2D
+    // with LayerNorm: its weight and bias together).
     t.all_gather = (6 * L + 3) * ag(K);
     t.reduce_scatter = (4 * L + 2) * ag(K);
-    t.all_reduce = (2 * L + 1) * ar(4 * c.d_model);
+    const int64_t norm_grads = c.norm == NormKind::LayerNorm ? 2 : 1;
+    t.all_reduce = (2 * L + 1) * ar(4 * norm_grads * c.d_model);
   } else {
     // per block: an all-reduce after attention and after the MLP (forward), one before each in
     // backward; the embedding forward and the head backward add one each.

@@ -1,4 +1,6 @@
 // model_config.cu: the presets, their checks and the closed-form parameter count.
+#include <cstdio>
+
 #include "runtime/core.cuh"
 #include "runtime/model_config.cuh"
 
@@ -44,6 +46,18 @@ ModelConfig model_preset(const std::string& name) {
       b.preset = name, b.kv_heads = b.heads, b.seq = 4096;
       return b;
     }
+  // The book's GPT (Playbook §2.5: LayerNorm, a GeLU MLP of 4h, dropout 0.1, the embedding
+  // tied to the head) at the shapes of the book's activation figures (Llama 3's L, h and a, as
+  // many kv heads as heads), whose activations are the book's sbh(34 + 5as/h) per layer.
+  const std::pair<const char*, const char*> gpt[] = {
+      {"gpt-1b", "book-1b"}, {"gpt-3b", "book-3b"}, {"gpt-8b", "book-8b"}, {"gpt-70b", "book-80b"}};
+  for (const auto& [ours, base] : gpt)
+    if (name == ours) {
+      ModelConfig g = model_preset(base);
+      g.preset = name, g.ffn = 4 * g.d_model, g.tie_embeddings = true;
+      g.norm = NormKind::LayerNorm, g.mlp = MlpKind::GeLU, g.dropout = 0.1f;
+      return g;
+    }
   if (name == "mixtral-8x7b") {  // Mixtral-8x7B's shape (its rope_theta 1e6), at seq 4096
     c.vocab = 32000, c.d_model = 4096, c.layers = 32, c.heads = 32, c.kv_heads = 8;
     c.ffn = 14336, c.experts = 8, c.top_k = 2, c.rope_theta = 1e6f, c.seq = 4096;
@@ -54,11 +68,21 @@ ModelConfig model_preset(const std::string& name) {
   throw UsageError("--model " + name + ": unknown preset; choose one of " + known);
 }
 std::vector<std::string> model_preset_names() {
-  return {"tiny",      "tiny-moe", "medium",  "smollm-135m", "llama-1b", "llama-3b",    "llama-8b",
-          "llama-70b", "book-1b",  "book-3b", "book-8b",     "book-80b", "mixtral-8x7b"};
+  return {"tiny",     "tiny-moe",  "medium",  "smollm-135m", "llama-1b",    "llama-3b",
+          "llama-8b", "llama-70b", "book-1b", "book-3b",     "book-8b",     "book-80b",
+          "gpt-1b",   "gpt-3b",    "gpt-8b",  "gpt-70b",     "mixtral-8x7b"};
 }
 
 void validate_model_config(const ModelConfig& c) {
+  if (!(c.dropout >= 0.0f && c.dropout < 1.0f)) {
+    char value[32];
+    snprintf(value, sizeof value, "%g", c.dropout);
+    throw UsageError(std::string("--dropout ") + value +
+                     ": a probability of dropping, from 0 (none) to below 1, e.g. 0.1");
+  }
+  if (c.experts > 0 && c.mlp == MlpKind::GeLU)
+    throw UsageError("--mlp gelu with --experts " + std::to_string(c.experts) +
+                     ": a mixture's experts are SwiGLU MLPs (Mixtral's); drop one of the two");
   if (c.experts < 0)
     throw UsageError("--experts " + std::to_string(c.experts) + ": 0 (a dense MLP) or more");
   if (c.experts > 0 && (c.top_k < 1 || c.top_k > c.experts))
@@ -86,9 +110,11 @@ void validate_model_config(const ModelConfig& c) {
 
 int64_t parameter_count(const ModelConfig& c) {
   int64_t V = c.vocab, D = c.d_model, F = c.ffn, hd = c.head_dim();
-  int64_t mlp = c.experts > 0 ? c.experts * 3 * D * F + D * c.experts : 3 * D * F;
-  int64_t block = 2 * D + D * hd * (2 * c.heads + 2 * c.kv_heads) + mlp;
-  return V * D + c.layers * block + D + (c.tie_embeddings ? 0 : V * D);
+  const int64_t matrices = c.mlp == MlpKind::GeLU ? 2 : 3;
+  int64_t mlp = c.experts > 0 ? c.experts * 3 * D * F + D * c.experts : matrices * D * F;
+  const int64_t norm = c.norm == NormKind::LayerNorm ? 2 * D : D;  // LayerNorm's bias
+  int64_t block = 2 * norm + D * hd * (2 * c.heads + 2 * c.kv_heads) + mlp;
+  return V * D + c.layers * block + norm + (c.tie_embeddings ? 0 : V * D);
 }
 
 int64_t expert_parameter_count(const ModelConfig& c) {

@@ -6,6 +6,11 @@
 #include <string>
 #include <vector>
 
+// The block's norm and MLP: the Llama's (RMSNorm, SwiGLU), or the book's GPT's (Playbook
+// §2.5: LayerNorm with a bias, a GeLU MLP of 4h), whose activations the book's tables count.
+enum class NormKind { RMSNorm, LayerNorm };
+enum class MlpKind { SwiGLU, GeLU };
+
 struct ModelConfig {
   std::string preset = "tiny";
   int vocab = 256;    // vocab_size
@@ -26,7 +31,13 @@ struct ModelConfig {
   // A loaded Mixtral's sliding_window (0: none): tokens attend only that far back, which
   // picoscale does not implement, so a run whose --seq is longer than it is refused.
   int sliding_window = 0;
+  NormKind norm = NormKind::RMSNorm;  // --norm
+  MlpKind mlp = MlpKind::SwiGLU;      // --mlp
+  // Dropout's probability (--dropout) on attention's probabilities and on the attention's and
+  // the MLP's outputs before their residual adds, as the book's GPT has it; 0: none.
+  float dropout = 0.0f;
   std::string loaded_config;  // the config.json --load read ("": none), which --save writes back
+  bool gpt_block() const { return norm != NormKind::RMSNorm || mlp != MlpKind::SwiGLU; }
   int head_dim() const { return d_model / heads; }
 };
 
@@ -34,7 +45,8 @@ ModelConfig model_preset(const std::string& name);  // tiny, medium, smollm-135m
 std::vector<std::string> model_preset_names();
 void validate_model_config(const ModelConfig& cfg);  // throws UsageError naming the flag
 // Closed form: V*D [embed] + L*(2D + D*hd*(2Hq + 2Hkv) + 3*D*F) + D + (tied ? 0 : V*D), the
-// MLP's 3DF being E(3DF) + DE (the experts and the router) under a mixture of experts
+// MLP's 3DF being E(3DF) + DE (the experts and the router) under a mixture of experts, 2DF
+// with GeLU; each norm's D being 2D with LayerNorm (its bias)
 int64_t parameter_count(const ModelConfig& cfg);
 // The experts' weights alone (0 without them): L x E x 3 D F, which expert parallelism splits.
 int64_t expert_parameter_count(const ModelConfig& cfg);

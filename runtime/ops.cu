@@ -229,6 +229,31 @@ static void with_element_beside(DType t, F&& f) {
   }
 }
 
+// Calls f with null pointers of the element types of a stream tensor and of the operands beside
+// it, in order: f((S*)0, (A*)0, ...) for the dtypes (stream, a, ...), one with_element for the
+// stream and one with_element_beside for each operand, nested.
+template <typename S, typename F>
+static void with_elements_beside(F&& f) {
+  f();
+}
+template <typename S, typename F, typename... Rest>
+static void with_elements_beside(F&& f, DType t, Rest... rest) {
+  with_element_beside<S>(
+      t, [&](auto* e) { with_elements_beside<S>([&](auto*... more) { f(e, more...); }, rest...); });
+}
+template <typename F, typename... Rest>
+static void with_elements(F&& f, DType stream, Rest... beside) {
+  with_element(stream, [&](auto* s) {
+    using S = std::remove_pointer_t<decltype(s)>;
+    with_elements_beside<S>([&](auto*... e) { f(s, e...); }, beside...);
+  });
+}
+// p as a pointer to E (the element type with_elements gave).
+template <typename E>
+static E* typed(E*, const void* p) {
+  return (E*)p;
+}
+
 // ============================================================================
 // embedding: a row gather forward, a scatter-add backward
 // ============================================================================
@@ -491,17 +516,12 @@ void rmsnorm_forward(const Context& ctx, const Tensor& y, const Tensor& rstd, co
     return;
   if (ctx.device == Device::CPU) return rmsnorm_forward_host(y, rstd, x, w, eps);
   if (T == 0) return;  // a grid of zero blocks is a launch error, not a no-op
-  with_element(x.dtype, [&](auto* stream) {
-    using X = std::remove_pointer_t<decltype(stream)>;
-    with_element_beside<X>(y.dtype, [&](auto* type) {
-      using Y = std::remove_pointer_t<decltype(type)>;
-      with_element_beside<X>(w.dtype, [&](auto* weight) {
-        using W = std::remove_pointer_t<decltype(weight)>;
+  with_elements(
+      [&](auto* X, auto* Y, auto* W) {
         rmsnorm_forward_kernel<<<T, kThreads, 0, ctx.stream>>>(
-            (Y*)y.ptr, rstd.f32(), (const X*)x.ptr, (const W*)w.ptr, D, eps);
-      });
-    });
-  });
+            typed(Y, y.ptr), rstd.f32(), typed(X, x.ptr), typed(W, w.ptr), D, eps);
+      },
+      x.dtype, y.dtype, w.dtype);
   LAUNCH_CHECK(ctx, "rmsnorm_forward_kernel");
 }
 
@@ -530,21 +550,13 @@ void residual_rmsnorm_forward(const Context& ctx, const Tensor& sum, const Tenso
     return rmsnorm_forward_host(y, rstd, sum, w, eps);
   }
   if (T == 0) return;
-  with_element(a.dtype, [&](auto* stream) {
-    using S = std::remove_pointer_t<decltype(stream)>;
-    with_element_beside<S>(b.dtype, [&](auto* branch) {
-      using B = std::remove_pointer_t<decltype(branch)>;
-      with_element_beside<S>(y.dtype, [&](auto* out) {
-        using Y = std::remove_pointer_t<decltype(out)>;
-        with_element_beside<S>(w.dtype, [&](auto* weight) {
-          using W = std::remove_pointer_t<decltype(weight)>;
-          residual_rmsnorm_kernel<<<T, kThreads, 0, ctx.stream>>>(
-              (S*)sum.ptr, (Y*)y.ptr, rstd.f32(), (const S*)a.ptr, (const B*)b.ptr, (const W*)w.ptr,
-              D, eps);
-        });
-      });
-    });
-  });
+  with_elements(
+      [&](auto* S, auto* B, auto* Y, auto* W) {
+        residual_rmsnorm_kernel<<<T, kThreads, 0, ctx.stream>>>(
+            typed(S, sum.ptr), typed(Y, y.ptr), rstd.f32(), typed(S, a.ptr), typed(B, b.ptr),
+            typed(W, w.ptr), D, eps);
+      },
+      a.dtype, b.dtype, y.dtype, w.dtype);
   LAUNCH_CHECK(ctx, "residual_rmsnorm_kernel");
 }
 
@@ -596,23 +608,15 @@ void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, co
   if (T == 0) return;  // no rows: nothing to add (and a zero-block grid would not launch)
   Tensor partials = empty(ctx, {row_blocks, D}, Mem::Workspace);  // [T / kDwRows, D]
   const DType rounded_dtype = dx_rounded.defined() ? dx_rounded.dtype : DType::F32;
-  with_element(x.dtype, [&](auto* stream) {
-    using X = std::remove_pointer_t<decltype(stream)>;
-    with_element_beside<X>(dy.dtype, [&](auto* grad) {
-      using G = std::remove_pointer_t<decltype(grad)>;
-      with_element_beside<X>(w.dtype, [&](auto* weight) {
-        using W = std::remove_pointer_t<decltype(weight)>;
-        // A 16-bit stream has no rounded copy (float: a null pointer never written through).
-        with_element_beside<X>(
-            std::is_same_v<X, float> ? rounded_dtype : DType::F32, [&](auto* copy) {
-              using R = std::remove_pointer_t<decltype(copy)>;
-              rmsnorm_backward_kernel<<<row_blocks, kThreads, 0, ctx.stream>>>(
-                  (X*)dx.ptr, (R*)dx_rounded.ptr, partials.f32(), (const G*)dy.ptr, (const X*)x.ptr,
-                  (const W*)w.ptr, rstd.f32(), T, D);
-            });
-      });
-    });
-  });
+  // A 16-bit stream has no rounded copy (float: a null pointer never written through).
+  const DType copy_dtype = x.dtype == DType::F32 ? rounded_dtype : DType::F32;
+  with_elements(
+      [&](auto* X, auto* G, auto* W, auto* R) {
+        rmsnorm_backward_kernel<<<row_blocks, kThreads, 0, ctx.stream>>>(
+            typed(X, dx.ptr), typed(R, dx_rounded.ptr), partials.f32(), typed(G, dy.ptr),
+            typed(X, x.ptr), typed(W, w.ptr), rstd.f32(), T, D);
+      },
+      x.dtype, dy.dtype, w.dtype, copy_dtype);
   LAUNCH_CHECK(ctx, "rmsnorm_backward_kernel");
   rmsnorm_dw_sum_kernel<<<grid_for(D), kThreads, 0, ctx.stream>>>(dw.f32(), partials.f32(),
                                                                   row_blocks, D);
@@ -887,6 +891,425 @@ void swiglu_backward(const Context& ctx, const Tensor& dgate, const Tensor& dup,
 }
 
 // ============================================================================
+// The book's GPT block (Playbook §2.5): LayerNorm with a bias, GeLU, dropout
+// ============================================================================
+
+// LayerNorm (Ba et al. 2016): y = (x - mean) / sqrt(var + eps) * w + b over each row of D,
+// the variance taken about the mean in a second pass (no cancellation). stats [T, 2]: (mean,
+// 1/std) per row, fp32, what the backward reads.
+static void layernorm_forward_cpu(float* y, float* stats, const float* x, const float* w,
+                                  const float* b, int T, int D, float eps) {
+  for (int t = 0; t < T; t++) {
+    const float* xr = x + (int64_t)t * D;  // [D]
+    float sum = 0.0f;
+    for (int i = 0; i < D; i++) sum += xr[i];
+    const float mean = sum / D;
+    float ss = 0.0f;
+    for (int i = 0; i < D; i++) ss += (xr[i] - mean) * (xr[i] - mean);
+    const float r = 1.0f / sqrtf(ss / D + eps);
+    stats[2 * t] = mean;
+    stats[2 * t + 1] = r;
+    for (int i = 0; i < D; i++) y[(int64_t)t * D + i] = (xr[i] - mean) * r * w[i] + b[i];
+  }
+}
+// With xhat = (x - mean) r and g = dy w: dx += r (g - mean(g) - xhat mean(g xhat)), the last two
+// terms the gradient through the mean and through r; dw += sum_t dy xhat, db += sum_t dy, the
+// column sums in double (as RMSNorm's).
+static void layernorm_backward_cpu(float* dx, float* dw, float* db, const float* dy, const float* x,
+                                   const float* w, const float* stats, int T, int D) {
+  std::vector<double> dw_col(D, 0.0), db_col(D, 0.0);
+  for (int t = 0; t < T; t++) {
+    const float *xr = x + (int64_t)t * D, *dyr = dy + (int64_t)t * D;  // [D]
+    const float mean = stats[2 * t], r = stats[2 * t + 1];
+    float g_sum = 0.0f, gx_sum = 0.0f;
+    for (int i = 0; i < D; i++) {
+      g_sum += dyr[i] * w[i];
+      gx_sum += dyr[i] * w[i] * ((xr[i] - mean) * r);
+    }
+    const float g_mean = g_sum / D, gx_mean = gx_sum / D;
+    for (int i = 0; i < D; i++) {
+      const float xhat = (xr[i] - mean) * r;
+      dx[(int64_t)t * D + i] += r * (dyr[i] * w[i] - g_mean - xhat * gx_mean);
+      dw_col[i] += (double)(dyr[i] * xhat);
+      db_col[i] += (double)dyr[i];
+    }
+  }
+  for (int i = 0; i < D; i++) {
+    dw[i] += (float)dw_col[i];
+    db[i] += (float)db_col[i];
+  }
+}
+
+// One block per row, as RMSNorm's: the row's sum, then its squared deviations, reduced by the
+// block; X the stream's storage, Y the output's (the compute format), W the weight's and bias's.
+template <typename X, typename Y, typename W>
+static __global__ void layernorm_forward_kernel(Y* y, float* stats, const X* x, const W* w,
+                                                const W* b, int D, float eps) {
+  const X* xr = x + (int64_t)blockIdx.x * D;  // [D]
+  float sum = 0.0f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) sum += widen(xr[i]);
+  const float mean = block_reduce(sum, false) / D;
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x)
+    ss += (widen(xr[i]) - mean) * (widen(xr[i]) - mean);
+  const float r = 1.0f / sqrtf(block_reduce(ss, false) / D + eps);
+  if (threadIdx.x == 0) {
+    stats[2 * blockIdx.x] = mean;
+    stats[2 * blockIdx.x + 1] = r;
+  }
+  for (int i = threadIdx.x; i < D; i += blockDim.x)
+    store(y + (int64_t)blockIdx.x * D + i, (widen(xr[i]) - mean) * r * widen(w[i]) + widen(b[i]));
+}
+// dx as RMSNorm's backward kernel computes it (a block walks kDwRows rows, reducing each row's
+// two sums), and each block's partial column sums of dy xhat and dy in partials [blocks, 2, D],
+// which layernorm_dwdb_sum_kernel adds in block order: deterministic.
+template <typename X, typename G, typename W>
+static __global__ void layernorm_backward_kernel(X* dx, float* partials, const G* dy, const X* x,
+                                                 const W* w, const float* stats, int T, int D) {
+  float* dw_part = partials + (int64_t)blockIdx.x * 2 * D;  // [D], then db's [D]
+  float* db_part = dw_part + D;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) dw_part[i] = db_part[i] = 0.0f;
+  const int first = blockIdx.x * kDwRows, last = min(T, first + kDwRows);
+  for (int t = first; t < last; t++) {
+    const int64_t row = (int64_t)t * D;
+    const float mean = stats[2 * t], r = stats[2 * t + 1];
+    float g_sum = 0.0f, gx_sum = 0.0f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      const float g = widen(dy[row + i]) * widen(w[i]);
+      g_sum += g;
+      gx_sum += g * ((widen(x[row + i]) - mean) * r);
+    }
+    const float g_mean = block_reduce(g_sum, false) / D;
+    const float gx_mean = block_reduce(gx_sum, false) / D;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      const float d = widen(dy[row + i]), xhat = (widen(x[row + i]) - mean) * r;
+      store(dx + row + i, widen(dx[row + i]) + r * (d * widen(w[i]) - g_mean - xhat * gx_mean));
+      dw_part[i] += d * xhat;
+      db_part[i] += d;
+    }
+  }
+}
+static __global__ void layernorm_dwdb_sum_kernel(float* dw, float* db, const float* partials,
+                                                 int blocks, int D) {
+  GRID_STRIDE_LOOP(i, (int64_t)D) {
+    float w_sum = 0.0f, b_sum = 0.0f;
+    for (int k = 0; k < blocks; k++) {
+      w_sum += partials[(int64_t)k * 2 * D + i];
+      b_sum += partials[(int64_t)k * 2 * D + D + i];
+    }
+    dw[i] += w_sum;
+    db[i] += b_sum;
+  }
+}
+
+void layernorm_forward(const Context& ctx, const Tensor& y, const Tensor& stats, const Tensor& x,
+                       const Tensor& w, const Tensor& b, float eps) {
+  check_devices(ctx, "layernorm_forward", y, stats, x, w, b);
+  int D = (int)x.size(-1), T = (int)(x.numel() / D);
+  PICO_ASSERT(
+      y.numel() == x.numel() && stats.numel() == 2 * (int64_t)T && w.numel() == D && b.numel() == D,
+      "layernorm_forward shapes " + x.shape_str());
+  PICO_ASSERT(float_storage(x.dtype) && float_storage(y.dtype) && float_storage(w.dtype) &&
+                  b.dtype == w.dtype,
+              "layernorm_forward: x, y, w fp32 or 16-bit, b in w's format");
+  const double ex = dtype_size(x.dtype), ey = dtype_size(y.dtype), ew = dtype_size(w.dtype);
+  if (count_op(ctx.device, OpKind::Norm,
+               {7.0 * T * D, ex * T * D + 2 * ew * D, ey * T * D + 8.0 * T}))
+    return;
+  if (ctx.device == Device::CPU) {
+    std::vector<float> x_wide, w_wide, b_wide, y_wide;
+    layernorm_forward_cpu(host_output(y, y_wide), stats.f32(), host_floats(x, x_wide),
+                          host_floats(w, w_wide), host_floats(b, b_wide), T, D, eps);
+    return store_rounded(y, y_wide);
+  }
+  if (T == 0) return;
+  with_elements(
+      [&](auto* X, auto* Y, auto* W) {
+        layernorm_forward_kernel<<<T, kThreads, 0, ctx.stream>>>(typed(Y, y.ptr), stats.f32(),
+                                                                 typed(X, x.ptr), typed(W, w.ptr),
+                                                                 typed(W, b.ptr), D, eps);
+      },
+      x.dtype, y.dtype, w.dtype);
+  LAUNCH_CHECK(ctx, "layernorm_forward_kernel");
+}
+
+void layernorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, const Tensor& db,
+                        const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& stats) {
+  check_devices(ctx, "layernorm_backward", dx, dw, db, dy, x, w, stats);
+  int D = (int)x.size(-1), T = (int)(x.numel() / D);
+  PICO_ASSERT(dx.numel() == x.numel() && dy.numel() == x.numel() && dw.numel() == D &&
+                  db.numel() == D && stats.numel() == 2 * (int64_t)T,
+              "layernorm_backward shapes " + x.shape_str());
+  PICO_ASSERT(dx.dtype == x.dtype && float_storage(x.dtype) && float_storage(dy.dtype) &&
+                  float_storage(w.dtype) && dw.dtype == DType::F32 && db.dtype == DType::F32,
+              "layernorm_backward: dx and x of one format, dw and db fp32");
+  const double ex = dtype_size(x.dtype), eg = dtype_size(dy.dtype), ew = dtype_size(w.dtype);
+  const int row_blocks = (T + kDwRows - 1) / kDwRows;
+  const double partial_bytes = 8.0 * row_blocks * D;
+  if (count_op(ctx.device, OpKind::Norm,
+               {12.0 * T * D, (2 * ex + eg) * T * D + 8.0 * T + ew * D + 8.0 * D + partial_bytes,
+                ex * T * D + 8.0 * D + partial_bytes, 2}))
+    return;
+  if (ctx.device == Device::CPU) {
+    std::vector<float> dy_wide, w_wide, x_wide, dx_wide;
+    const bool wide_dx = dx.dtype != DType::F32;
+    if (wide_dx) dx_wide = widened(dx);
+    float* dxv = wide_dx ? dx_wide.data() : dx.f32();
+    layernorm_backward_cpu(dxv, dw.f32(), db.f32(), host_floats(dy, dy_wide),
+                           host_floats(x, x_wide), host_floats(w, w_wide), stats.f32(), T, D);
+    if (wide_dx) cast_gradient_host(dx.ptr, dx.dtype, dxv, dx.numel());  // rounded once
+    return;
+  }
+  if (T == 0) return;
+  Tensor partials = empty(ctx, {row_blocks, 2, D}, Mem::Workspace);
+  with_elements(
+      [&](auto* X, auto* G, auto* W) {
+        layernorm_backward_kernel<<<row_blocks, kThreads, 0, ctx.stream>>>(
+            typed(X, dx.ptr), partials.f32(), typed(G, dy.ptr), typed(X, x.ptr), typed(W, w.ptr),
+            stats.f32(), T, D);
+      },
+      x.dtype, dy.dtype, w.dtype);
+  LAUNCH_CHECK(ctx, "layernorm_backward_kernel");
+  layernorm_dwdb_sum_kernel<<<grid_for(D), kThreads, 0, ctx.stream>>>(
+      dw.f32(), db.f32(), partials.f32(), row_blocks, D);
+  LAUNCH_CHECK(ctx, "layernorm_dwdb_sum_kernel");
+}
+
+// GeLU, the tanh form GPT-2 and the book's GPT use: 0.5 x (1 + tanh(k (x + 0.044715 x^3))),
+// k = sqrt(2 / pi); its derivative 0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 * 0.044715 x^2).
+static __host__ __device__ inline float gelu(float x) {
+  const float k = 0.7978845608028654f, t = tanhf(k * (x + 0.044715f * x * x * x));
+  return 0.5f * x * (1.0f + t);
+}
+static __host__ __device__ inline float gelu_grad(float x) {
+  const float k = 0.7978845608028654f, t = tanhf(k * (x + 0.044715f * x * x * x));
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * k * (1.0f + 3.0f * 0.044715f * x * x);
+}
+template <typename E>  // float, or the 16-bit format the tensors are stored in
+static __global__ void gelu_forward_kernel(E* out, const E* in, int64_t n) {
+  GRID_STRIDE_LOOP(i, n) store(out + i, gelu(widen(in[i])));
+}
+template <typename E, typename G>  // G: the gradients' storage, fp32 or E
+static __global__ void gelu_backward_kernel(G* din, const G* dout, const E* in, int64_t n) {
+  GRID_STRIDE_LOOP(i, n) store(din + i, widen(dout[i]) * gelu_grad(widen(in[i])));
+}
+void gelu_forward(const Context& ctx, const Tensor& out, const Tensor& in) {
+  check_devices(ctx, "gelu_forward", out, in);
+  const int64_t n = in.numel();
+  PICO_ASSERT(out.numel() == n && float_storage(in.dtype) && out.dtype == in.dtype,
+              "gelu_forward: out and in of one shape and one format");
+  const double e = (double)dtype_size(in.dtype);
+  if (count_op(ctx.device, OpKind::Elementwise, {8.0 * n, e * n, e * n})) return;
+  if (ctx.device == Device::CPU) {
+    std::vector<float> in_wide, out_wide;
+    const float* x = host_floats(in, in_wide);
+    float* y = host_output(out, out_wide);
+    for (int64_t i = 0; i < n; i++) y[i] = gelu(x[i]);
+    return store_rounded(out, out_wide);
+  }
+  with_elements(
+      [&](auto* E) {
+        gelu_forward_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(typed(E, out.ptr),
+                                                                      typed(E, in.ptr), n);
+      },
+      in.dtype);
+  LAUNCH_CHECK(ctx, "gelu_forward_kernel");
+}
+void gelu_backward(const Context& ctx, const Tensor& din, const Tensor& dout, const Tensor& in) {
+  check_devices(ctx, "gelu_backward", din, dout, in);
+  const int64_t n = in.numel();
+  PICO_ASSERT(din.numel() == n && dout.numel() == n && float_storage(in.dtype) &&
+                  (dout.dtype == DType::F32 || dout.dtype == in.dtype) && din.dtype == dout.dtype,
+              "gelu_backward: din and dout fp32, or in the input's format");
+  const double e = (double)dtype_size(in.dtype), ge = (double)dtype_size(dout.dtype);
+  if (count_op(ctx.device, OpKind::Elementwise, {12.0 * n, (e + ge) * n, ge * n})) return;
+  if (ctx.device == Device::CPU) {
+    std::vector<float> in_wide, dout_wide, din_wide;
+    const float *x = host_floats(in, in_wide), *d = host_floats(dout, dout_wide);
+    float* dx = host_output(din, din_wide);
+    for (int64_t i = 0; i < n; i++) dx[i] = d[i] * gelu_grad(x[i]);
+    if (din.dtype != DType::F32) cast_gradient_host(din.ptr, din.dtype, din_wide.data(), n);
+    return;
+  }
+  with_elements(
+      [&](auto* E, auto* G) {
+        gelu_backward_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(
+            typed(G, din.ptr), typed(G, dout.ptr), typed(E, in.ptr), n);
+      },
+      in.dtype, dout.dtype);
+  LAUNCH_CHECK(ctx, "gelu_backward_kernel");
+}
+
+// Dropout (Srivastava et al. 2014). Whether an element is kept is a hash of where it is in the
+// run (DropoutSite: the seed, layer and site; the token: its sequence's number in the run and
+// its position; the element's place in the token's row), never of which rank holds it or of
+// a random stream's state: any layout draws the mask one process draws, and a recomputed
+// forward draws it again. Kept elements are scaled by 1 / (1 - p); mask: 1 kept, 0 dropped.
+static __host__ __device__ inline uint64_t mix64(uint64_t z) {  // splitmix64's finaliser
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+static __host__ __device__ inline bool dropout_keeps(uint64_t site, uint32_t sequence,
+                                                     uint32_t position, uint32_t a, uint32_t b,
+                                                     uint32_t threshold) {
+  uint64_t h = mix64(site + (((uint64_t)sequence << 32) | position));
+  h = mix64(h + (((uint64_t)a << 32) | b));
+  return (uint32_t)(h >> 32) >= threshold;
+}
+uint64_t DropoutSite::key() const {
+  return mix64(mix64(seed + 0x5eedull) + (((uint64_t)(uint32_t)layer << 8) | (uint32_t)site));
+}
+uint32_t DropoutSite::threshold() const {  // p of 2^32, so that a draw below it drops
+  return (uint32_t)std::min(4294967295.0, std::floor((double)p * 4294967296.0));
+}
+float DropoutSite::scale() const {
+  return 1.0f / (1.0f - p);
+}
+
+// Row r of x [rows, D] is token (sequences[row0 + r], positions[row0 + r]); element (r, d) is
+// keyed (token, d, 0).
+template <typename E>
+static __global__ void dropout_rows_kernel(E* y, uint8_t* mask, const E* x, uint64_t site,
+                                           uint32_t threshold, float scale,
+                                           const int32_t* sequences, const int32_t* positions,
+                                           int64_t row0, int64_t n, int D) {
+  GRID_STRIDE_LOOP(i, n) {
+    const int64_t token = row0 + i / D;
+    const bool keep =
+        dropout_keeps(site, sequences[token], positions[token], (uint32_t)(i % D), 0, threshold);
+    mask[i] = keep;
+    store(y + i, keep ? widen(x[i]) * scale : 0.0f);
+  }
+}
+void dropout_forward(const Context& ctx, const Tensor& y, const Tensor& mask, const Tensor& x,
+                     const DropoutSite& site, const Tensor& sequences, const Tensor& positions,
+                     int64_t row0) {
+  check_devices(ctx, "dropout_forward", y, mask, x, sequences, positions);
+  const int D = (int)x.size(-1);
+  const int64_t n = x.numel(), rows = n / D;
+  PICO_ASSERT(y.numel() == n && mask.numel() == n && mask.dtype == DType::U8 &&
+                  y.dtype == x.dtype && float_storage(x.dtype) &&
+                  sequences.numel() == positions.numel() && row0 + rows <= sequences.numel(),
+              "dropout_forward: y and a U8 mask of x's shape " + x.shape_str() + ", rows " +
+                  std::to_string(row0) + " + " + std::to_string(rows) + " of " +
+                  std::to_string(sequences.numel()) + " tokens");
+  const double e = (double)dtype_size(x.dtype);
+  if (count_op(ctx.device, OpKind::Elementwise, {(double)n, e * n + 8.0 * rows, (e + 1) * n}))
+    return;
+  const uint64_t key = site.key();
+  const uint32_t threshold = site.threshold();
+  const float scale = site.scale();
+  if (ctx.device == Device::CPU) {
+    std::vector<float> x_wide, y_wide;
+    const float* xv = host_floats(x, x_wide);
+    float* yv = host_output(y, y_wide);
+    const int32_t *seq = sequences.i32(), *pos = positions.i32();
+    for (int64_t i = 0; i < n; i++) {
+      const int64_t token = row0 + i / D;
+      const bool keep = dropout_keeps(key, seq[token], pos[token], (uint32_t)(i % D), 0, threshold);
+      mask.u8()[i] = keep;
+      yv[i] = keep ? xv[i] * scale : 0.0f;
+    }
+    return store_rounded(y, y_wide);
+  }
+  if (n == 0) return;
+  with_elements(
+      [&](auto* E) {
+        dropout_rows_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(
+            typed(E, y.ptr), mask.u8(), typed(E, x.ptr), key, threshold, scale, sequences.i32(),
+            positions.i32(), row0, n, D);
+      },
+      x.dtype);
+  LAUNCH_CHECK(ctx, "dropout_rows_kernel");
+}
+
+// probs [B, H, T, T] of this rank's heads head0 .. head0 + H - 1: element (b, h, i, j) is keyed
+// (query token b T + i, head0 + h, key position). Above the diagonal every mask is 0.
+static __global__ void dropout_attention_kernel(float* dropped, uint8_t* mask, const float* probs,
+                                                uint64_t site, uint32_t threshold, float scale,
+                                                const int32_t* sequences, const int32_t* positions,
+                                                int H, int T, int head0, int64_t n) {
+  GRID_STRIDE_LOOP(e, n) {
+    const int j = (int)(e % T), i = (int)(e / T % T), h = (int)(e / ((int64_t)T * T) % H);
+    const int64_t b = e / ((int64_t)T * T * H), q = b * T + i, k = b * T + j;
+    const bool keep = j <= i && dropout_keeps(site, sequences[q], positions[q],
+                                              (uint32_t)(head0 + h), positions[k], threshold);
+    mask[e] = keep;
+    dropped[e] = keep ? probs[e] * scale : 0.0f;
+  }
+}
+void dropout_attention_forward(const Context& ctx, const Tensor& dropped, const Tensor& mask,
+                               const Tensor& probs, const DropoutSite& site,
+                               const Tensor& sequences, const Tensor& positions, int head0) {
+  check_devices(ctx, "dropout_attention_forward", dropped, mask, probs, sequences, positions);
+  const int T = (int)probs.size(3), H = (int)probs.size(1), B = (int)probs.size(0);
+  const int64_t n = probs.numel();
+  PICO_ASSERT(probs.dim() == 4 && dropped.numel() == n && mask.numel() == n &&
+                  mask.dtype == DType::U8 && probs.dtype == DType::F32 &&
+                  dropped.dtype == DType::F32 && sequences.numel() == (int64_t)B * T &&
+                  positions.numel() == (int64_t)B * T,
+              "dropout_attention_forward: probabilities " + probs.shape_str() +
+                  " in fp32, a U8 mask, a sequence and position per token");
+  if (count_op(ctx.device, OpKind::Attention, {(double)n, 4.0 * n + 16.0 * B * T, 5.0 * n})) return;
+  const uint64_t key = site.key();
+  const uint32_t threshold = site.threshold();
+  const float scale = site.scale();
+  if (ctx.device == Device::CPU) {
+    const int32_t *seq = sequences.i32(), *pos = positions.i32();
+    for (int64_t e = 0; e < n; e++) {
+      const int j = (int)(e % T), i = (int)(e / T % T), h = (int)(e / ((int64_t)T * T) % H);
+      const int64_t b = e / ((int64_t)T * T * H), q = b * T + i, k = b * T + j;
+      const bool keep =
+          j <= i && dropout_keeps(key, seq[q], pos[q], (uint32_t)(head0 + h), pos[k], threshold);
+      mask.u8()[e] = keep;
+      dropped.f32()[e] = keep ? probs.f32()[e] * scale : 0.0f;
+    }
+    return;
+  }
+  if (n == 0) return;
+  dropout_attention_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(
+      dropped.f32(), mask.u8(), probs.f32(), key, threshold, scale, sequences.i32(),
+      positions.i32(), H, T, head0, n);
+  LAUNCH_CHECK(ctx, "dropout_attention_kernel");
+}
+
+// dx = dy * mask * scale: the backward of either dropout (dx may be dy).
+template <typename E>
+static __global__ void dropout_backward_kernel(E* dx, const E* dy, const uint8_t* mask, float scale,
+                                               int64_t n) {
+  GRID_STRIDE_LOOP(i, n) store(dx + i, mask[i] ? widen(dy[i]) * scale : 0.0f);
+}
+void dropout_backward(const Context& ctx, const Tensor& dx, const Tensor& dy, const Tensor& mask,
+                      float p) {
+  check_devices(ctx, "dropout_backward", dx, dy, mask);
+  const int64_t n = dy.numel();
+  PICO_ASSERT(dx.numel() == n && mask.numel() == n && mask.dtype == DType::U8 &&
+                  dx.dtype == dy.dtype && float_storage(dy.dtype),
+              "dropout_backward: dx and dy of one format, a U8 mask of their size");
+  const double e = (double)dtype_size(dy.dtype);
+  if (count_op(ctx.device, OpKind::Elementwise, {(double)n, (e + 1) * n, e * n})) return;
+  const float scale = DropoutSite{0, 0, 0, p}.scale();
+  if (ctx.device == Device::CPU) {
+    std::vector<float> dy_wide, dx_wide;
+    const float* d = host_floats(dy, dy_wide);
+    float* out = host_output(dx, dx_wide);
+    for (int64_t i = 0; i < n; i++) out[i] = mask.u8()[i] ? d[i] * scale : 0.0f;
+    if (dx.dtype != DType::F32) cast_gradient_host(dx.ptr, dx.dtype, dx_wide.data(), n);
+    return;
+  }
+  if (n == 0) return;
+  with_elements(
+      [&](auto* E) {
+        dropout_backward_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(
+            typed(E, dx.ptr), typed(E, dy.ptr), mask.u8(), scale, n);
+      },
+      dy.dtype);
+  LAUNCH_CHECK(ctx, "dropout_backward_kernel");
+}
+
+// ============================================================================
 // residual add, axpy, scale_: one elementwise out = alpha * a + beta * b
 // ============================================================================
 
@@ -923,14 +1346,12 @@ static void axpby(const Context& ctx, const Tensor& out, float alpha, const Tens
     axpby_cpu(host_output(out, out_wide), alpha, host_floats(a, a_wide), beta, bv, n);
     return store_rounded(out, out_wide);
   }
-  with_element(out.dtype, [&](auto* stream) {
-    using O = std::remove_pointer_t<decltype(stream)>;
-    with_element_beside<O>(tb, [&](auto* type) {
-      using B = std::remove_pointer_t<decltype(type)>;
-      axpby_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(
-          (O*)out.ptr, alpha, (const O*)a.ptr, beta, b ? (const B*)b->ptr : nullptr, n);
-    });
-  });
+  with_elements(
+      [&](auto* O, auto* B) {
+        axpby_kernel<<<grid_for(n), kThreads, 0, ctx.stream>>>(
+            typed(O, out.ptr), alpha, typed(O, a.ptr), beta, typed(B, b ? b->ptr : nullptr), n);
+      },
+      out.dtype, tb);
   LAUNCH_CHECK(ctx, "axpby_kernel");
 }
 void residual_forward(const Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b) {

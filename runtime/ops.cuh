@@ -96,6 +96,44 @@ void swiglu_forward(const Context& ctx, const Tensor& out, const Tensor& gate, c
 void swiglu_backward(const Context& ctx, const Tensor& dgate, const Tensor& dup, const Tensor& dout,
                      const Tensor& gate, const Tensor& up);
 
+// ---- The book's GPT block (Playbook §2.5): LayerNorm with a bias, GeLU, dropout ----
+// y [T, D] = (x - mean) / sqrt(var + eps) * w + b per row; stats [T, 2] (fp32) receives each
+// row's mean and 1/std. x: the stream's storage; y: fp32 or the compute format; b in w's format.
+void layernorm_forward(const Context& ctx, const Tensor& y, const Tensor& stats, const Tensor& x,
+                       const Tensor& w, const Tensor& b, float eps);
+// dx += (in x's format), dw += and db += (fp32) from dy [T, D] and the forward's stats.
+void layernorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, const Tensor& db,
+                        const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& stats);
+// out = gelu(in), GPT-2's tanh form; out and in in one format (fp32, bf16 or fp16).
+void gelu_forward(const Context& ctx, const Tensor& out, const Tensor& in);
+// din (=) dout * gelu'(in): din and dout fp32, or in in's 16-bit format (rounded once).
+void gelu_backward(const Context& ctx, const Tensor& din, const Tensor& dout, const Tensor& in);
+// Where a dropout is in the run: the seed, the layer and which of the block's dropouts (site),
+// and its probability p of dropping an element. Whether an element is dropped is a hash of that,
+// of its token (the number of its sequence in the run, its position) and of its place in the
+// token's row: the same in any layout, and again when a forward is recomputed.
+struct DropoutSite {
+  uint64_t seed = 0;
+  int layer = 0, site = 0;
+  float p = 0.0f;
+  uint64_t key() const;        // the seed, layer and site hashed
+  uint32_t threshold() const;  // a 32-bit draw below it drops the element
+  float scale() const;         // what a kept element is multiplied by: 1 / (1 - p)
+};
+// y = x * mask / (1 - p) (y may be x), mask [rows, D] U8 (1: kept). Row r of x is the token of
+// sequences[row0 + r] and positions[row0 + r] ([N] int32 each: the micro-batch's tokens).
+void dropout_forward(const Context& ctx, const Tensor& y, const Tensor& mask, const Tensor& x,
+                     const DropoutSite& site, const Tensor& sequences, const Tensor& positions,
+                     int64_t row0);
+// The same on attention's probabilities [B, H, T, T] (fp32) of query heads head0 ..: element
+// (b, h, i, j) is the query token b T + i's, keyed by its head and the key's position.
+void dropout_attention_forward(const Context& ctx, const Tensor& dropped, const Tensor& mask,
+                               const Tensor& probs, const DropoutSite& site,
+                               const Tensor& sequences, const Tensor& positions, int head0);
+// dx = dy * mask / (1 - p), either dropout's backward (dx may be dy; one format).
+void dropout_backward(const Context& ctx, const Tensor& dx, const Tensor& dy, const Tensor& mask,
+                      float p);
+
 // ---- residual: out = a + b (backward is the identity into both branches) ----
 // out and a fp32 (the residual stream); b fp32, or a layer's output in bf16 / fp16 read widened
 void residual_forward(const Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b);

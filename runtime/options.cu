@@ -99,7 +99,11 @@ void add_shape_flag(CLI::App& group, RunOptions& o, const std::string& flag,
 void add_run_flags(CLI::App& app, RunOptions& o) {
   o.app = &app;
   CLI::App& model = flag_group(app, "The model: a tiny Llama (model.cu)");
-  model.add_option("--model", o.preset, "preset: tiny, tiny-moe, medium, smollm-135m, llama-1b")
+  model
+      .add_option("--model", o.preset,
+                  "preset: tiny, tiny-moe, medium, smollm-135m, llama-1b; at the book's scale "
+                  "(--device meta): llama-3b|8b|70b, book-1b|3b|8b|80b, gpt-1b|3b|8b|70b (the "
+                  "book's GPT block), mixtral-8x7b")
       ->capture_default_str();
   auto shape = [&](const char* flag, int ModelConfig::*field, const char* help) {
     add_shape_flag(model, o, flag, field, help);
@@ -114,6 +118,17 @@ void add_run_flags(CLI::App& app, RunOptions& o) {
   shape("--seq", &ModelConfig::seq, "tokens per sequence, at most 1048576");
   model.add_option("--rope-theta", o.model.rope_theta, "RoPE base, > 0");
 
+  add_choice(model, "--norm", &o.model.norm,
+             {{"rmsnorm", NormKind::RMSNorm}, {"layernorm", NormKind::LayerNorm}},
+             "the block's norm: rmsnorm (Llama) or layernorm (the book's GPT, with a bias; "
+             "default: the preset's)");
+  add_choice(model, "--mlp", &o.model.mlp, {{"swiglu", MlpKind::SwiGLU}, {"gelu", MlpKind::GeLU}},
+             "the block's MLP: swiglu (Llama: gate, up, down) or gelu (the book's GPT: up, down; "
+             "default: the preset's)");
+  model.add_option("--dropout", o.model.dropout,
+                   "dropout on attention's probabilities and on the attention's and MLP's outputs "
+                   "(the book's GPT: 0.1), 0 to below 1; needs --attention naive (default: the "
+                   "preset's)");
   model.add_flag("--tie-embeddings", o.model.tie_embeddings, "share embedding and LM head");
   model.add_flag("--untie-embeddings", o.untie_embeddings,
                  "give the LM head weights of its own when the preset ties them (llama-1b, "
@@ -247,6 +262,9 @@ static void check_preset_agrees(const RunOptions& o, const ModelConfig& flags) {
       {"num_local_experts", preset.experts, loaded.experts},
       {"num_experts_per_tok", preset.experts ? preset.top_k : 0, loaded.experts ? loaded.top_k : 0},
       {"tie_word_embeddings", preset.tie_embeddings, loaded.tie_embeddings},
+      {"norm_type (1: layernorm)", preset.norm == NormKind::LayerNorm,
+       loaded.norm == NormKind::LayerNorm},
+      {"hidden_act (1: gelu)", preset.mlp == MlpKind::GeLU, loaded.mlp == MlpKind::GeLU},
       {"rope_theta", preset.rope_theta, loaded.rope_theta}};
   for (auto [key, ours, theirs] : fields)
     if (ours != theirs)
@@ -286,10 +304,21 @@ static void resolve_model(RunOptions& o) {
     if (o.given("--tie-embeddings") && !o.model.tie_embeddings)
       throw disagree("--tie-embeddings", "tie_word_embeddings false");
     if (o.given("--aux-loss-coef")) o.model.aux_loss_coef = flags.aux_loss_coef;  // a loss weight
+    if (o.given("--norm") && flags.norm != o.model.norm)
+      throw disagree(
+          "--norm", "norm_type " +
+                        std::string(o.model.norm == NormKind::LayerNorm ? "layernorm" : "rmsnorm"));
+    if (o.given("--mlp") && flags.mlp != o.model.mlp)
+      throw disagree("--mlp", std::string("hidden_act ") +
+                                  (o.model.mlp == MlpKind::GeLU ? "gelu_pytorch_tanh" : "silu"));
+    if (o.given("--dropout")) o.model.dropout = flags.dropout;  // a training setting
   } else {
     o.model = model_preset(o.preset);
     for (auto [flag, field] : o.shape)
       if (o.given(flag)) o.model.*field = flags.*field;
+    if (o.given("--norm")) o.model.norm = flags.norm;
+    if (o.given("--mlp")) o.model.mlp = flags.mlp;
+    if (o.given("--dropout")) o.model.dropout = flags.dropout;
     if (o.given("--rope-theta")) o.model.rope_theta = flags.rope_theta;
     if (o.given("--aux-loss-coef")) o.model.aux_loss_coef = flags.aux_loss_coef;
     o.model.tie_embeddings = o.model.tie_embeddings || flags.tie_embeddings;

@@ -246,8 +246,7 @@ void print_zero_comm_report(const Comm& comm, const ZeroCommReport& r) {
 // Tensor parallelism
 
 void print_activation_report(int64_t measured, int64_t formula, const std::string& run,
-                             const std::string& attention_term, bool sp, int e, int er,
-                             bool routed) {
+                             const ActivationTerms& t, bool sp, int e, int er, bool routed) {
   printf("activations per block and micro-batch (--report memory; %s, %s):\n", run.c_str(),
          e == 4    ? "stored in fp32"
          : er == 4 ? "stored in 16 bits, residual stream and statistics fp32"
@@ -258,12 +257,13 @@ void print_activation_report(int64_t measured, int64_t formula, const std::strin
          : routed            ? ", the routing's (the formula assumes it balanced)"
                              : ", DIFFERENT");
   printf(
-      "  formula: N(%dD + 8)/%s + N(%dD + %d Hkv hd + %dF + %s)/tp bytes, N = mbs x seq: "
-      "the book's sbh(34 + 5as/h) for this Llama; norms and residuals (the book's 10) "
-      "shrink with tp only under sp (34/t); attention keeps %s per token (the probabilities: "
-      "%d Hq T, the 5as/h term; FlashAttention's log-sum-exp: 4 Hq, linear in the sequence)\n",
-      2 * er + 2 * e, sp ? "tp" : "1", 2 * e, 2 * e, 3 * e, attention_term.c_str(),
-      attention_term.c_str(), e);
+      "  formula: N(%s)/%s + N(%s + %s)/tp bytes, N = mbs x seq: the book's sbh(34 + 5as/h) for "
+      "%s; norms and residuals (the book's 10) shrink with tp only under sp (34/t); attention "
+      "keeps %s per token (the probabilities%s: %s, the 5as/h term; FlashAttention's "
+      "log-sum-exp: 4 Hq, linear in the sequence)\n",
+      t.outside.c_str(), sp ? "tp" : "1", t.inside.c_str(), t.attention.c_str(), t.block.c_str(),
+      t.attention.c_str(), t.dropout ? ", dropout's mask and what it left" : "",
+      (std::to_string(t.dropout ? 2 * e + 1 : e) + " Hq T").c_str());
   if (routed)
     printf(
         "  a mixture of experts keeps k(2D + 3F/tp) x %d bytes per token in place of 3F/tp x %d:"

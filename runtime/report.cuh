@@ -52,13 +52,20 @@ void print_zero_comm_report(const Comm& comm, const ZeroCommReport& r);
 
 // One block's saved activations for this run's micro-batch, measured, next to the formula
 // (model.cu's activation_bytes_per_block); `run` describes the layout ("tp 2 + sp, recompute
-// none, flash attention"), `attention_term` the attention's bytes per token ("4 Hq").
+// none, flash attention"), `terms` the formula's terms as the model writes them (below).
 // e: bytes per element of what is stored in the compute format (4, or 2 under --dtype); er: of
 // the residual stream (4, or 2 under --residual-dtype).
 // routed: a mixture of experts, whose kept rows are what the routing sent to this rank's
 // experts; the formula counts N k rows, so a rank's own differs unless the routing is balanced.
+// The formula's terms as the model writes them (model.cu): bytes per token outside the tp region
+// ("8D + 8") and inside it without attention ("4D + 4 Hkv hd + 6F"), attention's ("2 Hq T"),
+// and which block it is for ("this Llama").
+struct ActivationTerms {
+  std::string outside, inside, attention, block;
+  bool dropout = false;  // attention also keeps dropout's mask and what it left
+};
 void print_activation_report(int64_t measured, int64_t formula, const std::string& run,
-                             const std::string& attention_term, bool sp, int e, int er,
+                             const ActivationTerms& terms, bool sp, int e, int er,
                              bool routed = false);
 // Tensor parallelism (Playbook §5, §6): what the tp group sent per training step (measured over
 // the training steps only; `measured` totals over `steps`), next to the count of all-reduces,

@@ -12,6 +12,7 @@
 
 #include "cuda_case.cuh"
 #include "flash_attention.cuh"
+#include "kernels/attention_naive.cuh"
 
 namespace {
 

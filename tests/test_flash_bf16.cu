@@ -11,6 +11,7 @@
 
 #include "cuda_case.cuh"
 #include "flash_attention.cuh"
+#include "kernels/attention_naive.cuh"
 #include "kernels/flash_attention_bf16.cuh"
 #include "reference.cuh"
 #include "runtime/dtype.cuh"

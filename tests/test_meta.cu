@@ -440,3 +440,55 @@ TEST_CASE("the planner's memory per category equals the meta run's, layout by la
     REQUIRE(std::abs(parse_bytes(m[4]) / GiB - std::stod(p[5])) <= 0.0051);  // both rounded
   }
 }
+
+// The book's activation tables (Playbook §2.5-§2.6 and §5.3; their numbers in the reference
+// notes, §2.5 and §21) through the code that trains: the book's GPT block at its shapes
+// (gpt-8b: Llama 3.1 8B's L, h and a; gpt-70b: 70B's), on the meta device, every activation in
+// bf16 as the book's are. --report memory's layers-only line against the book's figures: 8B at
+// seq 4096 with no, selective and full recomputation, 97.02, 17.02 and 1.016 GiB (its figure
+// adds ~0.02 GiB of terms outside the layers to the formula's 97.00, 17.00 and 1.00); 70B under
+// tp 8 and 16 with selective recomputation, 32.5 and 28.75 GiB, and with sp 10.625 and 5.3125.
+// Within 2% each (the ~1% of the full row is the figure's model-level terms, which the
+// layers-only line leaves out).
+TEST_CASE("the GPT block's meta runs give the book's activation tables within 2%", "[train]") {
+  const std::string gpt =
+      " --mbs 1 --steps 1 --val-seqs 1 --attention naive --dtype bf16 --residual-dtype bf16 "
+      "--report memory --recompute ";
+  const std::pair<std::string, double> cases[] = {
+      {"--model gpt-8b" + gpt + "none", 97.02},
+      {"--model gpt-8b" + gpt + "selective", 17.02},
+      {"--model gpt-8b" + gpt + "full", 1.016},
+      {"--model gpt-70b" + gpt + "selective --tp 8 --simulate-world 8", 32.5},
+      {"--model gpt-70b" + gpt + "selective --tp 16 --simulate-world 16", 28.75},
+      {"--model gpt-70b" + gpt + "selective --tp 8 --sp --simulate-world 8", 10.625},
+      {"--model gpt-70b" + gpt + "selective --tp 16 --sp --simulate-world 16", 5.3125},
+  };
+  for (const auto& [args, book] : cases) {
+    RunResult r = run_train("--device meta " + args);
+    INFO(args << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    std::smatch m;
+    REQUIRE(std::regex_search(
+        r.output, m, std::regex("this GPT's, measured on this rank: ([0-9.]+ [KMGT]?i?B)")));
+    const double gib = parse_bytes(m[1]) / (1024.0 * 1024 * 1024);
+    CHECK(std::abs(gib - book) <= 0.02 * book);
+  }
+}
+
+// The GPT block's flags: what they cannot do is refused on every rank with exit code 2, naming
+// the flag and the fix.
+TEST_CASE("the GPT block's flags refuse what they cannot do, with exit code 2", "[train]") {
+  const std::pair<std::string, std::string> cases[] = {
+      {"--model gpt-8b --device meta", "--dropout 0.1 with --attention flash"},
+      {"--model tiny --dropout 1", "--dropout 1"},
+      {"--model tiny --dropout -0.5", "--dropout -0.5"},
+      {"--model tiny-moe --mlp gelu", "--mlp gelu with --experts 8"},
+      {"--model tiny --norm rms", "--norm rms: expected rmsnorm or layernorm"},
+  };
+  for (const auto& [args, says] : cases) {
+    RunResult r = run_train(args + " --steps 1");
+    INFO(args << "\n" << r.output);
+    CHECK(r.code == 2);
+    CHECK_THAT(r.output, Catch::Contains(says));
+  }
+}

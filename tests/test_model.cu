@@ -15,6 +15,14 @@ static ModelConfig small_config() {
   c.init_std = 0.2f;  // larger weights: larger gradients, so finite differences resolve them
   return c;
 }
+// The same shape with the book's GPT block: LayerNorm with a bias, a GeLU MLP of 4h, dropout,
+// multi-head attention.
+static ModelConfig small_gpt_config() {
+  ModelConfig c = small_config();
+  c.norm = NormKind::LayerNorm, c.mlp = MlpKind::GeLU, c.ffn = 4 * c.d_model, c.dropout = 0.25f;
+  c.kv_heads = c.heads;  // as many key/value heads as query heads, as the book's GPT
+  return c;
+}
 
 static void random_tokens(std::vector<int32_t>& v, int vocab, uint64_t seed) {
   uint64_t key = rng_key(seed, "tokens");
@@ -69,11 +77,13 @@ TEST_CASE("initialisation depends on (seed, name, index) only", "[model]") {
   REQUIRE(std::equal(s.begin(), s.end(), whole.begin() + 50));
 }
 
-// Mean loss of one batch at the current weights.
+// Mean loss of one batch at the current weights (its sequences numbered from sequence0 in the
+// run, which draws dropout's masks; -1: none dropped).
 static double batch_loss(const Context& ctx, Model& m, const std::vector<int32_t>& ids,
-                         const std::vector<int32_t>& tgt, int B, int T) {
+                         const std::vector<int32_t>& tgt, int B, int T, int64_t sequence0 = -1) {
   Activations acts;
-  return model_forward(ctx, m, acts, ids.data(), tgt.data(), B, T, Recompute::None) / (B * T);
+  return model_forward(ctx, m, acts, ids.data(), tgt.data(), B, T, Recompute::None, {}, sequence0) /
+         (B * T);
 }
 
 // small_config's model at seed 3, tied or not, a batch, and the gradients of its mean loss.
@@ -81,10 +91,11 @@ struct ModelWithGradients {
   Model m;
   int B = 2, T = 0;
   std::vector<int32_t> ids, tgt;
+  int64_t sequence0 = 5;  // the batch's first sequence in the run: dropout's masks, if any
   // The mean loss with tensor p set to `values` (p is restored by the caller).
   double loss_with(const Context& ctx, Tensor& p, const std::vector<float>& values) {
     from_host(p, values.data());
-    return batch_loss(ctx, m, ids, tgt, B, T);
+    return batch_loss(ctx, m, ids, tgt, B, T, sequence0);
   }
 };
 static ModelWithGradients model_with_gradients(const Context& ctx, const ModelConfig& c) {
@@ -92,16 +103,20 @@ static ModelWithGradients model_with_gradients(const Context& ctx, const ModelCo
   g.ids.resize(g.B * g.T), g.tgt.resize(g.B * g.T);
   random_tokens(g.ids, c.vocab, 1), random_tokens(g.tgt, c.vocab, 2);
   Activations acts;
-  model_forward(ctx, g.m, acts, g.ids.data(), g.tgt.data(), g.B, g.T, Recompute::None);
+  model_forward(ctx, g.m, acts, g.ids.data(), g.tgt.data(), g.B, g.T, Recompute::None, {},
+                g.sequence0);
   model_backward(ctx, g.m, acts, 1.0f / (g.B * g.T), Recompute::None);
   return g;
 }
 
+// Also the book's GPT block, its dropout masks fixed by where they are drawn (the loss a smooth
+// function of the weights with the masks held).
 TEST_CASE("the whole model's gradient matches central finite differences", "[model]") {
   Context ctx = Context::create(Device::CPU);
-  ModelConfig c = small_config();
-  for (bool tied : {false, true}) {
-    c.tie_embeddings = tied;
+  ModelConfig gpt = small_gpt_config(), tied = small_config(), untied = small_config();
+  tied.tie_embeddings = true;
+  for (const ModelConfig& c : {untied, tied, gpt}) {
+    INFO((c.gpt_block() ? "the GPT block" : c.tie_embeddings ? "tied" : "untied"));
     ModelWithGradients g = model_with_gradients(ctx, c);
     Model& m = g.m;
     // Per tensor: the directional derivative along a random direction u (restricted to that
@@ -198,36 +213,71 @@ TEST_CASE(
   }
 }
 
+// With the book's GPT block too: recomputation draws dropout's masks again, the same ones.
 TEST_CASE("recompute modes give identical gradients and keep less activation memory", "[model]") {
   Context ctx = Context::create(Device::CPU);
-  ModelConfig c = small_config();
-  c.seq = 32;  // long enough that the attention probabilities dominate a block
-  int B = 2, T = c.seq;
+  for (ModelConfig c : {small_config(), small_gpt_config()}) {
+    INFO((c.gpt_block() ? "the GPT block with dropout" : "the Llama"));
+    c.seq = 32;  // long enough that the attention probabilities dominate a block
+    int B = 2, T = c.seq;
+    std::vector<int32_t> ids(B * T), tgt(B * T);
+    random_tokens(ids, c.vocab, 4), random_tokens(tgt, c.vocab, 5);
+    std::vector<std::vector<float>> grads;
+    std::vector<size_t> peaks;
+    for (Recompute mode : {Recompute::None, Recompute::Selective, Recompute::Full}) {
+      Model m = build_model(c, Device::CPU, 9);
+      memory_reset_peak();
+      size_t base = memory_stats().current[(int)Mem::Activations];
+      Activations acts;
+      model_forward(ctx, m, acts, ids.data(), tgt.data(), B, T, mode, {}, 3);
+      model_backward(ctx, m, acts, 1.0f / (B * T), mode);
+      peaks.push_back(memory_stats().peak[(int)Mem::Activations] - base);
+      grads.push_back(to_host_floats(m.grads));
+    }
+    // Recomputation runs the very same float operations again, so the gradients are bitwise equal.
+    REQUIRE(grads[0] == grads[1]);
+    REQUIRE(grads[0] == grads[2]);
+    INFO("peak activation bytes: none " << peaks[0] << ", selective " << peaks[1] << ", full "
+                                        << peaks[2]);
+    REQUIRE(peaks[0] > peaks[1]);
+    REQUIRE(peaks[1] > peaks[2]);
+    // Selective keeps no block's [B, Hq, T, T] probabilities after the forward (it rebuilds one
+    // block's at a time in the backward), so it saves at least one block's worth at the peak.
+    size_t probs = (size_t)B * c.heads * T * T * sizeof(float);
+    REQUIRE(peaks[0] - peaks[1] >= probs);
+  }
+}
+
+// The book's GPT block keeps what the book counts (Playbook §2.5, Korthikanti et al.): per
+// block and token, in bytes, with every tensor in 16 bits: the two LayerNorms' inputs 4h, q k v
+// 6h, the out-projection's input 2h, the MLP's input 2h, GeLU's input and output 8h each, two
+// dropout masks 2h, and per head and key the probabilities, dropout's mask and what it left
+// (5 a s); plus, which the book leaves out, each LayerNorm's mean and 1/std in fp32 (16 bytes).
+// Measured on the block, and by the formula the reports print, against that sum written here.
+TEST_CASE("the GPT block keeps the book's 34 s b h + 5 a s^2 b bytes of activations", "[model]") {
+  Context ctx = Context::create(Device::CPU);
+  ModelConfig c = small_gpt_config();
+  c.seq = 16;
+  const int B = 2, T = c.seq;
+  const int64_t s = T, b = B, h = c.d_model, a = c.heads;
   std::vector<int32_t> ids(B * T), tgt(B * T);
   random_tokens(ids, c.vocab, 4), random_tokens(tgt, c.vocab, 5);
-  std::vector<std::vector<float>> grads;
-  std::vector<size_t> peaks;
+  // The model's activations in bf16 (e = 2), its residual stream too (er = 2), as the book's.
+  ctx.precision = Precision::BF16;
+  ctx.residual = DType::BF16;
+  Model m = build_model(c, Device::CPU, 9);
   for (Recompute mode : {Recompute::None, Recompute::Selective, Recompute::Full}) {
-    Model m = build_model(c, Device::CPU, 9);
-    memory_reset_peak();
-    size_t base = memory_stats().current[(int)Mem::Activations];
+    INFO(recompute_name(mode));
     Activations acts;
-    model_forward(ctx, m, acts, ids.data(), tgt.data(), B, T, mode);
-    model_backward(ctx, m, acts, 1.0f / (B * T), mode);
-    peaks.push_back(memory_stats().peak[(int)Mem::Activations] - base);
-    grads.push_back(to_host_floats(m.grads));
+    model_forward(ctx, m, acts, ids.data(), tgt.data(), B, T, mode, {}, 0);
+    const int64_t book = mode == Recompute::Full        ? 2 * s * b * h
+                         : mode == Recompute::Selective ? 34 * s * b * h
+                                                        : 34 * s * b * h + 5 * a * s * s * b;
+    const int64_t stats = mode == Recompute::Full ? 0 : 2 * 8 * s * b;
+    CHECK(saved_bytes(acts.blocks[0]) == book + stats);
+    CHECK(activation_bytes_per_block(c, B, T, 1, false, mode, *m.attention, 2, 2) == book + stats);
+    model_backward(ctx, m, acts, 1.0f, mode);
   }
-  // Recomputation runs the very same float operations again, so the gradients are bitwise equal.
-  REQUIRE(grads[0] == grads[1]);
-  REQUIRE(grads[0] == grads[2]);
-  INFO("peak activation bytes: none " << peaks[0] << ", selective " << peaks[1] << ", full "
-                                      << peaks[2]);
-  REQUIRE(peaks[0] > peaks[1]);
-  REQUIRE(peaks[1] > peaks[2]);
-  // Selective keeps no block's [B, Hq, T, T] probabilities after the forward (it rebuilds one
-  // block's at a time in the backward), so it saves at least one block's worth at the peak.
-  size_t probs = (size_t)B * c.heads * T * T * sizeof(float);
-  REQUIRE(peaks[0] - peaks[1] >= probs);
 }
 
 TEST_CASE("bad model shapes are rejected with the flag named", "[model]") {

@@ -579,6 +579,179 @@ TEST_CASE("swiglu on bf16 or fp16 tensors is the fp32 swiglu of their values, ro
 // ----------------------------------------------------------------------------
 // residual, axpy, scale_
 
+// ----------------------------------------------------------------------------
+// The book's GPT block (Playbook §2.5): LayerNorm, GeLU, dropout
+
+// Each row against its float64 recomputation. The fp32 sums of 40 terms of size ~3 are within
+// ~1e-5 of float64 (40 additions of 2.4e-7 of the running sum); y and 1/std follow to the
+// same relative size: 1e-5 relative plus 1e-5 absolute holds them, while a wrong eps, a
+// missing mean or bias moves every element by far more.
+TEST_CASE("layernorm is (x - mean) / sqrt(var + eps) * w + b, row by row, as in float64", "[ops]") {
+  const int T = 5, D = 40;
+  const float eps = 1e-3f;
+  Tensor x = randn({T, D}, "x", 3.0f), w = randn({D}, "w"), b = randn({D}, "b");
+  Tensor y = empty({T, D}, Mem::Activations), stats = empty({T, 2}, Mem::Activations);
+  layernorm_forward(kCpu, y, stats, x, w, b, eps);
+  for (int t = 0; t < T; t++) {
+    const float* xr = x.f32() + t * D;
+    double mean = 0, var = 0;
+    for (int i = 0; i < D; i++) mean += xr[i];
+    mean /= D;
+    for (int i = 0; i < D; i++) var += (xr[i] - mean) * (xr[i] - mean);
+    const double r = 1.0 / std::sqrt(var / D + eps);
+    CHECK(std::fabs(stats.f32()[2 * t] - mean) <= 1e-5 * (1 + std::fabs(mean)));
+    CHECK(std::fabs(stats.f32()[2 * t + 1] - r) <= 1e-5 * r);
+    for (int i = 0; i < D; i++) {
+      const double want = (xr[i] - mean) * r * w.f32()[i] + b.f32()[i];
+      INFO("row " << t << ", column " << i);
+      CHECK(std::fabs(y.f32()[t * D + i] - want) <= 1e-5 * (1 + std::fabs(want)));
+    }
+  }
+}
+
+TEST_CASE("layernorm_backward matches central differences and accumulates", "[ops]") {
+  const int T = 3, D = 8;
+  Tensor x = randn({T, D}, "x"), w = randn({D}, "w"), b = randn({D}, "b"), R = randn({T, D}, "R");
+  Tensor y = empty({T, D}, Mem::Activations), stats = empty({T, 2}, Mem::Activations);
+  Tensor dx = zeros({T, D}, Mem::Grads), dw = zeros({D}, Mem::Grads), db = zeros({D}, Mem::Grads);
+  layernorm_forward(kCpu, y, stats, x, w, b, 1e-5f);
+  layernorm_backward(kCpu, dx, dw, db, R, x, w, stats);
+  auto loss = [&] {
+    layernorm_forward(kCpu, y, stats, x, w, b, 1e-5f);
+    return weighted_sum(y, R);
+  };
+  // RMSNorm's bounds (above): O(1) curvature for unit-variance rows, h^2 truncation and
+  // roundoff ~1e-4 each.
+  check_gradient(x, dx, loss, 1e-2f, 2e-3f);
+  check_gradient(w, dw, loss, 1e-2f, 2e-3f);
+  check_gradient(b, db, loss, 1e-2f, 2e-3f);
+  layernorm_forward(kCpu, y, stats, x, w, b, 1e-5f);
+  Tensor first_dx = clone(dx), first_db = clone(db);
+  layernorm_backward(kCpu, dx, dw, db, R, x, w, stats);  // "+=": a second call doubles dx
+  for (int i = 0; i < T * D; i++) CHECK(dx.f32()[i] == 2.0f * first_dx.f32()[i]);
+  for (int i = 0; i < D; i++) CHECK(db.f32()[i] == Approx(2.0f * first_db.f32()[i]).epsilon(1e-6));
+}
+
+// GPT-2's GeLU against its formula in float64 (fp32 tanhf within a few ulp: 1e-6 relative),
+// and its backward against central differences.
+TEST_CASE("gelu is 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), its backward the derivative",
+          "[ops]") {
+  Tensor x = randn({4, 6}, "x", 2.0f), R = randn({4, 6}, "R"), y = empty({4, 6}, Mem::Activations);
+  gelu_forward(kCpu, y, x);
+  for (int i = 0; i < 24; i++) {
+    const double v = x.f32()[i];
+    const double want = 0.5 * v * (1 + std::tanh(std::sqrt(2 / M_PI) * (v + 0.044715 * v * v * v)));
+    CHECK(std::fabs(y.f32()[i] - want) <= 1e-6 * (1 + std::fabs(want)));
+  }
+  Tensor dx = from_values({4, 6}, std::vector<float>(24, 7.0f));  // "=": overwritten
+  gelu_backward(kCpu, dx, R, x);
+  auto loss = [&] {
+    gelu_forward(kCpu, y, x);
+    return weighted_sum(y, R);
+  };
+  // tanh's O(1) third derivative: truncation ~h^2 = 1e-4, roundoff ~1e-5 (swiglu's bound).
+  check_gradient(x, dx, loss, 1e-2f, 1e-3f);
+}
+
+namespace {
+// Tokens of B sequences numbered from first_sequence in the run, at positions 0 .. T-1.
+struct Tokens {
+  Tensor sequences, positions;
+  Tokens(int B, int T, int first_sequence, int first_position = 0) {
+    std::vector<int32_t> s, p;
+    for (int i = 0; i < B * T; i++)
+      s.push_back(first_sequence + i / T), p.push_back(first_position + i % T);
+    sequences = ids_tensor(s), positions = ids_tensor(p);
+  }
+};
+int64_t kept(const Tensor& mask) {
+  int64_t n = 0;
+  for (int64_t i = 0; i < mask.numel(); i++) n += mask.u8()[i];
+  return n;
+}
+}  // namespace
+
+// Kept elements are scaled by 1/(1 - p) (the fp32 product: within an ulp of x / (1 - p) in
+// float64), dropped ones are 0; about p of 64000 are dropped: the count is binomial, std
+// sqrt(n p (1 - p)) = 110, and 6 of them (660) bound it. The mask is a function of where each
+// element is: rows taken in two parts (as sequence parallelism splits them, row0) draw the
+// whole's mask, and another layer, site or sequence draws another.
+TEST_CASE("dropout keeps 1 - p of the elements, scaled, by a mask that any split of the rows draws",
+          "[ops]") {
+  const int B = 4, T = 50, D = 320;
+  const float p = 0.25f;
+  Tensor x = randn({B * T, D}, "x"), y = empty({B * T, D}, Mem::Activations);
+  Tensor mask = empty({B * T, D}, Mem::Activations, Device::CPU, DType::U8);
+  const Tokens tokens(B, T, 1000);
+  const DropoutSite site{7, 3, 1, p};
+  dropout_forward(kCpu, y, mask, x, site, tokens.sequences, tokens.positions, 0);
+  const int64_t n = x.numel();
+  CHECK(std::abs(n - kept(mask) - (int64_t)(p * n)) <= 660);
+  for (int64_t i = 0; i < n; i++) {
+    const double want = mask.u8()[i] ? x.f32()[i] / (1.0 - p) : 0.0;
+    REQUIRE(std::fabs(y.f32()[i] - want) <= 2.4e-7 * std::fabs(want));
+  }
+  // In two parts of rows, as the ranks of a tensor-parallel group hold them under SP.
+  const int64_t half = B * T / 2;
+  Tensor mask2 = empty({B * T, D}, Mem::Activations, Device::CPU, DType::U8), y2 = clone(y);
+  for (int64_t row0 : {(int64_t)0, half})
+    dropout_forward(kCpu, y2.view(row0 * D, {half, D}), mask2.view(row0 * D, {half, D}),
+                    x.view(row0 * D, {half, D}), site, tokens.sequences, tokens.positions, row0);
+  CHECK(same_bytes(mask2, mask));
+  CHECK(same_bytes(y2, y));
+  // Elsewhere in the run: another layer, site or seed, or other sequences, draw other masks.
+  for (const auto& [other, shift] : {std::pair{DropoutSite{7, 4, 1, p}, 0},
+                                     {DropoutSite{7, 3, 2, p}, 0},
+                                     {DropoutSite{8, 3, 1, p}, 0},
+                                     {site, 1}}) {
+    const Tokens moved(B, T, 1000 + shift);
+    dropout_forward(kCpu, y2, mask2, x, other, moved.sequences, moved.positions, 0);
+    CHECK(!same_bytes(mask2, mask));
+  }
+  // The backward: the mask and the scale, on the gradient.
+  Tensor dy = randn({B * T, D}, "dy"), dx = empty({B * T, D}, Mem::Activations);
+  dropout_backward(kCpu, dx, dy, mask, p);
+  for (int64_t i = 0; i < n; i++) {
+    const double want = mask.u8()[i] ? dy.f32()[i] / (1.0 - p) : 0.0;
+    REQUIRE(std::fabs(dx.f32()[i] - want) <= 2.4e-7 * std::fabs(want));
+  }
+}
+
+// On attention's probabilities [B, H, T, T]: nothing kept above the diagonal; each query
+// head's mask is its own, so a rank holding heads 2..3 (head0 2) draws the whole's; and the
+// key's position is part of the draw (a sequence split over cp ranks keeps its masks).
+TEST_CASE("attention's dropout is causal, and a head split draws the whole's masks", "[ops]") {
+  const int B = 1, H = 4, T = 24;
+  const float p = 0.5f;
+  Tensor probs = randn({B, H, T, T}, "probs"), dropped = empty({B, H, T, T}, Mem::Activations);
+  Tensor mask = empty({B, H, T, T}, Mem::Activations, Device::CPU, DType::U8);
+  const Tokens tokens(B, T, 3);
+  const DropoutSite site{1, 0, 0, p};
+  dropout_attention_forward(kCpu, dropped, mask, probs, site, tokens.sequences, tokens.positions,
+                            0);
+  int64_t visible = 0;
+  for (int h = 0; h < H; h++)
+    for (int i = 0; i < T; i++)
+      for (int j = 0; j < T; j++) {
+        const int64_t e = ((int64_t)h * T + i) * T + j;
+        if (j > i) REQUIRE((mask.u8()[e] == 0 && dropped.f32()[e] == 0.0f));
+        visible += j <= i;
+        if (mask.u8()[e]) REQUIRE(dropped.f32()[e] == probs.f32()[e] * (1.0f / (1.0f - p)));
+      }
+  // Half of the 1200 visible scores: binomial std 17, 6 of them 104.
+  CHECK(std::abs(visible / 2 - kept(mask)) <= 104);
+  const int64_t per_head = (int64_t)T * T;
+  Tensor upper = empty({B, 2, T, T}, Mem::Activations),
+         upper_mask = empty({B, 2, T, T}, Mem::Activations, Device::CPU, DType::U8);
+  dropout_attention_forward(kCpu, upper, upper_mask, probs.view(2 * per_head, {B, 2, T, T}), site,
+                            tokens.sequences, tokens.positions, 2);
+  CHECK(memcmp(upper_mask.ptr, mask.u8() + 2 * per_head, 2 * per_head) == 0);
+  const Tokens later(B, T, 3, 100);  // the same sequence, 100 positions on
+  dropout_attention_forward(kCpu, upper, upper_mask, probs.view(0, {B, 2, T, T}), site,
+                            later.sequences, later.positions, 0);
+  CHECK(memcmp(upper_mask.ptr, mask.u8(), 2 * per_head) != 0);
+}
+
 TEST_CASE("residual_forward, axpy and scale_ give exact small-integer results", "[ops]") {
   Tensor a = from_values({4}, {1, 2, 3, 4}), b = from_values({4}, {10, 20, 30, 40});
   Tensor out = empty({4}, Mem::Activations);
@@ -1344,6 +1517,84 @@ TEST_CASE("CUDA swiglu matches the CPU reference", "[gpu]") {
       check_close(to_host_floats(g_wide), wide, half == DType::BF16 ? 8e-3f : 1e-3f, 1e-6f);
     }
   }
+  ctx.destroy();
+}
+
+// LayerNorm's row sums in a tree instead of a line (and FMA): RMSNorm's tolerances; dw and db
+// from partials per block of rows, summed in block order.
+TEST_CASE("CUDA layernorm matches the CPU reference", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  const int T = 77, D = 300;  // 3 blocks of kDwRows rows, the last partial
+  Tensor x = randn({T, D}, "x", 2.0f), w = randn({D}, "w"), b = randn({D}, "b");
+  Tensor dy = randn({T, D}, "dy"), y = empty({T, D}, Mem::Activations);
+  Tensor stats = empty({T, 2}, Mem::Activations);
+  Tensor dx = randn({T, D}, "dx0"), dw = randn({D}, "dw0"), db = randn({D}, "db0");  // +=
+  Tensor g_x = gpu(x), g_w = gpu(w), g_b = gpu(b), g_dy = gpu(dy), g_y = gpu(y);
+  Tensor g_stats = gpu(stats), g_dx = gpu(dx), g_dw = gpu(dw), g_db = gpu(db);
+  layernorm_forward(kCpu, y, stats, x, w, b, 1e-5f);
+  layernorm_forward(ctx, g_y, g_stats, g_x, g_w, g_b, 1e-5f);
+  check_close(host(ctx, g_y), y, 1e-5f, 1e-5f);
+  check_close(host(ctx, g_stats), stats, 1e-5f, 1e-6f);
+  layernorm_backward(kCpu, dx, dw, db, dy, x, w, stats);
+  layernorm_backward(ctx, g_dx, g_dw, g_db, g_dy, g_x, g_w, g_stats);
+  check_close(host(ctx, g_dx), dx, 1e-4f, 1e-5f);
+  check_close(host(ctx, g_dw), dw, 1e-4f, 1e-4f);
+  check_close(host(ctx, g_db), db, 1e-4f, 1e-4f);
+  ctx.destroy();
+}
+
+TEST_CASE("CUDA gelu matches the CPU reference", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  const int n = 1000;
+  Tensor x = randn({n}, "x", 3.0f), dout = randn({n}, "dout");
+  Tensor y = empty({n}, Mem::Activations), dx = clone(y);
+  Tensor g_x = gpu(x), g_dout = gpu(dout), g_y = gpu(y), g_dx = gpu(dx);
+  gelu_forward(kCpu, y, x);
+  gelu_forward(ctx, g_y, g_x);
+  check_close(host(ctx, g_y), y, 1e-5f, 1e-6f);  // tanhf within 2 ulp, FMA
+  gelu_backward(kCpu, dx, dout, x);
+  gelu_backward(ctx, g_dx, g_dout, g_x);
+  check_close(host(ctx, g_dx), dx, 1e-5f, 1e-6f);
+  ctx.destroy();
+}
+
+// The masks are integer hashes: the device draws the CPU's, bit for bit, and the kept values
+// are the same single fp32 product.
+TEST_CASE("CUDA dropout draws the CPU's masks and values, bit for bit", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  const int B = 2, H = 3, T = 37, D = 129;
+  const DropoutSite site{5, 2, 1, 0.1f};
+  std::vector<int32_t> s, p;
+  for (int i = 0; i < B * T; i++) s.push_back(40 + i / T), p.push_back(i % T);
+  Tensor sequences = ids_tensor(s), positions = ids_tensor(p);
+  Tensor g_sequences = to_device(sequences, Device::CUDA, Mem::Activations);
+  Tensor g_positions = to_device(positions, Device::CUDA, Mem::Activations);
+  auto u8 = [](std::vector<int64_t> shape) {
+    return empty(std::move(shape), Mem::Activations, Device::CPU, DType::U8);
+  };
+  auto same_on_host = [&](const Tensor& g, const Tensor& c) {
+    ctx.synchronize();
+    return same_bytes(to_device(g, Device::CPU, Mem::Activations), c);
+  };
+  Tensor x = randn({B * T, D}, "x"), y = clone(x), mask = u8({B * T, D});
+  Tensor g_x = gpu(x), g_y = gpu(y), g_mask = gpu(mask);
+  dropout_forward(kCpu, y, mask, x, site, sequences, positions, 0);
+  dropout_forward(ctx, g_y, g_mask, g_x, site, g_sequences, g_positions, 0);
+  CHECK(same_on_host(g_mask, mask));
+  CHECK(same_on_host(g_y, y));
+  Tensor dx = clone(x), g_dx = gpu(dx);
+  dropout_backward(kCpu, dx, x, mask, site.p);
+  dropout_backward(ctx, g_dx, g_x, g_mask, site.p);
+  CHECK(same_on_host(g_dx, dx));
+  Tensor probs = randn({B, H, T, T}, "probs"), dropped = clone(probs), pmask = u8({B, H, T, T});
+  Tensor g_probs = gpu(probs), g_dropped = gpu(dropped), g_pmask = gpu(pmask);
+  dropout_attention_forward(kCpu, dropped, pmask, probs, site, sequences, positions, 1);
+  dropout_attention_forward(ctx, g_dropped, g_pmask, g_probs, site, g_sequences, g_positions, 1);
+  CHECK(same_on_host(g_pmask, pmask));
+  CHECK(same_on_host(g_dropped, dropped));
   ctx.destroy();
 }
 

@@ -208,8 +208,12 @@ TEST_CASE("a CUDA training run matches the CPU run of the same seed", "[gpu]") {
     for (int i = 0; text.tellp() < 65536; i++)
       text << "Sentence " << i << " says " << (i * 7919) % 1000 << " is not " << i % 13 << ".\n";
   }
-  // bf16 twice: with the residual stream in fp32 (the default) and in bf16 (--residual-dtype).
-  for (const char* dtype : {"fp32", "bf16", "bf16 --residual-dtype bf16"}) {
+  // bf16 twice: with the residual stream in fp32 (the default) and in bf16 (--residual-dtype);
+  // and the book's GPT block (LayerNorm, GeLU, dropout: the device draws the CPU's masks).
+  const std::string gpt = " --norm layernorm --mlp gelu --dropout 0.1 --attention naive";
+  for (const std::string dtype :
+       {std::string("fp32"), std::string("bf16"), std::string("bf16 --residual-dtype bf16"),
+        "fp32" + gpt, "bf16 --residual-dtype bf16" + gpt}) {
     std::string args = SMALL + "--steps 5 --data " + data + " --dtype " + dtype;
     REQUIRE(run_train(args + " --device cpu --log-json " + dir + "/cpu.jsonl").code == 0);
     RunResult r = run_train(args + " --device cuda --log-json " + dir + "/cuda.jsonl");
@@ -217,7 +221,7 @@ TEST_CASE("a CUDA training run matches the CPU run of the same seed", "[gpu]") {
     REQUIRE(r.code == 0);
     auto cpu = read_json_lines(dir + "/cpu.jsonl"), cuda = read_json_lines(dir + "/cuda.jsonl");
     REQUIRE(cpu.size() == cuda.size());
-    const bool fp32 = std::string(dtype) == "fp32";
+    const bool fp32 = dtype.rfind("fp32", 0) == 0;
     for (size_t i = 0; i < cpu.size(); i++) {
       // fp32: the same math, other summation orders (cuBLAS vs OpenBLAS, block reductions, the
       // RMSNorm weight gradient's row blocks): ~1e-6 relative per op, amplified a little by five

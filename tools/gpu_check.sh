@@ -84,7 +84,7 @@ PLAN=(
 # steps repeats them; `--dry-run` prints the plan.
 declare -A ESTIMATE=(
   [environment]=0 [setup]=15 [setup_build]=300 [device_info]=5 [libraries]=5 [mpi_singleton]=5
-  [unit_gpu_sync]=60 [train_cuda_vs_cpu]=10 [flash_bench]=30 [flash_torch]=30
+  [unit_gpu_sync]=60 [train_cuda_vs_cpu]=15 [flash_bench]=30 [flash_torch]=30
   [dtype_llama1b]=60 [bench_matmul]=10 [bench_matmul_8x8]=10 [mpi_gpu_np1]=15 [nccl_timeout]=30 [unit_gpu]=40 [unit_gpu_flash]=15
   [memcheck]=80 [mpi_gpu_np2]=10 [dp2_vs_grad_acc2]=10 [train_tiny]=5 [train_medium]=5
   [bench]=45 [bench_comm]=35 [racecheck]=10 [racecheck_flash]=60 [racecheck_tp]=10
