@@ -301,6 +301,7 @@ std::vector<int32_t> ContextParallelAttention::positions(int B, int T) const {
 void ContextParallelAttention::forward(const Context& ctx, const AttentionShape& s,
                                        const Tensor& out, AttentionSaved& saved, const Tensor& q,
                                        const Tensor& k, const Tensor& v) const {
+  PICO_ASSERT(!s.dropout, "dropout on attention's probabilities is naive attention's");
   saved.lse = empty(ctx, {s.B, s.Hq, s.T}, Mem::Activations);
   Tensor o = attention_output_fp32(ctx, out);  // the ring merges in fp32 (flash_attention.cuh)
   context_attention_forward(ctx, cp_, o, saved.lse, cast_to(ctx, q, DType::F32),

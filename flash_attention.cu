@@ -355,6 +355,7 @@ class FlashAttention : public AttentionCore {
   void forward(const Context& ctx, const AttentionShape& s, const Tensor& out,
                AttentionSaved& saved, const Tensor& q, const Tensor& k,
                const Tensor& v) const override {
+    PICO_ASSERT(!s.dropout, "dropout on attention's probabilities is naive attention's");
     saved.lse = empty(ctx, {s.B, s.Hq, s.T}, Mem::Activations);
     const AttentionBlock a = whole_block(s);
     if (!on_tensor_cores(ctx, s)) {
