@@ -202,6 +202,17 @@ static float* host_output(const Tensor& t, std::vector<float>& wide) {
 static void store_rounded(const Tensor& t, const std::vector<float>& wide) {
   if (t.dtype != DType::F32) cast_host(t.ptr, t.dtype, wide.data(), DType::F32, t.numel());
 }
+// Where a CPU loop adds into a gradient (dx +=): its own floats, or `wide` holding a 16-bit
+// one's values widened, which store_gradient then rounds back once (a gradient's rounding,
+// counted).
+static float* host_accumulator(const Tensor& t, std::vector<float>& wide) {
+  if (t.dtype == DType::F32) return t.f32();
+  wide = widened(t);
+  return wide.data();
+}
+static void store_gradient(const Tensor& t, const std::vector<float>& wide) {
+  if (t.dtype != DType::F32) cast_gradient_host(t.ptr, t.dtype, wide.data(), t.numel());
+}
 
 // Calls f with a null pointer of the element type `t` is stored in: float, bf16 or fp16.
 template <typename F>
@@ -594,14 +605,10 @@ void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, co
     return;
   if (ctx.device == Device::CPU) {
     std::vector<float> dy_wide, w_wide, x_wide, dx_wide;
-    const bool wide_dx = dx.dtype != DType::F32;
-    if (wide_dx) dx_wide = widened(dx);
-    float* dxv = wide_dx ? dx_wide.data() : dx.f32();
-    rmsnorm_backward_cpu(dxv, dw.f32(), host_floats(dy, dy_wide), host_floats(x, x_wide),
-                         host_floats(w, w_wide), rstd.f32(), T, D);
-    if (wide_dx)  // the sum rounded once as stored: a gradient's rounding, counted as one
-      cast_gradient_host(dx.ptr, dx.dtype, dxv, dx.numel());
-    if (dx_rounded.defined())  // a gradient's rounding: counted as one
+    rmsnorm_backward_cpu(host_accumulator(dx, dx_wide), dw.f32(), host_floats(dy, dy_wide),
+                         host_floats(x, x_wide), host_floats(w, w_wide), rstd.f32(), T, D);
+    store_gradient(dx, dx_wide);  // a 16-bit stream's sum rounded once as stored
+    if (dx_rounded.defined())     // a gradient's rounding: counted as one
       cast_gradient_host(dx_rounded.ptr, dx_rounded.dtype, dx.f32(), dx.numel());
     return;
   }
@@ -1052,13 +1059,10 @@ void layernorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, 
     return;
   if (ctx.device == Device::CPU) {
     std::vector<float> dy_wide, w_wide, x_wide, dx_wide;
-    const bool wide_dx = dx.dtype != DType::F32;
-    if (wide_dx) dx_wide = widened(dx);
-    float* dxv = wide_dx ? dx_wide.data() : dx.f32();
-    layernorm_backward_cpu(dxv, dw.f32(), db.f32(), host_floats(dy, dy_wide),
-                           host_floats(x, x_wide), host_floats(w, w_wide), stats.f32(), T, D);
-    if (wide_dx) cast_gradient_host(dx.ptr, dx.dtype, dxv, dx.numel());  // rounded once
-    return;
+    layernorm_backward_cpu(host_accumulator(dx, dx_wide), dw.f32(), db.f32(),
+                           host_floats(dy, dy_wide), host_floats(x, x_wide), host_floats(w, w_wide),
+                           stats.f32(), T, D);
+    return store_gradient(dx, dx_wide);
   }
   if (T == 0) return;
   Tensor partials = empty(ctx, {row_blocks, 2, D}, Mem::Workspace);
@@ -1128,8 +1132,7 @@ void gelu_backward(const Context& ctx, const Tensor& din, const Tensor& dout, co
     const float *x = host_floats(in, in_wide), *d = host_floats(dout, dout_wide);
     float* dx = host_output(din, din_wide);
     for (int64_t i = 0; i < n; i++) dx[i] = d[i] * gelu_grad(x[i]);
-    if (din.dtype != DType::F32) cast_gradient_host(din.ptr, din.dtype, din_wide.data(), n);
-    return;
+    return store_gradient(din, din_wide);
   }
   with_elements(
       [&](auto* E, auto* G) {
@@ -1296,8 +1299,7 @@ void dropout_backward(const Context& ctx, const Tensor& dx, const Tensor& dy, co
     const float* d = host_floats(dy, dy_wide);
     float* out = host_output(dx, dx_wide);
     for (int64_t i = 0; i < n; i++) out[i] = mask.u8()[i] ? d[i] * scale : 0.0f;
-    if (dx.dtype != DType::F32) cast_gradient_host(dx.ptr, dx.dtype, dx_wide.data(), n);
-    return;
+    return store_gradient(dx, dx_wide);
   }
   if (n == 0) return;
   with_elements(
