@@ -115,6 +115,11 @@ std::vector<int32_t> ContextParallel::positions(int B, int T) const {
   for (int64_t i : local_tokens(B, T)) pos.push_back((int32_t)(i % T));
   return pos;
 }
+std::vector<int32_t> ContextParallel::sequences(int B, int T) const {
+  std::vector<int32_t> seq;
+  for (int64_t i : local_tokens(B, T)) seq.push_back((int32_t)(i / T));
+  return seq;
+}
 
 std::vector<int32_t> select_context_tokens(const ContextParallel& cp, const int32_t* tokens, int B,
                                            int T, int micro_batches) {
@@ -155,10 +160,14 @@ int64_t causal_pairs(const CpPiece& q, const CpPiece& k) {
 
 struct Shapes {
   int B, T, Hq, Hkv, hd;
+  AttentionDraw drop;  // sequence b's number at row b x the first piece's length (piece-major)
   AttentionBlock block(const CpPiece& q, const CpPiece& k) const {
-    return {B, q.length, k.length, Hq, Hkv, hd, q.start, k.start, true};
+    return {B, q.length, k.length, Hq, Hkv, hd, q.start, k.start, true, drop};
   }
 };
+AttentionDraw draw(const AttentionDropout* dropout, const std::vector<CpPiece>& mine) {
+  return dropout ? dropout->draw(mine[0].length) : AttentionDraw{};
+}
 
 // A rank's keys and values travel as one buffer [2, N, Hkv, hd]; their gradients likewise.
 Tensor kv_part(const Tensor& kv, int which) {
@@ -173,13 +182,14 @@ Tensor as_rows(const Tensor& flat, const Tensor& like) {
 
 void context_attention_forward(const Context& ctx, const ContextParallel& cp, const Tensor& out,
                                const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
-                               int B, int T, int Hq, int Hkv, int hd, CpWork* work) {
+                               int B, int T, int Hq, int Hkv, int hd, CpWork* work,
+                               const AttentionDropout* dropout) {
   double t0 = now_seconds();
   Comm& comm = *cp.comm;
   Group& g = comm.cp;
   int P = g.size, r = g.rank;
-  Shapes s{B, T, Hq, Hkv, hd};
   std::vector<CpPiece> mine = cp_pieces(cp.balance, T, P, r);
+  Shapes s{B, T, Hq, Hkv, hd, draw(dropout, mine)};
   zero_(ctx, out);
   fill_(lse, -INFINITY);  // nothing seen yet: the first merge takes the first block as it is
   Tensor kv = empty(ctx, {2 * k.numel()}, Mem::Workspace);  // [2, N, Hkv, hd]
@@ -230,12 +240,12 @@ void context_attention_backward(const Context& ctx, const ContextParallel& cp, c
                                 const Tensor& dk, const Tensor& dv, const Tensor& dout,
                                 const Tensor& out, const Tensor& lse, const Tensor& q,
                                 const Tensor& k, const Tensor& v, int B, int T, int Hq, int Hkv,
-                                int hd) {
+                                int hd, const AttentionDropout* dropout) {
   Comm& comm = *cp.comm;
   Group& g = comm.cp;
   int P = g.size, r = g.rank;
-  Shapes s{B, T, Hq, Hkv, hd};
   std::vector<CpPiece> mine = cp_pieces(cp.balance, T, P, r);
+  Shapes s{B, T, Hq, Hkv, hd, draw(dropout, mine)};
   // D = rowsum(dO * O) of the merged output, once per query piece, shared by every block.
   Tensor D = empty(ctx, lse.shape, Mem::Workspace);
   for (int qp = 0; qp < (int)mine.size(); qp++)
@@ -297,16 +307,18 @@ void context_attention_backward(const Context& ctx, const ContextParallel& cp, c
 std::vector<int32_t> ContextParallelAttention::positions(int B, int T) const {
   return cp_.positions(B, T * cp_.size());
 }
+std::vector<int32_t> ContextParallelAttention::token_sequences(int B, int T) const {
+  return cp_.sequences(B, T * cp_.size());
+}
 
 void ContextParallelAttention::forward(const Context& ctx, const AttentionShape& s,
                                        const Tensor& out, AttentionSaved& saved, const Tensor& q,
                                        const Tensor& k, const Tensor& v) const {
-  PICO_ASSERT(!s.dropout, "dropout on attention's probabilities is naive attention's");
   saved.lse = empty(ctx, {s.B, s.Hq, s.T}, Mem::Activations);
   Tensor o = attention_output_fp32(ctx, out);  // the ring merges in fp32 (flash_attention.cuh)
   context_attention_forward(ctx, cp_, o, saved.lse, cast_to(ctx, q, DType::F32),
                             cast_to(ctx, k, DType::F32), cast_to(ctx, v, DType::F32), s.B,
-                            s.T * cp_.size(), s.Hq, s.Hkv, s.hd, work);
+                            s.T * cp_.size(), s.Hq, s.Hkv, s.hd, work, s.dropout);
   attention_store_output(ctx, out, o);
 }
 
@@ -318,7 +330,7 @@ void ContextParallelAttention::backward(const Context& ctx, const AttentionShape
   context_attention_backward(ctx, cp_, dq, dk, dv, cast_to(ctx, dout, DType::F32),
                              cast_to(ctx, out, DType::F32), saved.lse, cast_to(ctx, q, DType::F32),
                              cast_to(ctx, k, DType::F32), cast_to(ctx, v, DType::F32), s.B,
-                             s.T * cp_.size(), s.Hq, s.Hkv, s.hd);
+                             s.T * cp_.size(), s.Hq, s.Hkv, s.hd, s.dropout);
 }
 
 std::unique_ptr<StepMeter> ContextParallelAttention::meter(Comm& comm) const {

@@ -55,6 +55,7 @@ struct ContextParallel {
   // block of B sequences. local[i] = global index (b * T + position) of local token i.
   std::vector<int64_t> local_tokens(int B, int T) const;
   std::vector<int32_t> positions(int B, int T) const;  // the global position of each local token
+  std::vector<int32_t> sequences(int B, int T) const;  // and the sequence (0 .. B-1) it is in
 };
 // This rank's tokens of `micro_batches` micro-batches of B whole sequences each, host arrays
 // [micro_batches*B*T] -> [micro_batches*B*T/cp], each micro-batch in local order.
@@ -76,6 +77,7 @@ class ContextParallelAttention : public AttentionCore {
   explicit ContextParallelAttention(ContextParallel cp) : cp_(cp) {}
   std::string name() const override { return cp_comm_name(cp_.mode); }
   std::vector<int32_t> positions(int B, int T) const override;
+  std::vector<int32_t> token_sequences(int B, int T) const override;
   void forward(const Context& ctx, const AttentionShape& s, const Tensor& out,
                AttentionSaved& saved, const Tensor& q, const Tensor& k,
                const Tensor& v) const override;
@@ -100,10 +102,13 @@ class ContextParallelAttention : public AttentionCore {
 // q [B*Tl, Hq, hd], k, v [B*Tl, Hkv, hd] (Tl = T/cp, local order) -> out [B*Tl, Hq, hd] (=),
 // lse [pieces * B * Hq * piece length] (=). Ring: each step's keys and values go to the next
 // rank while this one attends to the block it holds; blocks wholly in the future are skipped.
-// All-gather: every rank's keys and values at once, then the same blocks.
+// All-gather: every rank's keys and values at once, then the same blocks. Under dropout each
+// block draws the masks one process draws (AttentionBlock::drop: they are keyed by global
+// positions), in the backward again.
 void context_attention_forward(const Context& ctx, const ContextParallel& cp, const Tensor& out,
                                const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
-                               int B, int T, int Hq, int Hkv, int hd, CpWork* work = nullptr);
+                               int B, int T, int Hq, int Hkv, int hd, CpWork* work = nullptr,
+                               const AttentionDropout* dropout = nullptr);
 // dq (=), dk, dv (=) of this rank's tokens. Ring: keys and values travel again with their
 // gradient accumulators, which come back to their owner after cp steps. All-gather: the
 // gradients of every rank's keys and values are reduce-scattered back.
@@ -111,7 +116,7 @@ void context_attention_backward(const Context& ctx, const ContextParallel& cp, c
                                 const Tensor& dk, const Tensor& dv, const Tensor& dout,
                                 const Tensor& out, const Tensor& lse, const Tensor& q,
                                 const Tensor& k, const Tensor& v, int B, int T, int Hq, int Hkv,
-                                int hd);
+                                int hd, const AttentionDropout* dropout = nullptr);
 
 // The model's attention core (DESIGN 6, "Attention"), chosen once: ring or all-gather attention
 // over the cp group when it has more than one rank, else the rank's own (`local`, --attention).

@@ -86,6 +86,9 @@ static void flash_forward_tile_cpu(float* out, float* lse, const float* q, const
       for (int j = 0; j < cols; j++) row_sum += p[j];
       l[r] = l[r] * correction + row_sum;
       m[r] = m_new;
+      // Dropout: the sum l is the softmax's, the output the dropped probabilities' times v.
+      for (int j = 0; a.drop.on() && j < seen; j++)
+        p[j] *= a.drop.factor(b, h, a.q0 + i0 + r, a.k0 + j0 + j);
       if (correction != 1.0)
         for (int d = 0; d < hd; d++) acc[r * hd + d] *= correction;
     }
@@ -184,7 +187,9 @@ void attention_out_dot_dout(const Context& ctx, const Tensor& D, const Tensor& d
 //   P = exp(scale Q_i K_j^T - lse_i)   dV_j += P^T dO_i     dP = dO_i V_j^T
 //   dS = P * (dP - D_i)                dQ_i += scale dS K_j  dK_j += scale dS^T Q_i
 // The key tile is the outer loop, so dK_j and dV_j stay with one worker (or one thread block)
-// from start to end, and only dQ collects from several key tiles.
+// from start to end, and only dQ collects from several key tiles. Under dropout (mask M, kept
+// scaled by 1/(1-p): the factor F) the output was (F P) V, so dV_j += (F P)^T dO_i and
+// dP = F dO_i V_j^T, while D = rowsum(dO * O) still equals sum_j P_ij dP_ij.
 
 // One key/value head g of sequence b: its key tiles, the group's query heads, their query
 // tiles. dk, dv of (b, g) and dq of the group's heads are written by this call alone, so the
@@ -222,15 +227,19 @@ static void flash_backward_head_cpu(float* dq, float* dk, float* dv, const float
           for (int j = 0; j < cols; j++)
             P[r * kCpuTileK + j] = j < seen ? exp_nonpositive(P[r * kCpuTileK + j] - L_use) : 0.0f;
         }
-        // dV[cols, hd] += P^T dO
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cols, hd, rows, 1.0f, P, kCpuTileK, dO,
-                    ldq, 1.0f, dV, ldk);
         // dS[rows, cols] = P * (dO V^T - D)
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, hd, 1.0f, dO, ldq, V, ldk,
                     0.0f, dS, kCpuTileK);
         for (int r = 0; r < rows; r++)
-          for (int j = 0; j < cols; j++)
-            dS[r * kCpuTileK + j] = P[r * kCpuTileK + j] * (dS[r * kCpuTileK + j] - Di[r]);
+          for (int j = 0; j < cols; j++) {
+            float* p = P + r * kCpuTileK + j;  // under dropout: dP = f dO V^T, and P becomes f P
+            const float f = a.drop.on() ? a.drop.factor(b, h, a.q0 + i0 + r, a.k0 + j0 + j) : 1.0f;
+            dS[r * kCpuTileK + j] = *p * (f * dS[r * kCpuTileK + j] - Di[r]);
+            *p *= f;
+          }
+        // dV[cols, hd] += P^T dO
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cols, hd, rows, 1.0f, P, kCpuTileK, dO,
+                    ldq, 1.0f, dV, ldk);
         // dQ[rows, hd] += scale dS K;  dK[cols, hd] += scale dS^T Q
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hd, cols, scale, dS, kCpuTileK,
                     K, ldk, 1.0f, dq + q_off, ldq);
@@ -330,13 +339,6 @@ std::string describe_attention(AttentionKind kind) {
   }
   return "flash (keeps O and its log-sum-exp: O(T))";
 }
-void validate_attention_dropout(float dropout, AttentionKind kind) {
-  if (dropout > 0 && kind == AttentionKind::Flash)
-    throw UsageError("--dropout " + num(dropout) +
-                     " with --attention flash: dropout on attention's probabilities is naive "
-                     "attention's (FlashAttention never forms them); use --attention naive, or "
-                     "--dropout 0");
-}
 void add_attention_flags(CLI::App& app, AttentionOptions& o) {
   add_typed(flag_group(app, "FlashAttention (Playbook §12.8)"), "--attention", &o.attention,
             parse_attention, attention_name(o.attention),
@@ -355,7 +357,6 @@ class FlashAttention : public AttentionCore {
   void forward(const Context& ctx, const AttentionShape& s, const Tensor& out,
                AttentionSaved& saved, const Tensor& q, const Tensor& k,
                const Tensor& v) const override {
-    PICO_ASSERT(!s.dropout, "dropout on attention's probabilities is naive attention's");
     saved.lse = empty(ctx, {s.B, s.Hq, s.T}, Mem::Activations);
     const AttentionBlock a = whole_block(s);
     if (!on_tensor_cores(ctx, s)) {
@@ -398,10 +399,13 @@ class FlashAttention : public AttentionCore {
 
  private:
   static AttentionBlock whole_block(const AttentionShape& s) {
-    return {s.B, s.T, s.T, s.Hq, s.Hkv, s.hd, 0, 0, true};
+    AttentionBlock a{s.B, s.T, s.T, s.Hq, s.Hkv, s.hd, 0, 0, true};
+    if (s.dropout) a.drop = s.dropout->draw(s.T);
+    return a;
   }
+  // The tensor-core kernels draw no dropout: under it, the fp32 kernels run.
   static bool on_tensor_cores(const Context& ctx, const AttentionShape& s) {
-    return gpu_path(ctx.device) && output_dtype(ctx.precision) == DType::BF16 &&
+    return gpu_path(ctx.device) && output_dtype(ctx.precision) == DType::BF16 && !s.dropout &&
            (s.hd == 16 || s.hd == 32 || s.hd == 64 || s.hd == 128);
   }
   static Tensor in_bf16(const Context& ctx, const Tensor& t) {  // t itself when stored so

@@ -18,13 +18,6 @@
 #include "runtime/meters.cuh"
 #include "runtime/ops.cuh"
 
-// Dropout on the probabilities (the book's GPT, Playbook §2.5; naive attention only): where it
-// is in the run, and the tokens' sequences and positions its masks are keyed by.
-struct AttentionDropout {
-  DropoutSite site;
-  Tensor sequences, positions;  // [B*T] int32 each
-  int head0 = 0;                // this rank's first query head (tensor parallelism)
-};
 struct AttentionShape {
   int B;                                      // sequences
   int T;                                      // tokens per sequence
@@ -57,6 +50,13 @@ class AttentionCore {
     std::vector<int32_t> pos((size_t)B * T);
     for (size_t i = 0; i < pos.size(); i++) pos[i] = (int32_t)(i % T);
     return pos;
+  }
+  // Which of the B sequences (0 .. B-1) each of those tokens is in, in the same order (dropout
+  // keys its masks by it): i / T, unless the sequence is split over ranks.
+  virtual std::vector<int32_t> token_sequences(int B, int T) const {
+    std::vector<int32_t> seq((size_t)B * T);
+    for (size_t i = 0; i < seq.size(); i++) seq[i] = (int32_t)(i / T);
+    return seq;
   }
   // out [B*T, Hq, hd] (=) from q [B*T, Hq, hd] and k, v [B*T, Hkv, hd]; fills `saved`.
   virtual void forward(const Context& ctx, const AttentionShape& s, const Tensor& out,
@@ -105,9 +105,6 @@ struct AttentionOptions {
   AttentionKind attention = AttentionKind::Flash;  // --attention
 };
 void add_attention_flags(CLI::App& app, AttentionOptions& o);
-// --dropout on attention's probabilities is naive attention's (FlashAttention never forms them;
-// nor does a cp group's ring, which runs FlashAttention's blocks): refused with flash.
-void validate_attention_dropout(float dropout, AttentionKind kind);
 
 // Naive attention, the reference: kernels/attention_naive.cuh.
 
@@ -127,6 +124,7 @@ struct AttentionBlock {
   int64_t q0 = 0;  // global position of the first query
   int64_t k0 = 0;  // global position of the first key
   bool causal = true;
+  AttentionDraw drop{};  // dropout on the probabilities (off by default), drawn per tile
 };
 // Layouts (token-major, as the model's projections produce them):
 //   q, out, dq, dout [B*Tq, Hq, hd];  k, v, dk, dv [B*Tk, Hkv, hd];  lse, D [B, Hq, Tq] (fp32)

@@ -697,8 +697,8 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
   acts.positions = device_ints(model.attention->positions(B, T), ctx);
   // Dropout draws its masks from each token's sequence, numbered in the run (training only).
   if (sequence0 >= 0 && c.dropout > 0) {
-    std::vector<int32_t> sequences((size_t)N);
-    for (int64_t i = 0; i < N; i++) sequences[i] = (int32_t)(uint32_t)(sequence0 + i / T);
+    std::vector<int32_t> sequences = model.attention->token_sequences(B, T);
+    for (int32_t& s : sequences) s = (int32_t)(uint32_t)(sequence0 + s);
     acts.sequences = device_ints(sequences, ctx);
   }
 

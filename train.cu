@@ -75,7 +75,6 @@ static void resolve_options(Options& o) {
   validate_pipeline(o.model.layers, o.pp, o.pp_virtual, o.grad_acc, o.pp_schedule,
                     o.model.tie_embeddings, o.zero);
   validate_tensor_parallel(o.model, o.tp, o.sp);
-  validate_attention_dropout(o.model.dropout, o.attention);
   validate_expert_parallel(o.model, o, o.dp, o.cp);
   if (!o.gpu.empty()) gpu_profile(o.gpu);  // an unknown profile names the known ones
 }

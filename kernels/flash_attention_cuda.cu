@@ -79,8 +79,9 @@ __global__ void __launch_bounds__(kF32Tile* kRowThreads)
     for (int e = 0; e < D; e++) o[e] *= correction;
 #pragma unroll
     for (int j = 0; j < kF32Tile; j++) {
-      const float p = exp2f(s[j] - m_use);
-      l += p;
+      float p = exp2f(s[j] - m_use);
+      l += p;  // the softmax's sum; under dropout the output sums the dropped probabilities
+      if (a.drop.on() && j < seen) p *= a.drop.factor(b, h, a.q0 + i, a.k0 + j0 + j);
 #pragma unroll
       for (int e = 0; e < D; e++) o[e] += p * Vs[j][c + kRowThreads * e];
     }
@@ -178,10 +179,12 @@ __global__ void __launch_bounds__(kF32Tile* kRowThreads)
         dp += __shfl_xor_sync(0xffffffffu, dp, 1);
         dp += __shfl_xor_sync(0xffffffffu, dp, 2);
         const bool seen = j < a.Tk && lse_s[ii] != -INFINITY && visible_keys(a, i0 + ii, j, 1) == 1;
-        const float p = seen ? exp2f(s - lse_s[ii]) : 0.0f, ds = p * (dp - D_s[ii]);
+        // Dropout (flash_attention.cu's backward says why): dP and dV see the dropped P.
+        const float f = seen && a.drop.on() ? a.drop.factor(b, h, a.q0 + i0 + ii, a.k0 + j) : 1.0f;
+        const float p = seen ? exp2f(s - lse_s[ii]) : 0.0f, ds = p * (f * dp - D_s[ii]);
 #pragma unroll
         for (int e = 0; e < DIMS; e++) {
-          dvr[e] += p * dOs[ii][c + kRowThreads * e];
+          dvr[e] += f * p * dOs[ii][c + kRowThreads * e];
           dkr[e] += ds * Qs[ii][c + kRowThreads * e];
         }
         if (c == 0) dSs[ii][r] = ds;

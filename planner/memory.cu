@@ -85,7 +85,6 @@ void validate_layout(const ModelConfig& cfg, const Layout& l) {
   validate_pipeline(cfg.layers, l.pp, l.virtual_stages, l.grad_acc, l.schedule, cfg.tie_embeddings,
                     l.zero);
   validate_expert_parallel(cfg, ExpertOptions{l.ep, 0.0}, l.dp, l.cp);
-  validate_attention_dropout(cfg.dropout, l.attention);
 }
 
 // ----------------------------------------------------------------------------

@@ -169,8 +169,6 @@ PlanResult plan_layouts(const ModelConfig& cfg, int64_t global_tokens, const Clu
         if (!space.cp && cp > 1) continue;
         Layout grid;
         grid.dp = world / tp / pp / cp, grid.tp = tp, grid.pp = pp, grid.cp = cp;
-        // Dropout masks naive attention's probabilities (the book's GPT block): its layouts'.
-        if (cfg.dropout > 0) grid.attention = AttentionKind::Naive;
         if (sequences % grid.dp) {  // §11.2: dp ranks take whole sequences
           r.tried++;
           reject("batch not reachable (" + std::to_string(sequences) +

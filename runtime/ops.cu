@@ -1148,21 +1148,9 @@ void gelu_backward(const Context& ctx, const Tensor& din, const Tensor& dout, co
 // its position; the element's place in the token's row), never of which rank holds it or of
 // a random stream's state: any layout draws the mask one process draws, and a recomputed
 // forward draws it again. Kept elements are scaled by 1 / (1 - p); mask: 1 kept, 0 dropped.
-static __host__ __device__ inline uint64_t mix64(uint64_t z) {  // splitmix64's finaliser
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-static __host__ __device__ inline bool dropout_keeps(uint64_t site, uint32_t sequence,
-                                                     uint32_t position, uint32_t a, uint32_t b,
-                                                     uint32_t threshold) {
-  uint64_t h = mix64(site + (((uint64_t)sequence << 32) | position));
-  h = mix64(h + (((uint64_t)a << 32) | b));
-  return (uint32_t)(h >> 32) >= threshold;
-}
 uint64_t DropoutSite::key() const {
-  return mix64(mix64(seed + 0x5eedull) + (((uint64_t)(uint32_t)layer << 8) | (uint32_t)site));
+  return dropout_mix64(dropout_mix64(seed + 0x5eedull) +
+                       (((uint64_t)(uint32_t)layer << 8) | (uint32_t)site));
 }
 uint32_t DropoutSite::threshold() const {  // p of 2^32, so that a draw below it drops
   return (uint32_t)std::min(4294967295.0, std::floor((double)p * 4294967296.0));

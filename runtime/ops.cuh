@@ -120,6 +120,42 @@ struct DropoutSite {
   uint32_t threshold() const;  // a 32-bit draw below it drops the element
   float scale() const;         // what a kept element is multiplied by: 1 / (1 - p)
 };
+// The draw itself: a hash of the site's key, the token (its sequence's number, its position) and
+// the element's place (a, b), kept when its top 32 bits reach the threshold (splitmix64's
+// finaliser, twice). Host and device: CPU loops and kernels draw the same bits.
+__host__ __device__ inline uint64_t dropout_mix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+__host__ __device__ inline bool dropout_keeps(uint64_t site, uint32_t sequence, uint32_t position,
+                                              uint32_t a, uint32_t b, uint32_t threshold) {
+  uint64_t h = dropout_mix64(site + (((uint64_t)sequence << 32) | position));
+  h = dropout_mix64(h + (((uint64_t)a << 32) | b));
+  return (uint32_t)(h >> 32) >= threshold;
+}
+// Attention's dropout drawn where the probabilities are made, inside a tile loop (FlashAttention:
+// FlashAttention-2 draws its mask in the kernel and never stores it): element (sequence b, query
+// head h, query and key at global positions i, j) is keyed as dropout_attention_forward keys it,
+// so it is kept or dropped as naive attention keeps or drops it. Plain data, passed to kernels.
+struct AttentionDraw {
+  uint64_t key = 0;
+  uint32_t threshold = 0;  // 0: nothing dropped
+  float scale = 1.0f;      // 1 / (1 - p)
+  const int32_t* sequences =
+      nullptr;  // sequence b's number at sequences[b * stride] (ctx's device)
+  int64_t stride = 0;
+  int head0 = 0;  // this rank's first query head (tensor parallelism)
+  __host__ __device__ bool on() const { return threshold != 0; }
+  // What probability (b, h, i, j) is multiplied by: scale kept, 0 dropped.
+  __host__ __device__ float factor(int b, int h, int64_t i, int64_t j) const {
+    return dropout_keeps(key, (uint32_t)sequences[b * stride], (uint32_t)i, (uint32_t)(head0 + h),
+                         (uint32_t)j, threshold)
+               ? scale
+               : 0.0f;
+  }
+};
 // y = x * mask / (1 - p) (y may be x), mask [rows, D] U8 (1: kept). Row r of x is the token of
 // sequences[row0 + r] and positions[row0 + r] ([N] int32 each: the micro-batch's tokens).
 void dropout_forward(const Context& ctx, const Tensor& y, const Tensor& mask, const Tensor& x,
@@ -130,6 +166,19 @@ void dropout_forward(const Context& ctx, const Tensor& y, const Tensor& mask, co
 void dropout_attention_forward(const Context& ctx, const Tensor& dropped, const Tensor& mask,
                                const Tensor& probs, const DropoutSite& site,
                                const Tensor& sequences, const Tensor& positions, int head0);
+// Dropout on attention's probabilities (the book's GPT, Playbook §2.5): where it is in the run,
+// and the tokens' sequences and positions its masks are keyed by. Naive attention masks its
+// stored probabilities with dropout_attention_forward; FlashAttention draws the same masks in
+// its tile loops (AttentionBlock::drop).
+struct AttentionDropout {
+  DropoutSite site;
+  Tensor sequences, positions;  // [B*T] int32 each
+  int head0 = 0;                // this rank's first query head (tensor parallelism)
+  // For a tile loop over these tokens, sequence b's first token at row b * stride.
+  AttentionDraw draw(int64_t stride) const {
+    return {site.key(), site.threshold(), site.scale(), sequences.i32(), stride, head0};
+  }
+};
 // dx = dy * mask / (1 - p), either dropout's backward (dx may be dy; one format).
 void dropout_backward(const Context& ctx, const Tensor& dx, const Tensor& dy, const Tensor& mask,
                       float p);

@@ -127,8 +127,7 @@ void add_run_flags(CLI::App& app, RunOptions& o) {
              "default: the preset's)");
   model.add_option("--dropout", o.model.dropout,
                    "dropout on attention's probabilities and on the attention's and MLP's outputs "
-                   "(the book's GPT: 0.1), 0 to below 1; needs --attention naive (default: the "
-                   "preset's)");
+                   "(the book's GPT: 0.1), 0 to below 1 (default: the preset's)");
   model.add_flag("--tie-embeddings", o.model.tie_embeddings, "share embedding and LM head");
   model.add_flag("--untie-embeddings", o.untie_embeddings,
                  "give the LM head weights of its own when the preset ties them (llama-1b, "

@@ -16,8 +16,9 @@ struct ParityRow {
   std::string reference;  // flags of its single-process equivalent (DESIGN 5)
 };
 
-// The book's GPT block's flags (a row adds its layout).
-inline const std::string GPT_BLOCK = "--norm layernorm --mlp gelu --dropout 0.1 --attention naive ";
+// The book's GPT block's flags (a row adds its layout), with FlashAttention (the default) or naive.
+inline const std::string GPT_BLOCK = "--norm layernorm --mlp gelu --dropout 0.1 ";
+inline const std::string GPT_BLOCK_NAIVE = GPT_BLOCK + "--attention naive ";
 
 // dp d with grad-acc g reads the same global batch as one process with grad-acc d*g.
 inline const std::vector<ParityRow> PARITY_ROWS = {
@@ -184,18 +185,23 @@ inline const std::vector<ParityRow> PARITY_ROWS = {
      "--experts 4 --top-k 2 --layers 4 --grad-acc 8"},
     {"ep 2 x cp 2", 4, "--experts 4 --top-k 2 --dp 2 --ep 2 --cp 2",
      "--experts 4 --top-k 2 --grad-acc 2"},
-    // The book's GPT block (Playbook §2.5): LayerNorm, GeLU, dropout on naive attention's
+    // The book's GPT block (Playbook §2.5): LayerNorm, GeLU, dropout on attention's
     // probabilities and on both branches' outputs. Each mask is drawn from where it is in the
     // run (the sequence's number, the position, the head), so any layout drops what one process
-    // drops: the rows below hold only if it does.
+    // drops: the rows below hold only if it does. Naive attention stores the masks; flash draws
+    // them again in its tiles, and a cp ring's blocks draw those of their global positions.
     {"GPT block, dp 2", 2, GPT_BLOCK + "--dp 2", GPT_BLOCK + "--grad-acc 2"},
-    {"GPT block, tp 2, sp", 2, GPT_BLOCK + "--tp 2 --sp", GPT_BLOCK},
+    {"GPT block, naive attention, tp 2, sp", 2, GPT_BLOCK_NAIVE + "--tp 2 --sp", GPT_BLOCK_NAIVE},
     {"GPT block, pp 2, 1f1b", 2, GPT_BLOCK + "--pp 2 --grad-acc 2", GPT_BLOCK + "--grad-acc 2"},
-    {"GPT block, zero 3, dp 2, full recompute", 2, GPT_BLOCK + "--zero 3 --dp 2 --recompute full",
-     GPT_BLOCK + "--grad-acc 2 --recompute full"},
+    {"GPT block, naive attention, zero 3, dp 2, full recompute", 2,
+     GPT_BLOCK_NAIVE + "--zero 3 --dp 2 --recompute full",
+     GPT_BLOCK_NAIVE + "--grad-acc 2 --recompute full"},
     {"GPT block, dp 2 x tp 2, selective recompute", 4,
      GPT_BLOCK + "--dp 2 --tp 2 --recompute selective",
      GPT_BLOCK + "--grad-acc 2 --recompute selective"},
+    {"GPT block, cp 2, zigzag, ring", 2, GPT_BLOCK + "--cp 2", GPT_BLOCK},
+    {"GPT block, cp 2 x tp 2, sp, all-gather", 4,
+     GPT_BLOCK + "--cp 2 --tp 2 --sp --cp-comm allgather", GPT_BLOCK},
     {"5D: dp 2 (ep 2) x pp 2 x cp 2 x tp 2, sp, zero 1 (16 ranks)", 16,
      "--experts 4 --top-k 2 --dp 2 --ep 2 --pp 2 --cp 2 --tp 2 --sp --zero 1 --grad-acc 2",
      "--experts 4 --top-k 2 --grad-acc 4"},

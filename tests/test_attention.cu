@@ -8,6 +8,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "cuda_case.cuh"
@@ -300,7 +301,9 @@ namespace {
 // Attention of one block written as the definition, per (sequence, head, query), in scalar S:
 // double is the reference, float is "naive at the same precision" for the FlashAttention
 // paper's rule (its error is the bar flash must stay within twice of). Backward from dout
-// with D = sum_j P dP, the textbook form.
+// with D = sum_j P dP, the textbook form. Under dropout (a.drop on) each probability P_j is
+// multiplied by its factor F_j (1/(1-p) kept, 0 dropped) before it meets v: out = sum F P v,
+// dV += F P dO and dP = F dO.v, by the chain rule through that product.
 template <class S>
 struct BlockResult {
   std::vector<S> out, lse, dq, dk, dv;
@@ -317,7 +320,7 @@ BlockResult<S> attention_by_definition(const std::vector<float>& q, const std::v
   r.dk.assign(k.size(), S(0));
   r.dv.assign(v.size(), S(0));
   r.lse.assign((size_t)a.B * a.Hq * a.Tq, S(-INFINITY));
-  std::vector<S> p(a.Tk), dp(a.Tk);
+  std::vector<S> p(a.Tk), dp(a.Tk), f(a.Tk);
   for (int b = 0; b < a.B; b++)
     for (int h = 0; h < a.Hq; h++)
       for (int i = 0; i < a.Tq; i++) {
@@ -338,11 +341,13 @@ BlockResult<S> attention_by_definition(const std::vector<float>& q, const std::v
         S Drow = S(0);
         for (int j = 0; j < seen; j++) {
           p[j] /= sum;
+          f[j] = a.drop.on() ? S(a.drop.factor(b, h, a.q0 + i, a.k0 + j)) : S(1);
           dp[j] = S(0);
           for (int d = 0; d < hd; d++) {
-            r.out[qo + d] += p[j] * S(v[ko(j) + d]);
+            r.out[qo + d] += f[j] * p[j] * S(v[ko(j) + d]);
             dp[j] += S(dout[qo + d]) * S(v[ko(j) + d]);
           }
+          dp[j] *= f[j];
           Drow += p[j] * dp[j];
         }
         for (int j = 0; j < seen; j++) {
@@ -350,7 +355,7 @@ BlockResult<S> attention_by_definition(const std::vector<float>& q, const std::v
           for (int d = 0; d < hd; d++) {
             r.dq[qo + d] += scale * ds * S(k[ko(j) + d]);
             r.dk[ko(j) + d] += scale * ds * S(q[qo + d]);
-            r.dv[ko(j) + d] += p[j] * S(dout[qo + d]);
+            r.dv[ko(j) + d] += f[j] * p[j] * S(dout[qo + d]);
           }
         }
       }
@@ -491,6 +496,82 @@ TEST_CASE("FlashAttention's error against float64 is at most twice naive attenti
       require_flash_rule("dv vs naive attention", max_error(to_host_floats(c.dv), ref.dv),
                          max_error(to_host_floats(dv), ref.dv));
     }
+}
+
+// Dropout on the probabilities (the book's GPT), drawn in FlashAttention's tile loops: two
+// sequences numbered 7 and 3 in the run, query heads from 2 (a tensor-parallel rank's), p 0.3.
+AttentionDraw test_draw(const Tensor& sequences, int64_t stride) {
+  AttentionDropout d{DropoutSite{11, 1, 0, 0.3f}, sequences, Tensor(), 2};
+  return d.draw(stride);
+}
+
+TEST_CASE("FlashAttention under dropout keeps to the masked definition in float64",
+          "[attention][flash]") {
+  // Every block of kFlashBlocks (queries and keys at other positions, tile edges, no key seen)
+  // with dropout: flash draws each probability's mask in its tiles; the definition multiplies
+  // the softmax by the same factors and takes the chain rule through them. Held to the same
+  // rule as without dropout (twice the float definition's error). That the factors are the
+  // masks naive attention stores, the next case shows.
+  Context ctx = Context::create(Device::CPU);
+  Tensor sequences = device_ints(ctx, {7, 3});
+  for (float q_std : {1.0f, 5.0f})
+    for (AttentionBlock a : kFlashBlocks) {
+      a.drop = test_draw(sequences, 1);
+      INFO(describe(a) << ", q std " << q_std << ", dropout 0.3");
+      FlashCase c(a, 34, q_std);
+      c.run(ctx);
+      BlockResult<double> ref = c.by_definition<double>();
+      BlockResult<float> naive = c.by_definition<float>();
+      for (auto [name, got, want, bar] : {std::tuple{"out", &c.out, &ref.out, &naive.out},
+                                          std::tuple{"dq", &c.dq, &ref.dq, &naive.dq},
+                                          std::tuple{"dk", &c.dk, &ref.dk, &naive.dk},
+                                          std::tuple{"dv", &c.dv, &ref.dv, &naive.dv}})
+        require_flash_rule(name, max_error(to_host_floats(*got), *want), max_error(*bar, *want));
+      // The masks are there: the same block without dropout is far from these outputs.
+      AttentionBlock plain = a;
+      plain.drop = AttentionDraw{};
+      if (std::any_of(ref.lse.begin(), ref.lse.end(), [](double l) { return std::isfinite(l); }))
+        REQUIRE(max_error(c.by_definition<double>().out,
+                          FlashCase(plain, 34, q_std).by_definition<double>().out)
+                    .worst > 0.1);
+    }
+}
+
+TEST_CASE("FlashAttention under dropout drops what naive attention drops, forward and backward",
+          "[attention][flash]") {
+  // The two attention cores of the model with one AttentionDropout: naive attention stores the
+  // masked probabilities (dropout_attention_forward); flash draws them per tile. GQA, T = 70
+  // (a partial second CPU tile), tp's head offset 2. The same masks give the same outputs and
+  // gradients up to fp32 summation order: 1e-5 of max(1, |value|), 1e-4 for the gradients,
+  // which sum over a sequence (the tolerances of the CUDA-against-CPU cases above).
+  Context ctx = Context::create(Device::CPU);
+  AttentionShape s{2, 70, 4, 2, 16};
+  std::vector<int32_t> positions, numbers;
+  for (int i = 0; i < s.B * s.T; i++)
+    positions.push_back(i % s.T), numbers.push_back(i < s.T ? 7 : 3);
+  AttentionDropout dropout{DropoutSite{11, 1, 0, 0.3f}, device_ints(ctx, numbers),
+                           device_ints(ctx, positions), 2};
+  s.dropout = &dropout;
+  AttentionCase c(s, 35);
+  Tensor dout = empty(c.out.shape, Mem::Activations);
+  init_normal(dout, 35, "dout", 1.0f);
+  struct Result {
+    Tensor out, dq, dk, dv;
+  };
+  auto run = [&](AttentionKind kind) {
+    std::shared_ptr<const AttentionCore> core = local_attention(kind);
+    Result r{empty(c.out.shape, Mem::Activations), empty(c.q.shape, Mem::Grads),
+             empty(c.k.shape, Mem::Grads), empty(c.v.shape, Mem::Grads)};
+    AttentionSaved saved;
+    core->forward(ctx, s, r.out, saved, c.q, c.k, c.v);
+    core->backward(ctx, s, r.dq, r.dk, r.dv, dout, r.out, saved, c.q, c.k, c.v);
+    return r;
+  };
+  Result naive = run(AttentionKind::Naive), flash = run(AttentionKind::Flash);
+  require_close(to_host_floats(flash.out), as_double(naive.out), 1e-5);
+  require_close(to_host_floats(flash.dq), as_double(naive.dq), 1e-4);
+  require_close(to_host_floats(flash.dk), as_double(naive.dk), 1e-4);
+  require_close(to_host_floats(flash.dv), as_double(naive.dv), 1e-4);
 }
 
 TEST_CASE("a query that sees no key gets output 0, lse -inf and zero gradients, never NaN",
@@ -722,6 +803,27 @@ std::vector<float> bf16_to_host(const Bf16Buffer& b, int64_t n) {
   return x;
 }
 
+// Block a (c's, its dropout drawn from device memory) on the GPU, every result held to the CPU
+// run of c. Forward: the same fp32 math in another summation order, a few ulp: 1e-5. Gradients
+// sum over a whole sequence of keys or queries, dq through atomics in any order: 1e-4.
+void require_cuda_like_cpu(const Context& gpu, const FlashCase& c, const AttentionBlock& a) {
+  Tensor q = on_gpu(c.q), k = on_gpu(c.k), v = on_gpu(c.v), dout = on_gpu(c.dout);
+  Tensor out = empty(c.out.shape, Mem::Activations, Device::CUDA);
+  Tensor lse = empty(c.lse.shape, Mem::Activations, Device::CUDA);
+  Tensor D = empty(c.D.shape, Mem::Activations, Device::CUDA);
+  Tensor dq = gpu_zeros(c.dq), dk = gpu_zeros(c.dk), dv = gpu_zeros(c.dv);
+  flash_attention_forward(gpu, out, lse, q, k, v, a);
+  attention_out_dot_dout(gpu, D, dout, out, a);
+  flash_attention_backward(gpu, dq, dk, dv, dout, q, k, v, lse, D, a);
+  gpu.synchronize();
+  require_near("out", to_host_floats(out), to_host_floats(c.out), 1e-5);
+  require_near("lse", to_host_floats(lse), to_host_floats(c.lse), 1e-5);
+  require_near("D", to_host_floats(D), to_host_floats(c.D), 1e-5);
+  require_near("dq", to_host_floats(dq), to_host_floats(c.dq), 1e-4);
+  require_near("dk", to_host_floats(dk), to_host_floats(c.dk), 1e-4);
+  require_near("dv", to_host_floats(dv), to_host_floats(c.dv), 1e-4);
+}
+
 }  // namespace
 
 TEST_CASE("CUDA FlashAttention (fp32) matches the CPU version", "[attention][flash][gpu]") {
@@ -736,24 +838,25 @@ TEST_CASE("CUDA FlashAttention (fp32) matches the CPU version", "[attention][fla
       INFO(describe(a) << ", q std " << q_std);
       FlashCase c(a, 41, q_std);
       c.run(cpu);
-      Tensor q = on_gpu(c.q), k = on_gpu(c.k), v = on_gpu(c.v), dout = on_gpu(c.dout);
-      Tensor out = empty(c.out.shape, Mem::Activations, Device::CUDA);
-      Tensor lse = empty(c.lse.shape, Mem::Activations, Device::CUDA);
-      Tensor D = empty(c.D.shape, Mem::Activations, Device::CUDA);
-      Tensor dq = gpu_zeros(c.dq), dk = gpu_zeros(c.dk), dv = gpu_zeros(c.dv);
-      flash_attention_forward(gpu, out, lse, q, k, v, a);
-      attention_out_dot_dout(gpu, D, dout, out, a);
-      flash_attention_backward(gpu, dq, dk, dv, dout, q, k, v, lse, D, a);
-      gpu.synchronize();
-      // Forward: the same fp32 math in another summation order, a few ulp: 1e-5. Gradients sum
-      // over a whole sequence of keys or queries, dq through atomics in any order: 1e-4.
-      require_near("out", to_host_floats(out), to_host_floats(c.out), 1e-5);
-      require_near("lse", to_host_floats(lse), to_host_floats(c.lse), 1e-5);
-      require_near("D", to_host_floats(D), to_host_floats(c.D), 1e-5);
-      require_near("dq", to_host_floats(dq), to_host_floats(c.dq), 1e-4);
-      require_near("dk", to_host_floats(dk), to_host_floats(c.dk), 1e-4);
-      require_near("dv", to_host_floats(dv), to_host_floats(c.dv), 1e-4);
+      require_cuda_like_cpu(gpu, c, a);
     }
+  gpu.destroy();
+}
+
+TEST_CASE("CUDA FlashAttention (fp32) under dropout draws the CPU's masks",
+          "[attention][flash][gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context cpu = Context::create(Device::CPU), gpu = Context::create(Device::CUDA);
+  Tensor cpu_sequences = device_ints(cpu, {7, 3}), gpu_sequences = device_ints(gpu, {7, 3});
+  for (AttentionBlock a :
+       {kFlashBlocks[0], kFlashBlocks[4], AttentionBlock{1, 200, 200, 2, 1, 64}}) {
+    INFO(describe(a) << ", dropout 0.3");
+    a.drop = test_draw(cpu_sequences, 1);
+    FlashCase c(a, 42);
+    c.run(cpu);
+    a.drop = test_draw(gpu_sequences, 1);
+    require_cuda_like_cpu(gpu, c, a);  // the same masks, so the same bounds
+  }
   gpu.destroy();
 }
 

@@ -479,7 +479,6 @@ TEST_CASE("the GPT block's meta runs give the book's activation tables within 2%
 // the flag and the fix.
 TEST_CASE("the GPT block's flags refuse what they cannot do, with exit code 2", "[train]") {
   const std::pair<std::string, std::string> cases[] = {
-      {"--model gpt-8b --device meta", "--dropout 0.1 with --attention flash"},
       {"--model tiny --dropout 1", "--dropout 1"},
       {"--model tiny --dropout -0.5", "--dropout -0.5"},
       {"--model tiny-moe --mlp gelu", "--mlp gelu with --experts 8"},

@@ -98,8 +98,10 @@ struct ModelWithGradients {
     return batch_loss(ctx, m, ids, tgt, B, T, sequence0);
   }
 };
-static ModelWithGradients model_with_gradients(const Context& ctx, const ModelConfig& c) {
+static ModelWithGradients model_with_gradients(const Context& ctx, const ModelConfig& c,
+                                               AttentionKind attention = AttentionKind::Naive) {
   ModelWithGradients g{build_model(c, Device::CPU, 3), 2, c.seq};
+  g.m.attention = local_attention(attention);
   g.ids.resize(g.B * g.T), g.tgt.resize(g.B * g.T);
   random_tokens(g.ids, c.vocab, 1), random_tokens(g.tgt, c.vocab, 2);
   Activations acts;
@@ -110,14 +112,22 @@ static ModelWithGradients model_with_gradients(const Context& ctx, const ModelCo
 }
 
 // Also the book's GPT block, its dropout masks fixed by where they are drawn (the loss a smooth
-// function of the weights with the masks held).
+// function of the weights with the masks held), with naive attention (masks stored) and with
+// FlashAttention (masks drawn again in its backward's tiles).
 TEST_CASE("the whole model's gradient matches central finite differences", "[model]") {
   Context ctx = Context::create(Device::CPU);
   ModelConfig gpt = small_gpt_config(), tied = small_config(), untied = small_config();
   tied.tie_embeddings = true;
-  for (const ModelConfig& c : {untied, tied, gpt}) {
-    INFO((c.gpt_block() ? "the GPT block" : c.tie_embeddings ? "tied" : "untied"));
-    ModelWithGradients g = model_with_gradients(ctx, c);
+  const std::pair<ModelConfig, AttentionKind> cases[] = {{untied, AttentionKind::Naive},
+                                                         {tied, AttentionKind::Naive},
+                                                         {gpt, AttentionKind::Naive},
+                                                         {gpt, AttentionKind::Flash}};
+  for (const auto& [c, attention] : cases) {
+    INFO((c.gpt_block()      ? "the GPT block"
+          : c.tie_embeddings ? "tied"
+                             : "untied")
+         << ", " << attention_name(attention) << " attention");
+    ModelWithGradients g = model_with_gradients(ctx, c, attention);
     Model& m = g.m;
     // Per tensor: the directional derivative along a random direction u (restricted to that
     // tensor) against (L(p + h u) - L(p - h u)) / 2h. With h = 1e-2 the O(h^2) truncation and
@@ -254,6 +264,9 @@ TEST_CASE("recompute modes give identical gradients and keep less activation mem
 // dropout masks 2h, and per head and key the probabilities, dropout's mask and what it left
 // (5 a s); plus, which the book leaves out, each LayerNorm's mean and 1/std in fp32 (16 bytes).
 // Measured on the block, and by the formula the reports print, against that sum written here.
+// Under FlashAttention the 5 a s are one fp32 log-sum-exp per head (4 a): it draws dropout's
+// masks again in the backward instead of keeping them, so selective recomputation has nothing
+// left to drop (Playbook §2.6 and §12.8).
 TEST_CASE("the GPT block keeps the book's 34 s b h + 5 a s^2 b bytes of activations", "[model]") {
   Context ctx = Context::create(Device::CPU);
   ModelConfig c = small_gpt_config();
@@ -266,18 +279,22 @@ TEST_CASE("the GPT block keeps the book's 34 s b h + 5 a s^2 b bytes of activati
   ctx.precision = Precision::BF16;
   ctx.residual = DType::BF16;
   Model m = build_model(c, Device::CPU, 9);
-  for (Recompute mode : {Recompute::None, Recompute::Selective, Recompute::Full}) {
-    INFO(recompute_name(mode));
-    Activations acts;
-    model_forward(ctx, m, acts, ids.data(), tgt.data(), B, T, mode, {}, 0);
-    const int64_t book = mode == Recompute::Full        ? 2 * s * b * h
-                         : mode == Recompute::Selective ? 34 * s * b * h
-                                                        : 34 * s * b * h + 5 * a * s * s * b;
-    const int64_t stats = mode == Recompute::Full ? 0 : 2 * 8 * s * b;
-    CHECK(saved_bytes(acts.blocks[0]) == book + stats);
-    CHECK(activation_bytes_per_block(c, B, T, 1, false, mode, *m.attention, 2, 2) == book + stats);
-    model_backward(ctx, m, acts, 1.0f, mode);
-  }
+  for (AttentionKind kind : {AttentionKind::Naive, AttentionKind::Flash})
+    for (Recompute mode : {Recompute::None, Recompute::Selective, Recompute::Full}) {
+      INFO(attention_name(kind) << ", " << recompute_name(mode));
+      m.attention = local_attention(kind);
+      Activations acts;
+      model_forward(ctx, m, acts, ids.data(), tgt.data(), B, T, mode, {}, 0);
+      const int64_t attention = kind == AttentionKind::Flash ? 4 * a * s * b
+                                : mode == Recompute::None    ? 5 * a * s * s * b
+                                                             : 0;
+      const int64_t book = mode == Recompute::Full ? 2 * s * b * h : 34 * s * b * h + attention;
+      const int64_t stats = mode == Recompute::Full ? 0 : 2 * 8 * s * b;
+      CHECK(saved_bytes(acts.blocks[0]) == book + stats);
+      CHECK(activation_bytes_per_block(c, B, T, 1, false, mode, *m.attention, 2, 2) ==
+            book + stats);
+      model_backward(ctx, m, acts, 1.0f, mode);
+    }
 }
 
 TEST_CASE("bad model shapes are rejected with the flag named", "[model]") {
