@@ -403,9 +403,8 @@ class FlashAttention : public AttentionCore {
     if (s.dropout) a.drop = s.dropout->draw(s.T);
     return a;
   }
-  // The tensor-core kernels draw no dropout: under it, the fp32 kernels run.
   static bool on_tensor_cores(const Context& ctx, const AttentionShape& s) {
-    return gpu_path(ctx.device) && output_dtype(ctx.precision) == DType::BF16 && !s.dropout &&
+    return gpu_path(ctx.device) && output_dtype(ctx.precision) == DType::BF16 &&
            (s.hd == 16 || s.hd == 32 || s.hd == 64 || s.hd == 128);
   }
   static Tensor in_bf16(const Context& ctx, const Tensor& t) {  // t itself when stored so

@@ -52,7 +52,7 @@ __device__ inline void copy_rows_async(bf16* dst, const bf16* src, int b, int T,
 // and P V of tile j, its V during the next S.
 // FlashAttention-2's other changes from FlashAttention-1 are here too: O is divided by the row
 // sum once at the end, not at every tile, and only lse (not max and sum) is kept for the backward.
-template <int HD>
+template <int HD, bool DROPOUT>
 __global__ void __launch_bounds__(32 * kFwdWarps)
     flash_forward_bf16_kernel(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
                               AttentionBlock a) {
@@ -147,7 +147,10 @@ __global__ void __launch_bounds__(32 * kFwdWarps)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
           s[mt][nt][e] = exp2f(s[mt][nt][e] - m_use[mt][e / 2]);
-          l[mt][e / 2] += s[mt][nt][e];
+          l[mt][e / 2] += s[mt][nt][e];  // the softmax's sum; dropout acts on what meets V
+          if (DROPOUT)
+            s[mt][nt][e] *= a.drop.factor(b, h, a.q0 + row0 + 16 * mt + 8 * (e / 2),
+                                          a.k0 + j0 + 8 * nt + 2 * t + e % 2);
         }
     // V_j has landed (only K_{j+1} may still be in flight).
     if (more)
@@ -201,7 +204,7 @@ __global__ void __launch_bounds__(32 * kFwdWarps)
 // CPU mirror of the forward: per (sequence, head, 128-query tile), the tile's key tiles of Bc in
 // order, every row through the same steps: fp32 scores in log2 units, masked to -inf, the new
 // max, exp2 of the old max minus the new one rescaling l and O, P = exp2(s - max) summed into l
-// unrounded but rounded to bf16 before P V, out = bf16(O / l).
+// unrounded but rounded to bf16 before P V (under dropout, F P rounded), out = bf16(O / l).
 
 static float to_bf16_value(float x) {
   return bf16_to_float(float_to_bf16(x));
@@ -240,7 +243,8 @@ void flash_forward_bf16_cpu(float* out, float* lse, const float* q, const float*
           for (int c = 0; c < BC; c++) {
             const float p = exp2f(s[c] - m_use);
             l += p;
-            const float pb = to_bf16_value(p);
+            const float f = a.drop.on() ? a.drop.factor(b, h, a.q0 + i, a.k0 + j0 + c) : 1.0f;
+            const float pb = to_bf16_value(f * p);
             if (pb == 0.0f) continue;  // also every masked column (and those past Tk)
             const float* vj = v + token_head(b, a.Tk, j0 + c, a.Hkv, kv, hd);
             for (int d = 0; d < hd; d++) o[d] += pb * vj[d];
@@ -257,21 +261,28 @@ void flash_forward_bf16_cpu(float* out, float* lse, const float* q, const float*
 
 // ----------------------------------------------------------------------------
 
-// Launches kernel<HD> for the bf16 head dims, with its dynamic shared memory allowed past the
-// 48 KiB default (up to 227 KiB on sm_90, 163 KiB on sm_80).
+// Launches kernel<HD, DROPOUT> for the bf16 head dims, with its dynamic shared memory allowed past
+// the 48 KiB default (up to 227 KiB on sm_90, 163 KiB on sm_80). Dropout is a template argument,
+// so the kernels without it hold no code (and no registers) for it.
 template <class Launch>
-static void launch_bf16_kernel(const char* what, int hd, Launch launch) {
+static void launch_bf16_kernel(const char* what, int hd, bool dropout, Launch launch) {
   PICO_ASSERT(hd == 16 || hd == 32 || hd == 64 || hd == 128,
               std::string(what) + ": bf16 head dim " + std::to_string(hd) +
                   " (supported: 16, 32, 64, 128)");
+  auto with_hd = [&](auto hd_constant) {
+    if (dropout)
+      launch(hd_constant, std::true_type{});
+    else
+      launch(hd_constant, std::false_type{});
+  };
   if (hd == 16)
-    launch(std::integral_constant<int, 16>{});
+    with_hd(std::integral_constant<int, 16>{});
   else if (hd == 32)
-    launch(std::integral_constant<int, 32>{});
+    with_hd(std::integral_constant<int, 32>{});
   else if (hd == 64)
-    launch(std::integral_constant<int, 64>{});
+    with_hd(std::integral_constant<int, 64>{});
   else
-    launch(std::integral_constant<int, 128>{});
+    with_hd(std::integral_constant<int, 128>{});
   CUDA_CHECK(cudaGetLastError());
 }
 template <class Kernel>
@@ -292,11 +303,12 @@ void flash_attention_forward_bf16(const Context& ctx, bf16* out, float* lse, con
   if (a.Tq == 0) return;
   PICO_ASSERT(aligned16(q) && aligned16(k) && aligned16(v),
               "flash_attention_forward_bf16: q, k, v must be 16-byte aligned");
-  launch_bf16_kernel("flash_attention_forward_bf16", a.hd, [&](auto hd) {
+  launch_bf16_kernel("flash_attention_forward_bf16", a.hd, a.drop.on(), [&](auto hd, auto drop) {
     constexpr int HD = decltype(hd)::value;
+    constexpr bool DROPOUT = decltype(drop)::value;
     const size_t bytes = fwd_shared_bytes(HD);
-    allow_shared_memory(flash_forward_bf16_kernel<HD>, bytes);
-    flash_forward_bf16_kernel<HD>
+    allow_shared_memory(flash_forward_bf16_kernel<HD, DROPOUT>, bytes);
+    flash_forward_bf16_kernel<HD, DROPOUT>
         <<<query_tile_grid(a, kFwdQueryTile), 32 * kFwdWarps, bytes, ctx.stream>>>(out, lse, q, k,
                                                                                    v, a);
   });
@@ -333,7 +345,7 @@ __device__ inline void load_query_stats_log2(float* lse_s, float* D_s, const flo
   }
 }
 
-template <int HD>
+template <int HD, bool DROPOUT>
 __global__ void __launch_bounds__(32 * kBwdWarps)
     flash_backward_bf16_kernel(float* dq, float* dk, float* dv, const bf16* dout, const bf16* q,
                                const bf16* k, const bf16* v, const float* lse, const float* D,
@@ -401,6 +413,7 @@ __global__ void __launch_bounds__(32 * kBwdWarps)
       }
     }
     // P^T = exp2(S^T scale log2(e) - lse) (0 where masked), dS^T = P^T (dP^T - D), into dpt.
+    // Under dropout (factor F): dV reads (F P)^T and dP^T is F V dO^T (flash_attention.cu).
     const bool edge = j0 + BC > a.Tk || (a.causal && a.k0 + j0 + BC - 1 > a.q0 + i0);
 #pragma unroll
     for (int nt = 0; nt < BR / 8; nt++)
@@ -409,8 +422,9 @@ __global__ void __launch_bounds__(32 * kBwdWarps)
         const int qi = 8 * nt + 2 * t + e % 2, j = key[e / 2];
         float p = exp2f(st[nt][e] * scale_log2 - Ls[qi]);
         if (edge && (j >= a.Tk || (a.causal && a.k0 + j > a.q0 + i0 + qi))) p = 0.0f;
-        st[nt][e] = p;
-        dpt[nt][e] = p * (dpt[nt][e] - Ds[qi]);
+        const float f = DROPOUT ? a.drop.factor(b, h, a.q0 + i0 + qi, a.k0 + j) : 1.0f;
+        st[nt][e] = f * p;
+        dpt[nt][e] = p * (f * dpt[nt][e] - Ds[qi]);
       }
 #pragma unroll
     for (int kc = 0; kc < BR / 16; kc++) {  // over the tile's queries, 16 at a time
@@ -482,9 +496,10 @@ __global__ void __launch_bounds__(32 * kBwdWarps)
 // CPU mirror of the backward: per (sequence, head, 128-key tile), the query tiles from the one
 // holding the first query that sees the tile, every (query, key) pair through the same steps:
 // P = exp2(s scale log2(e) - lse log2(e)) in fp32, dS = P (dP - D), both rounded to bf16 before
-// they multiply; dV, dK summed over the whole pass in fp32 and added at its end (dK times the
-// scale), dQ's part from one key tile summed in fp32 and added (times the scale) per query tile.
-// The group's heads run in order (the kernel's blocks add theirs in any order).
+// they multiply (under dropout F P and P (F dP - D)); dV, dK summed over the whole pass in fp32 and
+// added at its end (dK times the scale), dQ's part from one key tile summed in fp32 and added
+// (times the scale) per query tile. The group's heads run in order (the kernel's blocks add theirs
+// in any order).
 
 void flash_backward_bf16_cpu(float* dq, float* dk, float* dv, const float* dout, const float* q,
                              const float* k, const float* v, const float* lse, const float* D,
@@ -517,7 +532,8 @@ void flash_backward_bf16_cpu(float* dq, float* dk, float* dv, const float* dout,
             float s = 0.0f, dp = 0.0f;
             for (int d = 0; d < hd; d++) s += qi[d] * kj[d], dp += dOi[d] * vj[d];
             const float p = exp2f(s * scale_log2 - L2);
-            const float pb = to_bf16_value(p), dsb = to_bf16_value(p * (dp - Di));
+            const float f = a.drop.on() ? a.drop.factor(b, h, a.q0 + i, a.k0 + j) : 1.0f;
+            const float pb = to_bf16_value(f * p), dsb = to_bf16_value(p * (f * dp - Di));
             for (int d = 0; d < hd; d++) {
               dv_acc[(size_t)c * hd + d] += pb * dOi[d];
               dk_acc[(size_t)c * hd + d] += dsb * qi[d];
@@ -547,12 +563,13 @@ void flash_attention_backward_bf16(const Context& ctx, float* dq, float* dk, flo
   if (a.Tk == 0 || a.Tq == 0) return;
   PICO_ASSERT(aligned16(dout) && aligned16(q) && aligned16(k) && aligned16(v),
               "flash_attention_backward_bf16: dout, q, k, v must be 16-byte aligned");
-  launch_bf16_kernel("flash_attention_backward_bf16", a.hd, [&](auto hd) {
+  launch_bf16_kernel("flash_attention_backward_bf16", a.hd, a.drop.on(), [&](auto hd, auto drop) {
     constexpr int HD = decltype(hd)::value;
+    constexpr bool DROPOUT = decltype(drop)::value;
     const size_t bytes = bwd_shared_bytes(HD);
-    allow_shared_memory(flash_backward_bf16_kernel<HD>, bytes);
+    allow_shared_memory(flash_backward_bf16_kernel<HD, DROPOUT>, bytes);
     const dim3 grid((a.Tk + kBwdKeyTile - 1) / kBwdKeyTile, a.Hq, a.B);
-    flash_backward_bf16_kernel<HD>
+    flash_backward_bf16_kernel<HD, DROPOUT>
         <<<grid, 32 * kBwdWarps, bytes, ctx.stream>>>(dq, dk, dv, dout, q, k, v, lse, D, a);
   });
 }

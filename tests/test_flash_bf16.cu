@@ -28,6 +28,8 @@ namespace {
 // with ds_ij = p_ij (dp_ij - D_i). dp_ij - D_i cancels: an fp32 error in dp (a sum of hd terms)
 // or in D is relative to G_ij = p_ij (sum_d |dO_id v_jd| + |D_i|), not to |ds_ij|, so dk and dq
 // also get scale sum_i G_ij |q_i| and scale sum_j G_ij |k_j| (the _cancel magnitudes).
+// Under dropout (a.drop on) p_ij meets v_j and dO_i as f_ij p_ij (f: 1/(1-p) kept, 0 dropped), and
+// dp_ij = f_ij dO_i . v_j: the chain rule through that product.
 struct Exact {
   std::vector<double> out, lse, D, dq, dk, dv;
   std::vector<double> out_mag, dq_mag, dk_mag, dv_mag, dq_cancel, dk_cancel;
@@ -43,7 +45,7 @@ Exact attention64(const std::vector<float>& q, const std::vector<float>& k,
   r.dk.assign(k.size(), 0.0), r.dk_mag.assign(k.size(), 0.0), r.dk_cancel.assign(k.size(), 0.0);
   r.dv.assign(v.size(), 0.0), r.dv_mag.assign(v.size(), 0.0);
   r.lse.assign((size_t)a.B * a.Hq * a.Tq, -INFINITY), r.D.assign(r.lse.size(), 0.0);
-  std::vector<double> p(a.Tk), dp(a.Tk), dp_mag(a.Tk);
+  std::vector<double> p(a.Tk), dp(a.Tk), dp_mag(a.Tk), f(a.Tk);
   for (int b = 0; b < a.B; b++)
     for (int h = 0; h < a.Hq; h++)
       for (int i = 0; i < a.Tq; i++) {
@@ -65,13 +67,15 @@ Exact attention64(const std::vector<float>& q, const std::vector<float>& k,
         double D = 0.0;
         for (int j = 0; j < seen; j++) {
           p[j] /= sum;
+          f[j] = a.drop.on() ? a.drop.factor(b, h, a.q0 + i, a.k0 + j) : 1.0;
           dp[j] = dp_mag[j] = 0.0;
           for (int d = 0; d < hd; d++) {
-            r.out[qo + d] += p[j] * v[ko(j) + d];
-            r.out_mag[qo + d] += p[j] * std::abs(v[ko(j) + d]);
+            r.out[qo + d] += f[j] * p[j] * v[ko(j) + d];
+            r.out_mag[qo + d] += f[j] * p[j] * std::abs(v[ko(j) + d]);
             dp[j] += (double)dout[qo + d] * v[ko(j) + d];
             dp_mag[j] += std::abs((double)dout[qo + d] * v[ko(j) + d]);
           }
+          dp[j] *= f[j], dp_mag[j] *= f[j];
           D += p[j] * dp[j];
         }
         r.D[st] = D;
@@ -84,8 +88,8 @@ Exact attention64(const std::vector<float>& q, const std::vector<float>& k,
             r.dk[ko(j) + d] += scale * ds * q[qo + d];
             r.dk_mag[ko(j) + d] += scale * std::abs(ds * q[qo + d]);
             r.dk_cancel[ko(j) + d] += scale * G * std::abs(q[qo + d]);
-            r.dv[ko(j) + d] += p[j] * dout[qo + d];
-            r.dv_mag[ko(j) + d] += p[j] * std::abs(dout[qo + d]);
+            r.dv[ko(j) + d] += f[j] * p[j] * dout[qo + d];
+            r.dv_mag[ko(j) + d] += f[j] * p[j] * std::abs(dout[qo + d]);
           }
         }
       }
@@ -198,30 +202,48 @@ struct Inputs {
   }
 };
 
+// Both mirrors on one block against attention by definition in float64.
+void require_mirrors_match_definition(const AttentionBlock& a, double q_std) {
+  INFO(describe(a) << ", q std " << q_std);
+  Inputs in(a, q_std);
+  const Exact x = attention64(in.q, in.k, in.v, in.dout, a);
+  std::vector<float> out(in.q.size()), lse(x.lse.size());
+  flash_forward_bf16_cpu(out.data(), lse.data(), in.q.data(), in.k.data(), in.v.data(), a);
+  check_elementwise("out", out, x.out, x.out_mag, nullptr, kMirrorBound, kMirrorMean);
+  require_lse("lse", lse, x.lse, std::ldexp(1.0, -12));
+  // The backward from the exact lse and D (the forward's are tested above): only its own
+  // roundings count here.
+  std::vector<float> dq(in.q.size(), 0.0f), dk(in.k.size(), 0.0f), dv(in.v.size(), 0.0f);
+  const std::vector<float> lse_exact = as_float(x.lse), D_exact = as_float(x.D);
+  flash_backward_bf16_cpu(dq.data(), dk.data(), dv.data(), in.dout.data(), in.q.data(), in.k.data(),
+                          in.v.data(), lse_exact.data(), D_exact.data(), a);
+  check_elementwise("dq", dq, x.dq, x.dq_mag, &x.dq_cancel, kMirrorBound, kMirrorMean);
+  check_elementwise("dk", dk, x.dk, x.dk_mag, &x.dk_cancel, kMirrorBound, kMirrorMean);
+  check_elementwise("dv", dv, x.dv, x.dv_mag, nullptr, kMirrorBound, kMirrorMean);
+}
+// Dropout on the probabilities at p 0.3, drawn as FlashAttention draws it (AttentionDraw):
+// sequences numbered 7 and 3 in the run (host or device memory, for the mirrors or the kernels).
+AttentionBlock with_dropout(AttentionBlock a, const Tensor& sequences) {
+  a.drop = AttentionDropout{DropoutSite{11, 1, 0, 0.3f}, sequences, Tensor(), 0}.draw(1);
+  return a;
+}
 }  // namespace
 
 TEST_CASE("FlashAttention-2's bf16 CPU mirrors match attention by definition within bf16's bounds",
           "[attention][flash]") {
   // q std 5: a peaked softmax whose row max moves from tile to tile (the rescaling at work).
   for (double q_std : {1.0, 5.0})
-    for (const AttentionBlock& a : kBlocks) {
-      INFO(describe(a) << ", q std " << q_std);
-      Inputs in(a, q_std);
-      const Exact x = attention64(in.q, in.k, in.v, in.dout, a);
-      std::vector<float> out(in.q.size()), lse(x.lse.size());
-      flash_forward_bf16_cpu(out.data(), lse.data(), in.q.data(), in.k.data(), in.v.data(), a);
-      check_elementwise("out", out, x.out, x.out_mag, nullptr, kMirrorBound, kMirrorMean);
-      require_lse("lse", lse, x.lse, std::ldexp(1.0, -12));
-      // The backward from the exact lse and D (the forward's are tested above): only its own
-      // roundings count here.
-      std::vector<float> dq(in.q.size(), 0.0f), dk(in.k.size(), 0.0f), dv(in.v.size(), 0.0f);
-      const std::vector<float> lse_exact = as_float(x.lse), D_exact = as_float(x.D);
-      flash_backward_bf16_cpu(dq.data(), dk.data(), dv.data(), in.dout.data(), in.q.data(),
-                              in.k.data(), in.v.data(), lse_exact.data(), D_exact.data(), a);
-      check_elementwise("dq", dq, x.dq, x.dq_mag, &x.dq_cancel, kMirrorBound, kMirrorMean);
-      check_elementwise("dk", dk, x.dk, x.dk_mag, &x.dk_cancel, kMirrorBound, kMirrorMean);
-      check_elementwise("dv", dv, x.dv, x.dv_mag, nullptr, kMirrorBound, kMirrorMean);
-    }
+    for (const AttentionBlock& a : kBlocks) require_mirrors_match_definition(a, q_std);
+}
+
+// Under dropout the mirrors round F P and P (F dP - D) where they rounded P and dS: the same
+// bounds, against the definition with the same factors.
+TEST_CASE("FlashAttention-2's bf16 CPU mirrors under dropout match the masked definition",
+          "[attention][flash]") {
+  Context cpu = Context::create(Device::CPU);
+  Tensor sequences = device_ints(cpu, {7, 3});
+  for (const AttentionBlock& a : kBlocks)
+    require_mirrors_match_definition(with_dropout(a, sequences), 1.0);
 }
 
 namespace {
@@ -317,8 +339,10 @@ const __nv_bfloat16* bf(const Tensor& t) {
 }
 
 // The kernels on one block against their mirrors (forward on the same inputs; backward from the
-// kernel's lse and D, given to both).
-void require_kernels_match_mirrors(const Context& gpu, const AttentionBlock& a, double q_std) {
+// kernel's lse and D, given to both). Under dropout the kernels take `on_gpu`: a with its
+// sequence numbers in device memory.
+void require_kernels_match_mirrors(const Context& gpu, const AttentionBlock& a, double q_std,
+                                   const AttentionBlock* on_gpu = nullptr) {
   INFO(describe(a) << ", q std " << q_std);
   Inputs in(a, q_std);
   const Exact x = attention64(in.q, in.k, in.v, in.dout, a);  // the magnitudes
@@ -333,10 +357,11 @@ void require_kernels_match_mirrors(const Context& gpu, const AttentionBlock& a, 
   };
   Tensor dq = garbage(in.q.size()), dk = garbage(in.k.size()), dv = garbage(in.v.size());
   __nv_bfloat16* out_p = reinterpret_cast<__nv_bfloat16*>(out.ptr);
-  flash_attention_forward_bf16(gpu, out_p, lse.f32(), bf(q), bf(k), bf(v), a);
-  attention_out_dot_dout_bf16(gpu, D.f32(), bf(dout), out_p, a, dq.f32(), dk.f32(), dv.f32());
+  const AttentionBlock& g = on_gpu ? *on_gpu : a;
+  flash_attention_forward_bf16(gpu, out_p, lse.f32(), bf(q), bf(k), bf(v), g);
+  attention_out_dot_dout_bf16(gpu, D.f32(), bf(dout), out_p, g, dq.f32(), dk.f32(), dv.f32());
   flash_attention_backward_bf16(gpu, dq.f32(), dk.f32(), dv.f32(), bf(dout), bf(q), bf(k), bf(v),
-                                lse.f32(), D.f32(), a);
+                                lse.f32(), D.f32(), g);
   gpu.synchronize();
   auto wide = [](const std::vector<float>& f) { return std::vector<double>(f.begin(), f.end()); };
   std::vector<float> m_out(in.q.size()), m_lse(x.lse.size());
@@ -363,6 +388,18 @@ TEST_CASE("CUDA FlashAttention-2 bf16 kernels match their CPU mirrors", "[attent
   Context gpu = Context::create(Device::CUDA);
   for (double q_std : {1.0, 5.0})
     for (const AttentionBlock& a : kBlocks) require_kernels_match_mirrors(gpu, a, q_std);
+  gpu.destroy();
+}
+
+TEST_CASE("CUDA FlashAttention-2 bf16 kernels under dropout match their CPU mirrors",
+          "[attention][flash][gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context cpu = Context::create(Device::CPU), gpu = Context::create(Device::CUDA);
+  Tensor on_cpu = device_ints(cpu, {7, 3}), on_device = device_ints(gpu, {7, 3});
+  for (const AttentionBlock& a : kBlocks) {
+    const AttentionBlock g = with_dropout(a, on_device);
+    require_kernels_match_mirrors(gpu, with_dropout(a, on_cpu), 1.0, &g);
+  }
   gpu.destroy();
 }
 
