@@ -378,7 +378,7 @@ catch_each unit_gpu_sync 180 "[gpu]~a CUDA training run*" --sync-launches
 catch_step train_cuda_vs_cpu 150 "$RUN" build/unit_tests "a CUDA training run*" --use-colour no
 
 # =============================================================================================
-# 2. FlashAttention TFLOP/s, ours (fp32, bf16) and PyTorch's SDPA flash backend (bf16), same shapes
+# 2. FlashAttention TFLOP/s, ours (fp32, bf16, bf16 with dropout) and PyTorch's SDPA flash backend (bf16), same shapes
 flash_rows() { grep -E "^\| $1 +\| $2 " "$LOGS/$3.log" | tr -d ' ' | cut -d'|' -f4-7; }  # hd|T|fwd|bwd
 run_step flash_bench 240 "$RUN" build/bench_attention --cuda-only
 ran=$?
@@ -386,8 +386,9 @@ FLASH_BENCH_WENT=$STEP_WENT
 if [ "$ran" = 0 ]; then
   rows=$(flash_rows ours bf16 flash_bench | awk -F'|' '$2 == 16384 { printf "%shd %s: fwd %s bwd %s", (n++ ? "; " : ""), $1, $3, $4 }')
   f32=$(flash_rows ours fp32 flash_bench | awk -F'|' '$2 == 16384 { printf "%shd %s: fwd %s bwd %s", (n++ ? "; " : ""), $1, $3, $4 }')
+  drop=$(flash_rows ours '\+drop' flash_bench | awk -F'|' '$2 == 16384 { printf "%shd %s: fwd %s bwd %s", (n++ ? "; " : ""), $1, $3, $4 }')
   if [ "$STEP_RC" -eq 0 ] && [ -n "$rows" ]; then
-    record flash_bench PASS "$STEP_SECONDS" "TFLOP/s at T 16k, bf16 $rows; fp32 $f32"
+    record flash_bench PASS "$STEP_SECONDS" "TFLOP/s at T 16k, bf16 $rows; with dropout 0.1 $drop; fp32 $f32"
   else fail flash_bench "exit $STEP_RC; ${rows:-no bf16 rows}"; fi
 fi
 # The machine's own python and PyTorch (not the bundle's libraries); exit 3: no PyTorch there.
