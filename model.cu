@@ -553,14 +553,14 @@ struct RmsNorm : Normalization {
     parallel_rmsnorm_backward(tp, ctx, dx, g.weight, dy, x, w.weight, stats, dx_rounded);
   }
 };
-// LayerNorm with a bias (the book's GPT): the residual add, then the norm.
+// LayerNorm with a bias (the book's GPT), the residual add fused in as RMSNorm's is.
 struct LayerNorm : Normalization {
   std::vector<int64_t> stats_shape(int64_t n) const override { return {n, 2}; }  // mean, 1/std
   void forward(const Context& ctx, const Tensor& y, const Tensor& stats, const Tensor& x,
                const Tensor& branch, const Tensor& sum, const NormWeights& w,
                float eps) const override {
-    if (branch.defined()) residual_forward(ctx, sum, x, branch);
-    layernorm_forward(ctx, y, stats, branch.defined() ? sum : x, w.weight, w.bias, eps);
+    if (!branch.defined()) return layernorm_forward(ctx, y, stats, x, w.weight, w.bias, eps);
+    residual_layernorm_forward(ctx, sum, y, stats, x, branch, w.weight, w.bias, eps);
   }
   void backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
                 const NormWeights& g, const Tensor& dy, const Tensor& x, const NormWeights& w,

@@ -949,12 +949,10 @@ static void layernorm_backward_cpu(float* dx, float* dw, float* db, const float*
 
 // One block per row, as RMSNorm's: the row's sum, then its squared deviations, reduced by the
 // block; X the stream's storage, Y the output's (the compute format), W the weight's and bias's.
+// layernorm_row takes over after the first pass, which `sum` is this thread's part of.
 template <typename X, typename Y, typename W>
-static __global__ void layernorm_forward_kernel(Y* y, float* stats, const X* x, const W* w,
-                                                const W* b, int D, float eps) {
-  const X* xr = x + (int64_t)blockIdx.x * D;  // [D]
-  float sum = 0.0f;
-  for (int i = threadIdx.x; i < D; i += blockDim.x) sum += widen(xr[i]);
+static __device__ void layernorm_row(Y* y, float* stats, const X* xr, const W* w, const W* b, int D,
+                                     float eps, float sum) {
   const float mean = block_reduce(sum, false) / D;
   float ss = 0.0f;
   for (int i = threadIdx.x; i < D; i += blockDim.x)
@@ -966,6 +964,28 @@ static __global__ void layernorm_forward_kernel(Y* y, float* stats, const X* x, 
   }
   for (int i = threadIdx.x; i < D; i += blockDim.x)
     store(y + (int64_t)blockIdx.x * D + i, (widen(xr[i]) - mean) * r * widen(w[i]) + widen(b[i]));
+}
+template <typename X, typename Y, typename W>
+static __global__ void layernorm_forward_kernel(Y* y, float* stats, const X* x, const W* w,
+                                                const W* b, int D, float eps) {
+  const X* xr = x + (int64_t)blockIdx.x * D;  // [D]
+  float sum = 0.0f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) sum += widen(xr[i]);
+  layernorm_row(y, stats, xr, w, b, D, eps, sum);
+}
+// The residual add fused in (residual_rmsnorm_kernel's LayerNorm twin): the first pass stores
+// each element of the sum and reads it back as stored; every later pass reads the sum. S: the
+// stream's storage (sum and a), B: the branch's.
+template <typename S, typename B, typename Y, typename W>
+static __global__ void residual_layernorm_kernel(S* sum, Y* y, float* stats, const S* a, const B* b,
+                                                 const W* w, const W* bias, int D, float eps) {
+  const int64_t row = (int64_t)blockIdx.x * D;
+  float total = 0.0f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    store(sum + row + i, 1.0f * widen(a[row + i]) + 1.0f * widen(b[row + i]));
+    total += widen(sum[row + i]);
+  }
+  layernorm_row(y, stats, (const S*)sum + row, w, bias, D, eps, total);
 }
 // dx as RMSNorm's backward kernel computes it (a block walks kDwRows rows, reducing each row's
 // two sums), and each block's partial column sums of dy xhat and dy in partials [blocks, 2, D],
@@ -1038,6 +1058,45 @@ void layernorm_forward(const Context& ctx, const Tensor& y, const Tensor& stats,
       },
       x.dtype, y.dtype, w.dtype);
   LAUNCH_CHECK(ctx, "layernorm_forward_kernel");
+}
+
+void residual_layernorm_forward(const Context& ctx, const Tensor& sum, const Tensor& y,
+                                const Tensor& stats, const Tensor& a, const Tensor& b,
+                                const Tensor& w, const Tensor& bias, float eps) {
+  check_devices(ctx, "residual_layernorm_forward", sum, y, stats, a, b, w, bias);
+  int D = (int)a.size(-1), T = (int)(a.numel() / D);
+  PICO_ASSERT(w.numel() == D && bias.numel() == D && sum.numel() == a.numel() &&
+                  b.numel() == a.numel() && y.numel() == a.numel() &&
+                  stats.numel() == 2 * (int64_t)T,
+              "residual_layernorm_forward shapes " + a.shape_str());
+  PICO_ASSERT(sum.dtype == a.dtype && float_storage(a.dtype) && float_storage(b.dtype) &&
+                  float_storage(y.dtype) && float_storage(w.dtype) && bias.dtype == w.dtype,
+              "residual_layernorm_forward: sum and a of one format, bias in w's; each fp32 or "
+              "16-bit");
+  // a and b read, the sum and y written (the sum's read backs are the thread's own, in cache).
+  const double es = dtype_size(a.dtype), eb = dtype_size(b.dtype), ey = dtype_size(y.dtype),
+               ew = dtype_size(w.dtype);
+  if (count_op(ctx.device, OpKind::Norm,
+               {8.0 * T * D, (es + eb) * T * D + 2 * ew * D, (es + ey) * T * D + 8.0 * T}))
+    return;
+  if (ctx.device == Device::CPU) {  // the two passes the kernel fuses, one after the other
+    std::vector<float> a_wide, b_wide, sum_wide, x_wide, w_wide, bias_wide, y_wide;
+    const float *av = host_floats(a, a_wide), *bv = host_floats(b, b_wide);
+    axpby_cpu(host_output(sum, sum_wide), 1.0f, av, 1.0f, bv, sum.numel());
+    store_rounded(sum, sum_wide);  // the norm reads the sum as stored
+    layernorm_forward_cpu(host_output(y, y_wide), stats.f32(), host_floats(sum, x_wide),
+                          host_floats(w, w_wide), host_floats(bias, bias_wide), T, D, eps);
+    return store_rounded(y, y_wide);
+  }
+  if (T == 0) return;
+  with_elements(
+      [&](auto* S, auto* B, auto* Y, auto* W) {
+        residual_layernorm_kernel<<<T, kThreads, 0, ctx.stream>>>(
+            typed(S, sum.ptr), typed(Y, y.ptr), stats.f32(), typed(S, a.ptr), typed(B, b.ptr),
+            typed(W, w.ptr), typed(W, bias.ptr), D, eps);
+      },
+      a.dtype, b.dtype, y.dtype, w.dtype);
+  LAUNCH_CHECK(ctx, "residual_layernorm_kernel");
 }
 
 void layernorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, const Tensor& db,

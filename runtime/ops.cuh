@@ -101,6 +101,11 @@ void swiglu_backward(const Context& ctx, const Tensor& dgate, const Tensor& dup,
 // row's mean and 1/std. x: the stream's storage; y: fp32 or the compute format; b in w's format.
 void layernorm_forward(const Context& ctx, const Tensor& y, const Tensor& stats, const Tensor& x,
                        const Tensor& w, const Tensor& b, float eps);
+// The residual add and the next LayerNorm in one pass, as residual_rmsnorm_forward: sum = a + b
+// (in a's format, rounded as stored), then layernorm_forward of the sum as stored.
+void residual_layernorm_forward(const Context& ctx, const Tensor& sum, const Tensor& y,
+                                const Tensor& stats, const Tensor& a, const Tensor& b,
+                                const Tensor& w, const Tensor& bias, float eps);
 // dx += (in x's format), dw += and db += (fp32) from dy [T, D] and the forward's stats.
 void layernorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, const Tensor& db,
                         const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& stats);
@@ -143,8 +148,8 @@ struct AttentionDraw {
   uint64_t key = 0;
   uint32_t threshold = 0;  // 0: nothing dropped
   float scale = 1.0f;      // 1 / (1 - p)
-  const int32_t* sequences =
-      nullptr;  // sequence b's number at sequences[b * stride] (ctx's device)
+  // Sequence b's number in the run is sequences[b * stride] (on the device that draws).
+  const int32_t* sequences = nullptr;
   int64_t stride = 0;
   int head0 = 0;  // this rank's first query head (tensor parallelism)
   __host__ __device__ bool on() const { return threshold != 0; }

@@ -296,6 +296,38 @@ TEST_CASE("residual_rmsnorm_forward equals residual_forward then rmsnorm_forward
   }
 }
 
+// LayerNorm's twin (the book's GPT block): the add, then the norm of the sum as stored, with the
+// stream in fp32 and in each 16-bit format.
+TEST_CASE("residual_layernorm_forward equals residual_forward then layernorm_forward, bit for bit",
+          "[ops]") {
+  const int T = 7, D = 90;
+  Tensor a = randn({T, D}, "a", 2.0f), b = randn({T, D}, "b"), w = randn({D}, "w");
+  Tensor bias = randn({D}, "bias");
+  for (DType format : {DType::F32, DType::BF16, DType::F16})
+    for (DType stream : {DType::F32, format}) {
+      INFO(dtype_name(format) << ", stream " << dtype_name(stream));
+      auto in = [&](const Tensor& t, DType f) {
+        Tensor c = empty(t.shape, Mem::Activations, Device::CPU, f);
+        cast_(kCpu, c, t);
+        return c;
+      };
+      Tensor a_s = in(a, stream), b_f = in(b, format), w_f = in(w, format),
+             bias_f = in(bias, format);
+      Tensor sum = empty({T, D}, Mem::Activations, Device::CPU, stream), want_sum = clone(sum);
+      Tensor y = empty({T, D}, Mem::Activations, Device::CPU, format), want_y = clone(y);
+      Tensor stats = empty({T, 2}, Mem::Activations), want_stats = clone(stats);
+      residual_forward(kCpu, want_sum, a_s, b_f);
+      layernorm_forward(kCpu, want_y, want_stats, want_sum, w_f, bias_f, 1e-5f);
+      reset_ledger();
+      residual_layernorm_forward(kCpu, sum, y, stats, a_s, b_f, w_f, bias_f, 1e-5f);
+      CHECK(ledger().rows[(int)OpKind::Norm].calls == 1);
+      CHECK(ledger().rows[(int)OpKind::Elementwise].calls == 0);
+      CHECK(same_bytes(sum, want_sum));
+      CHECK(same_bytes(y, want_y));
+      CHECK(same_bytes(stats, want_stats));
+    }
+}
+
 // The norm's backward also writes the residual gradient rounded for the GEMMs that read it next
 // (a [T, D] bf16 or fp16 copy): dx's new value rounded once (cast_'s rounding, the reference),
 // counted among the backward's roundings as the GEMMs' own rounding was; dx and dw as without it.
@@ -1289,6 +1321,44 @@ TEST_CASE("CUDA residual_rmsnorm_forward equals the residual add then the norm",
     residual_rmsnorm_forward(kCpu, sum, y, rstd, a, b_f, w_f, 1e-5f);
     check_close(host(ctx, fused[0]), sum, 0.0f, 0.0f);  // one fp32 addition, exact both sides
     check_close(host(ctx, fused[2]), rstd, 1e-5f, 0.0f);
+  }
+  ctx.destroy();
+}
+
+TEST_CASE("CUDA residual_layernorm_forward equals the residual add then the norm", "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  const int T = 37, D = 300;
+  Tensor a = randn({T, D}, "a", 2.0f), b = randn({T, D}, "b"), w = randn({D}, "w");
+  Tensor bias = randn({D}, "bias");
+  for (DType format : {DType::F32, DType::BF16}) {
+    INFO(dtype_name(format));
+    Tensor b_f = empty({T, D}, Mem::Activations, Device::CPU, format);
+    Tensor w_f = empty({D}, Mem::Params, Device::CPU, format), bias_f = clone(w_f);
+    cast_(kCpu, b_f, b), cast_(kCpu, w_f, w), cast_(kCpu, bias_f, bias);
+    Tensor g_a = gpu(a), g_b = to_device(b_f, Device::CUDA, Mem::Activations);
+    Tensor g_w = to_device(w_f, Device::CUDA, Mem::Params);
+    Tensor g_bias = to_device(bias_f, Device::CUDA, Mem::Params);
+    auto outputs = [&] {
+      return std::vector<Tensor>{empty({T, D}, Mem::Activations, Device::CUDA),
+                                 empty({T, D}, Mem::Activations, Device::CUDA, format),
+                                 empty({T, 2}, Mem::Activations, Device::CUDA)};
+    };
+    std::vector<Tensor> fused = outputs(), apart = outputs();
+    residual_layernorm_forward(ctx, fused[0], fused[1], fused[2], g_a, g_b, g_w, g_bias, 1e-5f);
+    residual_forward(ctx, apart[0], g_a, g_b);
+    layernorm_forward(ctx, apart[1], apart[2], apart[0], g_w, g_bias, 1e-5f);
+    ctx.synchronize();
+    for (int i = 0; i < 3; i++) {
+      Tensor got = to_device(fused[i], Device::CPU, Mem::Workspace);
+      Tensor want = to_device(apart[i], Device::CPU, Mem::Workspace);
+      CHECK(memcmp(got.ptr, want.ptr, got.nbytes()) == 0);
+    }
+    Tensor sum = empty({T, D}, Mem::Activations), stats = empty({T, 2}, Mem::Activations);
+    Tensor y = empty({T, D}, Mem::Activations, Device::CPU, format);
+    residual_layernorm_forward(kCpu, sum, y, stats, a, b_f, w_f, bias_f, 1e-5f);
+    check_close(host(ctx, fused[0]), sum, 0.0f, 0.0f);      // one fp32 addition, exact both sides
+    check_close(host(ctx, fused[2]), stats, 1e-5f, 1e-6f);  // as the unfused LayerNorm's test
   }
   ctx.destroy();
 }

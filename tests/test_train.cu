@@ -211,7 +211,7 @@ TEST_CASE("a CUDA training run matches the CPU run of the same seed", "[gpu]") {
   // bf16 twice: with the residual stream in fp32 (the default) and in bf16 (--residual-dtype);
   // and the book's GPT block (LayerNorm, GeLU, dropout: the device draws the CPU's masks).
   const std::string gpt = " --norm layernorm --mlp gelu --dropout 0.1 --attention naive";
-  for (const std::string dtype :
+  for (const std::string& dtype :
        {std::string("fp32"), std::string("bf16"), std::string("bf16 --residual-dtype bf16"),
         "fp32" + gpt, "bf16 --residual-dtype bf16" + gpt}) {
     std::string args = SMALL + "--steps 5 --data " + data + " --dtype " + dtype;
