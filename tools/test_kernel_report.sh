@@ -34,14 +34,14 @@ if [ -s "$T/table.md" ]; then
     ! bash tools/kernel_report.sh --table "$T/planted.md" >"$T/planted.log" 2>&1 &&
       grep -q "$1" "$T/planted.log"
   }
-  plant "flash_forward_bf16_kernel<64>" sm_90 5 "8/8"
-  check "a kernel that spills is a violation" caught "VIOLATION: flash_forward_bf16_kernel<64> (sm_90) spills 8/8"
-  plant "flash_backward_bf16_kernel<128>" sm_80 9 0
+  plant "flash_forward_bf16_kernel<64, false>" sm_90 5 "8/8"
+  check "a kernel that spills is a violation" caught "VIOLATION: flash_forward_bf16_kernel<64, false> (sm_90) spills 8/8"
+  plant "flash_backward_bf16_kernel<128, true>" sm_80 9 0
   check "the FlashAttention-2 backward without ldmatrix is a violation" \
-    caught "VIOLATION: flash_backward_bf16_kernel<128> (sm_80) has no ldmatrix"
-  plant "flash_forward_bf16_kernel<128>" sm_90 10 0
+    caught "VIOLATION: flash_backward_bf16_kernel<128, true> (sm_80) has no ldmatrix"
+  plant "flash_forward_bf16_kernel<128, false>" sm_90 10 0
   check "the FlashAttention-2 forward without cp.async is a violation" \
-    caught "VIOLATION: flash_forward_bf16_kernel<128> (sm_90) has no cp.async"
+    caught "VIOLATION: flash_forward_bf16_kernel<128, false> (sm_90) has no cp.async"
   plant "matmul_tensor_cores_kernel" sm_90 11 0
   check "the tensor-core rung without mma is a violation" \
     caught "VIOLATION: matmul_tensor_cores_kernel (sm_90) has no mma"
