@@ -141,7 +141,11 @@ __global__ void __launch_bounds__(32 * kFwdWarps)
       }
     }
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++)
+    for (int mt = 0; mt < MT; mt++) {
+      uint64_t draws[2] = {};  // dropout: each of the lane's two rows hashed once per tile
+#pragma unroll
+      for (int x = 0; DROPOUT && x < 2; x++)
+        draws[x] = a.drop.row(b, h, a.q0 + row0 + 16 * mt + 8 * x);
 #pragma unroll
       for (int nt = 0; nt < BC / 8; nt++)
 #pragma unroll
@@ -149,9 +153,9 @@ __global__ void __launch_bounds__(32 * kFwdWarps)
           s[mt][nt][e] = exp2f(s[mt][nt][e] - m_use[mt][e / 2]);
           l[mt][e / 2] += s[mt][nt][e];  // the softmax's sum; dropout acts on what meets V
           if (DROPOUT)
-            s[mt][nt][e] *= a.drop.factor(b, h, a.q0 + row0 + 16 * mt + 8 * (e / 2),
-                                          a.k0 + j0 + 8 * nt + 2 * t + e % 2);
+            s[mt][nt][e] *= a.drop.factor(draws[e / 2], a.k0 + j0 + 8 * nt + 2 * t + e % 2);
         }
+    }
     // V_j has landed (only K_{j+1} may still be in flight).
     if (more)
       cp_async_wait<1>();
@@ -333,15 +337,18 @@ void flash_attention_forward_bf16(const Context& ctx, bf16* out, float* lse, con
 
 // lse (as log2) and D of queries [i0, i0 + rows) of head h into shared memory. A query past Tq,
 // or one that sees no key at all (lse -inf), gets +inf: exp2(s - inf) = 0, so it adds nothing
-// and needs no mask.
-__device__ inline void load_query_stats_log2(float* lse_s, float* D_s, const float* lse,
-                                             const float* D, const AttentionBlock& a, int b, int h,
-                                             int i0, int rows) {
+// and needs no mask. Under dropout (draws_s given), also each query row's half of the dropout
+// hash, so a score costs one hash, not two and a load of the sequence's number.
+__device__ inline void load_query_stats_log2(float* lse_s, float* D_s, uint64_t* draws_s,
+                                             const float* lse, const float* D,
+                                             const AttentionBlock& a, int b, int h, int i0,
+                                             int rows) {
   for (int r = threadIdx.x; r < rows; r += blockDim.x) {
     const int64_t at = ((int64_t)b * a.Hq + h) * a.Tq + i0 + r;
     const float L = i0 + r < a.Tq ? lse[at] : -INFINITY;
     lse_s[r] = L == -INFINITY ? INFINITY : L * kLog2e;
     D_s[r] = i0 + r < a.Tq ? D[at] : 0.0f;
+    if (draws_s) draws_s[r] = a.drop.row(b, h, a.q0 + i0 + r);
   }
 }
 
@@ -360,6 +367,7 @@ __global__ void __launch_bounds__(32 * kBwdWarps)
   bf16* dSt = dOs + 2 * BR * LD;                            // [BC keys][LDS]: dS transposed
   float* lse_s = reinterpret_cast<float*>(dSt + BC * LDS);  // [2][BR], log2 units
   float* D_s = lse_s + 2 * BR;                              // [2][BR]
+  uint64_t* draws_s = DROPOUT ? reinterpret_cast<uint64_t*>(D_s + 2 * BR) : nullptr;  // [2][BR]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int j0 = blockIdx.x * BC, h = blockIdx.y, b = blockIdx.z;
   const int group = a.Hq / a.Hkv, kv = h / group;
@@ -372,7 +380,7 @@ __global__ void __launch_bounds__(32 * kBwdWarps)
   copy_rows_async<HD, BR, THREADS>(Qs, q, b, a.Tq, tile0 * BR, a.Hq, h);
   copy_rows_async<HD, BR, THREADS>(dOs, dout, b, a.Tq, tile0 * BR, a.Hq, h);
   cp_async_commit();  // group: K, V, Q_0, dO_0
-  load_query_stats_log2(lse_s, D_s, lse, D, a, b, h, tile0 * BR, BR);
+  load_query_stats_log2(lse_s, D_s, draws_s, lse, D, a, b, h, tile0 * BR, BR);
 
   float dk_acc[HD / 8][4] = {}, dv_acc[HD / 8][4] = {};  // 16 keys x HD each
   const int key[2] = {j0 + 16 * warp + g, j0 + 16 * warp + g + 8};
@@ -384,7 +392,8 @@ __global__ void __launch_bounds__(32 * kBwdWarps)
       copy_rows_async<HD, BR, THREADS>(Qs + (1 - buf) * BR * LD, q, b, a.Tq, i0 + BR, a.Hq, h);
       copy_rows_async<HD, BR, THREADS>(dOs + (1 - buf) * BR * LD, dout, b, a.Tq, i0 + BR, a.Hq, h);
       cp_async_commit();  // group: Q, dO of the next tile
-      load_query_stats_log2(lse_s + (1 - buf) * BR, D_s + (1 - buf) * BR, lse, D, a, b, h, i0 + BR,
+      load_query_stats_log2(lse_s + (1 - buf) * BR, D_s + (1 - buf) * BR,
+                            DROPOUT ? draws_s + (1 - buf) * BR : nullptr, lse, D, a, b, h, i0 + BR,
                             BR);
       cp_async_wait<1>();
     } else {
@@ -395,6 +404,7 @@ __global__ void __launch_bounds__(32 * kBwdWarps)
     const bf16* dOt = dOs + buf * BR * LD;
     const float* Ls = lse_s + buf * BR;
     const float* Ds = D_s + buf * BR;
+    const uint64_t* draws = DROPOUT ? draws_s + buf * BR : nullptr;
     float st[BR / 8][4] = {}, dpt[BR / 8][4] = {};  // S^T and dP^T: 16 keys x BR queries
 #pragma unroll
     for (int kk = 0; kk < HD / 16; kk++) {
@@ -422,7 +432,7 @@ __global__ void __launch_bounds__(32 * kBwdWarps)
         const int qi = 8 * nt + 2 * t + e % 2, j = key[e / 2];
         float p = exp2f(st[nt][e] * scale_log2 - Ls[qi]);
         if (edge && (j >= a.Tk || (a.causal && a.k0 + j > a.q0 + i0 + qi))) p = 0.0f;
-        const float f = DROPOUT ? a.drop.factor(b, h, a.q0 + i0 + qi, a.k0 + j) : 1.0f;
+        const float f = DROPOUT ? a.drop.factor(draws[qi], a.k0 + j) : 1.0f;
         st[nt][e] = f * p;
         dpt[nt][e] = p * (f * dpt[nt][e] - Ds[qi]);
       }
@@ -566,7 +576,7 @@ void flash_attention_backward_bf16(const Context& ctx, float* dq, float* dk, flo
   launch_bf16_kernel("flash_attention_backward_bf16", a.hd, a.drop.on(), [&](auto hd, auto drop) {
     constexpr int HD = decltype(hd)::value;
     constexpr bool DROPOUT = decltype(drop)::value;
-    const size_t bytes = bwd_shared_bytes(HD);
+    const size_t bytes = bwd_shared_bytes(HD, DROPOUT);
     allow_shared_memory(flash_backward_bf16_kernel<HD, DROPOUT>, bytes);
     const dim3 grid((a.Tk + kBwdKeyTile - 1) / kBwdKeyTile, a.Hq, a.B);
     flash_backward_bf16_kernel<HD, DROPOUT>

@@ -37,10 +37,11 @@ __host__ __device__ constexpr int bwd_query_tile(int hd) {
   return hd >= 128 ? 32 : 64;
 }
 // K, V [Bc][hd + 8]; Q, dO double-buffered [2][Br][hd + 8]; dS^T [Bc][Br + 8] (bf16); lse and
-// D double-buffered [2][Br] (fp32).
-__host__ __device__ constexpr size_t bwd_shared_bytes(int hd) {
+// D double-buffered [2][Br] (fp32); under dropout, the query rows' hashes [2][Br] (64-bit).
+__host__ __device__ constexpr size_t bwd_shared_bytes(int hd, bool dropout) {
   return (2 * (size_t)kBwdKeyTile + 4 * (size_t)bwd_query_tile(hd)) * (hd + 8) * 2 +
-         (size_t)kBwdKeyTile * (bwd_query_tile(hd) + 8) * 2 + 4 * (size_t)bwd_query_tile(hd) * 4;
+         (size_t)kBwdKeyTile * (bwd_query_tile(hd) + 8) * 2 + 4 * (size_t)bwd_query_tile(hd) * 4 +
+         (dropout ? 2 * (size_t)bwd_query_tile(hd) * 8 : 0);
 }
 
 // ---- the CPU mirrors (same tiles, same loop order, same roundings) ----

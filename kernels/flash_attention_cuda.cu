@@ -54,6 +54,7 @@ __global__ void __launch_bounds__(kF32Tile* kRowThreads)
     o[e] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;  // running max (log2 units) and running sum of the row
+  const uint64_t draws = a.drop.on() ? a.drop.row(b, h, a.q0 + i) : 0;  // the row's dropout hash
   const int n_keys = visible_keys(a, min(i0 + kF32Tile, a.Tq) - 1, 0, a.Tk);
   for (int j0 = 0; j0 < n_keys; j0 += kF32Tile) {
     __syncthreads();  // every thread is done with the previous K, V tile
@@ -81,7 +82,7 @@ __global__ void __launch_bounds__(kF32Tile* kRowThreads)
     for (int j = 0; j < kF32Tile; j++) {
       float p = exp2f(s[j] - m_use);
       l += p;  // the softmax's sum; under dropout the output sums the dropped probabilities
-      if (a.drop.on() && j < seen) p *= a.drop.factor(b, h, a.q0 + i, a.k0 + j0 + j);
+      if (a.drop.on() && j < seen) p *= a.drop.factor(draws, a.k0 + j0 + j);
 #pragma unroll
       for (int e = 0; e < D; e++) o[e] += p * Vs[j][c + kRowThreads * e];
     }

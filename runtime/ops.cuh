@@ -134,11 +134,18 @@ __host__ __device__ inline uint64_t dropout_mix64(uint64_t z) {
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return z ^ (z >> 31);
 }
+// The first half depends on the token and a only: a loop over b takes it once (dropout_row) and
+// draws each b with one more hash (dropout_kept).
+__host__ __device__ inline uint64_t dropout_row(uint64_t site, uint32_t sequence, uint32_t position,
+                                                uint32_t a) {
+  return dropout_mix64(site + (((uint64_t)sequence << 32) | position)) + ((uint64_t)a << 32);
+}
+__host__ __device__ inline bool dropout_kept(uint64_t row, uint32_t b, uint32_t threshold) {
+  return (uint32_t)(dropout_mix64(row + b) >> 32) >= threshold;
+}
 __host__ __device__ inline bool dropout_keeps(uint64_t site, uint32_t sequence, uint32_t position,
                                               uint32_t a, uint32_t b, uint32_t threshold) {
-  uint64_t h = dropout_mix64(site + (((uint64_t)sequence << 32) | position));
-  h = dropout_mix64(h + (((uint64_t)a << 32) | b));
-  return (uint32_t)(h >> 32) >= threshold;
+  return dropout_kept(dropout_row(site, sequence, position, a), b, threshold);
 }
 // Attention's dropout drawn where the probabilities are made, inside a tile loop (FlashAttention:
 // FlashAttention-2 draws its mask in the kernel and never stores it): element (sequence b, query
@@ -153,12 +160,16 @@ struct AttentionDraw {
   int64_t stride = 0;
   int head0 = 0;  // this rank's first query head (tensor parallelism)
   __host__ __device__ bool on() const { return threshold != 0; }
-  // What probability (b, h, i, j) is multiplied by: scale kept, 0 dropped.
+  // Query row (b, h, i)'s half of the hash, taken once for all the keys it meets.
+  __host__ __device__ uint64_t row(int b, int h, int64_t i) const {
+    return dropout_row(key, (uint32_t)sequences[b * stride], (uint32_t)i, (uint32_t)(head0 + h));
+  }
+  // What probability (row, j) is multiplied by: scale kept, 0 dropped.
+  __host__ __device__ float factor(uint64_t row, int64_t j) const {
+    return dropout_kept(row, (uint32_t)j, threshold) ? scale : 0.0f;
+  }
   __host__ __device__ float factor(int b, int h, int64_t i, int64_t j) const {
-    return dropout_keeps(key, (uint32_t)sequences[b * stride], (uint32_t)i, (uint32_t)(head0 + h),
-                         (uint32_t)j, threshold)
-               ? scale
-               : 0.0f;
+    return factor(row(b, h, i), j);
   }
 };
 // y = x * mask / (1 - p) (y may be x), mask [rows, D] U8 (1: kept). Row r of x is the token of

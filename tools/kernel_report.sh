@@ -10,7 +10,10 @@
 #   1. no kernel spills (0 bytes of spill stores and loads);
 #   2. the tensor-core kernels still use what they are built on, on every architecture:
 #      matmul_tensor_cores_kernel ldmatrix and mma; flash_forward_bf16_kernel and
-#      flash_backward_bf16_kernel ldmatrix, cp.async and mma (every head dim).
+#      flash_backward_bf16_kernel ldmatrix, cp.async and mma (every head dim);
+#   3. the kernels launched with dynamic shared memory (flash_*_bf16_kernel) have it known (from
+#      tools/kernel_smem.cu) and, with their static shared memory, within what a block may have:
+#      163 KiB on sm_80, 227 KiB on sm_90.
 # Usage: tools/kernel_report.sh [--check] [--out FILE] [--table FILE] [FILE.cu ...]
 #   FILE.cu: the files to compile (default: every kernels/*.cu); --out: the table also to FILE;
 #   --table FILE: compile nothing, check that table (tools/test_kernel_report.sh plants
@@ -45,6 +48,7 @@ check() {
   awk -F'|' -v rules="$RULES" -v archs="$ARCHS" '
     function trim(x) { gsub(/^ +| +$/, "", x); return x }
     BEGIN {
+      limit["sm_80"] = 163 * 1024; limit["sm_90"] = 227 * 1024
       n_rules = split(rules, lines, "\n"); nr = 0
       for (i = 1; i <= n_rules; i++) if (split(lines[i], f, " ") == 2) { nr++; pat[nr] = f[1]; need[nr] = f[2] }
       col["ldmatrix"] = 9; col["cp.async"] = 10; col["mma"] = 11
@@ -53,6 +57,11 @@ check() {
       name = trim($2); arch = trim($3); rows++
       split(trim($5), sp, "/")
       if (sp[1] + 0 != 0 || sp[2] + 0 != 0) { printf "VIOLATION: %s (%s) spills %s bytes (stores/loads)\n", name, arch, trim($5); bad++ }
+      if (name ~ /^flash_(forward|backward)_bf16_kernel</) {
+        shared = trim($6) + trim($7)
+        if (trim($7) + 0 == 0) { printf "VIOLATION: %s (%s): its launch'"'"'s dynamic shared memory is unknown (tools/kernel_smem.cu)\n", name, arch; bad++ }
+        else if (shared > limit[arch]) { printf "VIOLATION: %s (%s) needs %d bytes of shared memory, past %d\n", name, arch, shared, limit[arch]; bad++ }
+      }
       for (r = 1; r <= nr; r++) if (name ~ pat[r]) {
         seen[r, arch]++
         k = split(need[r], kinds, ",")
@@ -134,7 +143,8 @@ done
     "$WORK/ptx.txt" "$rows" |
     while IFS='|' read -r mangled arch regs spills smem file counts; do
       name=$(echo "$mangled" | c++filt | sed 's/(.*//; s/^void //')
-      dyn=$(awk -v n="$name" '$1 == n { print $2 }' "$WORK/dynamic.txt" 2>/dev/null)
+      dyn=$(awk -v n="$name" '{ bytes = $NF; $NF = ""; sub(/ +$/, "") } $0 == n { print bytes }' \
+        "$WORK/dynamic.txt" 2>/dev/null)
       IFS='|' read -r ldm cpa mma <<<"$counts"
       printf '| %s | %s | %s | %s | %s | %s | `%s` | %s | %s | %s |\n' "$name" "$arch" "$regs" \
         "$spills" "$smem" "${dyn:-0}" "$file" "$ldm" "$cpa" "$mma"

@@ -3,8 +3,9 @@
 # tools/kernel_report.sh --check on every kernel in kernels/ (sm_80 and sm_90): no kernel spills,
 # the tensor-core kernels still contain ldmatrix, cp.async (FlashAttention-2's) and mma.sync.
 # Then plants one violation at a time in a copy of the table it printed (a spill, a kernel whose
-# ldmatrix or cp.async is gone, a kernel missing for one architecture) and requires --check to
-# name each one. Prints "test_kernel_report: N passed, M failed" last.
+# ldmatrix or cp.async is gone, a FlashAttention-2 kernel whose shared memory is unknown or too
+# large, a kernel missing for one architecture) and requires --check to name each one. Prints
+# "test_kernel_report: N passed, M failed" last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T=$(mktemp -d /tmp/test_kernel_report.XXXXXX)
@@ -45,6 +46,12 @@ if [ -s "$T/table.md" ]; then
   plant "matmul_tensor_cores_kernel" sm_90 11 0
   check "the tensor-core rung without mma is a violation" \
     caught "VIOLATION: matmul_tensor_cores_kernel (sm_90) has no mma"
+  plant "flash_backward_bf16_kernel<64, true>" sm_90 7 0
+  check "a FlashAttention-2 kernel whose launch's shared memory is unknown is a violation" \
+    caught "VIOLATION: flash_backward_bf16_kernel<64, true> (sm_90): its launch's dynamic shared memory is unknown"
+  plant "flash_forward_bf16_kernel<64, false>" sm_80 7 170000
+  check "a FlashAttention-2 kernel past the architecture's shared memory is a violation" \
+    caught "VIOLATION: flash_forward_bf16_kernel<64, false> (sm_80) needs 170000 bytes of shared memory, past 166912"
   grep -v "matmul_tensor_cores_kernel | sm_80" "$T/table.md" >"$T/planted.md"
   check "a tensor-core kernel missing for one architecture is a violation" \
     caught "VIOLATION: no kernel matching matmul_tensor_cores_kernel for sm_80"
