@@ -565,8 +565,7 @@ struct LayerNorm : Normalization {
   void backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
                 const NormWeights& g, const Tensor& dy, const Tensor& x, const NormWeights& w,
                 const Tensor& stats, const Tensor& dx_rounded) const override {
-    parallel_layernorm_backward(tp, ctx, dx, g.weight, g.bias, dy, x, w.weight, stats);
-    if (dx_rounded.defined()) cast_(ctx, dx_rounded, dx);
+    parallel_layernorm_backward(tp, ctx, dx, g.weight, g.bias, dy, x, w.weight, stats, dx_rounded);
   }
 };
 static std::shared_ptr<const Normalization> normalization(const ModelConfig& cfg) {

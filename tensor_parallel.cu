@@ -346,11 +346,12 @@ void vocab_parallel_embedding_backward(const TensorParallel& tp, const Context& 
 
 void parallel_layernorm_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
                                  const Tensor& dw, const Tensor& db, const Tensor& dy,
-                                 const Tensor& x, const Tensor& w, const Tensor& stats) {
-  if (!tp.sp) return layernorm_backward(ctx, dx, dw, db, dy, x, w, stats);
+                                 const Tensor& x, const Tensor& w, const Tensor& stats,
+                                 const Tensor& dx_rounded) {
+  if (!tp.sp) return layernorm_backward(ctx, dx, dw, db, dy, x, w, stats, dx_rounded);
   const int64_t D = dw.numel();
   Tensor part = zeros(ctx, {2 * D}, Mem::Workspace);  // this rank's tokens' share: dw, then db
-  layernorm_backward(ctx, dx, part.view(0, {D}), part.view(D, {D}), dy, x, w, stats);
+  layernorm_backward(ctx, dx, part.view(0, {D}), part.view(D, {D}), dy, x, w, stats, dx_rounded);
   copy_to_tp_region_backward(tp, ctx, part);  // one all-reduce over tp for the two
   axpy(ctx, dw, 1.0f, part.view(0, {D}));
   axpy(ctx, db, 1.0f, part.view(D, {D}));

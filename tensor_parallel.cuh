@@ -162,10 +162,12 @@ void vocab_parallel_embedding_backward(const TensorParallel& tp, const Context& 
 void parallel_rmsnorm_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
                                const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& w,
                                const Tensor& rstd, const Tensor& dx_rounded = Tensor());
-// LayerNorm's the same (dx +=; dw, db +=), its two gradients summed in one all-reduce under SP.
+// LayerNorm's the same (dx +=, and its rounded copy; dw, db +=), its two gradients summed in one
+// all-reduce under SP.
 void parallel_layernorm_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dx,
                                  const Tensor& dw, const Tensor& db, const Tensor& dy,
-                                 const Tensor& x, const Tensor& w, const Tensor& stats);
+                                 const Tensor& x, const Tensor& w, const Tensor& stats,
+                                 const Tensor& dx_rounded = Tensor());
 
 // ---- Vocab-parallel embedding and cross-entropy (the vocabulary split in tp ranges) ----
 // Local ids: id - vocab_start for ids this rank holds, -1 (a zero row) for the others.

@@ -571,6 +571,21 @@ void residual_rmsnorm_forward(const Context& ctx, const Tensor& sum, const Tenso
   LAUNCH_CHECK(ctx, "residual_rmsnorm_kernel");
 }
 
+// A norm backward's dx (+=) and its optional rounded copy: the stream and its gradient in one
+// format, fp32 (a rounded copy of dx may be asked for, a tensor of its own) or 16-bit under
+// --residual-dtype (dx itself is what the linear layers read).
+static void check_norm_gradient(const char* op, const Tensor& dx, const Tensor& x,
+                                const Tensor& dx_rounded) {
+  PICO_ASSERT(
+      !dx_rounded.defined() || (dx_rounded.numel() == dx.numel() &&
+                                float_storage(dx_rounded.dtype) && dx_rounded.ptr != dx.ptr),
+      std::string(op) + ": dx's rounded copy is a tensor of its own, of dx's size");
+  PICO_ASSERT(dx.dtype == x.dtype && float_storage(x.dtype) &&
+                  (x.dtype == DType::F32 || !dx_rounded.defined()),
+              std::string(op) + ": dx and x of one format, not " + dtype_name(dx.dtype) + " and " +
+                  dtype_name(x.dtype));
+}
+
 void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, const Tensor& dy,
                       const Tensor& x, const Tensor& w, const Tensor& rstd,
                       const Tensor& dx_rounded) {
@@ -582,16 +597,7 @@ void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, co
   PICO_ASSERT(float_storage(w.dtype) && float_storage(dy.dtype),
               std::string("rmsnorm_backward: w in ") + dtype_name(w.dtype) + ", dy in " +
                   dtype_name(dy.dtype));
-  PICO_ASSERT(
-      !dx_rounded.defined() || (dx_rounded.numel() == dx.numel() &&
-                                float_storage(dx_rounded.dtype) && dx_rounded.ptr != dx.ptr),
-      "rmsnorm_backward: dx's rounded copy is a tensor of its own, of dx's size");
-  // The stream and its gradient in one format: fp32 (a rounded copy of dx may be asked for), or
-  // 16-bit under --residual-dtype (dx itself is what the linear layers read).
-  PICO_ASSERT(dx.dtype == x.dtype && float_storage(x.dtype) &&
-                  (x.dtype == DType::F32 || !dx_rounded.defined()),
-              std::string("rmsnorm_backward: dx and x of one format, not ") + dtype_name(dx.dtype) +
-                  " and " + dtype_name(x.dtype));
+  check_norm_gradient("rmsnorm_backward", dx, x, dx_rounded);
   // dx += ...: dx, dy and x read once, dx written (and its copy); dw from partial sums per block
   // of rows, the partials written by the same kernel and summed by a second.
   const double ew = (double)dtype_size(w.dtype), eg = (double)dtype_size(dy.dtype);
@@ -987,12 +993,13 @@ static __global__ void residual_layernorm_kernel(S* sum, Y* y, float* stats, con
   }
   layernorm_row(y, stats, (const S*)sum + row, w, bias, D, eps, total);
 }
-// dx as RMSNorm's backward kernel computes it (a block walks kDwRows rows, reducing each row's
-// two sums), and each block's partial column sums of dy xhat and dy in partials [blocks, 2, D],
-// which layernorm_dwdb_sum_kernel adds in block order: deterministic.
-template <typename X, typename G, typename W>
-static __global__ void layernorm_backward_kernel(X* dx, float* partials, const G* dy, const X* x,
-                                                 const W* w, const float* stats, int T, int D) {
+// dx (and its rounded copy) as RMSNorm's backward kernel computes it (a block walks kDwRows rows,
+// reducing each row's two sums), and each block's partial column sums of dy xhat and dy in partials
+// [blocks, 2, D], which layernorm_dwdb_sum_kernel adds in block order: deterministic.
+template <typename X, typename G, typename W, typename R>
+static __global__ void layernorm_backward_kernel(X* dx, R* rounded, float* partials, const G* dy,
+                                                 const X* x, const W* w, const float* stats, int T,
+                                                 int D) {
   float* dw_part = partials + (int64_t)blockIdx.x * 2 * D;  // [D], then db's [D]
   float* db_part = dw_part + D;
   for (int i = threadIdx.x; i < D; i += blockDim.x) dw_part[i] = db_part[i] = 0.0f;
@@ -1010,7 +1017,9 @@ static __global__ void layernorm_backward_kernel(X* dx, float* partials, const G
     const float gx_mean = block_reduce(gx_sum, false) / D;
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
       const float d = widen(dy[row + i]), xhat = (widen(x[row + i]) - mean) * r;
-      store(dx + row + i, widen(dx[row + i]) + r * (d * widen(w[i]) - g_mean - xhat * gx_mean));
+      const float v = widen(dx[row + i]) + r * (d * widen(w[i]) - g_mean - xhat * gx_mean);
+      store(dx + row + i, v);
+      if (rounded) store(rounded + row + i, v);
       dw_part[i] += d * xhat;
       db_part[i] += d;
     }
@@ -1100,38 +1109,47 @@ void residual_layernorm_forward(const Context& ctx, const Tensor& sum, const Ten
 }
 
 void layernorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, const Tensor& db,
-                        const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& stats) {
+                        const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& stats,
+                        const Tensor& dx_rounded) {
   check_devices(ctx, "layernorm_backward", dx, dw, db, dy, x, w, stats);
+  if (dx_rounded.defined()) check_devices(ctx, "layernorm_backward", dx_rounded);
   int D = (int)x.size(-1), T = (int)(x.numel() / D);
   PICO_ASSERT(dx.numel() == x.numel() && dy.numel() == x.numel() && dw.numel() == D &&
                   db.numel() == D && stats.numel() == 2 * (int64_t)T,
               "layernorm_backward shapes " + x.shape_str());
-  PICO_ASSERT(dx.dtype == x.dtype && float_storage(x.dtype) && float_storage(dy.dtype) &&
-                  float_storage(w.dtype) && dw.dtype == DType::F32 && db.dtype == DType::F32,
-              "layernorm_backward: dx and x of one format, dw and db fp32");
+  PICO_ASSERT(float_storage(dy.dtype) && float_storage(w.dtype) && dw.dtype == DType::F32 &&
+                  db.dtype == DType::F32,
+              "layernorm_backward: dy and w fp32 or 16-bit, dw and db fp32");
+  check_norm_gradient("layernorm_backward", dx, x, dx_rounded);
   const double ex = dtype_size(x.dtype), eg = dtype_size(dy.dtype), ew = dtype_size(w.dtype);
+  const double er = dx_rounded.defined() ? (double)dtype_size(dx_rounded.dtype) : 0.0;
   const int row_blocks = (T + kDwRows - 1) / kDwRows;
   const double partial_bytes = 8.0 * row_blocks * D;
   if (count_op(ctx.device, OpKind::Norm,
                {12.0 * T * D, (2 * ex + eg) * T * D + 8.0 * T + ew * D + 8.0 * D + partial_bytes,
-                ex * T * D + 8.0 * D + partial_bytes, 2}))
+                (ex + er) * T * D + 8.0 * D + partial_bytes, 2}))
     return;
   if (ctx.device == Device::CPU) {
     std::vector<float> dy_wide, w_wide, x_wide, dx_wide;
     layernorm_backward_cpu(host_accumulator(dx, dx_wide), dw.f32(), db.f32(),
                            host_floats(dy, dy_wide), host_floats(x, x_wide), host_floats(w, w_wide),
                            stats.f32(), T, D);
-    return store_gradient(dx, dx_wide);
+    store_gradient(dx, dx_wide);  // a 16-bit stream's sum rounded once as stored
+    if (dx_rounded.defined())     // a gradient's rounding: counted as one
+      cast_gradient_host(dx_rounded.ptr, dx_rounded.dtype, dx.f32(), dx.numel());
+    return;
   }
   if (T == 0) return;
   Tensor partials = empty(ctx, {row_blocks, 2, D}, Mem::Workspace);
+  const DType rounded_dtype = dx_rounded.defined() ? dx_rounded.dtype : DType::F32;
+  const DType copy_dtype = x.dtype == DType::F32 ? rounded_dtype : DType::F32;  // as RMSNorm's
   with_elements(
-      [&](auto* X, auto* G, auto* W) {
+      [&](auto* X, auto* G, auto* W, auto* R) {
         layernorm_backward_kernel<<<row_blocks, kThreads, 0, ctx.stream>>>(
-            typed(X, dx.ptr), partials.f32(), typed(G, dy.ptr), typed(X, x.ptr), typed(W, w.ptr),
-            stats.f32(), T, D);
+            typed(X, dx.ptr), typed(R, dx_rounded.ptr), partials.f32(), typed(G, dy.ptr),
+            typed(X, x.ptr), typed(W, w.ptr), stats.f32(), T, D);
       },
-      x.dtype, dy.dtype, w.dtype);
+      x.dtype, dy.dtype, w.dtype, copy_dtype);
   LAUNCH_CHECK(ctx, "layernorm_backward_kernel");
   layernorm_dwdb_sum_kernel<<<grid_for(D), kThreads, 0, ctx.stream>>>(
       dw.f32(), db.f32(), partials.f32(), row_blocks, D);

@@ -106,9 +106,11 @@ void layernorm_forward(const Context& ctx, const Tensor& y, const Tensor& stats,
 void residual_layernorm_forward(const Context& ctx, const Tensor& sum, const Tensor& y,
                                 const Tensor& stats, const Tensor& a, const Tensor& b,
                                 const Tensor& w, const Tensor& bias, float eps);
-// dx += (in x's format), dw += and db += (fp32) from dy [T, D] and the forward's stats.
+// dx += (in x's format), dw += and db += (fp32) from dy [T, D] and the forward's stats; with
+// `dx_rounded`, dx's new value also written into it, rounded once, as rmsnorm_backward does.
 void layernorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, const Tensor& db,
-                        const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& stats);
+                        const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& stats,
+                        const Tensor& dx_rounded = Tensor());
 // out = gelu(in), GPT-2's tanh form; out and in in one format (fp32, bf16 or fp16).
 void gelu_forward(const Context& ctx, const Tensor& out, const Tensor& in);
 // din (=) dout * gelu'(in): din and dout fp32, or in in's 16-bit format (rounded once).

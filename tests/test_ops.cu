@@ -330,31 +330,43 @@ TEST_CASE("residual_layernorm_forward equals residual_forward then layernorm_for
 
 // The norm's backward also writes the residual gradient rounded for the GEMMs that read it next
 // (a [T, D] bf16 or fp16 copy): dx's new value rounded once (cast_'s rounding, the reference),
-// counted among the backward's roundings as the GEMMs' own rounding was; dx and dw as without it.
-TEST_CASE("rmsnorm_backward's rounded copy of dx is dx rounded once, and counted", "[ops]") {
+// counted among the backward's roundings as the GEMMs' own rounding was; dx and dw (and
+// LayerNorm's db) as without it. RMSNorm's and LayerNorm's alike.
+TEST_CASE("a norm backward's rounded copy of dx is dx rounded once, and counted", "[ops]") {
   const int T = 6, D = 70;
-  Tensor x = randn({T, D}, "x", 2.0f), w = randn({D}, "w"), dy = randn({T, D}, "dy");
+  Tensor x = randn({T, D}, "x", 2.0f), w = randn({D}, "w"), b = randn({D}, "b");
+  Tensor dy = randn({T, D}, "dy");
   Tensor y = empty({T, D}, Mem::Activations), rstd = empty({T}, Mem::Activations);
+  Tensor stats = empty({T, 2}, Mem::Activations);
   rmsnorm_forward(kCpu, y, rstd, x, w, 1e-5f);
-  for (DType half : {DType::BF16, DType::F16}) {
-    INFO(dtype_name(half));
-    Tensor dx = randn({T, D}, "dx0", 1e-3f), dw = randn({D}, "dw0");
-    Tensor dx2 = clone(dx), dw2 = clone(dw);
-    Tensor rounded = empty({T, D}, Mem::Workspace, Device::CPU, half), want = clone(rounded);
-    rmsnorm_backward(kCpu, dx, dw, dy, x, w, rstd);
-    reset_rounding_stats();
-    reset_ledger();
-    rmsnorm_backward(kCpu, dx2, dw2, dy, x, w, rstd, rounded);
-    CHECK(ledger().rows[(int)OpKind::Norm].calls == 1);
-    CHECK(ledger().rows[(int)OpKind::Cast].calls == 0);
-    CHECK(same_bytes(dx, dx2));
-    CHECK(same_bytes(dw, dw2));
-    cast_(kCpu, want, dx);
-    CHECK(same_bytes(rounded, want));
-    int64_t nonzero = 0;
-    for (int i = 0; i < T * D; i++) nonzero += dx.f32()[i] != 0.0f;
-    CHECK(rounding_stats(true).nonzero == (uint64_t)nonzero);
-  }
+  layernorm_forward(kCpu, y, stats, x, w, b, 1e-5f);
+  for (bool layer_norm : {false, true})
+    for (DType half : {DType::BF16, DType::F16}) {
+      INFO((layer_norm ? "layernorm " : "rmsnorm ") << dtype_name(half));
+      // dx and the weights' gradients (+=, from the same starting values), and dx's copy if given
+      auto backward = [&](Tensor& dx, Tensor& dwb, const Tensor& rounded) {
+        dx = randn({T, D}, "dx0", 1e-3f), dwb = randn({2, D}, "dw0");
+        if (layer_norm)
+          return layernorm_backward(kCpu, dx, dwb.view(0, {D}), dwb.view(D, {D}), dy, x, w, stats,
+                                    rounded);
+        rmsnorm_backward(kCpu, dx, dwb.view(0, {D}), dy, x, w, rstd, rounded);
+      };
+      Tensor dx, dwb, dx2, dwb2;
+      Tensor rounded = empty({T, D}, Mem::Workspace, Device::CPU, half), want = clone(rounded);
+      backward(dx, dwb, Tensor());
+      reset_rounding_stats();
+      reset_ledger();
+      backward(dx2, dwb2, rounded);
+      CHECK(ledger().rows[(int)OpKind::Norm].calls == 1);
+      CHECK(ledger().rows[(int)OpKind::Cast].calls == 0);
+      CHECK(same_bytes(dx, dx2));
+      CHECK(same_bytes(dwb, dwb2));
+      cast_(kCpu, want, dx);
+      CHECK(same_bytes(rounded, want));
+      int64_t nonzero = 0;
+      for (int i = 0; i < T * D; i++) nonzero += dx.f32()[i] != 0.0f;
+      CHECK(rounding_stats(true).nonzero == (uint64_t)nonzero);
+    }
 }
 
 // --residual-dtype bf16|fp16: the stream between blocks (and its gradient) stored in 16 bits.
@@ -1422,27 +1434,38 @@ TEST_CASE("CUDA norms and adds on a 16-bit residual stream match the CPU's", "[g
   ctx.destroy();
 }
 
-TEST_CASE("CUDA rmsnorm_backward's rounded copy is its dx rounded once", "[gpu]") {
+TEST_CASE("CUDA norm backwards' rounded copy is their dx rounded once", "[gpu]") {
   SKIP_WITHOUT_CUDA();
   Context ctx = Context::create(Device::CUDA);
   const int T = 70, D = 300;  // three row blocks of the column sum, the last partial
-  Tensor x = randn({T, D}, "x"), w = randn({D}, "w"), dy = randn({T, D}, "dy");
+  Tensor x = randn({T, D}, "x"), w = randn({D}, "w"), b = randn({D}, "b"), dy = randn({T, D}, "dy");
   Tensor y = empty({T, D}, Mem::Activations), rstd = empty({T}, Mem::Activations);
+  Tensor stats = empty({T, 2}, Mem::Activations);
   rmsnorm_forward(kCpu, y, rstd, x, w, 1e-5f);
-  Tensor g_x = gpu(x), g_w = gpu(w), g_dy = gpu(dy), g_rstd = gpu(rstd);
-  Tensor g_dx = gpu(randn({T, D}, "dx0")), g_dw = gpu(randn({D}, "dw0"));
-  Tensor g_dx2 = gpu(randn({T, D}, "dx0")), g_dw2 = gpu(randn({D}, "dw0"));
-  Tensor rounded = empty({T, D}, Mem::Workspace, Device::CUDA, DType::BF16);
-  Tensor want = empty({T, D}, Mem::Workspace, Device::CUDA, DType::BF16);
-  rmsnorm_backward(ctx, g_dx, g_dw, g_dy, g_x, g_w, g_rstd);
-  rmsnorm_backward(ctx, g_dx2, g_dw2, g_dy, g_x, g_w, g_rstd, rounded);
-  cast_(ctx, want, g_dx);
-  ctx.synchronize();
-  check_close(host(ctx, g_dx2), to_device(g_dx, Device::CPU, Mem::Workspace), 0.0f, 0.0f);
-  check_close(host(ctx, g_dw2), to_device(g_dw, Device::CPU, Mem::Workspace), 0.0f, 0.0f);
-  Tensor got16 = to_device(rounded, Device::CPU, Mem::Workspace);
-  Tensor want16 = to_device(want, Device::CPU, Mem::Workspace);
-  CHECK(memcmp(got16.ptr, want16.ptr, got16.nbytes()) == 0);
+  layernorm_forward(kCpu, y, stats, x, w, b, 1e-5f);
+  Tensor g_x = gpu(x), g_w = gpu(w), g_dy = gpu(dy), g_rstd = gpu(rstd), g_stats = gpu(stats);
+  for (bool layer_norm : {false, true}) {
+    INFO("norm: " << (layer_norm ? "layernorm" : "rmsnorm"));
+    auto backward = [&](const Tensor& dx, const Tensor& dwb, const Tensor& rounded) {
+      if (layer_norm)
+        return layernorm_backward(ctx, dx, dwb.view(0, {D}), dwb.view(D, {D}), g_dy, g_x, g_w,
+                                  g_stats, rounded);
+      rmsnorm_backward(ctx, dx, dwb.view(0, {D}), g_dy, g_x, g_w, g_rstd, rounded);
+    };
+    Tensor g_dx = gpu(randn({T, D}, "dx0")), g_dwb = gpu(randn({2, D}, "dw0"));
+    Tensor g_dx2 = gpu(randn({T, D}, "dx0")), g_dwb2 = gpu(randn({2, D}, "dw0"));
+    Tensor rounded = empty({T, D}, Mem::Workspace, Device::CUDA, DType::BF16);
+    Tensor want = empty({T, D}, Mem::Workspace, Device::CUDA, DType::BF16);
+    backward(g_dx, g_dwb, Tensor());
+    backward(g_dx2, g_dwb2, rounded);
+    cast_(ctx, want, g_dx);
+    ctx.synchronize();
+    check_close(host(ctx, g_dx2), to_device(g_dx, Device::CPU, Mem::Workspace), 0.0f, 0.0f);
+    check_close(host(ctx, g_dwb2), to_device(g_dwb, Device::CPU, Mem::Workspace), 0.0f, 0.0f);
+    Tensor got16 = to_device(rounded, Device::CPU, Mem::Workspace);
+    Tensor want16 = to_device(want, Device::CPU, Mem::Workspace);
+    CHECK(memcmp(got16.ptr, want16.ptr, got16.nbytes()) == 0);
+  }
   ctx.destroy();
 }
 
