@@ -191,10 +191,10 @@ void context_attention_forward(const Context& ctx, const ContextParallel& cp, co
   std::vector<CpPiece> mine = cp_pieces(cp.balance, T, P, r);
   Shapes s{B, T, Hq, Hkv, hd, draw(dropout, mine)};
   zero_(ctx, out);
-  fill_(lse, -INFINITY);  // nothing seen yet: the first merge takes the first block as it is
+  fill_(ctx, lse, -INFINITY);  // nothing seen yet: the first merge takes the first block as it is
   Tensor kv = empty(ctx, {2 * k.numel()}, Mem::Workspace);  // [2, N, Hkv, hd]
-  copy_(kv_part(kv, 0), k.reshape({k.numel()}));
-  copy_(kv_part(kv, 1), v.reshape({v.numel()}));
+  copy_(ctx, kv_part(kv, 0), k.reshape({k.numel()}));
+  copy_(ctx, kv_part(kv, 1), v.reshape({v.numel()}));
   // Attend this rank's queries to the keys and values `owner` holds, merging block by block.
   auto attend = [&](const Tensor& theirs, int owner) {
     Tensor k_all = as_rows(kv_part(theirs, 0), k), v_all = as_rows(kv_part(theirs, 1), v);
@@ -254,8 +254,8 @@ void context_attention_backward(const Context& ctx, const ContextParallel& cp, c
   zero_(ctx, dq);
   int64_t n = 2 * k.numel();  // keys and values, then their gradients: [4, N, Hkv, hd]
   Tensor held = zeros(ctx, {2 * n}, Mem::Workspace);
-  copy_(held.view(0, {k.numel()}), k.reshape({k.numel()}));
-  copy_(held.view(k.numel(), {v.numel()}), v.reshape({v.numel()}));
+  copy_(ctx, held.view(0, {k.numel()}), k.reshape({k.numel()}));
+  copy_(ctx, held.view(k.numel(), {v.numel()}), v.reshape({v.numel()}));
   // dq (+=) of this rank's queries and the gradients (+=) of `owner`'s keys and values.
   auto attend = [&](const Tensor& kv, const Tensor& dkv, int owner) {
     Tensor k_all = as_rows(kv_part(kv, 0), k), v_all = as_rows(kv_part(kv, 1), v);
@@ -297,8 +297,8 @@ void context_attention_backward(const Context& ctx, const ContextParallel& cp, c
         held = next;
     }
   }
-  copy_(dk.reshape({dk.numel()}), kv_part(mine_dkv, 0));
-  copy_(dv.reshape({dv.numel()}), kv_part(mine_dkv, 1));
+  copy_(ctx, dk.reshape({dk.numel()}), kv_part(mine_dkv, 0));
+  copy_(ctx, dv.reshape({dv.numel()}), kv_part(mine_dkv, 1));
 }
 
 // ----------------------------------------------------------------------------

@@ -311,7 +311,7 @@ DataParallel::DataParallel(Comm& comm, FlatParameters& model, Context& ctx,
 }
 
 void DataParallel::begin_step(const Context& ctx) {
-  zero_(model_.grads);
+  zero_(ctx, model_.grads);
   pending_scale_ = 1.0f;
   ctx_ = &ctx;
   active_ = comm_.dp_cp.size > 1;

@@ -206,7 +206,7 @@ static Tensor region_input(const TensorParallel& tp, const Context& ctx, const T
 static void all_to_all_rows(const ExpertParallel& ep, const Context& ctx, const Tensor& send,
                             const std::vector<int64_t>& send_rows, const Tensor& recv,
                             const std::vector<int64_t>& recv_rows) {
-  if (ep.size() == 1) return copy_(recv, send);
+  if (ep.size() == 1) return copy_(ctx, recv, send);
   const int64_t D = send.size(1);
   std::vector<int64_t> s(send_rows), r(recv_rows);
   for (int64_t& n : s) n *= D;

@@ -855,7 +855,7 @@ StagePayload stage_backward(const Context& ctx, Model& model, Activations& acts,
     head_backward(ctx, model, acts, loss_scale, dres, model.blocks(chunk) > 0, deferred);
     gradients_ready(model.head_unit());
   } else {
-    copy_(dres.sum, d_out[0]);
+    copy_(ctx, dres.sum, d_out[0]);
     d_out.clear();
   }
   for (int l = model.blocks(chunk) - 1; l >= 0; l--) {

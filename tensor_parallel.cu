@@ -113,24 +113,24 @@ int64_t sp_tokens(const TensorParallel& tp, int64_t tokens) {
 void tp_region_enter_forward(const TensorParallel& tp, const Context& ctx, const Tensor& x,
                              const Tensor& full) {
   if (tp.sp) return gather_from_sp_region_forward(tp, ctx, x, full);
-  if (full.ptr != x.ptr) copy_(full, x);  // f: identity
+  if (full.ptr != x.ptr) copy_(ctx, full, x);  // f: identity
 }
 void tp_region_enter_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dfull,
                               const Tensor& dx) {
   if (tp.sp) return gather_from_sp_region_backward(tp, ctx, dfull, dx);
   copy_to_tp_region_backward(tp, ctx, dfull);  // f: all-reduce
-  if (dx.ptr != dfull.ptr) copy_(dx, dfull);
+  if (dx.ptr != dfull.ptr) copy_(ctx, dx, dfull);
 }
 void tp_region_exit_forward(const TensorParallel& tp, const Context& ctx, const Tensor& partial,
                             const Tensor& out) {
   if (tp.sp) return scatter_to_sp_region_forward(tp, ctx, partial, out);
   reduce_from_tp_region_forward(tp, ctx, partial);  // f*: all-reduce
-  if (out.ptr != partial.ptr) copy_(out, partial);
+  if (out.ptr != partial.ptr) copy_(ctx, out, partial);
 }
 void tp_region_exit_backward(const TensorParallel& tp, const Context& ctx, const Tensor& dout,
                              const Tensor& dpartial) {
   if (tp.sp) return scatter_to_sp_region_backward(tp, ctx, dout, dpartial);
-  if (dpartial.ptr != dout.ptr) copy_(dpartial, dout);  // f*: identity
+  if (dpartial.ptr != dout.ptr) copy_(ctx, dpartial, dout);  // f*: identity
 }
 
 // ----------------------------------------------------------------------------
@@ -241,9 +241,9 @@ static void add_replicated_grad(const TensorParallel& tp, const Context& ctx, co
     copy_to_tp_region_backward(tp, ctx, part);  // all-reduce over tp
   } else {
     Tensor all = zeros(ctx, {slots * part.numel()}, Mem::Workspace);
-    copy_(all.view(slot * part.numel(), {part.numel()}), part);
+    copy_(ctx, all.view(slot * part.numel(), {part.numel()}), part);
     copy_to_tp_region_backward(tp, ctx, all);
-    copy_(part, all.view(slot * part.numel(), {part.numel()}));
+    copy_(ctx, part, all.view(slot * part.numel(), {part.numel()}));
   }
   axpy(ctx, grad, 1.0f, part);
 }
@@ -313,7 +313,7 @@ void row_parallel_backward(const TensorParallel& tp, const Context& ctx, const T
   linear_backward(ctx, dx, Tensor(), dfull, x, W);
   if (deferred && dy_changes && dfull.ptr == dy.ptr) {  // not a gathered or widened copy
     Tensor saved = empty(ctx, dy.shape, Mem::Workspace, dy.dtype);
-    copy_(saved, dy);
+    copy_(ctx, saved, dy);
     dfull = saved;
   }
   weight_half(deferred, "dW",

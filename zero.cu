@@ -297,7 +297,7 @@ void Zero::begin_step(const Context& ctx) {
   ctx_ = &ctx;
   comm_spans_.clear();
   exposed_gather_s = exposed_reduce_s = 0;
-  zero_(shard_grads_ ? grad_shard_ : model_.grads);
+  zero_(ctx, shard_grads_ ? grad_shard_ : model_.grads);
   pending_scale_ = 1.0f;
 }
 

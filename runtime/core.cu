@@ -390,6 +390,33 @@ Tensor zeros(const Context& ctx, std::vector<int64_t> shape, Mem category, DType
 void zero_(const Context& ctx, const Tensor& t) {
   zero_on(ctx.stream, t);
 }
+void copy_(const Context& ctx, const Tensor& dst, const Tensor& src) {
+  PICO_ASSERT(dst.numel() == src.numel() && dst.dtype == src.dtype && dst.device == ctx.device &&
+                  src.device == ctx.device,
+              "copy_ " + src.shape_str() + " into " + dst.shape_str() + " on the context's device");
+  if (count_op(ctx.device, OpKind::Memory, {0, (double)src.nbytes(), (double)dst.nbytes(), 1}))
+    return;
+  if (ctx.device == Device::CPU) return (void)memmove(dst.ptr, src.ptr, src.nbytes());
+  if (src.nbytes() > 0)
+    CUDA_CHECK(
+        cudaMemcpyAsync(dst.ptr, src.ptr, src.nbytes(), cudaMemcpyDeviceToDevice, ctx.stream));
+}
+static __global__ void fill_kernel(float* t, float value, int64_t n) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * blockDim.x)
+    t[i] = value;
+}
+void fill_(const Context& ctx, const Tensor& t, float value) {
+  PICO_ASSERT(t.dtype == DType::F32 && t.device == ctx.device,
+              "fill_: an fp32 tensor on the context's device");
+  const int64_t n = t.numel();
+  if (count_op(ctx.device, OpKind::Memory, {0, 0, (double)t.nbytes(), 1})) return;
+  if (ctx.device == Device::CPU) return std::fill(t.f32(), t.f32() + n, value);
+  if (n == 0) return;
+  const unsigned blocks = (unsigned)std::min<int64_t>((n + 255) / 256, 4096);
+  fill_kernel<<<blocks, 256, 0, ctx.stream>>>(t.f32(), value, n);
+  LAUNCH_CHECK(ctx, "fill_kernel");
+}
 
 Tensor empty_rows(const Context& ctx, int64_t rows, int64_t cols, Mem category) {
   return empty(ctx, {std::max<int64_t>(rows, 1), cols}, category).view(0, {rows, cols});
@@ -489,9 +516,12 @@ struct PinnedStaging {
 };
 
 void from_host(const Context& ctx, const Tensor& dst, const void* src) {
-  if (ctx.device != Device::CUDA) return from_host_bytes(dst, src, dst.dtype);
-  PICO_ASSERT(dst.device == Device::CUDA && ctx.staging, "from_host(ctx) into a CUDA tensor");
+  PICO_ASSERT(dst.device == ctx.device, "from_host(ctx) into a tensor on the context's device");
   const size_t bytes = dst.nbytes();
+  // One Memory op on every device: the copy up a GPU makes (on the CPU, the copy into place).
+  if (count_op(ctx.device, OpKind::Memory, {0, (double)bytes, (double)bytes, 1})) return;
+  if (ctx.device == Device::CPU) return (void)memcpy(dst.ptr, src, bytes);
+  PICO_ASSERT(ctx.staging, "from_host(ctx): the context has no pinned staging buffers");
   PinnedStaging& staging = *ctx.staging;
   PinnedStaging::Buffer& b = staging.ring[staging.next++ % staging.ring.size()];
   if (b.sent && cudaEventQuery(b.sent) == cudaErrorNotReady) {  // its last copy is on its way

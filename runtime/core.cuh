@@ -191,8 +191,8 @@ struct TensorSpec {
 };
 
 // Allocation, zeroing and copies. On CUDA the forms without a Context run on the legacy
-// default stream: setup, checkpoints, tests, and every copy (copy_, from_host, fill_ have no
-// Context form; a step makes a few: token ids up, tensor-parallel identity copies). They are
+// default stream: setup, checkpoints and tests (a step copies and fills with the Context forms
+// below, and sends its token ids up with from_host's). They are
 // ordered with the compute stream because Context::create makes that stream blocking (it waits
 // for the legacy stream and the legacy stream waits for it). The forms taking a Context run on
 // its stream and say so: the model's activations and workspace during training (model.cu, ops.cu,
@@ -214,7 +214,8 @@ struct Context;
 // mixture's routing): on CUDA through a pinned buffer and cudaMemcpyAsync, because a
 // cudaMemcpy from pageable memory first waits for the device, a host synchronisation in every
 // micro-batch. The source may be reused at once. A pinned buffer is used again once the copy it
-// last sent has arrived; a wait for one that has not is counted (count_host_sync).
+// last sent has arrived; a wait for one that has not is counted (count_host_sync). One Memory
+// op on the ledger on every device (on the CPU, the copy into place), as copy_(ctx) below.
 void from_host(const Context& ctx, const Tensor& dst, const void* src);
 
 // ----------------------------------------------------------------------------
@@ -254,6 +255,12 @@ Tensor empty(const Context& ctx, std::vector<int64_t> shape, Mem category,
 Tensor zeros(const Context& ctx, std::vector<int64_t> shape, Mem category,
              DType dtype = DType::F32);
 void zero_(const Context& ctx, const Tensor& t);
+// dst = src (same numel and dtype, both on ctx's device) and t = value (fp32) on ctx's stream:
+// what a step copies and fills on the device (the tensor-parallel identities, a ring's key and
+// value buffers). Counted as the Memory op each is on every device, so the CPU's ledger holds
+// the copies the meta device counts and a GPU runs.
+void copy_(const Context& ctx, const Tensor& dst, const Tensor& src);
+void fill_(const Context& ctx, const Tensor& t, float value);
 // [rows, cols] on ctx's stream, zero rows included (an empty view of one row's buffer).
 Tensor empty_rows(const Context& ctx, int64_t rows, int64_t cols, Mem category = Mem::Workspace);
 // Host values in a new workspace tensor of `shape` on ctx's device (any element count, 0 too).

@@ -1685,32 +1685,33 @@ void cross_entropy_backward(const Context& ctx, const Tensor& dlogits, const Ten
   LAUNCH_CHECK(ctx, "ce_backward_kernel");
 }
 
+// One op on every device, as the fused kernel is one launch with one read of the logits: the CPU
+// runs the three passes' loops (the reference the kernels meet) under that one count, so its
+// ledger is the GPU's.
 void cross_entropy_forward(const Context& ctx, const Tensor& losses, const Tensor& stats,
                            const Tensor& logits, const Tensor& targets) {
-  if (gpu_path(ctx.device)) {  // the fused kernel: one launch, one read of the logits
-    const int64_t N = logits.size(0);
-    const int V = (int)logits.size(1);
-    check_devices(ctx, "cross_entropy_forward", losses, stats, logits, targets);
-    PICO_ASSERT(targets.numel() == N && losses.numel() == N && stats.numel() == 2 * N,
-                "cross_entropy_forward: " + std::to_string(targets.numel()) +
-                    " targets for logits " + logits.shape_str());
-    const double e = (double)dtype_size(logits.dtype);
-    if (count_op(ctx.device, OpKind::Loss, {4.0 * N * V, e * N * V + 4.0 * N, 12.0 * N})) return;
-    if (N == 0) return;
-    with_element(logits.dtype, [&](auto* type) {
-      using E = std::remove_pointer_t<decltype(type)>;
-      ce_forward_fused_kernel<<<N, kThreads, 0, ctx.stream>>>(
-          losses.f32(), stats.f32(), (const E*)logits.ptr, targets.i32(), V);
-    });
-    LAUNCH_CHECK(ctx, "ce_forward_fused_kernel");
-    return;
+  const int64_t N = logits.size(0);
+  const int V = (int)logits.size(1);
+  check_devices(ctx, "cross_entropy_forward", losses, stats, logits, targets);
+  PICO_ASSERT(targets.numel() == N && losses.numel() == N && stats.numel() == 2 * N,
+              "cross_entropy_forward: " + std::to_string(targets.numel()) + " targets for logits " +
+                  logits.shape_str());
+  const double e = (double)dtype_size(logits.dtype);
+  if (count_op(ctx.device, OpKind::Loss, {4.0 * N * V, e * N * V + 4.0 * N, 12.0 * N})) return;
+  if (ctx.device == Device::CPU) {
+    std::vector<float> wide, row_max((size_t)N), sums((size_t)(2 * N));
+    const float* x = logits_f32(logits, wide);
+    ce_row_max_cpu(row_max.data(), x, N, V);
+    ce_row_sums_cpu(sums.data(), x, row_max.data(), targets.i32(), N, V);
+    return ce_finish_cpu(losses.f32(), stats.f32(), row_max.data(), sums.data(), N);
   }
-  // The CPU: the passes one after another (their loops are the reference the kernels meet).
-  Tensor row_max = empty(ctx, {logits.size(0)}, Mem::Workspace);  // [N]
-  Tensor sums = empty(ctx, {logits.size(0), 2}, Mem::Workspace);  // [N, 2]
-  cross_entropy_row_max(ctx, row_max, logits);
-  cross_entropy_row_sums(ctx, sums, logits, row_max, targets);
-  cross_entropy_finish(ctx, losses, stats, row_max, sums);
+  if (N == 0) return;
+  with_element(logits.dtype, [&](auto* type) {
+    using E = std::remove_pointer_t<decltype(type)>;
+    ce_forward_fused_kernel<<<N, kThreads, 0, ctx.stream>>>(losses.f32(), stats.f32(),
+                                                            (const E*)logits.ptr, targets.i32(), V);
+  });
+  LAUNCH_CHECK(ctx, "ce_forward_fused_kernel");
 }
 void cross_entropy_forward(const Context& ctx, const Tensor& losses, const Tensor& logits,
                            const Tensor& targets) {

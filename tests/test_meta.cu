@@ -5,6 +5,7 @@
 #include <cmath>
 #include <map>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -116,6 +117,56 @@ TEST_CASE("the meta device reports every parity layout's memory and traffic as t
     std::vector<std::string> a = report_lines(cpu.output), b = report_lines(meta.output);
     REQUIRE(a.size() == b.size());
     for (size_t i = 0; i < a.size(); i++) require_same_report_line(a[i], b[i], mixture);
+  }
+}
+
+// The roofline's table and its GEMMs by shape (from "  category" to the table's end), each line
+// cut to its first 7 words: a category's calls, launches, GFLOP, GB, FLOP/B and predicted ms (a
+// GEMM shape's M, N, K, unit, calls, GFLOP and predicted ms), not the times a CPU run measured.
+static std::vector<std::string> counted_lines(const std::string& output) {
+  std::vector<std::string> lines;
+  const size_t start = output.find("\n  category ");
+  if (start == std::string::npos) return lines;
+  std::istringstream in(output.substr(start + 1));
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("  measured", 0) == 0 || line.rfind("  the meta device", 0) == 0 ||
+        line.rfind("  ", 0) != 0)
+      break;
+    std::istringstream words(line);
+    std::string word, cut;
+    for (int i = 0; i < 7 && words >> word; i++) cut += word + " ";
+    lines.push_back(cut);
+  }
+  return lines;
+}
+
+// The meta device counts the step the real code path runs: on CPU ranks in fp32 (the CPU's
+// arithmetic is then the GPU path's: no format is emulated) the ledger holds the same ops, with
+// the same FLOPs and bytes, as the meta run of the same layout, priced on one profile. Without
+// clipping, whose scale runs only when the norm (which meta does not compute) exceeds the limit;
+// a mixture's routing is data-dependent, so it is not here.
+TEST_CASE("a CPU step's ledger is the meta step's, op for op, in fp32", "[train]") {
+  const std::vector<std::pair<int, std::string>> layouts = {
+      {0, ""},
+      {0, "--grad-acc 2 --recompute full --attention naive"},
+      {0, "--norm layernorm --mlp gelu --dropout 0.1 --grad-acc 2"},
+      {2, "--dp 2 --zero 3"},
+      {2, "--tp 2 --sp"},
+      {2, "--pp 2 --grad-acc 4"},
+      {2, "--cp 2"},
+      {4, "--cp 2 --tp 2 --sp --cp-comm allgather"},
+  };
+  const std::string flags =
+      COMMON + "--dtype fp32 --grad-clip 0 --steps 2 --report roofline --gpu h100 ";
+  for (const auto& [ranks, layout] : layouts) {
+    RunResult cpu = run_train(flags + layout, ranks);
+    RunResult meta = run_train(flags + layout + " --device meta --comm mpi", ranks);
+    INFO(layout << "\ncpu:\n" << cpu.output << "\nmeta:\n" << meta.output);
+    REQUIRE(cpu.code == 0);
+    REQUIRE(meta.code == 0);
+    const std::vector<std::string> a = counted_lines(cpu.output), b = counted_lines(meta.output);
+    REQUIRE(a.size() > 10);  // the table, the step, the GEMMs by shape
+    REQUIRE(a == b);
   }
 }
 
