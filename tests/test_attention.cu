@@ -85,6 +85,23 @@ const AttentionShape kShapes[] = {
     {2, 7, 4, 1, 8},  // MQA: one key/value head for all
 };
 
+// d loss / d x[i] for every element, by central differences (loss(x + h) - loss(x - h)) / 2h in
+// double, x restored after each.
+template <class Loss>
+std::vector<double> central_differences(std::vector<double>& x, Loss loss, double h) {
+  std::vector<double> g(x.size());
+  for (size_t i = 0; i < x.size(); i++) {
+    const double x0 = x[i];
+    x[i] = x0 + h;
+    const double up = loss();
+    x[i] = x0 - h;
+    const double down = loss();
+    x[i] = x0;
+    g[i] = (up - down) / (2 * h);
+  }
+  return g;
+}
+
 }  // namespace
 
 // ----------------------------------------------------------------------------
@@ -163,23 +180,9 @@ TEST_CASE("attention backward matches central finite differences of sum(out * R)
       for (size_t i = 0; i < o.size(); i++) L += o[i] * r[i];
       return L;
     };
-    const double h = 1e-4;
-    auto numeric_grad = [&](std::vector<double>& x) {
-      std::vector<double> g(x.size());
-      for (size_t i = 0; i < x.size(); i++) {
-        double x0 = x[i];
-        x[i] = x0 + h;
-        double up = loss();
-        x[i] = x0 - h;
-        double down = loss();
-        x[i] = x0;
-        g[i] = (up - down) / (2 * h);
-      }
-      return g;
-    };
-    require_close(to_host_floats(dq), numeric_grad(q), 1e-5);
-    require_close(to_host_floats(dk), numeric_grad(k), 1e-5);
-    require_close(to_host_floats(dv), numeric_grad(v), 1e-5);
+    require_close(to_host_floats(dq), central_differences(q, loss, 1e-4), 1e-5);
+    require_close(to_host_floats(dk), central_differences(k, loss, 1e-4), 1e-5);
+    require_close(to_host_floats(dv), central_differences(v, loss, 1e-4), 1e-5);
   }
 }
 
@@ -208,19 +211,8 @@ TEST_CASE("causal softmax backward matches finite differences of sum(softmax * G
     }
     return L;
   };
-  std::vector<double> numeric(x.size());
-  const double h = 1e-4;
-  for (size_t i = 0; i < x.size(); i++) {
-    double x0 = x[i];
-    x[i] = x0 + h;
-    double up = loss();
-    x[i] = x0 - h;
-    double down = loss();
-    x[i] = x0;
-    numeric[i] = (up - down) / (2 * h);
-  }
   // Same reasoning as for attention: exact-in-double differences, fp32 analytic side.
-  require_close(to_host_floats(ds), numeric, 1e-5);
+  require_close(to_host_floats(ds), central_differences(x, loss, 1e-4), 1e-5);
 
   SECTION("in place (dscores aliasing dprobs) gives the same result") {
     Tensor inplace = empty({rows, T, T}, Mem::Grads);
