@@ -630,7 +630,7 @@ if run_step bench_comm 200 $MPIRUN -np 2 build/bench_comm --bandwidth-only; then
 fi
 
 # ---- race checks of the kernels that reduce through shared memory (racecheck sees nothing else) ----
-sanitize racecheck 120 racecheck build/unit_tests "CUDA rmsnorm*,CUDA cross-entropy*,CUDA sum*"
+sanitize racecheck 120 racecheck build/unit_tests "CUDA rmsnorm*,CUDA layernorm*,CUDA norm backwards*,CUDA cross-entropy*,CUDA sum*"
 sanitize racecheck_flash 150 racecheck build/unit_tests "CUDA FlashAttention*"
 sanitize racecheck_tp 90 racecheck build/mpi_tests "CUDA vocab-parallel*"
 
