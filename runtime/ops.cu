@@ -410,6 +410,14 @@ static void rmsnorm_forward_host(const Tensor& y, const Tensor& rstd, const Tens
 }
 static void axpby_cpu(float* out, float alpha, const float* a, float beta, const float* b,
                       int64_t n);  // the residual add's loop (below, with its kernel)
+// The fused residual-and-norm ops' first pass on the CPU: sum = a + b, rounded as stored (the
+// norm then reads the sum as stored).
+static void residual_sum_host(const Tensor& sum, const Tensor& a, const Tensor& b) {
+  std::vector<float> a_wide, b_wide, sum_wide;
+  const float *av = host_floats(a, a_wide), *bv = host_floats(b, b_wide);
+  axpby_cpu(host_output(sum, sum_wide), 1.0f, av, 1.0f, bv, sum.numel());
+  store_rounded(sum, sum_wide);
+}
 // With xhat = x * rstd and g = dy * w: dx += rstd * (g - xhat * mean(g * xhat)), the second
 // term being the gradient through rstd; dw += sum_t dy * xhat. dw's column sums run over every
 // row of the micro-batch (hundreds to thousands): in double, so their error does not grow with
@@ -554,10 +562,7 @@ void residual_rmsnorm_forward(const Context& ctx, const Tensor& sum, const Tenso
                {5.0 * T * D, (es + eb) * T * D + ew * D, (es + ey) * T * D + 4.0 * T}))
     return;
   if (ctx.device == Device::CPU) {  // the two passes the kernel fuses, one after the other
-    std::vector<float> a_wide, b_wide, sum_wide;
-    const float *av = host_floats(a, a_wide), *bv = host_floats(b, b_wide);
-    axpby_cpu(host_output(sum, sum_wide), 1.0f, av, 1.0f, bv, sum.numel());
-    store_rounded(sum, sum_wide);  // the norm reads the sum as stored
+    residual_sum_host(sum, a, b);
     return rmsnorm_forward_host(y, rstd, sum, w, eps);
   }
   if (T == 0) return;
@@ -574,8 +579,9 @@ void residual_rmsnorm_forward(const Context& ctx, const Tensor& sum, const Tenso
 // A norm backward's dx (+=) and its optional rounded copy: the stream and its gradient in one
 // format, fp32 (a rounded copy of dx may be asked for, a tensor of its own) or 16-bit under
 // --residual-dtype (dx itself is what the linear layers read).
-static void check_norm_gradient(const char* op, const Tensor& dx, const Tensor& x,
-                                const Tensor& dx_rounded) {
+static void check_norm_gradient(const Context& ctx, const char* op, const Tensor& dx,
+                                const Tensor& x, const Tensor& dx_rounded) {
+  if (dx_rounded.defined()) check_devices(ctx, op, dx_rounded);
   PICO_ASSERT(
       !dx_rounded.defined() || (dx_rounded.numel() == dx.numel() &&
                                 float_storage(dx_rounded.dtype) && dx_rounded.ptr != dx.ptr),
@@ -585,19 +591,31 @@ static void check_norm_gradient(const char* op, const Tensor& dx, const Tensor& 
               std::string(op) + ": dx and x of one format, not " + dtype_name(dx.dtype) + " and " +
                   dtype_name(x.dtype));
 }
+// The CPU path's end: dx stored (a 16-bit stream's sum rounded once as stored), and its copy
+// rounded from it once, a gradient's rounding, counted.
+static void store_norm_gradient(const Tensor& dx, const std::vector<float>& dx_wide,
+                                const Tensor& dx_rounded) {
+  store_gradient(dx, dx_wide);
+  if (dx_rounded.defined())
+    cast_gradient_host(dx_rounded.ptr, dx_rounded.dtype, dx.f32(), dx.numel());
+}
+// The element type the kernels write the copy in: dx_rounded's, or float for none (a null
+// pointer never written through; a 16-bit stream has no copy).
+static DType norm_copy_dtype(const Tensor& x, const Tensor& dx_rounded) {
+  return x.dtype == DType::F32 && dx_rounded.defined() ? dx_rounded.dtype : DType::F32;
+}
 
 void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, const Tensor& dy,
                       const Tensor& x, const Tensor& w, const Tensor& rstd,
                       const Tensor& dx_rounded) {
   check_devices(ctx, "rmsnorm_backward", dx, dw, dy, x, w, rstd);
-  if (dx_rounded.defined()) check_devices(ctx, "rmsnorm_backward", dx_rounded);
   int D = (int)x.size(-1), T = (int)(x.numel() / D);
   PICO_ASSERT(dx.numel() == x.numel() && dy.numel() == x.numel() && dw.numel() == D,
               "rmsnorm_backward shapes " + x.shape_str());
   PICO_ASSERT(float_storage(w.dtype) && float_storage(dy.dtype),
               std::string("rmsnorm_backward: w in ") + dtype_name(w.dtype) + ", dy in " +
                   dtype_name(dy.dtype));
-  check_norm_gradient("rmsnorm_backward", dx, x, dx_rounded);
+  check_norm_gradient(ctx, "rmsnorm_backward", dx, x, dx_rounded);
   // dx += ...: dx, dy and x read once, dx written (and its copy); dw from partial sums per block
   // of rows, the partials written by the same kernel and summed by a second.
   const double ew = (double)dtype_size(w.dtype), eg = (double)dtype_size(dy.dtype);
@@ -613,23 +631,17 @@ void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, co
     std::vector<float> dy_wide, w_wide, x_wide, dx_wide;
     rmsnorm_backward_cpu(host_accumulator(dx, dx_wide), dw.f32(), host_floats(dy, dy_wide),
                          host_floats(x, x_wide), host_floats(w, w_wide), rstd.f32(), T, D);
-    store_gradient(dx, dx_wide);  // a 16-bit stream's sum rounded once as stored
-    if (dx_rounded.defined())     // a gradient's rounding: counted as one
-      cast_gradient_host(dx_rounded.ptr, dx_rounded.dtype, dx.f32(), dx.numel());
-    return;
+    return store_norm_gradient(dx, dx_wide, dx_rounded);
   }
   if (T == 0) return;  // no rows: nothing to add (and a zero-block grid would not launch)
   Tensor partials = empty(ctx, {row_blocks, D}, Mem::Workspace);  // [T / kDwRows, D]
-  const DType rounded_dtype = dx_rounded.defined() ? dx_rounded.dtype : DType::F32;
-  // A 16-bit stream has no rounded copy (float: a null pointer never written through).
-  const DType copy_dtype = x.dtype == DType::F32 ? rounded_dtype : DType::F32;
   with_elements(
       [&](auto* X, auto* G, auto* W, auto* R) {
         rmsnorm_backward_kernel<<<row_blocks, kThreads, 0, ctx.stream>>>(
             typed(X, dx.ptr), typed(R, dx_rounded.ptr), partials.f32(), typed(G, dy.ptr),
             typed(X, x.ptr), typed(W, w.ptr), rstd.f32(), T, D);
       },
-      x.dtype, dy.dtype, w.dtype, copy_dtype);
+      x.dtype, dy.dtype, w.dtype, norm_copy_dtype(x, dx_rounded));
   LAUNCH_CHECK(ctx, "rmsnorm_backward_kernel");
   rmsnorm_dw_sum_kernel<<<grid_for(D), kThreads, 0, ctx.stream>>>(dw.f32(), partials.f32(),
                                                                   row_blocks, D);
@@ -925,6 +937,15 @@ static void layernorm_forward_cpu(float* y, float* stats, const float* x, const 
     for (int i = 0; i < D; i++) y[(int64_t)t * D + i] = (xr[i] - mean) * r * w[i] + b[i];
   }
 }
+// layernorm_forward's CPU path (as rmsnorm_forward_host): fp32 sums, y rounded once.
+static void layernorm_forward_host(const Tensor& y, const Tensor& stats, const Tensor& x,
+                                   const Tensor& w, const Tensor& b, float eps) {
+  int D = (int)x.size(-1), T = (int)(x.numel() / D);
+  std::vector<float> x_wide, w_wide, b_wide, y_wide;
+  layernorm_forward_cpu(host_output(y, y_wide), stats.f32(), host_floats(x, x_wide),
+                        host_floats(w, w_wide), host_floats(b, b_wide), T, D, eps);
+  store_rounded(y, y_wide);
+}
 // With xhat = (x - mean) r and g = dy w: dx += r (g - mean(g) - xhat mean(g xhat)), the last two
 // terms the gradient through the mean and through r; dw += sum_t dy xhat, db += sum_t dy, the
 // column sums in double (as RMSNorm's).
@@ -1052,12 +1073,7 @@ void layernorm_forward(const Context& ctx, const Tensor& y, const Tensor& stats,
   if (count_op(ctx.device, OpKind::Norm,
                {7.0 * T * D, ex * T * D + 2 * ew * D, ey * T * D + 8.0 * T}))
     return;
-  if (ctx.device == Device::CPU) {
-    std::vector<float> x_wide, w_wide, b_wide, y_wide;
-    layernorm_forward_cpu(host_output(y, y_wide), stats.f32(), host_floats(x, x_wide),
-                          host_floats(w, w_wide), host_floats(b, b_wide), T, D, eps);
-    return store_rounded(y, y_wide);
-  }
+  if (ctx.device == Device::CPU) return layernorm_forward_host(y, stats, x, w, b, eps);
   if (T == 0) return;
   with_elements(
       [&](auto* X, auto* Y, auto* W) {
@@ -1089,13 +1105,8 @@ void residual_layernorm_forward(const Context& ctx, const Tensor& sum, const Ten
                {8.0 * T * D, (es + eb) * T * D + 2 * ew * D, (es + ey) * T * D + 8.0 * T}))
     return;
   if (ctx.device == Device::CPU) {  // the two passes the kernel fuses, one after the other
-    std::vector<float> a_wide, b_wide, sum_wide, x_wide, w_wide, bias_wide, y_wide;
-    const float *av = host_floats(a, a_wide), *bv = host_floats(b, b_wide);
-    axpby_cpu(host_output(sum, sum_wide), 1.0f, av, 1.0f, bv, sum.numel());
-    store_rounded(sum, sum_wide);  // the norm reads the sum as stored
-    layernorm_forward_cpu(host_output(y, y_wide), stats.f32(), host_floats(sum, x_wide),
-                          host_floats(w, w_wide), host_floats(bias, bias_wide), T, D, eps);
-    return store_rounded(y, y_wide);
+    residual_sum_host(sum, a, b);
+    return layernorm_forward_host(y, stats, sum, w, bias, eps);
   }
   if (T == 0) return;
   with_elements(
@@ -1112,7 +1123,6 @@ void layernorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, 
                         const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& stats,
                         const Tensor& dx_rounded) {
   check_devices(ctx, "layernorm_backward", dx, dw, db, dy, x, w, stats);
-  if (dx_rounded.defined()) check_devices(ctx, "layernorm_backward", dx_rounded);
   int D = (int)x.size(-1), T = (int)(x.numel() / D);
   PICO_ASSERT(dx.numel() == x.numel() && dy.numel() == x.numel() && dw.numel() == D &&
                   db.numel() == D && stats.numel() == 2 * (int64_t)T,
@@ -1120,7 +1130,7 @@ void layernorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, 
   PICO_ASSERT(float_storage(dy.dtype) && float_storage(w.dtype) && dw.dtype == DType::F32 &&
                   db.dtype == DType::F32,
               "layernorm_backward: dy and w fp32 or 16-bit, dw and db fp32");
-  check_norm_gradient("layernorm_backward", dx, x, dx_rounded);
+  check_norm_gradient(ctx, "layernorm_backward", dx, x, dx_rounded);
   const double ex = dtype_size(x.dtype), eg = dtype_size(dy.dtype), ew = dtype_size(w.dtype);
   const double er = dx_rounded.defined() ? (double)dtype_size(dx_rounded.dtype) : 0.0;
   const int row_blocks = (T + kDwRows - 1) / kDwRows;
@@ -1134,22 +1144,17 @@ void layernorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, 
     layernorm_backward_cpu(host_accumulator(dx, dx_wide), dw.f32(), db.f32(),
                            host_floats(dy, dy_wide), host_floats(x, x_wide), host_floats(w, w_wide),
                            stats.f32(), T, D);
-    store_gradient(dx, dx_wide);  // a 16-bit stream's sum rounded once as stored
-    if (dx_rounded.defined())     // a gradient's rounding: counted as one
-      cast_gradient_host(dx_rounded.ptr, dx_rounded.dtype, dx.f32(), dx.numel());
-    return;
+    return store_norm_gradient(dx, dx_wide, dx_rounded);
   }
   if (T == 0) return;
   Tensor partials = empty(ctx, {row_blocks, 2, D}, Mem::Workspace);
-  const DType rounded_dtype = dx_rounded.defined() ? dx_rounded.dtype : DType::F32;
-  const DType copy_dtype = x.dtype == DType::F32 ? rounded_dtype : DType::F32;  // as RMSNorm's
   with_elements(
       [&](auto* X, auto* G, auto* W, auto* R) {
         layernorm_backward_kernel<<<row_blocks, kThreads, 0, ctx.stream>>>(
             typed(X, dx.ptr), typed(R, dx_rounded.ptr), partials.f32(), typed(G, dy.ptr),
             typed(X, x.ptr), typed(W, w.ptr), stats.f32(), T, D);
       },
-      x.dtype, dy.dtype, w.dtype, copy_dtype);
+      x.dtype, dy.dtype, w.dtype, norm_copy_dtype(x, dx_rounded));
   LAUNCH_CHECK(ctx, "layernorm_backward_kernel");
   layernorm_dwdb_sum_kernel<<<grid_for(D), kThreads, 0, ctx.stream>>>(
       dw.f32(), db.f32(), partials.f32(), row_blocks, D);
