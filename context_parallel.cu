@@ -169,13 +169,21 @@ AttentionDraw draw(const AttentionDropout* dropout, const std::vector<CpPiece>& 
   return dropout ? dropout->draw(mine[0].length) : AttentionDraw{};
 }
 
-// A rank's keys and values travel as one buffer [2, N, Hkv, hd]; their gradients likewise.
+// A rank's keys and values travel as one buffer [2, N, Hkv, hd] in the blocks' input format
+// (bf16 on tensor cores: half the bytes); their gradients as another, in fp32.
 Tensor kv_part(const Tensor& kv, int which) {
   int64_t half = kv.numel() / 2;
   return kv.view(which * half, {half});
 }
 Tensor as_rows(const Tensor& flat, const Tensor& like) {
   return flat.reshape(like.shape);
+}
+// One step of the ring: a buffer to the next rank, and one from the previous.
+P2P to_next(Group& g, const Tensor& t) {
+  return {true, t.ptr, t.numel(), g.next(), nullptr, t.dtype};
+}
+P2P from_prev(Group& g, const Tensor& t) {
+  return {false, t.ptr, t.numel(), g.prev(), nullptr, t.dtype};
 }
 
 }  // namespace
@@ -192,7 +200,7 @@ void context_attention_forward(const Context& ctx, const ContextParallel& cp, co
   Shapes s{B, T, Hq, Hkv, hd, draw(dropout, mine)};
   zero_(ctx, out);
   fill_(ctx, lse, -INFINITY);  // nothing seen yet: the first merge takes the first block as it is
-  Tensor kv = empty(ctx, {2 * k.numel()}, Mem::Workspace);  // [2, N, Hkv, hd]
+  Tensor kv = empty(ctx, {2 * k.numel()}, Mem::Workspace, k.dtype);  // [2, N, Hkv, hd]
   copy_(ctx, kv_part(kv, 0), k.reshape({k.numel()}));
   copy_(ctx, kv_part(kv, 1), v.reshape({v.numel()}));
   // Attend this rank's queries to the keys and values `owner` holds, merging block by block.
@@ -204,7 +212,7 @@ void context_attention_forward(const Context& ctx, const ContextParallel& cp, co
         int64_t pairs = causal_pairs(mine[qp], keys[kp]);
         if (pairs == 0) continue;  // every key in the future of every query
         AttentionBlock a = s.block(mine[qp], keys[kp]);
-        Tensor o = empty(ctx, {(int64_t)B * a.Tq, Hq, hd}, Mem::Workspace);
+        Tensor o = empty(ctx, {(int64_t)B * a.Tq, Hq, hd}, Mem::Workspace, q.dtype);
         Tensor l = empty(ctx, {B, Hq, a.Tq}, Mem::Workspace);
         flash_attention_forward(ctx, o, l, piece_rows(q, mine, qp, B),
                                 piece_rows(k_all, keys, kp, B), piece_rows(v_all, keys, kp, B), a);
@@ -214,8 +222,8 @@ void context_attention_forward(const Context& ctx, const ContextParallel& cp, co
       }
   };
   if (cp.mode == CpComm::AllGather) {  // every rank's keys and values at once: P x the memory
-    Tensor all = empty(ctx, {P * kv.numel()}, Mem::Workspace);
-    all_gather(comm, g, ctx, kv.f32(), all.f32(), kv.numel());
+    Tensor all = empty(ctx, {P * kv.numel()}, Mem::Workspace, kv.dtype);
+    all_gather_async(comm, g, ctx, kv.ptr, all.ptr, kv.dtype, kv.numel()).wait();
     for (int owner = 0; owner < P; owner++)
       attend(all.view(owner * kv.numel(), {kv.numel()}), owner);
   } else {  // Playbook §7.2: step s attends to rank (r - s)'s block while the next one arrives
@@ -224,10 +232,8 @@ void context_attention_forward(const Context& ctx, const ContextParallel& cp, co
       Tensor next;
       Handle arriving;
       if (step < P - 1) {
-        next = empty(ctx, {kv.numel()}, Mem::Workspace);
-        arriving = send_recv_async(comm, g, ctx,
-                                   {{true, held.f32(), held.numel(), g.next()},
-                                    {false, next.f32(), next.numel(), g.prev()}});
+        next = empty(ctx, {kv.numel()}, Mem::Workspace, kv.dtype);
+        arriving = send_recv_async(comm, g, ctx, {to_next(g, held), from_prev(g, next)});
       }
       attend(held, (r - step + P) % P);
       if (step < P - 1) arriving.wait(), held = next;
@@ -252,14 +258,15 @@ void context_attention_backward(const Context& ctx, const ContextParallel& cp, c
     attention_out_dot_dout(ctx, piece_lse(D, mine, qp, B, Hq), piece_rows(dout, mine, qp, B),
                            piece_rows(out, mine, qp, B), s.block(mine[qp], mine[qp]));
   zero_(ctx, dq);
-  int64_t n = 2 * k.numel();  // keys and values, then their gradients: [4, N, Hkv, hd]
-  Tensor held = zeros(ctx, {2 * n}, Mem::Workspace);
-  copy_(ctx, held.view(0, {k.numel()}), k.reshape({k.numel()}));
-  copy_(ctx, held.view(k.numel(), {v.numel()}), v.reshape({v.numel()}));
+  const int64_t n = 2 * k.numel();                         // keys and values: [2, N, Hkv, hd]
+  Tensor held = empty(ctx, {n}, Mem::Workspace, k.dtype);  // in the blocks' input format
+  Tensor held_d = zeros(ctx, {n}, Mem::Workspace);         // their gradients' sums, fp32
+  copy_(ctx, kv_part(held, 0), k.reshape({k.numel()}));
+  copy_(ctx, kv_part(held, 1), v.reshape({v.numel()}));
   // dq (+=) of this rank's queries and the gradients (+=) of `owner`'s keys and values.
   auto attend = [&](const Tensor& kv, const Tensor& dkv, int owner) {
     Tensor k_all = as_rows(kv_part(kv, 0), k), v_all = as_rows(kv_part(kv, 1), v);
-    Tensor dk_all = as_rows(kv_part(dkv, 0), k), dv_all = as_rows(kv_part(dkv, 1), v);
+    Tensor dk_all = as_rows(kv_part(dkv, 0), dk), dv_all = as_rows(kv_part(dkv, 1), dv);
     std::vector<CpPiece> keys = cp_pieces(cp.balance, T, P, owner);
     for (int qp = 0; qp < (int)mine.size(); qp++)
       for (int kp = 0; kp < (int)keys.size(); kp++) {
@@ -273,8 +280,8 @@ void context_attention_backward(const Context& ctx, const ContextParallel& cp, c
   };
   Tensor mine_dkv;  // [2, N, Hkv, hd]: the gradients of this rank's keys and values
   if (cp.mode == CpComm::AllGather) {
-    Tensor all = empty(ctx, {P * n}, Mem::Workspace);
-    all_gather(comm, g, ctx, held.f32(), all.f32(), n);
+    Tensor all = empty(ctx, {P * n}, Mem::Workspace, held.dtype);
+    all_gather_async(comm, g, ctx, held.ptr, all.ptr, held.dtype, n).wait();
     Tensor dall = zeros(ctx, {P * n}, Mem::Workspace);
     for (int owner = 0; owner < P; owner++)
       attend(all.view(owner * n, {n}), dall.view(owner * n, {n}), owner);
@@ -284,17 +291,17 @@ void context_attention_backward(const Context& ctx, const ContextParallel& cp, c
     // Keys, values and their gradient accumulators travel together; after the last block the
     // accumulators take one more step, which brings every rank's back to it.
     for (int step = 0; step < P; step++) {
-      attend(held.view(0, {n}), held.view(n, {n}), (r - step + P) % P);
-      bool last = step == P - 1;
-      Tensor send = last ? held.view(n, {n}) : held;
-      Tensor next = empty(ctx, {send.numel()}, Mem::Workspace);
+      attend(held, held_d, (r - step + P) % P);
+      Tensor next_d = empty(ctx, {n}, Mem::Workspace);
+      if (step == P - 1) {
+        send_recv(comm, g, ctx, {to_next(g, held_d), from_prev(g, next_d)});
+        mine_dkv = next_d;
+        break;
+      }
+      Tensor next = empty(ctx, {n}, Mem::Workspace, held.dtype);
       send_recv(comm, g, ctx,
-                {{true, send.f32(), send.numel(), g.next()},
-                 {false, next.f32(), next.numel(), g.prev()}});
-      if (last)
-        mine_dkv = next;
-      else
-        held = next;
+                {to_next(g, held), to_next(g, held_d), from_prev(g, next), from_prev(g, next_d)});
+      held = next, held_d = next_d;
     }
   }
   copy_(ctx, dk.reshape({dk.numel()}), kv_part(mine_dkv, 0));
@@ -315,10 +322,11 @@ void ContextParallelAttention::forward(const Context& ctx, const AttentionShape&
                                        const Tensor& out, AttentionSaved& saved, const Tensor& q,
                                        const Tensor& k, const Tensor& v) const {
   saved.lse = empty(ctx, {s.B, s.Hq, s.T}, Mem::Activations);
-  Tensor o = attention_output_fp32(ctx, out);  // the ring merges in fp32 (flash_attention.cuh)
-  context_attention_forward(ctx, cp_, o, saved.lse, cast_to(ctx, q, DType::F32),
-                            cast_to(ctx, k, DType::F32), cast_to(ctx, v, DType::F32), s.B,
-                            s.T * cp_.size(), s.Hq, s.Hkv, s.hd, work, s.dropout);
+  Tensor o = attention_output_fp32(ctx, out);      // the ring merges in fp32 (flash_attention.cuh)
+  const DType in = attention_input_dtype(ctx, s);  // the blocks' (bf16 on tensor cores)
+  context_attention_forward(ctx, cp_, o, saved.lse, cast_to(ctx, q, in), cast_to(ctx, k, in),
+                            cast_to(ctx, v, in), s.B, s.T * cp_.size(), s.Hq, s.Hkv, s.hd, work,
+                            s.dropout);
   attention_store_output(ctx, out, o);
 }
 
@@ -327,10 +335,11 @@ void ContextParallelAttention::backward(const Context& ctx, const AttentionShape
                                         const Tensor& dout, const Tensor& out,
                                         AttentionSaved& saved, const Tensor& q, const Tensor& k,
                                         const Tensor& v) const {
-  context_attention_backward(ctx, cp_, dq, dk, dv, cast_to(ctx, dout, DType::F32),
-                             cast_to(ctx, out, DType::F32), saved.lse, cast_to(ctx, q, DType::F32),
-                             cast_to(ctx, k, DType::F32), cast_to(ctx, v, DType::F32), s.B,
-                             s.T * cp_.size(), s.Hq, s.Hkv, s.hd, s.dropout);
+  const DType in = attention_input_dtype(ctx, s);
+  context_attention_backward(ctx, cp_, dq, dk, dv, cast_to(ctx, dout, in), cast_to(ctx, out, in),
+                             saved.lse, cast_to(ctx, q, in), cast_to(ctx, k, in),
+                             cast_to(ctx, v, in), s.B, s.T * cp_.size(), s.Hq, s.Hkv, s.hd,
+                             s.dropout);
 }
 
 std::unique_ptr<StepMeter> ContextParallelAttention::meter(Comm& comm) const {

@@ -104,7 +104,9 @@ class ContextParallelAttention : public AttentionCore {
 // rank while this one attends to the block it holds; blocks wholly in the future are skipped.
 // All-gather: every rank's keys and values at once, then the same blocks. Under dropout each
 // block draws the masks one process draws (AttentionBlock::drop: they are keyed by global
-// positions), in the backward again.
+// positions), in the backward again. q, k, v (and dout, out in the backward) are fp32 or bf16
+// (attention_input_dtype: the tensor-core kernels'), and keys and values travel so; out, lse and
+// the gradients are fp32.
 void context_attention_forward(const Context& ctx, const ContextParallel& cp, const Tensor& out,
                                const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                                int B, int T, int Hq, int Hkv, int hd, CpWork* work = nullptr,

@@ -17,10 +17,12 @@
 #include <cstring>
 #include <initializer_list>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "kernels/attention_naive.cuh"
+#include "kernels/flash_attention_bf16.cuh"
 #include "kernels/flash_attention_kernels.cuh"
 #include "mixed_precision.cuh"
 #include "runtime/ops.cuh"
@@ -28,15 +30,21 @@
 
 // The layout offsets and the causal mask (token_head, visible_keys, first_query_seeing) are in
 // kernels/flash_attention_kernels.cuh, shared with the CUDA kernels.
-static void check_block_args(const Context& ctx, const AttentionBlock& a,
-                             std::initializer_list<std::pair<const Tensor*, int64_t>> tensors) {
+// Each tensor: its element count and format (the operands' is q's, F32 or BF16).
+static void check_block_args(
+    const Context& ctx, const AttentionBlock& a, DType in,
+    std::initializer_list<std::tuple<const Tensor*, int64_t, DType>> tensors) {
   PICO_ASSERT(a.B > 0 && a.Tq >= 0 && a.Tk >= 0 && a.hd > 0 && a.Hkv > 0 && a.Hq % a.Hkv == 0,
               "attention block: B " + std::to_string(a.B) + ", Hq " + std::to_string(a.Hq) +
                   ", Hkv " + std::to_string(a.Hkv) + ", hd " + std::to_string(a.hd));
-  for (auto [t, want] : tensors)
-    PICO_ASSERT(t->numel() == want && t->device == ctx.device && t->dtype == DType::F32,
-                "attention tensor " + t->shape_str() + " on " + device_name(t->device) +
-                    ", expected " + std::to_string(want) + " floats on " + device_name(ctx.device));
+  PICO_ASSERT(in == DType::F32 || (in == DType::BF16 && bf16_head_dim(a.hd)),
+              std::string("attention operands in ") + dtype_name(in) + " at hd " +
+                  std::to_string(a.hd) + ": F32, or BF16 at hd 16, 32, 64 or 128");
+  for (auto [t, want, dtype] : tensors)
+    PICO_ASSERT(t->numel() == want && t->device == ctx.device && t->dtype == dtype,
+                "attention tensor " + t->shape_str() + " of " + dtype_name(t->dtype) + " on " +
+                    device_name(t->device) + ", expected " + std::to_string(want) + " " +
+                    dtype_name(dtype) + " on " + device_name(ctx.device));
 }
 // ============================================================================
 // FlashAttention forward: out = softmax(q k^T / sqrt(hd)) v and lse, one query tile at a time
@@ -133,12 +141,14 @@ static void flash_forward_cpu(float* out, float* lse, const float* q, const floa
 void flash_attention_forward(const Context& ctx, const Tensor& out, const Tensor& lse,
                              const Tensor& q, const Tensor& k, const Tensor& v,
                              const AttentionBlock& a) {
-  check_block_args(ctx, a,
-                   {{&out, q_numel(a)},
-                    {&lse, lse_numel(a)},
-                    {&q, q_numel(a)},
-                    {&k, kv_numel(a)},
-                    {&v, kv_numel(a)}});
+  const DType in = q.dtype;
+  check_block_args(ctx, a, in,
+                   {{&out, q_numel(a), in},
+                    {&lse, lse_numel(a), DType::F32},
+                    {&q, q_numel(a), in},
+                    {&k, kv_numel(a), in},
+                    {&v, kv_numel(a), in}});
+  if (in == DType::BF16) return flash_forward_bf16(ctx, out, lse, q, k, v, a);  // tensor cores
   if (count_op(ctx.device, OpKind::Attention, attention_cost(a, false, 4))) return;
   if (ctx.device == Device::CPU)
     return flash_forward_cpu(out.f32(), lse.f32(), q.f32(), k.f32(), v.f32(), a);
@@ -172,12 +182,23 @@ static void out_dot_dout_cpu(float* D, const float* dout, const float* out,
 
 void attention_out_dot_dout(const Context& ctx, const Tensor& D, const Tensor& dout,
                             const Tensor& out, const AttentionBlock& a) {
-  check_block_args(ctx, a, {{&D, lse_numel(a)}, {&dout, q_numel(a)}, {&out, q_numel(a)}});
-  if (count_op(ctx.device, OpKind::Attention,
-               {2.0 * q_numel(a), 8.0 * q_numel(a), 4.0 * lse_numel(a)}))
-    return;
+  const DType in = dout.dtype;
+  check_block_args(
+      ctx, a, in,
+      {{&D, lse_numel(a), DType::F32}, {&dout, q_numel(a), in}, {&out, q_numel(a), in}});
+  if (in == DType::BF16) return out_dot_dout_bf16(ctx, D, dout, out, a);
+  if (count_op(ctx.device, OpKind::Attention, out_dot_dout_cost(a, 4))) return;
   if (ctx.device == Device::CPU) return out_dot_dout_cpu(D.f32(), dout.f32(), out.f32(), a);
   out_dot_dout_cuda(ctx, D.f32(), dout.f32(), out.f32(), a);
+}
+
+void attention_backward_begin(const Context& ctx, const Tensor& D, const Tensor& dout,
+                              const Tensor& out, const Tensor& dq, const Tensor& dk,
+                              const Tensor& dv, const AttentionBlock& a) {
+  if (dout.dtype == DType::BF16 && ctx.device != Device::CPU)  // one kernel for all four
+    return out_dot_dout_bf16(ctx, D, dout, out, a, {dq, dk, dv});
+  attention_out_dot_dout(ctx, D, dout, out, a);
+  zero_(ctx, dq), zero_(ctx, dk), zero_(ctx, dv);
 }
 
 // ============================================================================
@@ -268,16 +289,18 @@ void flash_attention_backward(const Context& ctx, const Tensor& dq, const Tensor
                               const Tensor& dv, const Tensor& dout, const Tensor& q,
                               const Tensor& k, const Tensor& v, const Tensor& lse, const Tensor& D,
                               const AttentionBlock& a) {
-  check_block_args(ctx, a,
-                   {{&dq, q_numel(a)},
-                    {&dk, kv_numel(a)},
-                    {&dv, kv_numel(a)},
-                    {&dout, q_numel(a)},
-                    {&q, q_numel(a)},
-                    {&k, kv_numel(a)},
-                    {&v, kv_numel(a)},
-                    {&lse, lse_numel(a)},
-                    {&D, lse_numel(a)}});
+  const DType in = q.dtype;
+  check_block_args(ctx, a, in,
+                   {{&dq, q_numel(a), DType::F32},
+                    {&dk, kv_numel(a), DType::F32},
+                    {&dv, kv_numel(a), DType::F32},
+                    {&dout, q_numel(a), in},
+                    {&q, q_numel(a), in},
+                    {&k, kv_numel(a), in},
+                    {&v, kv_numel(a), in},
+                    {&lse, lse_numel(a), DType::F32},
+                    {&D, lse_numel(a), DType::F32}});
+  if (in == DType::BF16) return flash_backward_bf16(ctx, dq, dk, dv, dout, q, k, v, lse, D, a);
   if (count_op(ctx.device, OpKind::Attention, attention_cost(a, true, 4))) return;
   if (ctx.device == Device::CPU)
     return flash_backward_cpu(dq.f32(), dk.f32(), dv.f32(), dout.f32(), q.f32(), k.f32(), v.f32(),
@@ -306,16 +329,20 @@ static void lse_merge_cpu(float* out, float* lse, const float* out2, const float
 
 void attention_lse_merge(const Context& ctx, const Tensor& out, const Tensor& lse,
                          const Tensor& out2, const Tensor& lse2, const AttentionBlock& a) {
-  check_block_args(
-      ctx, a,
-      {{&out, q_numel(a)}, {&lse, lse_numel(a)}, {&out2, q_numel(a)}, {&lse2, lse_numel(a)}});
+  const DType in = out2.dtype;
+  check_block_args(ctx, a, in,
+                   {{&out, q_numel(a), DType::F32},
+                    {&lse, lse_numel(a), DType::F32},
+                    {&out2, q_numel(a), in},
+                    {&lse2, lse_numel(a), DType::F32}});
+  const double q = (double)q_numel(a), rows = (double)lse_numel(a);  // out2: e bytes a value
   if (count_op(ctx.device, OpKind::Attention,
-               {3.0 * q_numel(a) + 6.0 * lse_numel(a), 8.0 * (q_numel(a) + lse_numel(a)),
-                4.0 * (q_numel(a) + lse_numel(a))}))
+               {3.0 * q + 6.0 * rows, (4.0 + dtype_size(in)) * q + 8.0 * rows, 4.0 * (q + rows)}))
     return;
   if (ctx.device == Device::CPU)
-    return lse_merge_cpu(out.f32(), lse.f32(), out2.f32(), lse2.f32(), a);
-  lse_merge_cuda(ctx, out.f32(), lse.f32(), out2.f32(), lse2.f32(), a);
+    return lse_merge_cpu(out.f32(), lse.f32(),
+                         in == DType::F32 ? out2.f32() : bf16_widened(out2).data(), lse2.f32(), a);
+  lse_merge_cuda(ctx, out.f32(), lse.f32(), out2.ptr, in, lse2.f32(), a);
 }
 
 // ============================================================================
@@ -347,10 +374,10 @@ void add_attention_flags(CLI::App& app, AttentionOptions& o) {
 }
 
 // Keeps the output and the [B, Hq, T] log-sum-exp (Playbook §12.8): one block of the ring
-// interface, queries at [0, T) against keys at [0, T). Under --dtype bf16 (and fp8) on a GPU
-// it runs the tensor-core kernels on the inputs in bf16, fp32 accumulation, the probabilities
-// rounded to bf16 before they multiply v (which the CPU emulation does not round); elsewhere
-// the fp32 version on the rounded inputs.
+// interface, queries at [0, T) against keys at [0, T), its operands in attention_input_dtype:
+// under --dtype bf16 (and fp8) on a GPU the tensor-core kernels, fp32 accumulation, the
+// probabilities rounded to bf16 before they multiply v (which the CPU emulation does not
+// round); elsewhere the fp32 version on the rounded inputs.
 class FlashAttention : public AttentionCore {
  public:
   std::string name() const override { return "flash"; }
@@ -358,17 +385,11 @@ class FlashAttention : public AttentionCore {
                AttentionSaved& saved, const Tensor& q, const Tensor& k,
                const Tensor& v) const override {
     saved.lse = empty(ctx, {s.B, s.Hq, s.T}, Mem::Activations);
-    const AttentionBlock a = whole_block(s);
-    if (!on_tensor_cores(ctx, s)) {
-      Tensor o = attention_output_fp32(ctx, out);
-      flash_attention_forward(ctx, o, saved.lse, cast_to(ctx, q, DType::F32),
-                              cast_to(ctx, k, DType::F32), cast_to(ctx, v, DType::F32), a);
-      return attention_store_output(ctx, out, o);
-    }
-    // The kernels read and write bf16: out itself when it is stored so.
-    Tensor o = out.dtype == DType::BF16 ? out : empty(ctx, out.shape, Mem::Workspace, DType::BF16);
-    flash_attention_forward_bf16(ctx, bf16_ptr(o), saved.lse.f32(), bf16_ptr(in_bf16(ctx, q)),
-                                 bf16_ptr(in_bf16(ctx, k)), bf16_ptr(in_bf16(ctx, v)), a);
+    const DType in = attention_input_dtype(ctx, s);
+    // The kernels write `in`: out itself when it is stored so.
+    Tensor o = out.dtype == in ? out : empty(ctx, out.shape, Mem::Workspace, in);
+    flash_attention_forward(ctx, o, saved.lse, cast_to(ctx, q, in), cast_to(ctx, k, in),
+                            cast_to(ctx, v, in), whole_block(s));
     attention_store_output(ctx, out, o);
   }
   // D = rowsum(dO * O) once, then dq, dk, dv (+=) from zero.
@@ -376,21 +397,11 @@ class FlashAttention : public AttentionCore {
                 const Tensor& dv, const Tensor& dout, const Tensor& out, AttentionSaved& saved,
                 const Tensor& q, const Tensor& k, const Tensor& v) const override {
     const AttentionBlock a = whole_block(s);
-    Tensor D = empty(ctx, {s.B, s.Hq, s.T}, Mem::Workspace);
-    if (!on_tensor_cores(ctx, s)) {
-      Tensor d_out = cast_to(ctx, dout, DType::F32);
-      attention_out_dot_dout(ctx, D, d_out, cast_to(ctx, out, DType::F32), a);
-      zero_(ctx, dq), zero_(ctx, dk), zero_(ctx, dv);
-      return flash_attention_backward(ctx, dq, dk, dv, d_out, cast_to(ctx, q, DType::F32),
-                                      cast_to(ctx, k, DType::F32), cast_to(ctx, v, DType::F32),
-                                      saved.lse, D, a);
-    }
-    Tensor d_out = in_bf16(ctx, dout);
-    attention_out_dot_dout_bf16(ctx, D.f32(), bf16_ptr(d_out), bf16_ptr(in_bf16(ctx, out)), a,
-                                dq.f32(), dk.f32(), dv.f32());  // and dq, dk, dv = 0
-    flash_attention_backward_bf16(ctx, dq.f32(), dk.f32(), dv.f32(), bf16_ptr(d_out),
-                                  bf16_ptr(in_bf16(ctx, q)), bf16_ptr(in_bf16(ctx, k)),
-                                  bf16_ptr(in_bf16(ctx, v)), saved.lse.f32(), D.f32(), a);
+    const DType in = attention_input_dtype(ctx, s);
+    Tensor D = empty(ctx, {s.B, s.Hq, s.T}, Mem::Workspace), d_out = cast_to(ctx, dout, in);
+    attention_backward_begin(ctx, D, d_out, cast_to(ctx, out, in), dq, dk, dv, a);
+    flash_attention_backward(ctx, dq, dk, dv, d_out, cast_to(ctx, q, in), cast_to(ctx, k, in),
+                             cast_to(ctx, v, in), saved.lse, D, a);
   }
   int64_t saved_bytes(int64_t B, int64_t T, int64_t heads, bool, int, bool) const override {
     return 4 * B * heads * T;  // the lse, fp32
@@ -403,16 +414,13 @@ class FlashAttention : public AttentionCore {
     if (s.dropout) a.drop = s.dropout->draw(s.T);
     return a;
   }
-  static bool on_tensor_cores(const Context& ctx, const AttentionShape& s) {
-    return gpu_path(ctx.device) && output_dtype(ctx.precision) == DType::BF16 &&
-           (s.hd == 16 || s.hd == 32 || s.hd == 64 || s.hd == 128);
-  }
-  static Tensor in_bf16(const Context& ctx, const Tensor& t) {  // t itself when stored so
-    return cast_to(ctx, t, DType::BF16, Mem::Workspace);
-  }
-  static __nv_bfloat16* bf16_ptr(const Tensor& t) { return (__nv_bfloat16*)t.ptr; }
 };
 
+DType attention_input_dtype(const Context& ctx, const AttentionShape& s) {
+  return gpu_path(ctx.device) && output_dtype(ctx.precision) == DType::BF16 && bf16_head_dim(s.hd)
+             ? DType::BF16
+             : DType::F32;
+}
 Tensor attention_output_fp32(const Context& ctx, const Tensor& out) {
   return out.dtype == DType::F32 ? out : empty(ctx, out.shape, Mem::Workspace);
 }

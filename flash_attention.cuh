@@ -8,8 +8,6 @@
 // only the log-sum-exp per query: O(T) memory, and the interface ring attention (Playbook §7.2,
 // context_parallel.cu) is built from.
 #pragma once
-#include <cuda_bf16.h>
-
 #include <memory>
 #include <string>
 #include <vector>
@@ -91,6 +89,11 @@ class AttentionCore {
 Tensor attention_output_fp32(const Context& ctx, const Tensor& out);
 void attention_store_output(const Context& ctx, const Tensor& out, const Tensor& written);
 
+// The format FlashAttention reads q, k, v (and out, dout) in: bf16 where its tensor-core kernels
+// run (a GPU or the meta device, a bf16 compute format: --dtype bf16 or fp8, hd 16, 32, 64 or
+// 128), else fp32. Ring attention's blocks read theirs in it too, and send keys and values so.
+DType attention_input_dtype(const Context& ctx, const AttentionShape& s);
+
 // The attention that runs on one rank's whole sequences: naive or flash (--attention).
 enum class AttentionKind { Naive, Flash };
 AttentionKind parse_attention(const std::string& flag);  // naive|flash, else UsageError
@@ -129,10 +132,13 @@ struct AttentionBlock {
 // Layouts (token-major, as the model's projections produce them):
 //   q, out, dq, dout [B*Tq, Hq, hd];  k, v, dk, dv [B*Tk, Hkv, hd];  lse, D [B, Hq, Tq] (fp32)
 // lse is the natural log of sum_j exp(q.k_j / sqrt(hd)) over the visible keys.
-// CPU: 64 x 64 tiles through cblas_sgemm on the threads OpenBLAS may use, with a fixed-size
-// Mem::Workspace per thread (no [T, T] buffer, nothing that grows with T); results do not
-// depend on timing. CUDA (fp32 on CUDA cores, any hd up to 128): no allocation at all; dq is
-// summed with atomicAdd, so its last bits vary from run to run.
+// The operands q, k, v, out, dout are fp32 or bf16 (all in the format of q); lse, D, dq, dk,
+// dv are fp32 always. fp32 on the CPU: 64 x 64 tiles through cblas_sgemm on the threads OpenBLAS
+// may use, with a fixed-size Mem::Workspace per thread (no [T, T] buffer, nothing that grows
+// with T); results do not depend on timing. fp32 on CUDA (CUDA cores, any hd up to 128): no
+// allocation at all; dq is summed with atomicAdd, so its last bits vary from run to run.
+// bf16 (hd 16, 32, 64 or 128): FlashAttention-2's tensor-core kernels on a GPU, their CPU
+// mirrors (the same tiles and roundings) on the CPU: kernels/flash_attention_bf16.cuh.
 
 // out (=), lse (=): the attention output and log-sum-exp of each (query, head).
 void flash_attention_forward(const Context& ctx, const Tensor& out, const Tensor& lse,
@@ -142,6 +148,11 @@ void flash_attention_forward(const Context& ctx, const Tensor& out, const Tensor
 // computed once from the final (merged) output, then shared by every block's backward.
 void attention_out_dot_dout(const Context& ctx, const Tensor& D, const Tensor& dout,
                             const Tensor& out, const AttentionBlock& a);
+// The same D, and dq, dk, dv (=) 0 for the sums of flash_attention_backward: one kernel on
+// tensor cores (bf16 operands on a GPU), four ops elsewhere.
+void attention_backward_begin(const Context& ctx, const Tensor& D, const Tensor& dout,
+                              const Tensor& out, const Tensor& dq, const Tensor& dk,
+                              const Tensor& dv, const AttentionBlock& a);
 // dq (+=), dk (+=), dv (+=): every gradient ACCUMULATES, so a ring adds the blocks of one
 // query chunk into its dq and passes dk, dv on (zero them before the first block).
 // lse and D are those of the whole attention (after merging), not of this block alone.
@@ -152,25 +163,6 @@ void flash_attention_backward(const Context& ctx, const Tensor& dq, const Tensor
 // (out, lse) (=) the merge of (out, lse) and (out2, lse2), two partial results for the same
 // queries over disjoint keys, in fp32: lse' = logaddexp(lse, lse2),
 // out' = exp(lse - lse') out + exp(lse2 - lse') out2. A side at -inf weighs 0. Uses B, Tq, Hq,
-// hd of `a`.
+// hd of `a`. out is fp32; out2 fp32 or bf16 (a block's output from the tensor-core kernels).
 void attention_lse_merge(const Context& ctx, const Tensor& out, const Tensor& lse,
                          const Tensor& out2, const Tensor& lse2, const AttentionBlock& a);
-
-// ---- bf16 on tensor cores (mma.sync m16n8k16, fp32 accumulation; sm_80 and newer) ----
-// In kernels/flash_attention_bf16.cu. CUDA only, raw device pointers in the layouts above; hd in
-// {16, 32, 64, 128}. local_attention's flash runs them under --dtype bf16 (and fp8) on a GPU; the
-// benchmark and the GPU tests call them directly. out (=) bf16, lse (=) fp32.
-void flash_attention_forward_bf16(const Context& ctx, __nv_bfloat16* out, float* lse,
-                                  const __nv_bfloat16* q, const __nv_bfloat16* k,
-                                  const __nv_bfloat16* v, const AttentionBlock& a);
-// D (=) fp32 from bf16 dout and out; given dq, dk and dv, also set to zero for the backward.
-void attention_out_dot_dout_bf16(const Context& ctx, float* D, const __nv_bfloat16* dout,
-                                 const __nv_bfloat16* out, const AttentionBlock& a,
-                                 float* dq = nullptr, float* dk = nullptr, float* dv = nullptr);
-// dq, dk, dv (+=) in fp32, as flash_attention_backward.
-void flash_attention_backward_bf16(const Context& ctx, float* dq, float* dk, float* dv,
-                                   const __nv_bfloat16* dout, const __nv_bfloat16* q,
-                                   const __nv_bfloat16* k, const __nv_bfloat16* v, const float* lse,
-                                   const float* D, const AttentionBlock& a);
-// dst[n] = bf16(src[n]) on the device (round to nearest even).
-void convert_to_bf16(const Context& ctx, __nv_bfloat16* dst, const float* src, int64_t n);

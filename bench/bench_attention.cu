@@ -15,6 +15,7 @@
 
 #include "flash_attention.cuh"
 #include "kernels/attention_naive.cuh"
+#include "kernels/flash_attention_bf16.cuh"
 
 // Best time of fn over repetitions after a warm-up, stopping after ~0.5 s (or 10 runs).
 static double time_best(const Context& ctx, const std::function<void()>& fn) {

@@ -270,9 +270,8 @@ void flash_forward_bf16_cpu(float* out, float* lse, const float* q, const float*
 // so the kernels without it hold no code (and no registers) for it.
 template <class Launch>
 static void launch_bf16_kernel(const char* what, int hd, bool dropout, Launch launch) {
-  PICO_ASSERT(hd == 16 || hd == 32 || hd == 64 || hd == 128,
-              std::string(what) + ": bf16 head dim " + std::to_string(hd) +
-                  " (supported: 16, 32, 64, 128)");
+  PICO_ASSERT(bf16_head_dim(hd), std::string(what) + ": bf16 head dim " + std::to_string(hd) +
+                                     " (supported: 16, 32, 64, 128)");
   auto with_hd = [&](auto hd_constant) {
     if (dropout)
       launch(hd_constant, std::true_type{});
@@ -614,10 +613,8 @@ __global__ void out_dot_dout_bf16_kernel(float* D, const bf16* dout, const bf16*
 void attention_out_dot_dout_bf16(const Context& ctx, float* D, const bf16* dout, const bf16* out,
                                  const AttentionBlock& a, float* dq, float* dk, float* dv) {
   PICO_ASSERT(!dq == !dk && !dk == !dv, "attention_out_dot_dout_bf16 clears dq, dk, dv or none");
-  const double q = (double)q_numel(a), cleared = dq ? 4.0 * (q + 2.0 * kv_numel(a)) : 0.0;
-  if (count_op(ctx.device, OpKind::Attention,
-               {2.0 * q, 4.0 * q, 4.0 * (double)lse_numel(a) + cleared}))
-    return;
+  const double cleared = dq ? 4.0 * ((double)q_numel(a) + 2.0 * kv_numel(a)) : 0.0;
+  if (count_op(ctx.device, OpKind::Attention, out_dot_dout_cost(a, 2, cleared))) return;
   PICO_ASSERT(ctx.device == Device::CUDA, "attention_out_dot_dout_bf16 runs on CUDA only");
   const int64_t work = std::max<int64_t>(32 * lse_numel(a), dq ? kv_numel(a) : 0);
   if (work == 0) return;
@@ -625,6 +622,70 @@ void attention_out_dot_dout_bf16(const Context& ctx, float* D, const bf16* dout,
   out_dot_dout_bf16_kernel<<<blocks, 256, 0, ctx.stream>>>(D, dout, out, a, dq, dk, dv, q_numel(a),
                                                            kv_numel(a));
   CUDA_CHECK(cudaGetLastError());
+}
+
+// ============================================================================
+// bf16 tensors (flash_attention.cu's calls, for bf16 operands)
+// ============================================================================
+
+static const bf16* bf16_ptr(const Tensor& t) {
+  return (const bf16*)t.ptr;
+}
+std::vector<float> bf16_widened(const Tensor& t) {
+  std::vector<float> x((size_t)t.numel());
+  cast_host(x.data(), DType::F32, t.ptr, t.dtype, t.numel());
+  return x;
+}
+
+void flash_forward_bf16(const Context& ctx, const Tensor& out, const Tensor& lse, const Tensor& q,
+                        const Tensor& k, const Tensor& v, const AttentionBlock& a) {
+  if (ctx.device != Device::CPU)
+    return flash_attention_forward_bf16(ctx, (bf16*)out.ptr, lse.f32(), bf16_ptr(q), bf16_ptr(k),
+                                        bf16_ptr(v), a);
+  count_op(ctx.device, OpKind::Attention, attention_cost(a, false, 2));
+  std::vector<float> o((size_t)out.numel());
+  flash_forward_bf16_cpu(o.data(), lse.f32(), bf16_widened(q).data(), bf16_widened(k).data(),
+                         bf16_widened(v).data(), a);
+  cast_host(out.ptr, DType::BF16, o.data(), DType::F32, out.numel());
+}
+
+void flash_backward_bf16(const Context& ctx, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                         const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                         const Tensor& lse, const Tensor& D, const AttentionBlock& a) {
+  if (ctx.device != Device::CPU)
+    return flash_attention_backward_bf16(ctx, dq.f32(), dk.f32(), dv.f32(), bf16_ptr(dout),
+                                         bf16_ptr(q), bf16_ptr(k), bf16_ptr(v), lse.f32(), D.f32(),
+                                         a);
+  count_op(ctx.device, OpKind::Attention, attention_cost(a, true, 2));
+  flash_backward_bf16_cpu(dq.f32(), dk.f32(), dv.f32(), bf16_widened(dout).data(),
+                          bf16_widened(q).data(), bf16_widened(k).data(), bf16_widened(v).data(),
+                          lse.f32(), D.f32(), a);
+}
+
+void out_dot_dout_bf16(const Context& ctx, const Tensor& D, const Tensor& dout, const Tensor& out,
+                       const AttentionBlock& a, const std::vector<Tensor>& cleared) {
+  PICO_ASSERT(D.numel() == lse_numel(a) && dout.numel() == q_numel(a) &&
+                  out.numel() == q_numel(a) && dout.dtype == DType::BF16 &&
+                  out.dtype == DType::BF16 &&
+                  (cleared.empty() ||
+                   (cleared.size() == 3 && cleared[0].numel() == q_numel(a) &&
+                    cleared[1].numel() == kv_numel(a) && cleared[2].numel() == kv_numel(a))),
+              "out_dot_dout_bf16: D, dout, out (bf16) and dq, dk, dv of the block");
+  if (ctx.device != Device::CPU) {
+    float* g[3] = {nullptr, nullptr, nullptr};
+    for (size_t i = 0; i < cleared.size(); i++) g[i] = cleared[i].f32();
+    return attention_out_dot_dout_bf16(ctx, D.f32(), bf16_ptr(dout), bf16_ptr(out), a, g[0], g[1],
+                                       g[2]);
+  }
+  PICO_ASSERT(cleared.empty(), "out_dot_dout_bf16 clears gradients on a GPU only");
+  count_op(ctx.device, OpKind::Attention, out_dot_dout_cost(a, 2));
+  const std::vector<float> d_o = bf16_widened(dout), o = bf16_widened(out);
+  for (int64_t r = 0; r < (int64_t)a.B * a.Tq * a.Hq; r++) {  // rows in the order of out
+    float dot = 0.0f;
+    for (int d = 0; d < a.hd; d++) dot += d_o[r * a.hd + d] * o[r * a.hd + d];
+    const int h = (int)(r % a.Hq), i = (int)(r / a.Hq % a.Tq), b = (int)(r / a.Hq / a.Tq);
+    D.f32()[((int64_t)b * a.Hq + h) * a.Tq + i] = dot;
+  }
 }
 
 // ============================================================================

@@ -251,8 +251,9 @@ void out_dot_dout_cuda(const Context& ctx, float* D, const float* dout, const fl
   CUDA_CHECK(cudaGetLastError());
 }
 
-// One thread per (sequence, query, head) row, in the order of out (token-major).
-__global__ void lse_merge_kernel(float* out, float* lse, const float* out2, const float* lse2,
+// One thread per (sequence, query, head) row, in the order of out (token-major); out2 fp32 or bf16.
+template <class T2>
+__global__ void lse_merge_kernel(float* out, float* lse, const T2* out2, const float* lse2,
                                  AttentionBlock a) {
   const int64_t rows = (int64_t)a.B * a.Tq * a.Hq;
   for (int64_t r = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; r < rows;
@@ -262,14 +263,19 @@ __global__ void lse_merge_kernel(float* out, float* lse, const float* out2, cons
     float w1, w2;
     lse[l] = lse_merge_weights(lse[l], lse2[l], &w1, &w2);
     for (int d = 0; d < a.hd; d++)
-      out[r * a.hd + d] = w1 * out[r * a.hd + d] + w2 * out2[r * a.hd + d];
+      out[r * a.hd + d] = w1 * out[r * a.hd + d] + w2 * (float)out2[r * a.hd + d];
   }
 }
 
-void lse_merge_cuda(const Context& ctx, float* out, float* lse, const float* out2,
+void lse_merge_cuda(const Context& ctx, float* out, float* lse, const void* out2, DType out2_dtype,
                     const float* lse2, const AttentionBlock& a) {
   if ((int64_t)a.B * a.Hq * a.Tq == 0) return;
-  lse_merge_kernel<<<row_kernel_blocks(a), kRowKernelThreads, 0, ctx.stream>>>(out, lse, out2, lse2,
-                                                                               a);
+  PICO_ASSERT(out2_dtype == DType::F32 || out2_dtype == DType::BF16, "lse_merge_cuda: out2 format");
+  if (out2_dtype == DType::BF16)
+    lse_merge_kernel<<<row_kernel_blocks(a), kRowKernelThreads, 0, ctx.stream>>>(
+        out, lse, (const __nv_bfloat16*)out2, lse2, a);
+  else
+    lse_merge_kernel<<<row_kernel_blocks(a), kRowKernelThreads, 0, ctx.stream>>>(
+        out, lse, (const float*)out2, lse2, a);
   CUDA_CHECK(cudaGetLastError());
 }

@@ -49,6 +49,12 @@ inline OpCost attention_cost(const AttentionBlock& a, bool backward, int element
   if (!backward) return {4 * pairs * a.hd, e * (q + 2 * kv), 4 * q + 4 * lse, 1, unit};
   return {10 * pairs * a.hd, e * (2 * q + 2 * kv) + 8 * lse, 4 * (q + 2 * kv), 1, unit};
 }
+// D = rowsum(dO * O): dout and out read (e bytes each), D written; `cleared` bytes of gradients
+// set to zero in the same pass (the bf16 kernel's).
+inline OpCost out_dot_dout_cost(const AttentionBlock& a, int element_bytes, double cleared = 0.0) {
+  const double q = (double)q_numel(a);
+  return {2.0 * q, 2.0 * element_bytes * q, 4.0 * (double)lse_numel(a) + cleared};
+}
 // The first query that sees key j0 (Tq when none does): backward skips the query tiles before it.
 __host__ __device__ inline int first_query_seeing(const AttentionBlock& a, int j0) {
   if (!a.causal) return 0;
@@ -109,5 +115,6 @@ void flash_backward_cuda(const Context& ctx, float* dq, float* dk, float* dv, co
                          const float* D, const AttentionBlock& a);
 void out_dot_dout_cuda(const Context& ctx, float* D, const float* dout, const float* out,
                        const AttentionBlock& a);
-void lse_merge_cuda(const Context& ctx, float* out, float* lse, const float* out2,
+// out2 in `out2_dtype`: F32, or BF16 (a block of the tensor-core kernels).
+void lse_merge_cuda(const Context& ctx, float* out, float* lse, const void* out2, DType out2_dtype,
                     const float* lse2, const AttentionBlock& a);

@@ -289,6 +289,48 @@ TEST_CASE("a bf16 residual stream halves the pipeline's messages", "[train]") {
   CHECK(pp_mib("bf16") == Approx(2 * sent / (1 << 20)));
 }
 
+// Ring attention under --dtype bf16 runs its blocks on the tensor cores, as one process's
+// FlashAttention does: zig-zag gives each of 2 ranks half the causal (query, key) pairs, so half
+// the attention time, plus the merges and D (streaming ops, under a tenth of it at this length):
+// between 0.45 and 0.6 of one process's (blocks in fp32, on CUDA cores, take several times one
+// process's whole attention), and MFU within 10% of one process's.
+TEST_CASE("ring attention in bf16 runs on the tensor cores: half the attention time at cp 2",
+          "[train]") {
+  auto run = [](int cp, const std::string& pattern) {
+    return printed(
+        "--dtype bf16 --d-model 1024 --layers 2 --heads 16 --kv-heads 4 --ffn 4096 "
+        "--seq 8192 --steps 1 --val-every 0 --gpu h100 --report roofline --cp " +
+            std::to_string(cp) + " --simulate-world " + std::to_string(cp),
+        pattern);
+  };
+  const std::string attention_ms =
+      "\\n  attention +[0-9]+ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +([0-9.]+)";
+  const std::string mfu = "with it all hidden behind compute, MFU ([0-9.]+)%";
+  const double ratio = run(2, attention_ms) / run(1, attention_ms);
+  CHECK(ratio >= 0.45);
+  CHECK(ratio <= 0.6);
+  CHECK(run(2, mfu) >= 0.9 * run(1, mfu));
+}
+
+// What the ring sends (Playbook §7.2), by closed form: each forward passes the keys and values
+// (kv = 2 N Hkv hd elements, N local tokens) cp - 1 times in the blocks' format (e bytes: 2 under
+// bf16), each backward passes them again with their fp32 gradient sums cp - 1 times and the
+// sums once more: per layer, forwards x (cp - 1) kv e + backwards x ((cp - 1) kv (e + 4) + 4 kv).
+// One training and one validation forward, one backward; 2 layers, cp 2.
+TEST_CASE("the ring sends keys and values in the blocks' format: half the bytes under bf16",
+          "[train]") {
+  const double kv = 2.0 * (2 * 1024 / 2) * 2 * 64, cp = 2, layers = 2;
+  for (auto [dtype, e] : {std::pair<std::string, double>{"bf16", 2}, {"fp32", 4}}) {
+    INFO("--dtype " << dtype);
+    const double bytes = layers * (2 * (cp - 1) * kv * e + (cp - 1) * kv * (e + 4) + 4 * kv);
+    CHECK(printed("--dtype " + dtype +
+                      " --d-model 256 --layers 2 --heads 4 --kv-heads 2 --ffn 512 --seq 1024 "
+                      "--mbs 2 --steps 1 --val-seqs 2 --cp 2 --simulate-world 2 --report comm",
+                  "\\n  cp +2 +send_recv +[0-9.]+ +[0-9.]+ +([0-9.]+) MiB") ==
+          Approx(bytes / (1 << 20)));
+  }
+}
+
 // The target of the GPU step (docs/meta-device.md): llama-1b in bf16 on the h100 profile, at the
 // GPU check's target batch (131,072 tokens a step) with the residual stream in bf16, is
 // predicted at 50% MFU or more. An op added to the step, or a fusion undone, shows here.
