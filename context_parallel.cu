@@ -260,7 +260,6 @@ void context_attention_backward(const Context& ctx, const ContextParallel& cp, c
   zero_(ctx, dq);
   const int64_t n = 2 * k.numel();                         // keys and values: [2, N, Hkv, hd]
   Tensor held = empty(ctx, {n}, Mem::Workspace, k.dtype);  // in the blocks' input format
-  Tensor held_d = zeros(ctx, {n}, Mem::Workspace);         // their gradients' sums, fp32
   copy_(ctx, kv_part(held, 0), k.reshape({k.numel()}));
   copy_(ctx, kv_part(held, 1), v.reshape({v.numel()}));
   // dq (+=) of this rank's queries and the gradients (+=) of `owner`'s keys and values.
@@ -290,6 +289,7 @@ void context_attention_backward(const Context& ctx, const ContextParallel& cp, c
   } else {
     // Keys, values and their gradient accumulators travel together; after the last block the
     // accumulators take one more step, which brings every rank's back to it.
+    Tensor held_d = zeros(ctx, {n}, Mem::Workspace);  // the gradients' sums, fp32
     for (int step = 0; step < P; step++) {
       attend(held, held_d, (r - step + P) % P);
       Tensor next_d = empty(ctx, {n}, Mem::Workspace);
