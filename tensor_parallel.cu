@@ -324,14 +324,11 @@ void row_parallel_backward(const TensorParallel& tp, const Context& ctx, const T
 // scattered in fp32 and rounded once at the end: exact, each row being one slice's table row.
 void vocab_parallel_embedding_forward(const TensorParallel& tp, const Context& ctx, const Tensor& x,
                                       const Tensor& local_ids, const Tensor& table) {
+  if (tp.size() == 1) return embedding_forward(ctx, x, local_ids, table);  // rounded as it goes
   const Tensor out = x.dtype == DType::F32 ? x : workspace(x.shape, ctx);
-  if (tp.size() == 1) {
-    embedding_forward(ctx, out, local_ids, table);
-  } else {
-    Tensor rows = workspace({local_ids.numel(), x.size(1)}, ctx);  // [N, D] partial rows
-    embedding_forward(ctx, rows, local_ids, table);
-    tp_region_exit_forward(tp, ctx, rows, out);  // sum over the slices (reduce-scatter under SP)
-  }
+  Tensor rows = workspace({local_ids.numel(), x.size(1)}, ctx);  // [N, D] partial rows
+  embedding_forward(ctx, rows, local_ids, table);
+  tp_region_exit_forward(tp, ctx, rows, out);  // sum over the slices (reduce-scatter under SP)
   if (out.ptr != x.ptr) cast_(ctx, x, out);
 }
 

@@ -289,14 +289,17 @@ static void embedding_cpu(float* rows, void* table, DType dtype, const int32_t* 
   }
 }
 
-template <typename E>
-static __global__ void embedding_forward_kernel(float* rows, const E* table, const int32_t* ids,
+// rows in fp32 or in the residual stream's 16-bit format (each value rounded once: none when
+// the table is in that format too, a gather).
+template <typename R, typename E>
+static __global__ void embedding_forward_kernel(R* rows, const E* table, const int32_t* ids,
                                                 int64_t n, int D, int V) {
   GRID_STRIDE_LOOP(i, n) {
     int id = ids[i / D];
     // -1: another rank's vocabulary (a zero row); anything else out of range is a bug: no
     // assert on the GPU, a NaN loss instead.
-    rows[i] = id >= 0 && id < V ? widen(table[(int64_t)id * D + i % D]) : (id == -1 ? 0.0f : NAN);
+    store(rows + i,
+          id >= 0 && id < V ? widen(table[(int64_t)id * D + i % D]) : (id == -1 ? 0.0f : NAN));
   }
 }
 
@@ -334,22 +337,26 @@ void embedding_forward(const Context& ctx, const Tensor& out, const Tensor& ids,
   int T = (int)ids.numel(), V = (int)table.size(0), D = (int)table.size(1);
   PICO_ASSERT(table.dtype == DType::F32 || table.dtype == DType::BF16 || table.dtype == DType::F16,
               std::string("an embedding table in ") + dtype_name(table.dtype));
+  PICO_ASSERT(float_storage(out.dtype), std::string("embedding rows in ") + dtype_name(out.dtype));
   const double row_bytes = (double)D * dtype_size(table.dtype);
-  if (count_op(ctx.device, OpKind::Elementwise, {0, T * row_bytes + 4.0 * T, 4.0 * T * D})) return;
-  if (ctx.device == Device::CPU)
-    return embedding_cpu(out.f32(), table.ptr, table.dtype, ids.i32(), T, D, V, false);
+  if (count_op(ctx.device, OpKind::Elementwise,
+               {0, T * row_bytes + 4.0 * T, (double)T * D * dtype_size(out.dtype)}))
+    return;
+  if (ctx.device == Device::CPU) {
+    if (out.dtype == DType::F32)
+      return embedding_cpu(out.f32(), table.ptr, table.dtype, ids.i32(), T, D, V, false);
+    std::vector<float> rows((size_t)T * D);  // then each value rounded once, as cast_ would
+    embedding_cpu(rows.data(), table.ptr, table.dtype, ids.i32(), T, D, V, false);
+    return cast_host(out.ptr, out.dtype, rows.data(), DType::F32, (int64_t)T * D);
+  }
   if (T == 0) return;
   const unsigned grid = grid_for((int64_t)T * D);
-  const int64_t n = (int64_t)T * D;
-  if (table.dtype == DType::BF16)
-    embedding_forward_kernel<<<grid, kThreads, 0, ctx.stream>>>(
-        out.f32(), (const __nv_bfloat16*)table.ptr, ids.i32(), n, D, V);
-  else if (table.dtype == DType::F16)
-    embedding_forward_kernel<<<grid, kThreads, 0, ctx.stream>>>(out.f32(), (const __half*)table.ptr,
-                                                                ids.i32(), n, D, V);
-  else
-    embedding_forward_kernel<<<grid, kThreads, 0, ctx.stream>>>(out.f32(), table.f32(), ids.i32(),
-                                                                n, D, V);
+  with_elements(
+      [&](auto* R, auto* E) {
+        embedding_forward_kernel<<<grid, kThreads, 0, ctx.stream>>>(
+            typed(R, out.ptr), typed(E, table.ptr), ids.i32(), (int64_t)T * D, D, V);
+      },
+      out.dtype, table.dtype);
   LAUNCH_CHECK(ctx, "embedding_forward_kernel");
 }
 void embedding_backward(const Context& ctx, const Tensor& dtable, const Tensor& ids,

@@ -42,7 +42,9 @@ void gemm_strided_batched(const Context& ctx, bool trans_a, bool trans_b, int M,
 // ---- embedding ----
 // out[T, D] = table[ids[t], :]; ids [T] int32; id -1 gives a zero row (and no gradient): the
 // ids another rank's vocabulary slice holds under tensor parallelism. The forward's table may be
-// bf16 or fp16 (mixed precision's copy): the rows it reads are widened, exactly.
+// bf16 or fp16 (mixed precision's copy): the rows it reads are widened, exactly; out is fp32 or
+// a 16-bit residual stream's format (each value rounded once; a plain gather from a table in the
+// same format).
 void embedding_forward(const Context& ctx, const Tensor& out, const Tensor& ids,
                        const Tensor& table);
 // dtable[V, D] += scatter of dout[T, D] by ids

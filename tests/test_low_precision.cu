@@ -436,6 +436,18 @@ TEST_CASE("the embedding reads a bf16 or fp16 table: each row the format's value
             id_values[t] < 0 ? 0.0f : stored(p, table.f32()[(int64_t)id_values[t] * D + i]);
         REQUIRE(rows.f32()[t * D + i] == want);
       }
+    // Rows in the format itself (a 16-bit residual stream): from the 16-bit table its entries,
+    // from the fp32 table each value rounded once; the same values either way.
+    for (const Tensor* from : {&half, &table}) {
+      Tensor rows16 = empty({4, D}, Mem::Activations, Device::CPU, output_dtype(p));
+      embedding_forward(ctx, rows16, ids, *from);
+      const std::vector<float> got = widened(rows16);
+      for (int t = 0; t < 4; t++)
+        for (int i = 0; i < D; i++)
+          REQUIRE(
+              got[t * D + i] ==
+              (id_values[t] < 0 ? 0.0f : stored(p, table.f32()[(int64_t)id_values[t] * D + i])));
+    }
   }
 }
 

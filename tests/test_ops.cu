@@ -1199,6 +1199,15 @@ TEST_CASE("CUDA embedding matches the CPU reference; its backward bit for bit", 
     embedding_forward(kCpu, out, ids, h_table);
     embedding_forward(ctx, g_out, g_ids, to_device(h_table, Device::CUDA, Mem::Params));
     check_close(host(ctx, g_out), out, 0.0f, 0.0f);
+    // Rows in that format too (a 16-bit residual stream), from either table: the CPU's bits.
+    for (const Tensor* from : {&table, &h_table}) {
+      Tensor rows = empty({T, D}, Mem::Activations, Device::CPU, half);
+      Tensor g_rows = empty({T, D}, Mem::Activations, Device::CUDA, half);
+      embedding_forward(kCpu, rows, ids, *from);
+      embedding_forward(ctx, g_rows, g_ids, to_device(*from, Device::CUDA, Mem::Params));
+      check_close(host(ctx, cast_to(ctx, g_rows, DType::F32)), cast_to(kCpu, rows, DType::F32),
+                  0.0f, 0.0f);
+    }
   }
   embedding_backward(kCpu, dtable, ids, dout);
   embedding_backward(ctx, g_table, g_ids, g_dout);
