@@ -167,19 +167,6 @@ void flash_attention_forward(const Context& ctx, const Tensor& out, const Tensor
 // common part. D is summed in double here (and O made exact to its rounding by the forward);
 // in fp32 both added errors comparable to D's rounding itself.
 
-// D [B, Hq, Tq]; dout, out [B*Tq, Hq, hd]
-static void out_dot_dout_cpu(float* D, const float* dout, const float* out,
-                             const AttentionBlock& a) {
-  for (int b = 0; b < a.B; b++)
-    for (int i = 0; i < a.Tq; i++)
-      for (int h = 0; h < a.Hq; h++) {
-        const int64_t off = token_head(b, a.Tq, i, a.Hq, h, a.hd);
-        double dot = 0.0;
-        for (int d = 0; d < a.hd; d++) dot += (double)dout[off + d] * out[off + d];
-        D[((int64_t)b * a.Hq + h) * a.Tq + i] = (float)dot;
-      }
-}
-
 void attention_out_dot_dout(const Context& ctx, const Tensor& D, const Tensor& dout,
                             const Tensor& out, const AttentionBlock& a) {
   const DType in = dout.dtype;
@@ -188,7 +175,8 @@ void attention_out_dot_dout(const Context& ctx, const Tensor& D, const Tensor& d
       {{&D, lse_numel(a), DType::F32}, {&dout, q_numel(a), in}, {&out, q_numel(a), in}});
   if (in == DType::BF16) return out_dot_dout_bf16(ctx, D, dout, out, a);
   if (count_op(ctx.device, OpKind::Attention, out_dot_dout_cost(a, 4))) return;
-  if (ctx.device == Device::CPU) return out_dot_dout_cpu(D.f32(), dout.f32(), out.f32(), a);
+  if (ctx.device == Device::CPU)
+    return out_dot_dout_host<double>(D.f32(), dout.f32(), out.f32(), a);
   out_dot_dout_cuda(ctx, D.f32(), dout.f32(), out.f32(), a);
 }
 
@@ -340,8 +328,8 @@ void attention_lse_merge(const Context& ctx, const Tensor& out, const Tensor& ls
                {3.0 * q + 6.0 * rows, (4.0 + dtype_size(in)) * q + 8.0 * rows, 4.0 * (q + rows)}))
     return;
   if (ctx.device == Device::CPU)
-    return lse_merge_cpu(out.f32(), lse.f32(),
-                         in == DType::F32 ? out2.f32() : bf16_widened(out2).data(), lse2.f32(), a);
+    return lse_merge_cpu(out.f32(), lse.f32(), in == DType::F32 ? out2.f32() : widened(out2).data(),
+                         lse2.f32(), a);
   lse_merge_cuda(ctx, out.f32(), lse.f32(), out2.ptr, in, lse2.f32(), a);
 }
 

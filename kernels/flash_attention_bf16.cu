@@ -631,11 +631,6 @@ void attention_out_dot_dout_bf16(const Context& ctx, float* D, const bf16* dout,
 static const bf16* bf16_ptr(const Tensor& t) {
   return (const bf16*)t.ptr;
 }
-std::vector<float> bf16_widened(const Tensor& t) {
-  std::vector<float> x((size_t)t.numel());
-  cast_host(x.data(), DType::F32, t.ptr, t.dtype, t.numel());
-  return x;
-}
 
 void flash_forward_bf16(const Context& ctx, const Tensor& out, const Tensor& lse, const Tensor& q,
                         const Tensor& k, const Tensor& v, const AttentionBlock& a) {
@@ -644,8 +639,8 @@ void flash_forward_bf16(const Context& ctx, const Tensor& out, const Tensor& lse
                                         bf16_ptr(v), a);
   count_op(ctx.device, OpKind::Attention, attention_cost(a, false, 2));
   std::vector<float> o((size_t)out.numel());
-  flash_forward_bf16_cpu(o.data(), lse.f32(), bf16_widened(q).data(), bf16_widened(k).data(),
-                         bf16_widened(v).data(), a);
+  flash_forward_bf16_cpu(o.data(), lse.f32(), widened(q).data(), widened(k).data(),
+                         widened(v).data(), a);
   cast_host(out.ptr, DType::BF16, o.data(), DType::F32, out.numel());
 }
 
@@ -657,9 +652,8 @@ void flash_backward_bf16(const Context& ctx, const Tensor& dq, const Tensor& dk,
                                          bf16_ptr(q), bf16_ptr(k), bf16_ptr(v), lse.f32(), D.f32(),
                                          a);
   count_op(ctx.device, OpKind::Attention, attention_cost(a, true, 2));
-  flash_backward_bf16_cpu(dq.f32(), dk.f32(), dv.f32(), bf16_widened(dout).data(),
-                          bf16_widened(q).data(), bf16_widened(k).data(), bf16_widened(v).data(),
-                          lse.f32(), D.f32(), a);
+  flash_backward_bf16_cpu(dq.f32(), dk.f32(), dv.f32(), widened(dout).data(), widened(q).data(),
+                          widened(k).data(), widened(v).data(), lse.f32(), D.f32(), a);
 }
 
 void out_dot_dout_bf16(const Context& ctx, const Tensor& D, const Tensor& dout, const Tensor& out,
@@ -679,13 +673,7 @@ void out_dot_dout_bf16(const Context& ctx, const Tensor& D, const Tensor& dout, 
   }
   PICO_ASSERT(cleared.empty(), "out_dot_dout_bf16 clears gradients on a GPU only");
   count_op(ctx.device, OpKind::Attention, out_dot_dout_cost(a, 2));
-  const std::vector<float> d_o = bf16_widened(dout), o = bf16_widened(out);
-  for (int64_t r = 0; r < (int64_t)a.B * a.Tq * a.Hq; r++) {  // rows in the order of out
-    float dot = 0.0f;
-    for (int d = 0; d < a.hd; d++) dot += d_o[r * a.hd + d] * o[r * a.hd + d];
-    const int h = (int)(r % a.Hq), i = (int)(r / a.Hq % a.Tq), b = (int)(r / a.Hq / a.Tq);
-    D.f32()[((int64_t)b * a.Hq + h) * a.Tq + i] = dot;
-  }
+  out_dot_dout_host<float>(D.f32(), widened(dout).data(), widened(out).data(), a);
 }
 
 // ============================================================================

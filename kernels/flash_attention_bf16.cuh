@@ -97,5 +97,3 @@ void flash_backward_bf16(const Context& ctx, const Tensor& dq, const Tensor& dk,
 // D (=); with `cleared` (dq, dk, dv; a GPU or meta only) also those (=) 0, in the same launch.
 void out_dot_dout_bf16(const Context& ctx, const Tensor& D, const Tensor& dout, const Tensor& out,
                        const AttentionBlock& a, const std::vector<Tensor>& cleared = {});
-// A CPU tensor's values in fp32 (bf16 widened: exact).
-std::vector<float> bf16_widened(const Tensor& t);

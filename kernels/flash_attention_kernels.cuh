@@ -25,6 +25,20 @@ inline int64_t kv_numel(const AttentionBlock& a) {
 inline int64_t lse_numel(const AttentionBlock& a) {
   return (int64_t)a.B * a.Hq * a.Tq;
 }
+// The backward's D[b, h, i] = dout_i . out_i (dout, out [B*Tq, Hq, hd]; D [B, Hq, Tq]) on the
+// host, summed in Acc: double in the fp32 reference (flash_attention.cu says why), float in the
+// bf16 kernels' mirror, as their kernel sums.
+template <typename Acc>
+void out_dot_dout_host(float* D, const float* dout, const float* out, const AttentionBlock& a) {
+  for (int b = 0; b < a.B; b++)
+    for (int i = 0; i < a.Tq; i++)
+      for (int h = 0; h < a.Hq; h++) {
+        const int64_t off = token_head(b, a.Tq, i, a.Hq, h, a.hd);
+        Acc dot = 0;
+        for (int d = 0; d < a.hd; d++) dot += (Acc)dout[off + d] * out[off + d];
+        D[((int64_t)b * a.Hq + h) * a.Tq + i] = (float)dot;
+      }
+}
 // How many keys of [j0, j0 + n) query i sees: all n without the mask; with it, those at global
 // position k0 + j <= q0 + i, always a prefix of the tile (0 for a tile wholly in the future).
 __host__ __device__ inline int visible_keys(const AttentionBlock& a, int i, int j0, int n) {

@@ -154,6 +154,13 @@ void cast_host(void* dst, DType dst_dtype, const void* src, DType src_dtype, int
   }
 }
 
+std::vector<float> widened(const Tensor& t) {
+  PICO_ASSERT(t.device == Device::CPU, "widened reads a host tensor");
+  std::vector<float> v((size_t)t.numel());
+  cast_host(v.data(), DType::F32, t.ptr, t.dtype, t.numel());
+  return v;
+}
+
 // The CUDA types' own conversions, so a [gpu] test checks the loop above against NVIDIA's:
 // cvt.rn.bf16.f32 / cvt.rn.f16.f32 in hardware; fp8 by cuda_fp8.h (hardware cvt.rn.satfinite
 // on sm_89+ for e4m3; e5m2 must overflow to infinity, which only the __NV_NOSAT path does).

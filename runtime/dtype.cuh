@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "runtime/core.cuh"
 
@@ -24,6 +25,8 @@ float max_finite(DType format);
 // n values from src to dst on the host; one of the two dtypes is F32, the other F32, BF16, F16,
 // F8E4M3 or F8E5M2. The CPU reference of cast_.
 void cast_host(void* dst, DType dst_dtype, const void* src, DType src_dtype, int64_t n);
+// A host tensor's values in fp32 (a copy; exact from every storage format), for the CPU loops.
+std::vector<float> widened(const Tensor& t);
 // dst = src in dst's dtype (same device, same numel; as cast_host). On CUDA a kernel built on
 // cuda_bf16.h / cuda_fp16.h / cuda_fp8.h, bit-identical to the CPU loop (except NaN payloads),
 // on the legacy default stream like copy_ (core.cuh).

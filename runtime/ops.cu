@@ -180,12 +180,6 @@ static __device__ void store(__half* at, float x) {
 static bool float_storage(DType t) {
   return t == DType::F32 || t == DType::BF16 || t == DType::F16;
 }
-// A 16-bit tensor's values in fp32 on the host (exact), for the CPU loops.
-static std::vector<float> widened(const Tensor& t) {
-  std::vector<float> v(t.numel());
-  cast_host(v.data(), DType::F32, t.ptr, t.dtype, t.numel());
-  return v;
-}
 // The same without a copy where t is fp32 already: t's own values, else widened into `wide`.
 static const float* host_floats(const Tensor& t, std::vector<float>& wide) {
   if (t.dtype == DType::F32) return t.f32();
@@ -343,11 +337,9 @@ void embedding_forward(const Context& ctx, const Tensor& out, const Tensor& ids,
                {0, T * row_bytes + 4.0 * T, (double)T * D * dtype_size(out.dtype)}))
     return;
   if (ctx.device == Device::CPU) {
-    if (out.dtype == DType::F32)
-      return embedding_cpu(out.f32(), table.ptr, table.dtype, ids.i32(), T, D, V, false);
-    std::vector<float> rows((size_t)T * D);  // then each value rounded once, as cast_ would
-    embedding_cpu(rows.data(), table.ptr, table.dtype, ids.i32(), T, D, V, false);
-    return cast_host(out.ptr, out.dtype, rows.data(), DType::F32, (int64_t)T * D);
+    std::vector<float> wide;  // 16-bit rows: each value rounded once, as cast_ would
+    embedding_cpu(host_output(out, wide), table.ptr, table.dtype, ids.i32(), T, D, V, false);
+    return store_rounded(out, wide);
   }
   if (T == 0) return;
   const unsigned grid = grid_for((int64_t)T * D);

@@ -42,11 +42,6 @@ Tensor filled(std::vector<int64_t> shape, uint64_t seed, float scale) {
   return t;
 }
 
-std::vector<float> widened(const Tensor& t) {  // any storage dtype, exactly
-  Tensor w = empty(t.shape, Mem::Workspace);
-  cast_(w, t);
-  return to_host_floats(w);
-}
 Tensor copy_of(const Tensor& t) {
   Tensor c = empty(t.shape, Mem::Workspace);
   copy_(c, t);
