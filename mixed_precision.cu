@@ -226,7 +226,11 @@ void low_precision_linear_backward(const Context& ctx, const Tensor& dx, const T
                                    const Tensor& dy, const Tensor& x, const Tensor& W,
                                    bool accumulate_dx) {
   const int T = (int)x.size(0), in = (int)x.size(-1), out = (int)W.size(0);
-  Tensor dyq = gemm_operand(ctx, dy, Operand::Gradient);
+  Tensor dyq;  // dy as the GEMMs below read it: made once, only where one of them runs
+  auto dy_operand = [&]() -> const Tensor& {
+    if (!dyq.defined()) dyq = gemm_operand(ctx, dy, Operand::Gradient);
+    return dyq;
+  };
   if (dx.defined()) {  // dx[T, in] (+)= dy[T, out] @ W[out, in], stored rounded
     const float beta = accumulate_dx ? 1.0f : 0.0f;
     if (!fp8_on_gpu(ctx) ||
@@ -238,10 +242,10 @@ void low_precision_linear_backward(const Context& ctx, const Tensor& dx, const T
       // A dx stored in the compute format (SwiGLU's output gradient, a norm's) takes the sums
       // rounded, as a y does in the forward (added in fp32 to what it held when accumulated);
       // on the CPU from a workspace, counted.
-      const bool direct = dx.dtype == DType::F32 || dyq.dtype != DType::F32;
+      const bool direct = dx.dtype == DType::F32 || dy_operand().dtype != DType::F32;
       Tensor sums = direct ? dx : empty(ctx, dx.shape, Mem::Workspace);
       if (!direct && accumulate_dx) cast_(ctx, sums, dx);
-      operand_gemm(ctx, false, false, T, in, out, dyq, out, wq, in, beta, sums, in);
+      operand_gemm(ctx, false, false, T, in, out, dy_operand(), out, wq, in, beta, sums, in);
       if (!direct) cast_gradient_(ctx, dx, sums);
     }
     if (dx.dtype == DType::F32) round_(ctx, dx, output_dtype(ctx.precision), true);
@@ -258,7 +262,7 @@ void low_precision_linear_backward(const Context& ctx, const Tensor& dx, const T
       return;
     Tensor dy_tokens = ctx.precision == Precision::FP8
                            ? gemm_operand(ctx, dy, Operand::Gradient, Fp8Tiling::AlongTokens)
-                           : dyq;
+                           : dy_operand();
     Tensor xq = gemm_operand(ctx, x, Operand::Activation, Fp8Tiling::AlongTokens);
     operand_gemm(ctx, true, false, out, in, T, dy_tokens, out, xq, in, 1.0f, dW, in);
   }

@@ -344,10 +344,19 @@ struct Fp8Plan {
   size_t workspace = 0;
   std::string why;  // when not supported
 };
-// The answer depends on the device, the library and the shape, never on the Context: one table
-// per process, like cuBLAS's own heuristics cache. Key: device, rows, cols, K, and the formats
-// and tiles of a and b.
-static std::map<std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int>, Fp8Plan> g_plans;
+// The answer depends on the device, the library, the shape and d's alignment, never on the
+// Context: one table per process, like cuBLAS's own heuristics cache. Key: device, rows, cols, K,
+// the formats and tiles of a and b, and d's alignment.
+static std::map<std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, uint32_t>, Fp8Plan>
+    g_plans;
+// The largest power of two up to 256 that divides p's address. cuBLASLt's heuristic assumes 256
+// unless told otherwise, and d is often a view into a packed buffer (a weight's gradient among
+// the model's): an algorithm chosen for 256 may fault or refuse on it.
+static uint32_t alignment_of(const void* p) {
+  uint32_t a = 256;
+  while ((uintptr_t)p % a) a /= 2;
+  return a;
+}
 static Fp8GemmCounts g_counts;
 
 Fp8GemmCounts fp8_gemm_counts() {
@@ -426,7 +435,9 @@ static std::string block_scaling_missing(int device) {
   return "";
 }
 
-static Fp8Plan find_plan(const Context& ctx, const LtGemm& g, int device) {
+// d_alignment: of C and D (the same buffer); A and B are fresh buffers of the device's allocator
+// (256-byte aligned, cuBLASLt's default).
+static Fp8Plan find_plan(const Context& ctx, const LtGemm& g, int device, uint32_t d_alignment) {
   Fp8Plan plan;
   plan.why = block_scaling_missing(device);
   if (!plan.why.empty()) return plan;
@@ -435,6 +446,9 @@ static Fp8Plan find_plan(const Context& ctx, const LtGemm& g, int device) {
   const size_t max_workspace = 32u << 20;  // what cuBLAS recommends on Hopper
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                     &max_workspace, sizeof(max_workspace)));
+  for (cublasLtMatmulPreferenceAttributes_t cd :
+       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, cd, &d_alignment, sizeof(d_alignment)));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic((cublasLtHandle_t)ctx.cublas, g.op, g.a,
@@ -531,14 +545,16 @@ bool fp8_gemm(const Context& ctx, const Tensor& d, const Fp8Operand& a, const Fp
   }
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
+  const uint32_t d_alignment = alignment_of(d.ptr);
   const auto key = std::make_tuple(device, rows, cols, K, (int)a.format, (int)b.format,
-                                   (int)a.tiles, (int)b.tiles);
+                                   (int)a.tiles, (int)b.tiles, d_alignment);
   auto known = g_plans.find(key);
   if (known != g_plans.end() && !known->second.supported) return decline(known->second.why);
 
   const Fp8Bytes aq = fp8_buffers(ctx, a, rows, K), bq = fp8_buffers(ctx, b, cols, K);
   const LtGemm g(cols, rows, K, b, a, bq.scales.f32(), aq.scales.f32());  // A = b, B = a
-  if (known == g_plans.end()) known = g_plans.emplace(key, find_plan(ctx, g, device)).first;
+  if (known == g_plans.end())
+    known = g_plans.emplace(key, find_plan(ctx, g, device, d_alignment)).first;
   Fp8Plan& plan = known->second;
   if (!plan.supported) return decline(plan.why);
 

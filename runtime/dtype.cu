@@ -226,6 +226,7 @@ void cast_(const Tensor& dst, const Tensor& src) {
 void cast_(const Context& ctx, const Tensor& dst, const Tensor& src) {
   const int64_t n = src.numel();
   PICO_ASSERT(dst.numel() == n, "cast_ " + src.shape_str() + " into " + dst.shape_str());
+  check_cast(dst.dtype, src.dtype);  // on every device: the kernels read fp32 on one side
   if (count_op(ctx.device, OpKind::Cast, {0, (double)src.nbytes(), (double)dst.nbytes()})) return;
   if (ctx.device == Device::CPU) return cast_host(dst.ptr, dst.dtype, src.ptr, src.dtype, n);
   if (n == 0) return;

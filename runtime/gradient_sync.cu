@@ -86,9 +86,9 @@ void GradientSync::trace_communication(Trace& trace) const {
 void GradientSync::poison_gradient(const Context& ctx) {
   PICO_ASSERT(!slices_.empty(), "poison_gradient: this rank updates no parameter");
   const ParamSlice& s = slices_.front();
-  Tensor inf = empty({1}, Mem::Workspace, ctx.device);
-  fill_(inf, INFINITY);
-  cast_(Tensor{nullptr, s.grad, {1}, s.grad_dtype, ctx.device}, inf);
+  Tensor inf = empty(ctx, {1}, Mem::Workspace);  // on the step's stream: no wait for the device
+  fill_(ctx, inf, INFINITY);
+  cast_(ctx, Tensor{nullptr, s.grad, {1}, s.grad_dtype, ctx.device}, inf);
 }
 
 // ----------------------------------------------------------------------------

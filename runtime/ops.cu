@@ -1849,9 +1849,7 @@ static std::vector<float> reduce_each(const Context& ctx, const std::vector<Tens
   Tensor buffer = empty(ctx, {item_floats + blocks + (int64_t)xs.size()}, Mem::Workspace);
   SumItem* device_items = (SumItem*)buffer.ptr;
   float *partials = buffer.f32() + item_floats, *device_totals = partials + blocks;
-  // From pageable memory: the call returns once the host data is staged, so `items` may go.
-  CUDA_CHECK(cudaMemcpyAsync(device_items, items.data(), items.size() * sizeof(SumItem),
-                             cudaMemcpyHostToDevice, ctx.stream));
+  from_host(ctx, buffer.view(0, {item_floats}), items.data());  // pinned: the host goes on
   sum_many_kernel<<<(unsigned)blocks, kThreads, 0, ctx.stream>>>(partials, device_items,
                                                                  (int)xs.size(), squares);
   LAUNCH_CHECK(ctx, "sum_many_kernel");
@@ -1986,9 +1984,7 @@ void adamw_update_many(const Context& ctx, const std::vector<AdamWSlice>& slices
   PICO_ASSERT(blocks <= INT32_MAX && slices.size() <= INT32_MAX, "adamw: too many slices at once");
   Tensor buffer =
       empty(ctx, {(int64_t)(items.size() * sizeof(AdamWItem) / sizeof(float))}, Mem::Workspace);
-  // From pageable memory: the call returns once the host data is staged, so `items` may go.
-  CUDA_CHECK(cudaMemcpyAsync(buffer.ptr, items.data(), items.size() * sizeof(AdamWItem),
-                             cudaMemcpyHostToDevice, ctx.stream));
+  from_host(ctx, buffer, items.data());  // pinned: the host goes on
   adamw_many_kernel<<<(unsigned)blocks, kThreads, 0, ctx.stream>>>(
       (const AdamWItem*)buffer.ptr, (int)items.size(), cfg, lr, bc1, bc2, bf16);
   LAUNCH_CHECK(ctx, "adamw_many_kernel");
