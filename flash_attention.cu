@@ -34,9 +34,10 @@
 static void check_block_args(
     const Context& ctx, const AttentionBlock& a, DType in,
     std::initializer_list<std::tuple<const Tensor*, int64_t, DType>> tensors) {
-  PICO_ASSERT(a.B > 0 && a.Tq >= 0 && a.Tk >= 0 && a.hd > 0 && a.Hkv > 0 && a.Hq % a.Hkv == 0,
-              "attention block: B " + std::to_string(a.B) + ", Hq " + std::to_string(a.Hq) +
-                  ", Hkv " + std::to_string(a.Hkv) + ", hd " + std::to_string(a.hd));
+  PICO_ASSERT(
+      a.B > 0 && a.Tq >= 0 && a.Tk >= 0 && a.hd > 0 && a.Hkv > 0 && a.Hq > 0 && a.Hq % a.Hkv == 0,
+      "attention block: B " + std::to_string(a.B) + ", Hq " + std::to_string(a.Hq) + ", Hkv " +
+          std::to_string(a.Hkv) + ", hd " + std::to_string(a.hd));
   PICO_ASSERT(in == DType::F32 || (in == DType::BF16 && bf16_head_dim(a.hd)),
               std::string("attention operands in ") + dtype_name(in) + " at hd " +
                   std::to_string(a.hd) + ": F32, or BF16 at hd 16, 32, 64 or 128");

@@ -288,11 +288,20 @@ static void launch_bf16_kernel(const char* what, int hd, bool dropout, Launch la
     with_hd(std::integral_constant<int, 128>{});
   CUDA_CHECK(cudaGetLastError());
 }
+// Past 48 KiB a kernel must ask for its shared memory. The tiles fit an A100's 163 KiB and a
+// Hopper's 227 KiB; a GPU that offers less (sm_86 and sm_89: 99 KiB, too little for the
+// backward's at head dim 128) gets a message rather than a failed launch.
 template <class Kernel>
 static void allow_shared_memory(Kernel kernel, size_t bytes) {
-  if (bytes > 48 * 1024)
-    CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+  if (bytes <= 48 * 1024) return;
+  int device = 0, most = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  PICO_ASSERT(bytes <= (size_t)most, "bf16 FlashAttention needs " + std::to_string(bytes / 1024) +
+                                         " KiB of shared memory a block and this GPU offers " +
+                                         std::to_string(most / 1024) +
+                                         " KiB (--dtype fp32 runs the fp32 kernels)");
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
 }
 // cp.async copies 16 bytes at a time: every row must start on a 16-byte boundary.
 static bool aligned16(const void* p) {
@@ -304,8 +313,8 @@ void flash_attention_forward_bf16(const Context& ctx, bf16* out, float* lse, con
   if (count_op(ctx.device, OpKind::Attention, attention_cost(a, false, 2))) return;
   PICO_ASSERT(ctx.device == Device::CUDA, "flash_attention_forward_bf16 runs on CUDA only");
   if (a.Tq == 0) return;
-  PICO_ASSERT(aligned16(q) && aligned16(k) && aligned16(v),
-              "flash_attention_forward_bf16: q, k, v must be 16-byte aligned");
+  PICO_ASSERT(aligned16(q) && aligned16(k) && aligned16(v) && (uintptr_t)out % 4 == 0,
+              "flash_attention_forward_bf16: q, k, v must be 16-byte aligned, out 4-byte");
   launch_bf16_kernel("flash_attention_forward_bf16", a.hd, a.drop.on(), [&](auto hd, auto drop) {
     constexpr int HD = decltype(hd)::value;
     constexpr bool DROPOUT = decltype(drop)::value;

@@ -95,6 +95,15 @@ static void copy_floats(Device device, cudaStream_t stream, float* dst, const fl
 
 // A collective on a group of one moves nothing between ranks: at most a copy, done at once.
 // (Unless the group has an NCCL communicator of its own: --comm nccl runs it through NCCL.)
+// Work queued on `waiter` from now on runs after what is queued on `done` so far; the host goes
+// on (an event, destroyed at once: the wait is already queued).
+static void stream_waits_for(cudaStream_t waiter, cudaStream_t done) {
+  cudaEvent_t reached;
+  CUDA_CHECK(cudaEventCreateWithFlags(&reached, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventRecord(reached, done));
+  CUDA_CHECK(cudaStreamWaitEvent(waiter, reached, 0));
+  CUDA_CHECK(cudaEventDestroy(reached));
+}
 static bool local(const Group& g) {
   return g.size == 1 && !g.nccl;
 }
@@ -390,17 +399,31 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
     // One NCCL group: a stage that sends forward and receives backward cannot deadlock.
     // A grouped call on nonblocking communicators: ncclGroupEnd may answer ncclInProgress, and
     // then every communicator of the group must be waited for.
-    cudaStream_t st = stream_of(c, g);
-    if (other) s->nccl.push_back(other->nccl);
+    // A group spanning two communicators (pp's activations, pp_grad's gradients) is a kernel on
+    // each one's stream. On one stream the two would run in turn, and a stage's send forward
+    // could wait for the next stage's receive queued behind that stage's send backward, which
+    // waits for this stage's receive: two streams let them run together. The other's starts
+    // after the data is ready, as this one does (start); this one ends after it (`finished`).
+    cudaStream_t st = stream_of(c, g), other_st = other ? stream_of(c, *other) : st;
+    if (other) {
+      s->nccl.push_back(other->nccl);
+      stream_waits_for(other_st, st);
+    }
     NCCL_CHECK(ncclGroupStart());
     for (const P2P& op : ops) {
-      ncclComm_t nc = op.group ? op.group->nccl : g.nccl;  // one group may span communicators
+      const bool mine = !op.group || op.group == &g;  // one group may span communicators
+      ncclComm_t nc = mine ? g.nccl : op.group->nccl;
+      cudaStream_t on = mine ? st : other_st;
       if (op.send)
-        NCCL_ENQUEUE(*s, ncclSend(op.buf, op.count, nccl_type(op.dtype), op.peer, nc, st));
+        NCCL_ENQUEUE(*s, ncclSend(op.buf, op.count, nccl_type(op.dtype), op.peer, nc, on));
       else
-        NCCL_ENQUEUE(*s, ncclRecv(op.buf, op.count, nccl_type(op.dtype), op.peer, nc, st));
+        NCCL_ENQUEUE(*s, ncclRecv(op.buf, op.count, nccl_type(op.dtype), op.peer, nc, on));
     }
     NCCL_ENQUEUE(*s, ncclGroupEnd());
+    if (other) {
+      s->settle();  // the other's ops on its stream before this one waits for them
+      stream_waits_for(st, other_st);
+    }
   } else {
     s->lockstep = false;  // a pipeline's neighbour may still be computing what it sends
     const int kTag = 0;   // MPI keeps the messages between two ranks in order: one tag is enough
@@ -425,13 +448,13 @@ Handle barrier_async(Comm& c, Group& g, const Context& ctx) {
   auto s = start(c, g, ctx, Coll::Barrier, 0);
   if (c.backend == Backend::NCCL) {
     // NCCL has no barrier: an all-reduce of one float completes only once every rank has joined.
+    // The float is the group's own, allocated once (cudaMalloc: not every device has the
+    // stream-ordered pools) and used only on the group's stream, in order.
     cudaStream_t st = stream_of(c, g);
-    float* one = nullptr;
-    CUDA_CHECK(cudaMallocAsync((void**)&one, sizeof(float), st));
-    CUDA_CHECK(cudaMemsetAsync(one, 0, sizeof(float), st));
-    NCCL_ENQUEUE(*s, ncclAllReduce(one, one, 1, ncclFloat, ncclSum, g.nccl, st));
-    s->settle();  // the all-reduce on the stream before the free behind it
-    CUDA_CHECK(cudaFreeAsync(one, st));
+    if (!g.barrier_word) CUDA_CHECK(cudaMalloc((void**)&g.barrier_word, sizeof(float)));
+    CUDA_CHECK(cudaMemsetAsync(g.barrier_word, 0, sizeof(float), st));
+    NCCL_ENQUEUE(*s,
+                 ncclAllReduce(g.barrier_word, g.barrier_word, 1, ncclFloat, ncclSum, g.nccl, st));
   } else {
     mpi_post(s, [=, comm = g.mpi](MPI_Request* r) { return MPI_Ibarrier(comm, r); });
   }

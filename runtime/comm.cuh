@@ -66,11 +66,12 @@ struct Group {
   ncclComm_t nccl = nullptr;  // none on MPI, nor for a group of one under --comm auto
   double timeout_s = 300;     // --comm-timeout: how long any collective on it may wait
   CollStats stats[(int)Coll::Count];
-  // NCCL: the stream its ops run on, in order. Each communicator has its own (pp_grad shares
-  // pp's: one pipeline call may use both), so that one group's collectives never queue behind
+  // NCCL: the stream its ops run on, in order. Each communicator has its own (pp_grad too: one
+  // pipeline call may use both, concurrently), so that one group's collectives never queue behind
   // another's: an expert all-to-all or a tp all-reduce in the backward behind the gradient
   // buckets' all-reduces (PyTorch gives each process group its own stream too).
   cudaStream_t stream = nullptr;
+  float* barrier_word = nullptr;  // NCCL: what its barriers all-reduce (cudaMalloc, at the first)
 };
 
 struct Grid {

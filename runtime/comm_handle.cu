@@ -104,9 +104,7 @@ bool Handle::State::poll() {
   if (done) return true;
   bool complete = false;
   if (finished) {
-    cudaError_t e = cudaEventQuery(finished);
-    if (e != cudaErrorNotReady) CUDA_CHECK(e);  // anything else is a real CUDA error
-    complete = e == cudaSuccess;
+    complete = event_reached(finished);
     for (size_t i = 0; !complete && i < nccl.size(); i++) {  // a failed peer shows up here
       ncclResult_t async = ncclSuccess, r = ncclCommGetAsyncError(nccl[i], &async);
       if (r != ncclSuccess) async = r;
@@ -150,10 +148,13 @@ bool Handle::test() {
   return !state_ || state_->poll();
 }
 // On NCCL the host also waits here (polling the event) rather than trusting the GPU to finish:
-// that is what lets a stuck peer end the run after --comm-timeout instead of hanging it.
+// that is what lets a stuck peer end the run after --comm-timeout instead of hanging it. The op
+// is queued behind the compute stream's work, so a wait that finds it unfinished waits for
+// the device: a host synchronisation, counted (--report sync).
 void Handle::wait() {
   if (state_) {
     mark_ledger_clock();  // waiting is no op's time (--report roofline's measured time)
+    if (state_->finished && !state_->poll()) count_host_sync();
     state_->wait();
   }
   state_.reset();
@@ -181,9 +182,7 @@ static void wait_for_stream(Handle::State& s, cudaStream_t stream) {
   CUDA_CHECK(cudaEventCreateWithFlags(&reached, cudaEventDisableTiming));
   CUDA_CHECK(cudaEventRecord(reached, stream));
   for (;;) {
-    cudaError_t e = cudaEventQuery(reached);
-    if (e == cudaSuccess) break;
-    if (e != cudaErrorNotReady) CUDA_CHECK(e);
+    if (event_reached(reached)) break;
     if (now_seconds() - s.start > s.timeout_s)
       nccl_stop(s.nccl, past_deadline(s.world_rank, s.what, s.timeout_s));
     std::this_thread::yield();
@@ -254,9 +253,7 @@ static void* take_pinned(int64_t bytes) {
   PinnedBuffer* best = nullptr;  // the smallest free buffer that fits
   for (PinnedBuffer& b : g_pinned) {
     if (b.taken || b.capacity < bytes || (best && best->capacity <= b.capacity)) continue;
-    cudaError_t e = b.free_after ? cudaEventQuery(b.free_after) : cudaSuccess;
-    if (e == cudaErrorNotReady) continue;  // its last copy back to the device has not run yet
-    CUDA_CHECK(e);
+    if (b.free_after && !event_reached(b.free_after)) continue;  // its last copy back: not run
     best = &b;
   }
   if (!best) {  // powers of two from 256 KiB, so buffers fit many later requests

@@ -372,9 +372,7 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
     c.comm_ctx.device = Device::CUDA;
     CUDA_CHECK(cudaStreamCreateWithFlags(&c.comm_ctx.stream, cudaStreamNonBlocking));
     for (Group* g : c.groups())  // each communicator's ops on a stream of their own
-      if (g->nccl && g != &c.pp_grad)
-        CUDA_CHECK(cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking));
-    c.pp_grad.stream = c.pp.stream;
+      if (g->nccl) CUDA_CHECK(cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking));
   } else {
     c.comm_ctx = Context::create(device == Device::Meta ? Device::Meta : Device::CPU);
   }
@@ -397,8 +395,9 @@ void comm_destroy(Comm& c) {
     g->nccl = nullptr;
   }
   for (Group* g : c.groups()) {  // every communicator finalized: their streams are idle
-    if (g->stream && g != &c.pp_grad) CUDA_CHECK(cudaStreamDestroy(g->stream));
-    g->stream = nullptr;
+    if (g->stream) CUDA_CHECK(cudaStreamDestroy(g->stream));
+    if (g->barrier_word) CUDA_CHECK(cudaFree(g->barrier_word));
+    g->stream = nullptr, g->barrier_word = nullptr;
   }
   c.comm_ctx.destroy();
 }

@@ -115,6 +115,15 @@ void count_host_sync() {
 uint64_t host_syncs() {
   return g_host_syncs.load();
 }
+bool event_reached(cudaEvent_t e) {
+  const cudaError_t r = cudaEventQuery(e);
+  if (r == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  CUDA_CHECK(r);
+  return true;
+}
 
 static void account(Mem m, long long delta) {
   std::lock_guard<std::mutex> lock(g_stats_mutex);
@@ -494,8 +503,10 @@ void from_host(const Tensor& dst, const int32_t* src) {
 // A ring of pinned buffers, each with the event of the copy it last sent. A micro-batch sends
 // three (positions, ids, targets), a mixture a few per layer, and the host is never more than
 // a micro-batch ahead (it reads each loss back): a buffer's last copy has long arrived when its
-// turn comes again. Each holds 64 KiB at least and doubles when it must grow (cudaFreeHost
-// waits for the device), so it grows only in the first steps.
+// turn comes again. Each holds 64 KiB at least and doubles when it must grow, so it grows only
+// in the first steps (a mixture's routing counts may grow it later). The buffer it outgrew is
+// freed with the ring: cudaFreeHost waits for the whole device, an uncounted wait that a
+// collective stuck on a failed peer would make endless.
 struct PinnedStaging {
   struct Buffer {
     void* host = nullptr;
@@ -503,6 +514,7 @@ struct PinnedStaging {
     cudaEvent_t sent = nullptr;
   };
   std::vector<Buffer> ring = std::vector<Buffer>(32);
+  std::vector<void*> outgrown;
   size_t next = 0;
   ~PinnedStaging() {  // (errors ignored: the process may be ending)
     for (Buffer& b : ring) {
@@ -512,6 +524,7 @@ struct PinnedStaging {
       }
       if (b.host) cudaFreeHost(b.host);
     }
+    for (void* p : outgrown) cudaFreeHost(p);
   }
 };
 
@@ -524,13 +537,12 @@ void from_host(const Context& ctx, const Tensor& dst, const void* src) {
   PICO_ASSERT(ctx.staging, "from_host(ctx): the context has no pinned staging buffers");
   PinnedStaging& staging = *ctx.staging;
   PinnedStaging::Buffer& b = staging.ring[staging.next++ % staging.ring.size()];
-  if (b.sent && cudaEventQuery(b.sent) == cudaErrorNotReady) {  // its last copy is on its way
-    (void)cudaGetLastError();  // "not ready" is an answer, not an error to report later
+  if (b.sent && !event_reached(b.sent)) {  // its last copy is on its way
     count_host_sync();
     CUDA_CHECK(cudaEventSynchronize(b.sent));
   }
   if (b.bytes < bytes) {
-    if (b.host) CUDA_CHECK(cudaFreeHost(b.host));
+    if (b.host) staging.outgrown.push_back(b.host);
     b.bytes = std::max<size_t>({bytes, 2 * b.bytes, 64 << 10});
     CUDA_CHECK(cudaMallocHost(&b.host, b.bytes));
   }
@@ -778,13 +790,9 @@ void settle_ledger_clock() {
   // --report roofline on CUDA; the step's own synchronisation usually has it done already, and
   // only a wait that blocks is counted).
   const cudaEvent_t last = g_clock.marks.back().second;
-  const cudaError_t reached = cudaEventQuery(last);
-  if (reached == cudaErrorNotReady) {
-    (void)cudaGetLastError();  // "not ready" is an answer, not an error to report later
+  if (!event_reached(last)) {
     count_host_sync();
     CUDA_CHECK(cudaEventSynchronize(last));
-  } else {
-    CUDA_CHECK(reached);
   }
   for (size_t i = 0; i + 1 < g_clock.marks.size(); i++) {
     float ms = 0;

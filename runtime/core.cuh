@@ -142,6 +142,9 @@ void recount(const Tensor& t, Mem category);
 // Observation only, like MemoryStats.
 void count_host_sync();
 uint64_t host_syncs();  // since the process started
+// Whether the work queued before event e has run, without waiting (cudaEventQuery). "Not ready"
+// is an answer, cleared so that the next launch check does not report it; any other error stops.
+bool event_reached(cudaEvent_t e);
 // Calls to the device's allocator (cudaMallocAsync; on meta, as CUDA would make them) since the
 // process started: the misses of the arena that device buffers come from (core.cu), which
 // keeps a freed buffer for the next allocation of its size on its stream. Observation only.

@@ -27,7 +27,7 @@ Tensor Exchange::receive(Group& g, int peer, const TensorSpec& spec, Mem categor
     return t;
   }
   queued_.push_back(recv);
-  send_recv_async(comm_, calls_, ctx_, queued_).wait();  // orders the compute stream only
+  send_recv_async(comm_, calls_, ctx_, queued_).wait();
   queued_.clear();
   keep_.clear();
   return t;

@@ -179,23 +179,30 @@ TEST_CASE("cuBLASLt's block-scaled FP8 GEMM gives the float64 product of the deq
     DType format;  // a's
     Form form;
     float beta;
+    // d starts this many floats into its buffer: 16-byte aligned, not 256, as a weight's
+    // gradient in the model's packed buffer may be (the plan must not assume 256).
+    int64_t d_offset = 0;
   };
   for (Case c : {Case{256, 384, 512, DType::F8E4M3, Forward, 0.0f},
                  Case{256, 384, 512, DType::F8E5M2, Dgrad, 1.0f},
                  Case{256, 384, 512, DType::F8E5M2, Wgrad, 1.0f},
                  Case{200, 264, 320, DType::F8E4M3, Forward, 1.0f},  // partial blocks of 128
                  Case{200, 264, 320, DType::F8E5M2, Dgrad, 0.0f},
-                 Case{200, 264, 320, DType::F8E5M2, Wgrad, 1.0f}}) {
+                 Case{200, 264, 320, DType::F8E5M2, Wgrad, 1.0f},
+                 Case{256, 384, 512, DType::F8E4M3, Forward, 1.0f, 4},
+                 Case{256, 384, 512, DType::F8E5M2, Wgrad, 1.0f, 12}}) {
     const char* forms[] = {"forward", "dgrad", "wgrad"};
     INFO(c.rows << " x " << c.cols << " x " << c.K << ", a " << dtype_name(c.format) << ", "
-                << forms[c.form] << ", beta " << c.beta);
+                << forms[c.form] << ", beta " << c.beta << ", d at float " << c.d_offset);
     Tensor a = tiled_values(c.rows, c.K, "fp8 gemm x"), b = tiled_values(c.cols, c.K, "fp8 gemm w");
     Tensor d0 = tiled_values(c.rows, c.cols, "fp8 gemm d");
     const Fp8Tiles b_tiles = c.form == Wgrad ? Fp8Tiles::Row128 : Fp8Tiles::Block128;
     const bool a_transposed = c.form == Wgrad, b_transposed = c.form != Forward;
     Tensor ga = to_device(a_transposed ? transposed(a) : a, Device::CUDA, Mem::Workspace);
     Tensor gb = to_device(b_transposed ? transposed(b) : b, Device::CUDA, Mem::Workspace);
-    Tensor gd = to_device(d0, Device::CUDA, Mem::Workspace);
+    Tensor gd_buffer = empty({c.d_offset + c.rows * c.cols}, Mem::Workspace, Device::CUDA);
+    Tensor gd = gd_buffer.view(c.d_offset, {c.rows, c.cols});
+    copy_(gd, d0);
     std::string why;
     if (!fp8_gemm(gpu, gd, {ga, c.format, Fp8Tiles::Row128, a_transposed},
                   {gb, DType::F8E4M3, b_tiles, b_transposed}, c.beta, &why)) {

@@ -216,9 +216,10 @@ TEST_CASE("CUDA vocab-parallel cross-entropy matches the CPU reference, forward 
     Tensor g_stats = empty({N, 2}, Mem::Workspace, Device::CUDA);
     uint64_t syncs = host_syncs();
     vocab_parallel_cross_entropy_forward(t.tp, gpu, g_losses, g_stats, g_local, g_tgt);
-    // The finish runs on the device: with NCCL the host never waits (MPI staging waits for
-    // each all-reduce's input to reach the host).
-    if (t.c.backend == Backend::NCCL) CHECK(host_syncs() - syncs == 0);
+    // The finish runs on the device. With NCCL the host waits only at the two all-reduces
+    // (row maxima, then sums), each at most once: polling it until done, so that a stuck peer
+    // ends the run (MPI staging also waits for each input to reach the host).
+    if (t.c.backend == Backend::NCCL) CHECK(host_syncs() - syncs <= 2);
     // In place, as the model calls it: dlogits over the logits.
     vocab_parallel_cross_entropy_backward(t.tp, gpu, g_local, g_local, g_stats, g_tgt, 0.5f);
     gpu.synchronize();
