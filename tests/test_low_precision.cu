@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cuda_case.cuh"
+#include "kernels/fp8_gemm.cuh"
 #include "launch.cuh"
 #include "mixed_precision.cuh"
 #include "model.cuh"
@@ -507,6 +508,33 @@ TEST_CASE("linear layers side by side batch on the GPU path under bf16, not unde
     CHECK(ledger().rows[(int)OpKind::Gemm].launches == (p == Precision::BF16 ? 1 : 2));
     ctx.destroy();
   }
+}
+
+// Under fp8 on the GPU path (counted on meta) the backward's two GEMMs are FP8 GEMMs, each
+// quantizing its two operands: the dgrad dy and the weight (widened from its bf16 copy first),
+// the wgrad dy and x (fp32 activations, as fp8 keeps them); and dx rounded to bf16 as every
+// fp8 output is. Six casts; dy's fp32 copy with its fake quantization is made only where an
+// emulated GEMM reads it, so none here.
+TEST_CASE("the FP8 linear backward on the GPU path casts only what its FP8 GEMMs read",
+          "[precision]") {
+  Context ctx = Context::create(Device::Meta);
+  ctx.precision = Precision::FP8;
+  const int64_t T = 128, in = 64, out = 32;
+  Tensor W = empty({out, in}, Mem::Params, Device::Meta);
+  keep_compute_copy(ctx, W);
+  const DType format = activation_dtype(Precision::FP8);
+  REQUIRE(format == DType::F32);
+  Tensor x = empty({T, in}, Mem::Workspace, Device::Meta, format);
+  Tensor dy = empty({T, out}, Mem::Workspace, Device::Meta, format);
+  Tensor dx = empty({T, in}, Mem::Workspace, Device::Meta, format);
+  Tensor dW = empty({out, in}, Mem::Grads, Device::Meta);
+  const Fp8GemmCounts before = fp8_gemm_counts();
+  reset_ledger();
+  linear_backward(ctx, dx, dW, dy, x, W);
+  CHECK(fp8_gemm_counts().native - before.native == 2);
+  CHECK(ledger().rows[(int)OpKind::Cast].calls == 6);
+  CHECK(ledger().rows[(int)OpKind::Gemm].calls == 2);
+  ctx.destroy();
 }
 
 // The batch on the GPU (cublasGemmStridedBatchedEx / cublasSgemmStridedBatched) against one
