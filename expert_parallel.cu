@@ -292,12 +292,14 @@ void moe_forward(const ExpertParallel& ep, const TensorParallel& tp, const Model
   Tensor leaving = empty_rows(ctx, K, D), arrived = empty_rows(ctx, R, D);
   embedding_forward(ctx, leaving, row_ids, h);  // row r: token row_token[r]'s hidden state
   all_to_all_rows(ep, ctx, leaving, d.send_peer, arrived, d.recv_peer);
-  a.xe = empty_rows(ctx, R, D, Mem::Activations);
+  // Inputs, gate, up, SwiGLU output in the compute format, as the dense MLP's: no casts between.
+  a.xe = empty_in_compute_format(ctx, {R, D}, Mem::Activations);
   embedding_forward(ctx, a.xe, device_ints(ctx, d.by_expert), arrived);  // expert by expert
   // Compute: each local expert's SwiGLU on its rows.
   const int64_t F = w.experts.empty() ? 0 : w.experts[0].w1.size(0);
-  a.gate = empty_rows(ctx, R, F, Mem::Activations), a.up = empty_rows(ctx, R, F, Mem::Activations);
-  a.act = empty_rows(ctx, R, F, Mem::Activations);
+  a.gate = empty_in_compute_format(ctx, {R, F}, Mem::Activations);
+  a.up = empty_in_compute_format(ctx, {R, F}, Mem::Activations);
+  a.act = empty_in_compute_format(ctx, {R, F}, Mem::Activations);
   Tensor y = empty_rows(ctx, R, D);
   for (int64_t j = 0, at = 0; j < (int64_t)w.experts.size(); at += d.expert_rows[j++]) {
     const int64_t n = d.expert_rows[j];
@@ -355,8 +357,9 @@ void moe_backward(const ExpertParallel& ep, const TensorParallel& tp, const Mode
   // dense layers' do (Playbook §8.6).
   const bool apart = deferred != nullptr;
   auto now = [&](const Tensor& dW) { return apart ? Tensor() : dW; };
-  Tensor d_act = empty_rows(ctx, R, F), d_gate = empty_rows(ctx, R, F),
-         d_up = empty_rows(ctx, R, F);
+  // Their gradients in the compute format too, as the dense MLP's (SwiGLU and GEMMs read them).
+  auto ffn_grad = [&] { return empty_in_compute_format(ctx, {R, F}, Mem::Workspace); };
+  Tensor d_act = ffn_grad(), d_gate = ffn_grad(), d_up = ffn_grad();
   Tensor d_xe = empty_rows(ctx, R, D);
   for (int64_t j = 0, at = 0; j < (int64_t)w.experts.size(); at += d.expert_rows[j++])
     if (d.expert_rows[j] > 0)
@@ -364,8 +367,6 @@ void moe_backward(const ExpertParallel& ep, const TensorParallel& tp, const Mode
                       d_y.view(at * D, {d.expert_rows[j], D}),
                       a.act.view(at * F, {d.expert_rows[j], F}), w.experts[j].w2);
   swiglu_backward(ctx, d_gate, d_up, d_act, a.gate, a.up);
-  d_gate = gradient_operand(ctx, d_gate);
-  d_up = gradient_operand(ctx, d_up);
   for (int64_t j = 0, at = 0; j < (int64_t)w.experts.size(); at += d.expert_rows[j++]) {
     const int64_t n = d.expert_rows[j];
     if (n == 0) continue;

@@ -273,6 +273,29 @@ TEST_CASE("a bf16 residual stream moves 24 N D fewer bytes per block through the
   CHECK(saved == Approx(blocks * 24 * N * D / 1e9).margin(2e-4));
 }
 
+// A mixture under bf16 on the ledger: the experts' inputs, gate, up and SwiGLU output are kept
+// in bf16, which their GEMMs and SwiGLU read and write, so no cast moves an [R, F] tensor. What
+// a block casts per dispatched row is D values: the expert's output rounded (read and write 4
+// bytes: 8), stored in bf16 after the forward (4 + 2) and widened before the backward (2 + 4),
+// its gradient rounded for the GEMMs (4 + 2), and the input gradient's fp32 sums rounded by
+// each of the two GEMMs that add into it (2 x 8): 42 D bytes a row. Top-2 routes N more rows
+// than top-1; the difference of 4 and 2 blocks leaves out the embedding and the head.
+TEST_CASE("a mixture's experts keep bf16 between their GEMMs: 42 D cast bytes a routed row",
+          "[train]") {
+  auto cast_gb = [](int layers, int top_k) {
+    return printed("--model llama-1b --experts 4 --top-k " + std::to_string(top_k) +
+                       " --dtype bf16 --seq 256 --mbs 2 --steps 1 --val-every 0 --report roofline "
+                       "--layers " +
+                       std::to_string(layers),
+                   // category calls launches GFLOP "GB moved" ...
+                   "\\n  cast +[0-9]+ +[0-9]+ +[0-9.]+ +([0-9.]+)");
+  };
+  const double N = 2 * 256, D = 2048, blocks = 2;
+  const double per_n_rows = (cast_gb(4, 2) - cast_gb(2, 2)) - (cast_gb(4, 1) - cast_gb(2, 1));
+  // The report prints GB to 4 decimals: four readings, each within 5e-5 GB.
+  CHECK(per_n_rows == Approx(blocks * 42 * N * D / 1e9).margin(2e-4));
+}
+
 // And between pipeline stages the hidden state travels in the stream's format: rank 0 of pp 2
 // sends each micro-batch's [seq, D] forward (4 training micro-batches and one validation
 // sequence of 2,048 tokens), 2 bytes an element with the bf16 stream, 4 with the fp32 one.

@@ -1735,7 +1735,7 @@ TEST_CASE("CUDA scale_rows and row_dots match the CPU reference", "[gpu]") {
   check_close(host(ctx, g_y), y, 0.0f, 0.0f);  // one product each: exact
   row_dots(kCpu, d, x, b);
   row_dots(ctx, g_d, g_x, g_b);
-  check_close(host(ctx, g_d), d, 1e-5f, 1e-5f);  // 300-term sums in another order
+  check_close(host(ctx, g_d), d, 1e-5f, 1e-5f);  // 300-term sums, fused multiply-adds
   ctx.destroy();
 }
 
