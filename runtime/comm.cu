@@ -95,15 +95,6 @@ static void copy_floats(Device device, cudaStream_t stream, float* dst, const fl
 
 // A collective on a group of one moves nothing between ranks: at most a copy, done at once.
 // (Unless the group has an NCCL communicator of its own: --comm nccl runs it through NCCL.)
-// Work queued on `waiter` from now on runs after what is queued on `done` so far; the host goes
-// on (an event, destroyed at once: the wait is already queued).
-static void stream_waits_for(cudaStream_t waiter, cudaStream_t done) {
-  cudaEvent_t reached;
-  CUDA_CHECK(cudaEventCreateWithFlags(&reached, cudaEventDisableTiming));
-  CUDA_CHECK(cudaEventRecord(reached, done));
-  CUDA_CHECK(cudaStreamWaitEvent(waiter, reached, 0));
-  CUDA_CHECK(cudaEventDestroy(reached));
-}
 static bool local(const Group& g) {
   return g.size == 1 && !g.nccl;
 }

@@ -189,6 +189,13 @@ static void wait_for_stream(Handle::State& s, cudaStream_t stream) {
   }
   CUDA_CHECK(cudaEventDestroy(reached));
 }
+void stream_waits_for(cudaStream_t waiter, cudaStream_t done) {
+  cudaEvent_t reached;
+  CUDA_CHECK(cudaEventCreateWithFlags(&reached, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventRecord(reached, done));
+  CUDA_CHECK(cudaStreamWaitEvent(waiter, reached, 0));
+  CUDA_CHECK(cudaEventDestroy(reached));  // safe: the wait is already queued
+}
 // Starts a collective on a group of two or more, once the data it reads is ready. NCCL: the comm
 // stream waits for the compute stream's pending writes through an event, not a synchronize, so
 // the host goes on. MPI on CUDA: each buffer MPI reads is copied to pinned host memory on the
@@ -200,11 +207,7 @@ std::shared_ptr<Handle::State> start(Comm& c, Group& g, const Context& ctx, Coll
   if (c.backend == Backend::NCCL) {
     PICO_ASSERT(ctx.device == Device::CUDA, "NCCL collectives need device buffers");
     s->nccl = {g.nccl};
-    cudaEvent_t ready;
-    CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-    CUDA_CHECK(cudaEventRecord(ready, ctx.stream));
-    CUDA_CHECK(cudaStreamWaitEvent(stream_of(c, g), ready, 0));
-    CUDA_CHECK(cudaEventDestroy(ready));  // safe: the wait is already queued
+    stream_waits_for(stream_of(c, g), ctx.stream);
   } else if (ctx.device == Device::CUDA && coll == Coll::Barrier) {
     wait_for_stream(*s, ctx.stream);  // a barrier also means: this rank's work so far is done
   }

@@ -15,6 +15,9 @@
 inline cudaStream_t stream_of(const Comm& c, const Group& g) {
   return g.stream ? g.stream : c.comm_ctx.stream;
 }
+// Work queued on `waiter` from now on runs after what is queued on `done` so far, through an
+// event; the host goes on.
+void stream_waits_for(cudaStream_t waiter, cudaStream_t done);
 
 // ---- comm_handle.cu: how a rank waits ----
 // Yields for the first `spin_s` seconds of a wait, then, when the node's ranks share cores
