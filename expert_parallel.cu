@@ -202,16 +202,23 @@ static Tensor region_input(const TensorParallel& tp, const Context& ctx, const T
   tp_region_enter_forward(tp, ctx, x, full);
   return full;
 }
+// Rows as they travel: [rows, D] in the compute format (bf16 under --dtype bf16: half the bytes
+// of fp32), in which every row that crosses is read next (the experts' GEMMs, the combine) or
+// was made (the experts' outputs and input gradients, rounded as the GEMMs wrote them).
+static Tensor rows_to_send(const Context& ctx, int64_t rows, int64_t D, Mem category) {
+  return empty_in_compute_format(ctx, {rows, D}, category);
+}
 // Rows to the ep peers and back: `send` [sum send_rows, D] peer by peer -> `recv`.
 static void all_to_all_rows(const ExpertParallel& ep, const Context& ctx, const Tensor& send,
                             const std::vector<int64_t>& send_rows, const Tensor& recv,
                             const std::vector<int64_t>& recv_rows) {
+  PICO_ASSERT(send.dtype == recv.dtype, "all_to_all_rows: rows leave and arrive in one format");
   if (ep.size() == 1) return copy_(ctx, recv, send);
   const int64_t D = send.size(1);
   std::vector<int64_t> s(send_rows), r(recv_rows);
   for (int64_t& n : s) n *= D;
   for (int64_t& n : r) n *= D;
-  all_to_all_v(*ep.comm, ep.comm->ep, ctx, send.ptr, s, recv.ptr, r, DType::F32);
+  all_to_all_v(*ep.comm, ep.comm->ep, ctx, send.ptr, s, recv.ptr, r, send.dtype);
 }
 // Each row's combine weight [K] (the renormalised probability of its token's slot).
 static std::vector<float> row_weights(const Routing& r) {
@@ -289,7 +296,8 @@ void moe_forward(const ExpertParallel& ep, const TensorParallel& tp, const Model
   const Dispatch& d = *dispatch;
   const int64_t K = (int64_t)r.row_token.size(), R = (int64_t)d.by_expert.size();
   Tensor row_ids = device_ints(ctx, r.row_token);
-  Tensor leaving = empty_rows(ctx, K, D), arrived = empty_rows(ctx, R, D);
+  Tensor leaving = rows_to_send(ctx, K, D, Mem::Workspace);
+  Tensor arrived = rows_to_send(ctx, R, D, Mem::Workspace);
   embedding_forward(ctx, leaving, row_ids, h);  // row r: token row_token[r]'s hidden state
   all_to_all_rows(ep, ctx, leaving, d.send_peer, arrived, d.recv_peer);
   // Inputs, gate, up, SwiGLU output in the compute format, as the dense MLP's: no casts between.
@@ -300,7 +308,7 @@ void moe_forward(const ExpertParallel& ep, const TensorParallel& tp, const Model
   a.gate = empty_in_compute_format(ctx, {R, F}, Mem::Activations);
   a.up = empty_in_compute_format(ctx, {R, F}, Mem::Activations);
   a.act = empty_in_compute_format(ctx, {R, F}, Mem::Activations);
-  Tensor y = empty_rows(ctx, R, D);
+  Tensor y = rows_to_send(ctx, R, D, Mem::Workspace);
   for (int64_t j = 0, at = 0; j < (int64_t)w.experts.size(); at += d.expert_rows[j++]) {
     const int64_t n = d.expert_rows[j];
     if (n == 0) continue;
@@ -313,9 +321,9 @@ void moe_forward(const ExpertParallel& ep, const TensorParallel& tp, const Model
       linear_forward(ctx, y.view(at * D, {d.expert_rows[j], D}),
                      a.act.view(at * F, {d.expert_rows[j], F}), w.experts[j].w2);
   // Combine: the outputs back where their tokens are, times their weights, summed per token.
-  Tensor returning = empty_rows(ctx, R, D);
+  Tensor returning = rows_to_send(ctx, R, D, Mem::Workspace);
   embedding_forward(ctx, returning, device_ints(ctx, d.by_source), y);  // source by source
-  a.out = empty_rows(ctx, K, D, Mem::Activations);
+  a.out = rows_to_send(ctx, K, D, Mem::Activations);
   all_to_all_rows(ep, ctx, returning, d.recv_peer, a.out, d.send_peer);
   Tensor weighted = empty_rows(ctx, K, D);
   scale_rows(ctx, weighted, a.out, device_floats(ctx, row_weights(r), {K}));
@@ -348,10 +356,12 @@ void moe_backward(const ExpertParallel& ep, const TensorParallel& tp, const Mode
     all_reduce(*tp.comm, tp.group(), ctx, d_weight.f32(), K, ReduceOp::Sum);
   // The experts' outputs: d out = weight x dy[token], to the experts, expert by expert.
   scale_rows(ctx, dy_rows, dy_rows, device_floats(ctx, row_weights(r), {K}));
-  Tensor arrived = empty_rows(ctx, R, D), d_y = empty_rows(ctx, R, D);
-  all_to_all_rows(ep, ctx, dy_rows, d.send_peer, arrived, d.recv_peer);
+  // Rounded once before they leave, as the input's and the weights' GEMMs read them.
+  Tensor leaving = gradient_operand(ctx, dy_rows);
+  Tensor arrived = rows_to_send(ctx, R, D, Mem::Workspace);
+  Tensor d_y = rows_to_send(ctx, R, D, Mem::Workspace);
+  all_to_all_rows(ep, ctx, leaving, d.send_peer, arrived, d.recv_peer);
   embedding_forward(ctx, d_y, device_ints(ctx, d.by_expert), arrived);
-  d_y = gradient_operand(ctx, d_y);  // as the input's and the weights' GEMMs read it
   // Each expert's SwiGLU backward. Under a zero-bubble schedule (`deferred`) only the input
   // gradients now: the experts' and the router's weight gradients wait for the W op, as the
   // dense layers' do (Playbook §8.6).
@@ -360,7 +370,7 @@ void moe_backward(const ExpertParallel& ep, const TensorParallel& tp, const Mode
   // Their gradients in the compute format too, as the dense MLP's (SwiGLU and GEMMs read them).
   auto ffn_grad = [&] { return empty_in_compute_format(ctx, {R, F}, Mem::Workspace); };
   Tensor d_act = ffn_grad(), d_gate = ffn_grad(), d_up = ffn_grad();
-  Tensor d_xe = empty_rows(ctx, R, D);
+  Tensor d_xe = rows_to_send(ctx, R, D, Mem::Workspace);
   for (int64_t j = 0, at = 0; j < (int64_t)w.experts.size(); at += d.expert_rows[j++])
     if (d.expert_rows[j] > 0)
       linear_backward(ctx, d_act.view(at * F, {d.expert_rows[j], F}), now(g.experts[j].w2),
@@ -377,7 +387,8 @@ void moe_backward(const ExpertParallel& ep, const TensorParallel& tp, const Mode
                     true);
   }
   // Back to the tokens' ranks, and into each token's gradient (partial over tp).
-  Tensor returning = empty_rows(ctx, R, D), d_rows = empty_rows(ctx, K, D);
+  Tensor returning = rows_to_send(ctx, R, D, Mem::Workspace);
+  Tensor d_rows = rows_to_send(ctx, K, D, Mem::Workspace);
   embedding_forward(ctx, returning, device_ints(ctx, d.by_source), d_xe);
   all_to_all_rows(ep, ctx, returning, d.recv_peer, d_rows, d.send_peer);
   Tensor dh = zeros(ctx, {N, D}, Mem::Workspace);
@@ -445,6 +456,6 @@ int64_t moe_activation_bytes(const ModelConfig& c, int64_t tokens, int tp, int e
   return e * tokens * c.top_k * (2 * (int64_t)c.d_model + 3 * (int64_t)(c.ffn / tp));
 }
 
-double moe_expected_a2a_bytes(const ModelConfig& c, int64_t tokens, int ep) {
-  return 2.0 * tokens * c.top_k * (ep - 1) / ep * c.d_model * 4;
+double moe_expected_a2a_bytes(const ModelConfig& c, int64_t tokens, int ep, int value_bytes) {
+  return 2.0 * tokens * c.top_k * (ep - 1) / ep * c.d_model * value_bytes;
 }

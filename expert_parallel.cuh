@@ -151,5 +151,6 @@ double moe_finish_micro_batch(const ExpertParallel& ep, const ModelConfig& cfg,
 int64_t moe_activation_bytes(const ModelConfig& cfg, int64_t tokens, int tp, int e);
 // All-to-all bytes a rank sends per block and micro-batch in the forward (dispatch and
 // combine; the backward sends the same again), when each of its N k rows goes to a uniformly
-// random expert: 2 x N x k x (ep - 1) / ep x D x 4.
-double moe_expected_a2a_bytes(const ModelConfig& cfg, int64_t tokens, int ep);
+// random expert: 2 x N x k x (ep - 1) / ep x D x b, the rows' values b bytes each (the compute
+// format's: 4 under fp32 and fp8, 2 under bf16 and fp16).
+double moe_expected_a2a_bytes(const ModelConfig& cfg, int64_t tokens, int ep, int value_bytes);

@@ -494,7 +494,8 @@ struct GeluMlp : FeedForward {
 struct MixtureMlp : FeedForward {
   Tensor forward(const Context& ctx, const Model& m, int layer, const BlockWeights& w,
                  BlockActivations& a, const Tensor& x, std::vector<float>* carry) const override {
-    // The router and the dispatch read the input in fp32, and the combine writes fp32.
+    // The router reads the input in fp32 (the dispatch rounds the rows it sends into the compute
+    // format), and the combine writes fp32.
     Tensor out = work(x.shape, ctx);
     moe_forward(m.ep, m.tp, m.cfg, ctx, w.moe, a.moe, cast_to(ctx, x, DType::F32), out, layer,
                 carry);
@@ -521,12 +522,14 @@ struct MixtureMlp : FeedForward {
   // forward again.
   std::unique_ptr<StepMeter> meter(Model& m, Comm& comm, const RunShape& run) const override {
     const int passes = run.recompute == Recompute::Full ? 3 : 2;
-    return expert_meter(
-        comm, m.cfg, m.ep.stats,
-        ExpertSteps{(int64_t)run.mbs * run.seq, run.grad_acc, run.dp, passes, m.blocks_held(),
-                    m.expert_params(), m.ep.capacity_factor,
-                    (double)m.blocks_held() * run.grad_acc * passes *
-                        moe_expected_a2a_bytes(m.cfg, (int64_t)run.mbs * run.seq, m.ep.size())});
+    const int value_bytes = (int)dtype_size(activation_dtype(run.precision));
+    return expert_meter(comm, m.cfg, m.ep.stats,
+                        ExpertSteps{(int64_t)run.mbs * run.seq, run.grad_acc, run.dp, passes,
+                                    m.blocks_held(), m.expert_params(), m.ep.capacity_factor,
+                                    (double)m.blocks_held() * run.grad_acc * passes *
+                                        moe_expected_a2a_bytes(m.cfg, (int64_t)run.mbs * run.seq,
+                                                               m.ep.size(), value_bytes),
+                                    value_bytes});
   }
   int n_experts = 0;
 };

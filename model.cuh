@@ -51,6 +51,7 @@ struct BlockActivations;
 struct RunShape {
   int mbs = 1, grad_acc = 1, dp = 1, seq = 1;
   Recompute recompute = Recompute::None;
+  Precision precision = Precision::FP32;  // --dtype (a mixture's rows travel in its format)
 };
 // The block's MLP (DESIGN 6, "Feed-forward"): the dense SwiGLU, or a mixture of experts
 // (expert_parallel.cu), chosen by the config when the model is built; the block asks neither.

@@ -545,7 +545,8 @@ static void register_meters(Trainer& t) {
   t.meters.add(Report::Comm,
                [&t, &dp] { t.sync.print_comm_report(t.o.grad_acc, dp.total(), t.steps_run); });
   t.meters.add(t.model.mlp->meter(
-      t.model, comm, RunShape{o.mbs, o.grad_acc, o.dp, o.model.seq / o.cp, t.recompute}));
+      t.model, comm,
+      RunShape{o.mbs, o.grad_acc, o.dp, o.model.seq / o.cp, t.recompute, t.ctx.precision}));
   t.meters.add(Report::Memory, [&t, main_rank] {
     const int64_t measured = t.observer.schedule().block_bytes;
     if (main_rank && measured >= 0)

@@ -22,7 +22,8 @@ void route_backward_on(const Context& ctx, const Tensor& d_logits, const Tensor&
   PICO_ASSERT(d_logits.numel() == N * E && choice.numel() == N * k && weight.numel() == N * k &&
                   slot_row.numel() == N * k && (d_prob.numel() == 0 || d_prob.numel() == E),
               "route_backward_on: shapes");
-  check_devices(ctx, "route_backward_on", d_logits, probs, choice, weight, slot_row, d_weight);
+  check_devices(ctx, "route_backward_on", d_logits, probs, choice, weight, slot_row, d_weight,
+                d_prob);
   // Per token: the k slots twice and each expert's pass over them twice (E k), its E
   // probabilities read and E gradients written.
   const double read = 4.0 * (N * E + 3.0 * N * k + d_prob.numel()), written = 4.0 * N * E;

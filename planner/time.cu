@@ -9,6 +9,7 @@
 
 #include "planner/pipeline_timing.cuh"
 #include "planner/planner_internal.cuh"
+#include "runtime/dtype.cuh"
 #include "runtime/formulas.cuh"
 #include "tensor_parallel.cuh"
 
@@ -152,12 +153,14 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
     cp_bwd = (l.cp - 1) * std::max(0.0, step_bwd - 2 * block_attn / l.cp);
   }
   // Expert parallelism (Playbook §9): per block, the forward's dispatch and combine and the
-  // backward's two, each sending N k (ep - 1) / ep rows of D fp32 values to the other ep ranks
-  // (every rank at once: its link's bandwidth), blocking.
+  // backward's two, each sending N k (ep - 1) / ep rows of D values to the other ep ranks (every
+  // rank at once: its link's bandwidth), blocking; the rows travel in the compute format (2 bytes
+  // a value under bf16, expert_parallel.cu's rows_to_send).
   double ep_fwd = 0;
+  const double rows_wire = std::min(wire, (double)dtype_size(activation_dtype(l.precision)));
   if (l.ep > 1 && cfg.experts > 0)
     ep_fwd = 2 * collective_time(gpu, placement(l, cl, "ep"), Op::PointToPoint,
-                                 N * cfg.top_k * (l.ep - 1.0) / l.ep * D * 4);
+                                 N * cfg.top_k * (l.ep - 1.0) / l.ep * D * rows_wire);
   // Pipeline parallelism (Playbook §8.7): each op receives [n, D] from its neighbour and waits
   // for it (the engine's receives block), so the transfer adds to the op; in the residual
   // stream's format (2 bytes under --residual-dtype).

@@ -306,7 +306,8 @@ static __global__ void embedding_forward_kernel(R* rows, const E* table, const i
 static __global__ void iota_kernel(int32_t* out, int n) {
   GRID_STRIDE_LOOP(i, n) out[i] = (int32_t)i;
 }
-static __global__ void embedding_backward_kernel(float* table, const float* rows,
+template <typename R>  // rows in fp32, or in 16 bits (a mixture's rows as they travel)
+static __global__ void embedding_backward_kernel(float* table, const R* rows,
                                                  const int32_t* sorted_ids,
                                                  const int32_t* sorted_pos, int T, int D, int V) {
   GRID_STRIDE_LOOP(i, (int64_t)T * D) {  // i = (k, col): sorted position k, column col
@@ -315,7 +316,7 @@ static __global__ void embedding_backward_kernel(float* table, const float* rows
     float* cell = table + (int64_t)id * D + col;
     float acc = *cell;
     for (int j = k; j < T && sorted_ids[j] == id; j++)
-      acc += rows[(int64_t)sorted_pos[j] * D + col];
+      acc += widen(rows[(int64_t)sorted_pos[j] * D + col]);
     *cell = acc;
   }
 }
@@ -355,13 +356,20 @@ void embedding_backward(const Context& ctx, const Tensor& dtable, const Tensor& 
                         const Tensor& dout) {
   check_embedding(ctx, dout, ids, dtable);
   int T = (int)ids.numel(), V = (int)dtable.size(0), D = (int)dtable.size(1);
+  PICO_ASSERT(
+      dtable.dtype == DType::F32 && float_storage(dout.dtype),
+      std::string("embedding_backward: an fp32 table from rows in ") + dtype_name(dout.dtype));
   // The rows of the table it adds into are read and written; ids sorted first (iota, CUB's
   // radix sort, the scatter: three launches).
+  const double row_bytes = (double)D * dtype_size(dout.dtype);
   if (count_op(ctx.device, OpKind::Elementwise,
-               {(double)T * D, 8.0 * T * D + 16.0 * T, 4.0 * T * D + 12.0 * T, 3}))
+               {(double)T * D, T * (row_bytes + 4.0 * D) + 16.0 * T, 4.0 * T * D + 12.0 * T, 3}))
     return;
-  if (ctx.device == Device::CPU)
-    return embedding_cpu(dout.f32(), dtable.f32(), DType::F32, ids.i32(), T, D, V, true);
+  if (ctx.device == Device::CPU) {
+    std::vector<float> wide;  // 16-bit rows widened (exact), then added as fp32 ones
+    float* rows = (float*)host_floats(dout, wide);
+    return embedding_cpu(rows, dtable.f32(), DType::F32, ids.i32(), T, D, V, true);
+  }
   if (T == 0) return;
   // Workspace: CUB's scratch (rounded to 256 bytes, so what follows stays aligned), then [3, T]
   // int32: positions 0..T-1, the ids sorted, the positions in that order.
@@ -377,8 +385,10 @@ void embedding_backward(const Context& ctx, const Tensor& dtable, const Tensor& 
   LAUNCH_CHECK(ctx, "iota_kernel");
   CUDA_CHECK(cub::DeviceRadixSort::SortPairs(work.i32(), scratch, ids.i32(), sorted_ids, positions,
                                              sorted_pos, T, 0, 32, ctx.stream));
-  embedding_backward_kernel<<<grid_for((int64_t)T * D), kThreads, 0, ctx.stream>>>(
-      dtable.f32(), dout.f32(), sorted_ids, sorted_pos, T, D, V);
+  with_element(dout.dtype, [&](auto* R) {
+    embedding_backward_kernel<<<grid_for((int64_t)T * D), kThreads, 0, ctx.stream>>>(
+        dtable.f32(), typed(R, dout.ptr), sorted_ids, sorted_pos, T, D, V);
+  });
   LAUNCH_CHECK(ctx, "embedding_backward_kernel");
 }
 
@@ -1458,9 +1468,10 @@ static void row_dots_cpu(float* out, const float* a, const float* b, int64_t K, 
     out[k] = s;
   }
 }
-static __global__ void scale_rows_kernel(float* y, const float* x, const float* w, int64_t K,
+template <typename X>  // x in fp32, or in 16 bits (the experts' outputs as they came back)
+static __global__ void scale_rows_kernel(float* y, const X* x, const float* w, int64_t K,
                                          int64_t D) {
-  GRID_STRIDE_LOOP(i, K * D) y[i] = x[i] * w[i / D];
+  GRID_STRIDE_LOOP(i, K * D) y[i] = widen(x[i]) * w[i / D];
 }
 static __global__ void row_dots_kernel(float* out, const float* a, const float* b, int64_t K,
                                        int64_t D) {
@@ -1475,12 +1486,21 @@ void scale_rows(const Context& ctx, const Tensor& y, const Tensor& x, const Tens
   int64_t K = w.numel(), D = K > 0 ? x.numel() / K : 0;
   PICO_ASSERT(x.numel() == K * D && y.numel() == x.numel(),
               "scale_rows: " + y.shape_str() + " = " + x.shape_str() + " x " + w.shape_str());
+  PICO_ASSERT(
+      y.dtype == DType::F32 && float_storage(x.dtype) && (y.ptr != x.ptr || x.dtype == y.dtype),
+      std::string("scale_rows: fp32 rows from ") + dtype_name(x.dtype) + " ones");
   if (count_op(ctx.device, OpKind::Elementwise,
-               {(double)K * D, 4.0 * K * D + 4.0 * K, 4.0 * K * D}))
+               {(double)K * D, (double)K * D * dtype_size(x.dtype) + 4.0 * K, 4.0 * K * D}))
     return;
-  if (ctx.device == Device::CPU) return scale_rows_cpu(y.f32(), x.f32(), w.f32(), K, D);
+  if (ctx.device == Device::CPU) {
+    std::vector<float> wide;  // 16-bit rows widened (exact)
+    return scale_rows_cpu(y.f32(), host_floats(x, wide), w.f32(), K, D);
+  }
   if (K * D == 0) return;
-  scale_rows_kernel<<<grid_for(K * D), kThreads, 0, ctx.stream>>>(y.f32(), x.f32(), w.f32(), K, D);
+  with_element(x.dtype, [&](auto* X) {
+    scale_rows_kernel<<<grid_for(K * D), kThreads, 0, ctx.stream>>>(y.f32(), typed(X, x.ptr),
+                                                                    w.f32(), K, D);
+  });
   LAUNCH_CHECK(ctx, "scale_rows_kernel");
 }
 void row_dots(const Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b) {

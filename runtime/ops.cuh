@@ -47,7 +47,7 @@ void gemm_strided_batched(const Context& ctx, bool trans_a, bool trans_b, int M,
 // same format).
 void embedding_forward(const Context& ctx, const Tensor& out, const Tensor& ids,
                        const Tensor& table);
-// dtable[V, D] += scatter of dout[T, D] by ids
+// dtable[V, D] += scatter of dout[T, D] by ids; dtable fp32, dout fp32 or 16-bit (read widened)
 void embedding_backward(const Context& ctx, const Tensor& dtable, const Tensor& ids,
                         const Tensor& dout);
 
@@ -213,7 +213,8 @@ void scale_(const Context& ctx, const Tensor& x, float alpha);
 void accumulate(const Context& ctx, const Tensor& acc, const Tensor& x);
 
 // ---- rows times weights (a mixture of experts' combine) ----
-// y[K, D] = x[K, D] with row k times w[k] (y may be x); out[K] = sum_d a[k, d] b[k, d] (fp32)
+// y[K, D] = x[K, D] with row k times w[k] (y may be x), y fp32 and x fp32 or 16-bit (read
+// widened); out[K] = sum_d a[k, d] b[k, d] (fp32)
 void scale_rows(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& w);
 void row_dots(const Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b);
 

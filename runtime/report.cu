@@ -400,7 +400,7 @@ void print_expert_report(Comm& comm, const std::string& setup, int layers, int e
 }
 
 void print_expert_comm_report(const CollStats& measured, double uniform_per_step,
-                              double routed_per_step, int64_t steps, int passes) {
+                              double routed_per_step, int64_t steps, int passes, int value_bytes) {
   double n = (double)std::max<int64_t>(1, steps);
   printf(
       "expert all-to-all per training step, this rank (--report comm; %d passes per block: "
@@ -408,12 +408,12 @@ void print_expert_comm_report(const CollStats& measured, double uniform_per_step
       passes);
   printf("  measured                %12.0f bytes in %.0f calls\n", measured.bytes / n,
          measured.calls / n);
-  printf("  the routing measured    %12.0f bytes (every row that left or came back, 4 D bytes)\n",
-         routed_per_step);
+  printf("  the routing measured    %12.0f bytes (every row that left or came back, %d D bytes)\n",
+         routed_per_step, value_bytes);
   printf(
-      "  uniform routing (book)  %12.0f bytes (2 N k (ep - 1) / ep x 4 D per block, "
+      "  uniform routing (book)  %12.0f bytes (2 N k (ep - 1) / ep x %d D per block, "
       "micro-batch and pass)\n",
-      uniform_per_step);
+      uniform_per_step, value_bytes);
 }
 
 void print_expert_memory(int64_t measured_bytes, int64_t formula_bytes,
@@ -466,10 +466,12 @@ class ExpertMeter : public StepMeter {
                           std::to_string(blocks) + " blocks x " + std::to_string(per) +
                               " experts (E / ep) x 3 D F / tp x 4");
     if (r == Report::Comm && main_rank && ep > 1) {  // every rank charged what it sends
-      double routed = steps_.passes * 4.0 * D * (stats_.rows_elsewhere + stats_.rows_arrived) /
+      const int b = steps_.value_bytes;
+      double routed = steps_.passes * (double)b * D *
+                      (stats_.rows_elsewhere + stats_.rows_arrived) /
                       (double)std::max<int64_t>(1, steps);
       print_expert_comm_report(traffic_.total()[(int)Coll::AllToAll], steps_.uniform_a2a, routed,
-                               steps, steps_.passes);
+                               steps, steps_.passes, b);
     }
     if (r == Report::Experts) {
       std::string capacity = steps_.capacity_factor > 0

@@ -115,11 +115,11 @@ struct ExpertStats {
 void print_expert_report(Comm& comm, const std::string& setup, int layers, int experts,
                          const ExpertStats& stats, int64_t steps);
 // The all-to-all bytes this rank sent over the ep group per training step, next to the formula
-// with the routing uniform (uniform_per_step: 2 N k (ep - 1) / ep D 4 per block, micro-batch and
+// with the routing uniform (uniform_per_step: 2 N k (ep - 1) / ep D b per block, micro-batch and
 // pass) and with the routing the run measured (routed_per_step: every row that left this rank,
-// 4 D bytes each). Rank 0 prints its own.
+// b D bytes each), b = value_bytes (the compute format's). Rank 0 prints its own.
 void print_expert_comm_report(const CollStats& measured, double uniform_per_step,
-                              double routed_per_step, int64_t steps, int passes);
+                              double routed_per_step, int64_t steps, int passes, int value_bytes);
 // The expert weights this rank holds, measured, next to L E / ep 3 D F / tp 4 bytes.
 void print_expert_memory(int64_t measured_bytes, int64_t formula_bytes, const std::string& formula);
 // A mixture's meter (meters.cuh): what the training steps' schedules (not validation's) routed,
@@ -137,6 +137,7 @@ struct ExpertSteps {
   // The all-to-all bytes a step sends with the routing uniform: blocks x micro-batches x passes
   // x moe_expected_a2a_bytes (expert_parallel.cuh).
   double uniform_a2a = 0;
+  int value_bytes = 4;  // a row's values as they travel (the compute format's size)
 };
 std::unique_ptr<StepMeter> expert_meter(Comm& comm, const ModelConfig& cfg, ExpertStats*& recorded,
                                         const ExpertSteps& steps);

@@ -274,13 +274,15 @@ TEST_CASE("a bf16 residual stream moves 24 N D fewer bytes per block through the
 }
 
 // A mixture under bf16 on the ledger: the experts' inputs, gate, up and SwiGLU output are kept
-// in bf16, which their GEMMs and SwiGLU read and write, so no cast moves an [R, F] tensor. What
-// a block casts per dispatched row is D values: the expert's output rounded (read and write 4
-// bytes: 8), stored in bf16 after the forward (4 + 2) and widened before the backward (2 + 4),
-// its gradient rounded for the GEMMs (4 + 2), and the input gradient's fp32 sums rounded by
-// each of the two GEMMs that add into it (2 x 8): 42 D bytes a row. Top-2 routes N more rows
-// than top-1; the difference of 4 and 2 blocks leaves out the embedding and the head.
-TEST_CASE("a mixture's experts keep bf16 between their GEMMs: 42 D cast bytes a routed row",
+// in bf16, which their GEMMs and SwiGLU read and write, so no cast moves an [R, F] tensor; the
+// rows travel in bf16 too, so the expert's output and its input gradient are written in bf16 by
+// their GEMMs (no rounding pass: 0). What a block casts per dispatched row is D values: the
+// expert's output widened before the backward, which the routing weights' gradient reads
+// (2 + 4), and its gradient rounded before it leaves for the GEMMs (4 + 2): 12 D bytes a row
+// (with fp32 rows it was 42: the output and the two input-gradient GEMMs' sums rounded, 3 x 8,
+// and the output stored in bf16, 4 + 2). Top-2 routes N more rows than top-1; the difference of
+// 4 and 2 blocks leaves out the embedding and the head.
+TEST_CASE("a mixture's experts keep bf16 between their GEMMs: 12 D cast bytes a routed row",
           "[train]") {
   auto cast_gb = [](int layers, int top_k) {
     return printed("--model llama-1b --experts 4 --top-k " + std::to_string(top_k) +
@@ -293,7 +295,29 @@ TEST_CASE("a mixture's experts keep bf16 between their GEMMs: 42 D cast bytes a 
   const double N = 2 * 256, D = 2048, blocks = 2;
   const double per_n_rows = (cast_gb(4, 2) - cast_gb(2, 2)) - (cast_gb(4, 1) - cast_gb(2, 1));
   // The report prints GB to 4 decimals: four readings, each within 5e-5 GB.
-  CHECK(per_n_rows == Approx(blocks * 42 * N * D / 1e9).margin(2e-4));
+  CHECK(per_n_rows == Approx(blocks * 12 * N * D / 1e9).margin(2e-4));
+}
+
+// The rows a mixture's all-to-alls move travel in the compute format: 2 bytes a value under
+// bf16, 4 under fp32. The meta device routes token t to experts 2t, 2t + 1 (mod 4) at top 2,
+// so with 2 experts a rank (ep 2) the odd tokens' rows leave rank 0 and half of all rows cross:
+// N k (ep - 1) / ep rows, D values each, per pass (dispatch, combine), forward and backward, per
+// block. 2 blocks, N = 2 x 256 tokens, D = 2048.
+TEST_CASE("a mixture's rows cross in bf16 under --dtype bf16: half the all-to-all bytes",
+          "[train]") {
+  auto sent = [](const std::string& dtype) {
+    return printed(
+        "--model llama-1b --experts 4 --top-k 2 --layers 2 --dp 2 --ep 2 "
+        "--simulate-world 2 --seq 256 --mbs 2 --steps 1 --val-every 0 --report comm "
+        "--dtype " +
+            dtype,
+        "\\n  measured +([0-9]+) bytes in");
+  };
+  const double N = 2 * 256, k = 2, ep = 2, D = 2048, blocks = 2;
+  const double rows =
+      blocks * 2 /* forward, backward */ * 2 /* dispatch, combine */ * N * k * (ep - 1) / ep;
+  CHECK(sent("fp32") == rows * D * 4);
+  CHECK(sent("bf16") == rows * D * 2);
 }
 
 // And between pipeline stages the hidden state travels in the stream's format: rank 0 of pp 2

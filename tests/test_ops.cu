@@ -846,6 +846,40 @@ TEST_CASE("scale_rows and row_dots give exact small-integer results, zero rows i
   row_dots(kCpu, nw.view(0, {0}), none, none);
 }
 
+// A mixture's rows travel in the compute format: the combine scales 16-bit rows and the backward
+// scatter-adds 16-bit rows, each value widened (exact) and the arithmetic fp32's. Expected: each
+// product in double, rounded once to float (a 8- or 11-bit by 24-bit significand product is
+// exact in double, so this is fp32's correctly rounded product), and each entry's sum in
+// position order in float, from the format's values decoded here.
+TEST_CASE("scale_rows and embedding_backward read bf16 and fp16 rows widened", "[ops]") {
+  const int K = 6, D = 5, V = 3;
+  Tensor x = randn({K, D}, "x", 3.0f), w = randn({K}, "w");
+  std::vector<int32_t> id_values = {2, 0, 2, 1, 2, 0};
+  for (DType half : {DType::BF16, DType::F16}) {
+    INFO(dtype_name(half));
+    Tensor xh = empty({K, D}, Mem::Workspace, Device::CPU, half);
+    cast_(kCpu, xh, x);
+    std::vector<float> xv(K * D);
+    for (int i = 0; i < K * D; i++) {
+      const uint16_t bits = ((const uint16_t*)xh.ptr)[i];
+      xv[i] = half == DType::BF16 ? bf16_to_float(bits) : fp16_to_float(bits);
+    }
+    const std::vector<float> wv = to_host_floats(w);
+    Tensor y = empty({K, D}, Mem::Workspace);
+    scale_rows(kCpu, y, xh, w);
+    std::vector<float> want(K * D);
+    for (int i = 0; i < K * D; i++) want[i] = (float)((double)xv[i] * wv[i / D]);
+    CHECK(to_host_floats(y) == want);
+
+    Tensor dtable = from_values({V, D}, std::vector<float>(V * D, 0.25f));
+    embedding_backward(kCpu, dtable, ids_tensor(id_values), xh);
+    std::vector<float> sums(V * D, 0.25f);
+    for (int k = 0; k < K; k++)
+      for (int d = 0; d < D; d++) sums[id_values[k] * D + d] += xv[k * D + d];
+    CHECK(to_host_floats(dtable) == sums);
+  }
+}
+
 TEST_CASE("cross-entropy is -log softmax(logits)[target]", "[ops]") {
   Tensor logits = randn({4, 7}, "logits", 2.0f), targets = ids_tensor({0, 6, 3, 3});
   Tensor losses = empty({4}, Mem::Activations);
@@ -1213,6 +1247,14 @@ TEST_CASE("CUDA embedding matches the CPU reference; its backward bit for bit", 
   embedding_backward(ctx, g_table, g_ids, g_dout);
   // The GPU adds each entry's rows in position order, as the CPU loop does: exact.
   check_close(host(ctx, g_table), dtable, 0.0f, 0.0f);
+  for (DType half : {DType::BF16, DType::F16}) {  // 16-bit rows (a mixture's), read widened
+    INFO(dtype_name(half));
+    Tensor dout_h = empty(dout.shape, Mem::Workspace, Device::CPU, half);
+    cast_(kCpu, dout_h, dout);
+    embedding_backward(kCpu, dtable, ids, dout_h);
+    embedding_backward(ctx, g_table, g_ids, to_device(dout_h, Device::CUDA, Mem::Workspace));
+    check_close(host(ctx, g_table), dtable, 0.0f, 0.0f);
+  }
   ctx.destroy();
 }
 
@@ -1735,7 +1777,15 @@ TEST_CASE("CUDA scale_rows and row_dots match the CPU reference", "[gpu]") {
   check_close(host(ctx, g_y), y, 0.0f, 0.0f);  // one product each: exact
   row_dots(kCpu, d, x, b);
   row_dots(ctx, g_d, g_x, g_b);
-  check_close(host(ctx, g_d), d, 1e-5f, 1e-5f);  // 300-term sums, fused multiply-adds
+  check_close(host(ctx, g_d), d, 1e-5f, 1e-5f);   // 300-term sums, fused multiply-adds
+  for (DType half : {DType::BF16, DType::F16}) {  // rows as a mixture's travel: widened, exact
+    INFO(dtype_name(half));
+    Tensor xh = empty({K, D}, Mem::Workspace, Device::CPU, half);
+    cast_(kCpu, xh, x);
+    scale_rows(kCpu, y, xh, w);
+    scale_rows(ctx, g_y, to_device(xh, Device::CUDA, Mem::Workspace), g_w);
+    check_close(host(ctx, g_y), y, 0.0f, 0.0f);
+  }
   ctx.destroy();
 }
 
