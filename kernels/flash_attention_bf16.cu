@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <mutex>
+#include <set>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -290,18 +292,25 @@ static void launch_bf16_kernel(const char* what, int hd, bool dropout, Launch la
 }
 // Past 48 KiB a kernel must ask for its shared memory. The tiles fit an A100's 163 KiB and a
 // Hopper's 227 KiB; a GPU that offers less (sm_86 and sm_89: 99 KiB, too little for the
-// backward's at head dim 128) gets a message rather than a failed launch.
+// backward's at head dim 128) gets a message rather than a failed launch. Asked once per kernel
+// and device (a kernel's tiles, and so its bytes, are fixed by its template arguments).
 template <class Kernel>
 static void allow_shared_memory(Kernel kernel, size_t bytes) {
   if (bytes <= 48 * 1024) return;
   int device = 0, most = 0;
   CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::set<std::pair<const void*, int>> allowed;
+  std::lock_guard<std::mutex> lock(mutex);
+  const std::pair<const void*, int> key{(const void*)kernel, device};
+  if (allowed.count(key)) return;
   CUDA_CHECK(cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   PICO_ASSERT(bytes <= (size_t)most, "bf16 FlashAttention needs " + std::to_string(bytes / 1024) +
                                          " KiB of shared memory a block and this GPU offers " +
                                          std::to_string(most / 1024) +
                                          " KiB (--dtype fp32 runs the fp32 kernels)");
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+  allowed.insert(key);
 }
 // cp.async copies 16 bytes at a time: every row must start on a 16-byte boundary.
 static bool aligned16(const void* p) {
