@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <new>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
@@ -815,6 +816,13 @@ int main(int argc, char** argv) {
     if (rank == 0) std::cout << app.help();
   } catch (const UsageError& e) {
     if (rank == 0) fprintf(stderr, "error: %s\n", e.what());
+    code = 2;
+  } catch (const std::bad_alloc&) {  // this rank's alone: the others end by --comm-timeout
+    fprintf(stderr,
+            "error: rank %d ran out of host memory: the model, --mbs, --grad-acc or --seq is too "
+            "large for this machine; lower them (--device meta runs any size without storing "
+            "values)\n",
+            rank);
     code = 2;
   }
   fflush(stdout);

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -174,15 +175,19 @@ int finish_ranks(int code, double timeout_s, const Fault* fault) {
   // Rank 0 leaves first, the others a second later: mpirun ends them as rank 0 exits, whereas
   // ranks leaving at the same instant can leave mpirun itself hung or crashed in its teardown
   // (measured here: about 1 job in 10 with every rank leaving at once; open-mpi/ompi#3380).
-  const double bound_s = timeout_s + (rank == 0 ? 0 : 1);
+  // At least a second: MPI_Finalize's own work takes milliseconds even with nothing held, and a
+  // shorter --comm-timeout bounds the collectives, not it. At most 1e8 s: a wait that long is
+  // one a clock counting nanoseconds in 64 bits still holds.
+  const double bound_s = std::clamp(timeout_s, 1.0, 1e8) + (rank == 0 ? 0 : 1);
   std::thread watchdog([&] {
     std::unique_lock<std::mutex> lock(m);
     if (finalized.wait_for(lock, std::chrono::duration<double>(bound_s), [&] { return done; }))
       return;
     fprintf(stderr,
-            "rank %d: MPI_Finalize has not returned within --comm-timeout %g s%s (a rank is "
-            "held in the job's end): leaving without it, exit code %d\n",
-            rank, timeout_s, rank == 0 ? "" : " and the second left to rank 0 to go first", status);
+            "rank %d: MPI_Finalize has not returned within %g s (--comm-timeout %g s)%s (a rank "
+            "is held in the job's end): leaving without it, exit code %d\n",
+            rank, std::clamp(timeout_s, 1.0, 1e8), timeout_s,
+            rank == 0 ? "" : " and the second left to rank 0 to go first", status);
     fflush(stderr);
     _exit(status);
   });

@@ -108,13 +108,21 @@ void validate_model_config(const ModelConfig& c) {
                      " is odd: RoPE rotates pairs, so the head dimension must be even");
 }
 
-int64_t parameter_count(const ModelConfig& c) {
-  int64_t V = c.vocab, D = c.d_model, F = c.ffn, hd = c.head_dim();
-  const int64_t matrices = c.mlp == MlpKind::GeLU ? 2 : 3;
-  int64_t mlp = c.experts > 0 ? c.experts * 3 * D * F + D * c.experts : matrices * D * F;
-  const int64_t norm = c.norm == NormKind::LayerNorm ? 2 * D : D;  // LayerNorm's bias
-  int64_t block = 2 * norm + D * hd * (2 * c.heads + 2 * c.kv_heads) + mlp;
+// N: int64_t for the count, or double for a count that no shape overflows.
+template <typename N>
+static N count_parameters(const ModelConfig& c) {
+  N V = c.vocab, D = c.d_model, F = c.ffn, hd = c.head_dim();
+  const N matrices = c.mlp == MlpKind::GeLU ? 2 : 3;
+  N mlp = c.experts > 0 ? c.experts * 3 * D * F + D * c.experts : matrices * D * F;
+  const N norm = c.norm == NormKind::LayerNorm ? 2 * D : D;  // LayerNorm's bias
+  N block = 2 * norm + D * hd * (2 * c.heads + 2 * c.kv_heads) + mlp;
   return V * D + c.layers * block + norm + (c.tie_embeddings ? 0 : V * D);
+}
+int64_t parameter_count(const ModelConfig& c) {
+  return count_parameters<int64_t>(c);
+}
+double parameter_count_unbounded(const ModelConfig& c) {
+  return count_parameters<double>(c);
 }
 
 int64_t expert_parameter_count(const ModelConfig& c) {

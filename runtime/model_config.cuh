@@ -48,6 +48,8 @@ void validate_model_config(const ModelConfig& cfg);  // throws UsageError naming
 // MLP's 3DF being E(3DF) + DE (the experts and the router) under a mixture of experts, 2DF
 // with GeLU; each norm's D being 2D with LayerNorm (its bias)
 int64_t parameter_count(const ModelConfig& cfg);
+// The same in double, for a shape whose count int64_t would not hold (options.cu refuses it).
+double parameter_count_unbounded(const ModelConfig& cfg);
 // The experts' weights alone (0 without them): L x E x 3 D F, which expert parallelism splits.
 int64_t expert_parameter_count(const ModelConfig& cfg);
 // The parameters one token meets: all but the experts, plus top_k of E experts per layer (the N

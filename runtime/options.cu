@@ -331,6 +331,12 @@ static void resolve_model(RunOptions& o) {
                      "the flag");
   check_model_limits(o);
   validate_model_config(o.model);
+  if (parameter_count_unbounded(o.model) > kMaxParameters)
+    throw UsageError(std::string(o.load.empty()
+                                     ? "--d-model, --layers, --ffn, --vocab, --heads, --experts"
+                                     : o.load + "/config.json") +
+                     ": the model would hold " + num(parameter_count_unbounded(o.model)) +
+                     " parameters, past the 2^50 (1.1e15) picoscale indexes; use a smaller model");
   check_range(o.model.aux_loss_coef, "--aux-loss-coef", 0, false, kNoMax,
               "must be a number >= 0 (0 turns the load-balancing loss off), e.g. 0.001");
   check_range(o.model.rope_theta, "--rope-theta", 0, true, kNoMax,
@@ -439,6 +445,12 @@ void resolve_run_options(RunOptions& o, int world) {
     throw UsageError("--mbs " + std::to_string(o.mbs) + " x --seq " + std::to_string(o.model.seq) +
                      " tokens per micro-batch is above " + std::to_string(INT_MAX) +
                      "; lower --mbs (raise --grad-acc for a larger batch)");
+  // A rank reads its whole step's tokens at once (int32 ids, runtime/data.cu).
+  if ((double)o.mbs * o.grad_acc * o.model.seq > INT_MAX)
+    throw UsageError("--grad-acc " + std::to_string(o.grad_acc) + " x --mbs " +
+                     std::to_string(o.mbs) + " x --seq " + std::to_string(o.model.seq) +
+                     " tokens a rank reads per step is above " + std::to_string(INT_MAX) +
+                     "; lower --grad-acc (more data-parallel ranks give a larger batch)");
   if (o.stop_after < 0) throw UsageError("--stop-after must be >= 0 (0: run to --steps)");
   if (o.warmup < 0) throw UsageError("--warmup must be >= 0");
   if (o.val_every < 0) throw UsageError("--val-every must be >= 0");

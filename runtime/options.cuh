@@ -93,6 +93,9 @@ double parse_number(const std::string& text, const std::string& what, double lo,
 // machine); --help states them.
 constexpr int kMaxSeq = 1 << 20, kMaxMbs = 1 << 20, kMaxLayers = 4096, kMaxWidth = 1 << 24;
 constexpr int kMaxSample = 1 << 20;
+// Parameters: 2^50, about 1.1e15 (a thousand times the book's largest models): their offsets,
+// and the 16 bytes a parameter that fp32 training keeps, stay far inside 64-bit integers.
+constexpr double kMaxParameters = 1125899906842624.0;
 
 struct RunOptions {
   // the model: a preset, its shape flags over it, or the checkpoint's config.json (--load)

@@ -192,6 +192,11 @@ TEST_CASE("bad values are refused with exit code 2, the flag and the fix", "[saf
                  {"--fault hang:0:1:inside", "unknown place 'inside'", "forward, backward"});
   expect_refused("--fault hang:0:1:step:2", {"not three or four fields"});
   expect_refused("--sample 2000000", {"--sample 2000000", "maximum"});
+  // A step's tokens a rank reads at once, and a model whose parameter count int64 would not
+  // hold (4096 layers of 2^24 x 2^24 matrices: about 4.6e18 parameters), even on meta.
+  expect_refused("--grad-acc 2147483647", {"--grad-acc 2147483647", "lower --grad-acc"});
+  expect_refused("--device meta --layers 4096 --d-model 16777216 --heads 1 --kv-heads 1",
+                 {"--d-model, --layers", "would hold", "past the 2^50"});
   expect_refused("--load x --score y --steps 5", {"--steps would be ignored"});
   expect_refused("--load x --score y --save z", {"--save would be ignored"});
   // Sizes are checked against this rank's memory before anything is allocated.
