@@ -64,6 +64,7 @@ static void add_flags(CLI::App& app, Options& o) {
   add_attention_flags(app, o);
   add_precision_flags(app, o);
   add_io_flags(app, o);
+  refuse_empty_numbers(app);
 }
 
 // The same on every rank, before anything is allocated; UsageError names the flag and the fix.
@@ -99,6 +100,7 @@ static void check_before_start(const Options& o, const Comm& comm,
                  (double)c.vocab * c.d_model +
                  (double)c.layers * o.mbs * c.seq * ((double)c.heads * c.seq + c.d_model + c.ffn);
   if (rough > 1e17) check_memory_fits(rough, 0, comm.device, local_ranks);
+  check_step_tokens_fit(o, local_ranks);
   const bool train = o.score.empty();
   // Each rank holds its tp shard of every weight, of the experts only its ep rank's.
   const double psi =

@@ -367,6 +367,10 @@ std::vector<CampaignCell> read_campaign(const std::string& path) {
     cells.push_back(c);
   }
   fclose(f);
+  if (cells.empty())
+    throw UsageError("--campaign " + path +
+                     ": no cell in it (rows of model,nodes,dp,tp,pp,zero,mbs,ga,mfu_percent,"
+                     "tok_s_gpu,mem_gb, as tests/data/book_campaign.csv)");
   return cells;
 }
 

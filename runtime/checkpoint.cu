@@ -562,12 +562,24 @@ ModelConfig config_from_hf(const json& j, const std::string& path) {
       throw fail("rope_scaling " + shown(*scaling) +
                  " is not supported (picoscale implements plain RoPE: rope_type default)");
   }
+  // One dropout probability for the attention's and the outputs' (--dropout): the Llama and
+  // Mixtral blocks train without one (transformers writes 0.0).
+  if (const json* drop = find("attention_dropout", false);
+      drop && !(drop->is_number() && drop->get<float>() == cfg.dropout))
+    throw fail("attention_dropout " + shown(*drop) + ": picoscale's " +
+               (gpt ? "GPT block has one dropout probability, hidden_dropout's " +
+                          json(shortest(cfg.dropout)).dump()
+                    : std::string("Llama block has no dropout: 0.0")));
   for (const char* bias : {"attention_bias", "mlp_bias"})
     if (const json* b = find(bias, false); b && *b != false)
       throw fail(std::string(bias) + " is not supported (picoscale's linears have no bias)");
   if (mixtral) {  // the MLP is a sparse mixture of experts (expert_parallel.cu)
     cfg.experts = positive_int("num_local_experts", true, 0);
     cfg.top_k = positive_int("num_experts_per_tok", false, 2);
+    if (cfg.top_k > cfg.experts)
+      throw fail("num_experts_per_tok " + std::to_string(cfg.top_k) + " above num_local_experts " +
+                 std::to_string(cfg.experts) + ": each token goes to 1 to " +
+                 std::to_string(cfg.experts) + " experts");
     const json* coef = find("router_aux_loss_coef", false);
     if (coef &&
         !(coef->is_number() && coef->get<double>() >= 0 && std::isfinite(coef->get<float>())))

@@ -2,8 +2,10 @@
 // and the configuration table (options.cuh).
 #include <unistd.h>
 
+#include <cerrno>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <tuple>
 
@@ -144,7 +146,10 @@ void add_run_flags(CLI::App& app, RunOptions& o) {
                    "--load)");
   steps.add_option("--mbs", o.mbs, "micro-batch size (sequences), at most 1048576")
       ->capture_default_str();
-  steps.add_option("--grad-acc", o.grad_acc, "micro-batches per step, >= 1 (Playbook §2.7)")
+  steps
+      .add_option("--grad-acc", o.grad_acc,
+                  "micro-batches per step, >= 1, a rank's step at most 2147483647 tokens (--mbs x "
+                  "--grad-acc x --seq; Playbook §2.7)")
       ->capture_default_str();
   steps.add_option("--lr", o.lr, "peak learning rate, > 0")->capture_default_str();
   steps.add_option("--warmup", o.warmup, "linear warmup steps, >= 0")->capture_default_str();
@@ -156,7 +161,31 @@ void add_run_flags(CLI::App& app, RunOptions& o) {
   steps.add_option("--grad-clip", o.grad_clip, "clip the global gradient norm (0: off)")
       ->capture_default_str();
   steps.add_option("--seed", o.seed, "seed of initialisation, data order and sampling")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::Validator(
+          [](std::string& s) {  // not a wrapped "-1" nor a saturated 2^64
+            errno = 0;
+            const bool digits = !s.empty() && s.find_first_not_of("0123456789") == s.npos;
+            if (digits) (void)strtoull(s.c_str(), nullptr, 10);
+            return digits && errno == 0 ? std::string()
+                                        : "a whole number from 0 to 18446744073709551615";
+          },
+          ""));
+}
+
+void refuse_empty_numbers(CLI::App& app) {
+  const CLI::Validator given(
+      [](std::string& s) {
+        return s.empty() ? std::string("an empty value; give a number (see --help)")
+                         : std::string();
+      },
+      "");
+  for (CLI::Option* opt : app.get_options()) {
+    const std::string type = opt->get_type_name();
+    if (type == "INT" || type == "UINT" || type == "FLOAT") opt->check(given);
+  }
+  for (CLI::App* group : app.get_subcommands(std::function<bool(CLI::App*)>()))
+    refuse_empty_numbers(*group);
 }
 
 void add_io_flags(CLI::App& app, RunOptions& o) {
@@ -330,6 +359,10 @@ static void resolve_model(RunOptions& o) {
                      ": the checkpoint's config.json decides whether its weights are tied; drop "
                      "the flag");
   check_model_limits(o);
+  if (o.given("--top-k") && o.model.experts == 0)
+    throw UsageError("--top-k " + std::to_string(o.model.top_k) +
+                     " routes tokens to experts, and this model has none: add --experts N, or "
+                     "drop --top-k");
   validate_model_config(o.model);
   if (parameter_count_unbounded(o.model) > kMaxParameters)
     throw UsageError(std::string(o.load.empty()
@@ -579,6 +612,20 @@ void check_memory_fits(double state, double acts, Device device, int local_ranks
                    ") but this rank has " + human_bytes(have) + " (" + what +
                    "); lower --mbs, --seq or the model's size, or use --recompute, --tp or "
                    "--zero");
+}
+
+void check_step_tokens_fit(const RunOptions& o, int local_ranks) {
+  // inputs and targets, whole and this rank's share (train.cu's Trainer): 16 bytes a token
+  const double tokens = (double)o.mbs * o.grad_acc * o.model.seq, bytes = 16 * tokens;
+  std::string what;
+  const double have = device_bytes_per_rank(Device::CPU, local_ranks, what);
+  if (bytes <= have / 2) return;
+  throw UsageError("--mbs " + std::to_string(o.mbs) + " x --grad-acc " +
+                   std::to_string(o.grad_acc) + " x --seq " + std::to_string(o.model.seq) + " = " +
+                   num(tokens) +
+                   " tokens a step, held on the host at 16 bytes each: " + human_bytes(bytes) +
+                   ", more than half of this rank's " + human_bytes(have) + " (" + what +
+                   "); lower --grad-acc (more data-parallel ranks give a larger batch)");
 }
 
 void check_outputs(const RunOptions& o, const Comm& comm) {

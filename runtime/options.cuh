@@ -138,6 +138,9 @@ void add_run_flags(CLI::App& app, RunOptions& o);
 void add_shape_flag(CLI::App& group, RunOptions& o, const std::string& flag,
                     int ModelConfig::*field, const std::string& help);
 void add_io_flags(CLI::App& app, RunOptions& o);
+// Once every flag is added: an empty number ("--lr ''") is refused naming the flag, never read
+// as 0 (an empty path or choice is refused by its own check, naming what it is).
+void refuse_empty_numbers(CLI::App& app);
 // After the parse: the model config (preset and flags, or the checkpoint's, checked against the
 // flags), every run flag's range, the step --load resumes at, and no output that would
 // overwrite an input or another output; `world` ranks for --fault. Throws UsageError naming the
@@ -159,6 +162,9 @@ double device_bytes_per_rank(Device device, int local_ranks, std::string& what);
 // UsageError with both numbers when static state and one micro-batch's activations (bytes per
 // rank) do not fit the rank's share of its device.
 void check_memory_fits(double state_bytes, double activation_bytes, Device device, int local_ranks);
+// A rank's step's tokens, which every device holds on the host, within half its share of the
+// host's memory; UsageError naming --grad-acc otherwise (the meta device too).
+void check_step_tokens_fit(const RunOptions& o, int local_ranks);
 // On world rank 0: every output path (--save, --save-grads, --log-json, --trace) can be written.
 void check_outputs(const RunOptions& o, const Comm& comm);
 // The configuration table rank 0 prints before the first step: one row per (name, value).

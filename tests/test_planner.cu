@@ -232,6 +232,14 @@ TEST_CASE("./plan refuses every bad number with exit code 2 and one line naming 
       {"--nodes 1 --layout \"--dp 8 --zero 5\"", "--zero 5: a ZeRO stage"},
       {"--dtype fp32 --residual-dtype fp32,bf16", "--residual-dtype bf16 keeps the residual"},
       {"--residual-dtype fp8", "--residual-dtype"},
+      // A timeline of 2^31 micro-batches (an allocation's abort), empty values and list items,
+      // and contradicting flags.
+      {"--nodes 1 --layout \"--dp 8 --grad-acc 2147483647\"", "--layout's --grad-acc 2147483647"},
+      {"--json ''", "--json '': an empty path"},
+      {"--zero ''", "--zero '': an empty item"},
+      {"--top ''", "--top: an empty value"},
+      {"--zero 0,,1", "--zero '0,,1': an empty item"},
+      {"--tie-embeddings --untie-embeddings", "contradict each other"},
   };
   for (const auto& [flags, says] : cases) {
     RunResult r = run_plan(flags);
@@ -256,6 +264,10 @@ TEST_CASE("./plan refuses every bad number with exit code 2 and one line naming 
     CHECK_THAT(r.output,
                Catch::Contains("--campaign " + dir + "/c.csv:2") && Catch::Contains(says));
   }
+  std::ofstream(dir + "/c.csv") << header;  // a header and no cell: nothing to judge
+  RunResult none = run_plan("--campaign " + dir + "/c.csv");
+  CHECK(none.code == 2);
+  CHECK_THAT(none.output, Catch::Contains("no cell in it"));
   std::filesystem::remove_all(dir);
 }
 

@@ -197,6 +197,11 @@ TEST_CASE("bad values are refused with exit code 2, the flag and the fix", "[saf
   expect_refused("--grad-acc 2147483647", {"--grad-acc 2147483647", "lower --grad-acc"});
   expect_refused("--device meta --layers 4096 --d-model 16777216 --heads 1 --kv-heads 1",
                  {"--d-model, --layers", "would hold", "past the 2^50"});
+  // Seeds are whole numbers (not a wrapped -1), empty values are no zeros, and a top-k needs
+  // experts to route to.
+  expect_refused("--seed -1", {"--seed", "a whole number from 0"});
+  expect_refused("--lr ''", {"--lr", "an empty value; give a number"});
+  expect_refused("--top-k 2", {"--top-k 2", "has none"});
   expect_refused("--load x --score y --steps 5", {"--steps would be ignored"});
   expect_refused("--load x --score y --save z", {"--save would be ignored"});
   // Sizes are checked against this rank's memory before anything is allocated.
@@ -216,6 +221,54 @@ TEST_CASE("a checkpoint's config.json with sizes past the maxima is refused, nam
                               "\"" + std::string(key) + "\": 2147483647");
     expect_refused("--load " + dir.file(key), {std::string(key) + " 2147483647", "maximum"});
   }
+}
+
+// Every device holds a rank's step of tokens on the host (16 bytes a token: inputs and targets,
+// whole and the rank's share); the meta device too, which stores nothing else. 16 x 128 tokens
+// x 1,000,000 micro-batches = 2.048e9 tokens, 30.5 GiB: refused where that is more than half
+// the host (it ran the machine out of memory), skipped on a host of 61 GiB or more.
+TEST_CASE("a step's tokens past half the host's memory are refused, on the meta device too",
+          "[safety][train]") {
+  const double host = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE);
+  if (host / 2 >= 16 * 2.048e9) {
+    WARN("SKIP: this host's memory holds the step's 30.5 GiB of tokens twice over");
+    return;
+  }
+  expect_refused("--device meta --model tiny --mbs 16 --seq 128 --grad-acc 1000000",
+                 {"--grad-acc 1000000", "held on the host", "lower --grad-acc"});
+}
+
+// What picoscale cannot honour in a config.json is refused naming the key, not the flags the
+// user never gave: a Llama's attention dropout (its block has none), a GPT block's that differs
+// from its hidden_dropout (one --dropout for both), a mixture's top-k past its experts.
+TEST_CASE("a checkpoint's config.json with a dropout or top-k picoscale cannot honour is refused",
+          "[safety][train]") {
+  TempDir dir;
+  REQUIRE(run_train(SMALL + "--steps 1 --save " + dir.file("llama")).code == 0);
+  REQUIRE(run_train(SMALL + "--steps 1 --dropout 0.1 --save " + dir.file("gpt")).code == 0);
+  REQUIRE(run_train(SMALL + "--steps 1 --experts 4 --top-k 2 --save " + dir.file("moe")).code == 0);
+  auto edited = [&](const std::string& from, const std::string& name, const std::string& pattern,
+                    const std::string& with) {
+    fs::copy(dir.file(from), dir.file(name));
+    const std::string cfg = read_whole_file(dir.file(from + "/config.json"));
+    const std::string changed =
+        std::regex_replace(cfg, std::regex(pattern), with, std::regex_constants::format_first_only);
+    REQUIRE(changed != cfg);
+    std::ofstream(dir.file(name) + "/config.json") << changed;
+    return "--load " + dir.file(name);
+  };
+  expect_refused(edited("llama", "llama_drop", "\\{", "{\"attention_dropout\": 0.1, "),
+                 {"config.json: attention_dropout 0.1", "no dropout"});
+  expect_refused(
+      edited("gpt", "gpt_drop", "\"attention_dropout\": *[0-9.e-]+", "\"attention_dropout\": 0.2"),
+      {"config.json: attention_dropout 0.2", "hidden_dropout's 0.1"});
+  expect_refused(
+      edited("moe", "moe_top_k", "\"num_experts_per_tok\": *[0-9]+", "\"num_experts_per_tok\": 9"),
+      {"config.json: num_experts_per_tok 9 above num_local_experts 4"});
+  // And one that agrees loads: a Llama's attention_dropout 0.0, as transformers writes it.
+  CHECK(run_train(SMALL + "--steps 2 " +
+                  edited("llama", "llama_zero", "\\{", "{\"attention_dropout\": 0.0, "))
+            .code == 0);
 }
 
 TEST_CASE(

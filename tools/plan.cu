@@ -9,6 +9,7 @@
 #include <CLI/CLI.hpp>
 #include <cmath>
 #include <fstream>
+#include <new>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -17,12 +18,16 @@
 #include "runtime/inputs.cuh"
 #include "runtime/options.cuh"
 
-static std::vector<std::string> split(const std::string& s) {
+// A comma-separated list of `flag`'s choices; an empty one, or an empty item ("0,,1"), refused.
+static std::vector<std::string> split(const char* flag, const std::string& s) {
   std::vector<std::string> out;
   size_t start = 0;
   for (size_t i = 0; i <= s.size(); i++)
     if (i == s.size() || s[i] == ',') {
-      if (i > start) out.push_back(s.substr(start, i - start));
+      if (i == start)
+        throw UsageError(std::string(flag) + " '" + s +
+                         "': an empty item; list the choices to try, comma-separated");
+      out.push_back(s.substr(start, i - start));
       start = i + 1;
     }
   return out;
@@ -187,6 +192,9 @@ static Layout parse_layout(const std::string& flags) {
                      ": a ZeRO stage, 0 to 3");
   check_at_most(l.mbs, kMaxMbs, "--layout's --mbs",
                 "lower it (raise --grad-acc for a larger batch)");
+  // The pipeline's timeline holds every micro-batch's operations.
+  check_at_most(l.grad_acc, kMaxMbs, "--layout's --grad-acc",
+                "lower it (more data-parallel ranks give a larger batch)");
   l.schedule = parse_pp_schedule(schedule), l.precision = parse_precision(dtype);
   l.bf16_grads = grads == "bf16", l.recompute = parse_recompute(recompute);
   l.attention = parse_attention(attention);
@@ -272,8 +280,11 @@ int main(int argc, char** argv) {
   app.add_option(
       "--campaign", campaign_file,
       "judge the planner against the book's campaign table (tests/data/book_campaign.csv)");
+  refuse_empty_numbers(app);
   try {
     app.parse(argc, argv);
+    if (app.count("--json") && json_file.empty())
+      throw UsageError("--json '': an empty path; name the file to write, or drop --json");
     // Shapes: as ./train bounds them (runtime/options.cuh).
     const std::string shape_fix = "give a positive size (or leave the flag out for the model's)";
     check_int(app, "--layers", layers, 1, kMaxLayers, shape_fix);
@@ -367,6 +378,8 @@ int main(int argc, char** argv) {
                                 {top_k, &ModelConfig::top_k}})
       if (value > 0) cfg.*field = value;  // given: checked above to be >= 1
     if (app.count("--experts")) cfg.experts = experts;
+    if (tie && untie)
+      throw UsageError("--tie-embeddings and --untie-embeddings contradict each other: keep one");
     if (tie) cfg.tie_embeddings = true;
     if (untie) cfg.tie_embeddings = false;
     validate_model_config(cfg);
@@ -376,16 +389,19 @@ int main(int argc, char** argv) {
     Cluster cl{nodes, gpus_per_node, gpu};
     SearchSpace space;
     space.zero_stages.clear();
-    for (const std::string& z : split(zero)) space.zero_stages.push_back(zero_stage(z));
+    for (const std::string& z : split("--zero", zero)) space.zero_stages.push_back(zero_stage(z));
     space.recompute.clear();
-    for (const std::string& r : split(recompute)) space.recompute.push_back(parse_recompute(r));
+    for (const std::string& r : split("--recompute", recompute))
+      space.recompute.push_back(parse_recompute(r));
     space.schedules.clear();
-    for (const std::string& s : split(schedules)) space.schedules.push_back(parse_pp_schedule(s));
+    for (const std::string& s : split("--schedules", schedules))
+      space.schedules.push_back(parse_pp_schedule(s));
     space.precisions.clear();
     if (dtypes.empty()) dtypes = gpu.name == "cpu" ? "fp32" : "bf16";
-    for (const std::string& d : split(dtypes)) space.precisions.push_back(parse_precision(d));
+    for (const std::string& d : split("--dtype", dtypes))
+      space.precisions.push_back(parse_precision(d));
     space.residuals.clear();
-    for (const std::string& r : split(residuals))
+    for (const std::string& r : split("--residual-dtype", residuals))
       space.residuals.push_back(parse_choice("--residual-dtype", r, residual_choices()));
     for (DType r : space.residuals)
       if (r != DType::F32 && std::none_of(space.precisions.begin(), space.precisions.end(),
@@ -460,6 +476,11 @@ int main(int argc, char** argv) {
     fprintf(stderr,
             "error: a list flag (--zero, --recompute, ...) holds something that is not "
             "one of its values\n");
+    return 2;
+  } catch (const std::bad_alloc&) {
+    fprintf(stderr,
+            "error: out of host memory: the model, the batch or --layout's micro-batches are too "
+            "many for this machine; lower them\n");
     return 2;
   }
   return 0;
