@@ -40,10 +40,13 @@ void add_model_flags(CLI::App& app, ModelOptions& o) {
 // which is also the flat buffer's order; `unit` indexes Model::units, `shape` is this rank's
 // shard and `layout` where it sits in the whole tensor (Playbook §5.3: q, k, v, gate, up and the
 // LM head split by output rows, o and down by input columns, the embedding by vocabulary rows,
-// norms whole). The one place that order and those splits are written down.
+// norms whole). The one place that order and those splits are written down. With `only` >= 0,
+// the parameters of unit `only` alone, the other units passed over without a name made (binding
+// one unit costs its own parameters, not the model's: 4096 blocks bind in milliseconds).
 template <class Fn>
 static void for_each_param(const ModelConfig& c, const std::vector<Stage>& chunks,
-                           const LocalDims& L, const ExpertRange& X, Weights& w, Fn fn) {
+                           const LocalDims& L, const ExpertRange& X, Weights& w, Fn fn,
+                           int only = -1) {
   int64_t V = c.vocab, D = c.d_model, F = c.ffn, hd = c.head_dim();
   auto rows = [&](std::vector<int64_t> whole, int64_t row0, bool writer = true) {
     return TpSlice{whole, row0, 0, writer};
@@ -54,55 +57,73 @@ static void for_each_param(const ModelConfig& c, const std::vector<Stage>& chunk
   TpSlice norm{{D}, 0, 0, L.tp_rank == 0};                // every tp rank holds it; rank 0 saves it
   const bool layer_norm = c.norm == NormKind::LayerNorm;  // a bias beside each norm's weight
   bool kv_writer = L.tp_rank % L.kv_replicas == 0;
-  int unit = 0, local = 0;  // this rank's units and blocks, chunk after chunk
+  auto skip = [only](int first, int units) {
+    return only >= 0 && (only < first || only >= first + units);
+  };
+  // fn for the unit's parameters only (a mixture's block binds its router apart from its experts)
+  auto emit = [&](int u, const std::string& name, const std::vector<int64_t>& shape,
+                  const TpSlice& layout, Tensor& view) {
+    if (!skip(u, 1)) fn(u, name, shape, layout, view);
+  };
+  const int block_units = c.experts > 0 ? 2 : 1;  // a mixture's experts are a unit of their own
+  int unit = 0, local = 0;                        // this rank's units and blocks, chunk after chunk
   for (const Stage& stage : chunks) {
-    if (stage.embedding)
-      fn(unit++, "model.embed_tokens.weight", {L.vocab, D}, rows({V, D}, L.vocab0), w.embed);
+    if (stage.embedding && !skip(unit, 1))
+      emit(unit, "model.embed_tokens.weight", {L.vocab, D}, rows({V, D}, L.vocab0), w.embed);
+    unit += stage.embedding;
     for (int l = stage.first_block; l < stage.last_block; l++, unit++) {
-      std::string p = "model.layers." + std::to_string(l) + ".";
       BlockWeights& b = w.blocks[local++];
-      fn(unit, p + "input_layernorm.weight", {D}, norm, b.attn_norm);
-      if (layer_norm) fn(unit, p + "input_layernorm.bias", {D}, norm, b.attn_norm_bias);
-      fn(unit, p + "self_attn.q_proj.weight", {L.heads * hd, D},
-         rows({c.heads * hd, D}, L.head0 * hd), b.wq);
-      fn(unit, p + "self_attn.k_proj.weight", {L.kv_heads * hd, D},
-         rows({c.kv_heads * hd, D}, L.kv_head0 * hd, kv_writer), b.wk);
-      fn(unit, p + "self_attn.v_proj.weight", {L.kv_heads * hd, D},
-         rows({c.kv_heads * hd, D}, L.kv_head0 * hd, kv_writer), b.wv);
-      fn(unit, p + "self_attn.o_proj.weight", {D, L.heads * hd},
-         cols({D, c.heads * hd}, L.head0 * hd), b.wo);
-      fn(unit, p + "post_attention_layernorm.weight", {D}, norm, b.mlp_norm);
-      if (layer_norm) fn(unit, p + "post_attention_layernorm.bias", {D}, norm, b.mlp_norm_bias);
+      if (skip(unit, block_units)) {
+        unit += block_units - 1;
+        continue;
+      }
+      std::string p = "model.layers." + std::to_string(l) + ".";
+      emit(unit, p + "input_layernorm.weight", {D}, norm, b.attn_norm);
+      if (layer_norm) emit(unit, p + "input_layernorm.bias", {D}, norm, b.attn_norm_bias);
+      emit(unit, p + "self_attn.q_proj.weight", {L.heads * hd, D},
+           rows({c.heads * hd, D}, L.head0 * hd), b.wq);
+      emit(unit, p + "self_attn.k_proj.weight", {L.kv_heads * hd, D},
+           rows({c.kv_heads * hd, D}, L.kv_head0 * hd, kv_writer), b.wk);
+      emit(unit, p + "self_attn.v_proj.weight", {L.kv_heads * hd, D},
+           rows({c.kv_heads * hd, D}, L.kv_head0 * hd, kv_writer), b.wv);
+      emit(unit, p + "self_attn.o_proj.weight", {D, L.heads * hd},
+           cols({D, c.heads * hd}, L.head0 * hd), b.wo);
+      emit(unit, p + "post_attention_layernorm.weight", {D}, norm, b.mlp_norm);
+      if (layer_norm) emit(unit, p + "post_attention_layernorm.bias", {D}, norm, b.mlp_norm_bias);
       if (c.mlp == MlpKind::GeLU) {  // the book's GPT: up (to 4h), GeLU, down
-        fn(unit, p + "mlp.up_proj.weight", {L.ffn, D}, rows({F, D}, L.ffn0), b.w_up);
-        fn(unit, p + "mlp.down_proj.weight", {D, L.ffn}, cols({D, F}, L.ffn0), b.w_down);
+        emit(unit, p + "mlp.up_proj.weight", {L.ffn, D}, rows({F, D}, L.ffn0), b.w_up);
+        emit(unit, p + "mlp.down_proj.weight", {D, L.ffn}, cols({D, F}, L.ffn0), b.w_down);
         continue;
       }
       if (c.experts == 0) {
-        fn(unit, p + "mlp.gate_proj.weight", {L.ffn, D}, rows({F, D}, L.ffn0), b.w_gate);
-        fn(unit, p + "mlp.up_proj.weight", {L.ffn, D}, rows({F, D}, L.ffn0), b.w_up);
-        fn(unit, p + "mlp.down_proj.weight", {D, L.ffn}, cols({D, F}, L.ffn0), b.w_down);
+        emit(unit, p + "mlp.gate_proj.weight", {L.ffn, D}, rows({F, D}, L.ffn0), b.w_gate);
+        emit(unit, p + "mlp.up_proj.weight", {L.ffn, D}, rows({F, D}, L.ffn0), b.w_up);
+        emit(unit, p + "mlp.down_proj.weight", {D, L.ffn}, cols({D, F}, L.ffn0), b.w_down);
         continue;
       }
       // Mixtral's sparse MoE block: the router with the block (every rank holds it, tp rank 0
       // saves it), this rank's experts a unit of their own, split over tp as the MLP is.
       std::string moe = p + "block_sparse_moe.";
       int64_t E = c.experts;
-      fn(unit, moe + "gate.weight", {E, D}, TpSlice{{E, D}, 0, 0, L.tp_rank == 0}, b.moe.router);
+      emit(unit, moe + "gate.weight", {E, D}, TpSlice{{E, D}, 0, 0, L.tp_rank == 0}, b.moe.router);
       unit++;
       for (int j = 0; j < X.count; j++) {
         std::string e = moe + "experts." + std::to_string(X.first + j) + ".";
         ExpertWeights& x = b.moe.experts[j];
-        fn(unit, e + "w1.weight", {L.ffn, D}, rows({F, D}, L.ffn0), x.w1);
-        fn(unit, e + "w2.weight", {D, L.ffn}, cols({D, F}, L.ffn0), x.w2);
-        fn(unit, e + "w3.weight", {L.ffn, D}, rows({F, D}, L.ffn0), x.w3);
+        emit(unit, e + "w1.weight", {L.ffn, D}, rows({F, D}, L.ffn0), x.w1);
+        emit(unit, e + "w2.weight", {D, L.ffn}, cols({D, F}, L.ffn0), x.w2);
+        emit(unit, e + "w3.weight", {L.ffn, D}, rows({F, D}, L.ffn0), x.w3);
       }
     }
     if (!stage.head) continue;
-    fn(unit, "model.norm.weight", {D}, norm, w.final_norm);
-    if (layer_norm) fn(unit, "model.norm.bias", {D}, norm, w.final_norm_bias);
+    if (skip(unit, 1)) {
+      unit++;
+      continue;
+    }
+    emit(unit, "model.norm.weight", {D}, norm, w.final_norm);
+    if (layer_norm) emit(unit, "model.norm.bias", {D}, norm, w.final_norm_bias);
     if (!c.tie_embeddings)  // HF omits lm_head.weight when tied
-      fn(unit, "lm_head.weight", {L.vocab, D}, rows({V, D}, L.vocab0), w.lm_head);
+      emit(unit, "lm_head.weight", {L.vocab, D}, rows({V, D}, L.vocab0), w.lm_head);
     unit++;
   }
 }
@@ -185,16 +206,19 @@ static void bind_unit(Model& m, int u, const Tensor& base, Weights& w,
   const ModelUnit& unit = m.units[u];
   PICO_ASSERT(!base.defined() || base.numel() >= unit.numel,
               unit.name + " needs " + std::to_string(unit.numel) + " elements");
-  int index = 0;
+  int i = unit.first;  // the unit's parameters come in their order in named
   auto bind = [&](int pu, const std::string&, const std::vector<int64_t>& shape, const TpSlice&,
                   Tensor& view) {
-    int i = index++;
-    if (pu != u) return;
+    PICO_ASSERT(pu == u && i < unit.first + unit.count,
+                unit.name + ": parameter " + std::to_string(i) + " of another unit");
     view = base.defined() ? base.view(m.offsets[i] - unit.offset, shape) : unbound(shape);
-    named[i].tensor = view;
+    named[i++].tensor = view;
   };
   for_each_param(m.cfg, m.chunks, m.tp.local,
-                 local_experts(m.cfg.experts, m.ep.rank(), m.ep.size()), w, bind);
+                 local_experts(m.cfg.experts, m.ep.rank(), m.ep.size()), w, bind, u);
+  PICO_ASSERT(i == unit.first + unit.count, unit.name + ": " + std::to_string(i - unit.first) +
+                                                " parameters bound of " +
+                                                std::to_string(unit.count));
   if (m.cfg.tie_embeddings && u == m.embedding_unit()) w.lm_head = w.embed;
 }
 void Model::bind_unit_params(int u, const Tensor& base) {
