@@ -205,7 +205,8 @@ static Tensor region_input(const TensorParallel& tp, const Context& ctx, const T
 // Rows as they travel: [rows, D] in the compute format (bf16 under --dtype bf16: half the bytes
 // of fp32), in which every row that crosses is read next (the experts' GEMMs, the combine) or
 // was made (the experts' outputs and input gradients, rounded as the GEMMs wrote them).
-static Tensor rows_to_send(const Context& ctx, int64_t rows, int64_t D, Mem category) {
+static Tensor rows_to_send(const Context& ctx, int64_t rows, int64_t D,
+                           Mem category = Mem::Workspace) {
   return empty_in_compute_format(ctx, {rows, D}, category);
 }
 // Rows to the ep peers and back: `send` [sum send_rows, D] peer by peer -> `recv`.
@@ -296,8 +297,7 @@ void moe_forward(const ExpertParallel& ep, const TensorParallel& tp, const Model
   const Dispatch& d = *dispatch;
   const int64_t K = (int64_t)r.row_token.size(), R = (int64_t)d.by_expert.size();
   Tensor row_ids = device_ints(ctx, r.row_token);
-  Tensor leaving = rows_to_send(ctx, K, D, Mem::Workspace);
-  Tensor arrived = rows_to_send(ctx, R, D, Mem::Workspace);
+  Tensor leaving = rows_to_send(ctx, K, D), arrived = rows_to_send(ctx, R, D);
   embedding_forward(ctx, leaving, row_ids, h);  // row r: token row_token[r]'s hidden state
   all_to_all_rows(ep, ctx, leaving, d.send_peer, arrived, d.recv_peer);
   // Inputs, gate, up, SwiGLU output in the compute format, as the dense MLP's: no casts between.
@@ -308,7 +308,7 @@ void moe_forward(const ExpertParallel& ep, const TensorParallel& tp, const Model
   a.gate = empty_in_compute_format(ctx, {R, F}, Mem::Activations);
   a.up = empty_in_compute_format(ctx, {R, F}, Mem::Activations);
   a.act = empty_in_compute_format(ctx, {R, F}, Mem::Activations);
-  Tensor y = rows_to_send(ctx, R, D, Mem::Workspace);
+  Tensor y = rows_to_send(ctx, R, D);
   for (int64_t j = 0, at = 0; j < (int64_t)w.experts.size(); at += d.expert_rows[j++]) {
     const int64_t n = d.expert_rows[j];
     if (n == 0) continue;
@@ -321,7 +321,7 @@ void moe_forward(const ExpertParallel& ep, const TensorParallel& tp, const Model
       linear_forward(ctx, y.view(at * D, {d.expert_rows[j], D}),
                      a.act.view(at * F, {d.expert_rows[j], F}), w.experts[j].w2);
   // Combine: the outputs back where their tokens are, times their weights, summed per token.
-  Tensor returning = rows_to_send(ctx, R, D, Mem::Workspace);
+  Tensor returning = rows_to_send(ctx, R, D);
   embedding_forward(ctx, returning, device_ints(ctx, d.by_source), y);  // source by source
   a.out = rows_to_send(ctx, K, D, Mem::Activations);
   all_to_all_rows(ep, ctx, returning, d.recv_peer, a.out, d.send_peer);
@@ -358,8 +358,7 @@ void moe_backward(const ExpertParallel& ep, const TensorParallel& tp, const Mode
   scale_rows(ctx, dy_rows, dy_rows, device_floats(ctx, row_weights(r), {K}));
   // Rounded once before they leave, as the input's and the weights' GEMMs read them.
   Tensor leaving = gradient_operand(ctx, dy_rows);
-  Tensor arrived = rows_to_send(ctx, R, D, Mem::Workspace);
-  Tensor d_y = rows_to_send(ctx, R, D, Mem::Workspace);
+  Tensor arrived = rows_to_send(ctx, R, D), d_y = rows_to_send(ctx, R, D);
   all_to_all_rows(ep, ctx, leaving, d.send_peer, arrived, d.recv_peer);
   embedding_forward(ctx, d_y, device_ints(ctx, d.by_expert), arrived);
   // Each expert's SwiGLU backward. Under a zero-bubble schedule (`deferred`) only the input
@@ -370,7 +369,7 @@ void moe_backward(const ExpertParallel& ep, const TensorParallel& tp, const Mode
   // Their gradients in the compute format too, as the dense MLP's (SwiGLU and GEMMs read them).
   auto ffn_grad = [&] { return empty_in_compute_format(ctx, {R, F}, Mem::Workspace); };
   Tensor d_act = ffn_grad(), d_gate = ffn_grad(), d_up = ffn_grad();
-  Tensor d_xe = rows_to_send(ctx, R, D, Mem::Workspace);
+  Tensor d_xe = rows_to_send(ctx, R, D);
   for (int64_t j = 0, at = 0; j < (int64_t)w.experts.size(); at += d.expert_rows[j++])
     if (d.expert_rows[j] > 0)
       linear_backward(ctx, d_act.view(at * F, {d.expert_rows[j], F}), now(g.experts[j].w2),
@@ -387,8 +386,7 @@ void moe_backward(const ExpertParallel& ep, const TensorParallel& tp, const Mode
                     true);
   }
   // Back to the tokens' ranks, and into each token's gradient (partial over tp).
-  Tensor returning = rows_to_send(ctx, R, D, Mem::Workspace);
-  Tensor d_rows = rows_to_send(ctx, K, D, Mem::Workspace);
+  Tensor returning = rows_to_send(ctx, R, D), d_rows = rows_to_send(ctx, K, D);
   embedding_forward(ctx, returning, device_ints(ctx, d.by_source), d_xe);
   all_to_all_rows(ep, ctx, returning, d.recv_peer, d_rows, d.send_peer);
   Tensor dh = zeros(ctx, {N, D}, Mem::Workspace);
@@ -447,15 +445,4 @@ double moe_finish_micro_batch(const ExpertParallel& ep, const ModelConfig& c,
   if (ep.stats && (!ep.comm || (ep.comm->tp.rank == 0 && ep.comm->cp.rank == 0)))
     ep.stats->aux_sum += loss, ep.stats->batches++;
   return loss;
-}
-
-// ----------------------------------------------------------------------------
-// Measurements
-
-int64_t moe_activation_bytes(const ModelConfig& c, int64_t tokens, int tp, int e) {
-  return e * tokens * c.top_k * (2 * (int64_t)c.d_model + 3 * (int64_t)(c.ffn / tp));
-}
-
-double moe_expected_a2a_bytes(const ModelConfig& c, int64_t tokens, int ep, int value_bytes) {
-  return 2.0 * tokens * c.top_k * (ep - 1) / ep * c.d_model * value_bytes;
 }

@@ -144,13 +144,5 @@ void moe_backward(const ExpertParallel& ep, const TensorParallel& tp, const Mode
 double moe_finish_micro_batch(const ExpertParallel& ep, const ModelConfig& cfg,
                               const std::vector<float>& totals, int64_t tokens);
 
-// ---- Measurements ----
-// The expected bytes of the saved activations one block keeps per token under balanced
-// routing (every expert receives tokens x k / E rows): k rows of the hidden state twice (the
-// expert's input and its output) and k rows of gate, up and SwiGLU output, e bytes each.
-int64_t moe_activation_bytes(const ModelConfig& cfg, int64_t tokens, int tp, int e);
-// All-to-all bytes a rank sends per block and micro-batch in the forward (dispatch and
-// combine; the backward sends the same again), when each of its N k rows goes to a uniformly
-// random expert: 2 x N x k x (ep - 1) / ep x D x b, the rows' values b bytes each (the compute
-// format's: 4 under fp32 and fp8, 2 under bf16 and fp16).
-double moe_expected_a2a_bytes(const ModelConfig& cfg, int64_t tokens, int ep, int value_bytes);
+// ---- Measurements: the closed forms the reports compare with (runtime/formulas.cuh's
+// moe_activation_bytes and moe_expected_a2a_bytes) ----

@@ -107,3 +107,11 @@ int64_t book_parameter_count(int64_t h, int64_t v, int64_t L) {
 double model_flops_per_token(double params, int layers, int attention_width, int seq) {
   return 6.0 * params + 12.0 * layers * (double)attention_width * seq;
 }
+
+int64_t moe_activation_bytes(const ModelConfig& c, int64_t tokens, int tp, int e) {
+  return e * tokens * c.top_k * (2 * (int64_t)c.d_model + 3 * (int64_t)(c.ffn / tp));
+}
+
+double moe_expected_a2a_bytes(const ModelConfig& c, int64_t tokens, int ep, int value_bytes) {
+  return 2.0 * tokens * c.top_k * (ep - 1) / ep * c.d_model * value_bytes;
+}

@@ -53,6 +53,17 @@ struct TpTraffic {
 };
 TpTraffic tp_expected_traffic(const ModelConfig& cfg, int B, int T, int tp, bool sp);
 
+// Expert parallelism (Playbook §9, expert_parallel.cu). The expected bytes of the saved
+// activations one block keeps per token under balanced routing (every expert receives tokens x
+// k / E rows): k rows of the hidden state twice (the expert's input and its output) and k rows
+// of gate, up and SwiGLU output, e bytes each.
+int64_t moe_activation_bytes(const ModelConfig& cfg, int64_t tokens, int tp, int e);
+// All-to-all bytes a rank sends per block and micro-batch in the forward (dispatch and
+// combine; the backward sends the same again), when each of its N k rows goes to a uniformly
+// random expert: 2 x N x k x (ep - 1) / ep x D x b, the rows' values b bytes each (the compute
+// format's: 4 under fp32 and fp8, 2 under bf16 and fp16).
+double moe_expected_a2a_bytes(const ModelConfig& cfg, int64_t tokens, int ep, int value_bytes);
+
 // ----------------------------------------------------------------------------
 // The book's model: parameters and FLOPs
 

@@ -135,7 +135,7 @@ struct ExpertSteps {
   int64_t expert_params = 0;  // the parameters of its experts
   double capacity_factor = 0;  // 0: dropless
   // The all-to-all bytes a step sends with the routing uniform: blocks x micro-batches x passes
-  // x moe_expected_a2a_bytes (expert_parallel.cuh).
+  // x moe_expected_a2a_bytes (formulas.cuh).
   double uniform_a2a = 0;
   int value_bytes = 4;  // a row's values as they travel (the compute format's size)
 };
