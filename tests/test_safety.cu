@@ -209,18 +209,29 @@ TEST_CASE("bad values are refused with exit code 2, the flag and the fix", "[saf
                  {"per rank", "host memory", "lower --mbs"});
 }
 
+namespace {
+// A copy `name` of the checkpoint dir/`from`, its config.json's first match of `pattern`
+// replaced by `with`: the flag that loads it.
+std::string load_edited(const TempDir& dir, const std::string& from, const std::string& name,
+                        const std::string& pattern, const std::string& with) {
+  fs::copy(dir.file(from), dir.file(name));
+  const std::string cfg = read_whole_file(dir.file(from + "/config.json"));
+  const std::string changed =
+      std::regex_replace(cfg, std::regex(pattern), with, std::regex_constants::format_first_only);
+  REQUIRE(changed != cfg);
+  std::ofstream(dir.file(name) + "/config.json") << changed;
+  return "--load " + dir.file(name);
+}
+}  // namespace
+
 TEST_CASE("a checkpoint's config.json with sizes past the maxima is refused, naming the key",
           "[safety][train]") {
   TempDir dir;
   REQUIRE(run_train(SMALL + "--steps 1 --save " + dir.file("ok")).code == 0);
-  const std::string cfg = read_whole_file(dir.file("ok/config.json"));
-  for (const char* key : {"num_hidden_layers", "max_position_embeddings"}) {
-    fs::copy(dir.file("ok"), dir.file(key));
-    std::ofstream(dir.file(key) + "/config.json")
-        << std::regex_replace(cfg, std::regex("\"" + std::string(key) + "\": *[0-9]+"),
-                              "\"" + std::string(key) + "\": 2147483647");
-    expect_refused("--load " + dir.file(key), {std::string(key) + " 2147483647", "maximum"});
-  }
+  for (const std::string key : {"num_hidden_layers", "max_position_embeddings"})
+    expect_refused(
+        load_edited(dir, "ok", key, "\"" + key + "\": *[0-9]+", "\"" + key + "\": 2147483647"),
+        {key + " 2147483647", "maximum"});
 }
 
 // Every device holds a rank's step of tokens on the host (16 bytes a token: inputs and targets,
@@ -247,27 +258,17 @@ TEST_CASE("a checkpoint's config.json with a dropout or top-k picoscale cannot h
   REQUIRE(run_train(SMALL + "--steps 1 --save " + dir.file("llama")).code == 0);
   REQUIRE(run_train(SMALL + "--steps 1 --dropout 0.1 --save " + dir.file("gpt")).code == 0);
   REQUIRE(run_train(SMALL + "--steps 1 --experts 4 --top-k 2 --save " + dir.file("moe")).code == 0);
-  auto edited = [&](const std::string& from, const std::string& name, const std::string& pattern,
-                    const std::string& with) {
-    fs::copy(dir.file(from), dir.file(name));
-    const std::string cfg = read_whole_file(dir.file(from + "/config.json"));
-    const std::string changed =
-        std::regex_replace(cfg, std::regex(pattern), with, std::regex_constants::format_first_only);
-    REQUIRE(changed != cfg);
-    std::ofstream(dir.file(name) + "/config.json") << changed;
-    return "--load " + dir.file(name);
-  };
-  expect_refused(edited("llama", "llama_drop", "\\{", "{\"attention_dropout\": 0.1, "),
+  expect_refused(load_edited(dir, "llama", "llama_drop", "\\{", "{\"attention_dropout\": 0.1, "),
                  {"config.json: attention_dropout 0.1", "no dropout"});
-  expect_refused(
-      edited("gpt", "gpt_drop", "\"attention_dropout\": *[0-9.e-]+", "\"attention_dropout\": 0.2"),
-      {"config.json: attention_dropout 0.2", "hidden_dropout's 0.1"});
-  expect_refused(
-      edited("moe", "moe_top_k", "\"num_experts_per_tok\": *[0-9]+", "\"num_experts_per_tok\": 9"),
-      {"config.json: num_experts_per_tok 9 above num_local_experts 4"});
+  expect_refused(load_edited(dir, "gpt", "gpt_drop", "\"attention_dropout\": *[0-9.e-]+",
+                             "\"attention_dropout\": 0.2"),
+                 {"config.json: attention_dropout 0.2", "hidden_dropout's 0.1"});
+  expect_refused(load_edited(dir, "moe", "moe_top_k", "\"num_experts_per_tok\": *[0-9]+",
+                             "\"num_experts_per_tok\": 9"),
+                 {"config.json: num_experts_per_tok 9 above num_local_experts 4"});
   // And one that agrees loads: a Llama's attention_dropout 0.0, as transformers writes it.
   CHECK(run_train(SMALL + "--steps 2 " +
-                  edited("llama", "llama_zero", "\\{", "{\"attention_dropout\": 0.0, "))
+                  load_edited(dir, "llama", "llama_zero", "\\{", "{\"attention_dropout\": 0.0, "))
             .code == 0);
 }
 
