@@ -68,7 +68,7 @@ static void for_each_param(const ModelConfig& c, const std::vector<Stage>& chunk
   const int block_units = c.experts > 0 ? 2 : 1;  // a mixture's experts are a unit of their own
   int unit = 0, local = 0;                        // this rank's units and blocks, chunk after chunk
   for (const Stage& stage : chunks) {
-    if (stage.embedding && !skip(unit, 1))
+    if (stage.embedding)
       emit(unit, "model.embed_tokens.weight", {L.vocab, D}, rows({V, D}, L.vocab0), w.embed);
     unit += stage.embedding;
     for (int l = stage.first_block; l < stage.last_block; l++, unit++) {
@@ -116,10 +116,6 @@ static void for_each_param(const ModelConfig& c, const std::vector<Stage>& chunk
       }
     }
     if (!stage.head) continue;
-    if (skip(unit, 1)) {
-      unit++;
-      continue;
-    }
     emit(unit, "model.norm.weight", {D}, norm, w.final_norm);
     if (layer_norm) emit(unit, "model.norm.bias", {D}, norm, w.final_norm_bias);
     if (!c.tie_embeddings)  // HF omits lm_head.weight when tied

@@ -178,7 +178,7 @@ int finish_ranks(int code, double timeout_s, const Fault* fault) {
   // At least a second: MPI_Finalize's own work takes milliseconds even with nothing held, and a
   // shorter --comm-timeout bounds the collectives, not it. At most 1e8 s: a wait that long is
   // one a clock counting nanoseconds in 64 bits still holds.
-  const double bound_s = std::clamp(timeout_s, 1.0, 1e8) + (rank == 0 ? 0 : 1);
+  const double wait_s = std::clamp(timeout_s, 1.0, 1e8), bound_s = wait_s + (rank == 0 ? 0 : 1);
   std::thread watchdog([&] {
     std::unique_lock<std::mutex> lock(m);
     if (finalized.wait_for(lock, std::chrono::duration<double>(bound_s), [&] { return done; }))
@@ -186,8 +186,8 @@ int finish_ranks(int code, double timeout_s, const Fault* fault) {
     fprintf(stderr,
             "rank %d: MPI_Finalize has not returned within %g s (--comm-timeout %g s)%s (a rank "
             "is held in the job's end): leaving without it, exit code %d\n",
-            rank, std::clamp(timeout_s, 1.0, 1e8), timeout_s,
-            rank == 0 ? "" : " and the second left to rank 0 to go first", status);
+            rank, wait_s, timeout_s, rank == 0 ? "" : " and the second left to rank 0 to go first",
+            status);
     fflush(stderr);
     _exit(status);
   });
