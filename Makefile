@@ -30,7 +30,7 @@ MPI_TEST_SRCS := $(wildcard tests/mpi/test_*.cu)
 MPI_TEST_OBJS := $(MPI_TEST_SRCS:%.cu=$(BUILD)/%.o)
 NVTX_RECORD := $(BUILD)/tests/libnvtx_record.so
 
-.PHONY: all deps deps-plots run test test-sweep bench gpu-check mutants clean format format-check floor plots
+.PHONY: all deps deps-plots deps-sass run test test-sweep bench gpu-check mutants clean format format-check floor plots
 all: train plan $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/bench_step $(BUILD)/bench_comm $(BUILD)/bench_tp \
      $(BUILD)/bench_attention $(BUILD)/bench_matmul $(BUILD)/device_info
 
@@ -118,6 +118,10 @@ deps:
 PLOT_PACKAGES := python3-matplotlib
 deps-plots:
 	@bash tools/deps.sh $(PLOT_PACKAGES)
+# Only for the SASS counts of tools/kernel_report.sh (and its test, skipped without them):
+# NVIDIA's cuobjdump and nvdisasm, where the CUDA install lacks them, into build/sass-tools.
+deps-sass:
+	@bash tools/sass_tools.sh
 
 # The main job: train the tiny model on the fortune corpus and print a sample.
 run: deps

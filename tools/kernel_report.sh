@@ -4,7 +4,10 @@
 # prints one row per kernel and architecture: registers, spill bytes (stores/loads), static
 # shared memory (ptxas), dynamic shared memory (the launch's, from tools/kernel_smem.cu), and
 # how many ldmatrix, cp.async and mma.sync instructions its PTX holds (static counts, after
-# unrolling: one per instruction written out, not per execution).
+# unrolling: one per instruction written out, not per execution). Where NVIDIA's cuobjdump is
+# found (tools/sass_tools.sh; `make deps-sass` fetches it), three more columns count the same
+# instructions in the SASS ptxas wrote, the code the GPU runs: LDSM (ldmatrix), LDGSTS
+# (cp.async) and HMMA (mma); without it they read "-" and the report says so.
 # --check also holds the kernels to the rules below and ends with
 # "kernel_report: N rows checked, M violations" (exit 1 on a violation):
 #   1. no kernel spills (0 bytes of spill stores and loads);
@@ -13,7 +16,8 @@
 #      flash_backward_bf16_kernel ldmatrix, cp.async and mma (every head dim);
 #   3. the kernels launched with dynamic shared memory (flash_*_bf16_kernel) have it known (from
 #      tools/kernel_smem.cu) and, with their static shared memory, within what a block may have:
-#      163 KiB on sm_80, 227 KiB on sm_90.
+#      163 KiB on sm_80, 227 KiB on sm_90;
+#   4. with the SASS counted, rule 2 holds in the SASS too (ptxas kept every instruction kind).
 # Usage: tools/kernel_report.sh [--check] [--out FILE] [--table FILE] [FILE.cu ...]
 #   FILE.cu: the files to compile (default: every kernels/*.cu); --out: the table also to FILE;
 #   --table FILE: compile nothing, check that table (tools/test_kernel_report.sh plants
@@ -52,6 +56,8 @@ check() {
       n_rules = split(rules, lines, "\n"); nr = 0
       for (i = 1; i <= n_rules; i++) if (split(lines[i], f, " ") == 2) { nr++; pat[nr] = f[1]; need[nr] = f[2] }
       col["ldmatrix"] = 9; col["cp.async"] = 10; col["mma"] = 11
+      sass["ldmatrix"] = 12; sass["cp.async"] = 13; sass["mma"] = 14
+      sass_name["ldmatrix"] = "LDSM"; sass_name["cp.async"] = "LDGSTS"; sass_name["mma"] = "HMMA"
     }
     /^\| / && NF >= 12 && trim($2) != "kernel" {
       name = trim($2); arch = trim($3); rows++
@@ -65,14 +71,21 @@ check() {
       for (r = 1; r <= nr; r++) if (name ~ pat[r]) {
         seen[r, arch]++
         k = split(need[r], kinds, ",")
-        for (j = 1; j <= k; j++) if (trim($(col[kinds[j]])) + 0 == 0) {
-          printf "VIOLATION: %s (%s) has no %s instruction\n", name, arch, kinds[j]; bad++ }
+        for (j = 1; j <= k; j++) {
+          if (trim($(col[kinds[j]])) + 0 == 0) {
+            printf "VIOLATION: %s (%s) has no %s instruction\n", name, arch, kinds[j]; bad++ }
+          s = trim($(sass[kinds[j]]))
+          if (s == "-" || s == "") no_sass++
+          else if (s + 0 == 0) {
+            printf "VIOLATION: %s (%s) has no %s in its SASS\n", name, arch, sass_name[kinds[j]]; bad++ }
+        }
       }
     }
     END {
       na = split(archs, a, " ")
       for (r = 1; r <= nr; r++) for (i = 1; i <= na; i++) if (!seen[r, a[i]]) {
         printf "VIOLATION: no kernel matching %s for %s\n", pat[r], a[i]; bad++ }
+      if (no_sass) print "kernel_report: SASS not checked (no cuobjdump; tools/sass_tools.sh fetches it)"
       printf "kernel_report: %d rows checked, %d violations\n", rows, bad
       exit bad > 0
     }' "$1"
@@ -134,20 +147,39 @@ for f in "${FILES[@]}"; do
   done
 done
 
+# The SASS counts, by (mangled name, arch), where a cuobjdump is found.
+CUOBJDUMP_FOUND=$(bash tools/sass_tools.sh --find 2>/dev/null)
+: >"$WORK/sass.txt"
+if [ -n "$CUOBJDUMP_FOUND" ]; then
+  for f in "${FILES[@]}"; do
+    "$CUOBJDUMP_FOUND" -sass "$WORK/$(basename "$f" .cu)/out.o" 2>>"$WORK/sass.log" | awk '
+      /code for sm_/ { arch = $NF }
+      /Function : / { name = $NF; key = name "|" arch; order[++n] = key; ldsm[key] = ldg[key] = hmma[key] = 0 }
+      /[ \t]LDSM[. ]/ { ldsm[key]++ }
+      /[ \t]LDGSTS[. ]/ { ldg[key]++ }
+      /[ \t]HMMA[. ]/ { hmma[key]++ }
+      END { for (i = 1; i <= n; i++) print order[i] "|" ldsm[order[i]] "|" ldg[order[i]] "|" hmma[order[i]] }' \
+      >>"$WORK/sass.txt"
+  done
+fi
+
 # Join by (mangled name, arch), demangle, add the launch's dynamic shared memory.
 {
-  echo "| kernel | arch | registers | spill bytes (st/ld) | static smem (ptxas) | dynamic smem (launch) | file | ldmatrix | cp.async | mma |"
-  echo "|---|---|---|---|---|---|---|---|---|---|"
-  awk -F'|' 'NR == FNR { counts[$1 "|" $2] = $3 "|" $4 "|" $5; next }
-             { c = counts[$1 "|" $2]; if (c == "") c = "?|?|?"; print $1 "|" $2 "|" $3 "|" $4 "|" $5 "|" $6 "|" c }' \
-    "$WORK/ptx.txt" "$rows" |
+  echo "| kernel | arch | registers | spill bytes (st/ld) | static smem (ptxas) | dynamic smem (launch) | file | ldmatrix | cp.async | mma | LDSM | LDGSTS | HMMA |"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+  awk -F'|' 'FILENAME == ARGV[1] { sass[$1 "|" $2] = $3 "|" $4 "|" $5; next }
+             FILENAME == ARGV[2] { counts[$1 "|" $2] = $3 "|" $4 "|" $5; next }
+             { c = counts[$1 "|" $2]; if (c == "") c = "?|?|?"
+               s = sass[$1 "|" $2]; if (s == "") s = "-|-|-"
+               print $1 "|" $2 "|" $3 "|" $4 "|" $5 "|" $6 "|" c "|" s }' \
+    "$WORK/sass.txt" "$WORK/ptx.txt" "$rows" |
     while IFS='|' read -r mangled arch regs spills smem file counts; do
       name=$(echo "$mangled" | c++filt | sed 's/(.*//; s/^void //')
       dyn=$(awk -v n="$name" '{ bytes = $NF; $NF = ""; sub(/ +$/, "") } $0 == n { print bytes }' \
         "$WORK/dynamic.txt" 2>/dev/null)
-      IFS='|' read -r ldm cpa mma <<<"$counts"
-      printf '| %s | %s | %s | %s | %s | %s | `%s` | %s | %s | %s |\n' "$name" "$arch" "$regs" \
-        "$spills" "$smem" "${dyn:-0}" "$file" "$ldm" "$cpa" "$mma"
+      IFS='|' read -r ldm cpa mma ldsm ldgsts hmma <<<"$counts"
+      printf '| %s | %s | %s | %s | %s | %s | `%s` | %s | %s | %s | %s | %s | %s |\n' "$name" "$arch" \
+        "$regs" "$spills" "$smem" "${dyn:-0}" "$file" "$ldm" "$cpa" "$mma" "$ldsm" "$ldgsts" "$hmma"
     done | sort -t'|' -k8,8 -k2,2 -k3,3
 } >"$WORK/table.md"
 cat "$WORK/table.md"

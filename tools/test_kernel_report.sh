@@ -4,8 +4,10 @@
 # the tensor-core kernels still contain ldmatrix, cp.async (FlashAttention-2's) and mma.sync.
 # Then plants one violation at a time in a copy of the table it printed (a spill, a kernel whose
 # ldmatrix or cp.async is gone, a FlashAttention-2 kernel whose shared memory is unknown or too
-# large, a kernel missing for one architecture) and requires --check to name each one. Prints
-# "test_kernel_report: N passed, M failed" last.
+# large, a kernel missing for one architecture) and requires --check to name each one. With a
+# cuobjdump (tools/sass_tools.sh), the same in the SASS: the kernels keep LDSM, LDGSTS and HMMA,
+# and a planted kernel without them is named; without one it prints "SASS: not checked" (a case
+# tools/run_tests.sh counts as skipped). Prints "test_kernel_report: N passed, M failed" last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T=$(mktemp -d /tmp/test_kernel_report.XXXXXX)
@@ -55,6 +57,19 @@ if [ -s "$T/table.md" ]; then
   grep -v "matmul_tensor_cores_kernel | sm_80" "$T/table.md" >"$T/planted.md"
   check "a tensor-core kernel missing for one architecture is a violation" \
     caught "VIOLATION: no kernel matching matmul_tensor_cores_kernel for sm_80"
+  if ! grep -q "SASS not checked" "$T/report.log"; then
+    plant "flash_forward_bf16_kernel<128, true>" sm_80 12 0
+    check "the FlashAttention-2 forward without LDSM in its SASS is a violation" \
+      caught "VIOLATION: flash_forward_bf16_kernel<128, true> (sm_80) has no LDSM in its SASS"
+    plant "flash_backward_bf16_kernel<64, false>" sm_90 13 0
+    check "the FlashAttention-2 backward without LDGSTS in its SASS is a violation" \
+      caught "VIOLATION: flash_backward_bf16_kernel<64, false> (sm_90) has no LDGSTS in its SASS"
+    plant "matmul_tensor_cores_kernel" sm_80 14 0
+    check "the tensor-core rung without HMMA in its SASS is a violation" \
+      caught "VIOLATION: matmul_tensor_cores_kernel (sm_80) has no HMMA in its SASS"
+  else
+    echo "SASS: not checked (no cuobjdump; tools/sass_tools.sh fetches NVIDIA's)"
+  fi
   cp "$T/table.md" "$T/planted.md"
   check "the table as printed passes" bash tools/kernel_report.sh --table "$T/planted.md"
 fi
