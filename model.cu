@@ -628,11 +628,11 @@ static std::vector<Tensor*> stored_in_compute_format(BlockActivations& a) {
           &a.moe.gate, &a.moe.up, &a.moe.act, &a.moe.out};
 }
 // What the backward reads in fp32 beyond the linear layers, SwiGLU and attention (naive
-// attention's probabilities, the experts' outputs the routing weights' gradient reads), widened
-// back before it. The rest stays in the compute format: GEMMs, SwiGLU and the attention core
-// read it as it is (the experts' inputs, gate, up and SwiGLU output among them).
+// attention's probabilities), widened back before it. The rest stays in the compute format:
+// GEMMs, SwiGLU, the attention core and the routing weights' gradient read it as it is (the
+// experts' inputs, gate, up, SwiGLU output and outputs among them).
 static std::vector<Tensor*> read_beyond_gemms(BlockActivations& a) {
-  return {&a.saved.probs, &a.saved.dropped, &a.moe.out};
+  return {&a.saved.probs, &a.saved.dropped};
 }
 static void run_hook(const std::function<void(int)>& hook, int unit) {
   if (hook) hook(unit);

@@ -1459,8 +1459,6 @@ static void scale_rows_cpu(float* y, const float* x, const float* w, int64_t K, 
   for (int64_t k = 0; k < K; k++)
     for (int64_t d = 0; d < D; d++) y[k * D + d] = x[k * D + d] * w[k];
 }
-// One thread per row, its products summed in order, as the CPU loop sums them (nvcc fuses each
-// multiply-add, which rounds once where the loop rounds twice: equal within fp32's accuracy).
 static void row_dots_cpu(float* out, const float* a, const float* b, int64_t K, int64_t D) {
   for (int64_t k = 0; k < K; k++) {
     float s = 0.0f;
@@ -1473,12 +1471,21 @@ static __global__ void scale_rows_kernel(float* y, const X* x, const float* w, i
                                          int64_t D) {
   GRID_STRIDE_LOOP(i, K * D) y[i] = widen(x[i]) * w[i / D];
 }
-static __global__ void row_dots_kernel(float* out, const float* a, const float* b, int64_t K,
+// One warp per row: lane l adds the products l, l + 32, ... (neighbouring lanes read
+// neighbouring values, coalesced), then the warp's shuffles add the 32 partial sums. The order
+// is the CPU loop's regrouped, and each multiply-add fused: equal within fp32's accuracy. b in
+// fp32 or 16 bits (the experts' outputs as they came back), widened.
+template <typename B>
+static __global__ void row_dots_kernel(float* out, const float* a, const B* b, int64_t K,
                                        int64_t D) {
-  GRID_STRIDE_LOOP(k, K) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = (int64_t)gridDim.x * blockDim.x / 32;
+  // k is the same for the warp's 32 lanes: they leave the loop together, as the shuffles need.
+  for (int64_t k = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; k < K; k += warps) {
     float s = 0.0f;
-    for (int64_t d = 0; d < D; d++) s += a[k * D + d] * b[k * D + d];
-    out[k] = s;
+    for (int64_t d = lane; d < D; d += 32) s += a[k * D + d] * widen(b[k * D + d]);
+    s = warp_reduce(s, false);
+    if (lane == 0) out[k] = s;
   }
 }
 void scale_rows(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& w) {
@@ -1508,10 +1515,20 @@ void row_dots(const Context& ctx, const Tensor& out, const Tensor& a, const Tens
   int64_t K = out.numel(), D = K > 0 ? a.numel() / K : 0;
   PICO_ASSERT(a.numel() == K * D && b.numel() == a.numel(),
               "row_dots: " + out.shape_str() + " from " + a.shape_str() + " . " + b.shape_str());
-  if (count_op(ctx.device, OpKind::Elementwise, {2.0 * K * D, 8.0 * K * D, 4.0 * K})) return;
-  if (ctx.device == Device::CPU) return row_dots_cpu(out.f32(), a.f32(), b.f32(), K, D);
+  PICO_ASSERT(out.dtype == DType::F32 && a.dtype == DType::F32 && float_storage(b.dtype),
+              std::string("row_dots: fp32 dots of fp32 rows and ") + dtype_name(b.dtype) + " ones");
+  if (count_op(ctx.device, OpKind::Elementwise,
+               {2.0 * K * D, (4.0 + dtype_size(b.dtype)) * K * D, 4.0 * K}))
+    return;
+  if (ctx.device == Device::CPU) {
+    std::vector<float> wide;  // 16-bit rows widened (exact)
+    return row_dots_cpu(out.f32(), a.f32(), host_floats(b, wide), K, D);
+  }
   if (K == 0) return;
-  row_dots_kernel<<<grid_for(K), kThreads, 0, ctx.stream>>>(out.f32(), a.f32(), b.f32(), K, D);
+  with_element(b.dtype, [&](auto* B) {
+    row_dots_kernel<<<grid_for(32 * K), kThreads, 0, ctx.stream>>>(out.f32(), a.f32(),
+                                                                   typed(B, b.ptr), K, D);
+  });
   LAUNCH_CHECK(ctx, "row_dots_kernel");
 }
 

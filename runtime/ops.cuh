@@ -214,7 +214,7 @@ void accumulate(const Context& ctx, const Tensor& acc, const Tensor& x);
 
 // ---- rows times weights (a mixture of experts' combine) ----
 // y[K, D] = x[K, D] with row k times w[k] (y may be x), y fp32 and x fp32 or 16-bit (read
-// widened); out[K] = sum_d a[k, d] b[k, d] (fp32)
+// widened); out[K] = sum_d a[k, d] b[k, d] (fp32; a fp32, b fp32 or 16-bit, read widened)
 void scale_rows(const Context& ctx, const Tensor& y, const Tensor& x, const Tensor& w);
 void row_dots(const Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b);
 

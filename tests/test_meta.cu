@@ -276,13 +276,14 @@ TEST_CASE("a bf16 residual stream moves 24 N D fewer bytes per block through the
 // A mixture under bf16 on the ledger: the experts' inputs, gate, up and SwiGLU output are kept
 // in bf16, which their GEMMs and SwiGLU read and write, so no cast moves an [R, F] tensor; the
 // rows travel in bf16 too, so the expert's output and its input gradient are written in bf16 by
-// their GEMMs (no rounding pass: 0). What a block casts per dispatched row is D values: the
-// expert's output widened before the backward, which the routing weights' gradient reads
-// (2 + 4), and its gradient rounded before it leaves for the GEMMs (4 + 2): 12 D bytes a row
-// (with fp32 rows it was 42: the output and the two input-gradient GEMMs' sums rounded, 3 x 8,
-// and the output stored in bf16, 4 + 2). Top-2 routes N more rows than top-1; the difference of
-// 4 and 2 blocks leaves out the embedding and the head.
-TEST_CASE("a mixture's experts keep bf16 between their GEMMs: 12 D cast bytes a routed row",
+// their GEMMs (no rounding pass: 0), and the routing weights' gradient reads the expert's output
+// as it came back, in bf16 (no widening: 0). What a block casts per dispatched row is D values:
+// the output's gradient rounded before it leaves for the GEMMs (4 + 2): 6 D bytes a row (12 D
+// when the output was widened before the backward, 2 + 4 more; 42 D with fp32 rows: the output
+// and the two input-gradient GEMMs' sums rounded, 3 x 8, and the output stored in bf16, 4 + 2,
+// and widened, 2 + 4). Top-2 routes N more rows than top-1; the difference of 4 and 2 blocks
+// leaves out the embedding and the head.
+TEST_CASE("a mixture's experts keep bf16 between their GEMMs: 6 D cast bytes a routed row",
           "[train]") {
   auto cast_gb = [](int layers, int top_k) {
     return printed("--model llama-1b --experts 4 --top-k " + std::to_string(top_k) +
@@ -295,7 +296,7 @@ TEST_CASE("a mixture's experts keep bf16 between their GEMMs: 12 D cast bytes a 
   const double N = 2 * 256, D = 2048, blocks = 2;
   const double per_n_rows = (cast_gb(4, 2) - cast_gb(2, 2)) - (cast_gb(4, 1) - cast_gb(2, 1));
   // The report prints GB to 4 decimals: four readings, each within 5e-5 GB.
-  CHECK(per_n_rows == Approx(blocks * 12 * N * D / 1e9).margin(2e-4));
+  CHECK(per_n_rows == Approx(blocks * 6 * N * D / 1e9).margin(2e-4));
 }
 
 // The rows a mixture's all-to-alls move travel in the compute format: 2 bytes a value under

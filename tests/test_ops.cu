@@ -846,12 +846,13 @@ TEST_CASE("scale_rows and row_dots give exact small-integer results, zero rows i
   row_dots(kCpu, nw.view(0, {0}), none, none);
 }
 
-// A mixture's rows travel in the compute format: the combine scales 16-bit rows and the backward
-// scatter-adds 16-bit rows, each value widened (exact) and the arithmetic fp32's. Expected: each
-// product in double, rounded once to float (a 8- or 11-bit by 24-bit significand product is
-// exact in double, so this is fp32's correctly rounded product), and each entry's sum in
-// position order in float, from the format's values decoded here.
-TEST_CASE("scale_rows and embedding_backward read bf16 and fp16 rows widened", "[ops]") {
+// A mixture's rows travel in the compute format: the combine scales 16-bit rows, the routing
+// weights' gradient dots fp32 gradients with them and the backward scatter-adds 16-bit rows, each
+// value widened (exact) and the arithmetic fp32's. Expected: each product in double, rounded once
+// to float (a 8- or 11-bit by 24-bit significand product is exact in double, so this is fp32's
+// correctly rounded product), and each sum in position order in float, from the format's values
+// decoded here.
+TEST_CASE("scale_rows, row_dots and embedding_backward read bf16 and fp16 rows widened", "[ops]") {
   const int K = 6, D = 5, V = 3;
   Tensor x = randn({K, D}, "x", 3.0f), w = randn({K}, "w");
   std::vector<int32_t> id_values = {2, 0, 2, 1, 2, 0};
@@ -870,6 +871,13 @@ TEST_CASE("scale_rows and embedding_backward read bf16 and fp16 rows widened", "
     std::vector<float> want(K * D);
     for (int i = 0; i < K * D; i++) want[i] = (float)((double)xv[i] * wv[i / D]);
     CHECK(to_host_floats(y) == want);
+
+    Tensor a = randn({K, D}, "a"), dots = empty({K}, Mem::Workspace);
+    row_dots(kCpu, dots, a, xh);
+    const std::vector<float> av = to_host_floats(a);
+    std::vector<float> dot_sums(K, 0.0f);
+    for (int i = 0; i < K * D; i++) dot_sums[i / D] += (float)((double)av[i] * xv[i]);
+    CHECK(to_host_floats(dots) == dot_sums);
 
     Tensor dtable = from_values({V, D}, std::vector<float>(V * D, 0.25f));
     embedding_backward(kCpu, dtable, ids_tensor(id_values), xh);
@@ -1777,14 +1785,22 @@ TEST_CASE("CUDA scale_rows and row_dots match the CPU reference", "[gpu]") {
   check_close(host(ctx, g_y), y, 0.0f, 0.0f);  // one product each: exact
   row_dots(kCpu, d, x, b);
   row_dots(ctx, g_d, g_x, g_b);
-  check_close(host(ctx, g_d), d, 1e-5f, 1e-5f);   // 300-term sums, fused multiply-adds
+  // 300-term sums of products of unit normals (their magnitudes add to about 190, where fp32's
+  // unit is 1.5e-5), in the CPU loop's order and regrouped over a warp's 32 lanes with fused
+  // multiply-adds: the two differ by at most 6.1e-5 over 20,000 such rows (simulated in C++ on
+  // the host), so 2e-4 absolute leaves a margin of 3; a lost lane or row is off by about 1.
+  check_close(host(ctx, g_d), d, 1e-5f, 2e-4f);
   for (DType half : {DType::BF16, DType::F16}) {  // rows as a mixture's travel: widened, exact
     INFO(dtype_name(half));
     Tensor xh = empty({K, D}, Mem::Workspace, Device::CPU, half);
     cast_(kCpu, xh, x);
+    Tensor g_xh = to_device(xh, Device::CUDA, Mem::Workspace);
     scale_rows(kCpu, y, xh, w);
-    scale_rows(ctx, g_y, to_device(xh, Device::CUDA, Mem::Workspace), g_w);
+    scale_rows(ctx, g_y, g_xh, g_w);
     check_close(host(ctx, g_y), y, 0.0f, 0.0f);
+    row_dots(kCpu, d, b, xh);
+    row_dots(ctx, g_d, g_b, g_xh);
+    check_close(host(ctx, g_d), d, 1e-5f, 2e-4f);  // as the fp32 rows' sums
   }
   ctx.destroy();
 }
