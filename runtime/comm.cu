@@ -386,6 +386,7 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
     return Handle();
   }
   auto s = start(c, g, ctx, Coll::SendRecv, total);
+  s->lockstep = false;  // a pipeline's neighbour may still be computing what it sends
   if (c.backend == Backend::NCCL) {
     // One NCCL group: a stage that sends forward and receives backward cannot deadlock.
     // A grouped call on nonblocking communicators: ncclGroupEnd may answer ncclInProgress, and
@@ -394,11 +395,13 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
     // each one's stream. On one stream the two would run in turn, and a stage's send forward
     // could wait for the next stage's receive queued behind that stage's send backward, which
     // waits for this stage's receive: two streams let them run together. The other's starts
-    // after the data is ready, as this one does (start); this one ends after it (`finished`).
+    // once the data is ready, as this one does (start): after the compute stream, not after
+    // this stream's earlier sends, which may wait for a peer. Each stream marks its own end
+    // (`finished`, `finished_other`), so neither waits for the other's.
     cudaStream_t st = stream_of(c, g), other_st = other ? stream_of(c, *other) : st;
     if (other) {
       s->nccl.push_back(other->nccl);
-      stream_waits_for(other_st, st);
+      stream_waits_for(other_st, ctx.stream);
     }
     NCCL_CHECK(ncclGroupStart());
     for (const P2P& op : ops) {
@@ -412,12 +415,12 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
     }
     NCCL_ENQUEUE(*s, ncclGroupEnd());
     if (other) {
-      s->settle();  // the other's ops on its stream before this one waits for them
-      stream_waits_for(st, other_st);
+      s->settle();  // the other's ops on its stream before its end is marked
+      CUDA_CHECK(cudaEventCreateWithFlags(&s->finished_other, cudaEventDisableTiming));
+      CUDA_CHECK(cudaEventRecord(s->finished_other, other_st));
     }
   } else {
-    s->lockstep = false;  // a pipeline's neighbour may still be computing what it sends
-    const int kTag = 0;   // MPI keeps the messages between two ranks in order: one tag is enough
+    const int kTag = 0;  // MPI keeps the messages between two ranks in order: one tag is enough
     for (const P2P& op : ops) {
       void* h =
           mpi_buffer(*s, ctx, op.buf, op.count * (int64_t)dtype_size(op.dtype), op.send, !op.send);

@@ -104,7 +104,7 @@ bool Handle::State::poll() {
   if (done) return true;
   bool complete = false;
   if (finished) {
-    complete = event_reached(finished);
+    complete = event_reached(finished) && (!finished_other || event_reached(finished_other));
     for (size_t i = 0; !complete && i < nccl.size(); i++) {  // a failed peer shows up here
       ncclResult_t async = ncclSuccess, r = ncclCommGetAsyncError(nccl[i], &async);
       if (r != ncclSuccess) async = r;
@@ -141,6 +141,7 @@ void Handle::State::finish() {
   pinned.clear();
   // Work queued later on the compute stream runs after the collective; the host goes on.
   if (finished) CUDA_CHECK(cudaStreamWaitEvent(compute, finished, 0));
+  if (finished_other) CUDA_CHECK(cudaStreamWaitEvent(compute, finished_other, 0));
   done = true;
 }
 

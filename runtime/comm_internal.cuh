@@ -73,7 +73,8 @@ struct Handle::State {
   std::vector<ncclComm_t> nccl;    // the communicators the op runs on (two for some send_recv)
   bool enqueue_pending = false;    // a call answered ncclInProgress: settle() before going on
   cudaEvent_t finished = nullptr;  // recorded on the comm stream after the op
-  cudaStream_t compute = nullptr;  // the caller's stream: waits for `finished`, or copy-back
+  cudaEvent_t finished_other = nullptr;  // a send_recv's other communicator's stream, after it
+  cudaStream_t compute = nullptr;        // the caller's stream: waits for `finished`, or copy-back
 
   MPI_Request* request() {
     requests.push_back(MPI_REQUEST_NULL);
@@ -92,6 +93,7 @@ struct Handle::State {
   ~State() {
     if (!done) wait();
     if (finished) cudaEventDestroy(finished);
+    if (finished_other) cudaEventDestroy(finished_other);
   }
 };
 

@@ -234,6 +234,48 @@ void nccl_settle(const std::vector<ncclComm_t>& comms, ncclResult_t returned,
   }
 }
 
+// NCCL opens a point-to-point connection the first time two ranks exchange a message, and a
+// grouped call opens every connection it needs before any of its transfers starts, each with
+// its peer taking part. A pipeline stage's first grouped call may hold its first send forward
+// (on pp) with its first receive back (on pp_grad) while the next stage, still waiting for that
+// send, has not sent back yet (all forward then all backward: always): neither would go on. So
+// every pipeline neighbour is connected here, both ways, on both communicators, before the first
+// step: one word each way, grouped, waited for against the deadline.
+static void connect_pipeline_neighbours(Group& g, double timeout_s) {
+  if (!g.nccl || g.size < 2) return;
+  const int world_rank = g.members.empty() ? 0 : g.members[g.rank];
+  const int next = (g.rank + 1) % g.size, prev = (g.rank + g.size - 1) % g.size;
+  const std::string what = "the first messages between pipeline neighbours on " + g.name;
+  const double t0 = now_seconds();
+  float* words = nullptr;  // [4]: sent next, from prev, sent prev, from next
+  CUDA_CHECK(cudaMalloc(&words, 4 * sizeof(float)));
+  CUDA_CHECK(cudaMemset(words, 0, 4 * sizeof(float)));
+  bool pending = false;
+  auto call = [&](ncclResult_t r) {
+    if (r == ncclInProgress)
+      pending = true;
+    else if (r != ncclSuccess)
+      nccl_stop({g.nccl}, nccl_error(what, world_rank, r, g.nccl));
+  };
+  call(ncclGroupStart());
+  call(ncclSend(words, 1, ncclFloat, next, g.nccl, g.stream));
+  call(ncclRecv(words + 1, 1, ncclFloat, prev, g.nccl, g.stream));
+  call(ncclSend(words + 2, 1, ncclFloat, prev, g.nccl, g.stream));
+  call(ncclRecv(words + 3, 1, ncclFloat, next, g.nccl, g.stream));
+  call(ncclGroupEnd());
+  nccl_settle({g.nccl}, pending ? ncclInProgress : ncclSuccess, what, world_rank, t0, timeout_s);
+  cudaEvent_t arrived;
+  CUDA_CHECK(cudaEventCreateWithFlags(&arrived, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventRecord(arrived, g.stream));
+  while (!event_reached(arrived)) {
+    if (now_seconds() - t0 > timeout_s)
+      nccl_stop({g.nccl}, past_deadline(world_rank, what, timeout_s));
+    std::this_thread::yield();
+  }
+  CUDA_CHECK(cudaEventDestroy(arrived));
+  CUDA_CHECK(cudaFree(words));
+}
+
 // ---- The communicators of a run ----
 
 // Which group of each kind a rank belongs to: (color, key), the ranks sharing a color forming
@@ -373,6 +415,7 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
     CUDA_CHECK(cudaStreamCreateWithFlags(&c.comm_ctx.stream, cudaStreamNonBlocking));
     for (Group* g : c.groups())  // each communicator's ops on a stream of their own
       if (g->nccl) CUDA_CHECK(cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking));
+    for (Group* g : {&c.pp, &c.pp_grad}) connect_pipeline_neighbours(*g, timeout_s);
   } else {
     c.comm_ctx = Context::create(device == Device::Meta ? Device::Meta : Device::CPU);
   }

@@ -254,6 +254,13 @@ void* device_allocate(const ArenaKey& key) {
     release_held(true, nullptr);
     count_host_sync();  // the frees complete before the retry
     CUDA_CHECK(cudaDeviceSynchronize());
+    if (pooled) {  // the pool's unused memory back to the driver, where a larger block may fit
+      int dev = 0;
+      cudaMemPool_t pool;
+      CUDA_CHECK(cudaGetDevice(&dev));
+      CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+      CUDA_CHECK(cudaMemPoolTrimTo(pool, 0));
+    }
     err = pooled ? cudaMallocAsync(&ptr, key.bytes, key.stream) : cudaMalloc(&ptr, key.bytes);
   }
   CUDA_CHECK(err);
