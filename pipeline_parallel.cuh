@@ -115,10 +115,10 @@ struct StepBatch {
 // receive, forward or backward, send, with the gradient sync's hooks; loss_scale turns each
 // micro-batch's summed loss into its share of the step's mean (DESIGN 5). Without a pipeline
 // (pp = 1) the table is the one-stage 1F1B table F0 B0 F1 B1 ...: gradient accumulation
-// (Playbook §2.7). Sends wait to go out with the next receive as one grouped call. The observer
-// sees every op (trace, faults, memory). The model's chunks are those pipeline_chunks gives
-// for cfg.schedule. Returns the summed per-token losses of this rank's micro-batches (those of
-// the chunk that holds the head; 0 elsewhere).
+// (Playbook §2.7). Sends wait to go out just before the next receive; only receives wait. The
+// observer sees every op (trace, faults, memory). The model's chunks are those pipeline_chunks
+// gives for cfg.schedule. Returns the summed per-token losses of this rank's micro-batches (those
+// of the chunk that holds the head; 0 elsewhere).
 double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& sync,
                     const StepBatch& batch, Recompute mode, float loss_scale,
                     const PipelineConfig& cfg, Observer& observer);

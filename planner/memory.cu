@@ -243,8 +243,9 @@ Walk walk_schedule(const Layout& l, const Implementation& impl, int stage,
   const PpSchedule schedule = p * V > 1 ? l.schedule : PpSchedule::OneFOneB;
   std::vector<PipelineOp> table = pipeline_schedule(schedule, p, stage, l.grad_acc, V);
   const StagePlacement at = stage_placement(schedule, p, V);
-  // The engine's sends (runtime/exchange.cuh): queued until the next receive, which
-  // over NCCL sends them with it and lets them go; otherwise (no receive follows, or MPI) they
+  // The engine's sends (runtime/exchange.cuh): queued until the next receive, which sends them
+  // first and, over NCCL, gives their buffers back once they are received (taken here, as on
+  // the meta device, as by the end of that receive); otherwise (no receive follows, or MPI) they
   // stay in flight, their buffers alive, until the step ends.
   std::set<std::pair<int, int>> queued, in_flight, done;
   const std::set<std::pair<int, int>> apart = weights_apart(table);  // B's whose W runs later

@@ -388,36 +388,52 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
   auto s = start(c, g, ctx, Coll::SendRecv, total);
   s->lockstep = false;  // a pipeline's neighbour may still be computing what it sends
   if (c.backend == Backend::NCCL) {
-    // One NCCL group: a stage that sends forward and receives backward cannot deadlock.
-    // A grouped call on nonblocking communicators: ncclGroupEnd may answer ncclInProgress, and
-    // then every communicator of the group must be waited for.
-    // A group spanning two communicators (pp's activations, pp_grad's gradients) is a kernel on
-    // each one's stream. On one stream the two would run in turn, and a stage's send forward
-    // could wait for the next stage's receive queued behind that stage's send backward, which
-    // waits for this stage's receive: two streams let them run together. The other's starts
-    // once the data is ready, as this one does (start): after the compute stream, not after
-    // this stream's earlier sends, which may wait for a peer. Each stream marks its own end
-    // (`finished`, `finished_other`), so neither waits for the other's.
-    cudaStream_t st = stream_of(c, g), other_st = other ? stream_of(c, *other) : st;
-    if (other) {
-      s->nccl.push_back(other->nccl);
-      stream_waits_for(other_st, ctx.stream);
+    // A pipeline's messages travel on their group's links (Group::links), each on the stream of
+    // its direction and neighbour: a send there, which waits until its peer receives, holds up
+    // nothing else. Other messages (a ring's exchange with both neighbours) go on the group's
+    // communicator, in one NCCL group that none of them holds up. Every other stream starts once
+    // the data is ready, as the group's does (start), and marks its own end (`other_ends`). A
+    // grouped call on nonblocking communicators: ncclGroupEnd may answer ncclInProgress, and then
+    // every communicator of the call must be waited for (settle).
+    struct Route {
+      ncclComm_t nccl;
+      cudaStream_t stream;
+      int peer;  // on a link, its other rank: the receiver 1, the sender 0
+    };
+    std::vector<Route> route(ops.size());
+    std::vector<cudaStream_t> others;
+    for (size_t i = 0; i < ops.size(); i++) {
+      const P2P& op = ops[i];
+      Group& og = op.group ? *op.group : g;
+      const int from = op.send ? og.rank : op.peer, to = op.send ? op.peer : og.rank;
+      route[i] = {og.nccl, stream_of(c, og), op.peer};
+      for (const Group::Link& link : og.links)
+        if (link.from == from && link.to == to)
+          route[i] = {link.nccl, link.stream, op.send ? 1 : 0};
+      const Route& r = route[i];
+      if (std::find(s->nccl.begin(), s->nccl.end(), r.nccl) == s->nccl.end())
+        s->nccl.push_back(r.nccl);
+      if (r.stream != stream_of(c, g) &&
+          std::find(others.begin(), others.end(), r.stream) == others.end()) {
+        others.push_back(r.stream);
+        stream_waits_for(r.stream, ctx.stream);
+      }
     }
     NCCL_CHECK(ncclGroupStart());
-    for (const P2P& op : ops) {
-      const bool mine = !op.group || op.group == &g;  // one group may span communicators
-      ncclComm_t nc = mine ? g.nccl : op.group->nccl;
-      cudaStream_t on = mine ? st : other_st;
+    for (size_t i = 0; i < ops.size(); i++) {
+      const P2P& op = ops[i];
+      const Route& r = route[i];
       if (op.send)
-        NCCL_ENQUEUE(*s, ncclSend(op.buf, op.count, nccl_type(op.dtype), op.peer, nc, on));
+        NCCL_ENQUEUE(*s, ncclSend(op.buf, op.count, nccl_type(op.dtype), r.peer, r.nccl, r.stream));
       else
-        NCCL_ENQUEUE(*s, ncclRecv(op.buf, op.count, nccl_type(op.dtype), op.peer, nc, on));
+        NCCL_ENQUEUE(*s, ncclRecv(op.buf, op.count, nccl_type(op.dtype), r.peer, r.nccl, r.stream));
     }
     NCCL_ENQUEUE(*s, ncclGroupEnd());
-    if (other) {
-      s->settle();  // the other's ops on its stream before its end is marked
-      CUDA_CHECK(cudaEventCreateWithFlags(&s->finished_other, cudaEventDisableTiming));
-      CUDA_CHECK(cudaEventRecord(s->finished_other, other_st));
+    s->settle();  // every op on its stream before the ends are marked
+    for (cudaStream_t st : others) {
+      s->other_ends.push_back(nullptr);
+      CUDA_CHECK(cudaEventCreateWithFlags(&s->other_ends.back(), cudaEventDisableTiming));
+      CUDA_CHECK(cudaEventRecord(s->other_ends.back(), st));
     }
   } else {
     const int kTag = 0;  // MPI keeps the messages between two ranks in order: one tag is enough

@@ -72,6 +72,16 @@ struct Group {
   // buckets' all-reduces (PyTorch gives each process group its own stream too).
   cudaStream_t stream = nullptr;
   float* barrier_word = nullptr;  // NCCL: what its barriers all-reduce (cudaMalloc, at the first)
+  // NCCL, the pipeline's groups (pp, pp_grad): a communicator of two ranks and a stream for each
+  // direction between this rank and each neighbour, which their sends and receives travel on.
+  // An NCCL send holds its stream until the peer receives; on a stream of its own it never
+  // holds up this rank's receives, so a stage waits only for what it receives, as on MPI.
+  struct Link {
+    int from = 0, to = 0;  // group ranks
+    ncclComm_t nccl = nullptr;
+    cudaStream_t stream = nullptr;
+  };
+  std::vector<Link> links;
 };
 
 struct Grid {

@@ -104,7 +104,9 @@ bool Handle::State::poll() {
   if (done) return true;
   bool complete = false;
   if (finished) {
-    complete = event_reached(finished) && (!finished_other || event_reached(finished_other));
+    complete = event_reached(finished);
+    for (size_t i = 0; complete && i < other_ends.size(); i++)
+      complete = event_reached(other_ends[i]);
     for (size_t i = 0; !complete && i < nccl.size(); i++) {  // a failed peer shows up here
       ncclResult_t async = ncclSuccess, r = ncclCommGetAsyncError(nccl[i], &async);
       if (r != ncclSuccess) async = r;
@@ -141,7 +143,7 @@ void Handle::State::finish() {
   pinned.clear();
   // Work queued later on the compute stream runs after the collective; the host goes on.
   if (finished) CUDA_CHECK(cudaStreamWaitEvent(compute, finished, 0));
-  if (finished_other) CUDA_CHECK(cudaStreamWaitEvent(compute, finished_other, 0));
+  for (cudaEvent_t e : other_ends) CUDA_CHECK(cudaStreamWaitEvent(compute, e, 0));
   done = true;
 }
 

@@ -70,11 +70,11 @@ struct Handle::State {
   std::vector<int> mpi_counts;  // all-to-all-v's counts and displacements, read by MPI
                                 // until the op completes
   // NCCL backend.
-  std::vector<ncclComm_t> nccl;    // the communicators the op runs on (two for some send_recv)
-  bool enqueue_pending = false;    // a call answered ncclInProgress: settle() before going on
-  cudaEvent_t finished = nullptr;  // recorded on the comm stream after the op
-  cudaEvent_t finished_other = nullptr;  // a send_recv's other communicator's stream, after it
-  cudaStream_t compute = nullptr;        // the caller's stream: waits for `finished`, or copy-back
+  std::vector<ncclComm_t> nccl;         // the communicators the op runs on (two for some send_recv)
+  bool enqueue_pending = false;         // a call answered ncclInProgress: settle() before going on
+  cudaEvent_t finished = nullptr;       // recorded on the comm stream after the op
+  std::vector<cudaEvent_t> other_ends;  // a send_recv's on its other streams (links), after it
+  cudaStream_t compute = nullptr;       // the caller's stream: waits for `finished`, or copy-back
 
   MPI_Request* request() {
     requests.push_back(MPI_REQUEST_NULL);
@@ -93,7 +93,7 @@ struct Handle::State {
   ~State() {
     if (!done) wait();
     if (finished) cudaEventDestroy(finished);
-    if (finished_other) cudaEventDestroy(finished_other);
+    for (cudaEvent_t e : other_ends) cudaEventDestroy(e);
   }
 };
 

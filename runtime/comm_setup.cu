@@ -234,45 +234,79 @@ void nccl_settle(const std::vector<ncclComm_t>& comms, ncclResult_t returned,
   }
 }
 
-// NCCL opens a point-to-point connection the first time two ranks exchange a message, and a
-// grouped call opens every connection it needs before any of its transfers starts, each with
-// its peer taking part. A pipeline stage's first grouped call may hold its first send forward
-// (on pp) with its first receive back (on pp_grad) while the next stage, still waiting for that
-// send, has not sent back yet (all forward then all backward: always): neither would go on. So
-// every pipeline neighbour is connected here, both ways, on both communicators, before the first
-// step: one word each way, grouped, waited for against the deadline.
-static void connect_pipeline_neighbours(Group& g, double timeout_s) {
+// A pipeline group's links (Group::links): for each neighbour, a communicator of two ranks each
+// way (the sender rank 0, the receiver 1), and a stream for each. The sender makes the id; the
+// group's ranks gather each other's (the link to the next rank's, then to the previous one's).
+// NCCL opens a connection at a pair's first message, and a grouped call waits for its
+// connections before any of its transfers starts, each with its peer taking part: a stage's
+// first send forward would wait for a neighbour that is itself waiting to receive. So every
+// link carries one word here, before the first step. Every wait against the deadline.
+static void make_links(Group& g, int world_rank, double timeout_s) {
   if (!g.nccl || g.size < 2) return;
-  const int world_rank = g.members.empty() ? 0 : g.members[g.rank];
-  const int next = (g.rank + 1) % g.size, prev = (g.rank + g.size - 1) % g.size;
-  const std::string what = "the first messages between pipeline neighbours on " + g.name;
+  const int next = g.next(), prev = g.prev();
+  std::vector<ncclUniqueId> mine(2), all(2 * g.size);  // [rank][0: to next, 1: to prev]
+  for (ncclUniqueId& id : mine) NCCL_CHECK(ncclGetUniqueId(&id));
+  host_wait(g, "the exchange of the NCCL ids of the pipeline's links", sizeof(ncclUniqueId) * 2,
+            [&](MPI_Request* r) {
+              return MPI_Iallgather(mine.data(), 2 * sizeof(ncclUniqueId), MPI_BYTE, all.data(),
+                                    2 * sizeof(ncclUniqueId), MPI_BYTE, g.mpi, r);
+            });
+  // (A group of two has one neighbour: its links are the ones to the next rank, both ways.)
+  struct Made {
+    int from, to;
+    ncclUniqueId id;
+  };
+  std::vector<Made> made = {{g.rank, next, mine[0]}, {prev, g.rank, all[2 * prev]}};
+  if (prev != next)
+    made.push_back({g.rank, prev, mine[1]}), made.push_back({next, g.rank, all[2 * next + 1]});
+  const std::string what = "the pipeline's links on " + g.name;
   const double t0 = now_seconds();
-  float* words = nullptr;  // [4]: sent next, from prev, sent prev, from next
-  CUDA_CHECK(cudaMalloc(&words, 4 * sizeof(float)));
-  CUDA_CHECK(cudaMemset(words, 0, 4 * sizeof(float)));
+  for (const Made& m : made) {
+    Group::Link link;
+    link.from = m.from, link.to = m.to;
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;  // every link's creation under way at once, then settled
+    ncclResult_t r = ncclCommInitRankConfig(&link.nccl, 2, m.id, m.from == g.rank ? 0 : 1, &config);
+    if (r != ncclSuccess && r != ncclInProgress)
+      nccl_stop({link.nccl}, nccl_error(what, world_rank, r, link.nccl));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&link.stream, cudaStreamNonBlocking));
+    g.links.push_back(link);
+  }
+  std::vector<ncclComm_t> comms;
+  for (const Group::Link& link : g.links) comms.push_back(link.nccl);
+  nccl_settle(comms, ncclInProgress, what, world_rank, t0, timeout_s);
+  // The first word each way.
+  float* words = nullptr;
+  CUDA_CHECK(cudaMalloc(&words, g.links.size() * sizeof(float)));
+  CUDA_CHECK(cudaMemset(words, 0, g.links.size() * sizeof(float)));
   bool pending = false;
   auto call = [&](ncclResult_t r) {
     if (r == ncclInProgress)
       pending = true;
     else if (r != ncclSuccess)
-      nccl_stop({g.nccl}, nccl_error(what, world_rank, r, g.nccl));
+      nccl_stop(comms, nccl_error(what, world_rank, r, comms[0]));
   };
   call(ncclGroupStart());
-  call(ncclSend(words, 1, ncclFloat, next, g.nccl, g.stream));
-  call(ncclRecv(words + 1, 1, ncclFloat, prev, g.nccl, g.stream));
-  call(ncclSend(words + 2, 1, ncclFloat, prev, g.nccl, g.stream));
-  call(ncclRecv(words + 3, 1, ncclFloat, next, g.nccl, g.stream));
-  call(ncclGroupEnd());
-  nccl_settle({g.nccl}, pending ? ncclInProgress : ncclSuccess, what, world_rank, t0, timeout_s);
-  cudaEvent_t arrived;
-  CUDA_CHECK(cudaEventCreateWithFlags(&arrived, cudaEventDisableTiming));
-  CUDA_CHECK(cudaEventRecord(arrived, g.stream));
-  while (!event_reached(arrived)) {
-    if (now_seconds() - t0 > timeout_s)
-      nccl_stop({g.nccl}, past_deadline(world_rank, what, timeout_s));
-    std::this_thread::yield();
+  for (size_t i = 0; i < g.links.size(); i++) {
+    const Group::Link& l = g.links[i];
+    if (l.from == g.rank)
+      call(ncclSend(words + i, 1, ncclFloat, 1, l.nccl, l.stream));
+    else
+      call(ncclRecv(words + i, 1, ncclFloat, 0, l.nccl, l.stream));
   }
-  CUDA_CHECK(cudaEventDestroy(arrived));
+  call(ncclGroupEnd());
+  nccl_settle(comms, pending ? ncclInProgress : ncclSuccess, what, world_rank, t0, timeout_s);
+  for (const Group::Link& l : g.links) {
+    cudaEvent_t arrived;
+    CUDA_CHECK(cudaEventCreateWithFlags(&arrived, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventRecord(arrived, l.stream));
+    while (!event_reached(arrived)) {
+      if (now_seconds() - t0 > timeout_s)
+        nccl_stop(comms, past_deadline(world_rank, what, timeout_s));
+      std::this_thread::yield();
+    }
+    CUDA_CHECK(cudaEventDestroy(arrived));
+  }
   CUDA_CHECK(cudaFree(words));
 }
 
@@ -370,8 +404,8 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
                {&c.ep, "ep", GroupKind::Ep},
                {&c.edp_cp, "edp_cp", GroupKind::EdpCp}};
   // The meta device stands for GPUs, one per rank as in the book's clusters: NCCL's semantics
-  // (a pipeline's sends go out with the next receive) unless --comm mpi; it creates no
-  // communicator of either.
+  // (a pipeline's send given back once received, at the next receive) unless --comm mpi; it
+  // creates no communicator of either.
   const bool meta = device == Device::Meta;
   if (meta && backend_flag != "auto" && backend_flag != "nccl" && backend_flag != "mpi")
     throw UsageError("--comm " + backend_flag + ": expected auto, nccl or mpi");
@@ -415,7 +449,7 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
     CUDA_CHECK(cudaStreamCreateWithFlags(&c.comm_ctx.stream, cudaStreamNonBlocking));
     for (Group* g : c.groups())  // each communicator's ops on a stream of their own
       if (g->nccl) CUDA_CHECK(cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking));
-    for (Group* g : {&c.pp, &c.pp_grad}) connect_pipeline_neighbours(*g, timeout_s);
+    for (Group* g : {&c.pp, &c.pp_grad}) make_links(*g, world_rank, timeout_s);
   } else {
     c.comm_ctx = Context::create(device == Device::Meta ? Device::Meta : Device::CPU);
   }
@@ -427,6 +461,15 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
 // after a finished finalize only frees local memory.
 void comm_destroy(Comm& c) {
   for (Group* g : c.groups()) {
+    for (Group::Link& link : g->links) {  // as the group's own communicator, below
+      int world_rank = g->members.empty() ? 0 : g->members[g->rank];
+      double t0 = now_seconds();
+      nccl_settle({link.nccl}, ncclCommFinalize(link.nccl),
+                  "ncclCommFinalize of a link on " + g->name, world_rank, t0, g->timeout_s);
+      NCCL_CHECK(ncclCommDestroy(link.nccl));
+      CUDA_CHECK(cudaStreamDestroy(link.stream));  // finalized: idle
+    }
+    g->links.clear();
     if (g->nccl) {
       int world_rank = g->members.empty() ? 0 : g->members[g->rank];
       double t0 = now_seconds();

@@ -20,16 +20,12 @@ Tensor Exchange::receive(Group& g, int peer, const TensorSpec& spec, Mem categor
     return t;
   }
   Tensor t = empty(ctx_, spec.shape, category, spec.dtype);
-  P2P recv{false, t.ptr, t.numel(), peer, &g, t.dtype};
-  if (comm_.backend != Backend::NCCL) {
-    flush();
-    send_recv_async(comm_, calls_, ctx_, {recv}).wait();
-    return t;
-  }
-  queued_.push_back(recv);
-  send_recv_async(comm_, calls_, ctx_, queued_).wait();
-  queued_.clear();
-  keep_.clear();
+  flush(comm_.backend == Backend::NCCL);
+  send_recv_async(comm_, calls_, ctx_, {P2P{false, t.ptr, t.numel(), peer, &g, t.dtype}}).wait();
+  // NCCL: the sends that went out before a receive give their buffers back once received (on
+  // the meta device at once: its sends complete as they are issued); MPI's wait for the end.
+  for (auto it = in_flight_.begin(); it != in_flight_.end();)
+    it = it->freed_when_sent && it->handle.test() ? in_flight_.erase(it) : std::next(it);
   return t;
 }
 
@@ -45,15 +41,15 @@ std::vector<Tensor> Exchange::receive(Group& g, int peer, const std::vector<Tens
   return in;
 }
 
-void Exchange::flush() {
+void Exchange::flush(bool freed_when_sent) {
   if (queued_.empty()) return;
-  in_flight_.push_back({send_recv_async(comm_, calls_, ctx_, queued_), keep_});
+  in_flight_.push_back({send_recv_async(comm_, calls_, ctx_, queued_), keep_, freed_when_sent});
   queued_.clear();
   keep_.clear();
 }
 
 void Exchange::finish() {
   flush();
-  for (auto& [handle, buffers] : in_flight_) handle.wait();
+  for (InFlight& sent : in_flight_) sent.handle.wait();
   in_flight_.clear();
 }

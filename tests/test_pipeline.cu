@@ -4,8 +4,10 @@
 // The training side (losses, gradients, weights against one process) is in test_parity.cu.
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <map>
 #include <set>
 #include <tuple>
+#include <vector>
 
 #include "pipeline_parallel.cuh"
 #include "planner/pipeline_timing.cuh"
@@ -436,4 +438,149 @@ TEST_CASE("bad pipeline layouts exit with a message naming the flags", "[pipelin
   REQUIRE(parse_pp_schedule("dualpipev") == PpSchedule::DualPipeV);
   REQUIRE(message([] { validate_pipeline(8, 2, 2, 4, PpSchedule::Interleaved, false, 1); }) ==
           "no error");
+}
+
+// The engine's messages on NCCL's rules for point-to-point (NCCL's guide, "Point-to-point
+// communication"): an ncclSend or ncclRecv blocks its stream until the matching op runs on the
+// peer (a message larger than NCCL's buffers: the worst case), and a stream runs its ops in
+// order. Each rank's host walks its real table as run_schedule does: before an op (or an F&B
+// pair) the queued sends go out, then the receive each needs (a forward's from the rank of the
+// previous model chunk, on pp; a backward's from the next one's, on pp_grad; none from itself)
+// is waited for; after a forward or backward its output is queued. Returns whether every rank
+// finishes, sends included. `links`: a stream per way and neighbour (runtime/exchange.cuh, the
+// engine); else one per communicator and rank. `wait_sends`: the receive's wait also waits for
+// the sends that went out with it, as a grouped call's would.
+static bool nccl_step_completes(PpSchedule s, int p, int m, int V, bool links, bool wait_sends) {
+  const StagePlacement at = stage_placement(s, p, V);
+  const int last = p * V - 1;
+  struct Op {
+    int stream, match = -1;
+    bool done = false;
+  };
+  std::vector<Op> ops;
+  std::map<std::tuple<int, int, int, int>, int> stream_ids;  // (rank, kind, from, to)
+  std::vector<std::vector<int>> streams;                     // ops in issue order
+  std::vector<size_t> head;
+  std::map<std::tuple<int, int, int, bool>, std::vector<int>> unmatched;  // (kind, from, to, send)
+  auto issue = [&](int rank, int kind, int peer, bool send) {
+    const int from = send ? rank : peer, to = send ? peer : rank;
+    auto key = links ? std::make_tuple(rank, kind, from, to) : std::make_tuple(rank, kind, 0, 0);
+    if (!stream_ids.count(key))
+      stream_ids[key] = (int)streams.size(), streams.emplace_back(), head.push_back(0);
+    const int id = (int)ops.size();
+    ops.push_back({stream_ids[key]});
+    streams[ops[id].stream].push_back(id);
+    std::vector<int>& other = unmatched[{kind, from, to, !send}];
+    if (other.empty()) {
+      unmatched[{kind, from, to, send}].push_back(id);
+    } else {  // NCCL matches a pair's messages in the order issued
+      ops[id].match = other.front(), ops[other.front()].match = id;
+      other.erase(other.begin());
+    }
+    return id;
+  };
+  struct Host {
+    size_t k = 0;                             // the op it is at
+    std::vector<std::pair<int, int>> inputs;  // op k's (and its pair's) receives still to make
+    bool inputs_known = false;
+    std::vector<int> waiting;                 // what it waits for now
+    std::vector<std::pair<int, int>> queued;  // sends to go out: (kind, peer)
+    std::vector<int> sent;                    // every send issued, waited for at the end
+    bool done = false;
+  };
+  std::vector<Host> hosts(p);
+  std::vector<std::vector<PipelineOp>> tables(p);
+  for (int r = 0; r < p; r++) tables[r] = pipeline_schedule(s, p, r, m, V);
+  auto go_out = [&](int r) {
+    std::vector<int> ids;
+    for (auto [kind, peer] : hosts[r].queued) ids.push_back(issue(r, kind, peer, true));
+    hosts[r].queued.clear();
+    hosts[r].sent.insert(hosts[r].sent.end(), ids.begin(), ids.end());
+    return ids;
+  };
+  // One step of rank r's host; returns whether it moved.
+  auto step_host = [&](int r) {
+    Host& h = hosts[r];
+    if (h.done) return false;
+    for (int id : h.waiting)
+      if (!ops[id].done) return false;
+    h.waiting.clear();
+    const std::vector<PipelineOp>& table = tables[r];
+    if (h.k == table.size()) {  // the end: every send waited for
+      go_out(r);
+      if (h.sent.empty()) h.done = true;
+      h.waiting = h.sent, h.sent.clear();
+      return true;
+    }
+    if (!h.inputs_known) {  // op k's inputs (its pair's too), as run_schedule's `receive`
+      h.inputs_known = true;
+      if (h.k == 0 || !table[h.k - 1].with_next)
+        for (size_t j = h.k; j <= h.k + table[h.k].with_next; j++) {
+          const int g = at.chunks[r][table[j].chunk];
+          const bool forward = table[j].kind == Phase::Forward;
+          const int from = forward ? g - 1 : g + 1;
+          const bool message = table[j].kind != Phase::Weight && at.elsewhere(from, r);
+          h.inputs.push_back({forward ? 0 : 1, message ? at.rank[from] : -1});
+        }
+      return true;
+    }
+    if (!h.inputs.empty()) {  // the next input: the queued sends go out, then its receive
+      auto [kind, peer] = h.inputs.front();
+      h.inputs.erase(h.inputs.begin());
+      std::vector<int> with = go_out(r);
+      if (peer >= 0) {
+        h.waiting.push_back(issue(r, kind, peer, false));
+        if (wait_sends) h.waiting.insert(h.waiting.end(), with.begin(), with.end());
+      }
+      return true;
+    }
+    const PipelineOp& op = table[h.k];  // computed: its output queued
+    const int g = at.chunks[r][op.chunk];
+    if (op.kind == Phase::Forward && at.elsewhere(g + 1, r))
+      h.queued.push_back({0, at.rank[g + 1]});
+    if (op.kind == Phase::Backward && at.elsewhere(g - 1, r))
+      h.queued.push_back({1, at.rank[g - 1]});
+    h.k++, h.inputs_known = false;
+    return true;
+  };
+  for (;;) {
+    bool moved = false;
+    for (int r = 0; r < p; r++) moved |= step_host(r);
+    for (size_t st = 0; st < streams.size(); st++)  // two ops at their streams' heads meet
+      while (head[st] < streams[st].size()) {
+        Op& op = ops[streams[st][head[st]]];
+        if (op.match < 0) break;
+        Op& peer = ops[op.match];
+        if (streams[peer.stream][head[peer.stream]] != op.match) break;
+        op.done = peer.done = true;
+        head[st]++, head[peer.stream]++, moved = true;
+      }
+    if (std::all_of(hosts.begin(), hosts.end(), [](const Host& h) { return h.done; })) return true;
+    if (!moved) return false;
+  }
+}
+
+TEST_CASE(
+    "on NCCL's rules every schedule's messages arrive on the links; grouped with the receives, "
+    "or on one stream, the interleaved and V schedules' sends wait for each other",
+    "[pipeline]") {
+  const std::vector<std::pair<PpSchedule, int>> rows = {
+      {PpSchedule::AFAB, 1},        {PpSchedule::OneFOneB, 1},    {PpSchedule::ZeroBubbleH1, 1},
+      {PpSchedule::Interleaved, 2}, {PpSchedule::Interleaved, 3}, {PpSchedule::ZeroBubbleV, 2},
+      {PpSchedule::DualPipeV, 2}};
+  std::set<PpSchedule> grouped_stuck, shared_stuck;
+  for (auto [s, V] : rows)
+    for (int p = 2; p <= 6; p++)
+      for (int m = 1; m <= 3 * p; m++) {
+        if (s == PpSchedule::Interleaved && m % p) continue;
+        INFO(pp_schedule_name(s) << ", p " << p << ", m " << m << ", V " << V);
+        REQUIRE(nccl_step_completes(s, p, m, V, true, false));
+        if (!nccl_step_completes(s, p, m, V, true, true)) grouped_stuck.insert(s);
+        if (!nccl_step_completes(s, p, m, V, false, false)) shared_stuck.insert(s);
+      }
+  // The model can fail: the two other ways deadlock where the book's reasoning says they must.
+  for (PpSchedule s : {PpSchedule::Interleaved, PpSchedule::ZeroBubbleV, PpSchedule::DualPipeV}) {
+    CHECK(grouped_stuck.count(s));
+    CHECK(shared_stuck.count(s));
+  }
 }
