@@ -391,10 +391,10 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
     // A pipeline's messages travel on their group's links (Group::links), each on the stream of
     // its direction and neighbour: a send there, which waits until its peer receives, holds up
     // nothing else. Other messages (a ring's exchange with both neighbours) go on the group's
-    // communicator, in one NCCL group that none of them holds up. Every other stream starts once
-    // the data is ready, as the group's does (start), and marks its own end (`other_ends`). A
-    // grouped call on nonblocking communicators: ncclGroupEnd may answer ncclInProgress, and then
-    // every communicator of the call must be waited for (settle).
+    // communicator, in one NCCL group, where none of them holds up another. Every other stream
+    // starts once the data is ready, as the group's does (start), and marks its own end
+    // (`other_ends`). A grouped call on nonblocking communicators: ncclGroupEnd may answer
+    // ncclInProgress, and then every communicator of the call must be waited for (settle).
     struct Route {
       ncclComm_t nccl;
       cudaStream_t stream;
@@ -419,17 +419,27 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
         stream_waits_for(r.stream, ctx.stream);
       }
     }
-    NCCL_CHECK(ncclGroupStart());
+    // One NCCL group per communicator: a group over several streams would join them (NCCL
+    // starts it after all of them and holds them all until it ends), and tie a send to the rest.
+    std::vector<bool> issued(ops.size(), false);
     for (size_t i = 0; i < ops.size(); i++) {
-      const P2P& op = ops[i];
-      const Route& r = route[i];
-      if (op.send)
-        NCCL_ENQUEUE(*s, ncclSend(op.buf, op.count, nccl_type(op.dtype), r.peer, r.nccl, r.stream));
-      else
-        NCCL_ENQUEUE(*s, ncclRecv(op.buf, op.count, nccl_type(op.dtype), r.peer, r.nccl, r.stream));
+      if (issued[i]) continue;
+      NCCL_CHECK(ncclGroupStart());
+      for (size_t j = i; j < ops.size(); j++) {
+        const P2P& op = ops[j];
+        const Route& r = route[j];
+        if (issued[j] || r.nccl != route[i].nccl) continue;
+        issued[j] = true;
+        if (op.send)
+          NCCL_ENQUEUE(*s,
+                       ncclSend(op.buf, op.count, nccl_type(op.dtype), r.peer, r.nccl, r.stream));
+        else
+          NCCL_ENQUEUE(*s,
+                       ncclRecv(op.buf, op.count, nccl_type(op.dtype), r.peer, r.nccl, r.stream));
+      }
+      NCCL_ENQUEUE(*s, ncclGroupEnd());
+      s->settle();  // this communicator's ops on its stream before the next call
     }
-    NCCL_ENQUEUE(*s, ncclGroupEnd());
-    s->settle();  // every op on its stream before the ends are marked
     for (cudaStream_t st : others) {
       s->other_ends.push_back(nullptr);
       CUDA_CHECK(cudaEventCreateWithFlags(&s->other_ends.back(), cudaEventDisableTiming));
