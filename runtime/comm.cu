@@ -386,7 +386,7 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
     return Handle();
   }
   auto s = start(c, g, ctx, Coll::SendRecv, total);
-  s->lockstep = false;  // a pipeline's neighbour may still be computing what it sends
+  s->lockstep = false;  // a peer (a pipeline's neighbour, a ring's) may still compute what it sends
   if (c.backend == Backend::NCCL) {
     // A pipeline's messages travel on their group's links (Group::links), each on the stream of
     // its direction and neighbour: a send there, which waits until its peer receives, holds up

@@ -70,9 +70,9 @@ struct Handle::State {
   std::vector<int> mpi_counts;  // all-to-all-v's counts and displacements, read by MPI
                                 // until the op completes
   // NCCL backend.
-  std::vector<ncclComm_t> nccl;         // the communicators the op runs on (two for some send_recv)
-  bool enqueue_pending = false;         // a call answered ncclInProgress: settle() before going on
-  cudaEvent_t finished = nullptr;       // recorded on the comm stream after the op
+  std::vector<ncclComm_t> nccl;    // the communicators the op runs on (a send_recv's links too)
+  bool enqueue_pending = false;    // a call answered ncclInProgress: settle() before going on
+  cudaEvent_t finished = nullptr;  // on the group's stream, after its part of the op
   std::vector<cudaEvent_t> other_ends;  // a send_recv's on its other streams (links), after it
   cudaStream_t compute = nullptr;       // the caller's stream: waits for `finished`, or copy-back
 

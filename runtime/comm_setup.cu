@@ -245,7 +245,8 @@ static void make_links(Group& g, int world_rank, double timeout_s) {
   if (!g.nccl || g.size < 2) return;
   const int next = g.next(), prev = g.prev();
   std::vector<ncclUniqueId> mine(2), all(2 * g.size);  // [rank][0: to next, 1: to prev]
-  for (ncclUniqueId& id : mine) NCCL_CHECK(ncclGetUniqueId(&id));
+  NCCL_CHECK(ncclGetUniqueId(&mine[0]));
+  if (prev != next) NCCL_CHECK(ncclGetUniqueId(&mine[1]));  // (an id made listens until used)
   host_wait(g, "the exchange of the NCCL ids of the pipeline's links", sizeof(ncclUniqueId) * 2,
             [&](MPI_Request* r) {
               return MPI_Iallgather(mine.data(), 2 * sizeof(ncclUniqueId), MPI_BYTE, all.data(),
@@ -378,6 +379,7 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
   }
   if (!(timeout_s > 0))
     throw UsageError("--comm-timeout " + std::to_string(timeout_s) + ": expected seconds > 0");
+  set_device_wait_bound(timeout_s);
   Comm c;
   if (simulated) {
     PICO_ASSERT(device == Device::Meta && world_size == 1,

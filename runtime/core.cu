@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <tuple>
 
@@ -89,6 +90,11 @@ const char* mem_name(Mem m) {
 }
 
 bool cuda_available(std::string* why) {
+  // Before the first CUDA call (this one), which reads it: as many hardware queues as CUDA gives
+  // (8 by default), so that the compute stream, the communicators' and a pipeline's links (up to
+  // 20 streams) seldom share one, where an op parked on one stream (a send waiting for its peer)
+  // would hold up the next op of another. A value the user set stays.
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
@@ -218,9 +224,11 @@ void device_free(const ArenaKey& key, void* ptr) {
   else
     CUDA_CHECK(cudaFree(ptr));
 }
-// Gives back the buffers held free for `stream` (all streams when `all`) to the device.
-void release_held(bool all, cudaStream_t stream) {
+// Gives back the buffers held free for `stream` (all streams when `all`) to the device; returns
+// the streams their frees were queued on.
+std::set<cudaStream_t> release_held(bool all, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(arena().mutex);
+  std::set<cudaStream_t> streams;
   for (auto it = arena().free.begin(); it != arena().free.end();) {
     if (!all && it->first.stream != stream) {
       ++it;
@@ -230,8 +238,29 @@ void release_held(bool all, cudaStream_t stream) {
       device_free(it->first, ptr);
       arena().reserve(-(int64_t)it->first.bytes);
     }
+    if (it->first.device == Device::CUDA && !it->second.empty()) streams.insert(it->first.stream);
     it = arena().free.erase(it);
   }
+  return streams;
+}
+// The host waits until `stream` has run what is queued on it, through an event polled against
+// the device wait's bound (a whole-device synchronise would also wait for a pipeline's send
+// parked until its peer receives, which may need this rank to go on first: for ever).
+double g_device_wait_s = 300;
+void wait_for_stream_bounded(cudaStream_t stream, const char* what) {
+  cudaEvent_t reached;
+  CUDA_CHECK(cudaEventCreateWithFlags(&reached, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventRecord(reached, stream));
+  const double start = now_seconds();
+  while (!event_reached(reached)) {
+    if (now_seconds() - start > g_device_wait_s) {
+      fprintf(stderr, "%s did not finish within %gs (--comm-timeout): the device is stuck\n", what,
+              g_device_wait_s);
+      fatal_abort();
+    }
+    std::this_thread::yield();
+  }
+  CUDA_CHECK(cudaEventDestroy(reached));
 }
 // A miss: a new buffer from the device's allocator (stream-ordered where pools exist: a free
 // does not stall the whole GPU as cudaFree does), or a meta address of its own.
@@ -251,9 +280,9 @@ void* device_allocate(const ArenaKey& key) {
       pooled ? cudaMallocAsync(&ptr, key.bytes, key.stream) : cudaMalloc(&ptr, key.bytes);
   if (err == cudaErrorMemoryAllocation) {  // the buffers held free, back; then once more
     (void)cudaGetLastError();
-    release_held(true, nullptr);
     count_host_sync();  // the frees complete before the retry
-    CUDA_CHECK(cudaDeviceSynchronize());
+    for (cudaStream_t stream : release_held(true, nullptr))
+      wait_for_stream_bounded(stream, "giving back the buffers held free, to retry an allocation,");
     if (pooled) {  // the pool's unused memory back to the driver, where a larger block may fit
       int dev = 0;
       cudaMemPool_t pool;
@@ -270,6 +299,9 @@ void* device_allocate(const ArenaKey& key) {
 
 uint64_t allocator_calls() {
   return arena().calls.load();
+}
+void set_device_wait_bound(double seconds) {
+  g_device_wait_s = seconds;
 }
 ArenaBytes arena_reserved() {
   std::lock_guard<std::mutex> lock(arena().mutex);

@@ -274,6 +274,9 @@ Tensor device_ints(const Context& ctx, const std::vector<int32_t>& v);  // [v.si
 // each kernel launch, so a faulting kernel is named where it faults instead of at the next
 // synchronisation (train --sync-launches, unit_tests --sync-launches). Slow; results unchanged.
 void set_sync_launches(bool on);
+// How long the host waits for a stream outside a collective (the allocator's retry), as
+// --comm-timeout bounds the collectives' waits (comm_init sets it to that; 300 s before).
+void set_device_wait_bound(double seconds);
 // After a kernel launch: a launch error (bad configuration) names `kernel`; with sync_launches
 // the stream is synchronised too, so an error while the kernel ran names it as well.
 void launch_check(const Context& ctx, const char* kernel, const char* file, int line);

@@ -1,4 +1,4 @@
-// exchange.cu: point-to-point messages that go out with the next receive (exchange.cuh).
+// exchange.cu: point-to-point messages that go out just before the next receive (exchange.cuh).
 #include "runtime/exchange.cuh"
 
 void Exchange::send(Group& g, int peer, const Tensor& t) {

@@ -452,7 +452,6 @@ TEST_CASE("bad pipeline layouts exit with a message naming the flags", "[pipelin
 // the sends that went out with it, as a grouped call's would.
 static bool nccl_step_completes(PpSchedule s, int p, int m, int V, bool links, bool wait_sends) {
   const StagePlacement at = stage_placement(s, p, V);
-  const int last = p * V - 1;
   struct Op {
     int stream, match = -1;
     bool done = false;
