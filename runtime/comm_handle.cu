@@ -181,16 +181,8 @@ std::shared_ptr<Handle::State> new_state(Group& g, const std::string& op, int64_
 // synchronise, and only until the op's deadline, like every wait of a collective.
 static void wait_for_stream(Handle::State& s, cudaStream_t stream) {
   count_host_sync();
-  cudaEvent_t reached;
-  CUDA_CHECK(cudaEventCreateWithFlags(&reached, cudaEventDisableTiming));
-  CUDA_CHECK(cudaEventRecord(reached, stream));
-  for (;;) {
-    if (event_reached(reached)) break;
-    if (now_seconds() - s.start > s.timeout_s)
-      nccl_stop(s.nccl, past_deadline(s.world_rank, s.what, s.timeout_s));
-    std::this_thread::yield();
-  }
-  CUDA_CHECK(cudaEventDestroy(reached));
+  if (!stream_reached_by(stream, s.start + s.timeout_s))
+    nccl_stop(s.nccl, past_deadline(s.world_rank, s.what, s.timeout_s));
 }
 void stream_waits_for(cudaStream_t waiter, cudaStream_t done) {
   cudaEvent_t reached;

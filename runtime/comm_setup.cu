@@ -297,17 +297,9 @@ static void make_links(Group& g, int world_rank, double timeout_s) {
   }
   call(ncclGroupEnd());
   nccl_settle(comms, pending ? ncclInProgress : ncclSuccess, what, world_rank, t0, timeout_s);
-  for (const Group::Link& l : g.links) {
-    cudaEvent_t arrived;
-    CUDA_CHECK(cudaEventCreateWithFlags(&arrived, cudaEventDisableTiming));
-    CUDA_CHECK(cudaEventRecord(arrived, l.stream));
-    while (!event_reached(arrived)) {
-      if (now_seconds() - t0 > timeout_s)
-        nccl_stop(comms, past_deadline(world_rank, what, timeout_s));
-      std::this_thread::yield();
-    }
-    CUDA_CHECK(cudaEventDestroy(arrived));
-  }
+  for (const Group::Link& l : g.links)
+    if (!stream_reached_by(l.stream, t0 + timeout_s))
+      nccl_stop(comms, past_deadline(world_rank, what, timeout_s));
   CUDA_CHECK(cudaFree(words));
 }
 
@@ -463,22 +455,17 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
 // after a finished finalize only frees local memory.
 void comm_destroy(Comm& c) {
   for (Group* g : c.groups()) {
-    for (Group::Link& link : g->links) {  // as the group's own communicator, below
-      int world_rank = g->members.empty() ? 0 : g->members[g->rank];
-      double t0 = now_seconds();
-      nccl_settle({link.nccl}, ncclCommFinalize(link.nccl),
-                  "ncclCommFinalize of a link on " + g->name, world_rank, t0, g->timeout_s);
-      NCCL_CHECK(ncclCommDestroy(link.nccl));
+    const int world_rank = g->members.empty() ? 0 : g->members[g->rank];
+    auto finalize = [&](ncclComm_t comm, const std::string& what) {
+      nccl_settle({comm}, ncclCommFinalize(comm), what, world_rank, now_seconds(), g->timeout_s);
+      NCCL_CHECK(ncclCommDestroy(comm));  // frees local resources, without blocking (nccl.h)
+    };
+    for (Group::Link& link : g->links) {
+      finalize(link.nccl, "ncclCommFinalize of a link on " + g->name);
       CUDA_CHECK(cudaStreamDestroy(link.stream));  // finalized: idle
     }
     g->links.clear();
-    if (g->nccl) {
-      int world_rank = g->members.empty() ? 0 : g->members[g->rank];
-      double t0 = now_seconds();
-      nccl_settle({g->nccl}, ncclCommFinalize(g->nccl), "ncclCommFinalize on " + g->name,
-                  world_rank, t0, g->timeout_s);
-      NCCL_CHECK(ncclCommDestroy(g->nccl));  // frees local resources, without blocking (nccl.h)
-    }
+    if (g->nccl) finalize(g->nccl, "ncclCommFinalize on " + g->name);
     if (g->mpi != MPI_COMM_NULL) MPI_CHECK(MPI_Comm_free(&g->mpi));
     g->nccl = nullptr;
   }

@@ -130,6 +130,15 @@ bool event_reached(cudaEvent_t e) {
   CUDA_CHECK(r);
   return true;
 }
+bool stream_reached_by(cudaStream_t stream, double deadline) {
+  cudaEvent_t reached;
+  CUDA_CHECK(cudaEventCreateWithFlags(&reached, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventRecord(reached, stream));
+  bool done;
+  while (!(done = event_reached(reached)) && now_seconds() <= deadline) std::this_thread::yield();
+  CUDA_CHECK(cudaEventDestroy(reached));  // (released once reached, if it is not yet)
+  return done;
+}
 
 static void account(Mem m, long long delta) {
   std::lock_guard<std::mutex> lock(g_stats_mutex);
@@ -168,6 +177,14 @@ static bool memory_pools_supported() {
     CUDA_CHECK(cudaDeviceGetAttribute(&cached[dev], cudaDevAttrMemoryPoolsSupported, dev));
   });
   return cached[dev] != 0;
+}
+// The current device's default pool, which cudaMallocAsync draws from.
+static cudaMemPool_t default_pool() {
+  int dev = 0;
+  cudaMemPool_t pool;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+  return pool;
 }
 
 // ----------------------------------------------------------------------------
@@ -243,25 +260,8 @@ std::set<cudaStream_t> release_held(bool all, cudaStream_t stream) {
   }
   return streams;
 }
-// The host waits until `stream` has run what is queued on it, through an event polled against
-// the device wait's bound (a whole-device synchronise would also wait for a pipeline's send
-// parked until its peer receives, which may need this rank to go on first: for ever).
+// How long the host waits for a stream outside a collective (set_device_wait_bound).
 double g_device_wait_s = 300;
-void wait_for_stream_bounded(cudaStream_t stream, const char* what) {
-  cudaEvent_t reached;
-  CUDA_CHECK(cudaEventCreateWithFlags(&reached, cudaEventDisableTiming));
-  CUDA_CHECK(cudaEventRecord(reached, stream));
-  const double start = now_seconds();
-  while (!event_reached(reached)) {
-    if (now_seconds() - start > g_device_wait_s) {
-      fprintf(stderr, "%s did not finish within %gs (--comm-timeout): the device is stuck\n", what,
-              g_device_wait_s);
-      fatal_abort();
-    }
-    std::this_thread::yield();
-  }
-  CUDA_CHECK(cudaEventDestroy(reached));
-}
 // A miss: a new buffer from the device's allocator (stream-ordered where pools exist: a free
 // does not stall the whole GPU as cudaFree does), or a meta address of its own.
 void* device_allocate(const ArenaKey& key) {
@@ -280,16 +280,20 @@ void* device_allocate(const ArenaKey& key) {
       pooled ? cudaMallocAsync(&ptr, key.bytes, key.stream) : cudaMalloc(&ptr, key.bytes);
   if (err == cudaErrorMemoryAllocation) {  // the buffers held free, back; then once more
     (void)cudaGetLastError();
-    count_host_sync();  // the frees complete before the retry
+    // The frees complete before the retry: their streams waited for, each against the bound (a
+    // whole-device synchronise would also wait for a pipeline's send parked until its peer
+    // receives, which may need this rank to go on first: for ever).
+    count_host_sync();
     for (cudaStream_t stream : release_held(true, nullptr))
-      wait_for_stream_bounded(stream, "giving back the buffers held free, to retry an allocation,");
-    if (pooled) {  // the pool's unused memory back to the driver, where a larger block may fit
-      int dev = 0;
-      cudaMemPool_t pool;
-      CUDA_CHECK(cudaGetDevice(&dev));
-      CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
-      CUDA_CHECK(cudaMemPoolTrimTo(pool, 0));
-    }
+      if (!stream_reached_by(stream, now_seconds() + g_device_wait_s)) {
+        fprintf(stderr,
+                "giving back the buffers held free, to retry an allocation, did not finish within "
+                "%gs (--comm-timeout): the device is stuck\n",
+                g_device_wait_s);
+        fatal_abort();
+      }
+    // The pool's unused memory back to the driver, where a larger block may fit.
+    if (pooled) CUDA_CHECK(cudaMemPoolTrimTo(default_pool(), 0));
     err = pooled ? cudaMallocAsync(&ptr, key.bytes, key.stream) : cudaMalloc(&ptr, key.bytes);
   }
   CUDA_CHECK(err);
@@ -605,12 +609,8 @@ Context Context::create(Device device) {
   if (device == Device::CUDA) {
     // Keep freed blocks in the pool instead of returning them to the driver at each sync.
     if (memory_pools_supported()) {
-      int dev = 0;
-      cudaMemPool_t pool;
       uint64_t keep = UINT64_MAX;
-      CUDA_CHECK(cudaGetDevice(&dev));
-      CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
-      CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+      CUDA_CHECK(cudaMemPoolSetAttribute(default_pool(), cudaMemPoolAttrReleaseThreshold, &keep));
     }
     // A blocking stream, on purpose: the forms of empty / zeros / zero_ / copy_ without a
     // Context (setup, checkpoints, tests, and every copy) run on the legacy default stream,

@@ -145,6 +145,9 @@ uint64_t host_syncs();  // since the process started
 // Whether the work queued before event e has run, without waiting (cudaEventQuery). "Not ready"
 // is an answer, cleared so that the next launch check does not report it; any other error stops.
 bool event_reached(cudaEvent_t e);
+// Whether `stream` runs what is queued on it now by `deadline` (now_seconds()): the host polls
+// an event, never blocking on the device, so that every wait for a stream can be bounded.
+bool stream_reached_by(cudaStream_t stream, double deadline);
 // Calls to the device's allocator (cudaMallocAsync; on meta, as CUDA would make them) since the
 // process started: the misses of the arena that device buffers come from (core.cu), which
 // keeps a freed buffer for the next allocation of its size on its stream. Observation only.
