@@ -101,7 +101,7 @@ static void fsync_dir(const std::string& dir) {
 static void wait_for_device(const std::vector<NamedTensor>& tensors) {
   for (const NamedTensor& nt : tensors)
     if (nt.tensor.device == Device::CUDA) {
-      CUDA_CHECK(cudaDeviceSynchronize());
+      synchronize_device("the device's work before a checkpoint's copies");
       return;
     }
 }

@@ -468,10 +468,9 @@ Handle barrier_async(Comm& c, Group& g, const Context& ctx) {
   auto s = start(c, g, ctx, Coll::Barrier, 0);
   if (c.backend == Backend::NCCL) {
     // NCCL has no barrier: an all-reduce of one float completes only once every rank has joined.
-    // The float is the group's own, allocated once (cudaMalloc: not every device has the
-    // stream-ordered pools) and used only on the group's stream, in order.
+    // The float is the group's own, allocated with its stream (comm_init) and used only on
+    // that stream, in order.
     cudaStream_t st = stream_of(c, g);
-    if (!g.barrier_word) CUDA_CHECK(cudaMalloc((void**)&g.barrier_word, sizeof(float)));
     CUDA_CHECK(cudaMemsetAsync(g.barrier_word, 0, sizeof(float), st));
     NCCL_ENQUEUE(*s,
                  ncclAllReduce(g.barrier_word, g.barrier_word, 1, ncclFloat, ncclSum, g.nccl, st));

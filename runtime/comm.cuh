@@ -71,7 +71,8 @@ struct Group {
   // another's: an expert all-to-all or a tp all-reduce in the backward behind the gradient
   // buckets' all-reduces (PyTorch gives each process group its own stream too).
   cudaStream_t stream = nullptr;
-  float* barrier_word = nullptr;  // NCCL: what its barriers all-reduce (cudaMalloc, at the first)
+  float* barrier_word =
+      nullptr;  // NCCL: what its barriers all-reduce (cudaMalloc, with the stream)
   // NCCL, the pipeline's groups (pp, pp_grad): a communicator of two ranks and a stream for each
   // direction between this rank and each neighbour, which their sends and receives travel on.
   // An NCCL send holds its stream until the peer receives; on a stream of its own it never

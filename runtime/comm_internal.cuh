@@ -34,6 +34,9 @@ void set_cores_shared(bool shared);
 std::string nccl_error(const std::string& what, int world_rank, ncclResult_t r, ncclComm_t comm);
 // "rank 3: <what> did not finish within 300s (--comm-timeout): ...".
 std::string past_deadline(int world_rank, const std::string& what, double timeout_s);
+// Why CUDA_DEVICE_MAX_CONNECTIONS (as set, or null) is too few hardware queues for a pipeline of
+// pp_size stages over NCCL with this many communicators, or "" (comm_setup.cu).
+std::string device_queue_shortage(const char* connections, int pp_size, int communicators);
 // Waits until every communicator of `comms` has finished the call that returned `returned`,
 // or stops every rank past start + timeout_s.
 void nccl_settle(const std::vector<ncclComm_t>& comms, ncclResult_t returned,

@@ -303,6 +303,25 @@ static void make_links(Group& g, int world_rank, double timeout_s) {
   CUDA_CHECK(cudaFree(words));
 }
 
+// A pipeline's send waits on its link's stream until the peer receives. CUDA feeds the device
+// from CUDA_DEVICE_MAX_CONNECTIONS hardware queues (runtime/core.cu sets 32 unless it is set),
+// streams sharing them when there are more streams than queues, and an op queued behind the
+// waiting send in a shared queue waits with it: the peer's receive it needs may be that op. So
+// a pipeline over NCCL needs a queue for each stream it makes (comm_init refuses fewer, on
+// every rank alike: they share the environment, before any communicator exists).
+std::string device_queue_shortage(const char* connections, int pp_size, int communicators) {
+  if (!connections || pp_size < 2) return "";
+  const int links = pp_size == 2 ? 4 : 8;         // each way to each neighbour, on pp and pp_grad
+  const int streams = 2 + communicators + links;  // + the compute and communication streams
+  if (atoi(connections) >= streams) return "";
+  return "CUDA_DEVICE_MAX_CONNECTIONS=" + std::string(connections) +
+         ": a pipeline over NCCL makes " + std::to_string(streams) +
+         " streams (compute, communication, one per communicator, " + std::to_string(links) +
+         " links), each needing a hardware queue of its own; unset it (picoscale then asks for "
+         "32) or set it to at least " +
+         std::to_string(streams) + ", or use --comm mpi";
+}
+
 // ---- The communicators of a run ----
 
 // Which group of each kind a rank belongs to: (color, key), the ranks sharing a color forming
@@ -422,6 +441,11 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
     // --comm auto a group of one needs no communicator (its collectives are local copies); an
     // explicit --comm nccl gives it one, so that one rank on one GPU exercises NCCL.
     bool groups_of_one = backend_flag == "nccl";
+    int communicators = 0;
+    for (Group* g : c.groups()) communicators += g->size > 1 || groups_of_one;
+    const std::string shortage =
+        device_queue_shortage(getenv("CUDA_DEVICE_MAX_CONNECTIONS"), c.pp.size, communicators);
+    if (!shortage.empty()) throw UsageError(shortage);
     for (Group* g : c.groups()) {
       if (g->size == 1 && !groups_of_one) continue;
       ncclUniqueId id;
@@ -442,7 +466,11 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
     c.comm_ctx.device = Device::CUDA;
     CUDA_CHECK(cudaStreamCreateWithFlags(&c.comm_ctx.stream, cudaStreamNonBlocking));
     for (Group* g : c.groups())  // each communicator's ops on a stream of their own
-      if (g->nccl) CUDA_CHECK(cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking));
+      if (g->nccl) {
+        CUDA_CHECK(cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking));
+        // What its barriers all-reduce, taken now, before the arena holds the device's memory.
+        CUDA_CHECK(cudaMalloc((void**)&g->barrier_word, sizeof(float)));
+      }
     for (Group* g : {&c.pp, &c.pp_grad}) make_links(*g, world_rank, timeout_s);
   } else {
     c.comm_ctx = Context::create(device == Device::Meta ? Device::Meta : Device::CPU);

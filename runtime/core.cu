@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <future>
 #include <map>
 #include <mutex>
 #include <set>
@@ -89,12 +90,14 @@ const char* mem_name(Mem m) {
   return names[(int)m];
 }
 
+// Set as the program loads, before any CUDA call (the first one reads it): as many hardware
+// queues as CUDA gives (8 by default), so that the compute stream, the communicators' and a
+// pipeline's links (up to 20 streams) seldom share one, where an op parked on one stream (a send
+// waiting for its peer) would hold up the next op of another. A value the user set stays.
+[[maybe_unused]] static const bool g_device_connections =
+    setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0) == 0;
+
 bool cuda_available(std::string* why) {
-  // Before the first CUDA call (this one), which reads it: as many hardware queues as CUDA gives
-  // (8 by default), so that the compute stream, the communicators' and a pipeline's links (up to
-  // 20 streams) seldom share one, where an op parked on one stream (a send waiting for its peer)
-  // would hold up the next op of another. A value the user set stays.
-  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
@@ -130,14 +133,49 @@ bool event_reached(cudaEvent_t e) {
   CUDA_CHECK(r);
   return true;
 }
+// How long the host waits for the device outside a collective (set_device_wait_bound).
+static double g_device_wait_s = 300;
+void set_device_wait_bound(double seconds) {
+  g_device_wait_s = seconds;
+}
+[[noreturn]] static void device_stuck(const char* what) {
+  fprintf(stderr, "%s did not finish within %gs (--comm-timeout): the device is stuck\n", what,
+          g_device_wait_s);
+  fatal_abort();
+}
+static bool event_reached_by(cudaEvent_t e, double deadline) {
+  bool done;
+  while (!(done = event_reached(e)) && now_seconds() <= deadline) std::this_thread::yield();
+  return done;
+}
 bool stream_reached_by(cudaStream_t stream, double deadline) {
   cudaEvent_t reached;
   CUDA_CHECK(cudaEventCreateWithFlags(&reached, cudaEventDisableTiming));
   CUDA_CHECK(cudaEventRecord(reached, stream));
-  bool done;
-  while (!(done = event_reached(reached)) && now_seconds() <= deadline) std::this_thread::yield();
+  const bool done = event_reached_by(reached, deadline);
   CUDA_CHECK(cudaEventDestroy(reached));  // (released once reached, if it is not yet)
   return done;
+}
+void wait_for_event(cudaEvent_t e, const char* what) {
+  if (!event_reached_by(e, now_seconds() + g_device_wait_s)) device_stuck(what);
+}
+void synchronize_stream(cudaStream_t stream, const char* what) {
+  if (!stream_reached_by(stream, now_seconds() + g_device_wait_s)) device_stuck(what);
+}
+void synchronize_device(const char* what) {
+  // CUDA has no device-wide event to poll: a thread of its own synchronises, and this one waits
+  // for it against the bound (on a timeout the job ends, with that thread still waiting).
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  auto result = std::make_shared<std::promise<cudaError_t>>();
+  std::future<cudaError_t> done = result->get_future();
+  std::thread([device, result] {
+    cudaError_t err = cudaSetDevice(device);
+    result->set_value(err == cudaSuccess ? cudaDeviceSynchronize() : err);
+  }).detach();
+  if (done.wait_for(std::chrono::duration<double>(g_device_wait_s)) != std::future_status::ready)
+    device_stuck(what);
+  CUDA_CHECK(done.get());
 }
 
 static void account(Mem m, long long delta) {
@@ -260,8 +298,6 @@ std::set<cudaStream_t> release_held(bool all, cudaStream_t stream) {
   }
   return streams;
 }
-// How long the host waits for a stream outside a collective (set_device_wait_bound).
-double g_device_wait_s = 300;
 // A miss: a new buffer from the device's allocator (stream-ordered where pools exist: a free
 // does not stall the whole GPU as cudaFree does), or a meta address of its own.
 void* device_allocate(const ArenaKey& key) {
@@ -278,20 +314,23 @@ void* device_allocate(const ArenaKey& key) {
   const bool pooled = memory_pools_supported();
   cudaError_t err =
       pooled ? cudaMallocAsync(&ptr, key.bytes, key.stream) : cudaMalloc(&ptr, key.bytes);
-  if (err == cudaErrorMemoryAllocation) {  // the buffers held free, back; then once more
+  if (err == cudaErrorMemoryAllocation && pooled) {
+    // First the buffers held free for this stream: freed on it, their memory goes to this
+    // allocation in the stream's order, with no wait (sizes that vary, as a mixture's rows per
+    // expert do, would otherwise pile up held buffers until every stream has to be drained).
+    (void)cudaGetLastError();
+    if (!release_held(false, key.stream).empty())
+      err = cudaMallocAsync(&ptr, key.bytes, key.stream);
+  }
+  if (err == cudaErrorMemoryAllocation) {  // every buffer held free, back; then once more
     (void)cudaGetLastError();
     // The frees complete before the retry: their streams waited for, each against the bound (a
     // whole-device synchronise would also wait for a pipeline's send parked until its peer
     // receives, which may need this rank to go on first: for ever).
     count_host_sync();
     for (cudaStream_t stream : release_held(true, nullptr))
-      if (!stream_reached_by(stream, now_seconds() + g_device_wait_s)) {
-        fprintf(stderr,
-                "giving back the buffers held free, to retry an allocation, did not finish within "
-                "%gs (--comm-timeout): the device is stuck\n",
-                g_device_wait_s);
-        fatal_abort();
-      }
+      if (!stream_reached_by(stream, now_seconds() + g_device_wait_s))
+        device_stuck("giving back the buffers held free, to retry an allocation,");
     // The pool's unused memory back to the driver, where a larger block may fit.
     if (pooled) CUDA_CHECK(cudaMemPoolTrimTo(default_pool(), 0));
     err = pooled ? cudaMallocAsync(&ptr, key.bytes, key.stream) : cudaMalloc(&ptr, key.bytes);
@@ -303,9 +342,6 @@ void* device_allocate(const ArenaKey& key) {
 
 uint64_t allocator_calls() {
   return arena().calls.load();
-}
-void set_device_wait_bound(double seconds) {
-  g_device_wait_s = seconds;
 }
 ArenaBytes arena_reserved() {
   std::lock_guard<std::mutex> lock(arena().mutex);
@@ -489,8 +525,9 @@ Tensor device_ints(const Context& ctx, const std::vector<int32_t>& v) {
 }
 
 // On the legacy default stream. cudaMemcpy from device to host returns when the data is there:
-// a host synchronisation, counted. A host-to-device copy from pageable memory returns once the
-// source is staged, so the caller may reuse it at once.
+// a host synchronisation, counted, waited for against the bound (an event on the legacy stream
+// follows the work of every blocking stream, the compute stream's too). A host-to-device copy from
+// pageable memory returns once the source is staged, so the caller may reuse it at once.
 void copy_(const Tensor& dst, const Tensor& src) {
   PICO_ASSERT(dst.numel() == src.numel() && dst.dtype == src.dtype,
               "copy_ " + src.shape_str() + " into " + dst.shape_str());
@@ -512,7 +549,10 @@ void copy_(const Tensor& dst, const Tensor& src) {
   cudaMemcpyKind kind = src.device == Device::CPU   ? cudaMemcpyHostToDevice
                         : dst.device == Device::CPU ? cudaMemcpyDeviceToHost
                                                     : cudaMemcpyDeviceToDevice;
-  if (kind == cudaMemcpyDeviceToHost) count_host_sync();
+  if (kind == cudaMemcpyDeviceToHost) {  // the work before it done first, within the bound
+    count_host_sync();
+    synchronize_stream(0, "the device's work before a copy to the host");
+  }
   CUDA_CHECK(cudaMemcpy(dst.ptr, src.ptr, src.nbytes(), kind));
 }
 Tensor to_device(const Tensor& t, Device device, Mem category) {
@@ -582,7 +622,7 @@ void from_host(const Context& ctx, const Tensor& dst, const void* src) {
   PinnedStaging::Buffer& b = staging.ring[staging.next++ % staging.ring.size()];
   if (b.sent && !event_reached(b.sent)) {  // its last copy is on its way
     count_host_sync();
-    CUDA_CHECK(cudaEventSynchronize(b.sent));
+    wait_for_event(b.sent, "a pinned staging buffer's last copy to the device");
   }
   if (b.bytes < bytes) {
     if (b.host) staging.outgrown.push_back(b.host);
@@ -637,6 +677,9 @@ Context Context::create(Device device) {
   return ctx;
 }
 void Context::destroy() {
+  // Its work done, within the bound, before the implicit waits below (cublasDestroy, cudaFree).
+  if (device == Device::CUDA && stream)
+    synchronize_stream(stream, "the compute stream's last work");
   weight_copies.reset();  // allocated on this stream: freed before it goes
   staging.reset();        // its copies ran on this stream
   // Any other buffer still alive would be freed later, on a destroyed stream: a bug on every
@@ -656,7 +699,7 @@ void Context::destroy() {
 }
 void Context::synchronize() const {
   count_host_sync();
-  if (device == Device::CUDA) CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (device == Device::CUDA) synchronize_stream(stream, "the compute stream's work");
 }
 void launch_check(const Context& ctx, const char* kernel, const char* file, int line) {
   cudaError_t err = cudaGetLastError();
@@ -831,7 +874,7 @@ void settle_ledger_clock() {
   const cudaEvent_t last = g_clock.marks.back().second;
   if (!event_reached(last)) {
     count_host_sync();
-    CUDA_CHECK(cudaEventSynchronize(last));
+    wait_for_event(last, "the roofline report's timing events");
   }
   for (size_t i = 0; i + 1 < g_clock.marks.size(); i++) {
     float ms = 0;

@@ -148,6 +148,10 @@ bool event_reached(cudaEvent_t e);
 // Whether `stream` runs what is queued on it now by `deadline` (now_seconds()): the host polls
 // an event, never blocking on the device, so that every wait for a stream can be bounded.
 bool stream_reached_by(cudaStream_t stream, double deadline);
+// The same, against the bound of set_device_wait_bound (--comm-timeout): past it the job ends
+// with an error that says `what` was waited for. For an event already recorded, and for a stream.
+void wait_for_event(cudaEvent_t e, const char* what);
+void synchronize_stream(cudaStream_t stream, const char* what);
 // Calls to the device's allocator (cudaMallocAsync; on meta, as CUDA would make them) since the
 // process started: the misses of the arena that device buffers come from (core.cu), which
 // keeps a freed buffer for the next allocation of its size on its stream. Observation only.
@@ -277,9 +281,13 @@ Tensor device_ints(const Context& ctx, const std::vector<int32_t>& v);  // [v.si
 // each kernel launch, so a faulting kernel is named where it faults instead of at the next
 // synchronisation (train --sync-launches, unit_tests --sync-launches). Slow; results unchanged.
 void set_sync_launches(bool on);
-// How long the host waits for a stream outside a collective (the allocator's retry), as
-// --comm-timeout bounds the collectives' waits (comm_init sets it to that; 300 s before).
+// How long the host waits for the device outside a collective (the allocator's retry, a
+// checkpoint's copies), as --comm-timeout bounds the collectives' waits (comm_init sets it to
+// that; 300 s before).
 void set_device_wait_bound(double seconds);
+// All the device's work queued so far, done (cudaDeviceSynchronize) within that bound; past it the
+// job ends with an error that says `what` was waiting.
+void synchronize_device(const char* what);
 // After a kernel launch: a launch error (bad configuration) names `kernel`; with sync_launches
 // the stream is synchronised too, so an error while the kernel ran names it as well.
 void launch_check(const Context& ctx, const char* kernel, const char* file, int line);

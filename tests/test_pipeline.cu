@@ -11,6 +11,7 @@
 
 #include "pipeline_parallel.cuh"
 #include "planner/pipeline_timing.cuh"
+#include "runtime/comm_internal.cuh"
 
 TEST_CASE("pipeline chunks cover every block once, sizes within one, Megatron's assignment",
           "[pipeline]") {
@@ -582,4 +583,22 @@ TEST_CASE(
     CHECK(grouped_stuck.count(s));
     CHECK(shared_stuck.count(s));
   }
+}
+
+// The streams of a pipeline over NCCL: the compute and communication streams, one per
+// communicator, and a link each way to each neighbour on pp and on pp_grad (one neighbour with
+// two stages: 4 links; else 8). Each needs a hardware queue (CUDA_DEVICE_MAX_CONNECTIONS).
+TEST_CASE(
+    "a pipeline over NCCL is refused fewer hardware queues than it makes streams, naming "
+    "CUDA_DEVICE_MAX_CONNECTIONS and the fix",
+    "[pipeline]") {
+  using Catch::Matchers::Contains;
+  CHECK(device_queue_shortage(nullptr, 4, 9).empty());  // unset: CUDA gets picoscale's 32
+  CHECK(device_queue_shortage("1", 1, 9).empty());      // no pipeline, no link to wait on
+  CHECK(device_queue_shortage("32", 8, 9).empty());     // the most: 2 + 9 + 8 = 19 streams
+  CHECK(device_queue_shortage("8", 2, 2).empty());      // 2 + 2 + 4 = 8, one queue each
+  CHECK_THAT(device_queue_shortage("7", 2, 2), Contains("CUDA_DEVICE_MAX_CONNECTIONS=7") &&
+                                                   Contains("at least 8") &&
+                                                   Contains("--comm mpi"));
+  CHECK_THAT(device_queue_shortage("1", 3, 9), Contains("makes 19 streams"));  // Megatron's 1
 }

@@ -4,22 +4,29 @@
 # gpu_bundle/ (git-ignored) what tools/gpu_check.sh needs on a bare GPU machine: one with the
 # NVIDIA driver and CUDA 13 (cuBLAS and NCCL from the toolkit or Python wheels) but no MPI,
 # OpenBLAS or fortune corpus.
-#   bin.tar.gz       train and build/{unit_tests,mpi_tests,bench_step,bench_comm,bench_attention,
+#   bin.tar.xz       train and build/{unit_tests,mpi_tests,bench_step,bench_comm,bench_attention,
 #                    bench_matmul,bench_matmul_coarsen8x8 (docs/experiments/coarsen-8x8.patch
 #                    applied),device_info}
-#   lib.tar.gz       lib/: every shared library those, orted, orterun, ompi_info and the OpenMPI
+#   lib.tar.xz       lib/: every shared library those, orted, orterun, ompi_info and the OpenMPI
 #                    and PMIx plugins load, except the C/C++ runtime and CUDA's own libraries
-#   openmpi.tar.gz   the OpenMPI tree with its paths relative to / (plugins, share/openmpi,
+#   openmpi.tar.xz   the OpenMPI tree with its paths relative to / (plugins, share/openmpi,
 #                    etc/openmpi, orted, orterun, ompi_info, PMIx's plugins), links resolved.
 #                    tools/gpu_unpack.sh unpacks it under a private prefix in its work folder
 #                    and points OpenMPI there (OPAL_PREFIX); nothing is written to /.
 #   corpus.txt.gz    the default corpus (the fortune files, sorted by name) as one file, for
 #                    --data: the same bytes, so the same batches, as /usr/share/games/fortunes
 #   MANIFEST.txt     commit, compiler, flags, sizes
+#   NEEDED.txt       the libraries the binaries load that the GPU machine must provide (cuBLAS,
+#                    NCCL): gpu_check.sh looks them up by name, without readelf
+#   SOURCES.sha256   the sources the binaries were built from: gpu_check.sh says in its first line
+#                    whether the checkout beside the bundle still has them
+# xz, not gzip: the binaries share most of their bytes (the same kernels), which only xz's large
+# window finds (about a third of the size). Made in a folder of its own and moved into place
+# only when complete and within the limit, so a failure leaves no half bundle behind.
 # Then it unpacks the bundle into a temporary directory and checks, with ldd, that every library
 # a bundled binary or plugin needs is bundled, or is a C/C++ runtime or CUDA library.
 # Usage: tools/gpu_bundle.sh [--no-build]   (--no-build packs the binaries already built)
-#        tools/gpu_bundle.sh --mpi-only DIR  (only openmpi.tar.gz and lib.tar.gz for ./train,
+#        tools/gpu_bundle.sh --mpi-only DIR  (only openmpi.tar.xz and lib.tar.xz for ./train,
 #                                             into DIR: what tools/test_gpu_check.sh unpacks)
 # Carry `gpu_bundle` to the GPU machine and run `bash tools/gpu_check.sh` there.
 set -euo pipefail
@@ -28,7 +35,10 @@ export PATH="$PATH:/usr/local/cuda/bin"
 BINARIES="train build/unit_tests build/mpi_tests build/bench_step build/bench_comm build/bench_attention build/bench_matmul build/bench_matmul_coarsen8x8 build/device_info"
 MPI_DIR=/usr/lib/x86_64-linux-gnu/openmpi
 PMIX_DIR=/usr/lib/x86_64-linux-gnu/pmix2
-MAX_MIB=48  # the carry limit is 64 MiB for everything that travels
+# What may travel to a GPU machine: 64 MiB, the checkout's tracked files included; 4 to spare.
+tracked=$(git ls-files -z 2>/dev/null | du --files0-from=- -cb 2>/dev/null | tail -1 | cut -f1)
+MAX_MIB=$((64 - (${tracked:-8388608} + 1048575) / 1048576 - 4))
+pack() { tar -cf - "$@" | xz -9 -T1; }  # pack FOLDER_ARGS... > FILE.tar.xz
 
 # Libraries every Linux GPU machine has: glibc, the GCC C++ runtime, the driver and CUDA's
 # own (cuBLAS and NCCL are found there by gpu_check.sh).
@@ -48,9 +58,11 @@ fi
   { echo "gpu_bundle: build/flags.txt has no sm_90 code: rebuild with the default GPU_ARCH"; exit 1; }
 for b in $BINARIES; do [ -x "$b" ] || { echo "gpu_bundle: $b is missing"; exit 1; }; done
 
-rm -rf "$OUT_DIR"
-mkdir -p "$OUT_DIR/stage/bin" "$OUT_DIR/stage/lib"
-stage=$OUT_DIR/stage
+new=$(mktemp -d "${TMPDIR:-/tmp}/picoscale-bundle.XXXXXX")
+check=$(mktemp -d)
+trap 'rm -rf "$new" "$check"' EXIT
+mkdir -p "$new/stage/bin" "$new/stage/lib"
+stage=$new/stage
 cp $BINARIES $stage/bin/
 
 # The OpenMPI and PMIx files to ship: plugins without RDMA dependencies, help texts, config.
@@ -66,7 +78,7 @@ mpi_files=$(mktemp)
   echo usr/bin/ompi_info
 } | sort -u >"$mpi_files"
 # --dereference: links become files, so unpacking never writes through a link out of the folder.
-tar -czf "$OUT_DIR/openmpi.tar.gz" --dereference -C / -T "$mpi_files"
+pack --dereference -C / -T "$mpi_files" >"$new/openmpi.tar.xz"
 
 # Their shared libraries, and the binaries': ldd lists the transitive closure.
 {
@@ -81,30 +93,39 @@ if ls $stage/lib | grep -Eq "$RDMA_LIBS"; then
 fi
 rm -f "$mpi_files"
 
-tar -czf "$OUT_DIR/lib.tar.gz" -C $stage lib
+pack -C $stage lib >"$new/lib.tar.xz"
 if [ "$MPI_ONLY" = 1 ]; then
-  rm -rf $stage
+  rm -rf $stage "$OUT_DIR"
+  mkdir -p "$(dirname "$OUT_DIR")"
+  mv "$new" "$OUT_DIR"
   echo "gpu_bundle: $OUT_DIR: $(ls "$OUT_DIR" | tr '\n' ' ')"
   exit 0
 fi
-tar -czf gpu_bundle/bin.tar.gz -C $stage bin
+pack -C $stage bin >"$new/bin.tar.xz"
+# What the GPU machine must provide: the libraries the binaries and the bundled ones load that
+# are neither bundled nor the C/C++ runtime (cuBLAS, NCCL).
+for f in $stage/bin/* $stage/lib/*; do readelf -d "$f" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p'; done |
+  sort -u | while read -r name; do
+    [ -e "$stage/lib/$name" ] ||
+      [[ $name =~ ^(ld-linux|libc|libm|libpthread|libdl|librt|libstdc\+\+|libgcc_s)\. ]] || echo "$name"
+  done >"$new/NEEDED.txt"
+# The sources the binaries come from, as the checkout beside the bundle must still have them.
+git ls-files -- '*.cu' '*.cuh' '*.cpp' '*.h' Makefile | xargs sha256sum >"$new/SOURCES.sha256"
 # The corpus as train reads it by default: files without a '.' in the name, sorted by name.
 (cd /usr/share/games/fortunes && find -L . -maxdepth 1 -type f ! -name '*.*' -printf '%f\n' |
-  LC_ALL=C sort | xargs cat) | gzip >gpu_bundle/corpus.txt.gz
+  LC_ALL=C sort | xargs cat) | gzip >"$new/corpus.txt.gz"
 rm -rf $stage
 
 # ---- check: unpack into a temporary root and resolve every dependency there ----
-check=$(mktemp -d)
-trap 'rm -rf "$check"' EXIT
 mkdir -p "$check/root"
-tar -xzf gpu_bundle/bin.tar.gz -C "$check"
-tar -xzf gpu_bundle/lib.tar.gz -C "$check"
-tar -xzf gpu_bundle/openmpi.tar.gz -C "$check/root"
+tar -xJf "$new/bin.tar.xz" -C "$check"
+tar -xJf "$new/lib.tar.xz" -C "$check"
+tar -xJf "$new/openmpi.tar.xz" -C "$check/root"
 for need in usr/bin/orted usr/bin/orterun etc/openmpi/openmpi-mca-params.conf \
             usr/share/openmpi/help-mpi-runtime.txt "${MPI_DIR#/}/lib/openmpi3/mca_ess_singleton.so" \
             "${MPI_DIR#/}/lib/openmpi3/mca_pml_ob1.so" "${MPI_DIR#/}/lib/openmpi3/mca_btl_vader.so" \
             "${MPI_DIR#/}/lib/openmpi3/mca_pmix_ext3x.so" "${MPI_DIR#/}/lib/openmpi3/mca_plm_isolated.so"; do
-  [ -e "$check/root/$need" ] || { echo "gpu_bundle: openmpi.tar.gz lacks /$need"; exit 1; }
+  [ -e "$check/root/$need" ] || { echo "gpu_bundle: openmpi.tar.xz lacks /$need"; exit 1; }
 done
 problems=0
 for f in "$check"/bin/* "$check"/lib/* "$check"/root/usr/bin/* \
@@ -135,9 +156,13 @@ done
                               grep -o 'GLIBC_2\.[0-9]*' | sort -t. -k2 -n -u | tail -1)"
   echo "binaries: $BINARIES"
   echo "libraries: $(ls "$check/lib" | tr '\n' ' ')"
-} >gpu_bundle/MANIFEST.txt
-cat gpu_bundle/MANIFEST.txt
-mib=$(( ($(du -sb gpu_bundle | cut -f1) + 1048575) / 1048576 ))
-du -sh gpu_bundle/*
-echo "gpu_bundle: ${mib} MiB in all (limit ${MAX_MIB}); every dependency resolves"
-[ "$mib" -le "$MAX_MIB" ] || { echo "gpu_bundle: larger than ${MAX_MIB} MiB"; exit 1; }
+  echo "from the GPU machine: $(tr '\n' ' ' <"$new/NEEDED.txt")"
+} >"$new/MANIFEST.txt"
+cat "$new/MANIFEST.txt"
+mib=$(( ($(du -sb "$new" | cut -f1) + 1048575) / 1048576 ))
+du -sh "$new"/*
+echo "gpu_bundle: ${mib} MiB in all (limit ${MAX_MIB}: 64 less the checkout's tracked files and 4 to spare); every dependency resolves"
+[ "$mib" -le "$MAX_MIB" ] || { echo "gpu_bundle: larger than ${MAX_MIB} MiB: not made"; exit 1; }
+rm -rf "$OUT_DIR"
+mv "$new" "$OUT_DIR"
+echo "gpu_bundle: made $OUT_DIR"

@@ -24,11 +24,15 @@ cat "$bundle/MANIFEST.txt" 2>/dev/null || true
 rm -rf "$work/openmpi" "$work/lib" "$work/root"
 mkdir -p "$work/openmpi" "$work/root/build"
 # --no-same-owner, no --absolute-names: members land below the folder given, as the caller.
-untar() { tar -xzf "$1" --no-same-owner -C "$2"; }
-untar "$bundle/openmpi.tar.gz" "$work/openmpi"
-untar "$bundle/lib.tar.gz" "$work"
-if [ -f "$bundle/bin.tar.gz" ]; then
-  untar "$bundle/bin.tar.gz" "$work/root"
+# tar reads xz through the xz program; an image without it unpacks through Python's tarfile.
+untar() {
+  if command -v xz >/dev/null; then tar -xJf "$1" --no-same-owner -C "$2"
+  else python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="tar")' "$1" "$2"; fi
+}
+untar "$bundle/openmpi.tar.xz" "$work/openmpi"
+untar "$bundle/lib.tar.xz" "$work"
+if [ -f "$bundle/bin.tar.xz" ]; then
+  untar "$bundle/bin.tar.xz" "$work/root"
   mv "$work/root/bin/train" "$work/root/"
   mv "$work/root/bin/"* "$work/root/build/"
   rmdir "$work/root/bin"

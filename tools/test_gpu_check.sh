@@ -45,7 +45,7 @@ NO_BUNDLE=$T/no_bundle
 # Every step, in the order the check must run them: what only a GPU can tell first.
 SETUP_STEPS="environment setup device_info libraries mpi_singleton"
 FIRST_STEPS="unit_gpu_sync train_cuda_vs_cpu flash_bench flash_torch dtype_llama1b bench_matmul"
-REST_STEPS="bench_matmul_8x8 mpi_gpu_np1 nccl_timeout unit_gpu unit_gpu_flash memcheck mpi_gpu_np2 dp2_vs_grad_acc2
+REST_STEPS="bench_matmul_8x8 mpi_gpu_np1 nccl_timeout device_timeout unit_gpu unit_gpu_flash memcheck mpi_gpu_np2 dp2_vs_grad_acc2
             train_tiny train_medium bench bench_comm racecheck racecheck_flash racecheck_tp"
 table_steps() { grep -E '^\| [a-z_0-9]+ \| (PASS|FAIL|SKIP) \|' "$1" | cut -d'|' -f2 | tr -d ' '; }
 # The table lists exactly the steps above, each once, in that order.
@@ -83,7 +83,7 @@ check "the default budget fits one 600 s command with 30 s to spare" \
   bash -c "[ -n '$budget' ] && [ '$budget' -le 570 ] && [ '$budget' -ge 300 ]"
 check "the plan's estimates fit in the budget, 10 s kept for the table" \
   bash -c "[ '$planned' -gt 0 ] && [ \$(( $planned + 10 )) -le '${budget:-0}' ] &&
-           grep -q '^plan: [0-9]* of 26 steps would run, estimates ${planned}s + 10s reserve' '$T/plan.log'"
+           grep -q '^plan: [0-9]* of 27 steps would run, estimates ${planned}s + 10s reserve' '$T/plan.log'"
 for step in $FIRST_STEPS; do
   check "the default plan runs $step" grep -q "^| $step | SKIP | 0 | dry run: would run" "$T/plan.log"
 done
@@ -100,6 +100,18 @@ check "without the bundle, the first line of a dry run says so and how to make i
            head -1 '$T/nob.log' | grep -q 'tools/gpu_bundle.sh'"
 check "with the bundle, the first line names it" \
   bash -c "head -1 '$T/plan.log' | grep -q '^picoscale GPU check: bundle $T/bundle_stub (commit: 0000000)'"
+# The sources the bundle records, against the checkout: the same, then one file differing.
+mkdir -p "$T/bundle_same" "$T/bundle_stale"
+cp "$T/bundle_stub/MANIFEST.txt" "$T/bundle_same/"
+cp "$T/bundle_stub/MANIFEST.txt" "$T/bundle_stale/"
+git ls-files -- Makefile train.cu model.cu | xargs sha256sum >"$T/bundle_same/SOURCES.sha256"
+sed "2s/^[0-9a-f]\{64\}/$(printf '%064d' 0)/" "$T/bundle_same/SOURCES.sha256" >"$T/bundle_stale/SOURCES.sha256"
+bash tools/gpu_check.sh --dry-run --budget 0 --bundle "$T/bundle_same" --work "$T/same" >"$T/same.log" 2>&1
+bash tools/gpu_check.sh --dry-run --budget 0 --bundle "$T/bundle_stale" --work "$T/stale" >"$T/stale.log" 2>&1
+check "the first line says whether the bundle was built from the checkout's sources" \
+  bash -c "head -1 '$T/same.log' | grep -q '; built from these sources$' &&
+           head -1 '$T/stale.log' | grep -q 'STALE BUNDLE: 1 source files differ from this checkout' &&
+           head -1 '$T/plan.log' | grep -q 'sources not recorded'"
 
 # ---- 4. --budget 0: no step runs, no abort before the table ----
 bash tools/gpu_check.sh --budget 0 --bundle "$NO_BUNDLE" --work "$T/zero" >"$T/zero.log" 2>&1
@@ -149,6 +161,7 @@ cat >"$T/fake_catch.sh" <<'FAKE'
 if [ "${2:-}" = "--list-test-names-only" ]; then printf 'one, with a comma\ntwo [bracketed]\n\nthree\n'; exit 3; fi
 echo "filter: $1"
 [ "$1" = 'two \[bracketed\]' ] && exit 1
+[ "$1" = 'three' ] && [ -n "${STUCK:-}" ] && sleep 30
 exit 0
 FAKE
 chmod +x "$T/fake_catch.sh"
@@ -157,6 +170,11 @@ check "catch_each runs each listed case alone, its name escaped, and reports eac
   bash -c "[ \"\$(grep -c '^=== case ' '$T/each_fake.log')\" = 3 ] &&
            grep -qx 'filter: one\\\\, with a comma' '$T/each_fake.log' &&
            [ \"\$(grep '^=== exit' '$T/each_fake.log' | tr '\n' ' ')\" = '=== exit 0 === exit 1 === exit 0 ' ]"
+t0=$(date +%s)
+STUCK=1 CASE_TIMEOUT=1 bash tools/catch_each.sh env "$T/fake_catch.sh" "[gpu]" >"$T/each_stuck.log" 2>&1
+check "catch_each stops a stuck case at CASE_TIMEOUT (exit 124) and reports it" \
+  bash -c "[ \"\$(grep '^=== exit' '$T/each_stuck.log' | tr '\n' ' ')\" = '=== exit 0 === exit 1 === exit 124 ' ] &&
+           [ \$((\$(date +%s) - $t0)) -lt 15 ]"
 if [ -x build/unit_tests ]; then
   bash tools/catch_each.sh env build/unit_tests "[gpu]~a CUDA training run*" --use-colour no \
     >"$T/each.log" 2>&1

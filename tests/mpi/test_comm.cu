@@ -3,7 +3,8 @@
 // several collectives in flight at once, byte counters against the ring formulas, and the process
 // grid for every factorization of the world, and the choice of NCCL or MPI per node. [gpu] cases
 // repeat them on device buffers, over MPI staging and over NCCL (on one rank too: --comm nccl
-// gives groups of one a communicator). The hidden [.stuck-nccl] case ends the job on purpose.
+// gives groups of one a communicator). The hidden [.stuck-nccl] and [.stuck-device] cases end
+// the job on purpose.
 // Run as: mpirun -np N build/mpi_tests   (every case works for any N from 2 to 8; [gpu] from 1)
 #include <catch2/catch.hpp>
 #include <chrono>
@@ -16,6 +17,7 @@
 
 #include "gpu_ranks.cuh"
 #include "runtime/comm.cuh"
+#include "runtime/ops.cuh"
 #include "world.cuh"
 
 namespace {
@@ -892,4 +894,18 @@ TEST_CASE("an NCCL all-reduce whose input never becomes ready ends the job at --
   spin_for_ns<<<1, 1, 0, gpu.stream>>>(120ull * 1000 * 1000 * 1000);
   all_reduce(c, c.world, gpu, x.f32(), 1, ReduceOp::Sum);
   FAIL("all_reduce returned although its input was never ready");
+}
+
+// Run by tools/gpu_check.sh as `mpirun -np 1 build/mpi_tests "[.stuck-device]"`: a host wait
+// for the device outside any collective (here a reduction's result, read back) is bounded by
+// --comm-timeout too: the job ends with its message a few seconds after the 2 s deadline.
+TEST_CASE("a reduction read back while the device never finishes ends the job at --comm-timeout",
+          "[.stuck-device]") {
+  if (!named("[.stuck-device]") || !gpu_case_ready()) return;
+  Context gpu = Context::create(Device::CUDA);
+  Comm c = comm_init(world_size(), 1, 1, 1, "nccl", Device::CUDA, 2);  // the bound: 2 s
+  Tensor x = on(gpu, filled(1, 1));
+  spin_for_ns<<<1, 1, 0, gpu.stream>>>(120ull * 1000 * 1000 * 1000);
+  sum(gpu, x);
+  FAIL("sum returned although the device never finished");
 }
