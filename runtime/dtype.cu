@@ -164,22 +164,24 @@ std::vector<float> widened(const Tensor& t) {
 // The CUDA types' own conversions, so a [gpu] test checks the loop above against NVIDIA's:
 // cvt.rn.bf16.f32 / cvt.rn.f16.f32 in hardware; fp8 by cuda_fp8.h (hardware cvt.rn.satfinite
 // on sm_89+ for e4m3; e5m2 must overflow to infinity, which only the __NV_NOSAT path does).
+// Every NaN is written as the CPU loop writes it, all bits set but the sign, whatever sign or
+// payload a conversion would keep: the two devices' bytes are the same.
 __global__ void cast_from_f32_kernel(void* dst, DType dst_dtype, const float* src, int64_t n) {
   const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const float x = src[i];
   switch (dst_dtype) {
     case DType::BF16:
-      ((uint16_t*)dst)[i] = __bfloat16_as_ushort(__float2bfloat16_rn(x));
+      ((uint16_t*)dst)[i] = x != x ? 0x7FFF : __bfloat16_as_ushort(__float2bfloat16_rn(x));
       break;
     case DType::F16:
-      ((uint16_t*)dst)[i] = __half_as_ushort(__float2half_rn(x));
+      ((uint16_t*)dst)[i] = x != x ? 0x7FFF : __half_as_ushort(__float2half_rn(x));
       break;
     case DType::F8E4M3:
-      ((uint8_t*)dst)[i] = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+      ((uint8_t*)dst)[i] = x != x ? 0x7F : __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
       break;
     case DType::F8E5M2:
-      ((uint8_t*)dst)[i] = __nv_cvt_float_to_fp8(x, __NV_NOSAT, __NV_E5M2);
+      ((uint8_t*)dst)[i] = x != x ? 0x7F : __nv_cvt_float_to_fp8(x, __NV_NOSAT, __NV_E5M2);
       break;
     default:
       ((float*)dst)[i] = x;

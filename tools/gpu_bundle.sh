@@ -107,7 +107,7 @@ pack -C $stage bin >"$new/bin.tar.xz"
 for f in $stage/bin/* $stage/lib/*; do readelf -d "$f" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p'; done |
   sort -u | while read -r name; do
     [ -e "$stage/lib/$name" ] ||
-      [[ $name =~ ^(ld-linux|libc|libm|libpthread|libdl|librt|libstdc\+\+|libgcc_s)\. ]] || echo "$name"
+      [[ $name =~ ^(ld-linux.*|libc|libm|libpthread|libdl|librt|libstdc\+\+|libgcc_s)\.so ]] || echo "$name"
   done >"$new/NEEDED.txt"
 # The sources the binaries come from, as the checkout beside the bundle must still have them.
 git ls-files -- '*.cu' '*.cuh' '*.cpp' '*.h' Makefile | xargs sha256sum >"$new/SOURCES.sha256"

@@ -260,7 +260,15 @@ else
     command -v nvcc && nvcc --version
     echo "CPUs: $(nproc)"
   } >"$LOGS/environment.log" 2>&1
-  record environment PASS 0 "$GPU; $(ldd --version | head -1 | grep -o '[0-9.]*$' | sed 's/^/glibc /')"
+  # The bundle's binaries and libraries need at most the glibc its MANIFEST names.
+  have=$(ldd --version | head -1 | grep -o '[0-9.]*$')
+  need=$(sed -n 's/^glibc needed: up to GLIBC_//p' "$BUNDLE/MANIFEST.txt" 2>/dev/null)
+  if [ -n "$need" ] && [ "$(printf '%s\n%s\n' "$need" "$have" | sort -V | head -1)" != "$need" ]; then
+    record environment FAIL 0 "$GPU; glibc $have, older than the $need the bundle needs: build it on an older system"
+    NO_RUN="glibc $have < $need"
+  else
+    record environment PASS 0 "$GPU; glibc $have${need:+ (the bundle needs $need)}"
+  fi
 fi
 
 # ---- setup: unpack the bundle under the work folder (or build here, if this machine can) ----
