@@ -391,6 +391,7 @@ if run_step device_info 30 "$RUN" build/device_info; then
     HOLD_PID=$!
   else
     fail device_info "exit $STEP_RC: $(grep -m1 'no usable' "$LOGS/device_info.log")"
+    NO_DEVICE="no usable CUDA device (device_info)"
   fi
 fi
 
@@ -410,6 +411,10 @@ if run_step mpi_singleton 60 "$RUN" ./train --help; then
     fail mpi_singleton "./train --help exited $STEP_RC"
   fi
 fi
+
+# Without a usable device every step below would fail the same way: the budget is kept (the two
+# above still ran, to say which library or what of MPI is missing).
+[ -n "${NO_DEVICE:-}" ] && NO_RUN=$NO_DEVICE
 
 # =============================================================================================
 # 1. What only a GPU can tell, first: every kernel against its CPU reference, synchronising after
