@@ -37,6 +37,8 @@ std::string past_deadline(int world_rank, const std::string& what, double timeou
 // Why CUDA_DEVICE_MAX_CONNECTIONS (as set, or null) is too few hardware queues for a pipeline of
 // pp_size stages over NCCL with this many communicators, or "" (comm_setup.cu).
 std::string device_queue_shortage(const char* connections, int pp_size, int communicators);
+// What may go wrong when NCCL's own streams are counted too (its two a communicator), or "".
+std::string device_queue_note(const char* connections, int pp_size, int communicators);
 // Waits until every communicator of `comms` has finished the call that returned `returned`,
 // or stops every rank past start + timeout_s.
 void nccl_settle(const std::vector<ncclComm_t>& comms, ncclResult_t returned,

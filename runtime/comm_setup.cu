@@ -308,10 +308,29 @@ static void make_links(Group& g, int world_rank, double timeout_s) {
 // streams sharing them when there are more streams than queues, and an op queued behind the
 // waiting send in a shared queue waits with it: the peer's receive it needs may be that op. So
 // a pipeline over NCCL needs a queue for each stream it makes (comm_init refuses fewer, on
-// every rank alike: they share the environment, before any communicator exists).
+// every rank alike: they share the environment, before any communicator exists). NCCL makes two
+// streams of its own for every communicator, links included, and one for the process (2.28),
+// where it waits for its kernels: counted too, they can pass the 32 queues CUDA gives at most,
+// and then comm_init says so (device_queue_note), since which streams share cannot be chosen.
+static int pipeline_links(int pp_size) {
+  return pp_size == 2 ? 4 : 8;  // each way to each neighbour, on pp and pp_grad
+}
+std::string device_queue_note(const char* connections, int pp_size, int communicators) {
+  if (pp_size < 2) return "";
+  const int queues = std::min(connections ? atoi(connections) : 8, 32);
+  const int channels = communicators + pipeline_links(pp_size);
+  const int streams = 4 + 3 * channels;  // compute, communication, legacy, NCCL's; 3 a channel
+  if (streams <= queues) return "";
+  return "a pipeline over NCCL here makes about " + std::to_string(streams) +
+         " streams (picoscale's and NCCL's two for each of its " + std::to_string(channels) +
+         " communicators and links) for " + std::to_string(queues) +
+         " hardware queues: streams share queues, and a send waiting for its peer may hold up a "
+         "receive queued behind it, which --comm-timeout then ends (unverified: no run of several "
+         "GPUs yet); --comm mpi moves the pipeline's messages through the host instead";
+}
 std::string device_queue_shortage(const char* connections, int pp_size, int communicators) {
   if (!connections || pp_size < 2) return "";
-  const int links = pp_size == 2 ? 4 : 8;         // each way to each neighbour, on pp and pp_grad
+  const int links = pipeline_links(pp_size);
   const int streams = 2 + communicators + links;  // + the compute and communication streams
   if (atoi(connections) >= streams) return "";
   return "CUDA_DEVICE_MAX_CONNECTIONS=" + std::string(connections) +
@@ -446,6 +465,9 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
     const std::string shortage =
         device_queue_shortage(getenv("CUDA_DEVICE_MAX_CONNECTIONS"), c.pp.size, communicators);
     if (!shortage.empty()) throw UsageError(shortage);
+    const std::string note =
+        device_queue_note(getenv("CUDA_DEVICE_MAX_CONNECTIONS"), c.pp.size, communicators);
+    if (!note.empty() && world_rank == 0) fprintf(stderr, "note: %s\n", note.c_str());
     for (Group* g : c.groups()) {
       if (g->size == 1 && !groups_of_one) continue;
       ncclUniqueId id;

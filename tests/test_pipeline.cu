@@ -601,4 +601,11 @@ TEST_CASE(
                                                    Contains("at least 8") &&
                                                    Contains("--comm mpi"));
   CHECK_THAT(device_queue_shortage("1", 3, 9), Contains("makes 19 streams"));  // Megatron's 1
+  // With NCCL's two streams a communicator (and link) and its one a process: 4 + 3 (c + links).
+  CHECK(device_queue_note("32", 1, 9).empty());  // no pipeline
+  CHECK(device_queue_note("32", 2, 3).empty());  // pp 2 alone: 4 + 3 (3 + 4) = 25 <= 32
+  CHECK_THAT(device_queue_note("32", 2, 7),      // dp 2, tp 2, pp 2: 4 + 3 (7 + 4) = 37
+             Contains("about 37 streams") && Contains("11 communicators and links") &&
+                 Contains("32 hardware queues") && Contains("--comm mpi"));
+  CHECK_THAT(device_queue_note("64", 4, 3), Contains("for 32 hardware queues"));  // CUDA's most
 }
