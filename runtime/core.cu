@@ -670,7 +670,11 @@ Context Context::create(Device device) {
     CUDA_CHECK(cudaMalloc(&ctx.cublas_workspace, workspace));
     CUBLAS_CHECK(cublasSetWorkspace(ctx.cublas, ctx.cublas_workspace, workspace));
     // fp32 training stays fp32: no TF32 tensor-core shortcut, so GPU matches the CPU reference.
-    CUBLAS_CHECK(cublasSetMathMode(ctx.cublas, CUBLAS_DEFAULT_MATH));
+    // And a 16-bit output is one rounding of an fp32 sum: no split-K partial sums added in
+    // bf16 or fp16 (cublasMath_t; PyTorch's allow_bf16_reduced_precision_reduction = False).
+    CUBLAS_CHECK(cublasSetMathMode(
+        ctx.cublas,
+        (cublasMath_t)(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
     ctx.staging = std::make_shared<PinnedStaging>();
   }
   ctx.sync_launches = g_sync_launches;

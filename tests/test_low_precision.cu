@@ -3,6 +3,7 @@
 // the rule "operands rounded, products summed in fp32, output rounded"; and the fp16 loss
 // scaler's rule. The formats' own conversions are tested against the book's facts and CUDA's
 // in test_mixed_precision.cu, so the rounding of single values is taken from them here.
+#include <array>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
@@ -545,7 +546,7 @@ TEST_CASE("the FP8 linear backward on the GPU path casts only what its FP8 GEMMs
 TEST_CASE("CUDA linear layers side by side: the batched GEMM equals one linear each",
           "[precision][gpu]") {
   SKIP_WITHOUT_CUDA();
-  for (Precision p : {Precision::FP32, Precision::BF16}) {
+  for (Precision p : {Precision::FP32, Precision::BF16, Precision::FP16}) {
     INFO(precision_name(p));
     Context ctx = Context::create(Device::CUDA);
     ctx.precision = p;
@@ -765,97 +766,108 @@ TEST_CASE("bad precision flags end with exit code 2 naming the flag", "[train]")
 // far smaller than its terms); an output may then land on the neighbouring value of its
 // format (one ulp). A wrong index or scale is off by the size of a term, orders of magnitude
 // more.
+// The second shape, a small output over a long sum, is where cuBLAS splits K: its partial sums
+// must be added in fp32 too (the handle's math mode), or a 16-bit output is off by more.
 TEST_CASE("the CUDA low-precision linear layers match the CPU emulation", "[precision][gpu]") {
   SKIP_WITHOUT_CUDA();
   Context gpu = Context::create(Device::CUDA);
-  for (Precision p : {Precision::BF16, Precision::FP16, Precision::FP8}) {
-    INFO(precision_name(p));
-    Context cpu = Context::create(Device::CPU);
-    cpu.precision = gpu.precision = p;
-    const int T = 40, in = 300, out = 136;
-    Tensor x = filled({T, in}, 21, 1.0f), W = filled({out, in}, 22, 0.1f),
-           dy = filled({T, out}, 23, 0.01f);
-    auto on_gpu = [](const Tensor& t) { return to_device(t, Device::CUDA, Mem::Workspace); };
-    Tensor y = empty({T, out}, Mem::Workspace), dx = empty({T, in}, Mem::Workspace);
-    Tensor dW = zeros({out, in}, Mem::Workspace);
-    Tensor gy = empty(gpu, {T, out}, Mem::Workspace), gdx = empty(gpu, {T, in}, Mem::Workspace);
-    Tensor gdW = zeros(gpu, {out, in}, Mem::Workspace);
-    linear_forward(cpu, y, x, W);
-    linear_backward(cpu, dx, dW, dy, x, W);
-    Tensor gx = on_gpu(x), gW = on_gpu(W), gdy = on_gpu(dy);
-    linear_forward(gpu, gy, gx, gW);
-    linear_backward(gpu, gdx, gdW, gdy, gx, gW);
-    gpu.synchronize();
-    const Precision stored_as = p == Precision::FP8 ? Precision::BF16 : p;
-    // sum |a b| per output from the fp32 operands, x 1.125 for their rounding (FP8's e4m3 at
-    // most 2^-4 of a value, bf16 and fp16 less).
-    auto sum_abs = [](const Tensor& A, const Tensor& B, bool b_transposed) {
-      const int64_t R = A.shape[0], K = A.shape[1], C = b_transposed ? B.shape[0] : B.shape[1];
-      std::vector<double> s((size_t)(R * C), 0.0);
-      for (int64_t r = 0; r < R; r++)
-        for (int64_t c = 0; c < C; c++)
-          for (int64_t k = 0; k < K; k++)
-            s[(size_t)(r * C + c)] +=
-                1.125 * std::fabs(A.f32()[r * K + k]) *
-                std::fabs(b_transposed ? B.f32()[c * K + k] : B.f32()[k * C + c]);
-      return s;
-    };
-    struct Output {
-      const char* name;
-      const Tensor *cpu, *gpu;
-      std::vector<double> magnitude;
-      int64_t K;
-    };
-    const Output outputs[] = {{"y", &y, &gy, sum_abs(x, W, true), in},
-                              {"dx", &dx, &gdx, sum_abs(dy, W, false), out}};
-    for (const Output& o : outputs) {
-      std::vector<float> g = to_host_floats(*o.gpu);
-      int64_t outside = 0, worst_at = 0;
-      double worst = 0.0;
-      for (int64_t i = 0; i < o.cpu->numel(); i++) {
-        const float c = o.cpu->f32()[i];
-        const double ulp = std::fabs(stored(stored_as, std::nextafter(c, 2 * c + 1)) - c) +
-                           std::fabs(c - stored(stored_as, std::nextafter(c, -2 * c - 1)));
-        const double allowed = ulp + (double)o.K * 0x1p-24 * o.magnitude[(size_t)i];
-        const double ratio = std::fabs((double)g[(size_t)i] - c) / allowed;
-        outside += !(ratio <= 1.0);
-        if (!(ratio <= worst)) worst = ratio, worst_at = i;
+  for (Precision p : {Precision::BF16, Precision::FP16, Precision::FP8})
+    for (auto [T, in, out] : {std::array<int, 3>{40, 300, 136}, std::array<int, 3>{8, 4096, 64}}) {
+      INFO(precision_name(p) << ", T " << T << ", in " << in << ", out " << out);
+      Context cpu = Context::create(Device::CPU);
+      cpu.precision = gpu.precision = p;
+      Tensor x = filled({T, in}, 21, 1.0f), W = filled({out, in}, 22, 0.1f),
+             dy = filled({T, out}, 23, 0.01f);
+      auto on_gpu = [](const Tensor& t) { return to_device(t, Device::CUDA, Mem::Workspace); };
+      Tensor y = empty({T, out}, Mem::Workspace), dx = empty({T, in}, Mem::Workspace);
+      Tensor dW = zeros({out, in}, Mem::Workspace);
+      Tensor gy = empty(gpu, {T, out}, Mem::Workspace), gdx = empty(gpu, {T, in}, Mem::Workspace);
+      Tensor gdW = zeros(gpu, {out, in}, Mem::Workspace);
+      linear_forward(cpu, y, x, W);
+      linear_backward(cpu, dx, dW, dy, x, W);
+      Tensor gx = on_gpu(x), gW = on_gpu(W), gdy = on_gpu(dy);
+      linear_forward(gpu, gy, gx, gW);
+      linear_backward(gpu, gdx, gdW, gdy, gx, gW);
+      gpu.synchronize();
+      const Precision stored_as = p == Precision::FP8 ? Precision::BF16 : p;
+      // sum |a b| per output from the fp32 operands, x 1.125 for their rounding (FP8's e4m3 at
+      // most 2^-4 of a value, bf16 and fp16 less).
+      auto sum_abs = [](const Tensor& A, const Tensor& B, bool b_transposed) {
+        const int64_t R = A.shape[0], K = A.shape[1], C = b_transposed ? B.shape[0] : B.shape[1];
+        std::vector<double> s((size_t)(R * C), 0.0);
+        for (int64_t r = 0; r < R; r++)
+          for (int64_t c = 0; c < C; c++)
+            for (int64_t k = 0; k < K; k++)
+              s[(size_t)(r * C + c)] +=
+                  1.125 * std::fabs(A.f32()[r * K + k]) *
+                  std::fabs(b_transposed ? B.f32()[c * K + k] : B.f32()[k * C + c]);
+        return s;
+      };
+      struct Output {
+        const char* name;
+        const Tensor *cpu, *gpu;
+        std::vector<double> magnitude;
+        int64_t K;
+      };
+      const Output outputs[] = {{"y", &y, &gy, sum_abs(x, W, true), in},
+                                {"dx", &dx, &gdx, sum_abs(dy, W, false), out}};
+      for (const Output& o : outputs) {
+        std::vector<float> g = to_host_floats(*o.gpu);
+        int64_t outside = 0, worst_at = 0;
+        double worst = 0.0;
+        for (int64_t i = 0; i < o.cpu->numel(); i++) {
+          const float c = o.cpu->f32()[i];
+          const double ulp = std::fabs(stored(stored_as, std::nextafter(c, 2 * c + 1)) - c) +
+                             std::fabs(c - stored(stored_as, std::nextafter(c, -2 * c - 1)));
+          const double allowed = ulp + (double)o.K * 0x1p-24 * o.magnitude[(size_t)i];
+          const double ratio = std::fabs((double)g[(size_t)i] - c) / allowed;
+          outside += !(ratio <= 1.0);
+          if (!(ratio <= worst)) worst = ratio, worst_at = i;
+        }
+        INFO(o.name << ": " << outside << " outside; worst element " << worst_at << " at " << worst
+                    << " of its bound (cpu " << o.cpu->f32()[worst_at] << ", gpu " << g[worst_at]
+                    << ")");
+        CHECK(outside == 0);
       }
-      INFO(o.name << ": " << outside << " outside; worst element " << worst_at << " at " << worst
-                  << " of its bound (cpu " << o.cpu->f32()[worst_at] << ", gpu " << g[worst_at]
-                  << ")");
-      CHECK(outside == 0);
+      if (p != Precision::FP8) {  // y written by cuBLAS in the compute format: the same values
+        Tensor gy16 = empty(gpu, {T, out}, Mem::Workspace, activation_dtype(p));
+        REQUIRE(gy16.dtype == output_dtype(p));
+        linear_forward(gpu, gy16, gx, gW);
+        gpu.synchronize();
+        std::vector<float> g16 = widened(to_device(gy16, Device::CPU, Mem::Workspace)),
+                           g32 = to_host_floats(gy);
+        // cuBLAS may sum in another order for another output type: the two roundings of nearly
+        // the same fp32 sum are the same value or neighbours (one unit of the format's last place).
+        const float unit = p == Precision::BF16 ? 0x1p-7f : 0x1p-10f;
+        for (size_t i = 0; i < g16.size(); i++)
+          REQUIRE(std::fabs(g16[i] - g32[i]) <= unit * std::fabs(g32[i]) + 1e-30f);
+      }
+      if (p != Precision::FP8) {  // dx written by cuBLAS in the compute format, as y above
+        Tensor gdx16 = empty(gpu, {T, in}, Mem::Workspace, activation_dtype(p));
+        linear_backward(gpu, gdx16, Tensor(), gradient_operand(gpu, gdy), gx, gW);
+        gpu.synchronize();
+        std::vector<float> g16 = widened(to_device(gdx16, Device::CPU, Mem::Workspace)),
+                           g32 = to_host_floats(gdx);
+        const float unit = p == Precision::BF16 ? 0x1p-7f : 0x1p-10f;
+        for (size_t i = 0; i < g16.size(); i++)
+          REQUIRE(std::fabs(g16[i] - g32[i]) <= unit * std::fabs(g32[i]) + 1e-30f);
+        // Added to (beta 1, as a second path into the same input's gradient): one rounding of
+        // the 16-bit value held plus the fp32 sum, the same value or a neighbour.
+        linear_backward(gpu, gdx16, Tensor(), gradient_operand(gpu, gdy), gx, gW, true);
+        gpu.synchronize();
+        std::vector<float> sum16 = widened(to_device(gdx16, Device::CPU, Mem::Workspace));
+        for (size_t i = 0; i < g16.size(); i++) {
+          const float want = g16[i] + g32[i];
+          REQUIRE(std::fabs(sum16[i] - want) <= unit * std::fabs(want) + 1e-30f);
+        }
+      }
+      std::vector<float> g = to_host_floats(gdW);
+      double scale = 0;
+      for (int64_t i = 0; i < dW.numel(); i++)
+        scale = std::max(scale, (double)std::fabs(dW.f32()[i]));
+      for (int64_t i = 0; i < dW.numel(); i++)  // fp32 sums of T products: 1e-6 of the scale
+        REQUIRE(std::fabs(g[i] - dW.f32()[i]) <= 1e-6 * scale);
     }
-    if (p != Precision::FP8) {  // y written by cuBLAS in the compute format: the same values
-      Tensor gy16 = empty(gpu, {T, out}, Mem::Workspace, activation_dtype(p));
-      REQUIRE(gy16.dtype == output_dtype(p));
-      linear_forward(gpu, gy16, gx, gW);
-      gpu.synchronize();
-      std::vector<float> g16 = widened(to_device(gy16, Device::CPU, Mem::Workspace)),
-                         g32 = to_host_floats(gy);
-      // cuBLAS may sum in another order for another output type: the two roundings of nearly
-      // the same fp32 sum are the same value or neighbours (one unit of the format's last place).
-      const float unit = p == Precision::BF16 ? 0x1p-7f : 0x1p-10f;
-      for (size_t i = 0; i < g16.size(); i++)
-        REQUIRE(std::fabs(g16[i] - g32[i]) <= unit * std::fabs(g32[i]) + 1e-30f);
-    }
-    if (p != Precision::FP8) {  // dx written by cuBLAS in the compute format, as y above
-      Tensor gdx16 = empty(gpu, {T, in}, Mem::Workspace, activation_dtype(p));
-      linear_backward(gpu, gdx16, Tensor(), gradient_operand(gpu, gdy), gx, gW);
-      gpu.synchronize();
-      std::vector<float> g16 = widened(to_device(gdx16, Device::CPU, Mem::Workspace)),
-                         g32 = to_host_floats(gdx);
-      const float unit = p == Precision::BF16 ? 0x1p-7f : 0x1p-10f;
-      for (size_t i = 0; i < g16.size(); i++)
-        REQUIRE(std::fabs(g16[i] - g32[i]) <= unit * std::fabs(g32[i]) + 1e-30f);
-    }
-    std::vector<float> g = to_host_floats(gdW);
-    double scale = 0;
-    for (int64_t i = 0; i < dW.numel(); i++)
-      scale = std::max(scale, (double)std::fabs(dW.f32()[i]));
-    for (int64_t i = 0; i < dW.numel(); i++)  // fp32 sums of T products: 1e-6 of the scale
-      REQUIRE(std::fabs(g[i] - dW.f32()[i]) <= 1e-6 * scale);
-  }
   gpu.destroy();
 }
 
