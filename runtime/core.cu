@@ -92,8 +92,9 @@ const char* mem_name(Mem m) {
 
 // Set as the program loads, before any CUDA call (the first one reads it): as many hardware
 // queues as CUDA gives (8 by default), so that the compute stream, the communicators' and a
-// pipeline's links (up to 20 streams) seldom share one, where an op parked on one stream (a send
-// waiting for its peer) would hold up the next op of another. A value the user set stays.
+// pipeline's links (up to 19 streams, and NCCL's two a communicator: comm_setup.cu's
+// device_queue_note) seldom share one, where an op parked on one stream (a send waiting for its
+// peer) would hold up the next op of another. A value the user set stays.
 [[maybe_unused]] static const bool g_device_connections =
     setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0) == 0;
 
