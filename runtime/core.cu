@@ -330,8 +330,7 @@ void* device_allocate(const ArenaKey& key) {
     // receives, which may need this rank to go on first: for ever).
     count_host_sync();
     for (cudaStream_t stream : release_held(true, nullptr))
-      if (!stream_reached_by(stream, now_seconds() + g_device_wait_s))
-        device_stuck("giving back the buffers held free, to retry an allocation,");
+      synchronize_stream(stream, "giving back the buffers held free, to retry an allocation,");
     // The pool's unused memory back to the driver, where a larger block may fit.
     if (pooled) CUDA_CHECK(cudaMemPoolTrimTo(default_pool(), 0));
     err = pooled ? cudaMallocAsync(&ptr, key.bytes, key.stream) : cudaMalloc(&ptr, key.bytes);

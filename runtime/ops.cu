@@ -1896,9 +1896,8 @@ static std::vector<float> reduce_each(const Context& ctx, const std::vector<Tens
   LAUNCH_CHECK(ctx, "sum_partials_kernel");
   // The sums done (within the bound), then read: the copy into pageable memory finds them there.
   synchronize_stream(ctx.stream, "a reduction's sums");
-  CUDA_CHECK(cudaMemcpyAsync(totals.data(), device_totals, xs.size() * sizeof(float),
-                             cudaMemcpyDeviceToHost, ctx.stream));
-  CUDA_CHECK(cudaStreamSynchronize(ctx.stream));  // (done already: returns at once)
+  CUDA_CHECK(
+      cudaMemcpy(totals.data(), device_totals, xs.size() * sizeof(float), cudaMemcpyDeviceToHost));
   return totals;
 }
 static float reduce(const Context& ctx, const Tensor& x, bool squares) {

@@ -790,6 +790,14 @@ TEST_CASE("the CUDA low-precision linear layers match the CPU emulation", "[prec
       linear_backward(gpu, gdx, gdW, gdy, gx, gW);
       gpu.synchronize();
       const Precision stored_as = p == Precision::FP8 ? Precision::BF16 : p;
+      // cuBLAS may sum in another order for another output type: the two roundings of nearly
+      // the same fp32 sum are the same value or neighbours (one unit of the format's last place).
+      const float unit = p == Precision::BF16 ? 0x1p-7f : 0x1p-10f;
+      auto within_one_unit = [unit](const std::vector<float>& got, const std::vector<float>& want) {
+        REQUIRE(got.size() == want.size());
+        for (size_t i = 0; i < got.size(); i++)
+          REQUIRE(std::fabs(got[i] - want[i]) <= unit * std::fabs(want[i]) + 1e-30f);
+      };
       // sum |a b| per output from the fp32 operands, x 1.125 for their rounding (FP8's e4m3 at
       // most 2^-4 of a value, bf16 and fp16 less).
       auto sum_abs = [](const Tensor& A, const Tensor& B, bool b_transposed) {
@@ -834,13 +842,7 @@ TEST_CASE("the CUDA low-precision linear layers match the CPU emulation", "[prec
         REQUIRE(gy16.dtype == output_dtype(p));
         linear_forward(gpu, gy16, gx, gW);
         gpu.synchronize();
-        std::vector<float> g16 = widened(to_device(gy16, Device::CPU, Mem::Workspace)),
-                           g32 = to_host_floats(gy);
-        // cuBLAS may sum in another order for another output type: the two roundings of nearly
-        // the same fp32 sum are the same value or neighbours (one unit of the format's last place).
-        const float unit = p == Precision::BF16 ? 0x1p-7f : 0x1p-10f;
-        for (size_t i = 0; i < g16.size(); i++)
-          REQUIRE(std::fabs(g16[i] - g32[i]) <= unit * std::fabs(g32[i]) + 1e-30f);
+        within_one_unit(widened(to_device(gy16, Device::CPU, Mem::Workspace)), to_host_floats(gy));
       }
       if (p != Precision::FP8) {  // dx written by cuBLAS in the compute format, as y above
         Tensor gdx16 = empty(gpu, {T, in}, Mem::Workspace, activation_dtype(p));
@@ -848,18 +850,14 @@ TEST_CASE("the CUDA low-precision linear layers match the CPU emulation", "[prec
         gpu.synchronize();
         std::vector<float> g16 = widened(to_device(gdx16, Device::CPU, Mem::Workspace)),
                            g32 = to_host_floats(gdx);
-        const float unit = p == Precision::BF16 ? 0x1p-7f : 0x1p-10f;
-        for (size_t i = 0; i < g16.size(); i++)
-          REQUIRE(std::fabs(g16[i] - g32[i]) <= unit * std::fabs(g32[i]) + 1e-30f);
+        within_one_unit(g16, g32);
         // Added to (beta 1, as a second path into the same input's gradient): one rounding of
         // the 16-bit value held plus the fp32 sum, the same value or a neighbour.
         linear_backward(gpu, gdx16, Tensor(), gradient_operand(gpu, gdy), gx, gW, true);
         gpu.synchronize();
-        std::vector<float> sum16 = widened(to_device(gdx16, Device::CPU, Mem::Workspace));
-        for (size_t i = 0; i < g16.size(); i++) {
-          const float want = g16[i] + g32[i];
-          REQUIRE(std::fabs(sum16[i] - want) <= unit * std::fabs(want) + 1e-30f);
-        }
+        std::vector<float> want(g16.size());
+        for (size_t i = 0; i < g16.size(); i++) want[i] = g16[i] + g32[i];
+        within_one_unit(widened(to_device(gdx16, Device::CPU, Mem::Workspace)), want);
       }
       std::vector<float> g = to_host_floats(gdW);
       double scale = 0;
