@@ -51,6 +51,16 @@ struct StagePlacement {
   bool elsewhere(int g, int r) const { return g >= 0 && g < (int)rank.size() && rank[g] != r; }
 };
 StagePlacement stage_placement(PpSchedule s, int p, int V);
+// The ways activations travel between ranks under this placement (comm_init's pipeline pairs,
+// which over NCCL are the pipeline's links): from the rank of each model chunk to the next
+// chunk's, where they differ. The loop: to the next rank (and round, interleaved); a V: both.
+inline PipelinePairs pipeline_messages(PpSchedule s, int p, int V) {
+  const StagePlacement at = stage_placement(s, p, V);
+  std::set<std::pair<int, int>> ways;
+  for (size_t g = 0; g + 1 < at.rank.size(); g++)
+    if (at.rank[g] != at.rank[g + 1]) ways.insert({at.rank[g], at.rank[g + 1]});
+  return {ways.begin(), ways.end()};
+}
 // L blocks in p x V contiguous chunks, as even as possible: the first L mod pV chunks get one
 // block more; rank `rank` gets the chunks the placement of `s` gives it (the default: the
 // loop). Chunk 0 also holds the embedding, chunk pV - 1 the final norm, LM head and loss.

@@ -715,7 +715,8 @@ static int run(const Options& o, Comm& comm, Context& ctx, PrecisionPolicy preci
 static int run_rank(const Options& o, Device device, const PrecisionPolicy& precision,
                     int simulated_rank) {
   Comm comm = comm_init(o.dp, o.pp, o.cp, o.tp, o.comm, device, o.comm_timeout, o.ep,
-                        SimulatedWorld{o.simulate_world, simulated_rank});
+                        SimulatedWorld{o.simulate_world, simulated_rank},
+                        pipeline_messages(o.pp_schedule, o.pp, o.pp_virtual));
   Context ctx = Context::create(device);
   ctx.precision = precision.compute(), ctx.residual = precision.residual();
   const int code = run(o, comm, ctx, precision);

@@ -410,6 +410,9 @@ Handle send_recv_async(Comm& c, Group& g, const Context& ctx, const std::vector<
       for (const Group::Link& link : og.links)
         if (link.from == from && link.to == to)
           route[i] = {link.nccl, link.stream, op.send ? 1 : 0};
+      PICO_ASSERT(og.links.empty() || route[i].stream != stream_of(c, og),
+                  "a message on " + og.name + " from rank " + std::to_string(from) + " to " +
+                      std::to_string(to) + " has no link (comm_init's pipeline pairs)");
       const Route& r = route[i];
       if (std::find(s->nccl.begin(), s->nccl.end(), r.nccl) == s->nccl.end())
         s->nccl.push_back(r.nccl);

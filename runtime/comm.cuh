@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "runtime/core.cuh"
@@ -66,15 +67,18 @@ struct Group {
   ncclComm_t nccl = nullptr;  // none on MPI, nor for a group of one under --comm auto
   double timeout_s = 300;     // --comm-timeout: how long any collective on it may wait
   CollStats stats[(int)Coll::Count];
-  // NCCL: the stream its ops run on, in order. Each communicator has its own (pp_grad too: one
-  // pipeline call may use both, concurrently), so that one group's collectives never queue behind
-  // another's: an expert all-to-all or a tp all-reduce in the backward behind the gradient
-  // buckets' all-reduces (PyTorch gives each process group its own stream too).
+  // NCCL: the stream its ops run on, in order. Each communicator has its own, so that one group's
+  // collectives never queue behind another's: an expert all-to-all or a tp all-reduce in the
+  // backward behind the gradient buckets' all-reduces (PyTorch gives each process group its own
+  // stream too). Groups of the same ranks whose ops may queue together share a communicator and
+  // its stream (comm_setup.cu: communicator_owners): dp, dp_cp, edp_cp and the world when they
+  // are the same ranks, and pp with pp_grad (whose messages travel on their links).
   cudaStream_t stream = nullptr;
   float* barrier_word =
       nullptr;  // NCCL: what its barriers all-reduce (cudaMalloc, with the stream)
   // NCCL, the pipeline's groups (pp, pp_grad): a communicator of two ranks and a stream for each
-  // direction between this rank and each neighbour, which their sends and receives travel on.
+  // way the run's messages travel between this rank and a neighbour (comm_init's pipeline pairs),
+  // which their sends and receives travel on.
   // An NCCL send holds its stream until the peer receives; on a stream of its own it never
   // holds up this rank's receives, so a stage waits only for what it receives, as on MPI.
   struct Link {
@@ -133,8 +137,9 @@ struct Comm {
   Device device = Device::CPU;
   double timeout_s = 300;  // --comm-timeout
   Grid grid;
-  // pp carries activations to the next stage; pp_grad, the same ranks on a communicator of its
-  // own, carries their gradients back, so the two directions never match each other's messages.
+  // pp carries activations to the next stage; pp_grad, the same ranks on an MPI communicator of
+  // its own (on NCCL, links of its own), carries their gradients back, so the two directions
+  // never match each other's messages.
   // Expert parallelism (expert_parallel.cu) carves its groups out of the dp ranks: ep, the ep
   // consecutive dp ranks (same pp, cp, tp) whose experts together are all of them, where tokens
   // are dispatched; edp_cp, the ranks holding the same experts (same pp, tp and ep rank, every
@@ -160,8 +165,13 @@ struct Comm {
 struct SimulatedWorld {
   int world = 0, rank = 0;
 };
+// The ways a pipeline's activations travel: (from, to) pairs of pp ranks, neighbours; its
+// gradients go back the same ways (pipeline_messages, pipeline_parallel.cuh). Over NCCL each is
+// a link on pp and one on pp_grad (Group::links). Empty: every way to each neighbour.
+using PipelinePairs = std::vector<std::pair<int, int>>;
 Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, Device device,
-               double timeout_s, int ep = 1, const SimulatedWorld& simulate = {});
+               double timeout_s, int ep = 1, const SimulatedWorld& simulate = {},
+               const PipelinePairs& pipeline = {});
 void comm_destroy(Comm& comm);
 // Node-local rank and node-local rank count (MPI_COMM_TYPE_SHARED), for choosing a GPU.
 // Collective over the world; a rank that never arrives stops every rank after `timeout_s`

@@ -34,11 +34,23 @@ void set_cores_shared(bool shared);
 std::string nccl_error(const std::string& what, int world_rank, ncclResult_t r, ncclComm_t comm);
 // "rank 3: <what> did not finish within 300s (--comm-timeout): ...".
 std::string past_deadline(int world_rank, const std::string& what, double timeout_s);
-// Why CUDA_DEVICE_MAX_CONNECTIONS (as set, or null) is too few hardware queues for a pipeline of
-// pp_size stages over NCCL with this many communicators, or "" (comm_setup.cu).
-std::string device_queue_shortage(const char* connections, int pp_size, int communicators);
+// For each group, the index of the group whose NCCL communicator (and stream) it uses: the first
+// group of its lane with the same members in the same order, or itself; a lane of -1 is the lane
+// of the first group of the same members that has one (the world's). Groups that share one
+// issue their ops in one order on every member, since they are the same ranks running the same
+// program, and fewer communicators are fewer streams for the GPU's hardware queues.
+std::vector<int> communicator_owners(const std::vector<std::vector<int>>& members,
+                                     const std::vector<int>& lanes);
+// Every way to each neighbour of pp_size ranks in a ring: (from, to) pairs, none at pp_size 1.
+PipelinePairs neighbour_pairs(int pp_size);
+// The most links any of pp_size ranks makes for these pairs: one per pair it is in, on pp and on
+// pp_grad (comm_setup.cu's make_links).
+int most_links(const PipelinePairs& pairs, int pp_size);
+// Why CUDA_DEVICE_MAX_CONNECTIONS (as set, or null) is too few hardware queues for a pipeline
+// over NCCL of this many links and communicators a rank, or "" (comm_setup.cu).
+std::string device_queue_shortage(const char* connections, int links, int communicators);
 // What may go wrong when NCCL's own streams are counted too (its two a communicator), or "".
-std::string device_queue_note(const char* connections, int pp_size, int communicators);
+std::string device_queue_note(const char* connections, int links, int communicators);
 // Waits until every communicator of `comms` has finished the call that returned `returned`,
 // or stops every rank past start + timeout_s.
 void nccl_settle(const std::vector<ncclComm_t>& comms, ncclResult_t returned,

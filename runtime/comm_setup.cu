@@ -12,7 +12,9 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -234,32 +236,38 @@ void nccl_settle(const std::vector<ncclComm_t>& comms, ncclResult_t returned,
   }
 }
 
-// A pipeline group's links (Group::links): for each neighbour, a communicator of two ranks each
-// way (the sender rank 0, the receiver 1), and a stream for each. The sender makes the id; the
+// A pipeline group's links (Group::links): a communicator of two ranks (the sender rank 0, the
+// receiver 1) and a stream for each pair of `pairs` (group ranks, sender first) this rank is in,
+// the ways the run's messages travel: a neighbour each way at most. The sender makes the id; the
 // group's ranks gather each other's (the link to the next rank's, then to the previous one's).
 // NCCL opens a connection at a pair's first message, and a grouped call waits for its
 // connections before any of its transfers starts, each with its peer taking part: a stage's
 // first send forward would wait for a neighbour that is itself waiting to receive. So every
 // link carries one word here, before the first step. Every wait against the deadline.
-static void make_links(Group& g, int world_rank, double timeout_s) {
+static void make_links(Group& g, const PipelinePairs& pairs, int world_rank, double timeout_s) {
   if (!g.nccl || g.size < 2) return;
-  const int next = g.next(), prev = g.prev();
-  std::vector<ncclUniqueId> mine(2), all(2 * g.size);  // [rank][0: to next, 1: to prev]
-  NCCL_CHECK(ncclGetUniqueId(&mine[0]));
-  if (prev != next) NCCL_CHECK(ncclGetUniqueId(&mine[1]));  // (an id made listens until used)
+  auto slot = [&](int from, int to) {  // [rank][0: to next, 1: to prev]
+    PICO_ASSERT(to == (from + 1) % g.size || to == (from + g.size - 1) % g.size,
+                "a pipeline link joins neighbours");
+    return 2 * from + (to == (from + 1) % g.size ? 0 : 1);
+  };
+  std::vector<ncclUniqueId> all(2 * g.size);
+  std::vector<ncclUniqueId> mine(2);
+  for (const auto& [from, to] : pairs)  // (an id made listens until used: only those used)
+    if (from == g.rank) NCCL_CHECK(ncclGetUniqueId(&mine[slot(from, to) % 2]));
   host_wait(g, "the exchange of the NCCL ids of the pipeline's links", sizeof(ncclUniqueId) * 2,
             [&](MPI_Request* r) {
               return MPI_Iallgather(mine.data(), 2 * sizeof(ncclUniqueId), MPI_BYTE, all.data(),
                                     2 * sizeof(ncclUniqueId), MPI_BYTE, g.mpi, r);
             });
-  // (A group of two has one neighbour: its links are the ones to the next rank, both ways.)
   struct Made {
     int from, to;
     ncclUniqueId id;
   };
-  std::vector<Made> made = {{g.rank, next, mine[0]}, {prev, g.rank, all[2 * prev]}};
-  if (prev != next)
-    made.push_back({g.rank, prev, mine[1]}), made.push_back({next, g.rank, all[2 * next + 1]});
+  std::vector<Made> made;
+  for (const auto& [from, to] : pairs)
+    if (from == g.rank || to == g.rank) made.push_back({from, to, all[slot(from, to)]});
+  if (made.empty()) return;
   const std::string what = "the pipeline's links on " + g.name;
   const double t0 = now_seconds();
   for (const Made& m : made) {
@@ -312,13 +320,25 @@ static void make_links(Group& g, int world_rank, double timeout_s) {
 // streams of its own for every communicator, links included, and one for the process (2.28),
 // where it waits for its kernels: counted too, they can pass the 32 queues CUDA gives at most,
 // and then comm_init says so (device_queue_note), since which streams share cannot be chosen.
-static int pipeline_links(int pp_size) {
-  return pp_size == 2 ? 4 : 8;  // each way to each neighbour, on pp and pp_grad
+PipelinePairs neighbour_pairs(int pp_size) {
+  std::set<std::pair<int, int>> pairs;
+  for (int r = 0; pp_size > 1 && r < pp_size; r++)
+    for (int to : {(r + 1) % pp_size, (r + pp_size - 1) % pp_size}) pairs.insert({r, to});
+  return {pairs.begin(), pairs.end()};
 }
-std::string device_queue_note(const char* connections, int pp_size, int communicators) {
-  if (pp_size < 2) return "";
+int most_links(const PipelinePairs& pairs, int pp_size) {
+  int most = 0;
+  for (int r = 0; r < pp_size; r++) {
+    int mine = 0;
+    for (const auto& [from, to] : pairs) mine += from == r || to == r;
+    most = std::max(most, 2 * mine);  // on pp, and the same pairs reversed on pp_grad
+  }
+  return most;
+}
+std::string device_queue_note(const char* connections, int links, int communicators) {
+  if (links == 0) return "";
   const int queues = std::min(connections ? atoi(connections) : 8, 32);
-  const int channels = communicators + pipeline_links(pp_size);
+  const int channels = communicators + links;
   const int streams = 4 + 3 * channels;  // compute, communication, legacy, NCCL's; 3 a channel
   if (streams <= queues) return "";
   return "a pipeline over NCCL here makes about " + std::to_string(streams) +
@@ -328,9 +348,8 @@ std::string device_queue_note(const char* connections, int pp_size, int communic
          "receive queued behind it, which --comm-timeout then ends (unverified: no run of several "
          "GPUs yet); --comm mpi moves the pipeline's messages through the host instead";
 }
-std::string device_queue_shortage(const char* connections, int pp_size, int communicators) {
-  if (!connections || pp_size < 2) return "";
-  const int links = pipeline_links(pp_size);
+std::string device_queue_shortage(const char* connections, int links, int communicators) {
+  if (!connections || links == 0) return "";
   const int streams = 2 + communicators + links;  // + the compute and communication streams
   if (atoi(connections) >= streams) return "";
   return "CUDA_DEVICE_MAX_CONNECTIONS=" + std::string(connections) +
@@ -342,6 +361,23 @@ std::string device_queue_shortage(const char* connections, int pp_size, int comm
 }
 
 // ---- The communicators of a run ----
+
+std::vector<int> communicator_owners(const std::vector<std::vector<int>>& members,
+                                     const std::vector<int>& lanes) {
+  std::vector<int> lane = lanes, owner(members.size());
+  for (size_t i = 0; i < members.size(); i++)  // a lane of -1 joins the first of the same ranks
+    for (size_t j = 0; j < members.size() && lane[i] < 0; j++)
+      if (lanes[j] >= 0 && members[j] == members[i]) lane[i] = lanes[j];
+  for (size_t i = 0; i < members.size(); i++) {
+    owner[i] = (int)i;
+    for (size_t j = 0; j < i; j++)  // the first such group owns it
+      if (lane[j] == lane[i] && members[j] == members[i]) {
+        owner[i] = (int)j;
+        break;
+      }
+  }
+  return owner;
+}
 
 // Which group of each kind a rank belongs to: (color, key), the ranks sharing a color forming
 // one group ordered by key. A group's color is the world rank of its member with the group's
@@ -397,7 +433,8 @@ static void simulated_group(Group& g, const char* name, const Grid& G, GroupKind
 }
 
 Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, Device device,
-               double timeout_s, int ep, const SimulatedWorld& simulate) {
+               double timeout_s, int ep, const SimulatedWorld& simulate,
+               const PipelinePairs& pipeline) {
   int up = 0, world_size = 1, world_rank = 0;
   const bool simulated = simulate.world > 0;
   MPI_Initialized(&up);
@@ -422,19 +459,26 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
   c.grid.simulated = simulated;
   c.device = device;
   c.timeout_s = timeout_s;
+  // Each group's lane (communicator_owners): groups of one lane with the same members share an
+  // NCCL communicator. The gradients' groups may queue behind one another, and so may the
+  // pipeline's two, whose messages travel on their links; tp, cp and ep have a lane each. The
+  // world, whose only collective is the run's last barrier, joins the lane of the first group
+  // of the same ranks (pp's at --pp 4 alone).
+  enum Lane { AnyLane = -1, Gradients, TensorLane, ContextLane, Pipeline, Experts };
   struct {
     Group* group;
     const char* name;
     GroupKind kind;
-  } kinds[] = {{&c.world, "world", GroupKind::World},
-               {&c.tp, "tp", GroupKind::Tp},
-               {&c.cp, "cp", GroupKind::Cp},
-               {&c.pp, "pp", GroupKind::Pp},
-               {&c.pp_grad, "pp_grad", GroupKind::PpGrad},
-               {&c.dp, "dp", GroupKind::Dp},
-               {&c.dp_cp, "dp_cp", GroupKind::DpCp},
-               {&c.ep, "ep", GroupKind::Ep},
-               {&c.edp_cp, "edp_cp", GroupKind::EdpCp}};
+    Lane lane;
+  } kinds[] = {{&c.world, "world", GroupKind::World, AnyLane},
+               {&c.tp, "tp", GroupKind::Tp, TensorLane},
+               {&c.cp, "cp", GroupKind::Cp, ContextLane},
+               {&c.pp, "pp", GroupKind::Pp, Pipeline},
+               {&c.pp_grad, "pp_grad", GroupKind::PpGrad, Pipeline},
+               {&c.dp, "dp", GroupKind::Dp, Gradients},
+               {&c.dp_cp, "dp_cp", GroupKind::DpCp, Gradients},
+               {&c.ep, "ep", GroupKind::Ep, Experts},
+               {&c.edp_cp, "edp_cp", GroupKind::EdpCp, Gradients}};
   // The meta device stands for GPUs, one per rank as in the book's clusters: NCCL's semantics
   // (a pipeline's send given back once received, at the next receive) unless --comm mpi; it
   // creates no communicator of either.
@@ -455,21 +499,45 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
     make_group(*k.group, k.name, color, key, timeout_s);
   }
 
+  // The ways a pipeline's activations travel between pp ranks (every way to each neighbour
+  // unless the run's placement says which).
+  const std::set<std::pair<int, int>> ways(pipeline.begin(), pipeline.end());  // each once
+  const PipelinePairs forward =
+      pipeline.empty() ? neighbour_pairs(c.pp.size) : PipelinePairs(ways.begin(), ways.end());
+  std::set<int> joined;  // every rank of a pipeline sends or receives: each pp rank's links
+  for (const auto& [from, to] : forward) {
+    const int n = c.pp.size;
+    PICO_ASSERT(from >= 0 && from < n && to >= 0 && to < n &&
+                    (to == (from + 1) % n || to == (from + n - 1) % n) && from != to,
+                "comm_init: a pipeline pair joins two neighbouring pp ranks");
+    joined.insert(from), joined.insert(to);
+  }
+  PICO_ASSERT(c.pp.size == 1 || (int)joined.size() == c.pp.size,
+              "comm_init: every pp rank in a pipeline pair");
   if (c.backend == Backend::NCCL && !meta) {
     // The standard bootstrap, one id per group: group rank 0 makes it, MPI shares it. Under
     // --comm auto a group of one needs no communicator (its collectives are local copies); an
     // explicit --comm nccl gives it one, so that one rank on one GPU exercises NCCL.
     bool groups_of_one = backend_flag == "nccl";
+    std::vector<std::vector<int>> members;
+    std::vector<int> lanes;
+    for (auto& k : kinds) members.push_back(k.group->members), lanes.push_back(k.lane);
+    const std::vector<int> owner = communicator_owners(members, lanes);
+    auto makes_one = [&](size_t i) {  // its own communicator, not another group's
+      return owner[i] == (int)i && (kinds[i].group->size > 1 || groups_of_one);
+    };
     int communicators = 0;
-    for (Group* g : c.groups()) communicators += g->size > 1 || groups_of_one;
-    const std::string shortage =
-        device_queue_shortage(getenv("CUDA_DEVICE_MAX_CONNECTIONS"), c.pp.size, communicators);
+    for (size_t i = 0; i < owner.size(); i++) communicators += makes_one(i);
+    const int links = most_links(forward, c.pp.size);  // the most any rank makes: alike on all
+    const char* connections = getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+    const std::string shortage = device_queue_shortage(connections, links, communicators);
     if (!shortage.empty()) throw UsageError(shortage);
-    const std::string note =
-        device_queue_note(getenv("CUDA_DEVICE_MAX_CONNECTIONS"), c.pp.size, communicators);
+    const std::string note = device_queue_note(connections, links, communicators);
     if (!note.empty() && world_rank == 0) fprintf(stderr, "note: %s\n", note.c_str());
-    for (Group* g : c.groups()) {
-      if (g->size == 1 && !groups_of_one) continue;
+    for (size_t i = 0; i < owner.size(); i++) {
+      Group* g = kinds[i].group;
+      if (owner[i] != (int)i) g->nccl = kinds[owner[i]].group->nccl;  // made already, or none
+      if (!makes_one(i)) continue;
       ncclUniqueId id;
       if (g->rank == 0) NCCL_CHECK(ncclGetUniqueId(&id));
       host_wait(*g, "broadcast of the NCCL unique id", sizeof id,
@@ -487,13 +555,20 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
     // compute; events order it with the compute stream where the data requires.
     c.comm_ctx.device = Device::CUDA;
     CUDA_CHECK(cudaStreamCreateWithFlags(&c.comm_ctx.stream, cudaStreamNonBlocking));
-    for (Group* g : c.groups())  // each communicator's ops on a stream of their own
-      if (g->nccl) {
+    std::map<ncclComm_t, Group*> first;  // each communicator's ops on a stream of their own
+    for (Group* g : c.groups())
+      if (g->nccl && first.count(g->nccl)) {
+        g->stream = first[g->nccl]->stream, g->barrier_word = first[g->nccl]->barrier_word;
+      } else if (g->nccl) {
+        first[g->nccl] = g;
         CUDA_CHECK(cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking));
         // What its barriers all-reduce, taken now, before the arena holds the device's memory.
         CUDA_CHECK(cudaMalloc((void**)&g->barrier_word, sizeof(float)));
       }
-    for (Group* g : {&c.pp, &c.pp_grad}) make_links(*g, world_rank, timeout_s);
+    PipelinePairs back;  // gradients travel the activations' ways reversed
+    for (const auto& [from, to] : forward) back.push_back({to, from});
+    make_links(c.pp, forward, world_rank, timeout_s);
+    make_links(c.pp_grad, back, world_rank, timeout_s);
   } else {
     c.comm_ctx = Context::create(device == Device::Meta ? Device::Meta : Device::CPU);
   }
@@ -504,6 +579,7 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
 // flushes its work and waits for its peers: bounded by the timeout), then destroyed, which
 // after a finished finalize only frees local memory.
 void comm_destroy(Comm& c) {
+  std::set<const void*> gone;  // what groups share (communicator_owners) goes once
   for (Group* g : c.groups()) {
     const int world_rank = g->members.empty() ? 0 : g->members[g->rank];
     auto finalize = [&](ncclComm_t comm, const std::string& what) {
@@ -515,13 +591,14 @@ void comm_destroy(Comm& c) {
       CUDA_CHECK(cudaStreamDestroy(link.stream));  // finalized: idle
     }
     g->links.clear();
-    if (g->nccl) finalize(g->nccl, "ncclCommFinalize on " + g->name);
+    if (g->nccl && gone.insert(g->nccl).second) finalize(g->nccl, "ncclCommFinalize on " + g->name);
     if (g->mpi != MPI_COMM_NULL) MPI_CHECK(MPI_Comm_free(&g->mpi));
     g->nccl = nullptr;
   }
   for (Group* g : c.groups()) {  // every communicator finalized: their streams are idle
-    if (g->stream) CUDA_CHECK(cudaStreamDestroy(g->stream));
-    if (g->barrier_word) CUDA_CHECK(cudaFree(g->barrier_word));
+    if (g->stream && gone.insert(g->stream).second) CUDA_CHECK(cudaStreamDestroy(g->stream));
+    if (g->barrier_word && gone.insert(g->barrier_word).second)
+      CUDA_CHECK(cudaFree(g->barrier_word));
     g->stream = nullptr, g->barrier_word = nullptr;
   }
   c.comm_ctx.destroy();

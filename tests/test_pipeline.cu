@@ -586,26 +586,128 @@ TEST_CASE(
 }
 
 // The streams of a pipeline over NCCL: the compute and communication streams, one per
-// communicator, and a link each way to each neighbour on pp and on pp_grad (one neighbour with
-// two stages: 4 links; else 8). Each needs a hardware queue (CUDA_DEVICE_MAX_CONNECTIONS).
+// communicator, and a link for each way the run's messages travel to or from this rank, on pp and
+// on pp_grad. Each needs a hardware queue (CUDA_DEVICE_MAX_CONNECTIONS).
 TEST_CASE(
     "a pipeline over NCCL is refused fewer hardware queues than it makes streams, naming "
     "CUDA_DEVICE_MAX_CONNECTIONS and the fix",
     "[pipeline]") {
   using Catch::Matchers::Contains;
-  CHECK(device_queue_shortage(nullptr, 4, 9).empty());  // unset: CUDA gets picoscale's 32
-  CHECK(device_queue_shortage("1", 1, 9).empty());      // no pipeline, no link to wait on
+  CHECK(device_queue_shortage(nullptr, 8, 9).empty());  // unset: CUDA gets picoscale's 32
+  CHECK(device_queue_shortage("1", 0, 9).empty());      // no pipeline, no link to wait on
   CHECK(device_queue_shortage("32", 8, 9).empty());     // the most: 2 + 9 + 8 = 19 streams
-  CHECK(device_queue_shortage("8", 2, 2).empty());      // 2 + 2 + 4 = 8, one queue each
-  CHECK_THAT(device_queue_shortage("7", 2, 2), Contains("CUDA_DEVICE_MAX_CONNECTIONS=7") &&
+  CHECK(device_queue_shortage("8", 4, 2).empty());      // 2 + 2 + 4 = 8, one queue each
+  CHECK_THAT(device_queue_shortage("7", 4, 2), Contains("CUDA_DEVICE_MAX_CONNECTIONS=7") &&
                                                    Contains("at least 8") &&
                                                    Contains("--comm mpi"));
-  CHECK_THAT(device_queue_shortage("1", 3, 9), Contains("makes 19 streams"));  // Megatron's 1
+  CHECK_THAT(device_queue_shortage("1", 8, 9), Contains("makes 19 streams"));  // Megatron's 1
   // With NCCL's two streams a communicator (and link) and its one a process: 4 + 3 (c + links).
-  CHECK(device_queue_note("32", 1, 9).empty());  // no pipeline
-  CHECK(device_queue_note("32", 2, 3).empty());  // pp 2 alone: 4 + 3 (3 + 4) = 25 <= 32
-  CHECK_THAT(device_queue_note("32", 2, 7),      // dp 2, tp 2, pp 2: 4 + 3 (7 + 4) = 37
+  CHECK(device_queue_note("32", 0, 9).empty());  // no pipeline
+  CHECK(device_queue_note("32", 4, 3).empty());  // 4 + 3 (3 + 4) = 25 <= 32
+  CHECK_THAT(device_queue_note("32", 4, 7),      // 4 + 3 (7 + 4) = 37
              Contains("about 37 streams") && Contains("11 communicators and links") &&
                  Contains("32 hardware queues") && Contains("--comm mpi"));
-  CHECK_THAT(device_queue_note("64", 4, 3), Contains("for 32 hardware queues"));  // CUDA's most
+  CHECK_THAT(device_queue_note("64", 8, 3), Contains("for 32 hardware queues"));  // CUDA's most
+}
+
+// The ways a schedule's activations travel (its placement, written out here from the Playbook's
+// figures): Megatron's loop forward only, the interleaved loop round from the last rank to the
+// first, a V down and back up. Each is a link on pp and, reversed, on pp_grad: a middle rank of
+// a loop makes 4, of a V 8; without the pairs, comm_init makes every way to each neighbour.
+TEST_CASE("a pipeline's links are the ways its placement sends, each rank's few", "[pipeline]") {
+  using Pairs = PipelinePairs;
+  CHECK(pipeline_messages(PpSchedule::OneFOneB, 1, 1).empty());
+  CHECK(pipeline_messages(PpSchedule::OneFOneB, 2, 1) == Pairs{{0, 1}});
+  CHECK(pipeline_messages(PpSchedule::AFAB, 4, 1) == Pairs{{0, 1}, {1, 2}, {2, 3}});
+  CHECK(pipeline_messages(PpSchedule::ZeroBubbleH1, 3, 1) == Pairs{{0, 1}, {1, 2}});
+  CHECK(pipeline_messages(PpSchedule::Interleaved, 2, 2) == Pairs{{0, 1}, {1, 0}});
+  CHECK(pipeline_messages(PpSchedule::Interleaved, 4, 2) == Pairs{{0, 1}, {1, 2}, {2, 3}, {3, 0}});
+  CHECK(pipeline_messages(PpSchedule::ZeroBubbleV, 4, 2) ==
+        Pairs{{0, 1}, {1, 0}, {1, 2}, {2, 1}, {2, 3}, {3, 2}});
+  CHECK(pipeline_messages(PpSchedule::DualPipeV, 2, 2) == Pairs{{0, 1}, {1, 0}});
+  CHECK(neighbour_pairs(1).empty());
+  CHECK(neighbour_pairs(2) == Pairs{{0, 1}, {1, 0}});
+  CHECK(neighbour_pairs(3) == Pairs{{0, 1}, {0, 2}, {1, 0}, {1, 2}, {2, 0}, {2, 1}});
+  CHECK(most_links(pipeline_messages(PpSchedule::OneFOneB, 2, 1), 2) == 2);
+  CHECK(most_links(pipeline_messages(PpSchedule::OneFOneB, 4, 1), 4) == 4);
+  CHECK(most_links(pipeline_messages(PpSchedule::Interleaved, 4, 2), 4) == 4);
+  CHECK(most_links(pipeline_messages(PpSchedule::ZeroBubbleV, 4, 2), 4) == 8);
+  CHECK(most_links(pipeline_messages(PpSchedule::DualPipeV, 2, 2), 2) == 4);
+  CHECK(most_links(neighbour_pairs(2), 2) == 4);
+  CHECK(most_links(neighbour_pairs(4), 4) == 8);
+}
+
+// Which groups share an NCCL communicator, for world rank 0 of a grid: each group's members
+// worked out here from the rank order ((d * pp + p) * cp + c) * tp + t (runtime/comm.cuh's
+// rank_of), in comm_init's group order and lanes (world -1; the gradients' 0; tp 1; cp 2; the
+// pipeline's 3; ep 4). Returns the communicators rank 0 makes (its groups of more than one rank
+// that use no earlier group's), and checks that a shared one is only ever within a lane (or the
+// world's) and between the same ranks.
+static int communicators_made(int dp, int pp, int cp, int tp, int ep) {
+  // A group: the ranks whose coordinates equal rank 0's (all 0) outside `free`, ordered by key.
+  auto group = [&](std::vector<char> free, auto key) {
+    std::vector<std::pair<int, int>> found;
+    for (int d = 0; d < dp; d++)
+      for (int p = 0; p < pp; p++)
+        for (int c = 0; c < cp; c++)
+          for (int t = 0; t < tp; t++) {
+            const int coords[4] = {d, p, c, t};
+            bool in = true;
+            for (int i = 0; i < 4; i++) in = in && (free[i] || coords[i] == 0);
+            if (in && (free[4] || d % ep == 0) && (free[5] || d < ep))  // ep's blocks
+              found.push_back({key(d, c, t, p), ((d * pp + p) * cp + c) * tp + t});
+          }
+    std::sort(found.begin(), found.end());
+    std::vector<int> members;
+    for (auto& f : found) members.push_back(f.second);
+    return members;
+  };
+  auto rank = [&](int d, int c, int t, int p) { return ((d * pp + p) * cp + c) * tp + t; };
+  auto by_d = [](int d, int, int, int) { return d; };
+  auto by_dc = [&](int d, int c, int, int) { return d * cp + c; };
+  // free: d, p, c, t, then "any dp rank in its ep block" and "any ep block".
+  const std::vector<std::vector<int>> members = {
+      group({1, 1, 1, 1, 1, 1}, rank),                                    // world
+      group({0, 0, 0, 1, 1, 1}, [](int, int, int t, int) { return t; }),  // tp
+      group({0, 0, 1, 0, 1, 1}, [](int, int c, int, int) { return c; }),  // cp
+      group({0, 1, 0, 0, 1, 1}, [](int, int, int, int p) { return p; }),  // pp
+      group({0, 1, 0, 0, 1, 1}, [](int, int, int, int p) { return p; }),  // pp_grad
+      group({1, 0, 0, 0, 1, 1}, by_d),                                    // dp
+      group({1, 0, 1, 0, 1, 1}, by_dc),                                   // dp_cp
+      group({1, 0, 0, 0, 1, 0}, by_d),                                    // ep: its block
+      group({1, 0, 1, 0, 0, 1}, by_dc)};  // edp_cp: rank 0's of each
+  const std::vector<int> lanes = {-1, 1, 2, 3, 3, 0, 0, 4, 0};
+  const std::vector<int> owner = communicator_owners(members, lanes);
+  int made = 0;
+  for (size_t i = 0; i < owner.size(); i++) {
+    const int o = owner[i];
+    CHECK(o <= (int)i);
+    CHECK(members[o] == members[i]);
+    CHECK((lanes[o] == lanes[i] || o == 0));  // within a lane, or the world's
+    if (i != 0 && o == 0)                     // the world joins one lane only
+      for (size_t j = 1; j < i; j++) CHECK((owner[j] != 0 || lanes[j] == lanes[i]));
+    made += o == (int)i && members[i].size() > 1;
+  }
+  return made;
+}
+
+// Groups of the same ranks whose ops may queue together share a communicator: fewer NCCL
+// streams, so that a pipeline with dp and tp (or cp) beside it stays within the GPU's 32
+// hardware queues (the counts of device_queue_note above).
+TEST_CASE("groups of the same ranks in one lane share an NCCL communicator", "[pipeline]") {
+  CHECK(communicators_made(2, 1, 1, 1, 1) == 1);  // world = dp = dp_cp = edp_cp
+  CHECK(communicators_made(1, 4, 1, 1, 1) == 1);  // world = pp = pp_grad
+  CHECK(communicators_made(2, 2, 1, 1, 1) == 3);  // world, pp, dp
+  CHECK(communicators_made(2, 2, 1, 2, 1) == 4);  // + tp
+  CHECK(communicators_made(2, 2, 2, 1, 1) == 5);  // + cp, and dp_cp apart from dp
+  CHECK(communicators_made(4, 1, 1, 1, 2) == 3);  // world = dp; ep's block; edp_cp
+  CHECK(communicators_made(2, 1, 1, 1, 2) == 2);  // ep = dp = world, yet apart from the gradients
+  CHECK(communicators_made(2, 2, 2, 2, 1) == 6);  // world, tp, cp, pp, dp, dp_cp
+  CHECK(communicators_made(2, 4, 1, 2, 1) == 4);  // world, tp, pp, dp
+  // With the links of the loop (4 at most a rank) and of the V (8 at p > 2):
+  CHECK(device_queue_note("32", 4, communicators_made(2, 2, 1, 2, 1)).empty());   // 28
+  CHECK(device_queue_note("32", 4, communicators_made(2, 4, 1, 2, 1)).empty());   // 28
+  CHECK(device_queue_note("32", 8, communicators_made(1, 4, 1, 1, 1)).empty());   // 31
+  CHECK(!device_queue_note("32", 8, communicators_made(2, 4, 1, 1, 1)).empty());  // 37
+  CHECK(!device_queue_note("32", 4, communicators_made(2, 2, 2, 2, 1)).empty());  // 34
 }

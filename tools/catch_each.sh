@@ -7,6 +7,10 @@
 # only its own time and the cases after it still run.
 set -u
 CASE_TIMEOUT=${CASE_TIMEOUT:-90}
+if ! [[ "$CASE_TIMEOUT" =~ ^[1-9][0-9]*$ ]]; then
+  echo "error: CASE_TIMEOUT=$CASE_TIMEOUT: expected whole seconds > 0 (unset it for 90)" >&2
+  exit 2
+fi
 run=$1 binary=$2 filter=$3
 shift 3
 { "$run" "$binary" "$filter" --list-test-names-only || true; } | grep -v '^$' |

@@ -585,32 +585,30 @@ mpi_gpu_step() {  # ranks
   fi
 }
 mpi_gpu_step 1
-# ---- NCCL's timeout path, on one rank (a step of its own: it runs whether or not the one
-# above did). An all-reduce whose input never becomes ready (a kernel spins 120 s on the compute
-# stream) must end the job by --comm-timeout 2: the message, ncclCommAbort (given at most 10 s),
-# MPI_Abort; not when the kernel lets go.
-if run_step nccl_timeout 60 $MPIRUN -np 1 build/mpi_tests "[.stuck-nccl]" --use-colour no; then
-  abort_note=""
-  grep -q "ncclCommAbort did not return" "$LOGS/nccl_timeout.log" &&
-    abort_note="; ncclCommAbort did not return within 10 s (it waits for the spinning stream)"
+# ---- The device waits' bound, on one rank (steps of their own: they run whether or not the
+# one above did). A job whose wait never ends (a kernel spins 120 s on the compute stream) must
+# end by --comm-timeout 2: non-zero, under 25 s, with MESSAGE in its log, not when the kernel
+# lets go. Arguments: name, test tag, MESSAGE, what waited; then a line the log may hold and
+# what it adds to the note.
+stuck_step() {
+  local name=$1 tag=$2 message=$3 what=$4 line=${5:-} adds=${6:-} note=""
+  run_step "$name" 60 $MPIRUN -np 1 build/mpi_tests "$tag" --use-colour no || return 0
+  if [ -n "$line" ] && grep -q "$line" "$LOGS/$name.log"; then note="; $adds"; fi
   if [ "$STEP_RC" -ne 0 ] && [ "$STEP_RC" -ne 124 ] && [ "$STEP_SECONDS" -lt 25 ] &&
-     grep -q "all_reduce on world, 4 B did not finish within 2s (--comm-timeout)" "$LOGS/nccl_timeout.log"; then
-    record nccl_timeout PASS "$STEP_SECONDS" "a stuck NCCL all-reduce ended the job after ${STEP_SECONDS}s (--comm-timeout 2)$abort_note"
+     grep -q "$message" "$LOGS/$name.log"; then
+    record "$name" PASS "$STEP_SECONDS" "$what ended the job after ${STEP_SECONDS}s (--comm-timeout 2)$note"
   else
-    fail nccl_timeout "exit $STEP_RC after ${STEP_SECONDS}s (want: non-zero, under 25 s, the timeout message)$abort_note"
+    fail "$name" "exit $STEP_RC after ${STEP_SECONDS}s (want: non-zero, under 25 s, the timeout message)$note"
   fi
-fi
-
-# ---- a host wait for the device outside a collective (a reduction read back) while a kernel
-# spins 120 s: bounded by --comm-timeout 2 as well, the job ends with the message
-if run_step device_timeout 60 $MPIRUN -np 1 build/mpi_tests "[.stuck-device]" --use-colour no; then
-  if [ "$STEP_RC" -ne 0 ] && [ "$STEP_RC" -ne 124 ] && [ "$STEP_SECONDS" -lt 25 ] &&
-     grep -q "a reduction's sums did not finish within 2s (--comm-timeout)" "$LOGS/device_timeout.log"; then
-    record device_timeout PASS "$STEP_SECONDS" "a reduction waiting on a stuck device ended the job after ${STEP_SECONDS}s (--comm-timeout 2)"
-  else
-    fail device_timeout "exit $STEP_RC after ${STEP_SECONDS}s (want: non-zero, under 25 s, the timeout message)"
-  fi
-fi
+}
+# An all-reduce whose input never becomes ready: the message, ncclCommAbort (given at most 10 s),
+# MPI_Abort.
+stuck_step nccl_timeout "[.stuck-nccl]" \
+  "all_reduce on world, 4 B did not finish within 2s (--comm-timeout)" "a stuck NCCL all-reduce" \
+  "ncclCommAbort did not return" "ncclCommAbort did not return within 10 s (it waits for the spinning stream)"
+# A host wait for the device outside a collective (a reduction read back).
+stuck_step device_timeout "[.stuck-device]" \
+  "a reduction's sums did not finish within 2s (--comm-timeout)" "a reduction waiting on a stuck device"
 
 # ---- the kernel tests again, as training runs them: asynchronously ----
 catch_step unit_gpu 180 "$RUN" build/unit_tests "[gpu]~[flash]~a CUDA training run*" --use-colour no

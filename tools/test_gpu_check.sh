@@ -175,6 +175,11 @@ STUCK=1 CASE_TIMEOUT=1 bash tools/catch_each.sh env "$T/fake_catch.sh" "[gpu]" >
 check "catch_each stops a stuck case at CASE_TIMEOUT (exit 124) and reports it" \
   bash -c "[ \"\$(grep '^=== exit' '$T/each_stuck.log' | tr '\n' ' ')\" = '=== exit 0 === exit 1 === exit 124 ' ] &&
            [ \$((\$(date +%s) - $t0)) -lt 15 ]"
+CASE_TIMEOUT=1.5 bash tools/catch_each.sh env "$T/fake_catch.sh" "[gpu]" >"$T/each_bad.log" 2>&1
+bad_rc=$?
+check "catch_each refuses a CASE_TIMEOUT that is not whole seconds, exit 2, running nothing" \
+  bash -c "[ $bad_rc = 2 ] && grep -q 'CASE_TIMEOUT=1.5: expected whole seconds' '$T/each_bad.log' &&
+           ! grep -q '^=== case' '$T/each_bad.log'"
 if [ -x build/unit_tests ]; then
   bash tools/catch_each.sh env build/unit_tests "[gpu]~a CUDA training run*" --use-colour no \
     >"$T/each.log" 2>&1

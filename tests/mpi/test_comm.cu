@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -793,8 +794,20 @@ TEST_CASE("MPI staging: pinned buffers reused by ops in flight; the host waits f
 TEST_CASE("NCCL collectives match the MPI ones, on any number of ranks from one", "[mpi][gpu]") {
   NcclCase n;  // agreed on by every rank
   if (!n.ready()) return;
-  // Every group has a communicator: on one rank too, nothing is a local copy.
-  for (Group* g : n.t->c.groups()) CHECK(g->nccl != nullptr);
+  // Every group has a communicator: on one rank too, nothing is a local copy. Those of the same
+  // ranks in one lane share one (comm_setup.cu: communicator_owners): dp, dp_cp and edp_cp (all
+  // of the ranks here); pp with pp_grad; tp, cp and ep apart: five in all, the world joining the
+  // first group of its ranks (dp's, or on one rank tp's).
+  Comm& c = n.t->c;
+  std::set<ncclComm_t> distinct;
+  for (Group* g : c.groups()) {
+    CHECK(g->nccl != nullptr);
+    distinct.insert(g->nccl);
+  }
+  CHECK(distinct.size() == 5);
+  CHECK((c.dp_cp.nccl == c.dp.nccl && c.edp_cp.nccl == c.dp.nccl && c.dp_cp.stream == c.dp.stream));
+  CHECK((c.pp_grad.nccl == c.pp.nccl && c.tp.nccl != c.dp.nccl && c.ep.nccl != c.dp.nccl));
+  CHECK(c.world.nccl == (world_size() > 1 ? c.dp.nccl : c.tp.nccl));
   Outputs nccl = every_collective(n.t->c, n.gpu), mpi;
   {
     TestComm t(world_size(), 1, 1, 1, "mpi", Device::CPU);
