@@ -646,8 +646,8 @@ static Tensor device_ints(const std::vector<int32_t>& v, const Context& ctx) {
 
 // Final RMSNorm, the column-parallel LM head (this rank's vocabulary slice) and, with targets,
 // the (vocab-parallel) cross-entropy. Returns the sum of per-token losses.
-static float head_forward(const Context& ctx, Model& model, Activations& acts, Residual& stream,
-                          const int32_t* targets) {
+static PendingSum head_forward(const Context& ctx, Model& model, Activations& acts,
+                               Residual& stream, const int32_t* targets) {
   const LocalDims& L = model.tp.local;
   int64_t N = (int64_t)acts.B * acts.T, n = stream.x.size(0), D = model.cfg.d_model;
   acts.normf = empty_in_compute_format(ctx, {n, D}, Mem::Activations);
@@ -660,13 +660,13 @@ static float head_forward(const Context& ctx, Model& model, Activations& acts, R
   // rounded once (the head's GEMMs read nothing finer).
   acts.logits = empty_in_compute_format(ctx, {N, L.vocab}, Mem::Activations);
   column_parallel_forward(model.tp, ctx, acts.normf, {{acts.logits, model.w.lm_head}});
-  if (!targets) return 0.0f;
+  if (!targets) return {};
   acts.targets = device_ints(local_vocab_ids(targets, N, L.vocab0, L.vocab), ctx);
   acts.losses = act({N}, ctx);
   acts.ce_stats = act({N, 2}, ctx);
   vocab_parallel_cross_entropy_forward(model.tp, ctx, acts.losses, acts.ce_stats, acts.logits,
                                        acts.targets);
-  return sum(ctx, acts.losses);
+  return sum_later(ctx, acts.losses);
 }
 
 // A block's units in forward order: one, or its dense part and its experts.
@@ -703,9 +703,9 @@ static std::vector<float> take_carry(StagePayload& in) {
   return carry;
 }
 
-float stage_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
-                    StagePayload in, const int32_t* targets, int B, int T, Recompute mode,
-                    const UnitHooks& hooks, int chunk, int64_t sequence0) {
+PendingSum stage_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
+                         StagePayload in, const int32_t* targets, int B, int T, Recompute mode,
+                         const UnitHooks& hooks, int chunk, int64_t sequence0) {
   const Stage& stage = model.chunks[chunk];
   const ModelConfig& c = model.cfg;
   const LocalDims& L = model.tp.local;
@@ -753,11 +753,11 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
       acts.x_final = empty_residual(ctx, {n, D}, Mem::Activations);
       residual_forward(ctx, acts.x_final, stream.x, stream.branch);
     }
-    return 0.0f;
+    return {};
   }
   model.mlp->finish(model, acts.carry, N);
   run_hook(hooks.before_forward, model.head_unit());
-  float loss = head_forward(ctx, model, acts, stream, targets);
+  PendingSum loss = head_forward(ctx, model, acts, stream, targets);
   run_hook(hooks.after_forward, model.head_unit());
   return loss;
 }
@@ -765,7 +765,8 @@ float stage_forward(const Context& ctx, Model& model, Activations& acts, const i
 float model_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
                     const int32_t* targets, int B, int T, Recompute mode, const UnitHooks& hooks,
                     int64_t sequence0) {
-  return stage_forward(ctx, model, acts, ids, {}, targets, B, T, mode, hooks, 0, sequence0);
+  return (float)read_total(
+      ctx, {stage_forward(ctx, model, acts, ids, {}, targets, B, T, mode, hooks, 0, sequence0)});
 }
 
 // ----------------------------------------------------------------------------

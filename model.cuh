@@ -244,14 +244,15 @@ StagePayload stage_output(const Context& ctx, const Model& model, const Activati
 constexpr Recompute kForwardOnly = Recompute::Full;
 // Forward of B sequences of T tokens through chunk `chunk` of this rank. Input: token ids (host
 // [B*T]) when the chunk holds the embedding, else the previous chunk's payload `in`.
-// Returns, when it holds the head, the sum of per-token losses (fp32 accumulation; with
-// targets == nullptr only the logits are computed, for generation); elsewhere 0, and
-// acts.x_final holds the output for the next stage.
+// Returns, when it holds the head, the sum of per-token losses (fp32 accumulation), left on the
+// device until read_total reads it (runtime/ops.cuh; with targets == nullptr only the logits are
+// computed, for generation: no sum); elsewhere no sum, and acts.x_final holds the output for the
+// next stage.
 // `sequence0`: the number in the run of the micro-batch's first sequence (train's data order,
 // runtime/data.cuh), from which dropout draws its masks; -1: a forward that drops nothing.
-float stage_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
-                    StagePayload in, const int32_t* targets, int B, int T, Recompute mode,
-                    const UnitHooks& hooks = {}, int chunk = 0, int64_t sequence0 = -1);
+PendingSum stage_forward(const Context& ctx, Model& model, Activations& acts, const int32_t* ids,
+                         StagePayload in, const int32_t* targets, int B, int T, Recompute mode,
+                         const UnitHooks& hooks = {}, int chunk = 0, int64_t sequence0 = -1);
 // Accumulates (+=) into the gradient views the gradient of loss_scale * sum(losses) (the head's
 // chunk) or of <d_out[0], output> (other chunks, `d_out` the next chunk's payload back),
 // releasing the activations as it goes; units run in backward order. Returns the payload for

@@ -365,7 +365,7 @@ double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& 
   std::vector<PipelineOp> table =
       pipeline_schedule(p * V > 1 ? cfg.schedule : PpSchedule::OneFOneB, p, rank, m, V);
   const std::set<std::pair<int, int>> apart = weights_apart(table);  // zero-bubble: B and W
-  double loss_sum = 0;
+  std::vector<PendingSum> losses;  // each micro-batch's, read once, in order, at the end
   // Sends go out with the next receive, on the pp group's calls (runtime/exchange.cuh).
   Exchange exchange(comm, comm.pp, ctx);
   std::map<std::pair<int, int>, Activations> saved;      // (micro-batch, chunk) in flight
@@ -403,9 +403,9 @@ double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& 
       weights.erase(key);
     } else if (op.kind == Phase::Forward) {
       Activations& acts = saved[key];
-      loss_sum += stage_forward(ctx, model, acts, batch.inputs + op.micro * tokens,
-                                std::move(input), batch.targets + op.micro * tokens, batch.mbs,
-                                batch.seq, mode, hooks, op.chunk, batch.sequence(op.micro));
+      losses.push_back(stage_forward(ctx, model, acts, batch.inputs + op.micro * tokens,
+                                     std::move(input), batch.targets + op.micro * tokens, batch.mbs,
+                                     batch.seq, mode, hooks, op.chunk, batch.sequence(op.micro)));
       if (!acts.blocks.empty()) block_bytes = saved_bytes(acts.blocks[0]);
       if (g < last_chunk) exchange.send(comm.pp, at.rank[g + 1], stage_output(ctx, model, acts));
     } else {
@@ -418,7 +418,7 @@ double run_schedule(const Context& ctx, Comm& comm, Model& model, GradientSync& 
     observer.after(op.kind, op.micro, op.chunk, V, start, block_bytes);
   }
   exchange.finish();
-  return loss_sum;
+  return read_total(ctx, losses);
 }
 
 float pipeline_forward(const Context& ctx, Comm& comm, Model& model, Activations& acts,
@@ -427,7 +427,7 @@ float pipeline_forward(const Context& ctx, Comm& comm, Model& model, Activations
   const StagePlacement at = stage_placement(s, p, V);
   const std::vector<TensorSpec> payload = stage_payload(ctx, model, (int64_t)B * T);
   Exchange exchange(comm, comm.pp, ctx);
-  float loss = 0;
+  PendingSum loss;
   for (int c = 0; c < V; c++) {  // this rank's chunks, in the model's order
     const int g = at.chunks[rank][c];
     StagePayload input;
@@ -438,7 +438,7 @@ float pipeline_forward(const Context& ctx, Comm& comm, Model& model, Activations
     exchange.flush();
   }
   exchange.finish();
-  return loss;
+  return (float)read_total(ctx, {loss});
 }
 
 std::string describe_pipeline(const PipelineOptions& o, int micro_batches) {

@@ -1853,28 +1853,9 @@ static __global__ void sum_partials_kernel(float* totals, const float* partials,
 // GPU that many times per step). On CUDA: one kernel over every tensor's blocks, one small
 // kernel for the per-tensor totals, one copy to the host. No atomics: the same inputs give
 // bitwise the same sums, whatever the block scheduling.
-static std::vector<float> reduce_each(const Context& ctx, const std::vector<Tensor>& xs,
-                                      bool squares) {
-  for (const Tensor& x : xs) {
-    check_devices(ctx, "sum", x);
-    PICO_ASSERT(x.dtype == DType::F32 || x.dtype == DType::BF16, "sum of " + x.shape_str());
-  }
-  std::vector<float> totals(xs.size());
-  count_host_sync();  // the results go to the host: on CUDA the host waits for the stream
-  double elements = 0, bytes = 0;
-  for (const Tensor& x : xs) elements += x.numel(), bytes += x.nbytes();
-  // One kernel over every tensor's blocks, one for the totals; a host copy each way.
-  if (count_op(ctx.device, OpKind::Optimizer,
-               {(squares ? 2.0 : 1.0) * elements, bytes, 4.0 * xs.size(), xs.empty() ? 0 : 2})) {
-    std::fill(totals.begin(), totals.end(), NAN);  // the meta device: no value, absent
-    return totals;
-  }
-  if (ctx.device == Device::CPU) {
-    for (size_t i = 0; i < xs.size(); i++)
-      totals[i] = sum_cpu(xs[i].ptr, xs[i].numel(), squares, xs[i].dtype == DType::BF16);
-    return totals;
-  }
-  if (xs.empty()) return totals;
+// The sums' kernels, queued on ctx.stream (CUDA, xs not empty): the workspace returned holds
+// the totals in its last xs.size() floats once they have run.
+static Tensor launch_sums(const Context& ctx, const std::vector<Tensor>& xs, bool squares) {
   std::vector<SumItem> items(xs.size());  // [count]
   int64_t blocks = 0;
   for (size_t j = 0; j < xs.size(); j++) {
@@ -1894,10 +1875,39 @@ static std::vector<float> reduce_each(const Context& ctx, const std::vector<Tens
   sum_partials_kernel<<<(unsigned)xs.size(), kThreads, 0, ctx.stream>>>(device_totals, partials,
                                                                         device_items);
   LAUNCH_CHECK(ctx, "sum_partials_kernel");
+  return buffer;
+}
+// Each tensor's checks, then its op counted: one kernel over every tensor's blocks, one for the
+// totals, a host copy each way. True on the meta device (no value).
+static bool count_sums(const Context& ctx, const std::vector<Tensor>& xs, bool squares) {
+  double elements = 0, bytes = 0;
+  for (const Tensor& x : xs) {
+    check_devices(ctx, "sum", x);
+    PICO_ASSERT(x.dtype == DType::F32 || x.dtype == DType::BF16, "sum of " + x.shape_str());
+    elements += x.numel(), bytes += x.nbytes();
+  }
+  return count_op(ctx.device, OpKind::Optimizer,
+                  {(squares ? 2.0 : 1.0) * elements, bytes, 4.0 * xs.size(), xs.empty() ? 0 : 2});
+}
+static std::vector<float> reduce_each(const Context& ctx, const std::vector<Tensor>& xs,
+                                      bool squares) {
+  count_host_sync();  // the results go to the host: on CUDA the host waits for the stream
+  std::vector<float> totals(xs.size());
+  if (count_sums(ctx, xs, squares)) {
+    std::fill(totals.begin(), totals.end(), NAN);  // the meta device: no value, absent
+    return totals;
+  }
+  if (ctx.device == Device::CPU) {
+    for (size_t i = 0; i < xs.size(); i++)
+      totals[i] = sum_cpu(xs[i].ptr, xs[i].numel(), squares, xs[i].dtype == DType::BF16);
+    return totals;
+  }
+  if (xs.empty()) return totals;
+  Tensor buffer = launch_sums(ctx, xs, squares);
   // The sums done (within the bound), then read: the copy into pageable memory finds them there.
   synchronize_stream(ctx.stream, "a reduction's sums");
-  CUDA_CHECK(
-      cudaMemcpy(totals.data(), device_totals, xs.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(totals.data(), buffer.f32() + buffer.numel() - xs.size(),
+                        xs.size() * sizeof(float), cudaMemcpyDeviceToHost));
   return totals;
 }
 static float reduce(const Context& ctx, const Tensor& x, bool squares) {
@@ -1911,6 +1921,33 @@ float sum_squares(const Context& ctx, const Tensor& x) {
 }
 std::vector<float> sum_squares_each(const Context& ctx, const std::vector<Tensor>& xs) {
   return reduce_each(ctx, xs, true);
+}
+PendingSum sum_later(const Context& ctx, const Tensor& x) {
+  PendingSum s;
+  s.pending = true;
+  if (count_sums(ctx, {x}, false)) {
+    s.value = NAN;  // the meta device: no value, absent
+  } else if (ctx.device == Device::CPU) {
+    s.value = sum_cpu(x.ptr, x.numel(), false, x.dtype == DType::BF16);
+  } else {
+    Tensor buffer = launch_sums(ctx, {x}, false);
+    s.total = buffer.view(buffer.numel() - 1, {1});  // holds the workspace until read
+  }
+  return s;
+}
+double read_total(const Context& ctx, const std::vector<PendingSum>& sums) {
+  bool pending = false, on_device = false;
+  for (const PendingSum& s : sums) pending |= s.pending, on_device |= s.total.defined();
+  if (pending) count_host_sync();  // the totals come to the host: the host waits for the stream
+  if (on_device) synchronize_stream(ctx.stream, "the losses' sums");
+  double total = 0;
+  for (const PendingSum& s : sums) {
+    float value = s.value;
+    if (s.total.defined())  // done: the copy into pageable memory finds it there
+      CUDA_CHECK(cudaMemcpy(&value, s.total.ptr, sizeof(float), cudaMemcpyDeviceToHost));
+    total += value;
+  }
+  return total;
 }
 
 // ============================================================================

@@ -251,6 +251,19 @@ float sum_squares(const Context& ctx, const Tensor& x);
 // all of them (the global gradient norm, Playbook §gradient clipping). F32 or BF16 tensors
 // (gradients kept in bf16 are widened as they are read; the sums stay fp32).
 std::vector<float> sum_squares_each(const Context& ctx, const std::vector<Tensor>& xs);
+// A sum left where it was computed until read_total asks for it: each micro-batch's loss, so
+// that a step's forwards queue on the device without the host waiting for each one (one trip
+// a step for all of them, as llm.c and Megatron-LM read the loss). On CUDA the total stays in
+// device memory; the CPU computes it at once (the value sum returns); on meta it is NaN.
+struct PendingSum {
+  bool pending = false;  // false: no sum (a stage without the loss), read as 0
+  float value = 0;       // the CPU's and meta's result
+  Tensor total;          // CUDA: [1] fp32 on the device, in the reduction's workspace
+};
+PendingSum sum_later(const Context& ctx, const Tensor& x);
+// The values of `sums` added in order in double: one host synchronisation (counted) for all of
+// them when any is pending.
+double read_total(const Context& ctx, const std::vector<PendingSum>& sums);
 
 // ---- AdamW (Loshchilov & Hutter): bias-corrected moments, decoupled weight decay ----
 struct AdamWConfig {

@@ -347,8 +347,8 @@ TEST_CASE("three stages chained by their hidden states equal the whole model, bi
   StagePayload hidden;
   float got = 0;
   for (int s = 0; s < 3; s++) {
-    got = stage_forward(ctx, stages[s], acts[s], ids.data(), hidden, tgt.data(), B, T,
-                        Recompute::None);
+    got = (float)read_total(ctx, {stage_forward(ctx, stages[s], acts[s], ids.data(), hidden,
+                                                tgt.data(), B, T, Recompute::None)});
     hidden = stage_output(ctx, stages[s], acts[s]);
     REQUIRE(hidden.size() == 1);  // a dense model carries nothing besides the hidden state
   }

@@ -1127,6 +1127,27 @@ TEST_CASE("host synchronisations are counted where the host waits for the device
   CHECK(memcmp(up.ptr, ids, sizeof(ids)) == 0);
 }
 
+// A step's losses: each micro-batch's sum left pending (sum_later), all read in one trip. The
+// values are sum's, bit for bit, added in order in double (float64 written out here); only the
+// read waits, once, and a read of no pending sum (a stage without the loss) waits not at all.
+TEST_CASE("sums left pending are sum's values, read in order with one host synchronisation",
+          "[ops]") {
+  std::vector<Tensor> xs = {randn({300}, "l0"), randn({1}, "l1"), randn({4099}, "l2")};
+  uint64_t before = host_syncs();
+  std::vector<PendingSum> pending = {PendingSum{}};  // a forward without the head: no sum
+  for (const Tensor& x : xs) pending.push_back(sum_later(kCpu, x));
+  CHECK(host_syncs() - before == 0);
+  double want = 0;
+  for (const Tensor& x : xs) want += (double)sum(kCpu, x);
+  before = host_syncs();
+  const double got = read_total(kCpu, pending);
+  CHECK(host_syncs() - before == 1);
+  CHECK(memcmp(&got, &want, sizeof(double)) == 0);
+  before = host_syncs();
+  CHECK(read_total(kCpu, {PendingSum{}, PendingSum{}}) == 0.0);
+  CHECK(host_syncs() - before == 0);
+}
+
 // ----------------------------------------------------------------------------
 // CUDA kernels against the CPU references. Sizes are not multiples of the 256-thread block.
 
@@ -1965,6 +1986,27 @@ TEST_CASE("CUDA sum_squares_each: every tensor's sum in one launch, as alone, bi
     float alone = sum_squares(ctx, gpus[j]);
     CHECK(memcmp(&alone, &got[j], sizeof(float)) == 0);
   }
+  ctx.destroy();
+}
+
+// The losses left on the device (sum_later) are sum's bits there, read in one trip, in order;
+// the device queue runs on meanwhile (nothing waits before read_total).
+TEST_CASE("CUDA sums left pending equal sum's, bit for bit, read with one synchronisation",
+          "[gpu]") {
+  SKIP_WITHOUT_CUDA();
+  Context ctx = Context::create(Device::CUDA);
+  std::vector<Tensor> xs = {gpu(randn({300}, "l0")), gpu(randn({1}, "l1")),
+                            gpu(randn({4096 * 256 + 5}, "l2"))};
+  uint64_t before = host_syncs();
+  std::vector<PendingSum> pending;
+  for (const Tensor& x : xs) pending.push_back(sum_later(ctx, x));
+  pending.push_back(PendingSum{});
+  CHECK(host_syncs() - before == 0);
+  const double got = read_total(ctx, pending);
+  CHECK(host_syncs() - before == 1);
+  double want = 0;
+  for (const Tensor& x : xs) want += (double)sum(ctx, x);  // each alone: the same blocks, bits
+  CHECK(memcmp(&got, &want, sizeof(double)) == 0);
   ctx.destroy();
 }
 
