@@ -709,5 +709,5 @@ TEST_CASE("groups of the same ranks in one lane share an NCCL communicator", "[p
   CHECK(device_queue_note("32", 4, communicators_made(2, 4, 1, 2, 1)).empty());   // 28
   CHECK(device_queue_note("32", 8, communicators_made(1, 4, 1, 1, 1)).empty());   // 31
   CHECK(!device_queue_note("32", 8, communicators_made(2, 4, 1, 1, 1)).empty());  // 37
-  CHECK(!device_queue_note("32", 4, communicators_made(2, 2, 2, 2, 1)).empty());  // 34
+  CHECK(!device_queue_note("32", 4, communicators_made(2, 2, 2, 2, 1)).empty());  // 34, at V 2
 }
