@@ -584,12 +584,17 @@ void from_host(const Tensor& dst, const int32_t* src) {
 }
 
 // A ring of pinned buffers, each with the event of the copy it last sent. A micro-batch sends
-// three (positions, ids, targets), a mixture a few per layer, and the host is never more than
-// a micro-batch ahead (it reads each loss back): a buffer's last copy has long arrived when its
-// turn comes again. Each holds 64 KiB at least and doubles when it must grow, so it grows only
-// in the first steps (a mixture's routing counts may grow it later). The buffer it outgrew is
-// freed with the ring: cudaFreeHost waits for the whole device, an uncounted wait that a
-// collective stuck on a failed peer would make endless.
+// four or five (positions, ids, targets, dropout's sequences, its loss's sum items), a mixture a
+// few per layer. The host runs a few micro-batches ahead at most: the ring's 32 buffers are
+// about seven micro-batches of a dense model, and a collective's wait (tp, a pipeline's receive,
+// a mixture's routing) or the step's loss read holds it back sooner. So a buffer's last copy has
+// mostly arrived when its turn comes again; when it has not, the host waits for it (counted,
+// bounded), which keeps the host from running further ahead.
+//
+// Each buffer holds 64 KiB at least and doubles when it must grow, so it grows only in the first
+// steps (a mixture's routing counts may grow it later). The buffer it outgrew is freed with the
+// ring: cudaFreeHost waits for the whole device, an uncounted wait that a collective stuck on a
+// failed peer would make endless.
 struct PinnedStaging {
   struct Buffer {
     void* host = nullptr;
