@@ -41,6 +41,14 @@ std::string past_deadline(int world_rank, const std::string& what, double timeou
 // program, and fewer communicators are fewer streams for the GPU's hardware queues.
 std::vector<int> communicator_owners(const std::vector<std::vector<int>>& members,
                                      const std::vector<int>& lanes);
+// The links rank `rank` of a pipeline group of `size` makes for `pairs` (group ranks, sender
+// first; neighbours), in the pairs' order, each with where its NCCL id sits among the ids the
+// group gathers: the sender's [rank][0: to the next rank, 1: to the previous one], which the
+// sender makes and both ends read (comm_setup.cu's make_links).
+struct LinkPlan {
+  int from, to, id_slot;
+};
+std::vector<LinkPlan> link_plan(const PipelinePairs& pairs, int rank, int size);
 // Every way to each neighbour of pp_size ranks in a ring: (from, to) pairs, none at pp_size 1.
 PipelinePairs neighbour_pairs(int pp_size);
 // The most links any of pp_size ranks makes for these pairs: one per pair it is in, on pp and on

@@ -236,6 +236,17 @@ void nccl_settle(const std::vector<ncclComm_t>& comms, ncclResult_t returned,
   }
 }
 
+std::vector<LinkPlan> link_plan(const PipelinePairs& pairs, int rank, int size) {
+  std::vector<LinkPlan> plan;
+  for (const auto& [from, to] : pairs) {
+    PICO_ASSERT(to == (from + 1) % size || to == (from + size - 1) % size,
+                "a pipeline link joins neighbours");
+    if (from == rank || to == rank)
+      plan.push_back({from, to, 2 * from + (to == (from + 1) % size ? 0 : 1)});
+  }
+  return plan;
+}
+
 // A pipeline group's links (Group::links): a communicator of two ranks (the sender rank 0, the
 // receiver 1) and a stream for each pair of `pairs` (group ranks, sender first) this rank is in,
 // the ways the run's messages travel: a neighbour each way at most. The sender makes the id; the
@@ -246,15 +257,10 @@ void nccl_settle(const std::vector<ncclComm_t>& comms, ncclResult_t returned,
 // link carries one word here, before the first step. Every wait against the deadline.
 static void make_links(Group& g, const PipelinePairs& pairs, int world_rank, double timeout_s) {
   if (!g.nccl || g.size < 2) return;
-  auto slot = [&](int from, int to) {  // [rank][0: to next, 1: to prev]
-    PICO_ASSERT(to == (from + 1) % g.size || to == (from + g.size - 1) % g.size,
-                "a pipeline link joins neighbours");
-    return 2 * from + (to == (from + 1) % g.size ? 0 : 1);
-  };
-  std::vector<ncclUniqueId> all(2 * g.size);
-  std::vector<ncclUniqueId> mine(2);
-  for (const auto& [from, to] : pairs)  // (an id made listens until used: only those used)
-    if (from == g.rank) NCCL_CHECK(ncclGetUniqueId(&mine[slot(from, to) % 2]));
+  const std::vector<LinkPlan> plan = link_plan(pairs, g.rank, g.size);
+  std::vector<ncclUniqueId> mine(2), all(2 * g.size);
+  for (const LinkPlan& l : plan)  // (an id made listens until used: only those used)
+    if (l.from == g.rank) NCCL_CHECK(ncclGetUniqueId(&mine[l.id_slot % 2]));
   host_wait(g, "the exchange of the NCCL ids of the pipeline's links", sizeof(ncclUniqueId) * 2,
             [&](MPI_Request* r) {
               return MPI_Iallgather(mine.data(), 2 * sizeof(ncclUniqueId), MPI_BYTE, all.data(),
@@ -265,8 +271,7 @@ static void make_links(Group& g, const PipelinePairs& pairs, int world_rank, dou
     ncclUniqueId id;
   };
   std::vector<Made> made;
-  for (const auto& [from, to] : pairs)
-    if (from == g.rank || to == g.rank) made.push_back({from, to, all[slot(from, to)]});
+  for (const LinkPlan& l : plan) made.push_back({l.from, l.to, all[l.id_slot]});
   if (made.empty()) return;
   const std::string what = "the pipeline's links on " + g.name;
   const double t0 = now_seconds();

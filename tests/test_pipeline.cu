@@ -637,6 +637,41 @@ TEST_CASE("a pipeline's links are the ways its placement sends, each rank's few"
   CHECK(most_links(neighbour_pairs(4), 4) == 8);
 }
 
+// The links' NCCL ids: each sender makes one id per way it sends, into its own slot to the next
+// or the previous rank, and both ends of a link read the same slot. A slot made twice by one
+// sender, or read where the sender wrote none, would join the wrong ranks, and NCCL's
+// initialisation would then wait until --comm-timeout. Every schedule at p 2 to 6, and the
+// default of every way to each neighbour.
+TEST_CASE("both ends of every pipeline link agree on its NCCL id, each id made once",
+          "[pipeline]") {
+  for (int p = 2; p <= 6; p++) {
+    std::vector<PipelinePairs> runs = {neighbour_pairs(p)};
+    for (PpSchedule s : {PpSchedule::AFAB, PpSchedule::OneFOneB, PpSchedule::ZeroBubbleH1})
+      runs.push_back(pipeline_messages(s, p, 1));
+    for (int V : {2, 3}) runs.push_back(pipeline_messages(PpSchedule::Interleaved, p, V));
+    for (PpSchedule s : {PpSchedule::ZeroBubbleV, PpSchedule::DualPipeV})
+      runs.push_back(pipeline_messages(s, p, 2));
+    for (const PipelinePairs& pairs : runs) {
+      std::map<std::pair<int, int>, std::vector<int>> slots;  // (from, to) -> each end's slot
+      std::map<int, int> made;                                // slot -> ids made there
+      for (int r = 0; r < p; r++)
+        for (const LinkPlan& l : link_plan(pairs, r, p)) {
+          CHECK((l.from == r || l.to == r));
+          slots[{l.from, l.to}].push_back(l.id_slot);
+          if (l.from == r) made[l.id_slot]++;
+          CHECK(l.id_slot / 2 == l.from);  // among the sender's ids
+        }
+      INFO("p " << p << ", " << pairs.size() << " pairs");
+      CHECK(slots.size() == pairs.size());
+      for (const auto& [pair, ends] : slots) {
+        REQUIRE(ends.size() == 2);  // made by both of its ranks
+        CHECK(ends[0] == ends[1]);  // the same id
+        CHECK(made[ends[0]] == 1);  // which its sender made once, for it alone
+      }
+    }
+  }
+}
+
 // Which groups share an NCCL communicator, for world rank 0 of a grid: each group's members
 // worked out here from the rank order ((d * pp + p) * cp + c) * tp + t (runtime/comm.cuh's
 // rank_of), in comm_init's group order and lanes (world -1; the gradients' 0; tp 1; cp 2; the
