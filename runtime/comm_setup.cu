@@ -12,7 +12,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -236,11 +235,15 @@ void nccl_settle(const std::vector<ncclComm_t>& comms, ncclResult_t returned,
   }
 }
 
+// Whether group ranks `from` and `to` of `size` are neighbours in the ring (a link's two ends).
+static bool neighbours(int from, int to, int size) {
+  return from != to && (to == (from + 1) % size || to == (from + size - 1) % size);
+}
+
 std::vector<LinkPlan> link_plan(const PipelinePairs& pairs, int rank, int size) {
   std::vector<LinkPlan> plan;
   for (const auto& [from, to] : pairs) {
-    PICO_ASSERT(to == (from + 1) % size || to == (from + size - 1) % size,
-                "a pipeline link joins neighbours");
+    PICO_ASSERT(neighbours(from, to, size), "a pipeline link joins neighbours");
     if (from == rank || to == rank)
       plan.push_back({from, to, 2 * from + (to == (from + 1) % size ? 0 : 1)});
   }
@@ -332,13 +335,9 @@ PipelinePairs neighbour_pairs(int pp_size) {
   return {pairs.begin(), pairs.end()};
 }
 int most_links(const PipelinePairs& pairs, int pp_size) {
-  int most = 0;
-  for (int r = 0; r < pp_size; r++) {
-    int mine = 0;
-    for (const auto& [from, to] : pairs) mine += from == r || to == r;
-    most = std::max(most, 2 * mine);  // on pp, and the same pairs reversed on pp_grad
-  }
-  return most;
+  size_t most = 0;  // on pp, and the same pairs reversed on pp_grad
+  for (int r = 0; r < pp_size; r++) most = std::max(most, 2 * link_plan(pairs, r, pp_size).size());
+  return (int)most;
 }
 std::string device_queue_note(const char* connections, int links, int communicators) {
   if (links == 0) return "";
@@ -512,22 +511,21 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
   std::set<int> joined;  // every rank of a pipeline sends or receives: each pp rank's links
   for (const auto& [from, to] : forward) {
     const int n = c.pp.size;
-    PICO_ASSERT(from >= 0 && from < n && to >= 0 && to < n &&
-                    (to == (from + 1) % n || to == (from + n - 1) % n) && from != to,
+    PICO_ASSERT(from >= 0 && from < n && to >= 0 && to < n && neighbours(from, to, n),
                 "comm_init: a pipeline pair joins two neighbouring pp ranks");
     joined.insert(from), joined.insert(to);
   }
   PICO_ASSERT(c.pp.size == 1 || (int)joined.size() == c.pp.size,
               "comm_init: every pp rank in a pipeline pair");
+  std::vector<std::vector<int>> members;
+  std::vector<int> lanes;
+  for (auto& k : kinds) members.push_back(k.group->members), lanes.push_back(k.lane);
+  const std::vector<int> owner = communicator_owners(members, lanes);  // NCCL's sharing
   if (c.backend == Backend::NCCL && !meta) {
     // The standard bootstrap, one id per group: group rank 0 makes it, MPI shares it. Under
     // --comm auto a group of one needs no communicator (its collectives are local copies); an
     // explicit --comm nccl gives it one, so that one rank on one GPU exercises NCCL.
     bool groups_of_one = backend_flag == "nccl";
-    std::vector<std::vector<int>> members;
-    std::vector<int> lanes;
-    for (auto& k : kinds) members.push_back(k.group->members), lanes.push_back(k.lane);
-    const std::vector<int> owner = communicator_owners(members, lanes);
     auto makes_one = [&](size_t i) {  // its own communicator, not another group's
       return owner[i] == (int)i && (kinds[i].group->size > 1 || groups_of_one);
     };
@@ -560,16 +558,18 @@ Comm comm_init(int dp, int pp, int cp, int tp, const std::string& backend_flag, 
     // compute; events order it with the compute stream where the data requires.
     c.comm_ctx.device = Device::CUDA;
     CUDA_CHECK(cudaStreamCreateWithFlags(&c.comm_ctx.stream, cudaStreamNonBlocking));
-    std::map<ncclComm_t, Group*> first;  // each communicator's ops on a stream of their own
-    for (Group* g : c.groups())
-      if (g->nccl && first.count(g->nccl)) {
-        g->stream = first[g->nccl]->stream, g->barrier_word = first[g->nccl]->barrier_word;
-      } else if (g->nccl) {
-        first[g->nccl] = g;
+    for (size_t i = 0; i < owner.size(); i++) {  // each communicator's ops on a stream of their own
+      Group* g = kinds[i].group;
+      if (!g->nccl) continue;
+      if (owner[i] != (int)i) {  // the owner's, made already
+        g->stream = kinds[owner[i]].group->stream;
+        g->barrier_word = kinds[owner[i]].group->barrier_word;
+      } else {
         CUDA_CHECK(cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking));
         // What its barriers all-reduce, taken now, before the arena holds the device's memory.
         CUDA_CHECK(cudaMalloc((void**)&g->barrier_word, sizeof(float)));
       }
+    }
     PipelinePairs back;  // gradients travel the activations' ways reversed
     for (const auto& [from, to] : forward) back.push_back({to, from});
     make_links(c.pp, forward, world_rank, timeout_s);
