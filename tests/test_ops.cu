@@ -1148,6 +1148,24 @@ TEST_CASE("sums left pending are sum's values, read in order with one host synch
   CHECK(host_syncs() - before == 0);
 }
 
+// The value itself, from integers written out here: each tensor's elements are small integers,
+// so every partial sum in float is exact and the total is the integer sum, which the test adds
+// in int64 (a pending sum that lost, repeated or reordered a tensor would miss it).
+TEST_CASE("sums left pending add up to the integers' total", "[ops]") {
+  std::vector<std::vector<float>> values = {
+      std::vector<float>(300), {7.0f}, {}, std::vector<float>(4099)};
+  int64_t want = 0;
+  for (size_t i = 0; i < values[0].size(); i++) values[0][i] = (float)(i % 100 + 1);
+  for (size_t i = 0; i < values[3].size(); i++) values[3][i] = (float)((int)(i % 7) - 5);
+  for (const auto& v : values)
+    for (float f : v) want += (int64_t)f;
+  REQUIRE(want == 3 * 5050 + 7 + 585 * (-14) + (-5 - 4 - 3 - 2));  // 4099 = 585 x 7 + 4
+  std::vector<PendingSum> pending;
+  for (const auto& v : values)
+    pending.push_back(sum_later(kCpu, from_values({(int64_t)v.size()}, v)));
+  CHECK(read_total(kCpu, pending) == (double)want);
+}
+
 // ----------------------------------------------------------------------------
 // CUDA kernels against the CPU references. Sizes are not multiples of the 256-thread block.
 
