@@ -661,14 +661,32 @@ void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, co
 // RoPE (Su et al. 2021), HF rotate_half layout: pair (i, i + hd/2) turns by pos * theta^(-2i/hd)
 // ============================================================================
 
+// The pairs' frequencies theta^(-2i/hd), i < hd/2, computed once on the host and handed to the
+// CPU loop and the kernel alike (as Hugging Face's inv_freq and llm.c's precomputed table): a
+// device powf may differ from the host's by an ulp or more, and the angle pos x frequency turns
+// that into a rotation error that grows with the position (about 4e-3 radians at 16k tokens for
+// 4 ulp). With one table the angle is one correctly rounded product on both; only sinf and cosf
+// may differ, by an ulp or two of their results. At most 128 pairs (head dims up to 256) travel
+// with the launch (a kernel parameter, no copy).
+constexpr int kRopeMaxPairs = 128;
+struct RopeFrequencies {
+  float of[kRopeMaxPairs];
+};
+static std::vector<float> rope_frequencies(int hd, float theta) {
+  std::vector<float> f(hd / 2);
+  for (int i = 0; i < hd / 2; i++) f[i] = 1.0f / powf(theta, (2.0f * i) / hd);
+  return f;
+}
+
 // x [T, H, hd] in place; sign = +1 rotates (forward), -1 rotates back (backward: the transpose
 // of a rotation is its inverse). Angles in float, the same expressions as the kernel.
-static void rope_cpu(float* x, const int32_t* pos, int T, int H, int hd, float theta, float sign) {
+static void rope_cpu(float* x, const int32_t* pos, int T, int H, int hd, const float* freq,
+                     float sign) {
   int half = hd / 2;
   for (int t = 0; t < T; t++)
     for (int h = 0; h < H; h++)
       for (int i = 0; i < half; i++) {
-        float angle = (float)pos[t] * (1.0f / powf(theta, (2.0f * i) / hd));
+        float angle = (float)pos[t] * freq[i];
         float c = cosf(angle), s = sign * sinf(angle);
         float* v = x + ((int64_t)t * H + h) * hd;  // [hd]
         float a = v[i], b = v[i + half];
@@ -696,7 +714,7 @@ struct RopeOperands {
 };
 template <typename I, typename O>
 static __global__ void rope_kernel(RopeOperands<I, O> ops, const int32_t* pos, int T, int hd,
-                                   float theta, float sign) {
+                                   const __grid_constant__ RopeFrequencies freq, float sign) {
   const int half = hd / 2;
   const RopeOperand<I, O>&a = ops.op[0], &b = ops.op[1], &c = ops.op[2];
   const int64_t pairs_a = (int64_t)T * a.H * half,
@@ -720,7 +738,7 @@ static __global__ void rope_kernel(RopeOperands<I, O> ops, const int32_t* pos, i
       store(o + i, va), store(o + i + half, vb);
       continue;
     }
-    float angle = (float)pos[head / H] * (1.0f / powf(theta, (2.0f * i) / hd));
+    float angle = (float)pos[head / H] * freq.of[i];
     float cs = cosf(angle), sn = sign * sinf(angle);
     store(o + i, va * cs - vb * sn);
     store(o + i + half, vb * cs + va * sn);
@@ -760,16 +778,17 @@ static void rope(const Context& ctx, const std::vector<RopePart>& parts, const T
     written += dtype_size(out.dtype) * (double)out.numel();
   }
   if (count_op(ctx.device, OpKind::Elementwise, {flops, read, written})) return;
+  const std::vector<float> freq = rope_frequencies(hd, theta);
   if (ctx.device == Device::CPU) {
     for (const RopePart& part : parts) {
       const Tensor &out = part.out, &x = part.x;
       const int H = (int)x.size(1);
       if (x.dtype == DType::F32 && out.ptr == x.ptr) {
-        rope_cpu(x.f32(), positions.i32(), T, H, hd, theta, sign);
+        rope_cpu(x.f32(), positions.i32(), T, H, hd, freq.data(), sign);
         continue;
       }
       std::vector<float> v = widened(x);
-      if (part.rotate) rope_cpu(v.data(), positions.i32(), T, H, hd, theta, sign);
+      if (part.rotate) rope_cpu(v.data(), positions.i32(), T, H, hd, freq.data(), sign);
       if (gradient && out.dtype != DType::F32)
         cast_gradient_host(out.ptr, out.dtype, v.data(), out.numel());  // counted
       else
@@ -777,6 +796,11 @@ static void rope(const Context& ctx, const std::vector<RopePart>& parts, const T
     }
     return;
   }
+  PICO_ASSERT((int)freq.size() <= kRopeMaxPairs, "rope on CUDA takes head dims up to " +
+                                                     std::to_string(2 * kRopeMaxPairs) + ", got " +
+                                                     std::to_string(hd));
+  RopeFrequencies table{};
+  std::copy(freq.begin(), freq.end(), table.of);
   int64_t pairs = 0;
   for (const RopePart& part : parts) pairs += part.x.numel() / 2;
   with_element(parts[0].x.dtype, [&](auto* in_type) {
@@ -787,7 +811,7 @@ static void rope(const Context& ctx, const std::vector<RopePart>& parts, const T
       for (const RopePart& part : parts)
         ops.op[ops.count++] = {(O*)part.out.ptr, (const I*)part.x.ptr, (int)part.x.size(1),
                                part.rotate};
-      rope_kernel<<<grid_for(pairs), kThreads, 0, ctx.stream>>>(ops, positions.i32(), T, hd, theta,
+      rope_kernel<<<grid_for(pairs), kThreads, 0, ctx.stream>>>(ops, positions.i32(), T, hd, table,
                                                                 sign);
     });
   });
