@@ -437,10 +437,8 @@ static std::string block_scaling_missing(int device) {
 
 // d_alignment: of C and D (the same buffer); A and B are fresh buffers of the device's allocator
 // (256-byte aligned, cuBLASLt's default).
-static Fp8Plan find_plan(const Context& ctx, const LtGemm& g, int device, uint32_t d_alignment) {
+static Fp8Plan find_plan(const Context& ctx, const LtGemm& g, uint32_t d_alignment) {
   Fp8Plan plan;
-  plan.why = block_scaling_missing(device);
-  if (!plan.why.empty()) return plan;
   cublasLtMatmulPreference_t pref;
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const size_t max_workspace = 32u << 20;  // what cuBLAS recommends on Hopper
@@ -549,12 +547,16 @@ bool fp8_gemm(const Context& ctx, const Tensor& d, const Fp8Operand& a, const Fp
   const auto key = std::make_tuple(device, rows, cols, K, (int)a.format, (int)b.format,
                                    (int)a.tiles, (int)b.tiles, d_alignment);
   auto known = g_plans.find(key);
+  if (known == g_plans.end()) {  // asked before any descriptor: an older library lacks its modes
+    Fp8Plan missing;
+    missing.why = block_scaling_missing(device);
+    if (!missing.why.empty()) known = g_plans.emplace(key, missing).first;
+  }
   if (known != g_plans.end() && !known->second.supported) return decline(known->second.why);
 
   const Fp8Bytes aq = fp8_buffers(ctx, a, rows, K), bq = fp8_buffers(ctx, b, cols, K);
   const LtGemm g(cols, rows, K, b, a, bq.scales.f32(), aq.scales.f32());  // A = b, B = a
-  if (known == g_plans.end())
-    known = g_plans.emplace(key, find_plan(ctx, g, device, d_alignment)).first;
+  if (known == g_plans.end()) known = g_plans.emplace(key, find_plan(ctx, g, d_alignment)).first;
   Fp8Plan& plan = known->second;
   if (!plan.supported) return decline(plan.why);
 

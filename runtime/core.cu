@@ -275,10 +275,12 @@ void arena_give(const ArenaKey& key, void* ptr) {
 }
 void device_free(const ArenaKey& key, void* ptr) {
   if (key.device != Device::CUDA) return;  // meta addresses are only numbers
-  if (memory_pools_supported())
+  if (memory_pools_supported()) {
     CUDA_CHECK(cudaFreeAsync(ptr, key.stream));
-  else
+  } else {
+    count_host_sync();  // cudaFree waits for the whole device
     CUDA_CHECK(cudaFree(ptr));
+  }
 }
 // Gives back the buffers held free for `stream` (all streams when `all`) to the device; returns
 // the streams their frees were queued on.
@@ -313,6 +315,7 @@ void* device_allocate(const ArenaKey& key) {
   }
   void* ptr = nullptr;
   const bool pooled = memory_pools_supported();
+  if (!pooled) count_host_sync();  // cudaMalloc may wait for the device
   cudaError_t err =
       pooled ? cudaMallocAsync(&ptr, key.bytes, key.stream) : cudaMalloc(&ptr, key.bytes);
   if (err == cudaErrorMemoryAllocation && pooled) {
@@ -703,7 +706,7 @@ void Context::destroy() {
     release_arena(stream);  // what the arena holds for it goes back before the stream goes
     cudaStreamDestroy(stream);
   }
-  cublas = nullptr;
+  cublas = nullptr, cublas_workspace = nullptr;
   stream = nullptr;
 }
 void Context::synchronize() const {
