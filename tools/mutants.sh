@@ -30,8 +30,8 @@ mutant rms-eps runtime/ops.cu \
   '    float r = 1.0f / (sqrtf(ss / D) + eps);' \
   "RMSNorm: eps outside the square root"
 mutant rope-angle runtime/ops.cu \
-  '        float angle = (float)pos[t] * (1.0f / powf(theta, (2.0f * i) / hd));' \
-  '        float angle = (float)pos[t] * (1.0f / powf(theta, (2.0f * i + 1) / hd));' \
+  '  for (int i = 0; i < hd / 2; i++) f[i] = 1.0f / powf(theta, (2.0f * i) / hd);' \
+  '  for (int i = 0; i < hd / 2; i++) f[i] = 1.0f / powf(theta, (2.0f * i + 1) / hd);' \
   "RoPE: wrong frequencies (forward and backward still agree)"
 mutant rope-sign runtime/ops.cu \
   '        v[i + half] = b * c + a * s;' \
@@ -62,8 +62,8 @@ mutant overlap-edge runtime/comm_handle.cu \
   '  return a && b && a < b + nb - 1 && b < a + na - 1;' \
   "overlap test misses a shared end element"
 mutant overlap-ignored runtime/comm_handle.cu \
-  '  if (ctx.device == Device::CUDA || !overlap) return mpi_buffer(s, ctx, send, send_bytes, true, false);' \
-  '  if (true) return mpi_buffer(s, ctx, send, send_bytes, true, false);' \
+  '  if (ctx.device == Device::CUDA || !overlap)' \
+  '  if (true)' \
   "in-place collectives hand MPI overlapping buffers"
 mutant norm-replicas runtime/gradient_sync.cu \
   '    if (s.counted) grads.push_back(Tensor{nullptr, s.grad, {s.count}, s.grad_dtype, ctx.device});' \
@@ -82,16 +82,16 @@ mutant kv-head tensor_parallel.cu \
   '    L.kv_heads = 1, L.kv_replicas = size / c.kv_heads, L.kv_head0 = rank % c.kv_heads;' \
   "tp > kv heads: a rank reads the wrong kv head"
 mutant swiglu-order model.cu \
-  '  swiglu_forward(ctx, a.act, a.gate, a.up);' \
-  '  swiglu_forward(ctx, a.act, a.up, a.gate);' \
+  '    swiglu_forward(ctx, a.act, a.gate, a.up);' \
+  '    swiglu_forward(ctx, a.act, a.up, a.gate);' \
   "SwiGLU: gate and up swapped in the forward"
 mutant shard-rows runtime/parameters.cu \
   '      float& cell = full[(row0 + r) * full_cols + col0 + c];' \
   '      float& cell = full[(row0 + rows - 1 - r) * full_cols + col0 + c];' \
   "tp shards loaded and saved row-reversed (round trips still pass)"
 mutant config-theta runtime/checkpoint.cu \
-  '    if (theta != rope->end()) cfg.rope_theta = theta->get<float>();' \
-  '    if (false) cfg.rope_theta = theta->get<float>();' \
+  '    if (theta != rope->end()) cfg.rope_theta = x;' \
+  '    if (false) cfg.rope_theta = x;' \
   "--load ignores rope_parameters.rope_theta (transformers 5)"
 mutant config-eps runtime/checkpoint.cu \
   '  cfg.norm_eps = positive_float("rms_norm_eps", true, 0);' \
@@ -102,8 +102,8 @@ mutant pp-warmup pipeline_parallel.cu \
   '  int warmup = std::min(p - rank, m), weights = 0;' \
   "1F1B: one warm-up forward too many (more activations held than p - rank)"
 mutant pp-loss train.cu \
-  '  all_reduce_host(t.comm.pp, &loss_sum, 1, ReduceOp::Sum);  // the last stage holds it' \
-  '  (void)0;  // the last stage holds it' \
+  '  all_reduce_host(t.comm.pp, &loss_sum, 1, ReduceOp::Sum);' \
+  '  (void)0;' \
   "pipeline: the loss is not summed over the stages (rank 0 logs 0)"
 mutant cp-owner context_parallel.cu \
   '      attend(held, (r - step + P) % P);' \
@@ -114,8 +114,8 @@ mutant bf16-ties runtime/dtype.cu \
   '    if (rest >= half) r++;  // ties to even' \
   "rounding to bf16, fp16 and fp8: ties away from zero instead of to even"
 mutant lp-output mixed_precision.cu \
-  '  round_(ctx, y, output_dtype(ctx.precision));' \
-  '  (void)y;' \
+  '  if (y.dtype == DType::F32) return round_(ctx, y, output_dtype(ctx.precision));' \
+  '  if (y.dtype == DType::F32) return;' \
   "low-precision linear: the output not rounded to bf16/fp16"
 mutant lp-weight mixed_precision.cu \
   '  if (!half.defined() && (ctx.precision != Precision::FP8 || role == Operand::Weight))' \
@@ -156,8 +156,8 @@ mutant attn-row-mean kernels/attention_naive.cu \
   '    const float dot = (float)weighted;' \
   "naive attention backward: <p, dp> not divided by sum p (fp32 p sum to 1 within ulps only)"
 mutant flash-d-fp32 flash_attention.cu \
-  '        for (int d = 0; d < a.hd; d++) dot += (double)dout[off + d] * out[off + d];' \
-  '        for (int d = 0; d < a.hd; d++) dot = (float)(dot + dout[off + d] * out[off + d]);' \
+  '    return out_dot_dout_host<double>(D.f32(), dout.f32(), out.f32(), a);' \
+  '    return out_dot_dout_host<float>(D.f32(), dout.f32(), out.f32(), a);' \
   "FlashAttention backward: D = rowsum(dO * O) summed in fp32"
 # The bf16 FlashAttention-2 kernels' CPU mirrors and the matmul ladder's tensor-core mirror (the
 # GPU tests hold the kernels to these, so a wrong mirror would pass a wrong kernel).
@@ -166,8 +166,8 @@ mutant fa2-mirror-mask kernels/flash_attention_bf16.cu \
   '            if (j0 + c > seen) continue;' \
   "FlashAttention-2 forward mirror: each query also sees the key after its last"
 mutant fa2-mirror-d kernels/flash_attention_bf16.cu \
-  '            const float pb = to_bf16_value(p), dsb = to_bf16_value(p * (dp - Di));' \
-  '            const float pb = to_bf16_value(p), dsb = to_bf16_value(p * (dp - 0.99f * Di));' \
+  '            const float pb = to_bf16_value(f * p), dsb = to_bf16_value(p * (f * dp - Di));' \
+  '            const float pb = to_bf16_value(f * p), dsb = to_bf16_value(p * (f * dp - 0.99f * Di));' \
   "FlashAttention-2 backward mirror: dS from a D 1% off"
 mutant ladder-tc-slice kernels/matmul_ladder.cu \
   '        for (int k = k0; k < k0 + 16 && k < K; k++)' \
@@ -195,16 +195,16 @@ mutant data-val-windows runtime/data.cu \
   '  return ((int64_t)data.val.size()) / seq;  // each window needs seq + 1 tokens' \
   "validation: one window too many when --seq divides the val split (reads past its end)"
 mutant data-val-round runtime/data.cu \
-  'static int64_t val_size(int64_t n, double val_fraction) { return (int64_t)(n * val_fraction); }' \
-  'static int64_t val_size(int64_t n, double val_fraction) { return (int64_t)std::ceil(n * val_fraction); }' \
+  '  return (int64_t)(n * val_fraction);' \
+  '  return (int64_t)std::ceil(n * val_fraction);' \
   "--val-frac: the val split rounded up instead of down"
 mutant data-min-tokens runtime/data.cu \
   '  int64_t n = (int64_t)std::max({2 * need, need / val_fraction, seq / (1.0 - val_fraction)}) - 2;' \
   '  int64_t n = (int64_t)std::max({2 * need, need / val_fraction, seq / (1.0 - val_fraction)}) + 1;' \
   "too-small data: the message asks for one token more than the smallest file that loads"
 mutant data-shard-size runtime/data.cu \
-  '  if (count < 0 || size != kShardHeaderBytes + 2 * count)' \
-  '  if (count < 0 || size < kShardHeaderBytes + 2 * count)' \
+  '    else if (count < 0 || size != kShardHeaderBytes + 2 * count)' \
+  '    else if (count < 0 || size < kShardHeaderBytes + 2 * count)' \
   "llm.c shard: bytes after the promised tokens accepted"
 # Report columns (tests/test_reports.cu): each leaves the run's numbers alone and makes one
 # printed column disagree with the others, which only a test that reads the columns back sees.
@@ -221,20 +221,20 @@ mutant zero-report-total runtime/report.cu \
   '         (long long)(want.reduce_scatter_bytes + want.reduce_scatter_bytes));' \
   "ZeRO table: the expected total counts the reduce-scatters twice, the all-gathers never"
 mutant tp-report-acc runtime/report.cu \
-  '           human_bytes(got).c_str(), human_bytes((double)expected * grad_acc).c_str(),' \
-  '           human_bytes(got).c_str(), human_bytes((double)expected).c_str(),' \
+  '           human_bytes((double)expected * grad_acc).c_str(),' \
+  '           human_bytes((double)expected).c_str(),' \
   "tp table: the model's count printed for one micro-batch, not for grad-acc of them"
 mutant memory-book-padded runtime/report.cu \
   '  StaticMemory book = zero_static_memory(zero_stage, (double)num_params, N, b);' \
   '  StaticMemory book = zero_static_memory(zero_stage, (double)padded_params, N, b);' \
   "memory table: the book's row at Ψ' (the padding hidden in it)"
-mutant bubble-book-chunks pipeline_parallel.cu \
-  '          bubble_fraction(s, p, m, V), pipeline_chart(s, p, m, V)};' \
-  '          bubble_fraction(s, p, m, 1), pipeline_chart(s, p, m, V)};' \
+mutant bubble-book-chunks planner/pipeline_timing.cu \
+  '          bubble_fraction(s, p, m, V),' \
+  '          bubble_fraction(s, p, m, 1),' \
   "bubble table: the book's column ignores interleaving's V chunks"
 mutant dp-report-book runtime/report.cu \
-  '           human_bytes(2.0 * (N - 1) * K / N).c_str());' \
-  '           human_bytes(2.0 * (N - 1) * K / (N - 1)).c_str());' \
+  '        human_bytes(2.0 * (N - 1) * K / N).c_str());' \
+  '        human_bytes(2.0 * (N - 1) * K / (N - 1)).c_str());' \
   "comm table: the book's ring all-reduce 2(N-1)K/N printed as 2K"
 mutant comm-all-reduce-bytes runtime/comm.cu \
   '  count_call(g, Coll::AllReduce, count, 2 * (N - 1) * K / N);' \
@@ -257,9 +257,9 @@ mutant moe-capacity expert_parallel.cu \
   '        if (taken[r.choice[i]] < capacity)' \
   '        if (taken[r.choice[i]] <= capacity)' \
   "capacity: each expert keeps one slot more than c x tokens x k / E"
-mutant moe-route-back expert_parallel.cu \
-  '    for (int j = 0; j < k; j++) dp[chosen[j]] += (d_weight[(size_t)t * k + j] - dot) / picked;' \
-  '    for (int j = 0; j < k; j++) dp[chosen[j]] += d_weight[(size_t)t * k + j] / picked;' \
+mutant moe-route-back kernels/router.cuh \
+  '      if (chosen[j] == e) dp += (slot_weight_gradient(d_weight, slot_row, j) - dot) / picked;' \
+  '      if (chosen[j] == e) dp += slot_weight_gradient(d_weight, slot_row, j) / picked;' \
   "router backward: the renormalisation's shared term left out"
 mutant moe-aux-grad expert_parallel.cu \
   '          (float)(c.aux_loss_coef * (double)loss_scale * tokens * E * totals[e] / (rows * rows)));' \
@@ -274,12 +274,12 @@ mutant moe-tp-weights expert_parallel.cu \
   '  if (false && K > 0)' \
   "mixture under tp: the combine weights' gradient left a partial sum"
 mutant moe-router-dx expert_parallel.cu \
-  '  linear_backward(ctx, tp.rank() == 0 ? dh : Tensor(), g.router, d_logits, h, w.router, true);' \
-  '  linear_backward(ctx, dh, g.router, d_logits, h, w.router, true);' \
+  '  linear_backward(ctx, tp.rank() == 0 ? dh : Tensor(), now(g.router), d_logits, h, w.router, true);' \
+  '  linear_backward(ctx, dh, now(g.router), d_logits, h, w.router, true);' \
   "mixture under tp: the router's input gradient added on every tp rank"
-mutant moe-pp-carry pipeline_parallel.cu \
-  '      if (g == last_chunk) carry = saved[key].carry;  // every layer'"'"'s: this chunk ends the model' \
-  '      (void)0;' \
+mutant moe-pp-carry model.cu \
+  '  acts.carry = take_carry(in);' \
+  '  (void)take_carry(in);' \
   "pipeline: the routing counts of every layer not handed to the last stage's backward"
 mutant moe-edp-group runtime/gradient_sync.cuh \
   '  Group& group_of(int u) const { return model_.units[u].experts ? comm_.edp_cp : comm_.dp_cp; }' \
@@ -341,8 +341,9 @@ for k in "${!IDS[@]}"; do
     continue
   fi
   total=$((total + 1))
-  obj=$WORK/build/${file%.cu}.o
-  cp -p "$obj" "$WORK/saved.o"
+  # A .cu file's object is kept and put back after; a header's dependents are rebuilt instead.
+  obj=""
+  if [[ $file == *.cu ]]; then obj=$WORK/build/${file%.cu}.o && cp -p "$obj" "$WORK/saved.o"; fi
   LINE=${LINES[k]} REPL=${REPLS[k]} awk '$0 == ENVIRON["LINE"] { print ENVIRON["REPL"]; next } { print }' \
     "$ROOT/$file" >"$WORK/$file"
   if ! (cd "$WORK" && make -j2 GPU_ARCH="$GPU_ARCH" train build/unit_tests build/mpi_tests >build.log 2>&1); then
@@ -357,7 +358,7 @@ for k in "${!IDS[@]}"; do
   printf "%-16s %-8s %s: %s\n" "$id" "$result" "${WHATS[k]}" "$step"
   # Back to the unmutated file and object (older than the binaries: relink them next time).
   cp -p "$ROOT/$file" "$WORK/$file"
-  cp -p "$WORK/saved.o" "$obj"
+  if [ -n "$obj" ]; then cp -p "$WORK/saved.o" "$obj"; else touch "$WORK/$file"; fi
   rm -f "$WORK/train" "$WORK/build/unit_tests" "$WORK/build/mpi_tests"
 done
 [ "$total" -gt 0 ] && echo "killed $killed of $total mutants ($((100 * killed / total))%)${survivors:+; survived: ${survivors[*]}}"
