@@ -299,7 +299,7 @@ step() {  # name, command...
 # Runs the fast subset in the copy; returns 0 when every step passes (the mutant survives).
 subset() {
   local np row
-  step "unit tests" build/unit_tests "~[gpu]~[train]~[parity]~[sweep]~[report_width]" || return 1
+  step "unit tests" build/unit_tests "~[gpu]~[train]~[parity]~[sweep]~[record]~[report_width]" || return 1
   for np in 2 3 4 8; do
     step "mpi tests, np $np" mpirun --oversubscribe -np "$np" build/mpi_tests "~[gpu]" --use-colour no || return 1
   done
