@@ -80,8 +80,9 @@ void RingAllReduce::wait() {
 }
 
 void ring_all_reduce(Comm& comm, Group& group, const Context& ctx, float* buf, int64_t count) {
+  // On the communication stream, where the ring reads it and, once it is done, frees it.
   Tensor scratch =
-      empty({RingAllReduce::scratch_size(count, group.size)}, Mem::Workspace, comm.device);
+      empty(comm.comm_ctx, {RingAllReduce::scratch_size(count, group.size)}, Mem::Workspace);
   RingAllReduce ring;
   ring.start(comm, group, ctx, buf, count, scratch.f32());
   ring.wait();

@@ -638,12 +638,6 @@ static void run_hook(const std::function<void(int)>& hook, int unit) {
   if (hook) hook(unit);
 }
 
-static Tensor device_ints(const std::vector<int32_t>& v, const Context& ctx) {
-  Tensor t = empty({(int64_t)v.size()}, Mem::Activations, ctx.device, DType::I32);
-  from_host(ctx, t, v.data());  // on ctx's stream, no host wait
-  return t;
-}
-
 // Final RMSNorm, the column-parallel LM head (this rank's vocabulary slice) and, with targets,
 // the (vocab-parallel) cross-entropy. Returns the sum of per-token losses.
 static PendingSum head_forward(const Context& ctx, Model& model, Activations& acts,
@@ -661,7 +655,7 @@ static PendingSum head_forward(const Context& ctx, Model& model, Activations& ac
   acts.logits = empty_in_compute_format(ctx, {N, L.vocab}, Mem::Activations);
   column_parallel_forward(model.tp, ctx, acts.normf, {{acts.logits, model.w.lm_head}});
   if (!targets) return {};
-  acts.targets = device_ints(local_vocab_ids(targets, N, L.vocab0, L.vocab), ctx);
+  acts.targets = device_ints(ctx, local_vocab_ids(targets, N, L.vocab0, L.vocab), Mem::Activations);
   acts.losses = act({N}, ctx);
   acts.ce_stats = act({N, 2}, ctx);
   vocab_parallel_cross_entropy_forward(model.tp, ctx, acts.losses, acts.ce_stats, acts.logits,
@@ -716,19 +710,19 @@ PendingSum stage_forward(const Context& ctx, Model& model, Activations& acts, co
   acts.carry.resize(model.mlp->carry_numel(), 0.0f);
   // Global positions (RoPE, the causal mask): under context parallelism T is this rank's
   // share of each sequence, whose tokens sit at the positions the cp layout gives them.
-  acts.positions = device_ints(model.attention->positions(B, T), ctx);
+  acts.positions = device_ints(ctx, model.attention->positions(B, T), Mem::Activations);
   // Dropout draws its masks from each token's sequence, numbered in the run (training only).
   if (sequence0 >= 0 && c.dropout > 0) {
     std::vector<int32_t> sequences = model.attention->token_sequences(B, T);
     for (int32_t& s : sequences) s = (int32_t)(uint32_t)(sequence0 + s);
-    acts.sequences = device_ints(sequences, ctx);
+    acts.sequences = device_ints(ctx, sequences, Mem::Activations);
   }
 
   Tensor x = in.empty() ? Tensor() : in[0];  // [n, D] the residual stream
   in.clear();
   if (stage.embedding) {
     // Vocab-parallel embedding: this rank looks up the ids of its vocabulary slice.
-    acts.ids = device_ints(local_vocab_ids(ids, N, L.vocab0, L.vocab), ctx);
+    acts.ids = device_ints(ctx, local_vocab_ids(ids, N, L.vocab0, L.vocab), Mem::Activations);
     x = empty_residual(ctx, {n, D}, Mem::Activations);
     run_hook(hooks.before_forward, model.embedding_unit());
     vocab_parallel_embedding_forward(model.tp, ctx, x, acts.ids, stored_weight(ctx, model.w.embed));

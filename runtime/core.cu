@@ -520,9 +520,9 @@ Tensor device_floats(const Context& ctx, const std::vector<float>& v, std::vecto
   if (n > 0) from_host(ctx, t, v.data());
   return t;
 }
-Tensor device_ints(const Context& ctx, const std::vector<int32_t>& v) {
+Tensor device_ints(const Context& ctx, const std::vector<int32_t>& v, Mem category) {
   const int64_t n = (int64_t)v.size();
-  Tensor t = empty(ctx, {std::max<int64_t>(n, 1)}, Mem::Workspace, DType::I32).view(0, {n});
+  Tensor t = empty(ctx, {std::max<int64_t>(n, 1)}, category, DType::I32).view(0, {n});
   if (n > 0) from_host(ctx, t, v.data());
   return t;
 }

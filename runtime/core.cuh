@@ -273,9 +273,11 @@ void copy_(const Context& ctx, const Tensor& dst, const Tensor& src);
 void fill_(const Context& ctx, const Tensor& t, float value);
 // [rows, cols] on ctx's stream, zero rows included (an empty view of one row's buffer).
 Tensor empty_rows(const Context& ctx, int64_t rows, int64_t cols, Mem category = Mem::Workspace);
-// Host values in a new workspace tensor of `shape` on ctx's device (any element count, 0 too).
+// Host values in a new tensor of `shape` on ctx's device, on its stream (any element count, 0
+// too): a workspace tensor, or what `category` says (a step's token ids are activations).
 Tensor device_floats(const Context& ctx, const std::vector<float>& v, std::vector<int64_t> shape);
-Tensor device_ints(const Context& ctx, const std::vector<int32_t>& v);  // [v.size()]
+Tensor device_ints(const Context& ctx, const std::vector<int32_t>& v,
+                   Mem category = Mem::Workspace);  // [v.size()]
 
 // Debugging aid, not a training behaviour: every Context created afterwards synchronises after
 // each kernel launch, so a faulting kernel is named where it faults instead of at the next
