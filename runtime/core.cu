@@ -632,7 +632,8 @@ void from_host(const Context& ctx, const Tensor& dst, const void* src) {
     count_host_sync();
     wait_for_event(b.sent, "a pinned staging buffer's last copy to the device");
   }
-  if (b.bytes < bytes) {
+  if (b.bytes < bytes) {  // cudaMallocHost may wait for the device: counted
+    count_host_sync();
     if (b.host) staging.outgrown.push_back(b.host);
     b.bytes = std::max<size_t>({bytes, 2 * b.bytes, 64 << 10});
     CUDA_CHECK(cudaMallocHost(&b.host, b.bytes));

@@ -51,13 +51,15 @@ void HostSyncs::begin(StepPart p, int64_t step) {
 void HostSyncs::end(StepPart p) {
   if (p != StepPart::Step) return;
   const uint64_t syncs = host_syncs() - at_start_;
-  fewest_ = std::min(fewest_, syncs);
-  most_ = std::max(most_, syncs);
   const uint64_t allocations = allocator_calls() - allocations_at_start_;
-  if (steps_ == 0)
+  if (steps_ == 0) {
+    first_ = syncs;
     first_allocations_ = allocations;
-  else
+  } else {
+    fewest_ = std::min(fewest_, syncs);
+    most_ = std::max(most_, syncs);
     most_allocations_ = std::max(most_allocations_, allocations);
+  }
   steps_++;
   observer_.end_span(
       "step " + std::to_string(step_ + 1) + " (" + std::to_string(syncs) + " host syncs)",
@@ -65,9 +67,12 @@ void HostSyncs::end(StepPart p) {
 }
 void HostSyncs::report(Report r) {
   if (r != Report::Sync || !prints_ || steps_ == 0) return;
-  std::string range = fewest_ == most_ ? "" : " (fewest " + std::to_string(fewest_) + ")";
-  printf("host synchronisations per training step: %llu%s\n", (unsigned long long)most_,
-         range.c_str());
+  // One step: its count. More: the most after the first, and the first where it waited more.
+  const uint64_t most = steps_ == 1 ? first_ : most_, fewest = steps_ == 1 ? first_ : fewest_;
+  std::string notes = fewest == most ? "" : " (fewest " + std::to_string(fewest) + ")";
+  if (steps_ > 1 && first_ > most_) notes += " (the first step: " + std::to_string(first_) + ")";
+  printf("host synchronisations per training step: %llu%s\n", (unsigned long long)most,
+         notes.c_str());
   if (device_buffers_ && steps_ > 1)
     printf(
         "device allocator calls: %llu in the first training step, %llu per step after it (the "

@@ -90,7 +90,9 @@ class HostSyncs : public StepMeter {
   bool device_buffers_;
   int64_t steps_ = 0, step_ = 0;
   double start_ = 0;
-  uint64_t at_start_ = 0, fewest_ = UINT64_MAX, most_ = 0;
+  // Fewest and most in a step after the first, which may also fill the pinned staging buffers
+  // (core.cu's from_host: a cudaMallocHost is a wait) and so is told apart when it waits more.
+  uint64_t at_start_ = 0, first_ = 0, fewest_ = UINT64_MAX, most_ = 0;
   // The device allocator's calls (core.cuh's allocator_calls), most in a step after the first
   // (which fills the arena).
   uint64_t allocations_at_start_ = 0, first_allocations_ = 0, most_allocations_ = 0;

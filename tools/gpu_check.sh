@@ -482,7 +482,7 @@ if run_step dtype_llama1b 240 bash -c "for d in fp32 bf16 fp8 bf16-ga8 bf16-mbs4
     /^step .* tok\/s/ { split($0, f, "|"); split(f[5], t, " "); tok[d] = t[1] }
     /^fp8 GEMMs on rank 0:/ { fp8 = $6 " native, " $10 " emulated" }
     /^  predicted step/ { split($0, p, "MFU "); split(p[2], q, "%"); predicted[d] = q[1] }
-    /^host synchronisations per training step:/ { syncs = $NF }
+    /^host synchronisations per training step:/ { syncs = $0; sub(/^[^:]*: /, "", syncs) }
     /^device allocator calls:/ { allocs = $10 }
     # the roofline report: GEMMs by shape, measured (M N K unit calls GFLOP ms share ms share)
     d == "bf16" && /^ +[0-9]+ +[0-9]+ +[0-9]+ +16-bit / && NF == 10 {
