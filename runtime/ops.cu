@@ -668,7 +668,7 @@ void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, co
 // 4 ulp). With one table the angle is one correctly rounded product on both; only sinf and cosf
 // may differ, by an ulp or two of their results. At most 128 pairs (head dims up to 256) travel
 // with the launch (a kernel parameter, no copy).
-constexpr int kRopeMaxPairs = 128;
+constexpr int kRopeMaxPairs = kRopeMaxHeadDimCuda / 2;
 struct RopeFrequencies {
   float of[kRopeMaxPairs];
 };

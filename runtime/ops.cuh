@@ -69,6 +69,8 @@ void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, co
                       const Tensor& dx_rounded = Tensor());
 
 // ---- RoPE, HF rotate_half convention: pairs (i, i + hd/2), angle pos * theta^(-2i/hd) ----
+// On CUDA the frequency table travels with the launch: head dims up to 256 (ops.cu).
+constexpr int kRopeMaxHeadDimCuda = 256;
 // x [T, H, hd] rotated in place (fp32, or bf16 / fp16 read widened and each value rounded once
 // as it is written back); positions [T] int32
 void rope_forward(const Context& ctx, const Tensor& x, const Tensor& positions, float theta);

@@ -15,6 +15,7 @@
 #include "flash_attention.cuh"
 #include "kernels/attention_naive.cuh"
 #include "runtime/dtype.cuh"
+#include "usage_error.cuh"
 
 namespace {
 
@@ -947,4 +948,29 @@ TEST_CASE("CUDA FlashAttention (bf16 tensor cores) matches the CPU version on bf
     require_near("dv", to_host_floats(dv), to_host_floats(c.dv), 3e-2);
   }
   gpu.destroy();
+}
+
+// On CUDA the fp32 FlashAttention kernels hold a query row in registers at widths up to 128 and
+// RoPE's frequency table travels with its launch (128 pairs): a model past either bound is
+// refused before any step (exit 2 naming the flags), not stopped by an assertion inside a kernel
+// launch. The CPU and the meta device take any head dim; no GPU is needed to check this.
+TEST_CASE("CUDA refuses head dims past its kernels' bounds, naming the flags; CPU and meta don't",
+          "[attention]") {
+  using K = AttentionKind;
+  auto refusal = [](K kind, int hd, Device device) {
+    return usage_error_of([&] { validate_attention_device(kind, hd, device); });
+  };
+  for (int hd : {2, 64, 128}) CHECK(refusal(K::Flash, hd, Device::CUDA).empty());
+  for (int hd : {130, 256}) {
+    CHECK_THAT(refusal(K::Flash, hd, Device::CUDA),
+               Catch::Contains("head dim " + std::to_string(hd) + " (--d-model / --heads") &&
+                   Catch::Contains("up to 128") && Catch::Contains("--attention naive"));
+    CHECK(refusal(K::Naive, hd, Device::CUDA).empty());
+  }
+  for (K kind : {K::Flash, K::Naive})
+    CHECK_THAT(refusal(kind, 258, Device::CUDA), Catch::Contains("head dim 258") &&
+                                                     Catch::Contains("RoPE on CUDA") &&
+                                                     Catch::Contains("up to 256"));
+  for (Device d : {Device::CPU, Device::Meta})
+    for (K kind : {K::Flash, K::Naive}) CHECK(refusal(kind, 1024, d).empty());
 }
