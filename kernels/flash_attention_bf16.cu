@@ -65,8 +65,8 @@ __global__ void __launch_bounds__(32 * kFwdWarps)
   bf16* Ks = Qs + BR * LD;                   // [2][BC][LD]
   bf16* Vs = Ks + 2 * BC * LD;               // [2][BC][LD]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int i0 = (gridDim.x - 1 - blockIdx.x) * BR;  // longest causal tiles first
-  const int h = blockIdx.y, b = blockIdx.z, kv = h / (a.Hq / a.Hkv);
+  const int i0 = (gridDim.z - 1 - blockIdx.z) * BR;  // longest causal tiles first
+  const int h = blockIdx.x, b = blockIdx.y, kv = h / (a.Hq / a.Hkv);
   const float scale_log2 = kLog2e * (1.0f / sqrtf((float)HD));  // scores in log2 units
   const int n_tiles = (visible_keys(a, min(i0 + BR, a.Tq) - 1, 0, a.Tk) + BC - 1) / BC;
   // Accumulator row g + 8x of m-tile mt is query row0 + 16 mt + 8x.
@@ -386,7 +386,7 @@ __global__ void __launch_bounds__(32 * kBwdWarps)
   float* D_s = lse_s + 2 * BR;                              // [2][BR]
   uint64_t* draws_s = DROPOUT ? reinterpret_cast<uint64_t*>(D_s + 2 * BR) : nullptr;  // [2][BR]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int j0 = blockIdx.x * BC, h = blockIdx.y, b = blockIdx.z;
+  const int j0 = blockIdx.z * BC, h = blockIdx.x, b = blockIdx.y;  // key tile 0 (longest) first
   const int group = a.Hq / a.Hkv, kv = h / group;
   const int i_first = first_query_seeing(a, j0);
   if (i_first >= a.Tq) return;  // causal: no query sees these keys (the whole block returns)
@@ -595,7 +595,7 @@ void flash_attention_backward_bf16(const Context& ctx, float* dq, float* dk, flo
     constexpr bool DROPOUT = decltype(drop)::value;
     const size_t bytes = bwd_shared_bytes(HD, DROPOUT);
     allow_shared_memory(flash_backward_bf16_kernel<HD, DROPOUT>, bytes);
-    const dim3 grid((a.Tk + kBwdKeyTile - 1) / kBwdKeyTile, a.Hq, a.B);
+    const dim3 grid = tile_grid((a.Tk + kBwdKeyTile - 1) / kBwdKeyTile, a.Hq, a.B);
     flash_backward_bf16_kernel<HD, DROPOUT>
         <<<grid, 32 * kBwdWarps, bytes, ctx.stream>>>(dq, dk, dv, dout, q, k, v, lse, D, a);
   });

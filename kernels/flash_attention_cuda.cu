@@ -32,7 +32,7 @@ __device__ void load_rows_f32(float* dst, const float* src, int rows, int b, int
   }
 }
 
-// out, q [B*Tq, Hq, hd]; k, v [B*Tk, Hkv, hd]; lse [B, Hq, Tq]. Grid (query tiles, Hq, B).
+// out, q [B*Tq, Hq, hd]; k, v [B*Tk, Hkv, hd]; lse [B, Hq, Tq]. Grid (Hq, B, query tiles).
 template <int MAX_HD>
 __global__ void __launch_bounds__(kF32Tile* kRowThreads)
     flash_forward_f32_kernel(float* out, float* lse, const float* q, const float* k, const float* v,
@@ -40,8 +40,8 @@ __global__ void __launch_bounds__(kF32Tile* kRowThreads)
   constexpr int D = MAX_HD / kRowThreads;  // dims per thread
   __shared__ float Ks[kF32Tile][MAX_HD], Vs[kF32Tile][MAX_HD];
   // Causal: the last query tiles see the most keys; start them first so none runs alone at the end.
-  const int i0 = (gridDim.x - 1 - blockIdx.x) * kF32Tile;
-  const int h = blockIdx.y, b = blockIdx.z, g = h / (a.Hq / a.Hkv), hd = a.hd;
+  const int i0 = (gridDim.z - 1 - blockIdx.z) * kF32Tile;
+  const int h = blockIdx.x, b = blockIdx.y, g = h / (a.Hq / a.Hkv), hd = a.hd;
   const int r = threadIdx.x / kRowThreads, c = threadIdx.x % kRowThreads, i = i0 + r;
   const bool live = i < a.Tq;
   const float scale_log2 = kLog2e / sqrtf((float)hd);
@@ -137,7 +137,7 @@ void flash_forward_cuda(const Context& ctx, float* out, float* lse, const float*
 constexpr int kF32QueryTile = 16;  // queries per inner step: 34 KiB of shared memory at hd 128
 
 // dq, dout, q [B*Tq, Hq, hd]; dk, dv, k, v [B*Tk, Hkv, hd]; lse, D [B, Hq, Tq].
-// Grid (key tiles, Hkv, B).
+// Grid (Hkv, B, key tiles).
 template <int MAX_HD>
 __global__ void __launch_bounds__(kF32Tile* kRowThreads)
     flash_backward_f32_kernel(float* dq, float* dk, float* dv, const float* dout, const float* q,
@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(kF32Tile* kRowThreads)
   __shared__ float Ks[kF32Tile][MAX_HD];  // for dQ = dS K, which mixes every key row
   __shared__ float Qs[BQ][MAX_HD], dOs[BQ][MAX_HD], dSs[BQ][kF32Tile + 1];
   __shared__ float lse_s[BQ], D_s[BQ];
-  const int j0 = blockIdx.x * kF32Tile, g = blockIdx.y, b = blockIdx.z, hd = a.hd;
+  const int j0 = blockIdx.z * kF32Tile, g = blockIdx.x, b = blockIdx.y, hd = a.hd;
   const int r = threadIdx.x / kRowThreads, c = threadIdx.x % kRowThreads, j = j0 + r;
   const float scale = 1.0f / sqrtf((float)hd), scale_log2 = scale * kLog2e;  // as the CPU
   load_rows_f32<MAX_HD>(&Ks[0][0], k, kF32Tile, b, a.Tk, j0, a.Hkv, g, hd);

@@ -96,13 +96,27 @@ __device__ inline void load_query_stats(float* lse_s, float* D_s, const float* l
   D_s[threadIdx.x] = in ? D[row] : 0.0f;
 }
 
-// Grid (query tiles, Hq, B) of `tile` queries each; never zero blocks (Tq = 0 launches nothing).
-inline dim3 query_tile_grid(const AttentionBlock& a, int tile) {
-  return dim3((a.Tq + tile - 1) / tile, a.Hq, a.B);
+// The kernels' grid: (heads, sequences, tiles), the tiles slowest, so every head's and
+// sequence's block of one tile is dispatched before any block of the next (GPUs hand out blocks
+// in linear order, x fastest: observed, not promised). Under a causal mask
+// the longest tiles (which the kernels take first) then start first and the shortest fill the
+// last wave, rather than one long block running alone at the end; and the query heads of a
+// group, which read the same K and V tiles, run side by side (L2 serves the rest). A block
+// reads its tile, head and sequence from blockIdx.z, .x and .y (special registers: no register
+// held for them). Tq (or Tk) = 0 gives zero blocks: the callers launch nothing then.
+inline dim3 tile_grid(int tiles, int heads, int B) {
+  PICO_ASSERT(tiles <= 65535 && B <= 65535,
+              "attention grid of " + std::to_string(tiles) + " tiles and " + std::to_string(B) +
+                  " sequences: at most 65535 each (a grid's y and z)");
+  return dim3(heads, B, tiles);
 }
-// Grid (key tiles, Hkv, B); never zero blocks (Tk = 0 launches nothing).
+// Grid of (query tiles, Hq, B) blocks of `tile` queries each.
+inline dim3 query_tile_grid(const AttentionBlock& a, int tile) {
+  return tile_grid((a.Tq + tile - 1) / tile, a.Hq, a.B);
+}
+// Grid of (key tiles, Hkv, B) blocks of `tile` keys each.
 inline dim3 key_tile_grid(const AttentionBlock& a, int tile) {
-  return dim3((a.Tk + tile - 1) / tile, a.Hkv, a.B);
+  return tile_grid((a.Tk + tile - 1) / tile, a.Hkv, a.B);
 }
 
 // Threads per block of the kernels that take one (query, head) row or one element per thread.
