@@ -163,6 +163,30 @@ TEST_CASE("a training step waits for the device three times, whatever its micro-
       }
 }
 
+// The line gives the steps after the first, and names the first where it waited more: here
+// --save-grads under tensor parallelism gathers each gradient to rank 0 in the first step, one
+// host read a tensor. The tensors are counted in the file the run wrote (its safetensors header).
+TEST_CASE("--report sync tells the first step apart when it waited more", "[train]") {
+  std::string dir = make_temp_dir();
+  RunResult r = run_train(
+      SMALL + "--steps 2 --val-every 0 --report sync --tp 2 --save-grads " + dir + "/g.safetensors",
+      2);
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  std::ifstream file(dir + "/g.safetensors", std::ios::binary);
+  uint64_t header_bytes = 0;
+  file.read(reinterpret_cast<char*>(&header_bytes), 8);
+  std::string header(header_bytes, ' ');
+  file.read(header.data(), (std::streamsize)header_bytes);
+  const nlohmann::json tensors = nlohmann::json::parse(header);
+  const int saved = (int)tensors.size() - (int)tensors.contains("__metadata__");
+  REQUIRE(saved > 10);
+  CHECK_THAT(r.output, Catch::Contains("host synchronisations per training step: 3 (the first "
+                                       "step: " +
+                                       std::to_string(3 + saved) + ")\n"));
+  fs::remove_all(dir);
+}
+
 TEST_CASE("bad flags and data end with a clear message and exit code 2", "[train]") {
   std::string dir = make_temp_dir();
   expect_usage_error("--no-such-flag 3", "--no-such-flag");
