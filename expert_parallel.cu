@@ -247,7 +247,6 @@ static void record(const ExpertParallel& ep, const TensorParallel& tp, const Mod
   for (int i = 0; i < 2 * E; i++) carry[i] += (float)stats[i];
   ExpertStats* s = ep.stats;
   if (!s) return;
-  s->rows_sent += (int64_t)r.row_token.size();
   s->rows_elsewhere += (int64_t)r.row_token.size() - d.send_peer[ep.rank()];
   s->rows_arrived += (int64_t)d.by_expert.size() - d.recv_peer[ep.rank()];
   if (!counts_here(ep, tp)) return;

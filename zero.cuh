@@ -81,7 +81,6 @@ class Zero : public GradientSync {
   int64_t master_bytes() const override {
     return weight_format_ != DType::F32 ? (int64_t)param_shard_.nbytes() : 0;
   }
-  DType weight_format() const { return weight_format_; }
   // The ZeRO table (runtime/report.cu): `measured`, dp_cp's traffic over `steps` steps.
   void print_comm_report(int grad_acc, const CollStats* measured, int64_t steps) const override;
   // This step's host time blocked on ZeRO's all-gathers and on its reduce-scatters (the

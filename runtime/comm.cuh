@@ -97,7 +97,6 @@ struct Grid {
   // A simulated world (--simulate-world, the meta device): this one process stands for rank
   // world_rank of world_size ranks that exchange nothing; it prints as rank 0 would.
   bool simulated = false;
-  int ep_rank() const { return dp_rank % ep; }
   // The rank that prints the run's lines and reports and writes its outputs: world rank 0, or
   // the one rank a simulated world runs.
   bool prints() const { return world_rank == 0 || simulated; }
@@ -250,10 +249,10 @@ void all_to_all_v(Comm& c, Group& g, const Context& ctx, const void* send,
 // the group); bookkeeping, not counted in the group's stats.
 std::vector<int64_t> exchange_counts(Comm& c, Group& g, const std::vector<int64_t>& send_counts);
 
-// Whether [a, a + na) and [b, b + nb) share an element; b may be null (no output). MPI forbids
-// a collective's send and receive buffers to overlap: an in-place call (recv = send + rank *
-// count, or the reverse) has its input copied first when this holds.
-bool buffers_overlap(const float* a, int64_t na, const float* b, int64_t nb);
+// Whether the bytes [a, a + a_bytes) and [b, b + b_bytes) share one; b may be null (no output).
+// MPI forbids a collective's send and receive buffers to overlap: an in-place call (recv = send +
+// rank * count, or the reverse) has its input copied first when this holds (mpi_input).
+bool buffers_overlap(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes);
 
 // Any host-side MPI call on g (a report's rows gathered to rank 0, a checkpoint's tensors):
 // `post` issues it nonblocking (MPI_Igather, MPI_Ireduce, ...) on the request it is given, and

@@ -294,14 +294,14 @@ void* mpi_buffer(Handle::State& s, const Context& ctx, const void* buf, int64_t 
 }
 // An input MPI reads. MPI forbids it to overlap the output (in-place calls, e.g. all_gather
 // from this rank's own slot, would otherwise be errors), so an overlapping one is copied first.
-bool buffers_overlap(const float* a, int64_t na, const float* b, int64_t nb) {
-  return a && b && a < b + nb && b < a + na;
+bool buffers_overlap(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
+  const char *x = (const char*)a, *y = (const char*)b;
+  return x && y && x < y + b_bytes && y < x + a_bytes;
 }
 const void* mpi_input(Handle::State& s, const Context& ctx, const void* send, int64_t send_bytes,
                       const void* recv, int64_t recv_bytes) {
-  const char *a = (const char*)send, *b = (const char*)recv;
-  bool overlap = a && b && a < b + recv_bytes && b < a + send_bytes;
+  const bool overlap = buffers_overlap(send, send_bytes, recv, recv_bytes);
   if (ctx.device == Device::CUDA || !overlap)
     return mpi_buffer(s, ctx, send, send_bytes, true, false);
-  return s.host.emplace_back(a, a + send_bytes).data();
+  return s.host.emplace_back((const char*)send, (const char*)send + send_bytes).data();
 }

@@ -56,8 +56,7 @@ class GradientSync {
   // Testing fp16 loss scaling (--fault inf): an infinity in this rank's first gradient.
   void poison_gradient(const Context& ctx);
   virtual void step(const Context& ctx, float lr) = 0;  // AdamW on what this rank updates
-  int64_t optimizer_steps() const { return adamw_.steps; }
-  DType grad_dtype() const { return grad_dtype_; }  // F32, or BF16 (--grad-acc-dtype bf16)
+  DType grad_dtype() const { return grad_dtype_; }      // F32, or BF16 (--grad-acc-dtype bf16)
 
   // ---- the whole model for evaluation and sampling (ZeRO-3 gathers it: collective) ----
   virtual void gather_weights(const Context&) {}

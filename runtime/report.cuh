@@ -100,14 +100,14 @@ void print_balance_report(Comm& comm, const std::string& split, int64_t blocks, 
 // data-parallel replica: tp ranks route the same tokens, cp ranks sum their counts first), and
 // the rows this rank dispatched.
 struct ExpertStats {
-  std::vector<std::vector<int64_t>> routed;   // [layer][expert] (token, slot) pairs routed to it
-  std::vector<int64_t> dropped;               // [layer] pairs the capacity dropped
-  std::vector<double> layer_aux;              // [layer] the layer's own balance loss, summed
-  std::vector<int64_t> layer_batches;         // [layer] micro-batches counted
-  double aux_sum = 0;                         // the model's load-balancing loss, summed
-  int64_t batches = 0;                        // micro-batches it was summed over
-  int64_t rows_sent = 0, rows_elsewhere = 0;  // this rank: dispatched rows, those to another rank
-  int64_t rows_arrived = 0;                   // this rank's experts: rows from another rank
+  std::vector<std::vector<int64_t>> routed;  // [layer][expert] (token, slot) pairs routed to it
+  std::vector<int64_t> dropped;              // [layer] pairs the capacity dropped
+  std::vector<double> layer_aux;             // [layer] the layer's own balance loss, summed
+  std::vector<int64_t> layer_batches;        // [layer] micro-batches counted
+  double aux_sum = 0;                        // the model's load-balancing loss, summed
+  int64_t batches = 0;                       // micro-batches it was summed over
+  int64_t rows_elsewhere = 0;                // this rank: the rows it dispatched to another rank
+  int64_t rows_arrived = 0;                  // this rank's experts: rows from another rank
 };
 // Per layer: tokens per expert per step (min, mean, max, max/mean), dropped pairs per step and
 // the layer's balance loss; the model's load-balancing loss per micro-batch. Summed over every

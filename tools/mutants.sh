@@ -58,8 +58,8 @@ mutant ring-steps data_parallel.cu \
   '  if (step_ < N - 2) {  // reduce-scatter: add the received partial sum into our chunk' \
   "ring all-reduce: one reduce step not added"
 mutant overlap-edge runtime/comm_handle.cu \
-  '  return a && b && a < b + nb && b < a + na;' \
-  '  return a && b && a < b + nb - 1 && b < a + na - 1;' \
+  '  return x && y && x < y + b_bytes && y < x + a_bytes;' \
+  '  return x && y && x < y + b_bytes - 4 && y < x + a_bytes - 4;' \
   "overlap test misses a shared end element"
 mutant overlap-ignored runtime/comm_handle.cu \
   '  if (ctx.device == Device::CUDA || !overlap)' \

@@ -146,14 +146,15 @@ TEST_CASE("ring all-reduce equals a float64 sum for counts 0, 1, N-1, N+1 and a 
 // overlapping (which would copy every ZeRO shard for nothing).
 TEST_CASE("buffers_overlap: shared elements, not touching ranges", "[mpi][reference]") {
   float x[16];
-  REQUIRE(buffers_overlap(x, 4, x, 4));
-  REQUIRE(buffers_overlap(x, 4, x + 3, 4));  // the last element of a is the first of b
-  REQUIRE(buffers_overlap(x + 3, 4, x, 4));
-  REQUIRE(buffers_overlap(x + 4, 2, x, 16));  // inside
-  REQUIRE(!buffers_overlap(x, 4, x + 4, 4));  // touching
-  REQUIRE(!buffers_overlap(x + 4, 4, x, 4));
-  REQUIRE(!buffers_overlap(x, 4, nullptr, 4));  // no output (a non-root rank)
-  REQUIRE(!buffers_overlap(x, 0, x, 4));        // nothing sent
+  const int64_t f = sizeof(float);  // the ranges in bytes: n floats are n * f
+  REQUIRE(buffers_overlap(x, 4 * f, x, 4 * f));
+  REQUIRE(buffers_overlap(x, 4 * f, x + 3, 4 * f));  // the last element of a is the first of b
+  REQUIRE(buffers_overlap(x + 3, 4 * f, x, 4 * f));
+  REQUIRE(buffers_overlap(x + 4, 2 * f, x, 16 * f));  // inside
+  REQUIRE(!buffers_overlap(x, 4 * f, x + 4, 4 * f));  // touching
+  REQUIRE(!buffers_overlap(x + 4, 4 * f, x, 4 * f));
+  REQUIRE(!buffers_overlap(x, 4 * f, nullptr, 4 * f));  // no output (a non-root rank)
+  REQUIRE(!buffers_overlap(x, 0, x, 4 * f));            // nothing sent
 }
 
 // Guards: in-place calls handed to MPI with overlapping send and receive buffers (forbidden by
