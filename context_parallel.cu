@@ -40,17 +40,12 @@ struct SplitRow {
 const SplitRow kSplits[] = {{CpBalance::Zigzag, "zigzag", 2, zigzag},
                             {CpBalance::Contiguous, "contiguous", 1, contiguous}};
 const SplitRow& split(CpBalance b) {
-  for (const SplitRow& r : kSplits)
-    if (r.id == b) return r;
-  PICO_ASSERT(false, "a context-parallel split without a row in kSplits");
-  return kSplits[0];
+  return table_row(kSplits, b);
 }
 }  // namespace
 
 CpBalance parse_cp_balance(const std::string& flag) {
-  std::vector<Choice<CpBalance>> names;
-  for (const SplitRow& r : kSplits) names.push_back({r.name, r.id});
-  return parse_choice("--cp-balance", flag, names);
+  return parse_row("--cp-balance", flag, kSplits);
 }
 CpComm parse_cp_comm(const std::string& flag) {
   return parse_choice("--cp-comm", flag, kCpComms);

@@ -212,10 +212,7 @@ const SyncRow kSyncs[] = {
      reducer<SequentialReducer<RingAllReduce>>},
 };
 const SyncRow& sync_row(DpSync s) {
-  for (const SyncRow& r : kSyncs)
-    if (r.id == s) return r;
-  PICO_ASSERT(false, "a --dp-sync value without a row in kSyncs");
-  return kSyncs[0];
+  return table_row(kSyncs, s);
 }
 std::unique_ptr<BucketReducer> make_reducer(const DataParallelOptions& o, Comm& comm,
                                             int64_t largest_bucket) {
@@ -227,9 +224,7 @@ std::unique_ptr<BucketReducer> make_reducer(const DataParallelOptions& o, Comm& 
 // Flags
 
 DpSync parse_dp_sync(const std::string& flag) {
-  std::vector<Choice<DpSync>> names;
-  for (const SyncRow& r : kSyncs) names.push_back({r.name, r.id});
-  return parse_choice("--dp-sync", flag, names);
+  return parse_row("--dp-sync", flag, kSyncs);
 }
 const char* dp_sync_name(DpSync s) {
   return sync_row(s).name;

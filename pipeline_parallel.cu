@@ -228,20 +228,12 @@ const ScheduleRow kSchedules[] = {
      "(PP/2-1)(F&B+B-3W), PP = 2p (DeepSeek-V3): 2(p-1) ticks of 6m+2(p-1) if m >= 2p"},
 };
 const ScheduleRow& row(PpSchedule s) {
-  for (const ScheduleRow& r : kSchedules)
-    if (r.id == s) return r;
-  PICO_ASSERT(false, "a pipeline schedule without a row in kSchedules");
-  return kSchedules[0];
+  return table_row(kSchedules, s);
 }
 }  // namespace
 
 PpSchedule parse_pp_schedule(const std::string& flag) {
-  std::string names;
-  for (const ScheduleRow& r : kSchedules) {
-    if (flag == r.name) return r.id;
-    names += std::string(names.empty() ? "" : ", ") + r.name;
-  }
-  throw UsageError("--pp-schedule " + flag + ": expected one of " + names);
+  return parse_row("--pp-schedule", flag, kSchedules);
 }
 const char* pp_schedule_name(PpSchedule s) {
   return row(s).name;

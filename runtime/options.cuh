@@ -42,6 +42,23 @@ const char* choice_name(const std::vector<Choice<T>>& table, T value) {
   PICO_ASSERT(false, "a value without a name in its table");
   return "";
 }
+// A technique's table of variants: rows with an `id` and a `name` (and what the variant needs
+// besides), one a variant. The row of an id; the id a flag's value names (parse_choice's error
+// otherwise).
+template <class Row, size_t N>
+const Row& table_row(const Row (&table)[N], decltype(Row::id) id) {
+  for (const Row& r : table)
+    if (r.id == id) return r;
+  PICO_ASSERT(false, "a value without a row in its table");
+  return table[0];
+}
+template <class Row, size_t N>
+decltype(Row::id) parse_row(const std::string& flag, const std::string& value,
+                            const Row (&table)[N]) {
+  std::vector<Choice<decltype(Row::id)>> names;
+  for (const Row& r : table) names.push_back({r.name, r.id});
+  return parse_choice(flag, value, names);
+}
 // Registers --flag in `group`, its value parsed by `parse` into *target as the command line is
 // read (a bad value stops there, naming the flag); `shown` is the default --help prints.
 template <class T, class Parse>
