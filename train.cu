@@ -109,8 +109,7 @@ static void check_before_start(const Options& o, const Comm& comm,
   double state = 4 * psi;  // --score: the fp32 weights
   if (train) {
     StaticMemory m = zero_static_memory(
-        stage, psi, n,
-        bytes_per_parameter(stage, precision.compute(), precision.grads() == DType::BF16));
+        stage, psi, n, bytes_per_parameter(precision.compute(), precision.grads() == DType::BF16));
     // Mixed precision: the fp32 master weights sit with the optimizer's 12 bytes; ZeRO-1/2
     // hold the whole compute-format weights, ZeRO-3 its shard of them.
     state = m.total();

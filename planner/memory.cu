@@ -328,7 +328,7 @@ MemoryPrediction predict_memory(const ModelConfig& cfg, const Layout& l, const I
   MemoryPrediction mp;
   const int N = l.dp * l.cp;
   const int zero = N > 1 ? l.zero : 0;  // ./train runs --zero k over one rank as zero 0
-  const BytesPerParameter b = bytes_per_parameter(zero, l.precision, l.bf16_grads);
+  const BytesPerParameter b = bytes_per_parameter(l.precision, l.bf16_grads);
   for (int stage : stages) {
     const StageShape& s = stage_shape(cfg, l, stage);
     RankMemory r;

@@ -233,7 +233,7 @@ void print_candidate(int rank, const Candidate& c, const Cluster& cl) {
   // bytes per parameter by role over ZeRO's shards.
   const Layout& l = c.layout;
   const int Nd = l.dp * l.cp, stage = Nd > 1 ? l.zero : 0;
-  const BytesPerParameter b = bytes_per_parameter(stage, l.precision, l.bf16_grads);
+  const BytesPerParameter b = bytes_per_parameter(l.precision, l.bf16_grads);
   printf(
       "    static: %s bytes (Ψ parameters, N = %d): %g + %g + %g = %g per parameter unsharded; the "
       "book's 16 in fp32 and 16 or 20 in bf16 (2 bf16 gradients, plus 4 to accumulate them in "

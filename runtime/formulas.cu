@@ -6,8 +6,8 @@ StaticMemory zero_static_memory(int stage, double psi, int ranks, BytesPerParame
   return {b.params * psi / (stage >= 3 ? N : 1.0), b.grads * psi / (stage >= 2 ? N : 1.0),
           b.optimizer * psi / (stage >= 1 ? N : 1.0)};
 }
-BytesPerParameter bytes_per_parameter(int stage, Precision precision, bool bf16_grads) {
-  (void)stage;  // every stage keeps the same kinds of bytes; the formula divides them by N
+// Every ZeRO stage keeps the same kinds of bytes; zero_static_memory divides them by N.
+BytesPerParameter bytes_per_parameter(Precision precision, bool bf16_grads) {
   if (precision == Precision::FP32) return {};
   return {2, bf16_grads ? 2.0 : 4.0, 12};
 }

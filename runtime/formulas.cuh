@@ -28,7 +28,7 @@ std::string zero_memory_formula(int stage, BytesPerParameter bytes = {});
 // What each rank keeps per parameter: fp32's 4, 4, 8, or under mixed precision the
 // compute-format weights 2, the gradients (4, or 2 in bf16) and the fp32 master weights with
 // Adam's moments, 12.
-BytesPerParameter bytes_per_parameter(int stage, Precision precision, bool bf16_grads);
+BytesPerParameter bytes_per_parameter(Precision precision, bool bf16_grads);
 
 // Collective calls and bytes this rank sends over dp_cp in one training step.
 struct ZeroTraffic {

@@ -28,7 +28,7 @@ void print_memory(int64_t num_params, int zero_stage, int ranks, Precision preci
   printf("  static (params + grads + optimizer) = %s = %.2f bytes/parameter ",
          human_bytes(stat).c_str(), (double)stat / num_params);
   // The book's bytes for this run: fp32's 4 + 4 + 8, or mixed precision's 2 + 4 (2) + 12.
-  const BytesPerParameter b = bytes_per_parameter(zero_stage, precision, bf16_grads);
+  const BytesPerParameter b = bytes_per_parameter(precision, bf16_grads);
   const char* what = precision == Precision::FP32 ? "fp32" : precision_name(precision);
   if (zero_stage == 0)
     printf("(Playbook §2.4, %s: %s = %.0f)\n", what, zero_memory_formula(0, b).c_str(),
@@ -89,7 +89,7 @@ void print_memory_report(Comm& comm, int zero_stage, int64_t num_params, int64_t
   std::vector<int64_t> all = gather_report(comm, mine, kFields, "gather of the memory report");
   if (!comm.grid.prints()) return;
   int N = comm.dp_cp.size;
-  const BytesPerParameter b = bytes_per_parameter(zero_stage, precision, bf16_grads);
+  const BytesPerParameter b = bytes_per_parameter(precision, bf16_grads);
   StaticMemory book = zero_static_memory(zero_stage, (double)num_params, N, b);
   StaticMemory expected = zero_static_memory(zero_stage, (double)padded_params, N, b);
   if (b.params == 4)

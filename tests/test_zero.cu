@@ -90,12 +90,11 @@ TEST_CASE("ZeRO memory per rank: the book's 7.5B example, 120 -> 31.4 -> 16.6 ->
   CHECK(zero_memory_formula(1) == "4Ψ + 4Ψ + 8Ψ/N");
   CHECK(zero_memory_formula(3) == "4Ψ/N + 4Ψ/N + 8Ψ/N");
   CHECK(zero_memory_formula(1, mixed) == "2Ψ + 2Ψ + 12Ψ/N");
-  CHECK(zero_memory_formula(2, bytes_per_parameter(2, Precision::BF16, false)) ==
-        "2Ψ + 4Ψ/N + 12Ψ/N");
-  CHECK(zero_memory_formula(0, bytes_per_parameter(0, Precision::BF16, true)) == "2Ψ + 2Ψ + 12Ψ");
-  CHECK(zero_memory_formula(3, bytes_per_parameter(3, Precision::BF16, true)) ==
+  CHECK(zero_memory_formula(2, bytes_per_parameter(Precision::BF16, false)) == "2Ψ + 4Ψ/N + 12Ψ/N");
+  CHECK(zero_memory_formula(0, bytes_per_parameter(Precision::BF16, true)) == "2Ψ + 2Ψ + 12Ψ");
+  CHECK(zero_memory_formula(3, bytes_per_parameter(Precision::BF16, true)) ==
         "2Ψ/N + 2Ψ/N + 12Ψ/N");
-  CHECK(zero_memory_formula(3, bytes_per_parameter(3, Precision::FP32, false)) ==
+  CHECK(zero_memory_formula(3, bytes_per_parameter(Precision::FP32, false)) ==
         "4Ψ/N + 4Ψ/N + 8Ψ/N");
 }
 
