@@ -361,20 +361,6 @@ void add_attention_flags(CLI::App& app, AttentionOptions& o) {
             "attention core: flash (keeps O and its log-sum-exp: O(T)) or naive (keeps the "
             "probabilities: O(T^2))");
 }
-void validate_attention_device(AttentionKind kind, int head_dim, Device device) {
-  if (device != Device::CUDA) return;
-  const std::string hd = "head dim " + std::to_string(head_dim) +
-                         " (--d-model / --heads, or a checkpoint's config.json)";
-  if (head_dim > kRopeMaxHeadDimCuda)
-    throw UsageError(hd + ": RoPE on CUDA takes head dims up to " +
-                     std::to_string(kRopeMaxHeadDimCuda) +
-                     "; use more --heads, or --device cpu or meta");
-  if (kind == AttentionKind::Flash && head_dim > kFlashMaxHeadDimCuda)
-    throw UsageError(hd + ": FlashAttention's CUDA kernels take head dims up to " +
-                     std::to_string(kFlashMaxHeadDimCuda) +
-                     "; use more --heads, --attention naive (one rank's whole sequences), or "
-                     "--device cpu or meta");
-}
 
 // Keeps the output and the [B, Hq, T] log-sum-exp (Playbook §12.8): one block of the ring
 // interface, queries at [0, T) against keys at [0, T), its operands in attention_input_dtype:

@@ -108,9 +108,6 @@ struct AttentionOptions {
   AttentionKind attention = AttentionKind::Flash;  // --attention
 };
 void add_attention_flags(CLI::App& app, AttentionOptions& o);
-// On CUDA the kernels take head dims up to a bound (FlashAttention's 128, RoPE's 256): a larger
-// one is refused before any step, naming the flags and the fix (UsageError).
-void validate_attention_device(AttentionKind kind, int head_dim, Device device);
 
 // Naive attention, the reference: kernels/attention_naive.cuh.
 

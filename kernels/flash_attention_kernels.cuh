@@ -76,10 +76,6 @@ __host__ __device__ inline int first_query_seeing(const AttentionBlock& a, int j
   return (int)(i < 0 ? 0 : i < a.Tq ? i : a.Tq);
 }
 
-// The fp32 CUDA kernels hold a query row in registers at widths 32, 64 or 128: head dims up to
-// 128 (the bf16 ones take 16, 32, 64 and 128; validate_attention_device refuses more).
-constexpr int kFlashMaxHeadDimCuda = 128;
-
 // The CUDA kernels keep scores in log2 units (q pre-scaled by log2(e)/sqrt(hd)), so each
 // exponential is one exp2f; lse goes back to natural log as (m + log2 l) ln 2.
 constexpr float kLog2e = 1.4426950408889634f;

@@ -672,6 +672,20 @@ constexpr int kRopeMaxPairs = kRopeMaxHeadDimCuda / 2;
 struct RopeFrequencies {
   float of[kRopeMaxPairs];
 };
+void validate_head_dim(int head_dim, bool flash, Device device) {
+  if (device != Device::CUDA) return;
+  const std::string hd = "head dim " + std::to_string(head_dim) +
+                         " (--d-model / --heads, or a checkpoint's config.json)";
+  if (head_dim > kRopeMaxHeadDimCuda)
+    throw UsageError(hd + ": RoPE on CUDA takes head dims up to " +
+                     std::to_string(kRopeMaxHeadDimCuda) +
+                     "; use more --heads, or --device cpu or meta");
+  if (flash && head_dim > kFlashMaxHeadDimCuda)
+    throw UsageError(hd + ": FlashAttention's CUDA kernels take head dims up to " +
+                     std::to_string(kFlashMaxHeadDimCuda) +
+                     "; use more --heads, --attention naive (one rank's whole sequences), or "
+                     "--device cpu or meta");
+}
 static std::vector<float> rope_frequencies(int hd, float theta) {
   std::vector<float> f(hd / 2);
   for (int i = 0; i < hd / 2; i++) f[i] = 1.0f / powf(theta, (2.0f * i) / hd);

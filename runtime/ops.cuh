@@ -69,8 +69,12 @@ void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, co
                       const Tensor& dx_rounded = Tensor());
 
 // ---- RoPE, HF rotate_half convention: pairs (i, i + hd/2), angle pos * theta^(-2i/hd) ----
-// On CUDA the frequency table travels with the launch: head dims up to 256 (ops.cu).
-constexpr int kRopeMaxHeadDimCuda = 256;
+// On CUDA the frequency table travels with the launch: head dims up to 256 (ops.cu). And the
+// FlashAttention kernels hold a query row in registers at widths up to 128 (the bf16 ones take
+// 16, 32, 64 and 128). validate_head_dim refuses a model past either before any step, naming
+// the flags (UsageError); `flash`: its attention is FlashAttention's. The CPU takes any.
+constexpr int kRopeMaxHeadDimCuda = 256, kFlashMaxHeadDimCuda = 128;
+void validate_head_dim(int head_dim, bool flash, Device device);
 // x [T, H, hd] rotated in place (fp32, or bf16 / fp16 read widened and each value rounded once
 // as it is written back); positions [T] int32
 void rope_forward(const Context& ctx, const Tensor& x, const Tensor& positions, float theta);

@@ -958,7 +958,7 @@ TEST_CASE("CUDA refuses head dims past its kernels' bounds, naming the flags; CP
           "[attention]") {
   using K = AttentionKind;
   auto refusal = [](K kind, int hd, Device device) {
-    return usage_error_of([&] { validate_attention_device(kind, hd, device); });
+    return usage_error_of([&] { validate_head_dim(hd, kind == K::Flash, device); });
   };
   for (int hd : {2, 64, 128}) CHECK(refusal(K::Flash, hd, Device::CUDA).empty());
   for (int hd : {130, 256}) {
