@@ -57,6 +57,10 @@ mutant ring-steps data_parallel.cu \
   '  if (step_ < N - 1) {  // reduce-scatter: add the received partial sum into our chunk' \
   '  if (step_ < N - 2) {  // reduce-scatter: add the received partial sum into our chunk' \
   "ring all-reduce: one reduce step not added"
+mutant head-dim-flash runtime/ops.cu \
+  '  if (flash && head_dim > kFlashMaxHeadDimCuda)' \
+  '  if (flash && head_dim >= kFlashMaxHeadDimCuda)' \
+  "CUDA refuses FlashAttention at head dim 128, which its kernels take"
 mutant overlap-edge runtime/comm_handle.cu \
   '  return x && y && x < y + b_bytes && y < x + a_bytes;' \
   '  return x && y && x < y + b_bytes - 4 && y < x + a_bytes - 4;' \
