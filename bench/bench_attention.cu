@@ -13,24 +13,14 @@
 #include <string>
 #include <vector>
 
+#include "bench/timing.cuh"
 #include "flash_attention.cuh"
 #include "kernels/attention_naive.cuh"
 #include "kernels/flash_attention_bf16.cuh"
 
-// Best time of fn over repetitions after a warm-up, stopping after ~0.5 s (or 10 runs).
+// Best of 10 runs after a warm-up, or of those in the first 0.5 s.
 static double time_best(const Context& ctx, const std::function<void()>& fn) {
-  fn();
-  ctx.synchronize();
-  double best = 1e30, spent = 0.0;
-  for (int rep = 0; rep < 10 && spent < 0.5; rep++) {
-    double t0 = now_seconds();
-    fn();
-    ctx.synchronize();
-    double t = now_seconds() - t0;
-    best = std::min(best, t);
-    spent += t;
-  }
-  return best;
+  return best_seconds(ctx, 10, 0.5, fn);
 }
 
 // Bytes the attention core allocates beyond its inputs and outputs, peak, while fn runs.

@@ -14,23 +14,13 @@
 #include <string>
 #include <vector>
 
+#include "bench/timing.cuh"
 #include "kernels/matmul_ladder.cuh"
 #include "runtime/dtype.cuh"
 
-// Best time of fn over repetitions after a warm-up, stopping after ~0.3 s (or 10 runs).
+// Best of 10 runs after a warm-up, or of those in the first 0.3 s.
 static double time_best(const Context& ctx, const std::function<void()>& fn) {
-  fn();
-  ctx.synchronize();
-  double best = 1e30, spent = 0.0;
-  for (int rep = 0; rep < 10 && spent < 0.3; rep++) {
-    double t0 = now_seconds();
-    fn();
-    ctx.synchronize();
-    double t = now_seconds() - t0;
-    best = std::min(best, t);
-    spent += t;
-  }
-  return best;
+  return best_seconds(ctx, 10, 0.3, fn);
 }
 
 struct Shape {

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "bench/timing.cuh"
 #include "model.cuh"
 #include "runtime/ops.cuh"
 #include "runtime/optimizer.cuh"
@@ -21,21 +22,6 @@ static double flops_per_token(const ModelConfig& c, int T) {
   double matmul_params =
       (double)parameter_count(c) - (double)c.vocab * c.d_model * (c.tie_embeddings ? 0 : 1);
   return 6.0 * matmul_params + 12.0 * c.layers * T * c.heads * c.head_dim();
-}
-
-// Time of `fn` (best of `reps` after one warm-up), in seconds.
-template <class F>
-static double best_time(const Context& ctx, int reps, F fn) {
-  fn();
-  ctx.synchronize();
-  double best = 1e30;
-  for (int r = 0; r < reps; r++) {
-    double t0 = now_seconds();
-    fn();
-    ctx.synchronize();
-    best = std::min(best, now_seconds() - t0);
-  }
-  return best;
 }
 
 // sgemm GFLOP/s over the step's linear-layer GEMMs: forward y = x W^T, backward dx = dy W and
@@ -55,7 +41,7 @@ static double sgemm_rate(const Context& ctx, const ModelConfig& c, int tokens) {
     Tensor w = empty({s.out, s.in}, Mem::Workspace, ctx.device);
     Tensor y = empty({tokens, s.out}, Mem::Workspace, ctx.device);
     init_normal(x, 1, "x", 1.0f), init_normal(w, 1, "w", 1.0f), init_normal(y, 1, "y", 1.0f);
-    double t = best_time(ctx, 3, [&] {
+    double t = best_seconds(ctx, 3, 1e30, [&] {
       gemm(ctx, false, true, tokens, s.out, s.in, 1, x.f32(), s.in, w.f32(), s.in, 0, y.f32(),
            s.out);
       gemm(ctx, false, false, tokens, s.in, s.out, 1, y.f32(), s.out, w.f32(), s.in, 0, x.f32(),
@@ -78,7 +64,7 @@ static void bench(const Context& ctx, const BenchConfig& b) {
   int T = c.seq, tokens = b.mbs * T;
   std::vector<int32_t> ids(tokens), targets(tokens);
   for (int i = 0; i < tokens; i++) ids[i] = (i * 31) % c.vocab, targets[i] = (i * 17) % c.vocab;
-  double step = best_time(ctx, 3, [&] {
+  double step = best_seconds(ctx, 3, 1e30, [&] {
     Activations acts;
     model_forward(ctx, model, acts, ids.data(), targets.data(), b.mbs, T, Recompute::None);
     model_backward(ctx, model, acts, 1.0f / tokens, Recompute::None);

@@ -104,7 +104,9 @@ __global__ void __launch_bounds__(kF32Tile* kRowThreads)
 // register widths, 32, 64 or 128, that holds hd (any hd up to 128: the kernels mask the rest).
 template <class Launch>
 static void launch_f32_kernel(int hd, Launch launch) {
-  PICO_ASSERT(hd <= kFlashMaxHeadDimCuda, "flash attention on CUDA: head dim past 128");
+  PICO_ASSERT(hd <= kFlashMaxHeadDimCuda, "flash attention on CUDA: head dim " +
+                                              std::to_string(hd) + " past " +
+                                              std::to_string(kFlashMaxHeadDimCuda));
   if (hd <= 32)
     launch(std::integral_constant<int, 32>{});
   else if (hd <= 64)

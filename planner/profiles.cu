@@ -247,6 +247,23 @@ GemmRate gemm_rate_for(const Context& ctx, double seconds) {
   return g;
 }
 
+// The profile of the current CUDA device ("h100" for an "NVIDIA H100 80GB HBM3"), or "" for a
+// GPU of no profile; `gpu` (when given) gets the device's name.
+static std::string cuda_profile_name(std::string* gpu) {
+  int dev = 0;
+  cudaDeviceProp prop;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  if (gpu) *gpu = prop.name;
+  for (const char* known : {"H100", "H200", "A100"})
+    if (strstr(prop.name, known)) {
+      std::string name = known;
+      for (char& ch : name) ch = (char)tolower(ch);
+      return name;
+    }
+  return "";
+}
+
 DevicePeak device_peak(const Context& ctx, Precision p, const std::string& profile) {
   DevicePeak d;
   if (ctx.device == Device::Meta || !profile.empty()) {  // priced on a profile, not measured
@@ -259,21 +276,13 @@ DevicePeak device_peak(const Context& ctx, Precision p, const std::string& profi
             (profile.empty() ? ", --gpu's default on the meta device" : ", --gpu " + profile);
     return d;
   }
-  if (ctx.device == Device::CUDA) {
-    int dev = 0;
-    cudaDeviceProp prop;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-    for (const char* name : {"H100", "H200", "A100"})
-      if (strstr(prop.name, name)) {
-        std::string lower = name;
-        for (char& ch : lower) ch = (char)tolower(ch);
-        GpuProfile g = gpu_profile(lower);
-        d.flops = mfu_peak(g, p);
-        d.how = std::string(prop.name) + ": the " + lower + " profile's dense " +
-                (p == Precision::FP32 ? "fp32" : "bf16") + " peak";
-        return d;
-      }
+  std::string gpu;
+  const std::string name = ctx.device == Device::CUDA ? cuda_profile_name(&gpu) : "";
+  if (!name.empty()) {  // a GPU of a profile: its peak
+    d.flops = mfu_peak(gpu_profile(name), p);
+    d.how = gpu + ": the " + name + " profile's dense " + (p == Precision::FP32 ? "fp32" : "bf16") +
+            " peak";
+    return d;
   }
   // Measured: the best of 3 square GEMMs of 512 (after one warm-up) on this rank's threads.
   TimedGemm g(ctx, 512, 512, 512);
@@ -363,17 +372,7 @@ CpuRates measure_cpu_rates(const Context& ctx, double peak) {
 GpuProfile run_profile(const Context& ctx, const std::string& flag) {
   std::string name = flag;
   if (name.empty() && ctx.device == Device::CPU) name = "cpu";
-  if (name.empty() && ctx.device == Device::CUDA) {
-    int dev = 0;
-    cudaDeviceProp prop;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-    for (const char* known : {"H100", "H200", "A100"})
-      if (strstr(prop.name, known)) {
-        name = known;
-        for (char& ch : name) ch = (char)tolower(ch);
-      }
-  }
+  if (name.empty() && ctx.device == Device::CUDA) name = cuda_profile_name(nullptr);
   GpuProfile g = gpu_profile(name.empty() ? "h100" : name);  // meta, or a GPU of no profile
   if (g.name == "cpu") {  // this machine, measured now on this rank's threads (fp32 throughout)
     Context cpu = Context::create(Device::CPU);

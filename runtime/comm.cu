@@ -692,7 +692,18 @@ std::vector<int64_t> exchange_counts(Comm& c, Group& g, const std::vector<int64_
   return recv_counts;
 }
 
-void agree_on_error(Group& g, const std::function<void()>& fn) {
+std::string broadcast_text(Group& g, const char* what, std::string text, int root) {
+  int length = (int)text.size();
+  host_collective(g, what, sizeof length,
+                  [&](MPI_Request* r) { return MPI_Ibcast(&length, 1, MPI_INT, root, g.mpi, r); });
+  text.resize(length);
+  host_collective(g, what, length, [&](MPI_Request* r) {
+    return MPI_Ibcast(text.data(), length, MPI_CHAR, root, g.mpi, r);
+  });
+  return text;
+}
+
+void agree_on_error(Group& g, const std::function<void()>& fn, const char* what) {
   std::string message;
   try {
     fn();
@@ -701,17 +712,10 @@ void agree_on_error(Group& g, const std::function<void()>& fn) {
   }
   // The lowest group rank with an error, as a max of -rank (-size: none).
   double first = message.empty() ? -g.size : -g.rank;
-  all_reduce_doubles(g, "agree_on_error", &first, 1, ReduceOp::Max);
+  all_reduce_doubles(g, what, &first, 1, ReduceOp::Max);
   int root = (int)-first;
   if (root == g.size) return;
-  int length = (int)message.size();
-  host_collective(g, "agree_on_error", sizeof length,
-                  [&](MPI_Request* r) { return MPI_Ibcast(&length, 1, MPI_INT, root, g.mpi, r); });
-  message.resize(length);
-  host_collective(g, "agree_on_error", length, [&](MPI_Request* r) {
-    return MPI_Ibcast(message.data(), length, MPI_CHAR, root, g.mpi, r);
-  });
-  throw UsageError(message);
+  throw UsageError(broadcast_text(g, what, message, root));
 }
 
 void trace_write(const Trace& trace, const std::string& path, Group& g) {

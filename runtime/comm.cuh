@@ -276,8 +276,10 @@ void all_reduce_host(Group& g, double* values, int count, ReduceOp op);
 // Runs fn on every rank of g; when it throws UsageError on some ranks (a file only rank 0
 // writes, say), every rank throws the lowest such rank's message, so no rank is left waiting
 // for one that stopped. Bounded by the timeout like every collective. fn's own collectives must
-// come before anything in it that can fail on one rank only.
-void agree_on_error(Group& g, const std::function<void()>& fn);
+// come before anything in it that can fail on one rank only. `what` names the wait in a timeout.
+void agree_on_error(Group& g, const std::function<void()>& fn, const char* what = "agree_on_error");
+// `text` as group rank `root` holds it, on every rank of g; bounded like every collective.
+std::string broadcast_text(Group& g, const char* what, std::string text, int root);
 // Gathers every rank's spans to rank 0 of g, which writes a Chrome trace JSON atomically
 // (process = rank, thread = track; open it in Perfetto or chrome://tracing). Collective and
 // bounded like the others. Throws UsageError naming --trace and the file when it cannot be written.

@@ -102,17 +102,6 @@ static Group world_group(double timeout_s) {
   g.members[g.rank] = g.rank;  // the timeout message's rank
   return g;
 }
-// `text` from group rank `root` to every rank.
-static std::string broadcast(Group& g, std::string text, int root) {
-  int length = (int)text.size();
-  host_wait(g, "agree_on_launch", sizeof length,
-            [&](MPI_Request* r) { return MPI_Ibcast(&length, 1, MPI_INT, root, g.mpi, r); });
-  text.resize(length);
-  host_wait(g, "agree_on_launch", length, [&](MPI_Request* r) {
-    return MPI_Ibcast(text.data(), length, MPI_CHAR, root, g.mpi, r);
-  });
-  return text;
-}
 
 // The first setting of `settings` on which some rank differs from rank 0: every rank throws
 // UsageError naming it. Every rank holds as many settings.
@@ -129,9 +118,9 @@ static void compare(Group& g, const std::vector<LaunchSetting>& settings) {
   for (size_t i = 0; i < mine.size(); i++)
     for (int r = 1; r < g.size; r++) {
       if (all[r * mine.size() + i] == all[i]) continue;
-      const std::string name = broadcast(g, settings[i].name, 0);
-      const std::string ours = broadcast(g, settings[i].value, 0);
-      const std::string theirs = broadcast(g, settings[i].value, r);
+      const std::string name = broadcast_text(g, "agree_on_launch", settings[i].name, 0);
+      const std::string ours = broadcast_text(g, "agree_on_launch", settings[i].value, 0);
+      const std::string theirs = broadcast_text(g, "agree_on_launch", settings[i].value, r);
       throw UsageError("the ranks were launched differently: " + name + " is " + ours +
                        " on rank 0 but " + theirs + " on rank " + std::to_string(r) +
                        "; every rank must run the same build with the same flags and files (an "
@@ -143,14 +132,14 @@ static void compare(Group& g, const std::vector<LaunchSetting>& settings) {
 void agree_on_launch(const std::string& error,
                      const std::vector<std::vector<LaunchSetting>>& stages, double timeout_s) {
   Group g = world_group(timeout_s);
-  if (g.size == 1) {
-    if (!error.empty()) throw UsageError(error);
-    return;
-  }
-  // Errors first: the lowest rank with one, as a max of -rank (-size: none).
-  double first = error.empty() ? -g.size : -g.rank;
-  all_reduce_host(g, &first, 1, ReduceOp::Max);
-  if ((int)-first < g.size) throw UsageError(broadcast(g, error, (int)-first));
+  // Errors first: every rank throws the lowest failing rank's.
+  agree_on_error(
+      g,
+      [&] {
+        if (!error.empty()) throw UsageError(error);
+      },
+      "agree_on_launch");
+  if (g.size == 1) return;
   for (const std::vector<LaunchSetting>& stage : stages) compare(g, stage);
 }
 
