@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -11,7 +12,9 @@
 
 #include "flash_attention.cuh"
 #include "planner/planner_internal.cuh"
+#include "runtime/dtype.cuh"
 #include "runtime/ops.cuh"
+#include "runtime/options.cuh"
 
 // ----------------------------------------------------------------------------
 // GPU profiles
@@ -124,11 +127,25 @@ void apply_comm_fit(GpuProfile& g, const std::string& path) {
   if (!f) throw UsageError("--comm-fit " + path + ": cannot open it (bench_comm --fit writes it)");
   try {
     nlohmann::json j = nlohmann::json::parse(f);
-    auto links = [](const nlohmann::json& collectives) {
+    // Each number within what a machine measures: a key outside says which, and its bounds.
+    auto number = [](const nlohmann::json& in, const char* key, double lo, bool open_lo, double hi,
+                     bool integer = false) {
+      const double v = in.at(key).get<double>();
+      if (!(open_lo ? v > lo : v >= lo) || !(v <= hi) || (integer && v != std::floor(v)))
+        throw std::invalid_argument(std::string(key) + " " + num(v) + " is not " +
+                                    (integer ? "a whole number " : "a number ") +
+                                    (open_lo ? "above " : "from ") + num(lo) + " to " + num(hi));
+      return v;
+    };
+    auto links = [&](const nlohmann::json& collectives) {
       auto link = [&](const char* name, double& alpha, double& bw) {
         const nlohmann::json& c = collectives.at(name);
-        alpha = c.at("alpha_s").get<double>(), bw = c.at("busbw_bytes_per_s").get<double>();
-        if (!(alpha >= 0) || !(bw > 0)) throw std::invalid_argument(name);
+        try {  // a latency up to 10 s, a bandwidth up to 1 PB/s
+          alpha = number(c, "alpha_s", 0, false, 10);
+          bw = number(c, "busbw_bytes_per_s", 0, true, 1e15);
+        } catch (const std::invalid_argument& e) {
+          throw std::invalid_argument(std::string(name) + "'s " + e.what());
+        }
       };
       GpuProfile::Links k;
       double gather_alpha = 0, gather_bw = 0, scatter_alpha = 0, scatter_bw = 0;
@@ -144,7 +161,8 @@ void apply_comm_fit(GpuProfile& g, const std::string& path) {
     g.intra = links(j.at("collectives"));
     if (j.contains("groups"))
       for (auto& [size, collectives] : j.at("groups").items())
-        g.intra_by_size[std::stoi(size)] = links(collectives);
+        g.intra_by_size[(int)parse_number(size, "groups key", 2, 1 << 20, true)] =
+            links(collectives);
     g.inter_allreduce_bw = g.intra.allreduce_bw, g.inter_gather_bw = g.intra.gather_bw;
     g.inter_allreduce_per_rank = g.inter_gather_per_rank = 0;
     g.inter_alpha = g.intra.alpha, g.nic_bw = g.intra.p2p_bw;
@@ -152,20 +170,20 @@ void apply_comm_fit(GpuProfile& g, const std::string& path) {
     if (g.name == "cpu" && j.contains("gemm_flops_alone")) {
       // A rank alone runs at the machine's rate for one rank; together the ranks run
       // shared_capacity at a time (the rest wait for a core).
-      double alone = j.at("gemm_flops_alone").get<double>();
-      double busy = j.at("gemm_flops_per_rank").get<double>();
-      int ranks = j.at("ranks").get<int>();
+      double alone = number(j, "gemm_flops_alone", 0, true, 1e18);
+      double busy = number(j, "gemm_flops_per_rank", 0, true, 1e18);
+      int ranks = (int)number(j, "ranks", 1, false, 1 << 20, true);
       g.peak_fp32 = alone;
       if (ranks * busy < 0.9 * ranks * alone) g.shared_capacity = ranks * busy / alone;
       g.source += ", its fp32 GEMM rate alone and shared";
       if (j.contains("gemm_half_width")) {  // narrow GEMMs' rate, measured the same way
-        g.gemm_half_width = j.at("gemm_half_width").get<double>();
+        g.gemm_half_width = number(j, "gemm_half_width", 0, false, 1e9);
         g.source += " and for narrow GEMMs";
       }
       if (j.contains("memory_bandwidth")) {  // the memory-bound ops' and attention's, alone
-        g.hbm_bandwidth = j.at("memory_bandwidth").get<double>();
-        g.stream_efficiency = j.at("stream_efficiency").get<double>();
-        g.attention_efficiency = j.at("attention_efficiency").get<double>();
+        g.hbm_bandwidth = number(j, "memory_bandwidth", 0, true, 1e15);
+        g.stream_efficiency = number(j, "stream_efficiency", 0, true, 1);  // fractions
+        g.attention_efficiency = number(j, "attention_efficiency", 0, true, 1);
         g.source +=
             ", its memory bandwidth, our loops' share of it and attention's of the GEMM rate";
       }
@@ -268,6 +286,11 @@ DevicePeak device_peak(const Context& ctx, Precision p, const std::string& profi
   DevicePeak d;
   if (ctx.device == Device::Meta || !profile.empty()) {  // priced on a profile, not measured
     GpuProfile g = run_profile(ctx, profile);
+    if (g.name != "cpu" && peak_flops(g, p) <= 0)
+      throw UsageError(std::string("--dtype ") + precision_name(p) + " on the " + g.name +
+                       " profile (--gpu" + (profile.empty() ? "'s default" : " " + profile) +
+                       "): that GPU has no " + precision_name(p) +
+                       " tensor cores; pick --gpu h100 or h200, or --dtype bf16");
     d.flops = g.name == "cpu" ? g.peak_fp32 : mfu_peak(g, p);
     d.how = "the " + g.name + " profile's " +
             (g.name == "cpu"

@@ -403,6 +403,12 @@ static double shortest(float x) {
 // The architecture config.json names for the book's GPT block (ModelConfig::gpt_block).
 static const char* kGptArchitecture = "PicoscaleGptForCausalLM";
 
+bool config_records_dropout(const ModelConfig& cfg) {
+  if (cfg.loaded_config.empty()) return true;
+  const json arch = json::parse(cfg.loaded_config).value("architectures", json::array());
+  return std::find(arch.begin(), arch.end(), kGptArchitecture) != arch.end();
+}
+
 json hf_config(const ModelConfig& cfg) {
   if (!cfg.loaded_config.empty()) {
     // A loaded config.json is written back as it was: its token ids, transformers' own keys,
@@ -411,6 +417,9 @@ json hf_config(const ModelConfig& cfg) {
     // context: max_position_embeddings grows to --seq when a run trains on longer sequences.
     json j = json::parse(cfg.loaded_config);
     if (j.value("max_position_embeddings", 0) < cfg.seq) j["max_position_embeddings"] = cfg.seq;
+    // --dropout is a training setting: a GPT config says the one this run trained with.
+    if (config_records_dropout(cfg) && j.value("hidden_dropout", 0.0f) != cfg.dropout)
+      j["hidden_dropout"] = j["attention_dropout"] = shortest(cfg.dropout);
     return j;
   }
   json j = {{"architectures", json::array({"LlamaForCausalLM"})},
@@ -523,6 +532,10 @@ ModelConfig config_from_hf(const json& j, const std::string& path) {
           shown(*theta));
     if (theta != rope->end()) cfg.rope_theta = x;
   }
+  if (cfg.rope_theta < kMinRopeTheta)
+    throw fail("rope_theta " + json(shortest(cfg.rope_theta)).dump() +
+               " is below 1, where RoPE's turns per position grow past one radian and overflow " +
+               "(Llama 2's base is 10000): a damaged or mistyped config");
   cfg.init_std = positive_float("initializer_range", false, 0.02f);
   if (const json* tie = find("tie_word_embeddings", false)) {
     if (!tie->is_boolean()) throw fail("key tie_word_embeddings must be true or false");

@@ -24,8 +24,13 @@ std::map<std::string, std::string> read_safetensors(const std::string& path,
                                                     const std::vector<NamedTensor>& into);
 
 // LlamaConfig keys; for a config --load read (cfg.loaded_config), that config as it was, with
-// max_position_embeddings raised to cfg.seq if shorter.
+// max_position_embeddings raised to cfg.seq if shorter and, in picoscale's GPT architecture,
+// the run's dropout.
 nlohmann::json hf_config(const ModelConfig& cfg);
+// Whether hf_config(cfg) says which dropout the run trains with: a new config always (one with
+// dropout is picoscale's GPT architecture), a loaded one when it is of that architecture
+// (transformers' Llama and Mixtral classes have no place for picoscale's dropout).
+bool config_records_dropout(const ModelConfig& cfg);
 // Validates; keeps the JSON in loaded_config so that a save writes its keys back.
 ModelConfig config_from_hf(const nlohmann::json& j, const std::string& path);
 

@@ -11,16 +11,20 @@
 enum class NormKind { RMSNorm, LayerNorm };
 enum class MlpKind { SwiGLU, GeLU };
 
+// RoPE's base: each pair i of a head turns base^(-2i/head dim) radians per position; below a base
+// of 1 those turns exceed one radian and grow with i until they overflow.
+constexpr float kMinRopeTheta = 1.0f;
+
 struct ModelConfig {
   std::string preset = "tiny";
-  int vocab = 256;    // vocab_size
-  int d_model = 128;  // hidden_size
-  int layers = 4;     // num_hidden_layers
-  int heads = 4;      // num_attention_heads
-  int kv_heads = 2;   // num_key_value_heads
-  int ffn = 384;      // intermediate_size
-  int seq = 128;      // tokens per sequence (max_position_embeddings)
-  float rope_theta = 10000.0f;
+  int vocab = 256;              // vocab_size
+  int d_model = 128;            // hidden_size
+  int layers = 4;               // num_hidden_layers
+  int heads = 4;                // num_attention_heads
+  int kv_heads = 2;             // num_key_value_heads
+  int ffn = 384;                // intermediate_size
+  int seq = 128;                // tokens per sequence (max_position_embeddings)
+  float rope_theta = 10000.0f;  // at least kMinRopeTheta
   float norm_eps = 1e-5f;
   bool tie_embeddings = false;
   float init_std = 0.02f;

@@ -118,7 +118,7 @@ void add_run_flags(CLI::App& app, RunOptions& o) {
   shape("--ffn", &ModelConfig::ffn, "MLP intermediate size, at most 16777216");
   shape("--vocab", &ModelConfig::vocab, "vocabulary size, at most 16777216");
   shape("--seq", &ModelConfig::seq, "tokens per sequence, at most 1048576");
-  model.add_option("--rope-theta", o.model.rope_theta, "RoPE base, > 0");
+  model.add_option("--rope-theta", o.model.rope_theta, "RoPE base, >= 1");
 
   add_choice(model, "--norm", &o.model.norm,
              {{"rmsnorm", NormKind::RMSNorm}, {"layernorm", NormKind::LayerNorm}},
@@ -247,7 +247,7 @@ void add_io_flags(CLI::App& app, RunOptions& o) {
                  "a100 or cpu (default: h100 on meta, the GPU's own on cuda, this CPU on cpu)");
   run.add_option("--comm", o.comm, "collectives backend: auto|nccl|mpi")->capture_default_str();
   run.add_option("--comm-timeout", o.comm_timeout,
-                 "seconds a collective may wait before the job is aborted, > 0")
+                 "seconds a collective may wait before the job is aborted, >= 1")
       ->capture_default_str();
   run.add_flag("--sync-launches", o.sync_launches,
                "debugging: synchronise after every CUDA kernel, so a faulting kernel is named "
@@ -340,6 +340,11 @@ static void resolve_model(RunOptions& o) {
       throw disagree("--mlp", std::string("hidden_act ") +
                                   (o.model.mlp == MlpKind::GeLU ? "gelu_pytorch_tanh" : "silu"));
     if (o.given("--dropout")) o.model.dropout = flags.dropout;  // a training setting
+    if (o.model.dropout > 0 && !o.save.empty() && !config_records_dropout(o.model))
+      throw UsageError("--dropout " + num(o.model.dropout) + " with --load " + o.load +
+                       " and --save: the checkpoint is a transformers Llama or Mixtral, whose "
+                       "config.json has no place for picoscale's dropout, so a resume from the "
+                       "saved one would train without it; drop --dropout, or --save");
   } else {
     o.model = model_preset(o.preset);
     for (auto [flag, field] : o.shape)
@@ -363,6 +368,10 @@ static void resolve_model(RunOptions& o) {
     throw UsageError("--top-k " + std::to_string(o.model.top_k) +
                      " routes tokens to experts, and this model has none: add --experts N, or "
                      "drop --top-k");
+  if (o.given("--aux-loss-coef") && o.model.experts == 0)
+    throw UsageError("--aux-loss-coef " + num(o.model.aux_loss_coef) +
+                     " weighs a mixture's load-balancing loss, and this model has no experts: add "
+                     "--experts N, or drop --aux-loss-coef");
   validate_model_config(o.model);
   if (parameter_count_unbounded(o.model) > kMaxParameters)
     throw UsageError(std::string(o.load.empty()
@@ -372,8 +381,8 @@ static void resolve_model(RunOptions& o) {
                      " parameters, past the 2^50 (1.1e15) picoscale indexes; use a smaller model");
   check_range(o.model.aux_loss_coef, "--aux-loss-coef", 0, false, kNoMax,
               "must be a number >= 0 (0 turns the load-balancing loss off), e.g. 0.001");
-  check_range(o.model.rope_theta, "--rope-theta", 0, true, kNoMax,
-              "must be a positive number (RoPE's base, 10000 in Llama 2)");
+  check_range(o.model.rope_theta, "--rope-theta", kMinRopeTheta, false, kNoMax,
+              "must be a number >= 1 (RoPE's base: 10000 in Llama 2, 500000 in Llama 3)");
 }
 
 // The meta device holds no values: what would read or write them is refused, naming the flag.
@@ -498,8 +507,9 @@ void resolve_run_options(RunOptions& o, int world) {
   check_range(o.grad_clip, "--grad-clip", 0, false, kNoMax,
               "must be a number >= 0 (0 turns clipping off), e.g. 1.0");
   check_range(o.temperature, "--temperature", 0, true, kNoMax, "must be a number > 0");
-  check_range(o.comm_timeout, "--comm-timeout", 0, true, kNoMax,
-              "must be a number of seconds > 0, e.g. 300");
+  // A collective takes milliseconds, but a rank's start-up or a checkpoint's write seconds.
+  check_range(o.comm_timeout, "--comm-timeout", 1, false, kNoMax,
+              "must be a number of seconds >= 1, e.g. 300");
   check_paths_apart(o);
   if (!o.fault.kind.empty() && o.fault.rank >= world)
     throw UsageError("--fault " + o.app->get_option("--fault")->as<std::string>() + ": rank " +

@@ -337,6 +337,10 @@ TEST_CASE(
   CHECK(error_with("rms_norm_eps", 1e-6).empty());
   CHECK(error_with("rms_norm_eps", 1.0).empty());
   CHECK_THAT(error_with("rope_theta", 1e300), Contains("rope_theta") && Contains("fp32's range"));
+  // A subnormal base passed as positive, and trained to a NaN loss; below 1 RoPE overflows.
+  CHECK_THAT(error_with("rope_theta", 1e-40), Contains("rope_theta") && Contains("below 1"));
+  CHECK_THAT(error_with("rope_theta", 0.5), Contains("rope_theta 0.5 is below 1"));
+  CHECK(error_with("rope_theta", 1.0).empty());
   CHECK_THAT(error_with("initializer_range", 1e-300), Contains("initializer_range"));
 }
 

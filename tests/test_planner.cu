@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <regex>
+#include <tuple>
 
 #include "launch.cuh"
 #include "planner/pipeline_timing.cuh"
@@ -240,6 +241,16 @@ TEST_CASE("./plan refuses every bad number with exit code 2 and one line naming 
       {"--top ''", "--top: an empty value"},
       {"--zero 0,,1", "--zero '0,,1': an empty item"},
       {"--tie-embeddings --untie-embeddings", "contradict each other"},
+      // As ./train refuses them: a top-k without experts, formats it would not combine (or
+      // name), a format the profile has no peak for; and an output it cannot write, before the
+      // search rather than after it.
+      {"--top-k 2", "--top-k 2 routes tokens to experts"},
+      {"--nodes 1 --layout \"--dp 8 --dtype fp16 --grad-acc-dtype bf16\"",
+       "--grad-acc-dtype bf16 keeps gradients in the compute format"},
+      {"--nodes 1 --layout \"--dp 8 --grad-acc-dtype bf17\"", "--grad-acc-dtype bf17"},
+      {"--dtype fp8 --gpu a100", "--dtype fp8: the a100 profile has no peak"},
+      {"--gpu a100 --nodes 1 --layout \"--dp 8 --dtype fp8\"", "the a100 profile has no peak"},
+      {"--json /dev/null", "--json /dev/null: /dev/null is a character device"},
   };
   for (const auto& [flags, says] : cases) {
     RunResult r = run_plan(flags);
@@ -883,6 +894,59 @@ TEST_CASE(
       apply_comm_fit(g, dir + "/bad.json"),
       Catch::StartsWith("--comm-fit " + dir + "/bad.json: not bench_comm --fit's JSON"));
   CHECK_THROWS_WITH(apply_comm_fit(g, dir + "/none.json"), Catch::Contains("cannot open it"));
+}
+
+// Each number bench_comm --fit writes is checked against what a machine can measure: one
+// outside (zero, negative, past any machine, a fraction past 1, a count not whole) is named,
+// where it used to price a step at inf or 121% MFU.
+TEST_CASE("a --comm-fit number no machine measures is refused, naming its key", "[planner]") {
+  std::string dir = make_temp_dir();
+  const std::string link = R"({"alpha_s": 5e-6, "busbw_bytes_per_s": 1.5e9})";
+  const std::string group = R"({"all_reduce": )" + link + R"(, "all_gather": )" + link +
+                            R"(, "reduce_scatter": )" + link + R"(, "send_recv": )" + link + "}";
+  auto fit = [&](const std::string& ranks, const std::string& group_key, const std::string& more) {
+    std::ofstream(dir + "/fit.json")
+        << R"({"ranks": )" << ranks << R"(, "collectives": )" << group << R"(, "groups": {")"
+        << group_key << R"(": )" << group << R"(}, "gemm_flops_alone": 2e10, )" << more << "}";
+    GpuProfile g = gpu_profile("cpu");
+    apply_comm_fit(g, dir + "/fit.json");
+    return g;
+  };
+  const std::string rates =
+      R"("gemm_flops_per_rank": 1e10, "gemm_half_width": 16, "memory_bandwidth": 2e10, )"
+      R"("stream_efficiency": 0.5, "attention_efficiency": 0.3)";
+  GpuProfile good = fit("4", "2", rates);  // the file as bench_comm writes it
+  CHECK(good.hbm_bandwidth == 2e10);
+  CHECK(good.stream_efficiency == 0.5);
+  CHECK(good.intra_by_size.count(2) == 1);
+  auto replaced = [&](const std::string& from, const std::string& to) {
+    std::string r = rates;
+    r.replace(r.find(from), from.size(), to);
+    return r;
+  };
+  for (auto [ranks, key, more, named] :
+       std::vector<std::tuple<const char*, const char*, std::string, const char*>>{
+           {"0", "2", rates, "ranks 0"},
+           {"2.5", "2", rates, "ranks 2.5"},
+           {"4", "0", rates, "groups key '0'"},
+           {"4", "2abc", rates, "groups key '2abc'"},
+           {"4", "2", replaced("2e10", "0"), "memory_bandwidth 0"},
+           {"4", "2", replaced("0.5", "0"), "stream_efficiency 0"},
+           {"4", "2", replaced("0.5", "1e300"), "stream_efficiency 1e+300"},
+           {"4", "2", replaced("0.3", "0"), "attention_efficiency 0"},
+           {"4", "2", replaced("16", "-100"), "gemm_half_width -100"},
+           {"4", "2", replaced("1e10", "0"), "gemm_flops_per_rank 0"}}) {
+    INFO(ranks << " " << key << " " << more);
+    CHECK_THROWS_WITH(fit(ranks, key, more),
+                      Catch::StartsWith("--comm-fit " + dir + "/fit.json: not bench_comm") &&
+                          Catch::Contains(named));
+  }
+  std::ofstream(dir + "/slow.json")
+      << R"({"ranks": 4, "collectives": )"
+      << std::string(group).replace(group.find("5e-6"), 4, "1e308") << "}";
+  GpuProfile g = gpu_profile("cpu");
+  CHECK_THROWS_WITH(apply_comm_fit(g, dir + "/slow.json"),
+                    Catch::Contains("all_reduce's alpha_s 1e+308 is not a number from 0 to 10"));
 }
 
 TEST_CASE(

@@ -181,9 +181,12 @@ TEST_CASE("bad values are refused with exit code 2, the flag and the fix", "[saf
   expect_refused("--weight-decay -0.1", {"--weight-decay -0.1", ">= 0"});
   expect_refused("--lr 1e-3 --min-lr 2e-3", {"--min-lr 0.002", "to --lr 0.001"});
   expect_refused("--grad-clip nan", {"--grad-clip nan"});
-  expect_refused("--rope-theta 0", {"--rope-theta 0", "positive"});
+  expect_refused("--rope-theta 0", {"--rope-theta 0", ">= 1"});
+  expect_refused("--rope-theta 0.5", {"--rope-theta 0.5", ">= 1"});  // turns past a radian
+  expect_refused("--rope-theta 1e-40", {"--rope-theta", ">= 1"});    // a NaN loss at step 1
   expect_refused("--rope-theta nan", {"--rope-theta nan"});
   expect_refused("--comm-timeout inf", {"--comm-timeout inf"});
+  expect_refused("--comm-timeout 0.001", {"--comm-timeout 0.001", ">= 1"});  // no launch made it
   expect_refused("--fault crash:1", {"--fault crash:1", "KIND:RANK:STEP"});
   expect_refused("--fault crash:x:3", {"--fault crash:x:3", "rank 'x'"});
   expect_refused("--fault explode:0:1", {"unknown kind 'explode'"});
@@ -202,6 +205,10 @@ TEST_CASE("bad values are refused with exit code 2, the flag and the fix", "[saf
   expect_refused("--seed -1", {"--seed", "a whole number from 0"});
   expect_refused("--lr ''", {"--lr", "an empty value; give a number"});
   expect_refused("--top-k 2", {"--top-k 2", "has none"});
+  expect_refused("--aux-loss-coef 0.5", {"--aux-loss-coef 0.5", "no experts"});
+  // A format the profile prices at no peak (the A100 has no fp8 tensor cores): MFU 0% before.
+  expect_refused("--device meta --dtype fp8 --gpu a100",
+                 {"--dtype fp8 on the a100 profile", "no fp8 tensor cores"});
   expect_refused("--load x --score y --steps 5", {"--steps would be ignored"});
   expect_refused("--load x --score y --save z", {"--save would be ignored"});
   // Sizes are checked against this rank's memory before anything is allocated.
@@ -293,6 +300,31 @@ TEST_CASE(
                  {"--tie-embeddings disagrees", "tie_word_embeddings false"});
   // Flags that agree are accepted.
   CHECK(run_train(SMALL + "--steps 1 --load " + dir.file("ck") + " --rope-theta 10000").code == 0);
+}
+
+// Guards: --dropout over a loaded checkpoint trained with it, but the saved config.json kept the
+// checkpoint's (none for a Llama, the old value for a GPT), so a resume trained without it.
+TEST_CASE(
+    "a saved config.json says the dropout its run trained with; a Llama's, which cannot, "
+    "is refused --dropout with --save",
+    "[safety][train]") {
+  ModelConfig gpt;
+  gpt.dropout = 0.1f;
+  ModelConfig loaded = config_from_hf(hf_config(gpt), "ck");  // picoscale's GPT architecture
+  CHECK(config_records_dropout(loaded));
+  loaded.dropout = 0.3f;  // --dropout 0.3 over it
+  const nlohmann::json back = hf_config(loaded);
+  CHECK(back["hidden_dropout"].get<double>() == 0.3);  // the shortest decimal of 0.3f
+  CHECK(back["attention_dropout"].get<double>() == 0.3);
+  CHECK(config_from_hf(back, "ck2").dropout == 0.3f);
+  CHECK_FALSE(config_records_dropout(config_from_hf(hf_config(ModelConfig{}), "ck")));  // Llama
+  TempDir dir;
+  REQUIRE(run_train(SMALL + "--steps 1 --save " + dir.file("ck")).code == 0);
+  expect_refused("--load " + dir.file("ck") + " --dropout 0.1 --save " + dir.file("ck2"),
+                 {"--dropout 0.1 with --load", "no place for picoscale's dropout"});
+  CHECK_FALSE(fs::exists(dir.file("ck2")));
+  // Without --save nothing is recorded: fine-tuning a Llama with dropout runs.
+  CHECK(run_train(SMALL + "--steps 2 --load " + dir.file("ck") + " --dropout 0.1").code == 0);
 }
 
 // ----------------------------------------------------------------------------

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "mixed_precision.cuh"
 #include "planner/planner.cuh"
 #include "runtime/dtype.cuh"
 #include "runtime/inputs.cuh"
@@ -195,11 +196,21 @@ static Layout parse_layout(const std::string& flags) {
   // The pipeline's timeline holds every micro-batch's operations.
   check_at_most(l.grad_acc, kMaxMbs, "--layout's --grad-acc",
                 "lower it (more data-parallel ranks give a larger batch)");
-  l.schedule = parse_pp_schedule(schedule), l.precision = parse_precision(dtype);
-  l.bf16_grads = grads == "bf16", l.recompute = parse_recompute(recompute);
+  l.schedule = parse_pp_schedule(schedule), l.recompute = parse_recompute(recompute);
   l.attention = parse_attention(attention);
-  l.residual =
-      residual_format(parse_choice("--residual-dtype", residual, residual_choices()), l.precision);
+  // The formats as ./train combines them (the precision policy refuses what it refuses).
+  try {
+    PrecisionOptions formats;
+    formats.dtype = parse_precision(dtype);
+    formats.grad_acc_dtype = parse_choice<DType>("--grad-acc-dtype", grads,
+                                                 {{"fp32", DType::F32}, {"bf16", DType::BF16}});
+    formats.residual_dtype = parse_choice("--residual-dtype", residual, residual_choices());
+    const PrecisionPolicy policy = make_precision_policy(formats, Device::Meta);
+    l.precision = policy.compute(), l.residual = policy.residual();
+    l.bf16_grads = policy.grads() == DType::BF16;
+  } catch (const UsageError& e) {
+    throw UsageError("--layout \"" + flags + "\": " + e.what());
+  }
   return l;
 }
 
@@ -285,6 +296,7 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
     if (app.count("--json") && json_file.empty())
       throw UsageError("--json '': an empty path; name the file to write, or drop --json");
+    if (!json_file.empty()) check_output_file("--json", json_file);  // before the search
     // Shapes: as ./train bounds them (runtime/options.cuh).
     const std::string shape_fix = "give a positive size (or leave the flag out for the model's)";
     check_int(app, "--layers", layers, 1, kMaxLayers, shape_fix);
@@ -378,6 +390,10 @@ int main(int argc, char** argv) {
                                 {top_k, &ModelConfig::top_k}})
       if (value > 0) cfg.*field = value;  // given: checked above to be >= 1
     if (app.count("--experts")) cfg.experts = experts;
+    if (app.count("--top-k") && cfg.experts == 0)
+      throw UsageError("--top-k " + std::to_string(top_k) +
+                       " routes tokens to experts, and this model has none: add --experts N, or "
+                       "drop --top-k");
     if (tie && untie)
       throw UsageError("--tie-embeddings and --untie-embeddings contradict each other: keep one");
     if (tie) cfg.tie_embeddings = true;
@@ -400,6 +416,16 @@ int main(int argc, char** argv) {
     if (dtypes.empty()) dtypes = gpu.name == "cpu" ? "fp32" : "bf16";
     for (const std::string& d : split("--dtype", dtypes))
       space.precisions.push_back(parse_precision(d));
+    // A format the profile has no peak for is no layout's (searched among others, it is skipped).
+    auto priced = [&](Precision p) { return peak_flops(gpu, p) > 0; };
+    auto unpriced = [&](const std::string& formats) {
+      return UsageError("--dtype " + formats + ": the " + gpu.name + " profile has no peak for " +
+                        (formats.find(',') == std::string::npos ? "it" : "any of them") +
+                        " to price a step at; pick a --gpu that has (fp8: h100 or h200), or "
+                        "another --dtype");
+    };
+    if (std::none_of(space.precisions.begin(), space.precisions.end(), priced))
+      throw unpriced(dtypes);
     space.residuals.clear();
     for (const std::string& r : split("--residual-dtype", residuals))
       space.residuals.push_back(parse_choice("--residual-dtype", r, residual_choices()));
@@ -418,6 +444,7 @@ int main(int argc, char** argv) {
     if (campaign_space_flag) space = campaign_space(), impl = campaign_implementation();
     if (!one_layout.empty()) {  // one layout: its memory and time, whether or not it fits
       Layout l = parse_layout(one_layout);
+      if (!priced(l.precision)) throw unpriced(precision_name(l.precision));
       if (l.world() != cl.world())
         throw UsageError("--layout has " + std::to_string(l.world()) +
                          " ranks (dp x tp x pp x cp), "
