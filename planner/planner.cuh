@@ -180,9 +180,11 @@ struct StepTime {
   double exposed_total() const;
 };
 // The step of `l` on `cluster`; `model_flops_per_token` is the FLOP count MFU divides (the
-// book's 6N + 12 L h s, N the parameters a token meets: active_parameter_count).
+// book's 6N + 12 L h s, N the parameters a token meets: active_parameter_count). Without
+// `bubble` the pipeline is taken to idle never (its ranks busy end to end, no simulation): a
+// lower bound on the step, which the search uses to skip layouts that cannot rank.
 StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cluster,
-                      const Implementation& impl);
+                      const Implementation& impl, bool bubble = true);
 double book_flops_per_token(const ModelConfig& cfg);
 
 // ----------------------------------------------------------------------------
@@ -209,6 +211,10 @@ struct SearchSpace {
   // Rank by MFU instead of step time. The same order unless the FLOP count changes between
   // layouts (an untied pipeline counts its embedding and head twice, as the campaign's MFU does).
   bool rank_by_mfu = false;
+  // 0: every layout that fits is timed in full (PlanResult::ranked holds them all). K: the K
+  // fastest are, in order; a layout whose step without a bubble is already slower than K timed
+  // ones is counted slower untimed (the printout and the JSON show at most K).
+  int exact_top = 0;
 };
 struct Candidate {
   Layout layout;

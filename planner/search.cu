@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <queue>
 #include <set>
 
 #include "planner/planner_internal.cuh"
@@ -137,6 +138,12 @@ PlanResult plan_layouts(const ModelConfig& cfg, int64_t global_tokens, const Clu
   bool reachable = false;
   r.smallest_memory = INFINITY;
   std::vector<Candidate> all;
+  // Ranked by MFU, whose order the step's bound does not decide, every layout is timed.
+  const size_t keep = space.rank_by_mfu ? 0 : (size_t)std::max(0, space.exact_top);
+  std::priority_queue<double>
+      fastest;  // the exact_top fastest steps timed so far (the top: slowest)
+  int64_t untimed = 0;
+  Layout first_untimed;
   // §11.1-§11.3 for one layout: valid, fits, then timed.
   auto consider = [&](const Layout& l) {
     r.tried++;
@@ -159,7 +166,17 @@ PlanResult plan_layouts(const ModelConfig& cfg, int64_t global_tokens, const Clu
     r.smallest_memory = std::min(r.smallest_memory, cand.memory.total());
     if (cand.memory.total() > cl.gpu.memory)
       return reject("does not fit in " + human_bytes(cl.gpu.memory), l);
+    // Slower without a bubble than the exact_top fastest timed so far: it cannot rank.
+    if (keep > 0 && fastest.size() == keep &&
+        predict_time(c, l, cl, impl, false).step > fastest.top()) {
+      if (untimed++ == 0) first_untimed = l;
+      return;
+    }
     cand.time = predict_time(c, l, cl, impl);
+    if (keep > 0) {
+      fastest.push(cand.time.step);
+      if (fastest.size() > keep) fastest.pop();
+    }
     all.push_back(std::move(cand));
   };
   for (int tp : divisors(world)) {
@@ -184,10 +201,15 @@ PlanResult plan_layouts(const ModelConfig& cfg, int64_t global_tokens, const Clu
         }
       }
   }
-  std::sort(all.begin(), all.end(), [&](const Candidate& a, const Candidate& b) {
+  // Ties keep the order of the search (a stable sort), whichever layouts were timed.
+  std::stable_sort(all.begin(), all.end(), [&](const Candidate& a, const Candidate& b) {
     return space.rank_by_mfu ? a.time.mfu > b.time.mfu : a.time.step < b.time.step;
   });
   for (size_t i = 1; i < all.size(); i++) reject("slower", all[i].layout);
+  if (untimed > 0) {
+    reject("slower", first_untimed);  // the example: the second fastest, unless none was timed
+    r.rejected["slower"] += untimed - 1;
+  }
   r.ranked = std::move(all);
   if (!reachable) {
     r.error = "no layout of " + std::to_string(world) + " GPUs reaches a global batch of " +

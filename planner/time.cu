@@ -111,7 +111,7 @@ double book_flops_per_token(const ModelConfig& cfg) {
 }
 
 StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl,
-                      const Implementation& impl) {
+                      const Implementation& impl, bool bubble) {
   const GpuProfile& gpu = cl.gpu;
   const LocalDims L = local_dims(cfg, 0, l.tp);
   const int m = l.grad_acc, p = l.pp, V = l.virtual_stages;
@@ -225,20 +225,19 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
   double makespan = busy;
   // CPU ranks: the node's cores' worth (bench_comm's measure, else a core per rank) shared
   // evenly by its ranks; the optimizer's pass, which every rank runs at once, at that share too.
-  double host_share = 1;
-  if (impl.mpi_sends) {
+  const double node_ranks = world_ranks_per_node(l, cl);
+  const double node_cores = gpu.shared_capacity > 0 ? gpu.shared_capacity : node_ranks;
+  const double host_share = impl.mpi_sends ? std::max(1.0, node_ranks / node_cores) : 1.0;
+  if (impl.mpi_sends && bubble) {
     // A pipeline stage's tp and cp ranks move in step. Each op is its compute plus blocking
     // collectives, the sends moving only inside MPI (HostRanks).
-    const double node_ranks = world_ranks_per_node(l, cl);
-    const double node_cores = gpu.shared_capacity > 0 ? gpu.shared_capacity : node_ranks;
-    host_share = std::max(1.0, node_ranks / node_cores);
     const double work_w = split ? stage_weights / ops : 0;
     const PipelineCosts host_costs{stage_fwd / ops, stage_bwd / ops - work_w, work_w,
                                    (stage_tp + stage_cp + stage_ep) / ops / 2};
     PipelineTiming host = simulate_pipeline(p * V > 1 ? l.schedule : PpSchedule::OneFOneB, p, m, V,
                                             host_costs, HostRanks{node_cores * p / node_ranks});
     makespan = host.complete ? host.makespan : std::numeric_limits<double>::infinity();
-  } else if (p > 1) {
+  } else if (p > 1 && bubble) {
     makespan = pipeline_timing(l.schedule, p, m, V, t_f, t_b, t_w).makespan;
   }
 

@@ -34,13 +34,16 @@ const char* backend_name(Backend b) {
 // ============================================================================
 
 Grid make_grid(int dp, int pp, int cp, int tp, int world_size, int world_rank) {
-  std::string flags = "--dp " + std::to_string(dp) + " x --pp " + std::to_string(pp) + " x --cp " +
-                      std::to_string(cp) + " x --tp " + std::to_string(tp);
+  // (Called for every rank of a simulated world: the message is built only when needed.)
+  auto flags = [&] {
+    return "--dp " + std::to_string(dp) + " x --pp " + std::to_string(pp) + " x --cp " +
+           std::to_string(cp) + " x --tp " + std::to_string(tp);
+  };
   if (dp < 1 || pp < 1 || cp < 1 || tp < 1)
-    throw UsageError(flags + ": every parallel dimension must be at least 1");
+    throw UsageError(flags() + ": every parallel dimension must be at least 1");
   int64_t product = (int64_t)dp * pp * cp * tp;
   if (product != world_size)
-    throw UsageError(flags + " = " + std::to_string(product) + " ranks, but mpirun started " +
+    throw UsageError(flags() + " = " + std::to_string(product) + " ranks, but mpirun started " +
                      std::to_string(world_size) + ": launch with mpirun -np " +
                      std::to_string(product) + ", or change the flags");
   Grid g;

@@ -651,6 +651,33 @@ TEST_CASE(
   }
 }
 
+// The search's bound (SearchSpace::exact_top): a layout slower without a bubble than the K
+// fastest timed is counted slower untimed. The expected values are the full search's.
+TEST_CASE("a search that times only what can rank ranks its first K as the full search does",
+          "[planner]") {
+  for (auto [model, nodes, K] : {std::tuple<const char*, int, int>{"llama-8b", 2, 5},
+                                 {"llama-1b", 4, 20},
+                                 {"mixtral-8x7b", 2, 3}}) {
+    INFO(model << " on " << nodes << " nodes, K " << K);
+    SearchSpace space;
+    const ModelConfig cfg = model_preset(model);
+    const Cluster cl{nodes, 8, gpu_profile("h100")};
+    const PlanResult full = plan_layouts(cfg, 1 << 20, cl, space, Implementation{});
+    space.exact_top = K;
+    const PlanResult bounded = plan_layouts(cfg, 1 << 20, cl, space, Implementation{});
+    REQUIRE((int)full.ranked.size() > 2 * K);  // enough slower layouts to leave untimed
+    CHECK(bounded.ranked.size() < full.ranked.size());
+    REQUIRE((int)bounded.ranked.size() >= K);
+    for (int i = 0; i < K; i++) {
+      CHECK(bounded.ranked[i].layout.str() == full.ranked[i].layout.str());
+      CHECK(bounded.ranked[i].time.step == full.ranked[i].time.step);
+    }
+    CHECK(bounded.tried == full.tried);
+    CHECK(bounded.rejected == full.rejected);  // every group's count, "slower" included
+    CHECK(bounded.rejected_example == full.rejected_example);
+  }
+}
+
 TEST_CASE(
     "the search tries the residual stream in the compute format when asked, and finds it "
     "lighter and faster than its fp32 twin",

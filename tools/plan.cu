@@ -437,6 +437,7 @@ int main(int argc, char** argv) {
                          residual_choice_name(r) + ", which --dtype " + dtypes +
                          " does not try: add it to --dtype, or drop it here");
     space.cp = !no_cp, space.sp = !no_sp, space.max_mbs = max_mbs;
+    space.exact_top = std::max(top, 200);  // what is printed, and the JSON's 200
     Implementation impl;
     impl.activations = parse_activation_formula(activations);
     impl.activation_wire_bytes = wire;
