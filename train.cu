@@ -782,7 +782,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForHelp&) {
     help = true;
   } catch (const CLI::ParseError& e) {
-    error = std::string(e.what()) + "\nRun ./train --help for every flag.";
+    error = parse_error_text(e) + "\nRun ./train --help for every flag.";
   } catch (const UsageError& e) {
     error = e.what();
   }

@@ -188,6 +188,15 @@ void refuse_empty_numbers(CLI::App& app) {
     refuse_empty_numbers(*group);
 }
 
+std::string parse_error_text(const CLI::ParseError& e) {
+  const std::string what = e.what(), prefix = "Could not convert: ";
+  const size_t equals = what.find(" = ");
+  if (what.rfind(prefix, 0) != 0 || equals == std::string::npos) return what;
+  return what.substr(prefix.size(), equals - prefix.size()) + " " + what.substr(equals + 3) +
+         ": not a number this flag holds (a count is a whole number up to " +
+         std::to_string(INT_MAX) + "; --help gives each flag's range)";
+}
+
 void add_io_flags(CLI::App& app, RunOptions& o) {
   CLI::App& data = flag_group(app, "Data and evaluation");
   data.add_option("--data", o.data, "text file (bytes) or llm.c .bin shard; default: fortunes");
@@ -433,6 +442,9 @@ void resolve_run_options(RunOptions& o, int world) {
                        " '': an empty path (an unset variable in a script?); give a path, or "
                        "drop " +
                        flag);
+  if (o.given("--gpu") && o.gpu.empty())
+    throw UsageError(
+        "--gpu '': an empty profile name; give h100, h200, a100 or cpu, or drop --gpu");
   if (!o.score.empty())  // --score prints a loss and exits: training flags would do nothing
     for (const char* flag :
          {"--save",       "--save-dtype", "--save-every", "--keep",      "--steps",

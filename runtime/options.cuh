@@ -158,6 +158,9 @@ void add_io_flags(CLI::App& app, RunOptions& o);
 // Once every flag is added: an empty number ("--lr ''") is refused naming the flag, never read
 // as 0 (an empty path or choice is refused by its own check, naming what it is).
 void refuse_empty_numbers(CLI::App& app);
+// A parse error in the project's words: CLI11's "Could not convert: --val-seqs = 99999999999"
+// becomes "--val-seqs 99999999999: not a number this flag holds ..."; others as CLI11 says them.
+std::string parse_error_text(const CLI::ParseError& e);
 // After the parse: the model config (preset and flags, or the checkpoint's, checked against the
 // flags), every run flag's range, the step --load resumes at, and no output that would
 // overwrite an input or another output; `world` ranks for --fault. Throws UsageError naming the

@@ -251,6 +251,9 @@ TEST_CASE("./plan refuses every bad number with exit code 2 and one line naming 
       {"--dtype fp8 --gpu a100", "--dtype fp8: the a100 profile has no peak"},
       {"--gpu a100 --nodes 1 --layout \"--dp 8 --dtype fp8\"", "the a100 profile has no peak"},
       {"--json /dev/null", "--json /dev/null: /dev/null is a character device"},
+      {"--top 99999999999", "--top 99999999999: not a number this flag holds"},
+      {"--layout ''", "--layout '': an empty layout"},
+      {"--nodes 1 --layout \"--dp 8 --steps 5\"", "it takes ./train's flags that shape a step"},
   };
   for (const auto& [flags, says] : cases) {
     RunResult r = run_plan(flags);

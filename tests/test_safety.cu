@@ -206,6 +206,12 @@ TEST_CASE("bad values are refused with exit code 2, the flag and the fix", "[saf
   expect_refused("--lr ''", {"--lr", "an empty value; give a number"});
   expect_refused("--top-k 2", {"--top-k 2", "has none"});
   expect_refused("--aux-loss-coef 0.5", {"--aux-loss-coef 0.5", "no experts"});
+  // A number CLI11 cannot convert is named in the project's words, and an empty profile name
+  // is no default.
+  expect_refused("--val-seqs 99999999999",
+                 {"--val-seqs 99999999999: not a number this flag holds", "2147483647"});
+  expect_refused("--steps 2.5", {"--steps 2.5: not a number this flag holds"});
+  expect_refused("--gpu ''", {"--gpu '': an empty profile name"});
   // A format the profile prices at no peak (the A100 has no fp8 tensor cores): MFU 0% before.
   expect_refused("--device meta --dtype fp8 --gpu a100",
                  {"--dtype fp8 on the a100 profile", "no fp8 tensor cores"});

@@ -161,6 +161,7 @@ static int campaign(const std::string& path, const GpuProfile& gpu, const std::s
 // --layout "--dp 2 --tp 2 ...": one layout in ./train's flags (those that shape a step).
 static Layout parse_layout(const std::string& flags) {
   CLI::App app{"layout"};
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);  // as ./train
   Layout l;
   std::string schedule = "1f1b", dtype = "bf16", grads = "fp32", recompute = "none",
               attention = "flash", residual = "fp32";
@@ -174,8 +175,13 @@ static Layout parse_layout(const std::string& flags) {
   app.add_option("--ep", l.ep);
   try {
     app.parse(flags, false);
+  } catch (const CLI::ExtrasError& e) {
+    throw UsageError("--layout \"" + flags + "\": " + e.what() +
+                     " (it takes ./train's flags that shape a step: --dp --tp --pp --cp --sp "
+                     "--zero --pp-schedule --pp-virtual --mbs --grad-acc --dtype --grad-acc-dtype "
+                     "--residual-dtype --recompute --attention --ep)");
   } catch (const CLI::ParseError& e) {
-    throw UsageError("--layout \"" + flags + "\": " + e.what());
+    throw UsageError("--layout \"" + flags + "\": " + parse_error_text(e));
   }
   for (auto [flag, value] : {std::pair<const char*, int>{"--dp", l.dp},
                              {"--tp", l.tp},
@@ -297,6 +303,8 @@ int main(int argc, char** argv) {
     if (app.count("--json") && json_file.empty())
       throw UsageError("--json '': an empty path; name the file to write, or drop --json");
     if (!json_file.empty()) check_output_file("--json", json_file);  // before the search
+    if (app.count("--layout") && one_layout.empty())
+      throw UsageError("--layout '': an empty layout; give ./train's flags, or drop --layout");
     // Shapes: as ./train bounds them (runtime/options.cuh).
     const std::string shape_fix = "give a positive size (or leave the flag out for the model's)";
     check_int(app, "--layers", layers, 1, kMaxLayers, shape_fix);
@@ -495,7 +503,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForHelp&) {
     std::cout << app.help();
   } catch (const CLI::ParseError& e) {
-    fprintf(stderr, "error: %s\nRun ./plan --help for every flag.\n", e.what());
+    fprintf(stderr, "error: %s\nRun ./plan --help for every flag.\n", parse_error_text(e).c_str());
     return 2;
   } catch (const UsageError& e) {
     fprintf(stderr, "error: %s\n", e.what());
