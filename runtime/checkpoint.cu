@@ -926,8 +926,13 @@ static int64_t step_in(const std::string& dir) {
   const json header = read_header(path).entries;
   std::map<std::string, std::string> metadata;
   if (header.contains("__metadata__") && header["__metadata__"].is_object())
-    for (const auto& [key, value] : header["__metadata__"].items())
-      if (value.is_string()) metadata[key] = value.get<std::string>();
+    for (const auto& [key, value] : header["__metadata__"].items()) {
+      if (!value.is_string())  // as read_safetensors refuses it, rather than as a missing step
+        throw UsageError(path + ": __metadata__ " + key + " is " + value.dump() +
+                         ", not a string (safetensors metadata holds strings); a damaged or "
+                         "hand-edited file: save it again, or delete it to start AdamW afresh");
+      metadata[key] = value.get<std::string>();
+    }
   return parse_step(metadata, path);
 }
 

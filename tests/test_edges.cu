@@ -26,7 +26,7 @@ namespace {
 
 // The safetensors file at `path` with its header's __metadata__[key] = value (the header padded
 // again to 8 bytes; the data unchanged: offsets count from the data's start).
-void set_metadata(const std::string& path, const std::string& key, const std::string& value) {
+void set_metadata(const std::string& path, const std::string& key, const nlohmann::json& value) {
   const std::string bytes = read_whole_file(path);
   uint64_t n = 0;
   memcpy(&n, bytes.data(), 8);
@@ -114,6 +114,10 @@ TEST_CASE("an optimizer state whose step is not an int64, or at or past --steps,
     expect_refused(SMALL + "--steps 5 --load " + ck,
                    {ck + "/optimizer.safetensors", "no valid step", "'" + std::string(step) + "'"});
   }
+  // A number where safetensors keeps strings: named as such (it read as a missing step, '').
+  set_metadata(ck + "/optimizer.safetensors", "step", 2);
+  expect_refused(SMALL + "--steps 5 --load " + ck,
+                 {ck + "/optimizer.safetensors", "__metadata__ step is 2, not a string"});
   set_metadata(ck + "/optimizer.safetensors", "step", "9223372036854775807");  // int64's largest
   expect_refused(SMALL + "--steps 5 --load " + ck, {"past where --steps 5 ends"});
 }
