@@ -239,6 +239,10 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
     makespan = host.complete ? host.makespan : std::numeric_limits<double>::infinity();
   } else if (p > 1 && bubble) {
     makespan = pipeline_timing(l.schedule, p, m, V, t_f, t_b, t_w).makespan;
+  } else if (impl.mpi_sends) {
+    // The bound on CPU ranks: a rank's own ops, its sends left out (they move inside MPI, while
+    // it waits), at most at full speed.
+    makespan = busy - m * stage_p2p;
   }
 
   StepTime st;

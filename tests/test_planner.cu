@@ -658,16 +658,26 @@ TEST_CASE(
 // fastest timed is counted slower untimed. The expected values are the full search's.
 TEST_CASE("a search that times only what can rank ranks its first K as the full search does",
           "[planner]") {
-  for (auto [model, nodes, K] : {std::tuple<const char*, int, int>{"llama-8b", 2, 5},
-                                 {"llama-1b", 4, 20},
-                                 {"mixtral-8x7b", 2, 3}}) {
-    INFO(model << " on " << nodes << " nodes, K " << K);
+  // GPUs, and CPU ranks over MPI (their pipelines simulated on shared cores, sends in MPI).
+  for (auto [model, profile, nodes, K] :
+       {std::tuple<const char*, const char*, int, int>{"llama-8b", "h100", 2, 5},
+        {"llama-1b", "h100", 4, 20},
+        {"mixtral-8x7b", "h100", 2, 3},
+        {"tiny", "cpu", 1, 5}}) {
+    INFO(model << " on " << nodes << " nodes of " << profile << ", K " << K);
     SearchSpace space;
     const ModelConfig cfg = model_preset(model);
-    const Cluster cl{nodes, 8, gpu_profile("h100")};
-    const PlanResult full = plan_layouts(cfg, 1 << 20, cl, space, Implementation{});
+    Cluster cl{nodes, 8, gpu_profile(profile)};
+    Implementation impl;
+    impl.mpi_sends = std::string(profile) == "cpu";
+    if (impl.mpi_sends) {  // a CPU's one format, at a rate ./plan would measure
+      space.precisions = {Precision::FP32};
+      cl.gpu.peak_fp32 = 1e11, cl.gpu.shared_capacity = 2;  // 8 ranks on 2 cores' worth
+    }
+    const int64_t tokens = impl.mpi_sends ? 1 << 16 : 1 << 20;
+    const PlanResult full = plan_layouts(cfg, tokens, cl, space, impl);
     space.exact_top = K;
-    const PlanResult bounded = plan_layouts(cfg, 1 << 20, cl, space, Implementation{});
+    const PlanResult bounded = plan_layouts(cfg, tokens, cl, space, impl);
     REQUIRE((int)full.ranked.size() > 2 * K);  // enough slower layouts to leave untimed
     CHECK(bounded.ranked.size() < full.ranked.size());
     REQUIRE((int)bounded.ranked.size() >= K);
