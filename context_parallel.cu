@@ -354,6 +354,7 @@ std::unique_ptr<StepMeter> ContextParallelAttention::meter(Comm& comm) const {
           comm, std::string(cp_balance_name(cp.balance)) + " split, " + cp_comm_name(cp.mode),
           work.blocks, work.pairs, work.seconds, steps);
     }
+    bool answers(Report r) const override { return r == Report::Balance; }
     Comm& comm;
     const ContextParallelAttention& ring;
     CpWork work;

@@ -426,6 +426,7 @@ std::unique_ptr<StepMeter> tensor_parallel_meter(Comm& comm, const ModelConfig& 
       if (r == Report::Comm && comm.grid.prints())
         print_tp_comm_report(expected, grad_acc, comm.tp.size, sp, total(), steps());
     }
+    bool answers(Report r) const override { return r == Report::Comm; }
     Comm& comm;
     TpTraffic expected;
     int grad_acc;

@@ -573,6 +573,7 @@ static void register_meters(Trainer& t) {
     t.roofline = roofline.get();
     t.meters.add(std::move(roofline));
   }
+  all_or_none(comm, [&t] { check_reports_answered(t.o, t.meters); });
 }
 
 // The training steps this run takes: [first_step, run_end); --steps 0 takes none.

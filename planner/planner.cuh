@@ -8,6 +8,7 @@
 // book's appendix A3, and the compute the book's FLOP count. tools/plan.cu is the command line.
 #pragma once
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -91,6 +92,9 @@ GpuProfile gpu_profile(const std::string& name);  // h100, h200, a100, cpu; else
 void apply_comm_fit(GpuProfile& gpu, const std::string& path);
 std::vector<std::string> gpu_profile_names();
 double peak_flops(const GpuProfile& gpu, Precision p);
+// Throws UsageError naming --dtype and the profiles that have one, when `gpu` has no peak for
+// `p` (fp8 on an A100): no step in it can be priced. ./train and ./plan refuse it in these words.
+void require_peak(const GpuProfile& gpu, Precision p);
 
 struct Cluster {
   int nodes = 1, gpus_per_node = 8;
@@ -177,14 +181,17 @@ struct StepTime {
   std::map<std::string, double> exposed;  // per group (tp, cp, pp, dp): communication not hidden
   double step = 0;
   double tokens_per_s_per_gpu = 0, mfu = 0;
+  bool timed = true;  // false: past predict_time's `above` without its bubble, not simulated
   double exposed_total() const;
 };
 // The step of `l` on `cluster`; `model_flops_per_token` is the FLOP count MFU divides (the
-// book's 6N + 12 L h s, N the parameters a token meets: active_parameter_count). Without
-// `bubble` the pipeline is taken to idle never (its ranks busy end to end, no simulation): a
-// lower bound on the step, which the search uses to skip layouts that cannot rank.
+// book's 6N + 12 L h s, N the parameters a token meets: active_parameter_count). A step whose
+// lower bound (its pipeline idle never: its ranks busy end to end) is already past `above`
+// seconds is not simulated: `timed` false, `step` that bound (the search skips a layout that
+// cannot rank so).
 StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cluster,
-                      const Implementation& impl, bool bubble = true);
+                      const Implementation& impl,
+                      double above = std::numeric_limits<double>::infinity());
 double book_flops_per_token(const ModelConfig& cfg);
 
 // ----------------------------------------------------------------------------
@@ -303,6 +310,7 @@ class RooflineMeter : public StepMeter {
   void begin(StepPart p, int64_t step) override;
   void end(StepPart p) override;
   void report(Report r) override;
+  bool answers(Report r) const override { return r == Report::Roofline; }
   // The last step's seconds: on the meta device the prediction, elsewhere `measured`.
   double step_seconds(double measured) const;
 

@@ -206,6 +206,19 @@ double peak_flops(const GpuProfile& g, Precision p) {
   return 0;
 }
 
+void require_peak(const GpuProfile& g, Precision p) {
+  if (peak_flops(g, p) > 0) return;
+  std::vector<std::string> have;
+  for (const std::string& n : gpu_profile_names())
+    if (n != "cpu" && peak_flops(gpu_profile(n), p) > 0) have.push_back(n);
+  std::string pick;
+  for (size_t i = 0; i < have.size(); i++)
+    pick += (i == 0 ? "" : i + 1 == have.size() ? " or " : ", ") + have[i];
+  const std::string format = precision_name(p);
+  throw UsageError("--dtype " + format + ": the " + g.name + " profile has no " + format +
+                   " peak to price a step at; pick --gpu " + pick + ", or another --dtype");
+}
+
 // MFU's peak: the format's, fp8 counted against bf16 (its attention and the rest run in bf16).
 double mfu_peak(const GpuProfile& g, Precision p) {
   return p == Precision::FP32 ? g.peak_fp32 : g.peak_bf16;
@@ -286,11 +299,7 @@ DevicePeak device_peak(const Context& ctx, Precision p, const std::string& profi
   DevicePeak d;
   if (ctx.device == Device::Meta || !profile.empty()) {  // priced on a profile, not measured
     GpuProfile g = run_profile(ctx, profile);
-    if (g.name != "cpu" && peak_flops(g, p) <= 0)
-      throw UsageError(std::string("--dtype ") + precision_name(p) + " on the " + g.name +
-                       " profile (--gpu" + (profile.empty() ? "'s default" : " " + profile) +
-                       "): that GPU has no " + precision_name(p) +
-                       " tensor cores; pick --gpu h100 or h200, or --dtype bf16");
+    if (g.name != "cpu") require_peak(g, p);  // CPU ranks are priced at their fp32 rate
     d.flops = g.name == "cpu" ? g.peak_fp32 : mfu_peak(g, p);
     d.how = "the " + g.name + " profile's " +
             (g.name == "cpu"

@@ -167,12 +167,13 @@ PlanResult plan_layouts(const ModelConfig& cfg, int64_t global_tokens, const Clu
     if (cand.memory.total() > cl.gpu.memory)
       return reject("does not fit in " + human_bytes(cl.gpu.memory), l);
     // Slower without a bubble than the exact_top fastest timed so far: it cannot rank.
-    if (keep > 0 && fastest.size() == keep &&
-        predict_time(c, l, cl, impl, false).step > fastest.top()) {
+    const bool full = keep > 0 && fastest.size() == keep;
+    cand.time = predict_time(c, l, cl, impl,
+                             full ? fastest.top() : std::numeric_limits<double>::infinity());
+    if (!cand.time.timed) {
       if (untimed++ == 0) first_untimed = l;
       return;
     }
-    cand.time = predict_time(c, l, cl, impl);
     if (keep > 0) {
       fastest.push(cand.time.step);
       if (fastest.size() > keep) fastest.pop();

@@ -111,7 +111,7 @@ double book_flops_per_token(const ModelConfig& cfg) {
 }
 
 StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl,
-                      const Implementation& impl, bool bubble) {
+                      const Implementation& impl, double above) {
   const GpuProfile& gpu = cl.gpu;
   const LocalDims L = local_dims(cfg, 0, l.tp);
   const int m = l.grad_acc, p = l.pp, V = l.virtual_stages;
@@ -222,33 +222,18 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
   double t_f = stage_fwd / ops + comm_op, t_b = stage_bwd / ops + comm_op, t_w = 0;
   if (split) t_w = stage_weights / ops, t_b -= t_w;
   const double busy = m * (stage_fwd + stage_bwd + stage_tp + stage_cp + stage_p2p + stage_ep);
-  double makespan = busy;
+  // Without a bubble: the ranks busy end to end, and on CPU ranks a rank's sends left out (they
+  // move inside MPI, while it waits). A lower bound on the makespan, at most at full speed.
+  const double unbubbled = impl.mpi_sends ? busy - m * stage_p2p : busy;
   // CPU ranks: the node's cores' worth (bench_comm's measure, else a core per rank) shared
   // evenly by its ranks; the optimizer's pass, which every rank runs at once, at that share too.
   const double node_ranks = world_ranks_per_node(l, cl);
   const double node_cores = gpu.shared_capacity > 0 ? gpu.shared_capacity : node_ranks;
   const double host_share = impl.mpi_sends ? std::max(1.0, node_ranks / node_cores) : 1.0;
-  if (impl.mpi_sends && bubble) {
-    // A pipeline stage's tp and cp ranks move in step. Each op is its compute plus blocking
-    // collectives, the sends moving only inside MPI (HostRanks).
-    const double work_w = split ? stage_weights / ops : 0;
-    const PipelineCosts host_costs{stage_fwd / ops, stage_bwd / ops - work_w, work_w,
-                                   (stage_tp + stage_cp + stage_ep) / ops / 2};
-    PipelineTiming host = simulate_pipeline(p * V > 1 ? l.schedule : PpSchedule::OneFOneB, p, m, V,
-                                            host_costs, HostRanks{node_cores * p / node_ranks});
-    makespan = host.complete ? host.makespan : std::numeric_limits<double>::infinity();
-  } else if (p > 1 && bubble) {
-    makespan = pipeline_timing(l.schedule, p, m, V, t_f, t_b, t_w).makespan;
-  } else if (impl.mpi_sends) {
-    // The bound on CPU ranks: a rank's own ops, its sends left out (they move inside MPI, while
-    // it waits), at most at full speed.
-    makespan = busy - m * stage_p2p;
-  }
 
   StepTime st;
   st.compute = m * (stage_fwd + stage_bwd);
   st.recompute = m * stage_recompute;
-  st.bubble = std::max(0.0, makespan - busy);
   st.exposed["tp"] = m * stage_tp;
   st.exposed["cp"] = m * stage_cp;
   st.exposed["pp"] = m * stage_p2p;
@@ -326,6 +311,21 @@ StepTime predict_time(const ModelConfig& cfg, const Layout& l, const Cluster& cl
   }
   st.exposed["dp"] = dp_exposed;
   st.optimizer = opt * host_share;
+  double makespan = unbubbled;
+  st.timed = unbubbled + dp_exposed + st.optimizer <= above;
+  if (st.timed && impl.mpi_sends) {
+    // A pipeline stage's tp and cp ranks move in step. Each op is its compute plus blocking
+    // collectives, the sends moving only inside MPI (HostRanks).
+    const double work_w = split ? stage_weights / ops : 0;
+    const PipelineCosts host_costs{stage_fwd / ops, stage_bwd / ops - work_w, work_w,
+                                   (stage_tp + stage_cp + stage_ep) / ops / 2};
+    PipelineTiming host = simulate_pipeline(p * V > 1 ? l.schedule : PpSchedule::OneFOneB, p, m, V,
+                                            host_costs, HostRanks{node_cores * p / node_ranks});
+    makespan = host.complete ? host.makespan : std::numeric_limits<double>::infinity();
+  } else if (st.timed && p > 1) {
+    makespan = pipeline_timing(l.schedule, p, m, V, t_f, t_b, t_w).makespan;
+  }
+  st.bubble = std::max(0.0, makespan - busy);
   st.step = makespan + dp_exposed + st.optimizer;
   const double tokens = (double)l.dp * l.mbs * l.grad_acc * cfg.seq;
   const int world = l.world();

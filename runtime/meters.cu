@@ -14,6 +14,7 @@ void StepMeters::add(Report r, std::function<void()> print) {
     void report(Report asked) override {
       if (asked == which) print();
     }
+    bool answers(Report r) const override { return r == which; }
   };
   auto p = std::make_unique<Printer>();
   p->which = r, p->print = std::move(print);
@@ -31,6 +32,10 @@ void StepMeters::log(StepLog& log) {
 void StepMeters::report(const std::vector<Report>& asked) {
   for (Report r : asked)
     for (auto& m : meters_) m->report(r);
+}
+
+bool StepMeters::answers(Report r) const {
+  return std::any_of(meters_.begin(), meters_.end(), [r](auto& m) { return m->answers(r); });
 }
 
 void GroupTraffic::begin(StepPart p, int64_t) {

@@ -39,6 +39,9 @@ class StepMeter {
   // At the end of the run, once per report asked, in the order asked; every rank calls it
   // (collective reports gather to rank 0, which prints).
   virtual void report(Report) {}
+  // Whether report(r) prints a part of this run's: a report no meter answers is refused before
+  // the first step (--report balance without a ring, say), rather than printing nothing.
+  virtual bool answers(Report) const { return false; }
 };
 
 // The meters of a run, in the order they were registered: each report prints its meters' parts
@@ -51,6 +54,7 @@ class StepMeters {
   void end(StepPart part);
   void log(StepLog& log);
   void report(const std::vector<Report>& asked);
+  bool answers(Report r) const;  // does any meter?
 
  private:
   std::vector<std::unique_ptr<StepMeter>> meters_;
@@ -83,6 +87,7 @@ class HostSyncs : public StepMeter {
   void begin(StepPart p, int64_t step) override;
   void end(StepPart p) override;
   void report(Report r) override;
+  bool answers(Report r) const override { return r == Report::Sync; }
 
  private:
   Observer& observer_;

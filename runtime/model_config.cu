@@ -73,6 +73,20 @@ std::vector<std::string> model_preset_names() {
           "gpt-1b",   "gpt-3b",    "gpt-8b",  "gpt-70b",     "mixtral-8x7b"};
 }
 
+void check_mixture_flags(const ModelConfig& m, bool top_k_given, bool aux_loss_coef_given) {
+  if (m.experts > 0) return;
+  auto refuse = [](const std::string& flag, const std::string& does) {
+    throw UsageError(flag + " " + does +
+                     ", and this model has no experts: add --experts N, or drop " +
+                     flag.substr(0, flag.find(' ')));
+  };
+  if (top_k_given) refuse("--top-k " + std::to_string(m.top_k), "routes tokens to experts");
+  char coef[32];
+  snprintf(coef, sizeof coef, "%g", m.aux_loss_coef);  // as the user typed it
+  if (aux_loss_coef_given)
+    refuse(std::string("--aux-loss-coef ") + coef, "weighs a mixture's load-balancing loss");
+}
+
 void validate_model_config(const ModelConfig& c) {
   if (!(c.dropout >= 0.0f && c.dropout < 1.0f)) {
     char value[32];

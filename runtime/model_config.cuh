@@ -48,6 +48,9 @@ struct ModelConfig {
 ModelConfig model_preset(const std::string& name);  // tiny, medium, smollm-135m, llama-1b
 std::vector<std::string> model_preset_names();
 void validate_model_config(const ModelConfig& cfg);  // throws UsageError naming the flag
+// A mixture's flags given for a model without experts (--top-k, --aux-loss-coef): UsageError
+// naming the flag and the fix, in the same words for ./train and ./plan.
+void check_mixture_flags(const ModelConfig& m, bool top_k_given, bool aux_loss_coef_given);
 // Closed form: V*D [embed] + L*(2D + D*hd*(2Hq + 2Hkv) + 3*D*F) + D + (tied ? 0 : V*D), the
 // MLP's 3DF being E(3DF) + DE (the experts and the router) under a mixture of experts, 2DF
 // with GeLU; each norm's D being 2D with LayerNorm (its bias)

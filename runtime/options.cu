@@ -88,6 +88,20 @@ static const std::vector<Choice<Report>> kReports = {
     {"sync", Report::Sync},        {"balance", Report::Balance}, {"experts", Report::Experts},
     {"roofline", Report::Roofline}};
 
+void check_reports_answered(const RunOptions& o, const StepMeters& meters) {
+  for (Report r : o.reports) {
+    if (meters.answers(r)) continue;
+    const std::string why =
+        r == Report::Balance ? ": it measures the ring attention's work per cp rank, and this run "
+                               "has no ring; add --cp 2 or more"
+        : r == Report::Experts
+            ? ": it measures a mixture's routing, and this model has no experts; add --experts N"
+            : ": no part of this run measures it";
+    throw UsageError(std::string("--report ") + choice_name(kReports, r) + why +
+                     ", or leave it out of --report");
+  }
+}
+
 bool RunOptions::reports_on(Report r) const {
   return std::find(reports.begin(), reports.end(), r) != reports.end();
 }
@@ -373,14 +387,7 @@ static void resolve_model(RunOptions& o) {
                      ": the checkpoint's config.json decides whether its weights are tied; drop "
                      "the flag");
   check_model_limits(o);
-  if (o.given("--top-k") && o.model.experts == 0)
-    throw UsageError("--top-k " + std::to_string(o.model.top_k) +
-                     " routes tokens to experts, and this model has none: add --experts N, or "
-                     "drop --top-k");
-  if (o.given("--aux-loss-coef") && o.model.experts == 0)
-    throw UsageError("--aux-loss-coef " + num(o.model.aux_loss_coef) +
-                     " weighs a mixture's load-balancing loss, and this model has no experts: add "
-                     "--experts N, or drop --aux-loss-coef");
+  check_mixture_flags(o.model, o.given("--top-k"), o.given("--aux-loss-coef"));
   validate_model_config(o.model);
   if (parameter_count_unbounded(o.model) > kMaxParameters)
     throw UsageError(std::string(o.load.empty()

@@ -166,6 +166,9 @@ std::string parse_error_text(const CLI::ParseError& e);
 // overwrite an input or another output; `world` ranks for --fault. Throws UsageError naming the
 // flag and the fix.
 void resolve_run_options(RunOptions& o, int world);
+// Once the run's meters are registered: UsageError naming a --report that none of them answers
+// (balance without context parallelism, experts without a mixture) and what it needs.
+void check_reports_answered(const RunOptions& o, const StepMeters& meters);
 // Throws UsageError naming both flags when an output (--save's files, --save-grads,
 // --log-json, --trace) is an input (--data, --score, the files --load reads) or another output,
 // symlinks followed: the same everywhere a path is, before anything is read or written.

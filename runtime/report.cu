@@ -483,6 +483,9 @@ class ExpertMeter : public StepMeter {
                           cfg_.layers, cfg_.experts, stats_, steps);
     }
   }
+  bool answers(Report r) const override {
+    return r == Report::Memory || r == Report::Experts || (r == Report::Comm && comm_.ep.size > 1);
+  }
 
  private:
   Comm& comm_;

@@ -204,8 +204,14 @@ TEST_CASE("bad values are refused with exit code 2, the flag and the fix", "[saf
   // experts to route to.
   expect_refused("--seed -1", {"--seed", "a whole number from 0"});
   expect_refused("--lr ''", {"--lr", "an empty value; give a number"});
-  expect_refused("--top-k 2", {"--top-k 2", "has none"});
+  expect_refused("--top-k 2", {"--top-k 2", "this model has no experts: add --experts N"});
   expect_refused("--aux-loss-coef 0.5", {"--aux-loss-coef 0.5", "no experts"});
+  expect_refused("--data /proc/self/status", {"--data /proc/self/status: its size reads as 0"});
+  // A report no part of the run measures: it printed nothing, and said nothing.
+  expect_refused("--report comm,experts",
+                 {"--report experts: it measures a mixture's routing", "add --experts N"});
+  expect_refused("--report balance",
+                 {"--report balance: it measures the ring attention's work", "add --cp 2 or more"});
   // A number CLI11 cannot convert is named in the project's words, and an empty profile name
   // is no default.
   expect_refused("--val-seqs 99999999999",
@@ -214,7 +220,7 @@ TEST_CASE("bad values are refused with exit code 2, the flag and the fix", "[saf
   expect_refused("--gpu ''", {"--gpu '': an empty profile name"});
   // A format the profile prices at no peak (the A100 has no fp8 tensor cores): MFU 0% before.
   expect_refused("--device meta --dtype fp8 --gpu a100",
-                 {"--dtype fp8 on the a100 profile", "no fp8 tensor cores"});
+                 {"--dtype fp8: the a100 profile has no fp8 peak", "pick --gpu h100 or h200"});
   expect_refused("--load x --score y --steps 5", {"--steps would be ignored"});
   expect_refused("--load x --score y --save z", {"--save would be ignored"});
   // Sizes are checked against this rank's memory before anything is allocated.

@@ -398,10 +398,7 @@ int main(int argc, char** argv) {
                                 {top_k, &ModelConfig::top_k}})
       if (value > 0) cfg.*field = value;  // given: checked above to be >= 1
     if (app.count("--experts")) cfg.experts = experts;
-    if (app.count("--top-k") && cfg.experts == 0)
-      throw UsageError("--top-k " + std::to_string(top_k) +
-                       " routes tokens to experts, and this model has none: add --experts N, or "
-                       "drop --top-k");
+    check_mixture_flags(cfg, app.count("--top-k") > 0, false);
     if (tie && untie)
       throw UsageError("--tie-embeddings and --untie-embeddings contradict each other: keep one");
     if (tie) cfg.tie_embeddings = true;
@@ -425,15 +422,9 @@ int main(int argc, char** argv) {
     for (const std::string& d : split("--dtype", dtypes))
       space.precisions.push_back(parse_precision(d));
     // A format the profile has no peak for is no layout's (searched among others, it is skipped).
-    auto priced = [&](Precision p) { return peak_flops(gpu, p) > 0; };
-    auto unpriced = [&](const std::string& formats) {
-      return UsageError("--dtype " + formats + ": the " + gpu.name + " profile has no peak for " +
-                        (formats.find(',') == std::string::npos ? "it" : "any of them") +
-                        " to price a step at; pick a --gpu that has (fp8: h100 or h200), or "
-                        "another --dtype");
-    };
-    if (std::none_of(space.precisions.begin(), space.precisions.end(), priced))
-      throw unpriced(dtypes);
+    if (std::none_of(space.precisions.begin(), space.precisions.end(),
+                     [&](Precision p) { return peak_flops(gpu, p) > 0; }))
+      require_peak(gpu, space.precisions.front());
     space.residuals.clear();
     for (const std::string& r : split("--residual-dtype", residuals))
       space.residuals.push_back(parse_choice("--residual-dtype", r, residual_choices()));
@@ -453,7 +444,7 @@ int main(int argc, char** argv) {
     if (campaign_space_flag) space = campaign_space(), impl = campaign_implementation();
     if (!one_layout.empty()) {  // one layout: its memory and time, whether or not it fits
       Layout l = parse_layout(one_layout);
-      if (!priced(l.precision)) throw unpriced(precision_name(l.precision));
+      require_peak(gpu, l.precision);
       if (l.world() != cl.world())
         throw UsageError("--layout has " + std::to_string(l.world()) +
                          " ranks (dp x tp x pp x cp), "
