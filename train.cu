@@ -64,7 +64,7 @@ static void add_flags(CLI::App& app, Options& o) {
   add_attention_flags(app, o);
   add_precision_flags(app, o);
   add_io_flags(app, o);
-  refuse_empty_numbers(app);
+  check_number_text(app);
 }
 
 // The same on every rank, before anything is allocated; UsageError names the flag and the fix.
@@ -783,7 +783,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForHelp&) {
     help = true;
   } catch (const CLI::ParseError& e) {
-    error = parse_error_text(e) + "\nRun ./train --help for every flag.";
+    error = std::string(e.what()) + "\nRun ./train --help for every flag.";
   } catch (const UsageError& e) {
     error = e.what();
   }

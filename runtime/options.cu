@@ -187,7 +187,30 @@ void add_run_flags(CLI::App& app, RunOptions& o) {
           ""));
 }
 
-void refuse_empty_numbers(CLI::App& app) {
+void check_number_text(CLI::App& app) {
+  const CLI::Validator whole(
+      [](std::string& s) {
+        if (s.empty()) return std::string("an empty value; give a number (see --help)");
+        errno = 0;
+        char* end = nullptr;
+        const long long v = strtoll(s.c_str(), &end, 10);
+        if (end == s.c_str() || *end) return s + " is not a whole number; give one, e.g. 4";
+        if (errno == ERANGE || v < INT_MIN || v > INT_MAX)
+          return s + " is past the whole numbers this flag holds (up to " +
+                 std::to_string(INT_MAX) + "; --help gives its range)";
+        s = std::to_string(v);  // in decimal: CLI11 would read 010 as octal
+        return std::string();
+      },
+      "");
+  const CLI::Validator real(
+      [](std::string& s) {
+        if (s.empty()) return std::string("an empty value; give a number (see --help)");
+        char* end = nullptr;
+        strtod(s.c_str(), &end);
+        return end == s.c_str() || *end ? s + " is not a number; give one, e.g. 0.5"
+                                        : std::string();
+      },
+      "");
   const CLI::Validator given(
       [](std::string& s) {
         return s.empty() ? std::string("an empty value; give a number (see --help)")
@@ -196,19 +219,13 @@ void refuse_empty_numbers(CLI::App& app) {
       "");
   for (CLI::Option* opt : app.get_options()) {
     const std::string type = opt->get_type_name();
-    if (type == "INT" || type == "UINT" || type == "FLOAT") opt->check(given);
+    // First among the flag's validators (a range check reads the text too).
+    if (type == "INT") opt->transform(whole);  // every INT flag holds an int
+    if (type == "FLOAT") opt->transform(real);
+    if (type == "UINT") opt->transform(given);  // --seed, which checks its own range
   }
   for (CLI::App* group : app.get_subcommands(std::function<bool(CLI::App*)>()))
-    refuse_empty_numbers(*group);
-}
-
-std::string parse_error_text(const CLI::ParseError& e) {
-  const std::string what = e.what(), prefix = "Could not convert: ";
-  const size_t equals = what.find(" = ");
-  if (what.rfind(prefix, 0) != 0 || equals == std::string::npos) return what;
-  return what.substr(prefix.size(), equals - prefix.size()) + " " + what.substr(equals + 3) +
-         ": not a number this flag holds (a count is a whole number up to " +
-         std::to_string(INT_MAX) + "; --help gives each flag's range)";
+    check_number_text(*group);
 }
 
 void add_io_flags(CLI::App& app, RunOptions& o) {

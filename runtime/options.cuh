@@ -155,12 +155,11 @@ void add_run_flags(CLI::App& app, RunOptions& o);
 void add_shape_flag(CLI::App& group, RunOptions& o, const std::string& flag,
                     int ModelConfig::*field, const std::string& help);
 void add_io_flags(CLI::App& app, RunOptions& o);
-// Once every flag is added: an empty number ("--lr ''") is refused naming the flag, never read
-// as 0 (an empty path or choice is refused by its own check, naming what it is).
-void refuse_empty_numbers(CLI::App& app);
-// A parse error in the project's words: CLI11's "Could not convert: --val-seqs = 99999999999"
-// becomes "--val-seqs 99999999999: not a number this flag holds ..."; others as CLI11 says them.
-std::string parse_error_text(const CLI::ParseError& e);
+// Once every flag is added: each number's text is checked before it is converted, and refused
+// naming the flag ("--val-seqs: 99999999999 is past the whole numbers this flag holds ..."): an
+// empty value (never read as 0), a count that is no whole number or past an int's range, a
+// number that is none. An empty path or choice is refused by its own check, naming what it is.
+void check_number_text(CLI::App& app);
 // After the parse: the model config (preset and flags, or the checkpoint's, checked against the
 // flags), every run flag's range, the step --load resumes at, and no output that would
 // overwrite an input or another output; `world` ranks for --fault. Throws UsageError naming the

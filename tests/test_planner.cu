@@ -252,7 +252,9 @@ TEST_CASE("./plan refuses every bad number with exit code 2 and one line naming 
       {"--gpu a100 --nodes 1 --layout \"--dp 8 --dtype fp8\"",
        "--dtype fp8: the a100 profile has no fp8 peak to price a step at; pick --gpu h100 or h200"},
       {"--json /dev/null", "--json /dev/null: /dev/null is a character device"},
-      {"--top 99999999999", "--top 99999999999: not a number this flag holds"},
+      {"--top 99999999999", "--top: 99999999999 is past the whole numbers this flag holds"},
+      {"--nodes 1 --layout \"--dp 8x\"", "--layout \"--dp 8x\": --dp: 8x is not a whole number"},
+      {"--efficiency 0.5.1", "--efficiency: 0.5.1 is not a number"},
       {"--layout ''", "--layout '': an empty layout"},
       {"--nodes 1 --layout \"--dp 8 --steps 5\"", "it takes ./train's flags that shape a step"},
   };

@@ -212,11 +212,14 @@ TEST_CASE("bad values are refused with exit code 2, the flag and the fix", "[saf
                  {"--report experts: it measures a mixture's routing", "add --experts N"});
   expect_refused("--report balance",
                  {"--report balance: it measures the ring attention's work", "add --cp 2 or more"});
-  // A number CLI11 cannot convert is named in the project's words, and an empty profile name
-  // is no default.
-  expect_refused("--val-seqs 99999999999",
-                 {"--val-seqs 99999999999: not a number this flag holds", "2147483647"});
-  expect_refused("--steps 2.5", {"--steps 2.5: not a number this flag holds"});
+  // A number's text is checked before it is converted, naming the flag; and an empty profile
+  // name is no default.
+  expect_refused(
+      "--val-seqs 99999999999",
+      {"--val-seqs: 99999999999 is past the whole numbers this flag holds", "2147483647"});
+  expect_refused("--steps 2.5", {"--steps: 2.5 is not a whole number"});
+  expect_refused("--lr 3e-4x", {"--lr: 3e-4x is not a number"});
+  expect_refused("--kv-heads 010", {"--kv-heads 10 does not divide"});  // decimal, not octal 8
   expect_refused("--gpu ''", {"--gpu '': an empty profile name"});
   // A format the profile prices at no peak (the A100 has no fp8 tensor cores): MFU 0% before.
   expect_refused("--device meta --dtype fp8 --gpu a100",

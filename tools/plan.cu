@@ -173,6 +173,7 @@ static Layout parse_layout(const std::string& flags) {
   app.add_option("--residual-dtype", residual);
   app.add_option("--recompute", recompute), app.add_option("--attention", attention);
   app.add_option("--ep", l.ep);
+  check_number_text(app);
   try {
     app.parse(flags, false);
   } catch (const CLI::ExtrasError& e) {
@@ -181,7 +182,7 @@ static Layout parse_layout(const std::string& flags) {
                      "--zero --pp-schedule --pp-virtual --mbs --grad-acc --dtype --grad-acc-dtype "
                      "--residual-dtype --recompute --attention --ep)");
   } catch (const CLI::ParseError& e) {
-    throw UsageError("--layout \"" + flags + "\": " + parse_error_text(e));
+    throw UsageError("--layout \"" + flags + "\": " + e.what());
   }
   for (auto [flag, value] : {std::pair<const char*, int>{"--dp", l.dp},
                              {"--tp", l.tp},
@@ -297,7 +298,7 @@ int main(int argc, char** argv) {
   app.add_option(
       "--campaign", campaign_file,
       "judge the planner against the book's campaign table (tests/data/book_campaign.csv)");
-  refuse_empty_numbers(app);
+  check_number_text(app);
   try {
     app.parse(argc, argv);
     if (app.count("--json") && json_file.empty())
@@ -494,7 +495,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForHelp&) {
     std::cout << app.help();
   } catch (const CLI::ParseError& e) {
-    fprintf(stderr, "error: %s\nRun ./plan --help for every flag.\n", parse_error_text(e).c_str());
+    fprintf(stderr, "error: %s\nRun ./plan --help for every flag.\n", e.what());
     return 2;
   } catch (const UsageError& e) {
     fprintf(stderr, "error: %s\n", e.what());
