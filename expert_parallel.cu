@@ -93,12 +93,13 @@ Routing route_tokens(const std::vector<float>& logits, int N, int E, int k, int6
   r.tokens = N, r.experts = E, r.k = k;
   r.probs.resize((size_t)N * E), r.choice.resize((size_t)N * k), r.weight.resize((size_t)N * k);
   r.kept.assign((size_t)N * k, 1), r.routed.assign(E, 0), r.rows_per_expert.assign(E, 0);
+  std::vector<double> ez(E);  // exp(z - max), each taken once
   for (int t = 0; t < N; t++) {
     const float* z = &logits[(size_t)t * E];
     float* p = &r.probs[(size_t)t * E];
     double mx = *std::max_element(z, z + E), sum = 0;
-    for (int e = 0; e < E; e++) sum += std::exp((double)z[e] - mx);
-    for (int e = 0; e < E; e++) p[e] = (float)(std::exp((double)z[e] - mx) / sum);
+    for (int e = 0; e < E; e++) sum += ez[e] = std::exp((double)z[e] - mx);
+    for (int e = 0; e < E; e++) p[e] = (float)(ez[e] / sum);
     // The k largest, best first; a tie goes to the lower expert index.
     int32_t* chosen = &r.choice[(size_t)t * k];
     for (int j = 0; j < k; j++) {

@@ -805,7 +805,7 @@ int main(int argc, char** argv) {
     }
     // The precision policy (mixed_precision.cuh): refused here, on every rank, before any step.
     PrecisionPolicy precision = make_precision_policy(o, device);
-    validate_head_dim(o.model.head_dim(), o.attention == AttentionKind::Flash, device);
+    validate_head_dim(o.model.head_dim(), o.attention == AttentionKind::Flash, device, o.gpu);
     validate_data_parallel(o, precision.grads());
     check_fault_fires(o.fault, o.app->get_option("--fault")->as<std::string>(),
                       fault_places(o, world, precision));

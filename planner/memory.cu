@@ -77,8 +77,9 @@ std::string Layout::flags() const {
   return s;
 }
 
-void validate_layout(const ModelConfig& cfg, const Layout& l) {
+void validate_layout(const ModelConfig& cfg, const Layout& l, const std::string& gpu) {
   validate_model_config(cfg);
+  validate_head_dim(cfg.head_dim(), l.attention == AttentionKind::Flash, Device::Meta, gpu);
   validate_tensor_parallel(cfg, l.tp, l.sp);
   validate_context_parallel(cfg.seq, l.cp, CpBalance::Zigzag, l.attention == AttentionKind::Flash,
                             l.tp, l.sp, 0);

@@ -140,8 +140,8 @@ struct Layout {
   std::string flags() const;  // the ./train flags that run it
 };
 // Throws UsageError naming the rule (the same checks ./train makes) when picoscale cannot run
-// `l` for this model.
-void validate_layout(const ModelConfig& cfg, const Layout& l);
+// `l` for this model on the GPUs of profile `gpu` (their kernels' head dims: validate_head_dim).
+void validate_layout(const ModelConfig& cfg, const Layout& l, const std::string& gpu);
 
 // ----------------------------------------------------------------------------
 // Memory per rank (Playbook §2.4-§2.6, §4.1, §8)

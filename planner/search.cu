@@ -152,7 +152,7 @@ PlanResult plan_layouts(const ModelConfig& cfg, int64_t global_tokens, const Clu
       return reject(
           std::string("invalid: no ") + precision_name(l.precision) + " on " + cl.gpu.name, l);
     try {
-      validate_layout(c, l);
+      validate_layout(c, l, cl.gpu.name);
     } catch (const UsageError& e) {
       return reject("invalid: " + rule(e.what()), l,
                     "invalid: " + std::string(e.what()).substr(0, std::string(e.what()).find(':')));
@@ -455,7 +455,7 @@ CampaignVerdict judge_campaign_cell(const CampaignCell& cell, const GpuProfile& 
   l.grad_acc = cell.grad_acc, l.sp = cell.tp > 1, l.precision = Precision::BF16;
   ModelConfig c = layout_model(cfg, l, space);
   try {
-    validate_layout(c, l);
+    validate_layout(c, l, cl.gpu.name);
   } catch (const UsageError&) {
     return v;
   }

@@ -672,19 +672,24 @@ constexpr int kRopeMaxPairs = kRopeMaxHeadDimCuda / 2;
 struct RopeFrequencies {
   float of[kRopeMaxPairs];
 };
-void validate_head_dim(int head_dim, bool flash, Device device) {
-  if (device != Device::CUDA) return;
+void validate_head_dim(int head_dim, bool flash, Device device, const std::string& gpu) {
+  if (device == Device::CPU || (device == Device::Meta && gpu == "cpu")) return;
   const std::string hd = "head dim " + std::to_string(head_dim) +
                          " (--d-model / --heads, or a checkpoint's config.json)";
+  // Where the step would run instead: the CPU, or the meta device priced as CPU ranks.
+  const std::string elsewhere = device == Device::Meta
+                                    ? ", or --gpu cpu (--device meta prices CUDA's step on the " +
+                                          (gpu.empty() ? std::string("h100") : gpu) +
+                                          " profile, CPU ranks' on the cpu profile)"
+                                    : ", or --device cpu";
   if (head_dim > kRopeMaxHeadDimCuda)
     throw UsageError(hd + ": RoPE on CUDA takes head dims up to " +
-                     std::to_string(kRopeMaxHeadDimCuda) +
-                     "; use more --heads, or --device cpu or meta");
+                     std::to_string(kRopeMaxHeadDimCuda) + "; use more --heads" + elsewhere);
   if (flash && head_dim > kFlashMaxHeadDimCuda)
     throw UsageError(hd + ": FlashAttention's CUDA kernels take head dims up to " +
                      std::to_string(kFlashMaxHeadDimCuda) +
-                     "; use more --heads, --attention naive (one rank's whole sequences), or "
-                     "--device cpu or meta");
+                     "; use more --heads, --attention naive (one rank's whole sequences)" +
+                     elsewhere);
 }
 static std::vector<float> rope_frequencies(int hd, float theta) {
   std::vector<float> f(hd / 2);

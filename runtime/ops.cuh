@@ -72,9 +72,11 @@ void rmsnorm_backward(const Context& ctx, const Tensor& dx, const Tensor& dw, co
 // On CUDA the frequency table travels with the launch: head dims up to 256 (ops.cu). And the
 // FlashAttention kernels hold a query row in registers at widths up to 128 (the bf16 ones take
 // 16, 32, 64 and 128). validate_head_dim refuses a model past either before any step, naming
-// the flags (UsageError); `flash`: its attention is FlashAttention's. The CPU takes any.
+// the flags (UsageError); `flash`: its attention is FlashAttention's. The CPU takes any; the
+// meta device, which prices the CUDA step on a GPU's profile (`gpu`, --gpu's; the default is
+// h100's), takes what CUDA takes, and any head dim on the cpu profile.
 constexpr int kRopeMaxHeadDimCuda = 256, kFlashMaxHeadDimCuda = 128;
-void validate_head_dim(int head_dim, bool flash, Device device);
+void validate_head_dim(int head_dim, bool flash, Device device, const std::string& gpu = "");
 // x [T, H, hd] rotated in place (fp32, or bf16 / fp16 read widened and each value rounded once
 // as it is written back); positions [T] int32
 void rope_forward(const Context& ctx, const Tensor& x, const Tensor& positions, float theta);

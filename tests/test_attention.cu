@@ -953,12 +953,15 @@ TEST_CASE("CUDA FlashAttention (bf16 tensor cores) matches the CPU version on bf
 // On CUDA the fp32 FlashAttention kernels hold a query row in registers at widths up to 128 and
 // RoPE's frequency table travels with its launch (128 pairs): a model past either bound is
 // refused before any step (exit 2 naming the flags), not stopped by an assertion inside a kernel
-// launch. The CPU and the meta device take any head dim; no GPU is needed to check this.
-TEST_CASE("CUDA refuses head dims past its kernels' bounds, naming the flags; CPU and meta don't",
-          "[attention]") {
+// launch. The meta device, pricing that step on a GPU's profile, refuses the same; the CPU, and
+// the meta device priced as CPU ranks, take any head dim. No GPU is needed to check this.
+TEST_CASE(
+    "CUDA, and the meta device priced on a GPU, refuse head dims past CUDA's kernels' bounds, "
+    "naming the flags; CPU ranks don't",
+    "[attention]") {
   using K = AttentionKind;
-  auto refusal = [](K kind, int hd, Device device) {
-    return usage_error_of([&] { validate_head_dim(hd, kind == K::Flash, device); });
+  auto refusal = [](K kind, int hd, Device device, const std::string& gpu = "") {
+    return usage_error_of([&] { validate_head_dim(hd, kind == K::Flash, device, gpu); });
   };
   for (int hd : {2, 64, 128}) CHECK(refusal(K::Flash, hd, Device::CUDA).empty());
   for (int hd : {130, 256}) {
@@ -971,6 +974,15 @@ TEST_CASE("CUDA refuses head dims past its kernels' bounds, naming the flags; CP
     CHECK_THAT(refusal(kind, 258, Device::CUDA), Catch::Contains("head dim 258") &&
                                                      Catch::Contains("RoPE on CUDA") &&
                                                      Catch::Contains("up to 256"));
-  for (Device d : {Device::CPU, Device::Meta})
-    for (K kind : {K::Flash, K::Naive}) CHECK(refusal(kind, 1024, d).empty());
+  for (const std::string& gpu : {"", "h100", "a100"}) {  // "": a meta run's default profile
+    CHECK(refusal(K::Flash, 128, Device::Meta, gpu).empty());
+    CHECK(refusal(K::Naive, 256, Device::Meta, gpu).empty());
+    CHECK_THAT(refusal(K::Flash, 256, Device::Meta, gpu),
+               Catch::Contains("up to 128") && Catch::Contains("or --gpu cpu") &&
+                   Catch::Contains((gpu.empty() ? "h100" : gpu) + " profile"));
+  }
+  for (K kind : {K::Flash, K::Naive}) {
+    CHECK(refusal(kind, 1024, Device::CPU).empty());
+    CHECK(refusal(kind, 1024, Device::Meta, "cpu").empty());
+  }
 }

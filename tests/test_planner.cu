@@ -256,6 +256,9 @@ TEST_CASE("./plan refuses every bad number with exit code 2 and one line naming 
       {"--nodes 1 --layout \"--dp 8x\"", "--layout \"--dp 8x\": --dp: 8x is not a whole number"},
       {"--efficiency 0.5.1", "--efficiency: 0.5.1 is not a number"},
       {"--layout ''", "--layout '': an empty layout"},
+      // A head dim CUDA's FlashAttention kernels do not take, on a GPU's profile.
+      {"--nodes 1 --d-model 4096 --heads 16 --kv-heads 4 --layout \"--dp 8\"",
+       "head dim 256 (--d-model / --heads"},
       {"--nodes 1 --layout \"--dp 8 --steps 5\"", "it takes ./train's flags that shape a step"},
   };
   for (const auto& [flags, says] : cases) {
@@ -317,7 +320,7 @@ void require_memory_predicted(const ModelConfig& c, const std::string& base,
   Implementation impl;
   impl.mpi_sends = true;  // CPU ranks: the pipeline's sends stay alive until the step ends
   for (const Layout& l : layouts) {
-    validate_layout(c, l);
+    validate_layout(c, l, "cpu");
     RunResult r = run_train(base + l.flags(), l.world() > 1 ? l.world() : 0);
     INFO(l.str() << "\n" << r.output);
     REQUIRE(r.code == 0);

@@ -451,7 +451,7 @@ int main(int argc, char** argv) {
                          " ranks (dp x tp x pp x cp), "
                          "the cluster " +
                          std::to_string(cl.world()) + ": set --nodes and --gpus-per-node to match");
-      validate_layout(cfg, l);
+      validate_layout(cfg, l, gpu.name);
       Candidate c;
       c.layout = l;
       c.memory = predict_memory(cfg, l, impl);
