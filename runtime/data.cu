@@ -83,12 +83,6 @@ static std::vector<int32_t> read_token_file(const std::string& path, const std::
   int64_t count = size;
   FILE* f = fopen(path.c_str(), "rb");
   if (!f) throw UsageError(what + ": cannot open: " + strerror(errno));
-  if (size == 0 && fgetc(f) != EOF) {  // its bytes made as it is read: no size, maybe no agreement
-    fclose(f);
-    throw UsageError(what +
-                     ": its size reads as 0, yet it has bytes (a file the kernel writes as " +
-                     "it is read, as under /proc or /sys); copy it to a regular file first");
-  }
   if (shard) {
     if (size < kShardHeaderBytes) {
       fclose(f);

@@ -1,6 +1,8 @@
 // inputs.cu: input files checked before they are opened, and checksummed whole (inputs.cuh).
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -18,6 +20,11 @@ std::string input_file_problem(const std::string& path) {
   struct stat st;
   if (stat(path.c_str(), &st) != 0)  // follows symlinks, opens nothing
     return errno == ENOENT ? "not found" : std::string("cannot be read: ") + strerror(errno);
+  struct statfs on;
+  if (S_ISREG(st.st_mode) && statfs(path.c_str(), &on) == 0 &&
+      (on.f_type == PROC_SUPER_MAGIC || on.f_type == SYSFS_MAGIC))
+    return "a kernel file of /proc or /sys (its bytes are made as it is read: its size is not "
+           "theirs, and two ranks may read two different ones)";
   if (S_ISREG(st.st_mode)) return "";
   if (S_ISFIFO(st.st_mode)) return "a FIFO (named pipe)";
   if (S_ISDIR(st.st_mode)) return "a directory";

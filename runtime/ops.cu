@@ -676,12 +676,12 @@ void validate_head_dim(int head_dim, bool flash, Device device, const std::strin
   if (device == Device::CPU || (device == Device::Meta && gpu == "cpu")) return;
   const std::string hd = "head dim " + std::to_string(head_dim) +
                          " (--d-model / --heads, or a checkpoint's config.json)";
-  // Where the step would run instead: the CPU, or the meta device priced as CPU ranks.
-  const std::string elsewhere = device == Device::Meta
-                                    ? ", or --gpu cpu (--device meta prices CUDA's step on the " +
-                                          (gpu.empty() ? std::string("h100") : gpu) +
-                                          " profile, CPU ranks' on the cpu profile)"
-                                    : ", or --device cpu";
+  // Where the step would run instead: the CPU, or priced as CPU ranks (./train --device meta,
+  // ./plan).
+  const std::string elsewhere =
+      device == Device::Meta ? ", or --gpu cpu (the " + (gpu.empty() ? std::string("h100") : gpu) +
+                                   " profile prices CUDA's step, the cpu profile CPU ranks')"
+                             : ", or --device cpu";
   if (head_dim > kRopeMaxHeadDimCuda)
     throw UsageError(hd + ": RoPE on CUDA takes head dims up to " +
                      std::to_string(kRopeMaxHeadDimCuda) + "; use more --heads" + elsewhere);

@@ -174,55 +174,47 @@ void add_run_flags(CLI::App& app, RunOptions& o) {
       ->capture_default_str();
   steps.add_option("--grad-clip", o.grad_clip, "clip the global gradient norm (0: off)")
       ->capture_default_str();
+  // A uint64_t: not a wrapped "-1" nor a saturated 2^64 (check_number_text).
   steps.add_option("--seed", o.seed, "seed of initialisation, data order and sampling")
-      ->capture_default_str()
-      ->check(CLI::Validator(
-          [](std::string& s) {  // not a wrapped "-1" nor a saturated 2^64
-            errno = 0;
-            const bool digits = !s.empty() && s.find_first_not_of("0123456789") == s.npos;
-            if (digits) (void)strtoull(s.c_str(), nullptr, 10);
-            return digits && errno == 0 ? std::string()
-                                        : "a whole number from 0 to 18446744073709551615";
-          },
-          ""));
+      ->capture_default_str();
+}
+
+// A whole number in decimal between lo and hi, rewritten as such (CLI11 would read 010 as octal):
+// the flag's text if it is one, else why not.
+static std::string whole_number(std::string& s, long double lo, long double hi) {
+  if (s.empty()) return "an empty value; give a number (see --help)";
+  const size_t sign = s[0] == '+' || s[0] == '-';
+  char range[64];
+  snprintf(range, sizeof range, "from %.0Lf to %.0Lf", lo, hi);
+  if (s.size() == sign || s.find_first_not_of("0123456789", sign) != std::string::npos)
+    return s + " is not a whole number; give one " + range;
+  const long double v = strtold(s.c_str(), nullptr);  // exact to 2^64
+  if (v < lo || v > hi) return s + " is past the whole numbers this flag holds, " + range;
+  s = v < 0 ? std::to_string((long long)v) : std::to_string((unsigned long long)v);
+  return "";
 }
 
 void check_number_text(CLI::App& app) {
-  const CLI::Validator whole(
-      [](std::string& s) {
-        if (s.empty()) return std::string("an empty value; give a number (see --help)");
-        errno = 0;
-        char* end = nullptr;
-        const long long v = strtoll(s.c_str(), &end, 10);
-        if (end == s.c_str() || *end) return s + " is not a whole number; give one, e.g. 4";
-        if (errno == ERANGE || v < INT_MIN || v > INT_MAX)
-          return s + " is past the whole numbers this flag holds (up to " +
-                 std::to_string(INT_MAX) + "; --help gives its range)";
-        s = std::to_string(v);  // in decimal: CLI11 would read 010 as octal
-        return std::string();
-      },
-      "");
+  const CLI::Validator whole([](std::string& s) { return whole_number(s, INT_MIN, INT_MAX); }, "");
+  const CLI::Validator unsigned_whole(
+      [](std::string& s) { return whole_number(s, 0, (long double)UINT64_MAX); }, "");
   const CLI::Validator real(
       [](std::string& s) {
         if (s.empty()) return std::string("an empty value; give a number (see --help)");
         char* end = nullptr;
-        strtod(s.c_str(), &end);
-        return end == s.c_str() || *end ? s + " is not a number; give one, e.g. 0.5"
-                                        : std::string();
-      },
-      "");
-  const CLI::Validator given(
-      [](std::string& s) {
-        return s.empty() ? std::string("an empty value; give a number (see --help)")
-                         : std::string();
+        errno = 0;
+        const double v = strtod(s.c_str(), &end);
+        if (end == s.c_str() || *end) return s + " is not a number; give one, e.g. 0.5";
+        if (errno == ERANGE && std::isinf(v)) return s + " is past the largest number (1.8e308)";
+        return std::string();
       },
       "");
   for (CLI::Option* opt : app.get_options()) {
     const std::string type = opt->get_type_name();
     // First among the flag's validators (a range check reads the text too).
-    if (type == "INT") opt->transform(whole);  // every INT flag holds an int
+    if (type == "INT") opt->transform(whole);            // every INT flag holds an int
+    if (type == "UINT") opt->transform(unsigned_whole);  // --seed, a uint64_t
     if (type == "FLOAT") opt->transform(real);
-    if (type == "UINT") opt->transform(given);  // --seed, which checks its own range
   }
   for (CLI::App* group : app.get_subcommands(std::function<bool(CLI::App*)>()))
     check_number_text(*group);
@@ -475,7 +467,7 @@ void resolve_run_options(RunOptions& o, int world) {
           "--stop-after", "--save-grads", "--log-json",   "--trace",     "--sample",
           "--data",       "--lr",         "--min-lr",     "--warmup",    "--weight-decay",
           "--grad-clip",  "--grad-acc",   "--val-frac",   "--val-every", "--val-seqs",
-          "--no-shuffle"})
+          "--no-shuffle", "--report"})
       if (o.given(flag))
         throw UsageError(std::string("--score prints a loss and exits: ") + flag +
                          " would be ignored; drop it (train first, then score the checkpoint)");

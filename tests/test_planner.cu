@@ -259,6 +259,7 @@ TEST_CASE("./plan refuses every bad number with exit code 2 and one line naming 
       // A head dim CUDA's FlashAttention kernels do not take, on a GPU's profile.
       {"--nodes 1 --d-model 4096 --heads 16 --kv-heads 4 --layout \"--dp 8\"",
        "head dim 256 (--d-model / --heads"},
+      {"--nodes 1 --d-model 4096 --heads 16 --kv-heads 4", "head dim 256 (--d-model / --heads"},
       {"--nodes 1 --layout \"--dp 8 --steps 5\"", "it takes ./train's flags that shape a step"},
   };
   for (const auto& [flags, says] : cases) {
@@ -817,6 +818,11 @@ TEST_CASE(
   // the others, which idle that much longer: 3/11 within 1%.
   StepTime t = predict_time(c, l, cl, Implementation{});
   CHECK(t.bubble / (t.compute + t.bubble) == Approx(3.0 / 11).epsilon(0.01));
+  // Asked whether it stays under 0 s (the search's bound), it is not simulated: its step is the
+  // one without the bubble, the simulated step less its bubble (to rounding: 1e-12).
+  const StepTime bound = predict_time(c, l, cl, Implementation{}, 0);
+  CHECK((t.timed && !bound.timed && bound.bubble == 0));
+  CHECK(bound.step == Approx(t.step - t.bubble).epsilon(1e-12));
   l.schedule = PpSchedule::AFAB;  // the same idle share, more memory
   CHECK(predict_time(c, l, cl, Implementation{}).bubble / (t.compute + t.bubble) ==
         Approx(3.0 / 11).epsilon(0.01));

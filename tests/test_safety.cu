@@ -202,11 +202,12 @@ TEST_CASE("bad values are refused with exit code 2, the flag and the fix", "[saf
                  {"--d-model, --layers", "would hold", "past the 2^50"});
   // Seeds are whole numbers (not a wrapped -1), empty values are no zeros, and a top-k needs
   // experts to route to.
-  expect_refused("--seed -1", {"--seed", "a whole number from 0"});
+  expect_refused("--seed -1", {"--seed: -1 is past", "from 0 to 18446744073709551615"});
+  expect_refused("--seed 18446744073709551616", {"--seed: 18446744073709551616 is past"});
   expect_refused("--lr ''", {"--lr", "an empty value; give a number"});
   expect_refused("--top-k 2", {"--top-k 2", "this model has no experts: add --experts N"});
   expect_refused("--aux-loss-coef 0.5", {"--aux-loss-coef 0.5", "no experts"});
-  expect_refused("--data /proc/self/status", {"--data /proc/self/status: its size reads as 0"});
+  expect_refused("--data /proc/self/status", {"--data /proc/self/status: a kernel file of /proc"});
   // A report no part of the run measures: it printed nothing, and said nothing.
   expect_refused("--report comm,experts",
                  {"--report experts: it measures a mixture's routing", "add --experts N"});
@@ -226,6 +227,7 @@ TEST_CASE("bad values are refused with exit code 2, the flag and the fix", "[saf
                  {"--dtype fp8: the a100 profile has no fp8 peak", "pick --gpu h100 or h200"});
   expect_refused("--load x --score y --steps 5", {"--steps would be ignored"});
   expect_refused("--load x --score y --save z", {"--save would be ignored"});
+  expect_refused("--load x --score y --report memory", {"--report would be ignored"});
   // Sizes are checked against this rank's memory before anything is allocated.
   expect_refused("--d-model 16384 --heads 128 --kv-heads 8 --ffn 65536 --layers 64",
                  {"per rank", "host memory", "lower --mbs"});

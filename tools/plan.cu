@@ -461,6 +461,9 @@ int main(int argc, char** argv) {
       printf("predicted step: %.6f s\n", c.time.step);
       return 0;
     }
+    // The search tries FlashAttention's layouts: a head dim its CUDA kernels do not take has none
+    // (--layout prices one with --attention naive).
+    validate_head_dim(cfg.head_dim(), true, Device::Meta, gpu.name);
     PlanResult r = plan_layouts(cfg, (int64_t)batch_tokens, cl, space, impl);
     if (!r.error.empty()) {
       fprintf(stderr, "error: %s\n", r.error.c_str());
