@@ -674,8 +674,8 @@ struct RopeFrequencies {
 };
 void validate_head_dim(int head_dim, bool flash, Device device, const std::string& gpu) {
   if (device == Device::CPU || (device == Device::Meta && gpu == "cpu")) return;
-  const std::string hd = "head dim " + std::to_string(head_dim) +
-                         " (--d-model / --heads, or a checkpoint's config.json)";
+  const std::string hd = "head dim " + std::to_string(head_dim) + " (--d-model / --heads" +
+                         (device == Device::CUDA ? ", or a checkpoint's config.json)" : ")");
   // Where the step would run instead: the CPU, or priced as CPU ranks (./train --device meta,
   // ./plan).
   const std::string elsewhere =

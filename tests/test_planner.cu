@@ -259,7 +259,8 @@ TEST_CASE("./plan refuses every bad number with exit code 2 and one line naming 
       // A head dim CUDA's FlashAttention kernels do not take, on a GPU's profile.
       {"--nodes 1 --d-model 4096 --heads 16 --kv-heads 4 --layout \"--dp 8\"",
        "head dim 256 (--d-model / --heads"},
-      {"--nodes 1 --d-model 4096 --heads 16 --kv-heads 4", "head dim 256 (--d-model / --heads"},
+      {"--nodes 1 --d-model 4096 --heads 16 --kv-heads 4", "head dim 256 (--d-model / --heads)"},
+      {"--nodes 1 --nodes 0", "--nodes 0"},  // a flag given twice takes its last value
       {"--nodes 1 --layout \"--dp 8 --steps 5\"", "it takes ./train's flags that shape a step"},
   };
   for (const auto& [flags, says] : cases) {

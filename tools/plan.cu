@@ -223,6 +223,7 @@ static Layout parse_layout(const std::string& flags) {
 
 int main(int argc, char** argv) {
   CLI::App app{"plan: the best layouts for a model on a cluster (Playbook §11)"};
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);  // as ./train
   std::string model = "llama-8b", gpu_name = "h100", activations = "llama";
   std::string zero = "0,1,2,3", recompute = "none,selective,full",
               schedules = "afab,1f1b,interleaved,zb-h1", dtypes = "", residuals = "fp32";
